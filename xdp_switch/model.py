@@ -1,0 +1,152 @@
+"""The aggregator's state machine, serial and in plain Python (protocol.md sections 2-3).
+
+This is the reference the XDP program (and the P4 program) are checked against: the table-driven
+PROG_TEST_RUN tests and the concurrency test compare the kernel's verdicts and bytes with what
+this model says, packet for packet. It is also small enough to read as the specification.
+
+The model works on UDP payloads (our two headers and the int32 payload); addressing is given
+as (source address, destination port), which is how the aggregator identifies job and worker.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+import numpy as np
+
+from . import wire
+from .abi import Reason
+
+
+class Action(Enum):
+    """What the aggregator does with a packet."""
+
+    PASS = "pass"  # not ours: to the kernel untouched
+    DROP = "drop"  # consumed (aggregated, or dropped with a reason)
+    TO_ALL = "to_all"  # the result, to every worker of the job
+    TO_SENDER = "to_sender"  # the stored result, to the sender alone
+
+
+@dataclass
+class Verdict:
+    """The model's answer for one packet."""
+
+    action: Action
+    reason: Reason
+    payload: bytes | None = None  # the rewritten UDP payload, for TO_ALL and TO_SENDER
+    job_id: int | None = None
+    worker: int | None = None
+
+
+@dataclass
+class _Slot:
+    seen: list = field(default_factory=lambda: [0, 0])
+    count: list = field(default_factory=lambda: [0, 0])  # contributions in the current round
+    complete: list = field(default_factory=lambda: [False, False])
+    acc: list = field(default_factory=lambda: [None, None])
+    e0: list = field(default_factory=lambda: [0, 0])
+    e1: list = field(default_factory=lambda: [0, 0])
+
+
+@dataclass
+class ModelJob:
+    """A job as the control plane configures it."""
+
+    job_id: int
+    num_workers: int
+    elems: int
+    slot_base: int
+    slot_count: int
+
+    @property
+    def size_code(self) -> int:
+        return wire.size_code_for(self.elems)
+
+
+class ReferenceAggregator:
+    """Serial reference implementation of the aggregator (one packet at a time)."""
+
+    def __init__(self) -> None:
+        self.jobs: dict[int, ModelJob] = {}
+        self.workers: dict[tuple[str, int], tuple[int, int]] = {}
+        self.slots: dict[tuple[int, int], _Slot] = {}
+
+    def create_job(self, job_id, num_workers, elems, slot_base, slot_count) -> ModelJob:
+        """Create (or re-create) a job; its slot state starts cleared."""
+        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count)
+        self.jobs[job_id] = job
+        for g in range(slot_base, slot_base + slot_count):
+            self.slots[(job_id, g)] = _Slot()
+        return job
+
+    def delete_job(self, job_id: int) -> None:
+        self.jobs.pop(job_id, None)
+        self.workers = {k: v for k, v in self.workers.items() if v[0] != job_id}
+
+    def add_worker(self, job_id: int, index: int, addr: str, port: int = wire.UDP_PORT) -> None:
+        """Register worker `index` of a job: packets from `addr` to aggregator port `port`."""
+        self.workers[(addr, port)] = (job_id, index)
+
+    def process(self, src_addr: str, dst_port: int, payload: bytes) -> Verdict:
+        """Run one UDP payload sent from src_addr to dst_port through the state machine."""
+        if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
+            return Verdict(Action.PASS, Reason.PASS)
+        if len(payload) < wire.UDP_HDRS_LEN:
+            return Verdict(Action.DROP, Reason.DROP_TRUNCATED)
+        who = self.workers.get((src_addr, dst_port))
+        if who is None:
+            return Verdict(Action.DROP, Reason.DROP_UNKNOWN_SOURCE)
+        job_id, w = who
+        job = self.jobs.get(job_id)
+        if job is None:
+            return Verdict(Action.DROP, Reason.DROP_NO_JOB, job_id=job_id, worker=w)
+        ts = payload[0]
+        if ts >> 4 != wire.MSG_TYPE_DATA:
+            return Verdict(Action.DROP, Reason.DROP_BAD_TYPE, job_id=job_id, worker=w)
+        if ts & 7 != job.size_code:
+            return Verdict(Action.DROP, Reason.DROP_BAD_SIZE, job_id=job_id, worker=w)
+        need = wire.udp_payload_len(job.elems)
+        if len(payload) < need:
+            return Verdict(Action.DROP, Reason.DROP_TRUNCATED, job_id=job_id, worker=w)
+        pidx = int.from_bytes(payload[6:8], "big")
+        g, v = pidx & 0x7FFF, pidx >> 15  # bit 14 (reserved) set puts g out of every range
+        if not job.slot_base <= g < job.slot_base + job.slot_count:
+            return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
+        msg = wire.Message.from_bytes(payload[:need])
+        st = self.slots[(job_id, g)]
+        bit = 1 << w
+        if not st.seen[v] & bit:
+            st.seen[v] |= bit
+            st.seen[1 - v] &= ~bit
+            if st.count[v] == 0 or st.complete[v]:  # first contribution of a new round
+                st.count[v] = 0
+                st.complete[v] = False
+                st.acc[v] = msg.values.astype(np.int64)
+                st.e0[v], st.e1[v] = msg.e0, msg.e1
+            else:
+                st.acc[v] = st.acc[v] + msg.values
+                st.e0[v], st.e1[v] = max(st.e0[v], msg.e0), max(st.e1[v], msg.e1)
+            st.count[v] += 1
+            if st.count[v] < job.num_workers:
+                return Verdict(Action.DROP, Reason.AGGREGATED, job_id=job_id, worker=w)
+            st.complete[v] = True
+            return Verdict(
+                Action.TO_ALL, Reason.COMPLETED, self._result(payload, st, v), job_id, w
+            )
+        if st.complete[v]:
+            return Verdict(
+                Action.TO_SENDER, Reason.RETX_ANSWERED, self._result(payload, st, v), job_id, w
+            )
+        return Verdict(Action.DROP, Reason.DUP_PENDING, job_id=job_id, worker=w)
+
+    @staticmethod
+    def _result(request: bytes, st: _Slot, v: int) -> bytes:
+        """The request's headers with the stored sum and max exponents (wrapping int32)."""
+        n = len(st.acc[v])
+        out = bytearray(request)  # bytes past the job's payload ride along unchanged
+        out[8] = st.e0[v] & 0xFF
+        out[9] = st.e1[v] & 0xFF
+        wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
+        out[wire.UDP_HDRS_LEN : wire.UDP_HDRS_LEN + n * 4] = wrapped
+        return bytes(out)
