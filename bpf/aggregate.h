@@ -1,0 +1,163 @@
+/* The aggregation state machine of protocol.md section 3, for one packet of K elements.
+ *
+ * Concurrency design (several CPUs may process packets of the same slot at once):
+ *  - each CPU adds into its own copy of the slot's partial sum (per-CPU map `partials`), tagged
+ *    with the job epoch and round it belongs to, so the first contribution of a round on a CPU
+ *    overwrites instead of needing a separate reset;
+ *  - the shared per-slot state only holds counters changed with atomic read-modify-writes:
+ *    `seen` (fetch_or: exactly one CPU wins a worker's bit), `arrivals` (fetch_add: the round a
+ *    contribution belongs to), `added` (fetch_add after the addition: the CPU that brings it to
+ *    (round + 1) * n is the only one that completes the slot, and sees every addition finished);
+ *  - the completing CPU gathers all CPUs' partials of that round, stores the big-endian result,
+ *    then bumps `published`: a retransmission only reads a result published for its round.
+ * A worker's own packets are processed in order (one queue per flow), which is what makes the
+ * stored result stable while it is read; see protocol.md for why two versions suffice. */
+#ifndef XDP_AGG_AGGREGATE_H
+#define XDP_AGG_AGGREGATE_H
+
+static __always_inline s32 max_s32(s32 a, s32 b)
+{
+	return a > b ? a : b;
+}
+
+/* A retransmission or duplicate: answer the stored result if the round is published. */
+static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
+					    struct agg_worker *w, struct agg_slot *st, u32 vi, u32 rkey,
+					    const u32 K)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	__be32 *pl = (__be32 *)(pk->exp + 1);
+	u64 arrivals = st->arrivals[vi];
+	/* fetch_add(0) is a full barrier: the result read below is the one published. */
+	u64 published = __sync_fetch_and_add(&st->published[vi], 0);
+	struct agg_result *r;
+
+	count_worker(w, duplicates);
+	/* The worker's bit is set, so it is in the latest round of (slot, version); that round is
+	 * complete when every arrival so far belongs to a published round. */
+	if (published * job->num_workers != arrivals) {
+		count(w->job, AGG_DUP_PENDING);
+		return XDP_DROP;
+	}
+	r = results.lookup(&rkey);
+	if (!r)
+		return XDP_ABORTED;
+	if ((void *)(pl + K) > data_end) /* verifier: the caller checked the length already */
+		return XDP_DROP;
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+		pl[j] = r->data[j];
+	pk->exp->e0 = r->e0;
+	pk->exp->e1 = r->e1;
+	reply_to_sender(pk);
+	count(w->job, AGG_RETX_ANSWERED);
+	count_worker(w, answered);
+	return XDP_TX;
+}
+
+/* Sum the partials of round `tag` over all CPUs into the packet and the stored result. */
+static __always_inline void gather(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey, u64 tag,
+				   const u32 K)
+{
+	s32 e0 = AGG_EXP_NONE, e1 = AGG_EXP_NONE;
+	bool first = true;
+
+	/* Bounded by the possible CPUs known at load time: the verifier walks each iteration. */
+	AGG_NO_UNROLL
+	for (u32 cpu = 0; cpu < AGG_NR_CPUS; cpu++) {
+		struct agg_partial *q = lookup_percpu_elem(partials, &pkey, cpu);
+
+		if (!q || q->tag != tag)
+			continue; /* this CPU saw no contribution of this round */
+		e0 = max_s32(e0, q->e0);
+		e1 = max_s32(e1, q->e1);
+		if (first) {
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+				r->data[j] = q->sum[j];
+		} else {
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+				r->data[j] += q->sum[j];
+		}
+		first = false;
+	}
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++) {
+		__be32 be = agg_ntohl(r->data[j]);
+
+		r->data[j] = be;
+		pl[j] = be;
+	}
+	r->e0 = e0;
+	r->e1 = e1;
+	pk->exp->e0 = e0;
+	pk->exp->e1 = e1;
+}
+
+/* A packet of ours with K elements from worker w for slot g, version vi. */
+static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
+				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	__be32 *pl = (__be32 *)(pk->exp + 1);
+	u32 pkey = g * 2 + vi;
+	u64 bit = 1ULL << w->index;
+	u64 n = job->num_workers;
+	struct agg_partial *p;
+	struct agg_result *r;
+	struct agg_slot *st;
+	u64 old, a, round, tag, done;
+
+	/* verifier: a constant-size range check on the packet pointer (the length was checked) */
+	if ((void *)(pl + K) > data_end)
+		return XDP_DROP;
+	st = slots.lookup(&g);
+	if (!st)
+		return XDP_ABORTED;
+	old = __sync_fetch_and_or(&st->seen[vi], bit);
+	if (old & bit)
+		return answer_duplicate(ctx, pk, job, w, st, vi, pkey, K);
+	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
+	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
+	round = a / n;
+	tag = ((u64)job->epoch << 32) | (u32)round;
+	count_worker(w, contributions);
+
+	p = bpf_map_lookup_elem(partials, &pkey);
+	if (!p)
+		return XDP_ABORTED;
+	if (p->tag != tag) { /* this CPU's first contribution to the round: overwrite */
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+			p->sum[j] = agg_ntohl(pl[j]);
+		p->e0 = pk->exp->e0;
+		p->e1 = pk->exp->e1;
+		p->tag = tag;
+	} else {
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+			p->sum[j] += agg_ntohl(pl[j]);
+		p->e0 = max_s32(p->e0, pk->exp->e0);
+		p->e1 = max_s32(p->e1, pk->exp->e1);
+	}
+	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
+	if (done != (round + 1) * n) {
+		count(w->job, AGG_AGGREGATED);
+		return XDP_DROP;
+	}
+
+	/* The last addition of the round: this CPU alone completes the slot. */
+	r = results.lookup(&pkey);
+	if (!r)
+		return XDP_ABORTED;
+	gather(pk, pl, r, pkey, tag, K);
+	__sync_fetch_and_add(&st->published[vi], 1);
+	count(w->job, AGG_COMPLETED);
+	if (job->delivery == AGG_DELIVERY_BROADCAST)
+		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
+	address_to_group(pk, job);
+	return XDP_TX;
+}
+
+#endif

@@ -1,0 +1,26 @@
+/* Program-level constants of the XDP aggregator. Wire and ABI constants are generated from Python
+ * (generated/wire.h, generated/abi.h); the loader passes the sizes that depend on the machine. */
+#ifndef XDP_AGG_CONSTS_H
+#define XDP_AGG_CONSTS_H
+
+#ifndef AGG_POOL_SLOTS
+#define AGG_POOL_SLOTS 1024 /* slots in the pool; the loader passes -DAGG_POOL_SLOTS */
+#endif
+#ifndef AGG_NR_CPUS
+#define AGG_NR_CPUS 2 /* possible CPUs: bound of the gather loop; the loader passes it */
+#endif
+#ifndef AGG_PARTIALS_FD
+#error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
+#endif
+
+/* Element loops stay loops: unrolled, six packet sizes would make the program too large (and
+ * clang then hoists helper addresses into registers, an indirect call BPF v1 lacks). */
+#define AGG_NO_UNROLL _Pragma("clang loop unroll(disable)")
+
+#define AGG_STATS_ROWS ((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
+#define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)      /* per-worker counter rows */
+#define AGG_EXP_NONE (-128)                                    /* neutral element of max over s8 */
+#define AGG_IP_MF 0x2000                                       /* IPv4 more-fragments flag */
+#define AGG_IP_OFFSET_MASK 0x1fff                              /* IPv4 fragment offset */
+
+#endif

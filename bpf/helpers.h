@@ -1,0 +1,105 @@
+/* Small helpers of the XDP aggregator: counters, checksums, address rewrites. */
+#ifndef XDP_AGG_HELPERS_H
+#define XDP_AGG_HELPERS_H
+
+#define agg_ntohl(x) bpf_htonl(x) /* a byte swap is its own inverse */
+#define agg_ntohs(x) bpf_htons(x)
+
+/* Headers of one of our packets, bounds-checked by the parser up to the exponent header. */
+struct agg_pkt {
+	struct ethhdr *eth;
+	struct iphdr *ip;
+	struct udphdr *udp;
+	struct switchml_hdr *sml;
+	struct exponents_hdr *exp;
+};
+
+/* Count one packet for a job (AGG_NO_JOB for none) and a reason. Per-CPU: no atomics. */
+static __always_inline void count(u32 job, u32 reason)
+{
+	u32 key = job * AGG_NUM_REASONS + reason;
+	u64 *c = stats.lookup(&key);
+
+	if (c)
+		*c += 1;
+}
+
+/* A worker's counter row (per-CPU). */
+static __always_inline struct agg_worker_stats *worker_counters(struct agg_worker *w)
+{
+	u32 key = w->job * AGG_MAX_WORKERS + w->index;
+
+	return worker_stats.lookup(&key);
+}
+
+/* Count one packet in a per-worker counter; `field` is a member of struct agg_worker_stats.
+ * (bcc cannot expand map methods inside macros, hence the function above.) */
+#define count_worker(w, field)                                                 \
+	do {                                                                   \
+		struct agg_worker_stats *_s = worker_counters(w);              \
+		if (_s)                                                        \
+			_s->field += 1;                                        \
+	} while (0)
+
+/* Recompute the IPv4 header checksum (20 bytes, no options: the parser guarantees it). */
+static __always_inline void ipv4_csum(struct iphdr *ip)
+{
+	u16 *p = (u16 *)ip;
+	u32 sum = 0;
+
+	ip->check = 0;
+#pragma unroll
+	for (int i = 0; i < 10; i++)
+		sum += p[i];
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	ip->check = ~sum;
+}
+
+/* Turn a request around to its sender: swap MACs, addresses and ports. The IPv4 checksum is a
+ * sum, so swapping the two addresses leaves it valid; the UDP checksum is 0 (legal for IPv4). */
+static __always_inline void reply_to_sender(struct agg_pkt *pk)
+{
+	u8 tmp[ETH_ALEN];
+	__be32 a = pk->ip->saddr;
+	__be16 p = pk->udp->source;
+
+	__builtin_memcpy(tmp, pk->eth->h_source, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, pk->eth->h_dest, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_dest, tmp, ETH_ALEN);
+	pk->ip->saddr = pk->ip->daddr;
+	pk->ip->daddr = a;
+	pk->udp->source = pk->udp->dest;
+	pk->udp->dest = p;
+	pk->udp->check = 0;
+}
+
+/* Address a result to the job's group (one-arm mode): from our port to the workers' port. */
+static __always_inline void address_to_group(struct agg_pkt *pk, struct agg_job *job)
+{
+	__be16 p = pk->udp->source;
+
+	__builtin_memcpy(pk->eth->h_dest, job->group_mac, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
+	pk->ip->saddr = job->agg_ip;
+	pk->ip->daddr = job->group_ip;
+	pk->udp->source = pk->udp->dest;
+	pk->udp->dest = p;
+	pk->udp->check = 0;
+	ipv4_csum(pk->ip);
+}
+
+/* Address a result copy to one worker behind an egress port (switch mode). */
+static __always_inline void address_to_worker(struct agg_pkt *pk, struct agg_port_worker *w)
+{
+	__builtin_memcpy(pk->eth->h_dest, w->mac, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, w->agg_mac, ETH_ALEN);
+	pk->ip->saddr = w->agg_ip;
+	pk->ip->daddr = w->ip;
+	pk->udp->source = w->agg_port;
+	pk->udp->dest = w->port;
+	pk->udp->check = 0;
+	ipv4_csum(pk->ip);
+}
+
+#endif

@@ -1,0 +1,24 @@
+/* The aggregator's maps. One line each; key -> value. The control plane (xdp_switch/ctl_maps.py)
+ * reads and writes them through their pins; the structures are in generated/abi.h. */
+#ifndef XDP_AGG_MAPS_H
+#define XDP_AGG_MAPS_H
+
+BPF_ARRAY(jobs, struct agg_job, AGG_MAX_JOBS);                                  /* job id -> job */
+BPF_HASH(workers, struct agg_worker_key, struct agg_worker, AGG_WORKER_ROWS);    /* (src, port) -> job, index */
+BPF_ARRAY(slots, struct agg_slot, AGG_POOL_SLOTS);                              /* slot -> shared round state */
+BPF_ARRAY(slot_owner, u32, AGG_POOL_SLOTS);                                     /* slot -> job id + 1, 0 = free */
+BPF_ARRAY(results, struct agg_result, AGG_POOL_SLOTS * 2);                      /* slot*2+v -> published sum */
+BPF_PERCPU_ARRAY(stats, u64, AGG_STATS_ROWS);                                   /* job*reasons+reason -> packets */
+BPF_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       /* job*workers+index -> counters */
+BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, tx_ports, AGG_MAX_PORTS); /* switch mode: ports to broadcast to */
+BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
+
+/* Per-CPU partial sums (slot*2+v -> struct agg_partial). bcc has no table method for
+ * bpf_map_lookup_percpu_elem, which the completing packet needs to gather the other CPUs' sums,
+ * so the loader creates this map itself and passes its fd; the pseudo-fd load below is what a
+ * table reference compiles to. */
+#define partials ((void *)bpf_pseudo_fd(1, AGG_PARTIALS_FD))
+static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
+	(void *)BPF_FUNC_map_lookup_percpu_elem;
+
+#endif

@@ -1,0 +1,159 @@
+/* xdp_agg.c: SwitchML-protocol gradient aggregation in XDP (protocol.md sections 2-3).
+ *
+ * xdp_agg_ingress runs on every interface workers reach us through: it finds the job and worker
+ * of a packet from its (source address, destination port), sums its int32 payload into the slot,
+ * and sends the finished sum to every worker; anything that is not IPv4 UDP to ports
+ * 0xBEE0-0xBEEF passes untouched. xdp_agg_egress is the devmap egress program of switch mode: it
+ * addresses each broadcast copy of a result to the job's worker behind that port.
+ * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. */
+#include <uapi/linux/bpf.h>
+#include <linux/if_ether.h>
+#include <linux/ip.h>
+#include <linux/in.h>
+#include <linux/udp.h>
+
+#include "generated/wire.h"
+#include "generated/abi.h"
+#include "consts.h"
+#include "maps.h"
+#include "helpers.h"
+#include "aggregate.h"
+
+/* Parse up to our exponent header. Returns -1 when the packet is not ours (pass it), else 0 with
+ * pk filled, or an XDP action for a packet of ours dropped here. */
+static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+	struct udphdr *udp;
+
+	if ((void *)(ip + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return -1;
+	if (ip->version != 4 || ip->protocol != IPPROTO_UDP)
+		return -1;
+	if (ip->ihl != 5) {
+		/* Options move the UDP header; look at its port at the real offset, bounded by the
+		 * verifier-visible maximum of 15 words. */
+		udp = (void *)ip + ((ip->ihl & 0xf) << 2);
+		if ((void *)(udp + 1) > data_end || (udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
+			return -1;
+		count(AGG_NO_JOB, AGG_DROP_MALFORMED);
+		return XDP_DROP;
+	}
+	if (ip->frag_off & bpf_htons(AGG_IP_OFFSET_MASK))
+		return -1; /* a later fragment has no UDP header to look at */
+	udp = (void *)(ip + 1);
+	if ((void *)(udp + 1) > data_end)
+		return -1;
+	if ((udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
+		return -1;
+	if (ip->frag_off & bpf_htons(AGG_IP_MF)) {
+		count(AGG_NO_JOB, AGG_DROP_MALFORMED); /* ours, but fragmented */
+		return XDP_DROP;
+	}
+	pk->eth = eth;
+	pk->ip = ip;
+	pk->udp = udp;
+	pk->sml = (void *)(udp + 1);
+	pk->exp = (void *)(pk->sml + 1);
+	if ((void *)(pk->exp + 1) > data_end) {
+		count(AGG_NO_JOB, AGG_DROP_TRUNCATED);
+		return XDP_DROP;
+	}
+	return 0;
+}
+
+/* A dropped packet of a known worker: count it for the job and the worker. */
+static __always_inline int drop(struct agg_worker *w, u32 reason)
+{
+	count(w->job, reason);
+	count_worker(w, dropped);
+	return XDP_DROP;
+}
+
+int xdp_agg_ingress(struct xdp_md *ctx)
+{
+	struct agg_worker_key wk = {};
+	struct agg_worker *w;
+	struct agg_job *job;
+	struct agg_pkt pk;
+	u32 pidx, g, vi, len;
+	int rc = parse(ctx, &pk);
+
+	if (rc < 0) {
+		count(AGG_NO_JOB, AGG_PASS);
+		return XDP_PASS;
+	}
+	if (rc > 0)
+		return rc;
+	wk.addr = pk.ip->saddr;
+	wk.port = pk.udp->dest;
+	w = workers.lookup(&wk);
+	if (!w) {
+		count(AGG_NO_JOB, AGG_DROP_UNKNOWN_SOURCE);
+		return XDP_DROP;
+	}
+	job = jobs.lookup(&w->job);
+	if (!job || !job->active || w->index >= job->num_workers || w->index >= AGG_MAX_WORKERS) {
+		count(w->job < AGG_MAX_JOBS ? w->job : AGG_NO_JOB, AGG_DROP_NO_JOB);
+		return XDP_DROP;
+	}
+	count_worker(w, packets);
+	if (SML_MSG_TYPE(pk.sml) != SML_MSG_TYPE_DATA)
+		return drop(w, AGG_DROP_BAD_TYPE);
+	if (SML_SIZE(pk.sml) != job->size_code)
+		return drop(w, AGG_DROP_BAD_SIZE);
+	len = (u32)(ctx->data_end - ctx->data);
+	if (len < SML_PAYLOAD_OFFSET + job->elems * 4)
+		return drop(w, AGG_DROP_TRUNCATED);
+	pidx = agg_ntohs(pk.sml->pool_index);
+	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT); /* reserved bit set: out of range */
+	vi = pidx >> 15;
+	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
+		return drop(w, AGG_DROP_SLOT_RANGE);
+
+	/* One copy of the state machine per packet size, so that every packet access has a
+	 * constant bound the verifier can check. */
+	switch (job->size_code) {
+	case 0:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_0_ELEMS);
+	case 1:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_1_ELEMS);
+	case 2:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_2_ELEMS);
+	case 3:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_3_ELEMS);
+	case 4:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_4_ELEMS);
+	case 5:
+		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_5_ELEMS);
+	}
+	return drop(w, AGG_DROP_BAD_SIZE);
+}
+
+int xdp_agg_egress(struct xdp_md *ctx)
+{
+	struct agg_port_key pkey = {};
+	struct agg_port_worker *pw;
+	struct agg_pkt pk;
+	u32 g, *owner;
+
+	if (parse(ctx, &pk) != 0)
+		return XDP_DROP; /* only our results are broadcast to the devmap */
+	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
+	owner = slot_owner.lookup(&g);
+	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)
+		return XDP_DROP;
+	pkey.ifindex = ctx->egress_ifindex;
+	pkey.job = *owner - 1;
+	pw = port_workers.lookup(&pkey);
+	if (!pw) {
+		count(pkey.job, AGG_EGRESS_NO_WORKER); /* a port without a worker of this job */
+		return XDP_DROP;
+	}
+	address_to_worker(&pk, pw);
+	count(pkey.job, AGG_EGRESS_SENT);
+	return XDP_PASS; /* in a devmap program, PASS transmits */
+}

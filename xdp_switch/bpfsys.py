@@ -1,0 +1,280 @@
+"""Thin wrappers over the bpf(2) system call, for the control plane.
+
+bcc compiles and loads the program once (`attach`); every later command (stats, job, worker,
+slots, detach) works on the pinned maps and programs through these calls, so it starts in
+milliseconds instead of recompiling. Only what the project uses is here.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import errno
+import os
+import platform
+
+_libc = ct.CDLL(None, use_errno=True)
+_libc.syscall.restype = ct.c_long
+_NR_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
+
+# commands (include/uapi/linux/bpf.h)
+MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
+PROG_LOAD, OBJ_PIN, OBJ_GET = 5, 6, 7
+PROG_TEST_RUN = 10
+PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD = 13, 14, 15
+
+# map types
+MAP_TYPE_PERCPU_ARRAY = 6
+# program types
+PROG_TYPE_XDP = 6
+# XDP actions
+XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
+XDP_ACTIONS = {0: "aborted", 1: "drop", 2: "pass", 3: "tx", 4: "redirect"}
+
+
+class BpfError(OSError):
+    """A bpf(2) call failed; .errno holds the reason."""
+
+
+def _bpf(cmd: int, attr: ct.Structure) -> int:
+    ret = _libc.syscall(_NR_BPF, cmd, ct.byref(attr), ct.sizeof(attr))
+    if ret < 0:
+        e = ct.get_errno()
+        raise BpfError(e, f"bpf(cmd={cmd}): {os.strerror(e)}")
+    return ret
+
+
+class _MapCreate(ct.Structure):
+    _fields_ = [
+        ("map_type", ct.c_uint32),
+        ("key_size", ct.c_uint32),
+        ("value_size", ct.c_uint32),
+        ("max_entries", ct.c_uint32),
+        ("map_flags", ct.c_uint32),
+        ("inner_map_fd", ct.c_uint32),
+        ("numa_node", ct.c_uint32),
+        ("map_name", ct.c_char * 16),
+        ("pad", ct.c_uint8 * 48),
+    ]
+
+
+class _MapElem(ct.Structure):
+    _fields_ = [
+        ("map_fd", ct.c_uint32),
+        ("pad0", ct.c_uint32),
+        ("key", ct.c_uint64),
+        ("value", ct.c_uint64),
+        ("flags", ct.c_uint64),
+    ]
+
+
+class _ObjPin(ct.Structure):
+    _fields_ = [
+        ("pathname", ct.c_uint64),
+        ("bpf_fd", ct.c_uint32),
+        ("file_flags", ct.c_uint32),
+        ("pad", ct.c_uint8 * 8),
+    ]
+
+
+class _TestRun(ct.Structure):
+    _fields_ = [
+        ("prog_fd", ct.c_uint32),
+        ("retval", ct.c_uint32),
+        ("data_size_in", ct.c_uint32),
+        ("data_size_out", ct.c_uint32),
+        ("data_in", ct.c_uint64),
+        ("data_out", ct.c_uint64),
+        ("repeat", ct.c_uint32),
+        ("duration", ct.c_uint32),
+        ("ctx_size_in", ct.c_uint32),
+        ("ctx_size_out", ct.c_uint32),
+        ("ctx_in", ct.c_uint64),
+        ("ctx_out", ct.c_uint64),
+        ("flags", ct.c_uint32),
+        ("cpu", ct.c_uint32),
+        ("batch_size", ct.c_uint32),
+        ("pad", ct.c_uint32),
+    ]
+
+
+class _GetById(ct.Structure):
+    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
+
+
+class _InfoByFd(ct.Structure):
+    _fields_ = [("bpf_fd", ct.c_uint32), ("info_len", ct.c_uint32), ("info", ct.c_uint64)]
+
+
+class ProgInfo(ct.Structure):
+    """struct bpf_prog_info, the leading fields we read."""
+
+    _fields_ = [
+        ("type", ct.c_uint32),
+        ("id", ct.c_uint32),
+        ("tag", ct.c_uint8 * 8),
+        ("jited_prog_len", ct.c_uint32),
+        ("xlated_prog_len", ct.c_uint32),
+        ("jited_prog_insns", ct.c_uint64),
+        ("xlated_prog_insns", ct.c_uint64),
+        ("load_time", ct.c_uint64),
+        ("created_by_uid", ct.c_uint32),
+        ("nr_map_ids", ct.c_uint32),
+        ("map_ids", ct.c_uint64),
+        ("name", ct.c_char * 16),
+        ("ifindex", ct.c_uint32),
+        ("gpl_compatible", ct.c_uint32),
+        ("netns_dev", ct.c_uint64),
+        ("netns_ino", ct.c_uint64),
+        ("nr_jited_ksyms", ct.c_uint32),
+        ("nr_jited_func_lens", ct.c_uint32),
+        ("jited_ksyms", ct.c_uint64),
+        ("jited_func_lens", ct.c_uint64),
+        ("btf_id", ct.c_uint32),
+        ("pad", ct.c_uint8 * 156),
+    ]
+
+
+class MapInfo(ct.Structure):
+    """struct bpf_map_info, the leading fields we read."""
+
+    _fields_ = [
+        ("type", ct.c_uint32),
+        ("id", ct.c_uint32),
+        ("key_size", ct.c_uint32),
+        ("value_size", ct.c_uint32),
+        ("max_entries", ct.c_uint32),
+        ("map_flags", ct.c_uint32),
+        ("name", ct.c_char * 16),
+        ("pad", ct.c_uint8 * 64),
+    ]
+
+
+def possible_cpus() -> int:
+    """Number of possible CPUs: the per-CPU value count of per-CPU maps."""
+    with open("/sys/devices/system/cpu/possible") as f:
+        spec = f.read().strip()
+    n = 0
+    for part in spec.split(","):
+        lo, _, hi = part.partition("-")
+        n = max(n, int(hi or lo) + 1)
+    return n
+
+
+def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
+    """Create a map; returns its fd."""
+    a = _MapCreate(map_type, key_size, value_size, max_entries, 0, 0, 0, name.encode()[:15])
+    return _bpf(MAP_CREATE, a)
+
+
+def _addr(buf) -> int:
+    return ct.addressof(buf)
+
+
+def map_lookup(fd: int, key: ct.Structure | ct._SimpleCData, value) -> bool:
+    """Fill `value` with the element at `key`; False if there is none."""
+    a = _MapElem(fd, 0, _addr(key), _addr(value), 0)
+    try:
+        _bpf(MAP_LOOKUP_ELEM, a)
+    except BpfError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def map_update(fd: int, key, value, flags: int = 0) -> None:
+    """Write `value` at `key`."""
+    _bpf(MAP_UPDATE_ELEM, _MapElem(fd, 0, _addr(key), _addr(value), flags))
+
+
+def map_delete(fd: int, key) -> bool:
+    """Delete `key`; False if it was not there."""
+    try:
+        _bpf(MAP_DELETE_ELEM, _MapElem(fd, 0, _addr(key), 0, 0))
+    except BpfError as e:
+        if e.errno == errno.ENOENT:
+            return False
+        raise
+    return True
+
+
+def map_keys(fd: int, key_type) -> list:
+    """All keys of a hash map, as instances of key_type."""
+    keys, prev = [], None
+    while True:
+        nxt = key_type()
+        a = _MapElem(fd, 0, _addr(prev) if prev is not None else 0, _addr(nxt), 0)
+        try:
+            _bpf(MAP_GET_NEXT_KEY, a)
+        except BpfError as e:
+            if e.errno == errno.ENOENT:
+                return keys
+            raise
+        keys.append(nxt)
+        prev = nxt
+
+
+def obj_pin(fd: int, path: str) -> None:
+    """Pin a program or map fd at a bpffs path."""
+    p = ct.create_string_buffer(path.encode())
+    _bpf(OBJ_PIN, _ObjPin(_addr(p), fd, 0))
+
+
+def obj_get(path: str) -> int:
+    """Open a pinned program or map; returns an fd."""
+    p = ct.create_string_buffer(path.encode())
+    return _bpf(OBJ_GET, _ObjPin(_addr(p), 0, 0))
+
+
+def prog_fd_by_id(prog_id: int) -> int:
+    return _bpf(PROG_GET_FD_BY_ID, _GetById(prog_id, 0, 0))
+
+
+def map_fd_by_id(map_id: int) -> int:
+    return _bpf(MAP_GET_FD_BY_ID, _GetById(map_id, 0, 0))
+
+
+def prog_info(fd: int) -> ProgInfo:
+    info = ProgInfo()
+    _bpf(OBJ_GET_INFO_BY_FD, _InfoByFd(fd, ct.sizeof(info), _addr(info)))
+    return info
+
+
+def map_info(fd: int) -> MapInfo:
+    info = MapInfo()
+    _bpf(OBJ_GET_INFO_BY_FD, _InfoByFd(fd, ct.sizeof(info), _addr(info)))
+    return info
+
+
+class XdpMd(ct.Structure):
+    """struct xdp_md, as the test-run context."""
+
+    _fields_ = [
+        ("data", ct.c_uint32),
+        ("data_end", ct.c_uint32),
+        ("data_meta", ct.c_uint32),
+        ("ingress_ifindex", ct.c_uint32),
+        ("rx_queue_index", ct.c_uint32),
+        ("egress_ifindex", ct.c_uint32),
+    ]
+
+
+def prog_test_run(
+    fd: int, data: bytes, repeat: int = 1, ingress_ifindex: int = 0, out_size: int = 4096
+) -> tuple[int, bytes, int]:
+    """Run an XDP program on one packet (BPF_PROG_TEST_RUN).
+
+    Returns (XDP action, packet after the program, mean duration in ns per run).
+    With repeat > 1 the packet buffer and the maps carry over between repetitions.
+    """
+    din = ct.create_string_buffer(bytes(data), len(data))
+    dout = ct.create_string_buffer(max(out_size, len(data) + 256))
+    a = _TestRun()
+    a.prog_fd, a.data_size_in, a.data_in = fd, len(data), _addr(din)
+    a.data_size_out, a.data_out, a.repeat = len(dout), _addr(dout), repeat
+    ctx = None
+    if ingress_ifindex:
+        ctx = XdpMd(0, len(data), 0, ingress_ifindex, 0, 0)
+        a.ctx_in, a.ctx_size_in = _addr(ctx), ct.sizeof(ctx)
+    _bpf(PROG_TEST_RUN, a)
+    return a.retval, dout.raw[: a.data_size_out], a.duration

@@ -1,0 +1,219 @@
+"""Typed access to the aggregator's maps: jobs, workers, ports, slots and counters.
+
+Everything the control plane writes or reads goes through here, with the ctypes structures of
+xdp_switch.abi, so the Python side and bpf/generated/abi.h share one definition.
+"""
+
+from __future__ import annotations
+
+import ctypes as ct
+import ipaddress
+import socket
+import time
+
+from . import abi, bpfsys, wire
+from .abi import Reason
+from .backend import JobSpec, WorkerSpec
+
+
+def ip_be(addr: str) -> int:
+    """An IPv4 address as the u32 a __be32 field holds on this host."""
+    return int.from_bytes(socket.inet_aton(str(ipaddress.IPv4Address(addr))), "little")
+
+
+def ip_str(raw: int) -> str:
+    return socket.inet_ntoa(int(raw).to_bytes(4, "little"))
+
+
+def port_be(port: int) -> int:
+    return socket.htons(port)
+
+
+def mac_bytes(mac: str) -> bytes:
+    parts = mac.split(":")
+    if len(parts) != 6:
+        raise ValueError(f"not a MAC address: {mac!r}")
+    return bytes(int(p, 16) for p in parts)
+
+
+def mac_str(raw) -> str:
+    return ":".join(f"{b:02x}" for b in bytes(raw))
+
+
+class AggMaps:
+    """The aggregator's maps, by name -> fd (from a fresh load or from the pins)."""
+
+    def __init__(self, fds: dict[str, int], pool_slots: int) -> None:
+        self.fds = fds
+        self.pool_slots = pool_slots
+        self.ncpu = bpfsys.possible_cpus()
+
+    # --- jobs -----------------------------------------------------------------------------
+    def get_job(self, job_id: int) -> abi.Job | None:
+        job = abi.Job()
+        if not bpfsys.map_lookup(self.fds["jobs"], ct.c_uint32(job_id), job) or not job.active:
+            return None
+        return job
+
+    def create_job(self, spec: JobSpec) -> None:
+        """Write a job and clear its slots; refuses specs the program cannot serve."""
+        if not 0 <= spec.job_id < abi.MAX_JOBS:
+            raise ValueError(f"job id must be 0..{abi.MAX_JOBS - 1}")
+        if not 1 <= spec.num_workers <= abi.MAX_WORKERS:
+            raise ValueError(f"a job has 1..{abi.MAX_WORKERS} workers")
+        end = spec.slot_base + spec.slot_count
+        if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
+            raise ValueError(
+                f"slots {spec.slot_base}..{end - 1} are outside the pool of {self.pool_slots} "
+                "(attach with a larger --pool-slots, or pick a smaller range)"
+            )
+        for other_id, other in self.jobs().items():
+            if other_id != spec.job_id and other.slot_base < end and spec.slot_base < other.slot_base + other.slot_count:
+                raise ValueError(
+                    f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s "
+                    f"{other.slot_base}..{other.slot_base + other.slot_count - 1}"
+                )
+        if self.get_job(spec.job_id) is not None:
+            self.delete_job(spec.job_id)
+        zero = abi.Slot()
+        owner = ct.c_uint32(spec.job_id + 1)
+        for g in range(spec.slot_base, end):
+            bpfsys.map_update(self.fds["slots"], ct.c_uint32(g), zero)
+            bpfsys.map_update(self.fds["slot_owner"], ct.c_uint32(g), owner)
+        job = abi.Job(
+            active=1,
+            num_workers=spec.num_workers,
+            elems=spec.elems,
+            size_code=wire.size_code_for(spec.elems),
+            slot_base=spec.slot_base,
+            slot_count=spec.slot_count,
+            delivery=int(spec.delivery),
+            # A fresh epoch per creation: per-CPU partial sums left by an earlier job on the same
+            # slots carry another tag and are never added in.
+            epoch=(time.monotonic_ns() >> 10) & 0xFFFFFFFF or 1,
+            agg_ip=ip_be(spec.agg_ip),
+            group_ip=ip_be(spec.group_ip),
+        )
+        job.agg_mac[:] = mac_bytes(spec.agg_mac)
+        job.group_mac[:] = mac_bytes(spec.group_mac)
+        self._clear_counters(spec.job_id)
+        bpfsys.map_update(self.fds["jobs"], ct.c_uint32(spec.job_id), job)
+
+    def delete_job(self, job_id: int) -> None:
+        """Deactivate a job, free its slots, and remove its workers and port entries."""
+        job = self.get_job(job_id)
+        bpfsys.map_update(self.fds["jobs"], ct.c_uint32(job_id), abi.Job())
+        for key, w in self.workers():
+            if w.job == job_id:
+                bpfsys.map_delete(self.fds["workers"], key)
+        for key in bpfsys.map_keys(self.fds["port_workers"], abi.PortKey):
+            if key.job == job_id:
+                bpfsys.map_delete(self.fds["port_workers"], key)
+        if job is not None:
+            for g in range(job.slot_base, job.slot_base + job.slot_count):
+                bpfsys.map_update(self.fds["slot_owner"], ct.c_uint32(g), ct.c_uint32(0))
+
+    def jobs(self) -> dict[int, abi.Job]:
+        out = {}
+        for j in range(abi.MAX_JOBS):
+            job = self.get_job(j)
+            if job is not None:
+                out[j] = job
+        return out
+
+    # --- workers --------------------------------------------------------------------------
+    def add_worker(self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None) -> None:
+        """Register a worker; with ifindex (switch mode) also how to address it on that port."""
+        job = self.get_job(w.job_id)
+        if job is None:
+            raise ValueError(f"job {w.job_id} does not exist: create it first")
+        if not 0 <= w.index < job.num_workers:
+            raise ValueError(f"worker index {w.index} is outside 0..{job.num_workers - 1}")
+        key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))
+        cur = abi.Worker()
+        if bpfsys.map_lookup(self.fds["workers"], key, cur) and (cur.job, cur.index) != (w.job_id, w.index):
+            raise ValueError(
+                f"{w.ip} -> port {w.agg_port:#x} is already worker {cur.index} of job {cur.job}"
+            )
+        for k, other in self.workers():
+            if other.job == w.job_id and other.index == w.index and (k.addr, k.port) != (key.addr, key.port):
+                raise ValueError(f"job {w.job_id} already has a worker {w.index} ({ip_str(k.addr)})")
+        bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
+        zero = (abi.WorkerStats * self.ncpu)()
+        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(w.job_id * abi.MAX_WORKERS + w.index), zero)
+        if ifindex:
+            pw = abi.PortWorker(
+                ip=ip_be(w.ip),
+                agg_ip=ip_be(agg_ip or "0.0.0.0"),
+                port=port_be(w.port),
+                agg_port=port_be(w.agg_port),
+                index=w.index,
+            )
+            pw.mac[:] = mac_bytes(w.mac)
+            pw.agg_mac[:] = mac_bytes(agg_mac or "00:00:00:00:00:00")
+            bpfsys.map_update(self.fds["port_workers"], abi.PortKey(ifindex=ifindex, job=w.job_id), pw)
+
+    def remove_worker(self, job_id: int, index: int) -> bool:
+        found = False
+        for key, w in self.workers():
+            if w.job == job_id and w.index == index:
+                bpfsys.map_delete(self.fds["workers"], key)
+                found = True
+        for key in bpfsys.map_keys(self.fds["port_workers"], abi.PortKey):
+            pw = abi.PortWorker()
+            if key.job == job_id and bpfsys.map_lookup(self.fds["port_workers"], key, pw) and pw.index == index:
+                bpfsys.map_delete(self.fds["port_workers"], key)
+        return found
+
+    def workers(self) -> list[tuple[abi.WorkerKey, abi.Worker]]:
+        out = []
+        for key in bpfsys.map_keys(self.fds["workers"], abi.WorkerKey):
+            w = abi.Worker()
+            if bpfsys.map_lookup(self.fds["workers"], key, w):
+                out.append((key, w))
+        return out
+
+    # --- switch-mode ports ------------------------------------------------------------------
+    def set_port(self, index: int, ifindex: int, egress_prog_fd: int) -> None:
+        """Put an interface in the broadcast devmap, with the egress program on its entry."""
+        val = (ct.c_uint32 * 2)(ifindex, egress_prog_fd)  # struct bpf_devmap_val {ifindex, prog fd}
+        bpfsys.map_update(self.fds["tx_ports"], ct.c_uint32(index), val)
+
+    # --- state and counters -----------------------------------------------------------------
+    def slot(self, g: int) -> abi.Slot:
+        st = abi.Slot()
+        if not 0 <= g < self.pool_slots or not bpfsys.map_lookup(self.fds["slots"], ct.c_uint32(g), st):
+            raise ValueError(f"slot {g} is outside the pool of {self.pool_slots}")
+        return st
+
+    def result(self, g: int, version: int) -> abi.Result:
+        r = abi.Result()
+        bpfsys.map_lookup(self.fds["results"], ct.c_uint32(g * 2 + version), r)
+        return r
+
+    def partials(self, g: int, version: int) -> list[abi.Partial]:
+        vals = (abi.Partial * self.ncpu)()
+        bpfsys.map_lookup(self.fds["partials"], ct.c_uint32(g * 2 + version), vals)
+        return list(vals)
+
+    def counters(self, job_row: int) -> dict[str, int]:
+        """Counters by reason for a job (or abi.NO_JOB), summed over CPUs."""
+        out = {}
+        vals = (ct.c_uint64 * self.ncpu)()
+        for r in Reason:
+            bpfsys.map_lookup(self.fds["stats"], ct.c_uint32(job_row * abi.NUM_REASONS + r), vals)
+            out[r.name.lower()] = int(sum(vals))
+        return out
+
+    def worker_counters(self, job_id: int, index: int) -> dict[str, int]:
+        vals = (abi.WorkerStats * self.ncpu)()
+        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(job_id * abi.MAX_WORKERS + index), vals)
+        return {name: int(sum(getattr(v, name) for v in vals)) for name, _ in abi.WorkerStats._fields_}
+
+    def _clear_counters(self, job_id: int) -> None:
+        zero = (ct.c_uint64 * self.ncpu)()
+        for r in Reason:
+            bpfsys.map_update(self.fds["stats"], ct.c_uint32(job_id * abi.NUM_REASONS + r), zero)
+        zw = (abi.WorkerStats * self.ncpu)()
+        for i in range(abi.MAX_WORKERS):
+            bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(job_id * abi.MAX_WORKERS + i), zw)

@@ -1,0 +1,169 @@
+"""Compile and load the XDP aggregator with bcc.
+
+bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s). The per-CPU
+partials map is created here first, because the program reaches it by fd (see bpf/maps.h).
+Everything afterwards works on file descriptors, which xdp_switch.pins pins under bpffs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes as ct
+import io
+import os
+import platform
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import abi, bpfsys
+
+BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+SOURCE = BPF_DIR / "xdp_agg.c"
+BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: expected attach type of devmap egress programs
+
+# Maps the control plane uses, by their names in bpf/maps.h.
+MAP_NAMES = (
+    "jobs",
+    "workers",
+    "slots",
+    "slot_owner",
+    "results",
+    "stats",
+    "worker_stats",
+    "tx_ports",
+    "port_workers",
+)
+PROG_INGRESS = "xdp_agg_ingress"
+PROG_EGRESS = "xdp_agg_egress"
+
+
+class LoadError(RuntimeError):
+    """The program could not be compiled or loaded; the message says what to do."""
+
+
+@dataclass
+class Loaded:
+    """A loaded aggregator: program and map fds (owned by the bcc object while it lives)."""
+
+    bpf: object  # bcc.BPF, kept alive so the fds stay open
+    progs: dict[str, int]
+    maps: dict[str, int]
+    pool_slots: int
+    nr_cpus: int
+    options: dict = field(default_factory=dict)
+
+
+def kernel_headers_present() -> bool:
+    """bcc needs /lib/modules/$(uname -r)/build (see the Makefile's `headers` target)."""
+    return (Path("/lib/modules") / platform.release() / "build" / "include").exists()
+
+
+def _import_bcc():
+    try:
+        import bcc  # Debian's python3-bpfcc
+    except ImportError as e:
+        raise LoadError(
+            "bcc's Python module is missing: install python3-bpfcc (make deps) and run from a venv "
+            "made with --system-site-packages from /usr/bin/python3 (make venv)"
+        ) from e
+    return bcc
+
+
+@contextlib.contextmanager
+def _capture_fd2():
+    """Capture what bcc and the kernel write to stderr (compiler errors, the verifier log)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    tmp = io.TextIOWrapper(io.BytesIO())
+    r, w = os.pipe()
+    os.dup2(w, 2)
+    os.close(w)
+    out = []
+    try:
+        yield out
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        with os.fdopen(r, "rb") as f:
+            out.append(f.read().decode(errors="replace"))
+        tmp.close()
+
+
+_INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+
+
+def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
+    """The program as one text, with our own `#include "..."` files inlined.
+
+    bcc rewrites map method calls (`stats.lookup(...)`) only in the main file, so code in our
+    headers must become part of it; `#line` markers keep compiler messages pointing at the real
+    file and line.
+    """
+    seen = set() if _seen is None else _seen
+    out = []
+    pos = 0
+    text = path.read_text()
+    for m in _INCLUDE.finditer(text):
+        out.append(text[pos : m.start()])
+        inc = (path.parent / m.group(1)).resolve()
+        if inc not in seen:
+            seen.add(inc)
+            line = text.count("\n", 0, m.end()) + 2
+            out.append(f'#line 1 "{inc}"\n{source_text(inc, seen)}#line {line} "{path}"\n')
+        pos = m.end() + 1
+    out.append(text[pos:])
+    return "".join(out)
+
+
+def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = ()) -> Loaded:
+    """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
+
+    Raises LoadError with an actionable message (missing headers, compiler error, verifier
+    rejection with the tail of the verifier log).
+    """
+    if os.geteuid() != 0:
+        raise LoadError("loading BPF programs needs root: run with sudo")
+    if not 1 <= pool_slots <= 1 << 14:
+        raise LoadError(f"pool slots must be 1..16384, not {pool_slots}")
+    if not kernel_headers_present():
+        raise LoadError(
+            f"no kernel headers at /lib/modules/{platform.release()}/build: run `sudo make headers` "
+            "(installs linux-headers-amd64 and links it for this kernel)"
+        )
+    bcc = _import_bcc()
+    nr_cpus = bpfsys.possible_cpus()
+    partials = bpfsys.map_create(
+        bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"
+    )
+    flags = [
+        f"-DAGG_PARTIALS_FD={partials}",
+        f"-DAGG_POOL_SLOTS={pool_slots}",
+        f"-DAGG_NR_CPUS={nr_cpus}",
+        "-Wno-unused-function",
+        *cflags,
+    ]
+    log = []
+    try:
+        with _capture_fd2() as log:
+            b = bcc.BPF(text=source_text().encode(), cflags=flags)
+            ingress = b.load_func(PROG_INGRESS, bcc.BPF.XDP)
+            egress = b.load_func(PROG_EGRESS, bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP)
+    except Exception as e:  # bcc raises plain Exceptions
+        os.close(partials)
+        text = "".join(log)
+        tail = "\n".join(text.strip().splitlines()[-25:])
+        if "Permission denied" in str(e) or "processed" in text:
+            raise LoadError(f"the kernel verifier rejected the program:\n{tail}\n({e})") from e
+        raise LoadError(f"could not compile bpf/xdp_agg.c:\n{tail}\n({e})") from e
+    maps = {name: b[name.encode()].map_fd for name in MAP_NAMES}
+    maps["partials"] = partials
+    progs = {PROG_INGRESS: ingress.fd, PROG_EGRESS: egress.fd}
+    return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags)})
+
+
+def verifier_stats(text: str) -> dict:
+    """Parse 'processed N insns' from a verifier log (used by the bench)."""
+    m = re.search(r"processed (\d+) insns", text)
+    return {"insns_processed": int(m.group(1))} if m else {}
