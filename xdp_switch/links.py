@@ -1,0 +1,98 @@
+"""Interfaces, through pyroute2: look-ups, XDP attach and detach, and entering a namespace."""
+
+from __future__ import annotations
+
+import ctypes as ct
+import os
+
+from pyroute2 import IPRoute
+
+XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0  # refuse to replace a program already attached
+XDP_FLAGS_SKB_MODE = 1 << 1  # generic XDP
+XDP_FLAGS_DRV_MODE = 1 << 2  # native (driver) XDP
+MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "skb": XDP_FLAGS_SKB_MODE}
+_CLONE_NEWNET = 0x40000000
+
+
+class LinkError(RuntimeError):
+    """An interface operation failed; the message says what to do."""
+
+
+def enter_netns(name: str) -> None:
+    """Move this (single-threaded) process into a named network namespace.
+
+    Unlike `ip netns exec`, this keeps /sys/fs/bpf, where the aggregator's pins live.
+    """
+    path = name if name.startswith("/") else f"/var/run/netns/{name}"
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        raise LinkError(f"no network namespace {name!r} (see `ip netns list`)") from None
+    libc = ct.CDLL(None, use_errno=True)
+    try:
+        if libc.setns(fd, _CLONE_NEWNET) != 0:
+            e = ct.get_errno()
+            raise LinkError(f"cannot enter namespace {name!r}: {os.strerror(e)}")
+    finally:
+        os.close(fd)
+
+
+def _link(ipr: IPRoute, ifname: str):
+    idx = ipr.link_lookup(ifname=ifname)
+    if not idx:
+        raise LinkError(f"no interface {ifname!r} here (see `ip link`; use --netns for another namespace)")
+    return ipr.get_links(idx[0])[0]
+
+
+def ifindex(ifname: str) -> int:
+    with IPRoute() as ipr:
+        return _link(ipr, ifname)["index"]
+
+
+def xdp_prog_id(ifname: str) -> int:
+    """The id of the XDP program attached to an interface, 0 if none."""
+    with IPRoute() as ipr:
+        xdp = _link(ipr, ifname).get_attr("IFLA_XDP")
+    if not xdp:
+        return 0
+    return xdp.get_attr("IFLA_XDP_PROG_ID") or 0
+
+
+def addresses(ifname: str) -> dict:
+    """MAC and IPv4 addresses of an interface."""
+    with IPRoute() as ipr:
+        link = _link(ipr, ifname)
+        ips = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=link["index"], family=2)]
+    return {"ifname": ifname, "ifindex": link["index"], "mac": link.get_attr("IFLA_ADDRESS"), "ipv4": ips}
+
+
+def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:
+    """Attach an XDP program; refuses to replace one that is already there."""
+    flags = XDP_FLAGS_UPDATE_IF_NOEXIST | MODE_FLAGS[mode]
+    try:
+        with IPRoute() as ipr:
+            idx = _link(ipr, ifname)["index"]
+            ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]})
+    except LinkError:
+        raise
+    except Exception as e:  # pyroute2 raises NetlinkError with the kernel's errno
+        code = getattr(e, "code", None)
+        if code == 16:  # EBUSY
+            raise LinkError(f"another XDP program is already attached to {ifname}") from e
+        if code == 95 and mode == "native":  # EOPNOTSUPP
+            raise LinkError(f"{ifname}'s driver has no native XDP: use --mode skb") from e
+        raise LinkError(f"attaching XDP to {ifname} failed: {e}") from e
+
+
+def detach_xdp(ifname: str, expected_prog_id: int) -> bool:
+    """Remove the XDP program from an interface if it is still ours; False if it is not."""
+    cur = xdp_prog_id(ifname)
+    if cur == 0 or cur != expected_prog_id:
+        return False
+    with IPRoute() as ipr:
+        idx = _link(ipr, ifname)["index"]
+        link = ipr.get_links(idx)[0]
+        mode = link.get_attr("IFLA_XDP").get_attr("IFLA_XDP_ATTACHED")
+        flags = XDP_FLAGS_SKB_MODE if mode == "xdpgeneric" else XDP_FLAGS_DRV_MODE
+        ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", -1), ("IFLA_XDP_FLAGS", flags)]})
+    return True
