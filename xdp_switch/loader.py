@@ -148,8 +148,8 @@ def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = ())
     try:
         with _capture_fd2() as log:
             b = bcc.BPF(text=source_text().encode(), cflags=flags)
-            ingress = b.load_func(PROG_INGRESS, bcc.BPF.XDP)
-            egress = b.load_func(PROG_EGRESS, bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP)
+            ingress = b.load_func(PROG_INGRESS.encode(), bcc.BPF.XDP)
+            egress = b.load_func(PROG_EGRESS.encode(), bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP)
     except Exception as e:  # bcc raises plain Exceptions
         os.close(partials)
         text = "".join(log)

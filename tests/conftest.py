@@ -1,0 +1,39 @@
+"""Shared test configuration: root-only tests skip (with the reason) when not root."""
+
+import os
+
+import pytest
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.geteuid() == 0:
+        return
+    skip = pytest.mark.skip(reason="needs root (BPF, namespaces): run the tests with sudo, as .ci/run does")
+    for item in items:
+        if "root" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def agg_prog():
+    """The XDP aggregator compiled and loaded once (not attached), with typed map access."""
+    from xdp_switch import loader
+    from xdp_switch.ctl_maps import AggMaps
+
+    prog = loader.load(pool_slots=256)
+    yield prog, AggMaps(prog.maps, prog.pool_slots)
+    os.close(prog.maps["partials"])
+    prog.bpf.cleanup()
+
+
+@pytest.fixture
+def agg(agg_prog):
+    """The loaded aggregator with every job and worker removed before the test."""
+    from xdp_switch import bpfsys
+
+    prog, maps = agg_prog
+    for j in list(maps.jobs()):
+        maps.delete_job(j)
+    for key, _ in maps.workers():
+        bpfsys.map_delete(maps.fds["workers"], key)
+    return prog, maps

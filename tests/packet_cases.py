@@ -1,0 +1,241 @@
+"""The table of packet cases every aggregator target must pass (XDP now, bmv2 too).
+
+Each case configures jobs and workers, then feeds frames one by one; each step states the
+expected action, the counter reason and, for results, the exact int32 values and exponent,
+computed here with numpy (not by the code under test). The runners check the output frame's
+addressing and bytes too, and that the serial reference model agrees with every expectation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from scapy.layers.inet import ICMP, IP, TCP, UDP
+from scapy.layers.inet6 import IPv6
+from scapy.layers.l2 import ARP, Ether
+
+from xdp_switch import wire
+from xdp_switch.abi import Delivery, Reason
+from xdp_switch.backend import JobSpec, WorkerSpec
+from xdp_switch.model import Action
+from xdp_switch.scapy_layer import sml_frame
+
+AGG_IP = "198.18.0.1"
+AGG_MAC = "02:00:00:00:00:01"
+GROUP_IP = "198.18.0.255"
+GROUP_MAC = "ff:ff:ff:ff:ff:ff"
+WORKER_PORT = 0xBEE0
+
+
+def worker_ip(i: int) -> str:
+    return f"198.18.{i // 200}.{10 + i % 200}"
+
+
+def worker_mac(i: int) -> str:
+    return f"02:00:00:00:{i >> 8:02x}:{i & 0xFF:02x}"
+
+
+def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=Delivery.GROUP_TX) -> JobSpec:
+    return JobSpec(
+        job_id=job_id,
+        num_workers=n,
+        elems=elems,
+        slot_base=base,
+        slot_count=count,
+        agg_port=port,
+        delivery=delivery,
+        agg_ip=AGG_IP,
+        agg_mac=AGG_MAC,
+        group_ip=GROUP_IP,
+        group_mac=GROUP_MAC,
+    )
+
+
+def workers(job_id: int, n: int, first: int = 0, port=wire.UDP_PORT) -> list[WorkerSpec]:
+    return [
+        WorkerSpec(job_id, i, worker_ip(first + i), WORKER_PORT, port, worker_mac(first + i)) for i in range(n)
+    ]
+
+
+def frame(w: int, values, *, port=wire.UDP_PORT, **kw) -> bytes:
+    """A contribution of worker host `w` (its address) to aggregator port `port`."""
+    return bytes(
+        sml_frame(
+            src_ip=worker_ip(w),
+            src_mac=worker_mac(w),
+            dst_ip=AGG_IP,
+            dst_mac=AGG_MAC,
+            sport=WORKER_PORT,
+            dport=port,
+            values=values,
+            **kw,
+        )
+    )
+
+
+@dataclass
+class Step:
+    """One frame in, and what must come out."""
+
+    what: str
+    frame: bytes
+    action: Action
+    reason: Reason
+    values: np.ndarray | None = None  # exact result payload for TO_ALL / TO_SENDER
+    e0: int | None = None
+    sender: int | None = None  # worker host a TO_SENDER answer goes back to
+    model: bool = True  # False for frame-level cases the UDP-level model does not see
+
+
+@dataclass
+class Case:
+    name: str
+    jobs: list[JobSpec]
+    workers: list[WorkerSpec]
+    steps: list[Step] = field(default_factory=list)
+
+
+def _vals(rng, k, lo=-1000, hi=1000):
+    return rng.integers(lo, hi, size=k, dtype=np.int64)
+
+
+def _wrap(x) -> np.ndarray:
+    return ((np.asarray(x, dtype=np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
+
+
+def complete_round(rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PORT, tag="", exps=None):
+    """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum."""
+    hosts = hosts if hosts is not None else list(range(n))
+    vals = [_vals(rng, k) for _ in range(n)]
+    exps = exps if exps is not None else [int(e) for e in rng.integers(-20, 20, size=n)]
+    steps = []
+    for i, h in enumerate(hosts):
+        f = frame(h, vals[i], port=port, slot=slot, version=version, e0=exps[i], tsi=1000 + i)
+        if i < n - 1:
+            steps.append(Step(f"{tag}w{i} partial", f, Action.DROP, Reason.AGGREGATED))
+        else:
+            steps.append(
+                Step(f"{tag}w{i} completes", f, Action.TO_ALL, Reason.COMPLETED, _wrap(sum(vals)), max(exps))
+            )
+    return steps, vals, exps
+
+
+def build_cases() -> list[Case]:
+    """The table. Deterministic (seeded)."""
+    rng = np.random.default_rng(2021)
+    cases = []
+
+    for k in (32, 64, 256, 768):
+        c = Case(f"complete_n3_k{k}", [job(n=3, elems=k)], workers(0, 3))
+        c.steps, _, _ = complete_round(rng, 3, k, slot=2)
+        cases.append(c)
+
+    c = Case("duplicate_not_counted_twice", [job(n=2)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    c.steps = [
+        Step("w0", frame(0, a, slot=1, e0=4), Action.DROP, Reason.AGGREGATED),
+        Step("w0 again", frame(0, a, slot=1, e0=4), Action.DROP, Reason.DUP_PENDING),
+        Step("w1 completes", frame(1, b, slot=1, e0=-3), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 4),
+    ]
+    cases.append(c)
+
+    c = Case("retransmission_after_completion", [job(n=2)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    c.steps = [
+        Step("w0", frame(0, a, slot=3, tsi=7, e0=1), Action.DROP, Reason.AGGREGATED),
+        Step("w1 completes", frame(1, b, slot=3, tsi=7, e0=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 2),
+        Step("w0 retransmits", frame(0, a, slot=3, tsi=7, e0=1), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 2, sender=0),
+        Step("w1 retransmits", frame(1, b, slot=3, tsi=7, e0=2), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 2, sender=1),
+    ]
+    cases.append(c)
+
+    c = Case("versions_alternate_and_slots_are_reused", [job(n=2, count=4)], workers(0, 2))
+    for r in range(5):  # v0, v1, v0, v1, v0 on slot 1: each first contribution overwrites
+        steps, _, _ = complete_round(rng, 2, 32, slot=1, version=r % 2, tag=f"round {r} ")
+        c.steps += steps
+    cases.append(c)
+
+    c = Case("one_worker", [job(n=1)], workers(0, 1))
+    for r in range(3):
+        a = _vals(rng, 32)
+        c.steps.append(Step(f"round {r}", frame(0, a, slot=0, version=r % 2, e0=r), Action.TO_ALL, Reason.COMPLETED, _wrap(a), r))
+    cases.append(c)
+
+    c = Case("int32_wraps_around", [job(n=3)], workers(0, 3))
+    big = np.full(32, 2**31 - 1, dtype=np.int64)
+    big[::2] = -(2**31)
+    c.steps = [
+        Step("w0", frame(0, big, slot=0), Action.DROP, Reason.AGGREGATED),
+        Step("w1", frame(1, big, slot=0), Action.DROP, Reason.AGGREGATED),
+        Step("w2", frame(2, big, slot=0), Action.TO_ALL, Reason.COMPLETED, _wrap(3 * big), 0),
+    ]
+    cases.append(c)
+
+    c = Case("many_workers_40", [job(n=40, elems=64)], workers(0, 40))
+    c.steps, _, _ = complete_round(rng, 40, 64, slot=5)
+    cases.append(c)
+
+    c = Case("two_jobs_isolated", [job(0, n=2, base=0, count=8), job(1, n=2, base=8, count=8, port=wire.UDP_PORT + 1)],
+             workers(0, 2) + workers(1, 2, first=2, port=wire.UDP_PORT + 1))
+    a0, b0, a1, b1 = (_vals(rng, 32) for _ in range(4))
+    c.steps = [
+        Step("job0 w0", frame(0, a0, slot=3), Action.DROP, Reason.AGGREGATED),
+        Step("job1 w0", frame(2, a1, slot=11, port=wire.UDP_PORT + 1), Action.DROP, Reason.AGGREGATED),
+        Step("job1 w1 completes", frame(3, b1, slot=11, port=wire.UDP_PORT + 1), Action.TO_ALL, Reason.COMPLETED, _wrap(a1 + b1), 0),
+        Step("job0 w1 completes", frame(1, b0, slot=3), Action.TO_ALL, Reason.COMPLETED, _wrap(a0 + b0), 0),
+        Step("job0 worker to job1's slot", frame(0, a0, slot=11), Action.DROP, Reason.DROP_SLOT_RANGE),
+        Step("job0 worker to job1's port", frame(0, a0, slot=3, port=wire.UDP_PORT + 1), Action.DROP, Reason.DROP_UNKNOWN_SOURCE),
+    ]
+    cases.append(c)
+
+    c = Case("bad_packets_dropped_and_counted", [job(n=2, base=4, count=4)], workers(0, 2))
+    a = _vals(rng, 32)
+    full = frame(0, a, slot=5)
+    c.steps = [
+        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
+        Step("headers truncated", full[: wire.SWITCHML_OFFSET + 6], Action.DROP, Reason.DROP_TRUNCATED),
+        Step("wrong size code", frame(0, _vals(rng, 64), slot=5), Action.DROP, Reason.DROP_BAD_SIZE),
+        Step("unregistered source", frame(7, a, slot=5), Action.DROP, Reason.DROP_UNKNOWN_SOURCE),
+        Step("slot below range", frame(0, a, slot=3), Action.DROP, Reason.DROP_SLOT_RANGE),
+        Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
+        Step("reserved pool bit", frame(0, a, pool_index=0x4005), Action.DROP, Reason.DROP_SLOT_RANGE),
+        Step("other message type", frame(0, a, slot=5, msg_type=2), Action.DROP, Reason.DROP_BAD_TYPE),
+        Step("valid after all that", frame(0, a, slot=5), Action.DROP, Reason.AGGREGATED),
+    ]
+    cases.append(c)
+
+    c = Case("not_ours_passes_untouched", [job(n=2)], workers(0, 2))
+    eth = Ether(src=worker_mac(0), dst=AGG_MAC)
+    c.steps = [
+        Step("ARP", bytes(Ether(src=worker_mac(0), dst="ff:ff:ff:ff:ff:ff") / ARP(psrc=worker_ip(0), pdst=AGG_IP)), Action.PASS, Reason.PASS, model=False),
+        Step("ICMP echo", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / ICMP() / (b"x" * 32)), Action.PASS, Reason.PASS, model=False),
+        Step("other UDP", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=5000, dport=53) / (b"q" * 40)), Action.PASS, Reason.PASS),
+        Step("UDP from our port to another", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=wire.UDP_PORT, dport=0xBEF0) / (b"q" * 40)), Action.PASS, Reason.PASS),
+        Step("TCP to our port", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / TCP(sport=40000, dport=wire.UDP_PORT) / (b"t" * 40)), Action.PASS, Reason.PASS, model=False),
+        Step("IPv6 UDP to our port", bytes(eth / IPv6(src="2001:db8::10", dst="2001:db8::1") / UDP(sport=wire.UDP_PORT, dport=wire.UDP_PORT) / (b"6" * 64)), Action.PASS, Reason.PASS, model=False),
+    ]
+    cases.append(c)
+
+    c = Case("malformed_ipv4_to_our_port", [job(n=2)], workers(0, 2))
+    a = _vals(rng, 32)
+    opt = Ether(frame(0, a))
+    opt[IP].options = [b"\x01\x01\x01\x00"]  # NOP NOP NOP EOL: one option word
+    del opt[IP].ihl, opt[IP].len, opt[IP].chksum
+    frag = Ether(frame(0, a))
+    frag[IP].flags = "MF"
+    del frag[IP].chksum
+    c.steps = [
+        Step("IPv4 options", bytes(opt), Action.DROP, Reason.DROP_MALFORMED, model=False),
+        Step("first fragment", bytes(frag), Action.DROP, Reason.DROP_MALFORMED, model=False),
+        Step("still aggregates", frame(0, a), Action.DROP, Reason.AGGREGATED),
+    ]
+    cases.append(c)
+
+    c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
+    c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
+    cases.append(c)
+    return cases
+
+
+CASES = build_cases()

@@ -1,0 +1,129 @@
+"""Table-driven BPF_PROG_TEST_RUN tests of the XDP program (tests/packet_cases.py).
+
+For every step: the XDP action, the output frame (addressing, checksums, echoed header fields,
+result values, exponent), the counters, and the serial reference model's verdict must agree.
+"""
+
+from collections import Counter
+
+import numpy as np
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+
+from packet_cases import AGG_IP, AGG_MAC, CASES, GROUP_IP, GROUP_MAC, Case, Step
+from xdp_switch import abi, bpfsys, wire
+from xdp_switch.abi import Delivery, Reason
+from xdp_switch.model import Action, ReferenceAggregator
+from xdp_switch.scapy_layer import Exponents, SwitchML
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf]
+
+
+def _xdp_action(step: Step, delivery: Delivery) -> int:
+    if step.action == Action.PASS:
+        return bpfsys.XDP_PASS
+    if step.action == Action.DROP:
+        return bpfsys.XDP_DROP
+    if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
+        return bpfsys.XDP_REDIRECT
+    return bpfsys.XDP_TX
+
+
+def _ip_checksum_ok(pkt) -> bool:
+    ip = pkt[IP].copy()
+    want = ip.chksum
+    del ip.chksum
+    return IP(bytes(ip))[IP].chksum == want
+
+
+def _check_result(step: Step, req, out) -> None:
+    """Header fields echoed, payload and exponent as expected."""
+    assert out[SwitchML].tsi == req[SwitchML].tsi
+    assert out[SwitchML].job_number == req[SwitchML].job_number
+    assert out[SwitchML].pool_index == req[SwitchML].pool_index
+    assert out[SwitchML].size == req[SwitchML].size
+    assert out[Exponents].e0 == step.e0
+    k = wire.elems_for(req[SwitchML].size)
+    got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
+    np.testing.assert_array_equal(got, step.values)
+
+
+def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -> None:
+    assert bpfsys.XDP_ACTIONS[action] == bpfsys.XDP_ACTIONS[_xdp_action(step, delivery)], step.what
+    if step.action == Action.PASS:
+        assert out_bytes == step.frame, f"{step.what}: a packet that is not ours was modified"
+        return
+    if step.action == Action.DROP:
+        return
+    req, out = Ether(step.frame), Ether(out_bytes)
+    assert len(out_bytes) == len(step.frame)
+    _check_result(step, req, out)
+    if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
+        return  # the devmap egress program addresses each copy (netns test)
+    if step.action == Action.TO_ALL:
+        want = (GROUP_MAC, AGG_MAC, AGG_IP, GROUP_IP)
+    else:
+        want = (req.src, req.dst, req[IP].dst, req[IP].src)
+    assert (out.dst, out.src, out[IP].src, out[IP].dst) == want, step.what
+    assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
+    assert out[UDP].chksum == 0
+    assert _ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
+
+
+def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> None:
+    req = Ether(step.frame)
+    v = model.process(req[IP].src, req[UDP].dport, step.frame[wire.SWITCHML_OFFSET :])
+    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
+    if v.payload is not None:
+        assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
+
+
+def _all_counters(maps) -> Counter:
+    total = Counter()
+    for row in list(range(abi.MAX_JOBS)) + [abi.NO_JOB]:
+        for name, v in maps.counters(row).items():
+            total[name] += v
+    return total
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_packet_case(agg, case: Case):
+    prog, maps = agg
+    fd = prog.progs["xdp_agg_ingress"]
+    model = ReferenceAggregator()
+    for j in case.jobs:
+        maps.create_job(j)
+        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
+    for w in case.workers:
+        maps.add_worker(w)
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+    delivery = case.jobs[0].delivery
+    before = _all_counters(maps)
+    for step in case.steps:
+        action, out, _ = bpfsys.prog_test_run(fd, step.frame)
+        _check_step(step, delivery, action, out)
+        if step.model:
+            _check_model(model, step, out)
+    delta = _all_counters(maps) - before
+    want = Counter(s.reason.name.lower() for s in case.steps)
+    assert delta == want
+
+
+def test_worker_counters(agg):
+    """Per-worker counters follow the packets: contributions, duplicates, answers, drops."""
+    from packet_cases import frame, job, workers
+
+    prog, maps = agg
+    fd = prog.progs["xdp_agg_ingress"]
+    maps.create_job(job(n=2))
+    for w in workers(0, 2):
+        maps.add_worker(w)
+    a = np.arange(32)
+    for f in (frame(0, a), frame(0, a), frame(1, a), frame(0, a), frame(0, np.arange(64))):
+        bpfsys.prog_test_run(fd, f)
+    assert maps.worker_counters(0, 0) == {
+        "packets": 4, "contributions": 1, "duplicates": 2, "answered": 1, "dropped": 1,
+    }
+    assert maps.worker_counters(0, 1)["contributions"] == 1
+    assert maps.counters(0)[Reason.COMPLETED.name.lower()] == 1
