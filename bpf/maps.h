@@ -13,6 +13,16 @@ BPF_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       
 BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, tx_ports, AGG_MAX_PORTS); /* switch mode: ports to broadcast to */
 BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
 
+/* Never read or written by the program: it puts the types no other map value carries (the wire
+ * headers, the partials created by the loader) into the program's BTF, where
+ * tests/test_codegen.py compares their layout with xdp_switch/wire.py and abi.py. */
+struct agg_btf_anchor {
+	struct switchml_hdr sml;
+	struct exponents_hdr exp;
+	struct agg_partial partial;
+};
+BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
+
 /* Per-CPU partial sums (slot*2+v -> struct agg_partial). bcc has no table method for
  * bpf_map_lookup_percpu_elem, which the completing packet needs to gather the other CPUs' sums,
  * so the loader creates this map itself and passes its fd; the pseudo-fd load below is what a

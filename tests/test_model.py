@@ -1,0 +1,37 @@
+"""The serial reference model against the packet table (no root needed)."""
+
+import numpy as np
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+
+from packet_cases import CASES
+from xdp_switch import wire
+from xdp_switch.model import Action, ReferenceAggregator
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_model_follows_the_table(case):
+    model = ReferenceAggregator()
+    for j in case.jobs:
+        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
+    for w in case.workers:
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+    for step in (s for s in case.steps if s.model):
+        req = Ether(step.frame)
+        v = model.process(req[IP].src, req[UDP].dport, step.frame[wire.SWITCHML_OFFSET:])
+        assert (v.action, v.reason) == (step.action, step.reason), step.what
+        if step.values is not None:
+            msg = wire.Message.from_bytes(v.payload)
+            np.testing.assert_array_equal(msg.values, step.values)
+            assert msg.e0 == step.e0
+
+
+def test_recreated_job_starts_clean():
+    m = ReferenceAggregator()
+    m.create_job(0, 2, 32, 0, 4)
+    m.add_worker(0, 0, "198.18.0.10")
+    p = wire.Message(1, 0, 0, 1, 0, 0, 0, 0, np.ones(32, np.int32)).to_bytes()
+    assert m.process("198.18.0.10", wire.UDP_PORT, p).action == Action.DROP
+    m.create_job(0, 2, 32, 0, 4)
+    assert m.process("198.18.0.10", wire.UDP_PORT, p).reason.name == "AGGREGATED"
