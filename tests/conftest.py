@@ -37,3 +37,7 @@ def agg(agg_prog):
     for key, _ in maps.workers():
         bpfsys.map_delete(maps.fds["workers"], key)
     return prog, maps
+
+
+# Network-namespace testbeds: `testbed_factory` and `testbed` (skip unless root).
+from netns_testbed.fixtures import testbed, testbed_factory  # noqa: E402,F401

@@ -1,0 +1,304 @@
+"""``netns-testbed``: build, inspect, use and remove testbeds from a shell.
+
+Testbeds built here stay up after the command exits; they are recorded in
+/run/netns-testbed/<prefix>.json and removed with ``down``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import click
+
+# Import submodules, not the package root: an editable install made before
+# the package had an __init__.py maps it as a namespace package.
+from . import nsexec, plan, registry, shaping
+from .errors import TestbedError
+from .testbed import Testbed, require_root
+
+EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+
+MAIN_HELP = f"""Build and remove network-namespace testbeds (N workers + 1 aggregator).
+
+\b
+Examples:
+  netns-testbed up --workers 4 --topology switch --rate 1gbit
+  netns-testbed up -n 3 --prefix demo --loss-up 0.01 --json
+  netns-testbed status
+  netns-testbed exec --prefix demo w0 -- ping -c 1 198.18.0.1
+  netns-testbed exec --prefix demo agg -- ip -br addr
+  netns-testbed set --prefix demo --rate 100mbit --loss-down 0.05
+  netns-testbed down --prefix demo
+  netns-testbed down --stale      # testbeds of programs that died
+  netns-testbed down --all
+
+\b
+Exit codes:
+  0  success (exec: the command's own exit code)
+  1  error (not root, prefix in use, a tool missing, kernel refused...)
+  2  usage error (bad option or value)
+
+State files live in {registry.STATE_DIR}. Needs root except for status.
+"""
+
+
+def _rate(ctx, param, value):
+    if value is None or value.lower() == "none":
+        return None
+    try:
+        return shaping.parse_rate(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _prefix(ctx, param, value):
+    if value is None:
+        return None
+    try:
+        return plan.validate_prefix(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+PROB = click.FloatRange(0.0, 1.0)
+
+
+def _fail(e: Exception) -> click.ClickException:
+    return click.ClickException(str(e))
+
+
+@click.group(help=MAIN_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+def main():
+    pass
+
+
+@main.command(help="""Build a testbed and leave it running.
+
+\b
+one-arm: bridge in <prefix>sw; aggregator eth0 198.18.0.1/24, worker i
+         eth0 198.18.0.(10+i)/24; results to group 198.18.0.255.
+switch:  aggregator p<i> 198.18.(i+1).1/24 <-> worker i eth0 198.18.(i+1).2/24.
+
+\b
+Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500""")
+@click.option("-n", "--workers", type=click.IntRange(1, plan.MAX_WORKERS), default=2,
+              show_default=True, help="Number of workers.")
+@click.option("--topology", type=click.Choice(plan.TOPOLOGIES), default="one-arm",
+              show_default=True)
+@click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
+@click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
+@click.option("--mtu", type=click.IntRange(68, 65535), default=1500, show_default=True)
+@click.option("--loss-up", type=PROB, default=0.0, help="Drop probability worker -> aggregator.")
+@click.option("--loss-down", type=PROB, default=0.0, help="Drop probability aggregator -> worker.")
+@click.option("--dup-up", type=PROB, default=0.0, help="Duplication probability worker -> aggregator.")
+@click.option("--dup-down", type=PROB, default=0.0,
+              help="Duplication probability aggregator -> worker (one-arm only).")
+@click.option("--prefix", callback=_prefix, help="Name prefix (default: xt + 4 random hex digits).")
+@click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
+def up(workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_down, prefix,
+       as_json):
+    try:
+        require_root()
+        tb = Testbed(workers=workers, topology=topology, rate=rate, agg_rate=agg_rate, mtu=mtu,
+                     loss_up=loss_up, loss_down=loss_down, dup_up=dup_up, dup_down=dup_down,
+                     prefix=prefix, cleanup_at_exit=False)
+        tb.up()
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except TestbedError as e:
+        raise _fail(e) from None
+    if as_json:
+        click.echo(json.dumps(tb.state(), indent=1, sort_keys=True))
+        return
+    click.echo(_describe(tb.state()))
+    click.echo(f"remove with: netns-testbed down --prefix {tb.prefix}")
+
+
+@main.command(help="""Remove a testbed (or several): processes started through the
+library, namespaces, links, state file.
+
+\b
+--all also removes testbeds that running programs (e.g. a pytest session)
+are using; --stale only those whose building program has exited without
+cleaning up (testbeds made by `up` are never stale).
+
+\b
+Examples: netns-testbed down --prefix demo
+          netns-testbed down --stale
+          netns-testbed down --all""")
+@click.option("--prefix", callback=_prefix, help="Testbed to remove.")
+@click.option("--all", "all_", is_flag=True, help=f"Remove every testbed recorded in {registry.STATE_DIR}.")
+@click.option("--stale", is_flag=True, help="Remove testbeds left behind by programs that died.")
+def down(prefix, all_, stale):
+    if (prefix is not None) + all_ + stale != 1:
+        raise click.UsageError("give exactly one of --prefix P, --stale or --all")
+    try:
+        require_root()
+        if prefix is not None:
+            prefixes = [prefix]
+        else:
+            prefixes = [st["prefix"] for st in registry.list_states()
+                        if all_ or (st.get("cleanup_at_exit") and not registry.owner_alive(st))]
+        if not prefixes:
+            click.echo("nothing to remove")
+        failed = []
+        for p in prefixes:
+            try:
+                _down_one(p)
+                click.echo(f"removed {p}")
+            except TestbedError as e:
+                if prefix is not None:
+                    raise
+                failed.append(f"{p}: {e}")
+        if failed:
+            raise TestbedError("; ".join(failed))
+    except TestbedError as e:
+        raise _fail(e) from None
+
+
+def _down_one(prefix: str) -> None:
+    if registry.load_state(prefix) is not None:
+        Testbed.attach(prefix).down()
+        return
+    # No record (e.g. the state dir was wiped): fall back to the exact name
+    # pattern of this prefix, so only our namespaces can match.
+    pat = plan.netns_name_re(prefix)
+    try:
+        names = [n for n in os.listdir(nsexec.NETNS_DIR) if pat.match(n)]
+    except FileNotFoundError:
+        names = []
+    if not names:
+        raise TestbedError(f"no testbed with prefix {prefix!r} (see `netns-testbed status`)")
+    errors = registry.CleanupRegistry(namespaces=sorted(names)).teardown()
+    if errors:
+        raise TestbedError("; ".join(errors))
+
+
+@main.command(help="""Show recorded testbeds and whether their namespaces exist.
+
+\b
+Example: netns-testbed status --json""")
+@click.option("--prefix", callback=_prefix, help="Only this testbed.")
+@click.option("--json", "as_json", is_flag=True, help="Print a JSON list of states.")
+def status(prefix, as_json):
+    states = [st for st in registry.list_states() if prefix is None or st["prefix"] == prefix]
+    for st in states:
+        present = [ns for ns in st.get("namespaces", [])
+                   if os.path.exists(nsexec.netns_path(ns))]
+        st["present_namespaces"] = present
+        st["health"] = ("ok" if len(present) == len(st.get("namespaces", [])) and present
+                        else "partial" if present else "gone")
+        st["owner_alive"] = registry.owner_alive(st)
+    if as_json:
+        click.echo(json.dumps(states, indent=1, sort_keys=True))
+        return
+    if not states:
+        click.echo("no testbeds" + (f" with prefix {prefix}" if prefix else ""))
+        if prefix:
+            sys.exit(EXIT_ERROR)
+        return
+    for st in states:
+        owner = ("made by netns-testbed up" if not st.get("cleanup_at_exit")
+                 else f"owner pid {st.get('owner_pid')} "
+                      + ("running" if st["owner_alive"] else "gone: remove with down --stale"))
+        click.echo(_describe(st) + f"\n  health: {st['health']} "
+                   f"({len(st['present_namespaces'])}/{len(st.get('namespaces', []))} namespaces),"
+                   f" {owner}")
+
+
+@main.command(name="exec", context_settings={"ignore_unknown_options": True,
+                                             "allow_interspersed_args": False},
+              help="""Run CMD inside HOST's namespace (HOST: agg, sw, w0, w1, ...).
+
+\b
+--prefix may be omitted when exactly one testbed exists.
+Examples: netns-testbed exec --prefix demo w1 -- ping -c 1 198.18.0.1
+          netns-testbed exec agg -- tcpdump -ni eth0""")
+@click.option("--prefix", callback=_prefix, help="Testbed (default: the only one).")
+@click.argument("host")
+@click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
+def exec_(prefix, host, cmd):
+    try:
+        require_root()
+        if prefix is None:
+            known = [st["prefix"] for st in registry.list_states()]
+            if len(known) != 1:
+                raise click.UsageError(
+                    "several testbeds exist, pick one with --prefix: " + ", ".join(known)
+                    if known else "no testbeds recorded; create one with `netns-testbed up`")
+            prefix = known[0]
+        tb = Testbed.attach(prefix)
+        try:
+            ns = tb.netns_of(host)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+    except TestbedError as e:
+        raise _fail(e) from None
+    cmd = list(cmd)
+    if cmd and cmd[0] == "--":  # click keeps "--" when interspersed args are off
+        cmd = cmd[1:]
+    if not cmd:
+        raise click.UsageError("missing CMD after --")
+    argv = nsexec.nsenter_argv(ns, cmd)
+    try:
+        os.execvp(argv[0], argv)  # replaces this process: CMD's exit code is ours
+    except OSError as e:
+        raise _fail(TestbedError(f"cannot run nsenter: {e}")) from None
+
+
+@main.command(name="set", help="""Change rate, loss or duplication of a running testbed.
+
+\b
+Examples: netns-testbed set --prefix demo --rate 100mbit
+          netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1""")
+@click.option("--prefix", callback=_prefix, required=True)
+@click.option("--rate", help="New per worker link rate, or 'none' to remove the limit.")
+@click.option("--agg-rate", help="New aggregator link rate (one-arm), or 'none'.")
+@click.option("--loss-up", type=PROB)
+@click.option("--loss-down", type=PROB)
+@click.option("--dup-up", type=PROB)
+@click.option("--dup-down", type=PROB)
+def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down):
+    try:
+        require_root()
+        tb = Testbed.attach(prefix)
+        if rate is not None or agg_rate is not None:
+            new_rate = _rate(None, None, rate) if rate is not None else tb.rate_bits
+            if agg_rate is not None:
+                tb.set_rate(new_rate, agg_rate=_rate(None, None, agg_rate))
+            else:
+                tb.set_rate(new_rate)
+        if any(x is not None for x in (loss_up, loss_down, dup_up, dup_down)):
+            tb.set_loss(tb.loss_up if loss_up is None else loss_up,
+                        tb.loss_down if loss_down is None else loss_down,
+                        dup_up=dup_up, dup_down=dup_down)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except TestbedError as e:
+        raise _fail(e) from None
+    click.echo(_describe(tb.state()))
+
+
+def _describe(st: dict) -> str:
+    """Human-readable summary of a state dict."""
+    lines = [f"testbed {st['prefix']} [{st.get('status')}]: {st['topology']}, "
+             f"{st['n_workers']} workers, mtu {st['mtu']}, rate {st.get('rate') or 'unlimited'}"
+             + (f", agg rate {st['agg_rate']}" if st.get("agg_rate") else "")
+             + f", loss up/down {st.get('loss_up', 0)}/{st.get('loss_down', 0)}"
+             + (f", dup up/down {st.get('dup_up', 0)}/{st.get('dup_down', 0)}"
+                if st.get("dup_up") or st.get("dup_down") else "")]
+    ag = st["aggregator"]
+    for ifname, ip, mac in zip(ag["ifnames"], ag["ips"], ag["macs"]):
+        lines.append(f"  agg  {ag['netns']:<12} {ifname:<5} {ip:<15} {mac}")
+    for w in st["workers"]:
+        lines.append(f"  w{w['index']:<3} {w['netns']:<12} {w['ifname']:<5} {w['ip']:<15} {w['mac']}"
+                     f"  -> {w['agg_ip']} ({w['agg_ifname']})")
+    if st.get("group_ip"):
+        lines.append(f"  group address {st['group_ip']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Random loss and duplication of aggregation traffic with nftables.
+
+netem is not built on this kernel, so faults come from nftables rules
+(``numgen random``) in ``table netdev netns_testbed``, installed in each
+WORKER namespace on its ``eth0`` and thus independent of the aggregator's XDP
+program (whose XDP_TX/redirect frames bypass qdiscs and netfilter on the
+aggregator side, but not on the receiving worker):
+
+* loss up:   egress hook, UDP to ports 0xBEE0-0xBEEF dropped with probability p.
+* loss down: ingress hook, UDP from ports 0xBEE0-0xBEEF dropped with p
+  (unicast and the one-arm group broadcast alike).
+* dup up:    egress hook, ``dup to "eth0"`` sends one extra copy with p.
+* dup down:  one-arm only: egress hook of the bridge port toward each worker
+  (in ``<prefix>sw``). In switch mode the only device before the worker is
+  the aggregator's ``p<i>``, whose XDP_TX/redirected frames skip its egress
+  hook, and a worker's ingress hook cannot copy a frame into its own receive
+  path (nft ``dup`` only transmits; this kernel's tc has no random match,
+  skbedit or gact), so switch mode has no dup down.
+
+Why netdev hooks rather than the inet output/input hooks: a drop in the
+output hook makes the sender's ``sendto`` fail with EPERM, i.e. the loss is
+visible to the application; a drop in the egress hook is silent, like loss
+on a wire. netdev hooks also catch AF_PACKET senders and raw receivers
+(except with PACKET_QDISC_BYPASS, and AF_XDP, which skip them).
+
+Granularity: rules act on skbs, so a UDP GSO send (one skb, many datagrams)
+or a GRO-merged receive (UDP_GRO sockets) is dropped or copied as a whole.
+
+A mark bit on the original keeps its copy from being duplicated again
+(the copy inherits the mark; crossing into another namespace clears it).
+"""
+
+from __future__ import annotations
+
+from . import nsexec
+
+AGG_PORT_LO, AGG_PORT_HI = 0xBEE0, 0xBEEF
+TABLE = "netns_testbed"
+DUP_MARK = 0x40000000
+# numgen's modulus is 32-bit; 1e9 gives a resolution of 1e-9 in probability.
+_MOD = 1_000_000_000
+
+
+def check_probability(name: str, p: float) -> float:
+    """Return ``p`` as float, or raise ValueError unless 0 <= p <= 1."""
+    try:
+        p = float(p)
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number in [0, 1], got {p!r}") from None
+    if not 0.0 <= p <= 1.0:
+        raise ValueError(f"{name} must be in [0, 1] (0 = never, 1 = always), got {p}")
+    return p
+
+
+def _chance(p: float) -> str:
+    """nft expression true with probability ``p`` (empty when p >= 1: always)."""
+    if p >= 1.0:
+        return ""
+    return f"numgen random mod {_MOD} < {max(1, round(p * _MOD))} "
+
+
+def _replace_table(family: str, body: str) -> str:
+    # "add; delete; define" in one nft transaction: replaces the table
+    # atomically whether or not it existed, and leaves none when body is empty.
+    text = f"table {family} {TABLE}\ndelete table {family} {TABLE}\n"
+    if body:
+        text += f"table {family} {TABLE} {{\n{body}}}\n"
+    return text
+
+
+def worker_script(ifname: str, loss_up: float, loss_down: float, dup_up: float) -> str:
+    """nft script for a worker namespace (replaces any earlier one)."""
+    ports = f"{AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
+    body = ""
+    if loss_up > 0:
+        body += (f'  chain loss_up {{ type filter hook egress device "{ifname}" priority 0; '
+                 "policy accept;\n"
+                 f"    udp dport {ports} {_chance(loss_up)}counter drop\n  }}\n")
+    if loss_down > 0:
+        body += (f'  chain loss_down {{ type filter hook ingress device "{ifname}" priority 0; '
+                 "policy accept;\n"
+                 f"    udp sport {ports} {_chance(loss_down)}counter drop\n  }}\n")
+    if dup_up > 0:  # priority 10: after loss_up, so only survivors are copied
+        body += _dup_chain("dup_up", ifname, f"udp dport {ports}", dup_up, priority=10)
+    return _replace_table("netdev", body)
+
+
+def switch_script(ports: list[str], dup_down: float) -> str:
+    """nft script for the one-arm bridge namespace: dup down on each worker port."""
+    body = ""
+    if dup_down > 0:
+        match = f"udp sport {AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
+        body = "".join(_dup_chain(f"dup_{p}", p, match, dup_down) for p in ports)
+    return _replace_table("netdev", body)
+
+
+def _dup_chain(chain: str, dev: str, match: str, p: float, priority: int = 0) -> str:
+    return (f'  chain {chain} {{ type filter hook egress device "{dev}" priority {priority}; '
+            "policy accept;\n"
+            f"    meta mark and {DUP_MARK:#x} == 0 {match} {_chance(p)}"
+            f'meta mark set meta mark or {DUP_MARK:#x} counter dup to "{dev}"\n  }}\n')
+
+
+def apply(netns: str, script: str) -> None:
+    """Load ``script`` into ``netns`` with ``nft -f -``."""
+    nsexec.check(netns, ["nft", "-f", "-"], "nft (loss/duplication rules)", input=script)

@@ -1,0 +1,150 @@
+"""Names and addresses of a testbed, computed before anything is created.
+
+Pure functions only (no root needed), so the address plan can be unit-tested
+and so that every namespace and link is known -- and registered for cleanup --
+before the first one exists.
+
+Address plan (everything stays inside 198.18.0.0/15, the benchmarking range):
+
+* ``one-arm``: one /24, 198.18.0.0/24. Aggregator ``eth0`` 198.18.0.1, worker
+  i ``eth0`` 198.18.0.(10+i); all meet on a bridge ``br0`` in ``<prefix>sw``.
+  The subnet broadcast 198.18.0.255 is the "group" address for results.
+* ``switch``: one /24 per worker, 198.18.(i+1).0/24. Aggregator ``p<i>``
+  198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge.
+
+MACs are derived from the IP (``02:00`` + the four IP octets) so they are
+stable across runs and readable in packet dumps; bridge ports keep
+kernel-chosen MACs.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from .hosts import AggregatorHost, WorkerHost
+
+TOPOLOGIES = ("one-arm", "switch")
+MAX_WORKERS = 32
+PREFIXLEN = 24
+ONE_ARM_AGG_IP = "198.18.0.1"
+ONE_ARM_GROUP_IP = "198.18.0.255"
+BRIDGE_NAME = "br0"
+# Interface names must fit IFNAMSIZ-1 = 15 characters; ours are at most 4.
+IFNAMSIZ_MAX = 15
+
+_PREFIX_RE = re.compile(r"^[A-Za-z][A-Za-z0-9_-]{0,11}$")
+
+
+def new_prefix() -> str:
+    """A fresh random prefix, ``xt`` + 4 hex digits, so testbeds don't clash."""
+    return "xt" + secrets.token_hex(2)
+
+
+def validate_prefix(prefix: str) -> str:
+    """Return ``prefix`` or raise ValueError saying what a valid one looks like."""
+    if not isinstance(prefix, str) or not _PREFIX_RE.match(prefix):
+        raise ValueError(
+            f"invalid prefix {prefix!r}: use 1-12 characters [A-Za-z0-9_-], "
+            "starting with a letter (e.g. 'xt1a2b')"
+        )
+    return prefix
+
+
+def netns_name_re(prefix: str) -> re.Pattern:
+    """Regex matching exactly the namespace names a testbed with ``prefix`` uses."""
+    return re.compile(rf"^{re.escape(prefix)}(sw|ag|w\d+)$")
+
+
+def mac_for_ip(ip: str) -> str:
+    """Locally administered unicast MAC ``02:00:a:b:c:d`` for IP ``a.b.c.d``."""
+    octets = [int(x) for x in ip.split(".")]
+    return "02:00:" + ":".join(f"{o:02x}" for o in octets)
+
+
+@dataclass
+class VethSpec:
+    """One veth pair: end ``a`` is created in ``ns_a`` with its peer ``b`` in ``ns_b``.
+
+    ``worker`` is the worker index whose link this is, or None for the
+    aggregator's own link (one-arm). ``ip``/``mac`` None means "leave unset".
+    """
+
+    ns_a: str
+    if_a: str
+    ns_b: str
+    if_b: str
+    worker: int | None
+    ip_a: str | None = None
+    mac_a: str | None = None
+    ip_b: str | None = None
+    mac_b: str | None = None
+    bridge_b: bool = False  # enslave end b to the bridge
+
+
+@dataclass
+class Plan:
+    """Everything a testbed will create, by name."""
+
+    prefix: str
+    topology: str
+    aggregator: AggregatorHost
+    workers: list[WorkerHost]
+    veths: list[VethSpec]
+    switch_netns: str | None = None  # one-arm: namespace holding the bridge
+    group_ip: str | None = None
+    namespaces: list[str] = field(default_factory=list)
+
+    @property
+    def agg_interfaces(self) -> list[str]:
+        return list(self.aggregator.ifnames)
+
+
+def make_plan(prefix: str, workers: int, topology: str) -> Plan:
+    """Compute names/addresses for ``workers`` workers in ``topology``."""
+    validate_prefix(prefix)
+    if topology not in TOPOLOGIES:
+        raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
+    if not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
+        raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
+
+    agg_ns = f"{prefix}ag"
+    worker_ns = [f"{prefix}w{i}" for i in range(workers)]
+
+    if topology == "one-arm":
+        sw_ns = f"{prefix}sw"
+        agg_mac = mac_for_ip(ONE_ARM_AGG_IP)
+        agg = AggregatorHost(agg_ns, ["eth0"], [ONE_ARM_AGG_IP], [agg_mac], PREFIXLEN)
+        veths = [
+            VethSpec(agg_ns, "eth0", sw_ns, "ag", None,
+                     ip_a=ONE_ARM_AGG_IP, mac_a=agg_mac, bridge_b=True)
+        ]
+        hosts = []
+        for i in range(workers):
+            ip = f"198.18.0.{10 + i}"
+            hosts.append(WorkerHost(i, worker_ns[i], "eth0", ip, mac_for_ip(ip),
+                                    ONE_ARM_AGG_IP, "eth0", agg_mac, PREFIXLEN))
+            veths.append(VethSpec(worker_ns[i], "eth0", sw_ns, f"w{i}", i,
+                                  ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True))
+        plan = Plan(prefix, topology, agg, hosts, veths, sw_ns, ONE_ARM_GROUP_IP,
+                    [sw_ns, agg_ns, *worker_ns])
+    else:
+        agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
+        veths, hosts = [], []
+        for i in range(workers):
+            agg_ip, ip = f"198.18.{i + 1}.1", f"198.18.{i + 1}.2"
+            agg_if = f"p{i}"
+            agg.ifnames.append(agg_if)
+            agg.ips.append(agg_ip)
+            agg.macs.append(mac_for_ip(agg_ip))
+            hosts.append(WorkerHost(i, worker_ns[i], "eth0", ip, mac_for_ip(ip),
+                                    agg_ip, agg_if, mac_for_ip(agg_ip), PREFIXLEN))
+            veths.append(VethSpec(worker_ns[i], "eth0", agg_ns, agg_if, i,
+                                  ip_a=ip, mac_a=mac_for_ip(ip),
+                                  ip_b=agg_ip, mac_b=mac_for_ip(agg_ip)))
+        plan = Plan(prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns])
+
+    for v in veths:
+        assert len(v.if_a) <= IFNAMSIZ_MAX and len(v.if_b) <= IFNAMSIZ_MAX
+    return plan

@@ -1,0 +1,391 @@
+"""Tests of netns_testbed: address plan (no root) and real namespaces (root).
+
+The namespace tests build small testbeds (2-3 workers) and check reachability,
+UDP delivery, loss/duplication rules, rate shaping, live changes, cleanup on
+every exit path and the CLI. The whole file runs in well under a minute.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from netns_testbed import faults, plan, registry, shaping
+from netns_testbed.errors import TestbedError
+from netns_testbed.fixtures import SKIP_REASON
+from netns_testbed.testbed import Testbed
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+AGG_PORT = 0xBEE0
+
+needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)
+
+
+def netns_marks(f):
+    """Mark a test as building namespaces (root + netns markers, skip unless root)."""
+    return pytest.mark.root(pytest.mark.netns(needs_root(f)))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _tools():
+    """ping is not in the base image; install it once if we may."""
+    if os.geteuid() == 0 and shutil.which("ping") is None:
+        subprocess.run(["apt-get", "install", "-y", "iputils-ping"], capture_output=True)
+
+
+# Receiver run inside a namespace: prints "ready", then collects datagrams
+# until `idle` seconds pass without one and prints them as JSON.
+RECV = r"""
+import json, socket, sys
+port, idle = int(sys.argv[1]), float(sys.argv[2])
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: no overflow drops
+s.bind(("0.0.0.0", port))
+s.settimeout(idle)
+print("ready", flush=True)
+got = []
+try:
+    while True:
+        data, addr = s.recvfrom(65535)
+        got.append([addr[0], addr[1], data.decode()])
+except socket.timeout:
+    pass
+print(json.dumps(got), flush=True)
+"""
+
+# Sender: argv = dst port count tag [sport]
+SEND = r"""
+import socket, sys
+dst, port, n, tag = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_BROADCAST, 1)
+if len(sys.argv) > 5:
+    s.bind(("0.0.0.0", int(sys.argv[5])))
+for i in range(n):
+    s.sendto(f"{tag}-{i}".encode(), (dst, port))
+"""
+
+
+def start_receiver(tb, host, port, idle=0.5):
+    p = tb.popen(host, [sys.executable, "-c", RECV, str(port), str(idle)],
+                 stdout=subprocess.PIPE, text=True)
+    assert p.stdout.readline().strip() == "ready"
+    return p
+
+
+def collect(p):
+    out, _ = p.communicate(timeout=10)
+    return json.loads(out)
+
+
+def send(tb, host, dst, port, n=1, tag="x", sport=None):
+    argv = [sys.executable, "-c", SEND, dst, str(port), str(n), tag]
+    if sport is not None:
+        argv.append(str(sport))
+    tb.run(host, argv, check=True, timeout=10)
+
+
+def netns_names() -> list[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def assert_gone(prefix):
+    pat = plan.netns_name_re(prefix)
+    assert not [n for n in netns_names() if pat.match(n)]
+    assert not os.path.exists(registry.state_path(prefix))
+
+
+# ---------------------------------------------------------------- no root
+
+def test_plan_one_arm():
+    p = plan.make_plan("xt0001", 3, "one-arm")
+    assert p.namespaces == ["xt0001sw", "xt0001ag", "xt0001w0", "xt0001w1", "xt0001w2"]
+    assert p.aggregator.ifnames == ["eth0"] and p.aggregator.ips == ["198.18.0.1"]
+    assert [w.ip for w in p.workers] == ["198.18.0.10", "198.18.0.11", "198.18.0.12"]
+    assert {w.agg_ip for w in p.workers} == {"198.18.0.1"}
+    assert {w.agg_ifname for w in p.workers} == {"eth0"}
+    assert p.group_ip == "198.18.0.255" and p.agg_interfaces == ["eth0"]
+    assert p.workers[1].mac == "02:00:c6:12:00:0b"
+
+
+def test_plan_switch():
+    p = plan.make_plan("xt0001", plan.MAX_WORKERS, "switch")
+    assert p.switch_netns is None and p.group_ip is None
+    assert p.agg_interfaces == [f"p{i}" for i in range(32)]
+    w = p.workers[31]
+    assert (w.ip, w.agg_ip, w.agg_ifname) == ("198.18.32.2", "198.18.32.1", "p31")
+    for v in p.veths:
+        assert len(v.if_a) <= 15 and len(v.if_b) <= 15
+
+
+@pytest.mark.parametrize("kw", [dict(workers=0), dict(workers=33), dict(topology="ring"),
+                                dict(prefix="bad/prefix"), dict(rate="1 gbps"),
+                                dict(loss_up=1.5), dict(mtu=10),
+                                dict(topology="switch", agg_rate="1gbit"),
+                                dict(topology="switch", dup_down=0.1)])
+def test_bad_options(kw):
+    with pytest.raises(ValueError):
+        Testbed(**kw)
+
+
+def test_default_prefix_and_records():
+    tb = Testbed(workers=2)
+    assert re.fullmatch(r"xt[0-9a-f]{4}", tb.prefix)
+    assert tb.netns_of("w1") == tb.workers[1].netns == tb.prefix + "w1"
+    assert tb.netns_path("agg") == f"/var/run/netns/{tb.prefix}ag"
+    assert tb.host(0) is tb.workers[0] and tb.host("sw") == tb.prefix + "sw"
+
+
+def test_rates_and_nft_text():
+    assert shaping.parse_rate("1gbit") == 10**9
+    assert shaping.parse_rate("100mbit") == 10**8
+    assert shaping.format_rate(10**10) == "10gbit"
+    # burst: >= 1 ms at the rate and >= 16 full frames
+    assert shaping.tbf_burst(10**9, 1500) == 125_000
+    assert shaping.tbf_burst(10**7, 1500) == 16 * 1514
+    text = faults.worker_script("eth0", 0.25, 1.0, 0.0)
+    assert "udp dport 0xbee0-0xbeef numgen random mod 1000000000 < 250000000" in text
+    assert "udp sport 0xbee0-0xbeef counter drop" in text  # p=1: unconditional
+    assert "hook egress device \"eth0\"" in text and "hook ingress device \"eth0\"" in text
+
+
+# ------------------------------------------------------------- namespaces
+
+@netns_marks
+@pytest.mark.parametrize("topology,workers", [("one-arm", 3), ("switch", 2)])
+def test_topology_reachability_udp_and_shaping(testbed_factory, topology, workers):
+    tb = testbed_factory(workers=workers, topology=topology, rate="1gbit", mtu=3500)
+    assert os.path.exists(registry.state_path(tb.prefix))
+    # every worker pings its aggregator address
+    for w in tb.workers:
+        cp = tb.run(w, ["ping", "-c", "1", "-W", "1", w.agg_ip])
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+    # addresses and MACs match the records; MTU applied
+    for k, ifname in enumerate(tb.agg_interfaces):
+        out = tb.run("agg", ["ip", "-o", "addr", "show", "dev", ifname]).stdout
+        assert f"{tb.aggregator.ips[k]}/24" in out
+        assert tb.aggregator.macs[k] in tb.run("agg", ["ip", "link", "show", ifname]).stdout
+    w0 = tb.workers[0]
+    link = tb.run(w0, ["ip", "link", "show", "eth0"]).stdout
+    assert w0.mac in link and "mtu 3500" in link
+    # a UDP datagram from each worker reaches a socket in the aggregator namespace
+    rx = start_receiver(tb, "agg", AGG_PORT)
+    for w in tb.workers:
+        send(tb, w, w.agg_ip, AGG_PORT, tag=w.name)
+    got = collect(rx)
+    assert sorted((ip, d) for ip, _, d in got) == sorted((w.ip, f"{w.name}-0") for w in tb.workers)
+    # GRO on at both ends (XDP_TX frames need it)
+    assert "generic-receive-offload: on" in tb.run(w0, ["ethtool", "-k", "eth0"]).stdout
+    assert "generic-receive-offload: on" in tb.run("agg", ["ethtool", "-k", w0.agg_ifname]).stdout
+    # tbf on both directions of each worker link, aggregator link unshaped (one-arm)
+    assert "tbf" in tb.run(w0, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    peer_host, peer_dev = ("sw", "w0") if topology == "one-arm" else ("agg", "p0")
+    assert "rate 1Gbit" in tb.run(peer_host, ["tc", "qdisc", "show", "dev", peer_dev]).stdout
+    if topology == "one-arm":
+        assert "tbf" not in tb.run("agg", ["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    # live rate change
+    tb.set_rate("100mbit")
+    assert "rate 100Mbit" in tb.run(w0, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
+    tb.set_rate(None)
+    assert "tbf" not in tb.run(peer_host, ["tc", "qdisc", "show", "dev", peer_dev]).stdout
+
+
+@netns_marks
+def test_group_broadcast_reaches_all_workers(testbed_factory):
+    tb = testbed_factory(workers=3)
+    rxs = [start_receiver(tb, w, 5555) for w in tb.workers]
+    send(tb, "agg", tb.group_ip, 5555, tag="result", sport=AGG_PORT)
+    for rx in rxs:
+        assert [d for _, _, d in collect(rx)] == ["result-0"]
+
+
+@netns_marks
+@pytest.mark.parametrize("topology", ["one-arm", "switch"])
+def test_loss_up_drops_udp_but_not_ping(testbed_factory, topology):
+    tb = testbed_factory(workers=2, topology=topology, loss_up=1.0)
+    w = tb.workers[1]
+    assert tb.run(w, ["ping", "-c", "1", "-W", "1", w.agg_ip]).returncode == 0
+    rx_in, rx_out = start_receiver(tb, "agg", AGG_PORT), start_receiver(tb, "agg", 0xBEF0)
+    send(tb, w, w.agg_ip, AGG_PORT, n=5)
+    send(tb, w, w.agg_ip, 0xBEF0, n=1)  # just outside the aggregation port range
+    assert collect(rx_in) == []
+    assert len(collect(rx_out)) == 1
+    # live change: loss off
+    tb.set_loss(0.0, 0.0)
+    rx = start_receiver(tb, "agg", AGG_PORT)
+    send(tb, w, w.agg_ip, AGG_PORT, n=5)
+    assert len(collect(rx)) == 5
+
+
+@netns_marks
+def test_random_loss_rate(testbed_factory):
+    tb = testbed_factory(workers=1, loss_up=0.3)
+    w = tb.workers[0]
+    rx = start_receiver(tb, "agg", AGG_PORT + 15)
+    send(tb, w, w.agg_ip, AGG_PORT + 15, n=2000)
+    kept = len(collect(rx))
+    assert 1400 - 150 < kept < 1400 + 150  # ~6 sigma around 70 %
+
+
+@netns_marks
+def test_loss_down_drops_from_aggregation_ports(testbed_factory):
+    tb = testbed_factory(workers=1, topology="switch", loss_down=1.0)
+    w = tb.workers[0]
+    rx = start_receiver(tb, w, 5555)
+    send(tb, "agg", w.ip, 5555, tag="agg", sport=AGG_PORT + 3)
+    send(tb, "agg", w.ip, 5555, tag="other", sport=40000)
+    assert [d for _, _, d in collect(rx)] == ["other-0"]
+
+
+@netns_marks
+def test_duplication_both_directions(testbed_factory):
+    tb = testbed_factory(workers=1, dup_up=1.0, dup_down=1.0)
+    w = tb.workers[0]
+    rx = start_receiver(tb, "agg", AGG_PORT)
+    send(tb, w, w.agg_ip, AGG_PORT, n=3, tag="up")
+    # dup_up=1: exactly one extra copy each (the mark stops copies of copies)
+    assert sorted(d for _, _, d in collect(rx)) == sorted(2 * ["up-0", "up-1", "up-2"])
+    rx = start_receiver(tb, w, 5555)
+    send(tb, "agg", w.ip, 5555, n=2, tag="down", sport=AGG_PORT)
+    assert sorted(d for _, _, d in collect(rx)) == sorted(2 * ["down-0", "down-1"])
+
+
+@netns_marks
+def test_down_removes_everything_and_is_idempotent():
+    tb = Testbed(workers=2, topology="switch")
+    try:
+        tb.up()
+        proc = tb.popen("w1", ["sleep", "60"])
+        assert all(n in netns_names() for n in tb.namespaces)
+        tb.down()
+        assert proc.poll() is not None  # killed, by PID
+        assert_gone(tb.prefix)
+        tb.down()  # second call is a no-op
+    finally:
+        tb.down()
+
+
+@netns_marks
+def test_exception_in_context_manager_cleans_up():
+    tb = Testbed(workers=2)
+    with pytest.raises(RuntimeError, match="boom"):
+        with tb:
+            proc = tb.popen("agg", ["sleep", "60"])
+            raise RuntimeError("boom")
+    assert proc.poll() is not None
+    assert_gone(tb.prefix)
+
+
+@netns_marks
+def test_failed_up_rolls_back(monkeypatch):
+    def fail(*a, **k):
+        raise TestbedError("injected failure")
+
+    monkeypatch.setattr(faults, "apply", fail)
+    tb = Testbed(workers=2, loss_up=0.1)
+    with pytest.raises(TestbedError, match="injected"):
+        tb.up()
+    assert_gone(tb.prefix)
+
+
+@netns_marks
+def test_prefix_in_use_is_refused_without_harm(testbed_factory):
+    tb = testbed_factory(workers=1)
+    with pytest.raises(TestbedError, match="in use"):
+        Testbed(workers=1, prefix=tb.prefix).up()
+    assert all(n in netns_names() for n in tb.namespaces)
+    assert os.path.exists(registry.state_path(tb.prefix))
+
+
+@netns_marks
+@pytest.mark.parametrize("testbed", [{"topology": "switch", "workers": 2}], indirect=True)
+def test_testbed_fixture_indirect(testbed):
+    assert testbed.agg_interfaces == ["p0", "p1"]
+    assert testbed.run("w1", ["ping", "-c", "1", "-W", "1", "198.18.2.1"]).returncode == 0
+
+
+BUILD_AND_EXIT = r"""
+import os, signal, sys
+from netns_testbed.testbed import Testbed
+tb = Testbed(workers=1).up()
+print(tb.prefix, flush=True)
+if sys.argv[1] == "die":
+    os.kill(os.getpid(), signal.SIGKILL)  # no atexit, leaves the testbed behind
+"""
+
+
+@netns_marks
+def test_atexit_cleanup_and_down_stale():
+    def build(mode):
+        cp = subprocess.run([sys.executable, "-c", BUILD_AND_EXIT, mode], cwd=REPO,
+                            capture_output=True, text=True, timeout=60)
+        return cp.stdout.strip()
+
+    assert_gone(build("exit"))  # the atexit hook removed it
+    prefix = build("die")
+    try:
+        assert prefix and os.path.exists(registry.state_path(prefix))
+        st = [s for s in json.loads(cli("status", "--json").stdout) if s["prefix"] == prefix]
+        assert st and st[0]["owner_alive"] is False and st[0]["health"] == "ok"
+        cp = cli("down", "--stale")
+        assert cp.returncode == 0 and f"removed {prefix}" in cp.stdout
+        assert_gone(prefix)
+    finally:
+        if prefix and registry.load_state(prefix) is not None:
+            Testbed.attach(prefix).down()
+
+
+def cli(*args, **kw):
+    return subprocess.run([sys.executable, "-m", "netns_testbed.cli", *args], cwd=REPO,
+                          capture_output=True, text=True, timeout=60, **kw)
+
+
+@netns_marks
+def test_cli_round_trip():
+    prefix = "tc" + secrets.token_hex(2)
+    try:
+        cp = cli("up", "--workers", "2", "--topology", "one-arm", "--rate", "1gbit",
+                 "--prefix", prefix, "--json")
+        assert cp.returncode == 0, cp.stderr
+        st = json.loads(cp.stdout)
+        assert st["prefix"] == prefix and st["status"] == "up"
+        assert [w["ip"] for w in st["workers"]] == ["198.18.0.10", "198.18.0.11"]
+        # the testbed outlives the CLI process
+        cp = cli("status", "--json")
+        assert cp.returncode == 0
+        mine = [s for s in json.loads(cp.stdout) if s["prefix"] == prefix]
+        assert mine and mine[0]["health"] == "ok"
+        cp = cli("exec", "--prefix", prefix, "w1", "--", "ping", "-c", "1", "-W", "1", "198.18.0.1")
+        assert cp.returncode == 0, cp.stdout + cp.stderr
+        assert cli("exec", "--prefix", prefix, "agg", "--", "sh", "-c", "exit 3").returncode == 3
+        assert cli("exec", "--prefix", prefix, "w7", "--", "true").returncode == 2
+        assert cli("up", "--workers", "0").returncode == 2
+        cp = cli("up", "--prefix", prefix)
+        assert cp.returncode == 1 and "in use" in cp.stderr
+        assert cli("down", "--prefix", prefix).returncode == 0
+        assert_gone(prefix)
+        cp = cli("down", "--prefix", prefix)
+        assert cp.returncode == 1 and "no testbed" in cp.stderr
+    finally:
+        if registry.load_state(prefix) is not None:
+            Testbed.attach(prefix).down()
+
+
+@netns_marks
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) missing")
+def test_cli_not_root_message():
+    cp = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
+                         sys.executable, "-m", "netns_testbed.cli", "up"], cwd=REPO,
+                        capture_output=True, text=True, timeout=60,
+                        env={**os.environ, "PYTHONDONTWRITEBYTECODE": "1"})
+    assert cp.returncode == 1
+    assert "not root: run with sudo" in cp.stderr
