@@ -1,0 +1,118 @@
+"""`xdp-agg bench`: the XDP program's cost per packet, measured with BPF_PROG_TEST_RUN.
+
+For each packet size, a job of n workers streams rounds over a window of slots in the protocol's
+order (so n-1 of n packets aggregate and the n-th completes, gathers and rewrites), and the
+kernel's own per-run duration is summed. Beside it, in the same run, the floor: a program that
+only parses the same frames and drops them. Reported: ns per packet, aggregated int32 elements
+per second per core (elements / ns), and the ratio to the floor.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import abi, bpfsys, loader, wire
+from .backend import JobSpec, WorkerSpec
+from .ctl_maps import AggMaps
+from .scapy_layer import sml_frame
+
+BENCH_SIZES = (64, 256, wire.MAX_ELEMS)
+
+
+@dataclass
+class BenchResult:
+    elems: int
+    packets: int
+    ns_per_packet: float
+    floor_ns_per_packet: float
+    spread_ns: float  # max - min over repetitions
+
+    @property
+    def elems_per_sec(self) -> float:
+        return self.elems / self.ns_per_packet * 1e9
+
+    @property
+    def ratio_to_floor(self) -> float:
+        return self.ns_per_packet / self.floor_ns_per_packet
+
+    def to_dict(self) -> dict:
+        return {
+            "elems_per_packet": self.elems,
+            "packets": self.packets,
+            "ns_per_packet": round(self.ns_per_packet, 1),
+            "spread_ns": round(self.spread_ns, 1),
+            "elems_per_sec_per_core": self.elems_per_sec,
+            "floor_ns_per_packet": round(self.floor_ns_per_packet, 1),
+            "ratio_to_floor": round(self.ratio_to_floor, 2),
+        }
+
+
+def _load_floor():
+    import bcc
+
+    b = bcc.BPF(text=loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode())
+    return b, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
+
+
+def _frames(elems: int, n: int, slots: int, rounds: int) -> list[bytes]:
+    rng = np.random.default_rng(elems)
+    vals = rng.integers(-(2**20), 2**20, size=(n, elems))
+    return [
+        bytes(sml_frame(src_ip=f"198.18.0.{10 + w}", values=vals[w], slot=s, version=r % 2, tsi=r * slots + s))
+        for r in range(rounds)
+        for s in range(slots)
+        for w in range(n)
+    ]
+
+
+def run(
+    sizes=BENCH_SIZES, workers: int = 4, slots: int = 64, rounds: int = 20, repeats: int = 5, cpu: int | None = 0, progress=None
+) -> list[BenchResult]:
+    """Measure each packet size; `repeats` passes over the same stream, median reported."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
+    prog = loader.load(pool_slots=max(slots, 64))
+    floor_bpf, floor_fd = _load_floor()
+    maps = AggMaps(prog.maps, prog.pool_slots)
+    fd = prog.progs[loader.PROG_INGRESS]
+    out = []
+    try:
+        for k in sizes:
+            frames = _frames(k, workers, slots, rounds)
+            runs, floors = [], []
+            for rep in range(repeats):
+                maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255"))
+                for w in range(workers):
+                    maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
+                total = 0
+                for f in frames:
+                    act, _, ns = bpfsys.prog_test_run(fd, f)
+                    total += ns
+                if maps.counters(0)["completed"] != slots * rounds:
+                    raise RuntimeError("bench stream did not complete every slot: the program misbehaves")
+                runs.append(total / len(frames))
+                ftotal = sum(bpfsys.prog_test_run(floor_fd, f)[2] for f in frames)
+                floors.append(ftotal / len(frames))
+                if progress:
+                    progress(k, rep + 1, repeats)
+            out.append(BenchResult(k, len(frames), statistics.median(runs), statistics.median(floors), max(runs) - min(runs)))
+    finally:
+        os.close(prog.maps["partials"])
+        prog.bpf.cleanup()
+        floor_bpf.cleanup()
+    return out
+
+
+def table(results: list[BenchResult]) -> str:
+    lines = [
+        "elems/pkt  ns/pkt  (spread)  elems/s/core  floor ns/pkt  x floor",
+    ]
+    for r in results:
+        lines.append(
+            f"{r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  {r.floor_ns_per_packet:12.0f}  {r.ratio_to_floor:7.2f}"
+        )
+    return "\n".join(lines)
