@@ -39,7 +39,7 @@ from subprocess import CompletedProcess, Popen
 
 from pyroute2 import IPRoute, netns as pr_netns
 
-from . import faults, nsexec, registry, shaping
+from . import faults, nsexec, registry, shaping, xdp_pass
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, WorkerHost
 from .plan import BRIDGE_NAME, make_plan, new_prefix
@@ -417,6 +417,14 @@ class Testbed:
         if self._wants_nft():
             self._apply_faults()
         self._wait_operstate_up(veth_ends)
+        # The ends facing the aggregator receive its XDP_TX'd / redirected frames: they need NAPI.
+        facing: dict[str, list[str]] = {}
+        for v in plan.veths:
+            if v.ns_a == plan.aggregator.netns:
+                facing.setdefault(v.ns_b, []).append(v.if_b)
+            elif v.ns_b == plan.aggregator.netns:
+                facing.setdefault(v.ns_a, []).append(v.if_a)
+        xdp_pass.attach_pass(facing)
 
     def _wait_operstate_up(self, veth_ends: dict[str, list[str]], timeout: float = 5.0) -> None:
         """Wait until every veth end reports operstate UP.

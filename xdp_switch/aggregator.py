@@ -119,6 +119,12 @@ def attach(
         prog.bpf.cleanup()
 
 
+def _enter_recorded_netns(state: pins.State | None) -> None:
+    """Commands given without --netns act in the namespace `attach` ran in, if it still exists."""
+    if state and state.netns and not links.in_netns(state.netns) and os.path.exists(f"/var/run/netns/{state.netns}"):
+        links.enter_netns(state.netns)
+
+
 def detach(name: str = "default") -> dict:
     """Remove what `attach` made: our program from each interface (only if it is still ours),
     the pins and the state file. Returns what was done."""
@@ -131,6 +137,7 @@ def detach(name: str = "default") -> dict:
         state = inst.load_state()
     except FileNotFoundError:
         state = None
+    _enter_recorded_netns(state)
     for d in state.interfaces if state else []:
         try:
             ok = links.detach_xdp(d["ifname"], d["prog_id"])
@@ -157,6 +164,7 @@ def open_instance(name: str = "default") -> tuple[pins.State, AggMaps]:
 def status(name: str = "default") -> dict:
     """Program, interfaces (and whether our program is still on each), jobs."""
     state, maps = open_instance(name)
+    _enter_recorded_netns(state)
     ifaces = []
     for d in state.interfaces:
         try:

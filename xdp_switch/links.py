@@ -37,6 +37,15 @@ def enter_netns(name: str) -> None:
         os.close(fd)
 
 
+def in_netns(name: str) -> bool:
+    """True when this process is in the named namespace already."""
+    path = name if name.startswith("/") else f"/var/run/netns/{name}"
+    try:
+        return os.stat(path).st_ino == os.stat("/proc/self/ns/net").st_ino
+    except FileNotFoundError:
+        return False
+
+
 def _link(ipr: IPRoute, ifname: str):
     idx = ipr.link_lookup(ifname=ifname)
     if not idx:
