@@ -1,0 +1,80 @@
+# xdp-agg: set-up, tests, demo and benchmarks on a Debian/Ubuntu machine (run as root: sudo make ...).
+#
+#   sudo make demo     set up what is missing, then run the 4-worker demo all-reduce
+#   sudo make test     set up what is missing, then run the test suite
+#   sudo make bench    benchmarks: the XDP program per packet, and all-reduce against gloo
+#
+# Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
+# bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
+# when the running kernel has none, bpffs mounted, a venv from the system Python with system site
+# packages (bcc is only importable from /usr/bin/python3), the project installed editable.
+
+SHELL := /bin/bash
+PY := .venv/bin/python
+KVER := $(shell uname -r)
+DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-headers-amd64 \
+	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux
+PYTEST_ARGS ?=
+
+.PHONY: setup deps headers bpffs venv test test-unit demo bench bench-micro codegen clean help
+
+help:
+	@sed -n '1,12p' Makefile
+
+setup: deps headers bpffs venv
+
+deps:
+	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages: $$missing"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+
+# bcc compiles against /lib/modules/$(uname -r)/build; a custom kernel may ship none. Debian's
+# split header packages work for XDP programs when linked as build (arch) and source (common).
+headers: deps
+	@if [ ! -e /lib/modules/$(KVER)/build/include ]; then \
+		arch=$$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1); \
+		common=$${arch%-amd64}-common; \
+		if [ -z "$$arch" ] || [ ! -d "$$common" ]; then echo "no Debian kernel headers under /usr/src"; exit 1; fi; \
+		mkdir -p /lib/modules/$(KVER); \
+		ln -sfn $$arch /lib/modules/$(KVER)/build; \
+		ln -sfn $$common /lib/modules/$(KVER)/source; \
+		echo "linked /lib/modules/$(KVER)/{build,source} to $$arch, $$common"; \
+	fi
+
+bpffs:
+	@mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf
+
+venv: .venv/.installed
+
+.venv/.installed: pyproject.toml
+	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages .venv
+	$(PY) -m pip install -q --upgrade pip >/dev/null
+	$(PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+test: setup
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+# Tests that need neither root nor BPF.
+test-unit: venv
+	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
+
+demo: setup
+	$(PY) -m hostlib.demo
+
+bench-micro: setup
+	$(PY) -m xdp_switch.cli bench
+
+bench: setup
+	$(PY) -m xdp_switch.cli bench
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.allreduce
+
+codegen: venv
+	$(PY) -m xdp_switch.codegen
+
+clean:
+	rm -rf .venv .pytest_cache *.egg-info
+	find . -name __pycache__ -prune -exec rm -rf {} +
