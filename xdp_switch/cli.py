@@ -304,6 +304,64 @@ def slots(ctx, slot, as_json):
 
 
 @main.command()
+@click.option("--listen", default="0.0.0.0:48800", show_default=True, help="HOST:PORT of the control endpoint (TCP).")
+@click.option("--group", "group_ip", default=None, help="One-arm: where results go (default: the interface's subnet broadcast).")
+@click.option("--barrier-timeout", type=float, default=120.0, show_default=True, help="Longest a worker waits for the others to register.")
+@click.pass_context
+@_guard
+def serve(ctx, listen, group_ip, barrier_timeout):
+    """Run the control endpoint: rank 0 creates jobs, every worker registers.
+
+    The host library (hostlib.init) talks to this; nobody types worker tables. Jobs get a slot
+    range, an aggregator port and a job id, and are deleted when their workers leave. Runs until
+    interrupted.
+
+    \b
+    Example:
+      sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
+    """
+    from .rendezvous import RendezvousServer
+
+    host, _, port = listen.rpartition(":")
+    server = RendezvousServer(
+        aggregator.XdpBackend(ctx.obj["name"]), host or "0.0.0.0", int(port),
+        serve_defaults(ctx.obj["name"], group_ip, barrier_timeout),
+        fill_worker=_fill_worker,
+    )
+    click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        server.stop()
+
+
+def serve_defaults(name: str, group_ip: str | None, barrier_timeout: float) -> dict:
+    """What the control endpoint puts into the jobs it creates, from the attached aggregator."""
+    import ipaddress
+
+    state, _ = aggregator.open_instance(name)
+    first = links.addresses(state.interfaces[0]["ifname"])
+    d = {"pool_slots": state.pool_slots, "barrier_timeout": barrier_timeout}
+    if state.mode == "switch":
+        d["delivery"] = abi.Delivery.BROADCAST
+        return d
+    if not first["ipv4_nets"]:
+        raise aggregator.AggregatorError(f"{first['ifname']} has no IPv4 address: workers need one to send to")
+    net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
+    group_ip = group_ip or str(net.network.broadcast_address)
+    d.update(delivery=abi.Delivery.GROUP_TX, group_ip=group_ip, group_mac=group_mac_for(group_ip),
+             agg_ip=str(net.ip), agg_mac=first["mac"])
+    return d
+
+
+def _fill_worker(ws: WorkerSpec, local) -> None:
+    # switch mode: the address the worker reached us at is our address on its port
+    ws.extra["agg_ip"] = local[0]
+
+
+@main.command()
 @click.option("--workers", type=click.IntRange(1, abi.MAX_WORKERS), default=4, show_default=True, help="Workers per job in the stream.")
 @click.option("--rounds", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Rounds over 64 slots per repetition.")
 @click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True)

@@ -71,8 +71,10 @@ def addresses(ifname: str) -> dict:
     """MAC and IPv4 addresses of an interface."""
     with IPRoute() as ipr:
         link = _link(ipr, ifname)
-        ips = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=link["index"], family=2)]
-    return {"ifname": ifname, "ifindex": link["index"], "mac": link.get_attr("IFLA_ADDRESS"), "ipv4": ips}
+        addrs = ipr.get_addr(index=link["index"], family=2)
+    ips = [a.get_attr("IFA_ADDRESS") for a in addrs]
+    nets = [f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}" for a in addrs]
+    return {"ifname": ifname, "ifindex": link["index"], "mac": link.get_attr("IFLA_ADDRESS"), "ipv4": ips, "ipv4_nets": nets}
 
 
 def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:

@@ -1,0 +1,118 @@
+"""One worker of an end-to-end run: joins a job with hostlib, all-reduces, verifies, reports.
+
+Started by xdp_switch.cluster inside a worker's namespace:
+
+    python -m xdp_switch.cluster_worker --rank 0 --world 4 --control 198.18.0.1:48800 \
+        --job demo --plan '[{"dtype": "float32", "count": 16777216, "reps": 1, "seed": 1}]'
+
+Every rank makes its input from (seed, rank), so each can compute the exact sum of all ranks
+locally and check its own result: int32 bit-exact (wrapping), floats within the block-scaling
+bound of hostlib.scaling. One JSON line per plan entry on stdout.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def make_input(dtype: str, count: int, seed: int, rank: int) -> np.ndarray:
+    """The tensor rank `rank` contributes (deterministic, so every rank can rebuild it)."""
+    rng = np.random.default_rng([seed, rank])
+    if dtype == "int32":
+        return rng.integers(-(2**31), 2**31, size=count, dtype=np.int64).astype(np.int32)
+    # gradients: mostly small, a few larger, so block scaling is exercised
+    x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
+    x[:: 97] *= 100
+    return x.astype(dtype)
+
+
+def expected_sum(dtype: str, count: int, seed: int, world: int) -> np.ndarray:
+    if dtype == "int32":
+        acc = np.zeros(count, dtype=np.int32)
+        for r in range(world):
+            acc += make_input(dtype, count, seed, r)  # wraps like the aggregator
+        return acc
+    acc = np.zeros(count, dtype=np.float64)
+    for r in range(world):
+        acc += make_input(dtype, count, seed, r).astype(np.float64)
+    return acc
+
+
+def float_bound(dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray) -> np.ndarray:
+    """Per-element bound n/(2f) + 2^-24 |r| (hostlib.scaling), with E the chunk's max exponent."""
+    from hostlib import scaling
+
+    pad = (-count) % elems
+    e = None
+    for r in range(world):
+        x = np.concatenate([make_input(dtype, count, seed, r).astype(np.float32), np.zeros(pad, np.float32)])
+        er = scaling.chunk_exponents(x.reshape(-1, elems)).astype(np.int32)
+        e = er if e is None else np.maximum(e, er)
+    f = scaling.int_range(world) / np.exp2(e.astype(np.float64))
+    quant = np.repeat(world / (2 * f), elems)[:count]
+    out_ulp = np.finfo(np.float32).eps if dtype == "float32" else np.finfo(np.dtype(dtype)).eps
+    return quant + out_ulp * np.abs(result.astype(np.float64)) + 1e-30
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rank", type=int, required=True)
+    ap.add_argument("--world", type=int, required=True)
+    ap.add_argument("--control", required=True, help="HOST:PORT of xdp-agg serve")
+    ap.add_argument("--job", default="e2e")
+    ap.add_argument("--elems", type=int, default=256)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify}")
+    ap.add_argument("--progress", action="store_true")
+    args = ap.parse_args(argv)
+
+    import hostlib
+
+    plan = json.loads(args.plan)
+    with hostlib.init(
+        args.rank, args.world, args.control, job=args.job, elems=args.elems, window=args.window,
+        timeout=args.timeout, progress=args.progress and args.rank == 0,
+    ) as comm:
+        for item in plan:
+            if item.get("check") == "counters":
+                # What the aggregator counted for this worker, beside what this worker sent.
+                comm.barrier()
+                d = comm.status()
+                mine = (d.get("counters") or {}).get(str(args.rank))
+                print(json.dumps({"rank": args.rank, "check": "counters", "aggregator": mine, "worker": comm.stats}), flush=True)
+                continue
+            dtype, count = item["dtype"], int(item["count"])
+            seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
+            x = make_input(dtype, count, seed, args.rank)
+            times = []
+            before = dict(comm.stats)
+            for _ in range(reps):
+                comm.barrier()
+                t0 = time.perf_counter()
+                out = comm.allreduce(x)
+                times.append(time.perf_counter() - t0)
+            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times}
+            report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
+            if item.get("verify", True):
+                want = expected_sum(dtype, count, seed, args.world)
+                if dtype == "int32":
+                    report["ok"] = bool(np.array_equal(out, want))
+                    report["mismatches"] = int(np.count_nonzero(out != want))
+                else:
+                    err = np.abs(out.astype(np.float64) - want)
+                    bound = float_bound(dtype, count, seed, args.world, args.elems, out)
+                    report["ok"] = bool(np.all(err <= bound))
+                    report["max_abs_err"] = float(err.max())
+                    report["max_err_over_bound"] = float((err / bound).max())
+            print(json.dumps(report), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
