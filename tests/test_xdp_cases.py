@@ -127,3 +127,19 @@ def test_worker_counters(agg):
     }
     assert maps.worker_counters(0, 1)["contributions"] == 1
     assert maps.counters(0)[Reason.COMPLETED.name.lower()] == 1
+
+
+def test_job_listing_speaks_the_backend_vocabulary(agg):
+    """jobs() entries carry every JobSpec field (the control endpoint relies on it)."""
+    from packet_cases import job, workers
+    from xdp_switch.aggregator import job_dict
+
+    _, maps = agg
+    spec = job(n=2, port=wire.UDP_PORT + 3)
+    maps.create_job(spec)
+    for w in workers(0, 2, port=wire.UDP_PORT + 3):
+        maps.add_worker(w)
+    d = job_dict(0, maps.get_job(0), maps)
+    assert set(spec.to_dict()) <= set(d)
+    assert d["agg_port"] == wire.UDP_PORT + 3 and d["slot_count"] == spec.slot_count
+    assert [w["index"] for w in d["workers"]] == [0, 1]

@@ -108,6 +108,7 @@ JOB = Struct(
         F("slot_count", "__u32", "slots in the range"),
         F("delivery", "__u32", "enum Delivery"),
         F("epoch", "__u32", "unique per creation; tags per-CPU partial sums"),
+        F("agg_port", "__u32", "UDP port the job's workers send to (control-plane record)"),
         F("agg_mac", "__u8", "one-arm: source MAC of results", 6),
         F("group_mac", "__u8", "one-arm: destination MAC of results", 6),
         F("agg_ip", "__be32", "source address of results"),

@@ -185,16 +185,19 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         ),
         key=lambda w: w["index"],
     )
-    return {
+    return {  # JobSpec.to_dict()'s keys, and the workers
         "job_id": job_id,
         "num_workers": job.num_workers,
         "elems": job.elems,
         "slot_base": job.slot_base,
         "slot_count": job.slot_count,
+        "agg_port": job.agg_port,
         "delivery": abi.Delivery(job.delivery).name.lower(),
         "agg_ip": ip_str(job.agg_ip),
+        "agg_mac": mac_str(job.agg_mac),
         "group_ip": ip_str(job.group_ip),
         "group_mac": mac_str(job.group_mac),
+        "job_number": 0,  # not kept by the data path
         "workers": workers,
     }
 

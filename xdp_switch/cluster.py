@@ -78,41 +78,52 @@ class Cluster:
     def control_address(self, worker) -> str:
         return f"{worker.agg_ip}:{CONTROL_PORT}"
 
-    def run_workers(
-        self, plan: list[dict], *, job: str = "e2e", elems: int = 256, window: int = 128, timeout: float = 30.0,
-        ranks: list[int] | None = None, progress: bool = False, deadline: float = 600.0,
-    ) -> list[list[dict]]:
-        """Run `plan` on every worker (or those in `ranks`, for failure tests); per worker, its
-        JSON reports. Raises ClusterError with the worker's stderr when one fails."""
-        ranks = list(range(len(self.tb.workers))) if ranks is None else ranks
+    def start_workers(
+        self, plan: list[dict], *, hosts: list[int] | None = None, job: str = "e2e", elems: int = 256,
+        window: int = 128, timeout: float = 30.0, progress: bool = False,
+    ) -> list[tuple[int, subprocess.Popen]]:
+        """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
+        is rank i of a job of len(hosts) workers. Collect them with `collect`."""
+        hosts = list(range(len(self.tb.workers))) if hosts is None else hosts
         procs = []
-        for r in ranks:
-            w = self.tb.workers[r]
+        for rank, h in enumerate(hosts):
+            w = self.tb.workers[h]
             cmd = [
-                sys.executable, "-m", "xdp_switch.cluster_worker", "--rank", str(r),
-                "--world", str(len(self.tb.workers)), "--control", self.control_address(w), "--job", job,
+                sys.executable, "-m", "xdp_switch.cluster_worker", "--rank", str(rank),
+                "--world", str(len(hosts)), "--control", self.control_address(w), "--job", job,
                 "--elems", str(elems), "--window", str(window), "--timeout", str(timeout), "--plan", json.dumps(plan),
             ]
             if progress:
                 cmd.append("--progress")
-            procs.append(self.tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=None if progress else subprocess.PIPE, text=True))
+            err = None if progress else subprocess.PIPE
+            procs.append((rank, self.tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=err, text=True)))
+        return procs
+
+    @staticmethod
+    def collect(procs: list[tuple[int, subprocess.Popen]], deadline: float = 600.0) -> list[list[dict]]:
+        """Wait for started workers; per rank, its JSON reports. Raises ClusterError with the
+        failing workers' stderr."""
         end = time.monotonic() + deadline
         out, errors = [], []
-        for r, p in zip(ranks, procs):
+        for rank, p in procs:
             try:
                 stdout, stderr = p.communicate(timeout=max(1.0, end - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 stdout, stderr = p.communicate()
-                errors.append(f"rank {r}: no answer within {deadline:g} s")
+                errors.append(f"rank {rank}: no answer within {deadline:g} s")
                 continue
             if p.returncode != 0:
-                errors.append(f"rank {r} exited {p.returncode}: {(stderr or '').strip()[-2000:]}")
+                errors.append(f"rank {rank} exited {p.returncode}: {(stderr or '').strip()[-2000:]}")
                 continue
             out.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
         if errors:
             raise ClusterError("; ".join(errors))
         return out
+
+    def run_workers(self, plan: list[dict], deadline: float = 600.0, **kw) -> list[list[dict]]:
+        """start_workers then collect: per rank, its reports."""
+        return self.collect(self.start_workers(plan, **kw), deadline)
 
     def stats(self) -> dict:
         return json.loads(self.cli("stats", "--json").stdout)

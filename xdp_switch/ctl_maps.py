@@ -91,6 +91,7 @@ class AggMaps:
             # A fresh epoch per creation: per-CPU partial sums left by an earlier job on the same
             # slots carry another tag and are never added in.
             epoch=(time.monotonic_ns() >> 10) & 0xFFFFFFFF or 1,
+            agg_port=spec.agg_port,
             agg_ip=ip_be(spec.agg_ip),
             group_ip=ip_be(spec.group_ip),
         )

@@ -43,6 +43,7 @@ struct agg_job {
 	__u32 slot_count; /* slots in the range */
 	__u32 delivery; /* enum Delivery */
 	__u32 epoch; /* unique per creation; tags per-CPU partial sums */
+	__u32 agg_port; /* UDP port the job's workers send to (control-plane record) */
 	__u8 agg_mac[6]; /* one-arm: source MAC of results */
 	__u8 group_mac[6]; /* one-arm: destination MAC of results */
 	__be32 agg_ip; /* source address of results */

@@ -1,0 +1,126 @@
+"""End to end: hostlib worker processes all-reduce through the XDP aggregator in namespaces.
+
+Every worker checks its own result against the exact sum of all ranks' inputs (int32 bit-exact,
+floats within hostlib.scaling's bound: |r - s| <= n/(2f) + 2^-24 |r| per element, f the chunk's
+scale factor). Loss comes from the testbed's nftables rules, in both directions.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from xdp_switch import wire
+from xdp_switch.cluster import Cluster
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
+
+ODD = 10 * 256 + 3  # not a multiple of the packet size
+
+
+def _ok(reports):
+    for rank, reps in enumerate(reports):
+        for r in reps:
+            if "ok" in r:
+                assert r["ok"], f"rank {rank}: wrong result for {r['dtype']} x {r['count']}: {r}"
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_allreduce_one_arm(testbed_factory, n):
+    tb = testbed_factory(workers=n, topology="one-arm")
+    plan = [
+        {"dtype": "int32", "count": 1},
+        {"dtype": "int32", "count": ODD},
+        {"dtype": "int32", "count": 200_000, "seed": 3},
+        {"dtype": "float32", "count": 100_000, "seed": 4},
+        {"dtype": "float16", "count": ODD, "seed": 5},
+        {"check": "counters"},
+    ]
+    with Cluster(tb) as cl:
+        reports = cl.run_workers(plan, job=f"one-arm-{n}")
+    _ok(reports)
+    for rank, reps in enumerate(reports):
+        c = next(r for r in reps if r.get("check") == "counters")
+        agg, me = c["aggregator"], c["worker"]
+        # Every packet's first arrival is one contribution, and each packet got one result.
+        assert agg["contributions"] == me["results"], f"rank {rank}: {agg} vs {me}"
+        if me["retransmissions"] == 0:
+            assert agg["packets"] == me["packets_sent"]
+        assert agg["dropped"] == 0
+
+
+def test_allreduce_switch(testbed_factory):
+    tb = testbed_factory(workers=4, topology="switch")
+    plan = [{"dtype": "int32", "count": ODD}, {"dtype": "float32", "count": 100_000}, {"check": "counters"}]
+    with Cluster(tb) as cl:
+        reports = cl.run_workers(plan, job="switch")
+        st = cl.stats()
+    _ok(reports)
+    assert st["unattributed"]["drop_unknown_source"] == 0
+
+
+@pytest.mark.parametrize("loss", [0.01, 0.05])
+def test_loss_in_both_directions(testbed_factory, loss):
+    tb = testbed_factory(workers=4, topology="one-arm", loss_up=loss, loss_down=loss)
+    plan = [{"dtype": "int32", "count": 100_000}, {"dtype": "float32", "count": 50_000, "seed": 2}]
+    with Cluster(tb) as cl:
+        reports = cl.run_workers(plan, job=f"loss-{loss}", timeout=60)
+    _ok(reports)
+    retx = sum(r["stats"]["retransmissions"] for reps in reports for r in reps if "stats" in r)
+    assert retx > 0, "loss was configured but nothing was retransmitted"
+
+
+def test_two_jobs_at_once_stay_isolated(testbed_factory):
+    tb = testbed_factory(workers=4, topology="one-arm")
+    with Cluster(tb) as cl:
+        a = cl.start_workers([{"dtype": "int32", "count": 300_000, "seed": 11}], hosts=[0, 1], job="job-a")
+        b = cl.start_workers([{"dtype": "int32", "count": 300_000, "seed": 12}], hosts=[2, 3], job="job-b")
+        ra, rb = cl.collect(a), cl.collect(b)
+    _ok(ra)
+    _ok(rb)
+
+
+# An unregistered host floods the aggregator with well-formed contributions for the job's slots.
+INTRUDER = r"""
+import socket, sys, time
+import numpy as np
+from xdp_switch import wire
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+vals = np.full((1, 256), 12345)
+sent, end = 0, time.monotonic() + float(sys.argv[2])
+while time.monotonic() < end:
+    for slot in range(64):
+        pkt = wire.build_payloads(job_number=0, size_code=3, tsi=0, slot=slot, version=sent % 2, values=vals)
+        s.sendto(pkt.tobytes(), (sys.argv[1], wire.UDP_PORT))
+        sent += 1
+print(sent)
+"""
+
+
+def test_unregistered_host_changes_nothing(testbed_factory):
+    tb = testbed_factory(workers=3, topology="one-arm")
+    intruder = tb.workers[2]
+    with Cluster(tb) as cl:
+        procs = cl.start_workers([{"dtype": "int32", "count": 400_000}], hosts=[0, 1], job="guarded")
+        spam = tb.popen(intruder, [sys.executable, "-c", INTRUDER, intruder.agg_ip, "2"], stdout=subprocess.PIPE, text=True)
+        reports = cl.collect(procs)
+        sent = int(spam.communicate(timeout=30)[0])
+        st = cl.stats()
+    _ok(reports)
+    assert sent > 0
+    assert st["unattributed"]["drop_unknown_source"] >= sent * 0.9  # minus what the veth dropped
+
+
+def test_no_aggregator_gives_a_clear_error(testbed_factory):
+    """Workers whose aggregator never answers fail with a message, not a hang."""
+    tb = testbed_factory(workers=2, topology="one-arm")
+    with Cluster(tb) as cl:
+        cl.cli("detach")  # the control endpoint stays; the data path is gone
+        cl._attached = False
+        procs = cl.start_workers([{"dtype": "int32", "count": 10_000}], job="orphan", timeout=3)
+        with pytest.raises(Exception) as ei:
+            cl.collect(procs, deadline=60)
+    msg = str(ei.value)
+    assert "rank 0 exited" in msg
+    assert "AllreduceTimeout" in msg or "timed out" in msg or "no answer" in msg
