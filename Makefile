@@ -62,7 +62,7 @@ test-unit: venv
 	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m hostlib.demo
+	$(PY) -m xdp_switch.demo
 
 bench-micro: setup
 	$(PY) -m xdp_switch.cli bench
