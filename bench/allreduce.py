@@ -1,0 +1,201 @@
+"""`make bench` / `python -m bench.allreduce`: xdp-agg against torch.distributed gloo, side by side.
+
+For each number of workers n and each link setting (unshaped, 10 Gbit/s, 1 Gbit/s with tbf on both
+directions of every worker link), one one-arm testbed, the XDP aggregator attached to the
+aggregator's port, and n worker processes that each hold a hostlib communicator and a gloo
+process group. For each tensor size, both systems' all-reduce run alternately (who goes first
+alternates too) behind a gloo barrier, `--reps` times each; an all-reduce's time is its slowest
+rank's. Small all-reduces (4 KiB, 64 KiB) are repeated many times for p50/p99 latency.
+
+Bounds, for a tensor of S bytes on links of R bit/s:
+- in-network aggregation: every worker sends S and receives S, once: S*8/R;
+- ring all-reduce: every worker sends 2(n-1)/n * S: 2(n-1)/n * S*8/R.
+The table gives each system's time as a fraction of its own bound ("% of bound" = bound / time).
+
+gloo runs on the same namespaces and shaped links; the aggregator's XDP program stays attached,
+but it sits on the aggregator's own port, which gloo's worker-to-worker traffic never crosses.
+
+Writes bench-results/{results.json, results.md, plot.png, profile.txt} (or --out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
+SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
+LATENCY_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10}
+GLOO_PORT = 29500
+
+
+def run_config(n: int, rate: str, args, log) -> list[dict]:
+    """One testbed and one set of worker processes for (n, rate); every size, both systems."""
+    from netns_testbed.testbed import Testbed
+
+    from xdp_switch.cluster import Cluster
+
+    plan = [{"bytes": b, "reps": args.reps, "kind": "throughput"} for b in SIZES.values() if b <= args.max_bytes]
+    plan += [{"bytes": b, "reps": args.latency_reps, "kind": "latency"} for b in LATENCY_SIZES.values()]
+    profile = rate == "unshaped" and n == 4 and args.profile
+    with Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb, Cluster(tb) as cl:
+        procs = []
+        for r, w in enumerate(tb.workers):
+            cmd = [
+                sys.executable, "-m", "bench.worker", "--rank", str(r), "--world", str(n),
+                "--control", cl.control_address(w), "--gloo", f"{tb.workers[0].ip}:{GLOO_PORT}",
+                "--job", f"bench-{n}-{rate}", "--elems", str(args.elems), "--window", str(args.window),
+                "--plan", json.dumps(plan),
+            ]
+            if profile:
+                cmd += ["--profile", str(64 << 20), "--profile-out", str(Path(args.out).resolve() / "profile.txt")]
+            procs.append(tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        per_rank = []
+        for r, p in enumerate(procs):
+            out, err = p.communicate(timeout=args.deadline)
+            if p.returncode != 0:
+                raise RuntimeError(f"n={n} {rate}: rank {r} failed: {err.strip()[-1500:]}")
+            per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    rows = []
+    for i, item in enumerate(plan):
+        reports = [pr[i] for pr in per_rank]
+        row = {"n": n, "link": rate, "bytes": item["bytes"], "kind": item["kind"]}
+        for system in ("xdp-agg", "gloo"):
+            # an all-reduce is done when its slowest rank is
+            times = [max(rep[system][k] for rep in (r["times"] for r in reports)) for k in range(item["reps"])]
+            row[system] = times
+        row["retransmissions"] = sum(r["retransmissions"] for r in reports)
+        rows.append(row)
+        log(f"  n={n} {rate:8s} {item['kind']:10s} {item['bytes']:>9d} B: xdp-agg {statistics.median(row['xdp-agg']) * 1e3:8.2f} ms, "
+            f"gloo {statistics.median(row['gloo']) * 1e3:8.2f} ms")
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    out = []
+    for row in rows:
+        n, rate_bps, S = row["n"], RATES[row["link"]], row["bytes"]
+        s = {"n": n, "link": row["link"], "bytes": S, "kind": row["kind"], "retransmissions": row["retransmissions"]}
+        for system in ("xdp-agg", "gloo"):
+            t = sorted(row[system])
+            s[system] = {
+                "median_s": statistics.median(t),
+                "min_s": t[0],
+                "max_s": t[-1],
+                "p50_s": t[len(t) // 2],
+                "p99_s": t[min(len(t) - 1, int(round(0.99 * (len(t) - 1))))],
+                "ate_per_s": (S / 4) / statistics.median(t),
+            }
+        s["speedup"] = s["gloo"]["median_s"] / s["xdp-agg"]["median_s"]
+        if rate_bps:
+            s["bound_ina_s"] = S * 8 / rate_bps
+            s["bound_ring_s"] = 2 * (n - 1) / n * S * 8 / rate_bps
+            s["xdp-agg"]["of_bound"] = s["bound_ina_s"] / s["xdp-agg"]["median_s"]
+            s["gloo"]["of_bound"] = s["bound_ring_s"] / s["gloo"]["median_s"]
+        out.append(s)
+    return out
+
+
+def _size(b: int) -> str:
+    return f"{b >> 20} MiB" if b >= 1 << 20 else f"{b >> 10} KiB"
+
+
+def markdown(summary: list[dict], meta: dict) -> str:
+    L = [
+        f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), MTU {meta['mtu']}, "
+        f"{meta['elems']} int32 per packet, window {meta['window']}.",
+        "",
+        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup | xdp-agg ATE/s | gloo ATE/s | xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s in (x for x in summary if x["kind"] == "throughput"):
+        a, g = s["xdp-agg"], s["gloo"]
+        fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
+        L.append(
+            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
+            f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | {s['speedup']:.2f}x | {a['ate_per_s']:.3g} | "
+            f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {s['retransmissions']} |"
+        )
+    L += ["", "Small all-reduces (latency, ms):", "", "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |", "|---|---|---|---|---|---|---|"]
+    for s in (x for x in summary if x["kind"] == "latency"):
+        a, g = s["xdp-agg"], s["gloo"]
+        L.append(f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | {g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |")
+    return "\n".join(L) + "\n"
+
+
+def plot(summary: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    thr = [s for s in summary if s["kind"] == "throughput"]
+    sizes = sorted({s["bytes"] for s in thr})
+    links = [lk for lk in RATES if any(s["link"] == lk for s in thr)]
+    fig, axes = plt.subplots(len(sizes), len(links), figsize=(4.2 * len(links), 3.2 * len(sizes)), squeeze=False)
+    for i, b in enumerate(sizes):
+        for j, lk in enumerate(links):
+            ax = axes[i][j]
+            pts = sorted((s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+            ns = [s["n"] for s in pts]
+            for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
+                ax.plot(ns, [s[system]["median_s"] * 1e3 for s in pts], style, label=system)
+            if pts and "bound_ina_s" in pts[0]:
+                ax.plot(ns, [s["bound_ina_s"] * 1e3 for s in pts], "k--", lw=1, label="bound S/R")
+                ax.plot(ns, [s["bound_ring_s"] * 1e3 for s in pts], "k:", lw=1, label="bound 2(n-1)/n S/R")
+            ax.set_title(f"{_size(b)}, {lk}", fontsize=9)
+            ax.set_xlabel("workers n")
+            ax.set_ylabel("ms per all-reduce")
+            ax.set_xticks(ns)
+            ax.set_ylim(bottom=0)
+            if i == 0 and j == 0:
+                ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workers", default="2,4,8", help="comma-separated n")
+    ap.add_argument("--links", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--latency-reps", type=int, default=100)
+    ap.add_argument("--max-bytes", type=int, default=64 << 20)
+    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3124)")
+    ap.add_argument("--mtu", type=int, default=3500)
+    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--deadline", type=float, default=1800)
+    ap.add_argument("--no-profile", dest="profile", action="store_false")
+    ap.add_argument("--out", default="bench-results")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    log = lambda m: print(m, flush=True)  # noqa: E731
+    rows = []
+    t0 = time.time()
+    for n in (int(x) for x in args.workers.split(",")):
+        for rate in args.links.split(","):
+            log(f"n={n}, {rate}:")
+            rows += run_config(n, rate, args, log)
+    summary = summarize(rows)
+    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "mtu": args.mtu, "elems": args.elems,
+            "window": args.window, "seconds": round(time.time() - t0)}
+    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": rows}, indent=1))
+    md = markdown(summary, meta)
+    (out / "results.md").write_text(md)
+    try:
+        plot(summary, out / "plot.png")
+    except ImportError:
+        log("matplotlib is missing: no plot (pip install '.[bench]')")
+    print(md)
+    log(f"results in {out}/ ({meta['seconds']} s)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
