@@ -1,0 +1,350 @@
+"""The API a training job uses: init() a Communicator, then allreduce() tensors.
+
+    comm = hostlib.init(rank, world_size, aggregator="10.0.0.1:48800", job="resnet-run-7")
+    grads = comm.allreduce(grads)            # int32, float32, float16, bfloat16
+    h = comm.allreduce_async(other); ...; other_sum = h.wait()
+    comm.close()
+
+Like torch.distributed's rendezvous, each worker gives its rank, the world size and where the
+rendezvous is (here the aggregator's control endpoint). Rank 0 creates the job, every rank
+registers, and all return together once every rank is there.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from xdp_switch import wire
+
+from .engine import EngineConfig, Faults, StreamEngine
+from .errors import AllreduceTimeout, HostlibError, RendezvousError
+from .netinfo import mac_of, source_ip_towards
+from .rendezvous import ControlClient, parse_endpoint
+from .udp_io import DatagramSocket
+
+_FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
+
+
+def init(
+    rank: int,
+    world_size: int,
+    aggregator: str,
+    job: str = "default",
+    elems: int = 256,
+    window: int = 64,
+    timeout: float = 30.0,
+    *,
+    ip: str | None = None,
+    port: int = 0,
+    mac: str | None = None,
+    rendezvous_timeout: float = 120.0,
+    retransmit: float = 0.015,
+    progress: bool = False,
+    faults: Faults | None = None,
+    gso: bool = True,
+    gro: bool = True,
+) -> "Communicator":
+    """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
+
+    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve).
+    job: the job's name; all ranks of one run use the same, and no other live run may.
+    elems, window: int32 per packet (32, 64, 128, 256, 512 or 768) and slots per worker; rank
+        0's values make the job, the other ranks adopt them.
+    timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
+    ip: the address the aggregator knows this worker by. By default the source address the
+        kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
+        also receives results sent to a group (broadcast or multicast) address. Give it to pin
+        the source address when one host runs several workers (as the loopback tests do); the
+        data socket is then bound to it and can receive unicast results only.
+    port: UDP port of the data socket. Rank 0 binds it (0: any free port) and the job fixes it
+        for every rank, because in one-arm mode the result goes once to group:port.
+    mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
+    rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
+    retransmit: first retransmission timer in seconds (doubles per expiry, capped).
+    progress: show a progress line on stderr for all-reduces that take over a second.
+    faults: test hook, seeded random loss/duplication inside the engine (engine.Faults).
+    gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).
+
+    Raises RendezvousError with the control endpoint's explanation if the job cannot be made
+    or joined (name in use, ranks missing at the barrier, ...), ValueError on bad arguments.
+    """
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    wire.size_code_for(elems)
+    if window < 1:
+        raise ValueError("window must be at least 1")
+    endpoint = parse_endpoint(aggregator)
+    pinned = ip is not None
+    my_ip = ip if pinned else source_ip_towards(*endpoint)
+    bind_ip = my_ip if pinned else "0.0.0.0"
+    ctl = ControlClient(endpoint, timeout=30.0, source_ip=my_ip if pinned else None)
+    sock = None
+    try:
+        wait = rendezvous_timeout
+        if rank == 0:
+            sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
+            desc = ctl.request(
+                "create", job=job, world_size=world_size, elems=elems, window=window,
+                worker_port=sock.address[1],
+            )["job"]
+        else:
+            desc = ctl.request("status", job=job, wait=wait, reply_timeout=wait + 5)["job"]
+            if desc["world_size"] != world_size:
+                raise ValueError(
+                    f"job {job!r} has world_size {desc['world_size']}, this rank was started "
+                    f"with {world_size}"
+                )
+            try:
+                sock = DatagramSocket((bind_ip, desc["worker_port"]), gso=gso, gro=gro)
+            except OSError as e:
+                raise HostlibError(
+                    f"{e.strerror}: every worker of job {job!r} listens on the UDP port rank 0 "
+                    f"chose, {desc['worker_port']}, and it is taken here; start rank 0 with "
+                    f"port= set to a port free on every host (two workers on one host also need "
+                    f"distinct ip= addresses)"
+                ) from None
+        _join_group(sock, desc.get("group"), my_ip, pinned)
+        desc = ctl.request(
+            "register", job=job, rank=rank, port=sock.address[1], ip=my_ip,
+            mac=mac or mac_of(my_ip), timeout=wait, reply_timeout=wait + 5,
+        )["job"]
+    except BaseException:
+        if sock is not None:
+            sock.close()
+        ctl.close()
+        raise
+    cfg = EngineConfig(
+        job_id=desc["job_id"],
+        world_size=desc["world_size"],
+        elems=desc["elems"],
+        slot_base=desc["slot_base"],
+        window=desc["window"],
+        aggregator=(desc["send_to"][0], desc["send_to"][1]),
+        rto=retransmit,
+        timeout=timeout,
+        progress=progress,
+    )
+    return Communicator(rank, job, desc, ctl, sock, StreamEngine(sock, cfg, faults))
+
+
+def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> None:
+    """Make the data socket receive results sent to the job's group address, if it has one."""
+    if not group:
+        return
+    addr = ipaddress.IPv4Address(group[0])
+    if pinned:
+        # Linux delivers broadcast and multicast only to sockets bound to 0.0.0.0 (or the group)
+        raise ValueError(
+            f"the job sends results to the group {group[0]}:{group[1]}, which a data socket bound "
+            f"to {my_ip} does not receive: leave ip= unset so that it binds 0.0.0.0"
+        )
+    if addr.is_multicast:
+        mreq = socket.inet_aton(group[0]) + socket.inet_aton(my_ip)
+        sock.sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+
+
+class AllreduceHandle:
+    """An all-reduce in progress (from Communicator.allreduce_async)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        """True once the all-reduce finished or failed."""
+        return self._future.done()
+
+    def wait(self, timeout: float | None = None) -> np.ndarray:
+        """The result; raises the all-reduce's error, or TimeoutError if it is not done within
+        `timeout` seconds (it then goes on; wait again later)."""
+        return self._future.result(timeout)
+
+
+class Communicator:
+    """A worker's membership in an aggregation job. Make it with hostlib.init().
+
+    All-reduces run one at a time, in the order they were called (the same order on every
+    rank is required, as with any collective), on one background thread.
+    """
+
+    def __init__(self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine):
+        self.rank = rank
+        self.job = job
+        self.description = desc  # the job as the control endpoint described it
+        self.world_size = desc["world_size"]
+        self._ctl = ctl
+        self._sock = sock
+        self._engine: StreamEngine = engine
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
+        self._lock = threading.Lock()
+        self._closed = False
+        self._broken: str | None = None
+
+    # --- all-reduce -------------------------------------------------------------------------
+    def allreduce(self, array, out=None, *, inplace: bool = False, timeout: float | None = None):
+        """Sum `array` over all ranks; returns the sum (a new array, `out`, or `array` itself).
+
+        int32 sums are exact and wrap modulo 2^32 like the aggregator's; float32 sums are block
+        scaled (error bound in hostlib.scaling); float16 and bfloat16 go through float32. Any
+        shape and length; every rank must pass the same length. `timeout` overrides the
+        communicator's stall timeout for this call.
+        """
+        return self.allreduce_async(array, out, inplace=inplace, timeout=timeout).wait()
+
+    def allreduce_async(
+        self, array, out=None, *, inplace: bool = False, timeout: float | None = None
+    ) -> AllreduceHandle:
+        """Start an all-reduce; returns a handle with wait(timeout) and done().
+
+        Do not modify `array` (or read `out`) until the handle is done.
+        """
+        job = _Job.prepare(array, out, inplace)
+        with self._lock:
+            if self._closed:
+                raise HostlibError("the communicator is closed")
+            return AllreduceHandle(self._executor.submit(self._run, job, timeout))
+
+    def barrier(self, timeout: float | None = None) -> None:
+        """Return once every rank has reached its barrier (an all-reduce of one int32)."""
+        self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
+
+    def _run(self, job: "_Job", timeout: float | None):
+        if self._broken:
+            raise HostlibError(
+                f"the communicator is unusable after an earlier failure ({self._broken}); "
+                f"close it, and init again on every rank"
+            )
+        try:
+            if job.kind == "int32":
+                self._engine.allreduce_int32(job.src, job.dst_flat, timeout)
+            else:
+                self._engine.allreduce_float32(job.src, job.dst_flat, timeout)
+        except AllreduceTimeout as e:
+            # The ranks' slot states now differ: another all-reduce would only time out again.
+            self._broken = "an all-reduce timed out"
+            raise self._explain(e) from None
+        return job.finish()
+
+    def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:
+        """Add the control endpoint's view (absent and lagging ranks) to a timeout."""
+        try:
+            d = self._ctl.request("diagnose", job=self.job, reply_timeout=3.0)
+        except RendezvousError as err:
+            return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
+        notes = []
+        if d.get("missing"):
+            notes.append(f"rank(s) {_join(d['missing'])} never registered")
+        if d.get("left"):
+            notes.append(f"rank(s) {_join(d['left'])} left the job or lost their connection")
+        counters = d.get("counters") or {}
+        mine = counters.get(str(self.rank), {}).get("contributions")
+        lagging = {int(r): c for r, c in (d.get("lagging") or {}).items() if int(r) != self.rank}
+        if lagging:
+            top = d.get("most_contributions", 0)
+            notes.append(
+                "lagging: " + ", ".join(f"rank {r} ({c} contributions)" for r, c in
+                                        sorted(lagging.items()))
+                + f" reached the aggregator, the most advanced rank {top}"
+            )
+        if mine == 0 and e.packets:
+            notes.append(
+                f"the aggregator counted no contribution from this rank ({self._my_address()}): "
+                "it does not receive this worker's packets or does not know its address"
+            )
+        if not notes and "counters" not in d:
+            notes.append(
+                "every rank is registered; the aggregator offers no per-worker counters, so an "
+                "idle rank cannot be told apart from an aggregator that does not answer"
+            )
+        elif not notes:
+            notes.append("every rank is registered and none is behind in contributions")
+        return e.with_diagnosis("Control endpoint: " + "; ".join(notes) + ".", d)
+
+    def _my_address(self) -> str:
+        me = next((w for w in self.description.get("workers", []) if w["rank"] == self.rank), None)
+        return f"{me['ip']}:{me['port']}" if me else "?"
+
+    # --- info -------------------------------------------------------------------------------
+    @property
+    def stats(self) -> dict:
+        """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict."""
+        return dict(self._engine.stats)
+
+    def status(self) -> dict:
+        """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters)."""
+        return self._ctl.request("diagnose", job=self.job, reply_timeout=5.0)
+
+    # --- teardown ---------------------------------------------------------------------------
+    def close(self) -> None:
+        """Finish queued all-reduces, leave the job, release the sockets. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        self._executor.shutdown(wait=True)
+        try:
+            self._ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
+        except RendezvousError:
+            pass  # closing the connection below counts as leaving too
+        self._ctl.close()
+        self._sock.close()
+
+    def __enter__(self) -> "Communicator":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Job:
+    """One all-reduce's arrays: validated, flattened, float types up-converted."""
+
+    def __init__(self, kind, src, dst_flat, result, convert_back):
+        self.kind, self.src, self.dst_flat = kind, src, dst_flat
+        self.result, self.convert_back = result, convert_back
+
+    @classmethod
+    def prepare(cls, array, out, inplace: bool) -> "_Job":
+        if inplace:
+            if out is not None:
+                raise ValueError("give either out= or inplace=True, not both")
+            if not isinstance(array, np.ndarray):
+                raise TypeError("inplace=True needs a numpy array")
+            out = array
+        a = np.asarray(array)
+        name = a.dtype.name
+        if name == "int32":
+            kind, work = "int32", np.int32
+        elif name == "float32" or name in _FLOAT_16:
+            kind, work = "float32", np.float32
+        else:
+            raise TypeError(
+                f"allreduce supports int32, float32, float16 and bfloat16 arrays, not {a.dtype}; "
+                f"convert first (e.g. float64 -> float32)"
+            )
+        if out is None:
+            out = np.empty(a.shape, dtype=a.dtype)
+        elif not isinstance(out, np.ndarray) or out.dtype != a.dtype or out.shape != a.shape:
+            raise ValueError(f"out must be a numpy array of dtype {a.dtype} and shape {a.shape}")
+        if not out.flags.writeable:
+            raise ValueError("the output array is read-only")
+        src = np.ascontiguousarray(a, dtype=work).reshape(-1)  # a view when already so
+        if out.dtype == work and out.flags.c_contiguous:
+            return cls(kind, src, out.reshape(-1), out, None)
+        # a float16/bfloat16 or non-contiguous output: work in float32/int32, copy back at end
+        return cls(kind, src, np.empty(a.size, dtype=work), out, out)
+
+    def finish(self) -> np.ndarray:
+        if self.convert_back is not None:
+            self.convert_back[...] = self.dst_flat.reshape(self.result.shape).astype(
+                self.result.dtype
+            )
+        return self.result
+
+
+def _join(ranks) -> str:
+    return ", ".join(str(r) for r in ranks)

@@ -1,0 +1,58 @@
+"""Exceptions of the host library.
+
+Every error a training job can see is a HostlibError, so `except hostlib.HostlibError` catches
+all of them; the subclasses say which side failed.
+"""
+
+from __future__ import annotations
+
+
+class HostlibError(Exception):
+    """Base class of the host library's errors."""
+
+
+class RendezvousError(HostlibError):
+    """The control endpoint refused a request or could not be reached.
+
+    The message is the endpoint's own explanation (it names missing ranks, busy job names, ...).
+    """
+
+
+class AllreduceTimeout(HostlibError, TimeoutError):
+    """An all-reduce made no progress for its timeout.
+
+    The message says what is missing: no answer at all from the aggregator (with its address),
+    or how many packets and slots are still outstanding, and, when the control endpoint could be
+    asked, which ranks are absent or lagging. The same facts are kept as attributes.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        aggregator: tuple[str, int] | None = None,
+        packets: int = 0,
+        outstanding: int = 0,
+        outstanding_slots: tuple[int, ...] = (),
+        results: int = 0,
+        diagnosis: dict | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.aggregator = aggregator
+        self.packets = packets  # packets of this all-reduce
+        self.outstanding = outstanding  # packets without a result when it gave up
+        self.outstanding_slots = outstanding_slots
+        self.results = results  # results received in this all-reduce
+        self.diagnosis = diagnosis  # the control endpoint's `diagnose` answer, if it came
+
+    def with_diagnosis(self, text: str, diagnosis: dict | None) -> "AllreduceTimeout":
+        """A copy whose message ends with the control endpoint's view of the job."""
+        return AllreduceTimeout(
+            f"{self.args[0]} {text}".rstrip(),
+            aggregator=self.aggregator,
+            packets=self.packets,
+            outstanding=self.outstanding,
+            outstanding_slots=self.outstanding_slots,
+            results=self.results,
+            diagnosis=diagnosis,
+        )

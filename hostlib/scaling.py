@@ -1,0 +1,95 @@
+r"""Block floating point: floats through an int32 aggregator (protocol.md section 4).
+
+Each chunk of k elements gets an exponent e = floor(log2(max|x|)) + 1, so |x| < 2^e. The
+workers agree on E = max of their e for that chunk (the aggregator takes the maximum of the e0
+fields, one window ahead of the data), and each sends
+
+    q = round(x * f),   f = M / 2^E,   M = floor((2^31 - 1) / n)
+
+as int32. Since |x| < 2^E, |x f| < M, so |q| <= M (rounding a number below the integer M cannot
+exceed M) and the sum of n workers' q stays within +-(2^31 - 1): it never wraps. The protocol
+writes f = (2^31 - 1) / (n 2^E); rounding the numerator down to the integer M changes f by less
+than n / 2^31 relative and is what makes the no-overflow argument exact. The worker divides the
+aggregated sum by the same f.
+
+Error bound, per element, of the all-reduced float32 r against the exact sum s = sum_i x_i:
+
+    |r - s| <= n / (2 f) + 2^-24 |r|          ( n / (2 f) = n 2^E / (2 M) ~= n^2 2^(E - 32) )
+
+The first term is the quantisation: each of the n workers rounds x f to an integer, an error of
+at most 1/2 unit, i.e. 1/(2 f) in x's units. The second is float32 rounding of the result (the
+products x f and the division are done in float64, exact to 2^-53, which the bound absorbs).
+The bound is relative to the chunk's largest magnitude, not to each element: elements much
+smaller than the largest of their chunk (over all workers) keep fewer significant bits.
+
+Limits, by design of the one-byte exponent field:
+- e is clipped to the int8 range [-128, 127]. Values with |x| >= 2^127 (float32 above about
+  1.7e38) saturate at +-M units; values below 2^-128 in a chunk whose maximum is below 2^-128
+  have the absolute bound above with E = -128.
+- An all-zero chunk sends e = -128 (ZERO_EXPONENT), so it never raises another worker's E.
+- NaN and Inf have no integer representation: they are rejected with ValueError.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+E_MIN, E_MAX = -128, 127  # the int8 exponent field
+ZERO_EXPONENT = E_MIN  # exponent of an all-zero chunk: neutral for the max
+
+
+def int_range(n: int) -> int:
+    """M: the largest |q| one of n workers may send so that their sum fits int32."""
+    return (2**31 - 1) // n
+
+
+def chunk_exponents(chunks: np.ndarray) -> np.ndarray:
+    """e = floor(log2(max|x|)) + 1 per row of an (m, k) float32 array, as int8.
+
+    Rows of zeros get ZERO_EXPONENT. ValueError if any element is NaN or infinite.
+    """
+    chunks = np.asarray(chunks)
+    if chunks.shape[0] == 0:
+        return np.zeros(0, dtype=np.int8)
+    # max|x| as max(max x, -min x): no temporary of the whole tensor, and NaN propagates
+    amax = np.maximum(chunks.max(axis=1), -chunks.min(axis=1)).astype(np.float64)
+    if not np.isfinite(amax).all():
+        bad = np.flatnonzero(~np.isfinite(chunks.reshape(-1)))[0]
+        raise ValueError(
+            f"all-reduce input contains {chunks.reshape(-1)[bad]} at element {bad}: NaN and Inf "
+            f"cannot be sent as block-scaled integers"
+        )
+    _, e = np.frexp(amax)  # amax = m * 2^e with 0.5 <= m < 1, i.e. e = floor(log2 amax) + 1
+    e = np.where(amax > 0, e, ZERO_EXPONENT)
+    return np.clip(e, E_MIN, E_MAX).astype(np.int8)
+
+
+def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:
+    """f = M / 2^E per chunk, float64 (exact: an integer times a power of two)."""
+    return np.ldexp(float(int_range(n)), -np.asarray(exponents, dtype=np.int32))
+
+
+def quantise(chunks: np.ndarray, exponents: np.ndarray, n: int) -> np.ndarray:
+    """int32 round(x * f) of (m, k) float chunks with their agreed exponents E (m,)."""
+    exponents = np.asarray(exponents)
+    f = scale_factors(exponents, n)
+    # the product in float64 (the ufunc converts as it goes: one pass, no float64 copy of x)
+    q = np.multiply(chunks, f[:, None], dtype=np.float64)
+    if (exponents >= E_MAX).any():  # only values >= 2^127, whose exponent was clipped, exceed M
+        m = int_range(n)
+        np.clip(q, -m, m, out=q)
+    return np.rint(q, out=np.empty(q.shape, np.int32), casting="unsafe")
+
+
+def dequantise(sums: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None):
+    """float32 sums / f of (m, k) int32 aggregated chunks (into `out` if given)."""
+    f = scale_factors(exponents, n)
+    if out is None:
+        out = np.empty(np.shape(sums), np.float32)
+    # divided in float64, rounded once to float32 on the way out
+    return np.divide(sums, f[:, None], out=out, dtype=np.float64, casting="unsafe")
+
+
+def error_bound(exponents: np.ndarray, n: int) -> np.ndarray:
+    """The quantisation term n / (2 f) of the bound above, per chunk (float64)."""
+    return n / (2.0 * scale_factors(exponents, n))

@@ -1,0 +1,431 @@
+"""The host library against the soft aggregator on loopback: exactness, bounds, loss, errors."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from hostlib_fixtures import ok, run_ranks, soft_cluster
+
+import hostlib
+from hostlib import scaling
+from hostlib.engine import _ranges
+
+pytestmark = pytest.mark.timeout(90)
+
+
+# --- scaling (block floating point) ---------------------------------------------------------
+def test_exponents():
+    x = np.array([[0.5, -0.25], [1.0, 0.0], [-3.0, 2.0], [0.0, 0.0], [2.0**-140, 0]], np.float32)
+    # e = floor(log2(max|x|)) + 1: 0.5 -> 0, 1.0 -> 1, 3.0 -> 2; zeros and tiny clip to -128
+    assert scaling.chunk_exponents(x).tolist() == [0, 1, 2, -128, -128]
+    big = np.array([[3e38, 1.0]], np.float32)
+    assert scaling.chunk_exponents(big).tolist() == [127]  # 128 clipped to int8
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nan_and_inf_are_rejected(bad):
+    x = np.zeros((3, 4), np.float32)
+    x[1, 2] = bad
+    with pytest.raises(ValueError, match="at element 6: NaN and Inf"):
+        scaling.chunk_exponents(x)
+
+
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_quantise_round_trip_within_bound_and_never_overflows(n):
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((50, 64)) * 10.0 ** rng.uniform(-6, 6, (50, 1))).astype(np.float32)
+    x[7] = 0.0
+    e = scaling.chunk_exponents(x)
+    q = scaling.quantise(x, e, n)
+    assert np.abs(q.astype(np.int64)).max() <= scaling.int_range(n)
+    back = scaling.dequantise(q, e, n).astype(np.float64)
+    # one worker's rounding error is at most 1/(2f); the bound for n workers is n times that
+    err = np.abs(back - x)
+    bound = scaling.error_bound(e, n)[:, None] / n + 2.0**-24 * np.abs(back)
+    assert (err <= bound).all()
+    assert (back[7] == 0).all()
+    # the extreme case: n workers all at the largest magnitude their exponent allows
+    top = np.full((1, 64), np.nextafter(np.float32(2.0), np.float32(0)), np.float32)  # < 2^1
+    qt = scaling.quantise(top, scaling.chunk_exponents(top), n).astype(np.int64)
+    assert (n * qt <= 2**31 - 1).all() and (n * qt > 2**31 - 1 - 2 * n * 2**8).all()
+
+
+def test_values_beyond_2_to_127_saturate_instead_of_wrapping():
+    x = np.array([[3e38, -3e38]], np.float32)
+    q = scaling.quantise(x, scaling.chunk_exponents(x), 2)
+    assert q.tolist() == [[scaling.int_range(2), -scaling.int_range(2)]]
+
+
+def test_progress_line(capsys):
+    from hostlib.engine import _Progress
+
+    p = _Progress(number=3, packets=200, plen=1034, t0=0.0)
+    p.show(2.0, 50, 1)
+    p.close(4.0, 200, 1)
+    err = capsys.readouterr().err
+    assert "all-reduce #3: 50/200 packets (25%)" in err and "1 retransmissions" in err
+    assert err.endswith("200/200 packets (100%), 0.1 MB/s, 1 retransmissions\n")
+
+
+def test_busy_worker_port_is_explained():
+    import socket
+
+    from hostlib.rendezvous import ControlClient
+
+    with soft_cluster() as cl:
+        errors = []
+
+        def rank0():  # waits at the barrier for rank 1, in vain
+            try:
+                hostlib.init(0, 2, cl.endpoint, job="busy", ip=cl.worker_ip(0),
+                             rendezvous_timeout=2.0).close()
+            except hostlib.HostlibError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=rank0)
+        t.start()
+        ctl = ControlClient(cl.server.address)
+        port = ctl.request("status", job="busy", wait=5)["job"]["worker_port"]
+        ctl.close()
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blocker:
+            blocker.bind((cl.worker_ip(1), port))  # rank 1's port is taken on its address
+            with pytest.raises(hostlib.HostlibError, match=f"UDP port rank 0 chose, {port}"):
+                hostlib.init(1, 2, cl.endpoint, job="busy", ip=cl.worker_ip(1),
+                             rendezvous_timeout=5)
+        t.join(15)
+        assert errors and "barrier timeout" in str(errors[0])
+
+
+def test_ranges_text():
+    assert _ranges((3, 4, 5, 9)) == "3-5, 9"
+    assert _ranges(()) == "none"
+
+
+# --- all-reduce through the soft aggregator -------------------------------------------------
+def int_inputs(rank: int, length: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed * 1000 + rank)
+    # values near the int32 limits, so that the sum wraps
+    return rng.integers(-(2**31), 2**31, length, dtype=np.int64).astype(np.int32)
+
+
+def int_expected(n: int, length: int, seed: int = 0) -> np.ndarray:
+    total = sum(int_inputs(r, length, seed).astype(np.int64) for r in range(n))
+    return total.astype(np.int32)  # C cast: wraps modulo 2^32 like the aggregator
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_int32_is_bit_exact_with_wraparound(n):
+    length = 3000
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, lambda c: c.allreduce(int_inputs(c.rank, length)),
+                           window=16))
+    for r in res:
+        assert r.dtype == np.int32 and np.array_equal(r, int_expected(n, length))
+
+
+def float_inputs(rank: int, length: int, k: int) -> np.ndarray:
+    rng = np.random.default_rng(100 + rank)
+    chunks = -(-length // k)
+    scale = np.repeat(10.0 ** rng.uniform(-4, 4, chunks), k)[:length]  # per-chunk magnitudes
+    x = rng.standard_normal(length) * scale
+    x[k : 2 * k] = 0.0  # an all-zero chunk on every worker
+    return x.astype(np.float32)
+
+
+def assert_within_scaling_bound(got, inputs, k):
+    """The bound of hostlib.scaling: n/(2f) per chunk plus float32 rounding of the result."""
+    n, length = len(inputs), len(got)
+    exact = sum(x.astype(np.float64) for x in inputs)
+    chunks = -(-length // k)
+    padded = [np.pad(x, (0, chunks * k - length)).reshape(chunks, k) for x in inputs]
+    E = np.max([scaling.chunk_exponents(p) for p in padded], axis=0)  # what the aggregator agrees
+    quant = np.repeat(scaling.error_bound(E, n), k)[:length]
+    bound = quant * (1 + 1e-6) + 2.0**-24 * np.abs(got.astype(np.float64))
+    err = np.abs(got.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"worst excess {np.max(err - bound)}"
+    assert (got[k : 2 * k] == 0).all()
+
+
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_float32_within_the_scaling_bound(n):
+    length, k = 4000, 256
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, lambda c: c.allreduce(float_inputs(c.rank, length, k)),
+                           window=8))
+    inputs = [float_inputs(r, length, k) for r in range(n)]
+    for got in res:
+        assert got.dtype == np.float32
+        assert_within_scaling_bound(got, inputs, k)
+    assert all(np.array_equal(res[0], r) for r in res)  # every rank gets the same bits
+
+
+def test_float16_and_bfloat16_go_through_float32():
+    n, length = 2, 1000
+    xs = [np.linspace(-4, 4, length).astype(np.float16) * (r + 1) for r in range(n)]
+
+    def body(c):
+        out = {"f16": c.allreduce(xs[c.rank])}
+        try:
+            import ml_dtypes  # optional: bfloat16 only when a numpy bfloat16 dtype exists
+        except ImportError:
+            return out
+        out["bf16"] = c.allreduce(xs[c.rank].astype(ml_dtypes.bfloat16))
+        return out
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, body))
+    exact = sum(x.astype(np.float64) for x in xs)
+    for r in res:
+        assert r["f16"].dtype == np.float16
+        # float16 rounding of the result (half an ulp: 2^-11 relative) dominates
+        assert np.allclose(r["f16"].astype(np.float64), exact, rtol=2**-10, atol=1e-6)
+        if "bf16" in r:
+            exact_bf = sum(x.astype(r["bf16"].dtype).astype(np.float64) for x in xs)
+            assert r["bf16"].dtype.name == "bfloat16"
+            assert np.allclose(r["bf16"].astype(np.float64), exact_bf, rtol=2**-7, atol=1e-6)
+
+
+def test_lengths_and_many_tensors_in_a_row_keep_versions_alternating():
+    """Lengths 1, k-1, k, k+1, 10k+3 (int32 and float32, a window smaller than most tensors):
+    a slot version that did not alternate across tensors would return a stale sum."""
+    k, n = 32, 3
+    lengths = [1, k - 1, k, k + 1, 10 * k + 3, 7, 10 * k + 3, 1]
+
+    def body(c):
+        out = []
+        for i, length in enumerate(lengths):
+            out.append(c.allreduce(int_inputs(c.rank, length, seed=i)))
+            out.append(c.allreduce(float_inputs(c.rank, length, k)))
+        return out, c.stats
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, body, elems=k, window=4))
+        counters = cl.aggregator.counters(0)
+    for out, stats in res:
+        for i, length in enumerate(lengths):
+            assert np.array_equal(out[2 * i], int_expected(n, length, seed=i)), length
+            assert_within_scaling_bound(
+                out[2 * i + 1], [float_inputs(r, length, k) for r in range(n)], k
+            )
+        assert stats["allreduces"] == 2 * len(lengths) and stats["stale"] == 0
+    assert counters.get("drop_slot_range", 0) == 0 and counters.get("drop_bad_size", 0) == 0
+
+
+def test_async_handles_out_and_inplace():
+    n, length = 2, 2000
+
+    def body(c):
+        a = int_inputs(c.rank, length, seed=1)
+        b = float_inputs(c.rank, length, 256)
+        ha = c.allreduce_async(a)
+        hb = c.allreduce_async(b)
+        out = np.empty(length, np.int32)
+        hc = c.allreduce_async(int_inputs(c.rank, length, seed=2), out=out)
+        z = int_inputs(c.rank, 777, seed=3).reshape(7, 111)
+        hz = c.allreduce_async(z, inplace=True)
+        results = (ha.wait(20), hb.wait(20), hc.wait(20), hz.wait(20))
+        assert ha.done() and hz.done()
+        assert results[2] is out and results[3] is z
+        c.barrier()
+        return results, b
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, body))
+    inputs_b = [float_inputs(r, length, 256) for r in range(n)]
+    for (ra, rb, rc, rz), b in res:
+        assert np.array_equal(ra, int_expected(n, length, seed=1))
+        assert_within_scaling_bound(rb, inputs_b, 256)
+        assert np.array_equal(rc, int_expected(n, length, seed=2))
+        assert rz.shape == (7, 111)
+        assert np.array_equal(rz.reshape(-1), int_expected(n, 777, seed=3))
+
+
+@pytest.mark.parametrize("loss", [0.01, 0.05])
+def test_loss_in_both_directions_is_recovered_exactly(loss):
+    n, length = 4, 64 * 60
+
+    def body(c):
+        out = [c.allreduce(int_inputs(c.rank, length, seed=s)) for s in range(2)]
+        out.append(c.allreduce(float_inputs(c.rank, length, 64)))
+        return out, c.stats
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(
+            cl, n, body, elems=64, window=16, retransmit=0.01,
+            faults=hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7),
+        ))
+    inputs = [float_inputs(r, length, 64) for r in range(n)]
+    for out, stats in res:
+        assert np.array_equal(out[0], int_expected(n, length, seed=0))
+        assert np.array_equal(out[1], int_expected(n, length, seed=1))
+        assert_within_scaling_bound(out[2], inputs, 64)
+    assert sum(s["fault_drops"] for _, s in res) > 0
+    assert sum(s["retransmissions"] for _, s in res) > 0
+
+
+def test_duplicated_packets_and_results_are_harmless():
+    n, length = 2, 64 * 40
+
+    def body(c):
+        return c.allreduce(int_inputs(c.rank, length)), c.stats
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(
+            cl, n, body, elems=64, window=8,
+            faults=hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3),
+        ))
+        counters = cl.aggregator.counters(0)
+    for got, stats in res:
+        assert np.array_equal(got, int_expected(n, length))
+        assert stats["duplicates"] > 0 and stats["results"] == 40
+    assert counters.get("dup_pending", 0) + counters.get("retx_answered", 0) > 0
+
+
+def test_plain_sockets_without_gso_and_gro():
+    n, length = 2, 5000
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, lambda c: (c.allreduce(int_inputs(c.rank, length)), c.stats),
+                           gso=False, gro=False))
+    for got, stats in res:
+        assert np.array_equal(got, int_expected(n, length))
+        assert stats["send_calls"] >= stats["packets_sent"]  # one datagram per call
+
+
+def test_stats_are_counted():
+    with soft_cluster() as cl:
+        (stats,) = ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)),
+                                                  c.stats)[1], elems=256))
+    assert set(stats) == set(hostlib.STAT_NAMES)
+    assert stats["allreduces"] == 1 and stats["elements"] == 1000
+    assert stats["packets_sent"] == stats["results"] == 4
+    assert stats["bytes_sent"] == 4 * (10 + 1024) and stats["elapsed"] > 0
+
+
+# --- errors ---------------------------------------------------------------------------------
+class AcceptingBackend:
+    """A backend that configures nothing: the control endpoint works, no aggregator answers."""
+
+    def __init__(self):
+        self._jobs = {}
+
+    def create_job(self, spec):
+        self._jobs[spec.job_id] = spec
+
+    def delete_job(self, job_id):
+        self._jobs.pop(job_id, None)
+
+    def add_worker(self, worker):
+        pass
+
+    def remove_worker(self, job_id, index):
+        pass
+
+    def jobs(self):
+        return [s.to_dict() for s in self._jobs.values()]
+
+
+def test_absent_aggregator_gives_a_clear_timeout_within_the_deadline():
+    with soft_cluster(backend=AcceptingBackend()) as cl:
+        t0 = time.monotonic()
+        (err,) = run_ranks(cl, 1, lambda c: c.allreduce(np.ones(100, np.int32)), timeout=1.0)
+        took = time.monotonic() - t0
+    assert isinstance(err, hostlib.AllreduceTimeout)
+    assert took < 6
+    text = str(err)
+    assert "no result at all from the aggregator at" in text
+    assert f"{cl.agg_ip}:{0xBEE0}" in text and "never answered" in text
+    assert "no per-worker counters" in text  # this backend cannot tell more
+    assert err.outstanding == 1 and err.results == 0 and err.aggregator == (cl.agg_ip, 0xBEE0)
+
+
+@pytest.mark.parametrize("how", ["idle", "closed"])
+def test_an_absent_worker_is_named(how):
+    """Rank 1 joins but never all-reduces (idle), or has left (closed): rank 0's timeout
+    names it."""
+    rank1_done = threading.Event()
+
+    def body(c):
+        if c.rank == 1:
+            if how == "closed":
+                c.close()
+            rank1_done.wait(20)
+            return None
+        try:
+            c.allreduce(np.ones(300, np.int32), timeout=1.0)
+        finally:
+            rank1_done.set()
+
+    with soft_cluster() as cl:
+        err = run_ranks(cl, 2, body, elems=64, window=4)[0]
+    assert isinstance(err, hostlib.AllreduceTimeout), err
+    text = str(err)
+    if how == "idle":
+        assert "lagging: rank 1 (0 contributions)" in text
+    else:
+        assert "rank(s) 1 left the job" in text
+    assert err.diagnosis is not None and err.outstanding == 5
+
+
+def test_communicator_refuses_work_after_a_timeout():
+    def body(c):
+        with pytest.raises(hostlib.AllreduceTimeout):
+            c.allreduce(np.ones(10, np.int32), timeout=0.3)
+        with pytest.raises(hostlib.HostlibError, match="unusable after an earlier failure"):
+            c.allreduce(np.ones(10, np.int32))
+        return True
+
+    with soft_cluster(backend=AcceptingBackend()) as cl:
+        assert ok(run_ranks(cl, 1, body)) == [True]
+
+
+def test_bad_arguments():
+    def body(c):
+        with pytest.raises(TypeError, match="float64"):
+            c.allreduce(np.ones(3))
+        with pytest.raises(ValueError, match="NaN"):
+            c.allreduce(np.array([1.0, np.nan], np.float32))
+        with pytest.raises(ValueError, match="out must be"):
+            c.allreduce(np.ones(3, np.int32), out=np.empty(4, np.int32))
+        # a rejected tensor leaves the communicator usable
+        return c.allreduce(np.full(5, 2, np.int32))
+
+    with soft_cluster() as cl:
+        (got,) = ok(run_ranks(cl, 1, body))
+        assert got.tolist() == [2] * 5
+        with pytest.raises(ValueError, match="rank 3 is not in 0..1"):
+            hostlib.init(3, 2, cl.endpoint)
+        with pytest.raises(ValueError, match="not a wire size"):
+            hostlib.init(0, 2, cl.endpoint, elems=100)
+
+
+def test_a_second_run_with_a_live_job_name_is_refused():
+    def body(c):
+        with pytest.raises(hostlib.RendezvousError, match="'test' already exists"):
+            hostlib.init(0, 1, c_endpoint[0], job="test", ip=c_endpoint[1])
+        return True
+
+    with soft_cluster() as cl:
+        c_endpoint = (cl.endpoint, cl.worker_ip(5))
+        assert ok(run_ranks(cl, 1, body)) == [True]
+
+
+def test_world_size_mismatch_is_refused():
+    with soft_cluster() as cl:
+        errors = []
+
+        def rank0():
+            try:
+                hostlib.init(0, 2, cl.endpoint, job="w", ip=cl.worker_ip(0),
+                             rendezvous_timeout=1.0).close()
+            except hostlib.HostlibError as e:
+                errors.append(e)
+
+        t = threading.Thread(target=rank0)
+        t.start()
+        with pytest.raises(ValueError, match="world_size 2, this rank was started with 3"):
+            hostlib.init(1, 3, cl.endpoint, job="w", ip=cl.worker_ip(1), rendezvous_timeout=5)
+        t.join(15)
+        assert errors and "barrier timeout" in str(errors[0])

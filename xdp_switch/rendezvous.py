@@ -1,0 +1,604 @@
+"""The control endpoint: workers find each other and their aggregator job here.
+
+Protocol: JSON lines over TCP. Each request is one JSON object with an "op"; each answer is one
+JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and what to do>"}.
+
+    create   {job, world_size, elems, window, worker_port}          (rank 0)
+             -> {ok, job: <description>}
+             Allocates a job id (0..63), `window` contiguous slots (first fit over the pool) and an
+             aggregator port in 0xBEE0..0xBEEF that no live job uses, then backend.create_job.
+             A live job with the same key is an error, never a merge.
+    register {job, rank, port, mac?, ip?, timeout?}                  (every rank)
+             -> {ok, job: <description>}, answered to every rank once all world_size ranks
+             registered (a barrier); after `timeout` (capped by the server's barrier_timeout) an
+             error naming the ranks that did not register. The worker's address is the TCP peer
+             address unless `ip` is given.
+    leave    {job, rank} -> {ok, deleted}
+             When every rank left, or the connection of every rank (and of the creator) closed,
+             the job is deleted from the backend and its id, slots and port are freed.
+    status   {job?, wait?} -> {ok, job, state, registered, missing, left, counters?} for one job
+             (waiting up to `wait` seconds for it to be created), or {ok, jobs: [...]} for all;
+             `counters` are per worker, if the backend has worker_counters(job_id).
+    diagnose {job} -> status plus `reasons` (verdict counters, if the backend has
+             counters(job_id)), `absent` (ranks not registered or gone), `lagging` (rank ->
+             contributions, for ranks behind the most advanced one) and `most_contributions`.
+    ping     {} -> {ok, version}
+
+A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
+of the job listens on it: in one-arm mode the result is sent once, to group_ip:worker_port),
+send_to [ip, port] (where workers send contributions), group [ip, port] or null (the group
+address results go to in one-arm mode), workers [{rank, ip, port}] once registered.
+
+Run by hand: `python -m xdp_switch.rendezvous --listen 127.0.0.1:48800 --soft 127.0.0.1`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import json
+import logging
+import socket
+import socketserver
+import threading
+import time
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from . import wire
+from .abi import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS, Delivery
+from .backend import Backend, JobSpec, WorkerSpec
+
+log = logging.getLogger(__name__)
+
+PROTOCOL_VERSION = 1
+DEFAULT_CONTROL_PORT = 48800
+MAX_LINE = 1 << 16
+
+
+@dataclass
+class ServerDefaults:
+    """What the server puts into every job it creates, and its limits."""
+
+    delivery: Delivery = Delivery.GROUP_TX
+    group_ip: str = "0.0.0.0"  # one-arm: results go here (multicast or subnet broadcast)
+    group_mac: str = "ff:ff:ff:ff:ff:ff"
+    agg_ip: str = "0.0.0.0"  # where workers send; 0.0.0.0: the address they reached us at
+    agg_mac: str = "00:00:00:00:00:00"
+    pool_slots: int = DEFAULT_POOL_SLOTS  # slots this server may hand out: 0..pool_slots-1
+    barrier_timeout: float = 120.0  # longest a register may wait for the other ranks
+
+    @classmethod
+    def from_any(cls, value) -> "ServerDefaults":
+        if value is None:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        known = {f.name for f in fields(cls)}
+        unknown = set(value) - known
+        if unknown:
+            raise ValueError(f"unknown server defaults: {sorted(unknown)}")
+        return cls(**value)
+
+
+class RequestError(Exception):
+    """A request the server refuses; the text goes back to the client as "error"."""
+
+
+@dataclass
+class _Rank:
+    ip: str
+    port: int
+    mac: str
+    conn: int
+    state: str = "registered"  # then "left" or "disconnected"
+
+
+@dataclass
+class _Job:
+    key: str
+    spec: JobSpec
+    world_size: int
+    window: int
+    worker_port: int
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    holders: set[int] = field(default_factory=set)  # connections keeping the job alive
+    complete: bool = False  # every rank has registered: the barrier is open
+    deleted: bool = False
+
+    @property
+    def gone(self) -> list[int]:
+        return sorted(r for r, x in self.ranks.items() if x.state != "registered")
+
+    @property
+    def state(self) -> str:
+        if self.gone:
+            return "closing"
+        return "ready" if len(self.ranks) == self.world_size else "registering"
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.ranks]
+
+    def group(self) -> list | None:
+        if self.spec.delivery == Delivery.GROUP_TX and self.spec.group_ip != "0.0.0.0":
+            return [self.spec.group_ip, self.worker_port]
+        return None
+
+
+class RendezvousServer:
+    """The control endpoint in front of one aggregator backend.
+
+    `fill_worker(worker_spec, local_address)`, if given, is called before backend.add_worker so
+    a target can complete target-specific fields (worker_spec.extra, mac); local_address is this
+    server's (ip, port) on the worker's control connection, i.e. the address the worker reached
+    us at, which tells on which interface the worker is.
+    """
+
+    def __init__(
+        self,
+        backend: Backend,
+        host: str = "127.0.0.1",
+        port: int = DEFAULT_CONTROL_PORT,
+        defaults: ServerDefaults | dict | None = None,
+        *,
+        fill_worker: Callable[[WorkerSpec, tuple[str, int]], None] | None = None,
+    ) -> None:
+        self.backend = backend
+        self.defaults = ServerDefaults.from_any(defaults)
+        if not 1 <= self.defaults.pool_slots <= wire.MAX_SLOTS:
+            raise ValueError(f"pool_slots must be 1..{wire.MAX_SLOTS}")
+        self.fill_worker = fill_worker
+        self._cond = threading.Condition()
+        self._jobs: dict[str, _Job] = {}
+        self._conns: dict[int, socket.socket] = {}
+        self._next_conn = 0
+        self._stopping = False
+        self._thread: threading.Thread | None = None  # the one running serve_forever
+        self._tcp = _TCPServer((host, port), self)
+
+    # --- lifecycle --------------------------------------------------------------------------
+    @property
+    def address(self) -> tuple[str, int]:
+        """(host, port) the server listens on."""
+        return self._tcp.server_address[:2]
+
+    def serve_forever(self) -> None:
+        """Serve in the calling thread until stop() (from another thread) or an exception."""
+        self._thread = threading.current_thread()
+        self._tcp.serve_forever(poll_interval=0.2)
+
+    def start(self) -> "RendezvousServer":
+        """Serve in a background thread."""
+        # set before the thread runs so that an early stop() still shuts it down
+        self._thread = threading.Thread(target=self._tcp.serve_forever, args=(0.2,),
+                                        name="rendezvous", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """Stop serving, wake blocked barriers, close every connection; jobs are deleted."""
+        with self._cond:
+            if self._stopping:
+                return
+            self._stopping = True
+            self._cond.notify_all()
+            conns = list(self._conns.values())
+        serving = self._thread
+        if serving is not None and serving is not threading.current_thread():
+            self._tcp.shutdown()  # returns once serve_forever has stopped (or if it had)
+        for c in conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        self._tcp.server_close()
+        with self._cond:
+            for job in list(self._jobs.values()):
+                self._delete(job)
+
+    def __enter__(self) -> "RendezvousServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    # --- connections ------------------------------------------------------------------------
+    def _connected(self, sock: socket.socket) -> int:
+        with self._cond:
+            self._next_conn += 1
+            self._conns[self._next_conn] = sock
+            return self._next_conn
+
+    def _disconnected(self, conn: int) -> None:
+        """A connection closed: its ranks are gone, its hold on each job released."""
+        with self._cond:
+            self._conns.pop(conn, None)
+            for job in list(self._jobs.values()):
+                for r, x in job.ranks.items():
+                    if x.conn == conn and x.state == "registered":
+                        x.state = "disconnected"
+                        self._remove_worker(job, r)
+                self._release(job, conn)
+            self._cond.notify_all()
+
+    def handle(self, conn: int, request: dict, local: tuple[str, int], peer: tuple[str, int]):
+        """Answer one request (a dict) from connection `conn`; never raises."""
+        try:
+            if not isinstance(request, dict):
+                raise RequestError("a request is a JSON object with an 'op'")
+            op = request.get("op")
+            fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+            if fn is None:
+                raise RequestError(
+                    f"unknown op {op!r}; ops: create, register, leave, status, diagnose, ping"
+                )
+            return {"ok": True, **fn(conn, request, local, peer)}
+        except RequestError as e:
+            return {"ok": False, "error": str(e)}
+        except Exception as e:  # a backend failure must reach the client, not kill the server
+            log.exception("request %r failed", request)
+            return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
+
+    # --- ops --------------------------------------------------------------------------------
+    def _op_ping(self, conn, req, local, peer):
+        return {"version": PROTOCOL_VERSION}
+
+    def _op_create(self, conn, req, local, peer):
+        key = _key(req)
+        world = _int(req, "world_size", 1, MAX_WORKERS)
+        elems = _int(req, "elems", 1, wire.MAX_ELEMS)
+        try:
+            wire.size_code_for(elems)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        window = _int(req, "window", 1, self.defaults.pool_slots)
+        worker_port = _int(req, "worker_port", 1, 65535)
+        with self._cond:
+            self._check_running()
+            if key in self._jobs:
+                old = self._jobs[key]
+                raise RequestError(
+                    f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
+                    f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
+                    f"run at a time: pick another name or wait until the old run has left"
+                )
+            ids, ports, ranges = self._in_use()
+            job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
+            if job_id is None:
+                raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
+            free_ports = [p for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
+                          if p not in ports]
+            port = free_ports[0] if free_ports else None
+            if port is None:
+                raise RequestError("all 16 aggregator ports 0xBEE0..0xBEEF are used by live jobs")
+            base = _first_fit(ranges, window, self.defaults.pool_slots)
+            if base is None:
+                raise RequestError(
+                    f"no {window} contiguous free slots in the pool of "
+                    f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+                )
+            d = self.defaults
+            try:
+                spec = JobSpec(
+                    job_id=job_id, num_workers=world, elems=elems, slot_base=base,
+                    slot_count=window, agg_port=port, delivery=d.delivery, agg_ip=d.agg_ip,
+                    agg_mac=d.agg_mac, group_ip=d.group_ip, group_mac=d.group_mac,
+                )
+                self.backend.create_job(spec)
+            except ValueError as e:
+                raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+            job = _Job(key, spec, world, window, worker_port, holders={conn})
+            self._jobs[key] = job
+            self._cond.notify_all()
+            log.info("created job %r: %s", key, spec)
+            return {"job": self._describe(job, local)}
+
+    def _op_register(self, conn, req, local, peer):
+        key = _key(req)
+        rank = _int(req, "rank", 0, MAX_WORKERS - 1)
+        port = _int(req, "port", 1, 65535)
+        mac = str(req.get("mac") or "00:00:00:00:00:00")
+        ip = req.get("ip") or peer[0]
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise RequestError(f"register: ip {ip!r} is not an IPv4 address") from None
+        with self._cond:
+            self._check_running()
+            job = self._live_job(key)
+            if rank >= job.world_size:
+                raise RequestError(
+                    f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
+                )
+            if job.state == "closing":
+                raise RequestError(
+                    f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
+                    f"to end and start all ranks again"
+                )
+            if rank in job.ranks:
+                x = job.ranks[rank]
+                raise RequestError(
+                    f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
+                    f"two workers were started with the same rank"
+                )
+            if job.group() and port != job.worker_port:
+                raise RequestError(
+                    f"port {port} differs from the job's worker port {job.worker_port}: results "
+                    f"go once to the group {job.spec.group_ip}:{job.worker_port}"
+                )
+            ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
+            if self.fill_worker is not None:
+                self.fill_worker(ws, local)
+            try:
+                self.backend.add_worker(ws)
+            except ValueError as e:
+                raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
+            job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
+            job.holders.add(conn)
+            if len(job.ranks) == job.world_size:
+                # a flag, not a count: a rank may leave right after its answer, before the
+                # others' threads wake up, and they must still pass
+                job.complete = True
+            self._cond.notify_all()
+            # the barrier
+            limit = self.defaults.barrier_timeout
+            if req.get("timeout") is not None:
+                limit = min(limit, _float(req, "timeout"))
+            deadline = time.monotonic() + limit
+            while not job.complete and not job.deleted and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            if job.complete:
+                return {"job": self._describe(job, local)}
+            if self._stopping:
+                raise RequestError("the control endpoint is shutting down")
+            if job.deleted:
+                raise RequestError(f"job {key!r} was deleted while waiting for the other ranks")
+            raise RequestError(
+                f"barrier timeout after {limit:g} s for job {key!r}: rank(s) "
+                f"{', '.join(map(str, job.missing()))} of {job.world_size} did not register "
+                f"(registered: {sorted(job.ranks)}); start the missing workers with the same "
+                f"job name and control endpoint, or check their logs"
+            )
+
+    def _op_leave(self, conn, req, local, peer):
+        key = _key(req)
+        rank = _int(req, "rank", 0, MAX_WORKERS - 1)
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return {"deleted": True}  # leaving twice, or after the job ended, is fine
+            x = job.ranks.get(rank)
+            if x is not None and x.state == "registered":
+                x.state = "left"
+                self._remove_worker(job, rank)
+            self._release(job, conn)
+            self._cond.notify_all()
+            return {"deleted": job.deleted}
+
+    def _op_status(self, conn, req, local, peer):
+        if req.get("job") is None:
+            with self._cond:
+                return {"jobs": [self._summary(j, local) for j in self._jobs.values()]}
+        key = _key(req)
+        wait = _float(req, "wait") if req.get("wait") is not None else 0.0
+        with self._cond:
+            deadline = time.monotonic() + min(wait, self.defaults.barrier_timeout)
+            while not self._stopping:
+                job = self._jobs.get(key)
+                if job is not None and job.state != "closing":
+                    break
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            job = self._live_job(key, waited=wait)  # raises the explanation if there is none
+            out = self._summary(job, local)
+        # backend calls outside our lock: they may take the backend's own locks
+        if hasattr(self.backend, "worker_counters"):
+            counters = self.backend.worker_counters(job.spec.job_id)
+            out["counters"] = {str(k): v for k, v in counters.items()}
+        return out
+
+    def _op_diagnose(self, conn, req, local, peer):
+        out = self._op_status(conn, {"op": "diagnose", "job": _key(req)}, local, peer)
+        counters = {int(k): v for k, v in out.get("counters", {}).items()}
+        if hasattr(self.backend, "counters"):
+            out["reasons"] = self.backend.counters(out["job"]["job_id"])
+        out["absent"] = sorted(set(out["missing"]) | set(out["left"]))
+        contrib = {r: counters.get(r, {}).get("contributions", 0) for r in out["registered"]}
+        lagging = {}
+        if counters and contrib:
+            top = max(contrib.values())
+            lagging = {str(r): c for r, c in contrib.items() if c < top}
+        out["lagging"] = lagging
+        out["most_contributions"] = max(contrib.values()) if contrib else 0
+        return out
+
+    # --- helpers (called with self._cond held) ----------------------------------------------
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise RequestError("the control endpoint is shutting down")
+
+    def _live_job(self, key: str, waited: float = 0.0) -> _Job:
+        job = self._jobs.get(key)
+        if job is None:
+            others = sorted(self._jobs)
+            raise RequestError(
+                f"no job {key!r}" + (f" after waiting {waited:g} s" if waited else "")
+                + f" (live jobs: {others or 'none'}); rank 0 creates it: is rank 0 running with "
+                f"the same job name and control endpoint?"
+            )
+        return job
+
+    def _in_use(self):
+        """Job ids, ports and slot ranges taken by our jobs and any the backend already has."""
+        specs = [j.spec.to_dict() for j in self._jobs.values()]
+        try:
+            specs += self.backend.jobs()
+        except Exception:  # a backend that cannot list still works with our own bookkeeping
+            log.exception("backend.jobs() failed")
+        ids = {s["job_id"] for s in specs}
+        ports = {s["agg_port"] for s in specs}
+        ranges = sorted((s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs)
+        return ids, ports, ranges
+
+    def _release(self, job: _Job, conn: int) -> None:
+        job.holders.discard(conn)
+        if not job.holders and not job.deleted:
+            self._delete(job)
+
+    def _delete(self, job: _Job) -> None:
+        job.deleted = True
+        self._jobs.pop(job.key, None)
+        try:
+            self.backend.delete_job(job.spec.job_id)
+        except Exception:
+            log.exception("deleting job %r from the backend failed", job.key)
+        log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
+        self._cond.notify_all()
+
+    def _remove_worker(self, job: _Job, rank: int) -> None:
+        try:
+            self.backend.remove_worker(job.spec.job_id, rank)
+        except Exception:
+            log.exception("removing rank %d of job %r failed", rank, job.key)
+
+    def _describe(self, job: _Job, local: tuple[str, int]) -> dict:
+        d = job.spec.to_dict()
+        agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
+        d.update(
+            key=job.key,
+            world_size=job.world_size,
+            window=job.window,
+            worker_port=job.worker_port,
+            send_to=[agg_ip, job.spec.agg_port],
+            group=job.group(),
+            workers=[
+                {"rank": r, "ip": x.ip, "port": x.port} for r, x in sorted(job.ranks.items())
+            ],
+        )
+        return d
+
+    def _summary(self, job: _Job, local) -> dict:
+        return {
+            "job": self._describe(job, local),
+            "state": job.state,
+            "registered": sorted(job.ranks),
+            "missing": job.missing(),
+            "left": job.gone,
+        }
+
+
+def _first_fit(ranges: list[tuple[int, int]], count: int, pool: int) -> int | None:
+    """First base b with [b, b + count) free of the (sorted) used ranges, inside the pool."""
+    base = 0
+    for lo, hi in ranges:
+        if base + count <= lo:
+            break
+        base = max(base, hi)
+    return base if base + count <= pool else None
+
+
+def _key(req: dict) -> str:
+    key = req.get("job")
+    if not isinstance(key, str) or not key or len(key) > 200:
+        raise RequestError("'job' must be a non-empty job name (a string of at most 200 chars)")
+    return key
+
+
+def _int(req: dict, name: str, lo: int, hi: int) -> int:
+    v = req.get(name)
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise RequestError(f"{req.get('op')}: field {name!r} must be an integer (got {v!r})")
+    if not lo <= v <= hi:
+        raise RequestError(f"{req.get('op')}: field {name!r} = {v} is not in {lo}..{hi}")
+    return v
+
+
+def _float(req: dict, name: str) -> float:
+    v = req.get(name)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
+        raise RequestError(f"{req.get('op')}: field {name!r} must be a number >= 0 (got {v!r})")
+    return float(v)
+
+
+class _Handler(socketserver.StreamRequestHandler):
+    """One control connection: a request per line, an answer per line, in order."""
+
+    server: "_TCPServer"
+
+    def handle(self) -> None:
+        owner = self.server.owner
+        conn = owner._connected(self.connection)
+        local = self.connection.getsockname()[:2]
+        peer = self.client_address[:2]
+        try:
+            while True:
+                line = self.rfile.readline(MAX_LINE + 1)
+                if not line:
+                    return
+                if len(line) > MAX_LINE:
+                    self._answer({"ok": False, "error": "request line too long"})
+                    return
+                if not line.strip():
+                    continue
+                try:
+                    req = json.loads(line)
+                except ValueError as e:
+                    self._answer({"ok": False, "error": f"not JSON: {e}"})
+                    continue
+                self._answer(owner.handle(conn, req, local, peer))
+        except OSError:
+            pass  # the peer went away: same as a close
+        finally:
+            owner._disconnected(conn)
+
+    def _answer(self, obj: dict) -> None:
+        self.wfile.write(json.dumps(obj).encode() + b"\n")
+        self.wfile.flush()
+
+
+class _TCPServer(socketserver.ThreadingTCPServer):
+    allow_reuse_address = True
+    daemon_threads = True
+    block_on_close = False
+
+    def __init__(self, address, owner: RendezvousServer) -> None:
+        self.owner = owner
+        super().__init__(address, _Handler)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Manual use: a control endpoint in front of a SoftAggregator."""
+    from .soft_aggregator import SoftAggregator
+
+    p = argparse.ArgumentParser(
+        prog="python -m xdp_switch.rendezvous", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", help="HOST:PORT (TCP)")
+    p.add_argument("--soft", default="127.0.0.1", metavar="IP",
+                   help="run a SoftAggregator bound to IP (ports 0xBEE0..0xBEEF as jobs need)")
+    p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
+    p.add_argument("--barrier-timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    host, _, port = args.listen.rpartition(":")
+    defaults = ServerDefaults(
+        agg_ip=args.soft, pool_slots=args.pool_slots, barrier_timeout=args.barrier_timeout
+    )
+    with SoftAggregator(args.soft) as agg:
+        server = RendezvousServer(agg, host, int(port), defaults)
+        log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
+        try:
+            server.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            server.stop()
+
+
+if __name__ == "__main__":
+    main()
