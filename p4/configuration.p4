@@ -1,0 +1,21 @@
+/* configuration.p4: sizes of the v1model (bmv2) aggregator. */
+#ifndef _XDP_AGG_CONFIGURATION_P4_
+#define _XDP_AGG_CONFIGURATION_P4_
+
+// Slots in the pool shared by all jobs; each slot has two versions (shadow copies), so every
+// per-slot register has 2 * POOL_SLOTS entries, indexed slot * 2 + version. The control plane
+// (xdp_switch/bmv2_backend.py) refuses job ranges past it. Override with -DPOOL_SLOTS=N.
+#ifndef POOL_SLOTS
+#define POOL_SLOTS 1024
+#endif
+const bit<32> POOL_ENTRIES = 2 * POOL_SLOTS;
+
+// Multicast group 1 floods plain traffic to every port; job j's results use group j + 2
+// (the control plane creates both; see bmv2_backend.FLOOD_MGID and job_mgid()).
+const bit<16> FLOOD_MGID = 1;
+
+// Table sizes.
+const bit<32> WORKERS_TABLE_SIZE = 4096; // (IPv4 source, UDP destination port) -> job, worker
+const bit<32> L2_TABLE_SIZE = 1024; // static MAC table
+
+#endif

@@ -1,0 +1,50 @@
+/* exponents.p4 (TNA): signed maximum of e0 and e1 per (slot, version), one register each (a
+ * register action returns one value, and a completing packet needs both). */
+#ifndef _XDP_AGG_TNA_EXPONENTS_P4_
+#define _XDP_AGG_TNA_EXPONENTS_P4_
+
+control ExponentMax(inout bit<8> e, in switchml_md_t md) {
+    Register<int<8>, pool_entry_t>(POOL_ENTRIES) stored;
+
+    RegisterAction<int<8>, pool_entry_t, int<8>>(stored) write = {
+        void apply(inout int<8> value, out int<8> result) {
+            value = (int<8>)e;
+            result = value;
+        }
+    };
+
+    RegisterAction<int<8>, pool_entry_t, int<8>>(stored) max_of = {
+        void apply(inout int<8> value, out int<8> result) {
+            value = max(value, (int<8>)e);
+            result = value;
+        }
+    };
+
+    RegisterAction<int<8>, pool_entry_t, int<8>>(stored) read = {
+        void apply(inout int<8> value, out int<8> result) {
+            result = value;
+        }
+    };
+
+    apply {
+        if (md.add == 1 && md.first == 1) {
+            e = (bit<8>)write.execute(md.pool_entry);
+        } else if (md.add == 1) {
+            e = (bit<8>)max_of.execute(md.pool_entry);
+        } else if (md.read == 1) {
+            e = (bit<8>)read.execute(md.pool_entry);
+        }
+    }
+}
+
+control Exponents(inout header_t hdr, in switchml_md_t md) {
+    ExponentMax() e0;
+    ExponentMax() e1;
+
+    apply {
+        e0.apply(hdr.exponents.e0, md);
+        e1.apply(hdr.exponents.e1, md);
+    }
+}
+
+#endif

@@ -1,0 +1,141 @@
+/* parsers.p4 (TNA): parsers and deparsers of the Tofino variant. */
+#ifndef _XDP_AGG_TNA_PARSERS_P4_
+#define _XDP_AGG_TNA_PARSERS_P4_
+
+/* As the v1model parser: Ethernet, IPv4, UDP, and for UDP to 0xBEE0..0xBEEF our headers and the
+ * payload header. A packet too short for them ends with a parser error that UDPReceiver reads
+ * (reading ig_prsr_md.parser_err is what keeps Tofino from dropping it unseen); the headers
+ * extracted before the error stay valid, which tells the two truncation cases apart. IPv4
+ * options are skipped word by word (a Tofino parser advances by constants) so that a packet of
+ * ours with options is recognised and dropped as malformed. */
+parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_md,
+                     out ingress_intrinsic_metadata_t ig_intr_md) {
+    state start {
+        pkt.extract(ig_intr_md);
+        pkt.advance(PORT_METADATA_SIZE);
+        ig_md.update_ipv4_checksum = false;
+        transition parse_ethernet;
+    }
+
+    state parse_ethernet {
+        pkt.extract(hdr.ethernet);
+        transition select(hdr.ethernet.ether_type) {
+            ETHERTYPE_IPV4: parse_ipv4;
+            default: accept;
+        }
+    }
+
+    state parse_ipv4 {
+        pkt.extract(hdr.ipv4);
+        transition select(hdr.ipv4.protocol, hdr.ipv4.ihl, hdr.ipv4.frag_offset) {
+            (IP_PROTO_UDP, 4w5, 13w0): parse_udp;
+            (IP_PROTO_UDP, 4w5, _): accept;
+            (IP_PROTO_UDP, 4w6, _): skip_options_1;
+            (IP_PROTO_UDP, 4w7, _): skip_options_2;
+            (IP_PROTO_UDP, 4w8, _): skip_options_3;
+            (IP_PROTO_UDP, 4w9, _): skip_options_4;
+            (IP_PROTO_UDP, 4w10, _): skip_options_5;
+            (IP_PROTO_UDP, 4w11, _): skip_options_6;
+            (IP_PROTO_UDP, 4w12, _): skip_options_7;
+            (IP_PROTO_UDP, 4w13, _): skip_options_8;
+            (IP_PROTO_UDP, 4w14, _): skip_options_9;
+            (IP_PROTO_UDP, 4w15, _): skip_options_10;
+            default: accept;
+        }
+    }
+
+    state skip_options_10 { pkt.advance(32); transition skip_options_9; }
+    state skip_options_9 { pkt.advance(32); transition skip_options_8; }
+    state skip_options_8 { pkt.advance(32); transition skip_options_7; }
+    state skip_options_7 { pkt.advance(32); transition skip_options_6; }
+    state skip_options_6 { pkt.advance(32); transition skip_options_5; }
+    state skip_options_5 { pkt.advance(32); transition skip_options_4; }
+    state skip_options_4 { pkt.advance(32); transition skip_options_3; }
+    state skip_options_3 { pkt.advance(32); transition skip_options_2; }
+    state skip_options_2 { pkt.advance(32); transition skip_options_1; }
+    state skip_options_1 { pkt.advance(32); transition parse_udp; }
+
+    state parse_udp {
+        pkt.extract(hdr.udp);
+        transition select(hdr.udp.dst_port) {
+            SML_UDP_PORT &&& SML_UDP_PORT_MASK: parse_switchml;
+            default: accept;
+        }
+    }
+
+    state parse_switchml {
+        pkt.extract(hdr.switchml);
+        pkt.extract(hdr.exponents);
+        transition select(hdr.switchml.size) {
+            SML_SIZE_32: parse_d0;
+            default: accept; // not aggregated by this variant: dropped as a bad size
+        }
+    }
+
+    state parse_d0 {
+        pkt.extract(hdr.d0);
+        transition accept;
+    }
+}
+
+control IngressDeparser(packet_out pkt, inout header_t hdr, in ingress_metadata_t ig_md,
+                        in ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        // Answers to a retransmission: addresses swapped in ingress.
+        if (ig_md.update_ipv4_checksum) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+                hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
+                hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
+        }
+        pkt.emit(ig_md.bridged);
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+        pkt.emit(hdr.switchml);
+        pkt.emit(hdr.exponents);
+        pkt.emit(hdr.d0);
+    }
+}
+
+parser EgressParser(packet_in pkt, out header_t hdr, out egress_metadata_t eg_md,
+                    out egress_intrinsic_metadata_t eg_intr_md) {
+    state start {
+        pkt.extract(eg_intr_md);
+        pkt.extract(eg_md.bridged);
+        eg_md.update_ipv4_checksum = false;
+        transition select(eg_md.bridged.kind) {
+            KIND_RESULT: parse_result;
+            default: accept; // everything else leaves as ingress made it
+        }
+    }
+
+    // A result has no IPv4 options (those are dropped in ingress): fixed offsets.
+    state parse_result {
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        transition accept;
+    }
+}
+
+control EgressDeparser(packet_out pkt, inout header_t hdr, in egress_metadata_t eg_md,
+                       in egress_intrinsic_metadata_for_deparser_t eg_dprsr_md) {
+    Checksum() ipv4_checksum;
+
+    apply {
+        if (eg_md.update_ipv4_checksum) {
+            hdr.ipv4.hdr_checksum = ipv4_checksum.update({
+                hdr.ipv4.version, hdr.ipv4.ihl, hdr.ipv4.diffserv, hdr.ipv4.total_len,
+                hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
+                hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
+        }
+        pkt.emit(hdr.ethernet);
+        pkt.emit(hdr.ipv4);
+        pkt.emit(hdr.udp);
+    }
+}
+
+#endif

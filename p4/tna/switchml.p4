@@ -1,0 +1,86 @@
+/* switchml.p4 (TNA): the Tofino variant of p4/switchml.p4, same structure, file for file.
+ *
+ * NOT COMPILED HERE: it needs Intel's Tofino SDE (bf-p4c, tna.p4), which is not public. It is
+ * kept parallel to the v1model program, which is compiled and tested against the packet table
+ * in bmv2; when changing one, change the other. Differences, forced by the hardware:
+ * - 32 elements per packet (one register, one stateful ALU, per element; a 64-element packet
+ *   would need p4app-switchML's recirculation passes);
+ * - at most 32 workers per job (a worker bitmap of one version is one 32-bit half of a
+ *   register pair, so that one stateful ALU updates both versions at once);
+ * - the worker bit comes from the workers table (1 << index, written by the control plane)
+ *   instead of a shift by a run-time amount;
+ * - the workers counter counts down (p4app-switchML's encoding), which is the reference
+ *   model's count/complete pair in one register.
+ */
+#include <core.p4>
+#include <tna.p4>
+
+#include "../include/abi.p4"
+#include "configuration.p4"
+#include "types.p4"
+#include "headers.p4"
+#include "parsers.p4"
+#include "udp_receiver.p4"
+#include "bitmap_checker.p4"
+#include "workers_counter.p4"
+#include "exponents.p4"
+#include "elements.p4"
+#include "next_step_selector.p4"
+#include "forwarder.p4"
+#include "udp_sender.p4"
+
+control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
+                in ingress_intrinsic_metadata_t ig_intr_md,
+                in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
+                inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
+                inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
+    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * AGG_NUM_REASONS, CounterType_t.PACKETS) reasons;
+
+    UDPReceiver() udp_receiver;
+    BitmapChecker() bitmap_checker;
+    WorkersCounter() workers_counter;
+    Exponents() exponents;
+    Elements() elements;
+    NextStepSelector() next_step_selector;
+    Forwarder() forwarder;
+
+    apply {
+        udp_receiver.apply(hdr, ig_md.sml, ig_prsr_md);
+        if (ig_md.sml.accepted == 1) {
+            bitmap_checker.apply(ig_md.sml);
+            workers_counter.apply(ig_md.sml);
+            exponents.apply(hdr, ig_md.sml);
+            elements.apply(hdr, ig_md.sml);
+        }
+        if (ig_md.sml.ours == 1) {
+            next_step_selector.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
+        } else {
+            forwarder.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
+        }
+        reasons.count((bit<32>)ig_md.sml.counter_row * AGG_NUM_REASONS + (bit<32>)ig_md.sml.reason);
+    }
+}
+
+control Egress(inout header_t hdr, inout egress_metadata_t eg_md,
+               in egress_intrinsic_metadata_t eg_intr_md,
+               in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
+               inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
+               inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
+    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * AGG_NUM_REASONS, CounterType_t.PACKETS) reasons;
+
+    UDPSender() udp_sender;
+
+    apply {
+        if (eg_md.bridged.kind == KIND_RESULT) {
+            udp_sender.apply(hdr, eg_md, eg_intr_md, eg_dprsr_md);
+            reasons.count((bit<32>)eg_md.bridged.counter_row * AGG_NUM_REASONS + (bit<32>)eg_md.reason);
+        } else if (eg_md.bridged.kind == KIND_FLOOD && eg_intr_md.egress_port == eg_md.bridged.ingress_port) {
+            eg_dprsr_md.drop_ctl = 1;
+        }
+    }
+}
+
+Pipeline(IngressParser(), Ingress(), IngressDeparser(),
+         EgressParser(), Egress(), EgressDeparser()) pipe;
+
+Switch(pipe) main;

@@ -1,0 +1,72 @@
+/* types.p4 (TNA): types, per-packet metadata, and what ingress bridges to egress. */
+#ifndef _XDP_AGG_TNA_TYPES_P4_
+#define _XDP_AGG_TNA_TYPES_P4_
+
+typedef bit<8> job_id_t;
+typedef bit<8> worker_id_t;
+typedef bit<32> worker_bitmap_t;
+typedef bit<32> pool_entry_t; // slot * 2 + version
+typedef bit<16> pool_slot_t; // slot (register pair index of the bitmaps)
+
+struct worker_bitmap_pair_t {
+    worker_bitmap_t first; // version 0
+    worker_bitmap_t second; // version 1
+}
+
+struct exponent_pair_t {
+    bit<8> first; // e0
+    bit<8> second; // e1
+}
+
+const bit<8> KIND_NONE = 0;
+const bit<8> KIND_RESULT = 1;
+const bit<8> KIND_ANSWER = 2;
+const bit<8> KIND_FLOOD = 3;
+
+/* Ingress -> egress (bridged in front of the packet, as p4app-switchML bridges switchml_md). */
+header bridged_md_h {
+    bit<8> kind;
+    job_id_t job_id;
+    bit<8> counter_row;
+    bit<7> pad;
+    PortId_t ingress_port;
+}
+
+/* Ingress state of a packet of ours. */
+struct switchml_md_t {
+    bit<1> ours;
+    bit<1> accepted;
+    bit<8> reason;
+    bit<8> counter_row;
+    job_id_t job_id;
+    worker_id_t worker_id;
+    worker_bitmap_t worker_bit; // 1 << worker_id
+    bit<8> num_workers;
+    bit<3> size_code;
+    bit<16> slot_base;
+    bit<16> slot_end;
+    MulticastGroupId_t mgid;
+    pool_slot_t slot;
+    bit<1> version;
+    pool_entry_t pool_entry;
+    worker_bitmap_t bitmap_before; // this version's bitmap before this packet
+    bit<8> count_before; // remaining contributions before this packet (0: fresh or complete)
+    bit<1> is_new;
+    bit<1> first;
+    bit<1> add;
+    bit<1> read;
+}
+
+struct ingress_metadata_t {
+    switchml_md_t sml;
+    bridged_md_h bridged;
+    bool update_ipv4_checksum;
+}
+
+struct egress_metadata_t {
+    bridged_md_h bridged;
+    bool update_ipv4_checksum;
+    bit<8> reason;
+}
+
+#endif

@@ -1,0 +1,57 @@
+/* workers_counter.p4 (TNA): contributions still missing in the round of (slot, version).
+ *
+ * Counts down as p4app-switchML does: 0 means "fresh or complete", either way the next new
+ * contribution starts a round (overwrites) and sets n - 1; the one that finds 1 completes it
+ * (or the one that finds 0 when n = 1). This is the reference model's (count, complete) pair:
+ * count == 0 or count == n <=> remaining == 0. */
+#ifndef _XDP_AGG_TNA_WORKERS_COUNTER_P4_
+#define _XDP_AGG_TNA_WORKERS_COUNTER_P4_
+
+control WorkersCounter(inout switchml_md_t md) {
+    Register<bit<8>, pool_entry_t>(POOL_ENTRIES) remaining;
+
+    RegisterAction<bit<8>, pool_entry_t, bit<8>>(remaining) count_new = {
+        void apply(inout bit<8> value, out bit<8> before) {
+            before = value;
+            if (value == 0) {
+                value = md.num_workers - 1;
+            } else {
+                value = value - 1;
+            }
+        }
+    };
+
+    RegisterAction<bit<8>, pool_entry_t, bit<8>>(remaining) read = {
+        void apply(inout bit<8> value, out bit<8> before) {
+            before = value;
+        }
+    };
+
+    apply {
+        md.add = 0;
+        md.read = 0;
+        md.first = 0;
+        if (md.is_new == 1) {
+            md.count_before = count_new.execute(md.pool_entry);
+            md.add = 1;
+            if (md.count_before == 0) {
+                md.first = 1;
+            }
+            if (md.count_before == 1 || (md.count_before == 0 && md.num_workers == 1)) {
+                md.reason = AGG_COMPLETED;
+            } else {
+                md.reason = AGG_AGGREGATED;
+            }
+        } else {
+            md.count_before = read.execute(md.pool_entry);
+            if (md.count_before == 0) {
+                md.read = 1;
+                md.reason = AGG_RETX_ANSWERED;
+            } else {
+                md.reason = AGG_DUP_PENDING;
+            }
+        }
+    }
+}
+
+#endif

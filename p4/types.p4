@@ -1,0 +1,45 @@
+/* types.p4: types and the per-packet metadata of the v1model aggregator. */
+#ifndef _XDP_AGG_TYPES_P4_
+#define _XDP_AGG_TYPES_P4_
+
+typedef bit<9> port_t;
+typedef bit<8> job_id_t; // 0..AGG_MAX_JOBS-1; AGG_NO_JOB as a counter row
+typedef bit<8> worker_id_t; // 0..AGG_MAX_WORKERS-1
+typedef bit<64> worker_bitmap_t; // one bit per worker of a job
+typedef bit<32> pool_entry_t; // register index: slot * 2 + version
+
+// What egress does with a packet (sml_metadata_t.kind).
+const bit<2> KIND_NONE = 0; // forwarded unchanged (or dropped)
+const bit<2> KIND_RESULT = 1; // a multicast copy of a result: address it to the worker (egress_rid)
+const bit<2> KIND_ANSWER = 2; // a stored result going back to its sender (addresses already swapped)
+const bit<2> KIND_FLOOD = 3; // a flooded copy of plain traffic: not back out of its ingress port
+
+/* Everything ingress learns about a packet. bmv2 copies it with each multicast replica, so
+ * egress sees the job and kind of every result copy. */
+struct sml_metadata_t {
+    bit<1> ours; // IPv4 UDP to 0xBEE0..0xBEEF: never forwarded as plain traffic
+    bit<1> accepted; // passed every check: runs the state machine
+    bit<8> reason; // AGG_* of abi.p4: the counter column
+    bit<8> counter_row; // the job, or AGG_NO_JOB before the job is known
+    job_id_t job_id;
+    worker_id_t worker_id;
+    // the job's parameters (jobs table)
+    bit<8> num_workers;
+    bit<3> size_code;
+    bit<16> slot_base;
+    bit<16> slot_end; // exclusive
+    bit<16> mgid; // the job's multicast group
+    // the slot this packet addresses
+    pool_entry_t pool_entry; // slot * 2 + version
+    pool_entry_t other_entry; // slot * 2 + (1 - version)
+    // state machine outcome
+    bit<1> is_new; // the worker's bit was not yet set in this version's bitmap
+    bit<1> first; // first contribution of a round: overwrite instead of add
+    bit<1> add; // a new contribution: accumulate into the registers
+    bit<1> read; // read the stored result into the packet (retransmission of a completed slot)
+    bit<2> kind; // KIND_*
+    bit<1> rewrite_ipv4; // addresses changed: recompute the IPv4 checksum
+    port_t ingress_port;
+}
+
+#endif

@@ -1,0 +1,96 @@
+/* udp_receiver.p4: is this packet ours, from whom, for which job and slot; every check of
+ * protocol.md section 2, in the order of the reference model (xdp_switch/model.py). */
+#ifndef _XDP_AGG_UDP_RECEIVER_P4_
+#define _XDP_AGG_UDP_RECEIVER_P4_
+
+control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md) {
+
+    @name(".set_worker")
+    action set_worker(job_id_t job_id, worker_id_t worker_id) {
+        md.job_id = job_id;
+        md.worker_id = worker_id;
+        md.counter_row = job_id;
+    }
+
+    action unknown_source() {
+        md.reason = AGG_DROP_UNKNOWN_SOURCE;
+    }
+
+    // The job and worker index of a packet come from its addressing, never from a header field.
+    @name(".workers")
+    table workers {
+        key = {
+            hdr.ipv4.src_addr: exact;
+            hdr.udp.dst_port: exact;
+        }
+        actions = {
+            set_worker;
+            @defaultonly unknown_source;
+        }
+        const default_action = unknown_source();
+        size = WORKERS_TABLE_SIZE;
+    }
+
+    @name(".set_job")
+    action set_job(bit<8> num_workers, bit<3> size_code, bit<16> slot_base, bit<16> slot_end,
+                   bit<16> mgid) {
+        md.num_workers = num_workers;
+        md.size_code = size_code;
+        md.slot_base = slot_base;
+        md.slot_end = slot_end;
+        md.mgid = mgid;
+    }
+
+    action no_job() {
+        md.reason = AGG_DROP_NO_JOB;
+    }
+
+    @name(".jobs")
+    table jobs {
+        key = {
+            md.job_id: exact;
+        }
+        actions = {
+            set_job;
+            @defaultonly no_job;
+        }
+        const default_action = no_job();
+        size = 64; // AGG_MAX_JOBS
+    }
+
+    apply {
+        md.ours = 0;
+        md.accepted = 0;
+        md.counter_row = AGG_NO_JOB;
+        md.reason = AGG_PASS;
+        if (hdr.udp.isValid() && (hdr.udp.dst_port & SML_UDP_PORT_MASK) == SML_UDP_PORT) {
+            md.ours = 1;
+            bit<16> g = hdr.switchml.pool_index & 0x7fff; // reserved bit 14 set: out of every range
+            if (hdr.ipv4_options.isValid() || hdr.ipv4.flags[0:0] == 1) {
+                md.reason = AGG_DROP_MALFORMED; // options or a first fragment
+            } else if (!hdr.exponents.isValid()) {
+                md.reason = AGG_DROP_TRUNCATED; // shorter than our headers
+            } else if (!workers.apply().hit) {
+                // unknown_source() set the reason
+            } else if (!jobs.apply().hit) {
+                // no_job() set the reason
+            } else if (md.worker_id >= md.num_workers) {
+                md.reason = AGG_DROP_NO_JOB; // a stale worker entry of a job re-created smaller
+            } else if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
+                md.reason = AGG_DROP_BAD_TYPE;
+            } else if (hdr.switchml.size != md.size_code) {
+                md.reason = AGG_DROP_BAD_SIZE;
+            } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())) {
+                md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload
+            } else if (g < md.slot_base || g >= md.slot_end) {
+                md.reason = AGG_DROP_SLOT_RANGE;
+            } else {
+                md.accepted = 1;
+                md.pool_entry = ((pool_entry_t)g << 1) | (pool_entry_t)hdr.switchml.pool_index[15:15];
+                md.other_entry = md.pool_entry ^ 1;
+            }
+        }
+    }
+}
+
+#endif

@@ -1,0 +1,46 @@
+/* udp_sender.p4: address a multicast copy of a result to the worker it is for (egress). */
+#ifndef _XDP_AGG_UDP_SENDER_P4_
+#define _XDP_AGG_UDP_SENDER_P4_
+
+control UDPSender(inout headers_t hdr, inout sml_metadata_t md, in standard_metadata_t sm) {
+
+    // As the XDP program's switch mode: the worker's MAC, address and UDP port as destination,
+    // our MAC and address on the worker's side as source; UDP checksum 0 (legal for IPv4); the
+    // IPv4 checksum is recomputed after egress (SmlComputeChecksum).
+    @name(".to_worker")
+    action to_worker(bit<48> mac, bit<32> ip, bit<16> port, bit<48> agg_mac, bit<32> agg_ip) {
+        hdr.ethernet.dst_addr = mac;
+        hdr.ethernet.src_addr = agg_mac;
+        hdr.ipv4.src_addr = agg_ip;
+        hdr.ipv4.dst_addr = ip;
+        hdr.udp.dst_port = port;
+        hdr.udp.checksum = 0;
+        md.reason = AGG_EGRESS_SENT;
+    }
+
+    action no_worker() {
+        md.reason = AGG_EGRESS_NO_WORKER;
+        mark_to_drop(sm);
+    }
+
+    // (job, worker index = the replica's rid) -> how to reach that worker.
+    @name(".worker_addr")
+    table worker_addr {
+        key = {
+            md.job_id: exact;
+            sm.egress_rid: exact;
+        }
+        actions = {
+            to_worker;
+            @defaultonly no_worker;
+        }
+        const default_action = no_worker();
+        size = WORKERS_TABLE_SIZE;
+    }
+
+    apply {
+        worker_addr.apply();
+    }
+}
+
+#endif

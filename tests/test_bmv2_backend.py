@@ -1,0 +1,148 @@
+"""Bmv2Backend's control-plane logic against a recording fake of simple_switch_CLI.
+
+No bmv2 needed: this checks which commands a job and a worker become (table entries, multicast
+group and nodes, slot clearing), the bookkeeping behind jobs(), and the refusals. The commands
+themselves run against a real simple_switch in tests/test_p4_cases.py.
+"""
+
+import re
+
+import pytest
+
+from xdp_switch import abi
+from xdp_switch.backend import JobSpec, WorkerSpec
+from xdp_switch.bmv2_backend import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
+
+
+class FakeCLI:
+    """Answers like simple_switch_CLI: handles for adds and node creation, counters."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.next_handle = 0
+        self.counters: dict[tuple[str, int], int] = {}
+
+    def _handle(self, what):
+        self.next_handle += 1
+        return f"{what} with handle {self.next_handle - 1}"
+
+    def run(self, commands, check=True):
+        out = []
+        for c in commands:
+            self.log.append(c)
+            if c.startswith("table_add"):
+                out.append(self._handle("Entry has been added"))
+            elif c.startswith("mc_node_create"):
+                out.append(self._handle("node was created"))
+            elif c.startswith("counter_read"):
+                _, name, idx = c.split()
+                n = self.counters.get((name, int(idx)), 0)
+                out.append(f"{name}[{idx}]=  ({n * 100} bytes, {n} packets)")
+            else:
+                out.append("")
+        return out
+
+
+PORTS = [PortSpec(0, "p0", "02:00:00:00:01:01", "198.18.1.1"), PortSpec(1, "p1", "02:00:00:00:02:01", "198.18.2.1")]
+
+
+def spec(job_id=3, n=2, elems=64, base=10, count=4):
+    return JobSpec(job_id=job_id, num_workers=n, elems=elems, slot_base=base, slot_count=count,
+                   agg_ip="198.18.0.1", agg_mac="02:00:00:00:00:01")
+
+
+def test_job_and_worker_become_entries_group_and_node():
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, PORTS)
+    b.create_job(spec())
+    # both versions of slots 10..13 cleared: register entries 20..27
+    for reg in ("slot_seen", "slot_count"):
+        assert [int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")] == list(range(20, 28))
+    assert f"mc_mgrp_create {job_mgid(3)}" in cli.log
+    assert "table_add jobs set_job 3 => 2 1 10 14 5" in cli.log
+    cli.log.clear()
+    b.add_worker(WorkerSpec(3, 1, "198.18.2.2", 40000, mac="02:00:00:00:02:02", extra={"agg_ip": "198.18.2.1"}))
+    assert cli.log[0] == "table_add workers set_worker 198.18.2.2 48864 => 3 1"
+    # placed behind port 1 (the port whose address the worker reached), sourced from it
+    assert cli.log[1] == ("table_add worker_addr to_worker 3 1 => 02:00:00:00:02:02 198.18.2.2 40000 "
+                          "02:00:00:00:02:01 198.18.2.1")
+    assert cli.log[2] == "mc_node_create 1 1"
+    assert re.fullmatch(r"mc_node_associate 5 \d+", cli.log[3])
+    node = int(cli.log[3].split()[-1])
+    jobs = b.jobs()
+    assert [j["job_id"] for j in jobs] == [3]
+    assert jobs[0]["workers"][0]["switch_port"] == 1
+    cli.log.clear()
+    b.delete_job(3)
+    assert cli.log[:2] == ["mc_node_dissociate 5 %d" % node, "mc_node_destroy %d" % node]
+    assert any(c.startswith("table_delete jobs ") for c in cli.log)
+    assert "mc_mgrp_destroy 5" in cli.log
+    assert b.jobs() == []
+
+
+def test_worker_falls_back_to_the_jobs_address_and_needs_a_port():
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, [PortSpec(0, "s0"), PortSpec(1, "s1")])
+    b.create_job(spec(job_id=0, elems=32, base=0))
+    b.add_worker(WorkerSpec(0, 0, "198.18.0.10", 48864, mac="02:00:00:00:00:0a", extra={"port": 1}))
+    assert cli.log[-3].endswith("02:00:00:00:00:01 198.18.0.1")  # the job's agg_mac/agg_ip
+    with pytest.raises(ValueError, match="which switch port"):
+        b.add_worker(WorkerSpec(0, 1, "198.18.0.11", 48864, mac="02:00:00:00:00:0b"))
+    with pytest.raises(ValueError, match="not a port"):
+        b.add_worker(WorkerSpec(0, 1, "198.18.0.11", 48864, mac="02:00:00:00:00:0b", extra={"port": 7}))
+
+
+def test_refusals():
+    b = Bmv2Backend(FakeCLI(), PORTS, pool_slots=64)
+    with pytest.raises(ValueError, match="32 or 64"):
+        b.create_job(spec(elems=256))
+    with pytest.raises(ValueError, match="outside the pool"):
+        b.create_job(spec(base=60, count=8))
+    with pytest.raises(ValueError, match="1..64 workers"):
+        b.create_job(spec(n=65))
+    b.create_job(spec(job_id=1, base=0, count=8))
+    with pytest.raises(ValueError, match="overlap"):
+        b.create_job(spec(job_id=2, base=4, count=8))
+    with pytest.raises(ValueError, match="outside 0..1"):
+        b.add_worker(WorkerSpec(1, 2, "198.18.1.2", 1, extra={"port": 0}))
+    b.add_worker(WorkerSpec(1, 0, "198.18.1.2", 1, extra={"port": 0}))
+    with pytest.raises(ValueError, match="already worker 0 of job 1"):
+        b.add_worker(WorkerSpec(1, 1, "198.18.1.2", 1, extra={"port": 0}))
+
+
+def test_recreating_a_job_replaces_it():
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, PORTS)
+    b.create_job(spec(job_id=4, base=0))
+    b.add_worker(WorkerSpec(4, 0, "198.18.1.2", 1, extra={"port": 0}))
+    b.create_job(spec(job_id=4, base=0, n=3))
+    assert [j["num_workers"] for j in b.jobs()] == [3]
+    assert b.jobs()[0]["workers"] == []
+    assert "mc_mgrp_destroy 6" in cli.log
+
+
+def test_counters_add_ingress_and_egress_by_reason():
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, PORTS)
+    row = 2
+    cli.counters[("ingress_reasons", row * abi.NUM_REASONS + abi.Reason.COMPLETED)] = 3
+    cli.counters[("egress_reasons", row * abi.NUM_REASONS + abi.Reason.EGRESS_SENT)] = 6
+    c = b.counters(row)
+    assert c["completed"] == 3 and c["egress_sent"] == 6
+    assert sum(c.values()) == 9 and set(c) == {r.name.lower() for r in abi.Reason}
+
+
+def test_cli_output_is_split_by_prompt_and_errors_raise(monkeypatch):
+    import subprocess
+
+    def fake_run(argv, input, **kw):
+        outs = ["Entry has been added with handle 7", "Error: Table 'nope' not found"]
+        text = "Obtaining JSON from switch...\nDone\n" + "".join(f"RuntimeCmd: {o}\n" for o in outs) + "RuntimeCmd: \n"
+        return subprocess.CompletedProcess(argv, 0, text, "")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.setattr("shutil.which", lambda name: f"/usr/local/bin/{name}")
+    cli = SwitchCLI(9090)
+    assert cli.run(["a", "b"], check=False) == ["Entry has been added with handle 7", "Error: Table 'nope' not found"]
+    with pytest.raises(Bmv2Error, match="nope"):
+        cli.run(["a", "b"])

@@ -1,0 +1,225 @@
+"""The packet table (tests/packet_cases.py) against the P4 program in simple_switch.
+
+The same inputs as the XDP test, frame by frame, into a bmv2 switch on veths; what comes out of
+every port is captured and checked:
+- TO_ALL: one copy per worker of the job, out of that worker's port, addressed to it (the
+  switch-mode delivery of the XDP program: dst MAC/IP/port = worker, src = our address there,
+  UDP checksum 0, IPv4 checksum recomputed), with the expected sum, exponent and echoed fields;
+- TO_SENDER: one frame, back out of the sender's port, addresses swapped;
+- DROP: nothing out of any port;
+- PASS: forwarded unchanged by the L2 table (or flooded to every other port);
+and the per-reason counters move exactly as the steps say. The serial reference model must agree
+with every verdict and every result's bytes.
+
+Differences from the XDP test, by design:
+- cases with 256- or 768-element packets are skipped: the v1model program aggregates 32 and 64
+  elements per packet (issue 4 asks for those two);
+- the P4 program always delivers results as switch mode does (one copy per worker through the
+  job's multicast group), whatever the job's `delivery` says: a P4 switch has no "one-arm" port;
+- plain traffic is switched (MAC table, flooding) instead of passed to a kernel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter
+
+import numpy as np
+import pytest
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+
+from p4_fixtures import VethLab, p4_json  # noqa: F401  (fixture)
+from packet_cases import AGG_MAC, CASES, Case, Step, worker_ip, worker_mac
+from xdp_switch import abi, wire
+from xdp_switch.abi import Reason
+from xdp_switch.model import Action, ReferenceAggregator
+from xdp_switch.p4gen import P4_ELEMS
+from xdp_switch.scapy_layer import Exponents, SwitchML
+
+pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
+
+WORKER_PORTS = 4  # worker host h is behind switch port h % 4
+HOST_PORT = 4  # where AGG_MAC (the aggregator's own host) is: plain traffic to it goes here
+NPORTS = 5
+HOSTS = 64  # worker host indexes the table uses (0..40, and 7 as a stranger)
+HOST_OF_MAC = {worker_mac(h): h for h in range(HOSTS)}
+HOST_OF_IP = {worker_ip(h): h for h in range(HOSTS)}
+
+
+def port_of_host(h: int) -> int:
+    return h % WORKER_PORTS
+
+
+@pytest.fixture(scope="module")
+def lab(p4_json, tmp_path_factory):  # noqa: F811
+    lab = VethLab(p4_json, NPORTS, log_path=tmp_path_factory.mktemp("bmv2") / "switch.log")
+    lab.up()
+    try:
+        backend = lab_backend(lab)
+        backend.setup(unknown_unicast="flood")
+        backend.add_mac(AGG_MAC, HOST_PORT)
+        lab.backend = backend
+        yield lab
+    finally:
+        lab.down()
+
+
+def lab_backend(lab):
+    from xdp_switch.bmv2_backend import Bmv2Backend
+
+    return Bmv2Backend(lab.switch.cli(), lab.ports)
+
+
+def _ip_checksum_ok(pkt) -> bool:
+    ip = pkt[IP].copy()
+    want = ip.chksum
+    del ip.chksum
+    return IP(bytes(ip))[IP].chksum == want
+
+
+def _check_result(step: Step, req, out) -> None:
+    """Header fields echoed, payload and exponent as expected, nothing else changed in size."""
+    assert out[SwitchML].tsi == req[SwitchML].tsi
+    assert out[SwitchML].job_number == req[SwitchML].job_number
+    assert out[SwitchML].pool_index == req[SwitchML].pool_index
+    assert out[SwitchML].size == req[SwitchML].size
+    assert out[Exponents].e0 == step.e0
+    k = wire.elems_for(req[SwitchML].size)
+    raw = bytes(out)
+    got = np.frombuffer(raw[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
+    np.testing.assert_array_equal(got, step.values)
+    assert out[UDP].chksum == 0
+    assert _ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
+
+
+def _owner(case: Case, req):
+    """The (job spec, worker specs) a frame of ours belongs to, by (source address, port)."""
+    for w in case.workers:
+        if (w.ip, w.agg_port) == (req[IP].src, req[UDP].dport):
+            job = next(j for j in case.jobs if j.job_id == w.job_id)
+            return job, [x for x in case.workers if x.job_id == w.job_id]
+    raise AssertionError("a result for a packet of no registered worker")
+
+
+def _expected_ports(case: Case, step: Step, in_port: int) -> list[int]:
+    """Where the step's frame (or its copies) must come out, one entry per frame."""
+    req = Ether(step.frame)
+    if step.action == Action.DROP:
+        return []
+    if step.action == Action.TO_SENDER:
+        return [in_port]
+    if step.action == Action.TO_ALL:
+        _, ws = _owner(case, req)
+        return sorted(port_of_host(HOST_OF_IP[w.ip]) for w in ws)
+    if req.dst == AGG_MAC:
+        return [HOST_PORT]
+    return sorted(p for p in range(NPORTS) if p != in_port)  # flooded
+
+
+def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
+    want_ports = _expected_ports(case, step, in_port)
+    assert sorted(p for p, _ in outs) == want_ports, f"{step.what}: frames came out of the wrong ports"
+    req = Ether(step.frame)
+    if step.action == Action.PASS:
+        for _, data in outs:
+            assert data == step.frame, f"{step.what}: a packet that is not ours was modified"
+        return
+    for port, data in outs:
+        out = Ether(data)
+        assert len(data) == len(step.frame), step.what
+        _check_result(step, req, out)
+        if step.action == Action.TO_SENDER:
+            assert (out.dst, out.src, out[IP].src, out[IP].dst) == (req.src, req.dst, req[IP].dst, req[IP].src)
+            assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
+    if step.action == Action.TO_ALL:
+        job, ws = _owner(case, req)
+        copies = {(Ether(d).dst, Ether(d)[IP].dst): (p, Ether(d)) for p, d in outs}
+        assert len(copies) == len(ws), f"{step.what}: not one copy per worker"
+        for w in ws:
+            port, out = copies[(w.mac, w.ip)]
+            assert port == port_of_host(HOST_OF_IP[w.ip])
+            assert (out.src, out[IP].src) == (job.agg_mac, job.agg_ip)
+            assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, w.port)
+
+
+def _check_model(model: ReferenceAggregator, step: Step, outs) -> None:
+    req = Ether(step.frame)
+    v = model.process(req[IP].src, req[UDP].dport, step.frame[wire.SWITCHML_OFFSET :])
+    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
+    for _, data in outs:
+        if v.payload is not None:
+            assert v.payload == data[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
+
+
+def _case_id(c: Case) -> str:
+    return c.name
+
+
+@pytest.mark.parametrize("case", CASES, ids=_case_id)
+def test_packet_case(lab, case: Case):
+    unsupported = sorted({j.elems for j in case.jobs} - set(P4_ELEMS))
+    if unsupported:
+        pytest.skip(
+            f"{unsupported} elements per packet: the v1model program aggregates "
+            f"{' and '.join(map(str, P4_ELEMS))} (issue 4); 256 and 768 are the XDP program's"
+        )
+    backend = lab.backend
+    for j in backend.jobs():
+        backend.delete_job(j["job_id"])
+    model = ReferenceAggregator()
+    for j in case.jobs:
+        backend.create_job(j)
+        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
+    for w in case.workers:
+        placed = dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
+        backend.add_worker(placed)
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+    rows = sorted({j.job_id for j in case.jobs} | {abi.NO_JOB})
+    before = backend.counter_rows(rows)
+    copies = 0
+    for step in case.steps:
+        in_port = port_of_host(HOST_OF_MAC[Ether(step.frame).src])
+        want = _expected_ports(case, step, in_port)
+        outs = lab.exchange(in_port, step.frame, len(want))
+        _check_outputs(case, step, in_port, outs)
+        if step.model:
+            _check_model(model, step, outs)
+        if step.action == Action.TO_ALL:
+            copies += len(want)
+    after = backend.counter_rows(rows)
+    delta = Counter()
+    for row in rows:
+        for name, v in after[row].items():
+            delta[name] += v - before[row][name]
+    want = Counter(s.reason.name.lower() for s in case.steps)
+    want[Reason.EGRESS_SENT.name.lower()] += copies  # one per result copy, counted in egress
+    assert +delta == +want
+
+
+def test_backend_refuses_what_the_program_cannot_serve(lab):
+    """Sizes other than 32/64, slots past the pool, overlapping ranges, unknown jobs."""
+    from packet_cases import job, workers
+
+    backend = lab.backend
+    for j in backend.jobs():
+        backend.delete_job(j["job_id"])
+    with pytest.raises(ValueError, match="32 or 64"):
+        backend.create_job(job(elems=256))
+    with pytest.raises(ValueError, match="outside the pool"):
+        backend.create_job(job(base=backend.pool_slots - 4, count=8))
+    backend.create_job(job(0, base=0, count=8))
+    with pytest.raises(ValueError, match="overlap"):
+        backend.create_job(job(1, base=4, count=8, port=wire.UDP_PORT + 1))
+    with pytest.raises(ValueError, match="does not exist"):
+        backend.add_worker(workers(5, 1)[0])
+    w = dataclasses.replace(workers(0, 1)[0], extra={"port": 0})
+    backend.add_worker(w)
+    with pytest.raises(ValueError, match="already worker"):
+        backend.add_worker(dataclasses.replace(w, index=1))
+    assert [x["job_id"] for x in backend.jobs()] == [0]
+    assert [x["index"] for x in backend.jobs()[0]["workers"]] == [0]
+    backend.remove_worker(0, 0)
+    assert backend.jobs()[0]["workers"] == []
+    backend.delete_job(0)
+    assert backend.jobs() == []

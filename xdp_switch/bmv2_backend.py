@@ -1,0 +1,510 @@
+"""The bmv2 target: the P4 twin of the XDP aggregator, run in simple_switch.
+
+    from xdp_switch import bmv2_backend as bm
+
+    json_path = bm.compile_p4("/tmp/p4out")                      # p4c-bm2-ss, once
+    ports = [bm.PortSpec(0, "p0", mac="02:..:01", ip="198.18.1.1"), ...]
+    with bm.SimpleSwitch(json_path, ports, netns="agg") as sw:   # simple_switch on p0.. in netns
+        backend = bm.Bmv2Backend(sw.cli(), ports)                 # a backend.Backend
+        backend.create_job(JobSpec(...))
+        backend.add_worker(WorkerSpec(..., extra={"port": 0}))
+        backend.counters(job_id)                                  # {reason name: packets}
+
+p4/switchml.p4 implements protocol.md sections 1-3 (see its header comment). This module
+- compiles it (compile_p4),
+- starts and stops simple_switch on a set of interfaces, optionally inside a network namespace
+  (SimpleSwitch),
+- drives the running switch through simple_switch_CLI (SwitchCLI: commands in batches, one CLI
+  process per batch, errors raised), and
+- speaks the job/worker vocabulary of backend.Backend on top of it (Bmv2Backend): a job is an
+  entry of table `jobs` and a multicast group; a worker an entry of `workers` (how its packets
+  are recognised), of `worker_addr` (how its result copy is addressed) and a multicast node
+  (which port its copy leaves on).
+
+simple_switch_CLI is a Python script that needs the `thrift` module, which Debian ships for its
+own /usr/bin/python3 (python3-thrift); the CLI is therefore run with that interpreter (override
+with XDP_AGG_BMV2_PYTHON) rather than through its `#!/usr/bin/env python3` line, which may find
+another Python first on PATH.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from . import abi, wire
+from .backend import JobSpec, WorkerSpec
+from .p4gen import P4_ELEMS
+
+ROOT = Path(__file__).resolve().parent.parent
+P4_DIR = ROOT / "p4"
+P4_MAIN = P4_DIR / "switchml.p4"
+
+DEFAULT_POOL_SLOTS = 1024  # must match POOL_SLOTS the program was compiled with
+DEFAULT_THRIFT_PORT = 9090
+FLOOD_MGID = 1  # p4/configuration.p4: plain traffic to unknown MACs
+
+# Names of the objects in the compiled program (absolute @name annotations in p4/*.p4).
+T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_forward"
+R_SEEN, R_COUNT = "slot_seen", "slot_count"
+C_INGRESS, C_EGRESS = "ingress_reasons", "egress_reasons"
+
+TOOLS = {
+    "p4c": "p4c-bm2-ss",  # the bmv2 simple_switch back end of p4c
+    "switch": "simple_switch",
+    "cli": "simple_switch_CLI",
+}
+
+
+class Bmv2Error(RuntimeError):
+    """A bmv2 tool failed; the message carries its output."""
+
+
+def job_mgid(job_id: int) -> int:
+    """The multicast group of a job's results (group 1 is the flood group)."""
+    return job_id + 2
+
+
+def missing_tools() -> list[str]:
+    """The bmv2 tools not found on PATH (empty when everything is there)."""
+    return [name for name in TOOLS.values() if shutil.which(name) is None]
+
+
+def cli_python() -> str:
+    """The interpreter simple_switch_CLI runs with: one that has the thrift module."""
+    env = os.environ.get("XDP_AGG_BMV2_PYTHON")
+    if env:
+        return env
+    return "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
+
+
+def _which(tool: str) -> str:
+    path = shutil.which(tool)
+    if path is None:
+        raise Bmv2Error(
+            f"{tool} is not on PATH: build and install p4c and bmv2 (see p4/README.md)"
+        )
+    return path
+
+
+def _netns_prefix(netns: str | None) -> list[str]:
+    # nsenter rather than `ip netns exec`: the latter remounts /sys, which we do not need.
+    return [] if netns is None else ["nsenter", f"--net=/var/run/netns/{netns}"]
+
+
+def compile_p4(out_dir, *, pool_slots: int = DEFAULT_POOL_SLOTS, source: Path = P4_MAIN,
+               timeout: float = 300.0) -> Path:
+    """Compile the v1model program with p4c-bm2-ss; returns the path of the bmv2 JSON."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out = out_dir / (Path(source).stem + ".json")
+    argv = [_which(TOOLS["p4c"]), "--std", "p4-16", f"-DPOOL_SLOTS={int(pool_slots)}",
+            "-o", str(out), str(source)]
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise Bmv2Error(f"p4c failed ({r.returncode}):\n{r.stderr}{r.stdout}")
+    return out
+
+
+@dataclass(frozen=True)
+class PortSpec:
+    """A port of the switch: bmv2 port number, the interface it runs on, and the switch's own
+    address on that port (the source of result copies sent there, as the XDP program's switch
+    mode uses its interface's MAC and address)."""
+
+    port: int
+    iface: str
+    mac: str = "00:00:00:00:00:00"
+    ip: str = "0.0.0.0"
+
+
+class SwitchCLI:
+    """simple_switch_CLI, one process per batch of commands (optionally inside a netns)."""
+
+    PROMPT = "RuntimeCmd: "
+    ERROR_PREFIXES = ("Error", "Invalid", "Exception")
+
+    def __init__(self, thrift_port: int = DEFAULT_THRIFT_PORT, netns: str | None = None,
+                 timeout: float = 120.0) -> None:
+        self.thrift_port = thrift_port
+        self.netns = netns
+        self.timeout = timeout
+
+    def argv(self) -> list[str]:
+        return [*_netns_prefix(self.netns), cli_python(), _which(TOOLS["cli"]),
+                "--thrift-port", str(self.thrift_port)]
+
+    def run(self, commands: list[str], *, check: bool = True) -> list[str]:
+        """Run the commands in order; returns each one's output. With check, the first command
+        whose output is an error raises Bmv2Error (the ones before it have taken effect)."""
+        if not commands:
+            return []
+        r = subprocess.run(self.argv(), input="\n".join(commands) + "\n", capture_output=True,
+                           text=True, timeout=self.timeout)
+        # The CLI prints its prompt before reading each line: the text between two prompts is
+        # the output of one command. Before the first prompt: the banner (or a connect error).
+        parts = r.stdout.split(self.PROMPT)
+        if len(parts) < len(commands) + 1:
+            raise Bmv2Error(
+                f"simple_switch_CLI on thrift port {self.thrift_port} answered "
+                f"{len(parts) - 1} of {len(commands)} commands (is simple_switch running?):\n"
+                f"{r.stdout[-2000:]}{r.stderr[-2000:]}"
+            )
+        outputs = [p.strip() for p in parts[1 : len(commands) + 1]]
+        if check:
+            for cmd, out in zip(commands, outputs):
+                bad = [ln for ln in out.splitlines() if ln.startswith(self.ERROR_PREFIXES)]
+                if bad:
+                    raise Bmv2Error(f"`{cmd}` failed: {bad[0]}")
+        return outputs
+
+    def ready(self) -> bool:
+        """Whether the switch answers on its Thrift port."""
+        try:
+            self.run(["show_ports"])
+            return True
+        except (Bmv2Error, subprocess.TimeoutExpired):
+            return False
+
+
+class SimpleSwitch:
+    """A simple_switch process running the compiled program on the given ports.
+
+    The process is started with start() (or `with`), in `netns` if given, and stopped by its
+    PID with stop(); its console log goes to log_path (default: beside the JSON).
+    """
+
+    def __init__(self, json_path, ports: list[PortSpec], *, netns: str | None = None,
+                 thrift_port: int = DEFAULT_THRIFT_PORT, log_path=None,
+                 extra_args: tuple[str, ...] = ()) -> None:
+        self.json_path = Path(json_path)
+        self.ports = list(ports)
+        self.netns = netns
+        self.thrift_port = thrift_port
+        self.log_path = Path(log_path) if log_path else self.json_path.with_suffix(f".{thrift_port}.log")
+        self.extra_args = tuple(extra_args)
+        self.proc: subprocess.Popen | None = None
+
+    def argv(self) -> list[str]:
+        argv = [*_netns_prefix(self.netns), _which(TOOLS["switch"])]
+        for p in self.ports:
+            argv += ["-i", f"{p.port}@{p.iface}"]
+        argv += ["--thrift-port", str(self.thrift_port), *self.extra_args, str(self.json_path)]
+        return argv
+
+    def cli(self, timeout: float = 120.0) -> SwitchCLI:
+        return SwitchCLI(self.thrift_port, self.netns, timeout)
+
+    def start(self, timeout: float = 30.0) -> "SimpleSwitch":
+        """Start simple_switch and wait until its Thrift server answers."""
+        if self.proc is not None:
+            raise Bmv2Error("this simple_switch is already started")
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL)
+        cli = self.cli()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                break
+            if cli.ready():
+                return self
+            time.sleep(0.2)
+        self.stop()
+        raise Bmv2Error(
+            f"simple_switch did not come up on thrift port {self.thrift_port}; its log "
+            f"({self.log_path}):\n{self.log_tail()}"
+        )
+
+    def log_tail(self, n: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 3.0) -> None:
+        """Stop the process we started (SIGTERM, then SIGKILL after `grace` seconds)."""
+        proc, self.proc = self.proc, None
+        if proc is None or proc.poll() is not None:
+            return
+        proc.terminate()
+        try:
+            proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(grace)
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def __enter__(self) -> "SimpleSwitch":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+@dataclass
+class _Worker:
+    spec: WorkerSpec
+    port: int
+    agg_mac: str
+    agg_ip: str
+    workers_handle: int
+    addr_handle: int
+    node_handle: int
+
+
+@dataclass
+class _Job:
+    spec: JobSpec
+    handle: int
+    workers: dict[int, _Worker] = field(default_factory=dict)
+
+    @property
+    def mgid(self) -> int:
+        return job_mgid(self.spec.job_id)
+
+
+_HANDLE_RE = re.compile(r"with handle (\d+)")
+_COUNTER_RE = re.compile(r"\[(\d+)\]=\s*\((\d+) bytes, (\d+) packets\)")
+
+
+def _handle(out: str) -> int:
+    m = _HANDLE_RE.search(out)
+    if not m:
+        raise Bmv2Error(f"no handle in simple_switch_CLI output: {out!r}")
+    return int(m.group(1))
+
+
+def _mac_ok(mac: str) -> str:
+    if not re.fullmatch(r"([0-9a-fA-F]{2}:){5}[0-9a-fA-F]{2}", mac):
+        raise ValueError(f"{mac!r} is not a MAC address")
+    return mac.lower()
+
+
+class Bmv2Backend:
+    """backend.Backend for a simple_switch running p4/switchml.p4.
+
+    This object is the switch's only controller: it keeps what it configured (jobs, workers,
+    table entry handles, multicast nodes) and jobs() reports from that. Call setup() once on a
+    freshly started switch (flood group, MAC table default).
+
+    Worker placement: a worker's result copy leaves on the bmv2 port given by
+    worker.extra["port"], or failing that the port whose PortSpec.ip is worker.extra["agg_ip"]
+    (what fill_worker() records for workers registering through the control endpoint). The
+    copy's source is our address on that port: extra["agg_mac"]/["agg_ip"] if given, else the
+    PortSpec's, else the job's agg_mac/agg_ip.
+    """
+
+    def __init__(self, cli: SwitchCLI, ports: list[PortSpec], *,
+                 pool_slots: int = DEFAULT_POOL_SLOTS) -> None:
+        self.cli = cli
+        self.ports = {p.port: p for p in ports}
+        self.pool_slots = pool_slots
+        self._jobs: dict[int, _Job] = {}
+        self._macs: dict[str, int] = {}  # MAC -> l2 table handle
+        self._flood_node: int | None = None
+
+    # --- switch-wide setup -------------------------------------------------------------------
+    def setup(self, *, unknown_unicast: str = "flood") -> None:
+        """Create the flood group over all ports and choose what unknown MACs get
+        ("flood" or "drop")."""
+        if unknown_unicast not in ("flood", "drop"):
+            raise ValueError("unknown_unicast is 'flood' or 'drop'")
+        port_list = " ".join(str(p) for p in sorted(self.ports))
+        out = self.cli.run([
+            f"mc_mgrp_create {FLOOD_MGID}",
+            f"mc_node_create 0 {port_list}",
+            f"table_set_default {T_L2} l2_{unknown_unicast}",
+        ])
+        self._flood_node = _handle(out[1])
+        self.cli.run([f"mc_node_associate {FLOOD_MGID} {self._flood_node}"])
+
+    def add_mac(self, mac: str, port: int) -> None:
+        """A static MAC table entry: frames to `mac` that are not ours leave on `port`."""
+        mac = _mac_ok(mac)
+        if port not in self.ports:
+            raise ValueError(f"port {port} is not a port of this switch ({sorted(self.ports)})")
+        cmds = []
+        if mac in self._macs:
+            cmds.append(f"table_delete {T_L2} {self._macs.pop(mac)}")
+        cmds.append(f"table_add {T_L2} l2_forward_port {mac} => {port}")
+        self._macs[mac] = _handle(self.cli.run(cmds)[-1])
+
+    # --- Backend -----------------------------------------------------------------------------
+    def create_job(self, spec: JobSpec) -> None:
+        """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared."""
+        if not 0 <= spec.job_id < abi.MAX_JOBS:
+            raise ValueError(f"job id must be 0..{abi.MAX_JOBS - 1}")
+        if not 1 <= spec.num_workers <= abi.MAX_WORKERS:
+            raise ValueError(f"a job has 1..{abi.MAX_WORKERS} workers")
+        if spec.elems not in P4_ELEMS:
+            raise ValueError(
+                f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
+                f"packet, not {spec.elems}"
+            )
+        end = spec.slot_base + spec.slot_count
+        if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
+            raise ValueError(
+                f"slots {spec.slot_base}..{end - 1} are outside the pool of {self.pool_slots} "
+                "(compile with a larger POOL_SLOTS, or pick a smaller range)"
+            )
+        for other_id, other in self._jobs.items():
+            o = other.spec
+            if other_id != spec.job_id and o.slot_base < end and spec.slot_base < o.slot_base + o.slot_count:
+                raise ValueError(
+                    f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s "
+                    f"{o.slot_base}..{o.slot_base + o.slot_count - 1}"
+                )
+        if spec.job_id in self._jobs:
+            self.delete_job(spec.job_id)
+        mgid = job_mgid(spec.job_id)
+        # Clear the job's slots first, so that no packet finds the job with stale state: the
+        # seen bitmaps and counts of both versions (the accumulators need no clearing: the first
+        # contribution of a round overwrites them).
+        clear = []
+        for entry in range(2 * spec.slot_base, 2 * end):
+            clear.append(f"register_write {R_SEEN} {entry} 0")
+            clear.append(f"register_write {R_COUNT} {entry} 0")
+        self.cli.run(clear + [f"mc_mgrp_create {mgid}"])
+        out = self.cli.run([
+            f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
+            f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid}"
+        ])
+        self._jobs[spec.job_id] = _Job(spec=spec, handle=_handle(out[0]))
+
+    def delete_job(self, job_id: int) -> None:
+        """Delete a job, its workers and its multicast group (a missing job is no error)."""
+        job = self._jobs.get(job_id)
+        if job is None:
+            return
+        for index in list(job.workers):
+            self.remove_worker(job_id, index)
+        self.cli.run([f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"])
+        del self._jobs[job_id]
+
+    def add_worker(self, worker: WorkerSpec) -> None:
+        """Register a worker: recognised by (ip, agg_port), its copy sent to (mac, ip, port)."""
+        job = self._jobs.get(worker.job_id)
+        if job is None:
+            raise ValueError(f"job {worker.job_id} does not exist: create it first")
+        if not 0 <= worker.index < job.spec.num_workers:
+            raise ValueError(f"worker index {worker.index} is outside 0..{job.spec.num_workers - 1}")
+        for other in self._jobs.values():
+            for w in other.workers.values():
+                if (w.spec.ip, w.spec.agg_port) == (worker.ip, worker.agg_port) and (
+                    other.spec.job_id, w.spec.index) != (worker.job_id, worker.index):
+                    raise ValueError(
+                        f"{worker.ip} -> port {worker.agg_port:#x} is already worker "
+                        f"{w.spec.index} of job {other.spec.job_id}"
+                    )
+        if worker.index in job.workers:
+            self.remove_worker(worker.job_id, worker.index)
+        port = self._port_of(worker)
+        pspec = self.ports[port]
+        agg_mac = _mac_ok(worker.extra.get("agg_mac") or _nonzero_mac(pspec.mac) or job.spec.agg_mac)
+        agg_ip = worker.extra.get("agg_ip") or _nonzero_ip(pspec.ip) or job.spec.agg_ip
+        out = self.cli.run([
+            f"table_add {T_WORKERS} set_worker {worker.ip} {worker.agg_port} => "
+            f"{worker.job_id} {worker.index}",
+            f"table_add {T_WORKER_ADDR} to_worker {worker.job_id} {worker.index} => "
+            f"{_mac_ok(worker.mac)} {worker.ip} {worker.port} {agg_mac} {agg_ip}",
+            f"mc_node_create {worker.index} {port}",
+        ])
+        node = _handle(out[2])
+        self.cli.run([f"mc_node_associate {job.mgid} {node}"])
+        job.workers[worker.index] = _Worker(
+            spec=worker, port=port, agg_mac=agg_mac, agg_ip=agg_ip,
+            workers_handle=_handle(out[0]), addr_handle=_handle(out[1]), node_handle=node,
+        )
+
+    def _port_of(self, worker: WorkerSpec) -> int:
+        if "port" in worker.extra:
+            port = int(worker.extra["port"])
+            if port not in self.ports:
+                raise ValueError(f"worker {worker.ip}: port {port} is not a port of this switch")
+            return port
+        agg_ip = worker.extra.get("agg_ip")
+        for p in self.ports.values():
+            if agg_ip and p.ip == agg_ip:
+                return p.port
+        raise ValueError(
+            f"worker {worker.ip}: say which switch port it is behind (extra['port']), or "
+            "register it through a port address (extra['agg_ip'] equal to a PortSpec.ip)"
+        )
+
+    def fill_worker(self, worker: WorkerSpec, local: tuple[str, int]) -> None:
+        """RendezvousServer hook: the address the worker reached the control endpoint at is our
+        address on its port (as in the XDP switch mode), which tells the port."""
+        worker.extra.setdefault("agg_ip", local[0])
+
+    def remove_worker(self, job_id: int, index: int) -> None:
+        """Unregister a worker (a missing one is no error)."""
+        job = self._jobs.get(job_id)
+        w = job.workers.pop(index, None) if job else None
+        if w is None:
+            return
+        self.cli.run([
+            f"mc_node_dissociate {job.mgid} {w.node_handle}",
+            f"mc_node_destroy {w.node_handle}",
+            f"table_delete {T_WORKERS} {w.workers_handle}",
+            f"table_delete {T_WORKER_ADDR} {w.addr_handle}",
+        ])
+
+    def jobs(self) -> list[dict]:
+        """The configured jobs, each a JobSpec.to_dict() with a 'workers' list."""
+        out = []
+        for job_id in sorted(self._jobs):
+            job = self._jobs[job_id]
+            d = job.spec.to_dict()
+            d["workers"] = [
+                {**w.spec.to_dict(), "switch_port": w.port, "agg_mac": w.agg_mac, "agg_ip": w.agg_ip}
+                for _, w in sorted(job.workers.items())
+            ]
+            out.append(d)
+        return out
+
+    # --- counters ----------------------------------------------------------------------------
+    def counters(self, row: int) -> dict[str, int]:
+        """Packets by reason (lower-case abi.Reason names) for a job id or abi.NO_JOB; ingress
+        and egress counters added, as the XDP program's one counter row."""
+        if not 0 <= row <= abi.NO_JOB:
+            raise ValueError(f"row is a job id or abi.NO_JOB ({abi.NO_JOB})")
+        return self.counter_rows([row])[row]
+
+    def counter_rows(self, rows: list[int]) -> dict[int, dict[str, int]]:
+        """counters() for several rows with one CLI call."""
+        cmds = []
+        for row in rows:
+            for r in abi.Reason:
+                idx = row * abi.NUM_REASONS + int(r)
+                cmds.append(f"counter_read {C_INGRESS} {idx}")
+                cmds.append(f"counter_read {C_EGRESS} {idx}")
+        outs = iter(self.cli.run(cmds))
+        result = {}
+        for row in rows:
+            result[row] = {}
+            for r in abi.Reason:
+                total = 0
+                for _ in range(2):
+                    m = _COUNTER_RE.search(next(outs))
+                    if not m:
+                        raise Bmv2Error("unexpected counter_read output")
+                    total += int(m.group(3))
+                result[row][r.name.lower()] = total
+        return result
+
+
+def _nonzero_mac(mac: str) -> str | None:
+    return None if mac in ("", "00:00:00:00:00:00") else mac
+
+
+def _nonzero_ip(ip: str) -> str | None:
+    return None if ip in ("", "0.0.0.0") else ip
