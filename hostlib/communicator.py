@@ -218,6 +218,7 @@ class Communicator:
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
                 f"close it, and init again on every rank"
             )
+        started = self._engine.counter
         try:
             if job.kind == "int32":
                 self._engine.allreduce_int32(job.src, job.dst_flat, timeout)
@@ -227,6 +228,10 @@ class Communicator:
             # The ranks' slot states now differ: another all-reduce would only time out again.
             self._broken = "an all-reduce timed out"
             raise self._explain(e) from None
+        except BaseException as e:
+            if self._engine.counter != started:  # failed half-way (not a rejected input)
+                self._broken = f"an all-reduce failed: {e!r}"
+            raise
         return job.finish()
 
     def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:

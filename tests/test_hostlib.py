@@ -99,6 +99,50 @@ def test_busy_worker_port_is_explained():
         assert errors and "barrier timeout" in str(errors[0])
 
 
+# --- batched UDP I/O -------------------------------------------------------------------------
+def test_gso_send_gro_receive_and_fallback_when_gso_is_refused():
+    import errno
+    import socket
+
+    from hostlib.udp_io import DatagramSocket, RowReceiver
+    from hostlib_fixtures import loopback_prefix
+
+    prefix = loopback_prefix()
+    rx = DatagramSocket((f"{prefix}.1", 0))
+    tx = DatagramSocket((f"{prefix}.2", 0))
+    rows = np.arange(100 * 50, dtype=np.uint32).astype(np.uint8).reshape(100, 50)
+    assert tx.send_rows(rows, rx.address) == 100
+    assert tx.send_calls == 2 or not tx.gso  # 64 + 36 segments
+    recv = RowReceiver(rx, 50, max_rows=256)
+    got = recv.drain()
+    assert np.array_equal(got, rows)
+    if rx.gro:  # a kernel without UDP_GRO hands them over one by one
+        assert rx.recv_calls <= 3
+
+    class RefusingGSO:  # a path whose MTU is below the segment size refuses GSO with EINVAL
+        def __init__(self, real):
+            self.real = real
+
+        def sendmsg(self, *a):
+            raise OSError(errno.EINVAL, "Invalid argument")
+
+        def __getattr__(self, name):
+            return getattr(self.real, name)
+
+    tx.sock = RefusingGSO(tx.sock)
+    assert tx.send_rows(rows[:10], rx.address) == 10 and tx.gso is False
+    assert np.array_equal(recv.drain(), rows[:10])
+    # datagrams of another length are not rows: counted, skipped
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.sendto(b"short", rx.address)
+    s2 = tx.sock.real
+    s2.sendto(rows[0].tobytes(), rx.address)
+    assert rx.wait_readable(1.0)
+    assert np.array_equal(recv.drain(), rows[:1]) and recv.malformed == 1
+    rx.close()
+    tx.close()
+
+
 def test_ranges_text():
     assert _ranges((3, 4, 5, 9)) == "3-5, 9"
     assert _ranges(()) == "none"
@@ -241,6 +285,26 @@ def test_async_handles_out_and_inplace():
         assert np.array_equal(rc, int_expected(n, length, seed=2))
         assert rz.shape == (7, 111)
         assert np.array_equal(rz.reshape(-1), int_expected(n, 777, seed=3))
+
+
+def test_odd_shapes_and_strides():
+    def body(c):
+        base = np.arange(40, dtype=np.int32).reshape(4, 10) * (c.rank + 1)
+        strided = c.allreduce(base[:, ::3])  # non-contiguous input
+        out = np.zeros((4, 20), np.float32)[:, ::2]  # non-contiguous output
+        c.allreduce(base.astype(np.float32), out=out)
+        scalar = c.allreduce(np.int32(7))
+        empty = c.allreduce(np.zeros(0, np.float32))
+        return strided, out, scalar, empty
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, 2, body, elems=32))
+    base = np.arange(40, dtype=np.int32).reshape(4, 10)
+    for strided, out, scalar, empty in res:
+        assert np.array_equal(strided, base[:, ::3] * 3)
+        assert np.allclose(out, base * 3, rtol=1e-6)
+        assert scalar.shape == () and int(scalar) == 14
+        assert empty.shape == (0,) and empty.dtype == np.float32
 
 
 @pytest.mark.parametrize("loss", [0.01, 0.05])

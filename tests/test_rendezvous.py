@@ -175,6 +175,30 @@ def _swallow(fn, *a, **kw):
         pass
 
 
+def test_a_rank_lost_during_the_barrier_fails_it_at_once():
+    with soft_cluster() as cl:
+        c0 = client(cl, 0)
+        create(c0, "j", world_size=3)
+        c1 = client(cl, 1)
+        answer = []
+        t = threading.Thread(target=lambda: _record(answer, c1.request, "register", job="j",
+                                                       rank=1, port=40000, timeout=20))
+        t.start()
+        c2 = client(cl, 2)
+        # rank 2 registers on a connection that closes while rank 1 waits: a raw socket, so
+        # that it can go away without waiting for its own (never coming) answer
+        raw = socket.create_connection(cl.server.address, timeout=5)
+        raw.sendall(b'{"op": "register", "job": "j", "rank": 2, "port": 40000, "timeout": 20}\n')
+        time.sleep(0.3)
+        t0 = time.monotonic()
+        raw.close()
+        t.join(10)
+        assert time.monotonic() - t0 < 5
+        assert answer and "rank(s) 2 of job 'j' left or lost their connection" in str(answer[0])
+        for c in (c0, c1, c2):
+            c.close()
+
+
 def test_status_waits_for_the_job_to_be_created():
     with soft_cluster() as cl:
         waiter = client(cl, 1)

@@ -38,6 +38,7 @@ import argparse
 import ipaddress
 import json
 import logging
+import select
 import socket
 import socketserver
 import threading
@@ -345,17 +346,28 @@ class RendezvousServer:
             if req.get("timeout") is not None:
                 limit = min(limit, _float(req, "timeout"))
             deadline = time.monotonic() + limit
-            while not job.complete and not job.deleted and not self._stopping:
+            sock = self._conns.get(conn)
+            while not (job.complete or job.deleted or job.gone or self._stopping):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                # wake now and then: this thread is the only reader of the waiting rank's
+                # connection, so a worker killed during the barrier is noticed only here
+                self._cond.wait(min(left, 0.25))
+                if sock is not None and _peer_closed(sock):
+                    self._disconnected(conn)
+                    raise RequestError("connection closed during the barrier")
             if job.complete:
                 return {"job": self._describe(job, local)}
             if self._stopping:
                 raise RequestError("the control endpoint is shutting down")
             if job.deleted:
                 raise RequestError(f"job {key!r} was deleted while waiting for the other ranks")
+            if job.gone:
+                raise RequestError(
+                    f"rank(s) {', '.join(map(str, job.gone))} of job {key!r} left or lost their "
+                    f"connection before every rank had registered; start the run again"
+                )
             raise RequestError(
                 f"barrier timeout after {limit:g} s for job {key!r}: rank(s) "
                 f"{', '.join(map(str, job.missing()))} of {job.world_size} did not register "
@@ -490,6 +502,15 @@ class RendezvousServer:
             "missing": job.missing(),
             "left": job.gone,
         }
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """True when the peer has closed the connection (EOF waiting), without consuming data."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
 
 
 def _first_fit(ranges: list[tuple[int, int]], count: int, pool: int) -> int | None:
