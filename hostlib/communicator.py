@@ -65,7 +65,8 @@ def init(
         for every rank, because in one-arm mode the result goes once to group:port.
     mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
     rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
-    retransmit: first retransmission timer in seconds (doubles per expiry, capped).
+    retransmit: least retransmission timer in seconds; the timer follows the measured round
+        trip above it, and doubles at each expiry of the same packet (capped at 0.25 s).
     progress: show a progress line on stderr for all-reduces that take over a second.
     faults: test hook, seeded random loss/duplication inside the engine (engine.Faults).
     gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).

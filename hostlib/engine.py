@@ -12,8 +12,10 @@ An all-reduce of P packets with window w = min(window, P-ish, see below):
 - on the wire: job_number = low 8 bits of the engine's all-reduce counter (results of another
   all-reduce are ignored), tsi = p; results are deduplicated by (job_number, tsi) and also
   checked against the packet's pool index;
-- every packet in flight has a timer (starting at `rto`, doubled at each expiry of the same
-  packet, capped at `rto_max`); on expiry the identical bytes are sent again. An all-reduce that
+- every packet in flight has a timer, started at max(rto, srtt + 4 rttvar) (RFC 6298's estimate
+  from measured round trips, Karn's rule: never from retransmitted packets; adaptive so that a
+  busy host or aggregator does not cause spurious retransmissions), doubled at each expiry of the
+  same packet, capped at `rto_max`; on expiry the identical bytes are sent again. An all-reduce that
   receives no new result for `timeout` seconds raises AllreduceTimeout saying what is missing.
   (A stall deadline rather than a fixed one: a large tensor legitimately takes long, a stall
   does not.)
@@ -59,6 +61,7 @@ STAT_NAMES = (
     "send_errors",  # sends the kernel refused (full buffer, no route): the timers recover
     "fault_drops",  # packets and results dropped by the Faults test hook
     "elapsed",  # seconds spent in all-reduces
+    "rtt",  # smoothed round trip of a packet (send to result), seconds
 )
 
 
@@ -93,7 +96,7 @@ class EngineConfig:
     slot_base: int
     window: int  # slots of this worker: slot_base .. slot_base + window - 1
     aggregator: tuple[str, int]  # where contributions go
-    rto: float = 0.015  # first retransmission timer (SwitchML: 10 ms)
+    rto: float = 0.015  # least retransmission timer (SwitchML: 10 ms)
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces
@@ -208,6 +211,7 @@ class StreamEngine:
         self.faults = faults
         self._rng = np.random.default_rng(faults.seed) if faults else None
         self._rx = RowReceiver(sock, self.plen, max_rows=2 * config.window + 64)
+        self._rtt = _RttEstimator()  # kept across all-reduces
 
     # --- public -----------------------------------------------------------------------------
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
@@ -243,6 +247,7 @@ class StreamEngine:
         inflight = np.full(w, -1, dtype=np.int64)  # packet in flight per slot (at most one)
         deadline = np.full(w, np.inf)
         rto = np.full(w, cfg.rto)
+        sent_at = np.zeros(w)  # first transmission of the packet in flight per slot
         ready = np.arange(w)
         ndone = results_here = 0
         last_progress = t0
@@ -260,8 +265,10 @@ class StreamEngine:
                     s = ready % w
                     payload[s] = fresh
                     inflight[s] = ready
-                    rto[s] = cfg.rto
-                    deadline[s] = now + cfg.rto
+                    first_rto = self._rtt.rto(cfg.rto, cfg.rto_max)
+                    rto[s] = first_rto
+                    sent_at[s] = now
+                    deadline[s] = now + first_rto
                     ready = ready[:0]
                 rows = self._receive()
                 if len(rows) == 0:
@@ -279,8 +286,12 @@ class StreamEngine:
                         results_here += tsi.size
                         last_progress = now
                         tr.accept(tsi, e0, values)
-                        inflight[tsi % w] = -1
-                        deadline[tsi % w] = np.inf
+                        s = tsi % w
+                        clean = s[tries[tsi] == 0]  # Karn: a retransmission's RTT is ambiguous
+                        if clean.size:
+                            self._rtt.update(now - sent_at[clean].min())
+                        inflight[s] = -1
+                        deadline[s] = np.inf
                         nxt = tsi + w
                         ready = nxt[nxt < P]
                 expired = np.flatnonzero(deadline <= now)
@@ -310,6 +321,7 @@ class StreamEngine:
             st["send_errors"] = self.sock.send_errors
             st["malformed"] = self._rx.malformed
             st["bytes_received"] = self._rx.bytes
+            st["rtt"] = self._rtt.srtt or 0.0
             if printer:
                 printer.close(time.monotonic(), ndone, st["retransmissions"])
 
@@ -401,6 +413,27 @@ def _ranges(values: tuple[int, ...]) -> str:
         if v is not None:
             start = prev = v
     return ", ".join(out)
+
+
+class _RttEstimator:
+    """Smoothed round-trip time and its variation (RFC 6298, one sample per received batch)."""
+
+    def __init__(self) -> None:
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+
+    def update(self, sample: float) -> None:
+        if self.srtt is None:
+            self.srtt, self.rttvar = sample, sample / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
+            self.srtt = 0.875 * self.srtt + 0.125 * sample
+
+    def rto(self, floor: float, cap: float) -> float:
+        """The first timer of a packet: srtt + 4 rttvar, within [floor, cap]."""
+        if self.srtt is None:
+            return floor
+        return min(max(floor, self.srtt + 4 * self.rttvar), cap)
 
 
 class _Progress:
