@@ -118,10 +118,6 @@ class DatagramSocket:
                 sent += len(block)
         return sent
 
-    def send_bytes(self, data: bytes, addr: tuple[str, int]) -> bool:
-        """Send one datagram; False if the kernel refused it (see send_rows)."""
-        return self._send_plain(data, addr)
-
     def _send_block(self, buf: memoryview, count: int, plen: int, addr) -> bool:
         if count == 1:
             return self._send_plain(buf, addr)

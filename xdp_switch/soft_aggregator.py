@@ -17,7 +17,6 @@ source address of the datagram.
 
 from __future__ import annotations
 
-import logging
 import os
 import selectors
 import threading
@@ -31,8 +30,6 @@ from . import wire
 from .abi import MAX_JOBS, MAX_WORKERS, NO_JOB, Reason
 from .backend import JobSpec, WorkerSpec
 from .model import Action, ReferenceAggregator
-
-log = logging.getLogger(__name__)
 
 # how the per-worker counters (named as in abi.WORKER_STATS) follow from a verdict's reason
 _CONTRIBUTION = {Reason.AGGREGATED, Reason.COMPLETED}
