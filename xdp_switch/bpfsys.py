@@ -57,6 +57,22 @@ class _MapCreate(ct.Structure):
     ]
 
 
+class _ProgLoad(ct.Structure):
+    _fields_ = [
+        ("prog_type", ct.c_uint32),
+        ("insn_cnt", ct.c_uint32),
+        ("insns", ct.c_uint64),
+        ("license", ct.c_uint64),
+        ("log_level", ct.c_uint32),
+        ("log_size", ct.c_uint32),
+        ("log_buf", ct.c_uint64),
+        ("kern_version", ct.c_uint32),
+        ("prog_flags", ct.c_uint32),
+        ("prog_name", ct.c_char * 16),
+        ("pad", ct.c_uint8 * 64),
+    ]
+
+
 class _MapElem(ct.Structure):
     _fields_ = [
         ("map_fd", ct.c_uint32),
@@ -164,6 +180,18 @@ def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, 
     """Create a map; returns its fd."""
     a = _MapCreate(map_type, key_size, value_size, max_entries, 0, 0, 0, name.encode()[:15])
     return _bpf(MAP_CREATE, a)
+
+
+def prog_load(prog_type: int, insns: list[int], name: str, license: bytes = b"GPL") -> int:
+    """Load a program given as raw 64-bit instructions; returns its fd."""
+    code = (ct.c_uint64 * len(insns))(*insns)
+    lic = ct.create_string_buffer(license)
+    attr = _ProgLoad(prog_type, len(insns), ct.addressof(code), ct.addressof(lic))
+    attr.prog_name = name.encode()[:15]
+    return _bpf(PROG_LOAD, attr)
+
+
+XDP_PASS_INSNS = [0xB7 | (XDP_PASS << 32), 0x95]  # mov64 r0, XDP_PASS ; exit
 
 
 def _addr(buf) -> int:

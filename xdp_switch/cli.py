@@ -329,12 +329,7 @@ def serve(ctx, listen, group_ip, barrier_timeout):
         fill_worker=_fill_worker,
     )
     click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        pass
-    finally:
-        server.stop()
+    server.run_until_interrupted()
 
 
 def serve_defaults(name: str, group_ip: str | None, barrier_timeout: float) -> dict:

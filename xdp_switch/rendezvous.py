@@ -168,6 +168,16 @@ class RendezvousServer:
         self._thread = threading.current_thread()
         self._tcp.serve_forever(poll_interval=0.2)
 
+    def run_until_interrupted(self) -> None:
+        """serve_forever in this thread until Ctrl-C (or SIGTERM), then stop cleanly."""
+        signal.signal(signal.SIGTERM, _interrupt)  # a terminated server leaves its jobs cleanly
+        try:
+            self.serve_forever()
+        except KeyboardInterrupt:
+            pass
+        finally:
+            self.stop()
+
     def start(self) -> "RendezvousServer":
         """Serve in a background thread."""
         # set before the thread runs so that an early stop() still shuts it down
@@ -513,6 +523,10 @@ def _peer_closed(sock: socket.socket) -> bool:
         return True
 
 
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
 def _first_fit(ranges: list[tuple[int, int]], count: int, pool: int) -> int | None:
     """First base b with [b, b + count) free of the (sorted) used ranges, inside the pool."""
     base = 0
@@ -613,12 +627,7 @@ def main(argv: list[str] | None = None) -> None:
     with SoftAggregator(args.soft) as agg:
         server = RendezvousServer(agg, host, int(port), defaults)
         log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
-        try:
-            server.serve_forever()
-        except KeyboardInterrupt:
-            pass
-        finally:
-            server.stop()
+        server.run_until_interrupted()
 
 
 if __name__ == "__main__":
