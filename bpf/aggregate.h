@@ -10,6 +10,8 @@
  *    (round + 1) * n is the only one that completes the slot, and sees every addition finished);
  *  - the completing CPU gathers all CPUs' partials of that round, stores the big-endian result,
  *    then bumps `published`: a retransmission only reads a result published for its round.
+ * With -DAGG_SPINLOCK (the baseline the design asks to measure against) the per-CPU partials are
+ * replaced by one shared partial per (slot, version) under a bpf_spin_lock; the rest is the same.
  * A worker's own packets are processed in order (one queue per flow), which is what makes the
  * stored result stable while it is read; see protocol.md for why two versions suffice. */
 #ifndef XDP_AGG_AGGREGATE_H
@@ -55,9 +57,58 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 	return XDP_TX;
 }
 
+/* Fold one contribution into a partial sum: overwrite when the partial belongs to an earlier
+ * round (no separate reset is needed), add otherwise. */
+static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+{
+	if (p->tag != tag) {
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < K; j++)
+			p->sum[j] = agg_ntohl(pl[j]);
+		p->e0 = pk->exp->e0;
+		p->e1 = pk->exp->e1;
+		p->tag = tag;
+	} else {
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < K; j++)
+			p->sum[j] += agg_ntohl(pl[j]);
+		p->e0 = max_s32(p->e0, pk->exp->e0);
+		p->e1 = max_s32(p->e1, pk->exp->e1);
+	}
+}
+
+/* Write a finished sum (host order in r->data) big-endian into the result and the packet. */
+static __always_inline void publish_result(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, s32 e0, s32 e1,
+					   const u32 K)
+{
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++) {
+		__be32 be = agg_ntohl(r->data[j]);
+
+		r->data[j] = be;
+		pl[j] = be;
+	}
+	r->e0 = e0;
+	r->e1 = e1;
+	pk->exp->e0 = e0;
+	pk->exp->e1 = e1;
+}
+
+#ifndef AGG_SPINLOCK
+/* Per-CPU variant (the default): each CPU folds into its own partial of the slot. */
+static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+{
+	struct agg_partial *p = bpf_map_lookup_elem(partials, &pkey);
+
+	if (!p)
+		return -1;
+	fold(p, tag, pk, pl, K);
+	return 0;
+}
+
 /* Sum the partials of round `tag` over all CPUs into the packet and the stored result. */
-static __always_inline void gather(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey, u64 tag,
-				   const u32 K)
+static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey,
+					  u64 tag, const u32 K)
 {
 	s32 e0 = AGG_EXP_NONE, e1 = AGG_EXP_NONE;
 	bool first = true;
@@ -72,28 +123,49 @@ static __always_inline void gather(struct agg_pkt *pk, __be32 *pl, struct agg_re
 		e0 = max_s32(e0, q->e0);
 		e1 = max_s32(e1, q->e1);
 		if (first) {
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < K; j++)
+			AGG_NO_UNROLL
+			for (u32 j = 0; j < K; j++)
 				r->data[j] = q->sum[j];
 		} else {
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < K; j++)
+			AGG_NO_UNROLL
+			for (u32 j = 0; j < K; j++)
 				r->data[j] += q->sum[j];
 		}
 		first = false;
 	}
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < K; j++) {
-		__be32 be = agg_ntohl(r->data[j]);
-
-		r->data[j] = be;
-		pl[j] = be;
-	}
-	r->e0 = e0;
-	r->e1 = e1;
-	pk->exp->e0 = e0;
-	pk->exp->e1 = e1;
+	publish_result(pk, pl, r, e0, e1, K);
 }
+#else
+/* Spin-lock variant (build option, the baseline to measure against): one shared partial per
+ * (slot, version), folded into under its bpf_spin_lock. */
+static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+{
+	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
+
+	if (!lp)
+		return -1;
+	/* verifier: no helper calls between lock and unlock; fold() makes none */
+	bpf_spin_lock(&lp->lock);
+	fold(&lp->p, tag, pk, pl, K);
+	bpf_spin_unlock(&lp->lock);
+	return 0;
+}
+
+/* Every addition of the round is finished (the `added` count says so) and no new round can
+ * start before this result is sent, so the shared partial is read without the lock. */
+static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey,
+					  u64 tag, const u32 K)
+{
+	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
+
+	if (!lp)
+		return;
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+		r->data[j] = lp->p.sum[j];
+	publish_result(pk, pl, r, lp->p.e0, lp->p.e1, K);
+}
+#endif
 
 /* A packet of ours with K elements from worker w for slot g, version vi. */
 static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
@@ -104,7 +176,6 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	u32 pkey = g * 2 + vi;
 	u64 bit = 1ULL << w->index;
 	u64 n = job->num_workers;
-	struct agg_partial *p;
 	struct agg_result *r;
 	struct agg_slot *st;
 	u64 old, a, round, tag, done;
@@ -124,23 +195,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	tag = ((u64)job->epoch << 32) | (u32)round;
 	count_worker(w, contributions);
 
-	p = bpf_map_lookup_elem(partials, &pkey);
-	if (!p)
+	if (accumulate(pkey, tag, pk, pl, K))
 		return XDP_ABORTED;
-	if (p->tag != tag) { /* this CPU's first contribution to the round: overwrite */
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < K; j++)
-			p->sum[j] = agg_ntohl(pl[j]);
-		p->e0 = pk->exp->e0;
-		p->e1 = pk->exp->e1;
-		p->tag = tag;
-	} else {
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < K; j++)
-			p->sum[j] += agg_ntohl(pl[j]);
-		p->e0 = max_s32(p->e0, pk->exp->e0);
-		p->e1 = max_s32(p->e1, pk->exp->e1);
-	}
 	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
 	if (done != (round + 1) * n) {
 		count(w->job, AGG_AGGREGATED);
@@ -151,7 +207,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	r = results.lookup(&pkey);
 	if (!r)
 		return XDP_ABORTED;
-	gather(pk, pl, r, pkey, tag, K);
+	complete_slot(pk, pl, r, pkey, tag, K);
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_COMPLETED);
 	if (job->delivery == AGG_DELIVERY_BROADCAST)

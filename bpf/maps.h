@@ -31,4 +31,14 @@ BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
 static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
 	(void *)BPF_FUNC_map_lookup_percpu_elem;
 
+#ifdef AGG_SPINLOCK
+/* Spin-lock variant: one shared partial per (slot, version), folded into under its lock. */
+struct agg_locked_partial {
+	struct bpf_spin_lock lock;
+	u32 pad;
+	struct agg_partial p;
+};
+BPF_ARRAY(locked_partials, struct agg_locked_partial, AGG_POOL_SLOTS * 2); /* slot*2+v -> locked partial */
+#endif
+
 #endif

@@ -14,13 +14,14 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def agg_prog():
-    """The XDP aggregator compiled and loaded once (not attached), with typed map access."""
+@pytest.fixture(scope="session", params=["percpu", "spinlock"])
+def agg_prog(request):
+    """The XDP aggregator compiled and loaded once per variant (not attached), with typed map
+    access. Every test using it runs against both the per-CPU design and the spin-lock baseline."""
     from xdp_switch import loader
     from xdp_switch.ctl_maps import AggMaps
 
-    prog = loader.load(pool_slots=256)
+    prog = loader.load(pool_slots=256, variant=request.param)
     yield prog, AggMaps(prog.maps, prog.pool_slots)
     os.close(prog.maps["partials"])
     prog.bpf.cleanup()

@@ -38,6 +38,7 @@ def attach(
     pool_slots: int = abi.DEFAULT_POOL_SLOTS,
     netns: str | None = None,
     cflags: tuple[str, ...] = (),
+    variant: str = "percpu",
 ) -> pins.State:
     """Load the program, pin it, and attach it to `ifaces` (in the current namespace).
 
@@ -78,7 +79,7 @@ def attach(
             )
         infos.append(info)
     try:
-        prog = loader.load(pool_slots=pool_slots, cflags=cflags)
+        prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant)
     except loader.LoadError as e:
         raise AggregatorError(str(e)) from None
     done: list[dict] = []
@@ -102,7 +103,7 @@ def attach(
             prog_id=ingress_id,
             egress_prog_id=egress_id,
             attached_at=time.time(),
-            options={"cflags": list(cflags), "nr_cpus": prog.nr_cpus},
+            options={"cflags": list(cflags), "nr_cpus": prog.nr_cpus, "variant": variant},
         )
         inst.save_state(state)
         return state

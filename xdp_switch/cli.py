@@ -83,10 +83,12 @@ def main(ctx, name, netns):
 @click.option("--mode", "xdp_mode", type=click.Choice(["native", "skb"]), default="native", show_default=True, help="XDP attach mode.")
 @click.option("--topology", type=click.Choice(aggregator.MODES), default=None, help="Default: one-arm for one interface, switch for several.")
 @click.option("--pool-slots", type=click.IntRange(1, wire.MAX_SLOTS), default=abi.DEFAULT_POOL_SLOTS, show_default=True, help="Aggregation slots shared by all jobs.")
+@click.option("--variant", type=click.Choice(list(loader.VARIANTS)), default="percpu", show_default=True,
+              help="percpu: per-CPU partial sums (the design); spinlock: one locked sum per slot (the baseline).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
 @_guard
-def attach(ctx, ifaces, xdp_mode, topology, pool_slots, as_json):
+def attach(ctx, ifaces, xdp_mode, topology, pool_slots, variant, as_json):
     """Compile, load and attach the aggregator to IFACES; it stays after this command exits.
 
     \b
@@ -95,7 +97,8 @@ def attach(ctx, ifaces, xdp_mode, topology, pool_slots, as_json):
       sudo xdp-agg --netns agg attach p0 p1 --mode skb
     """
     state = aggregator.attach(
-        list(ifaces), name=ctx.obj["name"], mode=topology, xdp_mode=xdp_mode, pool_slots=pool_slots, netns=ctx.obj["netns"]
+        list(ifaces), name=ctx.obj["name"], mode=topology, xdp_mode=xdp_mode, pool_slots=pool_slots,
+        netns=ctx.obj["netns"], variant=variant,
     )
     _emit(
         state.to_dict(),
@@ -366,7 +369,8 @@ def bench(workers, rounds, repeats, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
     Prints ns per packet and aggregated elements per second per core for 64, 256 and 768
-    elements per packet, beside a program that only parses and drops (the floor). Needs root;
+    elements per packet, for both variants (per-CPU partial sums, and the spin-lock baseline),
+    beside a program that only parses and drops (the floor), all in one run. Needs root;
     attaches nothing.
     """
     from . import microbench

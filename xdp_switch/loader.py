@@ -35,6 +35,10 @@ MAP_NAMES = (
     "tx_ports",
     "port_workers",
 )
+VARIANTS = {  # how slots are summed when several CPUs hit one slot
+    "percpu": (),  # per-CPU partial sums, atomic completion count, gather by the completing CPU
+    "spinlock": ("-DAGG_SPINLOCK",),  # one shared partial per slot under a bpf_spin_lock
+}
 PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
 
@@ -117,14 +121,17 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
-def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = ()) -> Loaded:
+def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = (), variant: str = "percpu") -> Loaded:
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
+    `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).
     Raises LoadError with an actionable message (missing headers, compiler error, verifier
     rejection with the tail of the verifier log).
     """
     if os.geteuid() != 0:
         raise LoadError("loading BPF programs needs root: run with sudo")
+    if variant not in VARIANTS:
+        raise LoadError(f"variant must be one of {', '.join(VARIANTS)}")
     if not 1 <= pool_slots <= 1 << 14:
         raise LoadError(f"pool slots must be 1..16384, not {pool_slots}")
     if not kernel_headers_present():
@@ -142,6 +149,7 @@ def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = ())
         f"-DAGG_POOL_SLOTS={pool_slots}",
         f"-DAGG_NR_CPUS={nr_cpus}",
         "-Wno-unused-function",
+        *VARIANTS[variant],
         *cflags,
     ]
     log = []
@@ -160,7 +168,7 @@ def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = ())
     maps = {name: b[name.encode()].map_fd for name in MAP_NAMES}
     maps["partials"] = partials
     progs = {PROG_INGRESS: ingress.fd, PROG_EGRESS: egress.fd}
-    return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags)})
+    return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags), "variant": variant})
 
 
 def verifier_stats(text: str) -> dict:

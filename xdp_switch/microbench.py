@@ -2,9 +2,11 @@
 
 For each packet size, a job of n workers streams rounds over a window of slots in the protocol's
 order (so n-1 of n packets aggregate and the n-th completes, gathers and rewrites), and the
-kernel's own per-run duration is summed. Beside it, in the same run, the floor: a program that
-only parses the same frames and drops them. Reported: ns per packet, aggregated int32 elements
-per second per core (elements / ns), and the ratio to the floor.
+kernel's own per-run duration is summed. In the same run, on the same frames: both variants of
+the program (per-CPU partial sums, and the spin-lock baseline) and the floor, a program that only
+parses the frames and drops them. Reported: ns per packet, aggregated int32 elements per second
+per core (elements / ns), and the ratio to the floor. The duration includes the test-run timer
+(tens of ns), the same for every program.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ BENCH_SIZES = (64, 256, wire.MAX_ELEMS)
 
 @dataclass
 class BenchResult:
+    variant: str
     elems: int
     packets: int
     ns_per_packet: float
@@ -41,6 +44,7 @@ class BenchResult:
 
     def to_dict(self) -> dict:
         return {
+            "variant": self.variant,
             "elems_per_packet": self.elems,
             "packets": self.packets,
             "ns_per_packet": round(self.ns_per_packet, 1),
@@ -69,50 +73,57 @@ def _frames(elems: int, n: int, slots: int, rounds: int) -> list[bytes]:
     ]
 
 
+def _measure(fd: int, frames: list[bytes]) -> float:
+    """Mean kernel-measured ns per run over the frames, in order."""
+    return sum(bpfsys.prog_test_run(fd, f)[2] for f in frames) / len(frames)
+
+
 def run(
-    sizes=BENCH_SIZES, workers: int = 4, slots: int = 64, rounds: int = 20, repeats: int = 5, cpu: int | None = 0, progress=None
+    sizes=BENCH_SIZES, workers: int = 4, slots: int = 64, rounds: int = 20, repeats: int = 5, cpu: int | None = 0,
+    variants=tuple(loader.VARIANTS), progress=None,
 ) -> list[BenchResult]:
-    """Measure each packet size; `repeats` passes over the same stream, median reported."""
+    """Measure each variant and packet size; `repeats` passes over the same stream, median
+    reported; the floor is measured on the same frames in each pass."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
-    prog = loader.load(pool_slots=max(slots, 64))
     floor_bpf, floor_fd = _load_floor()
-    maps = AggMaps(prog.maps, prog.pool_slots)
-    fd = prog.progs[loader.PROG_INGRESS]
+    progs = {v: loader.load(pool_slots=max(slots, 64), variant=v) for v in variants}
     out = []
     try:
         for k in sizes:
             frames = _frames(k, workers, slots, rounds)
-            runs, floors = [], []
+            runs = {v: [] for v in variants}
+            floors = []
             for rep in range(repeats):
-                maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255"))
-                for w in range(workers):
-                    maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
-                total = 0
-                for f in frames:
-                    act, _, ns = bpfsys.prog_test_run(fd, f)
-                    total += ns
-                if maps.counters(0)["completed"] != slots * rounds:
-                    raise RuntimeError("bench stream did not complete every slot: the program misbehaves")
-                runs.append(total / len(frames))
-                ftotal = sum(bpfsys.prog_test_run(floor_fd, f)[2] for f in frames)
-                floors.append(ftotal / len(frames))
+                for v, prog in progs.items():
+                    maps = AggMaps(prog.maps, prog.pool_slots)
+                    maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255"))
+                    for w in range(workers):
+                        maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
+                    runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], frames))
+                    if maps.counters(0)["completed"] != slots * rounds:
+                        raise RuntimeError(f"{v}: the bench stream did not complete every slot: the program misbehaves")
+                floors.append(_measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)
-            out.append(BenchResult(k, len(frames), statistics.median(runs), statistics.median(floors), max(runs) - min(runs)))
+            for v in variants:
+                out.append(BenchResult(v, k, len(frames), statistics.median(runs[v]), statistics.median(floors),
+                                       max(runs[v]) - min(runs[v])))
     finally:
-        os.close(prog.maps["partials"])
-        prog.bpf.cleanup()
+        for prog in progs.values():
+            os.close(prog.maps["partials"])
+            prog.bpf.cleanup()
         floor_bpf.cleanup()
     return out
 
 
 def table(results: list[BenchResult]) -> str:
     lines = [
-        "elems/pkt  ns/pkt  (spread)  elems/s/core  floor ns/pkt  x floor",
+        "variant   elems/pkt  ns/pkt  (spread)  elems/s/core  floor ns/pkt  x floor",
     ]
-    for r in results:
+    for r in sorted(results, key=lambda r: (r.elems, r.variant)):
         lines.append(
-            f"{r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  {r.floor_ns_per_packet:12.0f}  {r.ratio_to_floor:7.2f}"
+            f"{r.variant:8s}  {r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  "
+            f"{r.floor_ns_per_packet:12.0f}  {r.ratio_to_floor:7.2f}"
         )
     return "\n".join(lines)
