@@ -11,15 +11,15 @@ control BitmapChecker(inout sml_metadata_t md) {
     apply {
         worker_bitmap_t mine;
         worker_bitmap_t other;
-        worker_bitmap_t bit = (worker_bitmap_t)1 << md.worker_id;
+        worker_bitmap_t mask = (worker_bitmap_t)1 << md.worker_id;
         seen.read(mine, md.pool_entry);
-        if (mine & bit == 0) {
+        if ((mine & mask) == 0) {
             md.is_new = 1;
-            seen.write(md.pool_entry, mine | bit);
+            seen.write(md.pool_entry, mine | mask);
             // The worker has moved on from the other version: its next contribution there
             // starts a new round rather than looking like a retransmission.
             seen.read(other, md.other_entry);
-            seen.write(md.other_entry, other & ~bit);
+            seen.write(md.other_entry, other & ~mask);
         } else {
             md.is_new = 0;
         }

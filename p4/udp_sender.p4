@@ -2,7 +2,7 @@
 #ifndef _XDP_AGG_UDP_SENDER_P4_
 #define _XDP_AGG_UDP_SENDER_P4_
 
-control UDPSender(inout headers_t hdr, inout sml_metadata_t md, in standard_metadata_t sm) {
+control UDPSender(inout headers_t hdr, inout sml_metadata_t md, inout standard_metadata_t sm) {
 
     // As the XDP program's switch mode: the worker's MAC, address and UDP port as destination,
     // our MAC and address on the worker's side as source; UDP checksum 0 (legal for IPv4); the

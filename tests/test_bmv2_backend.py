@@ -110,6 +110,27 @@ def test_refusals():
         b.add_worker(WorkerSpec(1, 1, "198.18.1.2", 1, extra={"port": 0}))
 
 
+def test_add_workers_batches_into_two_cli_calls():
+    class CountingCLI(FakeCLI):
+        calls = 0
+
+        def run(self, commands, check=True):
+            CountingCLI.calls += 1
+            return super().run(commands, check)
+
+    cli = CountingCLI()
+    b = Bmv2Backend(cli, PORTS)
+    b.create_job(spec(job_id=0, n=40, base=0))
+    CountingCLI.calls = 0
+    b.add_workers([WorkerSpec(0, i, f"198.18.1.{10 + i}", 1, extra={"port": i % 2}) for i in range(40)])
+    assert CountingCLI.calls == 2
+    assert sum(c.startswith("mc_node_associate 2 ") for c in cli.log) == 40
+    assert [w["switch_port"] for w in b.jobs()[0]["workers"]] == [i % 2 for i in range(40)]
+    CountingCLI.calls = 0
+    b.delete_job(0)
+    assert CountingCLI.calls == 1 and b.jobs() == []
+
+
 def test_recreating_a_job_replaces_it():
     cli = FakeCLI()
     b = Bmv2Backend(cli, PORTS)

@@ -40,7 +40,7 @@ x = np.random.default_rng(rank).integers(-2**31, 2**31, size=n, dtype=np.int64).
 with hostlib.init(rank, world, aggregator=endpoint, job="p4-allreduce", elems=64, window=16,
                   timeout=60, gso=False, gro=False) as comm:
     out = comm.allreduce(x)
-    stats = comm.stats()
+    stats = comm.stats
 print(json.dumps({"rank": rank, "result": out.astype(np.int64).tolist(), "dtype": str(out.dtype),
                   "stats": {k: int(v) for k, v in stats.items() if isinstance(v, (int, np.integer))}}))
 """
@@ -112,13 +112,14 @@ def test_allreduce_int32_through_simple_switch(p4_json, testbed_factory, tmp_pat
             assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\nswitch log:\n{switch.log_tail()}"
             results.append(json.loads(out.strip().splitlines()[-1]))
         want = _expected()
+        packets = -(-N // 64)
         for r in results:
             assert r["dtype"] == "int32"
+            assert r["stats"]["results"] == packets, r["stats"]  # one result per packet
             np.testing.assert_array_equal(np.asarray(r["result"], dtype=np.int64), want.astype(np.int64),
                                           err_msg=f"rank {r['rank']}")
         # Every chunk completed once in the P4 program and went out once per worker; nothing
         # of ours was dropped for a reason other than the protocol's own (duplicates).
-        packets = -(-N // 64)
         assert len(backend.created) == 1
         counts = backend.counters(backend.created[0])
         assert counts["completed"] == packets

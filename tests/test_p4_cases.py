@@ -171,9 +171,11 @@ def test_packet_case(lab, case: Case):
     for j in case.jobs:
         backend.create_job(j)
         model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
+    backend.add_workers([
+        dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
+        for w in case.workers
+    ])
     for w in case.workers:
-        placed = dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
-        backend.add_worker(placed)
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
     rows = sorted({j.job_id for j in case.jobs} | {abi.NO_JOB})
     before = backend.counter_rows(rows)

@@ -103,7 +103,8 @@ def compile_p4(out_dir, *, pool_slots: int = DEFAULT_POOL_SLOTS, source: Path = 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / (Path(source).stem + ".json")
-    argv = [_which(TOOLS["p4c"]), "--std", "p4-16", f"-DPOOL_SLOTS={int(pool_slots)}",
+    # --Wdisable=unused: the generated includes define every wire constant, used or not.
+    argv = [_which(TOOLS["p4c"]), "--std", "p4-16", "--Wdisable=unused", f"-DPOOL_SLOTS={int(pool_slots)}",
             "-o", str(out), str(source)]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
@@ -127,7 +128,7 @@ class SwitchCLI:
     """simple_switch_CLI, one process per batch of commands (optionally inside a netns)."""
 
     PROMPT = "RuntimeCmd: "
-    ERROR_PREFIXES = ("Error", "Invalid", "Exception")
+    ERROR_PREFIXES = ("Error", "Invalid", "Exception", "***")
 
     def __init__(self, thrift_port: int = DEFAULT_THRIFT_PORT, netns: str | None = None,
                  timeout: float = 120.0) -> None:
@@ -191,7 +192,11 @@ class SimpleSwitch:
         self.proc: subprocess.Popen | None = None
 
     def argv(self) -> list[str]:
-        argv = [*_netns_prefix(self.netns), _which(TOOLS["switch"])]
+        # `ip netns exec` (which execs, keeping the PID) rather than nsenter: it also mounts the
+        # namespace's own /sys, where libpcap reads the interfaces' statistics; under nsenter
+        # it finds the root namespace's /sys and logs "open: No such file or directory" forever.
+        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
+        argv = [*prefix, _which(TOOLS["switch"])]
         for p in self.ports:
             argv += ["-i", f"{p.port}@{p.iface}"]
         argv += ["--thrift-port", str(self.thrift_port), *self.extra_args, str(self.json_path)]
@@ -204,6 +209,10 @@ class SimpleSwitch:
         """Start simple_switch and wait until its Thrift server answers."""
         if self.proc is not None:
             raise Bmv2Error("this simple_switch is already started")
+        if self.netns:
+            # The Thrift server listens on 127.0.0.1: a new namespace's loopback starts down.
+            subprocess.run(["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True,
+                           capture_output=True)
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
@@ -385,13 +394,60 @@ class Bmv2Backend:
         job = self._jobs.get(job_id)
         if job is None:
             return
+        cmds = []
         for index in list(job.workers):
-            self.remove_worker(job_id, index)
-        self.cli.run([f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"])
+            cmds += self._worker_removal(job, job.workers.pop(index))
+        cmds += [f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"]
         del self._jobs[job_id]
+        self.cli.run(cmds)
 
     def add_worker(self, worker: WorkerSpec) -> None:
         """Register a worker: recognised by (ip, agg_port), its copy sent to (mac, ip, port)."""
+        self.add_workers([worker])
+
+    def add_workers(self, workers: list[WorkerSpec]) -> None:
+        """add_worker for several workers, in two CLI calls whatever their number (each call
+        costs a few hundred milliseconds: a CLI process that loads the program's JSON)."""
+        placed = []
+        seen: dict[tuple[str, int], tuple[int, int]] = {}
+        for worker in workers:
+            job = self._check_worker(worker)
+            key = (worker.ip, worker.agg_port)
+            if seen.get(key, (worker.job_id, worker.index)) != (worker.job_id, worker.index):
+                raise ValueError(f"{worker.ip} -> port {worker.agg_port:#x} is given twice")
+            seen[key] = (worker.job_id, worker.index)
+            port = self._port_of(worker)
+            pspec = self.ports[port]
+            agg_mac = _mac_ok(worker.extra.get("agg_mac") or _nonzero_mac(pspec.mac) or job.spec.agg_mac)
+            agg_ip = worker.extra.get("agg_ip") or _nonzero_ip(pspec.ip) or job.spec.agg_ip
+            placed.append((job, worker, port, agg_mac, agg_ip))
+        removals = []
+        for job, worker, *_ in placed:
+            if worker.index in job.workers:  # re-registering an index replaces the old worker
+                removals += self._worker_removal(job, job.workers.pop(worker.index))
+        adds = []
+        for job, worker, port, agg_mac, agg_ip in placed:
+            adds += [
+                f"table_add {T_WORKERS} set_worker {worker.ip} {worker.agg_port} => "
+                f"{worker.job_id} {worker.index}",
+                f"table_add {T_WORKER_ADDR} to_worker {worker.job_id} {worker.index} => "
+                f"{_mac_ok(worker.mac)} {worker.ip} {worker.port} {agg_mac} {agg_ip}",
+                f"mc_node_create {worker.index} {port}",
+            ]
+        out = self.cli.run(removals + adds)[len(removals):]
+        assoc = []
+        for i, (job, worker, port, agg_mac, agg_ip) in enumerate(placed):
+            node = _handle(out[3 * i + 2])
+            assoc.append(f"mc_node_associate {job.mgid} {node}")
+            job.workers[worker.index] = _Worker(
+                spec=worker, port=port, agg_mac=agg_mac, agg_ip=agg_ip,
+                workers_handle=_handle(out[3 * i]), addr_handle=_handle(out[3 * i + 1]),
+                node_handle=node,
+            )
+        self.cli.run(assoc)
+
+    def _check_worker(self, worker: WorkerSpec) -> _Job:
+        """The worker's job; ValueError when the worker cannot be registered."""
         job = self._jobs.get(worker.job_id)
         if job is None:
             raise ValueError(f"job {worker.job_id} does not exist: create it first")
@@ -405,25 +461,7 @@ class Bmv2Backend:
                         f"{worker.ip} -> port {worker.agg_port:#x} is already worker "
                         f"{w.spec.index} of job {other.spec.job_id}"
                     )
-        if worker.index in job.workers:
-            self.remove_worker(worker.job_id, worker.index)
-        port = self._port_of(worker)
-        pspec = self.ports[port]
-        agg_mac = _mac_ok(worker.extra.get("agg_mac") or _nonzero_mac(pspec.mac) or job.spec.agg_mac)
-        agg_ip = worker.extra.get("agg_ip") or _nonzero_ip(pspec.ip) or job.spec.agg_ip
-        out = self.cli.run([
-            f"table_add {T_WORKERS} set_worker {worker.ip} {worker.agg_port} => "
-            f"{worker.job_id} {worker.index}",
-            f"table_add {T_WORKER_ADDR} to_worker {worker.job_id} {worker.index} => "
-            f"{_mac_ok(worker.mac)} {worker.ip} {worker.port} {agg_mac} {agg_ip}",
-            f"mc_node_create {worker.index} {port}",
-        ])
-        node = _handle(out[2])
-        self.cli.run([f"mc_node_associate {job.mgid} {node}"])
-        job.workers[worker.index] = _Worker(
-            spec=worker, port=port, agg_mac=agg_mac, agg_ip=agg_ip,
-            workers_handle=_handle(out[0]), addr_handle=_handle(out[1]), node_handle=node,
-        )
+        return job
 
     def _port_of(self, worker: WorkerSpec) -> int:
         if "port" in worker.extra:
@@ -449,14 +487,17 @@ class Bmv2Backend:
         """Unregister a worker (a missing one is no error)."""
         job = self._jobs.get(job_id)
         w = job.workers.pop(index, None) if job else None
-        if w is None:
-            return
-        self.cli.run([
+        if w is not None:
+            self.cli.run(self._worker_removal(job, w))
+
+    @staticmethod
+    def _worker_removal(job: _Job, w: _Worker) -> list[str]:
+        return [
             f"mc_node_dissociate {job.mgid} {w.node_handle}",
             f"mc_node_destroy {w.node_handle}",
             f"table_delete {T_WORKERS} {w.workers_handle}",
             f"table_delete {T_WORKER_ADDR} {w.addr_handle}",
-        ])
+        ]
 
     def jobs(self) -> list[dict]:
         """The configured jobs, each a JobSpec.to_dict() with a 'workers' list."""
