@@ -20,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from p4_fixtures import _InNetns, p4_json  # noqa: F401  (fixture)
+from p4_fixtures import _InNetns, p4_skip_reason
 from xdp_switch import bmv2_backend as bm
 from xdp_switch import wire
 from xdp_switch.abi import Delivery
@@ -53,18 +53,6 @@ def _expected() -> np.ndarray:
     return ((total + 2**31) % 2**32 - 2**31).astype(np.int32)
 
 
-class _RecordingBackend(bm.Bmv2Backend):
-    """Remembers the job ids the control endpoint created (it deletes them when workers leave)."""
-
-    def __init__(self, *a, **kw):
-        super().__init__(*a, **kw)
-        self.created: list[int] = []
-
-    def create_job(self, spec):
-        super().create_job(spec)
-        self.created.append(spec.job_id)
-
-
 def _drop_data_in_kernel(netns: str) -> None:
     """nftables in the aggregator namespace: the kernel ignores UDP to 0xBEE0..0xBEEF."""
     lo, hi = wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT - 1
@@ -80,19 +68,24 @@ def _drop_data_in_kernel(netns: str) -> None:
                    text=True, check=True, capture_output=True)
 
 
-def test_allreduce_int32_through_simple_switch(p4_json, testbed_factory, tmp_path):  # noqa: F811
+def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
     from xdp_switch.rendezvous import RendezvousServer
 
+    reason = p4_skip_reason()
+    if reason:
+        pytest.skip(reason)
     tb = testbed_factory(workers=WORLD, topology="switch")
     agg = tb.aggregator
     _drop_data_in_kernel(agg.netns)
-    ports = [bm.PortSpec(i, ifname, mac, ip) for i, (ifname, mac, ip) in enumerate(zip(agg.ifnames, agg.macs, agg.ips))]
-    switch = bm.SimpleSwitch(p4_json, ports, netns=agg.netns, log_path=tmp_path / "switch.log")
+    ports = bm.port_specs(agg.ifnames, netns=agg.netns)
+    assert [(p.mac, p.ip) for p in ports] == list(zip(agg.macs, agg.ips))
+    # compile, start simple_switch on p0..p3 in the aggregator namespace, set it up
+    switch, backend = bm.launch(ports, tmp_path, netns=agg.netns, unknown_unicast="drop")
     server = None
-    switch.start()
+    created: list[int] = []  # job ids the control endpoint made (it deletes jobs when workers leave)
+    create_job = backend.create_job
+    backend.create_job = lambda spec: (create_job(spec), created.append(spec.job_id))
     try:
-        backend = _RecordingBackend(switch.cli(), ports)
-        backend.setup(unknown_unicast="drop")
         with _InNetns(agg.netns):  # the listening socket lives in the aggregator namespace
             server = RendezvousServer(
                 backend, "0.0.0.0", 0,
@@ -120,8 +113,8 @@ def test_allreduce_int32_through_simple_switch(p4_json, testbed_factory, tmp_pat
                                           err_msg=f"rank {r['rank']}")
         # Every chunk completed once in the P4 program and went out once per worker; nothing
         # of ours was dropped for a reason other than the protocol's own (duplicates).
-        assert len(backend.created) == 1
-        counts = backend.counters(backend.created[0])
+        assert len(created) == 1
+        counts = backend.counters(created[0])
         assert counts["completed"] == packets
         assert counts["egress_sent"] == WORLD * packets
         assert counts["aggregated"] == (WORLD - 1) * packets

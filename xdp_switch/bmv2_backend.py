@@ -124,6 +124,39 @@ class PortSpec:
     ip: str = "0.0.0.0"
 
 
+def port_specs(ifnames: list[str], netns: str | None = None) -> list[PortSpec]:
+    """PortSpecs for interfaces (in `netns`, or this process's namespace), numbered 0.. in the
+    order given, each with its interface's MAC and first IPv4 address as our address there."""
+    from pyroute2 import IPRoute, NetNS
+
+    out = []
+    with (NetNS(netns) if netns else IPRoute()) as ipr:
+        for i, name in enumerate(ifnames):
+            links = ipr.link_lookup(ifname=name)
+            if not links:
+                raise ValueError(f"no interface {name!r}" + (f" in namespace {netns}" if netns else ""))
+            link = ipr.get_links(links[0])[0]
+            addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=links[0], family=2)]
+            out.append(PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), addrs[0] if addrs else "0.0.0.0"))
+    return out
+
+
+def launch(ports: list[PortSpec], workdir, *, netns: str | None = None,
+           pool_slots: int = DEFAULT_POOL_SLOTS, thrift_port: int = DEFAULT_THRIFT_PORT,
+           unknown_unicast: str = "flood") -> tuple["SimpleSwitch", "Bmv2Backend"]:
+    """Compile the program into `workdir`, start simple_switch on `ports` and set it up: the
+    running switch (stop() it when done) and its Backend. What `xdp-agg --target bmv2` needs."""
+    json_path = compile_p4(workdir, pool_slots=pool_slots)
+    switch = SimpleSwitch(json_path, ports, netns=netns, thrift_port=thrift_port).start()
+    try:
+        backend = Bmv2Backend(switch.cli(), ports, pool_slots=pool_slots)
+        backend.setup(unknown_unicast=unknown_unicast)
+    except BaseException:
+        switch.stop()
+        raise
+    return switch, backend
+
+
 class SwitchCLI:
     """simple_switch_CLI, one process per batch of commands (optionally inside a netns)."""
 
