@@ -10,7 +10,8 @@
  * - the worker bit comes from the workers table (1 << index, written by the control plane)
  *   instead of a shift by a run-time amount;
  * - the workers counter counts down (p4app-switchML's encoding), which is the reference
- *   model's count/complete pair in one register.
+ *   model's count/complete pair in one register;
+ * - reason counters are indexed row * 16 + reason (no multiplication by 14).
  */
 #include <core.p4>
 #include <tna.p4>
@@ -29,12 +30,16 @@
 #include "forwarder.p4"
 #include "udp_sender.p4"
 
+// Reason counters: index row * 16 + reason (a shift and an OR; a Tofino ALU does not multiply by
+// 14 as the bmv2 program's row * AGG_NUM_REASONS does). The control plane reads them so.
+const bit<32> TNA_REASON_STRIDE = 16;
+
 control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
                 in ingress_intrinsic_metadata_t ig_intr_md,
                 in ingress_intrinsic_metadata_from_parser_t ig_prsr_md,
                 inout ingress_intrinsic_metadata_for_deparser_t ig_dprsr_md,
                 inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
-    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * AGG_NUM_REASONS, CounterType_t.PACKETS) reasons;
+    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * TNA_REASON_STRIDE, CounterType_t.PACKETS) reasons;
 
     UDPReceiver() udp_receiver;
     BitmapChecker() bitmap_checker;
@@ -57,7 +62,7 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
         } else {
             forwarder.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
         }
-        reasons.count((bit<32>)ig_md.sml.counter_row * AGG_NUM_REASONS + (bit<32>)ig_md.sml.reason);
+        reasons.count((bit<32>)(ig_md.sml.counter_row ++ ig_md.sml.reason[3:0]));
     }
 }
 
@@ -66,14 +71,14 @@ control Egress(inout header_t hdr, inout egress_metadata_t eg_md,
                in egress_intrinsic_metadata_from_parser_t eg_prsr_md,
                inout egress_intrinsic_metadata_for_deparser_t eg_dprsr_md,
                inout egress_intrinsic_metadata_for_output_port_t eg_oport_md) {
-    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * AGG_NUM_REASONS, CounterType_t.PACKETS) reasons;
+    Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * TNA_REASON_STRIDE, CounterType_t.PACKETS) reasons;
 
     UDPSender() udp_sender;
 
     apply {
         if (eg_md.bridged.kind == KIND_RESULT) {
             udp_sender.apply(hdr, eg_md, eg_intr_md, eg_dprsr_md);
-            reasons.count((bit<32>)eg_md.bridged.counter_row * AGG_NUM_REASONS + (bit<32>)eg_md.reason);
+            reasons.count((bit<32>)(eg_md.bridged.counter_row ++ eg_md.reason[3:0]));
         } else if (eg_md.bridged.kind == KIND_FLOOD && eg_intr_md.egress_port == eg_md.bridged.ingress_port) {
             eg_dprsr_md.drop_ctl = 1;
         }
