@@ -2,18 +2,18 @@
 
     from xdp_switch import bmv2_backend as bm
 
-    json_path = bm.compile_p4("/tmp/p4out")                      # p4c-bm2-ss, once
-    ports = [bm.PortSpec(0, "p0", mac="02:..:01", ip="198.18.1.1"), ...]
-    with bm.SimpleSwitch(json_path, ports, netns="agg") as sw:   # simple_switch on p0.. in netns
-        backend = bm.Bmv2Backend(sw.cli(), ports)                 # a backend.Backend
-        backend.create_job(JobSpec(...))
-        backend.add_worker(WorkerSpec(..., extra={"port": 0}))
-        backend.counters(job_id)                                  # {reason name: packets}
+    ports = bm.port_specs(["p0", "p1"], netns="agg")            # port i = interface i, our MAC/IP
+    switch, backend = bm.launch(ports, "/tmp/p4out", netns="agg") # compile, start, set up
+    backend.create_job(JobSpec(...))                              # backend: a backend.Backend
+    backend.add_worker(WorkerSpec(..., extra={"port": 0}))
+    backend.counters(job_id)                                      # {reason name: packets}
+    switch.stop()
 
 p4/switchml.p4 implements protocol.md sections 1-3 (see its header comment). This module
 - compiles it (compile_p4),
 - starts and stops simple_switch on a set of interfaces, optionally inside a network namespace
-  (SimpleSwitch),
+  (SimpleSwitch; give the namespace by name rather than entering it first: simple_switch is run
+  with `ip netns exec`, which also gives it the namespace's /sys),
 - drives the running switch through simple_switch_CLI (SwitchCLI: commands in batches, one CLI
   process per batch, errors raised), and
 - speaks the job/worker vocabulary of backend.Backend on top of it (Bmv2Backend): a job is an
