@@ -39,6 +39,7 @@ import ipaddress
 import json
 import logging
 import select
+import signal
 import socket
 import socketserver
 import threading
