@@ -31,8 +31,10 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 
 	if ((void *)(ip + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
 		return -1;
-	if (ip->version != 4 || ip->protocol != IPPROTO_UDP)
+	if (ip->version != 4 || ip->protocol != IPPROTO_UDP || ip->ihl < 5)
 		return -1;
+	if (ip->frag_off & bpf_htons(AGG_IP_OFFSET_MASK))
+		return -1; /* a later fragment has no UDP header to look at */
 	if (ip->ihl != 5) {
 		/* Options move the UDP header; look at its port at the real offset, bounded by the
 		 * verifier-visible maximum of 15 words. */
@@ -42,8 +44,6 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 		count(AGG_NO_JOB, AGG_DROP_MALFORMED);
 		return XDP_DROP;
 	}
-	if (ip->frag_off & bpf_htons(AGG_IP_OFFSET_MASK))
-		return -1; /* a later fragment has no UDP header to look at */
 	udp = (void *)(ip + 1);
 	if ((void *)(udp + 1) > data_end)
 		return -1;

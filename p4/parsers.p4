@@ -20,12 +20,10 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
         pkt.extract(hdr.ipv4);
         transition select(hdr.ipv4.protocol, hdr.ipv4.ihl, hdr.ipv4.frag_offset) {
             (IP_PROTO_UDP, 4w5, 13w0): parse_udp;
-            (IP_PROTO_UDP, 4w5, _): accept; // a later fragment has no UDP header
-            // ihl 6..15: options; the UDP header follows them (the XDP program looks at its
-            // port even in a later fragment, and so do we)
-            (IP_PROTO_UDP, 4w6 &&& 4w0xe, _): parse_ipv4_options;
-            (IP_PROTO_UDP, 4w8 &&& 4w0x8, _): parse_ipv4_options;
-            default: accept;
+            // ihl 6..15: options; the UDP header follows them
+            (IP_PROTO_UDP, 4w6 &&& 4w0xe, 13w0): parse_ipv4_options;
+            (IP_PROTO_UDP, 4w8 &&& 4w0x8, 13w0): parse_ipv4_options;
+            default: accept; // a later fragment has no UDP header; ihl < 5 is no IPv4 header
         }
     }
 

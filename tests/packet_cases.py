@@ -84,6 +84,7 @@ class Step:
     reason: Reason
     values: np.ndarray | None = None  # exact result payload for TO_ALL / TO_SENDER
     e0: int | None = None
+    e1: int = 0  # the result's e1 (max over the round's contributions)
     sender: int | None = None  # worker host a TO_SENDER answer goes back to
     model: bool = True  # False for frame-level cases the UDP-level model does not see
 
@@ -94,6 +95,30 @@ class Case:
     jobs: list[JobSpec]
     workers: list[WorkerSpec]
     steps: list[Step] = field(default_factory=list)
+
+
+def ip_checksum_ok(pkt) -> bool:
+    """True when the IPv4 header checksum of a scapy packet is right."""
+    ip = pkt[IP].copy()
+    want = ip.chksum
+    del ip.chksum
+    return IP(bytes(ip))[IP].chksum == want
+
+
+def check_result(step: Step, req, out) -> None:
+    """A result frame (scapy `out`, answering `req`): header fields echoed, payload values and
+    exponents as the step expects, UDP checksum 0, IPv4 checksum right. Every target's runner
+    uses this."""
+    from xdp_switch.scapy_layer import Exponents, SwitchML
+
+    for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
+        assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), f"{step.what}: {f} not echoed"
+    assert (out[Exponents].e0, out[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
+    k = wire.elems_for(req[SwitchML].size)
+    got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
+    np.testing.assert_array_equal(got, step.values, err_msg=step.what)
+    assert out[UDP].chksum == 0, step.what
+    assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
 
 
 def _vals(rng, k, lo=-1000, hi=1000):
@@ -225,10 +250,40 @@ def build_cases() -> list[Case]:
     frag = Ether(frame(0, a))
     frag[IP].flags = "MF"
     del frag[IP].chksum
+    later = Ether(frame(0, a))  # bytes where a UDP header would be look like ours: not a header
+    later[IP].frag = 185
+    del later[IP].chksum
+    later_opt = Ether(bytes(opt))
+    later_opt[IP].frag = 185
+    del later_opt[IP].chksum
+    short_ihl = bytearray(frame(0, a))
+    short_ihl[wire.ETH_HLEN] = 0x44  # version 4, ihl 4: no valid IPv4 header
     c.steps = [
         Step("IPv4 options", bytes(opt), Action.DROP, Reason.DROP_MALFORMED, model=False),
         Step("first fragment", bytes(frag), Action.DROP, Reason.DROP_MALFORMED, model=False),
+        Step("later fragment", bytes(later), Action.PASS, Reason.PASS, model=False),
+        Step("later fragment with options", bytes(later_opt), Action.PASS, Reason.PASS, model=False),
+        Step("ihl below 5", bytes(short_ihl), Action.PASS, Reason.PASS, model=False),
         Step("still aggregates", frame(0, a), Action.DROP, Reason.AGGREGATED),
+    ]
+    cases.append(c)
+
+    c = Case("second_exponent_is_a_max_too", [job(n=3)], workers(0, 3))
+    a, b, d = (_vals(rng, 32) for _ in range(3))
+    c.steps = [
+        Step("w0", frame(0, a, slot=6, e0=-2, e1=5), Action.DROP, Reason.AGGREGATED),
+        Step("w1", frame(1, b, slot=6, e0=7, e1=-9), Action.DROP, Reason.AGGREGATED),
+        Step("w2 completes", frame(2, d, slot=6, e0=1, e1=11), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b + d), 7, e1=11),
+        Step("w1 retransmits", frame(1, b, slot=6, e0=7, e1=-9), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b + d), 7, sender=1, e1=11),
+    ]
+    cases.append(c)
+
+    c = Case("retransmission_answer_k64", [job(n=2, elems=64)], workers(0, 2))
+    a, b = _vals(rng, 64, -(2**31), 2**31 - 1), _vals(rng, 64, -(2**31), 2**31 - 1)
+    c.steps = [
+        Step("w0", frame(0, a, slot=2), Action.DROP, Reason.AGGREGATED),
+        Step("w1 completes", frame(1, b, slot=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        Step("w0 retransmits", frame(0, a, slot=2), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 0, sender=0),
     ]
     cases.append(c)
 

@@ -5,13 +5,11 @@ floats within hostlib.scaling's bound: |r - s| <= n/(2f) + 2^-24 |r| per element
 scale factor). Loss comes from the testbed's nftables rules, in both directions.
 """
 
-import json
 import subprocess
 import sys
 
 import pytest
 
-from xdp_switch import wire
 from xdp_switch.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]

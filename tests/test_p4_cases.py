@@ -24,18 +24,16 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-import numpy as np
 import pytest
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
 from p4_fixtures import VethLab, p4_json  # noqa: F401  (fixture)
-from packet_cases import AGG_MAC, CASES, Case, Step, worker_ip, worker_mac
+from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, worker_mac
 from xdp_switch import abi, wire
 from xdp_switch.abi import Reason
 from xdp_switch.model import Action, ReferenceAggregator
 from xdp_switch.p4gen import P4_ELEMS
-from xdp_switch.scapy_layer import Exponents, SwitchML
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -69,28 +67,6 @@ def lab_backend(lab):
     from xdp_switch.bmv2_backend import Bmv2Backend
 
     return Bmv2Backend(lab.switch.cli(), lab.ports)
-
-
-def _ip_checksum_ok(pkt) -> bool:
-    ip = pkt[IP].copy()
-    want = ip.chksum
-    del ip.chksum
-    return IP(bytes(ip))[IP].chksum == want
-
-
-def _check_result(step: Step, req, out) -> None:
-    """Header fields echoed, payload and exponent as expected, nothing else changed in size."""
-    assert out[SwitchML].tsi == req[SwitchML].tsi
-    assert out[SwitchML].job_number == req[SwitchML].job_number
-    assert out[SwitchML].pool_index == req[SwitchML].pool_index
-    assert out[SwitchML].size == req[SwitchML].size
-    assert out[Exponents].e0 == step.e0
-    k = wire.elems_for(req[SwitchML].size)
-    raw = bytes(out)
-    got = np.frombuffer(raw[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
-    np.testing.assert_array_equal(got, step.values)
-    assert out[UDP].chksum == 0
-    assert _ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
 
 
 def _owner(case: Case, req):
@@ -128,7 +104,7 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
     for port, data in outs:
         out = Ether(data)
         assert len(data) == len(step.frame), step.what
-        _check_result(step, req, out)
+        check_result(step, req, out)
         if step.action == Action.TO_SENDER:
             assert (out.dst, out.src, out[IP].src, out[IP].dst) == (req.src, req.dst, req[IP].dst, req[IP].src)
             assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)

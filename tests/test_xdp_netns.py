@@ -110,7 +110,7 @@ def test_aggregates_over_veths(testbed_factory, instance, topology):
 def test_ping_and_tcp_pass_and_detach_leaves_nothing(testbed_factory, instance):
     tb = testbed_factory(workers=1, topology="one-arm")
     w = tb.workers[0]
-    r = xdp_agg(tb, "--name", instance, "attach", "eth0")
+    xdp_agg(tb, "--name", instance, "attach", "eth0")
     status = json.loads(xdp_agg(tb, "--name", instance, "status", "--json").stdout)
     assert status["interfaces"][0]["attached"] and status["mode"] == "one-arm"
     prog_id = status["prog_id"]

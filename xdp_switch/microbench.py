@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import abi, bpfsys, loader, wire
+from . import bpfsys, loader, wire
 from .backend import JobSpec, WorkerSpec
 from .ctl_maps import AggMaps
 from .scapy_layer import sml_frame

@@ -27,19 +27,19 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
 
     state parse_ipv4 {
         pkt.extract(hdr.ipv4);
+        // Only a first (or whole) datagram has a UDP header: later fragments are not ours.
         transition select(hdr.ipv4.protocol, hdr.ipv4.ihl, hdr.ipv4.frag_offset) {
             (IP_PROTO_UDP, 4w5, 13w0): parse_udp;
-            (IP_PROTO_UDP, 4w5, _): accept;
-            (IP_PROTO_UDP, 4w6, _): skip_options_1;
-            (IP_PROTO_UDP, 4w7, _): skip_options_2;
-            (IP_PROTO_UDP, 4w8, _): skip_options_3;
-            (IP_PROTO_UDP, 4w9, _): skip_options_4;
-            (IP_PROTO_UDP, 4w10, _): skip_options_5;
-            (IP_PROTO_UDP, 4w11, _): skip_options_6;
-            (IP_PROTO_UDP, 4w12, _): skip_options_7;
-            (IP_PROTO_UDP, 4w13, _): skip_options_8;
-            (IP_PROTO_UDP, 4w14, _): skip_options_9;
-            (IP_PROTO_UDP, 4w15, _): skip_options_10;
+            (IP_PROTO_UDP, 4w6, 13w0): skip_options_1;
+            (IP_PROTO_UDP, 4w7, 13w0): skip_options_2;
+            (IP_PROTO_UDP, 4w8, 13w0): skip_options_3;
+            (IP_PROTO_UDP, 4w9, 13w0): skip_options_4;
+            (IP_PROTO_UDP, 4w10, 13w0): skip_options_5;
+            (IP_PROTO_UDP, 4w11, 13w0): skip_options_6;
+            (IP_PROTO_UDP, 4w12, 13w0): skip_options_7;
+            (IP_PROTO_UDP, 4w13, 13w0): skip_options_8;
+            (IP_PROTO_UDP, 4w14, 13w0): skip_options_9;
+            (IP_PROTO_UDP, 4w15, 13w0): skip_options_10;
             default: accept;
         }
     }
