@@ -68,6 +68,27 @@ def _drop_data_in_kernel(netns: str) -> None:
                    text=True, check=True, capture_output=True)
 
 
+def _run_and_check_workers(tb, port: int, log_tail) -> None:
+    """Run the 4 workers against the control endpoint on `port`; every rank's sum is exact."""
+    procs = [
+        tb.popen(w, [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
+                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for w in tb.workers
+    ]
+    results = []
+    for p in procs:
+        out, err = p.communicate(timeout=240)
+        assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\nswitch log:\n{log_tail()}"
+        results.append(json.loads(out.strip().splitlines()[-1]))
+    want = _expected()
+    packets = -(-N // 64)
+    for r in results:
+        assert r["dtype"] == "int32"
+        assert r["stats"]["results"] == packets, r["stats"]  # one result per packet
+        np.testing.assert_array_equal(np.asarray(r["result"], dtype=np.int64), want.astype(np.int64),
+                                      err_msg=f"rank {r['rank']}")
+
+
 def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
     from xdp_switch.rendezvous import RendezvousServer
 
@@ -93,24 +114,8 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
                 fill_worker=backend.fill_worker,
             )
         server.start()
-        port = server.address[1]
-        procs = [
-            tb.popen(w, [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
-                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-            for w in tb.workers
-        ]
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\nswitch log:\n{switch.log_tail()}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        want = _expected()
+        _run_and_check_workers(tb, server.address[1], switch.log_tail)
         packets = -(-N // 64)
-        for r in results:
-            assert r["dtype"] == "int32"
-            assert r["stats"]["results"] == packets, r["stats"]  # one result per packet
-            np.testing.assert_array_equal(np.asarray(r["result"], dtype=np.int64), want.astype(np.int64),
-                                          err_msg=f"rank {r['rank']}")
         # Every chunk completed once in the P4 program and went out once per worker; nothing
         # of ours was dropped for a reason other than the protocol's own (duplicates).
         assert len(created) == 1
@@ -124,3 +129,28 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
         if server is not None:
             server.stop()
         switch.stop()
+
+
+def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
+    """`xdp-agg serve --target bmv2`: the same workers, through the CLI's bmv2 control endpoint."""
+    reason = p4_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tb = testbed_factory(workers=WORLD, topology="switch")
+    _drop_data_in_kernel(tb.aggregator.netns)
+    serve = tb.popen(
+        "agg",
+        [sys.executable, "-m", "xdp_switch.cli", "--netns", tb.aggregator.netns, "serve", "--target", "bmv2",
+         "--ports", ",".join(tb.aggregator.ifnames), "--listen", "0.0.0.0:48800", "--workdir", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+    )
+    try:
+        line = serve.stderr.readline()
+        assert "listening" in line, line + serve.stderr.read()
+        _run_and_check_workers(tb, 48800, lambda: "")
+    finally:
+        serve.terminate()
+        assert serve.wait(timeout=30) is not None
+    # simple_switch was stopped with the control endpoint
+    left = subprocess.run(["pgrep", "-f", f"simple_switch.*{tmp_path}"], capture_output=True, text=True).stdout
+    assert not left.strip(), f"simple_switch still running: {left}"

@@ -41,7 +41,7 @@ def _guard(fn):
     def wrapper(*a, **kw):
         try:
             return fn(*a, **kw)
-        except (aggregator.AggregatorError, links.LinkError, loader.LoadError, ValueError, OSError) as e:
+        except (aggregator.AggregatorError, links.LinkError, loader.LoadError, ValueError, OSError, RuntimeError) as e:
             _fail(str(e))
 
     wrapper.__name__ = fn.__name__
@@ -310,29 +310,57 @@ def slots(ctx, slot, as_json):
 @click.option("--listen", default="0.0.0.0:48800", show_default=True, help="HOST:PORT of the control endpoint (TCP).")
 @click.option("--group", "group_ip", default=None, help="One-arm: where results go (default: the interface's subnet broadcast).")
 @click.option("--barrier-timeout", type=float, default=120.0, show_default=True, help="Longest a worker waits for the others to register.")
+@click.option("--target", type=click.Choice(["xdp", "bmv2"]), default="xdp", show_default=True,
+              help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on --ports.")
+@click.option("--ports", default=None, help="bmv2: comma-separated interfaces, switch port i = the i-th.")
+@click.option("--workdir", default="/tmp/xdp-agg-bmv2", show_default=True, help="bmv2: where the compiled program goes.")
 @click.pass_context
 @_guard
-def serve(ctx, listen, group_ip, barrier_timeout):
+def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
     The host library (hostlib.init) talks to this; nobody types worker tables. Jobs get a slot
     range, an aggregator port and a job id, and are deleted when their workers leave. Runs until
-    interrupted.
+    interrupted. With --target bmv2 it also starts simple_switch with the P4 program on --ports
+    (p4c and bmv2 must be installed, see p4/README.md) and stops it on exit: the host library
+    talks to bmv2 exactly as to the XDP aggregator.
 
     \b
-    Example:
+    Examples:
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
+      sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3
     """
     from .rendezvous import RendezvousServer
 
     host, _, port = listen.rpartition(":")
-    server = RendezvousServer(
-        aggregator.XdpBackend(ctx.obj["name"]), host or "0.0.0.0", int(port),
-        serve_defaults(ctx.obj["name"], group_ip, barrier_timeout),
-        fill_worker=_fill_worker,
-    )
-    click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
-    server.run_until_interrupted()
+    host = host or "0.0.0.0"
+    if target == "xdp":
+        server = RendezvousServer(
+            aggregator.XdpBackend(ctx.obj["name"]), host, int(port),
+            serve_defaults(ctx.obj["name"], group_ip, barrier_timeout), fill_worker=_fill_worker,
+        )
+        click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
+        server.run_until_interrupted()
+        return
+    from . import bmv2_backend as bm
+
+    if not ports:
+        raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
+    missing = bm.missing_tools()
+    if missing:
+        _fail(f"{', '.join(missing)} not on PATH: install p4c and bmv2 as p4/README.md says")
+    switch, backend = bm.launch(bm.port_specs(ports.split(","), netns=ctx.obj["netns"]), workdir,
+                                netns=ctx.obj["netns"], unknown_unicast="drop")
+    try:
+        server = RendezvousServer(
+            backend, host, int(port),
+            {"delivery": abi.Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
+            fill_worker=backend.fill_worker,
+        )
+        click.echo(f"control endpoint listening on {host}:{port} (bmv2 on {ports}); Ctrl-C stops it", err=True)
+        server.run_until_interrupted()
+    finally:
+        switch.stop()
 
 
 def serve_defaults(name: str, group_ip: str | None, barrier_timeout: float) -> dict:
