@@ -108,6 +108,9 @@ def test_refusals():
     b.add_worker(WorkerSpec(1, 0, "198.18.1.2", 1, extra={"port": 0}))
     with pytest.raises(ValueError, match="already worker 0 of job 1"):
         b.add_worker(WorkerSpec(1, 1, "198.18.1.2", 1, extra={"port": 0}))
+    with pytest.raises(ValueError, match="already has a worker 0"):  # as the XDP backend
+        b.add_worker(WorkerSpec(1, 0, "198.18.1.3", 1, extra={"port": 0}))
+    b.add_worker(WorkerSpec(1, 0, "198.18.1.2", 2, extra={"port": 1}))  # same address: updated
 
 
 def test_add_workers_batches_into_two_cli_calls():

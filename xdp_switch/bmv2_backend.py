@@ -456,7 +456,7 @@ class Bmv2Backend:
             placed.append((job, worker, port, agg_mac, agg_ip))
         removals = []
         for job, worker, *_ in placed:
-            if worker.index in job.workers:  # re-registering an index replaces the old worker
+            if worker.index in job.workers:  # re-registering an index (same address) updates it
                 removals += self._worker_removal(job, job.workers.pop(worker.index))
         adds = []
         for job, worker, port, agg_mac, agg_ip in placed:
@@ -486,6 +486,10 @@ class Bmv2Backend:
             raise ValueError(f"job {worker.job_id} does not exist: create it first")
         if not 0 <= worker.index < job.spec.num_workers:
             raise ValueError(f"worker index {worker.index} is outside 0..{job.spec.num_workers - 1}")
+        cur = job.workers.get(worker.index)
+        if cur is not None and (cur.spec.ip, cur.spec.agg_port) != (worker.ip, worker.agg_port):
+            # as the XDP backend: an index is re-registered only from the same address
+            raise ValueError(f"job {worker.job_id} already has a worker {worker.index} ({cur.spec.ip})")
         for other in self._jobs.values():
             for w in other.workers.values():
                 if (w.spec.ip, w.spec.agg_port) == (worker.ip, worker.agg_port) and (
