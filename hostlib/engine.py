@@ -65,6 +65,13 @@ STAT_NAMES = (
 )
 
 
+# The first 8 bytes of the SwitchML header, in wire order (see wire.HDR_DTYPE), and where e0 is.
+_HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("pool_index", ">u2")])
+_E0 = 8
+assert wire.HDR_DTYPE.names[:5] == ("msg_type_size", "job_number", "tsi", "pool_index", "e0")
+assert wire.HDR_DTYPE.fields["e0"][1] == _E0 and _HDR8.itemsize == _E0
+
+
 @dataclass
 class Faults:
     """Test hook: seeded random loss and duplication inside the engine.
@@ -102,6 +109,51 @@ class EngineConfig:
     progress: bool = False  # progress line on stderr for long all-reduces
 
 
+class _Chunks:
+    """A flat tensor seen as rows of k elements, the last one zero-padded.
+
+    The full rows are a view of the tensor; only a padded last row has a buffer of its own
+    (`tail`), so no tensor-sized copy is made for lengths that are not a multiple of k.
+    """
+
+    def __init__(self, flat: np.ndarray, k: int, *, source: bool) -> None:
+        self.flat, self.k = flat, k
+        self.full = flat.size // k
+        self.rows = flat[: self.full * k].reshape(self.full, k)
+        self.tail = None
+        if self.full * k != flat.size:
+            self.tail = np.zeros((1, k), dtype=flat.dtype)
+            if source:
+                self.tail[0, : flat.size - self.full * k] = flat[self.full * k :]
+
+    def get(self, a: int, b: int) -> np.ndarray:
+        """Rows a..b-1 (a view unless they include the padded row)."""
+        if b <= self.full:
+            return self.rows[a:b]
+        return np.concatenate((self.rows[a : self.full], self.tail))
+
+    def put(self, a: int, b: int, fn, *args) -> None:
+        """fn(out_rows, *args_rows) for rows a..b-1: writes straight into the tensor."""
+        if b <= self.full:
+            fn(self.rows[a:b], *args)
+            return
+        m = self.full - a
+        fn(self.rows[a : self.full], *(x[:m] for x in args))
+        fn(self.tail, *(x[m:] for x in args))
+
+    def finish(self) -> None:
+        if self.tail is not None:
+            self.flat[self.full * self.k :] = self.tail[0, : self.flat.size - self.full * self.k]
+
+
+def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
+    out[...] = values  # byte-swaps big-endian wire values as it copies
+
+
+def _dequantise_into(out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
+    scaling.dequantise_scaled(sums, f, out)
+
+
 class _IntTransfer:
     """int32 tensors: packet p carries chunk p; sums wrap modulo 2^32 like the aggregator's."""
 
@@ -109,87 +161,81 @@ class _IntTransfer:
         self.L = src.size
         self.P = -(-self.L // k)
         self.w = min(window, self.P)
-        self.values = _rows(src, self.P, k)
-        self.dst = dst
-        self.padded = self.P * k != self.L
-        # results go straight into dst unless the last chunk is padded
-        self.out = np.empty((self.P, k), np.int32) if self.padded else dst.reshape(self.P, k)
+        self.src = _Chunks(src, k, source=True)
+        self.dst = _Chunks(dst, k, source=False)  # results go straight into dst
 
-    def contents(self, q: np.ndarray):
-        return self.values[_index(q)], 0
+    def fill(self, a: int, b: int, values: np.ndarray, e0: np.ndarray) -> None:
+        """Write packets a..b-1 (payload rows `values`, exponent fields `e0`)."""
+        values[...] = self.src.get(a, b)
+        e0[...] = 0
 
-    def accept(self, tsi: np.ndarray, e0: np.ndarray, values: np.ndarray) -> None:
-        self.out[_index(tsi)] = values
+    def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
+        """Results of packets a..b-1 (a run): e0 fields and big-endian payload rows."""
+        self.dst.put(a, b, _copy_into, values)
 
     def finish(self) -> None:
-        if self.padded:
-            self.dst[:] = self.out.reshape(-1)[: self.L]
+        self.dst.finish()
 
 
 class _FloatTransfer:
     """float32 tensors, block-scaled with a one-window look-ahead of the exponents."""
 
     def __init__(self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int) -> None:
-        self.L, self.n = src.size, n
+        self.L, self.n, self.k = src.size, n, k
         self.Pd = -(-self.L // k)
         self.w = min(window, self.Pd)
         self.P = self.Pd + self.w
-        self.x = _rows(src, self.Pd, k)
-        self.exps = scaling.chunk_exponents(self.x)  # raises ValueError on NaN/Inf
-        self.E = np.zeros(self.Pd, dtype=np.int8)  # agreed exponents, from the results
-        self.dst = dst
-        self.padded = self.Pd * k != self.L
-        self.out = np.empty((self.Pd, k), np.float32) if self.padded else dst.reshape(self.Pd, k)
-        self.k = k
+        self.x = _Chunks(src, k, source=True)
+        exps = scaling.chunk_exponents(self.x.rows)  # raises ValueError on NaN/Inf
+        if self.x.tail is not None:
+            exps = np.concatenate((exps, scaling.chunk_exponents(self.x.tail)))
+        # e0 of packet p: the exponent of chunk p, the neutral one past the last chunk
+        self.e0 = np.concatenate((exps, np.full(self.w, scaling.ZERO_EXPONENT, np.int8)))
+        self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
+        self.limit = None  # M, once some agreed exponent was clipped (values >= 2^127)
+        self.out = _Chunks(dst, k, source=False)
+        self._tmp = np.empty((max(self.w, 1), k))  # float64 work rows, reused
 
-    def contents(self, q: np.ndarray):
-        e0 = np.full(len(q), scaling.ZERO_EXPONENT, dtype=np.int8)
-        ahead = q < self.Pd
-        e0[ahead] = self.exps[q[ahead]]
-        data = q >= self.w
-        if data.all():  # the common case, past the first window: every packet carries data
-            c = _index(q - self.w)
-            return scaling.quantise(self.x[c], self.E[c], self.n), e0
-        vals = np.zeros((len(q), self.k), dtype=np.int32)
-        c = q[data] - self.w
-        if c.size:
-            vals[data] = scaling.quantise(self.x[c], self.E[c], self.n)
-        return vals, e0
+    def fill(self, a: int, b: int, values: np.ndarray, e0: np.ndarray) -> None:
+        e0[...] = self.e0[a:b]
+        w = self.w
+        if a < w:  # the first window carries exponents only
+            z = min(b, w) - a
+            values[:z] = 0
+            values, a = values[z:], a + z
+        if a < b:
+            c0, c1 = a - w, b - w
+            scaling.quantise_scaled(self.x.get(c0, c1), self.f[c0:c1], self.limit, out=values,
+                                    work=self._tmp[: c1 - c0])
 
-    def accept(self, tsi: np.ndarray, e0: np.ndarray, values: np.ndarray) -> None:
-        ahead = tsi < self.Pd
-        self.E[tsi[ahead]] = e0[ahead]
-        data = tsi >= self.w
-        if data.all():
-            c = _index(tsi - self.w)
-            if isinstance(c, slice):  # divide straight into the output rows
-                scaling.dequantise(values, self.E[c], self.n, out=self.out[c])
-                return
-        else:
-            c, values = tsi[data] - self.w, values[data]
-        if len(values):
-            self.out[c] = scaling.dequantise(values, self.E[c], self.n)
+    def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
+        if a < self.Pd:  # the agreed exponents E of chunks a.. (the max over the workers)
+            E = e0[: min(b, self.Pd) - a]
+            self.f[a : a + len(E)] = scaling.scale_factors(E, self.n)
+            if self.limit is None and E.max() >= scaling.E_MAX:
+                self.limit = scaling.int_range(self.n)
+        w = self.w
+        if b > w:
+            s = max(a, w)
+            c0, c1 = s - w, b - w
+            self.out.put(c0, c1, _dequantise_into, values[s - a :], self.f[c0:c1])
 
     def finish(self) -> None:
-        if self.padded:
-            self.dst[:] = self.out.reshape(-1)[: self.L]
+        self.out.finish()
 
 
-def _index(idx: np.ndarray):
-    """idx as a slice when it is a run of consecutive integers (views instead of copies)."""
+def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
+    """Sorted distinct integers as runs [a, b) of consecutive ones."""
     n = len(idx)
-    if n and idx[-1] - idx[0] == n - 1 and (n < 3 or (np.diff(idx) == 1).all()):
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return idx
-
-
-def _rows(flat: np.ndarray, rows: int, k: int) -> np.ndarray:
-    """flat as (rows, k), zero-padded at the end (a view when no padding is needed)."""
-    if rows * k == flat.size:
-        return flat.reshape(rows, k)
-    out = np.zeros((rows, k), dtype=flat.dtype)
-    out.reshape(-1)[: flat.size] = flat
-    return out
+    if n == 0:
+        return []
+    first, last = int(idx[0]), int(idx[-1])
+    if last - first == n - 1:
+        return [(first, last + 1)]
+    cut = np.flatnonzero(np.diff(idx) != 1) + 1
+    starts = np.concatenate(([0], cut))
+    ends = np.concatenate((cut, [n]))
+    return [(int(idx[i]), int(idx[j - 1]) + 1) for i, j in zip(starts, ends)]
 
 
 class StreamEngine:
@@ -212,6 +258,14 @@ class StreamEngine:
         self._rng = np.random.default_rng(faults.seed) if faults else None
         self._rx = RowReceiver(sock, self.plen, max_rows=2 * config.window + 64)
         self._rtt = _RttEstimator()  # kept across all-reduces
+        # The packet in flight in each slot, built in place: packets are written straight into
+        # these rows, sent from them, and retransmitted from them (at most one per slot).
+        self._payload = np.zeros((config.window, self.plen), dtype=np.uint8)
+        self._head = self._payload[:, :8].view("<u8")[:, 0]  # type, job, tsi, pool index
+        self._e0 = self._payload[:, _E0].view(np.int8)  # e1 (the next byte) stays 0
+        self._values = self._payload[:, wire.UDP_HDRS_LEN :].view(">i4")
+        self._type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
+        self._slots = config.slot_base + np.arange(config.window)
 
     # --- public -----------------------------------------------------------------------------
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
@@ -232,79 +286,88 @@ class StreamEngine:
             return
         number = self.counter
         self.counter += 1
-        jn = number & 0xFF
         t0 = time.monotonic()
-        p = np.arange(P)
-        slot = cfg.slot_base + p % w
-        version = (self.versions[:w].astype(np.int64)[p % w] + p // w) & 1
-        pidx = wire.pool_index(slot, version)
-        type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
-        # the bytes of the packet in flight in each slot, for retransmission: at most one per
-        # slot (self-clocking), so w rows suffice whatever the tensor's size
-        payload = np.empty((w, self.plen), dtype=np.uint8)
-        done = np.zeros(P, dtype=bool)
-        tries = np.zeros(P, dtype=np.int32)
-        inflight = np.full(w, -1, dtype=np.int64)  # packet in flight per slot (at most one)
-        deadline = np.full(w, np.inf)
+        # The first 8 header bytes of packet p (type and size, job number, tsi, pool index), as
+        # one little-endian uint64: what is sent, and what its result must echo. Pool index:
+        # slot base + p % w, version (versions[p % w] + p // w) & 1. Entry P matches nothing.
+        p = np.arange(P + 1)
+        h = np.empty(P + 1, dtype=_HDR8)
+        h["type_size"] = self._type_size
+        h["job_number"] = number & 0xFF
+        h["tsi"] = p
+        h["pool_index"] = wire.pool_index(
+            self._slots[p % w], (self.versions[p % w] + p // w) & 1
+        )
+        h["tsi"][P] = 0  # a result with tsi >= P is looked up here, and never matches
+        expect = h.view("<u8")
+        done = np.zeros(P + 1, dtype=bool)
+        done[P] = True
+        tries = np.zeros(w, dtype=np.int32)  # expiries of the packet in flight per slot
+        deadline = np.full(w, np.inf)  # timer of the packet in flight per slot
         rto = np.full(w, cfg.rto)
         sent_at = np.zeros(w)  # first transmission of the packet in flight per slot
-        ready = np.arange(w)
+        ready = [(0, w)]  # runs [a, b) of packets to send
+        next_deadline = np.inf  # no timer expires before this (lazily updated)
         ndone = results_here = 0
         last_progress = t0
         printer = _Progress(number, P, self.plen, t0) if cfg.progress else None
         try:
             while ndone < P:
-                now = time.monotonic()
-                if ready.size:
-                    vals, e0 = tr.contents(ready)
-                    fresh = wire.build_payloads(
-                        job_number=jn, size_code=self.size_code, tsi=ready, slot=slot[ready],
-                        version=version[ready], values=vals, e0=e0,
-                    )
-                    self._send(fresh)
-                    s = ready % w
-                    payload[s] = fresh
-                    inflight[s] = ready
+                if ready:
+                    now = time.monotonic()
                     first_rto = self._rtt.rto(cfg.rto, cfg.rto_max)
-                    rto[s] = first_rto
-                    sent_at[s] = now
-                    deadline[s] = now + first_rto
-                    ready = ready[:0]
+                    for a, b in ready:
+                        for s0, s1, a1 in _slot_runs(a, b, w):
+                            b1 = a1 + s1 - s0
+                            self._head[s0:s1] = expect[a1:b1]
+                            tr.fill(a1, b1, self._values[s0:s1], self._e0[s0:s1])
+                            self._send(self._payload[s0:s1])
+                            tries[s0:s1] = 0
+                            sent_at[s0:s1] = now
+                            rto[s0:s1] = first_rto
+                            deadline[s0:s1] = now + first_rto
+                    next_deadline = min(next_deadline, now + first_rto)
+                    ready = []
                 rows = self._receive()
                 if len(rows) == 0:
-                    wake = min(deadline.min(), last_progress + timeout)
+                    wake = min(next_deadline, last_progress + timeout)
                     if printer:
                         wake = min(wake, printer.next)
                     self.sock.wait_readable(wake - time.monotonic())
                     rows = self._receive()
                 now = time.monotonic()
                 if len(rows):
-                    tsi, e0, values = self._accept(rows, jn, P, pidx, type_size, done)
+                    tsi, sel = self._accept(rows, P, expect, done)
                     if tsi.size:
+                        e0 = rows[sel, _E0].view(np.int8)
+                        values = rows[sel, wire.UDP_HDRS_LEN :].view(">i4")
+                        runs = _runs(tsi)
+                        pos = 0
+                        for a, b in runs:
+                            tr.accept(a, b, e0[pos : pos + b - a], values[pos : pos + b - a])
+                            pos += b - a
+                            for s0, s1, _ in _slot_runs(a, b, w):
+                                deadline[s0:s1] = np.inf
                         done[tsi] = True
                         ndone += tsi.size
                         results_here += tsi.size
                         last_progress = now
-                        tr.accept(tsi, e0, values)
-                        s = tsi % w
-                        clean = s[tries[tsi] == 0]  # Karn: a retransmission's RTT is ambiguous
-                        if clean.size:
-                            self._rtt.update(now - sent_at[clean].min())
-                        inflight[s] = -1
-                        deadline[s] = np.inf
-                        nxt = tsi + w
-                        ready = nxt[nxt < P]
-                expired = np.flatnonzero(deadline <= now)
-                if expired.size:
-                    pk = inflight[expired]
-                    st["timeouts"] += int(np.count_nonzero(tries[pk] == 0))
-                    tries[pk] += 1
-                    st["retransmissions"] += pk.size
-                    self._send(payload[expired])
-                    rto[expired] = np.minimum(rto[expired] * 2, cfg.rto_max)
-                    deadline[expired] = now + rto[expired]
+                        s = runs[0][0] % w  # Karn: a retransmission's RTT is ambiguous
+                        if tries[s] == 0:
+                            self._rtt.update(now - sent_at[s])
+                        ready = [(a + w, min(b + w, P)) for a, b in runs if a + w < P]
+                if now >= next_deadline:
+                    expired = np.flatnonzero(deadline <= now)
+                    if expired.size:
+                        st["timeouts"] += int(np.count_nonzero(tries[expired] == 0))
+                        tries[expired] += 1
+                        st["retransmissions"] += expired.size
+                        self._send(self._payload[expired])
+                        rto[expired] = np.minimum(rto[expired] * 2, cfg.rto_max)
+                        deadline[expired] = now + rto[expired]
+                    next_deadline = float(deadline.min())
                 if ndone < P and now - last_progress > timeout:
-                    raise self._stalled(number, P, w, timeout, results_here, inflight, slot)
+                    raise self._stalled(number, P, w, timeout, results_here, deadline)
                 if printer and now >= printer.next:
                     printer.show(now, ndone, st["retransmissions"])
             tr.finish()
@@ -348,33 +411,38 @@ class StreamEngine:
         copies = keep.astype(np.int64) + (keep & (self._rng.random(m) < dup))
         return np.repeat(rows, copies, axis=0)
 
-    def _accept(self, rows, jn, P, pidx, type_size, done):
-        """Validate a batch of results; the new ones as (tsi sorted, e0, values).
+    def _accept(self, rows, P, expect, done):
+        """Validate a batch of results: the new ones' tsi (sorted) and which rows they are.
 
-        values are big-endian int32 views into the receive buffer (valid until the next
-        receive): numpy byte-swaps them while copying into the output, saving a pass over the
-        data that wire.parse_payloads (which returns native copies) would cost.
+        A result is valid when its first 8 header bytes are those of the packet it answers
+        (type and size, job number, tsi, pool index), and new when that packet is not done.
+        The caller reads e0 and the big-endian values straight from the rows (views, valid
+        until the next receive): numpy byte-swaps the values while copying them into the
+        output, saving a pass over the data.
         """
         st = self.stats
-        hdr = rows[:, : wire.UDP_HDRS_LEN].view(wire.HDR_DTYPE)[:, 0]
-        values = rows[:, wire.UDP_HDRS_LEN :].view(">i4")
-        tsi = hdr["tsi"].astype(np.int64)
-        ok = (hdr["msg_type_size"] == type_size) & (hdr["job_number"] == jn) & (tsi < P)
-        at = np.where(ok, tsi, 0)
-        ok &= hdr["pool_index"] == pidx[at]
-        valid = int(ok.sum())
-        st["stale"] += len(rows) - valid
-        fresh = ok & ~done[at]
-        new, first = np.unique(tsi[fresh], return_index=True)  # sorted, first of repeats
-        st["duplicates"] += valid - new.size
+        m = len(rows)
+        tsi = rows[:, 2:6].view(">u4")[:, 0].astype(np.int64)
+        at = np.minimum(tsi, P)
+        ok = rows[:, :8].view("<u8")[:, 0] == expect[at]
+        sel = np.flatnonzero(ok & ~done[at])
+        new = tsi[sel]
+        if new.size > 1 and not (new[1:] > new[:-1]).all():  # out of order or repeated
+            new, first = np.unique(new, return_index=True)  # sorted, first of repeats
+            sel = sel[first]
+        elif new.size and sel[-1] - sel[0] == new.size - 1:
+            sel = slice(int(sel[0]), int(sel[-1]) + 1)  # in order without gaps: views, no copies
         st["results"] += new.size
-        sel = _index(np.flatnonzero(fresh)[first])  # a slice when in order without repeats
-        return new, hdr["e0"][sel], values[sel]
+        if new.size < m:  # what the others were
+            valid = int(np.count_nonzero(ok))
+            st["stale"] += m - valid
+            st["duplicates"] += valid - new.size
+        return new, sel
 
-    def _stalled(self, number, P, w, timeout, results_here, inflight, slot) -> AllreduceTimeout:
+    def _stalled(self, number, P, w, timeout, results_here, deadline) -> AllreduceTimeout:
         cfg = self.cfg
-        busy = inflight[inflight >= 0]
-        slots = tuple(int(s) for s in np.unique(slot[busy]))
+        busy = np.flatnonzero(deadline < np.inf)  # slots with a packet in flight
+        slots = tuple(int(cfg.slot_base + s) for s in busy)
         agg = f"{cfg.aggregator[0]}:{cfg.aggregator[1]}"
         outstanding = P - results_here
         if results_here == 0:
@@ -398,6 +466,15 @@ class StreamEngine:
             msg, aggregator=cfg.aggregator, packets=P, outstanding=outstanding,
             outstanding_slots=slots, results=results_here,
         )
+
+
+def _slot_runs(a: int, b: int, w: int):
+    """Packets a..b-1 (at most w) as (s0, s1, first packet) runs of consecutive slots p % w."""
+    s0 = a % w
+    if s0 + (b - a) <= w:
+        return ((s0, s0 + b - a, a),)
+    split = a + w - s0
+    return ((s0, w, a), (0, b - split, split))
 
 
 def _ranges(values: tuple[int, ...]) -> str:
@@ -437,24 +514,38 @@ class _RttEstimator:
 
 
 class _Progress:
-    """A one-line progress display on stderr, shown once an all-reduce runs for over a second."""
+    """Progress of a long all-reduce on stderr, shown once it runs for over a second.
+
+    On a terminal, one line rewritten in place twice a second; otherwise (a log file, a pipe)
+    whole lines, one every 5 seconds and a last one at the end, so that logs stay readable.
+    """
 
     def __init__(self, number: int, packets: int, plen: int, t0: float) -> None:
         self.number, self.packets, self.plen, self.t0 = number, packets, plen, t0
         self.next = t0 + 1.0
         self.shown = False
+        try:
+            self.tty = sys.stderr.isatty()
+        except (AttributeError, ValueError):  # replaced or closed stderr
+            self.tty = False
+        self.every = 0.5 if self.tty else 5.0
 
-    def show(self, now: float, done: int, retx: float) -> None:
+    def _line(self, now: float, done: int, retx: float) -> str:
         rate = done * self.plen / max(now - self.t0, 1e-9) / 1e6
-        sys.stderr.write(
-            f"\rhostlib all-reduce #{self.number}: {done}/{self.packets} packets "
+        return (
+            f"hostlib all-reduce #{self.number}: {done}/{self.packets} packets "
             f"({100 * done // self.packets}%), {rate:.1f} MB/s, {int(retx)} retransmissions"
         )
+
+    def show(self, now: float, done: int, retx: float) -> None:
+        line = self._line(now, done, retx)
+        sys.stderr.write(f"\r{line}" if self.tty else f"{line}\n")
         sys.stderr.flush()
         self.shown = True
-        self.next = now + 0.5
+        self.next = now + self.every
 
     def close(self, now: float, done: int, retx: float) -> None:
         if self.shown:
             self.show(now, done, retx)
-            sys.stderr.write("\n")
+            if self.tty:
+                sys.stderr.write("\n")

@@ -69,21 +69,41 @@ def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:
     return np.ldexp(float(int_range(n)), -np.asarray(exponents, dtype=np.int32))
 
 
-def quantise(chunks: np.ndarray, exponents: np.ndarray, n: int) -> np.ndarray:
-    """int32 round(x * f) of (m, k) float chunks with their agreed exponents E (m,)."""
+def quantise(chunks: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None,
+             work: np.ndarray | None = None) -> np.ndarray:
+    """int32 round(x * f) of (m, k) float chunks with their agreed exponents E (m,).
+
+    `out`: where to write them (any integer array of the chunks' shape, e.g. a big-endian view
+    of packet payloads); `work`: a float64 array of that shape to compute in, so that repeated
+    calls allocate nothing.
+    """
     exponents = np.asarray(exponents)
-    f = scale_factors(exponents, n)
-    # the product in float64 (the ufunc converts as it goes: one pass, no float64 copy of x)
-    q = np.multiply(chunks, f[:, None], dtype=np.float64)
-    if (exponents >= E_MAX).any():  # only values >= 2^127, whose exponent was clipped, exceed M
-        m = int_range(n)
-        np.clip(q, -m, m, out=q)
-    return np.rint(q, out=np.empty(q.shape, np.int32), casting="unsafe")
+    # only values >= 2^127, whose exponent was clipped, can exceed M
+    limit = int_range(n) if (exponents >= E_MAX).any() else None
+    return quantise_scaled(chunks, scale_factors(exponents, n), limit, out, work)
+
+
+def quantise_scaled(chunks, f, limit, out=None, work=None) -> np.ndarray:
+    """quantise() given the scale factors f (m,); `limit`: M to clip at, or None if no chunk's
+    exponent was clipped."""
+    # the product in float64 (the ufunc converts as it goes: no float64 copy of x)
+    q = np.multiply(chunks, f[:, None], out=work, dtype=np.float64)
+    if limit is not None:
+        np.clip(q, -limit, limit, out=q)
+    np.rint(q, out=q)
+    if out is None:
+        out = np.empty(q.shape, np.int32)
+    out[...] = q  # exact: integers within +-M
+    return out
 
 
 def dequantise(sums: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None):
     """float32 sums / f of (m, k) int32 aggregated chunks (into `out` if given)."""
-    f = scale_factors(exponents, n)
+    return dequantise_scaled(sums, scale_factors(exponents, n), out)
+
+
+def dequantise_scaled(sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = None):
+    """dequantise() given the scale factors f (m,)."""
     if out is None:
         out = np.empty(np.shape(sums), np.float32)
     # divided in float64, rounded once to float32 on the way out
