@@ -169,7 +169,10 @@ class Communicator:
     """A worker's membership in an aggregation job. Make it with hostlib.init().
 
     All-reduces run one at a time, in the order they were called (the same order on every
-    rank is required, as with any collective), on one background thread.
+    rank is required, as with any collective). A blocking allreduce() with nothing queued runs
+    in the calling thread (no hand-over to another thread and back, which costs tens of
+    microseconds per call); allreduce_async() and calls made while others are queued run on
+    one background thread, in order.
     """
 
     def __init__(self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine):
@@ -181,7 +184,10 @@ class Communicator:
         self._sock = sock
         self._engine: StreamEngine = engine
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()  # guards _closed, _queued, _inline
+        self._engine_lock = threading.Lock()  # held while the engine runs an all-reduce
+        self._queued = 0  # all-reduces handed to the executor and not finished yet
+        self._inline = False  # an all-reduce runs in a caller's thread
         self._closed = False
         self._broken: str | None = None
 
@@ -194,7 +200,23 @@ class Communicator:
         shape and length; every rank must pass the same length. `timeout` overrides the
         communicator's stall timeout for this call.
         """
-        return self.allreduce_async(array, out, inplace=inplace, timeout=timeout).wait()
+        job = _Job.prepare(array, out, inplace)
+        with self._lock:
+            if self._closed:
+                raise HostlibError("the communicator is closed")
+            if self._queued or self._inline:  # behind others: keep the order, on the executor
+                handle = self._submit(job, timeout)
+            else:
+                handle = None
+                self._inline = True
+        if handle is not None:
+            return handle.wait()
+        try:
+            with self._engine_lock:
+                return self._run(job, timeout)
+        finally:
+            with self._lock:
+                self._inline = False
 
     def allreduce_async(
         self, array, out=None, *, inplace: bool = False, timeout: float | None = None
@@ -207,7 +229,20 @@ class Communicator:
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
-            return AllreduceHandle(self._executor.submit(self._run, job, timeout))
+            return self._submit(job, timeout)
+
+    def _submit(self, job: "_Job", timeout: float | None) -> AllreduceHandle:
+        """Queue an all-reduce on the executor (with self._lock held)."""
+        self._queued += 1
+        return AllreduceHandle(self._executor.submit(self._run_queued, job, timeout))
+
+    def _run_queued(self, job: "_Job", timeout: float | None):
+        try:
+            with self._engine_lock:  # after an all-reduce running inline, if any
+                return self._run(job, timeout)
+        finally:
+            with self._lock:
+                self._queued -= 1
 
     def barrier(self, timeout: float | None = None) -> None:
         """Return once every rank has reached its barrier (an all-reduce of one int32)."""
@@ -292,6 +327,8 @@ class Communicator:
                 return
             self._closed = True
         self._executor.shutdown(wait=True)
+        with self._engine_lock:  # an all-reduce running inline in another thread finishes first
+            pass
         try:
             self._ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
         except RendezvousError:
