@@ -180,21 +180,23 @@ class _IntTransfer:
 class _FloatTransfer:
     """float32 tensors, block-scaled with a one-window look-ahead of the exponents."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int) -> None:
+    def __init__(self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int,
+                 work: np.ndarray) -> None:
         self.L, self.n, self.k = src.size, n, k
         self.Pd = -(-self.L // k)
         self.w = min(window, self.Pd)
         self.P = self.Pd + self.w
-        self.x = _Chunks(src, k, source=True)
-        exps = scaling.chunk_exponents(self.x.rows)  # raises ValueError on NaN/Inf
-        if self.x.tail is not None:
-            exps = np.concatenate((exps, scaling.chunk_exponents(self.x.tail)))
+        self.x = x = _Chunks(src, k, source=True)
         # e0 of packet p: the exponent of chunk p, the neutral one past the last chunk
-        self.e0 = np.concatenate((exps, np.full(self.w, scaling.ZERO_EXPONENT, np.int8)))
+        self.e0 = np.empty(self.P, dtype=np.int8)
+        self.e0[: x.full] = scaling.chunk_exponents(x.rows)  # raises ValueError on NaN/Inf
+        if x.tail is not None:
+            self.e0[x.full] = scaling.chunk_exponents(x.tail, offset=x.full * k)[0]
+        self.e0[self.Pd :] = scaling.ZERO_EXPONENT
         self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
         self.limit = None  # M, once some agreed exponent was clipped (values >= 2^127)
         self.out = _Chunks(dst, k, source=False)
-        self._tmp = np.empty((max(self.w, 1), k))  # float64 work rows, reused
+        self._tmp = work  # float64 work rows (at least w), the engine's
 
     def fill(self, a: int, b: int, values: np.ndarray, e0: np.ndarray) -> None:
         e0[...] = self.e0[a:b]
@@ -266,6 +268,13 @@ class StreamEngine:
         self._values = self._payload[:, wire.UDP_HDRS_LEN :].view(">i4")
         self._type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
         self._slots = config.slot_base + np.arange(config.window)
+        self._work = np.empty((config.window, config.elems))  # float64 rows for quantising
+        # per-slot state of the packet in flight: timer, expiries, first transmission, rto
+        self._deadline = np.empty(config.window)
+        self._tries = np.empty(config.window, dtype=np.int32)
+        self._sent_at = np.empty(config.window)
+        self._rto = np.empty(config.window)
+        self._plans: dict[tuple[int, int], tuple] = {}  # (P, w) -> header template, see _expect
 
     # --- public -----------------------------------------------------------------------------
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
@@ -275,7 +284,7 @@ class StreamEngine:
     def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
         n = self.cfg.world_size
-        self._run(_FloatTransfer(src, dst, self.cfg.elems, self.cfg.window, n), timeout)
+        self._run(_FloatTransfer(src, dst, self.cfg.elems, self.cfg.window, n, self._work), timeout)
 
     # --- the loop ---------------------------------------------------------------------------
     def _run(self, tr, timeout: float | None) -> None:
@@ -287,25 +296,13 @@ class StreamEngine:
         number = self.counter
         self.counter += 1
         t0 = time.monotonic()
-        # The first 8 header bytes of packet p (type and size, job number, tsi, pool index), as
-        # one little-endian uint64: what is sent, and what its result must echo. Pool index:
-        # slot base + p % w, version (versions[p % w] + p // w) & 1. Entry P matches nothing.
-        p = np.arange(P + 1)
-        h = np.empty(P + 1, dtype=_HDR8)
-        h["type_size"] = self._type_size
-        h["job_number"] = number & 0xFF
-        h["tsi"] = p
-        h["pool_index"] = wire.pool_index(
-            self._slots[p % w], (self.versions[p % w] + p // w) & 1
-        )
-        h["tsi"][P] = 0  # a result with tsi >= P is looked up here, and never matches
-        expect = h.view("<u8")
+        expect = self._expect(P, w, number & 0xFF)
         done = np.zeros(P + 1, dtype=bool)
         done[P] = True
-        tries = np.zeros(w, dtype=np.int32)  # expiries of the packet in flight per slot
-        deadline = np.full(w, np.inf)  # timer of the packet in flight per slot
-        rto = np.full(w, cfg.rto)
-        sent_at = np.zeros(w)  # first transmission of the packet in flight per slot
+        deadline, tries = self._deadline[:w], self._tries[:w]  # per slot
+        sent_at, rto = self._sent_at[:w], self._rto[:w]
+        deadline.fill(np.inf)
+        tries.fill(0)
         ready = [(0, w)]  # runs [a, b) of packets to send
         next_deadline = np.inf  # no timer expires before this (lazily updated)
         ndone = results_here = 0
@@ -387,6 +384,33 @@ class StreamEngine:
             st["rtt"] = self._rtt.srtt or 0.0
             if printer:
                 printer.close(time.monotonic(), ndone, st["retransmissions"])
+
+    def _expect(self, P: int, w: int, jn: int) -> np.ndarray:
+        """The first 8 header bytes of packets 0..P-1 (type and size, job number, tsi, pool
+        index) as little-endian uint64: what is sent, and what the result must echo. Entry P
+        matches nothing (results with tsi >= P are looked up there).
+
+        Pool index of packet p: slot base + p % w, version (versions[p % w] + p // w) & 1.
+        What depends only on (P, w) is kept for the next all-reduces of that shape.
+        """
+        plan = self._plans.get((P, w))
+        if plan is None:
+            p = np.arange(P + 1)
+            pmod, pdiv = p % w, p // w
+            h = np.empty(P + 1, dtype=_HDR8)
+            h["type_size"] = self._type_size
+            h["tsi"] = p
+            h["tsi"][P] = 0  # never equal to the tsi of a result looked up here
+            slot_bits = wire.pool_index(self._slots[pmod], 0)
+            plan = (h, pmod, pdiv & 1, slot_bits)
+            if len(self._plans) >= 8:
+                self._plans.pop(next(iter(self._plans)))
+            self._plans[(P, w)] = plan
+        template, pmod, parity, slot_bits = plan
+        h = template.copy()
+        h["job_number"] = jn
+        h["pool_index"] = ((self.versions[pmod] ^ parity).astype(np.uint16) << 15) | slot_bits
+        return h.view("<u8")
 
     def _send(self, rows: np.ndarray) -> None:
         st = self.stats

@@ -43,25 +43,28 @@ def int_range(n: int) -> int:
     return (2**31 - 1) // n
 
 
-def chunk_exponents(chunks: np.ndarray) -> np.ndarray:
+def chunk_exponents(chunks: np.ndarray, offset: int = 0) -> np.ndarray:
     """e = floor(log2(max|x|)) + 1 per row of an (m, k) float32 array, as int8.
 
-    Rows of zeros get ZERO_EXPONENT. ValueError if any element is NaN or infinite.
+    Rows of zeros get ZERO_EXPONENT. ValueError if any element is NaN or infinite (`offset`:
+    the index of the first element in the caller's tensor, for the message).
     """
     chunks = np.asarray(chunks)
     if chunks.shape[0] == 0:
         return np.zeros(0, dtype=np.int8)
     # max|x| as max(max x, -min x): no temporary of the whole tensor, and NaN propagates
-    amax = np.maximum(chunks.max(axis=1), -chunks.min(axis=1)).astype(np.float64)
+    amax = np.maximum(chunks.max(axis=1), -chunks.min(axis=1))
     if not np.isfinite(amax).all():
         bad = np.flatnonzero(~np.isfinite(chunks.reshape(-1)))[0]
         raise ValueError(
-            f"all-reduce input contains {chunks.reshape(-1)[bad]} at element {bad}: NaN and Inf "
-            f"cannot be sent as block-scaled integers"
+            f"all-reduce input contains {chunks.reshape(-1)[bad]} at element {offset + bad}: "
+            f"NaN and Inf cannot be sent as block-scaled integers"
         )
     _, e = np.frexp(amax)  # amax = m * 2^e with 0.5 <= m < 1, i.e. e = floor(log2 amax) + 1
-    e = np.where(amax > 0, e, ZERO_EXPONENT)
-    return np.clip(e, E_MIN, E_MAX).astype(np.int8)
+    e[amax == 0] = ZERO_EXPONENT
+    np.minimum(e, E_MAX, out=e)
+    np.maximum(e, E_MIN, out=e)
+    return e.astype(np.int8)
 
 
 def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:
