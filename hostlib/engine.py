@@ -68,9 +68,6 @@ STAT_NAMES = (
 # The first 8 bytes of the SwitchML header, in wire order (see wire.HDR_DTYPE), and where e0 is.
 _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("pool_index", ">u2")])
 _E0 = 8
-# Receive batching for long all-reduces (see StreamEngine._run): wait for about this many results
-# per loop when many are in flight, but never longer than _BATCH_WAIT_MAX seconds at once.
-_BATCH_MIN_ROWS, _BATCH_WAIT_MIN, _BATCH_WAIT_MAX = 32, 50e-6, 1e-3
 assert wire.HDR_DTYPE.names[:5] == ("msg_type_size", "job_number", "tsi", "pool_index", "e0")
 assert wire.HDR_DTYPE.fields["e0"][1] == _E0 and _HDR8.itemsize == _E0
 
@@ -307,15 +304,6 @@ class StreamEngine:
         deadline.fill(np.inf)
         tries.fill(0)
         ready = [(0, w)]  # runs [a, b) of packets to send
-        # Receive batching: when a long all-reduce (4 windows or more) got fewer than `batch`
-        # results in a loop while plenty are in flight, it sleeps for about the time the
-        # missing ones take to arrive (at the rate measured so far) before the next receive.
-        # Each loop costs tens of microseconds of Python whatever it carries; when workers
-        # share CPUs, waking for every few results starves the others and the kernel.
-        long_run = P >= 4 * w
-        batch = min(_BATCH_MIN_ROWS, max(1, w // 4))
-        short = 0  # results the last loop got, if below `batch`
-        per_result = 0.0  # seconds per result so far
         next_deadline = np.inf  # no timer expires before this (lazily updated)
         ndone = results_here = 0
         last_progress = t0
@@ -337,10 +325,6 @@ class StreamEngine:
                             deadline[s0:s1] = now + first_rto
                     next_deadline = min(next_deadline, now + first_rto)
                     ready = []
-                if short and P - ndone >= 2 * batch:  # let results gather: fewer, larger loops
-                    pause = (batch - short) * per_result
-                    if pause >= _BATCH_WAIT_MIN:
-                        time.sleep(min(pause, _BATCH_WAIT_MAX))
                 rows = self._receive()
                 if len(rows) == 0:
                     wake = min(next_deadline, last_progress + timeout)
@@ -348,7 +332,6 @@ class StreamEngine:
                         wake = min(wake, printer.next)
                     self.sock.wait_readable(wake - time.monotonic())
                     rows = self._receive()
-                short = len(rows) if 0 < len(rows) < batch and long_run else 0
                 now = time.monotonic()
                 if len(rows):
                     tsi, sel = self._accept(rows, P, expect, done)
@@ -364,8 +347,6 @@ class StreamEngine:
                                 deadline[s0:s1] = np.inf
                         done[tsi] = True
                         ndone += tsi.size
-                        if long_run:
-                            per_result = (now - t0) / ndone
                         results_here += tsi.size
                         last_progress = now
                         s = runs[0][0] % w  # Karn: a retransmission's RTT is ambiguous
