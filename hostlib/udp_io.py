@@ -265,17 +265,20 @@ class RowReceiver:
         if m <= 0:
             return mm.empty
         lens = mm.hdr["len"][:m]
-        self.bytes += int(lens.sum())
         if not mm.gro:
             rows = mm.rows[:m]
             good = (lens == plen) & ((mm.hdr["flags"][:m] & _MSG_TRUNC) == 0)
+            self.bytes += int(lens.sum())
             if good.all():
                 return rows
             self.malformed += m - int(good.sum())
             return rows[good]
-        segs = np.where(mm.cmsg_ok(m), mm.ctrl[:m, 4], lens)  # GRO segment size, else the length
-        if (lens == plen).all():  # nothing was coalesced: one row per slot
+        if not mm.ctrl_len[:m].any() and (lens == plen).all():
+            # no GRO control message: nothing was coalesced, one row per slot
+            self.bytes += m * plen
             return mm.rows[:m]
+        self.bytes += int(lens.sum())
+        segs = np.where(mm.cmsg_ok(m), mm.ctrl[:m, 4], lens)  # GRO segment size, else the length
         # some messages hold several datagrams: gather the full rows of each into the scratch
         out, pos = mm.scratch, 0
         for i in range(m):
