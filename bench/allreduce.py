@@ -15,6 +15,14 @@ The table gives each system's time as a fraction of its own bound ("% of bound" 
 gloo runs on the same namespaces and shaped links; the aggregator's XDP program stays attached,
 but it sits on the aggregator's own port, which gloo's worker-to-worker traffic never crosses.
 
+xdp-agg writes its sum into a preallocated array (allreduce(x, out=y)) and gloo sums in place, so
+neither pays for allocating and faulting in an output tensor.
+
+profile.txt (n=4, unshaped, 64 MiB): one more xdp-agg all-reduce, with a cProfile of rank 0's
+Python and, where `perf` is installed, a system-wide perf sample of both CPUs over exactly that
+all-reduce: how the machine's time splits between the workers' Python and numpy, the kernel's
+forwarding and the XDP program.
+
 Writes bench-results/{results.json, results.md, plot.png, profile.txt} (or --out).
 """
 
@@ -22,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -108,7 +117,9 @@ def _size(b: int) -> str:
 def markdown(summary: list[dict], meta: dict) -> str:
     L = [
         f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), MTU {meta['mtu']}, "
-        f"{meta['elems']} int32 per packet, window {meta['window']}.",
+        f"{meta['elems']} int32 per packet, window {meta['window']}."
+        + (f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; load average "
+           f"{meta['load_before'][0]} before, {meta['load_after'][0]} after." if "load_before" in meta else ""),
         "",
         "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup | xdp-agg ATE/s | gloo ATE/s | xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
@@ -178,13 +189,15 @@ def main(argv=None) -> int:
     log = lambda m: print(m, flush=True)  # noqa: E731
     rows = []
     t0 = time.time()
+    load_before = [round(x, 2) for x in os.getloadavg()]
     for n in (int(x) for x in args.workers.split(",")):
         for rate in args.links.split(","):
             log(f"n={n}, {rate}:")
             rows += run_config(n, rate, args, log)
     summary = summarize(rows)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "mtu": args.mtu, "elems": args.elems,
-            "window": args.window, "seconds": round(time.time() - t0)}
+            "window": args.window, "seconds": round(time.time() - t0), "cpus": os.cpu_count(),
+            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]}
     (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": rows}, indent=1))
     md = markdown(summary, meta)
     (out / "results.md").write_text(md)

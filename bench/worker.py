@@ -12,7 +12,11 @@ import io
 import json
 import os
 import pstats
+import shutil
+import signal
+import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 
@@ -49,9 +53,10 @@ def main(argv=None) -> int:
             nbytes, reps = int(item["bytes"]), int(item["reps"])
             count = max(1, nbytes // 4)
             x = np.random.default_rng([args.rank, count]).standard_normal(count).astype(np.float32)
+            y = np.empty_like(x)  # xdp-agg writes the sum here (gloo sums t in place: no allocation either)
             t = torch.from_numpy(x.copy())
             runs = {
-                "xdp-agg": lambda: comm.allreduce(x),
+                "xdp-agg": lambda: comm.allreduce(x, out=y),
                 "gloo": lambda: dist.all_reduce(t),
             }
             for fn in runs.values():  # warm-up: connections, buffers, page faults
@@ -70,27 +75,153 @@ def main(argv=None) -> int:
             out = {"rank": args.rank, "bytes": nbytes, "kind": item.get("kind", "throughput"), "times": times,
                    "retransmissions": after["retransmissions"] - before["retransmissions"],
                    "packets": after["packets_sent"] - before["packets_sent"]}
-            if args.profile and int(args.profile) == nbytes and args.rank == 0:
-                prof = cProfile.Profile()
-                dist.barrier()
-                prof.enable()
-                t0 = time.perf_counter()
-                comm.allreduce(x)
-                wall = time.perf_counter() - t0
-                prof.disable()
-                buf = io.StringIO()
-                pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
-                with open(args.profile_out, "w") as f:
-                    f.write(f"cProfile of rank 0's xdp-agg all-reduce of {nbytes} bytes (wall {wall:.3f} s), by own time\n")
-                    f.write(buf.getvalue())
-            elif args.profile and int(args.profile) == nbytes:
-                dist.barrier()
-                comm.allreduce(x)
+            if args.profile and int(args.profile) == nbytes:
+                profile_one(comm, dist, x, y, args)
             print(json.dumps(out), flush=True)
     finally:
         dist.destroy_process_group()
         comm.close()
     return 0
+
+
+def profile_one(comm, dist, x, y, args) -> None:
+    """One more xdp-agg all-reduce of x, profiled: cProfile of rank 0's Python and, where perf is
+    installed, a system-wide perf sample of both CPUs (every worker, the kernel's forwarding and
+    the XDP program) while it runs. Rank 0 writes both to --profile-out."""
+    if args.rank != 0:
+        dist.barrier()
+        comm.allreduce(x, out=y)
+        return
+    tmp = tempfile.mkdtemp(prefix="xdp-agg-perf-")
+    perf_data = os.path.join(tmp, "perf.data")
+    perf = None
+    if shutil.which("perf"):
+        try:
+            perf = _Perf(tmp, perf_data)
+        except (OSError, RuntimeError):
+            perf = None
+    prof = cProfile.Profile()
+    dist.barrier()
+    if perf is not None:
+        perf.enable()
+    prof.enable()
+    t0 = time.perf_counter()
+    comm.allreduce(x, out=y)
+    wall = time.perf_counter() - t0
+    prof.disable()
+    if perf is not None:
+        perf.stop()
+    buf = io.StringIO()
+    pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
+    with open(args.profile_out, "w") as f:
+        f.write(f"Profile of one xdp-agg all-reduce of {x.nbytes} bytes float32, n={args.world} (wall {wall:.3f} s)\n\n")
+        if perf is not None:
+            f.write(perf_summary(perf_data, wall))
+        f.write("\n== cProfile of rank 0's Python, by own time ==\n")
+        f.write(buf.getvalue())
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
+class _Perf:
+    """`perf record -a` started with its events disabled, enabled for exactly the profiled span."""
+
+    def __init__(self, tmp: str, data: str) -> None:
+        self.ctl, self.ack = os.path.join(tmp, "ctl"), os.path.join(tmp, "ack")
+        os.mkfifo(self.ctl)
+        os.mkfifo(self.ack)
+        self.proc = subprocess.Popen(
+            ["perf", "record", "-D", "-1", "--control", f"fifo:{self.ctl},{self.ack}", "-e", "cpu-clock",
+             "-F", "2000", "-a", "-g", "-o", data], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 20
+        while True:  # the fifo has a reader once perf is up; never block on a perf that failed
+            try:
+                fd = os.open(self.ctl, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.proc.kill()
+                    self.proc.wait()
+                    raise RuntimeError("perf record did not start")
+                time.sleep(0.05)
+        os.set_blocking(fd, True)
+        self.ctl_f = os.fdopen(fd, "w")
+        self.ack_f = open(self.ack, "r")
+
+    def _command(self, what: str) -> None:
+        self.ctl_f.write(what + "\n")
+        self.ctl_f.flush()
+        self.ack_f.readline()
+
+    def enable(self) -> None:
+        self._command("enable")
+
+    def stop(self) -> None:
+        self._command("disable")
+        self.ctl_f.close()
+        self.ack_f.close()
+        self.proc.send_signal(signal.SIGINT)
+        self.proc.wait(120)
+
+
+_KERNEL_PATHS = [  # inclusive kernel functions worth naming, with what they stand for
+    ("udp_sendmsg", "workers' sendmsg: GSO send, and the forwarding + XDP that its softirq runs"),
+    ("do_recvmmsg", "workers' recvmmsg: dequeue and copy of results"),
+    ("net_rx_action", "softirq receive processing (all namespaces)"),
+    ("br_handle_frame", "the bridge (one-arm switch): forwarding and flooding"),
+    ("veth_xdp_rcv_skb", "aggregator ingress: veth to XDP (copy into the XDP buffer, program run)"),
+    ("skb_segment", "GSO segmentation before the aggregator's XDP"),
+    ("__udp4_lib_mcast_deliver", "broadcast results delivered to worker sockets"),
+    ("ip_error", "broadcast copies the bridge's own stack discards"),
+    ("clear_page_erms", "zeroing fresh pages (page faults)"),
+    ("do_poll", "poll(): waiting"),
+]
+
+
+def perf_summary(path: str, wall: float) -> str:
+    """CPU time split by what ran (from `perf report`), as text."""
+    def report(*extra):
+        r = subprocess.run(["perf", "report", "-i", path, "--stdio", "-q", "-g", "none", *extra],
+                           capture_output=True, text=True, timeout=300)
+        return r.stdout
+
+    groups: dict[str, float] = {}
+    for line in report("--no-children", "--sort", "comm,dso").splitlines():
+        parts = line.split()
+        if len(parts) < 3 or not parts[0].endswith("%"):
+            continue
+        pct, comm, dso = float(parts[0][:-1]), parts[1], " ".join(parts[2:])
+        if comm == "swapper":
+            key = "idle (no runnable task)"
+        elif dso.startswith("bpf_prog") and "xdp_agg" in dso:
+            key = "XDP aggregator program"
+        elif "kernel" in dso:
+            key = "kernel (network stack, syscalls, scheduler)"
+        elif "multiarray" in dso or "umath" in dso:
+            key = "numpy (scaling, copies, bookkeeping)"
+        elif "python" in dso:
+            key = "Python interpreter"
+        elif dso.startswith("lib"):
+            key = f"C libraries ({dso.split('.')[0]})"
+        else:
+            key = "other"
+        groups[key] = groups.get(key, 0.0) + pct
+    out = [f"== perf, system-wide over both CPUs (cpu-clock samples; 100% = 2 CPUs x the sampled time) ==", ""]
+    for key, pct in sorted(groups.items(), key=lambda kv: -kv[1]):
+        out.append(f"  {pct:6.2f}%  {key}")
+    children = report("--children", "--sort", "sym")
+    incl = {}
+    for line in children.splitlines():
+        parts = line.split()
+        if len(parts) >= 4 and parts[0].endswith("%") and parts[2] == "[k]":
+            incl.setdefault(parts[3], float(parts[0][:-1]))
+    out += ["", "Kernel paths (inclusive: a path's share contains what it calls, so they overlap):", ""]
+    for sym, what in _KERNEL_PATHS:
+        if sym in incl:
+            out.append(f"  {incl[sym]:6.2f}%  {sym:28s} {what}")
+    out += ["", "Top symbols by own time:", ""]
+    top = [ln for ln in report("--no-children", "--sort", "dso,sym").splitlines() if ln.strip()][:30]
+    out += ["  " + ln.strip() for ln in top]
+    return "\n".join(out) + "\n"
 
 
 if __name__ == "__main__":
