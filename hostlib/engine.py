@@ -32,6 +32,7 @@ fancy indexing, and the socket sends with GSO and receives with GRO (udp_io).
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from dataclasses import dataclass
@@ -194,6 +195,7 @@ class _FloatTransfer:
             self.e0[x.full] = scaling.chunk_exponents(x.tail, offset=x.full * k)[0]
         self.e0[self.Pd :] = scaling.ZERO_EXPONENT
         self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
+        self._f_of = _scale_table(n)  # scale factor of exponent E at index E - E_MIN
         self.limit = None  # M, once some agreed exponent was clipped (values >= 2^127)
         self.out = _Chunks(dst, k, source=False)
         self._tmp = work  # float64 work rows (at least w), the engine's
@@ -213,7 +215,7 @@ class _FloatTransfer:
     def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
         if a < self.Pd:  # the agreed exponents E of chunks a.. (the max over the workers)
             E = e0[: min(b, self.Pd) - a]
-            self.f[a : a + len(E)] = scaling.scale_factors(E, self.n)
+            self.f[a : a + len(E)] = self._f_of[E.astype(np.intp) - scaling.E_MIN]
             if self.limit is None and E.max() >= scaling.E_MAX:
                 self.limit = scaling.int_range(self.n)
         w = self.w
@@ -224,6 +226,14 @@ class _FloatTransfer:
 
     def finish(self) -> None:
         self.out.finish()
+
+
+@functools.lru_cache(maxsize=16)
+def _scale_table(n: int) -> np.ndarray:
+    """scaling.scale_factors of every int8 exponent for n workers, indexed by E - E_MIN."""
+    t = scaling.scale_factors(np.arange(scaling.E_MIN, scaling.E_MAX + 1), n)
+    t.flags.writeable = False
+    return t
 
 
 def _runs(idx: np.ndarray) -> list[tuple[int, int]]:
@@ -449,7 +459,7 @@ class StreamEngine:
         tsi = rows[:, 2:6].view(">u4")[:, 0].astype(np.int64)
         at = np.minimum(tsi, P)
         ok = rows[:, :8].view("<u8")[:, 0] == expect[at]
-        sel = np.flatnonzero(ok & ~done[at])
+        sel = np.nonzero(ok & ~done[at])[0]
         new = tsi[sel]
         if new.size > 1 and not (new[1:] > new[:-1]).all():  # out of order or repeated
             new, first = np.unique(new, return_index=True)  # sorted, first of repeats
