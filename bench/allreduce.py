@@ -140,32 +140,54 @@ def markdown(summary: list[dict], meta: dict) -> str:
 
 
 def plot(summary: list[dict], path: Path) -> None:
+    """One panel per (tensor size, link): median ms against n, with the two bounds on shaped
+    links; a last row with the small all-reduces' p50 latency."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     thr = [s for s in summary if s["kind"] == "throughput"]
+    lat = [s for s in summary if s["kind"] == "latency"]
     sizes = sorted({s["bytes"] for s in thr})
-    links = [lk for lk in RATES if any(s["link"] == lk for s in thr)]
-    fig, axes = plt.subplots(len(sizes), len(links), figsize=(4.2 * len(links), 3.2 * len(sizes)), squeeze=False)
+    links = [lk for lk in RATES if any(s["link"] == lk for s in summary)]
+    rows = len(sizes) + (1 if lat else 0)
+    fig, axes = plt.subplots(rows, len(links), figsize=(4.2 * len(links), 3.1 * rows), squeeze=False)
+    colors = {"xdp-agg": "tab:blue", "gloo": "tab:orange"}
     for i, b in enumerate(sizes):
         for j, lk in enumerate(links):
             ax = axes[i][j]
             pts = sorted((s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
             ns = [s["n"] for s in pts]
             for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-                ax.plot(ns, [s[system]["median_s"] * 1e3 for s in pts], style, label=system)
+                ax.plot(ns, [s[system]["median_s"] * 1e3 for s in pts], style, color=colors[system], label=system)
             if pts and "bound_ina_s" in pts[0]:
-                ax.plot(ns, [s["bound_ina_s"] * 1e3 for s in pts], "k--", lw=1, label="bound S/R")
-                ax.plot(ns, [s["bound_ring_s"] * 1e3 for s in pts], "k:", lw=1, label="bound 2(n-1)/n S/R")
-            ax.set_title(f"{_size(b)}, {lk}", fontsize=9)
+                ax.plot(ns, [s["bound_ina_s"] * 1e3 for s in pts], "k--", lw=1, label="bound S/R (in-network)")
+                ax.plot(ns, [s["bound_ring_s"] * 1e3 for s in pts], "k:", lw=1, label="bound 2(n-1)/n S/R (ring)")
+            ax.set_title(f"{_size(b)} float32, {lk}", fontsize=9)
             ax.set_xlabel("workers n")
-            ax.set_ylabel("ms per all-reduce")
+            ax.set_ylabel("ms per all-reduce (median)")
             ax.set_xticks(ns)
             ax.set_ylim(bottom=0)
-            if i == 0 and j == 0:
+            ax.grid(alpha=0.3)
+            if i == 0:
                 ax.legend(fontsize=7)
+    if lat:
+        for j, lk in enumerate(links):
+            ax = axes[rows - 1][j]
+            for b, style in zip(sorted({s["bytes"] for s in lat}), ("o-", "^--")):
+                pts = sorted((s for s in lat if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+                ns = [s["n"] for s in pts]
+                for system in ("xdp-agg", "gloo"):
+                    ax.plot(ns, [s[system]["p50_s"] * 1e3 for s in pts], style, color=colors[system],
+                            label=f"{system} {_size(b)}")
+            ax.set_title(f"small all-reduces, {lk}: p50 latency", fontsize=9)
+            ax.set_xlabel("workers n")
+            ax.set_ylabel("ms (p50)")
+            ax.set_xticks(ns)
+            ax.set_ylim(bottom=0)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
