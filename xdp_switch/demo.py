@@ -19,7 +19,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--mib", type=float, default=64.0, help="tensor size per worker, MiB of float32")
     ap.add_argument("--topology", choices=["one-arm", "switch"], default="one-arm")
-    ap.add_argument("--elems", type=int, default=256, help="int32 per packet")
+    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3124; SwitchML's largest is 256)")
+    ap.add_argument("--mtu", type=int, default=3500, help="MTU of every testbed link")
     ap.add_argument("--window", type=int, default=256, help="slots per worker")
     ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])
     args = ap.parse_args(argv)
@@ -35,7 +36,7 @@ def main(argv=None) -> int:
     say = lambda msg: print(f"[demo] {msg}", flush=True)  # noqa: E731
     say(f"building a {args.topology} testbed with {args.workers} workers")
     t_start = time.perf_counter()
-    with Testbed(workers=args.workers, topology=args.topology) as tb:
+    with Testbed(workers=args.workers, topology=args.topology, mtu=args.mtu) as tb:
         say(f"attaching the XDP aggregator to {', '.join(tb.agg_interfaces)} in {tb.aggregator.netns}")
         with Cluster(tb) as cl:
             say(f"all-reducing {args.mib:g} MiB of {args.dtype} ({count:,} elements) on every worker")
@@ -55,7 +56,7 @@ def main(argv=None) -> int:
     sent = sum(r["stats"]["packets_sent"] for r in rs)
     ok = all(r["ok"] for r in rs)
     print()
-    print(f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, window {args.window})")
+    print(f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, window {args.window}, MTU {args.mtu})")
     print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
     print(f"  all-reduce time    {t:.3f} s (slowest worker)")
     print(f"  ATE/s              {count / t:.3e} aggregated tensor elements per second")
