@@ -195,7 +195,7 @@ class _FloatTransfer:
             self.e0[x.full] = scaling.chunk_exponents(x.tail, offset=x.full * k)[0]
         self.e0[self.Pd :] = scaling.ZERO_EXPONENT
         self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
-        self._f_of = _scale_table(n)  # scale factor of exponent E at index E - E_MIN
+        self._f_of = _scale_table(n)  # scale factor of int8 exponent E at index uint8(E)
         self.limit = None  # M, once some agreed exponent was clipped (values >= 2^127)
         self.out = _Chunks(dst, k, source=False)
         self._tmp = work  # float64 work rows (at least w), the engine's
@@ -215,8 +215,8 @@ class _FloatTransfer:
     def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
         if a < self.Pd:  # the agreed exponents E of chunks a.. (the max over the workers)
             E = e0[: min(b, self.Pd) - a]
-            self.f[a : a + len(E)] = self._f_of[E.astype(np.intp) - scaling.E_MIN]
-            if self.limit is None and E.max() >= scaling.E_MAX:
+            self.f[a : a + len(E)] = self._f_of[E.view(np.uint8)]
+            if self.limit is None and np.count_nonzero(E == scaling.E_MAX):
                 self.limit = scaling.int_range(self.n)
         w = self.w
         if b > w:
@@ -230,8 +230,8 @@ class _FloatTransfer:
 
 @functools.lru_cache(maxsize=16)
 def _scale_table(n: int) -> np.ndarray:
-    """scaling.scale_factors of every int8 exponent for n workers, indexed by E - E_MIN."""
-    t = scaling.scale_factors(np.arange(scaling.E_MIN, scaling.E_MAX + 1), n)
+    """scaling.scale_factors of every int8 exponent E for n workers, at index uint8(E)."""
+    t = scaling.scale_factors(np.arange(256, dtype=np.uint8).view(np.int8), n)
     t.flags.writeable = False
     return t
 
@@ -344,20 +344,19 @@ class StreamEngine:
                     rows = self._receive()
                 now = time.monotonic()
                 if len(rows):
-                    tsi, sel = self._accept(rows, P, expect, done)
-                    if tsi.size:
+                    runs, sel, fresh = self._accept(rows, P, expect, done)
+                    if fresh:
                         e0 = rows[sel, _E0].view(np.int8)
                         values = rows[sel, wire.UDP_HDRS_LEN :].view(">i4")
-                        runs = _runs(tsi)
                         pos = 0
                         for a, b in runs:
                             tr.accept(a, b, e0[pos : pos + b - a], values[pos : pos + b - a])
                             pos += b - a
+                            done[a:b] = True
                             for s0, s1, _ in _slot_runs(a, b, w):
                                 deadline[s0:s1] = np.inf
-                        done[tsi] = True
-                        ndone += tsi.size
-                        results_here += tsi.size
+                        ndone += fresh
+                        results_here += fresh
                         last_progress = now
                         s = runs[0][0] % w  # Karn: a retransmission's RTT is ambiguous
                         if tries[s] == 0:
@@ -446,7 +445,8 @@ class StreamEngine:
         return np.repeat(rows, copies, axis=0)
 
     def _accept(self, rows, P, expect, done):
-        """Validate a batch of results: the new ones' tsi (sorted) and which rows they are.
+        """Validate a batch of results: (runs [a, b) of new results, sorted; which rows they
+        are, in that order: a slice or indices; how many).
 
         A result is valid when its first 8 header bytes are those of the packet it answers
         (type and size, job number, tsi, pool index), and new when that packet is not done.
@@ -456,12 +456,19 @@ class StreamEngine:
         """
         st = self.stats
         m = len(rows)
+        head = rows[:, :8].view("<u8")[:, 0]
+        # the usual batch: results of consecutive packets t0.., all valid and new
+        t0 = int(rows[0, 2:6].view(">u4")[0])
+        if (t0 + m <= P and not np.count_nonzero(head != expect[t0 : t0 + m])
+                and not np.count_nonzero(done[t0 : t0 + m])):
+            st["results"] += m
+            return [(t0, t0 + m)], slice(0, m), m
         tsi = rows[:, 2:6].view(">u4")[:, 0].astype(np.int64)
         at = np.minimum(tsi, P)
-        ok = rows[:, :8].view("<u8")[:, 0] == expect[at]
+        ok = head == expect[at]
         sel = np.nonzero(ok & ~done[at])[0]
         new = tsi[sel]
-        if new.size > 1 and not (new[1:] > new[:-1]).all():  # out of order or repeated
+        if new.size > 1 and np.count_nonzero(new[1:] <= new[:-1]):  # out of order or repeated
             new, first = np.unique(new, return_index=True)  # sorted, first of repeats
             sel = sel[first]
         elif new.size and sel[-1] - sel[0] == new.size - 1:
@@ -471,7 +478,7 @@ class StreamEngine:
             valid = int(np.count_nonzero(ok))
             st["stale"] += m - valid
             st["duplicates"] += valid - new.size
-        return new, sel
+        return _runs(new), sel, int(new.size)
 
     def _stalled(self, number, P, w, timeout, results_here, deadline) -> AllreduceTimeout:
         cfg = self.cfg

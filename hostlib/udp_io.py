@@ -267,13 +267,13 @@ class RowReceiver:
         lens = mm.hdr["len"][:m]
         if not mm.gro:
             rows = mm.rows[:m]
-            good = (lens == plen) & ((mm.hdr["flags"][:m] & _MSG_TRUNC) == 0)
+            bad = (lens != plen) | ((mm.hdr["flags"][:m] & _MSG_TRUNC) != 0)
             self.bytes += int(lens.sum())
-            if good.all():
+            if not np.count_nonzero(bad):
                 return rows
-            self.malformed += m - int(good.sum())
-            return rows[good]
-        if not mm.ctrl_len[:m].any() and (lens == plen).all():
+            self.malformed += int(np.count_nonzero(bad))
+            return rows[~bad]
+        if not np.count_nonzero(mm.ctrl_len[:m]) and not np.count_nonzero(lens != plen):
             # no GRO control message: nothing was coalesced, one row per slot
             self.bytes += m * plen
             return mm.rows[:m]
