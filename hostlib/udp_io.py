@@ -237,6 +237,7 @@ class RowReceiver:
             # room for max_rows rows plus one whole recv chunk past the last full row
             self._buf = np.empty(self.rows * plen + RECV_CHUNK, dtype=np.uint8)
             self._mv = memoryview(self._buf)
+        self.empty = np.empty((0, plen), dtype=np.uint8)
 
     def drain(self, max_calls: int = 256) -> np.ndarray:
         """What is waiting now (non-blocking), as an (m, plen) view valid until the next call."""
