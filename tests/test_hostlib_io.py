@@ -181,3 +181,24 @@ def test_stats_count_one_receive_call_per_batch():
     assert stats["results"] == 200 and stats["packets_sent"] == 200
     if udp_io._HAVE_MMSG:
         assert stats["recv_calls"] < stats["results"]
+
+
+def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not():
+    from hostlib.engine import _SPIN_BACKOFF, EngineConfig, StreamEngine
+
+    rx, tx = _pair(gro=True)
+    try:
+        cfg = EngineConfig(job_id=0, world_size=1, elems=32, slot_base=0, window=4,
+                           aggregator=tx.address)
+        eng = StreamEngine(rx, cfg)
+        assert len(eng._spin()) == 0  # nothing arrives: a failed spin, spinning stops
+        assert eng._spin_credit == -_SPIN_BACKOFF
+        calls = rx.recv_calls
+        assert len(eng._spin()) == 0 and rx.recv_calls == calls  # skipped, not spun
+        assert eng._spin_credit == -_SPIN_BACKOFF + 1
+        eng._spin_credit = 0
+        tx.send_rows(_rows(1, eng.plen), rx.address)
+        assert len(eng._spin()) == 1 and eng._spin_credit == 1
+    finally:
+        rx.close()
+        tx.close()
