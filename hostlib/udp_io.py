@@ -134,35 +134,31 @@ class DatagramSocket:
                 ok &= self._send_plain(buf[j * plen : (j + 1) * plen], addr)
             return ok
         cmsg = [(SOL_UDP, UDP_SEGMENT, struct.pack("=H", plen))]
-        for attempt in range(2):
-            try:
-                self.send_calls += 1
-                self.sock.sendmsg([buf], cmsg, 0, addr)
-                return True
-            except BlockingIOError:
-                if attempt == 0 and self._wait_writable(0.02):
-                    continue
-                return self._refused(OSError(errno.EAGAIN, "send buffer full"))
-            except OSError as e:
-                if e.errno in _GSO_REFUSED:
-                    self.gso = False  # for good: the path or the kernel cannot do it
-                    return self._send_block(buf, count, plen, addr)
-                if e.errno in _TRANSIENT:
-                    return self._refused(e)
-                raise
-        return False
+        return self._one_send(
+            lambda: self.sock.sendmsg([buf], cmsg, 0, addr),
+            gso_refused=lambda: self._send_block(buf, count, plen, addr),
+        )
 
     def _send_plain(self, data, addr) -> bool:
+        return self._one_send(lambda: self.sock.sendto(data, addr))
+
+    def _one_send(self, send, gso_refused=None) -> bool:
+        """One send system call; on a full buffer wait once for room and retry; transient errors
+        count as refused (the packet's timer resends it). `gso_refused`, for a GSO send: what to do
+        once the kernel or the path refuses GSO (it is turned off for good)."""
         for attempt in range(2):
             try:
                 self.send_calls += 1
-                self.sock.sendto(data, addr)
+                send()
                 return True
             except BlockingIOError:
                 if attempt == 0 and self._wait_writable(0.02):
                     continue
                 return self._refused(OSError(errno.EAGAIN, "send buffer full"))
             except OSError as e:
+                if gso_refused is not None and e.errno in _GSO_REFUSED:
+                    self.gso = False  # for good: the path or the kernel cannot do it
+                    return gso_refused()
                 if e.errno in _TRANSIENT:
                     return self._refused(e)
                 raise
