@@ -139,6 +139,16 @@ def markdown(summary: list[dict], meta: dict) -> str:
     return "\n".join(L) + "\n"
 
 
+def _style(ax, title: str, ylabel: str, ns: list[int]) -> None:
+    """The axes of one panel: time against the number of workers."""
+    ax.set_title(title, fontsize=9)
+    ax.set_xlabel("workers n")
+    ax.set_ylabel(ylabel)
+    ax.set_xticks(ns)
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
 def plot(summary: list[dict], path: Path) -> None:
     """One panel per (tensor size, link): median ms against n, with the two bounds on shaped
     links; a last row with the small all-reduces' p50 latency."""
@@ -164,12 +174,7 @@ def plot(summary: list[dict], path: Path) -> None:
             if pts and "bound_ina_s" in pts[0]:
                 ax.plot(ns, [s["bound_ina_s"] * 1e3 for s in pts], "k--", lw=1, label="bound S/R (in-network)")
                 ax.plot(ns, [s["bound_ring_s"] * 1e3 for s in pts], "k:", lw=1, label="bound 2(n-1)/n S/R (ring)")
-            ax.set_title(f"{_size(b)} float32, {lk}", fontsize=9)
-            ax.set_xlabel("workers n")
-            ax.set_ylabel("ms per all-reduce (median)")
-            ax.set_xticks(ns)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
+            _style(ax, f"{_size(b)} float32, {lk}", "ms per all-reduce (median)", ns)
             if i == 0:
                 ax.legend(fontsize=7)
     if lat:
@@ -181,12 +186,7 @@ def plot(summary: list[dict], path: Path) -> None:
                 for system in ("xdp-agg", "gloo"):
                     ax.plot(ns, [s[system]["p50_s"] * 1e3 for s in pts], style, color=colors[system],
                             label=f"{system} {_size(b)}")
-            ax.set_title(f"small all-reduces, {lk}: p50 latency", fontsize=9)
-            ax.set_xlabel("workers n")
-            ax.set_ylabel("ms (p50)")
-            ax.set_xticks(ns)
-            ax.set_ylim(bottom=0)
-            ax.grid(alpha=0.3)
+            _style(ax, f"small all-reduces, {lk}: p50 latency", "ms (p50)", ns)
             ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

@@ -114,8 +114,7 @@ def test_no_aggregator_gives_a_clear_error(testbed_factory):
     """Workers whose aggregator never answers fail with a message, not a hang."""
     tb = testbed_factory(workers=2, topology="one-arm")
     with Cluster(tb) as cl:
-        cl.cli("detach")  # the control endpoint stays; the data path is gone
-        cl._attached = False
+        cl.detach()  # the control endpoint stays; the data path is gone
         procs = cl.start_workers([{"dtype": "int32", "count": 10_000}], job="orphan", timeout=3)
         with pytest.raises(Exception) as ei:
             cl.collect(procs, deadline=60)

@@ -70,6 +70,10 @@ class Cluster:
                 self._server.kill()
                 self._server.wait()
             self._server = None
+        self.detach()
+
+    def detach(self) -> None:
+        """Detach the aggregator now (the control endpoint keeps running until exit)."""
         if self._attached:
             self._attached = False
             self.cli("detach")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes as ct
-import io
 import os
 import platform
 import re
@@ -80,7 +79,6 @@ def _capture_fd2():
     """Capture what bcc and the kernel write to stderr (compiler errors, the verifier log)."""
     sys.stderr.flush()
     saved = os.dup(2)
-    tmp = io.TextIOWrapper(io.BytesIO())
     r, w = os.pipe()
     os.dup2(w, 2)
     os.close(w)
@@ -92,7 +90,6 @@ def _capture_fd2():
         os.close(saved)
         with os.fdopen(r, "rb") as f:
             out.append(f.read().decode(errors="replace"))
-        tmp.close()
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
@@ -170,8 +167,3 @@ def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = (),
     progs = {PROG_INGRESS: ingress.fd, PROG_EGRESS: egress.fd}
     return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags), "variant": variant})
 
-
-def verifier_stats(text: str) -> dict:
-    """Parse 'processed N insns' from a verifier log (used by the bench)."""
-    m = re.search(r"processed (\d+) insns", text)
-    return {"insns_processed": int(m.group(1))} if m else {}
