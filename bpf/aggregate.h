@@ -210,8 +210,12 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	complete_slot(pk, pl, r, pkey, tag, K);
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_COMPLETED);
-	if (job->delivery == AGG_DELIVERY_BROADCAST)
+	if (job->delivery == AGG_DELIVERY_BROADCAST) {
+		/* every copy carries the result's fields; the egress program only addresses it */
+		result_fields(pk);
+		ipv4_csum(pk->ip);
 		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
+	}
 	address_to_group(pk, job);
 	return XDP_TX;
 }

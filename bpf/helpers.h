@@ -56,8 +56,18 @@ static __always_inline void ipv4_csum(struct iphdr *ip)
 	ip->check = ~sum;
 }
 
-/* Turn a request around to its sender: swap MACs, addresses and ports. The IPv4 checksum is a
- * sum, so swapping the two addresses leaves it valid; the UDP checksum is 0 (legal for IPv4). */
+/* The fields every result leaves with, whatever the request carried, as p4app-switchML's sender
+ * writes them: TTL 64, IP id 0, the SwitchML header's reserved bit 0, UDP checksum 0 (legal for
+ * IPv4). The caller recomputes the IPv4 checksum. */
+static __always_inline void result_fields(struct agg_pkt *pk)
+{
+	pk->ip->ttl = SML_RESULT_TTL;
+	pk->ip->id = bpf_htons(SML_RESULT_IP_ID);
+	pk->sml->msg_type_size &= ~SML_MSG_TYPE_SIZE_RESERVED;
+	pk->udp->check = 0;
+}
+
+/* Turn a request around to its sender: swap MACs, addresses and ports. */
 static __always_inline void reply_to_sender(struct agg_pkt *pk)
 {
 	u8 tmp[ETH_ALEN];
@@ -71,7 +81,8 @@ static __always_inline void reply_to_sender(struct agg_pkt *pk)
 	pk->ip->daddr = a;
 	pk->udp->source = pk->udp->dest;
 	pk->udp->dest = p;
-	pk->udp->check = 0;
+	result_fields(pk);
+	ipv4_csum(pk->ip);
 }
 
 /* Address a result to the job's group (one-arm mode): from our port to the workers' port. */
@@ -85,7 +96,7 @@ static __always_inline void address_to_group(struct agg_pkt *pk, struct agg_job 
 	pk->ip->daddr = job->group_ip;
 	pk->udp->source = pk->udp->dest;
 	pk->udp->dest = p;
-	pk->udp->check = 0;
+	result_fields(pk);
 	ipv4_csum(pk->ip);
 }
 
@@ -98,8 +109,7 @@ static __always_inline void address_to_worker(struct agg_pkt *pk, struct agg_por
 	pk->ip->daddr = w->ip;
 	pk->udp->source = w->agg_port;
 	pk->udp->dest = w->port;
-	pk->udp->check = 0;
-	ipv4_csum(pk->ip);
+	ipv4_csum(pk->ip); /* the ingress program set the result's other fields */
 }
 
 #endif

@@ -79,7 +79,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	struct agg_worker *w;
 	struct agg_job *job;
 	struct agg_pkt pk;
-	u32 pidx, g, vi, len;
+	u32 pidx, g, vi, len, need;
 	int rc = parse(ctx, &pk);
 
 	if (rc < 0) {
@@ -105,9 +105,18 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 		return drop(w, AGG_DROP_BAD_TYPE);
 	if (SML_SIZE(pk.sml) != job->size_code)
 		return drop(w, AGG_DROP_BAD_SIZE);
+	/* Lengths, before any state changes: the frame must hold the job's payload, and the IPv4
+	 * total length and the UDP length must say exactly that much (headers + exponents + k int32)
+	 * and match the frame. A lying length would otherwise be summed, and echoed in the result,
+	 * whose receivers would take it at its word. */
 	len = (u32)(ctx->data_end - ctx->data);
-	if (len < SML_PAYLOAD_OFFSET + job->elems * 4)
+	need = SML_HLEN + SML_EXP_HLEN + job->elems * 4; /* UDP payload bytes */
+	if (len < SML_OFFSET + need)
 		return drop(w, AGG_DROP_TRUNCATED);
+	if (agg_ntohs(pk.udp->len) != sizeof(struct udphdr) + need ||
+	    agg_ntohs(pk.ip->tot_len) != sizeof(struct iphdr) + sizeof(struct udphdr) + need ||
+	    len != SML_OFFSET + need)
+		return drop(w, AGG_DROP_BAD_LENGTH);
 	pidx = agg_ntohs(pk.sml->pool_index);
 	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT); /* reserved bit set: out of range */
 	vi = pidx >> 15;

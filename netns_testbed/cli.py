@@ -16,7 +16,7 @@ import click
 # the package had an __init__.py maps it as a namespace package.
 from . import nsexec, plan, registry, shaping
 from .errors import TestbedError
-from .testbed import Testbed, require_root
+from .testbed import MAX_MTU, MIN_MTU, Testbed, require_root
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -89,7 +89,8 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500""")
               show_default=True)
 @click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
 @click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
-@click.option("--mtu", type=click.IntRange(68, 65535), default=1500, show_default=True)
+@click.option("--mtu", type=int, default=1500, show_default=True,
+              help=f"Link MTU, {MIN_MTU}..{MAX_MTU} (XDP on veth without frags allows no more).")
 @click.option("--loss-up", type=PROB, default=0.0, help="Drop probability worker -> aggregator.")
 @click.option("--loss-down", type=PROB, default=0.0, help="Drop probability aggregator -> worker.")
 @click.option("--dup-up", type=PROB, default=0.0, help="Duplication probability worker -> aggregator.")
@@ -100,10 +101,11 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500""")
 def up(workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_down, prefix,
        as_json):
     try:
-        require_root()
+        # options first: a usage error is worth knowing before asking for sudo
         tb = Testbed(workers=workers, topology=topology, rate=rate, agg_rate=agg_rate, mtu=mtu,
                      loss_up=loss_up, loss_down=loss_down, dup_up=dup_up, dup_down=dup_down,
                      prefix=prefix, cleanup_at_exit=False)
+        require_root()
         tb.up()
     except ValueError as e:
         raise click.UsageError(str(e)) from None

@@ -54,6 +54,13 @@ def require_root() -> None:
         raise NotRootError()
 
 
+# MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
+# or the XDP_PASS stub), and veth refuses an XDP program without frags support on a link whose
+# frame does not fit one page: 4096 - 256 headroom - 320 skb_shared_info - 14 Ethernet = 3506
+# (measured: 3507 fails with ERANGE).
+MIN_MTU, MAX_MTU = 68, 3506
+
+
 class Testbed:
     """Workers and an aggregator in network namespaces; see the module docstring.
 
@@ -62,7 +69,7 @@ class Testbed:
         topology: ``"one-arm"`` or ``"switch"``.
         rate: per-worker-link rate, e.g. ``"1gbit"``; None = unshaped.
         agg_rate: rate of the aggregator's own link (one-arm only).
-        mtu: MTU of every veth and the bridge (XDP without frags caps it near 3506).
+        mtu: MTU of every veth and the bridge, 68..3506 (MAX_MTU: XDP without frags).
         loss_up / loss_down: drop probability in [0, 1] for UDP a worker sends
             to / receives from ports 0xBEE0-0xBEEF (1 = drop all).
         dup_up / dup_down: probability in [0, 1] of sending one extra copy of
@@ -85,8 +92,12 @@ class Testbed:
                  cleanup_at_exit: bool = True):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology)
-        if not isinstance(mtu, int) or not 68 <= mtu <= 65535:
-            raise ValueError(f"mtu must be an integer in 68..65535, got {mtu!r}")
+        if not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
+            raise ValueError(
+                f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r}: the testbed attaches "
+                f"XDP programs to its veths, and XDP without multi-buffer (frags) support, which "
+                f"bcc cannot ask for, fits a frame in one page: at most MTU {MAX_MTU} on veth"
+            )
         self.mtu = mtu
         self.topology = topology
         self.rate_bits = shaping.parse_rate(rate)

@@ -4,8 +4,21 @@
 
 control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
                          inout standard_metadata_t sm) {
+    // The fields every result leaves with, whatever the request carried (as p4app-switchML's
+    // sender writes them, and as the XDP program does).
+    action result_fields() {
+        hdr.ipv4.ttl = SML_RESULT_TTL;
+        hdr.ipv4.identification = SML_RESULT_IP_ID;
+        hdr.switchml.reserved = 0;
+        hdr.udp.checksum = 0;
+        md.rewrite_ipv4 = 1;
+    }
+
     apply {
         md.ingress_port = sm.ingress_port;
+        if (md.reason == AGG_COMPLETED || md.reason == AGG_RETX_ANSWERED) {
+            result_fields();
+        }
         if (md.reason == AGG_COMPLETED) {
             // The result to every worker of the job: one multicast copy per worker (rid = worker
             // index); UDPSender addresses each copy in egress. Results come from the port the

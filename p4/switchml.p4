@@ -48,7 +48,7 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
     apply {
         md.kind = KIND_NONE;
         md.rewrite_ipv4 = 0;
-        udp_receiver.apply(hdr, md);
+        udp_receiver.apply(hdr, md, sm.packet_length);
         if (md.accepted == 1) {
             bitmap_checker.apply(md);
             workers_counter.apply(md);

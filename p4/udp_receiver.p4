@@ -3,7 +3,7 @@
 #ifndef _XDP_AGG_UDP_RECEIVER_P4_
 #define _XDP_AGG_UDP_RECEIVER_P4_
 
-control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md) {
+control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> packet_length) {
 
     @name(".set_worker")
     action set_worker(job_id_t job_id, worker_id_t worker_id) {
@@ -66,6 +66,12 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md) {
         if (hdr.udp.isValid() && (hdr.udp.dst_port & SML_UDP_PORT_MASK) == SML_UDP_PORT) {
             md.ours = 1;
             bit<16> g = hdr.switchml.pool_index & 0x7fff; // reserved bit 14 set: out of every range
+            // The UDP length a packet of this size code has: the IPv4 total length and the
+            // frame must agree with it exactly, or a lying length would be summed and echoed.
+            bit<16> udp_len = SML_UDP_LEN_32;
+            if (hdr.switchml.size == SML_SIZE_64) {
+                udp_len = SML_UDP_LEN_64;
+            }
             if (hdr.ipv4_options.isValid() || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED; // options or a first fragment
             } else if (!hdr.exponents.isValid()) {
@@ -82,6 +88,9 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md) {
                 md.reason = AGG_DROP_BAD_SIZE;
             } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())) {
                 md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload
+            } else if (hdr.udp.length != udp_len || hdr.ipv4.total_len != SML_IPV4_HLEN + udp_len
+                       || packet_length != (bit<32>)(SML_ETH_HLEN + SML_IPV4_HLEN + udp_len)) {
+                md.reason = AGG_DROP_BAD_LENGTH;
             } else if (g < md.slot_base || g >= md.slot_end) {
                 md.reason = AGG_DROP_SLOT_RANGE;
             } else {

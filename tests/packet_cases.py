@@ -74,6 +74,33 @@ def frame(w: int, values, *, port=wire.UDP_PORT, **kw) -> bytes:
     )
 
 
+def relength(f: bytes, *, ip_len: int | None = None, udp_len: int | None = None, cut: int = 0,
+             trailer: bytes = b"") -> bytes:
+    """A frame whose IPv4 total length and/or UDP length say something else than it holds:
+    `cut` bytes removed from its end, `trailer` appended after it (as an Ethernet trailer), the
+    IPv4 checksum right for the new header (so that only the lengths lie)."""
+    pkt = Ether(f)
+    if ip_len is not None:
+        pkt[IP].len = ip_len
+    if udp_len is not None:
+        pkt[UDP].len = udp_len
+    del pkt[IP].chksum
+    b = bytes(pkt)
+    return (b[: len(b) - cut] if cut else b) + trailer
+
+
+def with_request_fields(f: bytes, *, ttl: int, ip_id: int, reserved: int) -> bytes:
+    """A valid contribution whose TTL, IP id and SwitchML reserved bit are not what results
+    carry (the aggregator must not echo them)."""
+    pkt = Ether(f)
+    pkt[IP].ttl, pkt[IP].id = ttl, ip_id
+    del pkt[IP].chksum
+    b = bytearray(bytes(pkt))
+    if reserved:
+        b[wire.SWITCHML_OFFSET] |= wire.TYPE_SIZE_RESERVED_MASK
+    return bytes(b)
+
+
 @dataclass
 class Step:
     """One frame in, and what must come out."""
@@ -86,7 +113,6 @@ class Step:
     e0: int | None = None
     e1: int = 0  # the result's e1 (max over the round's contributions)
     sender: int | None = None  # worker host a TO_SENDER answer goes back to
-    model: bool = True  # False for frame-level cases the UDP-level model does not see
 
 
 @dataclass
@@ -119,6 +145,10 @@ def check_result(step: Step, req, out) -> None:
     np.testing.assert_array_equal(got, step.values, err_msg=step.what)
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
+    # every result leaves as p4app-switchML's sender writes it, whatever the request carried
+    assert (out[IP].ttl, out[IP].id, out[SwitchML].reserved) == (wire.RESULT_TTL, wire.RESULT_IP_ID, 0), step.what
+    assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
+    assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
 
 
 def _vals(rng, k, lo=-1000, hi=1000):
@@ -230,15 +260,69 @@ def build_cases() -> list[Case]:
     ]
     cases.append(c)
 
+    # Lengths that lie, each from a registered worker with its full payload present: dropped
+    # and counted before any state changes. The valid contributions after them show that no
+    # worker bit, accumulator or exponent moved: w0 still aggregates, w1 completes the exact sum.
+    c = Case("lengths_must_agree", [job(n=2, base=0, count=4)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    good = frame(0, a, slot=1, e0=3)
+    plen = wire.udp_payload_len(32)
+    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    junk = frame(0, _vals(rng, 32, 10**6, 10**7), slot=1, e0=40)  # would show in the sum
+    ours_short = relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18, cut=ilen - wire.IPV4_HLEN - 18)
+    c.steps = [
+        Step("UDP length short", relength(junk, udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("UDP length long", relength(junk, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("IPv4 length short", relength(junk, ip_len=ilen - 4), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("IPv4 length long", relength(junk, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("both lengths long", relength(junk, ip_len=ilen + 4, udp_len=ulen + 4), Action.DROP,
+             Reason.DROP_BAD_LENGTH),
+        Step("UDP 18, IPv4 38, payload as an Ethernet trailer", relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18),
+             Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("right lengths, bytes after them", relength(junk, trailer=b"\0" * 4), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("lengths agree with a frame too short for the size code", ours_short, Action.DROP, Reason.DROP_TRUNCATED),
+        Step("w0 still aggregates", good, Action.DROP, Reason.AGGREGATED),
+        Step("w1 lies at completion", relength(frame(1, b, slot=1), udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("w1 completes with the exact sum", frame(1, b, slot=1, e0=-1), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 3),
+        Step("w0 retransmission with a lying length", relength(good, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("w0 retransmits", good, Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 3, sender=0),
+    ]
+    cases.append(c)
+
+    # The defect's worst form: a lying frame for (slot, version 0) from a worker that waits on
+    # version 1 must neither clear its bit of version 1 nor complete anything.
+    c = Case("lying_frame_for_the_other_version", [job(n=2, base=0, count=4)], workers(0, 2))
+    steps, _, _ = complete_round(rng, 2, 32, slot=2, version=0, tag="v0 ")
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    c.steps = steps + [
+        Step("w0 on v1", frame(0, a, slot=2, version=1), Action.DROP, Reason.AGGREGATED),
+        Step("w0 lies on v0", relength(frame(0, b, slot=2, version=0), udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("w0 lies on v1", relength(frame(0, b, slot=2, version=1), ip_len=ilen - 8), Action.DROP, Reason.DROP_BAD_LENGTH),
+        Step("w1 completes v1 exactly", frame(1, b, slot=2, version=1), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    cases.append(c)
+
+    # Results carry TTL 64, IP id 0 and a 0 reserved bit whatever the requests carried
+    # (check_result asserts it on every result of the table; here the requests differ).
+    c = Case("result_fields_are_the_aggregators", [job(n=2)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    odd = [with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1) for h, v in ((0, a), (1, b))]
+    c.steps = [
+        Step("w0 with TTL 1, id 0x1234, reserved 1", odd[0], Action.DROP, Reason.AGGREGATED),
+        Step("w1 likewise completes", odd[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        Step("w0 retransmits likewise", odd[0], Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 0, sender=0),
+    ]
+    cases.append(c)
+
     c = Case("not_ours_passes_untouched", [job(n=2)], workers(0, 2))
     eth = Ether(src=worker_mac(0), dst=AGG_MAC)
     c.steps = [
-        Step("ARP", bytes(Ether(src=worker_mac(0), dst="ff:ff:ff:ff:ff:ff") / ARP(psrc=worker_ip(0), pdst=AGG_IP)), Action.PASS, Reason.PASS, model=False),
-        Step("ICMP echo", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / ICMP() / (b"x" * 32)), Action.PASS, Reason.PASS, model=False),
+        Step("ARP", bytes(Ether(src=worker_mac(0), dst="ff:ff:ff:ff:ff:ff") / ARP(psrc=worker_ip(0), pdst=AGG_IP)), Action.PASS, Reason.PASS),
+        Step("ICMP echo", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / ICMP() / (b"x" * 32)), Action.PASS, Reason.PASS),
         Step("other UDP", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=5000, dport=53) / (b"q" * 40)), Action.PASS, Reason.PASS),
         Step("UDP from our port to another", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=wire.UDP_PORT, dport=0xBEF0) / (b"q" * 40)), Action.PASS, Reason.PASS),
-        Step("TCP to our port", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / TCP(sport=40000, dport=wire.UDP_PORT) / (b"t" * 40)), Action.PASS, Reason.PASS, model=False),
-        Step("IPv6 UDP to our port", bytes(eth / IPv6(src="2001:db8::10", dst="2001:db8::1") / UDP(sport=wire.UDP_PORT, dport=wire.UDP_PORT) / (b"6" * 64)), Action.PASS, Reason.PASS, model=False),
+        Step("TCP to our port", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / TCP(sport=40000, dport=wire.UDP_PORT) / (b"t" * 40)), Action.PASS, Reason.PASS),
+        Step("IPv6 UDP to our port", bytes(eth / IPv6(src="2001:db8::10", dst="2001:db8::1") / UDP(sport=wire.UDP_PORT, dport=wire.UDP_PORT) / (b"6" * 64)), Action.PASS, Reason.PASS),
     ]
     cases.append(c)
 
@@ -259,11 +343,11 @@ def build_cases() -> list[Case]:
     short_ihl = bytearray(frame(0, a))
     short_ihl[wire.ETH_HLEN] = 0x44  # version 4, ihl 4: no valid IPv4 header
     c.steps = [
-        Step("IPv4 options", bytes(opt), Action.DROP, Reason.DROP_MALFORMED, model=False),
-        Step("first fragment", bytes(frag), Action.DROP, Reason.DROP_MALFORMED, model=False),
-        Step("later fragment", bytes(later), Action.PASS, Reason.PASS, model=False),
-        Step("later fragment with options", bytes(later_opt), Action.PASS, Reason.PASS, model=False),
-        Step("ihl below 5", bytes(short_ihl), Action.PASS, Reason.PASS, model=False),
+        Step("IPv4 options", bytes(opt), Action.DROP, Reason.DROP_MALFORMED),
+        Step("first fragment", bytes(frag), Action.DROP, Reason.DROP_MALFORMED),
+        Step("later fragment", bytes(later), Action.PASS, Reason.PASS),
+        Step("later fragment with options", bytes(later_opt), Action.PASS, Reason.PASS),
+        Step("ihl below 5", bytes(short_ihl), Action.PASS, Reason.PASS),
         Step("still aggregates", frame(0, a), Action.DROP, Reason.AGGREGATED),
     ]
     cases.append(c)

@@ -2,9 +2,6 @@
 
 import numpy as np
 import pytest
-from scapy.layers.inet import IP, UDP
-from scapy.layers.l2 import Ether
-
 from packet_cases import CASES
 from xdp_switch import wire
 from xdp_switch.model import Action, ReferenceAggregator
@@ -17,9 +14,8 @@ def test_model_follows_the_table(case):
         model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
     for w in case.workers:
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
-    for step in (s for s in case.steps if s.model):
-        req = Ether(step.frame)
-        v = model.process(req[IP].src, req[UDP].dport, step.frame[wire.SWITCHML_OFFSET:])
+    for step in case.steps:
+        v = model.process_frame(step.frame)
         assert (v.action, v.reason) == (step.action, step.reason), step.what
         if step.values is not None:
             msg = wire.Message.from_bytes(v.payload)

@@ -20,7 +20,7 @@ import pytest
 from netns_testbed import faults, plan, registry, shaping
 from netns_testbed.errors import TestbedError
 from netns_testbed.fixtures import SKIP_REASON
-from netns_testbed.testbed import Testbed
+from netns_testbed.testbed import MAX_MTU, Testbed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGG_PORT = 0xBEE0
@@ -135,6 +135,20 @@ def test_plan_switch():
 def test_bad_options(kw):
     with pytest.raises(ValueError):
         Testbed(**kw)
+
+
+def test_mtu_above_what_xdp_on_veth_allows_is_refused_with_the_limit():
+    """veth refuses XDP without frags above MTU 3506 (ERANGE from the kernel): say so up front."""
+    assert MAX_MTU == 3506
+    Testbed(mtu=MAX_MTU)
+    with pytest.raises(ValueError, match=r"68\.\.3506, got 9000.*XDP"):
+        Testbed(mtu=9000)
+    from click.testing import CliRunner
+
+    from netns_testbed.cli import main
+
+    r = CliRunner().invoke(main, ["up", "--mtu", "3507"])
+    assert r.exit_code == 2 and "3506" in r.output and "Traceback" not in r.output
 
 
 def test_default_prefix_and_records():
@@ -315,7 +329,7 @@ def test_testbed_fixture_indirect(testbed):
 
 BUILD_AND_EXIT = r"""
 import os, signal, sys
-from netns_testbed.testbed import Testbed
+from netns_testbed.testbed import MAX_MTU, Testbed
 tb = Testbed(workers=1).up()
 print(tb.prefix, flush=True)
 if sys.argv[1] == "die":

@@ -50,8 +50,7 @@ def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -
 
 
 def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> None:
-    req = Ether(step.frame)
-    v = model.process(req[IP].src, req[UDP].dport, step.frame[wire.SWITCHML_OFFSET :])
+    v = model.process_frame(step.frame)
     assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
     if v.payload is not None:
         assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
@@ -81,8 +80,7 @@ def test_packet_case(agg, case: Case):
     for step in case.steps:
         action, out, _ = bpfsys.prog_test_run(fd, step.frame)
         _check_step(step, delivery, action, out)
-        if step.model:
-            _check_model(model, step, out)
+        _check_model(model, step, out)
     delta = _all_counters(maps) - before
     want = Counter(s.reason.name.lower() for s in case.steps)
     assert delta == want

@@ -31,7 +31,7 @@ class Reason(IntEnum):
     COMPLETED = 2  # a new contribution that completed its slot: result sent to all
     RETX_ANSWERED = 3  # a retransmission for a completed slot: stored result to the sender
     DUP_PENDING = 4  # a duplicate for a slot still incomplete: dropped (sender will retry)
-    DROP_TRUNCATED = 5  # shorter than its headers or its size code needs
+    DROP_TRUNCATED = 5  # frame shorter than its headers or than its size code needs
     DROP_UNKNOWN_SOURCE = 6  # (source address, port) not registered
     DROP_NO_JOB = 7  # registered to a job that is not active
     DROP_BAD_TYPE = 8  # msg_type other than data
@@ -40,6 +40,7 @@ class Reason(IntEnum):
     DROP_MALFORMED = 11  # our port but IPv4 options or a fragment
     EGRESS_SENT = 12  # switch mode: a result copy addressed to a worker on its port
     EGRESS_NO_WORKER = 13  # switch mode: a result copy for a port with no worker of that job
+    DROP_BAD_LENGTH = 14  # IPv4 total or UDP length disagrees with the frame or the size code
 
 
 NUM_REASONS = len(Reason)

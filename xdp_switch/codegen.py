@@ -41,6 +41,8 @@ def wire_h() -> str:
         ("SML_OFFSET", wire.SWITCHML_OFFSET, "SwitchML header offset in the frame"),
         ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame"),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
+        ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
+        ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
     ]
     for name, value, doc in consts:
         L.append(f"#define {name} {value} /* {doc} */")
@@ -62,6 +64,8 @@ def wire_h() -> str:
         for m in wire.members(h):
             if len(m.parts) == 1:
                 continue
+            if wire.reserved_mask(m):
+                L.append(f"#define SML_{m.name.upper()}_RESERVED {hex(wire.reserved_mask(m))} /* 0 in results */")
             for n, shift, width in m.parts:
                 if n == "reserved":
                     continue
@@ -110,8 +114,14 @@ def wire_p4() -> str:
     L.append(f"const bit<16> SML_UDP_PORT_MASK = {hex(wire.UDP_PORT_MASK)};")
     L.append(f"const bit<4> SML_MSG_TYPE_DATA = {wire.MSG_TYPE_DATA};")
     L.append(f"const bit<16> SML_POOL_SLOT_MASK = {hex(wire.POOL_SLOT_MASK)};")
+    L.append(f"const bit<8> SML_RESULT_TTL = {wire.RESULT_TTL};")
+    L.append(f"const bit<16> SML_RESULT_IP_ID = {wire.RESULT_IP_ID};")
     for code, n in wire.SIZE_CODE_ELEMS.items():
         L.append(f"const bit<3> SML_SIZE_{n} = {code};")
+    L.append(f"const bit<16> SML_ETH_HLEN = {wire.ETH_HLEN};")
+    L.append(f"const bit<16> SML_IPV4_HLEN = {wire.IPV4_HLEN}; // no options")
+    for n in wire.SIZE_CODE_ELEMS.values():
+        L.append(f"const bit<16> SML_UDP_LEN_{n} = {wire.UDP_HLEN + wire.udp_payload_len(n)}; // UDP length, {n} elements")
     L.append("")
     for h in wire.HEADERS:
         L.append(f"/* {h.doc} */")

@@ -19,6 +19,16 @@ from . import wire
 from .abi import Reason
 
 
+# Frame offsets the parse needs (the wire module has ours; these are IPv4's and UDP's).
+_IP_END = wire.ETH_HLEN + wire.IPV4_HLEN
+_IPPROTO_UDP = 17
+_IP_MF, _IP_OFFSET_MASK = 0x2000, 0x1FFF  # IPv4 more-fragments flag, fragment offset
+# Offsets inside our UDP payload, from the wire module's header layout.
+_TYPE_SIZE = wire.HDR_DTYPE.fields["msg_type_size"][1]
+_E0 = wire.HDR_DTYPE.fields["e0"][1]
+_POOL_INDEX = wire.HDR_DTYPE.fields["pool_index"][1]
+
+
 class Action(Enum):
     """What the aggregator does with a packet."""
 
@@ -88,8 +98,48 @@ class ReferenceAggregator:
         """Register worker `index` of a job: packets from `addr` to aggregator port `port`."""
         self.workers[(addr, port)] = (job_id, index)
 
+    def process_frame(self, frame: bytes) -> Verdict:
+        """Run one whole Ethernet frame through the aggregator, as the XDP program sees it.
+
+        The parse follows bpf/xdp_agg.c: only IPv4 UDP to the aggregator's ports is ours (a
+        later fragment, whose bytes at the UDP offset are no header, and an IPv4 header with
+        ihl < 5 are not); ours with IPv4 options or as a first fragment is malformed; the
+        IPv4 total length and the UDP length are checked against the frame and the size code.
+        """
+        b = bytes(frame)
+        if len(b) < _IP_END or b[12:14] != b"\x08\x00":
+            return Verdict(Action.PASS, Reason.PASS)
+        ip = b[wire.ETH_HLEN :]
+        ihl, frag = ip[0] & 0xF, int.from_bytes(ip[6:8], "big")
+        if ip[0] >> 4 != 4 or ip[9] != _IPPROTO_UDP or ihl < 5 or frag & _IP_OFFSET_MASK:
+            return Verdict(Action.PASS, Reason.PASS)
+        udp = wire.ETH_HLEN + 4 * ihl
+        if len(b) < udp + wire.UDP_HLEN:
+            return Verdict(Action.PASS, Reason.PASS)
+        dport = int.from_bytes(b[udp + 2 : udp + 4], "big")
+        if (dport & wire.UDP_PORT_MASK) != wire.UDP_PORT:
+            return Verdict(Action.PASS, Reason.PASS)
+        if ihl != 5 or frag & _IP_MF:
+            return Verdict(Action.DROP, Reason.DROP_MALFORMED)
+        src = ".".join(str(x) for x in ip[12:16])
+        lengths = (int.from_bytes(ip[2:4], "big"), int.from_bytes(b[udp + 4 : udp + 6], "big"))
+        return self._classify(src, dport, b[wire.SWITCHML_OFFSET :], len(b), *lengths)
+
     def process(self, src_addr: str, dst_port: int, payload: bytes) -> Verdict:
-        """Run one UDP payload sent from src_addr to dst_port through the state machine."""
+        """Run one UDP payload sent from src_addr to dst_port through the state machine.
+
+        For a datagram as a socket receives it: the kernel has checked its lengths, so the IPv4
+        and UDP lengths are the ones the payload implies.
+        """
+        udp_len = wire.UDP_HLEN + len(payload)
+        frame_len = wire.SWITCHML_OFFSET + len(payload)
+        return self._classify(
+            src_addr, dst_port, payload, frame_len, wire.IPV4_HLEN + udp_len, udp_len
+        )
+
+    def _classify(self, src_addr, dst_port, payload, frame_len, ip_len, udp_len) -> Verdict:
+        """The checks of protocol.md section 2 in the XDP program's order, then the state
+        machine. `payload` is everything after the UDP header up to the end of the frame."""
         if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             return Verdict(Action.PASS, Reason.PASS)
         if len(payload) < wire.UDP_HDRS_LEN:
@@ -99,9 +149,9 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_UNKNOWN_SOURCE)
         job_id, w = who
         job = self.jobs.get(job_id)
-        if job is None:
+        if job is None or w >= job.num_workers:
             return Verdict(Action.DROP, Reason.DROP_NO_JOB, job_id=job_id, worker=w)
-        ts = payload[0]
+        ts = payload[_TYPE_SIZE]
         if ts >> 4 != wire.MSG_TYPE_DATA:
             return Verdict(Action.DROP, Reason.DROP_BAD_TYPE, job_id=job_id, worker=w)
         if ts & 7 != job.size_code:
@@ -109,8 +159,15 @@ class ReferenceAggregator:
         need = wire.udp_payload_len(job.elems)
         if len(payload) < need:
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED, job_id=job_id, worker=w)
-        pidx = int.from_bytes(payload[6:8], "big")
-        g, v = pidx & 0x7FFF, pidx >> 15  # bit 14 (reserved) set puts g out of every range
+        want_udp = wire.UDP_HLEN + need
+        if (udp_len, ip_len, frame_len) != (
+            want_udp, wire.IPV4_HLEN + want_udp, wire.SWITCHML_OFFSET + need
+        ):
+            return Verdict(Action.DROP, Reason.DROP_BAD_LENGTH, job_id=job_id, worker=w)
+        pidx = int.from_bytes(payload[_POOL_INDEX : _POOL_INDEX + 2], "big")
+        # the reserved bit set puts g out of every range
+        g = pidx & (wire.POOL_SLOT_MASK | wire.POOL_RESERVED_BIT)
+        v = int(bool(pidx & wire.POOL_VERSION_BIT))
         if not job.slot_base <= g < job.slot_base + job.slot_count:
             return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
         msg = wire.Message.from_bytes(payload[:need])
@@ -142,11 +199,13 @@ class ReferenceAggregator:
 
     @staticmethod
     def _result(request: bytes, st: _Slot, v: int) -> bytes:
-        """The request's headers with the stored sum and max exponents (wrapping int32)."""
+        """The request's headers with the stored sum and max exponents (wrapping int32); the
+        reserved bit is 0 in every result."""
         n = len(st.acc[v])
-        out = bytearray(request)  # bytes past the job's payload ride along unchanged
-        out[8] = st.e0[v] & 0xFF
-        out[9] = st.e1[v] & 0xFF
+        out = bytearray(request)  # exactly the job's payload: the lengths were checked
+        out[_TYPE_SIZE] &= ~wire.TYPE_SIZE_RESERVED_MASK & 0xFF
+        out[_E0] = st.e0[v] & 0xFF
+        out[_E0 + 1] = st.e1[v] & 0xFF
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
         out[wire.UDP_HDRS_LEN : wire.UDP_HDRS_LEN + n * 4] = wrapped
         return bytes(out)

@@ -45,6 +45,10 @@ SWITCHML_OFFSET = ETH_HLEN + IPV4_HLEN + UDP_HLEN  # 42: from the start of the E
 PAYLOAD_OFFSET = SWITCHML_OFFSET + SWITCHML_HLEN + EXP_HLEN  # 52
 UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our headers inside the UDP payload
 
+# --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
+RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
+RESULT_IP_ID = 0  # IPv4 identification of every result
+
 
 @dataclass(frozen=True)
 class Field:
@@ -142,6 +146,16 @@ def _np_type(m: Member) -> str:
 # numpy view of our headers inside the UDP payload: 10 bytes, no padding.
 HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
 assert HDR_DTYPE.itemsize == UDP_HDRS_LEN
+
+
+def reserved_mask(m: Member) -> int:
+    """The bits of a grouped member that are reserved (0 on every packet the aggregator sends)."""
+    return sum(((1 << w) - 1) << shift for n, shift, w in m.parts if n == "reserved")
+
+
+# byte 0 of the SwitchML header (msg_type, reserved, size): its reserved bit, cleared in results
+TYPE_SIZE_RESERVED_MASK = reserved_mask(members(SWITCHML)[0])
+assert TYPE_SIZE_RESERVED_MASK == 0x08
 
 
 def size_code_for(elems: int) -> int:

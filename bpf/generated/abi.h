@@ -7,7 +7,7 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 768 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 14 /* counters per job */
+#define AGG_NUM_REASONS 15 /* counters per job */
 
 /* counter index within a job's row: why a packet took its path */
 enum agg_reason {
@@ -25,6 +25,7 @@ enum agg_reason {
 	AGG_DROP_MALFORMED = 11,
 	AGG_EGRESS_SENT = 12,
 	AGG_EGRESS_NO_WORKER = 13,
+	AGG_DROP_BAD_LENGTH = 14,
 };
 
 /* how a job's results reach its workers */

@@ -13,6 +13,8 @@
 #define SML_OFFSET 42 /* SwitchML header offset in the frame */
 #define SML_PAYLOAD_OFFSET 52 /* payload offset in the frame */
 #define SML_MAX_ELEMS 768 /* largest elements per packet */
+#define SML_RESULT_TTL 64 /* IPv4 TTL of every result */
+#define SML_RESULT_IP_ID 0 /* IPv4 identification of every result */
 
 /* size code -> int32 elements per packet */
 #define SML_SIZE_0_ELEMS 32
@@ -29,6 +31,7 @@ struct switchml_hdr {
 	__be32 tsi; /* packet id chosen by the host, echoed, never interpreted */
 	__be16 pool_index; /* bit 15 version, bit 14 reserved, bits 13..0 slot */
 } __attribute__((packed));
+#define SML_MSG_TYPE_SIZE_RESERVED 0x8 /* 0 in results */
 #define SML_MSG_TYPE(h) ((((h)->msg_type_size) >> 4) & 0xf)
 #define SML_SIZE(h) ((((h)->msg_type_size) >> 0) & 0x7)
 

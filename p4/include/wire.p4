@@ -6,12 +6,22 @@ const bit<16> SML_UDP_PORT = 0xbee0;
 const bit<16> SML_UDP_PORT_MASK = 0xfff0;
 const bit<4> SML_MSG_TYPE_DATA = 1;
 const bit<16> SML_POOL_SLOT_MASK = 0x3fff;
+const bit<8> SML_RESULT_TTL = 64;
+const bit<16> SML_RESULT_IP_ID = 0;
 const bit<3> SML_SIZE_32 = 0;
 const bit<3> SML_SIZE_64 = 1;
 const bit<3> SML_SIZE_128 = 2;
 const bit<3> SML_SIZE_256 = 3;
 const bit<3> SML_SIZE_512 = 4;
 const bit<3> SML_SIZE_768 = 5;
+const bit<16> SML_ETH_HLEN = 14;
+const bit<16> SML_IPV4_HLEN = 20; // no options
+const bit<16> SML_UDP_LEN_32 = 146; // UDP length, 32 elements
+const bit<16> SML_UDP_LEN_64 = 274; // UDP length, 64 elements
+const bit<16> SML_UDP_LEN_128 = 530; // UDP length, 128 elements
+const bit<16> SML_UDP_LEN_256 = 1042; // UDP length, 256 elements
+const bit<16> SML_UDP_LEN_512 = 2066; // UDP length, 512 elements
+const bit<16> SML_UDP_LEN_768 = 3090; // UDP length, 768 elements
 
 /* SwitchML header (p4app-switchML UDP format) */
 header switchml_h {

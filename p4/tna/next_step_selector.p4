@@ -11,6 +11,12 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
         ig_md.bridged.job_id = ig_md.sml.job_id;
         ig_md.bridged.counter_row = ig_md.sml.counter_row;
         ig_md.bridged.ingress_port = ig_intr_md.ingress_port;
+        if (ig_md.sml.reason == AGG_COMPLETED || ig_md.sml.reason == AGG_RETX_ANSWERED) {
+            // what every result leaves with, as p4app-switchML's sender writes it
+            hdr.ipv4.ttl = SML_RESULT_TTL;
+            hdr.ipv4.identification = SML_RESULT_IP_ID;
+            hdr.switchml.reserved = 0;
+        }
         if (ig_md.sml.reason == AGG_COMPLETED) {
             // One copy per worker (rid = worker index) through the job's group; egress
             // addresses each.

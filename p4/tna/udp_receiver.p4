@@ -77,6 +77,12 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 md.reason = AGG_DROP_BAD_SIZE;
             } else if (!hdr.d0.isValid()) {
                 md.reason = AGG_DROP_TRUNCATED;
+            } else if (hdr.udp.length != SML_UDP_LEN_32
+                       || hdr.ipv4.total_len != SML_IPV4_HLEN + SML_UDP_LEN_32) {
+                // Lengths that disagree with the size code: a lying length would be summed and
+                // echoed. (TNA's ingress has no frame length to compare; bytes after the UDP
+                // length ride along in the result, whose lengths stay right.)
+                md.reason = AGG_DROP_BAD_LENGTH;
             } else if (md.slot < md.slot_base || md.slot >= md.slot_end) {
                 md.reason = AGG_DROP_SLOT_RANGE;
             } else {
