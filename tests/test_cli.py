@@ -1,6 +1,8 @@
-"""The `xdp-agg` CLI's help, exit codes and messages (no root needed)."""
+"""The `xdp-agg` CLI's help, exit codes and messages (no root needed, except to start a child as
+uid 65534)."""
 
 import pytest
+import unprivileged
 from click.testing import CliRunner
 
 from xdp_switch import cli
@@ -28,6 +30,19 @@ def test_not_root_is_an_environment_error(run, monkeypatch):
     r = run("attach", "eth0")
     assert r.exit_code == cli.EXIT_ENV
     assert "run with sudo" in r.output
+
+
+@pytest.mark.root
+@pytest.mark.as_nobody
+def test_not_root_message_as_nobody():
+    """`xdp-agg attach` started by uid 65534 (a real non-root process, not a faked uid) exits with
+    the environment code and the hint, not a traceback; the child imports from a readable copy
+    (tests/unprivileged.py), so this works wherever the checkout is."""
+    with unprivileged.readable_copy("xdp_switch.cli") as copy:
+        cp = unprivileged.run_as_nobody(copy, "xdp_switch.cli", "attach", "eth0")
+    assert cp.returncode == cli.EXIT_ENV, cp.stderr
+    assert "run with sudo" in cp.stderr
+    assert "Traceback" not in cp.stderr
 
 
 def test_nothing_attached_says_what_to_do(run):
