@@ -167,6 +167,29 @@ static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct
 }
 #endif
 
+/* True when the UDP checksum of a packet of K elements is right (the caller skips a zero
+ * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, our
+ * headers and the payload; the sum of 16-bit words does not depend on their byte order
+ * (RFC 1071), so the words are added as they lie in memory, the payload 32 bits at a time. */
+static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, const u32 K)
+{
+	u16 *h = (u16 *)pk->udp;
+	u64 sum = (u64)pk->ip->saddr + pk->ip->daddr + bpf_htons(IPPROTO_UDP) + pk->udp->len;
+
+	/* UDP header, SwitchML and exponent headers: 18 bytes, bounds-checked by the parser */
+#pragma unroll
+	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN + SML_EXP_HLEN) / 2; i++)
+		sum += h[i];
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+		sum += pl[j];
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffffffff) + (sum >> 32);
+	sum = (sum & 0xffff) + (sum >> 16);
+	sum = (sum & 0xffff) + (sum >> 16);
+	return sum == 0xffff;
+}
+
 /* A packet of ours with K elements from worker w for slot g, version vi. */
 static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
@@ -183,6 +206,11 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	/* verifier: a constant-size range check on the packet pointer (the length was checked) */
 	if ((void *)(pl + K) > data_end)
 		return XDP_DROP;
+	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check && !udp_checksum_ok(pk, pl, K)) {
+		count(w->job, AGG_DROP_BAD_CHECKSUM); /* before any state changes */
+		count_worker(w, dropped);
+		return XDP_DROP;
+	}
 	st = slots.lookup(&g);
 	if (!st)
 		return XDP_ABORTED;

@@ -36,7 +36,8 @@ def worker_mac(i: int) -> str:
     return f"02:00:00:00:{i >> 8:02x}:{i & 0xFF:02x}"
 
 
-def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=Delivery.GROUP_TX) -> JobSpec:
+def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=Delivery.GROUP_TX,
+        udp_checksum=False) -> JobSpec:
     return JobSpec(
         job_id=job_id,
         num_workers=n,
@@ -49,6 +50,7 @@ def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=
         agg_mac=AGG_MAC,
         group_ip=GROUP_IP,
         group_mac=GROUP_MAC,
+        udp_checksum=udp_checksum,
     )
 
 
@@ -312,6 +314,30 @@ def build_cases() -> list[Case]:
         Step("w1 likewise completes", odd[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
         Step("w0 retransmits likewise", odd[0], Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 0, sender=0),
     ]
+    cases.append(c)
+
+    # A job that verifies UDP checksums: a wrong one is dropped before any state changes; a zero
+    # checksum (none sent, legal for IPv4) is taken. Jobs without the option ignore checksums.
+    for k in (32, 256):
+        c = Case(f"udp_checksum_verified_k{k}", [job(n=3, elems=k, udp_checksum=True)], workers(0, 3))
+        a, b, d = (_vals(rng, k, -(2**31), 2**31 - 1) for _ in range(3))
+        sums = [frame(h, v, slot=2, udp_checksum=True) for h, v in ((0, a), (1, b), (2, d))]
+        bad = bytearray(sums[1])
+        bad[wire.PAYLOAD_OFFSET + 5] ^= 0x40  # one bit flipped in the payload
+        c.steps = [
+            Step("w0, right checksum", sums[0], Action.DROP, Reason.AGGREGATED),
+            Step("w1, one payload bit flipped", bytes(bad), Action.DROP, Reason.DROP_BAD_CHECKSUM),
+            Step("w1, right checksum", sums[1], Action.DROP, Reason.AGGREGATED),
+            Step("w2, no checksum (0)", frame(2, d, slot=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b + d), 0),
+            Step("w1 retransmits, right checksum", sums[1], Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b + d), 0, sender=1),
+        ]
+        cases.append(c)
+    c = Case("udp_checksum_ignored_by_default", [job(n=1)], workers(0, 1))
+    a = _vals(rng, 32)
+    bad = bytearray(frame(0, a, slot=0, udp_checksum=True))
+    bad[wire.PAYLOAD_OFFSET] ^= 1
+    a[0] = np.frombuffer(bytes(bad[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4]), ">i4")[0]
+    c.steps = [Step("wrong checksum, job without the option", bytes(bad), Action.TO_ALL, Reason.COMPLETED, _wrap(a), 0)]
     cases.append(c)
 
     c = Case("not_ours_passes_untouched", [job(n=2)], workers(0, 2))

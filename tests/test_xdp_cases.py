@@ -71,7 +71,7 @@ def test_packet_case(agg, case: Case):
     model = ReferenceAggregator()
     for j in case.jobs:
         maps.create_job(j)
-        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
+        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum)
     for w in case.workers:
         maps.add_worker(w)
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)

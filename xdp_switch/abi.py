@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import ctypes as ct
 from dataclasses import dataclass
-from enum import IntEnum
+from enum import IntEnum, IntFlag
 
 from . import wire
 
@@ -41,9 +41,16 @@ class Reason(IntEnum):
     EGRESS_SENT = 12  # switch mode: a result copy addressed to a worker on its port
     EGRESS_NO_WORKER = 13  # switch mode: a result copy for a port with no worker of that job
     DROP_BAD_LENGTH = 14  # IPv4 total or UDP length disagrees with the frame or the size code
+    DROP_BAD_CHECKSUM = 15  # a job that verifies UDP checksums: a nonzero checksum that is wrong
 
 
 NUM_REASONS = len(Reason)
+
+
+class JobFlag(IntFlag):
+    """Per-job options of the data path (bits of agg_job.flags)."""
+
+    VERIFY_UDP_CSUM = 1  # drop contributions whose (nonzero) UDP checksum is wrong
 
 
 class Delivery(IntEnum):
@@ -110,6 +117,7 @@ JOB = Struct(
         F("delivery", "__u32", "enum Delivery"),
         F("epoch", "__u32", "unique per creation; tags per-CPU partial sums"),
         F("agg_port", "__u32", "UDP port the job's workers send to (control-plane record)"),
+        F("flags", "__u32", "enum JobFlag bits"),
         F("agg_mac", "__u8", "one-arm: source MAC of results", 6),
         F("group_mac", "__u8", "one-arm: destination MAC of results", 6),
         F("agg_ip", "__be32", "source address of results"),

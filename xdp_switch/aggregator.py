@@ -199,6 +199,7 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         "group_ip": ip_str(job.group_ip),
         "group_mac": mac_str(job.group_mac),
         "job_number": 0,  # not kept by the data path
+        "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
         "workers": workers,
     }
 

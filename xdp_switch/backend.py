@@ -29,6 +29,10 @@ class JobSpec:
     group_ip: str = "0.0.0.0"  # one-arm: where results go (multicast or subnet broadcast)
     group_mac: str = "ff:ff:ff:ff:ff:ff"  # one-arm: MAC of group_ip
     job_number: int = 0  # the hosts' job counter (low 8 bits on the wire), informational
+    # Verify the UDP checksum of each contribution (a zero checksum means the sender sent none,
+    # legal for IPv4) and drop wrong ones as drop_bad_checksum. Off by default: it costs a pass
+    # over the payload per packet (README, "UDP checksums"), and NIC offload makes it rarely needed.
+    udp_checksum: bool = False
 
     def __post_init__(self) -> None:
         wire.size_code_for(self.elems)  # raises on a size that is not on the wire

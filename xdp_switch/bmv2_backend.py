@@ -392,6 +392,10 @@ class Bmv2Backend:
                 f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
                 f"packet, not {spec.elems}"
             )
+        if spec.udp_checksum:
+            raise ValueError(
+                "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
+            )
         end = spec.slot_base + spec.slot_count
         if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
             raise ValueError(

@@ -194,14 +194,18 @@ def _slot_range(text: str) -> tuple[int, int]:
 @click.option("--group", "group_ip", default="0.0.0.0", help="One-arm: group (multicast or subnet broadcast) address of results.")
 @click.option("--group-mac", default=None, help="Default: derived from --group (multicast) or ff:ff:ff:ff:ff:ff.")
 @click.option("--agg-ip", default=None, help="Source address of results (default: the interface's first address).")
+@click.option("--udp-checksum", is_flag=True,
+              help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; costs a pass over "
+                   "the payload per packet (README: UDP checksums).")
 @click.pass_context
 @_guard
-def job_create(ctx, job_id, num_workers, elems, slots, agg_port, group_ip, group_mac, agg_ip):
+def job_create(ctx, job_id, num_workers, elems, slots, agg_port, group_ip, group_mac, agg_ip, udp_checksum):
     """Create job JOB_ID (its slots start cleared).
 
     \b
     Example:
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
+      sudo xdp-agg job create 1 --workers 2 --slots 128:64 --port 48865 --udp-checksum
     """
     state, _ = aggregator.open_instance(ctx.obj["name"])
     first = links.addresses(state.interfaces[0]["ifname"])
@@ -217,6 +221,7 @@ def job_create(ctx, job_id, num_workers, elems, slots, agg_port, group_ip, group
         agg_mac=first["mac"],
         group_ip=group_ip,
         group_mac=group_mac or group_mac_for(group_ip),
+        udp_checksum=udp_checksum,
     )
     aggregator.XdpBackend(ctx.obj["name"]).create_job(spec)
     click.echo(f"job {job_id} created: {num_workers} workers, {elems} elems/packet, slots {base}..{base + count - 1}")
@@ -314,9 +319,10 @@ def slots(ctx, slot, as_json):
               help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on --ports.")
 @click.option("--ports", default=None, help="bmv2: comma-separated interfaces, switch port i = the i-th.")
 @click.option("--workdir", default="/tmp/xdp-agg-bmv2", show_default=True, help="bmv2: where the compiled program goes.")
+@click.option("--udp-checksum", is_flag=True, help="xdp: every job created verifies its contributions' UDP checksums.")
 @click.pass_context
 @_guard
-def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir):
+def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_checksum):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
     The host library (hostlib.init) talks to this; nobody types worker tables. Jobs get a slot
@@ -337,7 +343,8 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir):
     if target == "xdp":
         server = RendezvousServer(
             aggregator.XdpBackend(ctx.obj["name"]), host, int(port),
-            serve_defaults(ctx.obj["name"], group_ip, barrier_timeout), fill_worker=_fill_worker,
+            {**serve_defaults(ctx.obj["name"], group_ip, barrier_timeout), "udp_checksum": udp_checksum},
+            fill_worker=_fill_worker,
         )
         click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
         server.run_until_interrupted()

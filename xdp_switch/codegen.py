@@ -89,6 +89,10 @@ def abi_h() -> str:
         L.append(f"\tAGG_{r.name} = {int(r)},")
     L.append("};")
     L.append("")
+    L.append("/* per-job options: bits of agg_job.flags */")
+    for f in abi.JobFlag:
+        L.append(f"#define AGG_JOB_{f.name} {int(f)}")
+    L.append("")
     L.append("/* how a job's results reach its workers */")
     L.append("enum agg_delivery {")
     for d in abi.Delivery:

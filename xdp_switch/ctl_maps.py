@@ -92,6 +92,7 @@ class AggMaps:
             # slots carry another tag and are never added in.
             epoch=(time.monotonic_ns() >> 10) & 0xFFFFFFFF or 1,
             agg_port=spec.agg_port,
+            flags=int(abi.JobFlag.VERIFY_UDP_CSUM) if spec.udp_checksum else 0,
             agg_ip=ip_be(spec.agg_ip),
             group_ip=ip_be(spec.group_ip),
         )

@@ -62,11 +62,17 @@ def _load_floor():
     return b, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
 
 
-def _frames(elems: int, n: int, slots: int, rounds: int) -> list[bytes]:
+# A measured case beside the program variants: the per-CPU program with a job that verifies UDP
+# checksums, on the same stream with checksums filled in (the README's "UDP checksums").
+CHECKSUM_CASE = "percpu+udp-csum"
+
+
+def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = False) -> list[bytes]:
     rng = np.random.default_rng(elems)
     vals = rng.integers(-(2**20), 2**20, size=(n, elems))
     return [
-        bytes(sml_frame(src_ip=f"198.18.0.{10 + w}", values=vals[w], slot=s, version=r % 2, tsi=r * slots + s))
+        bytes(sml_frame(src_ip=f"198.18.0.{10 + w}", values=vals[w], slot=s, version=r % 2, tsi=r * slots + s,
+                        udp_checksum=udp_checksum))
         for r in range(rounds)
         for s in range(slots)
         for w in range(n)
@@ -80,33 +86,41 @@ def _measure(fd: int, frames: list[bytes]) -> float:
 
 def run(
     sizes=BENCH_SIZES, workers: int = 4, slots: int = 64, rounds: int = 20, repeats: int = 5, cpu: int | None = 0,
-    variants=tuple(loader.VARIANTS), progress=None,
+    variants=tuple(loader.VARIANTS), progress=None, checksum: bool = True,
 ) -> list[BenchResult]:
     """Measure each variant and packet size; `repeats` passes over the same stream, median
-    reported; the floor is measured on the same frames in each pass."""
+    reported; the floor is measured on the same frames in each pass. `checksum` adds
+    CHECKSUM_CASE: the per-CPU program verifying UDP checksums."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
     floor_bpf, floor_fd = _load_floor()
     progs = {v: loader.load(pool_slots=max(slots, 64), variant=v) for v in variants}
+    cases = {v: (progs[v], False) for v in variants}
+    if checksum and "percpu" in progs:
+        cases[CHECKSUM_CASE] = (progs["percpu"], True)
     out = []
     try:
         for k in sizes:
-            frames = _frames(k, workers, slots, rounds)
-            runs = {v: [] for v in variants}
+            streams = {False: _frames(k, workers, slots, rounds)}
+            if checksum:
+                streams[True] = _frames(k, workers, slots, rounds, udp_checksum=True)
+            frames = streams[False]
+            runs = {v: [] for v in cases}
             floors = []
             for rep in range(repeats):
-                for v, prog in progs.items():
+                for v, (prog, csum) in cases.items():
                     maps = AggMaps(prog.maps, prog.pool_slots)
-                    maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255"))
+                    maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255",
+                                            udp_checksum=csum))
                     for w in range(workers):
                         maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
-                    runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], frames))
+                    runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], streams[csum]))
                     if maps.counters(0)["completed"] != slots * rounds:
                         raise RuntimeError(f"{v}: the bench stream did not complete every slot: the program misbehaves")
                 floors.append(_measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)
-            for v in variants:
+            for v in cases:
                 out.append(BenchResult(v, k, len(frames), statistics.median(runs[v]), statistics.median(floors),
                                        max(runs[v]) - min(runs[v])))
     finally:
@@ -119,11 +133,11 @@ def run(
 
 def table(results: list[BenchResult]) -> str:
     lines = [
-        "variant   elems/pkt  ns/pkt  (spread)  elems/s/core  floor ns/pkt  x floor",
+        "variant          elems/pkt  ns/pkt  (spread)  elems/s/core  floor ns/pkt  x floor",
     ]
     for r in sorted(results, key=lambda r: (r.elems, r.variant)):
         lines.append(
-            f"{r.variant:8s}  {r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  "
+            f"{r.variant:15s}  {r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  "
             f"{r.floor_ns_per_packet:12.0f}  {r.ratio_to_floor:7.2f}"
         )
     return "\n".join(lines)

@@ -29,6 +29,21 @@ _E0 = wire.HDR_DTYPE.fields["e0"][1]
 _POOL_INDEX = wire.HDR_DTYPE.fields["pool_index"][1]
 
 
+def _udp_checksum_ok(frame: bytes) -> bool:
+    """The UDP checksum of an IPv4 frame without options is right, or zero (none sent)."""
+    udp = frame[_IP_END:]
+    if udp[6:8] == b"\0\0":
+        return True
+    ulen = int.from_bytes(udp[4:6], "big")
+    data = frame[26:34] + bytes((0, _IPPROTO_UDP)) + udp[4:6] + udp[:ulen]  # pseudo-header first
+    if len(data) % 2:
+        data += b"\0"
+    total = sum(np.frombuffer(data, ">u2").tolist())
+    while total >> 16:
+        total = (total & 0xFFFF) + (total >> 16)
+    return total == 0xFFFF
+
+
 class Action(Enum):
     """What the aggregator does with a packet."""
 
@@ -68,6 +83,7 @@ class ModelJob:
     elems: int
     slot_base: int
     slot_count: int
+    udp_checksum: bool = False  # verify contributions' (nonzero) UDP checksums
 
     @property
     def size_code(self) -> int:
@@ -82,9 +98,10 @@ class ReferenceAggregator:
         self.workers: dict[tuple[str, int], tuple[int, int]] = {}
         self.slots: dict[tuple[int, int], _Slot] = {}
 
-    def create_job(self, job_id, num_workers, elems, slot_base, slot_count) -> ModelJob:
+    def create_job(self, job_id, num_workers, elems, slot_base, slot_count,
+                   udp_checksum: bool = False) -> ModelJob:
         """Create (or re-create) a job; its slot state starts cleared."""
-        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count)
+        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count, udp_checksum)
         self.jobs[job_id] = job
         for g in range(slot_base, slot_base + slot_count):
             self.slots[(job_id, g)] = _Slot()
@@ -123,7 +140,8 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_MALFORMED)
         src = ".".join(str(x) for x in ip[12:16])
         lengths = (int.from_bytes(ip[2:4], "big"), int.from_bytes(b[udp + 4 : udp + 6], "big"))
-        return self._classify(src, dport, b[wire.SWITCHML_OFFSET :], len(b), *lengths)
+        return self._classify(src, dport, b[wire.SWITCHML_OFFSET :], len(b), *lengths,
+                              checksum_ok=lambda: _udp_checksum_ok(b))
 
     def process(self, src_addr: str, dst_port: int, payload: bytes) -> Verdict:
         """Run one UDP payload sent from src_addr to dst_port through the state machine.
@@ -137,9 +155,11 @@ class ReferenceAggregator:
             src_addr, dst_port, payload, frame_len, wire.IPV4_HLEN + udp_len, udp_len
         )
 
-    def _classify(self, src_addr, dst_port, payload, frame_len, ip_len, udp_len) -> Verdict:
+    def _classify(self, src_addr, dst_port, payload, frame_len, ip_len, udp_len,
+                  checksum_ok=None) -> Verdict:
         """The checks of protocol.md section 2 in the XDP program's order, then the state
-        machine. `payload` is everything after the UDP header up to the end of the frame."""
+        machine. `payload` is everything after the UDP header up to the end of the frame;
+        `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it)."""
         if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             return Verdict(Action.PASS, Reason.PASS)
         if len(payload) < wire.UDP_HDRS_LEN:
@@ -170,6 +190,8 @@ class ReferenceAggregator:
         v = int(bool(pidx & wire.POOL_VERSION_BIT))
         if not job.slot_base <= g < job.slot_base + job.slot_count:
             return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
+        if job.udp_checksum and checksum_ok is not None and not checksum_ok():
+            return Verdict(Action.DROP, Reason.DROP_BAD_CHECKSUM, job_id=job_id, worker=w)
         msg = wire.Message.from_bytes(payload[:need])
         st = self.slots[(job_id, g)]
         bit = 1 << w

@@ -69,6 +69,7 @@ class ServerDefaults:
     agg_mac: str = "00:00:00:00:00:00"
     pool_slots: int = DEFAULT_POOL_SLOTS  # slots this server may hand out: 0..pool_slots-1
     barrier_timeout: float = 120.0  # longest a register may wait for the other ranks
+    udp_checksum: bool = False  # jobs verify their contributions' UDP checksums (JobSpec)
 
     @classmethod
     def from_any(cls, value) -> "ServerDefaults":
@@ -295,6 +296,7 @@ class RendezvousServer:
                     job_id=job_id, num_workers=world, elems=elems, slot_base=base,
                     slot_count=window, agg_port=port, delivery=d.delivery, agg_ip=d.agg_ip,
                     agg_mac=d.agg_mac, group_ip=d.group_ip, group_mac=d.group_mac,
+                    udp_checksum=d.udp_checksum,
                 )
                 self.backend.create_job(spec)
             except ValueError as e:

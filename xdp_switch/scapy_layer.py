@@ -65,8 +65,10 @@ def sml_frame(
     e1: int = 0,
     msg_type: int = wire.MSG_TYPE_DATA,
     pool_index: int | None = None,
+    udp_checksum: bool = False,
 ) -> Packet:
-    """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian)."""
+    """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian).
+    The UDP checksum is 0 (none, as results carry) unless `udp_checksum`."""
     vals = np.asarray(values, dtype=np.int64).astype(np.int32)
     if size is None:
         size = wire.size_code_for(len(vals))
@@ -74,7 +76,7 @@ def sml_frame(
     return (
         Ether(src=src_mac, dst=dst_mac)
         / IP(src=src_ip, dst=dst_ip, ttl=64)
-        / UDP(sport=sport, dport=dport, chksum=0)
+        / UDP(sport=sport, dport=dport, chksum=None if udp_checksum else 0)
         / SwitchML(msg_type=msg_type, size=size, job_number=job_number, tsi=tsi, pool_index=pidx)
         / Exponents(e0=e0, e1=e1)
         / vals.astype(">i4").tobytes()

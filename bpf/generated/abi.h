@@ -7,7 +7,7 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 768 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 15 /* counters per job */
+#define AGG_NUM_REASONS 16 /* counters per job */
 
 /* counter index within a job's row: why a packet took its path */
 enum agg_reason {
@@ -26,7 +26,11 @@ enum agg_reason {
 	AGG_EGRESS_SENT = 12,
 	AGG_EGRESS_NO_WORKER = 13,
 	AGG_DROP_BAD_LENGTH = 14,
+	AGG_DROP_BAD_CHECKSUM = 15,
 };
+
+/* per-job options: bits of agg_job.flags */
+#define AGG_JOB_VERIFY_UDP_CSUM 1
 
 /* how a job's results reach its workers */
 enum agg_delivery {
@@ -45,6 +49,7 @@ struct agg_job {
 	__u32 delivery; /* enum Delivery */
 	__u32 epoch; /* unique per creation; tags per-CPU partial sums */
 	__u32 agg_port; /* UDP port the job's workers send to (control-plane record) */
+	__u32 flags; /* enum JobFlag bits */
 	__u8 agg_mac[6]; /* one-arm: source MAC of results */
 	__u8 group_mac[6]; /* one-arm: destination MAC of results */
 	__be32 agg_ip; /* source address of results */
