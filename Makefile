@@ -62,7 +62,7 @@ test-unit: venv
 	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m xdp_switch.demo
+	$(PY) -m aggcluster.demo
 
 bench-micro: setup
 	$(PY) -m xdp_switch.cli bench

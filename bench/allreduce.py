@@ -45,9 +45,8 @@ GLOO_PORT = 29500
 
 def run_config(n: int, rate: str, args, log) -> list[dict]:
     """One testbed and one set of worker processes for (n, rate); every size, both systems."""
+    from aggcluster.cluster import Cluster
     from netns_testbed.testbed import Testbed
-
-    from xdp_switch.cluster import Cluster
 
     plan = [{"bytes": b, "reps": args.reps, "kind": "throughput"} for b in SIZES.values() if b <= args.max_bytes]
     plan += [{"bytes": b, "reps": args.latency_reps, "kind": "latency"} for b in LATENCY_SIZES.values()]

@@ -15,7 +15,7 @@ BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
  * headers, the partials created by the loader) into the program's BTF, where
- * tests/test_codegen.py compares their layout with xdp_switch/wire.py and abi.py. */
+ * tests/test_codegen.py compares their layout with aggproto/wire.py and abi.py. */
 struct agg_btf_anchor {
 	struct switchml_hdr sml;
 	struct exponents_hdr exp;

@@ -39,7 +39,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from xdp_switch import wire
+from aggproto import wire
 
 from . import scaling
 from .errors import AllreduceTimeout

@@ -1,4 +1,4 @@
-"""Client of the control endpoint (xdp_switch.rendezvous): JSON lines over one TCP connection.
+"""Client of the control endpoint (aggctl.server): JSON lines over one TCP connection.
 
 The connection stays open for the life of a communicator: the endpoint treats its close as the
 worker leaving, which is how a crashed worker's job is cleaned up.
@@ -12,7 +12,7 @@ import threading
 
 from .errors import RendezvousError
 
-DEFAULT_CONTROL_PORT = 48800  # xdp_switch.rendezvous.DEFAULT_CONTROL_PORT
+DEFAULT_CONTROL_PORT = 48800  # aggctl.server.DEFAULT_CONTROL_PORT
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -40,7 +40,7 @@ class ControlClient:
         except OSError as e:
             raise RendezvousError(
                 f"cannot reach the control endpoint {endpoint[0]}:{endpoint[1]}: {e}; is "
-                f"`xdp-agg serve` (or python -m xdp_switch.rendezvous) running there?"
+                f"`xdp-agg serve` (or python -m aggctl.server) running there?"
             ) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._rfile = self._sock.makefile("rb")

@@ -17,7 +17,8 @@ import os
 import sys
 from dataclasses import dataclass, field
 
-from pyroute2 import IPRoute, netns as pr_netns
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
 
 from . import nsexec
 

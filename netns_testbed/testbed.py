@@ -37,7 +37,8 @@ import os
 import time
 from subprocess import CompletedProcess, Popen
 
-from pyroute2 import IPRoute, netns as pr_netns
+from pyroute2 import IPRoute
+from pyroute2 import netns as pr_netns
 
 from . import faults, nsexec, registry, shaping, xdp_pass
 from .errors import NotRootError, TestbedError

@@ -12,7 +12,7 @@ import os
 
 from pyroute2 import IPRoute
 
-from xdp_switch import bpfsys
+import bpfsys
 
 _XDP_FLAGS_DRV_MODE = 1 << 2
 

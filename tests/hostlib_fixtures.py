@@ -13,8 +13,8 @@ import threading
 from dataclasses import dataclass
 
 import hostlib
-from xdp_switch.rendezvous import RendezvousServer
-from xdp_switch.soft_aggregator import SoftAggregator
+from aggctl.server import RendezvousServer
+from aggctl.soft_aggregator import SoftAggregator
 
 
 def loopback_prefix() -> str:

@@ -15,11 +15,11 @@ from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
 
-from xdp_switch import wire
-from xdp_switch.abi import Delivery, Reason
-from xdp_switch.backend import JobSpec, WorkerSpec
-from xdp_switch.model import Action
-from xdp_switch.scapy_layer import sml_frame
+from aggproto import wire
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.model import Action
+from aggproto.reasons import Reason
+from aggproto.scapy_layer import sml_frame
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -137,7 +137,7 @@ def check_result(step: Step, req, out) -> None:
     """A result frame (scapy `out`, answering `req`): header fields echoed, payload values and
     exponents as the step expects, UDP checksum 0, IPv4 checksum right. Every target's runner
     uses this."""
-    from xdp_switch.scapy_layer import Exponents, SwitchML
+    from aggproto.scapy_layer import Exponents, SwitchML
 
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
         assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), f"{step.what}: {f} not echoed"

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from xdp_switch import abi
-from xdp_switch.backend import JobSpec, WorkerSpec
-from xdp_switch.bmv2_backend import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
+from aggctl.bmv2_backend import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
+from aggproto import reasons
+from aggproto.jobs import JobSpec, WorkerSpec
 
 
 class FakeCLI:
@@ -149,11 +149,11 @@ def test_counters_add_ingress_and_egress_by_reason():
     cli = FakeCLI()
     b = Bmv2Backend(cli, PORTS)
     row = 2
-    cli.counters[("ingress_reasons", row * abi.NUM_REASONS + abi.Reason.COMPLETED)] = 3
-    cli.counters[("egress_reasons", row * abi.NUM_REASONS + abi.Reason.EGRESS_SENT)] = 6
+    cli.counters[("ingress_reasons", row * reasons.NUM_REASONS + reasons.Reason.COMPLETED)] = 3
+    cli.counters[("egress_reasons", row * reasons.NUM_REASONS + reasons.Reason.EGRESS_SENT)] = 6
     c = b.counters(row)
     assert c["completed"] == 3 and c["egress_sent"] == 6
-    assert sum(c.values()) == 9 and set(c) == {r.name.lower() for r in abi.Reason}
+    assert sum(c.values()) == 9 and set(c) == {r.name.lower() for r in reasons.Reason}
 
 
 def test_cli_output_is_split_by_prompt_and_errors_raise(monkeypatch):

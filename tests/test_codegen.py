@@ -9,7 +9,8 @@ import subprocess
 import numpy as np
 import pytest
 
-from xdp_switch import abi, codegen, wire
+from aggproto import wire
+from xdp_switch import abi, codegen
 
 
 def test_generated_files_are_current():
@@ -32,7 +33,7 @@ def test_header_members_are_byte_aligned_and_sized():
 
 
 def test_scapy_layer_matches_numpy_packing():
-    from xdp_switch.scapy_layer import Exponents, SwitchML
+    from aggproto.scapy_layer import Exponents, SwitchML
 
     vals = np.arange(-16, 16)
     ours = wire.build_payloads(job_number=3, size_code=0, tsi=0xDEADBEEF, slot=0x1234, version=1, values=vals[None], e0=-5, e1=7)[0]
@@ -54,7 +55,7 @@ def test_p4_header_lists_every_field():
 @pytest.mark.bpf
 def test_btf_layout_matches_python(agg_prog):
     """Sizes and member offsets in the loaded program's BTF equal wire.py's and abi.py's."""
-    from xdp_switch import bpfsys
+    import bpfsys
 
     prog, _ = agg_prog
     if not shutil.which("bpftool"):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from xdp_switch.cluster import Cluster
+from aggcluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -83,7 +83,7 @@ def test_two_jobs_at_once_stay_isolated(testbed_factory):
 INTRUDER = r"""
 import socket, sys, time
 import numpy as np
-from xdp_switch import wire
+from aggproto import wire
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 vals = np.full((1, 256), 12345)
 sent, end = 0, time.monotonic() + float(sys.argv[2])
@@ -117,8 +117,8 @@ LIAR = r"""
 import socket, sys
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
-from xdp_switch import wire
-from xdp_switch.scapy_layer import sml_frame
+from aggproto import wire
+from aggproto.scapy_layer import sml_frame
 src_ip, src_mac, agg_ip, agg_mac = sys.argv[1:5]
 frames = []
 for code in (0, 1, 2, 3):

@@ -104,8 +104,9 @@ def test_gso_send_gro_receive_and_fallback_when_gso_is_refused():
     import errno
     import socket
 
-    from hostlib.udp_io import DatagramSocket, RowReceiver
     from hostlib_fixtures import loopback_prefix
+
+    from hostlib.udp_io import DatagramSocket, RowReceiver
 
     prefix = loopback_prefix()
     rx = DatagramSocket((f"{prefix}.1", 0))

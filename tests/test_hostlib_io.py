@@ -12,7 +12,6 @@ import numpy as np
 import pytest
 from hostlib_fixtures import loopback_prefix, ok, run_ranks, soft_cluster
 
-import hostlib
 from hostlib import udp_io
 from hostlib.udp_io import DatagramSocket, RowReceiver
 

@@ -3,8 +3,9 @@
 import numpy as np
 import pytest
 from packet_cases import CASES
-from xdp_switch import wire
-from xdp_switch.model import Action, ReferenceAggregator
+
+from aggproto import wire
+from aggproto.model import Action, ReferenceAggregator
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)

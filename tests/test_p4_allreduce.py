@@ -19,11 +19,11 @@ import sys
 
 import numpy as np
 import pytest
-
 from p4_fixtures import _InNetns, p4_skip_reason
-from xdp_switch import bmv2_backend as bm
-from xdp_switch import wire
-from xdp_switch.abi import Delivery
+
+from aggctl import bmv2_backend as bm
+from aggproto import wire
+from aggproto.jobs import Delivery
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -90,7 +90,7 @@ def _run_and_check_workers(tb, port: int, log_tail) -> None:
 
 
 def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
-    from xdp_switch.rendezvous import RendezvousServer
+    from aggctl.server import RendezvousServer
 
     reason = p4_skip_reason()
     if reason:

@@ -25,15 +25,15 @@ import dataclasses
 from collections import Counter
 
 import pytest
+from p4_fixtures import VethLab, p4_json  # noqa: F401  (fixture)
+from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, worker_mac
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from p4_fixtures import VethLab, p4_json  # noqa: F401  (fixture)
-from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, worker_mac
-from xdp_switch import abi, wire
-from xdp_switch.abi import Reason
-from xdp_switch.model import Action, ReferenceAggregator
-from xdp_switch.p4gen import P4_ELEMS
+from aggctl.p4gen import P4_ELEMS
+from aggproto import limits, wire
+from aggproto.model import Action, ReferenceAggregator
+from aggproto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -64,7 +64,7 @@ def lab(p4_json, tmp_path_factory):  # noqa: F811
 
 
 def lab_backend(lab):
-    from xdp_switch.bmv2_backend import Bmv2Backend
+    from aggctl.bmv2_backend import Bmv2Backend
 
     return Bmv2Backend(lab.switch.cli(), lab.ports)
 
@@ -154,7 +154,7 @@ def test_packet_case(lab, case: Case):
     ])
     for w in case.workers:
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
-    rows = sorted({j.job_id for j in case.jobs} | {abi.NO_JOB})
+    rows = sorted({j.job_id for j in case.jobs} | {limits.NO_JOB})
     before = backend.counter_rows(rows)
     copies = 0
     for step in case.steps:

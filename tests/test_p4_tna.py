@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from xdp_switch import bmv2_backend as bm
+from aggctl import bmv2_backend as bm
 
 pytestmark = [pytest.mark.p4]
 

@@ -1,14 +1,15 @@
-"""The generated P4 parts (xdp_switch/p4gen.py) say what the Python side says (drift: test_codegen)."""
+"""The generated P4 parts (aggctl/p4gen.py) say what the Python side says (drift: test_codegen)."""
 
-from xdp_switch import abi, p4gen
+from aggctl import p4gen
+from aggproto import limits, reasons
 
 
 def test_abi_p4_has_every_reason_with_its_value():
     text = p4gen.abi_p4()
-    for r in abi.Reason:
+    for r in reasons.Reason:
         assert f"const bit<8> AGG_{r.name} = {int(r)};" in text
-    assert f"AGG_NUM_REASONS = {abi.NUM_REASONS};" in text
-    assert f"AGG_NO_JOB = {abi.NO_JOB};" in text
+    assert f"AGG_NUM_REASONS = {reasons.NUM_REASONS};" in text
+    assert f"AGG_NO_JOB = {limits.NO_JOB};" in text
 
 
 def test_every_element_is_summed_once_into_its_own_field():

@@ -10,10 +10,10 @@ import time
 import pytest
 from hostlib_fixtures import soft_cluster
 
+from aggctl.server import RendezvousServer, _first_fit
+from aggproto import wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient, parse_endpoint
-from xdp_switch import wire
-from xdp_switch.rendezvous import RendezvousServer, _first_fit
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from hostlib_fixtures import loopback_prefix
 
-from xdp_switch import wire
-from xdp_switch.abi import NO_JOB
-from xdp_switch.backend import JobSpec, WorkerSpec
-from xdp_switch.soft_aggregator import SoftAggregator
+from aggctl.soft_aggregator import SoftAggregator
+from aggproto import wire
+from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.limits import NO_JOB
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -8,13 +8,15 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from packet_cases import AGG_IP, AGG_MAC, CASES, GROUP_IP, GROUP_MAC, Case, Step, check_result
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from packet_cases import AGG_IP, AGG_MAC, CASES, GROUP_IP, GROUP_MAC, Case, Step, check_result
-from xdp_switch import abi, bpfsys, wire
-from xdp_switch.abi import Delivery, Reason
-from xdp_switch.model import Action, ReferenceAggregator
+import bpfsys
+from aggproto import limits, wire
+from aggproto.jobs import Delivery
+from aggproto.model import Action, ReferenceAggregator
+from aggproto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
@@ -58,7 +60,7 @@ def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> No
 
 def _all_counters(maps) -> Counter:
     total = Counter()
-    for row in list(range(abi.MAX_JOBS)) + [abi.NO_JOB]:
+    for row in list(range(limits.MAX_JOBS)) + [limits.NO_JOB]:
         for name, v in maps.counters(row).items():
             total[name] += v
     return total
@@ -108,6 +110,7 @@ def test_worker_counters(agg):
 def test_job_listing_speaks_the_backend_vocabulary(agg):
     """jobs() entries carry every JobSpec field (the control endpoint relies on it)."""
     from packet_cases import job, workers
+
     from xdp_switch.aggregator import job_dict
 
     _, maps = agg

@@ -15,10 +15,11 @@ import time
 
 import numpy as np
 import pytest
-
 from packet_cases import frame, job, workers
-from xdp_switch import bpfsys, wire
-from xdp_switch.model import Action, ReferenceAggregator
+
+import bpfsys
+from aggproto import wire
+from aggproto.model import Action, ReferenceAggregator
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 

@@ -16,7 +16,9 @@ import uuid
 import numpy as np
 import pytest
 
-from xdp_switch import bpfsys, pins, wire
+import bpfsys
+from aggproto import wire
+from xdp_switch import pins
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
@@ -24,7 +26,7 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 WORKER = r"""
 import json, socket, sys
 import numpy as np
-from xdp_switch import wire
+from aggproto import wire
 agg, w, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -1,6 +1,7 @@
-"""The aggregator's internal ABI: map layouts, limits and drop reasons shared by BPF and Python.
+"""The XDP aggregator's internal ABI: map layouts and constants shared by BPF and Python.
 
-Like the wire format, this is defined once here. bpf/generated/abi.h is generated from it (as
+Like the wire format, this is defined once here (the protocol's limits and reasons come from
+aggproto, and are written into the same header). bpf/generated/abi.h is generated from it (as
 libbpf-bootstrap shares one header between BPF and user space), and the ctypes structures the
 control plane uses to read and write the pinned maps are built from the same tables, so the two
 sides cannot disagree on an offset. Tests compare both against the BTF of the loaded program.
@@ -10,54 +11,16 @@ from __future__ import annotations
 
 import ctypes as ct
 from dataclasses import dataclass
-from enum import IntEnum, IntFlag
+from enum import IntFlag
 
-from . import wire
-
-# --- limits ------------------------------------------------------------------------------------
-MAX_JOBS = 64  # job ids 0..63
-MAX_WORKERS = 64  # workers per job: one bit each in a u64 bitmap
-MAX_PORTS = 64  # devmap entries (switch-mode ports)
-MAX_ELEMS = wire.MAX_ELEMS  # int32 per packet, upper bound over size codes
-DEFAULT_POOL_SLOTS = 1024  # slots in the pool (all jobs); each has two versions
-NO_JOB = MAX_JOBS  # counter row for packets that belong to no job
-
-
-class Reason(IntEnum):
-    """Why a packet took the path it took; one counter each, per job."""
-
-    PASS = 0  # not ours: passed to the kernel
-    AGGREGATED = 1  # a new contribution, added, packet consumed
-    COMPLETED = 2  # a new contribution that completed its slot: result sent to all
-    RETX_ANSWERED = 3  # a retransmission for a completed slot: stored result to the sender
-    DUP_PENDING = 4  # a duplicate for a slot still incomplete: dropped (sender will retry)
-    DROP_TRUNCATED = 5  # frame shorter than its headers or than its size code needs
-    DROP_UNKNOWN_SOURCE = 6  # (source address, port) not registered
-    DROP_NO_JOB = 7  # registered to a job that is not active
-    DROP_BAD_TYPE = 8  # msg_type other than data
-    DROP_BAD_SIZE = 9  # size code other than the job's
-    DROP_SLOT_RANGE = 10  # slot outside the job's range (or reserved bit set)
-    DROP_MALFORMED = 11  # our port but IPv4 options or a fragment
-    EGRESS_SENT = 12  # switch mode: a result copy addressed to a worker on its port
-    EGRESS_NO_WORKER = 13  # switch mode: a result copy for a port with no worker of that job
-    DROP_BAD_LENGTH = 14  # IPv4 total or UDP length disagrees with the frame or the size code
-    DROP_BAD_CHECKSUM = 15  # a job that verifies UDP checksums: a nonzero checksum that is wrong
-
-
-NUM_REASONS = len(Reason)
+from aggproto.limits import MAX_ELEMS, MAX_JOBS, MAX_PORTS, MAX_WORKERS, NO_JOB
+from aggproto.reasons import NUM_REASONS
 
 
 class JobFlag(IntFlag):
     """Per-job options of the data path (bits of agg_job.flags)."""
 
     VERIFY_UDP_CSUM = 1  # drop contributions whose (nonzero) UDP checksum is wrong
-
-
-class Delivery(IntEnum):
-    """How a job's results reach its workers."""
-
-    GROUP_TX = 0  # one-arm: the result once to the job's group address, XDP_TX
-    BROADCAST = 1  # switch: devmap broadcast, per-port egress program addresses each copy
 
 
 # --- structures --------------------------------------------------------------------------------

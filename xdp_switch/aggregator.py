@@ -13,8 +13,11 @@ from __future__ import annotations
 import os
 import time
 
-from . import abi, bpfsys, links, loader, pins
-from .backend import JobSpec, WorkerSpec
+import bpfsys
+from aggproto import limits
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+
+from . import abi, links, loader, pins
 from .ctl_maps import AggMaps, ip_str, mac_str
 
 MODES = ("one-arm", "switch")
@@ -35,7 +38,7 @@ def attach(
     name: str = "default",
     mode: str | None = None,
     xdp_mode: str = "native",
-    pool_slots: int = abi.DEFAULT_POOL_SLOTS,
+    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     netns: str | None = None,
     cflags: tuple[str, ...] = (),
     variant: str = "percpu",
@@ -53,8 +56,8 @@ def attach(
         raise AggregatorError(f"mode must be one of {MODES}")
     if mode == "one-arm" and len(ifaces) != 1:
         raise AggregatorError("one-arm mode uses exactly one interface")
-    if len(ifaces) > abi.MAX_PORTS:
-        raise AggregatorError(f"at most {abi.MAX_PORTS} interfaces")
+    if len(ifaces) > limits.MAX_PORTS:
+        raise AggregatorError(f"at most {limits.MAX_PORTS} interfaces")
     inst = pins.Instance(name)
     if inst.exists():
         raise AggregatorError(
@@ -193,7 +196,7 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         "slot_base": job.slot_base,
         "slot_count": job.slot_count,
         "agg_port": job.agg_port,
-        "delivery": abi.Delivery(job.delivery).name.lower(),
+        "delivery": Delivery(job.delivery).name.lower(),
         "agg_ip": ip_str(job.agg_ip),
         "agg_mac": mac_str(job.agg_mac),
         "group_ip": ip_str(job.group_ip),
@@ -211,7 +214,7 @@ def _ntohs(v: int) -> int:
 def stats(name: str = "default") -> dict:
     """Counters by reason: for packets without a job, per job, and per worker."""
     _, maps = open_instance(name)
-    out = {"unattributed": maps.counters(abi.NO_JOB), "jobs": {}}
+    out = {"unattributed": maps.counters(limits.NO_JOB), "jobs": {}}
     for j, job in maps.jobs().items():
         workers = {}
         for _, w in maps.workers():
@@ -256,7 +259,7 @@ class XdpBackend:
 
     def create_job(self, spec: JobSpec) -> None:
         if self.state.mode == "switch":
-            spec.delivery = abi.Delivery.BROADCAST
+            spec.delivery = Delivery.BROADCAST
         self.maps.create_job(spec)
 
     def delete_job(self, job_id: int) -> None:

@@ -15,8 +15,10 @@ import time
 
 import click
 
-from . import abi, aggregator, links, loader, wire
-from .backend import JobSpec, WorkerSpec
+from aggproto import limits, wire
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+
+from . import aggregator, links, loader
 
 EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 1, 2, 3
 _ENV_HINTS = ("needs root", "run with sudo", "bpffs", "kernel headers", "python3-bpfcc")
@@ -82,7 +84,7 @@ def main(ctx, name, netns):
 @click.argument("ifaces", nargs=-1, required=True)
 @click.option("--mode", "xdp_mode", type=click.Choice(["native", "skb"]), default="native", show_default=True, help="XDP attach mode.")
 @click.option("--topology", type=click.Choice(aggregator.MODES), default=None, help="Default: one-arm for one interface, switch for several.")
-@click.option("--pool-slots", type=click.IntRange(1, wire.MAX_SLOTS), default=abi.DEFAULT_POOL_SLOTS, show_default=True, help="Aggregation slots shared by all jobs.")
+@click.option("--pool-slots", type=click.IntRange(1, wire.MAX_SLOTS), default=limits.DEFAULT_POOL_SLOTS, show_default=True, help="Aggregation slots shared by all jobs.")
 @click.option("--variant", type=click.Choice(list(loader.VARIANTS)), default="percpu", show_default=True,
               help="percpu: per-CPU partial sums (the design); spinlock: one locked sum per slot (the baseline).")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
@@ -186,8 +188,8 @@ def _slot_range(text: str) -> tuple[int, int]:
 
 
 @job.command("create")
-@click.argument("job_id", type=click.IntRange(0, abi.MAX_JOBS - 1))
-@click.option("--workers", "num_workers", type=click.IntRange(1, abi.MAX_WORKERS), required=True)
+@click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
+@click.option("--workers", "num_workers", type=click.IntRange(1, limits.MAX_WORKERS), required=True)
 @click.option("--elems", type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]), default="256", show_default=True)
 @click.option("--slots", "slots", default="0:128", show_default=True, help="BASE:COUNT of the pool.")
 @click.option("--port", "agg_port", type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15), default=wire.UDP_PORT, show_default=True)
@@ -236,7 +238,7 @@ def group_mac_for(ip: str) -> str:
 
 
 @job.command("delete")
-@click.argument("job_id", type=click.IntRange(0, abi.MAX_JOBS - 1))
+@click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.pass_context
 @_guard
 def job_delete(ctx, job_id):
@@ -261,8 +263,8 @@ def worker():
 
 
 @worker.command("add")
-@click.argument("job_id", type=click.IntRange(0, abi.MAX_JOBS - 1))
-@click.argument("index", type=click.IntRange(0, abi.MAX_WORKERS - 1))
+@click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
+@click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
 @click.argument("ip")
 @click.option("--port", type=click.IntRange(1, 65535), default=wire.UDP_PORT, show_default=True, help="The worker's UDP port.")
 @click.option("--agg-port", type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15), default=wire.UDP_PORT, show_default=True)
@@ -281,8 +283,8 @@ def worker_add(ctx, job_id, index, ip, port, agg_port, mac):
 
 
 @worker.command("remove")
-@click.argument("job_id", type=click.IntRange(0, abi.MAX_JOBS - 1))
-@click.argument("index", type=click.IntRange(0, abi.MAX_WORKERS - 1))
+@click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
+@click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
 @click.pass_context
 @_guard
 def worker_remove(ctx, job_id, index):
@@ -336,7 +338,7 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3
     """
-    from .rendezvous import RendezvousServer
+    from aggctl.server import RendezvousServer
 
     host, _, port = listen.rpartition(":")
     host = host or "0.0.0.0"
@@ -349,7 +351,7 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
         click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
         server.run_until_interrupted()
         return
-    from . import bmv2_backend as bm
+    from aggctl import bmv2_backend as bm
 
     if not ports:
         raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
@@ -361,7 +363,7 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
     try:
         server = RendezvousServer(
             backend, host, int(port),
-            {"delivery": abi.Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
+            {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
             fill_worker=backend.fill_worker,
         )
         click.echo(f"control endpoint listening on {host}:{port} (bmv2 on {ports}); Ctrl-C stops it", err=True)
@@ -378,13 +380,13 @@ def serve_defaults(name: str, group_ip: str | None, barrier_timeout: float) -> d
     first = links.addresses(state.interfaces[0]["ifname"])
     d = {"pool_slots": state.pool_slots, "barrier_timeout": barrier_timeout}
     if state.mode == "switch":
-        d["delivery"] = abi.Delivery.BROADCAST
+        d["delivery"] = Delivery.BROADCAST
         return d
     if not first["ipv4_nets"]:
         raise aggregator.AggregatorError(f"{first['ifname']} has no IPv4 address: workers need one to send to")
     net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
     group_ip = group_ip or str(net.network.broadcast_address)
-    d.update(delivery=abi.Delivery.GROUP_TX, group_ip=group_ip, group_mac=group_mac_for(group_ip),
+    d.update(delivery=Delivery.GROUP_TX, group_ip=group_ip, group_mac=group_mac_for(group_ip),
              agg_ip=str(net.ip), agg_mac=first["mac"])
     return d
 
@@ -395,7 +397,7 @@ def _fill_worker(ws: WorkerSpec, local) -> None:
 
 
 @main.command()
-@click.option("--workers", type=click.IntRange(1, abi.MAX_WORKERS), default=4, show_default=True, help="Workers per job in the stream.")
+@click.option("--workers", type=click.IntRange(1, limits.MAX_WORKERS), default=4, show_default=True, help="Workers per job in the stream.")
 @click.option("--rounds", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Rounds over 64 slots per repetition.")
 @click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)

@@ -11,9 +11,12 @@ import ipaddress
 import socket
 import time
 
-from . import abi, bpfsys, wire
-from .abi import Reason
-from .backend import JobSpec, WorkerSpec
+import bpfsys
+from aggproto import limits, reasons, wire
+from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.reasons import Reason
+
+from . import abi
 
 
 def ip_be(addr: str) -> int:
@@ -57,10 +60,10 @@ class AggMaps:
 
     def create_job(self, spec: JobSpec) -> None:
         """Write a job and clear its slots; refuses specs the program cannot serve."""
-        if not 0 <= spec.job_id < abi.MAX_JOBS:
-            raise ValueError(f"job id must be 0..{abi.MAX_JOBS - 1}")
-        if not 1 <= spec.num_workers <= abi.MAX_WORKERS:
-            raise ValueError(f"a job has 1..{abi.MAX_WORKERS} workers")
+        if not 0 <= spec.job_id < limits.MAX_JOBS:
+            raise ValueError(f"job id must be 0..{limits.MAX_JOBS - 1}")
+        if not 1 <= spec.num_workers <= limits.MAX_WORKERS:
+            raise ValueError(f"a job has 1..{limits.MAX_WORKERS} workers")
         end = spec.slot_base + spec.slot_count
         if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
             raise ValueError(
@@ -117,7 +120,7 @@ class AggMaps:
 
     def jobs(self) -> dict[int, abi.Job]:
         out = {}
-        for j in range(abi.MAX_JOBS):
+        for j in range(limits.MAX_JOBS):
             job = self.get_job(j)
             if job is not None:
                 out[j] = job
@@ -142,7 +145,7 @@ class AggMaps:
                 raise ValueError(f"job {w.job_id} already has a worker {w.index} ({ip_str(k.addr)})")
         bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
         zero = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(w.job_id * abi.MAX_WORKERS + w.index), zero)
+        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(w.job_id * limits.MAX_WORKERS + w.index), zero)
         if ifindex:
             pw = abi.PortWorker(
                 ip=ip_be(w.ip),
@@ -203,19 +206,19 @@ class AggMaps:
         out = {}
         vals = (ct.c_uint64 * self.ncpu)()
         for r in Reason:
-            bpfsys.map_lookup(self.fds["stats"], ct.c_uint32(job_row * abi.NUM_REASONS + r), vals)
+            bpfsys.map_lookup(self.fds["stats"], ct.c_uint32(job_row * reasons.NUM_REASONS + r), vals)
             out[r.name.lower()] = int(sum(vals))
         return out
 
     def worker_counters(self, job_id: int, index: int) -> dict[str, int]:
         vals = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(job_id * abi.MAX_WORKERS + index), vals)
+        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(job_id * limits.MAX_WORKERS + index), vals)
         return {name: int(sum(getattr(v, name) for v in vals)) for name, _ in abi.WorkerStats._fields_}
 
     def _clear_counters(self, job_id: int) -> None:
         zero = (ct.c_uint64 * self.ncpu)()
         for r in Reason:
-            bpfsys.map_update(self.fds["stats"], ct.c_uint32(job_id * abi.NUM_REASONS + r), zero)
+            bpfsys.map_update(self.fds["stats"], ct.c_uint32(job_id * reasons.NUM_REASONS + r), zero)
         zw = (abi.WorkerStats * self.ncpu)()
-        for i in range(abi.MAX_WORKERS):
-            bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(job_id * abi.MAX_WORKERS + i), zw)
+        for i in range(limits.MAX_WORKERS):
+            bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(job_id * limits.MAX_WORKERS + i), zw)

@@ -16,7 +16,10 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, bpfsys
+import bpfsys
+from aggproto import limits
+
+from . import abi
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 SOURCE = BPF_DIR / "xdp_agg.c"
@@ -118,7 +121,7 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
-def load(pool_slots: int = abi.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = (), variant: str = "percpu") -> Loaded:
+def load(pool_slots: int = limits.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = (), variant: str = "percpu") -> Loaded:
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).

@@ -17,10 +17,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from . import bpfsys, loader, wire
-from .backend import JobSpec, WorkerSpec
+import bpfsys
+from aggproto import wire
+from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.scapy_layer import sml_frame
+
+from . import loader
 from .ctl_maps import AggMaps
-from .scapy_layer import sml_frame
 
 BENCH_SIZES = (64, 256, wire.MAX_ELEMS)
 

@@ -17,7 +17,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import bpfsys
+import bpfsys
 
 
 def pin_root() -> Path:

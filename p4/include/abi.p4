@@ -8,7 +8,7 @@ const bit<8> AGG_NO_JOB = 64; // counter row of packets that belong to no job
 const bit<32> AGG_NUM_REASONS = 16; // counters per row
 const bit<32> AGG_COUNTER_ROWS = 65; // rows: jobs, then NO_JOB
 
-/* Why a packet took the path it took: the column of its counter (abi.Reason). */
+/* Why a packet took the path it took: the column of its counter (reasons.Reason). */
 const bit<8> AGG_PASS = 0;
 const bit<8> AGG_AGGREGATED = 1;
 const bit<8> AGG_COMPLETED = 2;

@@ -1,8 +1,8 @@
 """One worker of an end-to-end run: joins a job with hostlib, all-reduces, verifies, reports.
 
-Started by xdp_switch.cluster inside a worker's namespace:
+Started by aggcluster.cluster inside a worker's namespace:
 
-    python -m xdp_switch.cluster_worker --rank 0 --world 4 --control 198.18.0.1:48800 \
+    python -m aggcluster.cluster_worker --rank 0 --world 4 --control 198.18.0.1:48800 \
         --job demo --plan '[{"dtype": "float32", "count": 16777216, "reps": 1, "seed": 1}]'
 
 Every rank makes its input from (seed, rank), so each can compute the exact sum of all ranks

@@ -2,7 +2,7 @@
 
 This module is the single source of truth for the bytes on the wire (protocol.md section 1).
 The BPF C header (bpf/generated/wire.h), the P4 header (p4/include/wire.p4) and the scapy layer
-(xdp_switch.scapy_layer) are generated or built from the tables below; tests fail when a
+(aggproto.scapy_layer) are generated or built from the tables below; tests fail when a
 generated file drifts or when the compiled BPF object's BTF disagrees with the offsets here.
 
 Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | exponents (2) | payload,

@@ -16,8 +16,7 @@ from enum import Enum
 import numpy as np
 
 from . import wire
-from .abi import Reason
-
+from .reasons import Reason
 
 # Frame offsets the parse needs (the wire module has ours; these are IPv4's and UDP's).
 _IP_END = wire.ETH_HLEN + wire.IPV4_HLEN

@@ -1,6 +1,6 @@
-"""A scapy layer for the SwitchML headers, built from the field tables in xdp_switch.wire.
+"""A scapy layer for the SwitchML headers, built from the field tables in aggproto.wire.
 
-    from xdp_switch.scapy_layer import SwitchML, Exponents, sml_frame
+    from aggproto.scapy_layer import SwitchML, Exponents, sml_frame
     pkt = sml_frame(src_ip="198.18.0.10", values=[1, 2, 3, ...], slot=3)
 
 UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents / Raw payload.

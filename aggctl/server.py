@@ -29,7 +29,7 @@ of the job listens on it: in one-arm mode the result is sent once, to group_ip:w
 send_to [ip, port] (where workers send contributions), group [ip, port] or null (the group
 address results go to in one-arm mode), workers [{rank, ip, port}] once registered.
 
-Run by hand: `python -m xdp_switch.rendezvous --listen 127.0.0.1:48800 --soft 127.0.0.1`.
+Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1`.
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from . import wire
-from .abi import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS, Delivery
-from .backend import Backend, JobSpec, WorkerSpec
+from aggproto import wire
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.limits import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS
+
+from .backend import Backend
 
 log = logging.getLogger(__name__)
 
@@ -614,7 +616,7 @@ def main(argv: list[str] | None = None) -> None:
     from .soft_aggregator import SoftAggregator
 
     p = argparse.ArgumentParser(
-        prog="python -m xdp_switch.rendezvous", description=__doc__.split("\n")[0]
+        prog="python -m aggctl.server", description=__doc__.split("\n")[0]
     )
     p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", help="HOST:PORT (TCP)")
     p.add_argument("--soft", default="127.0.0.1", metavar="IP",

@@ -6,7 +6,7 @@ benchmarks share.
 
 `Cluster` attaches the XDP aggregator to the testbed's aggregator interfaces (xdp-agg attach,
 run in the aggregator's namespace), starts the control endpoint there (xdp-agg serve), runs one
-xdp_switch.cluster_worker process per worker namespace, and undoes all of it on exit.
+aggcluster.cluster_worker process per worker namespace, and undoes all of it on exit.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class Cluster:
         for rank, h in enumerate(hosts):
             w = self.tb.workers[h]
             cmd = [
-                sys.executable, "-m", "xdp_switch.cluster_worker", "--rank", str(rank),
+                sys.executable, "-m", "aggcluster.cluster_worker", "--rank", str(rank),
                 "--world", str(len(hosts)), "--control", self.control_address(w), "--job", job,
                 "--elems", str(elems), "--window", str(window), "--timeout", str(timeout), "--plan", json.dumps(plan),
             ]

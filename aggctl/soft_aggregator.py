@@ -24,12 +24,12 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from aggproto import wire
+from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.limits import MAX_JOBS, MAX_WORKERS, NO_JOB
+from aggproto.model import Action, ReferenceAggregator
+from aggproto.reasons import Reason
 from hostlib.udp_io import DatagramSocket
-
-from . import wire
-from .abi import MAX_JOBS, MAX_WORKERS, NO_JOB, Reason
-from .backend import JobSpec, WorkerSpec
-from .model import Action, ReferenceAggregator
 
 # how the per-worker counters (named as in abi.WORKER_STATS) follow from a verdict's reason
 _CONTRIBUTION = {Reason.AGGREGATED, Reason.COMPLETED}

@@ -1,6 +1,6 @@
 """The bmv2 target: the P4 twin of the XDP aggregator, run in simple_switch.
 
-    from xdp_switch import bmv2_backend as bm
+    from aggctl import bmv2_backend as bm
 
     ports = bm.port_specs(["p0", "p1"], netns="agg")            # port i = interface i, our MAC/IP
     switch, backend = bm.launch(ports, "/tmp/p4out", netns="agg") # compile, start, set up
@@ -37,8 +37,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from . import abi, wire
-from .backend import JobSpec, WorkerSpec
+from aggproto import limits, reasons, wire
+from aggproto.jobs import JobSpec, WorkerSpec
+
 from .p4gen import P4_ELEMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -383,10 +384,10 @@ class Bmv2Backend:
     # --- Backend -----------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared."""
-        if not 0 <= spec.job_id < abi.MAX_JOBS:
-            raise ValueError(f"job id must be 0..{abi.MAX_JOBS - 1}")
-        if not 1 <= spec.num_workers <= abi.MAX_WORKERS:
-            raise ValueError(f"a job has 1..{abi.MAX_WORKERS} workers")
+        if not 0 <= spec.job_id < limits.MAX_JOBS:
+            raise ValueError(f"job id must be 0..{limits.MAX_JOBS - 1}")
+        if not 1 <= spec.num_workers <= limits.MAX_WORKERS:
+            raise ValueError(f"a job has 1..{limits.MAX_WORKERS} workers")
         if spec.elems not in P4_ELEMS:
             raise ValueError(
                 f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
@@ -555,25 +556,25 @@ class Bmv2Backend:
 
     # --- counters ----------------------------------------------------------------------------
     def counters(self, row: int) -> dict[str, int]:
-        """Packets by reason (lower-case abi.Reason names) for a job id or abi.NO_JOB; ingress
+        """Packets by reason (lower-case reasons.Reason names) for a job id or limits.NO_JOB; ingress
         and egress counters added, as the XDP program's one counter row."""
-        if not 0 <= row <= abi.NO_JOB:
-            raise ValueError(f"row is a job id or abi.NO_JOB ({abi.NO_JOB})")
+        if not 0 <= row <= limits.NO_JOB:
+            raise ValueError(f"row is a job id or limits.NO_JOB ({limits.NO_JOB})")
         return self.counter_rows([row])[row]
 
     def counter_rows(self, rows: list[int]) -> dict[int, dict[str, int]]:
         """counters() for several rows with one CLI call."""
         cmds = []
         for row in rows:
-            for r in abi.Reason:
-                idx = row * abi.NUM_REASONS + int(r)
+            for r in reasons.Reason:
+                idx = row * reasons.NUM_REASONS + int(r)
                 cmds.append(f"counter_read {C_INGRESS} {idx}")
                 cmds.append(f"counter_read {C_EGRESS} {idx}")
         outs = iter(self.cli.run(cmds))
         result = {}
         for row in rows:
             result[row] = {}
-            for r in abi.Reason:
+            for r in reasons.Reason:
                 total = 0
                 for _ in range(2):
                     m = _COUNTER_RE.search(next(outs))

@@ -1,0 +1,33 @@
+"""Why a packet took the path it took: one counter per reason and job, in every target.
+
+The XDP program, the P4 program and the software aggregator count by these reasons, in the rows
+and columns given by aggproto.keys.counter_index; the reference model returns one per packet.
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class Reason(IntEnum):
+    """Why a packet took the path it took; one counter each, per job."""
+
+    PASS = 0  # not ours: passed to the kernel
+    AGGREGATED = 1  # a new contribution, added, packet consumed
+    COMPLETED = 2  # a new contribution that completed its slot: result sent to all
+    RETX_ANSWERED = 3  # a retransmission for a completed slot: stored result to the sender
+    DUP_PENDING = 4  # a duplicate for a slot still incomplete: dropped (sender will retry)
+    DROP_TRUNCATED = 5  # frame shorter than its headers or than its size code needs
+    DROP_UNKNOWN_SOURCE = 6  # (source address, port) not registered
+    DROP_NO_JOB = 7  # registered to a job that is not active
+    DROP_BAD_TYPE = 8  # msg_type other than data
+    DROP_BAD_SIZE = 9  # size code other than the job's
+    DROP_SLOT_RANGE = 10  # slot outside the job's range (or reserved bit set)
+    DROP_MALFORMED = 11  # our port but IPv4 options or a fragment
+    EGRESS_SENT = 12  # switch mode: a result copy addressed to a worker on its port
+    EGRESS_NO_WORKER = 13  # switch mode: a result copy for a port with no worker of that job
+    DROP_BAD_LENGTH = 14  # IPv4 total or UDP length disagrees with the frame or the size code
+    DROP_BAD_CHECKSUM = 15  # a job that verifies UDP checksums: a nonzero checksum that is wrong
+
+
+NUM_REASONS = len(Reason)
