@@ -211,11 +211,13 @@ def test_aggregator_drop_reasons():
 
 
 def test_without_aggregator_counters_and_with_nothing_counted():
-    # no aggregator counters: the upstream counters are taken at face value, the rest spurious
+    # no aggregator counters: the counters are taken at face value; 3 results lost at worker
+    # 1's socket, each of which may have held back worker 0 once (collateral takes its bound,
+    # so spurious is a lower bound), the rest spurious
     d = _delta(2, worker_ns={1: {"udp": {"InErrors": 3}}})
     a = counters.attribute(d, _layout(2), _engine([100, 110], [0, 10]))
-    assert a.detail["source"] == "counters"
-    assert a.causes["socket_rcvbuf"] == 3 and a.causes["spurious"] == 7
+    assert a.detail["source"] == "counters" and a.detail["collateral"] == 3
+    assert a.causes["socket_rcvbuf"] == 6 and a.causes["spurious"] == 4
     # loss that no counter saw is reported as such, not hidden in another cause
     agg = {"0": {"packets": 95, "duplicates": 0}}
     a = counters.attribute(_delta(1, agg_workers=agg), _layout(1), _engine([100], [5]))
