@@ -355,6 +355,11 @@ def _workers_agg(delta: dict) -> dict[str, int] | None:
     return tot
 
 
+def _agg_reason(delta: dict, reason: str) -> int:
+    jobs = (delta.get("aggregator") or {}).get("jobs") or {}
+    return sum((j.get("reasons") or {}).get(reason, 0) for j in jobs.values())
+
+
 def _agg_drops(delta: dict) -> int:
     agg = delta.get("aggregator") or {}
     rows = [agg.get("unattributed") or {}] + [j.get("reasons") or {} for j in
@@ -480,6 +485,10 @@ def attribute(delta: dict, layout: Layout, engine: list[dict],
         upstream_counted={c: v for c, v in up.items() if v},
         downstream_counted={c: v for c, v in down.items() if v},
         aggregator_drops=agg_drops, injected_duplicates=injected_dups,
+        # how the duplicates met the aggregator: their slot still waiting for another worker's
+        # contribution (dropped), or complete (answered with the stored result)
+        duplicates_while_pending=_agg_reason(delta, "dup_pending"),
+        duplicates_answered=_agg_reason(delta, "retx_answered"),
         counters=drop_counters(delta),
     )
     return Attribution(_round_to_total({c: causes[c] for c in CAUSES}, int(R)), detail)

@@ -131,7 +131,9 @@ def test_no_loss_all_duplicates_is_spurious():
                  "dropped": 0},
            "1": {"packets": 1020, "contributions": 1000, "duplicates": 20, "answered": 5,
                  "dropped": 0}}
-    a = counters.attribute(_delta(2, agg_workers=agg), _layout(2), _engine([1030, 1020], [30, 20]))
+    d = _delta(2, agg_workers=agg, reasons={"dup_pending": 35, "retx_answered": 15})
+    a = counters.attribute(d, _layout(2), _engine([1030, 1020], [30, 20]))
+    assert (a.detail["duplicates_while_pending"], a.detail["duplicates_answered"]) == (35, 15)
     assert a.causes["spurious"] == 50
     assert sum(a.causes.values()) == 50 and set(a.causes) == set(CAUSES)
     assert a.dominant() == "spurious"
