@@ -268,8 +268,9 @@ CAUSES = ("tbf_qdisc", "veth_xdp_ring", "socket_rcvbuf", "send_refused", "aggreg
 """What a retransmission can be attributed to (the keys of :attr:`Attribution.causes`):
 
 * ``tbf_qdisc``: a datagram or result dropped by a tbf qdisc on a worker link;
-* ``veth_xdp_ring``: dropped between veth ends: a full ptr_ring (NAPI/XDP receive), a failed
-  XDP_TX or ndo_xdp_xmit, a device that could not transmit;
+* ``veth_xdp_ring``: dropped between veth ends: a full ptr_ring (NAPI/XDP receive) or receive
+  backlog (netdev_max_backlog: rx_dropped of the receiving end), a failed XDP_TX or
+  ndo_xdp_xmit, a device that could not transmit;
 * ``socket_rcvbuf``: a result the worker's namespace dropped at UDP receive (InErrors:
   RcvbufErrors, MemErrors, checksum);
 * ``send_refused``: sends the kernel refused (engine ``send_errors``, one per refused call),
