@@ -107,6 +107,7 @@ def main(argv=None) -> int:
                             deltas.append(counters.diff(s0, counters.snapshot()))
             after = comm.stats
             engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
+            engine["rtt"] = after.get("rtt", 0.0)  # the smoothed round trip at the end, not a difference
             out = {"rank": args.rank, "bytes": nbytes, "kind": kind, "dtype": dtype, "times": times,
                    "cpu": cpu, "engine": engine,
                    "retransmissions": engine["retransmissions"], "packets": engine["packets_sent"]}

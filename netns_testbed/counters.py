@@ -39,11 +39,11 @@ _DUMP_SCRIPT = r"""
 echo '@@tc'; tc -s -j qdisc show 2>/dev/null || echo '[]'
 echo '@@link'; ip -s -j link show 2>/dev/null || echo '[]'
 echo '@@snmp'; cat /proc/net/snmp
-echo '@@nft'; nft -j list table netdev %(table)s 2>/dev/null || echo '{}'
+echo '@@nft'; nft -j list table netdev TABLE 2>/dev/null || echo '{}'
 for d in $(ip -o link show type veth | sed -n 's/^[0-9]*: \([^@:]*\).*/\1/p'); do
   echo "@@ethtool $d"; ethtool -S "$d" 2>/dev/null
 done
-""" % {"table": faults.TABLE}
+""".replace("TABLE", faults.TABLE)
 
 _SNMP_UDP_KEYS = ("InDatagrams", "NoPorts", "InErrors", "OutDatagrams", "RcvbufErrors",
                   "SndbufErrors", "InCsumErrors", "MemErrors")
@@ -146,7 +146,9 @@ def parse_namespace_dump(text: str) -> dict:
             sections[cur] = []
         elif cur is not None:
             sections[cur].append(line)
-    get = lambda k: "\n".join(sections.get(k, []))  # noqa: E731
+    def get(k: str) -> str:
+        return "\n".join(sections.get(k, []))
+
     return {
         "qdisc": parse_tc(get("tc")),
         "link": parse_links(get("link")),

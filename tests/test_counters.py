@@ -61,7 +61,8 @@ def test_parse_links_and_ethtool_of_veths():
     assert w0["link"]["eth0"]["tx_packets"] == 151  # what passed the tbf
     eth = w0["ethtool"]["eth0"]
     assert "peer_ifindex" not in eth
-    assert {"rx_queue_0_drops", "rx_queue_0_xdp_tx_errors", "tx_queue_0_xdp_xmit_errors"} <= set(eth)
+    assert {"rx_queue_0_drops", "rx_queue_0_xdp_tx_errors",
+            "tx_queue_0_xdp_xmit_errors"} <= set(eth)
     # the bridge namespace has one veth per worker and one toward the aggregator
     assert set(dump("bridge")["ethtool"]) == {"ag", "w0", "w1"}
     totals = counters.ethtool_totals({"rx_queue_0_drops": 2, "rx_queue_1_drops": 3,
@@ -104,9 +105,10 @@ def _layout(n: int) -> Layout:
 
 
 def _delta(n: int, *, worker_ns=None, bridge=None, agg_workers=None, reasons=None) -> dict:
-    ns = {f"tw{i}": {"qdisc": {}, "link": {}, "udp": {}, "nft": {}, "ethtool": {}} for i in range(n)}
-    ns["tsw"] = {"qdisc": {}, "link": {}, "udp": {}, "nft": {}, "ethtool": {}}
-    ns["tag"] = {"qdisc": {}, "link": {}, "udp": {}, "nft": {}, "ethtool": {}}
+    def empty() -> dict:
+        return {"qdisc": {}, "link": {}, "udp": {}, "nft": {}, "ethtool": {}}
+
+    ns = {name: empty() for name in [f"tw{i}" for i in range(n)] + ["tsw", "tag"]}
     for i, d in (worker_ns or {}).items():
         for section, v in d.items():
             ns[f"tw{i}"][section].update(v)
@@ -137,7 +139,8 @@ def test_no_loss_all_duplicates_is_spurious():
     assert a.causes["spurious"] == 50
     assert sum(a.causes.values()) == 50 and set(a.causes) == set(CAUSES)
     assert a.dominant() == "spurious"
-    assert a.detail["lost_before_aggregator"] == 0 and a.detail["spurious_from"] == "aggregator duplicates"
+    assert a.detail["lost_before_aggregator"] == 0
+    assert a.detail["spurious_from"] == "aggregator duplicates"
 
 
 def test_upstream_tbf_loss_with_collateral():
