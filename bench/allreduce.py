@@ -18,6 +18,17 @@ but it sits on the aggregator's own port, which gloo's worker-to-worker traffic 
 xdp-agg writes its sum into a preallocated array (allreduce(x, out=y)) and gloo sums in place, so
 neither pays for allocating and faulting in an output tensor.
 
+Host rows ("kind": "host"): one worker, unshaped, 64 MiB float32 and int32, xdp-agg alone: what
+one worker's host library moves, in Gbit/s each way (S*8/time) and CPU seconds per GiB.
+
+Every throughput and host cell also carries: retransmissions as % of the datagrams sent
+("retx_pct") and their causes ("retx_causes", netns_testbed.counters: tbf qdisc, veth/XDP ring,
+socket receive buffer, refused sends, aggregator drop reasons, injected loss, spurious), from
+drop counters snapshotted by rank 0 around each xdp-agg all-reduce only; and, for both systems,
+CPU seconds per rank per all-reduce (user + sys of each worker process, all threads, median
+over the repetitions of the mean over ranks: gloo's threads and the kernel work done in the
+process's context count, softirq work done elsewhere does not).
+
 profile.txt (n=4, unshaped, 64 MiB): one more xdp-agg all-reduce, with a cProfile of rank 0's
 Python and, where `perf` is installed, a system-wide perf sample of both CPUs over exactly that
 all-reduce: how the machine's time splits between the workers' Python and numpy, the kernel's
@@ -43,15 +54,23 @@ LATENCY_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10}
 GLOO_PORT = 29500
 
 
-def run_config(n: int, rate: str, args, log) -> list[dict]:
-    """One testbed and one set of worker processes for (n, rate); every size, both systems."""
+def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> list[dict]:
+    """One testbed and one set of worker processes for (n, rate); every selected size, both
+    systems (or `plan`: the host rows)."""
     from aggcluster.cluster import Cluster
+    from netns_testbed.counters import Layout
     from netns_testbed.testbed import Testbed
 
-    plan = [{"bytes": b, "reps": args.reps, "kind": "throughput"} for b in SIZES.values() if b <= args.max_bytes]
-    plan += [{"bytes": b, "reps": args.latency_reps, "kind": "latency"} for b in LATENCY_SIZES.values()]
+    if plan is None:
+        plan = [{"bytes": SIZES[k], "reps": args.reps, "kind": "throughput"} for k in args.sizes
+                if k in SIZES and SIZES[k] <= args.max_bytes and "throughput" in args.rows]
+        plan += [{"bytes": LATENCY_SIZES[k], "reps": args.latency_reps, "kind": "latency"}
+                 for k in args.sizes if k in LATENCY_SIZES and "latency" in args.rows]
+    if not plan:
+        return []
     profile = rate == "unshaped" and n == 4 and args.profile
     with Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb, Cluster(tb) as cl:
+        layout = Layout.from_testbed(tb)
         procs = []
         for r, w in enumerate(tb.workers):
             cmd = [
@@ -60,36 +79,76 @@ def run_config(n: int, rate: str, args, log) -> list[dict]:
                 "--job", f"bench-{n}-{rate}", "--elems", str(args.elems), "--window", str(args.window),
                 "--plan", json.dumps(plan),
             ]
+            if args.counters:
+                cmd += ["--counted"]
+                if r == 0:
+                    cmd += ["--layout", json.dumps(layout.to_dict()), "--agg-name", cl.name]
             if profile:
                 cmd += ["--profile", str(64 << 20), "--profile-out", str(Path(args.out).resolve() / "profile.txt")]
             procs.append(tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-        per_rank = []
+        per_rank, failed = [], []
         for r, p in enumerate(procs):
             out, err = p.communicate(timeout=args.deadline)
             if p.returncode != 0:
-                raise RuntimeError(f"n={n} {rate}: rank {r} failed: {err.strip()[-1500:]}")
+                failed.append(f"rank {r}: {err.strip()[-1500:]}")
             per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+        if failed:  # every rank's: the first to fail is often not rank 0
+            raise RuntimeError(f"n={n} {rate}: " + "\n".join(failed))
     rows = []
     for i, item in enumerate(plan):
         reports = [pr[i] for pr in per_rank]
-        row = {"n": n, "link": rate, "bytes": item["bytes"], "kind": item["kind"]}
-        for system in ("xdp-agg", "gloo"):
-            # an all-reduce is done when its slowest rank is
-            times = [max(rep[system][k] for rep in (r["times"] for r in reports)) for k in range(item["reps"])]
-            row[system] = times
+        row = {"n": n, "link": rate, "bytes": item["bytes"], "kind": item["kind"],
+               "dtype": item.get("dtype", "float32")}
+        systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
+        for system in systems:
+            # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
+            reps = range(item["reps"])
+            row[system] = [max(r["times"][system][k] for r in reports) for k in reps]
+            row[f"{system} cpu_s"] = [statistics.fmean(r["cpu"][system][k] for r in reports) for k in reps]
         row["retransmissions"] = sum(r["retransmissions"] for r in reports)
+        row["packets"] = sum(r["packets"] for r in reports)
+        row["engine"] = [r["engine"] for r in reports]
+        if "counters" in reports[0]:
+            a = attribute(reports[0]["counters"], layout, row["engine"])
+            row["retx_causes"], row["retx_detail"] = a.causes, a.detail
         rows.append(row)
-        log(f"  n={n} {rate:8s} {item['kind']:10s} {item['bytes']:>9d} B: xdp-agg {statistics.median(row['xdp-agg']) * 1e3:8.2f} ms, "
-            f"gloo {statistics.median(row['gloo']) * 1e3:8.2f} ms")
+        line = f"  n={n} {rate:8s} {item['kind']:10s} {row['dtype']:7s} {item['bytes']:>9d} B:"
+        for system in systems:
+            line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
+        log(line + f", retx {row['retransmissions']}" + (
+            f" ({_top_causes(row['retx_causes'])})" if "retx_causes" in row else ""))
     return rows
 
 
+def attribute(delta: dict, layout, engine: list[dict]) -> "object":
+    """netns_testbed.counters.attribute, imported late (the summary needs no root)."""
+    from netns_testbed import counters
+
+    return counters.attribute(delta, layout, engine)
+
+
+def _top_causes(causes: dict, k: int = 2) -> str:
+    """'spurious 95%, tbf_qdisc 5%': the k largest causes, as shares of the retransmissions."""
+    total = sum(causes.values())
+    if not total:
+        return "none"
+    top = sorted((kv for kv in causes.items() if kv[1]), key=lambda kv: -kv[1])[:k]
+    return ", ".join(f"{c} {v / total:.0%}" for c, v in top)
+
+
 def summarize(rows: list[dict]) -> list[dict]:
+    """Per cell: medians, spread, bounds, speedup; retx_pct and retx_causes; CPU per rank; for
+    host rows gbit_each_way and cpu_s_per_gib."""
     out = []
     for row in rows:
         n, rate_bps, S = row["n"], RATES[row["link"]], row["bytes"]
-        s = {"n": n, "link": row["link"], "bytes": S, "kind": row["kind"], "retransmissions": row["retransmissions"]}
-        for system in ("xdp-agg", "gloo"):
+        s = {"n": n, "link": row["link"], "bytes": S, "kind": row["kind"],
+             "dtype": row.get("dtype", "float32"), "retransmissions": row["retransmissions"]}
+        if row.get("packets"):
+            s["retx_pct"] = 100.0 * row["retransmissions"] / row["packets"]
+        if "retx_causes" in row:
+            s["retx_causes"] = row["retx_causes"]
+        for system in (x for x in ("xdp-agg", "gloo") if x in row):
             t = sorted(row[system])
             s[system] = {
                 "median_s": statistics.median(t),
@@ -99,6 +158,13 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "p99_s": t[min(len(t) - 1, int(round(0.99 * (len(t) - 1))))],
                 "ate_per_s": (S / 4) / statistics.median(t),
             }
+            if f"{system} cpu_s" in row:
+                s[system]["cpu_s_per_rank"] = statistics.median(row[f"{system} cpu_s"])
+        if row["kind"] == "host":
+            s["gbit_each_way"] = S * 8 / s["xdp-agg"]["median_s"] / 1e9
+            s["cpu_s_per_gib"] = s["xdp-agg"]["cpu_s_per_rank"] / (S / 2**30)
+            out.append(s)
+            continue
         s["speedup"] = s["gloo"]["median_s"] / s["xdp-agg"]["median_s"]
         if rate_bps:
             s["bound_ina_s"] = S * 8 / rate_bps
@@ -120,22 +186,47 @@ def markdown(summary: list[dict], meta: dict) -> str:
         + (f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; load average "
            f"{meta['load_before'][0]} before, {meta['load_after'][0]} after." if "load_before" in meta else ""),
         "",
-        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup | xdp-agg ATE/s | gloo ATE/s | xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup | xdp-agg ATE/s | gloo ATE/s "
+        "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) | CPU s/rank xdp-agg | CPU s/rank gloo |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
     for s in (x for x in summary if x["kind"] == "throughput"):
         a, g = s["xdp-agg"], s["gloo"]
-        fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
         L.append(
             f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
             f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | {s['speedup']:.2f}x | {a['ate_per_s']:.3g} | "
-            f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {s['retransmissions']} |"
+            f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
         )
+    host = [x for x in summary if x["kind"] == "host"]
+    if host:
+        L += ["", "One worker's host library (n = 1, unshaped, xdp-agg alone):", "",
+              "| dtype | size | ms (spread) | Gbit/s each way | CPU s per GiB | retx (% of sent; causes) |",
+              "|---|---|---|---|---|---|"]
+        for s in host:
+            a = s["xdp-agg"]
+            L.append(f"| {s['dtype']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
+                     f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | {s['gbit_each_way']:.2f} | "
+                     f"{s['cpu_s_per_gib']:.2f} | {_retx_cell(s)} |")
+    if not any(x["kind"] == "latency" for x in summary):
+        return "\n".join(L) + "\n"
     L += ["", "Small all-reduces (latency, ms):", "", "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |", "|---|---|---|---|---|---|---|"]
     for s in (x for x in summary if x["kind"] == "latency"):
         a, g = s["xdp-agg"], s["gloo"]
         L.append(f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | {g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |")
     return "\n".join(L) + "\n"
+
+
+def _retx_cell(s: dict) -> str:
+    """'412 (0.61%; spurious 97%, tbf_qdisc 3%)'."""
+    if "retx_pct" not in s:
+        return str(s["retransmissions"])
+    causes = f"; {_top_causes(s['retx_causes'])}" if s.get("retx_causes") and s["retransmissions"] else ""
+    return f"{s['retransmissions']} ({s['retx_pct']:.2f}%{causes})"
+
+
+def _cpu(d: dict) -> str:
+    return f"{d['cpu_s_per_rank']:.3f}" if "cpu_s_per_rank" in d else "-"
 
 
 def _style(ax, title: str, ylabel: str, ns: list[int]) -> None:
@@ -159,8 +250,11 @@ def plot(summary: list[dict], path: Path) -> None:
     thr = [s for s in summary if s["kind"] == "throughput"]
     lat = [s for s in summary if s["kind"] == "latency"]
     sizes = sorted({s["bytes"] for s in thr})
-    links = [lk for lk in RATES if any(s["link"] == lk for s in summary)]
-    rows = len(sizes) + (1 if lat else 0)
+    links = [lk for lk in RATES if any(s["link"] == lk and s["kind"] != "host" for s in summary)]
+    if not links:
+        return
+    cpu_row = bool(thr) and any("cpu_s_per_rank" in s["xdp-agg"] for s in thr)
+    rows = len(sizes) + (1 if lat else 0) + (1 if cpu_row else 0)
     fig, axes = plt.subplots(rows, len(links), figsize=(4.2 * len(links), 3.1 * rows), squeeze=False)
     colors = {"xdp-agg": "tab:blue", "gloo": "tab:orange"}
     for i, b in enumerate(sizes):
@@ -176,6 +270,21 @@ def plot(summary: list[dict], path: Path) -> None:
             _style(ax, f"{_size(b)} float32, {lk}", "ms per all-reduce (median)", ns)
             if i == 0:
                 ax.legend(fontsize=7)
+    if cpu_row:  # CPU per rank of the largest size, with xdp-agg's retransmissions
+        b = sizes[-1]
+        for j, lk in enumerate(links):
+            ax = axes[len(sizes)][j]
+            pts = sorted((s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+            ns = [s["n"] for s in pts]
+            for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
+                ax.plot(ns, [s[system].get("cpu_s_per_rank", float("nan")) for s in pts], style,
+                        color=colors[system], label=system)
+            for s in pts:
+                if "retx_pct" in s:
+                    ax.annotate(f"retx {s['retx_pct']:.1f}%", (s["n"], s["xdp-agg"].get("cpu_s_per_rank", 0)),
+                                textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors["xdp-agg"])
+            _style(ax, f"{_size(b)} float32, {lk}: CPU per rank", "CPU s per all-reduce and rank", ns)
+            ax.legend(fontsize=7)
     if lat:
         for j, lk in enumerate(links):
             ax = axes[rows - 1][j]
@@ -195,6 +304,15 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workers", default="2,4,8", help="comma-separated n")
     ap.add_argument("--links", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
+    ap.add_argument("--sizes", default=",".join([*SIZES, *LATENCY_SIZES]),
+                    help="comma-separated: " + ", ".join([*SIZES, *LATENCY_SIZES]))
+    ap.add_argument("--rows", default="throughput,latency,host",
+                    help="row kinds, comma-separated: throughput, latency, host")
+    ap.add_argument("--quick", action="store_true",
+                    help="one cell in about a minute: --workers 4 --links 1gbit --sizes 64MiB "
+                         "--rows throughput --reps 3 --no-profile (explicit options still win)")
+    ap.add_argument("--no-counters", dest="counters", action="store_false",
+                    help="no drop counters, so no retransmission causes (saves a snapshot per run)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
@@ -205,16 +323,36 @@ def main(argv=None) -> int:
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
+    if args.quick:  # defaults only: what the user spelled out stays
+        given = set(argv if argv is not None else sys.argv[1:])
+        for opt, val in (("--workers", "4"), ("--links", "1gbit"), ("--sizes", "64MiB"),
+                         ("--rows", "throughput"), ("--reps", 3)):
+            if not any(g == opt or g.startswith(opt + "=") for g in given):
+                setattr(args, opt[2:], val)
+        args.profile = False
+    args.sizes = args.sizes.split(",")
+    args.rows = args.rows.split(",")
+    unknown = [x for x in args.sizes if x not in SIZES and x not in LATENCY_SIZES]
+    unknown += [x for x in args.rows if x not in ("throughput", "latency", "host")]
+    unknown += [x for x in args.links.split(",") if x not in RATES]
+    if unknown:
+        ap.error(f"unknown: {', '.join(unknown)}")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, flush=True)  # noqa: E731
     rows = []
     t0 = time.time()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    for n in (int(x) for x in args.workers.split(",")):
-        for rate in args.links.split(","):
-            log(f"n={n}, {rate}:")
-            rows += run_config(n, rate, args, log)
+    if "host" in args.rows:
+        log("host (n=1, unshaped):")
+        host_plan = [{"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
+                     for d in ("float32", "int32")]
+        rows += run_config(1, "unshaped", args, log, plan=host_plan)
+    if "throughput" in args.rows or "latency" in args.rows:
+        for n in (int(x) for x in args.workers.split(",")):
+            for rate in args.links.split(","):
+                log(f"n={n}, {rate}:")
+                rows += run_config(n, rate, args, log)
     summary = summarize(rows)
     meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "mtu": args.mtu, "elems": args.elems,
             "window": args.window, "seconds": round(time.time() - t0), "cpus": os.cpu_count(),

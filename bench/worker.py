@@ -1,6 +1,14 @@
 """One benchmark worker: joins both an xdp-agg job (hostlib) and a gloo process group, then times
 both systems' all-reduce of the same float32 tensor, alternating, behind a common barrier.
 
+Besides the times, each all-reduce's CPU seconds (user + sys of this process, all its threads:
+gloo's too) and, over a measurement set, the difference of the engine's statistics. With
+--layout and --agg-name, rank 0 also snapshots every drop counter of the testbed and the
+aggregator's counters (netns_testbed.counters) around each xdp-agg all-reduce of a throughput
+or host set, behind barriers, outside the timed span, so that gloo's traffic between them is
+not counted; the sum of those differences goes out with the set for bench.allreduce to
+attribute the retransmissions.
+
 Run by bench.allreduce inside a worker namespace; prints one JSON line per measurement set.
 """
 
@@ -12,6 +20,7 @@ import io
 import json
 import os
 import pstats
+import resource
 import shutil
 import signal
 import subprocess
@@ -32,7 +41,14 @@ def main(argv=None) -> int:
     ap.add_argument("--job", required=True)
     ap.add_argument("--elems", type=int, default=256)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--plan", required=True, help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"}]')
+    ap.add_argument("--plan", required=True,
+                    help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host", '
+                         '"dtype": "float32"|"int32"}] (host: xdp-agg alone)')
+    ap.add_argument("--counted", action="store_true",
+                    help="every rank: rank 0 snapshots counters around each xdp-agg all-reduce "
+                         "(the extra barriers must be the same on all ranks)")
+    ap.add_argument("--layout", default=None, help="JSON of netns_testbed.counters.Layout (rank 0)")
+    ap.add_argument("--agg-name", default=None, help="the aggregator's --name, for its counters")
     ap.add_argument("--profile", default=None, help="cProfile xdp-agg's all-reduces of this size into --profile-out")
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args(argv)
@@ -48,33 +64,55 @@ def main(argv=None) -> int:
     dist.init_process_group(
         "gloo", init_method=f"tcp://{args.gloo}", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=120)
     )
+    counters = _Counters(args) if args.rank == 0 and args.layout else None
     try:
         for item in json.loads(args.plan):
             nbytes, reps = int(item["bytes"]), int(item["reps"])
+            kind, dtype = item.get("kind", "throughput"), item.get("dtype", "float32")
             count = max(1, nbytes // 4)
-            x = np.random.default_rng([args.rank, count]).standard_normal(count).astype(np.float32)
-            y = np.empty_like(x)  # xdp-agg writes the sum here (gloo sums t in place: no allocation either)
+            rng = np.random.default_rng([args.rank, count])
+            if dtype == "int32":
+                x = rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
+            else:
+                x = rng.standard_normal(count).astype(np.float32)
+            y = np.empty_like(x)  # xdp-agg's sum goes here (gloo sums t in place: no allocation either)
             t = torch.from_numpy(x.copy())
-            runs = {
-                "xdp-agg": lambda: comm.allreduce(x, out=y),
-                "gloo": lambda: dist.all_reduce(t),
-            }
+            runs = {"xdp-agg": lambda: comm.allreduce(x, out=y)}
+            if kind != "host":
+                runs["gloo"] = lambda: dist.all_reduce(t)
             for fn in runs.values():  # warm-up: connections, buffers, page faults
                 dist.barrier()
                 fn()
             times = {k: [] for k in runs}
+            cpu = {k: [] for k in runs}
+            count_drops = args.counted and kind in ("throughput", "host")
+            deltas = []
             before = comm.stats
             for rep in range(reps):
                 order = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # alternate who goes first
                 for name in order:
+                    snap = count_drops and name == "xdp-agg"
                     dist.barrier()
+                    if snap:
+                        s0 = counters.snapshot() if counters else None
+                        dist.barrier()
+                    c0 = _cpu_seconds()
                     t0 = time.perf_counter()
                     runs[name]()
                     times[name].append(time.perf_counter() - t0)
+                    cpu[name].append(_cpu_seconds() - c0)
+                    if snap:
+                        dist.barrier()  # every rank is done: its socket's counters are final
+                        if counters:
+                            deltas.append(counters.diff(s0, counters.snapshot()))
             after = comm.stats
-            out = {"rank": args.rank, "bytes": nbytes, "kind": item.get("kind", "throughput"), "times": times,
-                   "retransmissions": after["retransmissions"] - before["retransmissions"],
-                   "packets": after["packets_sent"] - before["packets_sent"]}
+            engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
+            engine["rtt"] = after.get("rtt", 0.0)  # the smoothed round trip at the end, not a difference
+            out = {"rank": args.rank, "bytes": nbytes, "kind": kind, "dtype": dtype, "times": times,
+                   "cpu": cpu, "engine": engine,
+                   "retransmissions": engine["retransmissions"], "packets": engine["packets_sent"]}
+            if deltas:
+                out["counters"] = counters.sum(deltas)
             if args.profile and int(args.profile) == nbytes:
                 profile_one(comm, dist, x, y, args)
             print(json.dumps(out), flush=True)
@@ -82,6 +120,46 @@ def main(argv=None) -> int:
         dist.destroy_process_group()
         comm.close()
     return 0
+
+
+def _cpu_seconds() -> float:
+    """User + system CPU seconds of this process so far, all threads (gloo's included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+class _Counters:
+    """Rank 0's view of the testbed's drop counters and the aggregator's counters by reason."""
+
+    def __init__(self, args) -> None:
+        from netns_testbed import counters
+
+        from xdp_switch import aggregator
+
+        self.mod = counters
+        self.layout = counters.Layout.from_dict(json.loads(args.layout))
+        # opened once: each open_instance opens every pinned map
+        self.maps = aggregator.open_instance(args.agg_name)[1] if args.agg_name else None
+
+    def _aggregator(self) -> dict:
+        """What aggregator.stats reports (reasons per job, counters per worker)."""
+        from xdp_switch import abi
+
+        m = self.maps
+        out = {"unattributed": m.counters(abi.NO_JOB), "jobs": {}}
+        for j in m.jobs():
+            ws = {w.index: m.worker_counters(j, w.index) for _, w in m.workers() if w.job == j}
+            out["jobs"][j] = {"reasons": m.counters(j), "workers": ws}
+        return out
+
+    def snapshot(self) -> dict:
+        return self.mod.snapshot(self.layout, self._aggregator if self.maps else None)
+
+    def diff(self, a: dict, b: dict) -> dict:
+        return self.mod.diff(a, b)
+
+    def sum(self, deltas: list[dict]) -> dict:
+        return self.mod.sum_deltas(deltas)
 
 
 def profile_one(comm, dist, x, y, args) -> None:
