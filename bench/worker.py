@@ -143,10 +143,10 @@ class _Counters:
 
     def _aggregator(self) -> dict:
         """What aggregator.stats reports (reasons per job, counters per worker)."""
-        from xdp_switch import abi
+        from aggproto.limits import NO_JOB
 
         m = self.maps
-        out = {"unattributed": m.counters(abi.NO_JOB), "jobs": {}}
+        out = {"unattributed": m.counters(NO_JOB), "jobs": {}}
         for j in m.jobs():
             ws = {w.index: m.worker_counters(j, w.index) for _, w in m.workers() if w.job == j}
             out["jobs"][j] = {"reasons": m.counters(j), "workers": ws}

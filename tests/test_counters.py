@@ -246,7 +246,7 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)
 def test_injected_loss_is_attributed(testbed_factory, direction):
     """2 workers through the XDP aggregator with 3% loss one way: the retransmissions are
     attributed to the nftables rules, and the account closes (nothing unexplained)."""
-    from xdp_switch.cluster import Cluster
+    from aggcluster.cluster import Cluster
 
     loss = {"loss_up": 0.03} if direction == "up" else {"loss_down": 0.03}
     tb = testbed_factory(workers=2, topology="one-arm", mtu=3500, **loss)
