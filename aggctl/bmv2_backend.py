@@ -37,7 +37,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from aggproto import limits, reasons, wire
+from aggproto import keys, limits, reasons, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 
 from .p4gen import P4_ELEMS
@@ -567,7 +567,7 @@ class Bmv2Backend:
         cmds = []
         for row in rows:
             for r in reasons.Reason:
-                idx = row * reasons.NUM_REASONS + int(r)
+                idx = keys.counter_key(row, int(r))
                 cmds.append(f"counter_read {C_INGRESS} {idx}")
                 cmds.append(f"counter_read {C_EGRESS} {idx}")
         outs = iter(self.cli.run(cmds))

@@ -196,7 +196,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	__be32 *pl = (__be32 *)(pk->exp + 1);
-	u32 pkey = g * 2 + vi;
+	u32 pkey = AGG_POOL_ENTRY(g, vi);
 	u64 bit = 1ULL << w->index;
 	u64 n = job->num_workers;
 	struct agg_result *r;

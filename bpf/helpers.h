@@ -17,7 +17,7 @@ struct agg_pkt {
 /* Count one packet for a job (AGG_NO_JOB for none) and a reason. Per-CPU: no atomics. */
 static __always_inline void count(u32 job, u32 reason)
 {
-	u32 key = job * AGG_NUM_REASONS + reason;
+	u32 key = AGG_COUNTER_KEY(job, reason);
 	u64 *c = stats.lookup(&key);
 
 	if (c)
@@ -27,7 +27,7 @@ static __always_inline void count(u32 job, u32 reason)
 /* A worker's counter row (per-CPU). */
 static __always_inline struct agg_worker_stats *worker_counters(struct agg_worker *w)
 {
-	u32 key = w->job * AGG_MAX_WORKERS + w->index;
+	u32 key = AGG_WORKER_KEY(w->job, w->index);
 
 	return worker_stats.lookup(&key);
 }

@@ -10,7 +10,7 @@ import re
 import pytest
 
 from aggctl.bmv2_backend import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
-from aggproto import reasons
+from aggproto import keys, reasons
 from aggproto.jobs import JobSpec, WorkerSpec
 
 
@@ -149,8 +149,8 @@ def test_counters_add_ingress_and_egress_by_reason():
     cli = FakeCLI()
     b = Bmv2Backend(cli, PORTS)
     row = 2
-    cli.counters[("ingress_reasons", row * reasons.NUM_REASONS + reasons.Reason.COMPLETED)] = 3
-    cli.counters[("egress_reasons", row * reasons.NUM_REASONS + reasons.Reason.EGRESS_SENT)] = 6
+    cli.counters[("ingress_reasons", keys.counter_key(row, reasons.Reason.COMPLETED))] = 3
+    cli.counters[("egress_reasons", keys.counter_key(row, reasons.Reason.EGRESS_SENT))] = 6
     c = b.counters(row)
     assert c["completed"] == 3 and c["egress_sent"] == 6
     assert sum(c.values()) == 9 and set(c) == {r.name.lower() for r in reasons.Reason}

@@ -76,3 +76,15 @@ def test_btf_layout_matches_python(agg_prog):
         cls = s.ctypes()
         assert t["size"] == ct.sizeof(cls), s.name
         assert [(m["name"], m["bits_offset"] // 8) for m in t["members"]] == [(f, getattr(cls, f).offset) for f, _ in cls._fields_], s.name
+
+
+def test_key_formulas_agree_between_python_and_the_generated_c():
+    """aggproto.keys is compiled for Python and written into abi.h: both from one expression."""
+    from aggproto import keys, limits, reasons
+
+    text = (codegen.ROOT / "bpf/generated/abi.h").read_text()
+    for k in keys.KEYS:
+        assert f"#define AGG_{k.name.upper()}({', '.join(k.args)}) ({k.expr})" in text
+    assert keys.pool_entry(5, 1) == 11
+    assert keys.counter_key(limits.NO_JOB, reasons.Reason.PASS) == limits.NO_JOB * reasons.NUM_REASONS
+    assert keys.worker_key(2, 3) == 2 * limits.MAX_WORKERS + 3

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from aggctl import p4gen
-from aggproto import reasons, wire
+from aggproto import keys, reasons, wire
 from aggproto.jobs import Delivery
 
 from . import abi
@@ -92,6 +92,10 @@ def abi_h() -> str:
     for r in reasons.Reason:
         L.append(f"\tAGG_{r.name} = {int(r)},")
     L.append("};")
+    L.append("")
+    L.append("/* table keys (aggproto/keys.py) */")
+    for k in keys.KEYS:
+        L.append(f"#define AGG_{k.name.upper()}({', '.join(k.args)}) ({k.expr}) /* {k.doc} */")
     L.append("")
     L.append("/* per-job options: bits of agg_job.flags */")
     for f in abi.JobFlag:

@@ -12,7 +12,7 @@ import socket
 import time
 
 import bpfsys
-from aggproto import limits, reasons, wire
+from aggproto import keys, limits, reasons, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.reasons import Reason
 
@@ -145,7 +145,7 @@ class AggMaps:
                 raise ValueError(f"job {w.job_id} already has a worker {w.index} ({ip_str(k.addr)})")
         bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
         zero = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(w.job_id * limits.MAX_WORKERS + w.index), zero)
+        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(w.job_id, w.index)), zero)
         if ifindex:
             pw = abi.PortWorker(
                 ip=ip_be(w.ip),
@@ -193,12 +193,12 @@ class AggMaps:
 
     def result(self, g: int, version: int) -> abi.Result:
         r = abi.Result()
-        bpfsys.map_lookup(self.fds["results"], ct.c_uint32(g * 2 + version), r)
+        bpfsys.map_lookup(self.fds["results"], ct.c_uint32(keys.pool_entry(g, version)), r)
         return r
 
     def partials(self, g: int, version: int) -> list[abi.Partial]:
         vals = (abi.Partial * self.ncpu)()
-        bpfsys.map_lookup(self.fds["partials"], ct.c_uint32(g * 2 + version), vals)
+        bpfsys.map_lookup(self.fds["partials"], ct.c_uint32(keys.pool_entry(g, version)), vals)
         return list(vals)
 
     def counters(self, job_row: int) -> dict[str, int]:
@@ -206,19 +206,19 @@ class AggMaps:
         out = {}
         vals = (ct.c_uint64 * self.ncpu)()
         for r in Reason:
-            bpfsys.map_lookup(self.fds["stats"], ct.c_uint32(job_row * reasons.NUM_REASONS + r), vals)
+            bpfsys.map_lookup(self.fds["stats"], ct.c_uint32(keys.counter_key(job_row, r)), vals)
             out[r.name.lower()] = int(sum(vals))
         return out
 
     def worker_counters(self, job_id: int, index: int) -> dict[str, int]:
         vals = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(job_id * limits.MAX_WORKERS + index), vals)
+        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(job_id, index)), vals)
         return {name: int(sum(getattr(v, name) for v in vals)) for name, _ in abi.WorkerStats._fields_}
 
     def _clear_counters(self, job_id: int) -> None:
         zero = (ct.c_uint64 * self.ncpu)()
         for r in Reason:
-            bpfsys.map_update(self.fds["stats"], ct.c_uint32(job_id * reasons.NUM_REASONS + r), zero)
+            bpfsys.map_update(self.fds["stats"], ct.c_uint32(keys.counter_key(job_id, r)), zero)
         zw = (abi.WorkerStats * self.ncpu)()
         for i in range(limits.MAX_WORKERS):
-            bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(job_id * limits.MAX_WORKERS + i), zw)
+            bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(job_id, i)), zw)

@@ -29,6 +29,11 @@ enum agg_reason {
 	AGG_DROP_BAD_CHECKSUM = 15,
 };
 
+/* table keys (aggproto/keys.py) */
+#define AGG_POOL_ENTRY(slot, version) ((slot) * 2 + (version)) /* a slot's version: key of results, partials and the P4 registers */
+#define AGG_COUNTER_KEY(row, reason) ((row) * AGG_NUM_REASONS + (reason)) /* counter of a reason in a row (job id, or NO_JOB) */
+#define AGG_WORKER_KEY(job, index) ((job) * AGG_MAX_WORKERS + (index)) /* per-worker counters of worker `index` of `job` */
+
 /* per-job options: bits of agg_job.flags */
 #define AGG_JOB_VERIFY_UDP_CSUM 1
 
