@@ -40,6 +40,7 @@ from pathlib import Path
 from aggproto import keys, limits, reasons, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 
+from .backend import check_job, check_worker
 from .p4gen import P4_ELEMS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -384,10 +385,8 @@ class Bmv2Backend:
     # --- Backend -----------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared."""
-        if not 0 <= spec.job_id < limits.MAX_JOBS:
-            raise ValueError(f"job id must be 0..{limits.MAX_JOBS - 1}")
-        if not 1 <= spec.num_workers <= limits.MAX_WORKERS:
-            raise ValueError(f"a job has 1..{limits.MAX_WORKERS} workers")
+        check_job(spec, {j: (o.spec.slot_base, o.spec.slot_count) for j, o in self._jobs.items()},
+                  self.pool_slots)
         if spec.elems not in P4_ELEMS:
             raise ValueError(
                 f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
@@ -398,18 +397,6 @@ class Bmv2Backend:
                 "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
             )
         end = spec.slot_base + spec.slot_count
-        if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
-            raise ValueError(
-                f"slots {spec.slot_base}..{end - 1} are outside the pool of {self.pool_slots} "
-                "(compile with a larger POOL_SLOTS, or pick a smaller range)"
-            )
-        for other_id, other in self._jobs.items():
-            o = other.spec
-            if other_id != spec.job_id and o.slot_base < end and spec.slot_base < o.slot_base + o.slot_count:
-                raise ValueError(
-                    f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s "
-                    f"{o.slot_base}..{o.slot_base + o.slot_count - 1}"
-                )
         if spec.job_id in self._jobs:
             self.delete_job(spec.job_id)
         mgid = job_mgid(spec.job_id)
@@ -487,22 +474,9 @@ class Bmv2Backend:
     def _check_worker(self, worker: WorkerSpec) -> _Job:
         """The worker's job; ValueError when the worker cannot be registered."""
         job = self._jobs.get(worker.job_id)
-        if job is None:
-            raise ValueError(f"job {worker.job_id} does not exist: create it first")
-        if not 0 <= worker.index < job.spec.num_workers:
-            raise ValueError(f"worker index {worker.index} is outside 0..{job.spec.num_workers - 1}")
-        cur = job.workers.get(worker.index)
-        if cur is not None and (cur.spec.ip, cur.spec.agg_port) != (worker.ip, worker.agg_port):
-            # as the XDP backend: an index is re-registered only from the same address
-            raise ValueError(f"job {worker.job_id} already has a worker {worker.index} ({cur.spec.ip})")
-        for other in self._jobs.values():
-            for w in other.workers.values():
-                if (w.spec.ip, w.spec.agg_port) == (worker.ip, worker.agg_port) and (
-                    other.spec.job_id, w.spec.index) != (worker.job_id, worker.index):
-                    raise ValueError(
-                        f"{worker.ip} -> port {worker.agg_port:#x} is already worker "
-                        f"{w.spec.index} of job {other.spec.job_id}"
-                    )
+        owners = {(w.spec.ip, w.spec.agg_port): (j, w.spec.index)
+                  for j, o in self._jobs.items() for w in o.workers.values()}
+        check_worker(worker, job.spec if job else None, owners)
         return job
 
     def _port_of(self, worker: WorkerSpec) -> int:

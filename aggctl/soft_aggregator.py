@@ -26,10 +26,12 @@ import numpy as np
 
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
-from aggproto.limits import MAX_JOBS, MAX_WORKERS, NO_JOB
+from aggproto.limits import NO_JOB
 from aggproto.model import Action, ReferenceAggregator
 from aggproto.reasons import Reason
 from hostlib.udp_io import DatagramSocket
+
+from .backend import check_job, check_worker
 
 # how the per-worker counters (named as in abi.WORKER_STATS) follow from a verdict's reason
 _CONTRIBUTION = {Reason.AGGREGATED, Reason.COMPLETED}
@@ -97,28 +99,18 @@ class SoftAggregator:
 
     # --- Backend protocol -------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
-        """Create a job; its slot state starts cleared. ValueError on a bad or clashing spec."""
-        if not 0 <= spec.job_id < MAX_JOBS:
-            raise ValueError(f"job id {spec.job_id} is not in 0..{MAX_JOBS - 1}")
-        if not 1 <= spec.num_workers <= MAX_WORKERS:
-            raise ValueError(f"{spec.num_workers} workers: a job has 1..{MAX_WORKERS}")
-        end = spec.slot_base + spec.slot_count
-        if spec.slot_base < 0 or spec.slot_count < 1 or end > wire.MAX_SLOTS:
-            raise ValueError(f"slot range {spec.slot_base}+{spec.slot_count} is outside the pool")
+        """Create (or re-create) a job; its slot state starts cleared. ValueError on a bad or
+        clashing spec (aggctl.backend.check_job: the model keys slots by job, but a real
+        aggregator shares one pool, and this one keeps that contract)."""
         with self._lock:
+            ranges = {j: (o.slot_base, o.slot_count) for j, o in self._specs.items()}
+            check_job(spec, ranges, wire.MAX_SLOTS)
             if spec.job_id in self._specs:
-                raise ValueError(f"job {spec.job_id} exists; delete it first")
-            for other in self._specs.values():
-                # the model keys slots by job, but a real aggregator shares one pool: keep the
-                # contract the XDP target enforces
-                if spec.slot_base < other.slot_base + other.slot_count and other.slot_base < end:
-                    raise ValueError(
-                        f"slots {spec.slot_base}..{end - 1} overlap job {other.job_id}'s "
-                        f"{other.slot_base}..{other.slot_base + other.slot_count - 1}"
-                    )
+                self._delete_job(spec.job_id)
             self._open_port(spec.agg_port)
             self._model.create_job(
-                spec.job_id, spec.num_workers, spec.elems, spec.slot_base, spec.slot_count
+                spec.job_id, spec.num_workers, spec.elems, spec.slot_base, spec.slot_count,
+                spec.udp_checksum,
             )
             self._specs[spec.job_id] = spec
             self._workers[spec.job_id] = {}
@@ -129,41 +121,26 @@ class SoftAggregator:
     def delete_job(self, job_id: int) -> None:
         """Delete a job and its workers (a no-op for an unknown job)."""
         with self._lock:
-            self._model.delete_job(job_id)
-            self._specs.pop(job_id, None)
-            self._workers.pop(job_id, None)
+            self._delete_job(job_id)
+
+    def _delete_job(self, job_id: int) -> None:
+        """delete_job with the lock held."""
+        self._model.delete_job(job_id)
+        self._specs.pop(job_id, None)
+        self._workers.pop(job_id, None)
 
     def add_worker(self, worker: WorkerSpec) -> None:
         """Register worker `index` of a job: datagrams from worker.ip to worker.agg_port."""
         with self._lock:
-            spec = self._specs.get(worker.job_id)
-            if spec is None:
-                raise ValueError(f"job {worker.job_id} does not exist")
-            if not 0 <= worker.index < spec.num_workers:
-                raise ValueError(
-                    f"worker index {worker.index} is not in 0..{spec.num_workers - 1}"
-                )
-            if worker.agg_port != spec.agg_port:
-                raise ValueError(
-                    f"worker sends to port {worker.agg_port:#x} but job {spec.job_id} "
-                    f"listens on {spec.agg_port:#x}"
-                )
-            owner = self._model.workers.get((worker.ip, worker.agg_port))
-            if owner is not None and owner != (worker.job_id, worker.index):
-                raise ValueError(
-                    f"{worker.ip} -> port {worker.agg_port:#x} is already worker {owner[1]} "
-                    f"of job {owner[0]}"
-                )
+            check_worker(worker, self._specs.get(worker.job_id), self._model.workers)
             self._model.add_worker(worker.job_id, worker.index, worker.ip, worker.agg_port)
             self._workers[worker.job_id][worker.index] = worker
 
     def remove_worker(self, job_id: int, index: int) -> None:
         """Unregister a worker (a no-op if it is not registered)."""
         with self._lock:
-            w = self._workers.get(job_id, {}).pop(index, None)
-            if w is not None:
-                # the model has no remove_worker; its `workers` table is its public state
-                self._model.workers.pop((w.ip, w.agg_port), None)
+            if self._workers.get(job_id, {}).pop(index, None) is not None:
+                self._model.remove_worker(job_id, index)
 
     def jobs(self) -> list[dict]:
         """The configured jobs, each a JobSpec.to_dict() with a 'workers' list."""

@@ -114,6 +114,11 @@ class ReferenceAggregator:
         """Register worker `index` of a job: packets from `addr` to aggregator port `port`."""
         self.workers[(addr, port)] = (job_id, index)
 
+    def remove_worker(self, job_id: int, index: int) -> None:
+        """Unregister worker `index` of a job (a no-op if it is not registered): its packets are
+        then from an unknown source. The slot state stays, as in the XDP program."""
+        self.workers = {k: v for k, v in self.workers.items() if v != (job_id, index)}
+
     def process_frame(self, frame: bytes) -> Verdict:
         """Run one whole Ethernet frame through the aggregator, as the XDP program sees it.
 

@@ -10,6 +10,7 @@ Retransmissions of a completed slot are answered to their sender alone, in both 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 
@@ -18,7 +19,7 @@ from aggproto import limits
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 
 from . import abi, links, loader, pins
-from .ctl_maps import AggMaps, ip_str, mac_str
+from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
 
 MODES = ("one-arm", "switch")
 
@@ -183,7 +184,7 @@ def status(name: str = "default") -> dict:
 def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
     workers = sorted(
         (
-            {"index": w.index, "ip": ip_str(k.addr), "agg_port": _ntohs(k.port)}
+            {"index": w.index, "ip": ip_str(k.addr), "agg_port": port_ntoh(k.port)}
             for k, w in maps.workers()
             if w.job == job_id
         ),
@@ -205,10 +206,6 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
         "workers": workers,
     }
-
-
-def _ntohs(v: int) -> int:
-    return ((v & 0xFF) << 8) | (v >> 8)
 
 
 def stats(name: str = "default") -> dict:
@@ -258,8 +255,8 @@ class XdpBackend:
         self.state, self.maps = open_instance(name)
 
     def create_job(self, spec: JobSpec) -> None:
-        if self.state.mode == "switch":
-            spec.delivery = Delivery.BROADCAST
+        if self.state.mode == "switch":  # every result through the devmap; the caller's spec stays
+            spec = dataclasses.replace(spec, delivery=Delivery.BROADCAST)
         self.maps.create_job(spec)
 
     def delete_job(self, job_id: int) -> None:

@@ -12,7 +12,8 @@ import socket
 import time
 
 import bpfsys
-from aggproto import keys, limits, reasons, wire
+from aggctl.backend import check_job, check_worker
+from aggproto import keys, limits, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.reasons import Reason
 
@@ -26,6 +27,11 @@ def ip_be(addr: str) -> int:
 
 def ip_str(raw: int) -> str:
     return socket.inet_ntoa(int(raw).to_bytes(4, "little"))
+
+
+def port_ntoh(raw: int) -> int:
+    """A UDP port as a map holds it (network order, read as a host integer) -> the port."""
+    return socket.ntohs(raw)
 
 
 def port_be(port: int) -> int:
@@ -59,23 +65,10 @@ class AggMaps:
         return job
 
     def create_job(self, spec: JobSpec) -> None:
-        """Write a job and clear its slots; refuses specs the program cannot serve."""
-        if not 0 <= spec.job_id < limits.MAX_JOBS:
-            raise ValueError(f"job id must be 0..{limits.MAX_JOBS - 1}")
-        if not 1 <= spec.num_workers <= limits.MAX_WORKERS:
-            raise ValueError(f"a job has 1..{limits.MAX_WORKERS} workers")
+        """Write a job and clear its slots; refuses specs the program cannot serve (the checks
+        every backend makes, aggctl.backend.check_job; re-creating a job replaces it)."""
+        check_job(spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots)
         end = spec.slot_base + spec.slot_count
-        if spec.slot_count < 1 or spec.slot_base < 0 or end > self.pool_slots:
-            raise ValueError(
-                f"slots {spec.slot_base}..{end - 1} are outside the pool of {self.pool_slots} "
-                "(attach with a larger --pool-slots, or pick a smaller range)"
-            )
-        for other_id, other in self.jobs().items():
-            if other_id != spec.job_id and other.slot_base < end and spec.slot_base < other.slot_base + other.slot_count:
-                raise ValueError(
-                    f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s "
-                    f"{other.slot_base}..{other.slot_base + other.slot_count - 1}"
-                )
         if self.get_job(spec.job_id) is not None:
             self.delete_job(spec.job_id)
         zero = abi.Slot()
@@ -129,20 +122,9 @@ class AggMaps:
     # --- workers --------------------------------------------------------------------------
     def add_worker(self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None) -> None:
         """Register a worker; with ifindex (switch mode) also how to address it on that port."""
-        job = self.get_job(w.job_id)
-        if job is None:
-            raise ValueError(f"job {w.job_id} does not exist: create it first")
-        if not 0 <= w.index < job.num_workers:
-            raise ValueError(f"worker index {w.index} is outside 0..{job.num_workers - 1}")
+        owners = {(ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index) for k, o in self.workers()}
+        check_worker(w, self.get_job(w.job_id), owners)
         key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))
-        cur = abi.Worker()
-        if bpfsys.map_lookup(self.fds["workers"], key, cur) and (cur.job, cur.index) != (w.job_id, w.index):
-            raise ValueError(
-                f"{w.ip} -> port {w.agg_port:#x} is already worker {cur.index} of job {cur.job}"
-            )
-        for k, other in self.workers():
-            if other.job == w.job_id and other.index == w.index and (k.addr, k.port) != (key.addr, key.port):
-                raise ValueError(f"job {w.job_id} already has a worker {w.index} ({ip_str(k.addr)})")
         bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
         zero = (abi.WorkerStats * self.ncpu)()
         bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(w.job_id, w.index)), zero)
