@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import sys
 import time
 
@@ -90,14 +92,21 @@ def main(argv=None) -> int:
             dtype, count = item["dtype"], int(item["count"])
             seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
             x = make_input(dtype, count, seed, args.rank)
-            times = []
+            times, cpu = [], []
             before = dict(comm.stats)
             for _ in range(reps):
                 comm.barrier()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 out = comm.allreduce(x)
                 times.append(time.perf_counter() - t0)
-            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times}
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu.append(r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime)
+                if os.environ.get("XDP_AGG_CPU_SPLIT"):
+                    print("cpu user", r1.ru_utime - r0.ru_utime, "sys", r1.ru_stime - r0.ru_stime, file=sys.stderr)
+            # cpu_s: user + sys seconds of this process per all-reduce (all its threads)
+            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times,
+                      "cpu_s": cpu, "native": comm._engine.native}
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
             if item.get("verify", True):
                 want = expected_sum(dtype, count, seed, args.world)
