@@ -357,7 +357,7 @@ typedef struct {
     double *deadline, *sent_at, *rto;
     int32_t *tries;
     int64_t *pkt;                          /* packet in each slot, -1 when none in flight */
-    int64_t *ready;                        /* FIFO of packets whose slot is free */
+    int64_t *ready;                        /* per slot: the packet ready to go there, or -1 */
     int32_t *sendq;                        /* slots to send in one call (2x for duplicates) */
     struct iovec *siov;
     struct mmsghdr *smsg;
@@ -384,9 +384,12 @@ typedef struct {
     const uint8_t *versions;               /* next version of each slot at the start */
     const int8_t *exps;                    /* float: e0 of chunk c, Pd of them */
     int8_t *agreed;                        /* float: E of chunk c from the results */
-    uint8_t *done;                         /* per packet: 0, else 1 + retransmissions left */
+    /* per packet: 0 not sent yet, 1 in flight, 2 + n done (n: retransmissions that may still
+     * prove spurious) */
+    uint8_t *state;
     int64_t ndone, results_here, inflight, next_new;
-    int64_t rhead, rlen;                   /* ready FIFO (capacity w) */
+    int64_t nready;                        /* packets whose slot is free, not sent yet */
+    int64_t base;                          /* the lowest packet without its result */
     int64_t recover;                       /* AIMD: no second halving before this packet */
     double next_deadline, last_progress;
     double batch_sample_at;                /* RTT: send time of the newest sample this batch */
@@ -426,16 +429,18 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
                              "type_size", "slot_base", "rto", "rto_max", "gso", "gro",
                              "cwnd", "faults", NULL};
     const char *host, *cwnd = "aimd";
-    int port, gso = 1, gro = 1;
+    int port, type_size, gso = 1, gro = 1;
     PyObject *faults = Py_None;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "isiiiiiidd|ppsO", kwlist, &e->fd, &host, &port,
-                                     &e->k, &e->window, &e->world, &e->type_size, &e->slot_base,
+                                     &e->k, &e->window, &e->world, &type_size, &e->slot_base,
                                      &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults))
         return -1;
-    if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535) {
+    if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535 ||
+        type_size < 0 || type_size > 255) {
         PyErr_SetString(PyExc_ValueError, "bad engine parameters");
         return -1;
     }
+    e->type_size = (uint8_t)type_size;
     memset(&e->dst, 0, sizeof e->dst);
     e->dst.sin_family = AF_INET;
     e->dst.sin_port = htons((uint16_t)port);
@@ -713,23 +718,46 @@ static inline int64_t window_now(const Run *r)
     return c > r->w ? r->w : c;
 }
 
-/* First transmissions of ready packets, as far as the congestion window allows. */
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* First transmissions of ready packets, lowest packet number first, as far as the congestion
+ * window allows -- except the lowest packet without a result (`base`), which may always go.
+ *
+ * Why: a packet completes only once every rank sent it. If a full window let each rank pick
+ * its own subset of the ready packets (rank A holds p1 in flight with p0 waiting, rank B the
+ * other way round), every rank could wait for a packet that another rank is holding back:
+ * a deadlock. Every rank can always send its base packet (its slot is free: base - w is
+ * done), so the lowest packet any rank still lacks always completes, and the stream moves. */
 static int send_ready(Run *r, int *sent)
 {
     Engine *e = r->e;
     int n = 0;
+    *sent = 0;
     int64_t room = window_now(r) - r->inflight;
-    while (r->rlen > 0 && n < room) {
-        int64_t p = r->e->ready[r->rhead];
-        r->rhead = (r->rhead + 1) % r->w;
-        r->rlen--;
-        int64_t s = p % r->w;
+    if (r->nready == 0 || (room <= 0 && e->ready[r->base % r->w] != r->base))
+        return 0;
+    int64_t *cand = (int64_t *)e->siov;   /* scratch: the iovecs are built after this */
+    int64_t m = 0;
+    for (int64_t s = 0; s < r->w; s++)
+        if (e->ready[s] >= 0)
+            cand[m++] = e->ready[s];
+    if (m > 1 && room < m)
+        qsort(cand, (size_t)m, sizeof *cand, cmp_i64);
+    for (int64_t i = 0; i < m && (n < room || cand[i] == r->base); i++) {
+        int64_t p = cand[i], s = p % r->w;
         fill(r, p, e->rows + (size_t)s * (size_t)e->plen);
         e->sendq[n++] = (int32_t)s;
         e->pkt[s] = p;
+        e->ready[s] = -1;
+        r->state[p] = 1;
         if (p >= r->next_new)
             r->next_new = p + 1;
     }
+    r->nready -= n;
     *sent = n;
     if (n == 0)
         return 0;
@@ -796,20 +824,20 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
         r->c.stale++;
         return;
     }
-    if (r->done[p]) {
+    if (r->state[p] >= 2) {
         r->c.duplicates++;
-        if (r->done[p] > 1) {   /* the first copy's result came after a resend */
+        if (r->state[p] > 2) {   /* the first copy's result came after a resend */
             r->c.spurious++;
-            r->done[p]--;
+            r->state[p]--;
         }
         return;
     }
-    if (e->pkt[s] != p) {   /* echoes a packet not sent yet: not a result of ours */
+    if (r->state[p] == 0) {   /* echoes a packet not sent yet: not a result of ours */
         r->c.stale++;
         return;
     }
     int32_t tries = e->tries[s];
-    r->done[p] = (uint8_t)(1 + (tries > 254 ? 254 : tries));
+    r->state[p] = (uint8_t)(2 + (tries > 253 ? 253 : tries));
     r->c.results++;
     r->ndone++;
     r->results_here++;
@@ -822,10 +850,12 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
         r->batch_sample_at = e->sent_at[s];
         r->batch_sample = now - e->sent_at[s];
     }
-    if (p + r->w < r->P) {
-        r->e->ready[(r->rhead + r->rlen) % r->w] = p + r->w;
-        r->rlen++;
+    if (p + r->w < r->P) {   /* its slot is free for the packet one window later */
+        e->ready[s] = p + r->w;
+        r->nready++;
     }
+    while (r->base < r->P && r->state[r->base] >= 2)
+        r->base++;
     if (!e->cwnd_fixed && e->cwnd < e->window) {
         /* slow start below ssthresh, then +1 per window of results */
         e->cwnd += e->cwnd < e->ssthresh ? 1.0 : 1.0 / e->cwnd;
@@ -955,7 +985,7 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
                 break;
             }
             got += m;
-            if (r->rlen >= SEND_READY_AT || r->ndone >= r->P)
+            if (r->nready >= SEND_READY_AT || r->ndone >= r->P)
                 break;
         }
         if (r->ndone >= r->P)
@@ -982,7 +1012,7 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
                 return -EINTR;
             next_print = now + progress_every;
         }
-        if (got || sent || (r->rlen > 0 && r->inflight < window_now(r)))
+        if (got || sent || (r->nready > 0 && r->inflight < window_now(r)))
             continue;
         /* nothing to do until a result comes or a timer expires */
         if (r->P - r->ndone <= SPIN_OUTSTANDING) {
@@ -1024,12 +1054,9 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
     return ST_DONE;
 }
 
-static int get_buffer(PyObject *o, Py_buffer *b, int writable, const char *what)
+static int get_buffer(PyObject *o, Py_buffer *b, int writable)
 {
-    if (PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0)
-        return -1;
-    (void)what;
-    return 0;
+    return PyObject_GetBuffer(o, b, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0));
 }
 
 static PyObject *counters_dict(const Counters *c)
@@ -1076,10 +1103,10 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     int have_src = 0, have_dst = 0, have_exps = 0;
     uint8_t *done = NULL;
     int8_t *agreed = NULL;
-    if (get_buffer(src_o, &src, 0, "src") < 0)
+    if (get_buffer(src_o, &src, 0) < 0)
         goto out;
     have_src = 1;
-    if (get_buffer(dst_o, &dst, 1, "dst") < 0)
+    if (get_buffer(dst_o, &dst, 1) < 0)
         goto out;
     have_dst = 1;
     Py_ssize_t L = src.len / 4, k = e->k;
@@ -1118,7 +1145,7 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     r.versions = vers.buf;
     r.exps = is_float ? exps.buf : NULL;
     r.agreed = agreed;
-    r.done = done;
+    r.state = done;
     r.recover = 0;
     r.next_deadline = INFINITY;
     for (int64_t s = 0; s < w; s++) {
@@ -1128,7 +1155,7 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     }
     for (int64_t p = 0; p < w; p++)
         e->ready[p] = p;
-    r.rlen = w;
+    r.nready = w;
     r.last_progress = now_s();
 
     PyThreadState *ts = PyEval_SaveThread();

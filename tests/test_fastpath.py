@@ -538,3 +538,38 @@ def test_packets_and_counters_per_allreduce_are_independent_of_earlier_failures(
             eng.sock.close()
             agg.close()
     assert len(sent[False]) == 6 and sent[False] == sent[True]
+
+
+def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
+    """Heavy loss keeps the congestion windows small and makes the ranks see results in
+    different orders. A window that let each rank choose which ready packets go first could
+    leave rank A waiting on a packet that rank B holds back and vice versa; the C loop always
+    lets the lowest unfinished packet go, so the stream keeps moving."""
+    n, length, reps = 3, 64 * 40, 6
+
+    def body(c):
+        out = [c.allreduce(np.arange(length, dtype=np.int32) + i) for i in range(reps)]
+        return out, c.stats
+
+    with soft_cluster() as cl:
+        results = [None] * n
+
+        def rank_main(r):
+            try:
+                with hostlib.init(r, n, cl.endpoint, job="aimd", ip=cl.worker_ip(r), elems=64,
+                                  window=16, timeout=5.0, retransmit=0.005, rendezvous_timeout=15,
+                                  native=True, faults=Faults(send_loss=0.05, recv_loss=0.25,
+                                                             seed=r)) as comm:
+                    results[r] = body(comm)
+            except Exception as e:
+                results[r] = e
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for out, stats in ok(results):
+        for i, got in enumerate(out):
+            assert np.array_equal(got, (np.arange(length) + i).astype(np.int32) * n)
+        assert stats["cwnd"] < 16 and stats["retransmissions"] > 0
