@@ -16,7 +16,7 @@ DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-header
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux
 PYTEST_ARGS ?=
 
-.PHONY: setup deps headers bpffs venv test test-unit demo bench bench-micro codegen clean help
+.PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro codegen clean help
 
 help:
 	@sed -n '1,12p' Makefile
@@ -48,11 +48,15 @@ bpffs:
 
 venv: .venv/.installed
 
-.venv/.installed: pyproject.toml
+.venv/.installed: pyproject.toml setup.py hostlib/_fastpath.c
 	@test -x $(PY) || /usr/bin/python3 -m venv --system-site-packages .venv
 	$(PY) -m pip install -q --upgrade pip >/dev/null
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
+
+# The C extension hostlib._fastpath in the source tree (pip install -e builds it too).
+ext: venv
+	$(PY) setup.py -q build_ext --inplace
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 
@@ -90,14 +91,22 @@ def main(argv=None) -> int:
             dtype, count = item["dtype"], int(item["count"])
             seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
             x = make_input(dtype, count, seed, args.rank)
-            times = []
+            times, cpu = [], []
             before = dict(comm.stats)
             for _ in range(reps):
                 comm.barrier()
+                r0 = resource.getrusage(resource.RUSAGE_SELF)
                 t0 = time.perf_counter()
                 out = comm.allreduce(x)
                 times.append(time.perf_counter() - t0)
-            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times}
+                r1 = resource.getrusage(resource.RUSAGE_SELF)
+                cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+            # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
+            # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
+            # XDP program) that runs in the sending system call
+            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times,
+                      "cpu_s": [u + s for u, s in cpu], "cpu_user_s": [u for u, _ in cpu],
+                      "cpu_sys_s": [s for _, s in cpu], "native": comm._engine.native}
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
             if item.get("verify", True):
                 want = expected_sum(dtype, count, seed, args.world)

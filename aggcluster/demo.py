@@ -23,6 +23,7 @@ def main(argv=None) -> int:
     ap.add_argument("--mtu", type=int, default=3500, help="MTU of every testbed link")
     ap.add_argument("--window", type=int, default=256, help="slots per worker")
     ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])
+    ap.add_argument("--reps", type=int, default=1, help="all-reduces in a row; the best is shown")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
         print("the demo builds namespaces and attaches XDP: run it as root (sudo make demo)", file=sys.stderr)
@@ -42,7 +43,8 @@ def main(argv=None) -> int:
             say(f"all-reducing {args.mib:g} MiB of {args.dtype} ({count:,} elements) on every worker")
             try:
                 reports = cl.run_workers(
-                    [{"dtype": args.dtype, "count": count, "seed": 2021}], job="demo",
+                    [{"dtype": args.dtype, "count": count, "seed": 2021, "reps": args.reps}],
+                    job="demo",
                     elems=args.elems, window=args.window, timeout=60, progress=True,
                 )
             except ClusterError as e:
@@ -51,16 +53,23 @@ def main(argv=None) -> int:
             agg = cl.stats()
         say("detached; removing the testbed")
     rs = [reps[0] for reps in reports]
-    t = max(max(r["times"]) for r in rs)
+    t = max(min(r["times"]) for r in rs)  # the slowest worker's best all-reduce
     retx = sum(r["stats"]["retransmissions"] for r in rs)
     sent = sum(r["stats"]["packets_sent"] for r in rs)
     ok = all(r["ok"] for r in rs)
     print()
     print(f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, window {args.window}, MTU {args.mtu})")
     print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
-    print(f"  all-reduce time    {t:.3f} s (slowest worker)")
+    best = f", best of {args.reps}" if args.reps > 1 else ""
+    print(f"  all-reduce time    {t:.3f} s (slowest worker{best})")
     print(f"  ATE/s              {count / t:.3e} aggregated tensor elements per second")
     print(f"  goodput per worker {count * 4 * 8 / t / 1e9:.2f} Gbit/s each way")
+    gib = count * 4 / 2**30
+    i = min(range(len(rs[0]["cpu_s"])), key=lambda j: rs[0]["cpu_s"][j])  # rank 0's best
+    user, sys_ = rs[0]["cpu_user_s"][i] / gib, rs[0]["cpu_sys_s"][i] / gib
+    loop = "C (hostlib._fastpath)" if all(r["native"] for r in rs) else "numpy"
+    print(f"  worker CPU         {user + sys_:.2f} s/GiB (user {user:.2f} + sys {sys_:.2f}, "
+          f"rank 0, {loop} loop)")
     print(f"  packets sent       {sent:,}, retransmissions {retx:,}")
     print(f"  aggregator         {sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} unattributed drops")
     if args.dtype == "int32":

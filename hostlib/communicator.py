@@ -48,6 +48,8 @@ def init(
     faults: Faults | None = None,
     gso: bool = True,
     gro: bool = True,
+    native: bool | None = None,
+    cwnd: str = "aimd",
 ) -> "Communicator":
     """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
 
@@ -70,6 +72,9 @@ def init(
     progress: show a progress line on stderr for all-reduces that take over a second.
     faults: test hook, seeded random loss/duplication inside the engine (engine.Faults).
     gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).
+    native: run all-reduces in the C loop (hostlib._fastpath); None: when it is built and the
+        environment does not say XDP_AGG_NATIVE=0; False: the numpy reference loop.
+    cwnd: the C loop's congestion window: "aimd" (adapts to loss) or "fixed" (the window).
 
     Raises RendezvousError with the control endpoint's explanation if the job cannot be made
     or joined (name in use, ranks missing at the barrier, ...), ValueError on bad arguments.
@@ -129,6 +134,8 @@ def init(
         rto=retransmit,
         timeout=timeout,
         progress=progress,
+        native=native,
+        cwnd=cwnd,
     )
     return Communicator(rank, job, desc, ctl, sock, StreamEngine(sock, cfg, faults))
 

@@ -28,11 +28,20 @@ that will use the same slot one window later. P = Pd + w.
 Everything per packet is vectorised: payloads are built with wire.build_payloads for a whole
 batch of ready packets, results are parsed as one (m, plen) array and copied into the output with
 fancy indexing, and the socket sends with GSO and receives with GRO (udp_io).
+
+Two implementations of the same stream: this module's numpy loop (the reference), and the C
+extension hostlib._fastpath, which runs the whole stream of one all-reduce with the GIL released
+and sends the same bytes (tests/test_fastpath.py compares them). StreamEngine uses the C loop
+when the extension is built (EngineConfig.native, env XDP_AGG_NATIVE=0 to force numpy). Only the
+C loop has a congestion window (EngineConfig.cwnd): AIMD, starting at 16 packets, slow start up
+to the slot window, halved once per loss event (a timer expiry); the numpy loop always keeps
+the whole slot window in flight.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -44,6 +53,11 @@ from aggproto import wire
 from . import scaling
 from .errors import AllreduceTimeout
 from .udp_io import DatagramSocket, RowReceiver
+
+try:
+    from . import _fastpath
+except ImportError:  # not built (a source checkout without build_ext): the numpy loop only
+    _fastpath = None
 
 STAT_NAMES = (
     "allreduces",  # all-reduces completed
@@ -63,6 +77,8 @@ STAT_NAMES = (
     "fault_drops",  # packets and results dropped by the Faults test hook
     "elapsed",  # seconds spent in all-reduces
     "rtt",  # smoothed round trip of a packet (send to result), seconds
+    "spurious",  # retransmissions that were not needed: the first copy's result came after it
+    "cwnd",  # congestion window at the end of the last all-reduce, packets
 )
 
 
@@ -113,6 +129,9 @@ class EngineConfig:
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces
+    # the C loop (hostlib._fastpath): None = when built and XDP_AGG_NATIVE is not "0"
+    native: bool | None = None
+    cwnd: str = "aimd"  # congestion window of the C loop: "aimd", or "fixed" (= window)
 
 
 class _Chunks:
@@ -273,6 +292,25 @@ class StreamEngine:
         self.stats: dict[str, float] = {name: 0 for name in STAT_NAMES}
         self.faults = faults
         self._rng = np.random.default_rng(faults.seed) if faults else None
+        if config.cwnd not in ("aimd", "fixed"):
+            raise ValueError(f"cwnd must be 'aimd' or 'fixed', not {config.cwnd!r}")
+        # Room for a few windows of results (and of packets) however late this process drains
+        # its socket; a datagram takes about plen + 768 bytes of buffer (its skb).
+        sock.ensure_buffers(rcvbuf=4 * config.window * (self.plen + 768),
+                            sndbuf=2 * config.window * (self.plen + 768))
+        self.native = _use_native(config.native)
+        self._fast = None
+        if self.native:
+            self._fast = _fastpath.Engine(
+                sock.fileno(), config.aggregator[0], config.aggregator[1], config.elems,
+                config.window, config.world_size, wire.type_size(wire.MSG_TYPE_DATA,
+                                                                 self.size_code),
+                config.slot_base, config.rto, config.rto_max, gso=sock.gso, gro=sock.gro,
+                cwnd=config.cwnd,
+                faults=None if faults is None else (
+                    faults.send_loss, faults.recv_loss, faults.send_duplicate,
+                    faults.recv_duplicate, faults.seed),
+            )
         self._rx = RowReceiver(sock, self.plen, max_rows=2 * config.window + 64)
         self._rtt = _RttEstimator()  # kept across all-reduces
         # The packet in flight in each slot, built in place: packets are written straight into
@@ -291,14 +329,21 @@ class StreamEngine:
         self._rto = np.empty(config.window)
         self._plans: dict[tuple[int, int], tuple] = {}  # (P, w) -> header template, see _expect
         self._spin_credit = 0  # see _spin
+        self._dups = _NO_DUPS  # packet numbers of the duplicate results of the last _accept
 
     # --- public -----------------------------------------------------------------------------
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
+        if self.native:
+            self._run_native(False, src, dst, timeout)
+            return
         self._run(_IntTransfer(src, dst, self.cfg.elems, self.cfg.window), timeout)
 
     def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+        if self.native:
+            self._run_native(True, src, dst, timeout)
+            return
         n = self.cfg.world_size
         self._run(_FloatTransfer(src, dst, self.cfg.elems, self.cfg.window, n, self._work), timeout)
 
@@ -315,6 +360,8 @@ class StreamEngine:
         expect = self._expect(P, w, number & 0xFF)
         done = np.zeros(P + 1, dtype=bool)
         done[P] = True
+        # per packet, once done: how many of its retransmissions may still prove spurious
+        retx_left = np.zeros(P + 1, dtype=np.uint8)
         deadline, tries = self._deadline[:w], self._tries[:w]  # per slot
         sent_at, rto = self._sent_at[:w], self._rto[:w]
         deadline.fill(np.inf)
@@ -361,8 +408,9 @@ class StreamEngine:
                             tr.accept(a, b, e0[pos : pos + b - a], values[pos : pos + b - a])
                             pos += b - a
                             done[a:b] = True
-                            for s0, s1, _ in _slot_runs(a, b, w):
+                            for s0, s1, a1 in _slot_runs(a, b, w):
                                 deadline[s0:s1] = np.inf
+                                retx_left[a1 : a1 + s1 - s0] = np.minimum(tries[s0:s1], 255)
                         ndone += fresh
                         results_here += fresh
                         last_progress = now
@@ -370,6 +418,8 @@ class StreamEngine:
                         if tries[s] == 0:
                             self._rtt.update(now - sent_at[s])
                         ready = [(a + w, min(b + w, P)) for a, b in runs if a + w < P]
+                    if self._dups.size:
+                        _count_spurious(self._dups, retx_left, st)
                 if now >= next_deadline:
                     expired = np.flatnonzero(deadline <= now)
                     if expired.size:
@@ -381,7 +431,8 @@ class StreamEngine:
                         deadline[expired] = now + rto[expired]
                     next_deadline = float(deadline.min())
                 if ndone < P and now - last_progress > timeout:
-                    raise self._stalled(number, P, w, timeout, results_here, deadline)
+                    busy = np.flatnonzero(deadline < np.inf)  # slots with a packet in flight
+                    raise self._stalled(number, P, timeout, results_here, busy)
                 if printer and now >= printer.next:
                     printer.show(now, ndone, st["retransmissions"])
             tr.finish()
@@ -399,8 +450,71 @@ class StreamEngine:
             st["malformed"] = self._rx.malformed
             st["bytes_received"] = self._rx.bytes
             st["rtt"] = self._rtt.srtt or 0.0
+            st["cwnd"] = float(w)  # the numpy loop keeps the whole slot window in flight
             if printer:
                 printer.close(time.monotonic(), ndone, st["retransmissions"])
+
+    def _run_native(self, is_float: bool, src: np.ndarray, dst: np.ndarray,
+                    timeout: float | None) -> None:
+        """One all-reduce through the C loop: the same packets as _run with the transfers
+        above (P, w and the exponents as _IntTransfer and _FloatTransfer make them)."""
+        cfg, st = self.cfg, self.stats
+        timeout = cfg.timeout if timeout is None else timeout
+        k, L = cfg.elems, src.size
+        Pd = -(-L // k)
+        w = min(cfg.window, Pd)
+        exps = None
+        if is_float:
+            exps, bad = _fastpath.chunk_exponents(src, k)  # before anything is sent
+            if bad >= 0:
+                raise scaling.nonfinite_error(src[bad], bad)
+        P = Pd + w if is_float else Pd
+        if P == 0:
+            return
+        number = self.counter
+        self.counter += 1
+        t0 = time.monotonic()
+        printer = _Progress(number, P, self.plen, t0) if cfg.progress else None
+        show = None
+        if printer:
+            def show(ndone: int, retx: int) -> None:
+                now = time.monotonic()
+                if now >= printer.next:
+                    printer.show(now, ndone, retx)
+        res = None
+        try:
+            res = self._fast.allreduce(
+                is_float, src, dst, P, w, number & 0xFF, self.versions[:w].tobytes(), exps,
+                timeout, progress=show, progress_every=0.25,
+            )
+            if res["status"] != "done":
+                raise self._stalled(number, P, timeout, res["results_here"], res["busy"])
+            st["allreduces"] += 1
+            st["elements"] += L
+        finally:
+            uses = (P - np.arange(w) + w - 1) // w  # as in _run, on failure too
+            self.versions[:w] = (self.versions[:w] + uses) & 1
+            st["elapsed"] += time.monotonic() - t0
+            if res is not None:
+                c = res["counters"]
+                for name in _NATIVE_COUNTED:
+                    st[name] += c[name]
+                self.sock.send_calls += c["send_calls"]
+                self.sock.recv_calls += c["recv_calls"]
+                self.sock.send_errors += c["send_errors"]
+                if res["last_errno"]:
+                    self.sock.last_send_error = OSError(res["last_errno"],
+                                                        os.strerror(res["last_errno"]))
+                if res["gso_refused"]:
+                    self.sock.gso = False
+            st["send_calls"] = self.sock.send_calls
+            st["recv_calls"] = self.sock.recv_calls
+            st["send_errors"] = self.sock.send_errors
+            st["rtt"] = self._fast.srtt
+            st["cwnd"] = self._fast.cwnd
+            if printer:
+                done = res["ndone"] if res is not None else 0
+                printer.close(time.monotonic(), done, st["retransmissions"])
 
     def _expect(self, P: int, w: int, jn: int) -> np.ndarray:
         """The first 8 header bytes of packets 0..P-1 (type and size, job number, tsi, pool
@@ -488,6 +602,7 @@ class StreamEngine:
         """
         st = self.stats
         m = len(rows)
+        self._dups = _NO_DUPS
         head = rows[:, :8].view("<u8")[:, 0]
         # the usual batch: results of consecutive packets t0.., all valid and new
         t0 = int(rows[0, 2:6].view(">u4")[0])
@@ -510,11 +625,16 @@ class StreamEngine:
             valid = int(np.count_nonzero(ok))
             st["stale"] += m - valid
             st["duplicates"] += valid - new.size
+            if valid > new.size:  # which packets the duplicates answer, for _count_spurious
+                dup = ok.copy()
+                dup[sel] = False
+                self._dups = tsi[dup]
         return _runs(new), sel, int(new.size)
 
-    def _stalled(self, number, P, w, timeout, results_here, deadline) -> AllreduceTimeout:
+    def _stalled(self, number, P, timeout, results_here, busy) -> AllreduceTimeout:
+        """The AllreduceTimeout of a stalled all-reduce; `busy`: the slot offsets (0..w-1)
+        with a packet in flight."""
         cfg = self.cfg
-        busy = np.flatnonzero(deadline < np.inf)  # slots with a packet in flight
         slots = tuple(int(cfg.slot_base + s) for s in busy)
         agg = f"{cfg.aggregator[0]}:{cfg.aggregator[1]}"
         outstanding = P - results_here
@@ -539,6 +659,36 @@ class StreamEngine:
             msg, aggregator=cfg.aggregator, packets=P, outstanding=outstanding,
             outstanding_slots=slots, results=results_here,
         )
+
+
+_NO_DUPS = np.zeros(0, dtype=np.int64)
+# the counters the C loop reports per all-reduce that add up in StreamEngine.stats as they are
+# (the socket's system calls and errors go through the DatagramSocket's own counters)
+_NATIVE_COUNTED = ("packets_sent", "retransmissions", "timeouts", "results", "duplicates",
+                   "stale", "malformed", "bytes_sent", "bytes_received", "fault_drops",
+                   "spurious")
+
+
+def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict) -> None:
+    """Count the duplicate results `dups` (packet numbers) that answer a retransmission whose
+    packet had its result already: each retransmission of a packet is spurious at most once."""
+    u, counts = np.unique(dups, return_counts=True)
+    spurious = np.minimum(counts, retx_left[u])
+    st["spurious"] += int(spurious.sum())
+    retx_left[u] -= spurious.astype(np.uint8)
+
+
+def _use_native(native: bool | None) -> bool:
+    """Whether to run the C loop: `native` if given, else when it is built and the
+    environment does not say XDP_AGG_NATIVE=0."""
+    if native is None:
+        return _fastpath is not None and os.environ.get("XDP_AGG_NATIVE", "1") != "0"
+    if native and _fastpath is None:
+        raise ImportError(
+            "EngineConfig(native=True) but hostlib._fastpath is not built: run "
+            "`python setup.py build_ext --inplace` (or pip install) in the source tree"
+        )
+    return bool(native)
 
 
 def _slot_runs(a: int, b: int, w: int):

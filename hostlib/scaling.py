@@ -56,15 +56,20 @@ def chunk_exponents(chunks: np.ndarray, offset: int = 0) -> np.ndarray:
     amax = np.maximum(chunks.max(axis=1), -chunks.min(axis=1))
     if not np.isfinite(amax).all():
         bad = np.flatnonzero(~np.isfinite(chunks.reshape(-1)))[0]
-        raise ValueError(
-            f"all-reduce input contains {chunks.reshape(-1)[bad]} at element {offset + bad}: "
-            f"NaN and Inf cannot be sent as block-scaled integers"
-        )
+        raise nonfinite_error(chunks.reshape(-1)[bad], offset + bad)
     _, e = np.frexp(amax)  # amax = m * 2^e with 0.5 <= m < 1, i.e. e = floor(log2 amax) + 1
     e[amax == 0] = ZERO_EXPONENT
     np.minimum(e, E_MAX, out=e)
     np.maximum(e, E_MIN, out=e)
     return e.astype(np.int8)
+
+
+def nonfinite_error(value, index: int) -> ValueError:
+    """The error for a NaN or Inf `value` at element `index` of an all-reduce input."""
+    return ValueError(
+        f"all-reduce input contains {value} at element {index}: "
+        f"NaN and Inf cannot be sent as block-scaled integers"
+    )
 
 
 def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:

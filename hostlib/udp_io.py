@@ -106,6 +106,19 @@ class DatagramSocket:
         """Block until a datagram is waiting or `timeout` seconds passed."""
         return bool(self._poll.poll(max(0, int(timeout * 1000 + 0.999))))
 
+    def ensure_buffers(self, rcvbuf: int, sndbuf: int) -> None:
+        """Grow the socket's receive/send buffers to at least these sizes (never shrink them).
+
+        Linux reports twice what was asked (the bookkeeping share), so what getsockopt says is
+        compared against twice the wish.
+        """
+        for opt, force, size in (
+            (socket.SO_RCVBUF, getattr(socket, "SO_RCVBUFFORCE", 33), rcvbuf),
+            (socket.SO_SNDBUF, getattr(socket, "SO_SNDBUFFORCE", 32), sndbuf),
+        ):
+            if self.sock.getsockopt(socket.SOL_SOCKET, opt) < 2 * size:
+                _set_buffer(self.sock, opt, force, size)
+
     # --- sending ----------------------------------------------------------------------------
     def send_rows(self, rows: np.ndarray, addr: tuple[str, int]) -> int:
         """Send each row of an (m, plen) uint8 array as one datagram to `addr`.

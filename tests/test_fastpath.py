@@ -1,0 +1,575 @@
+"""The C loop (hostlib._fastpath) against the numpy reference loop: the same packets byte for
+byte, the same results (also under loss, duplication and reordering), the same timeouts, and
+AVX2 kernels identical to the scalar ones. Loopback only, no root.
+
+Most tests drive a StreamEngine directly against EchoAggregator, a scripted aggregator that
+records every datagram and answers each with a deterministic function of it (as if the other
+workers had contributed), so that the two loops can be compared on exactly what they send.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import threading
+import time
+from collections import defaultdict
+
+import numpy as np
+import pytest
+from hostlib_fixtures import loopback_prefix, ok, soft_cluster
+
+import hostlib
+from hostlib import scaling
+from hostlib.engine import STAT_NAMES, EngineConfig, Faults, StreamEngine, _fastpath
+from hostlib.udp_io import DatagramSocket
+
+pytestmark = [
+    pytest.mark.timeout(120),
+    pytest.mark.skipif(_fastpath is None, reason="hostlib._fastpath is not built "
+                       "(python setup.py build_ext --inplace)"),
+]
+
+HAVE_AVX2 = _fastpath is not None and _fastpath.simd() == "avx2"
+
+
+# --- a scripted aggregator ------------------------------------------------------------------
+class EchoAggregator:
+    """Answers every datagram at once with a result derived from it alone.
+
+    The result keeps the first 8 header bytes; e0 becomes max(e0, bump[tsi % 64]) (another
+    worker with larger values, so floats are quantised with an exponent above their own) and
+    each value gets `add * (tsi + i)` added (modulo 2^32, as the aggregator's sums). Options
+    script the path: `drop` (tsi -> how many first copies get no answer), `dup` (tsi answered
+    twice), `late` (tsi whose first answer is held back `late_s` seconds, so that the engine's
+    resend is answered first), `reverse` (each batch answered in reverse order), `answer_limit`
+    (answer only that many datagrams, then go silent).
+    """
+
+    def __init__(self, *, bump: bool = True, add: int = 3, drop=None, dup=(), late=(),
+                 late_s: float = 0.08, reverse: bool = False, answer_limit: int | None = None):
+        self.prefix = loopback_prefix()
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        self.sock.bind((f"{self.prefix}.1", 0))
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
+        self.address = self.sock.getsockname()
+        rng = np.random.default_rng(5)
+        self.bump = rng.integers(-128, 128, 64).astype(np.int8) if bump else None
+        self.add = add
+        self.drop = dict(drop or {})
+        self.dup, self.late, self.late_s = set(dup), set(late), late_s
+        self.reverse = reverse
+        self.answer_limit = answer_limit
+        self.received: list[bytes] = []
+        self._held: list[tuple[float, bytes, tuple]] = []
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def worker_ip(self, i: int = 0) -> str:
+        return f"{self.prefix}.{2 + i}"
+
+    def result(self, data: bytes) -> bytes:
+        out = bytearray(data)
+        tsi = int.from_bytes(data[2:6], "big")
+        if self.bump is not None:
+            e0 = data[8] - 256 if data[8] >= 128 else data[8]  # int8
+            out[8] = max(e0, int(self.bump[tsi % 64])) & 0xFF
+        vals = np.frombuffer(data, ">i4", offset=10).astype(np.int64)
+        vals += self.add * (tsi + np.arange(vals.size))
+        out[10:] = vals.astype(np.uint32).astype(">u4").tobytes()  # wraps modulo 2^32
+        return bytes(out)
+
+    def _loop(self) -> None:
+        answered = 0
+        while not self._stop:
+            wait = 0.02 if not self._held else max(0.0, min(self._held)[0] - time.monotonic())
+            if select.select([self.sock], [], [], wait)[0]:
+                batch = []
+                while True:
+                    try:
+                        batch.append(self.sock.recvfrom(70000, socket.MSG_DONTWAIT))
+                    except BlockingIOError:
+                        break
+            else:
+                batch = []
+            out = []
+            now = time.monotonic()
+            for data, src in batch:
+                self.received.append(data)
+                tsi = int.from_bytes(data[2:6], "big")
+                if self.drop.get(tsi, 0) > 0:
+                    self.drop[tsi] -= 1
+                    continue
+                res = self.result(data)
+                if tsi in self.late:
+                    self.late.discard(tsi)
+                    self._held.append((now + self.late_s, res, src))
+                    continue
+                out.append((res, src))
+                if tsi in self.dup:
+                    out.append((res, src))
+            due = [h for h in self._held if h[0] <= now]
+            self._held = [h for h in self._held if h[0] > now]
+            out += [(res, src) for _, res, src in due]
+            if self.reverse:
+                out.reverse()
+            for res, src in out:
+                if self.answer_limit is not None and answered >= self.answer_limit:
+                    break
+                self.sock.sendto(res, src)
+                answered += 1
+
+    def packets(self) -> dict[tuple[int, int], bytes]:
+        """What was received, by (job number, tsi); every copy of a packet is identical."""
+        out: dict[tuple[int, int], bytes] = {}
+        for data in self.received:
+            key = (data[1], int.from_bytes(data[2:6], "big"))
+            assert out.setdefault(key, data) == data, f"a resend of {key} differs"
+        return out
+
+    def close(self) -> None:
+        self._stop = True
+        self._thread.join(5)
+        self.sock.close()
+
+
+def make_engine(agg: EchoAggregator, native: bool, *, n: int = 2, elems: int = 32,
+                window: int = 8, faults: Faults | None = None, **cfg) -> StreamEngine:
+    sock = DatagramSocket((agg.worker_ip(), 0))
+    config = EngineConfig(job_id=0, world_size=n, elems=elems, slot_base=5, window=window,
+                          aggregator=agg.address, rto=cfg.pop("rto", 0.02), native=native,
+                          timeout=cfg.pop("timeout", 10.0), **cfg)
+    return StreamEngine(sock, config, faults)
+
+
+def run_sequence(native: bool, tensors, *, agg_kw=None, **engine_kw):
+    """All-reduce `tensors` in a row on one engine; (outputs, packets sent, stats)."""
+    agg = EchoAggregator(**(agg_kw or {}))
+    eng = make_engine(agg, native, **engine_kw)
+    try:
+        outs = []
+        for x in tensors:
+            out = np.empty_like(x)
+            if x.dtype == np.int32:
+                eng.allreduce_int32(x, out)
+            else:
+                eng.allreduce_float32(x, out)
+            outs.append(out)
+        time.sleep(0.05)  # late answers and duplicates still on their way
+        return outs, agg.packets(), dict(eng.stats)
+    finally:
+        eng.sock.close()
+        agg.close()
+
+
+def mixed_tensors(k: int = 32, window: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(11)
+    f = (rng.standard_normal(20 * k + 5) * 10.0 ** rng.uniform(-5, 5, 20 * k + 5))
+    f = f.astype(np.float32)
+    f[2 * k : 3 * k] = 0.0  # an all-zero chunk
+    f[5 * k + 3] = -0.0
+    f[7 * k : 8 * k] = np.float32(2.0**-140)  # subnormals: exponent clipped to -128
+    huge = np.full(3 * k + 1, 3e38, np.float32)  # exponent 128 -> E_MAX: clipped at M
+    huge[1::2] *= -1
+    huge[k : 2 * k] = 1.5
+    halves = (np.arange(k, dtype=np.float32) - k / 2) / 4  # float16-exact values, ties at M/2
+    f16 = np.linspace(-60000, 60000, 4 * k + 7).astype(np.float16).astype(np.float32)
+    return [
+        rng.integers(-(2**31), 2**31, 10 * k + 3, dtype=np.int64).astype(np.int32),  # a tail
+        f,
+        np.arange(5, dtype=np.int32) - 2,  # shorter than one window
+        np.array([0.25, -7.0, 1e-3], np.float32),  # one chunk: w = 1
+        np.zeros(3 * k, np.float32),
+        huge,
+        halves,
+        f16,
+        rng.integers(-5, 5, window * k, dtype=np.int32),  # exactly one window
+    ]
+
+
+# --- (a) the same packets, byte for byte ----------------------------------------------------
+@pytest.mark.parametrize("n", [1, 3])
+def test_both_loops_send_the_same_bytes_and_get_the_same_results(n):
+    tensors = mixed_tensors()
+    ref_out, ref_pk, ref_st = run_sequence(False, tensors, n=n)
+    nat_out, nat_pk, nat_st = run_sequence(True, tensors, n=n)
+    assert len(ref_pk) == sum(-(-t.size // 32) + (min(8, -(-t.size // 32))
+                                                  if t.dtype == np.float32 else 0)
+                              for t in tensors)
+    assert set(ref_pk) == set(nat_pk)
+    for key in ref_pk:
+        assert ref_pk[key] == nat_pk[key], f"packet {key} differs"
+    for a, b in zip(ref_out, nat_out):
+        assert a.tobytes() == b.tobytes()
+    for st in (ref_st, nat_st):
+        assert st["results"] == len(ref_pk) and st["retransmissions"] == 0
+        assert st["allreduces"] == len(tensors)
+
+
+def test_int_results_are_the_echoed_sums():
+    """The echo adds add * (tsi + i) to each value: check the C loop's copy-back directly."""
+    x = np.arange(3 * 32 + 7, dtype=np.int32) * 1000003
+    (out,), _, _ = run_sequence(True, [x], agg_kw={"bump": False, "add": 1})
+    p = np.arange(x.size) // 32
+    want = (x.astype(np.int64) + p + np.arange(x.size) % 32).astype(np.int32)
+    assert np.array_equal(out, want)
+
+
+def test_scalar_and_avx2_loops_send_the_same_bytes():
+    if not HAVE_AVX2:
+        pytest.skip("this CPU has no AVX2: only the scalar kernels exist here")
+    tensors = mixed_tensors()
+    prev = _fastpath.set_simd("scalar")
+    try:
+        sc_out, sc_pk, _ = run_sequence(True, tensors, n=3)
+    finally:
+        _fastpath.set_simd(prev)
+    av_out, av_pk, _ = run_sequence(True, tensors, n=3)
+    assert sc_pk == av_pk
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(sc_out, av_out))
+
+
+# --- (b) the same results under loss, duplication and reordering ----------------------------
+def test_same_results_when_the_path_drops_duplicates_and_reorders():
+    tensors = mixed_tensors()
+    agg_kw = {"drop": {t: 1 + t % 2 for t in range(0, 200, 7)}, "dup": set(range(3, 200, 5)),
+              "reverse": True}
+    ref_out, ref_pk, ref_st = run_sequence(False, tensors, agg_kw=agg_kw, rto=0.005)
+    nat_out, nat_pk, nat_st = run_sequence(True, tensors, agg_kw=agg_kw, rto=0.005)
+    assert ref_pk == nat_pk
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ref_out, nat_out))
+    for st in (ref_st, nat_st):
+        assert st["retransmissions"] > 0 and st["duplicates"] > 0
+
+
+def test_same_results_under_engine_faults():
+    tensors = mixed_tensors()[:3]
+    faults = Faults(send_loss=0.1, recv_loss=0.1, send_duplicate=0.2, recv_duplicate=0.2, seed=4)
+    ref_out, ref_pk, _ = run_sequence(False, tensors, faults=faults, rto=0.005)
+    nat_out, nat_pk, nat_st = run_sequence(True, tensors, faults=faults, rto=0.005)
+    assert ref_pk == nat_pk
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ref_out, nat_out))
+    assert nat_st["fault_drops"] > 0 and nat_st["retransmissions"] > 0
+    assert nat_st["duplicates"] > 0
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_a_late_first_answer_counts_as_spurious(native):
+    x = np.arange(40 * 32, dtype=np.int32)
+    late = {3, 17, 30}
+    # packet 39 is lost three times: the all-reduce lasts until its fourth copy (10 + 20 + 40 ms
+    # of timers), long after the late first answers (30 ms) came
+    agg_kw = {"bump": False, "add": 0, "late": late, "late_s": 0.03, "drop": {39: 3}}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=0.01)
+    assert np.array_equal(out, x)
+    assert st["spurious"] == len(late) and st["duplicates"] >= len(late)
+    assert set(st) == set(STAT_NAMES)
+
+
+def test_mixed_loops_in_one_job_with_loss_and_float16_through_the_communicator():
+    """Rank 0 runs the C loop, ranks 1 and 2 the numpy one, through the soft aggregator with
+    engine faults: every rank gets the same bits, int32 sums are exact."""
+    n, length = 3, 64 * 37 + 5
+    try:
+        import ml_dtypes
+    except ImportError:
+        ml_dtypes = None
+
+    def inputs(r):
+        rng = np.random.default_rng(r)
+        xi = rng.integers(-(2**31), 2**31, length, dtype=np.int64).astype(np.int32)
+        xf = (rng.standard_normal(length) * 10.0 ** rng.uniform(-3, 3, length)).astype(np.float32)
+        return xi, xf, xf.astype(np.float16)
+
+    def body(c):
+        xi, xf, xh = inputs(c.rank)
+        out = [c.allreduce(xi), c.allreduce(xf), c.allreduce(xh)]
+        if ml_dtypes is not None:
+            out.append(c.allreduce(xf.astype(ml_dtypes.bfloat16)))
+        return out, c._engine.native
+
+    results = [None] * n
+
+    def rank_main(r):
+        try:
+            with hostlib.init(r, n, cl.endpoint, job="mixed", ip=cl.worker_ip(r), elems=64,
+                              window=8, timeout=10.0, retransmit=0.01, rendezvous_timeout=15,
+                              native=(r == 0),
+                              faults=Faults(send_loss=0.03, recv_loss=0.03, seed=r)) as comm:
+                results[r] = body(comm)
+        except Exception as e:
+            results[r] = e
+
+    with soft_cluster() as cl:
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    res = ok(results)
+    assert [native for _, native in res] == [True, False, False]
+    want = sum(inputs(r)[0].astype(np.int64) for r in range(n)).astype(np.int32)
+    for out, _ in res:
+        assert np.array_equal(out[0], want)
+        assert out[2].dtype == np.float16
+        for got, ref in zip(out, res[0][0]):
+            assert got.dtype == ref.dtype and got.tobytes() == ref.tobytes()
+
+
+# --- (c) timeouts -----------------------------------------------------------------------------
+@pytest.mark.parametrize("native", [False, True])
+def test_no_answer_at_all_times_out_with_the_diagnosis(native):
+    silent = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    prefix = loopback_prefix()
+    silent.bind((f"{prefix}.1", 0))
+    sock = DatagramSocket((f"{prefix}.2", 0))
+    cfg = EngineConfig(job_id=0, world_size=1, elems=32, slot_base=100, window=4,
+                       aggregator=silent.getsockname(), native=native, timeout=0.4, rto=0.05)
+    eng = StreamEngine(sock, cfg)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(hostlib.AllreduceTimeout) as ei:
+            eng.allreduce_float32(np.ones(100, np.float32), np.empty(100, np.float32))
+        assert 0.35 < time.monotonic() - t0 < 3
+        err = ei.value
+        assert "got no result at all from the aggregator at" in str(err)
+        assert "never answered" in str(err) and "in flight in slot(s) 100-103" in str(err)
+        assert err.packets == 8 and err.outstanding == 8 and err.results == 0
+        assert err.outstanding_slots == (100, 101, 102, 103)
+        assert eng.stats["retransmissions"] > 0
+        # the versions advanced as if the all-reduce had completed (8 packets over 4 slots)
+        assert eng.versions[:4].tolist() == [0, 0, 0, 0] and eng.counter == 1
+    finally:
+        sock.close()
+        silent.close()
+
+
+def test_a_stall_half_way_gives_the_same_timeout_in_both_loops():
+    errors = []
+    for native in (False, True):
+        agg = EchoAggregator(answer_limit=20)
+        eng = make_engine(agg, native, elems=32, window=8, timeout=0.4, rto=0.05)
+        try:
+            with pytest.raises(hostlib.AllreduceTimeout) as ei:
+                eng.allreduce_int32(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
+            errors.append(ei.value)
+            assert eng.versions.tolist() == [0] * 8  # 64 packets: every slot used 8 times
+        finally:
+            eng.sock.close()
+            agg.close()
+    for err in errors:
+        assert "made no progress for 0.4 s: 44 of 64 packet(s) without a result" in str(err)
+        assert "(20 results received from" in str(err)
+        assert err.results == 20 and err.outstanding == 44 and len(err.outstanding_slots) > 0
+
+
+def test_nan_is_rejected_before_anything_is_sent():
+    agg = EchoAggregator()
+    eng = make_engine(agg, True)
+    try:
+        x = np.ones(100, np.float32)
+        x[77] = np.inf
+        with pytest.raises(ValueError, match="contains inf at element 77: NaN and Inf"):
+            eng.allreduce_float32(x, np.empty_like(x))
+        assert eng.counter == 0 and eng.stats["packets_sent"] == 0
+    finally:
+        eng.sock.close()
+        agg.close()
+
+
+# --- the congestion window ----------------------------------------------------------------
+def test_aimd_halves_on_loss_and_fixed_keeps_the_window():
+    x = np.arange(300 * 32, dtype=np.int32)
+    drop = {t: 1 for t in range(0, 300, 10)}
+    st = {}
+    for mode in ("aimd", "fixed"):
+        (out,), _, st[mode] = run_sequence(True, [x], agg_kw={"bump": False, "add": 0,
+                                                               "drop": dict(drop)},
+                                           window=64, rto=0.005, cwnd=mode)
+        assert np.array_equal(out, x)
+    assert st["fixed"]["cwnd"] == 64
+    assert 1 <= st["aimd"]["cwnd"] < 64
+    (_,), _, clean = run_sequence(True, [x], window=64)
+    assert clean["cwnd"] == 64  # slow start reaches the slot window without loss
+
+
+def test_bad_cwnd_mode_is_refused():
+    agg = EchoAggregator()
+    try:
+        with pytest.raises(ValueError, match="cwnd must be 'aimd' or 'fixed'"):
+            make_engine(agg, True, cwnd="cubic")
+    finally:
+        agg.close()
+
+
+# --- (d) the kernels --------------------------------------------------------------------------
+def tricky_floats(k: int, rows: int, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((rows, k)) * 10.0 ** rng.uniform(-30, 30, (rows, 1))
+    x = x.astype(np.float32)
+    x[0] = 0
+    x[1, ::3] = np.float32(2.0**-149) * np.arange(1, k + 1, 3)  # subnormals
+    x[2] = np.float32(3.3e38)
+    x[2, ::2] *= -1
+    # exact ties for n = 1 (M odd): x = +-2^(E-1) gives x f = +-M / 2
+    x[3] = np.float32(0.5)
+    x[3, 1::2] = -0.5
+    x[3, 5] = 1.0 - 2**-24
+    x[4] = (np.arange(k) - k / 2).astype(np.float32) * np.float32(2.0**-7)
+    return x
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7])
+def test_kernels_match_numpy_and_each_other(n):
+    k = 77  # not a multiple of the vector width
+    x = tricky_floats(k, 40, seed=n)
+    flat = x.reshape(-1)[:-5]  # a short last chunk
+    rows = -(-flat.size // k)
+    padded = np.zeros(rows * k, np.float32)
+    padded[: flat.size] = flat
+    e_ref = scaling.chunk_exponents(padded.reshape(rows, k))
+    agreed = np.maximum(e_ref, np.int8(-3))  # some chunks use a larger agreed exponent
+    q_ref = scaling.quantise(padded.reshape(rows, k), agreed, n, out=np.empty((rows, k), ">i4"))
+    sums = (np.random.default_rng(n).integers(-(2**31), 2**31, (rows, k))).astype(">i4")
+    with np.errstate(over="ignore"):  # sums of values near 2^127 overflow float32: inf
+        d_ref = scaling.dequantise(sums, agreed, n).reshape(-1)[: flat.size]
+    modes = ["scalar"] + (["avx2"] if HAVE_AVX2 else [])
+    prev = _fastpath.simd()
+    try:
+        for mode in modes:
+            _fastpath.set_simd(mode)
+            e, bad = _fastpath.chunk_exponents(flat, k)
+            assert bad == -1 and np.frombuffer(e, np.int8).tolist() == e_ref.tolist(), mode
+            q = _fastpath.quantise(flat, agreed.tobytes(), n, k)
+            assert q == q_ref.tobytes(), mode
+            d = np.frombuffer(_fastpath.dequantise(sums.reshape(-1)[: flat.size].tobytes(),
+                                                   agreed.tobytes(), n, k), np.float32)
+            assert d.tobytes() == d_ref.tobytes(), mode
+    finally:
+        _fastpath.set_simd(prev)
+
+
+def test_chunk_exponents_find_the_first_nan_or_inf():
+    x = np.ones(1000, np.float32)
+    x[613], x[900] = np.nan, -np.inf
+    for mode in ["scalar"] + (["avx2"] if HAVE_AVX2 else []):
+        prev = _fastpath.set_simd(mode)
+        try:
+            assert _fastpath.chunk_exponents(x, 64)[1] == 613
+            assert _fastpath.chunk_exponents(x[614:], 64)[1] == 900 - 614
+        finally:
+            _fastpath.set_simd(prev)
+    with pytest.raises(ValueError, match="must be 'avx2' or 'scalar'"):
+        _fastpath.set_simd("sse9")
+
+
+def test_engine_choice_follows_config_and_environment(monkeypatch):
+    agg = EchoAggregator()
+    try:
+        assert make_engine(agg, None).native is True
+        assert make_engine(agg, False).native is False
+        monkeypatch.setenv("XDP_AGG_NATIVE", "0")
+        assert make_engine(agg, None).native is False
+        assert make_engine(agg, True).native is True  # an explicit choice wins
+    finally:
+        agg.close()
+
+
+def test_stats_of_the_native_loop():
+    x = np.ones(64 * 100, np.int32)
+    _, _, st = run_sequence(True, [x, x], window=16)
+    assert set(st) == set(STAT_NAMES)
+    assert st["packets_sent"] == st["results"] == 400 and st["allreduces"] == 2
+    assert st["bytes_sent"] == 400 * (10 + 4 * 32) == st["bytes_received"]
+    assert 0 < st["send_calls"] < 400 and 0 < st["recv_calls"] and st["rtt"] > 0
+    assert st["elapsed"] > 0 and st["stale"] == st["malformed"] == st["spurious"] == 0
+
+
+def test_stale_and_malformed_datagrams_are_counted():
+    agg = EchoAggregator()
+    eng = make_engine(agg, True, window=4)
+    try:
+        x = np.ones(32 * 10, np.int32)
+        eng.allreduce_int32(x, np.empty_like(x))
+        # a result of that finished all-reduce, and a short datagram, before the next one
+        old = agg.result(agg.received[0])
+        agg.sock.sendto(old, eng.sock.address)
+        agg.sock.sendto(b"short", eng.sock.address)
+        time.sleep(0.05)
+        out = np.empty_like(x)
+        eng.allreduce_int32(x, out)
+        assert eng.stats["stale"] == 1 and eng.stats["malformed"] == 1
+        assert eng.stats["results"] == 20
+    finally:
+        eng.sock.close()
+        agg.close()
+
+
+def test_progress_callback_runs_during_a_long_allreduce(capsys):
+    agg = EchoAggregator(bump=False, drop={5: 1})
+    eng = make_engine(agg, True, rto=1.2, progress=True)  # stuck on packet 5 for 1.2 s
+    try:
+        x = np.ones(32 * 20, np.int32)
+        eng.allreduce_int32(x, np.empty_like(x))
+    finally:
+        eng.sock.close()
+        agg.close()
+    err = capsys.readouterr().err
+    assert "hostlib all-reduce #0:" in err and "20/20 packets (100%)" in err
+
+
+def test_packets_and_counters_per_allreduce_are_independent_of_earlier_failures():
+    """After a stalled all-reduce the engine's versions line up again: the next all-reduce with
+    a working aggregator sends what a fresh numpy engine sends after the same failure."""
+    sent = defaultdict(dict)
+    for native in (False, True):
+        agg = EchoAggregator(answer_limit=5)
+        eng = make_engine(agg, native, window=4, timeout=0.3, rto=0.05)
+        try:
+            with pytest.raises(hostlib.AllreduceTimeout):
+                eng.allreduce_int32(np.ones(32 * 9, np.int32), np.empty(32 * 9, np.int32))
+            agg.answer_limit = None
+            x = np.arange(32 * 6, dtype=np.int32)
+            eng.allreduce_int32(x, np.empty_like(x))
+            time.sleep(0.05)
+            sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
+        finally:
+            eng.sock.close()
+            agg.close()
+    assert len(sent[False]) == 6 and sent[False] == sent[True]
+
+
+def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
+    """Heavy loss keeps the congestion windows small and makes the ranks see results in
+    different orders. A window that let each rank choose which ready packets go first could
+    leave rank A waiting on a packet that rank B holds back and vice versa; the C loop always
+    lets the lowest unfinished packet go, so the stream keeps moving."""
+    n, length, reps = 3, 64 * 40, 6
+
+    def body(c):
+        out = [c.allreduce(np.arange(length, dtype=np.int32) + i) for i in range(reps)]
+        return out, c.stats
+
+    with soft_cluster() as cl:
+        results = [None] * n
+
+        def rank_main(r):
+            try:
+                with hostlib.init(r, n, cl.endpoint, job="aimd", ip=cl.worker_ip(r), elems=64,
+                                  window=16, timeout=5.0, retransmit=0.005, rendezvous_timeout=15,
+                                  native=True, faults=Faults(send_loss=0.05, recv_loss=0.25,
+                                                             seed=r)) as comm:
+                    results[r] = body(comm)
+            except Exception as e:
+                results[r] = e
+
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    for out, stats in ok(results):
+        for i, got in enumerate(out):
+            assert np.array_equal(got, (np.arange(length) + i).astype(np.int32) * n)
+        assert stats["cwnd"] < 16 and stats["retransmissions"] > 0
