@@ -12,7 +12,7 @@
  * engine sends (tests/test_fastpath.py compares them), with the same float semantics as
  * hostlib/scaling.py: q = rint(x * f) in float64, f = M * 2^-E, result = (float)(sum / f).
  *
- * Wire layout (xdp_switch/wire.py; the Python side checks the constants it passes in):
+ * Wire layout (aggproto/wire.py; the Python side checks the constants it passes in):
  *   byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index (big-endian,
  *   bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32.
  *
