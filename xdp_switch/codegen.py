@@ -43,7 +43,7 @@ def wire_h() -> str:
         ("SML_HLEN", wire.SWITCHML_HLEN, "SwitchML header bytes"),
         ("SML_EXP_HLEN", wire.EXP_HLEN, "exponent header bytes"),
         ("SML_OFFSET", wire.SWITCHML_OFFSET, "SwitchML header offset in the frame"),
-        ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame"),
+        ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame; the exponent header follows the payload"),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
