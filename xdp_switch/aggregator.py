@@ -1,6 +1,6 @@
 """An attached XDP aggregator: attach, detach, status, counters, and its job/worker Backend.
 
-Two delivery modes (protocol.md, issue "aggregator core"):
+Two delivery modes (docs/protocol.md section 3.5):
 - one-arm: a single interface; a finished sum is sent once, with XDP_TX, to the job's group
   address (multicast, or the subnet broadcast), which every worker receives;
 - switch: several interfaces, one per worker port; the sum is broadcast through a devmap to every
