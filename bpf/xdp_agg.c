@@ -83,22 +83,15 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
-	/* One copy of the state machine per packet size, so that every packet access has a
-	 * constant bound the verifier can check. */
+	/* One copy of the state machine per packet size (the size codes of the wire module,
+	 * generated), so that every packet access has a constant bound the verifier can check. */
+#define AGG_SIZE_CASE(code, elems)                                                 \
+	case code:                                                                 \
+		return aggregate(ctx, &pk, job, w, g, vi, elems);
 	switch (job->size_code) {
-	case 0:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_0_ELEMS);
-	case 1:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_1_ELEMS);
-	case 2:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_2_ELEMS);
-	case 3:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_3_ELEMS);
-	case 4:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_4_ELEMS);
-	case 5:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_5_ELEMS);
+		SML_FOR_EACH_SIZE(AGG_SIZE_CASE)
 	}
+#undef AGG_SIZE_CASE
 	return drop(w, AGG_DROP_BAD_SIZE);
 }
 

@@ -26,9 +26,10 @@ Pd), packets 0..w-1 carry exponents only (e0 of chunk p), and packet p >= w carr
 scaled with the E returned by the result of packet p - w, plus e0 of chunk p (if any): the chunk
 that will use the same slot one window later. P = Pd + w.
 
-Everything per packet is vectorised: payloads are built with wire.build_payloads for a whole
-batch of ready packets, results are parsed as one (m, plen) array and copied into the output with
-fancy indexing, and the socket sends with GSO and receives with GRO (udp_io).
+In the numpy loop everything per packet is vectorised: packets are built in place in the
+per-slot rows they are sent and retransmitted from (a batch of ready packets at a time, headers
+from a per-shape template), results are read as one (m, plen) array and copied into the output
+with fancy indexing, and the socket sends with GSO and receives with recvmmsg and GRO (udp_io).
 
 Two implementations of the same stream: this module's numpy loop (the reference), and the C
 extension hostlib._fastpath, which runs the whole stream of one all-reduce with the GIL released

@@ -54,6 +54,9 @@ def wire_h() -> str:
     L.append("/* size code -> int32 elements per packet */")
     for code, n in wire.SIZE_CODE_ELEMS.items():
         L.append(f"#define SML_SIZE_{code}_ELEMS {n}")
+    L.append("/* X(code, elems) for every size code: code that needs one copy per packet size */")
+    L.append("#define SML_FOR_EACH_SIZE(X) " + " ".join(
+        f"X({code}, SML_SIZE_{code}_ELEMS)" for code in wire.SIZE_CODE_ELEMS))
     L.append("")
     for h in wire.HEADERS:
         L.append(f"/* {h.doc} */")
