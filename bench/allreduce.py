@@ -318,7 +318,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110)")
     ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--window", type=int, default=64,
+                    help="slots per worker (hostlib's default; 256 overflowed the veth ring into the aggregator at n = 8)")
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")

@@ -23,9 +23,9 @@ static __always_inline s32 max_s32(s32 a, s32 b)
 }
 
 /* A retransmission or duplicate: answer the stored result if the round is published. */
-static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
-					    struct agg_worker *w, struct agg_slot *st, u32 vi, u32 rkey,
-					    const u32 K)
+static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *pk,
+					    struct agg_job *job, struct agg_worker *w,
+					    struct agg_slot *st, u32 vi, u32 rkey, const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
 	__be32 *pl = (__be32 *)(pk->sml + 1);
@@ -59,7 +59,8 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 
 /* Fold one contribution into a partial sum: overwrite when the partial belongs to an earlier
  * round (no separate reset is needed), add otherwise. */
-static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt *pk, __be32 *pl,
+				 const u32 K)
 {
 	if (p->tag != tag) {
 		AGG_NO_UNROLL
@@ -78,8 +79,8 @@ static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt 
 }
 
 /* Write a finished sum (host order in r->data) big-endian into the result and the packet. */
-static __always_inline void publish_result(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, s32 e0, s32 e1,
-					   const u32 K)
+static __always_inline void publish_result(struct agg_pkt *pk, __be32 *pl, struct agg_result *r,
+					   s32 e0, s32 e1, const u32 K)
 {
 	AGG_NO_UNROLL
 	for (u32 j = 0; j < K; j++) {
@@ -96,7 +97,8 @@ static __always_inline void publish_result(struct agg_pkt *pk, __be32 *pl, struc
 
 #ifndef AGG_SPINLOCK
 /* Per-CPU variant (the default): each CPU folds into its own partial of the slot. */
-static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl,
+				      const u32 K)
 {
 	struct agg_partial *p = bpf_map_lookup_elem(partials, &pkey);
 
@@ -107,8 +109,8 @@ static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __b
 }
 
 /* Sum the partials of round `tag` over all CPUs into the packet and the stored result. */
-static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey,
-					  u64 tag, const u32 K)
+static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r,
+					  u32 pkey, u64 tag, const u32 K)
 {
 	s32 e0 = AGG_EXP_NONE, e1 = AGG_EXP_NONE;
 	bool first = true;
@@ -138,7 +140,8 @@ static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct
 #else
 /* Spin-lock variant (build option, the baseline to measure against): one shared partial per
  * (slot, version), folded into under its bpf_spin_lock. */
-static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl, const u32 K)
+static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __be32 *pl,
+				      const u32 K)
 {
 	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
 
@@ -153,8 +156,8 @@ static __always_inline int accumulate(u32 pkey, u64 tag, struct agg_pkt *pk, __b
 
 /* Every addition of the round is finished (the `added` count says so) and no new round can
  * start before this result is sent, so the shared partial is read without the lock. */
-static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r, u32 pkey,
-					  u64 tag, const u32 K)
+static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct agg_result *r,
+					  u32 pkey, u64 tag, const u32 K)
 {
 	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
 
@@ -211,7 +214,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	if ((void *)(exp + 1) > data_end)
 		return XDP_DROP;
 	pk->exp = exp;
-	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check && !udp_checksum_ok(pk, pl, K)) {
+	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check &&
+	    !udp_checksum_ok(pk, pl, K)) {
 		count(w->job, AGG_DROP_BAD_CHECKSUM); /* before any state changes */
 		count_worker(w, dropped);
 		return XDP_DROP;

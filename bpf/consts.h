@@ -17,8 +17,8 @@
  * clang then hoists helper addresses into registers, an indirect call BPF v1 lacks). */
 #define AGG_NO_UNROLL _Pragma("clang loop unroll(disable)")
 
-#define AGG_STATS_ROWS ((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
-#define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)      /* per-worker counter rows */
-#define AGG_EXP_NONE (-128)                                    /* neutral element of max over s8 */
+#define AGG_STATS_ROWS	((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
+#define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)       /* per-worker counter rows */
+#define AGG_EXP_NONE	(-128)				       /* neutral element of max over s8 */
 
 #endif

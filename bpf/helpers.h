@@ -25,11 +25,11 @@ static __always_inline struct agg_worker_stats *worker_counters(struct agg_worke
 
 /* Count one packet in a per-worker counter; `field` is a member of struct agg_worker_stats.
  * (bcc cannot expand map methods inside macros, hence the function above.) */
-#define count_worker(w, field)                                                 \
-	do {                                                                   \
-		struct agg_worker_stats *_s = worker_counters(w);              \
-		if (_s)                                                        \
-			_s->field += 1;                                        \
+#define count_worker(w, field)                                    \
+	do {                                                      \
+		struct agg_worker_stats *_s = worker_counters(w); \
+		if (_s)                                           \
+			_s->field += 1;                           \
 	} while (0)
 
 /* Recompute the IPv4 header checksum (20 bytes, no options: the parser guarantees it). */

@@ -3,6 +3,8 @@
 #ifndef XDP_AGG_MAPS_H
 #define XDP_AGG_MAPS_H
 
+/* One line per map, kept so by hand. */
+/* clang-format off */
 BPF_ARRAY(jobs, struct agg_job, AGG_MAX_JOBS);                                  /* job id -> job */
 BPF_HASH(workers, struct agg_worker_key, struct agg_worker, AGG_WORKER_ROWS);    /* (src, port) -> job, index */
 BPF_ARRAY(slots, struct agg_slot, AGG_POOL_SLOTS);                              /* slot -> shared round state */
@@ -12,6 +14,7 @@ BPF_PERCPU_ARRAY(stats, u64, AGG_STATS_ROWS);                                   
 BPF_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       /* job*workers+index -> counters */
 BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, tx_ports, AGG_MAX_PORTS); /* switch mode: ports to broadcast to */
 BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
+/* clang-format on */
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
  * headers, the partials created by the loader) into the program's BTF, where
@@ -28,8 +31,10 @@ BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
  * so the loader creates this map itself and passes its fd; the pseudo-fd load below is what a
  * table reference compiles to. */
 #define partials ((void *)bpf_pseudo_fd(1, AGG_PARTIALS_FD))
+/* clang-format off */
 static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
 	(void *)BPF_FUNC_map_lookup_percpu_elem;
+/* clang-format on */
 
 #ifdef AGG_SPINLOCK
 /* Spin-lock variant: one shared partial per (slot, version), folded into under its lock. */
@@ -38,7 +43,8 @@ struct agg_locked_partial {
 	u32 pad;
 	struct agg_partial p;
 };
-BPF_ARRAY(locked_partials, struct agg_locked_partial, AGG_POOL_SLOTS * 2); /* slot*2+v -> locked partial */
+BPF_ARRAY(locked_partials, struct agg_locked_partial,
+	  AGG_POOL_SLOTS * 2); /* slot*2+v -> locked partial */
 #endif
 
 #endif

@@ -4,7 +4,7 @@
 #ifndef XDP_AGG_PARSE_H
 #define XDP_AGG_PARSE_H
 
-#define AGG_IP_MF 0x2000          /* IPv4 more-fragments flag */
+#define AGG_IP_MF	   0x2000 /* IPv4 more-fragments flag */
 #define AGG_IP_OFFSET_MASK 0x1fff /* IPv4 fragment offset */
 
 /* Headers of one of our packets, bounds-checked by parse() up to the SwitchML header; the
@@ -20,9 +20,9 @@ struct agg_pkt {
 
 enum agg_parse {
 	AGG_PARSE_NOT_OURS = -1, /* not IPv4 UDP to 0xBEE0..0xBEEF: pass it untouched */
-	AGG_PARSE_OK = 0,        /* ours, pk filled up to the SwitchML header */
-	AGG_PARSE_MALFORMED,     /* ours, with IPv4 options or as a first fragment */
-	AGG_PARSE_TRUNCATED,     /* ours, shorter than the SwitchML header */
+	AGG_PARSE_OK = 0,	 /* ours, pk filled up to the SwitchML header */
+	AGG_PARSE_MALFORMED,	 /* ours, with IPv4 options or as a first fragment */
+	AGG_PARSE_TRUNCATED,	 /* ours, shorter than the SwitchML header */
 };
 
 static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)

@@ -20,6 +20,11 @@
 #include "helpers.h"
 #include "aggregate.h"
 
+/* One case of the size-code switch in xdp_agg_ingress. */
+#define AGG_SIZE_CASE(code, elems) \
+	case code:                 \
+		return aggregate(ctx, &pk, job, w, g, vi, elems);
+
 /* A dropped packet of a known worker: count it for the job and the worker. */
 static __always_inline int drop(struct agg_worker *w, u32 reason)
 {
@@ -78,20 +83,17 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	    len != SML_OFFSET + need)
 		return drop(w, AGG_DROP_BAD_LENGTH);
 	pidx = agg_ntohs(pk.sml->pool_index);
-	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT); /* reserved bit set: out of range */
+	/* the reserved bit set puts g out of every range */
+	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT);
 	vi = pidx >> 15;
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
 	/* One copy of the state machine per packet size (the size codes of the wire module,
 	 * generated), so that every packet access has a constant bound the verifier can check. */
-#define AGG_SIZE_CASE(code, elems)                                                 \
-	case code:                                                                 \
-		return aggregate(ctx, &pk, job, w, g, vi, elems);
 	switch (job->size_code) {
 		SML_FOR_EACH_SIZE(AGG_SIZE_CASE)
 	}
-#undef AGG_SIZE_CASE
 	return drop(w, AGG_DROP_BAD_SIZE);
 }
 

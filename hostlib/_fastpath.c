@@ -52,34 +52,34 @@
 #define UDP_GRO 104
 #endif
 
-#define VALUES_AT 8             /* the payload follows the SwitchML header (8 bytes) */
-#define EXP_LEN 2               /* the exponent header (e0, e1) follows the payload */
-#define E0_AT(k) (VALUES_AT + 4 * (k))
-#define E_MIN (-128)
-#define E_MAX 127
-#define MAX_GSO_SEGMENTS 64     /* UDP_MAX_SEGMENTS of older kernels */
-#define MAX_GSO_BYTES (65507 - 8)
-#define RECV_SLOT (65536 + 4096)   /* one GRO buffer: at most one 64 KiB datagram */
-#define RECV_MSGS_GRO 32
-#define RECV_MSGS_PLAIN 256
+#define VALUES_AT        8 /* the payload follows the SwitchML header (8 bytes) */
+#define EXP_LEN          2 /* the exponent header (e0, e1) follows the payload */
+#define E0_AT(k)         (VALUES_AT + 4 * (k))
+#define E_MIN            (-128)
+#define E_MAX            127
+#define MAX_GSO_SEGMENTS 64 /* UDP_MAX_SEGMENTS of older kernels */
+#define MAX_GSO_BYTES    (65507 - 8)
+#define RECV_SLOT        (65536 + 4096) /* one GRO buffer: at most one 64 KiB datagram */
+#define RECV_MSGS_GRO    32
+#define RECV_MSGS_PLAIN  256
 /* Busy-polling, as StreamEngine._spin: while at most SPIN_OUTSTANDING packets of the
  * all-reduce are outstanding, for at most SPIN_TIME s; credit as there. */
 #define SPIN_OUTSTANDING 64
-#define SPIN_TIME 60e-6
-#define SPIN_PENALTY 2
-#define SPIN_CREDIT_MAX 8
-#define SPIN_BACKOFF 200
+#define SPIN_TIME        60e-6
+#define SPIN_PENALTY     2
+#define SPIN_CREDIT_MAX  8
+#define SPIN_BACKOFF     200
 /* The drain loop hands over to sending once this many packets are ready, so that a long
  * burst of results does not let the pipe run dry. */
 #define SEND_READY_AT 64
 
-static int use_avx2 = 0;   /* chosen at import; set_simd() switches it for tests */
+static int use_avx2 = 0; /* chosen at import; set_simd() switches it for tests */
 
 /* --- small helpers ------------------------------------------------------------------------ */
 static inline double now_s(void)
 {
     struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);   /* the clock of Python's time.monotonic() */
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* the clock of Python's time.monotonic() */
     return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
 }
 
@@ -128,7 +128,7 @@ static void quant_scalar(const float *x, Py_ssize_t count, double f, int clip, d
         double q = (double)x[i] * f;
         if (clip)
             q = q < -M ? -M : (q > M ? M : q);
-        store_be32(out + 4 * i, (uint32_t)to_i32(rint(q)));  /* rint: round half to even */
+        store_be32(out + 4 * i, (uint32_t)to_i32(rint(q))); /* rint: round half to even */
     }
 }
 
@@ -166,13 +166,12 @@ static uint32_t absmax_bits_scalar(const float *x, Py_ssize_t count)
 }
 
 #if HAVE_X86
-#define BSWAP32_MASK                                                                        \
-    _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, \
-                     5, 4, 11, 10, 9, 8, 15, 14, 13, 12)
+#define BSWAP32_MASK                                                                               \
+    _mm256_setr_epi8(3, 2, 1, 0, 7, 6, 5, 4, 11, 10, 9, 8, 15, 14, 13, 12, 3, 2, 1, 0, 7, 6, 5, 4, \
+                     11, 10, 9, 8, 15, 14, 13, 12)
 
-__attribute__((target("avx2"))) static void quant_avx2(const float *x, Py_ssize_t count,
-                                                        double f, int clip, double M,
-                                                        uint8_t *out)
+__attribute__((target("avx2"))) static void quant_avx2(const float *x, Py_ssize_t count, double f,
+                                                       int clip, double M, uint8_t *out)
 {
     const __m256d vf = _mm256_set1_pd(f), hi = _mm256_set1_pd(M), lo = _mm256_set1_pd(-M);
     const __m256i sw = BSWAP32_MASK;
@@ -196,7 +195,7 @@ __attribute__((target("avx2"))) static void quant_avx2(const float *x, Py_ssize_
 }
 
 __attribute__((target("avx2"))) static void dequant_avx2(const uint8_t *in, Py_ssize_t count,
-                                                          double f, float *out)
+                                                         double f, float *out)
 {
     const __m256d vf = _mm256_set1_pd(f);
     const __m256i sw = BSWAP32_MASK;
@@ -205,14 +204,14 @@ __attribute__((target("avx2"))) static void dequant_avx2(const uint8_t *in, Py_s
         __m256i s = _mm256_shuffle_epi8(_mm256_loadu_si256((const __m256i *)(in + 4 * i)), sw);
         __m256d a = _mm256_div_pd(_mm256_cvtepi32_pd(_mm256_castsi256_si128(s)), vf);
         __m256d b = _mm256_div_pd(_mm256_cvtepi32_pd(_mm256_extracti128_si256(s, 1)), vf);
-        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(a));   /* rounds to nearest even */
+        _mm_storeu_ps(out + i, _mm256_cvtpd_ps(a)); /* rounds to nearest even */
         _mm_storeu_ps(out + i + 4, _mm256_cvtpd_ps(b));
     }
     dequant_scalar(in + 4 * i, count - i, f, out + i);
 }
 
 __attribute__((target("avx2"))) static void bswap_avx2(const uint8_t *in, Py_ssize_t count,
-                                                        uint8_t *out)
+                                                       uint8_t *out)
 {
     const __m256i sw = BSWAP32_MASK;
     Py_ssize_t i = 0;
@@ -223,15 +222,14 @@ __attribute__((target("avx2"))) static void bswap_avx2(const uint8_t *in, Py_ssi
     bswap_scalar(in + 4 * i, count - i, out + 4 * i);
 }
 
-__attribute__((target("avx2"))) static uint32_t absmax_bits_avx2(const float *x,
-                                                                  Py_ssize_t count)
+__attribute__((target("avx2"))) static uint32_t absmax_bits_avx2(const float *x, Py_ssize_t count)
 {
     const __m256i mask = _mm256_set1_epi32(0x7FFFFFFF);
     __m256i m = _mm256_setzero_si256();
     Py_ssize_t i = 0;
     for (; i + 8 <= count; i += 8) {
         __m256i v = _mm256_and_si256(_mm256_loadu_si256((const __m256i *)(x + i)), mask);
-        m = _mm256_max_epi32(m, v);   /* signed max is fine: the sign bit is cleared */
+        m = _mm256_max_epi32(m, v); /* signed max is fine: the sign bit is cleared */
     }
     uint32_t lanes[8];
     _mm256_storeu_si256((__m256i *)lanes, m);
@@ -292,10 +290,10 @@ static int8_t exponent_of_bits(uint32_t b)
     int e;
     if (b == 0)
         return E_MIN;
-    if (b < 0x00800000u)                   /* subnormal: b * 2^-149 */
+    if (b < 0x00800000u) /* subnormal: b * 2^-149 */
         e = (32 - __builtin_clz(b)) - 149;
     else
-        e = (int)(b >> 23) - 126;          /* [2^(be-127), 2^(be-126)) */
+        e = (int)(b >> 23) - 126; /* [2^(be-127), 2^(be-126)) */
     return (int8_t)(e < E_MIN ? E_MIN : (e > E_MAX ? E_MAX : e));
 }
 
@@ -328,15 +326,14 @@ typedef struct {
 } Counters;
 
 static const char *COUNTER_NAMES[] = {
-    "packets_sent", "retransmissions", "timeouts", "results", "duplicates", "stale",
-    "malformed", "bytes_sent", "bytes_received", "send_calls", "recv_calls", "send_errors",
-    "fault_drops", "spurious",
+    "packets_sent", "retransmissions", "timeouts",    "results",        "duplicates",
+    "stale",        "malformed",       "bytes_sent",  "bytes_received", "send_calls",
+    "recv_calls",   "send_errors",     "fault_drops", "spurious",
 };
 #define N_COUNTERS (sizeof(COUNTER_NAMES) / sizeof(COUNTER_NAMES[0]))
 
 typedef struct {
-    PyObject_HEAD
-    int fd;
+    PyObject_HEAD int fd;
     struct sockaddr_in dst;
     int k, plen, window, world;
     uint8_t type_size;
@@ -352,16 +349,16 @@ typedef struct {
     int faults;
     double send_loss, recv_loss, send_dup, recv_dup;
     uint64_t rng;
-    int last_errno;                        /* of the last refused send, 0 if none yet */
-    double ftab[256];                      /* scale factor of exponent E at index uint8(E) */
+    int last_errno;   /* of the last refused send, 0 if none yet */
+    double ftab[256]; /* scale factor of exponent E at index uint8(E) */
     double M;
     /* buffers, sized for the window */
-    uint8_t *rows;                         /* window x plen: the packet in flight per slot */
+    uint8_t *rows; /* window x plen: the packet in flight per slot */
     double *deadline, *sent_at, *rto;
     int32_t *tries;
-    int64_t *pkt;                          /* packet in each slot, -1 when none in flight */
-    int64_t *ready;                        /* per slot: the packet ready to go there, or -1 */
-    int32_t *sendq;                        /* slots to send in one call (2x for duplicates) */
+    int64_t *pkt;   /* packet in each slot, -1 when none in flight */
+    int64_t *ready; /* per slot: the packet ready to go there, or -1 */
+    int32_t *sendq; /* slots to send in one call (2x for duplicates) */
     struct iovec *siov;
     struct mmsghdr *smsg;
     char *sctrl;
@@ -379,23 +376,23 @@ typedef struct {
 typedef struct {
     Engine *e;
     int is_float;
-    const uint8_t *src;                    /* int32 or float32, L elements */
+    const uint8_t *src; /* int32 or float32, L elements */
     uint8_t *dst;
     Py_ssize_t L;
     int64_t P, Pd, w;
     uint8_t jn;
-    const uint8_t *versions;               /* next version of each slot at the start */
-    const int8_t *exps;                    /* float: e0 of chunk c, Pd of them */
-    int8_t *agreed;                        /* float: E of chunk c from the results */
+    const uint8_t *versions; /* next version of each slot at the start */
+    const int8_t *exps;      /* float: e0 of chunk c, Pd of them */
+    int8_t *agreed;          /* float: E of chunk c from the results */
     /* per packet: 0 not sent yet, 1 in flight, 2 + n done (n: retransmissions that may still
      * prove spurious) */
     uint8_t *state;
     int64_t ndone, results_here, inflight, next_new;
-    int64_t nready;                        /* packets whose slot is free, not sent yet */
-    int64_t base;                          /* the lowest packet without its result */
-    int64_t recover;                       /* AIMD: no second halving before this packet */
+    int64_t nready;  /* packets whose slot is free, not sent yet */
+    int64_t base;    /* the lowest packet without its result */
+    int64_t recover; /* AIMD: no second halving before this packet */
     double next_deadline, last_progress;
-    double batch_sample_at;                /* RTT: send time of the newest sample this batch */
+    double batch_sample_at; /* RTT: send time of the newest sample this batch */
     double batch_sample;
     Counters c;
     int gso_refused;
@@ -428,9 +425,9 @@ static void Engine_dealloc(Engine *e)
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fd", "host", "port", "elems", "window", "world_size",
-                             "type_size", "slot_base", "rto", "rto_max", "gso", "gro",
-                             "cwnd", "faults", NULL};
+    static char *kwlist[] = {"fd",         "host",      "port",      "elems",  "window",
+                             "world_size", "type_size", "slot_base", "rto",    "rto_max",
+                             "gso",        "gro",       "cwnd",      "faults", NULL};
     const char *host, *cwnd = "aimd";
     int port, type_size, gso = 1, gro = 1;
     PyObject *faults = Py_None;
@@ -438,8 +435,8 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
                                      &e->k, &e->window, &e->world, &type_size, &e->slot_base,
                                      &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults))
         return -1;
-    if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535 ||
-        type_size < 0 || type_size > 255) {
+    if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535 || type_size < 0 ||
+        type_size > 255) {
         PyErr_SetString(PyExc_ValueError, "bad engine parameters");
         return -1;
     }
@@ -495,15 +492,15 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
     e->siov = PyMem_RawCalloc(2 * w, sizeof(struct iovec));
     e->smsg = PyMem_RawCalloc(2 * w, sizeof(struct mmsghdr));
     e->sctrl = PyMem_RawCalloc(2 * w, SEG_CMSG_SPACE);
-    e->rslot = e->gro ? RECV_SLOT : e->plen + 64;   /* longer datagrams show as MSG_TRUNC */
+    e->rslot = e->gro ? RECV_SLOT : e->plen + 64; /* longer datagrams show as MSG_TRUNC */
     e->rcount = e->gro ? RECV_MSGS_GRO : RECV_MSGS_PLAIN;
     e->rbuf = PyMem_RawMalloc((size_t)e->rcount * (size_t)e->rslot);
     e->riov = PyMem_RawCalloc((size_t)e->rcount, sizeof(struct iovec));
     e->rmsg = PyMem_RawCalloc((size_t)e->rcount, sizeof(struct mmsghdr));
     e->rctrl = PyMem_RawCalloc((size_t)e->rcount, GRO_CMSG_SPACE);
-    if (!e->rows || !e->deadline || !e->sent_at || !e->rto || !e->tries || !e->pkt ||
-        !e->ready || !e->sendq || !e->siov || !e->smsg || !e->sctrl || !e->rbuf || !e->riov ||
-        !e->rmsg || !e->rctrl) {
+    if (!e->rows || !e->deadline || !e->sent_at || !e->rto || !e->tries || !e->pkt || !e->ready ||
+        !e->sendq || !e->siov || !e->smsg || !e->sctrl || !e->rbuf || !e->riov || !e->rmsg ||
+        !e->rctrl) {
         PyErr_NoMemory();
         return -1;
     }
@@ -550,7 +547,7 @@ static int build_msgs(Engine *e, int first_iov, int n)
         h->msg_namelen = sizeof e->dst;
         h->msg_iov = &e->siov[i];
         h->msg_iovlen = (size_t)segs;
-        if (segs > 1) {  /* one buffer of segs datagrams, cut by the kernel at plen */
+        if (segs > 1) { /* one buffer of segs datagrams, cut by the kernel at plen */
             char *ctl = e->sctrl + (size_t)m * SEG_CMSG_SPACE;
             memset(ctl, 0, SEG_CMSG_SPACE);
             h->msg_control = ctl;
@@ -604,7 +601,7 @@ static int send_slots(Run *r, int n)
         if ((err == EAGAIN || err == EWOULDBLOCK) && !waited) {
             struct pollfd pfd = {.fd = e->fd, .events = POLLOUT};
             waited = 1;
-            if (poll(&pfd, 1, 20) > 0)   /* once, like udp_io: a full buffer may drain */
+            if (poll(&pfd, 1, 20) > 0) /* once, like udp_io: a full buffer may drain */
                 continue;
         }
         if (e->gso && e->smsg[i].msg_hdr.msg_iovlen > 1 && gso_refused_errno(err)) {
@@ -619,7 +616,7 @@ static int send_slots(Run *r, int n)
         if (transient_errno(err)) {
             r->c.send_errors++;
             e->last_errno = err;
-            i++;   /* these datagrams are lost; their timers resend them */
+            i++; /* these datagrams are lost; their timers resend them */
             waited = 0;
             continue;
         }
@@ -659,7 +656,7 @@ static void fill(Run *r, int64_t p, uint8_t *row)
         return;
     }
     exp[0] = (uint8_t)(p < r->Pd ? r->exps[p] : E_MIN);
-    if (p < r->w) {   /* the first window carries exponents only */
+    if (p < r->w) { /* the first window carries exponents only */
         memset(vals, 0, (size_t)k * 4);
         return;
     }
@@ -684,7 +681,7 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
         return;
     }
     if (p < r->Pd)
-        r->agreed[p] = (int8_t)buf[E0_AT(k)];   /* the max of the workers' e0 for chunk p */
+        r->agreed[p] = (int8_t)buf[E0_AT(k)]; /* the max of the workers' e0 for chunk p */
     if (p >= r->w) {
         int64_t c = p - r->w;
         Py_ssize_t a = (Py_ssize_t)c * k, n = r->L - a < k ? r->L - a : k;
@@ -743,7 +740,7 @@ static int send_ready(Run *r, int *sent)
     int64_t room = window_now(r) - r->inflight;
     if (r->nready == 0 || (room <= 0 && e->ready[r->base % r->w] != r->base))
         return 0;
-    int64_t *cand = (int64_t *)e->siov;   /* scratch: the iovecs are built after this */
+    int64_t *cand = (int64_t *)e->siov; /* scratch: the iovecs are built after this */
     int64_t m = 0;
     for (int64_t s = 0; s < r->w; s++)
         if (e->ready[s] >= 0)
@@ -823,19 +820,19 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
     int64_t p = tsi, s = p % r->w;
     uint8_t h[8];
     header_of(r, p, h);
-    if (memcmp(h, buf, 8) != 0) {   /* another all-reduce, slot or version */
+    if (memcmp(h, buf, 8) != 0) { /* another all-reduce, slot or version */
         r->c.stale++;
         return;
     }
     if (r->state[p] >= 2) {
         r->c.duplicates++;
-        if (r->state[p] > 2) {   /* the first copy's result came after a resend */
+        if (r->state[p] > 2) { /* the first copy's result came after a resend */
             r->c.spurious++;
             r->state[p]--;
         }
         return;
     }
-    if (r->state[p] == 0) {   /* echoes a packet not sent yet: not a result of ours */
+    if (r->state[p] == 0) { /* echoes a packet not sent yet: not a result of ours */
         r->c.stale++;
         return;
     }
@@ -849,11 +846,11 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
     e->deadline[s] = INFINITY;
     e->pkt[s] = -1;
     r->inflight--;
-    if (tries == 0 && e->sent_at[s] > r->batch_sample_at) {   /* Karn: not a resent one */
+    if (tries == 0 && e->sent_at[s] > r->batch_sample_at) { /* Karn: not a resent one */
         r->batch_sample_at = e->sent_at[s];
         r->batch_sample = now - e->sent_at[s];
     }
-    if (p + r->w < r->P) {   /* its slot is free for the packet one window later */
+    if (p + r->w < r->P) { /* its slot is free for the packet one window later */
         e->ready[s] = p + r->w;
         r->nready++;
     }
@@ -913,7 +910,7 @@ static int receive_batch(Run *r)
     if (m < 0) {
         int err = errno;
         if (err == EAGAIN || err == EWOULDBLOCK || err == EINTR || transient_errno(err))
-            return 0;   /* nothing, or an ICMP error queued on the socket: not data */
+            return 0; /* nothing, or an ICMP error queued on the socket: not data */
         return -err;
     }
     double now = now_s();
@@ -957,7 +954,7 @@ static int wait_readable(Engine *e, double until)
     if (dt < 0)
         dt = 0;
     if (dt > 1.0)
-        dt = 1.0;   /* wake up now and then: the progress line and signals */
+        dt = 1.0; /* wake up now and then: the progress line and signals */
     struct timespec ts = {(time_t)dt, (long)((dt - (double)(time_t)dt) * 1e9)};
     struct pollfd pfd = {.fd = e->fd, .events = POLLIN};
     int rc = ppoll(&pfd, 1, &ts, NULL);
@@ -1000,7 +997,7 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
                 if ((rc = expire(r, now)) < 0)
                     return rc;
             } else {
-                deferred = 1;   /* drain the rest first; at the latest on the next turn */
+                deferred = 1; /* drain the rest first; at the latest on the next turn */
             }
         }
         if (now - r->last_progress > timeout)
@@ -1020,7 +1017,7 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
         /* nothing to do until a result comes or a timer expires */
         if (r->P - r->ndone <= SPIN_OUTSTANDING) {
             if (e->spin_credit < 0) {
-                e->spin_credit++;   /* a probe again after |credit| skipped chances */
+                e->spin_credit++; /* a probe again after |credit| skipped chances */
             } else {
                 double end = now_s() + SPIN_TIME;
                 int m = 0;
@@ -1029,8 +1026,8 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
                 if (m < 0)
                     return m;
                 if (m > 0) {
-                    e->spin_credit = e->spin_credit + 1 > SPIN_CREDIT_MAX ? SPIN_CREDIT_MAX
-                                                                          : e->spin_credit + 1;
+                    e->spin_credit =
+                        e->spin_credit + 1 > SPIN_CREDIT_MAX ? SPIN_CREDIT_MAX : e->spin_credit + 1;
                     continue;
                 }
                 e->spin_credit -= SPIN_PENALTY;
@@ -1078,28 +1075,30 @@ static PyObject *counters_dict(const Counters *c)
     return d;
 }
 
-PyDoc_STRVAR(Engine_allreduce_doc,
-"allreduce(is_float, src, dst, P, w, job_number, versions, exponents, timeout,\n"
-"          progress=None, progress_every=1.0) -> dict\n\n"
-"Run the stream of one all-reduce with the GIL released. src and dst are contiguous buffers\n"
-"of L int32 or float32 (dst may be src); P packets over w slots; versions: the next version\n"
-"of each slot (bytes, >= w); exponents: float only, the e0 of each chunk (int8 bytes, see\n"
-"chunk_exponents). progress(ndone, retransmissions) is called every progress_every s.\n"
-"Returns {'status': 'done' | 'stalled', 'ndone', 'results_here', 'busy' (slot offsets with\n"
-"a packet in flight), 'counters' (this call's), 'gso_refused', 'last_errno'}; raises OSError\n"
-"on a socket error that is neither transient nor a GSO refusal.");
+PyDoc_STRVAR(
+    Engine_allreduce_doc,
+    "allreduce(is_float, src, dst, P, w, job_number, versions, exponents, timeout,\n"
+    "          progress=None, progress_every=1.0) -> dict\n\n"
+    "Run the stream of one all-reduce with the GIL released. src and dst are contiguous buffers\n"
+    "of L int32 or float32 (dst may be src); P packets over w slots; versions: the next version\n"
+    "of each slot (bytes, >= w); exponents: float only, the e0 of each chunk (int8 bytes, see\n"
+    "chunk_exponents). progress(ndone, retransmissions) is called every progress_every s.\n"
+    "Returns {'status': 'done' | 'stalled', 'ndone', 'results_here', 'busy' (slot offsets with\n"
+    "a packet in flight), 'counters' (this call's), 'gso_refused', 'last_errno'}; raises OSError\n"
+    "on a socket error that is neither transient nor a GSO refusal.");
 
 static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"is_float", "src", "dst", "P", "w", "job_number", "versions",
-                             "exponents", "timeout", "progress", "progress_every", NULL};
+    static char *kwlist[] = {"is_float",       "src",      "dst",       "P",       "w",
+                             "job_number",     "versions", "exponents", "timeout", "progress",
+                             "progress_every", NULL};
     int is_float, jn;
     long long P, w;
     PyObject *src_o, *dst_o, *exps_o, *progress = Py_None;
     Py_buffer src, dst, vers, exps = {0};
     double timeout, progress_every = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLLiy*Od|Od", kwlist, &is_float, &src_o,
-                                     &dst_o, &P, &w, &jn, &vers, &exps_o, &timeout, &progress,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLLiy*Od|Od", kwlist, &is_float, &src_o, &dst_o,
+                                     &P, &w, &jn, &vers, &exps_o, &timeout, &progress,
                                      &progress_every))
         return NULL;
     PyObject *result = NULL;
@@ -1183,14 +1182,13 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     }
     PyObject *cd = counters_dict(&r.c);
     if (busy && cd)
-        result = Py_BuildValue("{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status",
-                               rc == ST_DONE ? "done" : "stalled", "ndone", (long long)r.ndone,
-                               "results_here", (long long)r.results_here, "busy", busy,
-                               "counters", cd, "gso_refused",
-                               r.gso_refused ? Py_True : Py_False, "last_errno", e->last_errno);
+        result = Py_BuildValue(
+            "{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status", rc == ST_DONE ? "done" : "stalled", "ndone",
+            (long long)r.ndone, "results_here", (long long)r.results_here, "busy", busy, "counters",
+            cd, "gso_refused", r.gso_refused ? Py_True : Py_False, "last_errno", e->last_errno);
     Py_XDECREF(busy);
     Py_XDECREF(cd);
-    for (int64_t s = 0; s < w; s++)   /* no packet of this all-reduce is in flight any more */
+    for (int64_t s = 0; s < w; s++) /* no packet of this all-reduce is in flight any more */
         e->pkt[s] = -1, e->deadline[s] = INFINITY;
 out:
     PyMem_RawFree(done);
@@ -1236,16 +1234,16 @@ static PyMethodDef Engine_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
-PyDoc_STRVAR(Engine_doc,
-"Engine(fd, host, port, elems, window, world_size, type_size, slot_base, rto, rto_max,\n"
-"       gso=True, gro=True, cwnd='aimd', faults=None)\n\n"
-"The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
-"host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
-"all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).");
+PyDoc_STRVAR(
+    Engine_doc,
+    "Engine(fd, host, port, elems, window, world_size, type_size, slot_base, rto, rto_max,\n"
+    "       gso=True, gro=True, cwnd='aimd', faults=None)\n\n"
+    "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
+    "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
+    "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).");
 
 static PyTypeObject EngineType = {
-    PyVarObject_HEAD_INIT(NULL, 0)
-    .tp_name = "hostlib._fastpath.Engine",
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hostlib._fastpath.Engine",
     .tp_basicsize = sizeof(Engine),
     .tp_flags = Py_TPFLAGS_DEFAULT,
     .tp_doc = Engine_doc,
@@ -1257,10 +1255,11 @@ static PyTypeObject EngineType = {
 };
 
 /* --- module functions (also the test entry points) ---------------------------------------- */
-PyDoc_STRVAR(chunk_exponents_doc,
-"chunk_exponents(x, k) -> (bytes, bad)\n\n"
-"scaling.chunk_exponents of the float32 buffer x cut into chunks of k (the last one may be\n"
-"short): one int8 per chunk. bad is -1, or the index of the first NaN/Inf element.");
+PyDoc_STRVAR(
+    chunk_exponents_doc,
+    "chunk_exponents(x, k) -> (bytes, bad)\n\n"
+    "scaling.chunk_exponents of the float32 buffer x cut into chunks of k (the last one may be\n"
+    "short): one int8 per chunk. bad is -1, or the index of the first NaN/Inf element.");
 
 static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
 {
@@ -1281,17 +1280,16 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
         return NULL;
     }
     Py_ssize_t bad;
-    Py_BEGIN_ALLOW_THREADS
-    bad = chunk_exponents(x.buf, L, k, (int8_t *)PyBytes_AS_STRING(out));
-    Py_END_ALLOW_THREADS
-    PyBuffer_Release(&x);
+    Py_BEGIN_ALLOW_THREADS bad = chunk_exponents(x.buf, L, k, (int8_t *)PyBytes_AS_STRING(out));
+    Py_END_ALLOW_THREADS PyBuffer_Release(&x);
     return Py_BuildValue("Nn", out, bad);
 }
 
-PyDoc_STRVAR(quantise_doc,
-"quantise(x, exponents, world_size, k) -> bytes\n\n"
-"Test entry point: the big-endian int32 payload rows of the float32 chunks of x (k each, the\n"
-"last zero-padded) quantised with their agreed exponents, as the loop builds them.");
+PyDoc_STRVAR(
+    quantise_doc,
+    "quantise(x, exponents, world_size, k) -> bytes\n\n"
+    "Test entry point: the big-endian int32 payload rows of the float32 chunks of x (k each, the\n"
+    "last zero-padded) quantised with their agreed exponents, as the loop builds them.");
 
 static PyObject *py_quantise(PyObject *m, PyObject *args)
 {
@@ -1323,10 +1321,11 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(dequantise_doc,
-"dequantise(sums, exponents, world_size, k) -> bytes\n\n"
-"Test entry point: float32 (native order) of the big-endian int32 sums (rows of k) with\n"
-"their agreed exponents, as the loop writes them into the output.");
+PyDoc_STRVAR(
+    dequantise_doc,
+    "dequantise(sums, exponents, world_size, k) -> bytes\n\n"
+    "Test entry point: float32 (native order) of the big-endian int32 sums (rows of k) with\n"
+    "their agreed exponents, as the loop writes them into the output.");
 
 static PyObject *py_dequantise(PyObject *m, PyObject *args)
 {
@@ -1357,11 +1356,12 @@ done:
     return out;
 }
 
-PyDoc_STRVAR(set_simd_doc,
-"set_simd(name) -> str\n\n"
-"Choose the kernels: 'avx2' (if the CPU has it) or 'scalar'; returns the previous choice.\n"
-"Both give identical bytes; tests use this to compare them. The default is the best the CPU\n"
-"offers, or 'scalar' when the environment has XDP_AGG_SIMD=scalar at import.");
+PyDoc_STRVAR(
+    set_simd_doc,
+    "set_simd(name) -> str\n\n"
+    "Choose the kernels: 'avx2' (if the CPU has it) or 'scalar'; returns the previous choice.\n"
+    "Both give identical bytes; tests use this to compare them. The default is the best the CPU\n"
+    "offers, or 'scalar' when the environment has XDP_AGG_SIMD=scalar at import.");
 
 static int cpu_has_avx2(void)
 {
@@ -1412,9 +1412,15 @@ static PyMethodDef module_methods[] = {
 };
 
 static struct PyModuleDef module_def = {
-    PyModuleDef_HEAD_INIT, "hostlib._fastpath",
-    "The native per-packet loop of hostlib's stream engine (see hostlib/_fastpath.c).", -1,
-    module_methods, NULL, NULL, NULL, NULL,
+    PyModuleDef_HEAD_INIT,
+    "hostlib._fastpath",
+    "The native per-packet loop of hostlib's stream engine (see hostlib/_fastpath.c).",
+    -1,
+    module_methods,
+    NULL,
+    NULL,
+    NULL,
+    NULL,
 };
 
 PyMODINIT_FUNC PyInit__fastpath(void)
