@@ -114,7 +114,7 @@ def test_ping_and_tcp_pass_and_detach_leaves_nothing(testbed_factory, instance):
     w = tb.workers[0]
     xdp_agg(tb, "--name", instance, "attach", "eth0")
     status = json.loads(xdp_agg(tb, "--name", instance, "status", "--json").stdout)
-    assert status["interfaces"][0]["attached"] and status["mode"] == "one-arm"
+    assert status["interfaces"][0]["attached"] and status["topology"] == "one-arm"
     prog_id = status["prog_id"]
     fd = bpfsys.obj_get(str(pins.Instance(instance).map_path("jobs")))
     jobs_map_id = bpfsys.map_info(fd).id

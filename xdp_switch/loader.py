@@ -20,6 +20,7 @@ import bpfsys
 from aggproto import limits
 
 from . import abi
+from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
 BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
 SOURCE = BPF_DIR / "xdp_agg.c"
@@ -45,8 +46,9 @@ PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
 
 
-class LoadError(RuntimeError):
-    """The program could not be compiled or loaded; the message says what to do."""
+class LoadError(XdpAggError):
+    """The program could not be compiled or loaded (compiler error, verifier rejection); the
+    message says what to do. A machine without bcc or kernel headers raises EnvironmentProblem."""
 
 
 @dataclass
@@ -70,11 +72,24 @@ def _import_bcc():
     try:
         import bcc  # Debian's python3-bpfcc
     except ImportError as e:
-        raise LoadError(
+        raise EnvironmentProblem(
             "bcc's Python module is missing: install python3-bpfcc (make deps) and run from a venv "
             "made with --system-site-packages from /usr/bin/python3 (make venv)"
         ) from e
     return bcc
+
+
+def check_environment(what: str = "loading BPF programs"):
+    """bcc, once root, kernel headers and bcc's module are there (NeedsRoot or
+    EnvironmentProblem, saying what to install, when one is not)."""
+    if os.geteuid() != 0:
+        raise NeedsRoot(what)
+    if not kernel_headers_present():
+        raise EnvironmentProblem(
+            f"no kernel headers at /lib/modules/{platform.release()}/build: run "
+            "`sudo make headers` (installs linux-headers-amd64 and links it for this kernel)"
+        )
+    return _import_bcc()
 
 
 @contextlib.contextmanager
@@ -125,21 +140,15 @@ def load(pool_slots: int = limits.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = 
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).
-    Raises LoadError with an actionable message (missing headers, compiler error, verifier
-    rejection with the tail of the verifier log).
+    Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
+    (compiler error, verifier rejection with the tail of the verifier log), each with an
+    actionable message; ValueError for a variant or pool size out of range.
     """
-    if os.geteuid() != 0:
-        raise LoadError("loading BPF programs needs root: run with sudo")
     if variant not in VARIANTS:
-        raise LoadError(f"variant must be one of {', '.join(VARIANTS)}")
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
     if not 1 <= pool_slots <= 1 << 14:
-        raise LoadError(f"pool slots must be 1..16384, not {pool_slots}")
-    if not kernel_headers_present():
-        raise LoadError(
-            f"no kernel headers at /lib/modules/{platform.release()}/build: run `sudo make headers` "
-            "(installs linux-headers-amd64 and links it for this kernel)"
-        )
-    bcc = _import_bcc()
+        raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
+    bcc = check_environment()
     nr_cpus = bpfsys.possible_cpus()
     partials = bpfsys.map_create(
         bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"
