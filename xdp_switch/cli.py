@@ -14,6 +14,7 @@ Codes 1 and 3 are the exit_code of the XdpAggError the command raised (xdp_switc
 from __future__ import annotations
 
 import ipaddress
+import importlib.metadata
 import json
 import time
 
@@ -73,13 +74,21 @@ def _listen(ctx, param, value: str) -> tuple[str, int]:
         raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 0.0.0.0:48800") from None
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml); a bare checkout has none."""
+    try:
+        return importlib.metadata.version("xdp-agg")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
+
+
 @click.group(
     cls=_Cli,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, "
     "3 environment (root, bpffs, bcc, headers).",
 )
-@click.version_option(package_name="xdp-agg", prog_name="xdp-agg")
+@click.version_option(_version(), prog_name="xdp-agg")
 @click.option(
     "--name",
     default="default",

@@ -3,12 +3,17 @@
 bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s). The per-CPU
 partials map is created here first, because the program reaches it by fd (see bpf/maps.h).
 Everything afterwards works on file descriptors, which xdp_switch.pins pins under bpffs.
+
+The C sources are package data: `xdp_switch/bpf` is a link to the repository's top-level `bpf/`
+in a checkout (and so in an editable install), and a copy of it in a wheel; either way
+importlib.resources finds it, so an installed package compiles the program it ships.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes as ct
+import importlib.resources
 import os
 import platform
 import re
@@ -22,7 +27,18 @@ from aggproto import limits
 from . import abi
 from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
-BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+
+
+def _package_dir(package: str, name: str) -> Path:
+    """A directory of package data as a real path (bcc and clang read files, not resources)."""
+    d = importlib.resources.files(package) / name
+    if not isinstance(d, Path):  # e.g. a zip import; pip always installs packages unpacked
+        raise EnvironmentProblem(f"{package}/{name} is not a directory on disk ({d}): "
+                                 "install the package with pip (unpacked)")
+    return d
+
+
+BPF_DIR = _package_dir("xdp_switch", "bpf")  # xdp_agg.c, xdp_floor.c, the headers, generated/
 SOURCE = BPF_DIR / "xdp_agg.c"
 BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: expected attach type of devmap egress programs
 

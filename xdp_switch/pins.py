@@ -96,7 +96,7 @@ def check_name(name: str) -> str:
 def _bpf_obj_error(e: bpfsys.BpfError, what: str) -> XdpAggError:
     if e.errno in (errno.EPERM, errno.EACCES):
         return NeedsRoot(what)
-    return XdpAggError(f"{what} failed: {os.strerror(e.errno)}")
+    return XdpAggError(f"{what} failed: {os.strerror(e.errno or 0)}")
 
 
 class Instance:
