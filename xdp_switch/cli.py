@@ -8,22 +8,24 @@ Exit codes (every command):
 
 Codes 1 and 3 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
 2 is click's. This module parses options; what the commands decide lives in aggregator.py
-(attach, detach, status, counters) and serving.py (job defaults, the control endpoint).
+(attach, detach, status, counters), serving.py (job defaults, the control endpoint) and
+service.py (the systemd unit and its config).
 """
 
 from __future__ import annotations
 
-import ipaddress
 import importlib.metadata
+import ipaddress
 import json
 import time
+from pathlib import Path
 
 import click
 
 from aggproto import limits, wire
 from aggproto.jobs import WorkerSpec
 
-from . import aggregator, links, loader, pins, serving
+from . import aggregator, links, loader, pins, service, serving
 from .errors import EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
 __all__ = ["EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
@@ -111,6 +113,9 @@ def main(ctx, name, netns):
       sudo xdp-agg worker add 0 0 198.18.0.10
       sudo xdp-agg stats --watch
       sudo xdp-agg detach
+      sudo xdp-agg install-service --interfaces eth1   # as a systemd service
+
+    Shell completion (bash): eval "$(_XDP_AGG_COMPLETE=bash_source xdp-agg)"
     """
     ctx.ensure_object(dict)
     ctx.obj["name"] = name
@@ -541,6 +546,104 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
         barrier_timeout=barrier_timeout,
         announce=announce,
     )
+
+
+@main.command("install-service")
+@click.argument("name", default="default", callback=_name)
+@click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
+@click.option("--listen", default="0.0.0.0:48800", show_default=True, callback=_listen,
+              help="The sample config's LISTEN.")
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
+              help="Install under this directory instead of / (for packaging and tests).")
+@click.option("--exec", "exe", default=None,
+              help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).")
+@click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
+@click.option("--json", "as_json", is_flag=True)
+def install_service(name, interfaces, listen, root, exe, force, as_json):
+    """Write the systemd unit xdp-agg@.service and a sample /etc/xdp-agg/NAME.conf.
+
+    The unit attaches aggregator NAME to the config's interfaces and runs the control endpoint;
+    stopping it detaches; it restarts on failure. Edit the config, then enable the unit (this
+    prints the commands).
+
+    \b
+    Examples:
+      sudo xdp-agg install-service --interfaces eth1
+      sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 10.0.0.1:48800
+      xdp-agg install-service --root /tmp/pkgroot --json
+    """
+    rep = service.install_files(Path(root), name, interfaces.split(), exe=exe,
+                                listen=f"{listen[0]}:{listen[1]}", force=force)
+
+    def text(r):
+        for path in r["written"]:
+            click.echo(f"wrote {path}")
+        for path in r["kept"]:
+            click.echo(f"kept {path} (--force replaces it with the sample)")
+        click.echo(
+            "next:\n"
+            f"  edit {r['config']} (INTERFACES, LISTEN, ...)\n"
+            "  sudo systemctl daemon-reload\n"
+            f"  sudo systemctl enable --now {r['instance']}\n"
+            f"  sudo xdp-agg --name {r['name']} status          # is it attached?\n"
+            f"  journalctl -u {r['instance']}               # what it said"
+        )
+
+    _emit(rep, as_json, text)
+
+
+@main.command("service-start")
+@click.argument("name", callback=_name)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="Default: /etc/xdp-agg/NAME.conf.")
+@click.pass_context
+def service_start(ctx, name, config_file):
+    """What the unit xdp-agg@NAME runs: attach as NAME.conf says, then serve until SIGTERM.
+
+    An aggregator NAME left attached by an earlier run is detached first (the service owns the
+    name). Messages go to stderr, which systemd puts in the journal.
+
+    \b
+    Example:
+      sudo xdp-agg service-start lab --config /etc/xdp-agg/lab.conf
+    """
+    cfg = service.read_config(name, Path(config_file) if config_file else None)
+    # SERVE_OPTIONS are parsed before anything is attached: a usage error there exits 2 with
+    # nothing to undo
+    ctx.obj["name"], ctx.obj["netns"] = name, cfg.netns
+    sub = serve.make_context("serve", cfg.serve_args(), parent=ctx)
+    if cfg.netns:
+        links.enter_netns(cfg.netns)
+
+    def say(line: str) -> None:
+        click.echo(f"xdp-agg@{name}: {line}", err=True)
+
+    if service.clear_leftover(name):
+        say("detached what an earlier run left attached")
+    state = aggregator.attach(cfg.interfaces, name=name, topology=cfg.topology,
+                              xdp_mode=cfg.xdp_mode, pool_slots=cfg.pool_slots,
+                              netns=cfg.netns, variant=cfg.variant)
+    say(f"attached to {', '.join(cfg.interfaces)} ({state.topology}, {state.xdp_mode} XDP, "
+        f"{state.pool_slots} slots)")
+    with sub:
+        serve.invoke(sub)
+
+
+@main.command("service-stop")
+@click.argument("name", callback=_name)
+@click.option("--json", "as_json", is_flag=True)
+def service_stop(name, as_json):
+    """What the unit runs when it stops: detach aggregator NAME if it is attached.
+
+    Nothing attached is not an error (the unit runs this after a failed start too).
+
+    \b
+    Example:
+      sudo xdp-agg service-stop lab
+    """
+    rep = service.stop(name) or {"name": name, "detached": [], "left_alone": []}
+    _emit(rep, as_json, lambda r: click.echo(
+        f"xdp-agg@{name}: detached from {', '.join(r['detached']) or 'nothing'}", err=True))
 
 
 @main.command()
