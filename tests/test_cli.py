@@ -77,10 +77,16 @@ def test_success_exits_0(run, monkeypatch):
     assert run("--version").exit_code == 0
 
 
-@pytest.mark.parametrize("error,code", [
-    (XdpAggError, cli.EXIT_FAILED), (Refused, cli.EXIT_FAILED), (pins.NotAttached, cli.EXIT_FAILED),
-    (EnvironmentProblem, cli.EXIT_ENV), (NeedsRoot, cli.EXIT_ENV),
-])
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (XdpAggError, cli.EXIT_FAILED),
+        (Refused, cli.EXIT_FAILED),
+        (pins.NotAttached, cli.EXIT_FAILED),
+        (EnvironmentProblem, cli.EXIT_ENV),
+        (NeedsRoot, cli.EXIT_ENV),
+    ],
+)
 def test_exit_code_comes_from_the_error_class(run, monkeypatch, error, code):
     """The code is the class's, whatever the message says: a failure whose text mentions sudo
     stays 1, an environment problem with any text is 3."""
@@ -112,7 +118,9 @@ def test_refused_job_exits_1(run, monkeypatch):
     """A spec the Backend contract refuses (a ValueError from check_job) is a failure, 1."""
 
     class FakeBackend:
-        state = pins.State("default", "one-arm", "native", None, [{"ifname": "eth0"}], 64, 1, 2, 0.0)
+        state = pins.State(
+            "default", "one-arm", "native", None, [{"ifname": "eth0"}], 64, 1, 2, 0.0
+        )
 
         def __init__(self, name):
             pass
@@ -121,14 +129,19 @@ def test_refused_job_exits_1(run, monkeypatch):
             raise Refused(f"slots {spec.slot_base}.. are outside the pool of 64")
 
     monkeypatch.setattr(aggregator, "XdpBackend", FakeBackend)
-    monkeypatch.setattr(serving.links, "addresses", lambda ifname: {"ipv4": [], "mac": "02:00:00:00:00:01"})
+    monkeypatch.setattr(
+        serving.links, "addresses", lambda ifname: {"ipv4": [], "mac": "02:00:00:00:00:01"}
+    )
     r = run("job", "create", "0", "--workers", "2", "--slots", "60:8")
     assert r.exit_code == cli.EXIT_FAILED, r.output
     assert "outside the pool" in r.output
 
 
 def test_bad_addresses_are_usage_errors(run):
-    assert run("job", "create", "0", "--workers", "2", "--group", "198.18.0").exit_code == cli.EXIT_USAGE
+    assert (
+        run("job", "create", "0", "--workers", "2", "--group", "198.18.0").exit_code
+        == cli.EXIT_USAGE
+    )
     assert run("worker", "add", "0", "0", "not-an-ip").exit_code == cli.EXIT_USAGE
     assert run("serve", "--listen", "0.0.0.0").exit_code == cli.EXIT_USAGE
     assert run("--name", "../x", "status").exit_code == cli.EXIT_USAGE
@@ -139,10 +152,18 @@ def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
     monkeypatch.setattr(aggregator, "status", lambda name: {}["no such key"])
     r = run("status")
     assert isinstance(r.exception, KeyError)  # not SystemExit: click did not swallow it
-    code = ("import xdp_switch.aggregator as a; a.status = lambda name: 1 / 0\n"
-            "from xdp_switch.cli import main; main(['status'])")
-    cp = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, check=False,
-                        timeout=60)
+    code = (
+        "import xdp_switch.aggregator as a; a.status = lambda name: 1 / 0\n"
+        "from xdp_switch.cli import main; main(['status'])"
+    )
+    cp = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        timeout=60,
+    )
     assert cp.returncode == 1
     assert "Traceback (most recent call last)" in cp.stderr and "ZeroDivisionError" in cp.stderr
 
@@ -171,3 +192,28 @@ def test_state_file_round_trip(tmp_path, monkeypatch):
     st = pins.State("rt", "one-arm", "native", "agg", [{"ifname": "eth0"}], 64, 1, 2, 0.0)
     inst.save_state(st)
     assert inst.load_state() == st
+
+
+@pytest.mark.parametrize(
+    "module,prog", [("xdp_switch.cli", "xdp-agg"), ("netns_testbed.cli", "netns-testbed")]
+)
+def test_shell_completion(module, prog):
+    """click's completion, as the README tells users to enable it: the bash script, and the
+    completions it asks for (here: the verbs starting with "st")."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    var = f"_{prog.replace('-', '_').upper()}_COMPLETE"
+    runner = CliRunner()
+    script = runner.invoke(main, [], prog_name=prog, env={var: "bash_source"})
+    assert (
+        script.exit_code == 0
+        and f"complete -o nosort -F _{prog.replace('-', '_')}_completion" in script.output
+    )
+    words = runner.invoke(
+        main,
+        [],
+        prog_name=prog,
+        env={var: "bash_complete", "COMP_WORDS": f"{prog} st", "COMP_CWORD": "1"},
+    )
+    assert "plain,status" in words.output.splitlines()

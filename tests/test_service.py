@@ -26,13 +26,27 @@ def run_cli(*args, env=None):
 
 # --- config ------------------------------------------------------------------------------------
 def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
-    rep = service.install_files(tmp_path, "lab", ["p0", "p1"], listen="10.0.0.1:48801",
-                                pool_slots=2048, exe="/usr/bin/xdp-agg")
+    rep = service.install_files(
+        tmp_path,
+        "lab",
+        ["p0", "p1"],
+        listen="10.0.0.1:48801",
+        pool_slots=2048,
+        exe="/usr/bin/xdp-agg",
+    )
     cfg = service.parse_config(Path(rep["config"]).read_text())
     assert cfg.interfaces == ["p0", "p1"] and cfg.listen == "10.0.0.1:48801"
     assert cfg.pool_slots == 2048 and cfg.topology is None and cfg.xdp_mode == "native"
-    assert cfg.attach_args() == ["p0", "p1", "--xdp-mode", "native", "--pool-slots", "2048",
-                                 "--variant", "percpu"]
+    assert cfg.attach_args() == [
+        "p0",
+        "p1",
+        "--xdp-mode",
+        "native",
+        "--pool-slots",
+        "2048",
+        "--variant",
+        "percpu",
+    ]
     assert cfg.serve_args() == ["--listen", "10.0.0.1:48801"]
 
 
@@ -42,19 +56,34 @@ def test_config_values_and_quoting():
         'VARIANT=spinlock\nNETNS=agg\nSERVE_OPTIONS="--udp-checksum --group 239.1.1.1"\n'
     )
     assert (cfg.interfaces, cfg.topology, cfg.xdp_mode, cfg.pool_slots, cfg.variant, cfg.netns) == (
-        ["eth1"], "one-arm", "skb", 64, "spinlock", "agg")
-    assert cfg.serve_args() == ["--listen", "0.0.0.0:48800", "--udp-checksum", "--group", "239.1.1.1"]
+        ["eth1"],
+        "one-arm",
+        "skb",
+        64,
+        "spinlock",
+        "agg",
+    )
+    assert cfg.serve_args() == [
+        "--listen",
+        "0.0.0.0:48800",
+        "--udp-checksum",
+        "--group",
+        "239.1.1.1",
+    ]
     assert "--topology" in cfg.attach_args()
 
 
-@pytest.mark.parametrize("text,what", [
-    ("INTERFACES=\n", "INTERFACES is empty"),
-    ("INTERFACES=eth0\nPOOL=3\n", ":2: expected one of"),
-    ("INTERFACES=eth0\nTOPOLOGY=ring\n", "TOPOLOGY must be one of one-arm, switch"),
-    ("INTERFACES=eth0\nPOOL_SLOTS=0\n", "POOL_SLOTS must be 1..16384"),
-    ("INTERFACES=eth0\nXDP_MODE=offload\n", "XDP_MODE must be one of native, skb"),
-    ('INTERFACES="eth0\n', "No closing quotation"),
-])
+@pytest.mark.parametrize(
+    "text,what",
+    [
+        ("INTERFACES=\n", "INTERFACES is empty"),
+        ("INTERFACES=eth0\nPOOL=3\n", ":2: expected one of"),
+        ("INTERFACES=eth0\nTOPOLOGY=ring\n", "TOPOLOGY must be one of one-arm, switch"),
+        ("INTERFACES=eth0\nPOOL_SLOTS=0\n", "POOL_SLOTS must be 1..16384"),
+        ("INTERFACES=eth0\nXDP_MODE=offload\n", "XDP_MODE must be one of native, skb"),
+        ('INTERFACES="eth0\n', "No closing quotation"),
+    ],
+)
 def test_config_errors_name_the_problem(text, what):
     with pytest.raises(service.ConfigError, match=what) as e:
         service.parse_config(text, "x.conf")
@@ -74,8 +103,9 @@ def test_install_service_writes_unit_and_keeps_an_edited_config(tmp_path):
     conf.write_text(conf.read_text().replace('INTERFACES="eth1"', 'INTERFACES="eth2"'))
     again = json.loads(run_cli("install-service", "lab", "--root", str(tmp_path), "--json").output)
     assert again["kept"] == [str(conf)] and 'INTERFACES="eth2"' in conf.read_text()
-    forced = json.loads(run_cli("install-service", "lab", "--root", str(tmp_path), "--force",
-                                "--json").output)
+    forced = json.loads(
+        run_cli("install-service", "lab", "--root", str(tmp_path), "--force", "--json").output
+    )
     assert str(conf) in forced["written"] and 'INTERFACES=""' in conf.read_text()
 
 
@@ -92,8 +122,13 @@ def test_unit_validates_with_systemd_analyze(tmp_path):
     shutil.copy(tmp_path / "etc/systemd/system/xdp-agg@.service", units)
     # verify loads the template through the instance name; it checks keys, values and that
     # ExecStart's program is executable
-    cp = subprocess.run([analyze, "verify", str(units / "xdp-agg@lab.service")],
-                        capture_output=True, text=True, timeout=60, check=False)
+    cp = subprocess.run(
+        [analyze, "verify", str(units / "xdp-agg@lab.service")],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert cp.returncode == 0 and not cp.stderr.strip(), cp.stderr
 
 
@@ -112,8 +147,15 @@ def test_service_start_exit_codes(tmp_path, monkeypatch):
 
 
 def _xdp_agg(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "xdp_switch.cli", *args], capture_output=True,
-                          text=True, timeout=120, cwd=REPO, check=False, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "xdp_switch.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=REPO,
+        check=False,
+        **kw,
+    )
 
 
 @pytest.mark.root
@@ -135,14 +177,20 @@ def test_service_start_serves_an_allreduce_and_stop_detaches(testbed_factory, tm
 def _serve_and_stop(tb, name, tmp_path):
     agg_ns = tb.aggregator.netns
     conf = tmp_path / f"{name}.conf"
-    conf.write_text(f'INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nLISTEN=0.0.0.0:48811\n'
-                    'SERVE_OPTIONS="--barrier-timeout 30"\n')
+    conf.write_text(
+        f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nLISTEN=0.0.0.0:48811\n"
+        'SERVE_OPTIONS="--barrier-timeout 30"\n'
+    )
     # what an earlier run could leave: the same name attached; service-start replaces it
     first = _xdp_agg("--netns", agg_ns, "--name", name, "attach", "eth0", "--json")
     assert first.returncode == 0, first.stderr
     old_prog = json.loads(first.stdout)["prog_id"]
-    proc = subprocess.Popen([sys.executable, "-m", "xdp_switch.cli", "service-start", name,
-                             "--config", str(conf)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "xdp_switch.cli", "service-start", name, "--config", str(conf)],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         lines = []
         while not any("listening" in line for line in lines):
@@ -156,10 +204,28 @@ def _serve_and_stop(tb, name, tmp_path):
 
         plan = json.dumps([{"dtype": "int32", "count": 5000}])
         workers = [
-            tb.popen(w, [sys.executable, "-m", "aggcluster.cluster_worker", "--rank", str(i),
-                         "--world", "2", "--control", f"{w.agg_ip}:48811", "--job", "svc",
-                         "--plan", plan], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                     text=True, cwd=REPO)
+            tb.popen(
+                w,
+                [
+                    sys.executable,
+                    "-m",
+                    "aggcluster.cluster_worker",
+                    "--rank",
+                    str(i),
+                    "--world",
+                    "2",
+                    "--control",
+                    f"{w.agg_ip}:48811",
+                    "--job",
+                    "svc",
+                    "--plan",
+                    plan,
+                ],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                cwd=REPO,
+            )
             for i, w in enumerate(tb.workers)
         ]
         for p in workers:
