@@ -498,7 +498,7 @@ class Bmv2Backend:
 
     def fill_worker(self, worker: WorkerSpec, local: tuple[str, int]) -> None:
         """RendezvousServer hook: the address the worker reached the control endpoint at is our
-        address on its port (as in the XDP switch mode), which tells the port."""
+        address on its port (as in the XDP switch topology), which tells the port."""
         worker.extra.setdefault("agg_ip", local[0])
 
     def remove_worker(self, job_id: int, index: int) -> None:

@@ -1,7 +1,7 @@
 """The aggregator attached to real veths in namespaces, driven through the `xdp-agg` CLI.
 
-- one-arm and switch mode: workers' UDP contributions come back summed to every worker (switch
-  mode exercises the devmap broadcast and the per-port egress program);
+- the one-arm and switch topologies: workers' UDP contributions come back summed to every worker
+  (switch exercises the devmap broadcast and the per-port egress program);
 - ping and a TCP transfer through the attached interface keep working;
 - `status --json` / `stats --json` show the program and its counters;
 - `detach` leaves no program on the interface, no pin, no map.

@@ -2,7 +2,7 @@
 
     /sys/fs/bpf/xdp-agg/<name>/maps/<map>     every map (jobs, workers, slots, ..., partials)
     /sys/fs/bpf/xdp-agg/<name>/progs/ingress  the XDP program
-    /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (switch mode)
+    /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
     /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
                                               options (State below)
 
