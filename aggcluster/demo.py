@@ -19,7 +19,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--mib", type=float, default=64.0, help="tensor size per worker, MiB of float32")
     ap.add_argument("--topology", choices=["one-arm", "switch"], default="one-arm")
-    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3124; SwitchML's largest is 256)")
+    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110; SwitchML's largest is 256)")
     ap.add_argument("--mtu", type=int, default=3500, help="MTU of every testbed link")
     ap.add_argument("--window", type=int, default=256, help="slots per worker")
     ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])

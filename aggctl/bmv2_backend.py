@@ -9,7 +9,7 @@
     backend.counters(job_id)                                      # {reason name: packets}
     switch.stop()
 
-p4/switchml.p4 implements protocol.md sections 1-3 (see its header comment). This module
+p4/switchml.p4 implements docs/protocol.md sections 1-3 (its differences: 3.6) (see its header comment). This module
 - compiles it (compile_p4),
 - starts and stops simple_switch on a set of interfaces, optionally inside a network namespace
   (SimpleSwitch; give the namespace by name rather than entering it first: simple_switch is run

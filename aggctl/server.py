@@ -49,7 +49,13 @@ from dataclasses import dataclass, field, fields
 from typing import Callable
 
 from aggproto import wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.jobs import (
+    DEFAULT_CONTROL_PORT,
+    Delivery,
+    JobDescription,
+    JobSpec,
+    WorkerSpec,
+)
 from aggproto.limits import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS
 
 from .backend import Backend
@@ -57,7 +63,6 @@ from .backend import Backend
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-DEFAULT_CONTROL_PORT = 48800
 MAX_LINE = 1 << 16
 
 
@@ -125,9 +130,9 @@ class _Job:
     def missing(self) -> list[int]:
         return [r for r in range(self.world_size) if r not in self.ranks]
 
-    def group(self) -> list | None:
+    def group(self) -> tuple[str, int] | None:
         if self.spec.delivery == Delivery.GROUP_TX and self.spec.group_ip != "0.0.0.0":
-            return [self.spec.group_ip, self.worker_port]
+            return (self.spec.group_ip, self.worker_port)
         return None
 
 
@@ -495,20 +500,15 @@ class RendezvousServer:
             log.exception("removing rank %d of job %r failed", rank, job.key)
 
     def _describe(self, job: _Job, local: tuple[str, int]) -> dict:
-        d = job.spec.to_dict()
+        """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
         agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
-        d.update(
-            key=job.key,
-            world_size=job.world_size,
-            window=job.window,
-            worker_port=job.worker_port,
-            send_to=[agg_ip, job.spec.agg_port],
+        return JobDescription(
+            key=job.key, spec=job.spec, world_size=job.world_size, window=job.window,
+            worker_port=job.worker_port, send_to=(agg_ip, job.spec.agg_port),
             group=job.group(),
-            workers=[
-                {"rank": r, "ip": x.ip, "port": x.port} for r, x in sorted(job.ranks.items())
-            ],
-        )
-        return d
+            workers=tuple({"rank": r, "ip": x.ip, "port": x.port}
+                          for r, x in sorted(job.ranks.items())),
+        ).to_dict()
 
     def _summary(self, job: _Job, local) -> dict:
         return {

@@ -1,4 +1,4 @@
-"""The aggregator's state machine, serial and in plain Python (protocol.md sections 2-3).
+"""The aggregator's state machine, serial and in plain Python (docs/protocol.md sections 2-3).
 
 This is the reference the XDP program (and the P4 program) are checked against: the table-driven
 PROG_TEST_RUN tests and the concurrency test compare the kernel's verdicts and bytes with what
@@ -23,9 +23,9 @@ _IP_END = wire.ETH_HLEN + wire.IPV4_HLEN
 _IPPROTO_UDP = 17
 _IP_MF, _IP_OFFSET_MASK = 0x2000, 0x1FFF  # IPv4 more-fragments flag, fragment offset
 # Offsets inside our UDP payload, from the wire module's header layout.
-_TYPE_SIZE = wire.HDR_DTYPE.fields["msg_type_size"][1]
-_E0 = wire.HDR_DTYPE.fields["e0"][1]
-_POOL_INDEX = wire.HDR_DTYPE.fields["pool_index"][1]
+_TYPE_SIZE = wire.SML_DTYPE.fields["msg_type_size"][1]
+_POOL_INDEX = wire.SML_DTYPE.fields["pool_index"][1]
+_E0 = wire.EXP_DTYPE.fields["e0"][1]  # from the exponent header's start: wire.exponents_at(k)
 
 
 def _udp_checksum_ok(frame: bytes) -> bool:
@@ -161,12 +161,12 @@ class ReferenceAggregator:
 
     def _classify(self, src_addr, dst_port, payload, frame_len, ip_len, udp_len,
                   checksum_ok=None) -> Verdict:
-        """The checks of protocol.md section 2 in the XDP program's order, then the state
+        """The checks of docs/protocol.md section 2 in the XDP program's order, then the state
         machine. `payload` is everything after the UDP header up to the end of the frame;
         `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it)."""
         if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             return Verdict(Action.PASS, Reason.PASS)
-        if len(payload) < wire.UDP_HDRS_LEN:
+        if len(payload) < wire.SWITCHML_HLEN:
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED)
         who = self.workers.get((src_addr, dst_port))
         if who is None:
@@ -230,8 +230,9 @@ class ReferenceAggregator:
         n = len(st.acc[v])
         out = bytearray(request)  # exactly the job's payload: the lengths were checked
         out[_TYPE_SIZE] &= ~wire.TYPE_SIZE_RESERVED_MASK & 0xFF
-        out[_E0] = st.e0[v] & 0xFF
-        out[_E0 + 1] = st.e1[v] & 0xFF
+        e0 = wire.exponents_at(n) + _E0
+        out[e0] = st.e0[v] & 0xFF
+        out[e0 + 1] = st.e1[v] & 0xFF
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
-        out[wire.UDP_HDRS_LEN : wire.UDP_HDRS_LEN + n * 4] = wrapped
+        out[wire.VALUES_AT : wire.exponents_at(n)] = wrapped
         return bytes(out)

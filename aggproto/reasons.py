@@ -1,7 +1,7 @@
 """Why a packet took the path it took: one counter per reason and job, in every target.
 
 The XDP program, the P4 program and the software aggregator count by these reasons, in the rows
-and columns given by aggproto.keys.counter_index; the reference model returns one per packet.
+and columns given by aggproto.keys.counter_key; the reference model returns one per packet.
 """
 
 from __future__ import annotations

@@ -3,13 +3,15 @@
     from aggproto.scapy_layer import SwitchML, Exponents, sml_frame
     pkt = sml_frame(src_ip="198.18.0.10", values=[1, 2, 3, ...], slot=3)
 
-UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents / Raw payload.
+UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents: the SwitchML
+layer holds the header's fields and the k int32 of the payload (`values`, k from the size code),
+the exponent header follows the payload, as on the wire.
 """
 
 from __future__ import annotations
 
 import numpy as np
-from scapy.fields import BitField, SignedByteField
+from scapy.fields import BitField, FieldListField, SignedByteField, SignedIntField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, bind_layers
@@ -27,11 +29,18 @@ def _fields(header: wire.Header):
     return out
 
 
+def _payload_elems(pkt) -> int:
+    return wire.SIZE_CODE_ELEMS.get(pkt.size, 0)
+
+
 class SwitchML(Packet):
-    """SwitchML header (8 bytes), fields from wire.SWITCHML."""
+    """SwitchML header (8 bytes, fields from wire.SWITCHML) and the payload's int32 after it."""
 
     name = "SwitchML"
-    fields_desc = _fields(wire.SWITCHML)
+    fields_desc = _fields(wire.SWITCHML) + [
+        FieldListField("values", [], SignedIntField("value", 0), count_from=_payload_elems,
+                       max_count=wire.MAX_ELEMS)
+    ]
 
 
 class Exponents(Packet):
@@ -77,7 +86,7 @@ def sml_frame(
         Ether(src=src_mac, dst=dst_mac)
         / IP(src=src_ip, dst=dst_ip, ttl=64)
         / UDP(sport=sport, dport=dport, chksum=None if udp_checksum else 0)
-        / SwitchML(msg_type=msg_type, size=size, job_number=job_number, tsi=tsi, pool_index=pidx)
+        / SwitchML(msg_type=msg_type, size=size, job_number=job_number, tsi=tsi, pool_index=pidx,
+                   values=[int(v) for v in vals])
         / Exponents(e0=e0, e1=e1)
-        / vals.astype(">i4").tobytes()
     )

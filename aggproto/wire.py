@@ -1,12 +1,13 @@
 """The SwitchML wire format: the one definition every implementation derives from.
 
-This module is the single source of truth for the bytes on the wire (protocol.md section 1).
+This module is the single source of truth for the bytes on the wire (docs/protocol.md section 1).
 The BPF C header (bpf/generated/wire.h), the P4 header (p4/include/wire.p4) and the scapy layer
 (aggproto.scapy_layer) are generated or built from the tables below; tests fail when a
 generated file drifts or when the compiled BPF object's BTF disagrees with the offsets here.
 
-Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | exponents (2) | payload,
-payload being k big-endian int32, k given by the size code.
+Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | payload | exponents (2),
+payload being k big-endian int32, k given by the size code: p4app-switchML's order (its parser
+extracts the header, the data, then the exponent; its hosts write the exponent after the data).
 """
 
 from __future__ import annotations
@@ -42,8 +43,9 @@ SWITCHML_HLEN = 8
 EXP_HLEN = 2
 ELEM_BYTES = 4
 SWITCHML_OFFSET = ETH_HLEN + IPV4_HLEN + UDP_HLEN  # 42: from the start of the Ethernet frame
-PAYLOAD_OFFSET = SWITCHML_OFFSET + SWITCHML_HLEN + EXP_HLEN  # 52
-UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our headers inside the UDP payload
+PAYLOAD_OFFSET = SWITCHML_OFFSET + SWITCHML_HLEN  # 50: the first int32, from the frame's start
+VALUES_AT = SWITCHML_HLEN  # the first int32, from the start of the UDP payload
+UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our two headers in a UDP payload, together
 
 # --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
 RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
@@ -143,9 +145,11 @@ def _np_type(m: Member) -> str:
     )
 
 
-# numpy view of our headers inside the UDP payload: 10 bytes, no padding.
-HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
-assert HDR_DTYPE.itemsize == UDP_HDRS_LEN
+# numpy views of our two headers: the SwitchML header opens the UDP payload, the exponent
+# header closes it (at exponents_at(k)). No padding.
+SML_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SWITCHML)])
+EXP_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(EXPONENTS)])
+assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
 
 
 def reserved_mask(m: Member) -> int:
@@ -202,9 +206,14 @@ def udp_payload_len(elems: int) -> int:
     return UDP_HDRS_LEN + elems * ELEM_BYTES
 
 
+def exponents_at(elems: int) -> int:
+    """Where the exponent header starts in the UDP payload of a packet of `elems` elements."""
+    return VALUES_AT + elems * ELEM_BYTES
+
+
 def frame_len(elems: int) -> int:
     """Bytes of a whole Ethernet frame for a packet of `elems` elements."""
-    return PAYLOAD_OFFSET + elems * ELEM_BYTES
+    return SWITCHML_OFFSET + udp_payload_len(elems)
 
 
 def build_payloads(
@@ -219,7 +228,7 @@ def build_payloads(
     e1=0,
     msg_type: int = MSG_TYPE_DATA,
 ) -> np.ndarray:
-    """UDP payloads for m packets at once, as an (m, 10 + 4k) uint8 array.
+    """UDP payloads for m packets at once, as an (m, 8 + 4k + 2) uint8 array.
 
     `values` is an (m, k) integer array (k = elems of size_code); tsi, slot, version, e0, e1 are
     scalars or length-m arrays. Vectorised: no per-packet Python.
@@ -230,29 +239,32 @@ def build_payloads(
         raise ValueError(f"values must have shape (m, {k}) for size code {size_code}")
     m = values.shape[0]
     out = np.empty((m, udp_payload_len(k)), dtype=np.uint8)
-    hdr = out[:, :UDP_HDRS_LEN].view(HDR_DTYPE).reshape(m)
+    hdr = out[:, :VALUES_AT].view(SML_DTYPE).reshape(m)
     hdr["msg_type_size"] = type_size(msg_type, size_code)
     hdr["job_number"] = job_number & 0xFF
     hdr["tsi"] = tsi
     hdr["pool_index"] = pool_index(slot, version)
-    hdr["e0"] = e0
-    hdr["e1"] = e1
-    out[:, UDP_HDRS_LEN:].view(">i4")[:] = values
+    exp = out[:, exponents_at(k) :].view(EXP_DTYPE).reshape(m)
+    exp["e0"] = e0
+    exp["e1"] = e1
+    out[:, VALUES_AT : exponents_at(k)].view(">i4")[:] = values
     return out
 
 
 def parse_payloads(buf: np.ndarray, elems: int):
-    """Split (m, 10 + 4k) uint8 UDP payloads into (headers, values).
+    """Split (m, 8 + 4k + 2) uint8 UDP payloads into (headers, exponents, values).
 
-    headers is a structured array of HDR_DTYPE; values an (m, k) native int32 array.
+    headers is a structured array of SML_DTYPE, exponents one of EXP_DTYPE, values an (m, k)
+    native int32 array.
     """
     buf = np.ascontiguousarray(buf, dtype=np.uint8)
     if buf.ndim != 2 or buf.shape[1] != udp_payload_len(elems):
         raise ValueError(f"payloads must have shape (m, {udp_payload_len(elems)})")
     m = buf.shape[0]
-    hdr = buf[:, :UDP_HDRS_LEN].copy().view(HDR_DTYPE).reshape(m)
-    values = buf[:, UDP_HDRS_LEN:].view(">i4").astype(np.int32)
-    return hdr, values
+    hdr = buf[:, :VALUES_AT].copy().view(SML_DTYPE).reshape(m)
+    exp = buf[:, exponents_at(elems) :].copy().view(EXP_DTYPE).reshape(m)
+    values = buf[:, VALUES_AT : exponents_at(elems)].view(">i4").astype(np.int32)
+    return hdr, exp, values
 
 
 @dataclass(frozen=True)
@@ -287,15 +299,16 @@ class Message:
     @classmethod
     def from_bytes(cls, data: bytes) -> "Message":
         """Decode a UDP payload; ValueError when it is truncated or the size code is unknown."""
-        if len(data) < UDP_HDRS_LEN:
-            raise ValueError(f"truncated: {len(data)} bytes, headers need {UDP_HDRS_LEN}")
-        hdr = np.frombuffer(data[:UDP_HDRS_LEN], dtype=HDR_DTYPE)[0]
+        if len(data) < SWITCHML_HLEN:
+            raise ValueError(f"truncated: {len(data)} bytes, the header needs {SWITCHML_HLEN}")
+        hdr = np.frombuffer(data[:VALUES_AT], dtype=SML_DTYPE)[0]
         ts = int(hdr["msg_type_size"])
         k = elems_for(ts & 7)
         if len(data) < udp_payload_len(k):
             raise ValueError(f"truncated: {len(data)} bytes, size code needs {udp_payload_len(k)}")
         pidx = int(hdr["pool_index"])
-        vals = np.frombuffer(data[UDP_HDRS_LEN : udp_payload_len(k)], dtype=">i4").astype(np.int32)
+        vals = np.frombuffer(data[VALUES_AT : exponents_at(k)], dtype=">i4").astype(np.int32)
+        exp = np.frombuffer(data[exponents_at(k) : udp_payload_len(k)], dtype=EXP_DTYPE)[0]
         return cls(
             msg_type=ts >> 4,
             reserved=(ts >> 3) & 1,
@@ -304,7 +317,7 @@ class Message:
             tsi=int(hdr["tsi"]),
             slot=pidx & POOL_SLOT_MASK,
             version=pidx >> 15,
-            e0=int(hdr["e0"]),
-            e1=int(hdr["e1"]),
+            e0=int(exp["e0"]),
+            e1=int(exp["e1"]),
             values=vals,
         )

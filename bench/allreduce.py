@@ -316,7 +316,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3124)")
+    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110)")
     ap.add_argument("--mtu", type=int, default=3500)
     ap.add_argument("--window", type=int, default=256)
     ap.add_argument("--deadline", type=float, default=1800)

@@ -1,4 +1,4 @@
-/* The aggregation state machine of protocol.md section 3, for one packet of K elements.
+/* The aggregation state machine of docs/protocol.md section 3, for one packet of K elements.
  *
  * Concurrency design (several CPUs may process packets of the same slot at once):
  *  - each CPU adds into its own copy of the slot's partial sum (per-CPU map `partials`), tagged
@@ -13,7 +13,7 @@
  * With -DAGG_SPINLOCK (the baseline the design asks to measure against) the per-CPU partials are
  * replaced by one shared partial per (slot, version) under a bpf_spin_lock; the rest is the same.
  * A worker's own packets are processed in order (one queue per flow), which is what makes the
- * stored result stable while it is read; see protocol.md for why two versions suffice. */
+ * stored result stable while it is read; see docs/protocol.md section 3.3 for why two versions suffice. */
 #ifndef XDP_AGG_AGGREGATE_H
 #define XDP_AGG_AGGREGATE_H
 
@@ -28,7 +28,7 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 					    const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->exp + 1);
+	__be32 *pl = (__be32 *)(pk->sml + 1);
 	u64 arrivals = st->arrivals[vi];
 	/* fetch_add(0) is a full barrier: the result read below is the one published. */
 	u64 published = __sync_fetch_and_add(&st->published[vi], 0);
@@ -168,21 +168,23 @@ static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct
 #endif
 
 /* True when the UDP checksum of a packet of K elements is right (the caller skips a zero
- * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, our
- * headers and the payload; the sum of 16-bit words does not depend on their byte order
- * (RFC 1071), so the words are added as they lie in memory, the payload 32 bits at a time. */
+ * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, the
+ * SwitchML header, the payload and the exponent header; the sum of 16-bit words does not
+ * depend on their byte order (RFC 1071), so the words are added as they lie in memory, the
+ * payload 32 bits at a time. pk->exp is set and bounds-checked. */
 static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, const u32 K)
 {
 	u16 *h = (u16 *)pk->udp;
 	u64 sum = (u64)pk->ip->saddr + pk->ip->daddr + bpf_htons(IPPROTO_UDP) + pk->udp->len;
 
-	/* UDP header, SwitchML and exponent headers: 18 bytes, bounds-checked by the parser */
+	/* UDP and SwitchML headers: 16 bytes, bounds-checked by the parser */
 #pragma unroll
-	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN + SML_EXP_HLEN) / 2; i++)
+	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN) / 2; i++)
 		sum += h[i];
 	AGG_NO_UNROLL
 	for (u32 j = 0; j < K; j++)
 		sum += pl[j];
+	sum += *(u16 *)pk->exp;
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);
@@ -195,7 +197,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->exp + 1);
+	__be32 *pl = (__be32 *)(pk->sml + 1);
+	struct exponents_hdr *exp = (void *)(pl + K);
 	u32 pkey = AGG_POOL_ENTRY(g, vi);
 	u64 bit = 1ULL << w->index;
 	u64 n = job->num_workers;
@@ -203,9 +206,11 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	struct agg_slot *st;
 	u64 old, a, round, tag, done;
 
-	/* verifier: a constant-size range check on the packet pointer (the length was checked) */
-	if ((void *)(pl + K) > data_end)
+	/* verifier: a constant-size range check on the packet pointer (the length was checked);
+	 * the exponent header follows the K elements of the payload */
+	if ((void *)(exp + 1) > data_end)
 		return XDP_DROP;
+	pk->exp = exp;
 	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check && !udp_checksum_ok(pk, pl, K)) {
 		count(w->job, AGG_DROP_BAD_CHECKSUM); /* before any state changes */
 		count_worker(w, dropped);

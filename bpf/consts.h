@@ -20,7 +20,5 @@
 #define AGG_STATS_ROWS ((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
 #define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)      /* per-worker counter rows */
 #define AGG_EXP_NONE (-128)                                    /* neutral element of max over s8 */
-#define AGG_IP_MF 0x2000                                       /* IPv4 more-fragments flag */
-#define AGG_IP_OFFSET_MASK 0x1fff                              /* IPv4 fragment offset */
 
 #endif

@@ -5,15 +5,6 @@
 #define agg_ntohl(x) bpf_htonl(x) /* a byte swap is its own inverse */
 #define agg_ntohs(x) bpf_htons(x)
 
-/* Headers of one of our packets, bounds-checked by the parser up to the exponent header. */
-struct agg_pkt {
-	struct ethhdr *eth;
-	struct iphdr *ip;
-	struct udphdr *udp;
-	struct switchml_hdr *sml;
-	struct exponents_hdr *exp;
-};
-
 /* Count one packet for a job (AGG_NO_JOB for none) and a reason. Per-CPU: no atomics. */
 static __always_inline void count(u32 job, u32 reason)
 {

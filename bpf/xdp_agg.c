@@ -1,4 +1,4 @@
-/* xdp_agg.c: SwitchML-protocol gradient aggregation in XDP (protocol.md sections 2-3).
+/* xdp_agg.c: SwitchML-protocol gradient aggregation in XDP (docs/protocol.md sections 2-3).
  *
  * xdp_agg_ingress runs on every interface workers reach us through: it finds the job and worker
  * of a packet from its (source address, destination port), sums its int32 payload into the slot,
@@ -16,54 +16,9 @@
 #include "generated/abi.h"
 #include "consts.h"
 #include "maps.h"
+#include "parse.h"
 #include "helpers.h"
 #include "aggregate.h"
-
-/* Parse up to our exponent header. Returns -1 when the packet is not ours (pass it), else 0 with
- * pk filled, or an XDP action for a packet of ours dropped here. */
-static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
-{
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
-	struct iphdr *ip = (void *)(eth + 1);
-	struct udphdr *udp;
-
-	if ((void *)(ip + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
-		return -1;
-	if (ip->version != 4 || ip->protocol != IPPROTO_UDP || ip->ihl < 5)
-		return -1;
-	if (ip->frag_off & bpf_htons(AGG_IP_OFFSET_MASK))
-		return -1; /* a later fragment has no UDP header to look at */
-	if (ip->ihl != 5) {
-		/* Options move the UDP header; look at its port at the real offset, bounded by the
-		 * verifier-visible maximum of 15 words. */
-		udp = (void *)ip + ((ip->ihl & 0xf) << 2);
-		if ((void *)(udp + 1) > data_end || (udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
-			return -1;
-		count(AGG_NO_JOB, AGG_DROP_MALFORMED);
-		return XDP_DROP;
-	}
-	udp = (void *)(ip + 1);
-	if ((void *)(udp + 1) > data_end)
-		return -1;
-	if ((udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
-		return -1;
-	if (ip->frag_off & bpf_htons(AGG_IP_MF)) {
-		count(AGG_NO_JOB, AGG_DROP_MALFORMED); /* ours, but fragmented */
-		return XDP_DROP;
-	}
-	pk->eth = eth;
-	pk->ip = ip;
-	pk->udp = udp;
-	pk->sml = (void *)(udp + 1);
-	pk->exp = (void *)(pk->sml + 1);
-	if ((void *)(pk->exp + 1) > data_end) {
-		count(AGG_NO_JOB, AGG_DROP_TRUNCATED);
-		return XDP_DROP;
-	}
-	return 0;
-}
 
 /* A dropped packet of a known worker: count it for the job and the worker. */
 static __always_inline int drop(struct agg_worker *w, u32 reason)
@@ -80,14 +35,19 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	struct agg_job *job;
 	struct agg_pkt pk;
 	u32 pidx, g, vi, len, need;
-	int rc = parse(ctx, &pk);
-
-	if (rc < 0) {
+	switch (parse(ctx, &pk)) {
+	case AGG_PARSE_OK:
+		break;
+	case AGG_PARSE_MALFORMED:
+		count(AGG_NO_JOB, AGG_DROP_MALFORMED);
+		return XDP_DROP;
+	case AGG_PARSE_TRUNCATED:
+		count(AGG_NO_JOB, AGG_DROP_TRUNCATED);
+		return XDP_DROP;
+	default:
 		count(AGG_NO_JOB, AGG_PASS);
 		return XDP_PASS;
 	}
-	if (rc > 0)
-		return rc;
 	wk.addr = pk.ip->saddr;
 	wk.port = pk.udp->dest;
 	w = workers.lookup(&wk);
@@ -123,22 +83,15 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
-	/* One copy of the state machine per packet size, so that every packet access has a
-	 * constant bound the verifier can check. */
+	/* One copy of the state machine per packet size (the size codes of the wire module,
+	 * generated), so that every packet access has a constant bound the verifier can check. */
+#define AGG_SIZE_CASE(code, elems)                                                 \
+	case code:                                                                 \
+		return aggregate(ctx, &pk, job, w, g, vi, elems);
 	switch (job->size_code) {
-	case 0:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_0_ELEMS);
-	case 1:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_1_ELEMS);
-	case 2:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_2_ELEMS);
-	case 3:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_3_ELEMS);
-	case 4:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_4_ELEMS);
-	case 5:
-		return aggregate(ctx, &pk, job, w, g, vi, SML_SIZE_5_ELEMS);
+		SML_FOR_EACH_SIZE(AGG_SIZE_CASE)
 	}
+#undef AGG_SIZE_CASE
 	return drop(w, AGG_DROP_BAD_SIZE);
 }
 

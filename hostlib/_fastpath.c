@@ -12,9 +12,10 @@
  * engine sends (tests/test_fastpath.py compares them), with the same float semantics as
  * hostlib/scaling.py: q = rint(x * f) in float64, f = M * 2^-E, result = (float)(sum / f).
  *
- * Wire layout (aggproto/wire.py; the Python side checks the constants it passes in):
+ * Wire layout (aggproto/wire.py; hostlib.engine checks VALUES_AT and EXP_LEN against it):
  *   byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index (big-endian,
- *   bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32.
+ *   bit 15 version), then k big-endian int32, then e0 (int8) and e1 (0): p4app-switchML's
+ *   order, the exponent header after the payload.
  *
  * Plain CPython C API, Linux only (sendmmsg, recvmmsg, UDP_SEGMENT/UDP_GRO). AVX2 code is
  * compiled with a function target attribute and chosen at run time, so one build runs on any
@@ -51,7 +52,9 @@
 #define UDP_GRO 104
 #endif
 
-#define HDRS 10                 /* SwitchML header (8) + exponents (2) */
+#define VALUES_AT 8             /* the payload follows the SwitchML header (8 bytes) */
+#define EXP_LEN 2               /* the exponent header (e0, e1) follows the payload */
+#define E0_AT(k) (VALUES_AT + 4 * (k))
 #define E_MIN (-128)
 #define E_MAX 127
 #define MAX_GSO_SEGMENTS 64     /* UDP_MAX_SEGMENTS of older kernels */
@@ -465,7 +468,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         e->faults = 1;
         e->rng = seed * 0x2545F4914F6CDD1Dull + 1;
     }
-    e->plen = HDRS + 4 * e->k;
+    e->plen = VALUES_AT + 4 * e->k + EXP_LEN;
     e->gso = gso;
     e->gro = gro;
     e->have_rtt = 0;
@@ -644,18 +647,18 @@ static void fill(Run *r, int64_t p, uint8_t *row)
 {
     Engine *e = r->e;
     int k = e->k;
-    uint8_t *vals = row + HDRS;
+    uint8_t *vals = row + VALUES_AT, *exp = row + E0_AT(k);
     header_of(r, p, row);
-    row[9] = 0;
+    exp[1] = 0;
     if (!r->is_float) {
-        row[8] = 0;
+        exp[0] = 0;
         Py_ssize_t a = (Py_ssize_t)p * k, n = r->L - a < k ? r->L - a : k;
         bswap_copy(r->src + 4 * a, n, vals);
         if (n < k)
             memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
         return;
     }
-    row[8] = (uint8_t)(p < r->Pd ? r->exps[p] : E_MIN);
+    exp[0] = (uint8_t)(p < r->Pd ? r->exps[p] : E_MIN);
     if (p < r->w) {   /* the first window carries exponents only */
         memset(vals, 0, (size_t)k * 4);
         return;
@@ -677,15 +680,15 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
     int k = e->k;
     if (!r->is_float) {
         Py_ssize_t a = (Py_ssize_t)p * k, n = r->L - a < k ? r->L - a : k;
-        bswap_copy(buf + HDRS, n, r->dst + 4 * a);
+        bswap_copy(buf + VALUES_AT, n, r->dst + 4 * a);
         return;
     }
     if (p < r->Pd)
-        r->agreed[p] = (int8_t)buf[8];   /* the max of the workers' e0 for chunk p */
+        r->agreed[p] = (int8_t)buf[E0_AT(k)];   /* the max of the workers' e0 for chunk p */
     if (p >= r->w) {
         int64_t c = p - r->w;
         Py_ssize_t a = (Py_ssize_t)c * k, n = r->L - a < k ? r->L - a : k;
-        dequantise(buf + HDRS, n, e->ftab[(uint8_t)r->agreed[c]], (float *)r->dst + a);
+        dequantise(buf + VALUES_AT, n, e->ftab[(uint8_t)r->agreed[c]], (float *)r->dst + a);
     }
 }
 
@@ -1425,7 +1428,8 @@ PyMODINIT_FUNC PyInit__fastpath(void)
         return NULL;
     Py_INCREF(&EngineType);
     if (PyModule_AddObject(mod, "Engine", (PyObject *)&EngineType) < 0 ||
-        PyModule_AddIntConstant(mod, "HEADER_LEN", HDRS) < 0) {
+        PyModule_AddIntConstant(mod, "VALUES_AT", VALUES_AT) < 0 ||
+        PyModule_AddIntConstant(mod, "EXP_LEN", EXP_LEN) < 0) {
         Py_DECREF(&EngineType);
         Py_DECREF(mod);
         return NULL;

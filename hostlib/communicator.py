@@ -20,6 +20,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from aggproto import wire
+from aggproto.jobs import JobDescription
 
 from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
@@ -94,43 +95,43 @@ def init(
         wait = rendezvous_timeout
         if rank == 0:
             sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
-            desc = ctl.request(
+            desc = ctl.job(
                 "create", job=job, world_size=world_size, elems=elems, window=window,
                 worker_port=sock.address[1],
-            )["job"]
+            )
         else:
-            desc = ctl.request("status", job=job, wait=wait, reply_timeout=wait + 5)["job"]
-            if desc["world_size"] != world_size:
+            desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
+            if desc.world_size != world_size:
                 raise ValueError(
-                    f"job {job!r} has world_size {desc['world_size']}, this rank was started "
+                    f"job {job!r} has world_size {desc.world_size}, this rank was started "
                     f"with {world_size}"
                 )
             try:
-                sock = DatagramSocket((bind_ip, desc["worker_port"]), gso=gso, gro=gro)
+                sock = DatagramSocket((bind_ip, desc.worker_port), gso=gso, gro=gro)
             except OSError as e:
                 raise HostlibError(
                     f"{e.strerror}: every worker of job {job!r} listens on the UDP port rank 0 "
-                    f"chose, {desc['worker_port']}, and it is taken here; start rank 0 with "
+                    f"chose, {desc.worker_port}, and it is taken here; start rank 0 with "
                     f"port= set to a port free on every host (two workers on one host also need "
                     f"distinct ip= addresses)"
                 ) from None
-        _join_group(sock, desc.get("group"), my_ip, pinned)
-        desc = ctl.request(
+        _join_group(sock, desc.group, my_ip, pinned)
+        desc = ctl.job(
             "register", job=job, rank=rank, port=sock.address[1], ip=my_ip,
             mac=mac or mac_of(my_ip), timeout=wait, reply_timeout=wait + 5,
-        )["job"]
+        )
     except BaseException:
         if sock is not None:
             sock.close()
         ctl.close()
         raise
     cfg = EngineConfig(
-        job_id=desc["job_id"],
-        world_size=desc["world_size"],
-        elems=desc["elems"],
-        slot_base=desc["slot_base"],
-        window=desc["window"],
-        aggregator=(desc["send_to"][0], desc["send_to"][1]),
+        job_id=desc.spec.job_id,
+        world_size=desc.world_size,
+        elems=desc.spec.elems,
+        slot_base=desc.spec.slot_base,
+        window=desc.window,
+        aggregator=desc.send_to,
         rto=retransmit,
         timeout=timeout,
         progress=progress,
@@ -185,8 +186,8 @@ class Communicator:
     def __init__(self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine):
         self.rank = rank
         self.job = job
-        self.description = desc  # the job as the control endpoint described it
-        self.world_size = desc["world_size"]
+        self.description: JobDescription = desc  # the job as the control endpoint described it
+        self.world_size = desc.world_size
         self._ctl = ctl
         self._sock = sock
         self._engine: StreamEngine = engine
@@ -313,7 +314,7 @@ class Communicator:
         return e.with_diagnosis("Control endpoint: " + "; ".join(notes) + ".", d)
 
     def _my_address(self) -> str:
-        me = next((w for w in self.description.get("workers", []) if w["rank"] == self.rank), None)
+        me = next((w for w in self.description.workers if w["rank"] == self.rank), None)
         return f"{me['ip']}:{me['port']}" if me else "?"
 
     # --- info -------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The stream engine: one all-reduce as a self-clocked stream of packets (protocol.md 3-4).
+"""The stream engine: one all-reduce as a self-clocked stream of packets (docs/protocol.md
+section 4; floats: 5.2).
 
 An all-reduce of P packets with window w = min(window, P-ish, see below):
 
@@ -25,9 +26,10 @@ Pd), packets 0..w-1 carry exponents only (e0 of chunk p), and packet p >= w carr
 scaled with the E returned by the result of packet p - w, plus e0 of chunk p (if any): the chunk
 that will use the same slot one window later. P = Pd + w.
 
-Everything per packet is vectorised: payloads are built with wire.build_payloads for a whole
-batch of ready packets, results are parsed as one (m, plen) array and copied into the output with
-fancy indexing, and the socket sends with GSO and receives with GRO (udp_io).
+In the numpy loop everything per packet is vectorised: packets are built in place in the
+per-slot rows they are sent and retransmitted from (a batch of ready packets at a time, headers
+from a per-shape template), results are read as one (m, plen) array and copied into the output
+with fancy indexing, and the socket sends with GSO and receives with recvmmsg and GRO (udp_io).
 
 Two implementations of the same stream: this module's numpy loop (the reference), and the C
 extension hostlib._fastpath, which runs the whole stream of one all-reduce with the GIL released
@@ -82,16 +84,19 @@ STAT_NAMES = (
 )
 
 
-# The first 8 bytes of the SwitchML header, in wire order (see wire.HDR_DTYPE), and where e0 is.
+# The SwitchML header (8 bytes, wire order: wire.SML_DTYPE), read and written as one uint64. The
+# payload follows it; the exponent header follows the payload (wire.exponents_at(k)).
 _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("pool_index", ">u2")])
-_E0 = 8
 # Busy-polling (StreamEngine._spin) while at most this many packets are outstanding, for at most
 # _SPIN_TIME seconds at a time; a failed spin costs _SPIN_PENALTY credit (a success earns 1, up to
 # _SPIN_CREDIT_MAX), and below 0 the next _SPIN_BACKOFF chances are skipped.
 _SPIN_OUTSTANDING, _SPIN_TIME = 64, 60e-6
 _SPIN_PENALTY, _SPIN_CREDIT_MAX, _SPIN_BACKOFF = 2, 8, 200
-assert wire.HDR_DTYPE.names[:5] == ("msg_type_size", "job_number", "tsi", "pool_index", "e0")
-assert wire.HDR_DTYPE.fields["e0"][1] == _E0 and _HDR8.itemsize == _E0
+assert wire.SML_DTYPE.names == ("msg_type_size", "job_number", "tsi", "pool_index")
+assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.VALUES_AT
+assert wire.EXP_DTYPE.names == ("e0", "e1") and wire.EXP_DTYPE.fields["e0"][1] == 0
+# the C loop's layout is the wire module's (a stale build would send other bytes)
+assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (wire.VALUES_AT, wire.EXP_HLEN)
 
 
 @dataclass
@@ -317,8 +322,9 @@ class StreamEngine:
         # these rows, sent from them, and retransmitted from them (at most one per slot).
         self._payload = np.zeros((config.window, self.plen), dtype=np.uint8)
         self._head = self._payload[:, :8].view("<u8")[:, 0]  # type, job, tsi, pool index
-        self._e0 = self._payload[:, _E0].view(np.int8)  # e1 (the next byte) stays 0
-        self._values = self._payload[:, wire.UDP_HDRS_LEN :].view(">i4")
+        self._e0_at = wire.exponents_at(config.elems)  # e1 (the next byte) stays 0
+        self._e0 = self._payload[:, self._e0_at].view(np.int8)
+        self._values = self._payload[:, wire.VALUES_AT : self._e0_at].view(">i4")
         self._type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
         self._slots = config.slot_base + np.arange(config.window)
         self._work = np.empty((config.window, config.elems))  # float64 rows for quantising
@@ -401,8 +407,8 @@ class StreamEngine:
                 if len(rows):
                     runs, sel, fresh = self._accept(rows, P, expect, done)
                     if fresh:
-                        e0 = rows[sel, _E0].view(np.int8)
-                        values = rows[sel, wire.UDP_HDRS_LEN :].view(">i4")
+                        e0 = rows[sel, self._e0_at].view(np.int8)
+                        values = rows[sel, wire.VALUES_AT : self._e0_at].view(">i4")
                         pos = 0
                         for a, b in runs:
                             tr.accept(a, b, e0[pos : pos + b - a], values[pos : pos + b - a])

@@ -22,7 +22,9 @@ def mac_of(ip: str) -> str:
     Only a switch-mode aggregator needs it (to address results); one-arm mode ignores it.
     """
     try:
-        from pyroute2 import IPRoute  # a project dependency, imported late: rarely needed
+        from pyroute2 import (
+            IPRoute,  # a project dependency, imported late: rarely needed
+        )
 
         with IPRoute() as ipr:
             for addr in ipr.get_addr(family=socket.AF_INET):

@@ -10,9 +10,9 @@ import json
 import socket
 import threading
 
-from .errors import RendezvousError
+from aggproto.jobs import DEFAULT_CONTROL_PORT, JobDescription
 
-DEFAULT_CONTROL_PORT = 48800  # aggctl.server.DEFAULT_CONTROL_PORT
+from .errors import RendezvousError
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -78,6 +78,14 @@ class ControlClient:
         if not answer.get("ok"):
             raise RendezvousError(answer.get("error") or f"{op!r} failed without a reason")
         return answer
+
+    def job(self, op: str, **fields) -> JobDescription:
+        """request(), for the ops whose answer describes the job (create, status, register)."""
+        answer = self.request(op, **fields)
+        try:
+            return JobDescription.from_dict(answer.get("job") or {})
+        except ValueError as e:
+            raise RendezvousError(f"control endpoint answered {op!r} with {e}") from None
 
     def close(self) -> None:
         try:

@@ -1,4 +1,4 @@
-r"""Block floating point: floats through an int32 aggregator (protocol.md section 4).
+r"""Block floating point: floats through an int32 aggregator (docs/protocol.md section 5).
 
 Each chunk of k elements gets an exponent e = floor(log2(max|x|)) + 1, so |x| < 2^e. The
 workers agree on E = max of their e for that chunk (the aggregator takes the maximum of the e0

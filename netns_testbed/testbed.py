@@ -17,8 +17,10 @@ Topologies (see :mod:`netns_testbed.plan` for the address plan):
   off it by one veth each.
 * ``switch``: the aggregator has one veth ``p<i>`` per worker; no bridge.
 
-Every veth end gets GRO on after link-up: a veth only receives XDP_TX or
-redirected frames when its receiving end has GRO (or an XDP program).
+Every veth end gets GRO on after link-up (the hosts' UDP GRO sockets use it). A
+veth only receives XDP_TX'd or redirected frames when its receiving end runs
+NAPI, which GRO did not turn on with this kernel: the ends facing an aggregator
+interface get a two-instruction XDP_PASS program (:mod:`netns_testbed.xdp_pass`).
 IPv6 is disabled in all namespaces so that no address outside 198.18.0.0/15
 exists and no router solicitations / MLD reports reach the XDP program.
 
@@ -435,7 +437,7 @@ class Testbed:
             for r in iprs.values():
                 r.close()  # an open netlink socket would keep a namespace alive
 
-        # GRO must be switched on after link-up (see platform notes).
+        # GRO can only be switched on after link-up.
         for ns, ends in veth_ends.items():
             if ends:
                 script = "\n".join(f"ethtool -K {d} gro on" for d in ends)

@@ -29,7 +29,21 @@ def test_header_members_are_byte_aligned_and_sized():
     assert [(m.name, m.offset, m.nbytes) for m in sml] == [
         ("msg_type_size", 0, 1), ("job_number", 1, 1), ("tsi", 2, 4), ("pool_index", 6, 2),
     ]
-    assert wire.HDR_DTYPE.itemsize == wire.SWITCHML_HLEN + wire.EXP_HLEN
+    assert wire.SML_DTYPE.itemsize == wire.SWITCHML_HLEN and wire.EXP_DTYPE.itemsize == wire.EXP_HLEN
+
+
+def test_layout_is_p4app_switchmls_header_payload_exponent():
+    """Built by hand as p4app-switchML's hosts build a packet (BuildPacket: the 8-byte header,
+    the big-endian int32, then the exponent bytes; its parser extracts them in that order)."""
+    import struct
+
+    vals = np.arange(-32, 32)
+    theirs = struct.pack(">BBIH", 0x11, 7, 99, 0x8000 | 5) + vals.astype(">i4").tobytes() + bytes([0xFB, 0])
+    m = wire.Message.from_bytes(theirs)
+    assert (m.size, m.job_number, m.tsi, m.slot, m.version, m.e0, m.e1) == (1, 7, 99, 5, 1, -5, 0)
+    np.testing.assert_array_equal(m.values, vals)
+    assert m.to_bytes() == theirs
+    assert wire.frame_len(64) == 14 + 20 + 8 + 8 + 256 + 2 and wire.PAYLOAD_OFFSET == 50
 
 
 def test_scapy_layer_matches_numpy_packing():
@@ -37,7 +51,7 @@ def test_scapy_layer_matches_numpy_packing():
 
     vals = np.arange(-16, 16)
     ours = wire.build_payloads(job_number=3, size_code=0, tsi=0xDEADBEEF, slot=0x1234, version=1, values=vals[None], e0=-5, e1=7)[0]
-    theirs = bytes(SwitchML(msg_type=1, size=0, job_number=3, tsi=0xDEADBEEF, pool_index=0x9234) / Exponents(e0=-5, e1=7)) + vals.astype(">i4").tobytes()
+    theirs = bytes(SwitchML(msg_type=1, size=0, job_number=3, tsi=0xDEADBEEF, pool_index=0x9234, values=list(vals)) / Exponents(e0=-5, e1=7))
     assert ours.tobytes() == theirs
     msg = wire.Message.from_bytes(theirs)
     assert (msg.msg_type, msg.size, msg.job_number, msg.tsi, msg.slot, msg.version, msg.e0, msg.e1) == (1, 0, 3, 0xDEADBEEF, 0x1234, 1, -5, 7)

@@ -24,6 +24,8 @@ from hostlib import scaling
 from hostlib.engine import STAT_NAMES, EngineConfig, Faults, StreamEngine, _fastpath
 from hostlib.udp_io import DatagramSocket
 
+from aggproto import wire
+
 pytestmark = [
     pytest.mark.timeout(120),
     pytest.mark.skipif(_fastpath is None, reason="hostlib._fastpath is not built "
@@ -72,12 +74,13 @@ class EchoAggregator:
     def result(self, data: bytes) -> bytes:
         out = bytearray(data)
         tsi = int.from_bytes(data[2:6], "big")
+        at = len(data) - wire.EXP_HLEN  # the exponent header closes the datagram
         if self.bump is not None:
-            e0 = data[8] - 256 if data[8] >= 128 else data[8]  # int8
-            out[8] = max(e0, int(self.bump[tsi % 64])) & 0xFF
-        vals = np.frombuffer(data, ">i4", offset=10).astype(np.int64)
+            e0 = data[at] - 256 if data[at] >= 128 else data[at]  # int8
+            out[at] = max(e0, int(self.bump[tsi % 64])) & 0xFF
+        vals = np.frombuffer(data[wire.VALUES_AT : at], ">i4").astype(np.int64)
         vals += self.add * (tsi + np.arange(vals.size))
-        out[10:] = vals.astype(np.uint32).astype(">u4").tobytes()  # wraps modulo 2^32
+        out[wire.VALUES_AT : at] = vals.astype(np.uint32).astype(">u4").tobytes()  # mod 2^32
         return bytes(out)
 
     def _loop(self) -> None:
@@ -481,7 +484,7 @@ def test_stats_of_the_native_loop():
     _, _, st = run_sequence(True, [x, x], window=16)
     assert set(st) == set(STAT_NAMES)
     assert st["packets_sent"] == st["results"] == 400 and st["allreduces"] == 2
-    assert st["bytes_sent"] == 400 * (10 + 4 * 32) == st["bytes_received"]
+    assert st["bytes_sent"] == 400 * wire.udp_payload_len(32) == st["bytes_received"]
     assert 0 < st["send_calls"] < 400 and 0 < st["recv_calls"] and st["rtt"] > 0
     assert st["elapsed"] > 0 and st["stale"] == st["malformed"] == st["spurious"] == 0
 

@@ -1,6 +1,6 @@
 """An attached XDP aggregator: attach, detach, status, counters, and its job/worker Backend.
 
-Two topologies (docs/protocol.md; the same words as netns_testbed's `topology`):
+Two topologies (docs/protocol.md section 3.5; the same words as netns_testbed's `topology`):
 - one-arm: a single interface; a finished sum is sent once, with XDP_TX, to the job's group
   address (multicast, or the subnet broadcast), which every worker receives (a job's delivery
   is then Delivery.GROUP_TX);

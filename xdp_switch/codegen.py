@@ -43,7 +43,7 @@ def wire_h() -> str:
         ("SML_HLEN", wire.SWITCHML_HLEN, "SwitchML header bytes"),
         ("SML_EXP_HLEN", wire.EXP_HLEN, "exponent header bytes"),
         ("SML_OFFSET", wire.SWITCHML_OFFSET, "SwitchML header offset in the frame"),
-        ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame"),
+        ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame; the exponent header follows the payload"),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
@@ -54,6 +54,9 @@ def wire_h() -> str:
     L.append("/* size code -> int32 elements per packet */")
     for code, n in wire.SIZE_CODE_ELEMS.items():
         L.append(f"#define SML_SIZE_{code}_ELEMS {n}")
+    L.append("/* X(code, elems) for every size code: code that needs one copy per packet size */")
+    L.append("#define SML_FOR_EACH_SIZE(X) " + " ".join(
+        f"X({code}, SML_SIZE_{code}_ELEMS)" for code in wire.SIZE_CODE_ELEMS))
     L.append("")
     for h in wire.HEADERS:
         L.append(f"/* {h.doc} */")

@@ -63,9 +63,9 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         }
     }
 
+    // p4app-switchML's order: the header, the payload, then the exponent header.
     state parse_switchml {
         pkt.extract(hdr.switchml);
-        pkt.extract(hdr.exponents);
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;
             default: accept; // not aggregated by this variant: dropped as a bad size
@@ -74,6 +74,7 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
 
     state parse_d0 {
         pkt.extract(hdr.d0);
+        pkt.extract(hdr.exponents);
         transition accept;
     }
 }
@@ -95,8 +96,8 @@ control IngressDeparser(packet_out pkt, inout header_t hdr, in ingress_metadata_
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
-        pkt.emit(hdr.exponents);
         pkt.emit(hdr.d0);
+        pkt.emit(hdr.exponents);
     }
 }
 

@@ -1,4 +1,4 @@
-/* udp_receiver.p4 (TNA): the checks of protocol.md section 2, in the reference model's order. */
+/* udp_receiver.p4 (TNA): the checks of docs/protocol.md section 2.2, in the reference model's order. */
 #ifndef _XDP_AGG_TNA_UDP_RECEIVER_P4_
 #define _XDP_AGG_TNA_UDP_RECEIVER_P4_
 
@@ -65,7 +65,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
             md.version = hdr.switchml.pool_index[15:15];
             if (hdr.ipv4.ihl != 5 || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED;
-            } else if (!hdr.exponents.isValid()) {
+            } else if (!hdr.switchml.isValid()) {
                 md.reason = AGG_DROP_TRUNCATED;
             } else if (!workers.apply().hit) {
             } else if (!jobs.apply().hit) {
@@ -75,7 +75,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
-            } else if (!hdr.d0.isValid()) {
+            } else if (!hdr.exponents.isValid()) { // the payload and the exponents after it
                 md.reason = AGG_DROP_TRUNCATED;
             } else if (hdr.udp.length != SML_UDP_LEN_32
                        || hdr.ipv4.total_len != SML_IPV4_HLEN + SML_UDP_LEN_32) {

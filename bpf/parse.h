@@ -1,0 +1,68 @@
+/* The parse both XDP programs share (xdp_agg.c, and xdp_floor.c, the benchmark's floor): is a
+ * frame ours, and where are its headers. Counting is left to the caller, so the floor program
+ * needs no maps and measures exactly this code. */
+#ifndef XDP_AGG_PARSE_H
+#define XDP_AGG_PARSE_H
+
+#define AGG_IP_MF 0x2000          /* IPv4 more-fragments flag */
+#define AGG_IP_OFFSET_MASK 0x1fff /* IPv4 fragment offset */
+
+/* Headers of one of our packets, bounds-checked by parse() up to the SwitchML header; the
+ * exponent header follows the payload, whose length only the job's size code gives, so
+ * aggregate() finds it (exp stays NULL until then). */
+struct agg_pkt {
+	struct ethhdr *eth;
+	struct iphdr *ip;
+	struct udphdr *udp;
+	struct switchml_hdr *sml;
+	struct exponents_hdr *exp;
+};
+
+enum agg_parse {
+	AGG_PARSE_NOT_OURS = -1, /* not IPv4 UDP to 0xBEE0..0xBEEF: pass it untouched */
+	AGG_PARSE_OK = 0,        /* ours, pk filled up to the SwitchML header */
+	AGG_PARSE_MALFORMED,     /* ours, with IPv4 options or as a first fragment */
+	AGG_PARSE_TRUNCATED,     /* ours, shorter than the SwitchML header */
+};
+
+static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+	struct udphdr *udp;
+
+	if ((void *)(ip + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return AGG_PARSE_NOT_OURS;
+	if (ip->version != 4 || ip->protocol != IPPROTO_UDP || ip->ihl < 5)
+		return AGG_PARSE_NOT_OURS;
+	if (ip->frag_off & bpf_htons(AGG_IP_OFFSET_MASK))
+		return AGG_PARSE_NOT_OURS; /* a later fragment has no UDP header to look at */
+	if (ip->ihl != 5) {
+		/* Options move the UDP header; look at its port at the real offset, bounded by the
+		 * verifier-visible maximum of 15 words. */
+		udp = (void *)ip + ((ip->ihl & 0xf) << 2);
+		if ((void *)(udp + 1) > data_end ||
+		    (udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
+			return AGG_PARSE_NOT_OURS;
+		return AGG_PARSE_MALFORMED;
+	}
+	udp = (void *)(ip + 1);
+	if ((void *)(udp + 1) > data_end)
+		return AGG_PARSE_NOT_OURS;
+	if ((udp->dest & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
+		return AGG_PARSE_NOT_OURS;
+	if (ip->frag_off & bpf_htons(AGG_IP_MF))
+		return AGG_PARSE_MALFORMED; /* ours, but fragmented */
+	pk->eth = eth;
+	pk->ip = ip;
+	pk->udp = udp;
+	pk->sml = (void *)(udp + 1);
+	pk->exp = NULL;
+	if ((void *)(pk->sml + 1) > data_end)
+		return AGG_PARSE_TRUNCATED;
+	return AGG_PARSE_OK;
+}
+
+#endif
