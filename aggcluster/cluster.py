@@ -46,7 +46,7 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         try:
-            self.cli("attach", *self.tb.agg_interfaces, "--mode", self.xdp_mode, "--pool-slots", str(self.pool_slots))
+            self.cli("attach", *self.tb.agg_interfaces, "--xdp-mode", self.xdp_mode, "--pool-slots", str(self.pool_slots))
             self._attached = True
             self._server = self.tb.popen(
                 "agg",

@@ -29,6 +29,7 @@ another Python first on PATH.
 
 from __future__ import annotations
 
+import importlib.resources
 import os
 import re
 import shutil
@@ -43,8 +44,9 @@ from aggproto.jobs import JobSpec, WorkerSpec
 from .backend import check_job, check_worker
 from .p4gen import P4_ELEMS
 
-ROOT = Path(__file__).resolve().parent.parent
-P4_DIR = ROOT / "p4"
+# The P4 sources are package data: aggctl/p4 links to the repository's top-level p4/ in a
+# checkout and is a copy of it in a wheel.
+P4_DIR = Path(str(importlib.resources.files("aggctl") / "p4"))
 P4_MAIN = P4_DIR / "switchml.p4"
 
 DEFAULT_POOL_SLOTS = 1024  # must match POOL_SLOTS the program was compiled with
@@ -496,7 +498,7 @@ class Bmv2Backend:
 
     def fill_worker(self, worker: WorkerSpec, local: tuple[str, int]) -> None:
         """RendezvousServer hook: the address the worker reached the control endpoint at is our
-        address on its port (as in the XDP switch mode), which tells the port."""
+        address on its port (as in the XDP switch topology), which tells the port."""
         worker.extra.setdefault("agg_ip", local[0])
 
     def remove_worker(self, job_id: int, index: int) -> None:

@@ -25,9 +25,10 @@ JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and w
     ping     {} -> {ok, version}
 
 A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
-of the job listens on it: in one-arm mode the result is sent once, to group_ip:worker_port),
+of the job listens on it: in the one-arm topology the result is sent once, to
+group_ip:worker_port),
 send_to [ip, port] (where workers send contributions), group [ip, port] or null (the group
-address results go to in one-arm mode), workers [{rank, ip, port}] once registered.
+address results go to in the one-arm topology), workers [{rank, ip, port}] once registered.
 
 Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1`.
 """

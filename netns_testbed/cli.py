@@ -6,6 +6,7 @@ Testbeds built here stay up after the command exits; they are recorded in
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import sys
@@ -41,6 +42,7 @@ Exit codes:
   2  usage error (bad option or value)
 
 State files live in {registry.STATE_DIR}. Needs root except for status.
+Shell completion (bash): eval "$(_NETNS_TESTBED_COMPLETE=bash_source netns-testbed)"
 """
 
 
@@ -69,7 +71,16 @@ def _fail(e: Exception) -> click.ClickException:
     return click.ClickException(str(e))
 
 
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml); a bare checkout has none."""
+    try:
+        return importlib.metadata.version("xdp-agg")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
+
+
 @click.group(help=MAIN_HELP, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(_version(), prog_name="netns-testbed")
 def main():
     pass
 

@@ -11,11 +11,11 @@ aggregator side, but not on the receiving worker):
   (unicast and the one-arm group broadcast alike).
 * dup up:    egress hook, ``dup to "eth0"`` sends one extra copy with p.
 * dup down:  one-arm only: egress hook of the bridge port toward each worker
-  (in ``<prefix>sw``). In switch mode the only device before the worker is
+  (in ``<prefix>sw``). In the switch topology the only device before the worker is
   the aggregator's ``p<i>``, whose XDP_TX/redirected frames skip its egress
   hook, and a worker's ingress hook cannot copy a frame into its own receive
   path (nft ``dup`` only transmits; this kernel's tc has no random match,
-  skbedit or gact), so switch mode has no dup down.
+  skbedit or gact), so the switch topology has no dup down.
 
 Why netdev hooks rather than the inet output/input hooks: a drop in the
 output hook makes the sender's ``sendto`` fail with EPERM, i.e. the loss is

@@ -121,7 +121,7 @@ class Testbed:
         self.agg_rate_bits = shaping.parse_rate(agg_rate)
         if self.agg_rate_bits is not None and topology != "one-arm":
             raise ValueError("agg_rate applies to the one-arm topology only; "
-                             "in switch mode use rate (every link is a worker link)")
+                             "in the switch topology use rate (every link is a worker link)")
         self.loss_up = faults.check_probability("loss_up", loss_up)
         self.loss_down = faults.check_probability("loss_down", loss_down)
         self.dup_up = faults.check_probability("dup_up", dup_up)

@@ -1,11 +1,18 @@
 """The `xdp-agg` CLI's help, exit codes and messages (no root needed, except to start a child as
 uid 65534)."""
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import unprivileged
 from click.testing import CliRunner
 
-from xdp_switch import cli
+from xdp_switch import aggregator, cli, loader, pins, serving
+from xdp_switch.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -58,5 +65,155 @@ def test_usage_errors_exit_2(run):
 
 
 def test_group_mac():
-    assert cli.group_mac_for("239.1.2.3") == "01:00:5e:01:02:03"
-    assert cli.group_mac_for("198.18.0.255") == "ff:ff:ff:ff:ff:ff"
+    assert serving.group_mac_for("239.1.2.3") == "01:00:5e:01:02:03"
+    assert serving.group_mac_for("198.18.0.255") == "ff:ff:ff:ff:ff:ff"
+
+
+def test_success_exits_0(run, monkeypatch):
+    monkeypatch.setattr(aggregator, "stats", lambda name: {"unattributed": {"pass": 3}, "jobs": {}})
+    r = run("stats", "--json")
+    assert r.exit_code == cli.EXIT_OK == 0, r.output
+    assert '"pass": 3' in r.output
+    assert run("--version").exit_code == 0
+
+
+@pytest.mark.parametrize(
+    "error,code",
+    [
+        (XdpAggError, cli.EXIT_FAILED),
+        (Refused, cli.EXIT_FAILED),
+        (pins.NotAttached, cli.EXIT_FAILED),
+        (EnvironmentProblem, cli.EXIT_ENV),
+        (NeedsRoot, cli.EXIT_ENV),
+    ],
+)
+def test_exit_code_comes_from_the_error_class(run, monkeypatch, error, code):
+    """The code is the class's, whatever the message says: a failure whose text mentions sudo
+    stays 1, an environment problem with any text is 3."""
+    misleading = "needs root: run with sudo; no bpffs; kernel headers; python3-bpfcc"
+    exc = error("x", Path("/nowhere")) if error is pins.NotAttached else error(misleading)
+    if error is NeedsRoot:
+        exc = NeedsRoot("looking")
+
+    def fail(name):
+        raise exc
+
+    monkeypatch.setattr(aggregator, "status", fail)
+    r = run("status")
+    assert r.exit_code == code == error.exit_code
+    assert r.output.startswith("xdp-agg: ") and "Traceback" not in r.output
+
+
+def test_environment_problems_exit_3(run, monkeypatch):
+    monkeypatch.setattr(pins, "bpffs_mounted", lambda path=None: False)
+    monkeypatch.setattr("os.geteuid", lambda: 0)
+    monkeypatch.setattr(aggregator.links, "xdp_prog_id", lambda ifname: 0)
+    monkeypatch.setattr(aggregator.links, "addresses", lambda ifname: {"ifname": ifname})
+    assert run("attach", "eth0").exit_code == cli.EXIT_ENV  # no bpffs
+    monkeypatch.setattr(loader, "kernel_headers_present", lambda: False)
+    assert run("bench").exit_code == cli.EXIT_ENV  # no kernel headers (bench loads programs)
+
+
+def test_refused_job_exits_1(run, monkeypatch):
+    """A spec the Backend contract refuses (a ValueError from check_job) is a failure, 1."""
+
+    class FakeBackend:
+        state = pins.State(
+            "default", "one-arm", "native", None, [{"ifname": "eth0"}], 64, 1, 2, 0.0
+        )
+
+        def __init__(self, name):
+            pass
+
+        def create_job(self, spec):
+            raise Refused(f"slots {spec.slot_base}.. are outside the pool of 64")
+
+    monkeypatch.setattr(aggregator, "XdpBackend", FakeBackend)
+    monkeypatch.setattr(
+        serving.links, "addresses", lambda ifname: {"ipv4": [], "mac": "02:00:00:00:00:01"}
+    )
+    r = run("job", "create", "0", "--workers", "2", "--slots", "60:8")
+    assert r.exit_code == cli.EXIT_FAILED, r.output
+    assert "outside the pool" in r.output
+
+
+def test_bad_addresses_are_usage_errors(run):
+    assert (
+        run("job", "create", "0", "--workers", "2", "--group", "198.18.0").exit_code
+        == cli.EXIT_USAGE
+    )
+    assert run("worker", "add", "0", "0", "not-an-ip").exit_code == cli.EXIT_USAGE
+    assert run("serve", "--listen", "0.0.0.0").exit_code == cli.EXIT_USAGE
+    assert run("--name", "../x", "status").exit_code == cli.EXIT_USAGE
+
+
+def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
+    """A bug is not dressed up as a failure: the exception reaches the user with its traceback."""
+    monkeypatch.setattr(aggregator, "status", lambda name: {}["no such key"])
+    r = run("status")
+    assert isinstance(r.exception, KeyError)  # not SystemExit: click did not swallow it
+    code = (
+        "import xdp_switch.aggregator as a; a.status = lambda name: 1 / 0\n"
+        "from xdp_switch.cli import main; main(['status'])"
+    )
+    cp = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        check=False,
+        timeout=60,
+    )
+    assert cp.returncode == 1
+    assert "Traceback (most recent call last)" in cp.stderr and "ZeroDivisionError" in cp.stderr
+
+
+def test_state_file_vocabulary_and_old_files():
+    """The state file says "topology" (the testbed's word) and "xdp_mode"; a file from before
+    the rename ("mode": "one-arm") still reads."""
+    from netns_testbed import plan
+
+    assert pins.TOPOLOGIES == tuple(plan.TOPOLOGIES)
+    assert set(aggregator.DELIVERY) == set(pins.TOPOLOGIES)
+    new = pins.State("a", "switch", "skb", None, [], 64, 1, 2, 0.0).to_dict()
+    assert new["topology"] == "switch" and new["xdp_mode"] == "skb" and "mode" not in new
+    old = {**new, "mode": "one-arm"}
+    del old["topology"]
+    st = pins.State.from_dict(old)
+    assert st.topology == "one-arm" and st.xdp_mode == "skb"
+
+
+def test_state_file_round_trip(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path))
+    monkeypatch.setenv("XDP_AGG_PIN_ROOT", str(tmp_path / "pins"))
+    inst = pins.Instance("rt")
+    with pytest.raises(pins.NotAttached):
+        inst.load_state()
+    st = pins.State("rt", "one-arm", "native", "agg", [{"ifname": "eth0"}], 64, 1, 2, 0.0)
+    inst.save_state(st)
+    assert inst.load_state() == st
+
+
+@pytest.mark.parametrize(
+    "module,prog", [("xdp_switch.cli", "xdp-agg"), ("netns_testbed.cli", "netns-testbed")]
+)
+def test_shell_completion(module, prog):
+    """click's completion, as the README tells users to enable it: the bash script, and the
+    completions it asks for (here: the verbs starting with "st")."""
+    import importlib
+
+    main = importlib.import_module(module).main
+    var = f"_{prog.replace('-', '_').upper()}_COMPLETE"
+    runner = CliRunner()
+    script = runner.invoke(main, [], prog_name=prog, env={var: "bash_source"})
+    assert (
+        script.exit_code == 0
+        and f"complete -o nosort -F _{prog.replace('-', '_')}_completion" in script.output
+    )
+    words = runner.invoke(
+        main,
+        [],
+        prog_name=prog,
+        env={var: "bash_complete", "COMP_WORDS": f"{prog} st", "COMP_CWORD": "1"},
+    )
+    assert "plain,status" in words.output.splitlines()

@@ -1,7 +1,7 @@
 """The aggregator attached to real veths in namespaces, driven through the `xdp-agg` CLI.
 
-- one-arm and switch mode: workers' UDP contributions come back summed to every worker (switch
-  mode exercises the devmap broadcast and the per-port egress program);
+- the one-arm and switch topologies: workers' UDP contributions come back summed to every worker
+  (switch exercises the devmap broadcast and the per-port egress program);
 - ping and a TCP transfer through the attached interface keep working;
 - `status --json` / `stats --json` show the program and its counters;
 - `detach` leaves no program on the interface, no pin, no map.
@@ -114,7 +114,7 @@ def test_ping_and_tcp_pass_and_detach_leaves_nothing(testbed_factory, instance):
     w = tb.workers[0]
     xdp_agg(tb, "--name", instance, "attach", "eth0")
     status = json.loads(xdp_agg(tb, "--name", instance, "status", "--json").stdout)
-    assert status["interfaces"][0]["attached"] and status["mode"] == "one-arm"
+    assert status["interfaces"][0]["attached"] and status["topology"] == "one-arm"
     prog_id = status["prog_id"]
     fd = bpfsys.obj_get(str(pins.Instance(instance).map_path("jobs")))
     jobs_map_id = bpfsys.map_info(fd).id

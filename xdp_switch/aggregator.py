@@ -1,11 +1,15 @@
 """An attached XDP aggregator: attach, detach, status, counters, and its job/worker Backend.
 
-Two delivery modes (docs/protocol.md section 3.5):
+Two topologies (docs/protocol.md section 3.5; the same words as netns_testbed's `topology`):
 - one-arm: a single interface; a finished sum is sent once, with XDP_TX, to the job's group
-  address (multicast, or the subnet broadcast), which every worker receives;
+  address (multicast, or the subnet broadcast), which every worker receives (a job's delivery
+  is then Delivery.GROUP_TX);
 - switch: several interfaces, one per worker port; the sum is broadcast through a devmap to every
-  port, where the egress program addresses the copy to the job's worker behind that port.
-Retransmissions of a completed slot are answered to their sender alone, in both modes.
+  port, where the egress program addresses the copy to the job's worker behind that port
+  (Delivery.BROADCAST).
+Retransmissions of a completed slot are answered to their sender alone, in both. Apart from the
+topology, `xdp_mode` says how XDP is attached to each interface: "native" (in the driver) or
+"skb" (generic XDP, any interface).
 """
 
 from __future__ import annotations
@@ -20,24 +24,32 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 
 from . import abi, links, loader, pins
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
+from .errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
+from .pins import TOPOLOGIES, XDP_MODES
 
-MODES = ("one-arm", "switch")
+# How a job's results leave in each topology (JobSpec.delivery).
+DELIVERY = {"one-arm": Delivery.GROUP_TX, "switch": Delivery.BROADCAST}
 
 
-class AggregatorError(RuntimeError):
+class AggregatorError(XdpAggError):
     """A control-plane operation failed; the message says what to do."""
 
 
-def _check_root() -> None:
+def _check_root(what: str) -> None:
     if os.geteuid() != 0:
-        raise AggregatorError("this needs root (BPF maps and XDP): run with sudo")
+        raise NeedsRoot(what)
+
+
+def default_topology(ifaces: list[str]) -> str:
+    """One interface: one-arm; several: switch."""
+    return "one-arm" if len(ifaces) == 1 else "switch"
 
 
 def attach(
     ifaces: list[str],
     *,
     name: str = "default",
-    mode: str | None = None,
+    topology: str | None = None,
     xdp_mode: str = "native",
     pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     netns: str | None = None,
@@ -46,60 +58,59 @@ def attach(
 ) -> pins.State:
     """Load the program, pin it, and attach it to `ifaces` (in the current namespace).
 
-    One interface means one-arm mode and several switch mode, unless `mode` says otherwise.
-    Everything made is rolled back if a step fails.
+    `topology` is one of TOPOLOGIES (default: one-arm for one interface, switch for several),
+    `xdp_mode` one of XDP_MODES. Everything made is rolled back if a step fails. Raises
+    XdpAggError subclasses (NeedsRoot, EnvironmentProblem, AggregatorError, LinkError,
+    LoadError) with what to do.
     """
-    _check_root()
+    _check_root("attaching the aggregator (BPF maps and XDP)")
     if not ifaces:
         raise AggregatorError("name at least one interface to attach to")
-    mode = mode or ("one-arm" if len(ifaces) == 1 else "switch")
-    if mode not in MODES:
-        raise AggregatorError(f"mode must be one of {MODES}")
-    if mode == "one-arm" and len(ifaces) != 1:
-        raise AggregatorError("one-arm mode uses exactly one interface")
+    topology = topology or default_topology(ifaces)
+    if topology not in TOPOLOGIES:
+        raise AggregatorError(f"topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
+    if xdp_mode not in XDP_MODES:
+        raise AggregatorError(f"XDP mode must be one of {', '.join(XDP_MODES)}, not {xdp_mode!r}")
+    if topology == "one-arm" and len(ifaces) != 1:
+        raise AggregatorError("the one-arm topology uses exactly one interface (several: switch)")
     if len(ifaces) > limits.MAX_PORTS:
         raise AggregatorError(f"at most {limits.MAX_PORTS} interfaces")
     inst = pins.Instance(name)
     if inst.exists():
         raise AggregatorError(
-            f"an aggregator named {name!r} is already attached: `xdp-agg --name {name} detach` first, "
-            "or attach another under a different --name"
+            f"an aggregator named {name!r} is already attached: `xdp-agg --name {name} detach` "
+            "first, or attach another under a different --name"
         )
     if not pins.bpffs_mounted():
-        raise AggregatorError(
+        raise EnvironmentProblem(
             f"no bpffs at {pins.pin_root().parent}: mount it with `mount -t bpf bpf /sys/fs/bpf`"
         )
     infos = []
     for ifname in ifaces:
-        try:
-            cur = links.xdp_prog_id(ifname)
-            info = links.addresses(ifname)
-        except links.LinkError as e:
-            raise AggregatorError(str(e)) from None
+        cur = links.xdp_prog_id(ifname)
         if cur:
             raise AggregatorError(
                 f"another XDP program (id {cur}) is already attached to {ifname}; remove it first "
                 f"(`ip link set dev {ifname} xdp off`) if it is not needed"
             )
-        infos.append(info)
-    try:
-        prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant)
-    except loader.LoadError as e:
-        raise AggregatorError(str(e)) from None
+        infos.append(links.addresses(ifname))
+    prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant)
     done: list[dict] = []
     try:
-        inst.pin(prog.maps, {"ingress": prog.progs[loader.PROG_INGRESS], "egress": prog.progs[loader.PROG_EGRESS]})
+        inst.pin(prog.maps, {"ingress": prog.progs[loader.PROG_INGRESS],
+                             "egress": prog.progs[loader.PROG_EGRESS]})
         maps = AggMaps(prog.maps, pool_slots)
         ingress_id = bpfsys.prog_info(prog.progs[loader.PROG_INGRESS]).id
         egress_id = bpfsys.prog_info(prog.progs[loader.PROG_EGRESS]).id
         for i, info in enumerate(infos):
-            if mode == "switch":
+            if topology == "switch":
                 maps.set_port(i, info["ifindex"], prog.progs[loader.PROG_EGRESS])
             links.attach_xdp(info["ifname"], prog.progs[loader.PROG_INGRESS], xdp_mode)
-            done.append({"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id})
+            done.append({"ifname": info["ifname"], "ifindex": info["ifindex"],
+                         "prog_id": ingress_id})
         state = pins.State(
             name=name,
-            mode=mode,
+            topology=topology,
             xdp_mode=xdp_mode,
             netns=netns,
             interfaces=done,
@@ -111,12 +122,10 @@ def attach(
         )
         inst.save_state(state)
         return state
-    except Exception as e:
+    except BaseException:
         for d in done:
             links.detach_xdp(d["ifname"], d["prog_id"])
         inst.remove()
-        if isinstance(e, links.LinkError):
-            raise AggregatorError(str(e)) from None
         raise
     finally:
         # The pins hold the program and maps now; drop this process's references.
@@ -133,14 +142,14 @@ def _enter_recorded_netns(state: pins.State | None) -> None:
 def detach(name: str = "default") -> dict:
     """Remove what `attach` made: our program from each interface (only if it is still ours),
     the pins and the state file. Returns what was done."""
-    _check_root()
+    _check_root("detaching the aggregator")
     inst = pins.Instance(name)
     if not inst.exists():
-        raise AggregatorError(f"no aggregator named {name!r} is attached (see `xdp-agg status`)")
+        raise pins.NotAttached(name, inst.state_path)
     report = {"name": name, "detached": [], "left_alone": []}
     try:
         state = inst.load_state()
-    except FileNotFoundError:
+    except XdpAggError:  # pins without a (readable) state file: remove the pins all the same
         state = None
     _enter_recorded_netns(state)
     for d in state.interfaces if state else []:
@@ -154,16 +163,10 @@ def detach(name: str = "default") -> dict:
 
 
 def open_instance(name: str = "default") -> tuple[pins.State, AggMaps]:
-    """The state and maps of an attached aggregator."""
+    """The state and maps of an attached aggregator (pins.NotAttached if there is none)."""
     inst = pins.Instance(name)
-    try:
-        state = inst.load_state()
-        fds = inst.open_maps()
-    except FileNotFoundError as e:
-        raise AggregatorError(f"{e}: attach one with `xdp-agg attach IFACE`") from None
-    except PermissionError:
-        raise AggregatorError("reading the aggregator's maps needs root: run with sudo") from None
-    return state, AggMaps(fds, state.pool_slots)
+    state = inst.load_state()
+    return state, AggMaps(inst.open_maps(), state.pool_slots)
 
 
 def status(name: str = "default") -> dict:
@@ -248,45 +251,70 @@ def slot_state(g: int, name: str = "default") -> dict:
 
 
 class XdpBackend:
-    """The Backend (job/worker vocabulary) of an attached XDP aggregator."""
+    """The Backend (job/worker vocabulary) of an attached XDP aggregator.
+
+    A spec the aggregator cannot serve raises Refused (an XdpAggError and a ValueError, as the
+    Backend contract asks)."""
 
     def __init__(self, name: str = "default") -> None:
         self.name = name
         self.state, self.maps = open_instance(name)
 
     def create_job(self, spec: JobSpec) -> None:
-        if self.state.mode == "switch":  # every result through the devmap; the caller's spec stays
-            spec = dataclasses.replace(spec, delivery=Delivery.BROADCAST)
-        self.maps.create_job(spec)
-
-    def delete_job(self, job_id: int) -> None:
-        self.maps.delete_job(job_id)
+        """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""
+        if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
+            spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
+        try:
+            self.maps.create_job(spec)
+        except Refused:
+            raise
+        except ValueError as e:  # the contract's checks, or an address that does not parse
+            raise Refused(f"job {spec.job_id}: {e}") from e
 
     def add_worker(self, worker: WorkerSpec) -> None:
-        """In switch mode, also find the port the worker is behind and our address there."""
+        """Register a worker; in the switch topology also find the port it is behind and our
+        address there."""
         ifindex = agg_ip = agg_mac = None
-        if self.state.mode == "switch":
+        if self.state.topology == "switch":
             ifindex, agg_ip, agg_mac = self._port_of(worker)
-        self.maps.add_worker(worker, ifindex=ifindex or 0, agg_ip=agg_ip, agg_mac=agg_mac)
+        try:
+            self.maps.add_worker(worker, ifindex=ifindex or 0, agg_ip=agg_ip, agg_mac=agg_mac)
+        except Refused:
+            raise
+        except ValueError as e:
+            raise Refused(f"worker {worker.index} of job {worker.job_id}: {e}") from e
 
     def _port_of(self, worker: WorkerSpec):
-        from pyroute2 import IPRoute
+        from pyroute2 import IPRoute, NetlinkError
 
         with IPRoute() as ipr:
-            route = ipr.route("get", dst=worker.ip)[0]
+            try:
+                route = ipr.route("get", dst=worker.ip)[0]
+            except NetlinkError as e:
+                raise Refused(f"no route to worker {worker.ip}: {os.strerror(e.code)}") from e
             oif = route.get_attr("RTA_OIF")
             src = route.get_attr("RTA_PREFSRC")
             link = ipr.get_links(oif)[0]
         ours = {d["ifindex"] for d in self.state.interfaces}
         if oif not in ours:
-            raise ValueError(f"worker {worker.ip} is reached through ifindex {oif}, not an attached port")
+            raise Refused(
+                f"worker {worker.ip} is reached through ifindex {oif}, not an attached port: "
+                "check the worker's address and the routes (`ip route get ADDR`)"
+            )
         return oif, worker.extra.get("agg_ip") or src, link.get_attr("IFLA_ADDRESS")
 
+    def delete_job(self, job_id: int) -> None:
+        """Delete a job and its workers (nothing happens for a job that does not exist)."""
+        self.maps.delete_job(job_id)
+
     def remove_worker(self, job_id: int, index: int) -> None:
+        """Unregister a worker."""
         self.maps.remove_worker(job_id, index)
 
     def jobs(self) -> list[dict]:
+        """The active jobs, each as job_dict gives it."""
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
+        """Per-worker counters of a job, by worker index."""
         return {w.index: self.maps.worker_counters(job_id, w.index) for _, w in self.maps.workers() if w.job == job_id}

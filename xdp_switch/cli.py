@@ -5,29 +5,42 @@ Exit codes (every command):
   1  the operation failed (the message says why and what to do)
   2  usage error (bad option or argument)
   3  environment: not root, no bpffs, bcc or kernel headers missing
+
+Codes 1 and 3 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
+2 is click's. This module parses options; what the commands decide lives in aggregator.py
+(attach, detach, status, counters), serving.py (job defaults, the control endpoint) and
+service.py (the systemd unit and its config).
 """
 
 from __future__ import annotations
 
+import importlib.metadata
+import ipaddress
 import json
-import sys
 import time
+from pathlib import Path
 
 import click
 
 from aggproto import limits, wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.jobs import WorkerSpec
 
-from . import aggregator, links, loader
+from . import aggregator, links, loader, pins, service, serving
+from .errors import EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
-EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 1, 2, 3
-_ENV_HINTS = ("needs root", "run with sudo", "bpffs", "kernel headers", "python3-bpfcc")
+__all__ = ["EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
-def _fail(msg: str) -> None:
-    code = EXIT_ENV if any(h in msg for h in _ENV_HINTS) else EXIT_FAILED
-    click.echo(f"xdp-agg: {msg}", err=True)
-    sys.exit(code)
+class _Cli(click.Group):
+    """The top-level group: an XdpAggError anywhere below becomes its message on stderr and its
+    exit code (1 or 3). Anything else is a bug and keeps its traceback."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except XdpAggError as e:
+            click.echo(f"xdp-agg: {e}", err=True)
+            ctx.exit(e.exit_code)
 
 
 def _emit(obj, as_json: bool, text) -> None:
@@ -37,76 +50,137 @@ def _emit(obj, as_json: bool, text) -> None:
         text(obj)
 
 
-def _guard(fn):
-    """Turn our errors into a message and an exit code instead of a traceback."""
+def _name(ctx, param, value: str) -> str:
+    try:
+        return pins.check_name(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
-    def wrapper(*a, **kw):
-        try:
-            return fn(*a, **kw)
-        except (aggregator.AggregatorError, links.LinkError, loader.LoadError, ValueError, OSError, RuntimeError) as e:
-            _fail(str(e))
 
-    wrapper.__name__ = fn.__name__
-    wrapper.__doc__ = fn.__doc__
-    return wrapper
+def _ipv4(ctx, param, value: str | None) -> str | None:
+    if value is None:
+        return None
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
+
+
+def _listen(ctx, param, value: str) -> tuple[str, int]:
+    host, sep, port = value.rpartition(":")
+    try:
+        if not sep or not 0 < int(port) < 65536:
+            raise ValueError
+        return host or "0.0.0.0", int(port)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 0.0.0.0:48800") from None
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml); a bare checkout has none."""
+    try:
+        return importlib.metadata.version("xdp-agg")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown (not installed: pip install .)"
 
 
 @click.group(
+    cls=_Cli,
     context_settings={"help_option_names": ["-h", "--help"]},
-    epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, 3 environment (root, bpffs, bcc, headers).",
+    epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, "
+    "3 environment (root, bpffs, bcc, headers).",
 )
-@click.option("--name", default="default", show_default=True, help="Aggregator instance (pins under /sys/fs/bpf/xdp-agg/NAME).")
-@click.option("--netns", default=None, help="Run in this network namespace (kept: /sys/fs/bpf stays visible).")
+@click.version_option(_version(), prog_name="xdp-agg")
+@click.option(
+    "--name",
+    default="default",
+    show_default=True,
+    callback=_name,
+    help="Aggregator instance (pins under /sys/fs/bpf/xdp-agg/NAME).",
+)
+@click.option(
+    "--netns", default=None, help="Run in this network namespace (kept: /sys/fs/bpf stays visible)."
+)
 @click.pass_context
 def main(ctx, name, netns):
     """In-network gradient aggregation (SwitchML protocol) in XDP.
 
     \b
     Examples:
-      sudo xdp-agg attach eth0                      # one-arm mode on eth0
-      sudo xdp-agg attach p0 p1 p2 p3               # switch mode over four ports
+      sudo xdp-agg attach eth0                      # the one-arm topology on eth0
+      sudo xdp-agg attach p0 p1 p2 p3               # the switch topology over four ports
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
       sudo xdp-agg worker add 0 0 198.18.0.10
       sudo xdp-agg stats --watch
       sudo xdp-agg detach
+      sudo xdp-agg install-service --interfaces eth1   # as a systemd service
+
+    Shell completion (bash): eval "$(_XDP_AGG_COMPLETE=bash_source xdp-agg)"
     """
     ctx.ensure_object(dict)
     ctx.obj["name"] = name
     ctx.obj["netns"] = netns
     if netns:
-        try:
-            links.enter_netns(netns)
-        except links.LinkError as e:
-            _fail(str(e))
+        links.enter_netns(netns)
 
 
 @main.command()
 @click.argument("ifaces", nargs=-1, required=True)
-@click.option("--mode", "xdp_mode", type=click.Choice(["native", "skb"]), default="native", show_default=True, help="XDP attach mode.")
-@click.option("--topology", type=click.Choice(aggregator.MODES), default=None, help="Default: one-arm for one interface, switch for several.")
-@click.option("--pool-slots", type=click.IntRange(1, wire.MAX_SLOTS), default=limits.DEFAULT_POOL_SLOTS, show_default=True, help="Aggregation slots shared by all jobs.")
-@click.option("--variant", type=click.Choice(list(loader.VARIANTS)), default="percpu", show_default=True,
-              help="percpu: per-CPU partial sums (the design); spinlock: one locked sum per slot (the baseline).")
+@click.option(
+    "--topology",
+    type=click.Choice(pins.TOPOLOGIES),
+    default=None,
+    help="one-arm: results to a group address on the one interface; switch: one port per "
+    "worker. Default: one-arm for one interface, switch for several.",
+)
+@click.option(
+    "--xdp-mode",
+    type=click.Choice(pins.XDP_MODES),
+    default="native",
+    show_default=True,
+    help="native: XDP in the driver; skb: generic XDP (any interface, slower).",
+)
+@click.option(
+    "--pool-slots",
+    type=click.IntRange(1, wire.MAX_SLOTS),
+    default=limits.DEFAULT_POOL_SLOTS,
+    show_default=True,
+    help="Aggregation slots shared by all jobs.",
+)
+@click.option(
+    "--variant",
+    type=click.Choice(list(loader.VARIANTS)),
+    default="percpu",
+    show_default=True,
+    help="percpu: per-CPU partial sums (the design); "
+    "spinlock: one locked sum per slot (the baseline).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.pass_context
-@_guard
-def attach(ctx, ifaces, xdp_mode, topology, pool_slots, variant, as_json):
+def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, as_json):
     """Compile, load and attach the aggregator to IFACES; it stays after this command exits.
 
     \b
     Examples:
       sudo xdp-agg attach eth0
-      sudo xdp-agg --netns agg attach p0 p1 --mode skb
+      sudo xdp-agg --netns agg attach p0 p1 --xdp-mode skb
+      sudo xdp-agg --name lab attach eth1 --pool-slots 4096 --json
     """
     state = aggregator.attach(
-        list(ifaces), name=ctx.obj["name"], mode=topology, xdp_mode=xdp_mode, pool_slots=pool_slots,
-        netns=ctx.obj["netns"], variant=variant,
+        list(ifaces),
+        name=ctx.obj["name"],
+        topology=topology,
+        xdp_mode=xdp_mode,
+        pool_slots=pool_slots,
+        netns=ctx.obj["netns"],
+        variant=variant,
     )
     _emit(
         state.to_dict(),
         as_json,
         lambda s: click.echo(
-            f"attached {s['name']} ({s['mode']}, {s['xdp_mode']}) to {', '.join(i['ifname'] for i in s['interfaces'])}; "
+            f"attached {s['name']} ({s['topology']}, {s['xdp_mode']} XDP) to "
+            f"{', '.join(i['ifname'] for i in s['interfaces'])}; "
             f"program id {s['prog_id']}, {s['pool_slots']} slots"
         ),
     )
@@ -115,33 +189,47 @@ def attach(ctx, ifaces, xdp_mode, topology, pool_slots, variant, as_json):
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-@_guard
 def detach(ctx, as_json):
     """Detach our program from every interface it was attached to and remove its pins.
 
     A program that is no longer ours on an interface is left alone (and reported).
     """
     rep = aggregator.detach(ctx.obj["name"])
-    _emit(rep, as_json, lambda r: click.echo(
-        f"detached {r['name']} from {', '.join(r['detached']) or 'nothing'}"
-        + (f"; left alone (not ours any more): {', '.join(r['left_alone'])}" if r["left_alone"] else "")
-    ))
+    _emit(
+        rep,
+        as_json,
+        lambda r: click.echo(
+            f"detached {r['name']} from {', '.join(r['detached']) or 'nothing'}"
+            + (
+                f"; left alone (not ours any more): {', '.join(r['left_alone'])}"
+                if r["left_alone"]
+                else ""
+            )
+        ),
+    )
 
 
 @main.command()
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-@_guard
 def status(ctx, as_json):
     """Program, interfaces and jobs of the aggregator."""
     st = aggregator.status(ctx.obj["name"])
 
     def text(s):
-        click.echo(f"{s['name']}: {s['mode']} mode, {s['xdp_mode']} XDP, program id {s['prog_id']}, {s['pool_slots']} slots")
+        click.echo(
+            f"{s['name']}: {s['topology']} topology, {s['xdp_mode']} XDP, "
+            f"program id {s['prog_id']}, {s['pool_slots']} slots"
+        )
         for i in s["interfaces"]:
-            click.echo(f"  {i['ifname']} (ifindex {i['ifindex']}): {'attached' if i['attached'] else 'NOT attached (program ' + str(i['current_prog_id']) + ')'}")
+            on = "attached" if i["attached"] else f"NOT attached (program {i['current_prog_id']})"
+            click.echo(f"  {i['ifname']} (ifindex {i['ifindex']}): {on}")
         for j in s["jobs"]:
-            click.echo(f"  job {j['job_id']}: {len(j['workers'])}/{j['num_workers']} workers, {j['elems']} elems/packet, slots {j['slot_base']}..{j['slot_base'] + j['slot_count'] - 1}, {j['delivery']}")
+            last = j["slot_base"] + j["slot_count"] - 1
+            click.echo(
+                f"  job {j['job_id']}: {len(j['workers'])}/{j['num_workers']} workers, "
+                f"{j['elems']} elems/packet, slots {j['slot_base']}..{last}, {j['delivery']}"
+            )
 
     _emit(st, as_json, text)
 
@@ -150,7 +238,9 @@ def _print_stats(s) -> None:
     nz = {k: v for k, v in s["unattributed"].items() if v}
     click.echo("no job: " + (", ".join(f"{k}={v}" for k, v in nz.items()) or "-"))
     for j, js in s["jobs"].items():
-        click.echo(f"job {j}: " + (", ".join(f"{k}={v}" for k, v in js["reasons"].items() if v) or "-"))
+        click.echo(
+            f"job {j}: " + (", ".join(f"{k}={v}" for k, v in js["reasons"].items() if v) or "-")
+        )
         for w, c in js["workers"].items():
             click.echo(f"  worker {w}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
 
@@ -160,18 +250,27 @@ def _print_stats(s) -> None:
 @click.option("--interval", type=float, default=1.0, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-@_guard
 def stats(ctx, watch, interval, as_json):
-    """Packet counters by reason: without a job, per job, and per worker."""
-    while True:
-        s = aggregator.stats(ctx.obj["name"])
-        if watch and not as_json:
-            click.clear()
-            click.echo(time.strftime("%H:%M:%S"))
-        _emit(s, as_json, _print_stats)
+    """Packet counters by reason: without a job, per job, and per worker.
+
+    \b
+    Examples:
+      sudo xdp-agg stats --json
+      sudo xdp-agg stats --watch --interval 2     # Ctrl-C ends it
+    """
+    try:
+        while True:
+            s = aggregator.stats(ctx.obj["name"])
+            if watch and not as_json:
+                click.clear()
+                click.echo(time.strftime("%H:%M:%S"))
+            _emit(s, as_json, _print_stats)
+            if not watch:
+                return
+            time.sleep(interval)
+    except KeyboardInterrupt:  # how --watch ends
         if not watch:
-            return
-        time.sleep(interval)
+            raise
 
 
 @main.group()
@@ -190,18 +289,61 @@ def _slot_range(text: str) -> tuple[int, int]:
 @job.command("create")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.option("--workers", "num_workers", type=click.IntRange(1, limits.MAX_WORKERS), required=True)
-@click.option("--elems", type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]), default="256", show_default=True)
-@click.option("--slots", "slots", default="0:128", show_default=True, help="BASE:COUNT of the pool.")
-@click.option("--port", "agg_port", type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15), default=wire.UDP_PORT, show_default=True)
-@click.option("--group", "group_ip", default="0.0.0.0", help="One-arm: group (multicast or subnet broadcast) address of results.")
-@click.option("--group-mac", default=None, help="Default: derived from --group (multicast) or ff:ff:ff:ff:ff:ff.")
-@click.option("--agg-ip", default=None, help="Source address of results (default: the interface's first address).")
-@click.option("--udp-checksum", is_flag=True,
-              help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; costs a pass over "
-                   "the payload per packet (README: UDP checksums).")
+@click.option(
+    "--elems",
+    type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]),
+    default="256",
+    show_default=True,
+)
+@click.option(
+    "--slots", "slots", default="0:128", show_default=True, help="BASE:COUNT of the pool."
+)
+@click.option(
+    "--port",
+    "agg_port",
+    type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
+    default=wire.UDP_PORT,
+    show_default=True,
+)
+@click.option(
+    "--group",
+    "group_ip",
+    default="0.0.0.0",
+    callback=_ipv4,
+    help="One-arm: group (multicast or subnet broadcast) address of results.",
+)
+@click.option(
+    "--group-mac",
+    default=None,
+    help="Default: derived from --group (multicast) or ff:ff:ff:ff:ff:ff.",
+)
+@click.option(
+    "--agg-ip",
+    default=None,
+    callback=_ipv4,
+    help="Source address of results (default: the interface's first address).",
+)
+@click.option(
+    "--udp-checksum",
+    is_flag=True,
+    help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
+    "costs a pass over the payload per packet (README: UDP checksums).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the job as created, as JSON.")
 @click.pass_context
-@_guard
-def job_create(ctx, job_id, num_workers, elems, slots, agg_port, group_ip, group_mac, agg_ip, udp_checksum):
+def job_create(
+    ctx,
+    job_id,
+    num_workers,
+    elems,
+    slots,
+    agg_port,
+    group_ip,
+    group_mac,
+    agg_ip,
+    udp_checksum,
+    as_json,
+):
     """Create job JOB_ID (its slots start cleared).
 
     \b
@@ -209,38 +351,33 @@ def job_create(ctx, job_id, num_workers, elems, slots, agg_port, group_ip, group
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
       sudo xdp-agg job create 1 --workers 2 --slots 128:64 --port 48865 --udp-checksum
     """
-    state, _ = aggregator.open_instance(ctx.obj["name"])
-    first = links.addresses(state.interfaces[0]["ifname"])
     base, count = _slot_range(slots)
-    spec = JobSpec(
-        job_id=job_id,
-        num_workers=num_workers,
-        elems=int(elems),
-        slot_base=base,
-        slot_count=count,
+    spec = serving.create_job(
+        ctx.obj["name"],
+        job_id,
+        num_workers,
+        int(elems),
+        base,
+        count,
         agg_port=agg_port,
-        agg_ip=agg_ip or (first["ipv4"][0] if first["ipv4"] else "0.0.0.0"),
-        agg_mac=first["mac"],
         group_ip=group_ip,
-        group_mac=group_mac or group_mac_for(group_ip),
+        group_mac=group_mac,
+        agg_ip=agg_ip,
         udp_checksum=udp_checksum,
     )
-    aggregator.XdpBackend(ctx.obj["name"]).create_job(spec)
-    click.echo(f"job {job_id} created: {num_workers} workers, {elems} elems/packet, slots {base}..{base + count - 1}")
-
-
-def group_mac_for(ip: str) -> str:
-    """The Ethernet address of an IPv4 group: 01:00:5e + low 23 bits, or broadcast."""
-    octets = [int(x) for x in ip.split(".")]
-    if 224 <= octets[0] <= 239:
-        return "01:00:5e:%02x:%02x:%02x" % (octets[1] & 0x7F, octets[2], octets[3])
-    return "ff:ff:ff:ff:ff:ff"
+    _emit(
+        spec.to_dict(),
+        as_json,
+        lambda _: click.echo(
+            f"job {job_id} created: {num_workers} workers, {elems} elems/packet, "
+            f"slots {base}..{base + count - 1}"
+        ),
+    )
 
 
 @job.command("delete")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.pass_context
-@_guard
 def job_delete(ctx, job_id):
     """Delete a job and its workers."""
     aggregator.XdpBackend(ctx.obj["name"]).delete_job(job_id)
@@ -250,11 +387,12 @@ def job_delete(ctx, job_id):
 @job.command("list")
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-@_guard
 def job_list(ctx, as_json):
     """The configured jobs and their workers."""
     jobs = aggregator.XdpBackend(ctx.obj["name"]).jobs()
-    _emit(jobs, as_json, lambda js: [click.echo(json.dumps(j)) for j in js] or click.echo("no jobs"))
+    _emit(
+        jobs, as_json, lambda js: [click.echo(json.dumps(j)) for j in js] or click.echo("no jobs")
+    )
 
 
 @main.group()
@@ -265,12 +403,22 @@ def worker():
 @worker.command("add")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
-@click.argument("ip")
-@click.option("--port", type=click.IntRange(1, 65535), default=wire.UDP_PORT, show_default=True, help="The worker's UDP port.")
-@click.option("--agg-port", type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15), default=wire.UDP_PORT, show_default=True)
-@click.option("--mac", default="00:00:00:00:00:00", help="Switch mode: the worker's MAC.")
+@click.argument("ip", callback=_ipv4)
+@click.option(
+    "--port",
+    type=click.IntRange(1, 65535),
+    default=wire.UDP_PORT,
+    show_default=True,
+    help="The worker's UDP port.",
+)
+@click.option(
+    "--agg-port",
+    type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
+    default=wire.UDP_PORT,
+    show_default=True,
+)
+@click.option("--mac", default="00:00:00:00:00:00", help="Switch topology: the worker's MAC.")
 @click.pass_context
-@_guard
 def worker_add(ctx, job_id, index, ip, port, agg_port, mac):
     """Register worker INDEX of JOB_ID, sending from IP.
 
@@ -278,7 +426,9 @@ def worker_add(ctx, job_id, index, ip, port, agg_port, mac):
     Example:
       sudo xdp-agg worker add 0 1 198.18.0.11 --mac 02:00:00:00:00:0b
     """
-    aggregator.XdpBackend(ctx.obj["name"]).add_worker(WorkerSpec(job_id, index, ip, port, agg_port, mac))
+    aggregator.XdpBackend(ctx.obj["name"]).add_worker(
+        WorkerSpec(job_id, index, ip, port, agg_port, mac)
+    )
     click.echo(f"worker {index} of job {job_id}: {ip}")
 
 
@@ -286,7 +436,6 @@ def worker_add(ctx, job_id, index, ip, port, agg_port, mac):
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
 @click.pass_context
-@_guard
 def worker_remove(ctx, job_id, index):
     """Unregister worker INDEX of JOB_ID."""
     aggregator.XdpBackend(ctx.obj["name"]).remove_worker(job_id, index)
@@ -297,7 +446,6 @@ def worker_remove(ctx, job_id, index):
 @click.argument("slot", type=click.IntRange(0, wire.MAX_SLOTS - 1))
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-@_guard
 def slots(ctx, slot, as_json):
     """One slot's state (both versions), for debugging."""
     s = aggregator.slot_state(slot, ctx.obj["name"])
@@ -314,16 +462,49 @@ def slots(ctx, slot, as_json):
 
 
 @main.command()
-@click.option("--listen", default="0.0.0.0:48800", show_default=True, help="HOST:PORT of the control endpoint (TCP).")
-@click.option("--group", "group_ip", default=None, help="One-arm: where results go (default: the interface's subnet broadcast).")
-@click.option("--barrier-timeout", type=float, default=120.0, show_default=True, help="Longest a worker waits for the others to register.")
-@click.option("--target", type=click.Choice(["xdp", "bmv2"]), default="xdp", show_default=True,
-              help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on --ports.")
-@click.option("--ports", default=None, help="bmv2: comma-separated interfaces, switch port i = the i-th.")
-@click.option("--workdir", default="/tmp/xdp-agg-bmv2", show_default=True, help="bmv2: where the compiled program goes.")
-@click.option("--udp-checksum", is_flag=True, help="xdp: every job created verifies its contributions' UDP checksums.")
+@click.option(
+    "--listen",
+    default="0.0.0.0:48800",
+    show_default=True,
+    callback=_listen,
+    help="HOST:PORT of the control endpoint (TCP).",
+)
+@click.option(
+    "--group",
+    "group_ip",
+    default=None,
+    callback=_ipv4,
+    help="One-arm: where results go (default: the interface's subnet broadcast).",
+)
+@click.option(
+    "--barrier-timeout",
+    type=float,
+    default=120.0,
+    show_default=True,
+    help="Longest a worker waits for the others to register.",
+)
+@click.option(
+    "--target",
+    type=click.Choice(["xdp", "bmv2"]),
+    default="xdp",
+    show_default=True,
+    help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on --ports.",
+)
+@click.option(
+    "--ports", default=None, help="bmv2: comma-separated interfaces, switch port i = the i-th."
+)
+@click.option(
+    "--workdir",
+    default="/tmp/xdp-agg-bmv2",
+    show_default=True,
+    help="bmv2: where the compiled program goes.",
+)
+@click.option(
+    "--udp-checksum",
+    is_flag=True,
+    help="xdp: every job created verifies its contributions' UDP checksums.",
+)
 @click.pass_context
-@_guard
 def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_checksum):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
@@ -338,70 +519,150 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3
     """
-    from aggctl.server import RendezvousServer
+    host, port = listen
 
-    host, _, port = listen.rpartition(":")
-    host = host or "0.0.0.0"
+    def announce(line: str) -> None:
+        click.echo(line, err=True)
+
     if target == "xdp":
-        server = RendezvousServer(
-            aggregator.XdpBackend(ctx.obj["name"]), host, int(port),
-            {**serve_defaults(ctx.obj["name"], group_ip, barrier_timeout), "udp_checksum": udp_checksum},
-            fill_worker=_fill_worker,
+        serving.serve_xdp(
+            ctx.obj["name"],
+            host,
+            port,
+            group_ip=group_ip,
+            barrier_timeout=barrier_timeout,
+            udp_checksum=udp_checksum,
+            announce=announce,
         )
-        click.echo(f"control endpoint listening on {host}:{port} (aggregator {ctx.obj['name']}); Ctrl-C stops it", err=True)
-        server.run_until_interrupted()
         return
-    from aggctl import bmv2_backend as bm
-
     if not ports:
         raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
-    missing = bm.missing_tools()
-    if missing:
-        _fail(f"{', '.join(missing)} not on PATH: install p4c and bmv2 as p4/README.md says")
-    switch, backend = bm.launch(bm.port_specs(ports.split(","), netns=ctx.obj["netns"]), workdir,
-                                netns=ctx.obj["netns"], unknown_unicast="drop")
-    try:
-        server = RendezvousServer(
-            backend, host, int(port),
-            {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
-            fill_worker=backend.fill_worker,
+    serving.serve_bmv2(
+        ports.split(","),
+        workdir,
+        host,
+        port,
+        netns=ctx.obj["netns"],
+        barrier_timeout=barrier_timeout,
+        announce=announce,
+    )
+
+
+@main.command("install-service")
+@click.argument("name", default="default", callback=_name)
+@click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
+@click.option("--listen", default="0.0.0.0:48800", show_default=True, callback=_listen,
+              help="The sample config's LISTEN.")
+@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
+              help="Install under this directory instead of / (for packaging and tests).")
+@click.option("--exec", "exe", default=None,
+              help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).")
+@click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
+@click.option("--json", "as_json", is_flag=True)
+def install_service(name, interfaces, listen, root, exe, force, as_json):
+    """Write the systemd unit xdp-agg@.service and a sample /etc/xdp-agg/NAME.conf.
+
+    The unit attaches aggregator NAME to the config's interfaces and runs the control endpoint;
+    stopping it detaches; it restarts on failure. Edit the config, then enable the unit (this
+    prints the commands).
+
+    \b
+    Examples:
+      sudo xdp-agg install-service --interfaces eth1
+      sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 10.0.0.1:48800
+      xdp-agg install-service --root /tmp/pkgroot --json
+    """
+    rep = service.install_files(Path(root), name, interfaces.split(), exe=exe,
+                                listen=f"{listen[0]}:{listen[1]}", force=force)
+
+    def text(r):
+        for path in r["written"]:
+            click.echo(f"wrote {path}")
+        for path in r["kept"]:
+            click.echo(f"kept {path} (--force replaces it with the sample)")
+        click.echo(
+            "next:\n"
+            f"  edit {r['config']} (INTERFACES, LISTEN, ...)\n"
+            "  sudo systemctl daemon-reload\n"
+            f"  sudo systemctl enable --now {r['instance']}\n"
+            f"  sudo xdp-agg --name {r['name']} status          # is it attached?\n"
+            f"  journalctl -u {r['instance']}               # what it said"
         )
-        click.echo(f"control endpoint listening on {host}:{port} (bmv2 on {ports}); Ctrl-C stops it", err=True)
-        server.run_until_interrupted()
-    finally:
-        switch.stop()
+
+    _emit(rep, as_json, text)
 
 
-def serve_defaults(name: str, group_ip: str | None, barrier_timeout: float) -> dict:
-    """What the control endpoint puts into the jobs it creates, from the attached aggregator."""
-    import ipaddress
+@main.command("service-start")
+@click.argument("name", callback=_name)
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
+              help="Default: /etc/xdp-agg/NAME.conf.")
+@click.pass_context
+def service_start(ctx, name, config_file):
+    """What the unit xdp-agg@NAME runs: attach as NAME.conf says, then serve until SIGTERM.
 
-    state, _ = aggregator.open_instance(name)
-    first = links.addresses(state.interfaces[0]["ifname"])
-    d = {"pool_slots": state.pool_slots, "barrier_timeout": barrier_timeout}
-    if state.mode == "switch":
-        d["delivery"] = Delivery.BROADCAST
-        return d
-    if not first["ipv4_nets"]:
-        raise aggregator.AggregatorError(f"{first['ifname']} has no IPv4 address: workers need one to send to")
-    net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
-    group_ip = group_ip or str(net.network.broadcast_address)
-    d.update(delivery=Delivery.GROUP_TX, group_ip=group_ip, group_mac=group_mac_for(group_ip),
-             agg_ip=str(net.ip), agg_mac=first["mac"])
-    return d
+    An aggregator NAME left attached by an earlier run is detached first (the service owns the
+    name). Messages go to stderr, which systemd puts in the journal.
+
+    \b
+    Example:
+      sudo xdp-agg service-start lab --config /etc/xdp-agg/lab.conf
+    """
+    cfg = service.read_config(name, Path(config_file) if config_file else None)
+    # SERVE_OPTIONS are parsed before anything is attached: a usage error there exits 2 with
+    # nothing to undo
+    ctx.obj["name"], ctx.obj["netns"] = name, cfg.netns
+    sub = serve.make_context("serve", cfg.serve_args(), parent=ctx)
+    if cfg.netns:
+        links.enter_netns(cfg.netns)
+
+    def say(line: str) -> None:
+        click.echo(f"xdp-agg@{name}: {line}", err=True)
+
+    if service.clear_leftover(name):
+        say("detached what an earlier run left attached")
+    state = aggregator.attach(cfg.interfaces, name=name, topology=cfg.topology,
+                              xdp_mode=cfg.xdp_mode, pool_slots=cfg.pool_slots,
+                              netns=cfg.netns, variant=cfg.variant)
+    say(f"attached to {', '.join(cfg.interfaces)} ({state.topology}, {state.xdp_mode} XDP, "
+        f"{state.pool_slots} slots)")
+    with sub:
+        serve.invoke(sub)
 
 
-def _fill_worker(ws: WorkerSpec, local) -> None:
-    # switch mode: the address the worker reached us at is our address on its port
-    ws.extra["agg_ip"] = local[0]
+@main.command("service-stop")
+@click.argument("name", callback=_name)
+@click.option("--json", "as_json", is_flag=True)
+def service_stop(name, as_json):
+    """What the unit runs when it stops: detach aggregator NAME if it is attached.
+
+    Nothing attached is not an error (the unit runs this after a failed start too).
+
+    \b
+    Example:
+      sudo xdp-agg service-stop lab
+    """
+    rep = service.stop(name) or {"name": name, "detached": [], "left_alone": []}
+    _emit(rep, as_json, lambda r: click.echo(
+        f"xdp-agg@{name}: detached from {', '.join(r['detached']) or 'nothing'}", err=True))
 
 
 @main.command()
-@click.option("--workers", type=click.IntRange(1, limits.MAX_WORKERS), default=4, show_default=True, help="Workers per job in the stream.")
-@click.option("--rounds", type=click.IntRange(1, 10_000), default=20, show_default=True, help="Rounds over 64 slots per repetition.")
+@click.option(
+    "--workers",
+    type=click.IntRange(1, limits.MAX_WORKERS),
+    default=4,
+    show_default=True,
+    help="Workers per job in the stream.",
+)
+@click.option(
+    "--rounds",
+    type=click.IntRange(1, 10_000),
+    default=20,
+    show_default=True,
+    help="Rounds over 64 slots per repetition.",
+)
 @click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True)
 @click.option("--json", "as_json", is_flag=True)
-@_guard
 def bench(workers, rounds, repeats, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 

@@ -121,7 +121,7 @@ class AggMaps:
 
     # --- workers --------------------------------------------------------------------------
     def add_worker(self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None) -> None:
-        """Register a worker; with ifindex (switch mode) also how to address it on that port."""
+        """Register a worker; with ifindex (the switch topology) also how to address it there."""
         owners = {(ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index) for k, o in self.workers()}
         check_worker(w, self.get_job(w.job_id), owners)
         key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))

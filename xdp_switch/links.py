@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import ctypes as ct
+import errno
 import os
 
-from pyroute2 import IPRoute
+from pyroute2 import IPRoute, NetlinkError
+
+from .errors import NeedsRoot, XdpAggError
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0  # refuse to replace a program already attached
 XDP_FLAGS_SKB_MODE = 1 << 1  # generic XDP
@@ -14,7 +17,7 @@ MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "skb": XDP_FLAGS_SKB_MODE}
 _CLONE_NEWNET = 0x40000000
 
 
-class LinkError(RuntimeError):
+class LinkError(XdpAggError):
     """An interface operation failed; the message says what to do."""
 
 
@@ -32,6 +35,8 @@ def enter_netns(name: str) -> None:
     try:
         if libc.setns(fd, _CLONE_NEWNET) != 0:
             e = ct.get_errno()
+            if e == errno.EPERM:
+                raise NeedsRoot(f"entering network namespace {name!r}")
             raise LinkError(f"cannot enter namespace {name!r}: {os.strerror(e)}")
     finally:
         os.close(fd)
@@ -84,14 +89,13 @@ def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:
         with IPRoute() as ipr:
             idx = _link(ipr, ifname)["index"]
             ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]})
-    except LinkError:
-        raise
-    except Exception as e:  # pyroute2 raises NetlinkError with the kernel's errno
-        code = getattr(e, "code", None)
-        if code == 16:  # EBUSY
+    except NetlinkError as e:  # the kernel's errno is e.code
+        if e.code == errno.EPERM:
+            raise NeedsRoot(f"attaching XDP to {ifname}") from e
+        if e.code == errno.EBUSY:
             raise LinkError(f"another XDP program is already attached to {ifname}") from e
-        if code == 95 and mode == "native":  # EOPNOTSUPP
-            raise LinkError(f"{ifname}'s driver has no native XDP: use --mode skb") from e
+        if e.code == errno.EOPNOTSUPP and mode == "native":
+            raise LinkError(f"{ifname}'s driver has no native XDP: use --xdp-mode skb") from e
         raise LinkError(f"attaching XDP to {ifname} failed: {e}") from e
 
 
@@ -105,5 +109,11 @@ def detach_xdp(ifname: str, expected_prog_id: int) -> bool:
         link = ipr.get_links(idx)[0]
         mode = link.get_attr("IFLA_XDP").get_attr("IFLA_XDP_ATTACHED")
         flags = XDP_FLAGS_SKB_MODE if mode == "xdpgeneric" else XDP_FLAGS_DRV_MODE
-        ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", -1), ("IFLA_XDP_FLAGS", flags)]})
+        attrs = {"attrs": [("IFLA_XDP_FD", -1), ("IFLA_XDP_FLAGS", flags)]}
+        try:
+            ipr.link("set", index=idx, xdp=attrs)
+        except NetlinkError as e:
+            if e.code == errno.EPERM:
+                raise NeedsRoot(f"detaching XDP from {ifname}") from e
+            raise LinkError(f"detaching XDP from {ifname} failed: {e}") from e
     return True

@@ -3,12 +3,17 @@
 bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s). The per-CPU
 partials map is created here first, because the program reaches it by fd (see bpf/maps.h).
 Everything afterwards works on file descriptors, which xdp_switch.pins pins under bpffs.
+
+The C sources are package data: `xdp_switch/bpf` is a link to the repository's top-level `bpf/`
+in a checkout (and so in an editable install), and a copy of it in a wheel; either way
+importlib.resources finds it, so an installed package compiles the program it ships.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes as ct
+import importlib.resources
 import os
 import platform
 import re
@@ -20,8 +25,20 @@ import bpfsys
 from aggproto import limits
 
 from . import abi
+from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
-BPF_DIR = Path(__file__).resolve().parent.parent / "bpf"
+
+
+def _package_dir(package: str, name: str) -> Path:
+    """A directory of package data as a real path (bcc and clang read files, not resources)."""
+    d = importlib.resources.files(package) / name
+    if not isinstance(d, Path):  # e.g. a zip import; pip always installs packages unpacked
+        raise EnvironmentProblem(f"{package}/{name} is not a directory on disk ({d}): "
+                                 "install the package with pip (unpacked)")
+    return d
+
+
+BPF_DIR = _package_dir("xdp_switch", "bpf")  # xdp_agg.c, xdp_floor.c, the headers, generated/
 SOURCE = BPF_DIR / "xdp_agg.c"
 BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: expected attach type of devmap egress programs
 
@@ -45,8 +62,9 @@ PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
 
 
-class LoadError(RuntimeError):
-    """The program could not be compiled or loaded; the message says what to do."""
+class LoadError(XdpAggError):
+    """The program could not be compiled or loaded (compiler error, verifier rejection); the
+    message says what to do. A machine without bcc or kernel headers raises EnvironmentProblem."""
 
 
 @dataclass
@@ -70,11 +88,24 @@ def _import_bcc():
     try:
         import bcc  # Debian's python3-bpfcc
     except ImportError as e:
-        raise LoadError(
+        raise EnvironmentProblem(
             "bcc's Python module is missing: install python3-bpfcc (make deps) and run from a venv "
             "made with --system-site-packages from /usr/bin/python3 (make venv)"
         ) from e
     return bcc
+
+
+def check_environment(what: str = "loading BPF programs"):
+    """bcc, once root, kernel headers and bcc's module are there (NeedsRoot or
+    EnvironmentProblem, saying what to install, when one is not)."""
+    if os.geteuid() != 0:
+        raise NeedsRoot(what)
+    if not kernel_headers_present():
+        raise EnvironmentProblem(
+            f"no kernel headers at /lib/modules/{platform.release()}/build: run "
+            "`sudo make headers` (installs linux-headers-amd64 and links it for this kernel)"
+        )
+    return _import_bcc()
 
 
 @contextlib.contextmanager
@@ -125,21 +156,15 @@ def load(pool_slots: int = limits.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = 
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).
-    Raises LoadError with an actionable message (missing headers, compiler error, verifier
-    rejection with the tail of the verifier log).
+    Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
+    (compiler error, verifier rejection with the tail of the verifier log), each with an
+    actionable message; ValueError for a variant or pool size out of range.
     """
-    if os.geteuid() != 0:
-        raise LoadError("loading BPF programs needs root: run with sudo")
     if variant not in VARIANTS:
-        raise LoadError(f"variant must be one of {', '.join(VARIANTS)}")
+        raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
     if not 1 <= pool_slots <= 1 << 14:
-        raise LoadError(f"pool slots must be 1..16384, not {pool_slots}")
-    if not kernel_headers_present():
-        raise LoadError(
-            f"no kernel headers at /lib/modules/{platform.release()}/build: run `sudo make headers` "
-            "(installs linux-headers-amd64 and links it for this kernel)"
-        )
-    bcc = _import_bcc()
+        raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
+    bcc = check_environment()
     nr_cpus = bpfsys.possible_cpus()
     partials = bpfsys.map_create(
         bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"

@@ -59,7 +59,7 @@ class BenchResult:
 
 
 def _load_floor():
-    import bcc
+    bcc = loader.check_environment("the benchmark (it loads BPF programs)")
 
     b = bcc.BPF(text=loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode())
     return b, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd

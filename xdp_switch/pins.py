@@ -2,8 +2,9 @@
 
     /sys/fs/bpf/xdp-agg/<name>/maps/<map>     every map (jobs, workers, slots, ..., partials)
     /sys/fs/bpf/xdp-agg/<name>/progs/ingress  the XDP program
-    /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (switch mode)
-    /run/xdp-agg/<name>.json                  interfaces, mode, netns, program id, options
+    /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
+    /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
+                                              options (State below)
 
 `detach` removes exactly these, nothing else. XDP_AGG_PIN_ROOT and XDP_AGG_STATE_DIR move them
 (the tests use their own).
@@ -11,13 +12,30 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
 import bpfsys
+
+from .errors import NeedsRoot, XdpAggError
+
+TOPOLOGIES = ("one-arm", "switch")  # the words netns_testbed uses for the same two layouts
+XDP_MODES = ("native", "skb")  # how XDP is attached: in the driver, or generic (skb)
+
+
+class NotAttached(XdpAggError):
+    """No aggregator of that name is attached (no state file, or nothing pinned)."""
+
+    def __init__(self, name: str, missing: Path) -> None:
+        opt = "" if name == "default" else f" --name {name}"
+        super().__init__(
+            f"no aggregator {name!r} is attached (no {missing}): attach one with "
+            f"`xdp-agg{opt} attach IFACE`, or see `ls {state_dir()}` for the names in use"
+        )
 
 
 def pin_root() -> Path:
@@ -41,11 +59,11 @@ def bpffs_mounted(path: Path | None = None) -> bool:
 
 @dataclass
 class State:
-    """What `attach` made, recorded for status, stats and detach."""
+    """What `attach` made, recorded for status, stats and detach (the state file's JSON)."""
 
     name: str
-    mode: str  # "one-arm" or "switch"
-    xdp_mode: str  # "native" or "skb"
+    topology: str  # one of TOPOLOGIES: "one-arm" (one interface) or "switch" (one per port)
+    xdp_mode: str  # one of XDP_MODES: "native" or "skb"
     netns: str | None
     interfaces: list[dict]  # {"ifname", "ifindex", "prog_id"}
     pool_slots: int
@@ -57,14 +75,35 @@ class State:
     def to_dict(self) -> dict:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> State:
+        """Read a state file's JSON, also one written before the key was renamed "topology"
+        (it was "mode", which now means only the XDP mode)."""
+        d = dict(d)
+        if "topology" not in d and d.get("mode") in TOPOLOGIES:
+            d["topology"] = d.pop("mode")
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})
+
+
+def check_name(name: str) -> str:
+    """`name` if it can name an aggregator (a file name: not empty, no "/", no leading ".")."""
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"bad aggregator name {name!r}: use letters, digits, '-' or '_'")
+    return name
+
+
+def _bpf_obj_error(e: bpfsys.BpfError, what: str) -> XdpAggError:
+    if e.errno in (errno.EPERM, errno.EACCES):
+        return NeedsRoot(what)
+    return XdpAggError(f"{what} failed: {os.strerror(e.errno or 0)}")
+
 
 class Instance:
     """The pins and state file of one named aggregator."""
 
     def __init__(self, name: str) -> None:
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"bad instance name {name!r}")
-        self.name = name
+        self.name = check_name(name)
         self.dir = pin_root() / name
         self.state_path = state_dir() / f"{name}.json"
 
@@ -80,20 +119,31 @@ class Instance:
     def pin(self, maps: dict[str, int], progs: dict[str, int]) -> None:
         (self.dir / "maps").mkdir(parents=True, exist_ok=True)
         (self.dir / "progs").mkdir(parents=True, exist_ok=True)
-        for name, fd in maps.items():
-            bpfsys.obj_pin(fd, str(self.map_path(name)))
-        for name, fd in progs.items():
-            bpfsys.obj_pin(fd, str(self.prog_path(name)))
+        paths = [(fd, self.map_path(n)) for n, fd in maps.items()]
+        paths += [(fd, self.prog_path(n)) for n, fd in progs.items()]
+        for fd, path in paths:
+            try:
+                bpfsys.obj_pin(fd, str(path))
+            except bpfsys.BpfError as e:
+                raise _bpf_obj_error(e, f"pinning {path}") from e
 
     def open_maps(self) -> dict[str, int]:
         """fds of every pinned map, by name."""
         d = self.dir / "maps"
-        if not d.is_dir():
-            raise FileNotFoundError(f"no aggregator {self.name!r} is attached (nothing pinned at {self.dir})")
-        return {p.name: bpfsys.obj_get(str(p)) for p in sorted(d.iterdir())}
+        try:
+            if not d.is_dir():
+                raise NotAttached(self.name, d)
+            return {p.name: bpfsys.obj_get(str(p)) for p in sorted(d.iterdir())}
+        except PermissionError as e:  # bpffs is root's: a non-root user cannot even list it
+            raise NeedsRoot("reading the aggregator's maps") from e
+        except bpfsys.BpfError as e:
+            raise _bpf_obj_error(e, "reading the aggregator's maps") from e
 
     def open_prog(self, name: str) -> int:
-        return bpfsys.obj_get(str(self.prog_path(name)))
+        try:
+            return bpfsys.obj_get(str(self.prog_path(name)))
+        except bpfsys.BpfError as e:
+            raise _bpf_obj_error(e, f"opening the pinned program {name}") from e
 
     def save_state(self, state: State) -> None:
         self.state_path.parent.mkdir(parents=True, exist_ok=True)
@@ -102,10 +152,20 @@ class Instance:
         tmp.replace(self.state_path)
 
     def load_state(self) -> State:
+        """The recorded state; NotAttached when there is no state file."""
         try:
-            return State(**json.loads(self.state_path.read_text()))
+            text = self.state_path.read_text()
         except FileNotFoundError:
-            raise FileNotFoundError(f"no aggregator {self.name!r} is attached (no {self.state_path})") from None
+            raise NotAttached(self.name, self.state_path) from None
+        except PermissionError as e:
+            raise NeedsRoot(f"reading {self.state_path}") from e
+        try:
+            return State.from_dict(json.loads(text))
+        except (ValueError, TypeError) as e:
+            raise XdpAggError(
+                f"{self.state_path} is not a state file xdp-agg can read ({e}): remove it and the "
+                f"pins with `xdp-agg --name {self.name} detach`"
+            ) from e
 
     def remove(self) -> None:
         """Unpin everything of this instance and delete its state file."""

@@ -1,0 +1,44 @@
+"""The errors of the XDP control plane, each carrying the exit code the `xdp-agg` CLI gives it.
+
+    XdpAggError               exit 1: the operation failed (nothing attached, interface busy,
+     |                                compiler or verifier error, ...)
+     +- Refused               exit 1: the aggregator refused a job or worker (also a ValueError,
+     |                                which is how the Backend contract says "bad spec")
+     +- EnvironmentProblem    exit 3: the machine is not set up for this (no bpffs, bcc or
+         |                            kernel headers missing, p4c/bmv2 missing)
+         +- NeedsRoot         exit 3: run as root
+
+The loader, pins, links, aggregator and serving code raise these; the CLI prints the message and
+exits with `exit_code`, so no exit code is chosen by reading a message. The message says what to
+do. Any other exception is a bug and reaches the user as a traceback. Usage errors (a bad option
+or argument) are click's and exit with 2.
+"""
+
+from __future__ import annotations
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
+
+
+class XdpAggError(Exception):
+    """An operation of the XDP control plane failed; str(e) says why and what to do."""
+
+    exit_code = EXIT_FAILED
+
+
+class Refused(XdpAggError, ValueError):
+    """The aggregator refused a job or a worker (slots outside the pool or overlapping, an
+    address already taken, ...). A ValueError too: the Backend contract's refusal, which the
+    control endpoint turns into an answer to the client."""
+
+
+class EnvironmentProblem(XdpAggError):
+    """The machine lacks something this needs: bpffs, bcc, kernel headers, a tool on PATH."""
+
+    exit_code = EXIT_ENV
+
+
+class NeedsRoot(EnvironmentProblem):
+    """The operation needs root (BPF, XDP, namespaces)."""
+
+    def __init__(self, what: str = "this") -> None:
+        super().__init__(f"{what} needs root: run with sudo")
