@@ -1,7 +1,7 @@
 """xdp-agg host library: all-reduce through an in-network (or soft) aggregator.
 
     import hostlib
-    with hostlib.init(rank, world_size, aggregator="10.0.0.1:48800", job="run-7") as comm:
+    with hostlib.init(rank, world_size, aggregator="198.18.0.1:48800", job="run-7") as comm:
         total = comm.allreduce(gradients)
 
 Modules: communicator (init, Communicator, the public API), engine (the self-clocked packet

@@ -1,6 +1,6 @@
 """The API a training job uses: init() a Communicator, then allreduce() tensors.
 
-    comm = hostlib.init(rank, world_size, aggregator="10.0.0.1:48800", job="resnet-run-7")
+    comm = hostlib.init(rank, world_size, aggregator="198.18.0.1:48800", job="resnet-run-7")
     grads = comm.allreduce(grads)            # int32, float32, float16, bfloat16
     h = comm.allreduce_async(other); ...; other_sum = h.wait()
     comm.close()

@@ -30,12 +30,12 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
         tmp_path,
         "lab",
         ["p0", "p1"],
-        listen="10.0.0.1:48801",
+        listen="198.18.0.1:48801",
         pool_slots=2048,
         exe="/usr/bin/xdp-agg",
     )
     cfg = service.parse_config(Path(rep["config"]).read_text())
-    assert cfg.interfaces == ["p0", "p1"] and cfg.listen == "10.0.0.1:48801"
+    assert cfg.interfaces == ["p0", "p1"] and cfg.listen == "198.18.0.1:48801"
     assert cfg.pool_slots == 2048 and cfg.topology is None and cfg.xdp_mode == "native"
     assert cfg.attach_args() == [
         "p0",
@@ -47,7 +47,7 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
         "--variant",
         "percpu",
     ]
-    assert cfg.serve_args() == ["--listen", "10.0.0.1:48801"]
+    assert cfg.serve_args() == ["--listen", "198.18.0.1:48801"]
 
 
 def test_config_values_and_quoting():

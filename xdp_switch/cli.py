@@ -23,7 +23,7 @@ from pathlib import Path
 import click
 
 from aggproto import limits, wire
-from aggproto.jobs import WorkerSpec
+from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
 
 from . import aggregator, links, loader, pins, service, serving
 from .errors import EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
@@ -464,7 +464,7 @@ def slots(ctx, slot, as_json):
 @main.command()
 @click.option(
     "--listen",
-    default="0.0.0.0:48800",
+    default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
     show_default=True,
     callback=_listen,
     help="HOST:PORT of the control endpoint (TCP).",
@@ -551,7 +551,7 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
 @main.command("install-service")
 @click.argument("name", default="default", callback=_name)
 @click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
-@click.option("--listen", default="0.0.0.0:48800", show_default=True, callback=_listen,
+@click.option("--listen", default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}", show_default=True, callback=_listen,
               help="The sample config's LISTEN.")
 @click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
               help="Install under this directory instead of / (for packaging and tests).")
@@ -569,7 +569,7 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
     \b
     Examples:
       sudo xdp-agg install-service --interfaces eth1
-      sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 10.0.0.1:48800
+      sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
       xdp-agg install-service --root /tmp/pkgroot --json
     """
     rep = service.install_files(Path(root), name, interfaces.split(), exe=exe,
