@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -94,6 +93,13 @@ def markdown(res: dict) -> str:
         lines.append(f"| {s} | {r['time_per_iter_s'] * 1e3:.0f} ms | "
                      f"{r['compute_per_iter_s'] * 1e3:.0f} ms | {r['comm_share']:.0%} |")
     lines += ["", f"gloo / xdpagg time per iteration: {ratio:.2f}x.", ""]
+    eng = w["xdpagg"].get("xdpagg", {}).get("engine")
+    if eng:
+        lines += [f"xdp-agg on rank 0 over the whole run: {eng['packets_sent']:,} packets, "
+                  f"{eng['retransmissions']:,} retransmissions "
+                  f"({eng['retransmissions'] / max(1, eng['packets_sent']):.1%}), "
+                  f"{eng['timeouts']:,} retransmission timer expiries, smoothed RTT "
+                  f"{eng['rtt'] * 1e3:.1f} ms.", ""]
     n = meta["workers"]
     grad_bits = w["xdpagg"]["params"] * 4 * 8
     lines += [f"Bounds at 1 Gbit/s: in-network aggregation sends and receives the gradients once "
@@ -130,7 +136,8 @@ def plots(res: dict, out: Path) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for s, style in (("xdpagg", "o-"), ("gloo", "s--")):
         t = w[s]["step_time_s"]
-        ax.plot(range(1, len(t) + 1), t, style, label=f"{s} (median {w[s]['time_per_iter_s']:.2f} s)")
+        label = f"{s} (median {w[s]['time_per_iter_s']:.2f} s)"
+        ax.plot(range(1, len(t) + 1), t, style, label=label)
     ax.set(xlabel="step", ylabel="time per iteration (s)", ylim=(0, None),
            title=f"{w['xdpagg']['params'] / 1e6:.1f} M parameters, 1 Gbit/s, "
                  f"n = {res['meta']['workers']}")
@@ -150,9 +157,17 @@ def main(argv=None) -> int:
     ap.add_argument("--wide-warmup", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "training"))
     ap.add_argument("--only", choices=["digits", "wide"], default=None)
+    ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker (wide)")
+    ap.add_argument("--replot", action="store_true",
+                    help="only rewrite results.md and the plots from --out's results.json")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.replot:
+        res = json.loads((out / "results.json").read_text())
+        (out / "results.md").write_text(markdown(res))
+        plots(res, out)
+        return 0
 
     def log(msg):
         print(msg, flush=True)
@@ -168,7 +183,8 @@ def main(argv=None) -> int:
         log(f"wide, n={args.workers}, 1 Gbit/s:")
         res["wide"] = run_case(
             "wide", workers=args.workers, rate="1gbit", mtu=3500, out=out, log=log,
-            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": "256", "XDP_AGG_TIMEOUT": "60"},
+            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window),
+                 "XDP_AGG_TIMEOUT": "60"},
             train_args=["--model", "wide", "--steps", str(args.wide_steps), "--batch", "16",
                         "--warmup", str(args.wide_warmup), "--calib", "4"])
     res["meta"]["load_after"] = os.getloadavg()[0]

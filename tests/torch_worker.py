@@ -69,8 +69,8 @@ def run_ddp(args, rank: int, n: int) -> dict:
         state = hostlib.pt.HookState(comm)
         local_max = []
 
-        def hook(st, bucket):  # the bound needs each rank's largest gradient before the sum
-            local_max.append(float(bucket.buffer().abs().max()))
+        def hook(st, bucket, local_max=local_max):  # the bound needs each rank's largest
+            local_max.append(float(bucket.buffer().abs().max()))  # gradient before the sum
             return hostlib.pt.allreduce_hook(st, bucket)
 
         a.register_comm_hook(state, hook)
@@ -232,6 +232,48 @@ def run_backend(args, rank: int, n: int) -> dict:
 
 
 # --- a lost aggregator ---------------------------------------------------------------------------
+def run_lost_hook(args, rank: int, n: int) -> dict:
+    """DDP with the hook (gloo process group); the aggregator goes between two steps."""
+    dist.init_process_group("gloo")
+    comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=args.job,
+                        ip=os.environ.get("XDP_AGG_IP") or None,
+                        timeout=float(os.environ["XDP_AGG_TIMEOUT"]))
+    state = hostlib.pt.HookState(comm)  # fallback: XDP_AGG_FALLBACK, as the test sets it
+    net = _net(torch.float32)
+    ref = DDP(copy.deepcopy(net))
+    m = DDP(net)
+    m.register_comm_hook(state, hostlib.pt.allreduce_hook)
+    x, y = _batch(rank, 0, torch.float32)
+    F.cross_entropy(m(x), y).backward()
+    report = {"rank": rank, "first": n}
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    try:
+        for step in range(1, 3):
+            x, y = _batch(rank, step, torch.float32)
+            for mod in (m, ref):
+                mod.zero_grad()
+                F.cross_entropy(mod(x), y).backward()
+            err = max(float((a.grad - b.grad).abs().max())
+                      for a, b in zip(m.parameters(), ref.parameters()))
+            report.setdefault("grad_err", []).append(err)
+        report["outcome"] = "completed"
+        report["sums"] = [sum(range(n)) + n * i for i in range(3)]  # what _check_lost wants
+    except RuntimeError as e:  # DDP re-raises the hook's future's error as a RuntimeError
+        report["outcome"] = "error"
+        report["error"] = str(e)
+    report["seconds"] = time.monotonic() - t0
+    report["on_fallback"] = state.on_fallback
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=0)
+    report["broadcast_after"] = float(b)
+    state.close()
+    comm.close()
+    dist.destroy_process_group()
+    return report
+
+
 def run_lost(args, rank: int, n: int) -> dict:
     hostlib.pt.register_backend()
     dist.init_process_group("xdpagg")
@@ -263,14 +305,15 @@ def run_lost(args, rank: int, n: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["ddp", "backend", "lost"])
+    ap.add_argument("scenario", choices=["ddp", "backend", "lost", "lost-hook"])
     ap.add_argument("--job", default="torch-ddp")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--backend-spec", default="xdpagg")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost}[args.scenario]
+    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost,
+          "lost-hook": run_lost_hook}[args.scenario]
     print(json.dumps(fn(args, rank, n)), flush=True)
     return 0
 

@@ -23,21 +23,27 @@ hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend)
 
 from __future__ import annotations
 
+import importlib
 import warnings
 
-from .backend import BACKEND_NAME, ProcessGroupXdpAgg, register_backend
-from .channel import AggregatorLost, AllreduceChannel
-from .hook import HookState, allreduce_hook
+# name -> submodule; imported on first use, so that the entry point below (run inside
+# `import torch`) imports nothing that could fail before its own try
+_EXPORTS = {
+    "allreduce_hook": "hook", "HookState": "hook",
+    "ProcessGroupXdpAgg": "backend", "register_backend": "backend", "BACKEND_NAME": "backend",
+    "AllreduceChannel": "channel", "AggregatorLost": "channel",
+}
+__all__ = list(_EXPORTS)
 
-__all__ = [
-    "allreduce_hook",
-    "HookState",
-    "ProcessGroupXdpAgg",
-    "register_backend",
-    "BACKEND_NAME",
-    "AllreduceChannel",
-    "AggregatorLost",
-]
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
 
 
 def _autoload() -> None:
@@ -47,6 +53,8 @@ def _autoload() -> None:
     the environment, so a broken registration becomes a warning.
     """
     try:
+        from .backend import register_backend
+
         register_backend()
     except Exception as e:  # noqa: BLE001 - see the docstring
         warnings.warn(f"xdp-agg: the torch.distributed backend 'xdpagg' is not registered: {e!r}",

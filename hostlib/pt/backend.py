@@ -65,7 +65,7 @@ def register_backend() -> None:
                                   devices=["cpu", "cuda"])
 
 
-def _create(opts, _backend_options) -> "ProcessGroupXdpAgg":
+def _create(opts, _backend_options) -> ProcessGroupXdpAgg:
     """Creator called by init_process_group / new_group (the extended API: it gives the group's
     name, used in the job name)."""
     return ProcessGroupXdpAgg(opts.store, opts.group_rank, opts.group_size, opts.timeout,

@@ -84,8 +84,13 @@ class _Staged:
                 raise TypeError("AVG of int32 tensors is not supported (use SUM)")
             res.div_(divide)
         t = self.tensor.detach()
-        if res.data_ptr() != t.data_ptr():
-            t.copy_(res)  # staging buffer (or device) -> the tensor; converts bfloat16 back
+        if t.is_cuda:
+            # synchronous from pinned memory, on the tensor's device's current stream of this
+            # thread: the data is on the device when the future completes
+            with torch.cuda.device(t.device):
+                t.copy_(res)
+        elif res.data_ptr() != t.data_ptr():
+            t.copy_(res)  # staging buffer -> the tensor; converts bfloat16 back
         return self.tensor
 
 

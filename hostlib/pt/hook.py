@@ -10,8 +10,8 @@ computing the next buckets while earlier ones are on the wire. The bucket is sum
 divided by the world size (DDP expects the average, as its default hook computes).
 """
 
-from __future__ import annotations
-
+# No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
+# annotations with dist.GradBucket and Future[Tensor] as objects, and rejects strings.
 import os
 from datetime import timedelta
 
@@ -56,7 +56,8 @@ class HookState:
         self.channel.close()
 
 
-def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future:
+def allreduce_hook(state: HookState,
+                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket over all ranks through the aggregator.
 
     Returns a Future of the bucket's buffer, averaged in place, without waiting for it. float32,
