@@ -349,3 +349,32 @@ def test_staging_is_zero_copy_for_cpu_float32_and_converts_bfloat16():
     s = _Staged(nc, keep_input=False)
     s.finish(s.src + 1, divide=1)
     assert torch.equal(nc, torch.arange(12, dtype=torch.float16).reshape(3, 4).t() + 1)
+
+
+def test_channel_orders_all_reduces_and_skips_empty_tensors():
+    """The channel runs submissions in order on its thread; an empty tensor needs no wire."""
+    from hostlib.pt.channel import AllreduceChannel
+
+    class Comm:  # a world of 2 whose "sum" doubles, recording the order
+        rank, world_size = 0, 2
+
+        def __init__(self):
+            self.seen = []
+
+        def allreduce(self, src, out):
+            self.seen.append(float(src[0]))
+            np.multiply(src, 2, out=out)
+
+    comm = Comm()
+    ch = AllreduceChannel(comm)
+    ts = [torch.full((1000,), float(i)) for i in range(5)]
+    futs = [ch.submit(t, average=i % 2 == 1) for i, t in enumerate(ts)]
+    empty = ch.submit(torch.empty(0))
+    assert empty.done() and empty.value().numel() == 0
+    for i, f in enumerate(futs):
+        assert f.wait() is ts[i]
+        assert float(ts[i][0]) == (i if i % 2 else 2 * i)  # AVG divides the sum by 2
+    assert comm.seen == [0.0, 1.0, 2.0, 3.0, 4.0]
+    with pytest.raises(TypeError):
+        ch.submit(torch.zeros(3, dtype=torch.int64))
+    ch.close()

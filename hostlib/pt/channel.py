@@ -135,8 +135,11 @@ class AllreduceChannel:
                             f"{tensor.dtype}")
         if average and tensor.dtype == torch.int32:
             raise TypeError("AVG of int32 tensors is not supported (use SUM)")
-        staged = _Staged(tensor, keep_input=self._fallback is not None)
         fut: torch.futures.Future = torch.futures.Future()
+        if tensor.numel() == 0:  # nothing to sum, on any rank (all pass the same length)
+            fut.set_result(tensor if value is None else value)
+            return fut
+        staged = _Staged(tensor, keep_input=self._fallback is not None)
         with self._lock:
             if self._closed:
                 raise HostlibError("the xdp-agg channel is closed")
