@@ -35,7 +35,7 @@ def run_case(name: str, *, workers: int, rate, mtu: int, train_args: list[str], 
     from aggcluster.torchrun import start_torchrun, wait_all
     from netns_testbed.testbed import Testbed
 
-    reports = {}
+    reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
     with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, \
             Cluster(tb) as cl:
         for system in ("xdpagg", "gloo"):
@@ -52,21 +52,23 @@ def run_case(name: str, *, workers: int, rate, mtu: int, train_args: list[str], 
             reports[system] = json.loads(path.read_text())
             path.unlink()
             log(f"  {results[0][1].strip()}  ({time.monotonic() - t0:.0f} s with start-up)")
+    reports["load"].append(os.getloadavg()[0])
     return reports
 
 
 def markdown(res: dict) -> str:
     meta = res["meta"]
-    lines = [f"Run {meta['date']}, n = {meta['workers']} workers, one torchrun node per netns "
-             f"worker namespace, the unmodified examples/train.py with --backend xdpagg or "
-             f"gloo. Load average {meta['load_before']:.2f} before, {meta['load_after']:.2f} "
-             f"after; 2 CPUs for every process and the kernel's forwarding.", ""]
+    lines = [f"n = {meta['workers']} workers, one torchrun node per netns worker namespace, the "
+             f"unmodified examples/train.py with --backend xdpagg or gloo; 2 CPUs for every "
+             f"process and the kernel's forwarding.", ""]
+    for note in meta.get("notes", []):
+        lines += [note, ""]
     d = res["digits"]
     lines += [
         f"## digits: MLP 64-256-256-10 ({d['xdpagg']['params']:,} parameters) on scikit-learn's "
         f"load_digits, unshaped links, {d['xdpagg']['steps']} steps of "
         f"{d['xdpagg']['batch_per_rank']} samples per rank, SGD lr {d['xdpagg']['lr']} "
-        f"momentum 0.9", "",
+        f"momentum 0.9", "", _when(d), "",
         "| system | final test accuracy | final loss | time per iteration | compute | "
         "communication share |",
         "|---|---|---|---|---|---|",
@@ -85,6 +87,7 @@ def markdown(res: dict) -> str:
         f"{w['xdpagg']['params'] * 4 / 1e6:.0f} MB of float32 gradients per step) on synthetic "
         f"inputs, 1 Gbit/s worker links, MTU 3500, 768 int32 per packet, "
         f"{w['xdpagg']['steps']} steps (median after {meta['wide_warmup']} warm-up)", "",
+        _when(w), "",
         "| system | time per iteration | compute | communication share |",
         "|---|---|---|---|",
     ]
@@ -107,6 +110,14 @@ def markdown(res: dict) -> str:
               f"({2 * (n - 1) / n * grad_bits / 1e9:.2f} s), a ratio of {2 * (n - 1) / n:.2f}.",
               ""]
     return "\n".join(lines)
+
+
+def _when(case: dict) -> str:
+    load = case.get("load", [])
+    text = f"Run {case.get('date', '?')}"
+    if len(load) == 2:
+        text += f", load average {load[0]:.2f} before, {load[1]:.2f} after"
+    return text + "."
 
 
 def plots(res: dict, out: Path) -> None:
@@ -172,8 +183,11 @@ def main(argv=None) -> int:
     def log(msg):
         print(msg, flush=True)
 
-    res = {"meta": {"date": time.strftime("%Y-%m-%d %H:%M"), "workers": args.workers,
-                    "load_before": os.getloadavg()[0], "wide_warmup": args.wide_warmup}}
+    res = {}
+    if args.only and (out / "results.json").exists():  # one case again: keep the other's
+        res = json.loads((out / "results.json").read_text())
+    res["meta"] = {**res.get("meta", {}), "workers": args.workers,
+                   "wide_warmup": args.wide_warmup}
     if args.only in (None, "digits"):
         log(f"digits, n={args.workers}, unshaped:")
         res["digits"] = run_case(
@@ -187,7 +201,6 @@ def main(argv=None) -> int:
                  "XDP_AGG_TIMEOUT": "60"},
             train_args=["--model", "wide", "--steps", str(args.wide_steps), "--batch", "16",
                         "--warmup", str(args.wide_warmup), "--calib", "4"])
-    res["meta"]["load_after"] = os.getloadavg()[0]
     (out / "results.json").write_text(json.dumps(res, indent=1))
     if "digits" in res and "wide" in res:
         (out / "results.md").write_text(markdown(res))
