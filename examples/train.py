@@ -8,7 +8,8 @@ examples/train.py --backend xdpagg`, or both systems side by side: `python -m be
 
 The script is what a user writes: init_process_group(--backend), DistributedDataParallel, an
 optimizer loop. With --backend xdpagg, DDP's gradient all-reduces go through the aggregator (the
-backend "xdpagg" of hostlib.pt, registered when torch is imported); with gloo, through gloo.
+backend "xdpagg" of hostlib.pt, registered when torch is imported); with gloo, through gloo;
+with gloo and --hook, through the aggregator by the DDP communication hook, gloo doing the rest.
 
 Models:
 - digits: an MLP on scikit-learn's handwritten digits (load_digits: 1797 8x8 images shipped
@@ -104,6 +105,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     ap.add_argument("--calib", type=int, default=20, help="compute-only steps to time")
     ap.add_argument("--out", default=None, help="rank 0 writes its JSON report here")
+    ap.add_argument("--hook", action="store_true",
+                    help="keep --backend (e.g. gloo) as the process group and send the gradients "
+                         "through xdp-agg with the DDP communication hook (XDP_AGG_CONTROL)")
     args = ap.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -123,6 +127,18 @@ def main(argv=None) -> int:
     params = sum(p.numel() for p in net.parameters())
     local = copy.deepcopy(net)  # for the compute-only timing
     model = DDP(net)
+    state = None
+    if args.hook:
+        import hostlib
+        import hostlib.pt
+
+        # the job's name from the run id torchrun gives every node (all ranks agree on it)
+        job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'train')}.hook"
+        comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=job,
+                            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
+                            window=int(os.environ.get("XDP_AGG_WINDOW", "128")))
+        state = hostlib.pt.HookState(comm)
+        model.register_comm_hook(state, hostlib.pt.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     losses, times, accs = [], [], []
@@ -164,7 +180,8 @@ def main(argv=None) -> int:
         t_iter = statistics.median(step_time[args.warmup:])
         t_comp = statistics.median(comp[args.warmup:])
         report = {
-            "backend": args.backend, "model": args.model, "world_size": n, "params": params,
+            "backend": args.backend + (" + xdp-agg hook" if args.hook else ""),
+            "model": args.model, "world_size": n, "params": params,
             "steps": args.steps, "batch_per_rank": args.batch, "lr": args.lr,
             "time_per_iter_s": t_iter, "compute_per_iter_s": t_comp,
             "comm_share": max(0.0, 1.0 - t_comp / t_iter),
@@ -176,13 +193,16 @@ def main(argv=None) -> int:
             report["xdpagg"] = {"job": pg.job, "on_fallback": pg.channel.on_fallback,
                                 "channel": pg.channel.stats, "engine": pg.comm.stats}
         acc = f", final accuracy {report['final_accuracy']:.4f}" if accs else ""
-        print(f"{args.backend}: {args.model} ({params / 1e6:.2f} M parameters), n={n}: "
+        print(f"{report['backend']}: {args.model} ({params / 1e6:.2f} M parameters), n={n}: "
               f"{t_iter * 1e3:.1f} ms per iteration, {t_comp * 1e3:.1f} ms of it compute "
               f"(communication {report['comm_share']:.0%}), final loss {mean_loss[-1]:.4f}{acc}",
               flush=True)
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f)
+    if state is not None:
+        state.close()
+        state.comm.close()
     dist.destroy_process_group()
     return 0
 
