@@ -4,7 +4,7 @@ Two cases, each on its own one-arm netns testbed of --workers namespaces with th
 each system launched by torchrun, one node per namespace (aggcluster.torchrun), running the
 unmodified examples/train.py with --backend xdpagg, then --backend gloo:
 - digits: the MLP on scikit-learn's digits (real data shipped in the package), unshaped links,
-  --digits-steps steps: loss per step, test accuracy, final accuracy, time per iteration and
+  MTU 3500 and 768 int32 per packet, --digits-steps steps: loss per step, test accuracy, final accuracy, time per iteration and
   its communication share, for both systems.
 - wide: the 25.2 M-parameter MLP on synthetic inputs at 1 Gbit/s (tbf on every worker link),
   MTU 3500 and 768 int32 per packet as in the all-reduce benchmark: time per iteration of both
@@ -66,7 +66,8 @@ def markdown(res: dict) -> str:
     d = res["digits"]
     lines += [
         f"## digits: MLP 64-256-256-10 ({d['xdpagg']['params']:,} parameters) on scikit-learn's "
-        f"load_digits, unshaped links, {d['xdpagg']['steps']} steps of "
+        f"load_digits, unshaped links, MTU 3500, 768 int32 per packet, "
+        f"{d['xdpagg']['steps']} steps of "
         f"{d['xdpagg']['batch_per_rank']} samples per rank, SGD lr {d['xdpagg']['lr']} "
         f"momentum 0.9", "", _when(d), "",
         "| system | final test accuracy | final loss | time per iteration | compute | "
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
     ap.add_argument("--wide-warmup", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "training"))
     ap.add_argument("--only", choices=["digits", "wide"], default=None)
-    ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker (wide)")
+    ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker")
     ap.add_argument("--replot", action="store_true",
                     help="only rewrite results.md and the plots from --out's results.json")
     args = ap.parse_args(argv)
@@ -193,7 +194,8 @@ def main(argv=None) -> int:
     if args.only in (None, "digits"):
         log(f"digits, n={args.workers}, unshaped:")
         res["digits"] = run_case(
-            "digits", workers=args.workers, rate=None, mtu=1500, out=out, log=log, env={},
+            "digits", workers=args.workers, rate=None, mtu=3500, out=out, log=log,
+            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window)},
             train_args=["--model", "digits", "--steps", str(args.digits_steps)])
     if args.only in (None, "wide"):
         log(f"wide, n={args.workers}, 1 Gbit/s:")
