@@ -3,11 +3,13 @@
 #   sudo make demo     set up what is missing, then run the 4-worker demo all-reduce
 #   sudo make test     set up what is missing, then run the test suite
 #   sudo make bench    benchmarks: the XDP program per packet, and all-reduce against gloo
+#   sudo make bench-training   DDP training (examples/train.py) through xdp-agg and gloo
 #
 # Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
 # bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
 # when the running kernel has none, bpffs mounted, a venv from the system Python with system site
-# packages (bcc is only importable from /usr/bin/python3), the project installed editable.
+# packages (bcc is only importable from /usr/bin/python3), the project installed editable with
+# its test extra (pytest, and torch 2.13 for the PyTorch tests).
 
 SHELL := /bin/bash
 PY := .venv/bin/python
@@ -16,10 +18,11 @@ DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-header
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux
 PYTEST_ARGS ?=
 
-.PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro codegen clean help
+.PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
+	codegen clean help
 
 help:
-	@sed -n '1,12p' Makefile
+	@sed -n '1,13p' Makefile
 
 setup: deps headers bpffs venv
 
@@ -75,6 +78,11 @@ bench: setup
 	$(PY) -m xdp_switch.cli bench
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.allreduce
+
+# DDP training through xdp-agg and through gloo (examples/train.py under torchrun), a few minutes.
+bench-training: setup
+	$(PY) -m pip install -q -e '.[bench]'
+	$(PY) -m bench.training
 
 codegen: venv
 	$(PY) -m xdp_switch.codegen

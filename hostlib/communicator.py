@@ -319,6 +319,11 @@ class Communicator:
 
     # --- info -------------------------------------------------------------------------------
     @property
+    def timeout(self) -> float:
+        """Seconds an all-reduce may go without progress before AllreduceTimeout (init's)."""
+        return self._engine.cfg.timeout
+
+    @property
     def stats(self) -> dict:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict."""
         return dict(self._engine.stats)

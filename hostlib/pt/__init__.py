@@ -1,0 +1,61 @@
+"""PyTorch integration of xdp-agg: a DDP communication hook and a torch.distributed backend.
+
+Needs torch (the `torch` extra: pip install 'xdp-agg[torch]'); the rest of hostlib does not.
+
+DDP communication hook (the process group stays gloo or nccl; gradients go through xdp-agg):
+
+    import hostlib, hostlib.pt
+    comm = hostlib.init(rank, world, aggregator="198.18.0.1:48800", job="run-7")
+    model = DistributedDataParallel(net)
+    model.register_comm_hook(hostlib.pt.HookState(comm), hostlib.pt.allreduce_hook)
+
+torch.distributed backend "xdpagg" (all_reduce through the aggregator, the rest through gloo):
+
+    XDP_AGG_CONTROL=198.18.0.1:48800 torchrun ... train.py     # train.py:
+    dist.init_process_group("xdpagg")                          #   or "cpu:xdpagg"
+
+Installing the package registers the backend when torch is imported (a `torch.backends` entry
+point), so an unmodified script finds it; `hostlib.pt.register_backend()` does the same by hand.
+
+Modules: channel (the ordered all-reduce stream of tensors, its staging and its gloo fallback),
+hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend).
+"""
+
+from __future__ import annotations
+
+import importlib
+import warnings
+
+# name -> submodule; imported on first use, so that the entry point below (run inside
+# `import torch`) imports nothing that could fail before its own try
+_EXPORTS = {
+    "allreduce_hook": "hook", "HookState": "hook",
+    "ProcessGroupXdpAgg": "backend", "register_backend": "backend", "BACKEND_NAME": "backend",
+    "AllreduceChannel": "channel", "AggregatorLost": "channel",
+}
+__all__ = list(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + __all__)
+
+
+def _autoload() -> None:
+    """Entry point of the `torch.backends` group: torch calls it at the end of `import torch`.
+
+    It must never raise: an exception here would make `import torch` fail in every program of
+    the environment, so a broken registration becomes a warning.
+    """
+    try:
+        from .backend import register_backend
+
+        register_backend()
+    except Exception as e:  # noqa: BLE001 - see the docstring
+        warnings.warn(f"xdp-agg: the torch.distributed backend 'xdpagg' is not registered: {e!r}",
+                      stacklevel=2)

@@ -1,0 +1,281 @@
+"""The torch.distributed backend "xdpagg": all_reduce through the aggregator, the rest via gloo.
+
+    XDP_AGG_CONTROL=198.18.0.1:48800 torchrun --nnodes 4 ... train.py
+    # train.py, unmodified but for the backend's name:
+    dist.init_process_group("xdpagg")          # or "cpu:xdpagg"; DDP then all-reduces here
+
+What goes where:
+- all_reduce (and all_reduce_coalesced) with ReduceOp.SUM or AVG of float32, float16, bfloat16
+  or int32 tensors: through the aggregator (hostlib), sync or async (a Work handle). int32 sums
+  are exact (wrapping modulo 2^32 like the aggregator); floats are block-scaled through int32
+  (per-element bound in hostlib.scaling, about n^2 2^-32 of each 256-element chunk's largest
+  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size.
+- every other all_reduce (MIN, MAX, PRODUCT, ...; int64, float64 and other dtypes the wire
+  cannot carry exactly; AVG of integer tensors is refused, as gloo does) and every other
+  collective (broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce, gather,
+  scatter, all_to_all, barrier, send/recv): delegated to a gloo process group that this one
+  builds on the same store.
+
+Settings (environment, read when the group is made):
+- XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required.
+- XDP_AGG_FALLBACK=gloo      after an aggregator failure, continue over gloo (logged once)
+                             instead of raising hostlib.pt.AggregatorLost.
+- XDP_AGG_TIMEOUT=seconds    an all-reduce's stall timeout (default 30): how soon a lost
+                             aggregator is noticed.
+- XDP_AGG_IP=address         this rank's address towards the aggregator (hostlib.init's ip=),
+                             for several ranks on one host with distinct addresses.
+- XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (hostlib.init's elems,
+                             window; default 256 and 128; 768 needs an MTU of about 3200).
+
+The job's name on the control endpoint is the torchrun run id (TORCHELASTIC_RUN_ID) when there
+is one, then the group, then a token rank 0 draws and shares through the store, so that two runs
+with the same run id, or two groups of one run, never collide.
+
+Every rank must reach the aggregator from its own address: one rank per host (or per network
+namespace), as the aggregator tells workers apart by address.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
+
+from .channel import WIRE_DTYPES, AllreduceChannel
+
+BACKEND_NAME = "xdpagg"
+
+_DELEGATED = (
+    "broadcast", "allgather", "_allgather_base", "allgather_coalesced", "reduce", "gather",
+    "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base", "barrier",
+    "monitored_barrier", "send", "recv", "recv_anysource",
+)
+
+
+def register_backend() -> None:
+    """Register "xdpagg" with torch.distributed (idempotent; installing the package makes torch
+    call it on import through its `torch.backends` entry point)."""
+    if BACKEND_NAME.upper() in dist.Backend._plugins:
+        return
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
+                                  devices=["cpu", "cuda"])
+
+
+def _create(opts, _backend_options) -> ProcessGroupXdpAgg:
+    """Creator called by init_process_group / new_group (the extended API: it gives the group's
+    name, used in the job name)."""
+    return ProcessGroupXdpAgg(opts.store, opts.group_rank, opts.group_size, opts.timeout,
+                              group_name=str(opts.group_id))
+
+
+class _FutureWork(Work):
+    """A Work handle over a torch Future: wait() re-raises the future's error (the c10d helper
+    _create_work_from_future swallows it, which would hide a lost aggregator).
+
+    sources: the futures to wait for first, whose errors wait() raises as they are (a Future
+    made with then() would wrap them in a RuntimeError).
+    """
+
+    def __init__(self, fut: torch.futures.Future, sources=()) -> None:
+        super().__init__()
+        self._fut = fut
+        self._sources = list(sources)
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        # raises the all-reduce's error; hostlib's stall timeout bounds how long this takes
+        for s in self._sources:
+            s.wait()
+        self._fut.wait()
+        return True
+
+    def get_future(self) -> torch.futures.Future:
+        return self._fut
+
+    def is_completed(self) -> bool:
+        return self._fut.done()
+
+    def is_success(self) -> bool:
+        if not self._fut.done():
+            return False
+        try:
+            self._fut.value()
+        except Exception:  # noqa: BLE001 - any error means no success
+            return False
+        return True
+
+    def result(self) -> list[torch.Tensor]:
+        return self._fut.value()
+
+
+class ProcessGroupXdpAgg(dist.ProcessGroup):
+    """A process group whose all_reduce runs through the xdp-agg aggregator (see the module
+    docstring for what is delegated to gloo). Made by init_process_group("xdpagg")."""
+
+    def __init__(self, store, rank: int, size: int, timeout: timedelta, *,
+                 group_name: str = "0") -> None:
+        super().__init__(rank, size)
+        import hostlib
+
+        control = os.environ.get("XDP_AGG_CONTROL")
+        if not control:
+            raise ValueError(
+                "the xdpagg backend needs XDP_AGG_CONTROL=host:port, the control endpoint of the "
+                "aggregator (xdp-agg serve)"
+            )
+        self._gloo = ProcessGroupGloo(PrefixStore("xdpagg/gloo/", store), rank, size, timeout)
+        stall = float(os.environ.get("XDP_AGG_TIMEOUT", "30"))
+        fallback = None
+        mode = os.environ.get("XDP_AGG_FALLBACK", "")
+        if mode == "gloo":
+            # its own gloo group: the agreement after a failure runs on the channel's thread and
+            # must not interleave with the delegated collectives of the training loop
+            fallback = ProcessGroupGloo(PrefixStore("xdpagg/fallback/", store), rank, size,
+                                        timedelta(seconds=stall + 30))
+        elif mode not in ("", "none", "error"):
+            raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
+        self.job = _job_name(store, rank, group_name)
+        comm = hostlib.init(
+            rank, size, control, job=self.job, timeout=stall,
+            ip=os.environ.get("XDP_AGG_IP") or None,
+            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
+            window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
+            rendezvous_timeout=max(timeout.total_seconds(), 10.0),
+        )
+        self.channel = AllreduceChannel(comm, fallback=fallback, own_comm=True,
+                                        name=f"xdpagg (job {self.job})")
+
+    # --- identity ---------------------------------------------------------------------------
+    def getBackendName(self) -> str:  # noqa: N802 - the c10d name
+        return BACKEND_NAME
+
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    @property
+    def comm(self):
+        """The hostlib Communicator (stats, status)."""
+        return self.channel.comm
+
+    # --- all-reduce -------------------------------------------------------------------------
+    def allreduce(self, tensors, opts=None):
+        """all_reduce: SUM/AVG of wire dtypes through the aggregator, the rest through gloo."""
+        opts = opts if opts is not None else dist.AllreduceOptions()
+        return self._allreduce(list(tensors), opts.reduceOp)
+
+    def allreduce_coalesced(self, tensors, opts=None):
+        """all_reduce_coalesced: each tensor in turn, like allreduce."""
+        op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
+        return self._allreduce(list(tensors), op)
+
+    def _allreduce(self, tensors: list[torch.Tensor], op) -> Work:
+        sum_or_avg = op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
+        avg = op == dist.ReduceOp.AVG
+        if sum_or_avg and all(_on_wire(t, avg) for t in tensors):
+            # in order on one thread: when the last is done, all are; its value is the list
+            futs = [self.channel.submit(t, average=avg, value=tensors if i == len(tensors) - 1
+                                        else None) for i, t in enumerate(tensors)]
+            return _FutureWork(futs[-1], futs)
+        return self._gloo_allreduce(tensors, op)
+
+    def _gloo_allreduce(self, tensors: list[torch.Tensor], op) -> Work:
+        if op != dist.ReduceOp.AVG:
+            o = dist.AllreduceOptions()
+            o.reduceOp = op
+            return self._gloo.allreduce(tensors, o)
+        # gloo has no AVG: SUM, then divide (floating types only, as AVG is defined for them)
+        if any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+            raise ValueError("ReduceOp.AVG is only defined for floating-point tensors here")
+        o = dist.AllreduceOptions()
+        o.reduceOp = dist.ReduceOp.SUM
+        work = self._gloo.allreduce(tensors, o)
+        n = self.size()
+
+        def divide(f):
+            out = f.value()
+            for t in out:
+                t.div_(n)
+            return out
+
+        return _FutureWork(work.get_future().then(divide))
+
+    # --- everything else: gloo --------------------------------------------------------------
+    # torch 2.13's names of the tensor-to-tensor collectives, on gloo's older names
+    def all_gather_single(self, output, input, opts=None):
+        """all_gather_into_tensor: gloo's _allgather_base."""
+        return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+
+    def reduce_scatter_single(self, output, input, opts=None):
+        """reduce_scatter_tensor: gloo's _reduce_scatter_base."""
+        return self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+
+    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+        """all_to_all_single: gloo's alltoall_base."""
+        return self._gloo.alltoall_base(output, input, output_splits, input_splits,
+                                        opts or dist.AllToAllOptions())
+
+    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+        """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
+        works = [self._gloo._allgather_base(o, i, dist.AllgatherOptions())
+                 for o, i in zip(outputs, inputs)]
+        return _FutureWork(torch.futures.collect_all([w.get_future() for w in works]).then(
+            lambda _: list(outputs)))
+
+    all_gather_single_coalesced = allgather_into_tensor_coalesced
+
+    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+        """reduce_scatter_tensor of several tensors (one gloo _reduce_scatter_base each)."""
+        works = []
+        for o, i in zip(outputs, inputs):
+            ro = dist.ReduceScatterOptions()
+            if opts is not None:
+                ro.reduceOp = opts.reduceOp
+            works.append(self._gloo._reduce_scatter_base(o, i, ro))
+        return _FutureWork(torch.futures.collect_all([w.get_future() for w in works]).then(
+            lambda _: list(outputs)))
+
+    reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
+
+    def shutdown(self) -> None:
+        """Finish pending all-reduces, leave the aggregator job, shut gloo down."""
+        self.channel.close()
+        try:
+            self._gloo.shutdown()
+        except RuntimeError:
+            pass  # an older or already shut down gloo group
+
+
+def _delegate(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self._gloo, name)(*args, **kwargs)
+
+    method.__name__ = name
+    method.__doc__ = f"{name}: delegated to the gloo group built on the same store."
+    return method
+
+
+for _name in _DELEGATED:
+    setattr(ProcessGroupXdpAgg, _name, _delegate(_name))
+
+
+def _on_wire(t: torch.Tensor, average: bool) -> bool:
+    """Whether the aggregator carries this tensor's all-reduce (else gloo does)."""
+    if t.dtype not in WIRE_DTYPES or t.is_sparse or t.is_complex():
+        return False
+    if average and t.dtype == torch.int32:
+        return False  # gloo refuses AVG of integers with its message
+    return t.device.type in ("cpu", "cuda")
+
+
+def _job_name(store, rank: int, group_name: str) -> str:
+    """The job's name: run id, group and a token of rank 0's, agreed through the store."""
+    key = "xdpagg/job"
+    if rank == 0:
+        run = os.environ.get("TORCHELASTIC_RUN_ID") or "torch"
+        name = f"{run}.g{group_name}.{secrets.token_hex(4)}"[-200:]
+        store.set(key, name)
+        return name
+    return store.get(key).decode()

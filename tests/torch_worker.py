@@ -1,0 +1,323 @@
+"""One rank of the PyTorch tests (tests/test_torch.py): DDP with the hook against DDP with gloo,
+the xdpagg backend's collectives, and a lost aggregator. Prints one JSON report on stdout.
+
+    RANK=0 WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... XDP_AGG_CONTROL=host:port \
+        python tests/torch_worker.py ddp|backend|lost [--fallback]
+
+Every rank rebuilds every rank's input from (seed, rank), so it checks its own results against
+the exact sum: int32/int64 exactly, floats within hostlib.scaling's bound.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import sys
+import time
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import hostlib
+import hostlib.pt
+
+EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8,
+       torch.float64: 2.0**-53}
+
+
+def _m(n: int) -> int:
+    return (2**31 - 1) // n
+
+
+def grad_bound(gmax: float, n: int, dtype) -> float:
+    """Bound of |DDP-with-the-hook's averaged gradient - DDP-with-gloo's| per element.
+
+    The hook's sum errs by at most n 2^E / (2M) (hostlib.scaling), 2^E <= 2 max|g| over all
+    ranks' chunk, so its average by gmax / M; both sides round their result to the bucket's
+    dtype and gloo sums n terms in it, each a few units of eps |g| <= eps gmax.
+    """
+    return gmax / _m(n) + (n + 4) * EPS[dtype] * gmax
+
+
+# --- DDP: the hook against gloo -----------------------------------------------------------------
+def _net(dtype) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 10)
+                               ).to(dtype)
+
+
+def _batch(rank: int, step: int, dtype):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(32, 64, generator=g).to(dtype), torch.randint(0, 10, (32,), generator=g)
+
+
+def run_ddp(args, rank: int, n: int) -> dict:
+    dist.init_process_group("gloo")
+    comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=args.job,
+                        ip=os.environ.get("XDP_AGG_IP") or None, timeout=15)
+    report = {"rank": rank, "dtypes": {}}
+    lr, steps = 0.05, args.steps
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        net = _net(dtype)
+        a = DDP(net, bucket_cap_mb=0.01)  # several buckets: they overlap with backward
+        b = DDP(copy.deepcopy(net), bucket_cap_mb=0.01)
+        state = hostlib.pt.HookState(comm)
+        local_max = []
+
+        def hook(st, bucket, local_max=local_max):  # the bound needs each rank's largest
+            local_max.append(float(bucket.buffer().abs().max()))  # gradient before the sum
+            return hostlib.pt.allreduce_hook(st, bucket)
+
+        a.register_comm_hook(state, hook)
+        oa = torch.optim.SGD(a.parameters(), lr=lr)
+        ob = torch.optim.SGD(b.parameters(), lr=lr)
+        out = {"grad_err": [], "grad_bound": [], "buckets": 0}
+        budget = 0.0
+        for step in range(steps if dtype == torch.float32 else 1):
+            x, y = _batch(rank, step, dtype)
+            local_max.clear()
+            for m, opt in ((a, oa), (b, ob)):
+                opt.zero_grad()
+                F.cross_entropy(m(x).float(), y).backward()
+            out["buckets"] = max(out["buckets"], len(local_max))
+            gmax = torch.tensor([max(local_max)])
+            dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
+            bound = grad_bound(float(gmax), n, dtype)
+            err = max(float((pa.grad.float() - pb.grad.float()).abs().max())
+                      for pa, pb in zip(a.parameters(), b.parameters()))
+            out["grad_err"].append(err)
+            out["grad_bound"].append(bound)
+            budget += lr * bound
+            oa.step()
+            ob.step()
+        pmax = max(float(p.detach().abs().max()) for p in b.parameters())
+        out["param_err"] = max(float((pa.detach().float() - pb.detach().float()).abs().max())
+                               for pa, pb in zip(a.parameters(), b.parameters()))
+        # after one step the parameters differ by lr |grad error| plus a rounding of the update;
+        # later steps also feed that difference back through the gradients, which for the few
+        # steps and small lr here stays well inside a factor of 4
+        out["param_bound"] = 4 * budget + 2 * steps * EPS[dtype] * pmax
+        report["dtypes"][str(dtype).replace("torch.", "")] = out
+        state.close()
+    report["stats"] = comm.stats
+    comm.close()
+    dist.destroy_process_group()
+    return report
+
+
+# --- the backend ---------------------------------------------------------------------------------
+DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
+COUNT = 5000  # not a multiple of 256
+
+
+def _input(dtype, rank: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed * 100 + rank)
+    if dtype in (torch.int32, torch.int64):
+        hi = 2**20 if dtype == torch.int32 else 2**40
+        return torch.randint(-hi, hi, (COUNT,), generator=g, dtype=dtype)
+    x = torch.randn(COUNT, generator=g, dtype=torch.float64) * 1e-2
+    x[::97] *= 50
+    return x.to(dtype)
+
+
+def run_backend(args, rank: int, n: int) -> dict:
+    hostlib.pt.register_backend()  # the entry point does it where the package is installed
+    dist.init_process_group(args.backend_spec)
+    pg = dist.distributed_c10d._get_default_group()
+    report = {"rank": rank, "backend": dist.get_backend(), "checks": {}, "failures": []}
+    checks = report["checks"]
+
+    def check(name, ok, detail=""):
+        checks[name] = bool(ok)
+        if not ok:
+            report["failures"].append(f"{name}: {detail}")
+
+    seed = 0
+    for dtype in DTYPES:
+        for op_name in ("SUM", "AVG"):
+            for mode in ("sync", "async"):
+                seed += 1
+                name = f"all_reduce {op_name} {str(dtype)[6:]} {mode}"
+                x = _input(dtype, rank, seed)
+                inputs = [_input(dtype, r, seed).to(torch.float64 if dtype.is_floating_point
+                                                    else torch.int64) for r in range(n)]
+                exact = sum(inputs)
+                op = getattr(dist.ReduceOp, op_name)
+                before = pg.comm.stats["packets_sent"]
+                try:
+                    if mode == "sync":
+                        dist.all_reduce(x, op=op)
+                    else:
+                        w = dist.all_reduce(x, op=op, async_op=True)
+                        w.wait()
+                        check(name + " work completed", w.is_completed())
+                except (ValueError, RuntimeError, TypeError) as e:
+                    check(name, op_name == "AVG" and not dtype.is_floating_point, repr(e))
+                    continue
+                wire = pg.comm.stats["packets_sent"] > before
+                check(name + " route", wire == (dtype in hostlib.pt.channel.WIRE_DTYPES),
+                      f"through the aggregator: {wire}")
+                if not dtype.is_floating_point:
+                    want = exact if op_name == "SUM" else exact // n
+                    check(name, torch.equal(x.to(torch.int64), want), "not exact")
+                    continue
+                gmax = max(float(i.abs().max()) for i in inputs)
+                div = n if op_name == "AVG" else 1
+                bound = (n * 2 * gmax / (2 * _m(n)) + (n + 2) * EPS[dtype] * gmax) / div
+                err = float((x.to(torch.float64) - exact / div).abs().max())
+                check(name, err <= bound, f"error {err:.3g} > bound {bound:.3g}")
+
+    # MAX is not an aggregator op: gloo
+    x = torch.tensor([float(rank)])
+    dist.all_reduce(x, op=dist.ReduceOp.MAX)
+    check("all_reduce MAX float32 (gloo)", float(x) == n - 1)
+    # several async all-reduces in flight at once complete in order, each right
+    xs = [torch.full((3000,), float(rank + i)) for i in range(4)]
+    works = [dist.all_reduce(t, async_op=True) for t in xs]
+    for w in works:
+        w.wait()
+    check("4 async all_reduce in flight",
+          all(torch.allclose(t, torch.full((3000,), float(sum(range(n)) + n * i)), rtol=1e-5)
+              for i, t in enumerate(xs)))
+
+    # delegated collectives
+    t = torch.arange(4, dtype=torch.float32) + 10 * rank
+    b = t.clone()
+    dist.broadcast(b, src=n - 1)
+    check("broadcast", torch.equal(b, torch.arange(4.0) + 10 * (n - 1)))
+    lst = [torch.zeros(4) for _ in range(n)]
+    dist.all_gather(lst, t)
+    check("all_gather", all(torch.equal(lst[r], torch.arange(4.0) + 10 * r) for r in range(n)))
+    big = torch.zeros(4 * n)
+    dist.all_gather_into_tensor(big, t)
+    check("all_gather_into_tensor", torch.equal(big, torch.cat(lst)))
+    rs_in = torch.arange(2 * n, dtype=torch.float32) + rank
+    rs_out = torch.zeros(2)
+    dist.reduce_scatter_tensor(rs_out, rs_in)
+    want = torch.tensor([2.0 * rank, 2.0 * rank + 1]) * n + sum(range(n))
+    check("reduce_scatter_tensor", torch.equal(rs_out, want), f"{rs_out} vs {want}")
+    r = t.clone()
+    dist.reduce(r, dst=0)
+    if rank == 0:
+        check("reduce", torch.equal(r, sum(torch.arange(4.0) + 10 * q for q in range(n))))
+    a2a_in = torch.arange(n, dtype=torch.float32) + 100 * rank
+    a2a_out = torch.zeros(n)
+    dist.all_to_all_single(a2a_out, a2a_in)
+    check("all_to_all_single", torch.equal(a2a_out, torch.arange(n) * 100.0 + rank))
+    objs = [None] * n
+    dist.all_gather_object(objs, {"rank": rank})
+    check("all_gather_object", [o["rank"] for o in objs] == list(range(n)))
+    dist.barrier()
+    check("barrier", True)
+
+    # DDP without a hook: its gradients go through this group's all_reduce
+    net = _net(torch.float32)
+    m = DDP(net)
+    x, y = _batch(rank, 0, torch.float32)
+    before = pg.comm.stats["packets_sent"]
+    F.cross_entropy(m(x), y).backward()
+    g = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
+    gs = [torch.zeros_like(g) for _ in range(n)]
+    dist.all_gather(gs, g)
+    check("DDP through the backend", pg.comm.stats["packets_sent"] > before
+          and all(torch.equal(gs[0], q) for q in gs))
+    report["job"] = pg.job
+    dist.destroy_process_group()
+    return report
+
+
+# --- a lost aggregator ---------------------------------------------------------------------------
+def run_lost_hook(args, rank: int, n: int) -> dict:
+    """DDP with the hook (gloo process group); the aggregator goes between two steps."""
+    dist.init_process_group("gloo")
+    comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=args.job,
+                        ip=os.environ.get("XDP_AGG_IP") or None,
+                        timeout=float(os.environ["XDP_AGG_TIMEOUT"]))
+    state = hostlib.pt.HookState(comm)  # fallback: XDP_AGG_FALLBACK, as the test sets it
+    net = _net(torch.float32)
+    ref = DDP(copy.deepcopy(net))
+    m = DDP(net)
+    m.register_comm_hook(state, hostlib.pt.allreduce_hook)
+    x, y = _batch(rank, 0, torch.float32)
+    F.cross_entropy(m(x), y).backward()
+    report = {"rank": rank, "first": n}
+    print("ready", flush=True)
+    sys.stdin.readline()
+    t0 = time.monotonic()
+    try:
+        for step in range(1, 3):
+            x, y = _batch(rank, step, torch.float32)
+            for mod in (m, ref):
+                mod.zero_grad()
+                F.cross_entropy(mod(x), y).backward()
+            err = max(float((a.grad - b.grad).abs().max())
+                      for a, b in zip(m.parameters(), ref.parameters()))
+            report.setdefault("grad_err", []).append(err)
+        report["outcome"] = "completed"
+        report["sums"] = [sum(range(n)) + n * i for i in range(3)]  # what _check_lost wants
+    except RuntimeError as e:  # DDP re-raises the hook's future's error as a RuntimeError
+        report["outcome"] = "error"
+        report["error"] = str(e)
+    report["seconds"] = time.monotonic() - t0
+    report["on_fallback"] = state.on_fallback
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=0)
+    report["broadcast_after"] = float(b)
+    state.close()
+    comm.close()
+    dist.destroy_process_group()
+    return report
+
+
+def run_lost(args, rank: int, n: int) -> dict:
+    hostlib.pt.register_backend()
+    dist.init_process_group("xdpagg")
+    pg = dist.distributed_c10d._get_default_group()
+    x = torch.ones(100_000)
+    dist.all_reduce(x)
+    report = {"rank": rank, "first": float(x[0])}
+    print("ready", flush=True)
+    sys.stdin.readline()  # the test removes the aggregator, then says go
+    t0 = time.monotonic()
+    try:
+        for i in range(3):
+            x = torch.full((100_000,), float(rank + i))
+            dist.all_reduce(x)
+            report.setdefault("sums", []).append(float(x[0]))
+        report["outcome"] = "completed"
+    except hostlib.pt.AggregatorLost as e:
+        report["outcome"] = "error"
+        report["error"] = str(e)
+    report["seconds"] = time.monotonic() - t0
+    report["on_fallback"] = pg.channel.on_fallback
+    # delegated collectives still work after either outcome
+    b = torch.tensor([float(rank)])
+    dist.broadcast(b, src=0)
+    report["broadcast_after"] = float(b)
+    dist.destroy_process_group()
+    return report
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=["ddp", "backend", "lost", "lost-hook"])
+    ap.add_argument("--job", default="torch-ddp")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--backend-spec", default="xdpagg")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost,
+          "lost-hook": run_lost_hook}[args.scenario]
+    print(json.dumps(fn(args, rank, n)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    sys.exit(main())
