@@ -15,7 +15,8 @@ SHELL := /bin/bash
 PY := .venv/bin/python
 KVER := $(shell uname -r)
 DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-headers-amd64 \
-	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux
+	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
+	clang-format
 PYTEST_ARGS ?=
 
 .PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \

@@ -13,8 +13,14 @@ setup(
         Extension(
             "hostlib._fastpath",
             sources=["hostlib/_fastpath.c"],
-            extra_compile_args=["-O2", "-ffp-contract=off", "-fno-strict-aliasing",
-                                "-Wall", "-Wextra", "-Wno-missing-field-initializers"],
+            extra_compile_args=[
+                "-O2",
+                "-ffp-contract=off",
+                "-fno-strict-aliasing",
+                "-Wall",
+                "-Wextra",
+                "-Wno-missing-field-initializers",
+            ],
         )
     ]
 )

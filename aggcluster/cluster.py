@@ -27,7 +27,9 @@ class ClusterError(RuntimeError):
 class Cluster:
     """The XDP aggregator, its control endpoint and worker processes on a Testbed."""
 
-    def __init__(self, tb, *, name: str | None = None, xdp_mode: str = "native", pool_slots: int = 1024) -> None:
+    def __init__(
+        self, tb, *, name: str | None = None, xdp_mode: str = "native", pool_slots: int = 1024
+    ) -> None:
         self.tb = tb
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
@@ -46,16 +48,36 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         try:
-            self.cli("attach", *self.tb.agg_interfaces, "--xdp-mode", self.xdp_mode, "--pool-slots", str(self.pool_slots))
+            self.cli(
+                "attach",
+                *self.tb.agg_interfaces,
+                "--xdp-mode",
+                self.xdp_mode,
+                "--pool-slots",
+                str(self.pool_slots),
+            )
             self._attached = True
             self._server = self.tb.popen(
                 "agg",
-                [sys.executable, "-m", "xdp_switch.cli", "--name", self.name, "serve", "--listen", f"0.0.0.0:{CONTROL_PORT}"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "xdp_switch.cli",
+                    "--name",
+                    self.name,
+                    "serve",
+                    "--listen",
+                    f"0.0.0.0:{CONTROL_PORT}",
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
             )
             line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
             if "listening" not in line:
-                raise ClusterError(f"xdp-agg serve did not start: {line}{self._server.stderr.read()}")
+                raise ClusterError(
+                    f"xdp-agg serve did not start: {line}{self._server.stderr.read()}"
+                )
         except BaseException:
             self.__exit__(None, None, None)
             raise
@@ -83,8 +105,15 @@ class Cluster:
         return f"{worker.agg_ip}:{CONTROL_PORT}"
 
     def start_workers(
-        self, plan: list[dict], *, hosts: list[int] | None = None, job: str = "e2e", elems: int = 256,
-        window: int = 128, timeout: float = 30.0, progress: bool = False,
+        self,
+        plan: list[dict],
+        *,
+        hosts: list[int] | None = None,
+        job: str = "e2e",
+        elems: int = 256,
+        window: int = 128,
+        timeout: float = 30.0,
+        progress: bool = False,
     ) -> list[tuple[int, subprocess.Popen]]:
         """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
         is rank i of a job of len(hosts) workers. Collect them with `collect`."""
@@ -93,18 +122,38 @@ class Cluster:
         for rank, h in enumerate(hosts):
             w = self.tb.workers[h]
             cmd = [
-                sys.executable, "-m", "aggcluster.cluster_worker", "--rank", str(rank),
-                "--world", str(len(hosts)), "--control", self.control_address(w), "--job", job,
-                "--elems", str(elems), "--window", str(window), "--timeout", str(timeout), "--plan", json.dumps(plan),
+                sys.executable,
+                "-m",
+                "aggcluster.cluster_worker",
+                "--rank",
+                str(rank),
+                "--world",
+                str(len(hosts)),
+                "--control",
+                self.control_address(w),
+                "--job",
+                job,
+                "--elems",
+                str(elems),
+                "--window",
+                str(window),
+                "--timeout",
+                str(timeout),
+                "--plan",
+                json.dumps(plan),
             ]
             if progress:
                 cmd.append("--progress")
             err = None if progress else subprocess.PIPE
-            procs.append((rank, self.tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=err, text=True)))
+            procs.append(
+                (rank, self.tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=err, text=True))
+            )
         return procs
 
     @staticmethod
-    def collect(procs: list[tuple[int, subprocess.Popen]], deadline: float = 600.0) -> list[list[dict]]:
+    def collect(
+        procs: list[tuple[int, subprocess.Popen]], deadline: float = 600.0
+    ) -> list[list[dict]]:
         """Wait for started workers; per rank, its JSON reports. Raises ClusterError with the
         failing workers' stderr."""
         end = time.monotonic() + deadline
@@ -118,7 +167,9 @@ class Cluster:
                 errors.append(f"rank {rank}: no answer within {deadline:g} s")
                 continue
             if p.returncode != 0:
-                errors.append(f"rank {rank} exited {p.returncode}: {(stderr or '').strip()[-2000:]}")
+                errors.append(
+                    f"rank {rank} exited {p.returncode}: {(stderr or '').strip()[-2000:]}"
+                )
                 continue
             out.append([json.loads(line) for line in stdout.splitlines() if line.startswith("{")])
         if errors:

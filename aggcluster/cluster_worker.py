@@ -28,7 +28,7 @@ def make_input(dtype: str, count: int, seed: int, rank: int) -> np.ndarray:
         return rng.integers(-(2**31), 2**31, size=count, dtype=np.int64).astype(np.int32)
     # gradients: mostly small, a few larger, so block scaling is exercised
     x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
-    x[:: 97] *= 100
+    x[::97] *= 100
     return x.astype(dtype)
 
 
@@ -44,14 +44,18 @@ def expected_sum(dtype: str, count: int, seed: int, world: int) -> np.ndarray:
     return acc
 
 
-def float_bound(dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray) -> np.ndarray:
+def float_bound(
+    dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray
+) -> np.ndarray:
     """Per-element bound n/(2f) + 2^-24 |r| (hostlib.scaling), with E the chunk's max exponent."""
     from hostlib import scaling
 
     pad = (-count) % elems
     e = None
     for r in range(world):
-        x = np.concatenate([make_input(dtype, count, seed, r).astype(np.float32), np.zeros(pad, np.float32)])
+        x = np.concatenate(
+            [make_input(dtype, count, seed, r).astype(np.float32), np.zeros(pad, np.float32)]
+        )
         er = scaling.chunk_exponents(x.reshape(-1, elems)).astype(np.int32)
         e = er if e is None else np.maximum(e, er)
     f = scaling.int_range(world) / np.exp2(e.astype(np.float64))
@@ -61,7 +65,9 @@ def float_bound(dtype: str, count: int, seed: int, world: int, elems: int, resul
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
     ap.add_argument("--control", required=True, help="HOST:PORT of xdp-agg serve")
@@ -77,8 +83,14 @@ def main(argv=None) -> int:
 
     plan = json.loads(args.plan)
     with hostlib.init(
-        args.rank, args.world, args.control, job=args.job, elems=args.elems, window=args.window,
-        timeout=args.timeout, progress=args.progress and args.rank == 0,
+        args.rank,
+        args.world,
+        args.control,
+        job=args.job,
+        elems=args.elems,
+        window=args.window,
+        timeout=args.timeout,
+        progress=args.progress and args.rank == 0,
     ) as comm:
         for item in plan:
             if item.get("check") == "counters":
@@ -86,7 +98,17 @@ def main(argv=None) -> int:
                 comm.barrier()
                 d = comm.status()
                 mine = (d.get("counters") or {}).get(str(args.rank))
-                print(json.dumps({"rank": args.rank, "check": "counters", "aggregator": mine, "worker": comm.stats}), flush=True)
+                print(
+                    json.dumps(
+                        {
+                            "rank": args.rank,
+                            "check": "counters",
+                            "aggregator": mine,
+                            "worker": comm.stats,
+                        }
+                    ),
+                    flush=True,
+                )
                 continue
             dtype, count = item["dtype"], int(item["count"])
             seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
@@ -104,9 +126,16 @@ def main(argv=None) -> int:
             # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
             # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
             # XDP program) that runs in the sending system call
-            report = {"rank": args.rank, "dtype": dtype, "count": count, "times": times,
-                      "cpu_s": [u + s for u, s in cpu], "cpu_user_s": [u for u, _ in cpu],
-                      "cpu_sys_s": [s for _, s in cpu], "native": comm._engine.native}
+            report = {
+                "rank": args.rank,
+                "dtype": dtype,
+                "count": count,
+                "times": times,
+                "cpu_s": [u + s for u, s in cpu],
+                "cpu_user_s": [u for u, _ in cpu],
+                "cpu_sys_s": [s for _, s in cpu],
+                "native": comm._engine.native,
+            }
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
             if item.get("verify", True):
                 want = expected_sum(dtype, count, seed, args.world)

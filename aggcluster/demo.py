@@ -15,18 +15,30 @@ import time
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=4)
-    ap.add_argument("--mib", type=float, default=64.0, help="tensor size per worker, MiB of float32")
+    ap.add_argument(
+        "--mib", type=float, default=64.0, help="tensor size per worker, MiB of float32"
+    )
     ap.add_argument("--topology", choices=["one-arm", "switch"], default="one-arm")
-    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110; SwitchML's largest is 256)")
+    ap.add_argument(
+        "--elems",
+        type=int,
+        default=768,
+        help="int32 per packet (768 needs --mtu >= 3110; SwitchML's largest is 256)",
+    )
     ap.add_argument("--mtu", type=int, default=3500, help="MTU of every testbed link")
     ap.add_argument("--window", type=int, default=256, help="slots per worker")
     ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])
     ap.add_argument("--reps", type=int, default=1, help="all-reduces in a row; the best is shown")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
-        print("the demo builds namespaces and attaches XDP: run it as root (sudo make demo)", file=sys.stderr)
+        print(
+            "the demo builds namespaces and attaches XDP: run it as root (sudo make demo)",
+            file=sys.stderr,
+        )
         return 3
 
     from netns_testbed.testbed import Testbed
@@ -38,14 +50,23 @@ def main(argv=None) -> int:
     say(f"building a {args.topology} testbed with {args.workers} workers")
     t_start = time.perf_counter()
     with Testbed(workers=args.workers, topology=args.topology, mtu=args.mtu) as tb:
-        say(f"attaching the XDP aggregator to {', '.join(tb.agg_interfaces)} in {tb.aggregator.netns}")
+        say(
+            f"attaching the XDP aggregator to {', '.join(tb.agg_interfaces)} "
+            f"in {tb.aggregator.netns}"
+        )
         with Cluster(tb) as cl:
-            say(f"all-reducing {args.mib:g} MiB of {args.dtype} ({count:,} elements) on every worker")
+            say(
+                f"all-reducing {args.mib:g} MiB of {args.dtype} ({count:,} elements) "
+                "on every worker"
+            )
             try:
                 reports = cl.run_workers(
                     [{"dtype": args.dtype, "count": count, "seed": 2021, "reps": args.reps}],
                     job="demo",
-                    elems=args.elems, window=args.window, timeout=60, progress=True,
+                    elems=args.elems,
+                    window=args.window,
+                    timeout=60,
+                    progress=True,
                 )
             except ClusterError as e:
                 say(f"FAILED: {e}")
@@ -58,7 +79,10 @@ def main(argv=None) -> int:
     sent = sum(r["stats"]["packets_sent"] for r in rs)
     ok = all(r["ok"] for r in rs)
     print()
-    print(f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, window {args.window}, MTU {args.mtu})")
+    print(
+        f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, "
+        f"window {args.window}, MTU {args.mtu})"
+    )
     print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
     best = f", best of {args.reps}" if args.reps > 1 else ""
     print(f"  all-reduce time    {t:.3f} s (slowest worker{best})")
@@ -68,17 +92,27 @@ def main(argv=None) -> int:
     i = min(range(len(rs[0]["cpu_s"])), key=lambda j: rs[0]["cpu_s"][j])  # rank 0's best
     user, sys_ = rs[0]["cpu_user_s"][i] / gib, rs[0]["cpu_sys_s"][i] / gib
     loop = "C (hostlib._fastpath)" if all(r["native"] for r in rs) else "numpy"
-    print(f"  worker CPU         {user + sys_:.2f} s/GiB (user {user:.2f} + sys {sys_:.2f}, "
-          f"rank 0, {loop} loop)")
+    print(
+        f"  worker CPU         {user + sys_:.2f} s/GiB (user {user:.2f} + sys {sys_:.2f}, "
+        f"rank 0, {loop} loop)"
+    )
     print(f"  packets sent       {sent:,}, retransmissions {retx:,}")
-    print(f"  aggregator         {sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} unattributed drops")
+    print(
+        "  aggregator         "
+        f"{sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} "
+        "unattributed drops"
+    )
     if args.dtype == "int32":
-        print(f"  verified           {'bit-exact against numpy on every worker' if ok else 'MISMATCH'}")
+        print(
+            "  verified           "
+            f"{'bit-exact against numpy on every worker' if ok else 'MISMATCH'}"
+        )
     else:
         worst = max(r.get("max_err_over_bound", 0) for r in rs)
         err = max(r.get("max_abs_err", 0) for r in rs)
         print(
-            f"  verified           {'within' if ok else 'OUTSIDE'} the block-scaling bound on every worker "
+            f"  verified           {'within' if ok else 'OUTSIDE'} the block-scaling bound "
+            "on every worker "
             f"(max |error| {err:.2e}, {worst:.0%} of the bound)"
         )
     print(f"  total demo time    {time.perf_counter() - t_start:.1f} s")

@@ -33,8 +33,16 @@ import uuid
 RDZV_PORT = 29400
 
 
-def torchrun_command(script: str, args: list[str], *, nnodes: int, endpoint: str, run_id: str,
-                     local_addr: str, is_host: bool) -> list[str]:
+def torchrun_command(
+    script: str,
+    args: list[str],
+    *,
+    nnodes: int,
+    endpoint: str,
+    run_id: str,
+    local_addr: str,
+    is_host: bool,
+) -> list[str]:
     """The torchrun command line of one node (one process per node).
 
     is_host: whether this node hosts the rendezvous store. torchrun guesses it by comparing the
@@ -42,17 +50,44 @@ def torchrun_command(script: str, args: list[str], *, nnodes: int, endpoint: str
     every node would guess "no" and none would serve it: it is said explicitly.
     """
     return [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-        "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint,
-        "--rdzv-id", run_id, "--rdzv-conf", f"is_host={int(is_host)},join_timeout=120",
-        "--local-addr", local_addr, "--max-restarts", "0",
-        "--monitor-interval", "0.5", script, *args,
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        str(nnodes),
+        "--nproc-per-node",
+        "1",
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-endpoint",
+        endpoint,
+        "--rdzv-id",
+        run_id,
+        "--rdzv-conf",
+        f"is_host={int(is_host)},join_timeout=120",
+        "--local-addr",
+        local_addr,
+        "--max-restarts",
+        "0",
+        "--monitor-interval",
+        "0.5",
+        script,
+        *args,
     ]
 
 
-def start_torchrun(tb, cluster, script: str, args: list[str], *, run_id: str | None = None,
-                   env: dict | None = None, port: int = RDZV_PORT, stdout=subprocess.PIPE,
-                   stderr=subprocess.PIPE) -> list[subprocess.Popen]:
+def start_torchrun(
+    tb,
+    cluster,
+    script: str,
+    args: list[str],
+    *,
+    run_id: str | None = None,
+    env: dict | None = None,
+    port: int = RDZV_PORT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+) -> list[subprocess.Popen]:
     """Start one torchrun node in every worker namespace of `tb`; their processes, node 0 first.
 
     env: extra environment for the training processes (XDP_AGG_* settings, ...).
@@ -62,11 +97,23 @@ def start_torchrun(tb, cluster, script: str, args: list[str], *, run_id: str | N
     procs = []
     for i, w in enumerate(tb.workers):
         e = dict(os.environ)
-        e.update({"XDP_AGG_CONTROL": cluster.control_address(w), "GLOO_SOCKET_IFNAME": w.ifname,
-                  "OMP_NUM_THREADS": e.get("OMP_NUM_THREADS", "1")})
+        e.update(
+            {
+                "XDP_AGG_CONTROL": cluster.control_address(w),
+                "GLOO_SOCKET_IFNAME": w.ifname,
+                "OMP_NUM_THREADS": e.get("OMP_NUM_THREADS", "1"),
+            }
+        )
         e.update(env or {})
-        cmd = torchrun_command(script, args, nnodes=len(tb.workers), endpoint=endpoint,
-                               run_id=run_id, local_addr=w.ip, is_host=i == 0)
+        cmd = torchrun_command(
+            script,
+            args,
+            nnodes=len(tb.workers),
+            endpoint=endpoint,
+            run_id=run_id,
+            local_addr=w.ip,
+            is_host=i == 0,
+        )
         procs.append(tb.popen(w, cmd, env=e, stdout=stdout, stderr=stderr, text=True))
     return procs
 
@@ -88,14 +135,21 @@ def wait_all(procs: list[subprocess.Popen], deadline: float) -> list[tuple[int, 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
-        usage="%(prog)s [--workers N] [--rate R] [--mtu M] -- SCRIPT [ARGS...]")
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        usage="%(prog)s [--workers N] [--rate R] [--mtu M] -- SCRIPT [ARGS...]",
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--rate", default=None, help="per-worker link rate, e.g. 1gbit")
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument("--deadline", type=float, default=900.0)
-    ap.add_argument("--env", action="append", default=[], metavar="K=V",
-                    help="extra environment of the training processes (repeatable)")
+    ap.add_argument(
+        "--env",
+        action="append",
+        default=[],
+        metavar="K=V",
+        help="extra environment of the training processes (repeatable)",
+    )
     ap.add_argument("script")
     ap.add_argument("args", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -104,10 +158,13 @@ def main(argv=None) -> int:
     from netns_testbed.testbed import Testbed
 
     env = dict(kv.split("=", 1) for kv in a.env)
-    with Testbed(workers=a.workers, topology="one-arm", rate=a.rate, mtu=a.mtu) as tb, \
-            Cluster(tb) as cl:
-        procs = start_torchrun(tb, cl, os.path.abspath(a.script), a.args, env=env,
-                               stdout=None, stderr=subprocess.PIPE)
+    with (
+        Testbed(workers=a.workers, topology="one-arm", rate=a.rate, mtu=a.mtu) as tb,
+        Cluster(tb) as cl,
+    ):
+        procs = start_torchrun(
+            tb, cl, os.path.abspath(a.script), a.args, env=env, stdout=None, stderr=subprocess.PIPE
+        )
         results = wait_all(procs, a.deadline)
     failed = [(i, rc, se) for i, (rc, _, se) in enumerate(results) if rc != 0]
     for i, rc, se in failed:

@@ -60,7 +60,8 @@ def check_job(spec: JobSpec, ranges: Mapping[int, tuple[int, int]], pool_slots: 
     for other_id, (base, count) in sorted(ranges.items()):
         if other_id != spec.job_id and base < end and spec.slot_base < base + count:
             raise ValueError(
-                f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s {base}..{base + count - 1}"
+                f"slots {spec.slot_base}..{end - 1} overlap job {other_id}'s "
+                f"{base}..{base + count - 1}"
             )
 
 
@@ -87,9 +88,9 @@ def check_worker(
     owner = owners.get((worker.ip, worker.agg_port))
     if owner is not None and owner != me:
         raise ValueError(
-            f"{worker.ip} -> port {worker.agg_port:#x} is already worker {owner[1]} of job {owner[0]}"
+            f"{worker.ip} -> port {worker.agg_port:#x} is already worker {owner[1]} "
+            f"of job {owner[0]}"
         )
     for (ip, _), who in owners.items():
         if who == me and ip != worker.ip:
             raise ValueError(f"job {worker.job_id} already has a worker {worker.index} ({ip})")
-

@@ -9,7 +9,8 @@
     backend.counters(job_id)                                      # {reason name: packets}
     switch.stop()
 
-p4/switchml.p4 implements docs/protocol.md sections 1-3 (its differences: 3.6) (see its header comment). This module
+p4/switchml.p4 implements docs/protocol.md sections 1-3 (its differences: 3.6) (see its header
+comment). This module
 - compiles it (compile_p4),
 - starts and stops simple_switch on a set of interfaces, optionally inside a network namespace
   (SimpleSwitch; give the namespace by name rather than entering it first: simple_switch is run
@@ -90,9 +91,7 @@ def cli_python() -> str:
 def _which(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise Bmv2Error(
-            f"{tool} is not on PATH: build and install p4c and bmv2 (see p4/README.md)"
-        )
+        raise Bmv2Error(f"{tool} is not on PATH: build and install p4c and bmv2 (see p4/README.md)")
     return path
 
 
@@ -101,15 +100,24 @@ def _netns_prefix(netns: str | None) -> list[str]:
     return [] if netns is None else ["nsenter", f"--net=/var/run/netns/{netns}"]
 
 
-def compile_p4(out_dir, *, pool_slots: int = DEFAULT_POOL_SLOTS, source: Path = P4_MAIN,
-               timeout: float = 300.0) -> Path:
+def compile_p4(
+    out_dir, *, pool_slots: int = DEFAULT_POOL_SLOTS, source: Path = P4_MAIN, timeout: float = 300.0
+) -> Path:
     """Compile the v1model program with p4c-bm2-ss; returns the path of the bmv2 JSON."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     out = out_dir / (Path(source).stem + ".json")
     # --Wdisable=unused: the generated includes define every wire constant, used or not.
-    argv = [_which(TOOLS["p4c"]), "--std", "p4-16", "--Wdisable=unused", f"-DPOOL_SLOTS={int(pool_slots)}",
-            "-o", str(out), str(source)]
+    argv = [
+        _which(TOOLS["p4c"]),
+        "--std",
+        "p4-16",
+        "--Wdisable=unused",
+        f"-DPOOL_SLOTS={int(pool_slots)}",
+        "-o",
+        str(out),
+        str(source),
+    ]
     r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
     if r.returncode != 0:
         raise Bmv2Error(f"p4c failed ({r.returncode}):\n{r.stderr}{r.stdout}")
@@ -134,20 +142,30 @@ def port_specs(ifnames: list[str], netns: str | None = None) -> list[PortSpec]:
     from pyroute2 import IPRoute, NetNS
 
     out = []
-    with (NetNS(netns) if netns else IPRoute()) as ipr:
+    with NetNS(netns) if netns else IPRoute() as ipr:
         for i, name in enumerate(ifnames):
             links = ipr.link_lookup(ifname=name)
             if not links:
-                raise ValueError(f"no interface {name!r}" + (f" in namespace {netns}" if netns else ""))
+                raise ValueError(
+                    f"no interface {name!r}" + (f" in namespace {netns}" if netns else "")
+                )
             link = ipr.get_links(links[0])[0]
             addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=links[0], family=2)]
-            out.append(PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), addrs[0] if addrs else "0.0.0.0"))
+            out.append(
+                PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), addrs[0] if addrs else "0.0.0.0")
+            )
     return out
 
 
-def launch(ports: list[PortSpec], workdir, *, netns: str | None = None,
-           pool_slots: int = DEFAULT_POOL_SLOTS, thrift_port: int = DEFAULT_THRIFT_PORT,
-           unknown_unicast: str = "flood") -> tuple["SimpleSwitch", "Bmv2Backend"]:
+def launch(
+    ports: list[PortSpec],
+    workdir,
+    *,
+    netns: str | None = None,
+    pool_slots: int = DEFAULT_POOL_SLOTS,
+    thrift_port: int = DEFAULT_THRIFT_PORT,
+    unknown_unicast: str = "flood",
+) -> tuple["SimpleSwitch", "Bmv2Backend"]:
     """Compile the program into `workdir`, start simple_switch on `ports` and set it up: the
     running switch (stop() it when done) and its Backend. What `xdp-agg --target bmv2` needs."""
     json_path = compile_p4(workdir, pool_slots=pool_slots)
@@ -167,23 +185,37 @@ class SwitchCLI:
     PROMPT = "RuntimeCmd: "
     ERROR_PREFIXES = ("Error", "Invalid", "Exception", "***")
 
-    def __init__(self, thrift_port: int = DEFAULT_THRIFT_PORT, netns: str | None = None,
-                 timeout: float = 120.0) -> None:
+    def __init__(
+        self,
+        thrift_port: int = DEFAULT_THRIFT_PORT,
+        netns: str | None = None,
+        timeout: float = 120.0,
+    ) -> None:
         self.thrift_port = thrift_port
         self.netns = netns
         self.timeout = timeout
 
     def argv(self) -> list[str]:
-        return [*_netns_prefix(self.netns), cli_python(), _which(TOOLS["cli"]),
-                "--thrift-port", str(self.thrift_port)]
+        return [
+            *_netns_prefix(self.netns),
+            cli_python(),
+            _which(TOOLS["cli"]),
+            "--thrift-port",
+            str(self.thrift_port),
+        ]
 
     def run(self, commands: list[str], *, check: bool = True) -> list[str]:
         """Run the commands in order; returns each one's output. With check, the first command
         whose output is an error raises Bmv2Error (the ones before it have taken effect)."""
         if not commands:
             return []
-        r = subprocess.run(self.argv(), input="\n".join(commands) + "\n", capture_output=True,
-                           text=True, timeout=self.timeout)
+        r = subprocess.run(
+            self.argv(),
+            input="\n".join(commands) + "\n",
+            capture_output=True,
+            text=True,
+            timeout=self.timeout,
+        )
         # The CLI prints its prompt before reading each line: the text between two prompts is
         # the output of one command. Before the first prompt: the banner (or a connect error).
         parts = r.stdout.split(self.PROMPT)
@@ -217,14 +249,23 @@ class SimpleSwitch:
     PID with stop(); its console log goes to log_path (default: beside the JSON).
     """
 
-    def __init__(self, json_path, ports: list[PortSpec], *, netns: str | None = None,
-                 thrift_port: int = DEFAULT_THRIFT_PORT, log_path=None,
-                 extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        json_path,
+        ports: list[PortSpec],
+        *,
+        netns: str | None = None,
+        thrift_port: int = DEFAULT_THRIFT_PORT,
+        log_path=None,
+        extra_args: tuple[str, ...] = (),
+    ) -> None:
         self.json_path = Path(json_path)
         self.ports = list(ports)
         self.netns = netns
         self.thrift_port = thrift_port
-        self.log_path = Path(log_path) if log_path else self.json_path.with_suffix(f".{thrift_port}.log")
+        self.log_path = (
+            Path(log_path) if log_path else self.json_path.with_suffix(f".{thrift_port}.log")
+        )
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen | None = None
 
@@ -248,11 +289,13 @@ class SimpleSwitch:
             raise Bmv2Error("this simple_switch is already started")
         if self.netns:
             # The Thrift server listens on 127.0.0.1: a new namespace's loopback starts down.
-            subprocess.run(["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True,
-                           capture_output=True)
+            subprocess.run(
+                ["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True, capture_output=True
+            )
         with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=subprocess.STDOUT,
-                                         stdin=subprocess.DEVNULL)
+            self.proc = subprocess.Popen(
+                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
+            )
         cli = self.cli()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -349,8 +392,9 @@ class Bmv2Backend:
     PortSpec's, else the job's agg_mac/agg_ip.
     """
 
-    def __init__(self, cli: SwitchCLI, ports: list[PortSpec], *,
-                 pool_slots: int = DEFAULT_POOL_SLOTS) -> None:
+    def __init__(
+        self, cli: SwitchCLI, ports: list[PortSpec], *, pool_slots: int = DEFAULT_POOL_SLOTS
+    ) -> None:
         self.cli = cli
         self.ports = {p.port: p for p in ports}
         self.pool_slots = pool_slots
@@ -365,11 +409,13 @@ class Bmv2Backend:
         if unknown_unicast not in ("flood", "drop"):
             raise ValueError("unknown_unicast is 'flood' or 'drop'")
         port_list = " ".join(str(p) for p in sorted(self.ports))
-        out = self.cli.run([
-            f"mc_mgrp_create {FLOOD_MGID}",
-            f"mc_node_create 0 {port_list}",
-            f"table_set_default {T_L2} l2_{unknown_unicast}",
-        ])
+        out = self.cli.run(
+            [
+                f"mc_mgrp_create {FLOOD_MGID}",
+                f"mc_node_create 0 {port_list}",
+                f"table_set_default {T_L2} l2_{unknown_unicast}",
+            ]
+        )
         self._flood_node = _handle(out[1])
         self.cli.run([f"mc_node_associate {FLOOD_MGID} {self._flood_node}"])
 
@@ -387,8 +433,11 @@ class Bmv2Backend:
     # --- Backend -----------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared."""
-        check_job(spec, {j: (o.spec.slot_base, o.spec.slot_count) for j, o in self._jobs.items()},
-                  self.pool_slots)
+        check_job(
+            spec,
+            {j: (o.spec.slot_base, o.spec.slot_count) for j, o in self._jobs.items()},
+            self.pool_slots,
+        )
         if spec.elems not in P4_ELEMS:
             raise ValueError(
                 f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
@@ -410,10 +459,12 @@ class Bmv2Backend:
             clear.append(f"register_write {R_SEEN} {entry} 0")
             clear.append(f"register_write {R_COUNT} {entry} 0")
         self.cli.run(clear + [f"mc_mgrp_create {mgid}"])
-        out = self.cli.run([
-            f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
-            f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid}"
-        ])
+        out = self.cli.run(
+            [
+                f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
+                f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid}"
+            ]
+        )
         self._jobs[spec.job_id] = _Job(spec=spec, handle=_handle(out[0]))
 
     def delete_job(self, job_id: int) -> None:
@@ -445,7 +496,9 @@ class Bmv2Backend:
             seen[key] = (worker.job_id, worker.index)
             port = self._port_of(worker)
             pspec = self.ports[port]
-            agg_mac = _mac_ok(worker.extra.get("agg_mac") or _nonzero_mac(pspec.mac) or job.spec.agg_mac)
+            agg_mac = _mac_ok(
+                worker.extra.get("agg_mac") or _nonzero_mac(pspec.mac) or job.spec.agg_mac
+            )
             agg_ip = worker.extra.get("agg_ip") or _nonzero_ip(pspec.ip) or job.spec.agg_ip
             placed.append((job, worker, port, agg_mac, agg_ip))
         removals = []
@@ -461,14 +514,18 @@ class Bmv2Backend:
                 f"{_mac_ok(worker.mac)} {worker.ip} {worker.port} {agg_mac} {agg_ip}",
                 f"mc_node_create {worker.index} {port}",
             ]
-        out = self.cli.run(removals + adds)[len(removals):]
+        out = self.cli.run(removals + adds)[len(removals) :]
         assoc = []
         for i, (job, worker, port, agg_mac, agg_ip) in enumerate(placed):
             node = _handle(out[3 * i + 2])
             assoc.append(f"mc_node_associate {job.mgid} {node}")
             job.workers[worker.index] = _Worker(
-                spec=worker, port=port, agg_mac=agg_mac, agg_ip=agg_ip,
-                workers_handle=_handle(out[3 * i]), addr_handle=_handle(out[3 * i + 1]),
+                spec=worker,
+                port=port,
+                agg_mac=agg_mac,
+                agg_ip=agg_ip,
+                workers_handle=_handle(out[3 * i]),
+                addr_handle=_handle(out[3 * i + 1]),
                 node_handle=node,
             )
         self.cli.run(assoc)
@@ -476,8 +533,11 @@ class Bmv2Backend:
     def _check_worker(self, worker: WorkerSpec) -> _Job:
         """The worker's job; ValueError when the worker cannot be registered."""
         job = self._jobs.get(worker.job_id)
-        owners = {(w.spec.ip, w.spec.agg_port): (j, w.spec.index)
-                  for j, o in self._jobs.items() for w in o.workers.values()}
+        owners = {
+            (w.spec.ip, w.spec.agg_port): (j, w.spec.index)
+            for j, o in self._jobs.items()
+            for w in o.workers.values()
+        }
         check_worker(worker, job.spec if job else None, owners)
         return job
 
@@ -524,7 +584,12 @@ class Bmv2Backend:
             job = self._jobs[job_id]
             d = job.spec.to_dict()
             d["workers"] = [
-                {**w.spec.to_dict(), "switch_port": w.port, "agg_mac": w.agg_mac, "agg_ip": w.agg_ip}
+                {
+                    **w.spec.to_dict(),
+                    "switch_port": w.port,
+                    "agg_mac": w.agg_mac,
+                    "agg_ip": w.agg_ip,
+                }
                 for _, w in sorted(job.workers.items())
             ]
             out.append(d)
@@ -532,8 +597,8 @@ class Bmv2Backend:
 
     # --- counters ----------------------------------------------------------------------------
     def counters(self, row: int) -> dict[str, int]:
-        """Packets by reason (lower-case reasons.Reason names) for a job id or limits.NO_JOB; ingress
-        and egress counters added, as the XDP program's one counter row."""
+        """Packets by reason (lower-case reasons.Reason names) for a job id or limits.NO_JOB;
+        ingress and egress counters added, as the XDP program's one counter row."""
         if not 0 <= row <= limits.NO_JOB:
             raise ValueError(f"row is a job id or limits.NO_JOB ({limits.NO_JOB})")
         return self.counter_rows([row])[row]

@@ -191,8 +191,9 @@ class RendezvousServer:
     def start(self) -> "RendezvousServer":
         """Serve in a background thread."""
         # set before the thread runs so that an early stop() still shuts it down
-        self._thread = threading.Thread(target=self._tcp.serve_forever, args=(0.2,),
-                                        name="rendezvous", daemon=True)
+        self._thread = threading.Thread(
+            target=self._tcp.serve_forever, args=(0.2,), name="rendezvous", daemon=True
+        )
         self._thread.start()
         return self
 
@@ -287,8 +288,11 @@ class RendezvousServer:
             job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
             if job_id is None:
                 raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
-            free_ports = [p for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
-                          if p not in ports]
+            free_ports = [
+                p
+                for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
+                if p not in ports
+            ]
             port = free_ports[0] if free_ports else None
             if port is None:
                 raise RequestError("all 16 aggregator ports 0xBEE0..0xBEEF are used by live jobs")
@@ -301,9 +305,17 @@ class RendezvousServer:
             d = self.defaults
             try:
                 spec = JobSpec(
-                    job_id=job_id, num_workers=world, elems=elems, slot_base=base,
-                    slot_count=window, agg_port=port, delivery=d.delivery, agg_ip=d.agg_ip,
-                    agg_mac=d.agg_mac, group_ip=d.group_ip, group_mac=d.group_mac,
+                    job_id=job_id,
+                    num_workers=world,
+                    elems=elems,
+                    slot_base=base,
+                    slot_count=window,
+                    agg_port=port,
+                    delivery=d.delivery,
+                    agg_ip=d.agg_ip,
+                    agg_mac=d.agg_mac,
+                    group_ip=d.group_ip,
+                    group_mac=d.group_mac,
                     udp_checksum=d.udp_checksum,
                 )
                 self.backend.create_job(spec)
@@ -460,7 +472,8 @@ class RendezvousServer:
         if job is None:
             others = sorted(self._jobs)
             raise RequestError(
-                f"no job {key!r}" + (f" after waiting {waited:g} s" if waited else "")
+                f"no job {key!r}"
+                + (f" after waiting {waited:g} s" if waited else "")
                 + f" (live jobs: {others or 'none'}); rank 0 creates it: is rank 0 running with "
                 f"the same job name and control endpoint?"
             )
@@ -503,11 +516,16 @@ class RendezvousServer:
         """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
         agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
         return JobDescription(
-            key=job.key, spec=job.spec, world_size=job.world_size, window=job.window,
-            worker_port=job.worker_port, send_to=(agg_ip, job.spec.agg_port),
+            key=job.key,
+            spec=job.spec,
+            world_size=job.world_size,
+            window=job.window,
+            worker_port=job.worker_port,
+            send_to=(agg_ip, job.spec.agg_port),
             group=job.group(),
-            workers=tuple({"rank": r, "ip": x.ip, "port": x.port}
-                          for r, x in sorted(job.ranks.items())),
+            workers=tuple(
+                {"rank": r, "ip": x.ip, "port": x.port} for r, x in sorted(job.ranks.items())
+            ),
         ).to_dict()
 
     def _summary(self, job: _Job, local) -> dict:
@@ -616,12 +634,14 @@ def main(argv: list[str] | None = None) -> None:
     """Manual use: a control endpoint in front of a SoftAggregator."""
     from .soft_aggregator import SoftAggregator
 
-    p = argparse.ArgumentParser(
-        prog="python -m aggctl.server", description=__doc__.split("\n")[0]
-    )
+    p = argparse.ArgumentParser(prog="python -m aggctl.server", description=__doc__.split("\n")[0])
     p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", help="HOST:PORT (TCP)")
-    p.add_argument("--soft", default="127.0.0.1", metavar="IP",
-                   help="run a SoftAggregator bound to IP (ports 0xBEE0..0xBEEF as jobs need)")
+    p.add_argument(
+        "--soft",
+        default="127.0.0.1",
+        metavar="IP",
+        help="run a SoftAggregator bound to IP (ports 0xBEE0..0xBEEF as jobs need)",
+    )
     p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
     p.add_argument("--barrier-timeout", type=float, default=120.0)
     args = p.parse_args(argv)

@@ -109,7 +109,11 @@ class SoftAggregator:
                 self._delete_job(spec.job_id)
             self._open_port(spec.agg_port)
             self._model.create_job(
-                spec.job_id, spec.num_workers, spec.elems, spec.slot_base, spec.slot_count,
+                spec.job_id,
+                spec.num_workers,
+                spec.elems,
+                spec.slot_base,
+                spec.slot_count,
                 spec.udp_checksum,
             )
             self._specs[spec.job_id] = spec

@@ -90,9 +90,15 @@ class JobDescription:
     def to_dict(self) -> dict:
         """The JSON form: the spec's fields, flat, and the description's own."""
         d = self.spec.to_dict()
-        d.update(key=self.key, world_size=self.world_size, window=self.window,
-                 worker_port=self.worker_port, send_to=list(self.send_to),
-                 group=list(self.group) if self.group else None, workers=list(self.workers))
+        d.update(
+            key=self.key,
+            world_size=self.world_size,
+            window=self.window,
+            worker_port=self.worker_port,
+            send_to=list(self.send_to),
+            group=list(self.group) if self.group else None,
+            workers=list(self.workers),
+        )
         return d
 
     @classmethod
@@ -103,9 +109,15 @@ class JobDescription:
             spec = JobSpec(**{k: v for k, v in d.items() if k in spec_fields})
             host, port = d["send_to"]
             group = tuple(d["group"]) if d.get("group") else None
-            return cls(key=str(d["key"]), spec=spec, world_size=int(d["world_size"]),
-                       window=int(d["window"]), worker_port=int(d["worker_port"]),
-                       send_to=(str(host), int(port)), group=group,
-                       workers=tuple(d.get("workers") or ()))
+            return cls(
+                key=str(d["key"]),
+                spec=spec,
+                world_size=int(d["world_size"]),
+                window=int(d["window"]),
+                worker_port=int(d["worker_port"]),
+                send_to=(str(host), int(port)),
+                group=group,
+                workers=tuple(d.get("workers") or ()),
+            )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a job description ({type(e).__name__}: {e}): {d!r}") from None

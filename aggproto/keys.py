@@ -30,12 +30,24 @@ class KeyFormula:
 CONSTANTS = {"AGG_NUM_REASONS": NUM_REASONS, "AGG_MAX_WORKERS": MAX_WORKERS}
 
 KEYS = (
-    KeyFormula("pool_entry", ("slot", "version"), "(slot) * 2 + (version)",
-               "a slot's version: key of results, partials and the P4 registers"),
-    KeyFormula("counter_key", ("row", "reason"), "(row) * AGG_NUM_REASONS + (reason)",
-               "counter of a reason in a row (job id, or NO_JOB)"),
-    KeyFormula("worker_key", ("job", "index"), "(job) * AGG_MAX_WORKERS + (index)",
-               "per-worker counters of worker `index` of `job`"),
+    KeyFormula(
+        "pool_entry",
+        ("slot", "version"),
+        "(slot) * 2 + (version)",
+        "a slot's version: key of results, partials and the P4 registers",
+    ),
+    KeyFormula(
+        "counter_key",
+        ("row", "reason"),
+        "(row) * AGG_NUM_REASONS + (reason)",
+        "counter of a reason in a row (job id, or NO_JOB)",
+    ),
+    KeyFormula(
+        "worker_key",
+        ("job", "index"),
+        "(job) * AGG_MAX_WORKERS + (index)",
+        "per-worker counters of worker `index` of `job`",
+    ),
 )
 
 

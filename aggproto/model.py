@@ -97,8 +97,9 @@ class ReferenceAggregator:
         self.workers: dict[tuple[str, int], tuple[int, int]] = {}
         self.slots: dict[tuple[int, int], _Slot] = {}
 
-    def create_job(self, job_id, num_workers, elems, slot_base, slot_count,
-                   udp_checksum: bool = False) -> ModelJob:
+    def create_job(
+        self, job_id, num_workers, elems, slot_base, slot_count, udp_checksum: bool = False
+    ) -> ModelJob:
         """Create (or re-create) a job; its slot state starts cleared."""
         job = ModelJob(job_id, num_workers, elems, slot_base, slot_count, udp_checksum)
         self.jobs[job_id] = job
@@ -144,8 +145,14 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_MALFORMED)
         src = ".".join(str(x) for x in ip[12:16])
         lengths = (int.from_bytes(ip[2:4], "big"), int.from_bytes(b[udp + 4 : udp + 6], "big"))
-        return self._classify(src, dport, b[wire.SWITCHML_OFFSET :], len(b), *lengths,
-                              checksum_ok=lambda: _udp_checksum_ok(b))
+        return self._classify(
+            src,
+            dport,
+            b[wire.SWITCHML_OFFSET :],
+            len(b),
+            *lengths,
+            checksum_ok=lambda: _udp_checksum_ok(b),
+        )
 
     def process(self, src_addr: str, dst_port: int, payload: bytes) -> Verdict:
         """Run one UDP payload sent from src_addr to dst_port through the state machine.
@@ -159,8 +166,9 @@ class ReferenceAggregator:
             src_addr, dst_port, payload, frame_len, wire.IPV4_HLEN + udp_len, udp_len
         )
 
-    def _classify(self, src_addr, dst_port, payload, frame_len, ip_len, udp_len,
-                  checksum_ok=None) -> Verdict:
+    def _classify(
+        self, src_addr, dst_port, payload, frame_len, ip_len, udp_len, checksum_ok=None
+    ) -> Verdict:
         """The checks of docs/protocol.md section 2 in the XDP program's order, then the state
         machine. `payload` is everything after the UDP header up to the end of the frame;
         `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it)."""
@@ -185,7 +193,9 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED, job_id=job_id, worker=w)
         want_udp = wire.UDP_HLEN + need
         if (udp_len, ip_len, frame_len) != (
-            want_udp, wire.IPV4_HLEN + want_udp, wire.SWITCHML_OFFSET + need
+            want_udp,
+            wire.IPV4_HLEN + want_udp,
+            wire.SWITCHML_OFFSET + need,
         ):
             return Verdict(Action.DROP, Reason.DROP_BAD_LENGTH, job_id=job_id, worker=w)
         pidx = int.from_bytes(payload[_POOL_INDEX : _POOL_INDEX + 2], "big")
@@ -214,9 +224,7 @@ class ReferenceAggregator:
             if st.count[v] < job.num_workers:
                 return Verdict(Action.DROP, Reason.AGGREGATED, job_id=job_id, worker=w)
             st.complete[v] = True
-            return Verdict(
-                Action.TO_ALL, Reason.COMPLETED, self._result(payload, st, v), job_id, w
-            )
+            return Verdict(Action.TO_ALL, Reason.COMPLETED, self._result(payload, st, v), job_id, w)
         if st.complete[v]:
             return Verdict(
                 Action.TO_SENDER, Reason.RETX_ANSWERED, self._result(payload, st, v), job_id, w

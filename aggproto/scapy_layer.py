@@ -38,8 +38,13 @@ class SwitchML(Packet):
 
     name = "SwitchML"
     fields_desc = _fields(wire.SWITCHML) + [
-        FieldListField("values", [], SignedIntField("value", 0), count_from=_payload_elems,
-                       max_count=wire.MAX_ELEMS)
+        FieldListField(
+            "values",
+            [],
+            SignedIntField("value", 0),
+            count_from=_payload_elems,
+            max_count=wire.MAX_ELEMS,
+        )
     ]
 
 
@@ -86,7 +91,13 @@ def sml_frame(
         Ether(src=src_mac, dst=dst_mac)
         / IP(src=src_ip, dst=dst_ip, ttl=64)
         / UDP(sport=sport, dport=dport, chksum=None if udp_checksum else 0)
-        / SwitchML(msg_type=msg_type, size=size, job_number=job_number, tsi=tsi, pool_index=pidx,
-                   values=[int(v) for v in vals])
+        / SwitchML(
+            msg_type=msg_type,
+            size=size,
+            job_number=job_number,
+            tsi=tsi,
+            pool_index=pidx,
+            values=[int(v) for v in vals],
+        )
         / Exponents(e0=e0, e1=e1)
     )

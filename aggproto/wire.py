@@ -101,6 +101,7 @@ HEADERS = (SWITCHML, EXPONENTS)
 
 assert SWITCHML.length == SWITCHML_HLEN and EXPONENTS.length == EXP_HLEN
 
+
 @dataclass(frozen=True)
 class Member:
     """A byte-aligned member of a header as C and numpy see it.
@@ -140,8 +141,10 @@ def members(header: Header) -> tuple[Member, ...]:
 
 
 def _np_type(m: Member) -> str:
-    return ("i" if m.signed else "u") + str(m.nbytes) if m.nbytes == 1 else (
-        (">i" if m.signed else ">u") + str(m.nbytes)
+    return (
+        ("i" if m.signed else "u") + str(m.nbytes)
+        if m.nbytes == 1
+        else ((">i" if m.signed else ">u") + str(m.nbytes))
     )
 
 

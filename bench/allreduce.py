@@ -62,30 +62,61 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     from netns_testbed.testbed import Testbed
 
     if plan is None:
-        plan = [{"bytes": SIZES[k], "reps": args.reps, "kind": "throughput"} for k in args.sizes
-                if k in SIZES and SIZES[k] <= args.max_bytes and "throughput" in args.rows]
-        plan += [{"bytes": LATENCY_SIZES[k], "reps": args.latency_reps, "kind": "latency"}
-                 for k in args.sizes if k in LATENCY_SIZES and "latency" in args.rows]
+        plan = [
+            {"bytes": SIZES[k], "reps": args.reps, "kind": "throughput"}
+            for k in args.sizes
+            if k in SIZES and SIZES[k] <= args.max_bytes and "throughput" in args.rows
+        ]
+        plan += [
+            {"bytes": LATENCY_SIZES[k], "reps": args.latency_reps, "kind": "latency"}
+            for k in args.sizes
+            if k in LATENCY_SIZES and "latency" in args.rows
+        ]
     if not plan:
         return []
     profile = rate == "unshaped" and n == 4 and args.profile
-    with Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb, Cluster(tb) as cl:
+    with (
+        Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb,
+        Cluster(tb) as cl,
+    ):
         layout = Layout.from_testbed(tb)
         procs = []
         for r, w in enumerate(tb.workers):
             cmd = [
-                sys.executable, "-m", "bench.worker", "--rank", str(r), "--world", str(n),
-                "--control", cl.control_address(w), "--gloo", f"{tb.workers[0].ip}:{GLOO_PORT}",
-                "--job", f"bench-{n}-{rate}", "--elems", str(args.elems), "--window", str(args.window),
-                "--plan", json.dumps(plan),
+                sys.executable,
+                "-m",
+                "bench.worker",
+                "--rank",
+                str(r),
+                "--world",
+                str(n),
+                "--control",
+                cl.control_address(w),
+                "--gloo",
+                f"{tb.workers[0].ip}:{GLOO_PORT}",
+                "--job",
+                f"bench-{n}-{rate}",
+                "--elems",
+                str(args.elems),
+                "--window",
+                str(args.window),
+                "--plan",
+                json.dumps(plan),
             ]
             if args.counters:
                 cmd += ["--counted"]
                 if r == 0:
                     cmd += ["--layout", json.dumps(layout.to_dict()), "--agg-name", cl.name]
             if profile:
-                cmd += ["--profile", str(64 << 20), "--profile-out", str(Path(args.out).resolve() / "profile.txt")]
-            procs.append(tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+                cmd += [
+                    "--profile",
+                    str(64 << 20),
+                    "--profile-out",
+                    str(Path(args.out).resolve() / "profile.txt"),
+                ]
+            procs.append(
+                tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            )
         per_rank, failed = [], []
         for r, p in enumerate(procs):
             out, err = p.communicate(timeout=args.deadline)
@@ -97,14 +128,21 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     rows = []
     for i, item in enumerate(plan):
         reports = [pr[i] for pr in per_rank]
-        row = {"n": n, "link": rate, "bytes": item["bytes"], "kind": item["kind"],
-               "dtype": item.get("dtype", "float32")}
+        row = {
+            "n": n,
+            "link": rate,
+            "bytes": item["bytes"],
+            "kind": item["kind"],
+            "dtype": item.get("dtype", "float32"),
+        }
         systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
         for system in systems:
             # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
             reps = range(item["reps"])
             row[system] = [max(r["times"][system][k] for r in reports) for k in reps]
-            row[f"{system} cpu_s"] = [statistics.fmean(r["cpu"][system][k] for r in reports) for k in reps]
+            row[f"{system} cpu_s"] = [
+                statistics.fmean(r["cpu"][system][k] for r in reports) for k in reps
+            ]
         row["retransmissions"] = sum(r["retransmissions"] for r in reports)
         row["packets"] = sum(r["packets"] for r in reports)
         row["engine"] = [r["engine"] for r in reports]
@@ -115,8 +153,11 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         line = f"  n={n} {rate:8s} {item['kind']:10s} {row['dtype']:7s} {item['bytes']:>9d} B:"
         for system in systems:
             line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
-        log(line + f", retx {row['retransmissions']}" + (
-            f" ({_top_causes(row['retx_causes'])})" if "retx_causes" in row else ""))
+        log(
+            line
+            + f", retx {row['retransmissions']}"
+            + (f" ({_top_causes(row['retx_causes'])})" if "retx_causes" in row else "")
+        )
     return rows
 
 
@@ -142,8 +183,14 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = []
     for row in rows:
         n, rate_bps, S = row["n"], RATES[row["link"]], row["bytes"]
-        s = {"n": n, "link": row["link"], "bytes": S, "kind": row["kind"],
-             "dtype": row.get("dtype", "float32"), "retransmissions": row["retransmissions"]}
+        s = {
+            "n": n,
+            "link": row["link"],
+            "bytes": S,
+            "kind": row["kind"],
+            "dtype": row.get("dtype", "float32"),
+            "retransmissions": row["retransmissions"],
+        }
         if row.get("packets"):
             s["retx_pct"] = 100.0 * row["retransmissions"] / row["packets"]
         if "retx_causes" in row:
@@ -181,39 +228,66 @@ def _size(b: int) -> str:
 
 def markdown(summary: list[dict], meta: dict) -> str:
     L = [
-        f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), MTU {meta['mtu']}, "
+        f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), "
+        f"MTU {meta['mtu']}, "
         f"{meta['elems']} int32 per packet, window {meta['window']}."
-        + (f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; load average "
-           f"{meta['load_before'][0]} before, {meta['load_after'][0]} after." if "load_before" in meta else ""),
+        + (
+            f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; "
+            "load average "
+            f"{meta['load_before'][0]} before, {meta['load_after'][0]} after."
+            if "load_before" in meta
+            else ""
+        ),
         "",
-        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup | xdp-agg ATE/s | gloo ATE/s "
-        "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) | CPU s/rank xdp-agg | CPU s/rank gloo |",
+        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup "
+        "| xdp-agg ATE/s | gloo ATE/s "
+        "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) "
+        "| CPU s/rank xdp-agg | CPU s/rank gloo |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
     for s in (x for x in summary if x["kind"] == "throughput"):
         a, g = s["xdp-agg"], s["gloo"]
         L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
-            f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | {s['speedup']:.2f}x | {a['ate_per_s']:.3g} | "
+            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
+            f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
+            f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | "
+            f"{s['speedup']:.2f}x | {a['ate_per_s']:.3g} | "
             f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
         )
     host = [x for x in summary if x["kind"] == "host"]
     if host:
-        L += ["", "One worker's host library (n = 1, unshaped, xdp-agg alone):", "",
-              "| dtype | size | ms (spread) | Gbit/s each way | CPU s per GiB | retx (% of sent; causes) |",
-              "|---|---|---|---|---|---|"]
+        L += [
+            "",
+            "One worker's host library (n = 1, unshaped, xdp-agg alone):",
+            "",
+            "| dtype | size | ms (spread) | Gbit/s each way | CPU s per GiB "
+            "| retx (% of sent; causes) |",
+            "|---|---|---|---|---|---|",
+        ]
         for s in host:
             a = s["xdp-agg"]
-            L.append(f"| {s['dtype']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
-                     f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | {s['gbit_each_way']:.2f} | "
-                     f"{s['cpu_s_per_gib']:.2f} | {_retx_cell(s)} |")
+            L.append(
+                f"| {s['dtype']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
+                f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | {s['gbit_each_way']:.2f} | "
+                f"{s['cpu_s_per_gib']:.2f} | {_retx_cell(s)} |"
+            )
     if not any(x["kind"] == "latency" for x in summary):
         return "\n".join(L) + "\n"
-    L += ["", "Small all-reduces (latency, ms):", "", "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |", "|---|---|---|---|---|---|---|"]
+    L += [
+        "",
+        "Small all-reduces (latency, ms):",
+        "",
+        "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for s in (x for x in summary if x["kind"] == "latency"):
         a, g = s["xdp-agg"], s["gloo"]
-        L.append(f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | {g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |")
+        L.append(
+            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | "
+            f"{a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | "
+            f"{g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |"
+        )
     return "\n".join(L) + "\n"
 
 
@@ -221,7 +295,11 @@ def _retx_cell(s: dict) -> str:
     """'412 (0.61%; spurious 97%, tbf_qdisc 3%)'."""
     if "retx_pct" not in s:
         return str(s["retransmissions"])
-    causes = f"; {_top_causes(s['retx_causes'])}" if s.get("retx_causes") and s["retransmissions"] else ""
+    causes = (
+        f"; {_top_causes(s['retx_causes'])}"
+        if s.get("retx_causes") and s["retransmissions"]
+        else ""
+    )
     return f"{s['retransmissions']} ({s['retx_pct']:.2f}%{causes})"
 
 
@@ -255,18 +333,40 @@ def plot(summary: list[dict], path: Path) -> None:
         return
     cpu_row = bool(thr) and any("cpu_s_per_rank" in s["xdp-agg"] for s in thr)
     rows = len(sizes) + (1 if lat else 0) + (1 if cpu_row else 0)
-    fig, axes = plt.subplots(rows, len(links), figsize=(4.2 * len(links), 3.1 * rows), squeeze=False)
+    fig, axes = plt.subplots(
+        rows, len(links), figsize=(4.2 * len(links), 3.1 * rows), squeeze=False
+    )
     colors = {"xdp-agg": "tab:blue", "gloo": "tab:orange"}
     for i, b in enumerate(sizes):
         for j, lk in enumerate(links):
             ax = axes[i][j]
-            pts = sorted((s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+            pts = sorted(
+                (s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
+            )
             ns = [s["n"] for s in pts]
             for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-                ax.plot(ns, [s[system]["median_s"] * 1e3 for s in pts], style, color=colors[system], label=system)
+                ax.plot(
+                    ns,
+                    [s[system]["median_s"] * 1e3 for s in pts],
+                    style,
+                    color=colors[system],
+                    label=system,
+                )
             if pts and "bound_ina_s" in pts[0]:
-                ax.plot(ns, [s["bound_ina_s"] * 1e3 for s in pts], "k--", lw=1, label="bound S/R (in-network)")
-                ax.plot(ns, [s["bound_ring_s"] * 1e3 for s in pts], "k:", lw=1, label="bound 2(n-1)/n S/R (ring)")
+                ax.plot(
+                    ns,
+                    [s["bound_ina_s"] * 1e3 for s in pts],
+                    "k--",
+                    lw=1,
+                    label="bound S/R (in-network)",
+                )
+                ax.plot(
+                    ns,
+                    [s["bound_ring_s"] * 1e3 for s in pts],
+                    "k:",
+                    lw=1,
+                    label="bound 2(n-1)/n S/R (ring)",
+                )
             _style(ax, f"{_size(b)} float32, {lk}", "ms per all-reduce (median)", ns)
             if i == 0:
                 ax.legend(fontsize=7)
@@ -274,26 +374,48 @@ def plot(summary: list[dict], path: Path) -> None:
         b = sizes[-1]
         for j, lk in enumerate(links):
             ax = axes[len(sizes)][j]
-            pts = sorted((s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+            pts = sorted(
+                (s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
+            )
             ns = [s["n"] for s in pts]
             for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-                ax.plot(ns, [s[system].get("cpu_s_per_rank", float("nan")) for s in pts], style,
-                        color=colors[system], label=system)
+                ax.plot(
+                    ns,
+                    [s[system].get("cpu_s_per_rank", float("nan")) for s in pts],
+                    style,
+                    color=colors[system],
+                    label=system,
+                )
             for s in pts:
                 if "retx_pct" in s:
-                    ax.annotate(f"retx {s['retx_pct']:.1f}%", (s["n"], s["xdp-agg"].get("cpu_s_per_rank", 0)),
-                                textcoords="offset points", xytext=(4, 4), fontsize=7, color=colors["xdp-agg"])
-            _style(ax, f"{_size(b)} float32, {lk}: CPU per rank", "CPU s per all-reduce and rank", ns)
+                    ax.annotate(
+                        f"retx {s['retx_pct']:.1f}%",
+                        (s["n"], s["xdp-agg"].get("cpu_s_per_rank", 0)),
+                        textcoords="offset points",
+                        xytext=(4, 4),
+                        fontsize=7,
+                        color=colors["xdp-agg"],
+                    )
+            _style(
+                ax, f"{_size(b)} float32, {lk}: CPU per rank", "CPU s per all-reduce and rank", ns
+            )
             ax.legend(fontsize=7)
     if lat:
         for j, lk in enumerate(links):
             ax = axes[rows - 1][j]
             for b, style in zip(sorted({s["bytes"] for s in lat}), ("o-", "^--")):
-                pts = sorted((s for s in lat if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"])
+                pts = sorted(
+                    (s for s in lat if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
+                )
                 ns = [s["n"] for s in pts]
                 for system in ("xdp-agg", "gloo"):
-                    ax.plot(ns, [s[system]["p50_s"] * 1e3 for s in pts], style, color=colors[system],
-                            label=f"{system} {_size(b)}")
+                    ax.plot(
+                        ns,
+                        [s[system]["p50_s"] * 1e3 for s in pts],
+                        style,
+                        color=colors[system],
+                        label=f"{system} {_size(b)}",
+                    )
             _style(ax, f"small all-reduces, {lk}: p50 latency", "ms (p50)", ns)
             ax.legend(fontsize=7)
     fig.tight_layout()
@@ -301,33 +423,60 @@ def plot(summary: list[dict], path: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", default="2,4,8", help="comma-separated n")
     ap.add_argument("--links", default=",".join(RATES), help="comma-separated: " + ", ".join(RATES))
-    ap.add_argument("--sizes", default=",".join([*SIZES, *LATENCY_SIZES]),
-                    help="comma-separated: " + ", ".join([*SIZES, *LATENCY_SIZES]))
-    ap.add_argument("--rows", default="throughput,latency,host",
-                    help="row kinds, comma-separated: throughput, latency, host")
-    ap.add_argument("--quick", action="store_true",
-                    help="one cell in about a minute: --workers 4 --links 1gbit --sizes 64MiB "
-                         "--rows throughput --reps 3 --no-profile (explicit options still win)")
-    ap.add_argument("--no-counters", dest="counters", action="store_false",
-                    help="no drop counters, so no retransmission causes (saves a snapshot per run)")
+    ap.add_argument(
+        "--sizes",
+        default=",".join([*SIZES, *LATENCY_SIZES]),
+        help="comma-separated: " + ", ".join([*SIZES, *LATENCY_SIZES]),
+    )
+    ap.add_argument(
+        "--rows",
+        default="throughput,latency,host",
+        help="row kinds, comma-separated: throughput, latency, host",
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help="one cell in about a minute: --workers 4 --links 1gbit --sizes 64MiB "
+        "--rows throughput --reps 3 --no-profile (explicit options still win)",
+    )
+    ap.add_argument(
+        "--no-counters",
+        dest="counters",
+        action="store_false",
+        help="no drop counters, so no retransmission causes (saves a snapshot per run)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument("--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110)")
+    ap.add_argument(
+        "--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110)"
+    )
     ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=64,
-                    help="slots per worker (hostlib's default; 256 overflowed the veth ring into the aggregator at n = 8)")
+    ap.add_argument(
+        "--window",
+        type=int,
+        default=64,
+        help="slots per worker (hostlib's default; "
+        "256 overflowed the veth ring into the aggregator at n = 8)",
+    )
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
     args = ap.parse_args(argv)
     if args.quick:  # defaults only: what the user spelled out stays
         given = set(argv if argv is not None else sys.argv[1:])
-        for opt, val in (("--workers", "4"), ("--links", "1gbit"), ("--sizes", "64MiB"),
-                         ("--rows", "throughput"), ("--reps", 3)):
+        for opt, val in (
+            ("--workers", "4"),
+            ("--links", "1gbit"),
+            ("--sizes", "64MiB"),
+            ("--rows", "throughput"),
+            ("--reps", 3),
+        ):
             if not any(g == opt or g.startswith(opt + "=") for g in given):
                 setattr(args, opt[2:], val)
         args.profile = False
@@ -346,8 +495,10 @@ def main(argv=None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     if "host" in args.rows:
         log("host (n=1, unshaped):")
-        host_plan = [{"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
-                     for d in ("float32", "int32")]
+        host_plan = [
+            {"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
+            for d in ("float32", "int32")
+        ]
         rows += run_config(1, "unshaped", args, log, plan=host_plan)
     if "throughput" in args.rows or "latency" in args.rows:
         for n in (int(x) for x in args.workers.split(",")):
@@ -355,10 +506,20 @@ def main(argv=None) -> int:
                 log(f"n={n}, {rate}:")
                 rows += run_config(n, rate, args, log)
     summary = summarize(rows)
-    meta = {"when": time.strftime("%Y-%m-%d %H:%M"), "reps": args.reps, "mtu": args.mtu, "elems": args.elems,
-            "window": args.window, "seconds": round(time.time() - t0), "cpus": os.cpu_count(),
-            "load_before": load_before, "load_after": [round(x, 2) for x in os.getloadavg()]}
-    (out / "results.json").write_text(json.dumps({"meta": meta, "summary": summary, "raw": rows}, indent=1))
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        "reps": args.reps,
+        "mtu": args.mtu,
+        "elems": args.elems,
+        "window": args.window,
+        "seconds": round(time.time() - t0),
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+    (out / "results.json").write_text(
+        json.dumps({"meta": meta, "summary": summary, "raw": rows}, indent=1)
+    )
     md = markdown(summary, meta)
     (out / "results.md").write_text(md)
     try:

@@ -4,8 +4,8 @@ Two cases, each on its own one-arm netns testbed of --workers namespaces with th
 each system launched by torchrun, one node per namespace (aggcluster.torchrun), running the
 unmodified examples/train.py with --backend xdpagg, then --backend gloo:
 - digits: the MLP on scikit-learn's digits (real data shipped in the package), unshaped links,
-  MTU 3500 and 768 int32 per packet, --digits-steps steps: loss per step, test accuracy, final accuracy, time per iteration and
-  its communication share, for both systems.
+  MTU 3500 and 768 int32 per packet, --digits-steps steps: loss per step, test accuracy, final
+  accuracy, time per iteration and its communication share, for both systems.
 - wide: the 25.2 M-parameter MLP on synthetic inputs at 1 Gbit/s (tbf on every worker link),
   MTU 3500 and 768 int32 per packet as in the all-reduce benchmark: time per iteration of both
   systems (SwitchML's training-speedup table is the analog).
@@ -28,25 +28,33 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 
 
-def run_case(name: str, *, workers: int, rate, mtu: int, train_args: list[str], env: dict,
-             out: Path, log) -> dict:
+def run_case(
+    name: str, *, workers: int, rate, mtu: int, train_args: list[str], env: dict, out: Path, log
+) -> dict:
     """One testbed, both systems in turn; {system: rank 0's report}."""
     from aggcluster.cluster import Cluster
     from aggcluster.torchrun import start_torchrun, wait_all
     from netns_testbed.testbed import Testbed
 
     reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
-    with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, \
-            Cluster(tb) as cl:
+    with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, Cluster(tb) as cl:
         for system in ("xdpagg", "gloo"):
             path = out / f".{name}-{system}.json"
             t0 = time.monotonic()
-            procs = start_torchrun(tb, cl, TRAIN, ["--backend", system, *train_args,
-                                                   "--out", str(path)], env=env,
-                                   run_id=f"{name}-{system}-{os.getpid()}")
+            procs = start_torchrun(
+                tb,
+                cl,
+                TRAIN,
+                ["--backend", system, *train_args, "--out", str(path)],
+                env=env,
+                run_id=f"{name}-{system}-{os.getpid()}",
+            )
             results = wait_all(procs, 900)
-            bad = [f"node {i} exited {rc}: {se[-2500:]}" for i, (rc, _, se) in enumerate(results)
-                   if rc != 0]
+            bad = [
+                f"node {i} exited {rc}: {se[-2500:]}"
+                for i, (rc, _, se) in enumerate(results)
+                if rc != 0
+            ]
             if bad:
                 raise RuntimeError(f"{name} {system}: " + "\n".join(bad))
             reports[system] = json.loads(path.read_text())
@@ -58,9 +66,12 @@ def run_case(name: str, *, workers: int, rate, mtu: int, train_args: list[str], 
 
 def markdown(res: dict) -> str:
     meta = res["meta"]
-    lines = [f"n = {meta['workers']} workers, one torchrun node per netns worker namespace, the "
-             f"unmodified examples/train.py with --backend xdpagg or gloo; 2 CPUs for every "
-             f"process and the kernel's forwarding.", ""]
+    lines = [
+        f"n = {meta['workers']} workers, one torchrun node per netns worker namespace, the "
+        f"unmodified examples/train.py with --backend xdpagg or gloo; 2 CPUs for every "
+        f"process and the kernel's forwarding.",
+        "",
+    ]
     for note in meta.get("notes", []):
         lines += [note, ""]
     d = res["digits"]
@@ -69,49 +80,67 @@ def markdown(res: dict) -> str:
         f"load_digits, unshaped links, MTU 3500, 768 int32 per packet, "
         f"{d['xdpagg']['steps']} steps of "
         f"{d['xdpagg']['batch_per_rank']} samples per rank, SGD lr {d['xdpagg']['lr']} "
-        f"momentum 0.9", "", _when(d), "",
+        f"momentum 0.9",
+        "",
+        _when(d),
+        "",
         "| system | final test accuracy | final loss | time per iteration | compute | "
         "communication share |",
         "|---|---|---|---|---|---|",
     ]
     for s in ("xdpagg", "gloo"):
         r = d[s]
-        lines.append(f"| {s} | {r['final_accuracy']:.4f} | {r['loss'][-1]:.4f} | "
-                     f"{r['time_per_iter_s'] * 1e3:.1f} ms | {r['compute_per_iter_s'] * 1e3:.1f} "
-                     f"ms | {r['comm_share']:.0%} |")
+        lines.append(
+            f"| {s} | {r['final_accuracy']:.4f} | {r['loss'][-1]:.4f} | "
+            f"{r['time_per_iter_s'] * 1e3:.1f} ms | {r['compute_per_iter_s'] * 1e3:.1f} "
+            f"ms | {r['comm_share']:.0%} |"
+        )
     gap = (d["xdpagg"]["final_accuracy"] - d["gloo"]["final_accuracy"]) * 100
     dloss = max(abs(a - b) for a, b in zip(d["xdpagg"]["loss"], d["gloo"]["loss"]))
-    lines += ["", f"Accuracy difference xdpagg - gloo: {gap:+.2f} points; the largest difference "
-              f"of the two systems' mean training loss at any step: {dloss:.2g}.", ""]
+    lines += [
+        "",
+        f"Accuracy difference xdpagg - gloo: {gap:+.2f} points; the largest difference "
+        f"of the two systems' mean training loss at any step: {dloss:.2g}.",
+        "",
+    ]
     w = res["wide"]
     ratio = w["gloo"]["time_per_iter_s"] / w["xdpagg"]["time_per_iter_s"]
     lines += [
         f"## wide: MLP 4096-4096-2048-10 ({w['xdpagg']['params'] / 1e6:.1f} M parameters, "
         f"{w['xdpagg']['params'] * 4 / 1e6:.0f} MB of float32 gradients per step) on synthetic "
         f"inputs, 1 Gbit/s worker links, MTU 3500, 768 int32 per packet, "
-        f"{w['xdpagg']['steps']} steps (median after {meta['wide_warmup']} warm-up)", "",
-        _when(w), "",
+        f"{w['xdpagg']['steps']} steps (median after {meta['wide_warmup']} warm-up)",
+        "",
+        _when(w),
+        "",
         "| system | time per iteration | compute | communication share |",
         "|---|---|---|---|",
     ]
     for s in ("xdpagg", "gloo"):
         r = w[s]
-        lines.append(f"| {s} | {r['time_per_iter_s'] * 1e3:.0f} ms | "
-                     f"{r['compute_per_iter_s'] * 1e3:.0f} ms | {r['comm_share']:.0%} |")
+        lines.append(
+            f"| {s} | {r['time_per_iter_s'] * 1e3:.0f} ms | "
+            f"{r['compute_per_iter_s'] * 1e3:.0f} ms | {r['comm_share']:.0%} |"
+        )
     lines += ["", f"gloo / xdpagg time per iteration: {ratio:.2f}x.", ""]
     eng = w["xdpagg"].get("xdpagg", {}).get("engine")
     if eng:
-        lines += [f"xdp-agg on rank 0 over the whole run: {eng['packets_sent']:,} packets, "
-                  f"{eng['retransmissions']:,} retransmissions "
-                  f"({eng['retransmissions'] / max(1, eng['packets_sent']):.1%}), "
-                  f"{eng['timeouts']:,} retransmission timer expiries, smoothed RTT "
-                  f"{eng['rtt'] * 1e3:.1f} ms.", ""]
+        lines += [
+            f"xdp-agg on rank 0 over the whole run: {eng['packets_sent']:,} packets, "
+            f"{eng['retransmissions']:,} retransmissions "
+            f"({eng['retransmissions'] / max(1, eng['packets_sent']):.1%}), "
+            f"{eng['timeouts']:,} retransmission timer expiries, smoothed RTT "
+            f"{eng['rtt'] * 1e3:.1f} ms.",
+            "",
+        ]
     n = meta["workers"]
     grad_bits = w["xdpagg"]["params"] * 4 * 8
-    lines += [f"Bounds at 1 Gbit/s: in-network aggregation sends and receives the gradients once "
-              f"({grad_bits / 1e9:.2f} s), a ring all-reduce 2(n-1)/n times "
-              f"({2 * (n - 1) / n * grad_bits / 1e9:.2f} s), a ratio of {2 * (n - 1) / n:.2f}.",
-              ""]
+    lines += [
+        f"Bounds at 1 Gbit/s: in-network aggregation sends and receives the gradients once "
+        f"({grad_bits / 1e9:.2f} s), a ring all-reduce 2(n-1)/n times "
+        f"({2 * (n - 1) / n * grad_bits / 1e9:.2f} s), a ratio of {2 * (n - 1) / n:.2f}.",
+        "",
+    ]
     return "\n".join(lines)
 
 
@@ -136,8 +165,12 @@ def plots(res: dict, out: Path) -> None:
         a.plot(range(1, len(r["loss"]) + 1), r["loss"], style, label=s, alpha=0.8)
         steps, acc = zip(*r["accuracy"])
         b.plot(steps, acc, style, label=s)
-    a.set(xlabel="step", ylabel="training loss (mean over ranks)", yscale="log",
-          title=f"digits, n = {res['meta']['workers']}")
+    a.set(
+        xlabel="step",
+        ylabel="training loss (mean over ranks)",
+        yscale="log",
+        title=f"digits, n = {res['meta']['workers']}",
+    )
     b.set(xlabel="step", ylabel="test accuracy", title="held-out 20% of load_digits")
     for ax in (a, b):
         ax.grid(alpha=0.3)
@@ -152,9 +185,13 @@ def plots(res: dict, out: Path) -> None:
         t = w[s]["step_time_s"]
         label = f"{s} (median {w[s]['time_per_iter_s']:.2f} s)"
         ax.plot(range(1, len(t) + 1), t, style, label=label)
-    ax.set(xlabel="step", ylabel="time per iteration (s)", ylim=(0, None),
-           title=f"{w['xdpagg']['params'] / 1e6:.1f} M parameters, 1 Gbit/s, "
-                 f"n = {res['meta']['workers']}")
+    ax.set(
+        xlabel="step",
+        ylabel="time per iteration (s)",
+        ylim=(0, None),
+        title=f"{w['xdpagg']['params'] / 1e6:.1f} M parameters, 1 Gbit/s, "
+        f"n = {res['meta']['workers']}",
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -163,8 +200,9 @@ def plots(res: dict, out: Path) -> None:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--digits-steps", type=int, default=300)
     ap.add_argument("--wide-steps", type=int, default=8)
@@ -172,8 +210,11 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "training"))
     ap.add_argument("--only", choices=["digits", "wide"], default=None)
     ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker")
-    ap.add_argument("--replot", action="store_true",
-                    help="only rewrite results.md and the plots from --out's results.json")
+    ap.add_argument(
+        "--replot",
+        action="store_true",
+        help="only rewrite results.md and the plots from --out's results.json",
+    )
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -189,22 +230,46 @@ def main(argv=None) -> int:
     res = {}
     if args.only and (out / "results.json").exists():  # one case again: keep the other's
         res = json.loads((out / "results.json").read_text())
-    res["meta"] = {**res.get("meta", {}), "workers": args.workers,
-                   "wide_warmup": args.wide_warmup}
+    res["meta"] = {**res.get("meta", {}), "workers": args.workers, "wide_warmup": args.wide_warmup}
     if args.only in (None, "digits"):
         log(f"digits, n={args.workers}, unshaped:")
         res["digits"] = run_case(
-            "digits", workers=args.workers, rate=None, mtu=3500, out=out, log=log,
+            "digits",
+            workers=args.workers,
+            rate=None,
+            mtu=3500,
+            out=out,
+            log=log,
             env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window)},
-            train_args=["--model", "digits", "--steps", str(args.digits_steps)])
+            train_args=["--model", "digits", "--steps", str(args.digits_steps)],
+        )
     if args.only in (None, "wide"):
         log(f"wide, n={args.workers}, 1 Gbit/s:")
         res["wide"] = run_case(
-            "wide", workers=args.workers, rate="1gbit", mtu=3500, out=out, log=log,
-            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window),
-                 "XDP_AGG_TIMEOUT": "60"},
-            train_args=["--model", "wide", "--steps", str(args.wide_steps), "--batch", "16",
-                        "--warmup", str(args.wide_warmup), "--calib", "4"])
+            "wide",
+            workers=args.workers,
+            rate="1gbit",
+            mtu=3500,
+            out=out,
+            log=log,
+            env={
+                "XDP_AGG_ELEMS": "768",
+                "XDP_AGG_WINDOW": str(args.window),
+                "XDP_AGG_TIMEOUT": "60",
+            },
+            train_args=[
+                "--model",
+                "wide",
+                "--steps",
+                str(args.wide_steps),
+                "--batch",
+                "16",
+                "--warmup",
+                str(args.wide_warmup),
+                "--calib",
+                "4",
+            ],
+        )
     (out / "results.json").write_text(json.dumps(res, indent=1))
     if "digits" in res and "wide" in res:
         (out / "results.md").write_text(markdown(res))

@@ -41,15 +41,25 @@ def main(argv=None) -> int:
     ap.add_argument("--job", required=True)
     ap.add_argument("--elems", type=int, default=256)
     ap.add_argument("--window", type=int, default=256)
-    ap.add_argument("--plan", required=True,
-                    help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host", '
-                         '"dtype": "float32"|"int32"}] (host: xdp-agg alone)')
-    ap.add_argument("--counted", action="store_true",
-                    help="every rank: rank 0 snapshots counters around each xdp-agg all-reduce "
-                         "(the extra barriers must be the same on all ranks)")
+    ap.add_argument(
+        "--plan",
+        required=True,
+        help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host", '
+        '"dtype": "float32"|"int32"}] (host: xdp-agg alone)',
+    )
+    ap.add_argument(
+        "--counted",
+        action="store_true",
+        help="every rank: rank 0 snapshots counters around each xdp-agg all-reduce "
+        "(the extra barriers must be the same on all ranks)",
+    )
     ap.add_argument("--layout", default=None, help="JSON of netns_testbed.counters.Layout (rank 0)")
     ap.add_argument("--agg-name", default=None, help="the aggregator's --name, for its counters")
-    ap.add_argument("--profile", default=None, help="cProfile xdp-agg's all-reduces of this size into --profile-out")
+    ap.add_argument(
+        "--profile",
+        default=None,
+        help="cProfile xdp-agg's all-reduces of this size into --profile-out",
+    )
     ap.add_argument("--profile-out", default=None)
     args = ap.parse_args(argv)
 
@@ -60,9 +70,21 @@ def main(argv=None) -> int:
     import hostlib
 
     torch.set_num_threads(1)
-    comm = hostlib.init(args.rank, args.world, args.control, job=args.job, elems=args.elems, window=args.window, timeout=60)
+    comm = hostlib.init(
+        args.rank,
+        args.world,
+        args.control,
+        job=args.job,
+        elems=args.elems,
+        window=args.window,
+        timeout=60,
+    )
     dist.init_process_group(
-        "gloo", init_method=f"tcp://{args.gloo}", rank=args.rank, world_size=args.world, timeout=timedelta(seconds=120)
+        "gloo",
+        init_method=f"tcp://{args.gloo}",
+        rank=args.rank,
+        world_size=args.world,
+        timeout=timedelta(seconds=120),
     )
     counters = _Counters(args) if args.rank == 0 and args.layout else None
     try:
@@ -75,7 +97,9 @@ def main(argv=None) -> int:
                 x = rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
             else:
                 x = rng.standard_normal(count).astype(np.float32)
-            y = np.empty_like(x)  # xdp-agg's sum goes here (gloo sums t in place: no allocation either)
+            y = np.empty_like(
+                x
+            )  # xdp-agg's sum goes here (gloo sums t in place: no allocation either)
             t = torch.from_numpy(x.copy())
             runs = {"xdp-agg": lambda: comm.allreduce(x, out=y)}
             if kind != "host":
@@ -107,10 +131,20 @@ def main(argv=None) -> int:
                             deltas.append(counters.diff(s0, counters.snapshot()))
             after = comm.stats
             engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
-            engine["rtt"] = after.get("rtt", 0.0)  # the smoothed round trip at the end, not a difference
-            out = {"rank": args.rank, "bytes": nbytes, "kind": kind, "dtype": dtype, "times": times,
-                   "cpu": cpu, "engine": engine,
-                   "retransmissions": engine["retransmissions"], "packets": engine["packets_sent"]}
+            engine["rtt"] = after.get(
+                "rtt", 0.0
+            )  # the smoothed round trip at the end, not a difference
+            out = {
+                "rank": args.rank,
+                "bytes": nbytes,
+                "kind": kind,
+                "dtype": dtype,
+                "times": times,
+                "cpu": cpu,
+                "engine": engine,
+                "retransmissions": engine["retransmissions"],
+                "packets": engine["packets_sent"],
+            }
             if deltas:
                 out["counters"] = counters.sum(deltas)
             if args.profile and int(args.profile) == nbytes:
@@ -133,7 +167,6 @@ class _Counters:
 
     def __init__(self, args) -> None:
         from netns_testbed import counters
-
         from xdp_switch import aggregator
 
         self.mod = counters
@@ -192,7 +225,10 @@ def profile_one(comm, dist, x, y, args) -> None:
     buf = io.StringIO()
     pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
     with open(args.profile_out, "w") as f:
-        f.write(f"Profile of one xdp-agg all-reduce of {x.nbytes} bytes float32, n={args.world} (wall {wall:.3f} s)\n\n")
+        f.write(
+            f"Profile of one xdp-agg all-reduce of {x.nbytes} bytes float32, n={args.world} "
+            f"(wall {wall:.3f} s)\n\n"
+        )
         if perf is not None:
             f.write(perf_summary(perf_data, wall))
         f.write("\n== cProfile of rank 0's Python, by own time ==\n")
@@ -208,8 +244,25 @@ class _Perf:
         os.mkfifo(self.ctl)
         os.mkfifo(self.ack)
         self.proc = subprocess.Popen(
-            ["perf", "record", "-D", "-1", "--control", f"fifo:{self.ctl},{self.ack}", "-e", "cpu-clock",
-             "-F", "2000", "-a", "-g", "-o", data], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            [
+                "perf",
+                "record",
+                "-D",
+                "-1",
+                "--control",
+                f"fifo:{self.ctl},{self.ack}",
+                "-e",
+                "cpu-clock",
+                "-F",
+                "2000",
+                "-a",
+                "-g",
+                "-o",
+                data,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
         deadline = time.monotonic() + 20
         while True:  # the fifo has a reader once perf is up; never block on a perf that failed
             try:
@@ -257,9 +310,14 @@ _KERNEL_PATHS = [  # inclusive kernel functions worth naming, with what they sta
 
 def perf_summary(path: str, wall: float) -> str:
     """CPU time split by what ran (from `perf report`), as text."""
+
     def report(*extra):
-        r = subprocess.run(["perf", "report", "-i", path, "--stdio", "-q", "-g", "none", *extra],
-                           capture_output=True, text=True, timeout=300)
+        r = subprocess.run(
+            ["perf", "report", "-i", path, "--stdio", "-q", "-g", "none", *extra],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         return r.stdout
 
     groups: dict[str, float] = {}
@@ -283,7 +341,11 @@ def perf_summary(path: str, wall: float) -> str:
         else:
             key = "other"
         groups[key] = groups.get(key, 0.0) + pct
-    out = [f"== perf, system-wide over both CPUs (cpu-clock samples; 100% = 2 CPUs x the sampled time) ==", ""]
+    out = [
+        "== perf, system-wide over both CPUs "
+        "(cpu-clock samples; 100% = 2 CPUs x the sampled time) ==",
+        "",
+    ]
     for key, pct in sorted(groups.items(), key=lambda kv: -kv[1]):
         out.append(f"  {pct:6.2f}%  {key}")
     children = report("--children", "--sort", "sym")
@@ -292,12 +354,18 @@ def perf_summary(path: str, wall: float) -> str:
         parts = line.split()
         if len(parts) >= 4 and parts[0].endswith("%") and parts[2] == "[k]":
             incl.setdefault(parts[3], float(parts[0][:-1]))
-    out += ["", "Kernel paths (inclusive: a path's share contains what it calls, so they overlap):", ""]
+    out += [
+        "",
+        "Kernel paths (inclusive: a path's share contains what it calls, so they overlap):",
+        "",
+    ]
     for sym, what in _KERNEL_PATHS:
         if sym in incl:
             out.append(f"  {incl[sym]:6.2f}%  {sym:28s} {what}")
     out += ["", "Top symbols by own time:", ""]
-    top = [ln for ln in report("--no-children", "--sort", "dso,sym").splitlines() if ln.strip()][:30]
+    top = [ln for ln in report("--no-children", "--sort", "dso,sym").splitlines() if ln.strip()][
+        :30
+    ]
     out += ["  " + ln.strip() for ln in top]
     return "\n".join(out) + "\n"
 

@@ -76,14 +76,16 @@ class Batches:
     def get(self, step: int):
         if self.kind == "wide":
             g = torch.Generator().manual_seed(step * 1000 + self.rank)
-            return torch.randn(self.b, 4096, generator=g), torch.randint(0, 10, (self.b,),
-                                                                           generator=g)
+            return torch.randn(self.b, 4096, generator=g), torch.randint(
+                0, 10, (self.b,), generator=g
+            )
         glob = self.b * self.n
         if self._pos + glob > len(self._order):
-            self._order = torch.randperm(len(self.x),
-                                         generator=torch.Generator().manual_seed(self._epoch))
+            self._order = torch.randperm(
+                len(self.x), generator=torch.Generator().manual_seed(self._epoch)
+            )
             self._pos, self._epoch = 0, self._epoch + 1
-        idx = self._order[self._pos + self.rank * self.b:self._pos + (self.rank + 1) * self.b]
+        idx = self._order[self._pos + self.rank * self.b : self._pos + (self.rank + 1) * self.b]
         self._pos += glob
         return self.x[idx], self.y[idx]
 
@@ -94,8 +96,9 @@ def accuracy(model: torch.nn.Module, x, y) -> float:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--backend", default="xdpagg", help="xdpagg, cpu:xdpagg or gloo")
     ap.add_argument("--model", choices=["digits", "wide"], default="digits")
     ap.add_argument("--steps", type=int, default=300)
@@ -105,9 +108,12 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     ap.add_argument("--calib", type=int, default=20, help="compute-only steps to time")
     ap.add_argument("--out", default=None, help="rank 0 writes its JSON report here")
-    ap.add_argument("--hook", action="store_true",
-                    help="keep --backend (e.g. gloo) as the process group and send the gradients "
-                         "through xdp-agg with the DDP communication hook (XDP_AGG_CONTROL)")
+    ap.add_argument(
+        "--hook",
+        action="store_true",
+        help="keep --backend (e.g. gloo) as the process group and send the gradients "
+        "through xdp-agg with the DDP communication hook (XDP_AGG_CONTROL)",
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -134,9 +140,14 @@ def main(argv=None) -> int:
 
         # the job's name from the run id torchrun gives every node (all ranks agree on it)
         job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'train')}.hook"
-        comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=job,
-                            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
-                            window=int(os.environ.get("XDP_AGG_WINDOW", "128")))
+        comm = hostlib.init(
+            rank,
+            n,
+            os.environ["XDP_AGG_CONTROL"],
+            job=job,
+            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
+            window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
+        )
         state = hostlib.pt.HookState(comm)
         model.register_comm_hook(state, hostlib.pt.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
@@ -152,8 +163,11 @@ def main(argv=None) -> int:
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-        if args.model == "digits" and rank == 0 and ((step + 1) % args.eval_every == 0
-                                                     or step + 1 == args.steps):
+        if (
+            args.model == "digits"
+            and rank == 0
+            and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
+        ):
             accs.append((step + 1, accuracy(model.module, xte, yte)))
 
     # compute-only: the same work on a local copy, no communication (every rank, at once, so
@@ -177,26 +191,39 @@ def main(argv=None) -> int:
         mean_loss = [statistics.fmean(g["losses"][i] for g in gathered) for i in range(len(losses))]
         step_time = [max(g["times"][i] for g in gathered) for i in range(len(times))]
         comp = [max(g["calib"][i] for g in gathered) for i in range(len(calib))]
-        t_iter = statistics.median(step_time[args.warmup:])
-        t_comp = statistics.median(comp[args.warmup:])
+        t_iter = statistics.median(step_time[args.warmup :])
+        t_comp = statistics.median(comp[args.warmup :])
         report = {
             "backend": args.backend + (" + xdp-agg hook" if args.hook else ""),
-            "model": args.model, "world_size": n, "params": params,
-            "steps": args.steps, "batch_per_rank": args.batch, "lr": args.lr,
-            "time_per_iter_s": t_iter, "compute_per_iter_s": t_comp,
+            "model": args.model,
+            "world_size": n,
+            "params": params,
+            "steps": args.steps,
+            "batch_per_rank": args.batch,
+            "lr": args.lr,
+            "time_per_iter_s": t_iter,
+            "compute_per_iter_s": t_comp,
             "comm_share": max(0.0, 1.0 - t_comp / t_iter),
-            "loss": mean_loss, "step_time_s": step_time, "accuracy": accs,
+            "loss": mean_loss,
+            "step_time_s": step_time,
+            "accuracy": accs,
             "final_accuracy": accs[-1][1] if accs else None,
         }
         pg = dist.distributed_c10d._get_default_group()
         if hasattr(pg, "channel"):
-            report["xdpagg"] = {"job": pg.job, "on_fallback": pg.channel.on_fallback,
-                                "channel": pg.channel.stats, "engine": pg.comm.stats}
+            report["xdpagg"] = {
+                "job": pg.job,
+                "on_fallback": pg.channel.on_fallback,
+                "channel": pg.channel.stats,
+                "engine": pg.comm.stats,
+            }
         acc = f", final accuracy {report['final_accuracy']:.4f}" if accs else ""
-        print(f"{report['backend']}: {args.model} ({params / 1e6:.2f} M parameters), n={n}: "
-              f"{t_iter * 1e3:.1f} ms per iteration, {t_comp * 1e3:.1f} ms of it compute "
-              f"(communication {report['comm_share']:.0%}), final loss {mean_loss[-1]:.4f}{acc}",
-              flush=True)
+        print(
+            f"{report['backend']}: {args.model} ({params / 1e6:.2f} M parameters), n={n}: "
+            f"{t_iter * 1e3:.1f} ms per iteration, {t_comp * 1e3:.1f} ms of it compute "
+            f"(communication {report['comm_share']:.0%}), final loss {mean_loss[-1]:.4f}{acc}",
+            flush=True,
+        )
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(report, f)

@@ -96,7 +96,11 @@ def init(
         if rank == 0:
             sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
             desc = ctl.job(
-                "create", job=job, world_size=world_size, elems=elems, window=window,
+                "create",
+                job=job,
+                world_size=world_size,
+                elems=elems,
+                window=window,
                 worker_port=sock.address[1],
             )
         else:
@@ -117,8 +121,14 @@ def init(
                 ) from None
         _join_group(sock, desc.group, my_ip, pinned)
         desc = ctl.job(
-            "register", job=job, rank=rank, port=sock.address[1], ip=my_ip,
-            mac=mac or mac_of(my_ip), timeout=wait, reply_timeout=wait + 5,
+            "register",
+            job=job,
+            rank=rank,
+            port=sock.address[1],
+            ip=my_ip,
+            mac=mac or mac_of(my_ip),
+            timeout=wait,
+            reply_timeout=wait + 5,
         )
     except BaseException:
         if sock is not None:
@@ -295,8 +305,8 @@ class Communicator:
         if lagging:
             top = d.get("most_contributions", 0)
             notes.append(
-                "lagging: " + ", ".join(f"rank {r} ({c} contributions)" for r, c in
-                                        sorted(lagging.items()))
+                "lagging: "
+                + ", ".join(f"rank {r} ({c} contributions)" for r, c in sorted(lagging.items()))
                 + f" reached the aggregator, the most advanced rank {top}"
             )
         if mine == 0 and e.packets:

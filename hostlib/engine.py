@@ -96,7 +96,10 @@ assert wire.SML_DTYPE.names == ("msg_type_size", "job_number", "tsi", "pool_inde
 assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.VALUES_AT
 assert wire.EXP_DTYPE.names == ("e0", "e1") and wire.EXP_DTYPE.fields["e0"][1] == 0
 # the C loop's layout is the wire module's (a stale build would send other bytes)
-assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (wire.VALUES_AT, wire.EXP_HLEN)
+assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (
+    wire.VALUES_AT,
+    wire.EXP_HLEN,
+)
 
 
 @dataclass
@@ -210,8 +213,9 @@ class _IntTransfer:
 class _FloatTransfer:
     """float32 tensors, block-scaled with a one-window look-ahead of the exponents."""
 
-    def __init__(self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int,
-                 work: np.ndarray) -> None:
+    def __init__(
+        self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int, work: np.ndarray
+    ) -> None:
         self.L, self.n, self.k = src.size, n, k
         self.Pd = -(-self.L // k)
         self.w = min(window, self.Pd)
@@ -238,8 +242,9 @@ class _FloatTransfer:
             values, a = values[z:], a + z
         if a < b:
             c0, c1 = a - w, b - w
-            scaling.quantise_scaled(self.x.get(c0, c1), self.f[c0:c1], self.limit, out=values,
-                                    work=self._tmp[: c1 - c0])
+            scaling.quantise_scaled(
+                self.x.get(c0, c1), self.f[c0:c1], self.limit, out=values, work=self._tmp[: c1 - c0]
+            )
 
     def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
         if a < self.Pd:  # the agreed exponents E of chunks a.. (the max over the workers)
@@ -301,20 +306,36 @@ class StreamEngine:
             raise ValueError(f"cwnd must be 'aimd' or 'fixed', not {config.cwnd!r}")
         # Room for a few windows of results (and of packets) however late this process drains
         # its socket; a datagram takes about plen + 768 bytes of buffer (its skb).
-        sock.ensure_buffers(rcvbuf=4 * config.window * (self.plen + 768),
-                            sndbuf=2 * config.window * (self.plen + 768))
+        sock.ensure_buffers(
+            rcvbuf=4 * config.window * (self.plen + 768),
+            sndbuf=2 * config.window * (self.plen + 768),
+        )
         self.native = _use_native(config.native)
         self._fast = None
         if self.native:
             self._fast = _fastpath.Engine(
-                sock.fileno(), config.aggregator[0], config.aggregator[1], config.elems,
-                config.window, config.world_size, wire.type_size(wire.MSG_TYPE_DATA,
-                                                                 self.size_code),
-                config.slot_base, config.rto, config.rto_max, gso=sock.gso, gro=sock.gro,
+                sock.fileno(),
+                config.aggregator[0],
+                config.aggregator[1],
+                config.elems,
+                config.window,
+                config.world_size,
+                wire.type_size(wire.MSG_TYPE_DATA, self.size_code),
+                config.slot_base,
+                config.rto,
+                config.rto_max,
+                gso=sock.gso,
+                gro=sock.gro,
                 cwnd=config.cwnd,
-                faults=None if faults is None else (
-                    faults.send_loss, faults.recv_loss, faults.send_duplicate,
-                    faults.recv_duplicate, faults.seed),
+                faults=None
+                if faults is None
+                else (
+                    faults.send_loss,
+                    faults.recv_loss,
+                    faults.send_duplicate,
+                    faults.recv_duplicate,
+                    faults.seed,
+                ),
             )
         self._rx = RowReceiver(sock, self.plen, max_rows=2 * config.window + 64)
         self._rtt = _RttEstimator()  # kept across all-reduces
@@ -460,8 +481,9 @@ class StreamEngine:
             if printer:
                 printer.close(time.monotonic(), ndone, st["retransmissions"])
 
-    def _run_native(self, is_float: bool, src: np.ndarray, dst: np.ndarray,
-                    timeout: float | None) -> None:
+    def _run_native(
+        self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None
+    ) -> None:
         """One all-reduce through the C loop: the same packets as _run with the transfers
         above (P, w and the exponents as _IntTransfer and _FloatTransfer make them)."""
         cfg, st = self.cfg, self.stats
@@ -483,15 +505,26 @@ class StreamEngine:
         printer = _Progress(number, P, self.plen, t0) if cfg.progress else None
         show = None
         if printer:
+
             def show(ndone: int, retx: int) -> None:
                 now = time.monotonic()
                 if now >= printer.next:
                     printer.show(now, ndone, retx)
+
         res = None
         try:
             res = self._fast.allreduce(
-                is_float, src, dst, P, w, number & 0xFF, self.versions[:w].tobytes(), exps,
-                timeout, progress=show, progress_every=0.25,
+                is_float,
+                src,
+                dst,
+                P,
+                w,
+                number & 0xFF,
+                self.versions[:w].tobytes(),
+                exps,
+                timeout,
+                progress=show,
+                progress_every=0.25,
             )
             if res["status"] != "done":
                 raise self._stalled(number, P, timeout, res["results_here"], res["busy"])
@@ -509,8 +542,9 @@ class StreamEngine:
                 self.sock.recv_calls += c["recv_calls"]
                 self.sock.send_errors += c["send_errors"]
                 if res["last_errno"]:
-                    self.sock.last_send_error = OSError(res["last_errno"],
-                                                        os.strerror(res["last_errno"]))
+                    self.sock.last_send_error = OSError(
+                        res["last_errno"], os.strerror(res["last_errno"])
+                    )
                 if res["gso_refused"]:
                     self.sock.gso = False
             st["send_calls"] = self.sock.send_calls
@@ -612,8 +646,11 @@ class StreamEngine:
         head = rows[:, :8].view("<u8")[:, 0]
         # the usual batch: results of consecutive packets t0.., all valid and new
         t0 = int(rows[0, 2:6].view(">u4")[0])
-        if (t0 + m <= P and not np.count_nonzero(head != expect[t0 : t0 + m])
-                and not np.count_nonzero(done[t0 : t0 + m])):
+        if (
+            t0 + m <= P
+            and not np.count_nonzero(head != expect[t0 : t0 + m])
+            and not np.count_nonzero(done[t0 : t0 + m])
+        ):
             st["results"] += m
             return [(t0, t0 + m)], slice(0, m), m
         tsi = rows[:, 2:6].view(">u4")[:, 0].astype(np.int64)
@@ -662,17 +699,31 @@ class StreamEngine:
         if self.sock.last_send_error is not None:
             msg += f" Last send error: {self.sock.last_send_error}."
         return AllreduceTimeout(
-            msg, aggregator=cfg.aggregator, packets=P, outstanding=outstanding,
-            outstanding_slots=slots, results=results_here,
+            msg,
+            aggregator=cfg.aggregator,
+            packets=P,
+            outstanding=outstanding,
+            outstanding_slots=slots,
+            results=results_here,
         )
 
 
 _NO_DUPS = np.zeros(0, dtype=np.int64)
 # the counters the C loop reports per all-reduce that add up in StreamEngine.stats as they are
 # (the socket's system calls and errors go through the DatagramSocket's own counters)
-_NATIVE_COUNTED = ("packets_sent", "retransmissions", "timeouts", "results", "duplicates",
-                   "stale", "malformed", "bytes_sent", "bytes_received", "fault_drops",
-                   "spurious")
+_NATIVE_COUNTED = (
+    "packets_sent",
+    "retransmissions",
+    "timeouts",
+    "results",
+    "duplicates",
+    "stale",
+    "malformed",
+    "bytes_sent",
+    "bytes_received",
+    "fault_drops",
+    "spurious",
+)
 
 
 def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict) -> None:

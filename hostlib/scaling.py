@@ -77,8 +77,13 @@ def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:
     return np.ldexp(float(int_range(n)), -np.asarray(exponents, dtype=np.int32))
 
 
-def quantise(chunks: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None,
-             work: np.ndarray | None = None) -> np.ndarray:
+def quantise(
+    chunks: np.ndarray,
+    exponents: np.ndarray,
+    n: int,
+    out: np.ndarray | None = None,
+    work: np.ndarray | None = None,
+) -> np.ndarray:
     """int32 round(x * f) of (m, k) float chunks with their agreed exponents E (m,).
 
     `out`: where to write them (any integer array of the chunks' shape, e.g. a big-endian view

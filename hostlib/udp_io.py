@@ -306,11 +306,21 @@ class RowReceiver:
 # --- recvmmsg through ctypes (Linux) ---------------------------------------------------------
 _MSG_DONTWAIT, _MSG_TRUNC = 0x40, 0x20
 # struct mmsghdr on LP64 Linux: struct msghdr (56 bytes) then unsigned msg_len, padded to 64
-_MMSGHDR = np.dtype([
-    ("name", "<u8"), ("namelen", "<u4"), ("pad0", "<u4"), ("iov", "<u8"), ("iovlen", "<u8"),
-    ("control", "<u8"), ("controllen", "<u8"), ("flags", "<i4"), ("pad1", "<u4"),
-    ("len", "<u4"), ("pad2", "<u4"),
-])
+_MMSGHDR = np.dtype(
+    [
+        ("name", "<u8"),
+        ("namelen", "<u4"),
+        ("pad0", "<u4"),
+        ("iov", "<u8"),
+        ("iovlen", "<u8"),
+        ("control", "<u8"),
+        ("controllen", "<u8"),
+        ("flags", "<i4"),
+        ("pad1", "<u4"),
+        ("len", "<u4"),
+        ("pad2", "<u4"),
+    ]
+)
 _IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
 _CTRL_WORDS = _GRO_CMSG_SPACE // 4  # per message: cmsg_len (8), level (4), type (4), data (4+pad)
 
@@ -352,10 +362,14 @@ class _MMsg:
         self.iov["len"] = self.slot
         self.ctrl = np.zeros((self.count, _CTRL_WORDS), dtype=np.int32)
         self.hdr = np.zeros(self.count, dtype=_MMSGHDR)
-        self.hdr["iov"] = self.iov.ctypes.data + _IOVEC.itemsize * np.arange(self.count, dtype=np.uint64)
+        self.hdr["iov"] = self.iov.ctypes.data + _IOVEC.itemsize * np.arange(
+            self.count, dtype=np.uint64
+        )
         self.hdr["iovlen"] = 1
         if self.gro:
-            self.hdr["control"] = self.ctrl.ctypes.data + _GRO_CMSG_SPACE * np.arange(self.count, dtype=np.uint64)
+            self.hdr["control"] = self.ctrl.ctypes.data + _GRO_CMSG_SPACE * np.arange(
+                self.count, dtype=np.uint64
+            )
         self.ctrl_len = self.hdr["controllen"]
         self.hdr_addr = self.hdr.ctypes.data
         return self
@@ -376,7 +390,9 @@ class _MMsg:
     def cmsg_ok(self, m: int) -> np.ndarray:
         """Which of the first m messages carry a UDP_GRO control message."""
         c = self.ctrl[:m]
-        return (self.ctrl_len[:m] >= socket.CMSG_LEN(4)) & (c[:, 2] == SOL_UDP) & (c[:, 3] == UDP_GRO)
+        return (
+            (self.ctrl_len[:m] >= socket.CMSG_LEN(4)) & (c[:, 2] == SOL_UDP) & (c[:, 3] == UDP_GRO)
+        )
 
 
 def _set_buffer(sock: socket.socket, opt: int, force_opt: int, size: int) -> None:

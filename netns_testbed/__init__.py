@@ -14,6 +14,15 @@ from .registry import STATE_DIR, list_states
 from .testbed import Testbed, require_root
 
 __all__ = [
-    "AggregatorHost", "MAX_WORKERS", "NotRootError", "STATE_DIR", "TOPOLOGIES", "Testbed",
-    "TestbedError", "WorkerHost", "list_states", "new_prefix", "require_root",
+    "AggregatorHost",
+    "MAX_WORKERS",
+    "NotRootError",
+    "STATE_DIR",
+    "TOPOLOGIES",
+    "Testbed",
+    "TestbedError",
+    "WorkerHost",
+    "list_states",
+    "new_prefix",
+    "require_root",
 ]

@@ -85,7 +85,8 @@ def main():
     pass
 
 
-@main.command(help="""Build a testbed and leave it running.
+@main.command(
+    help="""Build a testbed and leave it running.
 
 \b
 one-arm: bridge in <prefix>sw; aggregator eth0 198.18.0.1/24, worker i
@@ -93,29 +94,59 @@ one-arm: bridge in <prefix>sw; aggregator eth0 198.18.0.1/24, worker i
 switch:  aggregator p<i> 198.18.(i+1).1/24 <-> worker i eth0 198.18.(i+1).2/24.
 
 \b
-Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500""")
-@click.option("-n", "--workers", type=click.IntRange(1, plan.MAX_WORKERS), default=2,
-              show_default=True, help="Number of workers.")
-@click.option("--topology", type=click.Choice(plan.TOPOLOGIES), default="one-arm",
-              show_default=True)
+Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
+)
+@click.option(
+    "-n",
+    "--workers",
+    type=click.IntRange(1, plan.MAX_WORKERS),
+    default=2,
+    show_default=True,
+    help="Number of workers.",
+)
+@click.option(
+    "--topology", type=click.Choice(plan.TOPOLOGIES), default="one-arm", show_default=True
+)
 @click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
 @click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
-@click.option("--mtu", type=int, default=1500, show_default=True,
-              help=f"Link MTU, {MIN_MTU}..{MAX_MTU} (XDP on veth without frags allows no more).")
+@click.option(
+    "--mtu",
+    type=int,
+    default=1500,
+    show_default=True,
+    help=f"Link MTU, {MIN_MTU}..{MAX_MTU} (XDP on veth without frags allows no more).",
+)
 @click.option("--loss-up", type=PROB, default=0.0, help="Drop probability worker -> aggregator.")
 @click.option("--loss-down", type=PROB, default=0.0, help="Drop probability aggregator -> worker.")
-@click.option("--dup-up", type=PROB, default=0.0, help="Duplication probability worker -> aggregator.")
-@click.option("--dup-down", type=PROB, default=0.0,
-              help="Duplication probability aggregator -> worker (one-arm only).")
+@click.option(
+    "--dup-up", type=PROB, default=0.0, help="Duplication probability worker -> aggregator."
+)
+@click.option(
+    "--dup-down",
+    type=PROB,
+    default=0.0,
+    help="Duplication probability aggregator -> worker (one-arm only).",
+)
 @click.option("--prefix", callback=_prefix, help="Name prefix (default: xt + 4 random hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
-def up(workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_down, prefix,
-       as_json):
+def up(
+    workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_down, prefix, as_json
+):
     try:
         # options first: a usage error is worth knowing before asking for sudo
-        tb = Testbed(workers=workers, topology=topology, rate=rate, agg_rate=agg_rate, mtu=mtu,
-                     loss_up=loss_up, loss_down=loss_down, dup_up=dup_up, dup_down=dup_down,
-                     prefix=prefix, cleanup_at_exit=False)
+        tb = Testbed(
+            workers=workers,
+            topology=topology,
+            rate=rate,
+            agg_rate=agg_rate,
+            mtu=mtu,
+            loss_up=loss_up,
+            loss_down=loss_down,
+            dup_up=dup_up,
+            dup_down=dup_down,
+            prefix=prefix,
+            cleanup_at_exit=False,
+        )
         require_root()
         tb.up()
     except ValueError as e:
@@ -129,7 +160,8 @@ def up(workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_d
     click.echo(f"remove with: netns-testbed down --prefix {tb.prefix}")
 
 
-@main.command(help="""Remove a testbed (or several): processes started through the
+@main.command(
+    help="""Remove a testbed (or several): processes started through the
 library, namespaces, links, state file.
 
 \b
@@ -140,9 +172,12 @@ cleaning up (testbeds made by `up` are never stale).
 \b
 Examples: netns-testbed down --prefix demo
           netns-testbed down --stale
-          netns-testbed down --all""")
+          netns-testbed down --all"""
+)
 @click.option("--prefix", callback=_prefix, help="Testbed to remove.")
-@click.option("--all", "all_", is_flag=True, help=f"Remove every testbed recorded in {registry.STATE_DIR}.")
+@click.option(
+    "--all", "all_", is_flag=True, help=f"Remove every testbed recorded in {registry.STATE_DIR}."
+)
 @click.option("--stale", is_flag=True, help="Remove testbeds left behind by programs that died.")
 def down(prefix, all_, stale):
     if (prefix is not None) + all_ + stale != 1:
@@ -152,8 +187,11 @@ def down(prefix, all_, stale):
         if prefix is not None:
             prefixes = [prefix]
         else:
-            prefixes = [st["prefix"] for st in registry.list_states()
-                        if all_ or (st.get("cleanup_at_exit") and not registry.owner_alive(st))]
+            prefixes = [
+                st["prefix"]
+                for st in registry.list_states()
+                if all_ or (st.get("cleanup_at_exit") and not registry.owner_alive(st))
+            ]
         if not prefixes:
             click.echo("nothing to remove")
         failed = []
@@ -189,20 +227,26 @@ def _down_one(prefix: str) -> None:
         raise TestbedError("; ".join(errors))
 
 
-@main.command(help="""Show recorded testbeds and whether their namespaces exist.
+@main.command(
+    help="""Show recorded testbeds and whether their namespaces exist.
 
 \b
-Example: netns-testbed status --json""")
+Example: netns-testbed status --json"""
+)
 @click.option("--prefix", callback=_prefix, help="Only this testbed.")
 @click.option("--json", "as_json", is_flag=True, help="Print a JSON list of states.")
 def status(prefix, as_json):
     states = [st for st in registry.list_states() if prefix is None or st["prefix"] == prefix]
     for st in states:
-        present = [ns for ns in st.get("namespaces", [])
-                   if os.path.exists(nsexec.netns_path(ns))]
+        present = [ns for ns in st.get("namespaces", []) if os.path.exists(nsexec.netns_path(ns))]
         st["present_namespaces"] = present
-        st["health"] = ("ok" if len(present) == len(st.get("namespaces", [])) and present
-                        else "partial" if present else "gone")
+        st["health"] = (
+            "ok"
+            if len(present) == len(st.get("namespaces", [])) and present
+            else "partial"
+            if present
+            else "gone"
+        )
         st["owner_alive"] = registry.owner_alive(st)
     if as_json:
         click.echo(json.dumps(states, indent=1, sort_keys=True))
@@ -213,22 +257,29 @@ def status(prefix, as_json):
             sys.exit(EXIT_ERROR)
         return
     for st in states:
-        owner = ("made by netns-testbed up" if not st.get("cleanup_at_exit")
-                 else f"owner pid {st.get('owner_pid')} "
-                      + ("running" if st["owner_alive"] else "gone: remove with down --stale"))
-        click.echo(_describe(st) + f"\n  health: {st['health']} "
-                   f"({len(st['present_namespaces'])}/{len(st.get('namespaces', []))} namespaces),"
-                   f" {owner}")
+        owner = (
+            "made by netns-testbed up"
+            if not st.get("cleanup_at_exit")
+            else f"owner pid {st.get('owner_pid')} "
+            + ("running" if st["owner_alive"] else "gone: remove with down --stale")
+        )
+        click.echo(
+            _describe(st) + f"\n  health: {st['health']} "
+            f"({len(st['present_namespaces'])}/{len(st.get('namespaces', []))} namespaces),"
+            f" {owner}"
+        )
 
 
-@main.command(name="exec", context_settings={"ignore_unknown_options": True,
-                                             "allow_interspersed_args": False},
-              help="""Run CMD inside HOST's namespace (HOST: agg, sw, w0, w1, ...).
+@main.command(
+    name="exec",
+    context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False},
+    help="""Run CMD inside HOST's namespace (HOST: agg, sw, w0, w1, ...).
 
 \b
 --prefix may be omitted when exactly one testbed exists.
 Examples: netns-testbed exec --prefix demo w1 -- ping -c 1 198.18.0.1
-          netns-testbed exec agg -- tcpdump -ni eth0""")
+          netns-testbed exec agg -- tcpdump -ni eth0""",
+)
 @click.option("--prefix", callback=_prefix, help="Testbed (default: the only one).")
 @click.argument("host")
 @click.argument("cmd", nargs=-1, required=True, type=click.UNPROCESSED)
@@ -240,7 +291,9 @@ def exec_(prefix, host, cmd):
             if len(known) != 1:
                 raise click.UsageError(
                     "several testbeds exist, pick one with --prefix: " + ", ".join(known)
-                    if known else "no testbeds recorded; create one with `netns-testbed up`")
+                    if known
+                    else "no testbeds recorded; create one with `netns-testbed up`"
+                )
             prefix = known[0]
         tb = Testbed.attach(prefix)
         try:
@@ -261,11 +314,14 @@ def exec_(prefix, host, cmd):
         raise _fail(TestbedError(f"cannot run nsenter: {e}")) from None
 
 
-@main.command(name="set", help="""Change rate, loss or duplication of a running testbed.
+@main.command(
+    name="set",
+    help="""Change rate, loss or duplication of a running testbed.
 
 \b
 Examples: netns-testbed set --prefix demo --rate 100mbit
-          netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1""")
+          netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1""",
+)
 @click.option("--prefix", callback=_prefix, required=True)
 @click.option("--rate", help="New per worker link rate, or 'none' to remove the limit.")
 @click.option("--agg-rate", help="New aggregator link rate (one-arm), or 'none'.")
@@ -284,9 +340,12 @@ def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down):
             else:
                 tb.set_rate(new_rate)
         if any(x is not None for x in (loss_up, loss_down, dup_up, dup_down)):
-            tb.set_loss(tb.loss_up if loss_up is None else loss_up,
-                        tb.loss_down if loss_down is None else loss_down,
-                        dup_up=dup_up, dup_down=dup_down)
+            tb.set_loss(
+                tb.loss_up if loss_up is None else loss_up,
+                tb.loss_down if loss_down is None else loss_down,
+                dup_up=dup_up,
+                dup_down=dup_down,
+            )
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     except TestbedError as e:
@@ -296,18 +355,25 @@ def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down):
 
 def _describe(st: dict) -> str:
     """Human-readable summary of a state dict."""
-    lines = [f"testbed {st['prefix']} [{st.get('status')}]: {st['topology']}, "
-             f"{st['n_workers']} workers, mtu {st['mtu']}, rate {st.get('rate') or 'unlimited'}"
-             + (f", agg rate {st['agg_rate']}" if st.get("agg_rate") else "")
-             + f", loss up/down {st.get('loss_up', 0)}/{st.get('loss_down', 0)}"
-             + (f", dup up/down {st.get('dup_up', 0)}/{st.get('dup_down', 0)}"
-                if st.get("dup_up") or st.get("dup_down") else "")]
+    lines = [
+        f"testbed {st['prefix']} [{st.get('status')}]: {st['topology']}, "
+        f"{st['n_workers']} workers, mtu {st['mtu']}, rate {st.get('rate') or 'unlimited'}"
+        + (f", agg rate {st['agg_rate']}" if st.get("agg_rate") else "")
+        + f", loss up/down {st.get('loss_up', 0)}/{st.get('loss_down', 0)}"
+        + (
+            f", dup up/down {st.get('dup_up', 0)}/{st.get('dup_down', 0)}"
+            if st.get("dup_up") or st.get("dup_down")
+            else ""
+        )
+    ]
     ag = st["aggregator"]
     for ifname, ip, mac in zip(ag["ifnames"], ag["ips"], ag["macs"]):
         lines.append(f"  agg  {ag['netns']:<12} {ifname:<5} {ip:<15} {mac}")
     for w in st["workers"]:
-        lines.append(f"  w{w['index']:<3} {w['netns']:<12} {w['ifname']:<5} {w['ip']:<15} {w['mac']}"
-                     f"  -> {w['agg_ip']} ({w['agg_ifname']})")
+        lines.append(
+            f"  w{w['index']:<3} {w['netns']:<12} {w['ifname']:<5} {w['ip']:<15} {w['mac']}"
+            f"  -> {w['agg_ip']} ({w['agg_ifname']})"
+        )
     if st.get("group_ip"):
         lines.append(f"  group address {st['group_ip']}")
     return "\n".join(lines)

@@ -45,8 +45,16 @@ for d in $(ip -o link show type veth | sed -n 's/^[0-9]*: \([^@:]*\).*/\1/p'); d
 done
 """.replace("TABLE", faults.TABLE)
 
-_SNMP_UDP_KEYS = ("InDatagrams", "NoPorts", "InErrors", "OutDatagrams", "RcvbufErrors",
-                  "SndbufErrors", "InCsumErrors", "MemErrors")
+_SNMP_UDP_KEYS = (
+    "InDatagrams",
+    "NoPorts",
+    "InErrors",
+    "OutDatagrams",
+    "RcvbufErrors",
+    "SndbufErrors",
+    "InCsumErrors",
+    "MemErrors",
+)
 
 
 # --- parsing (pure: tested with captured samples) ---------------------------------------------
@@ -57,9 +65,13 @@ def parse_tc(text: str) -> dict[str, dict]:
     for q in json.loads(text or "[]"):
         if not q.get("root"):
             continue
-        out[q["dev"]] = {"kind": q.get("kind", "?"),
-                         **{k: int(q.get(k, 0)) for k in ("drops", "overlimits", "requeues",
-                                                           "packets", "bytes", "backlog")}}
+        out[q["dev"]] = {
+            "kind": q.get("kind", "?"),
+            **{
+                k: int(q.get(k, 0))
+                for k in ("drops", "overlimits", "requeues", "packets", "bytes", "backlog")
+            },
+        }
     return out
 
 
@@ -73,9 +85,12 @@ def parse_links(text: str) -> dict[str, dict]:
             continue
         rx, tx = st.get("rx", {}), st.get("tx", {})
         out[link["ifname"]] = {
-            "rx_packets": int(rx.get("packets", 0)), "rx_dropped": int(rx.get("dropped", 0)),
-            "rx_errors": int(rx.get("errors", 0)), "tx_packets": int(tx.get("packets", 0)),
-            "tx_dropped": int(tx.get("dropped", 0)), "tx_errors": int(tx.get("errors", 0)),
+            "rx_packets": int(rx.get("packets", 0)),
+            "rx_dropped": int(rx.get("dropped", 0)),
+            "rx_errors": int(rx.get("errors", 0)),
+            "tx_packets": int(tx.get("packets", 0)),
+            "tx_dropped": int(tx.get("dropped", 0)),
+            "tx_errors": int(tx.get("errors", 0)),
         }
     return out
 
@@ -146,6 +161,7 @@ def parse_namespace_dump(text: str) -> dict:
             sections[cur] = []
         elif cur is not None:
             sections[cur].append(line)
+
     def get(k: str) -> str:
         return "\n".join(sections.get(k, []))
 
@@ -154,8 +170,11 @@ def parse_namespace_dump(text: str) -> dict:
         "link": parse_links(get("link")),
         "udp": parse_snmp(get("snmp")),
         "nft": parse_nft(get("nft")),
-        "ethtool": {k.split(None, 1)[1]: parse_ethtool("\n".join(v))
-                    for k, v in sections.items() if k.startswith("ethtool ")},
+        "ethtool": {
+            k.split(None, 1)[1]: parse_ethtool("\n".join(v))
+            for k, v in sections.items()
+            if k.startswith("ethtool ")
+        },
     }
 
 
@@ -186,8 +205,15 @@ class Layout:
         else:
             down = [[tb.aggregator.netns, w.agg_ifname] for w in tb.workers]
             agg_port = None
-        return cls(tb.topology, [w.netns for w in tb.workers], tb.aggregator.netns,
-                   list(tb.agg_interfaces), tb.switch_netns, down, agg_port)
+        return cls(
+            tb.topology,
+            [w.netns for w in tb.workers],
+            tb.aggregator.netns,
+            list(tb.agg_interfaces),
+            tb.switch_netns,
+            down,
+            agg_port,
+        )
 
     @property
     def namespaces(self) -> list[str]:
@@ -206,9 +232,15 @@ def snapshot(layout: Layout, aggregator_stats=None, timeout: float = 30.0) -> di
     """Read every counter of the testbed now: {"ns": {netns: dump}, "softnet": ...,
     "aggregator": ...}. ``aggregator_stats``: a callable returning ``xdp-agg stats --json``'s
     dict (e.g. ``Cluster.stats``), or None. Namespaces are read in parallel."""
-    procs = {ns: subprocess.Popen(nsexec.nsenter_argv(ns, ["sh", "-c", _DUMP_SCRIPT]),
-                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-             for ns in layout.namespaces}
+    procs = {
+        ns: subprocess.Popen(
+            nsexec.nsenter_argv(ns, ["sh", "-c", _DUMP_SCRIPT]),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+        )
+        for ns in layout.namespaces
+    }
     snap: dict = {"ns": {}}
     for ns, p in procs.items():
         out, _ = p.communicate(timeout=timeout)
@@ -229,8 +261,9 @@ def diff(before, after):
         return {k: diff(b.get(k), v) for k, v in after.items()}
     if isinstance(after, bool) or not isinstance(after, (int, float)):
         return after
-    return after - (before if isinstance(before, (int, float)) and not isinstance(before, bool)
-                    else 0)
+    return after - (
+        before if isinstance(before, (int, float)) and not isinstance(before, bool) else 0
+    )
 
 
 def sum_deltas(deltas: list[dict]) -> dict:
@@ -265,8 +298,16 @@ def ethtool_totals(stats: dict[str, int]) -> dict[str, int]:
 
 
 # --- attribution ----------------------------------------------------------------------------
-CAUSES = ("tbf_qdisc", "veth_xdp_ring", "socket_rcvbuf", "send_refused", "aggregator_drop",
-          "injected_loss", "spurious", "unexplained")
+CAUSES = (
+    "tbf_qdisc",
+    "veth_xdp_ring",
+    "socket_rcvbuf",
+    "send_refused",
+    "aggregator_drop",
+    "injected_loss",
+    "spurious",
+    "unexplained",
+)
 """What a retransmission can be attributed to (the keys of :attr:`Attribution.causes`):
 
 * ``tbf_qdisc``: a datagram or result dropped by a tbf qdisc on a worker link;
@@ -365,13 +406,15 @@ def _agg_reason(delta: dict, reason: str) -> int:
 
 def _agg_drops(delta: dict) -> int:
     agg = delta.get("aggregator") or {}
-    rows = [agg.get("unattributed") or {}] + [j.get("reasons") or {} for j in
-                                              (agg.get("jobs") or {}).values()]
+    rows = [agg.get("unattributed") or {}] + [
+        j.get("reasons") or {} for j in (agg.get("jobs") or {}).values()
+    ]
     return sum(v for row in rows for k, v in row.items() if k.startswith("drop_"))
 
 
-def attribute(delta: dict, layout: Layout, engine: list[dict],
-              datagram_bytes: int | None = None) -> Attribution:
+def attribute(
+    delta: dict, layout: Layout, engine: list[dict], datagram_bytes: int | None = None
+) -> Attribution:
     """Attribute the workers' retransmissions over a span to causes (:data:`CAUSES`).
 
     ``delta``: :func:`diff` of snapshots around the span (with the aggregator's counters for a
@@ -401,12 +444,15 @@ def attribute(delta: dict, layout: Layout, engine: list[dict],
     if datagram_bytes is None and S > 0 and sum(e.get("bytes_sent", 0) for e in engine) > 0:
         # UDP payload per datagram (the engine's bytes_sent), plus the IPv4 and UDP headers
         datagram_bytes = sum(e.get("bytes_sent", 0) for e in engine) / S + 28
+
     def ns(i: int) -> str:
         return layout.workers[i]
 
     def nft(i: int, chains) -> float:
-        return sum(_nft_datagrams(_get(delta, "ns", ns(i), "nft", ch, default={}), datagram_bytes)
-                   for ch in chains)
+        return sum(
+            _nft_datagrams(_get(delta, "ns", ns(i), "nft", ch, default={}), datagram_bytes)
+            for ch in chains
+        )
 
     up = {c: 0.0 for c in CAUSES}
     down = {c: 0.0 for c in CAUSES}
@@ -424,8 +470,9 @@ def attribute(delta: dict, layout: Layout, engine: list[dict],
             down["veth_xdp_ring"] += _pair_loss(delta, port, w_if)
     if layout.agg_port:  # one-arm: the aggregator's own link, both directions
         agg_if = [layout.aggregator, layout.agg_ifnames[0]]
-        up["tbf_qdisc"] += _get(delta, "ns", layout.agg_port[0], "qdisc", layout.agg_port[1],
-                                "drops")
+        up["tbf_qdisc"] += _get(
+            delta, "ns", layout.agg_port[0], "qdisc", layout.agg_port[1], "drops"
+        )
         up["veth_xdp_ring"] += _pair_loss(delta, layout.agg_port, agg_if)
         down["veth_xdp_ring"] += n * _pair_loss(delta, agg_if, layout.agg_port)  # before the flood
     for i, e in enumerate(engine[:n]):
@@ -484,10 +531,13 @@ def attribute(delta: dict, layout: Layout, engine: list[dict],
     residual = R - sum(causes.values())
     causes["unexplained"] += residual
     detail.update(
-        source=src, spurious_from=spurious_from, collateral=round(collateral),
+        source=src,
+        spurious_from=spurious_from,
+        collateral=round(collateral),
         upstream_counted={c: v for c, v in up.items() if v},
         downstream_counted={c: v for c, v in down.items() if v},
-        aggregator_drops=agg_drops, injected_duplicates=injected_dups,
+        aggregator_drops=agg_drops,
+        injected_duplicates=injected_dups,
         # how the duplicates met the aggregator: their slot still waiting for another worker's
         # contribution (dropped), or complete (answered with the stored result)
         duplicates_while_pending=_agg_reason(delta, "dup_pending"),

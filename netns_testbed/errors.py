@@ -10,5 +10,7 @@ class TestbedError(RuntimeError):
 class NotRootError(TestbedError):
     """The caller lacks the privileges to create network namespaces."""
 
-    def __init__(self, msg: str = "not root: run with sudo (network namespaces need CAP_SYS_ADMIN)"):
+    def __init__(
+        self, msg: str = "not root: run with sudo (network namespaces need CAP_SYS_ADMIN)"
+    ):
         super().__init__(msg)

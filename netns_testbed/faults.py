@@ -73,13 +73,17 @@ def worker_script(ifname: str, loss_up: float, loss_down: float, dup_up: float) 
     ports = f"{AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
     body = ""
     if loss_up > 0:
-        body += (f'  chain loss_up {{ type filter hook egress device "{ifname}" priority 0; '
-                 "policy accept;\n"
-                 f"    udp dport {ports} {_chance(loss_up)}counter drop\n  }}\n")
+        body += (
+            f'  chain loss_up {{ type filter hook egress device "{ifname}" priority 0; '
+            "policy accept;\n"
+            f"    udp dport {ports} {_chance(loss_up)}counter drop\n  }}\n"
+        )
     if loss_down > 0:
-        body += (f'  chain loss_down {{ type filter hook ingress device "{ifname}" priority 0; '
-                 "policy accept;\n"
-                 f"    udp sport {ports} {_chance(loss_down)}counter drop\n  }}\n")
+        body += (
+            f'  chain loss_down {{ type filter hook ingress device "{ifname}" priority 0; '
+            "policy accept;\n"
+            f"    udp sport {ports} {_chance(loss_down)}counter drop\n  }}\n"
+        )
     if dup_up > 0:  # priority 10: after loss_up, so only survivors are copied
         body += _dup_chain("dup_up", ifname, f"udp dport {ports}", dup_up, priority=10)
     return _replace_table("netdev", body)
@@ -95,10 +99,12 @@ def switch_script(ports: list[str], dup_down: float) -> str:
 
 
 def _dup_chain(chain: str, dev: str, match: str, p: float, priority: int = 0) -> str:
-    return (f'  chain {chain} {{ type filter hook egress device "{dev}" priority {priority}; '
-            "policy accept;\n"
-            f"    meta mark and {DUP_MARK:#x} == 0 {match} {_chance(p)}"
-            f'meta mark set meta mark or {DUP_MARK:#x} counter dup to "{dev}"\n  }}\n')
+    return (
+        f'  chain {chain} {{ type filter hook egress device "{dev}" priority {priority}; '
+        "policy accept;\n"
+        f"    meta mark and {DUP_MARK:#x} == 0 {match} {_chance(p)}"
+        f'meta mark set meta mark or {DUP_MARK:#x} counter dup to "{dev}"\n  }}\n'
+    )
 
 
 def apply(netns: str, script: str) -> None:

@@ -62,8 +62,14 @@ def check(netns: str, argv: Sequence[str], what: str, input: str | None = None) 
 
 def require_tools(*tools: str) -> None:
     """Raise TestbedError naming the Debian package for the first missing tool."""
-    packages = {"nsenter": "util-linux", "ethtool": "ethtool", "tc": "iproute2",
-                "nft": "nftables", "ip": "iproute2", "sysctl": "procps"}
+    packages = {
+        "nsenter": "util-linux",
+        "ethtool": "ethtool",
+        "tc": "iproute2",
+        "nft": "nftables",
+        "ip": "iproute2",
+        "sysctl": "procps",
+    }
     for t in tools:
         if shutil.which(t) is None:
             raise TestbedError(f"{t} not found: apt-get install -y {packages.get(t, t)}")

@@ -117,18 +117,48 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
         agg_mac = mac_for_ip(ONE_ARM_AGG_IP)
         agg = AggregatorHost(agg_ns, ["eth0"], [ONE_ARM_AGG_IP], [agg_mac], PREFIXLEN)
         veths = [
-            VethSpec(agg_ns, "eth0", sw_ns, "ag", None,
-                     ip_a=ONE_ARM_AGG_IP, mac_a=agg_mac, bridge_b=True)
+            VethSpec(
+                agg_ns, "eth0", sw_ns, "ag", None, ip_a=ONE_ARM_AGG_IP, mac_a=agg_mac, bridge_b=True
+            )
         ]
         hosts = []
         for i in range(workers):
             ip = f"198.18.0.{10 + i}"
-            hosts.append(WorkerHost(i, worker_ns[i], "eth0", ip, mac_for_ip(ip),
-                                    ONE_ARM_AGG_IP, "eth0", agg_mac, PREFIXLEN))
-            veths.append(VethSpec(worker_ns[i], "eth0", sw_ns, f"w{i}", i,
-                                  ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True))
-        plan = Plan(prefix, topology, agg, hosts, veths, sw_ns, ONE_ARM_GROUP_IP,
-                    [sw_ns, agg_ns, *worker_ns])
+            hosts.append(
+                WorkerHost(
+                    i,
+                    worker_ns[i],
+                    "eth0",
+                    ip,
+                    mac_for_ip(ip),
+                    ONE_ARM_AGG_IP,
+                    "eth0",
+                    agg_mac,
+                    PREFIXLEN,
+                )
+            )
+            veths.append(
+                VethSpec(
+                    worker_ns[i],
+                    "eth0",
+                    sw_ns,
+                    f"w{i}",
+                    i,
+                    ip_a=ip,
+                    mac_a=mac_for_ip(ip),
+                    bridge_b=True,
+                )
+            )
+        plan = Plan(
+            prefix,
+            topology,
+            agg,
+            hosts,
+            veths,
+            sw_ns,
+            ONE_ARM_GROUP_IP,
+            [sw_ns, agg_ns, *worker_ns],
+        )
     else:
         agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
         veths, hosts = [], []
@@ -138,11 +168,32 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
             agg.ifnames.append(agg_if)
             agg.ips.append(agg_ip)
             agg.macs.append(mac_for_ip(agg_ip))
-            hosts.append(WorkerHost(i, worker_ns[i], "eth0", ip, mac_for_ip(ip),
-                                    agg_ip, agg_if, mac_for_ip(agg_ip), PREFIXLEN))
-            veths.append(VethSpec(worker_ns[i], "eth0", agg_ns, agg_if, i,
-                                  ip_a=ip, mac_a=mac_for_ip(ip),
-                                  ip_b=agg_ip, mac_b=mac_for_ip(agg_ip)))
+            hosts.append(
+                WorkerHost(
+                    i,
+                    worker_ns[i],
+                    "eth0",
+                    ip,
+                    mac_for_ip(ip),
+                    agg_ip,
+                    agg_if,
+                    mac_for_ip(agg_ip),
+                    PREFIXLEN,
+                )
+            )
+            veths.append(
+                VethSpec(
+                    worker_ns[i],
+                    "eth0",
+                    agg_ns,
+                    agg_if,
+                    i,
+                    ip_a=ip,
+                    mac_a=mac_for_ip(ip),
+                    ip_b=agg_ip,
+                    mac_b=mac_for_ip(agg_ip),
+                )
+            )
         plan = Plan(prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns])
 
     for v in veths:

@@ -99,13 +99,19 @@ class CleanupRegistry:
     pids: list[int] = field(default_factory=list)
 
     def to_dict(self) -> dict:
-        return {"namespaces": list(self.namespaces), "links": [list(x) for x in self.links],
-                "pids": list(self.pids)}
+        return {
+            "namespaces": list(self.namespaces),
+            "links": [list(x) for x in self.links],
+            "pids": list(self.pids),
+        }
 
     @classmethod
     def from_dict(cls, d: dict) -> CleanupRegistry:
-        return cls(list(d.get("namespaces", [])), [list(x) for x in d.get("links", [])],
-                   list(d.get("pids", [])))
+        return cls(
+            list(d.get("namespaces", [])),
+            [list(x) for x in d.get("links", [])],
+            list(d.get("pids", [])),
+        )
 
     def kill_recorded_pids(self) -> None:
         """Kill recorded PIDs that still run inside one of our namespaces.
@@ -131,7 +137,7 @@ class CleanupRegistry:
             if ns in owned:
                 continue
             try:
-                with (IPRoute(netns=ns) if ns else IPRoute()) as ipr:
+                with IPRoute(netns=ns) if ns else IPRoute() as ipr:
                     idx = ipr.link_lookup(ifname=ifname)
                     if idx:
                         ipr.link("del", index=idx[0])

@@ -86,5 +86,6 @@ def shape(netns: str, devs: list[str], rate_bits: int | None, mtu: int) -> None:
         text = "".join(f"qdisc del dev {d} root\n" for d in devs)
         nsexec.run(netns, ["tc", "-force", "-batch", "-"], input=text, timeout=30)
         return
-    nsexec.check(netns, ["tc", "-batch", "-"], "tc (rate shaping)",
-                 input=tbf_batch(devs, rate_bits, mtu))
+    nsexec.check(
+        netns, ["tc", "-batch", "-"], "tc (rate shaping)", input=tbf_batch(devs, rate_bits, mtu)
+    )

@@ -61,14 +61,21 @@ def require_root() -> None:
 # iptables/ip6tables/arptables hooks, per namespace; a switch does not, and on one worker it cost
 # 39% of the send path's kernel time (perf, hostlib's fast path, one-arm). The testbed's bridge
 # namespace turns the hooks off; gloo's traffic crosses the same bridge, so both systems gain.
-_BRIDGE_NF_SYSCTLS = ("bridge-nf-call-iptables", "bridge-nf-call-ip6tables", "bridge-nf-call-arptables")
+_BRIDGE_NF_SYSCTLS = (
+    "bridge-nf-call-iptables",
+    "bridge-nf-call-ip6tables",
+    "bridge-nf-call-arptables",
+)
 
 
 def _bridge_without_netfilter(netns: str) -> None:
     """Turn br_netfilter's hooks off in the bridge's namespace (nothing to do if not loaded)."""
     for name in _BRIDGE_NF_SYSCTLS:
-        nsexec.check(netns, ["sh", "-c", f"f=/proc/sys/net/bridge/{name}; [ ! -e $f ] || echo 0 > $f"],
-                     f"turning {name} off")
+        nsexec.check(
+            netns,
+            ["sh", "-c", f"f=/proc/sys/net/bridge/{name}; [ ! -e $f ] || echo 0 > $f"],
+            f"turning {name} off",
+        )
 
 
 # MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
@@ -103,15 +110,26 @@ class Testbed:
 
     __test__ = False  # keep pytest from trying to collect this class
 
-    def __init__(self, workers: int = 2, topology: str = "one-arm", rate=None, agg_rate=None,
-                 mtu: int = 1500, loss_up: float = 0.0, loss_down: float = 0.0,
-                 dup_up: float = 0.0, dup_down: float = 0.0, prefix: str | None = None,
-                 cleanup_at_exit: bool = True):
+    def __init__(
+        self,
+        workers: int = 2,
+        topology: str = "one-arm",
+        rate=None,
+        agg_rate=None,
+        mtu: int = 1500,
+        loss_up: float = 0.0,
+        loss_down: float = 0.0,
+        dup_up: float = 0.0,
+        dup_down: float = 0.0,
+        prefix: str | None = None,
+        cleanup_at_exit: bool = True,
+    ):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology)
         if not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
             raise ValueError(
-                f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r}: the testbed attaches "
+                f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r}: "
+                "the testbed attaches "
                 f"XDP programs to its veths, and XDP without multi-buffer (frags) support, which "
                 f"bcc cannot ask for, fits a frame in one page: at most MTU {MAX_MTU} on veth"
             )
@@ -120,8 +138,10 @@ class Testbed:
         self.rate_bits = shaping.parse_rate(rate)
         self.agg_rate_bits = shaping.parse_rate(agg_rate)
         if self.agg_rate_bits is not None and topology != "one-arm":
-            raise ValueError("agg_rate applies to the one-arm topology only; "
-                             "in the switch topology use rate (every link is a worker link)")
+            raise ValueError(
+                "agg_rate applies to the one-arm topology only; "
+                "in the switch topology use rate (every link is a worker link)"
+            )
         self.loss_up = faults.check_probability("loss_up", loss_up)
         self.loss_down = faults.check_probability("loss_down", loss_down)
         self.dup_up = faults.check_probability("dup_up", dup_up)
@@ -159,8 +179,10 @@ class Testbed:
         return self._is_up
 
     def __repr__(self) -> str:
-        return (f"Testbed(prefix={self.prefix!r}, topology={self.topology!r}, "
-                f"workers={len(self.workers)}, up={self._is_up})")
+        return (
+            f"Testbed(prefix={self.prefix!r}, topology={self.topology!r}, "
+            f"workers={len(self.workers)}, up={self._is_up})"
+        )
 
     def host(self, host) -> AggregatorHost | WorkerHost | str:
         """Resolve a host: a host record, worker index, ``"agg"``, ``"w<i>"``,
@@ -173,19 +195,26 @@ class Testbed:
         if isinstance(host, int) and not isinstance(host, bool):
             if 0 <= host < len(self.workers):
                 return self.workers[host]
-            raise ValueError(f"no worker {host}: this testbed has workers 0..{len(self.workers) - 1}")
+            raise ValueError(
+                f"no worker {host}: this testbed has workers 0..{len(self.workers) - 1}"
+            )
         if isinstance(host, str):
             if host in ("agg", "aggregator", "ag", self.aggregator.netns):
                 return self.aggregator
-            if host in ("sw", "switch", "bridge") or (self.switch_netns and host == self.switch_netns):
+            if host in ("sw", "switch", "bridge") or (
+                self.switch_netns and host == self.switch_netns
+            ):
                 if self.switch_netns is None:
                     raise ValueError("the switch topology has no bridge namespace")
                 return self.switch_netns
             for w in self.workers:
                 if host in (w.name, w.netns):
                     return w
-        raise ValueError(f"unknown host {host!r}: use 'agg', 'w0'..'w{len(self.workers) - 1}'"
-                         + (", 'sw'" if self.switch_netns else "") + " or a host record")
+        raise ValueError(
+            f"unknown host {host!r}: use 'agg', 'w0'..'w{len(self.workers) - 1}'"
+            + (", 'sw'" if self.switch_netns else "")
+            + " or a host record"
+        )
 
     def netns_of(self, host) -> str:
         """Namespace name of ``host`` (anything :meth:`host` accepts)."""
@@ -273,13 +302,21 @@ class Testbed:
         self.down()
 
     # --------------------------------------------------------- live changes
-    def set_loss(self, p_up: float, p_down: float, *, dup_up: float | None = None,
-                 dup_down: float | None = None) -> None:
+    def set_loss(
+        self,
+        p_up: float,
+        p_down: float,
+        *,
+        dup_up: float | None = None,
+        dup_down: float | None = None,
+    ) -> None:
         """Change loss (and optionally duplication) probabilities on a live testbed."""
         p_up = faults.check_probability("loss_up", p_up)
         p_down = faults.check_probability("loss_down", p_down)
         d_up = self.dup_up if dup_up is None else faults.check_probability("dup_up", dup_up)
-        d_down = self.dup_down if dup_down is None else faults.check_probability("dup_down", dup_down)
+        d_down = (
+            self.dup_down if dup_down is None else faults.check_probability("dup_down", dup_down)
+        )
         if d_down > 0 and self.topology != "one-arm":
             raise ValueError("dup_down needs the one-arm topology (see netns_testbed.faults)")
         need = self._wants_nft() or any(x > 0 for x in (p_up, p_down, d_up, d_down))
@@ -340,12 +377,23 @@ class Testbed:
         unless they were started through ``popen`` (their PIDs are recorded)."""
         st = registry.load_state(prefix)
         if st is None:
-            raise TestbedError(f"no testbed with prefix {prefix!r} in {registry.STATE_DIR} "
-                               "(see `netns-testbed status`)")
-        tb = cls(workers=st["n_workers"], topology=st["topology"], rate=st.get("rate"),
-                 agg_rate=st.get("agg_rate"), mtu=st["mtu"], loss_up=st.get("loss_up", 0.0),
-                 loss_down=st.get("loss_down", 0.0), dup_up=st.get("dup_up", 0.0),
-                 dup_down=st.get("dup_down", 0.0), prefix=prefix, cleanup_at_exit=False)
+            raise TestbedError(
+                f"no testbed with prefix {prefix!r} in {registry.STATE_DIR} "
+                "(see `netns-testbed status`)"
+            )
+        tb = cls(
+            workers=st["n_workers"],
+            topology=st["topology"],
+            rate=st.get("rate"),
+            agg_rate=st.get("agg_rate"),
+            mtu=st["mtu"],
+            loss_up=st.get("loss_up", 0.0),
+            loss_down=st.get("loss_down", 0.0),
+            dup_up=st.get("dup_up", 0.0),
+            dup_down=st.get("dup_down", 0.0),
+            prefix=prefix,
+            cleanup_at_exit=False,
+        )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
         tb._is_up = st.get("status") == "up"
         tb._owns_state = True
@@ -369,8 +417,10 @@ class Testbed:
         taken = [ns for ns in self.namespaces if os.path.exists(nsexec.netns_path(ns))]
         if taken or registry.load_state(self.prefix) is not None:
             what = f"namespace {taken[0]} exists" if taken else "a state file exists"
-            raise TestbedError(f"prefix {self.prefix!r} is in use ({what}): choose another "
-                               f"prefix or run `netns-testbed down --prefix {self.prefix}`")
+            raise TestbedError(
+                f"prefix {self.prefix!r} is in use ({what}): choose another "
+                f"prefix or run `netns-testbed down --prefix {self.prefix}`"
+            )
 
     def _build(self) -> None:
         plan, reg = self._plan, self._registry
@@ -381,8 +431,17 @@ class Testbed:
         for ns in plan.namespaces:
             if os.path.exists("/proc/sys/net/ipv6"):
                 # Before any link exists, so new links inherit "default".
-                nsexec.check(ns, ["sysctl", "-q", "-w", "net.ipv6.conf.all.disable_ipv6=1",
-                                  "net.ipv6.conf.default.disable_ipv6=1"], "sysctl (disable IPv6)")
+                nsexec.check(
+                    ns,
+                    [
+                        "sysctl",
+                        "-q",
+                        "-w",
+                        "net.ipv6.conf.all.disable_ipv6=1",
+                        "net.ipv6.conf.default.disable_ipv6=1",
+                    ],
+                    "sysctl (disable IPv6)",
+                )
 
         iprs: dict[str, IPRoute] = {}
 
@@ -407,9 +466,15 @@ class Testbed:
                 self._save("building")
                 # STP off and no forward delay: ports forward as soon as they are
                 # up; no multicast snooping so group traffic is simply flooded.
-                ipr(plan.switch_netns).link("add", ifname=BRIDGE_NAME, kind="bridge",
-                                            br_stp_state=0, br_forward_delay=0,
-                                            br_mcast_snooping=0, mtu=self.mtu)
+                ipr(plan.switch_netns).link(
+                    "add",
+                    ifname=BRIDGE_NAME,
+                    kind="bridge",
+                    br_stp_state=0,
+                    br_forward_delay=0,
+                    br_mcast_snooping=0,
+                    mtu=self.mtu,
+                )
                 br = index(plan.switch_netns, BRIDGE_NAME)
                 _bridge_without_netfilter(plan.switch_netns)
                 ipr(plan.switch_netns).link("set", index=br, state="up")
@@ -429,7 +494,9 @@ class Testbed:
                 for ns, ifname, ip in ((v.ns_a, v.if_a, v.ip_a), (v.ns_b, v.if_b, v.ip_b)):
                     idx = index(ns, ifname)
                     if ip:
-                        ipr(ns).addr("add", index=idx, address=ip, prefixlen=plan.aggregator.prefixlen)
+                        ipr(ns).addr(
+                            "add", index=idx, address=ip, prefixlen=plan.aggregator.prefixlen
+                        )
                     if ns == plan.switch_netns and v.bridge_b:
                         ipr(ns).link("set", index=idx, master=br)
                     ipr(ns).link("set", index=idx, state="up")
@@ -487,8 +554,12 @@ class Testbed:
             for w in self.workers:
                 shaping.shape(w.netns, [w.ifname], self.rate_bits, self.mtu)
             if plan.switch_netns:
-                shaping.shape(plan.switch_netns, [f"w{w.index}" for w in self.workers],
-                              self.rate_bits, self.mtu)
+                shaping.shape(
+                    plan.switch_netns,
+                    [f"w{w.index}" for w in self.workers],
+                    self.rate_bits,
+                    self.mtu,
+                )
             else:
                 shaping.shape(self.aggregator.netns, self.agg_interfaces, self.rate_bits, self.mtu)
         if plan.switch_netns and with_agg and not (initial and self.agg_rate_bits is None):
@@ -497,8 +568,11 @@ class Testbed:
 
     def _apply_faults(self) -> None:
         for w in self.workers:
-            faults.apply(w.netns, faults.worker_script(w.ifname, self.loss_up, self.loss_down,
-                                                       self.dup_up))
+            faults.apply(
+                w.netns, faults.worker_script(w.ifname, self.loss_up, self.loss_down, self.dup_up)
+            )
         if self._plan.switch_netns:
-            faults.apply(self._plan.switch_netns,
-                         faults.switch_script([f"w{w.index}" for w in self.workers], self.dup_down))
+            faults.apply(
+                self._plan.switch_netns,
+                faults.switch_script([f"w{w.index}" for w in self.workers], self.dup_down),
+            )

@@ -27,6 +27,12 @@ def attach_pass(ends: dict[str, list[str]]) -> None:
             with IPRoute(netns=ns) as ipr:
                 for ifname in ifnames:
                     idx = ipr.link_lookup(ifname=ifname)[0]
-                    ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", _XDP_FLAGS_DRV_MODE)]})
+                    ipr.link(
+                        "set",
+                        index=idx,
+                        xdp={
+                            "attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", _XDP_FLAGS_DRV_MODE)]
+                        },
+                    )
     finally:
         os.close(fd)  # the interfaces hold the program now

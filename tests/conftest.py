@@ -8,7 +8,9 @@ import pytest
 def pytest_collection_modifyitems(config, items):
     if os.geteuid() == 0:
         return
-    skip = pytest.mark.skip(reason="needs root (BPF, namespaces): run the tests with sudo, as .ci/run does")
+    skip = pytest.mark.skip(
+        reason="needs root (BPF, namespaces): run the tests with sudo, as .ci/run does"
+    )
     for item in items:
         if "root" in item.keywords:
             item.add_marker(skip)

@@ -73,8 +73,13 @@ def run_ranks(cluster: Cluster, n: int, fn, *, job: str = "test", deadline: floa
         try:
             kw.setdefault("timeout", 10.0)
             with hostlib.init(
-                r, n, cluster.endpoint, job=job, ip=cluster.worker_ip(r),
-                rendezvous_timeout=15.0, **kw,
+                r,
+                n,
+                cluster.endpoint,
+                job=job,
+                ip=cluster.worker_ip(r),
+                rendezvous_timeout=15.0,
+                **kw,
             ) as comm:
                 results[r] = fn(comm)
         except Exception as e:  # reported to the test

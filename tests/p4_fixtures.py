@@ -57,9 +57,17 @@ def _ip(*args: str, netns: str | None = None) -> None:
 def _quiet_namespace(netns: str) -> None:
     """No IPv6 (no router solicitations, no MLD): the namespace sends nothing by itself."""
     subprocess.run(
-        ["nsenter", f"--net=/var/run/netns/{netns}", "sysctl", "-q", "-w",
-         "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1"],
-        check=True, capture_output=True,
+        [
+            "nsenter",
+            f"--net=/var/run/netns/{netns}",
+            "sysctl",
+            "-q",
+            "-w",
+            "net.ipv6.conf.all.disable_ipv6=1",
+            "net.ipv6.conf.default.disable_ipv6=1",
+        ],
+        check=True,
+        capture_output=True,
     )
 
 
@@ -112,8 +120,19 @@ class VethLab:
                 self._made.append(ns)
                 _quiet_namespace(ns)
             for i in range(self.nports):
-                _ip("link", "add", f"s{i}", "type", "veth", "peer", "name", f"h{i}", "netns",
-                    self.host_ns, netns=self.sw_ns)
+                _ip(
+                    "link",
+                    "add",
+                    f"s{i}",
+                    "type",
+                    "veth",
+                    "peer",
+                    "name",
+                    f"h{i}",
+                    "netns",
+                    self.host_ns,
+                    netns=self.sw_ns,
+                )
                 _ip("link", "set", f"s{i}", "up", netns=self.sw_ns)
                 _ip("link", "set", f"h{i}", "up", netns=self.host_ns)
             with _InNetns(self.host_ns):
@@ -151,8 +170,16 @@ class VethLab:
                     out.append((port, data))
         return out
 
-    def exchange(self, port: int, frame: bytes, expect: int, *, timeout: float = 5.0,
-                 grace: float = 0.1, quiet: float = 0.3) -> list[tuple[int, bytes]]:
+    def exchange(
+        self,
+        port: int,
+        frame: bytes,
+        expect: int,
+        *,
+        timeout: float = 5.0,
+        grace: float = 0.1,
+        quiet: float = 0.3,
+    ) -> list[tuple[int, bytes]]:
         """Send `frame` into switch port `port`; return the (port, frame) pairs that come out.
 
         Waits for `expect` frames (up to `timeout`), then `grace` more seconds for any extra

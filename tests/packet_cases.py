@@ -36,8 +36,16 @@ def worker_mac(i: int) -> str:
     return f"02:00:00:00:{i >> 8:02x}:{i & 0xFF:02x}"
 
 
-def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=Delivery.GROUP_TX,
-        udp_checksum=False) -> JobSpec:
+def job(
+    job_id=0,
+    n=2,
+    elems=32,
+    base=0,
+    count=16,
+    port=wire.UDP_PORT,
+    delivery=Delivery.GROUP_TX,
+    udp_checksum=False,
+) -> JobSpec:
     return JobSpec(
         job_id=job_id,
         num_workers=n,
@@ -56,7 +64,8 @@ def job(job_id=0, n=2, elems=32, base=0, count=16, port=wire.UDP_PORT, delivery=
 
 def workers(job_id: int, n: int, first: int = 0, port=wire.UDP_PORT) -> list[WorkerSpec]:
     return [
-        WorkerSpec(job_id, i, worker_ip(first + i), WORKER_PORT, port, worker_mac(first + i)) for i in range(n)
+        WorkerSpec(job_id, i, worker_ip(first + i), WORKER_PORT, port, worker_mac(first + i))
+        for i in range(n)
     ]
 
 
@@ -76,8 +85,14 @@ def frame(w: int, values, *, port=wire.UDP_PORT, **kw) -> bytes:
     )
 
 
-def relength(f: bytes, *, ip_len: int | None = None, udp_len: int | None = None, cut: int = 0,
-             trailer: bytes = b"") -> bytes:
+def relength(
+    f: bytes,
+    *,
+    ip_len: int | None = None,
+    udp_len: int | None = None,
+    cut: int = 0,
+    trailer: bytes = b"",
+) -> bytes:
     """A frame whose IPv4 total length and/or UDP length say something else than it holds:
     `cut` bytes removed from its end, `trailer` appended after it (as an Ethernet trailer), the
     IPv4 checksum right for the new header (so that only the lengths lie)."""
@@ -140,7 +155,9 @@ def check_result(step: Step, req, out) -> None:
     from aggproto.scapy_layer import Exponents, SwitchML
 
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
-        assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), f"{step.what}: {f} not echoed"
+        assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), (
+            f"{step.what}: {f} not echoed"
+        )
     assert (out[Exponents].e0, out[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
     k = wire.elems_for(req[SwitchML].size)
     got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
@@ -148,7 +165,11 @@ def check_result(step: Step, req, out) -> None:
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
     # every result leaves as p4app-switchML's sender writes it, whatever the request carried
-    assert (out[IP].ttl, out[IP].id, out[SwitchML].reserved) == (wire.RESULT_TTL, wire.RESULT_IP_ID, 0), step.what
+    assert (out[IP].ttl, out[IP].id, out[SwitchML].reserved) == (
+        wire.RESULT_TTL,
+        wire.RESULT_IP_ID,
+        0,
+    ), step.what
     assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
 
@@ -161,7 +182,9 @@ def _wrap(x) -> np.ndarray:
     return ((np.asarray(x, dtype=np.int64) + 2**31) % 2**32 - 2**31).astype(np.int32)
 
 
-def complete_round(rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PORT, tag="", exps=None):
+def complete_round(
+    rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PORT, tag="", exps=None
+):
     """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum."""
     hosts = hosts if hosts is not None else list(range(n))
     vals = [_vals(rng, k) for _ in range(n)]
@@ -173,7 +196,14 @@ def complete_round(rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PO
             steps.append(Step(f"{tag}w{i} partial", f, Action.DROP, Reason.AGGREGATED))
         else:
             steps.append(
-                Step(f"{tag}w{i} completes", f, Action.TO_ALL, Reason.COMPLETED, _wrap(sum(vals)), max(exps))
+                Step(
+                    f"{tag}w{i} completes",
+                    f,
+                    Action.TO_ALL,
+                    Reason.COMPLETED,
+                    _wrap(sum(vals)),
+                    max(exps),
+                )
             )
     return steps, vals, exps
 
@@ -193,7 +223,14 @@ def build_cases() -> list[Case]:
     c.steps = [
         Step("w0", frame(0, a, slot=1, e0=4), Action.DROP, Reason.AGGREGATED),
         Step("w0 again", frame(0, a, slot=1, e0=4), Action.DROP, Reason.DUP_PENDING),
-        Step("w1 completes", frame(1, b, slot=1, e0=-3), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 4),
+        Step(
+            "w1 completes",
+            frame(1, b, slot=1, e0=-3),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b),
+            4,
+        ),
     ]
     cases.append(c)
 
@@ -201,9 +238,32 @@ def build_cases() -> list[Case]:
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
         Step("w0", frame(0, a, slot=3, tsi=7, e0=1), Action.DROP, Reason.AGGREGATED),
-        Step("w1 completes", frame(1, b, slot=3, tsi=7, e0=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 2),
-        Step("w0 retransmits", frame(0, a, slot=3, tsi=7, e0=1), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 2, sender=0),
-        Step("w1 retransmits", frame(1, b, slot=3, tsi=7, e0=2), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 2, sender=1),
+        Step(
+            "w1 completes",
+            frame(1, b, slot=3, tsi=7, e0=2),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b),
+            2,
+        ),
+        Step(
+            "w0 retransmits",
+            frame(0, a, slot=3, tsi=7, e0=1),
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            2,
+            sender=0,
+        ),
+        Step(
+            "w1 retransmits",
+            frame(1, b, slot=3, tsi=7, e0=2),
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            2,
+            sender=1,
+        ),
     ]
     cases.append(c)
 
@@ -216,7 +276,16 @@ def build_cases() -> list[Case]:
     c = Case("one_worker", [job(n=1)], workers(0, 1))
     for r in range(3):
         a = _vals(rng, 32)
-        c.steps.append(Step(f"round {r}", frame(0, a, slot=0, version=r % 2, e0=r), Action.TO_ALL, Reason.COMPLETED, _wrap(a), r))
+        c.steps.append(
+            Step(
+                f"round {r}",
+                frame(0, a, slot=0, version=r % 2, e0=r),
+                Action.TO_ALL,
+                Reason.COMPLETED,
+                _wrap(a),
+                r,
+            )
+        )
     cases.append(c)
 
     c = Case("int32_wraps_around", [job(n=3)], workers(0, 3))
@@ -233,16 +302,42 @@ def build_cases() -> list[Case]:
     c.steps, _, _ = complete_round(rng, 40, 64, slot=5)
     cases.append(c)
 
-    c = Case("two_jobs_isolated", [job(0, n=2, base=0, count=8), job(1, n=2, base=8, count=8, port=wire.UDP_PORT + 1)],
-             workers(0, 2) + workers(1, 2, first=2, port=wire.UDP_PORT + 1))
+    c = Case(
+        "two_jobs_isolated",
+        [job(0, n=2, base=0, count=8), job(1, n=2, base=8, count=8, port=wire.UDP_PORT + 1)],
+        workers(0, 2) + workers(1, 2, first=2, port=wire.UDP_PORT + 1),
+    )
     a0, b0, a1, b1 = (_vals(rng, 32) for _ in range(4))
     c.steps = [
         Step("job0 w0", frame(0, a0, slot=3), Action.DROP, Reason.AGGREGATED),
-        Step("job1 w0", frame(2, a1, slot=11, port=wire.UDP_PORT + 1), Action.DROP, Reason.AGGREGATED),
-        Step("job1 w1 completes", frame(3, b1, slot=11, port=wire.UDP_PORT + 1), Action.TO_ALL, Reason.COMPLETED, _wrap(a1 + b1), 0),
-        Step("job0 w1 completes", frame(1, b0, slot=3), Action.TO_ALL, Reason.COMPLETED, _wrap(a0 + b0), 0),
-        Step("job0 worker to job1's slot", frame(0, a0, slot=11), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step("job0 worker to job1's port", frame(0, a0, slot=3, port=wire.UDP_PORT + 1), Action.DROP, Reason.DROP_UNKNOWN_SOURCE),
+        Step(
+            "job1 w0", frame(2, a1, slot=11, port=wire.UDP_PORT + 1), Action.DROP, Reason.AGGREGATED
+        ),
+        Step(
+            "job1 w1 completes",
+            frame(3, b1, slot=11, port=wire.UDP_PORT + 1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a1 + b1),
+            0,
+        ),
+        Step(
+            "job0 w1 completes",
+            frame(1, b0, slot=3),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a0 + b0),
+            0,
+        ),
+        Step(
+            "job0 worker to job1's slot", frame(0, a0, slot=11), Action.DROP, Reason.DROP_SLOT_RANGE
+        ),
+        Step(
+            "job0 worker to job1's port",
+            frame(0, a0, slot=3, port=wire.UDP_PORT + 1),
+            Action.DROP,
+            Reason.DROP_UNKNOWN_SOURCE,
+        ),
     ]
     cases.append(c)
 
@@ -251,13 +346,24 @@ def build_cases() -> list[Case]:
     full = frame(0, a, slot=5)
     c.steps = [
         Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step("headers truncated", full[: wire.SWITCHML_OFFSET + 6], Action.DROP, Reason.DROP_TRUNCATED),
-        Step("wrong size code", frame(0, _vals(rng, 64), slot=5), Action.DROP, Reason.DROP_BAD_SIZE),
+        Step(
+            "headers truncated",
+            full[: wire.SWITCHML_OFFSET + 6],
+            Action.DROP,
+            Reason.DROP_TRUNCATED,
+        ),
+        Step(
+            "wrong size code", frame(0, _vals(rng, 64), slot=5), Action.DROP, Reason.DROP_BAD_SIZE
+        ),
         Step("unregistered source", frame(7, a, slot=5), Action.DROP, Reason.DROP_UNKNOWN_SOURCE),
         Step("slot below range", frame(0, a, slot=3), Action.DROP, Reason.DROP_SLOT_RANGE),
         Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step("reserved pool bit", frame(0, a, pool_index=0x4005), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step("other message type", frame(0, a, slot=5, msg_type=2), Action.DROP, Reason.DROP_BAD_TYPE),
+        Step(
+            "reserved pool bit", frame(0, a, pool_index=0x4005), Action.DROP, Reason.DROP_SLOT_RANGE
+        ),
+        Step(
+            "other message type", frame(0, a, slot=5, msg_type=2), Action.DROP, Reason.DROP_BAD_TYPE
+        ),
         Step("valid after all that", frame(0, a, slot=5), Action.DROP, Reason.AGGREGATED),
     ]
     cases.append(c)
@@ -271,23 +377,77 @@ def build_cases() -> list[Case]:
     plen = wire.udp_payload_len(32)
     ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
     junk = frame(0, _vals(rng, 32, 10**6, 10**7), slot=1, e0=40)  # would show in the sum
-    ours_short = relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18, cut=ilen - wire.IPV4_HLEN - 18)
+    ours_short = relength(
+        junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18, cut=ilen - wire.IPV4_HLEN - 18
+    )
     c.steps = [
         Step("UDP length short", relength(junk, udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("UDP length long", relength(junk, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("IPv4 length short", relength(junk, ip_len=ilen - 4), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("IPv4 length long", relength(junk, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("both lengths long", relength(junk, ip_len=ilen + 4, udp_len=ulen + 4), Action.DROP,
-             Reason.DROP_BAD_LENGTH),
-        Step("UDP 18, IPv4 38, payload as an Ethernet trailer", relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18),
-             Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("right lengths, bytes after them", relength(junk, trailer=b"\0" * 4), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("lengths agree with a frame too short for the size code", ours_short, Action.DROP, Reason.DROP_TRUNCATED),
+        Step(
+            "UDP length long", relength(junk, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
+        ),
+        Step(
+            "IPv4 length short",
+            relength(junk, ip_len=ilen - 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "IPv4 length long", relength(junk, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
+        ),
+        Step(
+            "both lengths long",
+            relength(junk, ip_len=ilen + 4, udp_len=ulen + 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "UDP 18, IPv4 38, payload as an Ethernet trailer",
+            relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "right lengths, bytes after them",
+            relength(junk, trailer=b"\0" * 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "lengths agree with a frame too short for the size code",
+            ours_short,
+            Action.DROP,
+            Reason.DROP_TRUNCATED,
+        ),
         Step("w0 still aggregates", good, Action.DROP, Reason.AGGREGATED),
-        Step("w1 lies at completion", relength(frame(1, b, slot=1), udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("w1 completes with the exact sum", frame(1, b, slot=1, e0=-1), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 3),
-        Step("w0 retransmission with a lying length", relength(good, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("w0 retransmits", good, Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 3, sender=0),
+        Step(
+            "w1 lies at completion",
+            relength(frame(1, b, slot=1), udp_len=18),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "w1 completes with the exact sum",
+            frame(1, b, slot=1, e0=-1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b),
+            3,
+        ),
+        Step(
+            "w0 retransmission with a lying length",
+            relength(good, ip_len=ilen + 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "w0 retransmits",
+            good,
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            3,
+            sender=0,
+        ),
     ]
     cases.append(c)
 
@@ -298,9 +458,26 @@ def build_cases() -> list[Case]:
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = steps + [
         Step("w0 on v1", frame(0, a, slot=2, version=1), Action.DROP, Reason.AGGREGATED),
-        Step("w0 lies on v0", relength(frame(0, b, slot=2, version=0), udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("w0 lies on v1", relength(frame(0, b, slot=2, version=1), ip_len=ilen - 8), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step("w1 completes v1 exactly", frame(1, b, slot=2, version=1), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        Step(
+            "w0 lies on v0",
+            relength(frame(0, b, slot=2, version=0), udp_len=18),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "w0 lies on v1",
+            relength(frame(0, b, slot=2, version=1), ip_len=ilen - 8),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "w1 completes v1 exactly",
+            frame(1, b, slot=2, version=1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b),
+            0,
+        ),
     ]
     cases.append(c)
 
@@ -308,18 +485,31 @@ def build_cases() -> list[Case]:
     # (check_result asserts it on every result of the table; here the requests differ).
     c = Case("result_fields_are_the_aggregators", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
-    odd = [with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1) for h, v in ((0, a), (1, b))]
+    odd = [
+        with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1)
+        for h, v in ((0, a), (1, b))
+    ]
     c.steps = [
         Step("w0 with TTL 1, id 0x1234, reserved 1", odd[0], Action.DROP, Reason.AGGREGATED),
         Step("w1 likewise completes", odd[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
-        Step("w0 retransmits likewise", odd[0], Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 0, sender=0),
+        Step(
+            "w0 retransmits likewise",
+            odd[0],
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            0,
+            sender=0,
+        ),
     ]
     cases.append(c)
 
     # A job that verifies UDP checksums: a wrong one is dropped before any state changes; a zero
     # checksum (none sent, legal for IPv4) is taken. Jobs without the option ignore checksums.
     for k in (32, 256):
-        c = Case(f"udp_checksum_verified_k{k}", [job(n=3, elems=k, udp_checksum=True)], workers(0, 3))
+        c = Case(
+            f"udp_checksum_verified_k{k}", [job(n=3, elems=k, udp_checksum=True)], workers(0, 3)
+        )
         a, b, d = (_vals(rng, k, -(2**31), 2**31 - 1) for _ in range(3))
         sums = [frame(h, v, slot=2, udp_checksum=True) for h, v in ((0, a), (1, b), (2, d))]
         bad = bytearray(sums[1])
@@ -328,8 +518,23 @@ def build_cases() -> list[Case]:
             Step("w0, right checksum", sums[0], Action.DROP, Reason.AGGREGATED),
             Step("w1, one payload bit flipped", bytes(bad), Action.DROP, Reason.DROP_BAD_CHECKSUM),
             Step("w1, right checksum", sums[1], Action.DROP, Reason.AGGREGATED),
-            Step("w2, no checksum (0)", frame(2, d, slot=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b + d), 0),
-            Step("w1 retransmits, right checksum", sums[1], Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b + d), 0, sender=1),
+            Step(
+                "w2, no checksum (0)",
+                frame(2, d, slot=2),
+                Action.TO_ALL,
+                Reason.COMPLETED,
+                _wrap(a + b + d),
+                0,
+            ),
+            Step(
+                "w1 retransmits, right checksum",
+                sums[1],
+                Action.TO_SENDER,
+                Reason.RETX_ANSWERED,
+                _wrap(a + b + d),
+                0,
+                sender=1,
+            ),
         ]
         cases.append(c)
     c = Case("udp_checksum_ignored_by_default", [job(n=1)], workers(0, 1))
@@ -337,18 +542,75 @@ def build_cases() -> list[Case]:
     bad = bytearray(frame(0, a, slot=0, udp_checksum=True))
     bad[wire.PAYLOAD_OFFSET] ^= 1
     a[0] = np.frombuffer(bytes(bad[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4]), ">i4")[0]
-    c.steps = [Step("wrong checksum, job without the option", bytes(bad), Action.TO_ALL, Reason.COMPLETED, _wrap(a), 0)]
+    c.steps = [
+        Step(
+            "wrong checksum, job without the option",
+            bytes(bad),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a),
+            0,
+        )
+    ]
     cases.append(c)
 
     c = Case("not_ours_passes_untouched", [job(n=2)], workers(0, 2))
     eth = Ether(src=worker_mac(0), dst=AGG_MAC)
     c.steps = [
-        Step("ARP", bytes(Ether(src=worker_mac(0), dst="ff:ff:ff:ff:ff:ff") / ARP(psrc=worker_ip(0), pdst=AGG_IP)), Action.PASS, Reason.PASS),
-        Step("ICMP echo", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / ICMP() / (b"x" * 32)), Action.PASS, Reason.PASS),
-        Step("other UDP", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=5000, dport=53) / (b"q" * 40)), Action.PASS, Reason.PASS),
-        Step("UDP from our port to another", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=wire.UDP_PORT, dport=0xBEF0) / (b"q" * 40)), Action.PASS, Reason.PASS),
-        Step("TCP to our port", bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / TCP(sport=40000, dport=wire.UDP_PORT) / (b"t" * 40)), Action.PASS, Reason.PASS),
-        Step("IPv6 UDP to our port", bytes(eth / IPv6(src="2001:db8::10", dst="2001:db8::1") / UDP(sport=wire.UDP_PORT, dport=wire.UDP_PORT) / (b"6" * 64)), Action.PASS, Reason.PASS),
+        Step(
+            "ARP",
+            bytes(
+                Ether(src=worker_mac(0), dst="ff:ff:ff:ff:ff:ff")
+                / ARP(psrc=worker_ip(0), pdst=AGG_IP)
+            ),
+            Action.PASS,
+            Reason.PASS,
+        ),
+        Step(
+            "ICMP echo",
+            bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / ICMP() / (b"x" * 32)),
+            Action.PASS,
+            Reason.PASS,
+        ),
+        Step(
+            "other UDP",
+            bytes(eth / IP(src=worker_ip(0), dst=AGG_IP) / UDP(sport=5000, dport=53) / (b"q" * 40)),
+            Action.PASS,
+            Reason.PASS,
+        ),
+        Step(
+            "UDP from our port to another",
+            bytes(
+                eth
+                / IP(src=worker_ip(0), dst=AGG_IP)
+                / UDP(sport=wire.UDP_PORT, dport=0xBEF0)
+                / (b"q" * 40)
+            ),
+            Action.PASS,
+            Reason.PASS,
+        ),
+        Step(
+            "TCP to our port",
+            bytes(
+                eth
+                / IP(src=worker_ip(0), dst=AGG_IP)
+                / TCP(sport=40000, dport=wire.UDP_PORT)
+                / (b"t" * 40)
+            ),
+            Action.PASS,
+            Reason.PASS,
+        ),
+        Step(
+            "IPv6 UDP to our port",
+            bytes(
+                eth
+                / IPv6(src="2001:db8::10", dst="2001:db8::1")
+                / UDP(sport=wire.UDP_PORT, dport=wire.UDP_PORT)
+                / (b"6" * 64)
+            ),
+            Action.PASS,
+            Reason.PASS,
+        ),
     ]
     cases.append(c)
 
@@ -383,8 +645,25 @@ def build_cases() -> list[Case]:
     c.steps = [
         Step("w0", frame(0, a, slot=6, e0=-2, e1=5), Action.DROP, Reason.AGGREGATED),
         Step("w1", frame(1, b, slot=6, e0=7, e1=-9), Action.DROP, Reason.AGGREGATED),
-        Step("w2 completes", frame(2, d, slot=6, e0=1, e1=11), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b + d), 7, e1=11),
-        Step("w1 retransmits", frame(1, b, slot=6, e0=7, e1=-9), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b + d), 7, sender=1, e1=11),
+        Step(
+            "w2 completes",
+            frame(2, d, slot=6, e0=1, e1=11),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b + d),
+            7,
+            e1=11,
+        ),
+        Step(
+            "w1 retransmits",
+            frame(1, b, slot=6, e0=7, e1=-9),
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b + d),
+            7,
+            sender=1,
+            e1=11,
+        ),
     ]
     cases.append(c)
 
@@ -393,7 +672,15 @@ def build_cases() -> list[Case]:
     c.steps = [
         Step("w0", frame(0, a, slot=2), Action.DROP, Reason.AGGREGATED),
         Step("w1 completes", frame(1, b, slot=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
-        Step("w0 retransmits", frame(0, a, slot=2), Action.TO_SENDER, Reason.RETX_ANSWERED, _wrap(a + b), 0, sender=0),
+        Step(
+            "w0 retransmits",
+            frame(0, a, slot=2),
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            0,
+            sender=0,
+        ),
     ]
     cases.append(c)
 

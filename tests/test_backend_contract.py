@@ -9,20 +9,21 @@ replaces it.
 import dataclasses
 
 import pytest
+from hostlib_fixtures import loopback_prefix
 
 from aggctl.backend import check_job, check_worker
 from aggctl.soft_aggregator import SoftAggregator
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import MAX_JOBS, MAX_WORKERS
-from hostlib_fixtures import loopback_prefix
 
 PORT = wire.UDP_PORT + 2
 
 
 def spec(job_id=5, n=2, base=10, count=4, port=PORT) -> JobSpec:
-    return JobSpec(job_id=job_id, num_workers=n, elems=32, slot_base=base, slot_count=count,
-                   agg_port=port)
+    return JobSpec(
+        job_id=job_id, num_workers=n, elems=32, slot_base=base, slot_count=count, agg_port=port
+    )
 
 
 def worker(index, ip, job_id=5, port=PORT) -> WorkerSpec:
@@ -36,7 +37,10 @@ def run_contract(backend, pool_slots: int) -> None:
     for bad, match in [
         (dataclasses.replace(s, job_id=MAX_JOBS), "job id"),
         (dataclasses.replace(s, job_id=6, num_workers=MAX_WORKERS + 1), "workers"),
-        (dataclasses.replace(s, job_id=6, slot_base=pool_slots - 1, slot_count=2), "outside the pool"),
+        (
+            dataclasses.replace(s, job_id=6, slot_base=pool_slots - 1, slot_count=2),
+            "outside the pool",
+        ),
         (dataclasses.replace(s, job_id=6, slot_base=12), "overlap job 5"),
     ]:
         with pytest.raises(ValueError, match=match):

@@ -5,13 +5,31 @@ from bench import allreduce
 
 
 def _rows():
-    thr = {"n": 4, "link": "1gbit", "bytes": 64 << 20, "kind": "throughput", "dtype": "float32",
-           "xdp-agg": [0.7, 0.6, 0.8], "gloo": [0.9, 0.9, 0.9], "xdp-agg cpu_s": [0.4, 0.5, 0.6],
-           "gloo cpu_s": [0.1, 0.1, 0.2], "retransmissions": 50, "packets": 10000,
-           "retx_causes": {"spurious": 40, "tbf_qdisc": 10}}
-    host = {"n": 1, "link": "unshaped", "bytes": 64 << 20, "kind": "host", "dtype": "int32",
-            "xdp-agg": [0.25, 0.2, 0.3], "xdp-agg cpu_s": [0.3, 0.2, 0.4], "retransmissions": 0,
-            "packets": 22000}
+    thr = {
+        "n": 4,
+        "link": "1gbit",
+        "bytes": 64 << 20,
+        "kind": "throughput",
+        "dtype": "float32",
+        "xdp-agg": [0.7, 0.6, 0.8],
+        "gloo": [0.9, 0.9, 0.9],
+        "xdp-agg cpu_s": [0.4, 0.5, 0.6],
+        "gloo cpu_s": [0.1, 0.1, 0.2],
+        "retransmissions": 50,
+        "packets": 10000,
+        "retx_causes": {"spurious": 40, "tbf_qdisc": 10},
+    }
+    host = {
+        "n": 1,
+        "link": "unshaped",
+        "bytes": 64 << 20,
+        "kind": "host",
+        "dtype": "int32",
+        "xdp-agg": [0.25, 0.2, 0.3],
+        "xdp-agg cpu_s": [0.3, 0.2, 0.4],
+        "retransmissions": 0,
+        "packets": 22000,
+    }
     return [thr, host]
 
 
@@ -26,8 +44,10 @@ def test_summary_columns():
 
 
 def test_markdown_has_the_new_columns():
-    md = allreduce.markdown(allreduce.summarize(_rows()), {"when": "now", "reps": 3, "mtu": 3500,
-                                                           "elems": 768, "window": 256})
+    md = allreduce.markdown(
+        allreduce.summarize(_rows()),
+        {"when": "now", "reps": 3, "mtu": 3500, "elems": 768, "window": 256},
+    )
     assert "| 50 (0.50%; spurious 80%, tbf_qdisc 20%) | 0.500 | 0.100 |" in md
     assert "| int32 | 64 MiB | 250.0 (100.0) | 2.15 | 4.80 | 0 (0.00%) |" in md
     assert "Small all-reduces" not in md  # no latency rows were run

@@ -43,12 +43,22 @@ class FakeCLI:
         return out
 
 
-PORTS = [PortSpec(0, "p0", "02:00:00:00:01:01", "198.18.1.1"), PortSpec(1, "p1", "02:00:00:00:02:01", "198.18.2.1")]
+PORTS = [
+    PortSpec(0, "p0", "02:00:00:00:01:01", "198.18.1.1"),
+    PortSpec(1, "p1", "02:00:00:00:02:01", "198.18.2.1"),
+]
 
 
 def spec(job_id=3, n=2, elems=64, base=10, count=4):
-    return JobSpec(job_id=job_id, num_workers=n, elems=elems, slot_base=base, slot_count=count,
-                   agg_ip="198.18.0.1", agg_mac="02:00:00:00:00:01")
+    return JobSpec(
+        job_id=job_id,
+        num_workers=n,
+        elems=elems,
+        slot_base=base,
+        slot_count=count,
+        agg_ip="198.18.0.1",
+        agg_mac="02:00:00:00:00:01",
+    )
 
 
 def test_job_and_worker_become_entries_group_and_node():
@@ -57,15 +67,23 @@ def test_job_and_worker_become_entries_group_and_node():
     b.create_job(spec())
     # both versions of slots 10..13 cleared: register entries 20..27
     for reg in ("slot_seen", "slot_count"):
-        assert [int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")] == list(range(20, 28))
+        assert [
+            int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")
+        ] == list(range(20, 28))
     assert f"mc_mgrp_create {job_mgid(3)}" in cli.log
     assert "table_add jobs set_job 3 => 2 1 10 14 5" in cli.log
     cli.log.clear()
-    b.add_worker(WorkerSpec(3, 1, "198.18.2.2", 40000, mac="02:00:00:00:02:02", extra={"agg_ip": "198.18.2.1"}))
+    b.add_worker(
+        WorkerSpec(
+            3, 1, "198.18.2.2", 40000, mac="02:00:00:00:02:02", extra={"agg_ip": "198.18.2.1"}
+        )
+    )
     assert cli.log[0] == "table_add workers set_worker 198.18.2.2 48864 => 3 1"
     # placed behind port 1 (the port whose address the worker reached), sourced from it
-    assert cli.log[1] == ("table_add worker_addr to_worker 3 1 => 02:00:00:00:02:02 198.18.2.2 40000 "
-                          "02:00:00:00:02:01 198.18.2.1")
+    assert cli.log[1] == (
+        "table_add worker_addr to_worker 3 1 => 02:00:00:00:02:02 198.18.2.2 40000 "
+        "02:00:00:00:02:01 198.18.2.1"
+    )
     assert cli.log[2] == "mc_node_create 1 1"
     assert re.fullmatch(r"mc_node_associate 5 \d+", cli.log[3])
     node = int(cli.log[3].split()[-1])
@@ -89,7 +107,9 @@ def test_worker_falls_back_to_the_jobs_address_and_needs_a_port():
     with pytest.raises(ValueError, match="which switch port"):
         b.add_worker(WorkerSpec(0, 1, "198.18.0.11", 48864, mac="02:00:00:00:00:0b"))
     with pytest.raises(ValueError, match="not a port"):
-        b.add_worker(WorkerSpec(0, 1, "198.18.0.11", 48864, mac="02:00:00:00:00:0b", extra={"port": 7}))
+        b.add_worker(
+            WorkerSpec(0, 1, "198.18.0.11", 48864, mac="02:00:00:00:00:0b", extra={"port": 7})
+        )
 
 
 def test_refusals():
@@ -125,7 +145,9 @@ def test_add_workers_batches_into_two_cli_calls():
     b = Bmv2Backend(cli, PORTS)
     b.create_job(spec(job_id=0, n=40, base=0))
     CountingCLI.calls = 0
-    b.add_workers([WorkerSpec(0, i, f"198.18.1.{10 + i}", 1, extra={"port": i % 2}) for i in range(40)])
+    b.add_workers(
+        [WorkerSpec(0, i, f"198.18.1.{10 + i}", 1, extra={"port": i % 2}) for i in range(40)]
+    )
     assert CountingCLI.calls == 2
     assert sum(c.startswith("mc_node_associate 2 ") for c in cli.log) == 40
     assert [w["switch_port"] for w in b.jobs()[0]["workers"]] == [i % 2 for i in range(40)]
@@ -161,12 +183,19 @@ def test_cli_output_is_split_by_prompt_and_errors_raise(monkeypatch):
 
     def fake_run(argv, input, **kw):
         outs = ["Entry has been added with handle 7", "Error: Table 'nope' not found"]
-        text = "Obtaining JSON from switch...\nDone\n" + "".join(f"RuntimeCmd: {o}\n" for o in outs) + "RuntimeCmd: \n"
+        text = (
+            "Obtaining JSON from switch...\nDone\n"
+            + "".join(f"RuntimeCmd: {o}\n" for o in outs)
+            + "RuntimeCmd: \n"
+        )
         return subprocess.CompletedProcess(argv, 0, text, "")
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     monkeypatch.setattr("shutil.which", lambda name: f"/usr/local/bin/{name}")
     cli = SwitchCLI(9090)
-    assert cli.run(["a", "b"], check=False) == ["Entry has been added with handle 7", "Error: Table 'nope' not found"]
+    assert cli.run(["a", "b"], check=False) == [
+        "Entry has been added with handle 7",
+        "Error: Table 'nope' not found",
+    ]
     with pytest.raises(Bmv2Error, match="nope"):
         cli.run(["a", "b"])

@@ -27,9 +27,14 @@ def test_codegen_check_mode_reports_drift(tmp_path, monkeypatch):
 def test_header_members_are_byte_aligned_and_sized():
     sml = wire.members(wire.SWITCHML)
     assert [(m.name, m.offset, m.nbytes) for m in sml] == [
-        ("msg_type_size", 0, 1), ("job_number", 1, 1), ("tsi", 2, 4), ("pool_index", 6, 2),
+        ("msg_type_size", 0, 1),
+        ("job_number", 1, 1),
+        ("tsi", 2, 4),
+        ("pool_index", 6, 2),
     ]
-    assert wire.SML_DTYPE.itemsize == wire.SWITCHML_HLEN and wire.EXP_DTYPE.itemsize == wire.EXP_HLEN
+    assert (
+        wire.SML_DTYPE.itemsize == wire.SWITCHML_HLEN and wire.EXP_DTYPE.itemsize == wire.EXP_HLEN
+    )
 
 
 def test_layout_is_p4app_switchmls_header_payload_exponent():
@@ -38,7 +43,11 @@ def test_layout_is_p4app_switchmls_header_payload_exponent():
     import struct
 
     vals = np.arange(-32, 32)
-    theirs = struct.pack(">BBIH", 0x11, 7, 99, 0x8000 | 5) + vals.astype(">i4").tobytes() + bytes([0xFB, 0])
+    theirs = (
+        struct.pack(">BBIH", 0x11, 7, 99, 0x8000 | 5)
+        + vals.astype(">i4").tobytes()
+        + bytes([0xFB, 0])
+    )
     m = wire.Message.from_bytes(theirs)
     assert (m.size, m.job_number, m.tsi, m.slot, m.version, m.e0, m.e1) == (1, 7, 99, 5, 1, -5, 0)
     np.testing.assert_array_equal(m.values, vals)
@@ -50,11 +59,34 @@ def test_scapy_layer_matches_numpy_packing():
     from aggproto.scapy_layer import Exponents, SwitchML
 
     vals = np.arange(-16, 16)
-    ours = wire.build_payloads(job_number=3, size_code=0, tsi=0xDEADBEEF, slot=0x1234, version=1, values=vals[None], e0=-5, e1=7)[0]
-    theirs = bytes(SwitchML(msg_type=1, size=0, job_number=3, tsi=0xDEADBEEF, pool_index=0x9234, values=list(vals)) / Exponents(e0=-5, e1=7))
+    ours = wire.build_payloads(
+        job_number=3,
+        size_code=0,
+        tsi=0xDEADBEEF,
+        slot=0x1234,
+        version=1,
+        values=vals[None],
+        e0=-5,
+        e1=7,
+    )[0]
+    theirs = bytes(
+        SwitchML(
+            msg_type=1, size=0, job_number=3, tsi=0xDEADBEEF, pool_index=0x9234, values=list(vals)
+        )
+        / Exponents(e0=-5, e1=7)
+    )
     assert ours.tobytes() == theirs
     msg = wire.Message.from_bytes(theirs)
-    assert (msg.msg_type, msg.size, msg.job_number, msg.tsi, msg.slot, msg.version, msg.e0, msg.e1) == (1, 0, 3, 0xDEADBEEF, 0x1234, 1, -5, 7)
+    assert (
+        msg.msg_type,
+        msg.size,
+        msg.job_number,
+        msg.tsi,
+        msg.slot,
+        msg.version,
+        msg.e0,
+        msg.e1,
+    ) == (1, 0, 3, 0xDEADBEEF, 0x1234, 1, -5, 7)
     np.testing.assert_array_equal(msg.values, vals)
 
 
@@ -75,13 +107,22 @@ def test_btf_layout_matches_python(agg_prog):
     if not shutil.which("bpftool"):
         pytest.fail("bpftool is missing: run `make deps`")
     btf_id = bpfsys.prog_info(prog.progs["xdp_agg_ingress"]).btf_id
-    dump = json.loads(subprocess.run(["bpftool", "-j", "btf", "dump", "id", str(btf_id)], check=True, capture_output=True, text=True).stdout)
+    dump = json.loads(
+        subprocess.run(
+            ["bpftool", "-j", "btf", "dump", "id", str(btf_id)],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout
+    )
     structs = {t["name"]: t for t in dump["types"] if t.get("kind") == "STRUCT"}
 
     for h in wire.HEADERS:
         t = structs[f"{h.name}_hdr"]
         assert t["size"] == h.length
-        assert [(m["name"], m["bits_offset"] // 8) for m in t["members"]] == [(m.name, m.offset) for m in wire.members(h)]
+        assert [(m["name"], m["bits_offset"] // 8) for m in t["members"]] == [
+            (m.name, m.offset) for m in wire.members(h)
+        ]
     anchor = structs["agg_btf_anchor"]
     assert [m["bits_offset"] // 8 for m in anchor["members"]][:2] == [0, wire.SWITCHML_HLEN]
 
@@ -89,7 +130,9 @@ def test_btf_layout_matches_python(agg_prog):
         t = structs[s.name]
         cls = s.ctypes()
         assert t["size"] == ct.sizeof(cls), s.name
-        assert [(m["name"], m["bits_offset"] // 8) for m in t["members"]] == [(f, getattr(cls, f).offset) for f, _ in cls._fields_], s.name
+        assert [(m["name"], m["bits_offset"] // 8) for m in t["members"]] == [
+            (f, getattr(cls, f).offset) for f, _ in cls._fields_
+        ], s.name
 
 
 def test_key_formulas_agree_between_python_and_the_generated_c():
@@ -100,5 +143,7 @@ def test_key_formulas_agree_between_python_and_the_generated_c():
     for k in keys.KEYS:
         assert f"#define AGG_{k.name.upper()}({', '.join(k.args)}) ({k.expr})" in text
     assert keys.pool_entry(5, 1) == 11
-    assert keys.counter_key(limits.NO_JOB, reasons.Reason.PASS) == limits.NO_JOB * reasons.NUM_REASONS
+    assert (
+        keys.counter_key(limits.NO_JOB, reasons.Reason.PASS) == limits.NO_JOB * reasons.NUM_REASONS
+    )
     assert keys.worker_key(2, 3) == 2 * limits.MAX_WORKERS + 3

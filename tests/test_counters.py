@@ -40,11 +40,21 @@ def test_parse_qdisc_tbf_drops_and_overlimits():
 
 
 def test_parse_tc_keeps_only_root_qdiscs():
-    text = ('[{"kind":"tbf","handle":"1:","dev":"eth0","root":true,"drops":3,"overlimits":9},'
-            '{"kind":"bfifo","handle":"0:","parent":"1:1","dev":"eth0","drops":3}]')
-    assert counters.parse_tc(text) == {"eth0": {"kind": "tbf", "drops": 3, "overlimits": 9,
-                                                "requeues": 0, "packets": 0, "bytes": 0,
-                                                "backlog": 0}}
+    text = (
+        '[{"kind":"tbf","handle":"1:","dev":"eth0","root":true,"drops":3,"overlimits":9},'
+        '{"kind":"bfifo","handle":"0:","parent":"1:1","dev":"eth0","drops":3}]'
+    )
+    assert counters.parse_tc(text) == {
+        "eth0": {
+            "kind": "tbf",
+            "drops": 3,
+            "overlimits": 9,
+            "requeues": 0,
+            "packets": 0,
+            "bytes": 0,
+            "backlog": 0,
+        }
+    }
 
 
 def test_parse_udp_snmp_receive_and_send_errors():
@@ -61,12 +71,19 @@ def test_parse_links_and_ethtool_of_veths():
     assert w0["link"]["eth0"]["tx_packets"] == 151  # what passed the tbf
     eth = w0["ethtool"]["eth0"]
     assert "peer_ifindex" not in eth
-    assert {"rx_queue_0_drops", "rx_queue_0_xdp_tx_errors",
-            "tx_queue_0_xdp_xmit_errors"} <= set(eth)
+    assert {"rx_queue_0_drops", "rx_queue_0_xdp_tx_errors", "tx_queue_0_xdp_xmit_errors"} <= set(
+        eth
+    )
     # the bridge namespace has one veth per worker and one toward the aggregator
     assert set(dump("bridge")["ethtool"]) == {"ag", "w0", "w1"}
-    totals = counters.ethtool_totals({"rx_queue_0_drops": 2, "rx_queue_1_drops": 3,
-                                      "tx_queue_0_xdp_xmit_errors": 1, "peer_tx_errors": 4})
+    totals = counters.ethtool_totals(
+        {
+            "rx_queue_0_drops": 2,
+            "rx_queue_1_drops": 3,
+            "tx_queue_0_xdp_xmit_errors": 1,
+            "peer_tx_errors": 4,
+        }
+    )
     assert totals == {"rx_drops": 5, "tx_xdp_xmit_errors": 1, "peer_tx_errors": 4}
 
 
@@ -81,7 +98,10 @@ def test_parse_softnet():
     sn = counters.parse_softnet((DATA / "softnet_stat.txt").read_text())
     assert sn["processed"] > 0 and sn["dropped"] >= 0
     assert counters.parse_softnet("0000000a 00000002 00000001\n00000001 00000003 00000000\n") == {
-        "processed": 11, "dropped": 5, "time_squeeze": 1}
+        "processed": 11,
+        "dropped": 5,
+        "time_squeeze": 1,
+    }
 
 
 def test_diff_and_sum():
@@ -100,8 +120,15 @@ def test_layout_roundtrip():
 
 # --- attribution ----------------------------------------------------------------------------
 def _layout(n: int) -> Layout:
-    return Layout("one-arm", [f"tw{i}" for i in range(n)], "tag", ["eth0"], "tsw",
-                  [["tsw", f"w{i}"] for i in range(n)], ["tsw", "ag"])
+    return Layout(
+        "one-arm",
+        [f"tw{i}" for i in range(n)],
+        "tag",
+        ["eth0"],
+        "tsw",
+        [["tsw", f"w{i}"] for i in range(n)],
+        ["tsw", "ag"],
+    )
 
 
 def _delta(n: int, *, worker_ns=None, bridge=None, agg_workers=None, reasons=None) -> dict:
@@ -116,23 +143,39 @@ def _delta(n: int, *, worker_ns=None, bridge=None, agg_workers=None, reasons=Non
         ns["tsw"][section].update(v)
     out = {"ns": ns, "softnet": {"dropped": 0}}
     if agg_workers is not None:
-        out["aggregator"] = {"unattributed": {"pass": 3},
-                             "jobs": {"0": {"reasons": reasons or {}, "workers": agg_workers}}}
+        out["aggregator"] = {
+            "unattributed": {"pass": 3},
+            "jobs": {"0": {"reasons": reasons or {}, "workers": agg_workers}},
+        }
     return out
 
 
 def _engine(sent, retx, **extra):
-    return [{"packets_sent": s, "retransmissions": r, "bytes_sent": 3082 * s, **extra}
-            for s, r in zip(sent, retx)]
+    return [
+        {"packets_sent": s, "retransmissions": r, "bytes_sent": 3082 * s, **extra}
+        for s, r in zip(sent, retx)
+    ]
 
 
 def test_no_loss_all_duplicates_is_spurious():
     # 2 workers, 1000 packets each, 30 + 20 retransmissions, nothing dropped anywhere: the
     # aggregator saw every copy, so every retransmission found its original counted
-    agg = {"0": {"packets": 1030, "contributions": 1000, "duplicates": 30, "answered": 10,
-                 "dropped": 0},
-           "1": {"packets": 1020, "contributions": 1000, "duplicates": 20, "answered": 5,
-                 "dropped": 0}}
+    agg = {
+        "0": {
+            "packets": 1030,
+            "contributions": 1000,
+            "duplicates": 30,
+            "answered": 10,
+            "dropped": 0,
+        },
+        "1": {
+            "packets": 1020,
+            "contributions": 1000,
+            "duplicates": 20,
+            "answered": 5,
+            "dropped": 0,
+        },
+    }
     d = _delta(2, agg_workers=agg, reasons={"dup_pending": 35, "retx_answered": 15})
     a = counters.attribute(d, _layout(2), _engine([1030, 1020], [30, 20]))
     assert (a.detail["duplicates_while_pending"], a.detail["duplicates_answered"]) == (35, 15)
@@ -146,10 +189,13 @@ def test_no_loss_all_duplicates_is_spurious():
 def test_upstream_tbf_loss_with_collateral():
     # worker 0 loses 10 datagrams at its tbf; each stalls its slot, so worker 1 retransmits too
     # (its copies arrived: duplicates); 3 more of worker 1's retransmissions are spurious
-    agg = {"0": {"packets": 1000, "contributions": 1000, "duplicates": 0, "dropped": 0},
-           "1": {"packets": 1013, "contributions": 1000, "duplicates": 13, "dropped": 0}}
-    d = _delta(2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}},
-               agg_workers=agg)  # 2 skbs: GSO sends of several datagrams each
+    agg = {
+        "0": {"packets": 1000, "contributions": 1000, "duplicates": 0, "dropped": 0},
+        "1": {"packets": 1013, "contributions": 1000, "duplicates": 13, "dropped": 0},
+    }
+    d = _delta(
+        2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}}, agg_workers=agg
+    )  # 2 skbs: GSO sends of several datagrams each
     a = counters.attribute(d, _layout(2), _engine([1010, 1013], [10, 13]))
     assert a.detail["lost_before_aggregator"] == 10
     assert a.causes["tbf_qdisc"] == 20 and a.causes["spurious"] == 3
@@ -158,8 +204,7 @@ def test_upstream_tbf_loss_with_collateral():
 
 def test_engine_spurious_statistic_wins():
     agg = {"0": {"packets": 1000, "duplicates": 0}, "1": {"packets": 1013, "duplicates": 13}}
-    d = _delta(2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}},
-               agg_workers=agg)
+    d = _delta(2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}}, agg_workers=agg)
     a = counters.attribute(d, _layout(2), _engine([1010, 1013], [10, 13], spurious=4))
     assert a.causes["spurious"] == 8  # the engines' 4 + 4 (the duplicates leave 13)
     assert a.causes["tbf_qdisc"] == 15 and a.detail["spurious_from"] == "engine"
@@ -168,8 +213,12 @@ def test_engine_spurious_statistic_wins():
 def test_downstream_socket_and_bridge_port_drops():
     # results lost for worker 1: 5 at its receive buffer, 2 at the bridge port's tbf
     agg = {"0": {"packets": 1000, "duplicates": 0}, "1": {"packets": 1007, "duplicates": 7}}
-    d = _delta(2, worker_ns={1: {"udp": {"InErrors": 5, "RcvbufErrors": 5}}},
-               bridge={"qdisc": {"w1": {"kind": "tbf", "drops": 2}}}, agg_workers=agg)
+    d = _delta(
+        2,
+        worker_ns={1: {"udp": {"InErrors": 5, "RcvbufErrors": 5}}},
+        bridge={"qdisc": {"w1": {"kind": "tbf", "drops": 2}}},
+        agg_workers=agg,
+    )
     a = counters.attribute(d, _layout(2), _engine([1000, 1007], [0, 7]))
     assert a.causes["socket_rcvbuf"] == 5 and a.causes["tbf_qdisc"] == 2
     assert a.causes["spurious"] == 0 and a.causes["unexplained"] == 0
@@ -191,8 +240,11 @@ def test_nft_loss_counts_datagrams_of_gso_skbs():
     # and none collateral (worker 1's timers were late enough)
     db = 3082 + 28
     agg = {"0": {"packets": 84, "duplicates": 0}, "1": {"packets": 100, "duplicates": 0}}
-    d = _delta(2, worker_ns={0: {"nft": {"loss_up": {"packets": 1, "bytes": 16 * 3082 + 42,
-                                                     "drop": True}}}}, agg_workers=agg)
+    d = _delta(
+        2,
+        worker_ns={0: {"nft": {"loss_up": {"packets": 1, "bytes": 16 * 3082 + 42, "drop": True}}}},
+        agg_workers=agg,
+    )
     a = counters.attribute(d, _layout(2), _engine([100, 100], [16, 0]), datagram_bytes=db)
     assert a.causes["injected_loss"] == 16
     assert a.detail["upstream_counted"]["injected_loss"] == pytest.approx(16, abs=0.1)
@@ -255,13 +307,18 @@ def test_injected_loss_is_attributed(testbed_factory, direction):
         before = counters.snapshot(layout, cl.stats)
         # the aggregator's counters come from the workers' last report: the job (and its
         # counters) is removed once its workers leave
-        reports = cl.run_workers([{"dtype": "int32", "count": 768 * 2000, "reps": 3},
-                                  {"check": "counters"}], elems=768, window=64, timeout=30)
+        reports = cl.run_workers(
+            [{"dtype": "int32", "count": 768 * 2000, "reps": 3}, {"check": "counters"}],
+            elems=768,
+            window=64,
+            timeout=30,
+        )
         after = counters.snapshot(layout, None)
     checks = [r[-1] for r in reports]
     delta = counters.diff(before, after)
-    delta["aggregator"] = {"jobs": {"0": {"workers": {str(c["rank"]): c["aggregator"]
-                                                      for c in checks}}}}
+    delta["aggregator"] = {
+        "jobs": {"0": {"workers": {str(c["rank"]): c["aggregator"] for c in checks}}}
+    }
     engine = [c["worker"] for c in checks]
     a = counters.attribute(delta, layout, engine)
     retx = sum(e["retransmissions"] for e in engine)

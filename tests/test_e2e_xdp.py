@@ -50,7 +50,11 @@ def test_allreduce_one_arm(testbed_factory, n):
 
 def test_allreduce_switch(testbed_factory):
     tb = testbed_factory(workers=4, topology="switch")
-    plan = [{"dtype": "int32", "count": ODD}, {"dtype": "float32", "count": 100_000}, {"check": "counters"}]
+    plan = [
+        {"dtype": "int32", "count": ODD},
+        {"dtype": "float32", "count": 100_000},
+        {"check": "counters"},
+    ]
     with Cluster(tb) as cl:
         reports = cl.run_workers(plan, job="switch")
         st = cl.stats()
@@ -72,8 +76,12 @@ def test_loss_in_both_directions(testbed_factory, loss):
 def test_two_jobs_at_once_stay_isolated(testbed_factory):
     tb = testbed_factory(workers=4, topology="one-arm")
     with Cluster(tb) as cl:
-        a = cl.start_workers([{"dtype": "int32", "count": 300_000, "seed": 11}], hosts=[0, 1], job="job-a")
-        b = cl.start_workers([{"dtype": "int32", "count": 300_000, "seed": 12}], hosts=[2, 3], job="job-b")
+        a = cl.start_workers(
+            [{"dtype": "int32", "count": 300_000, "seed": 11}], hosts=[0, 1], job="job-a"
+        )
+        b = cl.start_workers(
+            [{"dtype": "int32", "count": 300_000, "seed": 12}], hosts=[2, 3], job="job-b"
+        )
         ra, rb = cl.collect(a), cl.collect(b)
     _ok(ra)
     _ok(rb)
@@ -89,7 +97,8 @@ vals = np.full((1, 256), 12345)
 sent, end = 0, time.monotonic() + float(sys.argv[2])
 while time.monotonic() < end:
     for slot in range(64):
-        pkt = wire.build_payloads(job_number=0, size_code=3, tsi=0, slot=slot, version=sent % 2, values=vals)
+        pkt = wire.build_payloads(job_number=0, size_code=3, tsi=0, slot=slot, version=sent % 2,
+                                  values=vals)
         s.sendto(pkt.tobytes(), (sys.argv[1], wire.UDP_PORT))
         sent += 1
 print(sent)
@@ -100,8 +109,15 @@ def test_unregistered_host_changes_nothing(testbed_factory):
     tb = testbed_factory(workers=3, topology="one-arm")
     intruder = tb.workers[2]
     with Cluster(tb) as cl:
-        procs = cl.start_workers([{"dtype": "int32", "count": 400_000}], hosts=[0, 1], job="guarded")
-        spam = tb.popen(intruder, [sys.executable, "-c", INTRUDER, intruder.agg_ip, "2"], stdout=subprocess.PIPE, text=True)
+        procs = cl.start_workers(
+            [{"dtype": "int32", "count": 400_000}], hosts=[0, 1], job="guarded"
+        )
+        spam = tb.popen(
+            intruder,
+            [sys.executable, "-c", INTRUDER, intruder.agg_ip, "2"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         reports = cl.collect(procs)
         sent = int(spam.communicate(timeout=30)[0])
         st = cl.stats()
@@ -123,13 +139,15 @@ src_ip, src_mac, agg_ip, agg_mac = sys.argv[1:5]
 frames = []
 for code in (0, 1, 2, 3):
     k = wire.SIZE_CODE_ELEMS[code]
-    udp_len, ip_len = wire.UDP_HLEN + wire.udp_payload_len(k), wire.IPV4_HLEN + wire.UDP_HLEN + wire.udp_payload_len(k)
+    udp_len = wire.UDP_HLEN + wire.udp_payload_len(k)
+    ip_len = wire.IPV4_HLEN + wire.UDP_HLEN + wire.udp_payload_len(k)
     for slot in range(0, 256, 3):
         for port in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT, 5):
-            f = Ether(bytes(sml_frame(src_ip=src_ip, src_mac=src_mac, dst_ip=agg_ip, dst_mac=agg_mac,
-                                      dport=port, values=[7777777] * k, slot=slot, version=slot % 2,
-                                      tsi=slot, e0=30)))
-            lie = [(None, 18), (None, udp_len + 4), (ip_len - 4, None), (ip_len + 4, None), (38, 18)][slot % 5]
+            f = Ether(bytes(sml_frame(src_ip=src_ip, src_mac=src_mac, dst_ip=agg_ip,
+                                      dst_mac=agg_mac, dport=port, values=[7777777] * k,
+                                      slot=slot, version=slot % 2, tsi=slot, e0=30)))
+            lie = [(None, 18), (None, udp_len + 4), (ip_len - 4, None), (ip_len + 4, None),
+                   (38, 18)][slot % 5]
             if lie[0] is not None:
                 f[IP].len = lie[0]
             if lie[1] is not None:
@@ -158,8 +176,12 @@ def test_lying_lengths_from_a_registered_worker_change_no_sum(testbed_factory):
     plan = [{"dtype": "int32", "count": 300_000, "seed": s} for s in range(6)]
     plan += [{"dtype": "float32", "count": 100_000, "seed": 9}, {"check": "counters"}]
     with Cluster(tb) as cl:
-        liar = tb.popen(w0, [sys.executable, "-c", LIAR, w0.ip, w0.mac, agg.ips[0], agg.macs[0]],
-                        stdout=subprocess.PIPE, text=True)
+        liar = tb.popen(
+            w0,
+            [sys.executable, "-c", LIAR, w0.ip, w0.mac, agg.ips[0], agg.macs[0]],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         assert int(liar.stdout.readline()) > 0  # frames built: it is sending from now on
         try:
             reports = cl.run_workers(plan, job="lied-to", timeout=60)

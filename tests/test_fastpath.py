@@ -20,16 +20,17 @@ import pytest
 from hostlib_fixtures import loopback_prefix, ok, soft_cluster
 
 import hostlib
+from aggproto import wire
 from hostlib import scaling
 from hostlib.engine import STAT_NAMES, EngineConfig, Faults, StreamEngine, _fastpath
 from hostlib.udp_io import DatagramSocket
 
-from aggproto import wire
-
 pytestmark = [
     pytest.mark.timeout(120),
-    pytest.mark.skipif(_fastpath is None, reason="hostlib._fastpath is not built "
-                       "(python setup.py build_ext --inplace)"),
+    pytest.mark.skipif(
+        _fastpath is None,
+        reason="hostlib._fastpath is not built (python setup.py build_ext --inplace)",
+    ),
 ]
 
 HAVE_AVX2 = _fastpath is not None and _fastpath.simd() == "avx2"
@@ -48,8 +49,18 @@ class EchoAggregator:
     (answer only that many datagrams, then go silent).
     """
 
-    def __init__(self, *, bump: bool = True, add: int = 3, drop=None, dup=(), late=(),
-                 late_s: float = 0.08, reverse: bool = False, answer_limit: int | None = None):
+    def __init__(
+        self,
+        *,
+        bump: bool = True,
+        add: int = 3,
+        drop=None,
+        dup=(),
+        late=(),
+        late_s: float = 0.08,
+        reverse: bool = False,
+        answer_limit: int | None = None,
+    ):
         self.prefix = loopback_prefix()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
         self.sock.bind((f"{self.prefix}.1", 0))
@@ -137,12 +148,29 @@ class EchoAggregator:
         self.sock.close()
 
 
-def make_engine(agg: EchoAggregator, native: bool, *, n: int = 2, elems: int = 32,
-                window: int = 8, faults: Faults | None = None, **cfg) -> StreamEngine:
+def make_engine(
+    agg: EchoAggregator,
+    native: bool,
+    *,
+    n: int = 2,
+    elems: int = 32,
+    window: int = 8,
+    faults: Faults | None = None,
+    **cfg,
+) -> StreamEngine:
     sock = DatagramSocket((agg.worker_ip(), 0))
-    config = EngineConfig(job_id=0, world_size=n, elems=elems, slot_base=5, window=window,
-                          aggregator=agg.address, rto=cfg.pop("rto", 0.02), native=native,
-                          timeout=cfg.pop("timeout", 10.0), **cfg)
+    config = EngineConfig(
+        job_id=0,
+        world_size=n,
+        elems=elems,
+        slot_base=5,
+        window=window,
+        aggregator=agg.address,
+        rto=cfg.pop("rto", 0.02),
+        native=native,
+        timeout=cfg.pop("timeout", 10.0),
+        **cfg,
+    )
     return StreamEngine(sock, config, faults)
 
 
@@ -168,7 +196,7 @@ def run_sequence(native: bool, tensors, *, agg_kw=None, **engine_kw):
 
 def mixed_tensors(k: int = 32, window: int = 8) -> list[np.ndarray]:
     rng = np.random.default_rng(11)
-    f = (rng.standard_normal(20 * k + 5) * 10.0 ** rng.uniform(-5, 5, 20 * k + 5))
+    f = rng.standard_normal(20 * k + 5) * 10.0 ** rng.uniform(-5, 5, 20 * k + 5)
     f = f.astype(np.float32)
     f[2 * k : 3 * k] = 0.0  # an all-zero chunk
     f[5 * k + 3] = -0.0
@@ -197,9 +225,10 @@ def test_both_loops_send_the_same_bytes_and_get_the_same_results(n):
     tensors = mixed_tensors()
     ref_out, ref_pk, ref_st = run_sequence(False, tensors, n=n)
     nat_out, nat_pk, nat_st = run_sequence(True, tensors, n=n)
-    assert len(ref_pk) == sum(-(-t.size // 32) + (min(8, -(-t.size // 32))
-                                                  if t.dtype == np.float32 else 0)
-                              for t in tensors)
+    assert len(ref_pk) == sum(
+        -(-t.size // 32) + (min(8, -(-t.size // 32)) if t.dtype == np.float32 else 0)
+        for t in tensors
+    )
     assert set(ref_pk) == set(nat_pk)
     for key in ref_pk:
         assert ref_pk[key] == nat_pk[key], f"packet {key} differs"
@@ -236,8 +265,11 @@ def test_scalar_and_avx2_loops_send_the_same_bytes():
 # --- (b) the same results under loss, duplication and reordering ----------------------------
 def test_same_results_when_the_path_drops_duplicates_and_reorders():
     tensors = mixed_tensors()
-    agg_kw = {"drop": {t: 1 + t % 2 for t in range(0, 200, 7)}, "dup": set(range(3, 200, 5)),
-              "reverse": True}
+    agg_kw = {
+        "drop": {t: 1 + t % 2 for t in range(0, 200, 7)},
+        "dup": set(range(3, 200, 5)),
+        "reverse": True,
+    }
     ref_out, ref_pk, ref_st = run_sequence(False, tensors, agg_kw=agg_kw, rto=0.005)
     nat_out, nat_pk, nat_st = run_sequence(True, tensors, agg_kw=agg_kw, rto=0.005)
     assert ref_pk == nat_pk
@@ -296,10 +328,20 @@ def test_mixed_loops_in_one_job_with_loss_and_float16_through_the_communicator()
 
     def rank_main(r):
         try:
-            with hostlib.init(r, n, cl.endpoint, job="mixed", ip=cl.worker_ip(r), elems=64,
-                              window=8, timeout=10.0, retransmit=0.01, rendezvous_timeout=15,
-                              native=(r == 0),
-                              faults=Faults(send_loss=0.03, recv_loss=0.03, seed=r)) as comm:
+            with hostlib.init(
+                r,
+                n,
+                cl.endpoint,
+                job="mixed",
+                ip=cl.worker_ip(r),
+                elems=64,
+                window=8,
+                timeout=10.0,
+                retransmit=0.01,
+                rendezvous_timeout=15,
+                native=(r == 0),
+                faults=Faults(send_loss=0.03, recv_loss=0.03, seed=r),
+            ) as comm:
                 results[r] = body(comm)
         except Exception as e:
             results[r] = e
@@ -327,8 +369,17 @@ def test_no_answer_at_all_times_out_with_the_diagnosis(native):
     prefix = loopback_prefix()
     silent.bind((f"{prefix}.1", 0))
     sock = DatagramSocket((f"{prefix}.2", 0))
-    cfg = EngineConfig(job_id=0, world_size=1, elems=32, slot_base=100, window=4,
-                       aggregator=silent.getsockname(), native=native, timeout=0.4, rto=0.05)
+    cfg = EngineConfig(
+        job_id=0,
+        world_size=1,
+        elems=32,
+        slot_base=100,
+        window=4,
+        aggregator=silent.getsockname(),
+        native=native,
+        timeout=0.4,
+        rto=0.05,
+    )
     eng = StreamEngine(sock, cfg)
     try:
         t0 = time.monotonic()
@@ -387,9 +438,14 @@ def test_aimd_halves_on_loss_and_fixed_keeps_the_window():
     drop = {t: 1 for t in range(0, 300, 10)}
     st = {}
     for mode in ("aimd", "fixed"):
-        (out,), _, st[mode] = run_sequence(True, [x], agg_kw={"bump": False, "add": 0,
-                                                               "drop": dict(drop)},
-                                           window=64, rto=0.005, cwnd=mode)
+        (out,), _, st[mode] = run_sequence(
+            True,
+            [x],
+            agg_kw={"bump": False, "add": 0, "drop": dict(drop)},
+            window=64,
+            rto=0.005,
+            cwnd=mode,
+        )
         assert np.array_equal(out, x)
     assert st["fixed"]["cwnd"] == 64
     assert 1 <= st["aimd"]["cwnd"] < 64
@@ -446,8 +502,12 @@ def test_kernels_match_numpy_and_each_other(n):
             assert bad == -1 and np.frombuffer(e, np.int8).tolist() == e_ref.tolist(), mode
             q = _fastpath.quantise(flat, agreed.tobytes(), n, k)
             assert q == q_ref.tobytes(), mode
-            d = np.frombuffer(_fastpath.dequantise(sums.reshape(-1)[: flat.size].tobytes(),
-                                                   agreed.tobytes(), n, k), np.float32)
+            d = np.frombuffer(
+                _fastpath.dequantise(
+                    sums.reshape(-1)[: flat.size].tobytes(), agreed.tobytes(), n, k
+                ),
+                np.float32,
+            )
             assert d.tobytes() == d_ref.tobytes(), mode
     finally:
         _fastpath.set_simd(prev)
@@ -559,10 +619,20 @@ def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
 
         def rank_main(r):
             try:
-                with hostlib.init(r, n, cl.endpoint, job="aimd", ip=cl.worker_ip(r), elems=64,
-                                  window=16, timeout=5.0, retransmit=0.005, rendezvous_timeout=15,
-                                  native=True, faults=Faults(send_loss=0.05, recv_loss=0.25,
-                                                             seed=r)) as comm:
+                with hostlib.init(
+                    r,
+                    n,
+                    cl.endpoint,
+                    job="aimd",
+                    ip=cl.worker_ip(r),
+                    elems=64,
+                    window=16,
+                    timeout=5.0,
+                    retransmit=0.005,
+                    rendezvous_timeout=15,
+                    native=True,
+                    faults=Faults(send_loss=0.05, recv_loss=0.25, seed=r),
+                ) as comm:
                     results[r] = body(comm)
             except Exception as e:
                 results[r] = e

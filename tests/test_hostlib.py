@@ -80,8 +80,9 @@ def test_busy_worker_port_is_explained():
 
         def rank0():  # waits at the barrier for rank 1, in vain
             try:
-                hostlib.init(0, 2, cl.endpoint, job="busy", ip=cl.worker_ip(0),
-                             rendezvous_timeout=2.0).close()
+                hostlib.init(
+                    0, 2, cl.endpoint, job="busy", ip=cl.worker_ip(0), rendezvous_timeout=2.0
+                ).close()
             except hostlib.HostlibError as e:
                 errors.append(e)
 
@@ -93,8 +94,9 @@ def test_busy_worker_port_is_explained():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blocker:
             blocker.bind((cl.worker_ip(1), port))  # rank 1's port is taken on its address
             with pytest.raises(hostlib.HostlibError, match=f"UDP port rank 0 chose, {port}"):
-                hostlib.init(1, 2, cl.endpoint, job="busy", ip=cl.worker_ip(1),
-                             rendezvous_timeout=5)
+                hostlib.init(
+                    1, 2, cl.endpoint, job="busy", ip=cl.worker_ip(1), rendezvous_timeout=5
+                )
         t.join(15)
         assert errors and "barrier timeout" in str(errors[0])
 
@@ -165,8 +167,7 @@ def int_expected(n: int, length: int, seed: int = 0) -> np.ndarray:
 def test_int32_is_bit_exact_with_wraparound(n):
     length = 3000
     with soft_cluster() as cl:
-        res = ok(run_ranks(cl, n, lambda c: c.allreduce(int_inputs(c.rank, length)),
-                           window=16))
+        res = ok(run_ranks(cl, n, lambda c: c.allreduce(int_inputs(c.rank, length)), window=16))
     for r in res:
         assert r.dtype == np.int32 and np.array_equal(r, int_expected(n, length))
 
@@ -198,8 +199,7 @@ def assert_within_scaling_bound(got, inputs, k):
 def test_float32_within_the_scaling_bound(n):
     length, k = 4000, 256
     with soft_cluster() as cl:
-        res = ok(run_ranks(cl, n, lambda c: c.allreduce(float_inputs(c.rank, length, k)),
-                           window=8))
+        res = ok(run_ranks(cl, n, lambda c: c.allreduce(float_inputs(c.rank, length, k)), window=8))
     inputs = [float_inputs(r, length, k) for r in range(n)]
     for got in res:
         assert got.dtype == np.float32
@@ -318,10 +318,17 @@ def test_loss_in_both_directions_is_recovered_exactly(loss):
         return out, c.stats
 
     with soft_cluster() as cl:
-        res = ok(run_ranks(
-            cl, n, body, elems=64, window=16, retransmit=0.01,
-            faults=hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7),
-        ))
+        res = ok(
+            run_ranks(
+                cl,
+                n,
+                body,
+                elems=64,
+                window=16,
+                retransmit=0.01,
+                faults=hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7),
+            )
+        )
     inputs = [float_inputs(r, length, 64) for r in range(n)]
     for out, stats in res:
         assert np.array_equal(out[0], int_expected(n, length, seed=0))
@@ -338,10 +345,16 @@ def test_duplicated_packets_and_results_are_harmless():
         return c.allreduce(int_inputs(c.rank, length)), c.stats
 
     with soft_cluster() as cl:
-        res = ok(run_ranks(
-            cl, n, body, elems=64, window=8,
-            faults=hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3),
-        ))
+        res = ok(
+            run_ranks(
+                cl,
+                n,
+                body,
+                elems=64,
+                window=8,
+                faults=hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3),
+            )
+        )
         counters = cl.aggregator.counters(0)
     for got, stats in res:
         assert np.array_equal(got, int_expected(n, length))
@@ -357,8 +370,16 @@ def test_plain_sockets_without_gso_and_gro(native):
         pytest.skip("hostlib._fastpath is not built")
     n, length = 2, 5000
     with soft_cluster() as cl:
-        res = ok(run_ranks(cl, n, lambda c: (c.allreduce(int_inputs(c.rank, length)), c.stats),
-                           gso=False, gro=False, native=native))
+        res = ok(
+            run_ranks(
+                cl,
+                n,
+                lambda c: (c.allreduce(int_inputs(c.rank, length)), c.stats),
+                gso=False,
+                gro=False,
+                native=native,
+            )
+        )
     for got, stats in res:
         assert np.array_equal(got, int_expected(n, length))
         if not native:
@@ -369,8 +390,11 @@ def test_plain_sockets_without_gso_and_gro(native):
 
 def test_stats_are_counted():
     with soft_cluster() as cl:
-        (stats,) = ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)),
-                                                  c.stats)[1], elems=256))
+        (stats,) = ok(
+            run_ranks(
+                cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
+            )
+        )
     assert set(stats) == set(hostlib.STAT_NAMES)
     assert stats["allreduces"] == 1 and stats["elements"] == 1000
     assert stats["packets_sent"] == stats["results"] == 4
@@ -491,8 +515,9 @@ def test_world_size_mismatch_is_refused():
 
         def rank0():
             try:
-                hostlib.init(0, 2, cl.endpoint, job="w", ip=cl.worker_ip(0),
-                             rendezvous_timeout=1.0).close()
+                hostlib.init(
+                    0, 2, cl.endpoint, job="w", ip=cl.worker_ip(0), rendezvous_timeout=1.0
+                ).close()
             except hostlib.HostlibError as e:
                 errors.append(e)
 

@@ -69,8 +69,12 @@ def test_recvmmsg_with_gro_keeps_order_across_coalesced_and_single_datagrams():
             assert rx.recv_calls == 1
         # a coalesced buffer whose last datagram is shorter: the full rows stay, one malformed
         buf = np.concatenate([rows[:5].reshape(-1), rows[5, :20]])
-        tx.sock.sendmsg([buf.tobytes()], [(udp_io.SOL_UDP, udp_io.UDP_SEGMENT, plen.to_bytes(2, sys.byteorder))],
-                        0, rx.address)
+        tx.sock.sendmsg(
+            [buf.tobytes()],
+            [(udp_io.SOL_UDP, udp_io.UDP_SEGMENT, plen.to_bytes(2, sys.byteorder))],
+            0,
+            rx.address,
+        )
         assert rx.wait_readable(1.0)
         got = recv.drain()
         assert np.array_equal(got, rows[:5]) and recv.malformed == 1
@@ -165,7 +169,9 @@ def test_progress_prints_whole_lines_when_stderr_is_not_a_terminal(monkeypatch):
         p.close(7.0, 100, 2)
         text = stream.getvalue()
         if tty:
-            assert text.startswith("\rhostlib all-reduce #1: 10/100") and text.endswith("2 retransmissions\n")
+            assert text.startswith("\rhostlib all-reduce #1: 10/100") and text.endswith(
+                "2 retransmissions\n"
+            )
             assert text.count("\n") == 1
         else:
             lines = text.splitlines()
@@ -176,8 +182,15 @@ def test_progress_prints_whole_lines_when_stderr_is_not_a_terminal(monkeypatch):
 
 def test_stats_count_one_receive_call_per_batch():
     with soft_cluster() as cl:
-        (stats,) = ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(64 * 200, np.int32)),
-                                                  c.stats)[1], elems=64, window=64))
+        (stats,) = ok(
+            run_ranks(
+                cl,
+                1,
+                lambda c: (c.allreduce(np.ones(64 * 200, np.int32)), c.stats)[1],
+                elems=64,
+                window=64,
+            )
+        )
     assert stats["results"] == 200 and stats["packets_sent"] == 200
     if udp_io._HAVE_MMSG:
         assert stats["recv_calls"] < stats["results"]
@@ -188,8 +201,9 @@ def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not
 
     rx, tx = _pair(gro=True)
     try:
-        cfg = EngineConfig(job_id=0, world_size=1, elems=32, slot_base=0, window=4,
-                           aggregator=tx.address)
+        cfg = EngineConfig(
+            job_id=0, world_size=1, elems=32, slot_base=0, window=4, aggregator=tx.address
+        )
         eng = StreamEngine(rx, cfg)
         assert len(eng._spin()) == 0  # nothing arrives: a failed spin, spinning stops
         assert eng._spin_credit == -_SPIN_BACKOFF

@@ -23,7 +23,15 @@ ALLOWED = {
     "aggctl": {"aggproto", "hostlib"},
     "xdp_switch": {"aggproto", "aggctl", "bpfsys"},
     "aggcluster": {"aggproto", "aggctl", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
-    "bench": {"aggproto", "aggctl", "aggcluster", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
+    "bench": {
+        "aggproto",
+        "aggctl",
+        "aggcluster",
+        "bpfsys",
+        "hostlib",
+        "netns_testbed",
+        "xdp_switch",
+    },
 }
 OURS = set(ALLOWED)
 

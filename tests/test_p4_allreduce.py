@@ -42,14 +42,19 @@ with hostlib.init(rank, world, aggregator=endpoint, job="p4-allreduce", elems=64
     out = comm.allreduce(x)
     stats = comm.stats
 print(json.dumps({"rank": rank, "result": out.astype(np.int64).tolist(), "dtype": str(out.dtype),
-                  "stats": {k: int(v) for k, v in stats.items() if isinstance(v, (int, np.integer))}}))
+                  "stats": {k: int(v) for k, v in stats.items()
+                            if isinstance(v, (int, np.integer))}}))
 """
 
 
 def _expected() -> np.ndarray:
     total = np.zeros(N, dtype=np.int64)
     for r in range(WORLD):
-        total += np.random.default_rng(r).integers(-2**31, 2**31, size=N, dtype=np.int64).astype(np.int32)
+        total += (
+            np.random.default_rng(r)
+            .integers(-(2**31), 2**31, size=N, dtype=np.int64)
+            .astype(np.int32)
+        )
     return ((total + 2**31) % 2**32 - 2**31).astype(np.int32)
 
 
@@ -64,15 +69,25 @@ def _drop_data_in_kernel(netns: str) -> None:
         "  }\n"
         "}\n"
     )
-    subprocess.run(["nsenter", f"--net=/var/run/netns/{netns}", "nft", "-f", "-"], input=ruleset,
-                   text=True, check=True, capture_output=True)
+    subprocess.run(
+        ["nsenter", f"--net=/var/run/netns/{netns}", "nft", "-f", "-"],
+        input=ruleset,
+        text=True,
+        check=True,
+        capture_output=True,
+    )
 
 
 def _run_and_check_workers(tb, port: int, log_tail) -> None:
     """Run the 4 workers against the control endpoint on `port`; every rank's sum is exact."""
     procs = [
-        tb.popen(w, [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
-                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        tb.popen(
+            w,
+            [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         for w in tb.workers
     ]
     results = []
@@ -85,8 +100,11 @@ def _run_and_check_workers(tb, port: int, log_tail) -> None:
     for r in results:
         assert r["dtype"] == "int32"
         assert r["stats"]["results"] == packets, r["stats"]  # one result per packet
-        np.testing.assert_array_equal(np.asarray(r["result"], dtype=np.int64), want.astype(np.int64),
-                                      err_msg=f"rank {r['rank']}")
+        np.testing.assert_array_equal(
+            np.asarray(r["result"], dtype=np.int64),
+            want.astype(np.int64),
+            err_msg=f"rank {r['rank']}",
+        )
 
 
 def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
@@ -103,14 +121,22 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
     # compile, start simple_switch on p0..p3 in the aggregator namespace, set it up
     switch, backend = bm.launch(ports, tmp_path, netns=agg.netns, unknown_unicast="drop")
     server = None
-    created: list[int] = []  # job ids the control endpoint made (it deletes jobs when workers leave)
+    created: list[
+        int
+    ] = []  # job ids the control endpoint made (it deletes jobs when workers leave)
     create_job = backend.create_job
     backend.create_job = lambda spec: (create_job(spec), created.append(spec.job_id))
     try:
         with _InNetns(agg.netns):  # the listening socket lives in the aggregator namespace
             server = RendezvousServer(
-                backend, "0.0.0.0", 0,
-                {"delivery": Delivery.BROADCAST, "pool_slots": bm.DEFAULT_POOL_SLOTS, "barrier_timeout": 60.0},
+                backend,
+                "0.0.0.0",
+                0,
+                {
+                    "delivery": Delivery.BROADCAST,
+                    "pool_slots": bm.DEFAULT_POOL_SLOTS,
+                    "barrier_timeout": 60.0,
+                },
                 fill_worker=backend.fill_worker,
             )
         server.start()
@@ -140,9 +166,25 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
     _drop_data_in_kernel(tb.aggregator.netns)
     serve = tb.popen(
         "agg",
-        [sys.executable, "-m", "xdp_switch.cli", "--netns", tb.aggregator.netns, "serve", "--target", "bmv2",
-         "--ports", ",".join(tb.aggregator.ifnames), "--listen", "0.0.0.0:48800", "--workdir", str(tmp_path)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-m",
+            "xdp_switch.cli",
+            "--netns",
+            tb.aggregator.netns,
+            "serve",
+            "--target",
+            "bmv2",
+            "--ports",
+            ",".join(tb.aggregator.ifnames),
+            "--listen",
+            "0.0.0.0:48800",
+            "--workdir",
+            str(tmp_path),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
         line = serve.stderr.readline()
@@ -152,5 +194,7 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
         serve.terminate()
         assert serve.wait(timeout=30) is not None
     # simple_switch was stopped with the control endpoint
-    left = subprocess.run(["pgrep", "-f", f"simple_switch.*{tmp_path}"], capture_output=True, text=True).stdout
+    left = subprocess.run(
+        ["pgrep", "-f", f"simple_switch.*{tmp_path}"], capture_output=True, text=True
+    ).stdout
     assert not left.strip(), f"simple_switch still running: {left}"

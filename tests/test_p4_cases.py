@@ -95,7 +95,9 @@ def _expected_ports(case: Case, step: Step, in_port: int) -> list[int]:
 
 def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
     want_ports = _expected_ports(case, step, in_port)
-    assert sorted(p for p, _ in outs) == want_ports, f"{step.what}: frames came out of the wrong ports"
+    assert sorted(p for p, _ in outs) == want_ports, (
+        f"{step.what}: frames came out of the wrong ports"
+    )
     req = Ether(step.frame)
     if step.action == Action.PASS:
         for _, data in outs:
@@ -106,7 +108,12 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
         assert len(data) == len(step.frame), step.what
         check_result(step, req, out)
         if step.action == Action.TO_SENDER:
-            assert (out.dst, out.src, out[IP].src, out[IP].dst) == (req.src, req.dst, req[IP].dst, req[IP].src)
+            assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
+                req.src,
+                req.dst,
+                req[IP].dst,
+                req[IP].src,
+            )
             assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
     if step.action == Action.TO_ALL:
         job, ws = _owner(case, req)
@@ -147,11 +154,15 @@ def test_packet_case(lab, case: Case):
     model = ReferenceAggregator()
     for j in case.jobs:
         backend.create_job(j)
-        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum)
-    backend.add_workers([
-        dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
-        for w in case.workers
-    ])
+        model.create_job(
+            j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum
+        )
+    backend.add_workers(
+        [
+            dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
+            for w in case.workers
+        ]
+    )
     for w in case.workers:
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
     rows = sorted({j.job_id for j in case.jobs} | {limits.NO_JOB})
@@ -179,8 +190,6 @@ def test_backend_refuses_what_the_program_cannot_serve(lab):
     """Sizes other than 32/64, slots past the pool, overlapping ranges, unknown jobs."""
     from packet_cases import job, workers
 
-    if any(j.udp_checksum for j in case.jobs):
-        pytest.skip("UDP checksum verification is the XDP program's (the bmv2 backend refuses it)")
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])

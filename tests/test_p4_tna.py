@@ -22,7 +22,10 @@ def _tna_include() -> Path | None:
     p4c = shutil.which(bm.TOOLS["p4c"])
     if p4c is None:
         return None
-    for d in (Path(p4c).resolve().parent.parent / "share" / "p4c" / "p4include", Path("/usr/share/p4c/p4include")):
+    for d in (
+        Path(p4c).resolve().parent.parent / "share" / "p4c" / "p4include",
+        Path("/usr/share/p4c/p4include"),
+    ):
         if (d / "tna.p4").exists():
             return d
     return None
@@ -31,11 +34,25 @@ def _tna_include() -> Path | None:
 def test_tna_variant_passes_the_p4c_front_end(tmp_path):
     inc = _tna_include()
     if inc is None:
-        pytest.skip("p4c-bm2-ss with p4c's Tofino headers (tna.p4 in share/p4c/p4include) is not installed")
+        pytest.skip(
+            "p4c-bm2-ss with p4c's Tofino headers (tna.p4 in share/p4c/p4include) is not installed"
+        )
     r = subprocess.run(
-        [shutil.which(bm.TOOLS["p4c"]), "--std", "p4-16", "--Wdisable", "-D__TARGET_TOFINO__=1",
-         "-I", str(inc), "-o", str(tmp_path / "tna.json"), str(TNA_MAIN)],
-        capture_output=True, text=True, timeout=120,
+        [
+            shutil.which(bm.TOOLS["p4c"]),
+            "--std",
+            "p4-16",
+            "--Wdisable",
+            "-D__TARGET_TOFINO__=1",
+            "-I",
+            str(inc),
+            "-o",
+            str(tmp_path / "tna.json"),
+            str(TNA_MAIN),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     errors = [ln for ln in r.stderr.splitlines() if re.search(r"\berror\b", ln)]
     assert r.returncode != 0

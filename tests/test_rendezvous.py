@@ -24,8 +24,14 @@ def client(cluster, rank: int | None = None) -> ControlClient:
 
 
 def create(c: ControlClient, job="j", world_size=2, window=4, elems=64, worker_port=40000):
-    return c.request("create", job=job, world_size=world_size, elems=elems, window=window,
-                     worker_port=worker_port)["job"]
+    return c.request(
+        "create",
+        job=job,
+        world_size=world_size,
+        elems=elems,
+        window=window,
+        worker_port=worker_port,
+    )["job"]
 
 
 def register_all(cluster, job: str, n: int, port=40000, timeout=5.0):
@@ -35,8 +41,9 @@ def register_all(cluster, job: str, n: int, port=40000, timeout=5.0):
 
     def reg(r):
         try:
-            answers[r] = clients[r].request("register", job=job, rank=r, port=port,
-                                            timeout=timeout, reply_timeout=timeout + 5)
+            answers[r] = clients[r].request(
+                "register", job=job, rank=r, port=port, timeout=timeout, reply_timeout=timeout + 5
+            )
         except RendezvousError as e:
             answers[r] = e
 
@@ -156,8 +163,8 @@ def test_register_errors():
             c.request("register", job="j", rank=0, port=1, ip="nowhere")
         # a rank registered twice: the second is refused while the first waits at the barrier
         first = client(cl, 0)
-        t = threading.Thread(target=lambda: _swallow(
-            first.request, "register", job="j", rank=0, port=1, timeout=2)
+        t = threading.Thread(
+            target=lambda: _swallow(first.request, "register", job="j", rank=0, port=1, timeout=2)
         )
         t.start()
         time.sleep(0.3)
@@ -181,8 +188,11 @@ def test_a_rank_lost_during_the_barrier_fails_it_at_once():
         create(c0, "j", world_size=3)
         c1 = client(cl, 1)
         answer = []
-        t = threading.Thread(target=lambda: _record(answer, c1.request, "register", job="j",
-                                                       rank=1, port=40000, timeout=20))
+        t = threading.Thread(
+            target=lambda: _record(
+                answer, c1.request, "register", job="j", rank=1, port=40000, timeout=20
+            )
+        )
         t.start()
         c2 = client(cl, 2)
         # rank 2 registers on a connection that closes while rank 1 waits: a raw socket, so
@@ -235,8 +245,17 @@ def test_diagnose_reports_counters_and_lagging_ranks():
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.bind((cl.worker_ip(0), 40000))
             for slot in (0, 1):
-                msg = wire.Message(msg_type=1, size=0, job_number=0, tsi=slot, slot=slot,
-                                   version=0, e0=0, e1=0, values=np.zeros(32, np.int32))
+                msg = wire.Message(
+                    msg_type=1,
+                    size=0,
+                    job_number=0,
+                    tsi=slot,
+                    slot=slot,
+                    version=0,
+                    e0=0,
+                    e1=0,
+                    values=np.zeros(32, np.int32),
+                )
                 s.sendto(msg.to_bytes(), tuple(job["send_to"]))
             deadline = time.monotonic() + 5
             while time.monotonic() < deadline:
@@ -268,8 +287,11 @@ def test_bad_requests_get_explanations():
                 (b"[1, 2]\n", "JSON object"),
                 (b'{"op": "fly"}\n', "unknown op 'fly'"),
                 (b'{"op": "create", "job": ""}\n', "non-empty job name"),
-                (b'{"op": "create", "job": "x", "world_size": 2, "elems": 100, "window": 1,'
-                 b' "worker_port": 5}\n', "not a wire size"),
+                (
+                    b'{"op": "create", "job": "x", "world_size": 2, "elems": 100, "window": 1,'
+                    b' "worker_port": 5}\n',
+                    "not a wire size",
+                ),
                 (b'{"op": "ping"}\n', None),
             ]:
                 f.write(line)
@@ -319,8 +341,11 @@ def test_stop_wakes_a_blocked_barrier():
         c = client(cl, 0)
         create(c, "j", world_size=2)
         errors = []
-        t = threading.Thread(target=lambda: _record(errors, c.request, "register", job="j",
-                                                       rank=0, port=1, timeout=30))
+        t = threading.Thread(
+            target=lambda: _record(
+                errors, c.request, "register", job="j", rank=0, port=1, timeout=30
+            )
+        )
         t.start()
         time.sleep(0.2)
         t0 = time.monotonic()

@@ -27,8 +27,15 @@ def udp(ip: str) -> socket.socket:
 
 def contribution(values, *, slot=0, version=0, tsi=7, e0=0) -> bytes:
     return wire.Message(
-        msg_type=wire.MSG_TYPE_DATA, size=wire.size_code_for(K), job_number=3, tsi=tsi,
-        slot=slot, version=version, e0=e0, e1=0, values=np.asarray(values, dtype=np.int32),
+        msg_type=wire.MSG_TYPE_DATA,
+        size=wire.size_code_for(K),
+        job_number=3,
+        tsi=tsi,
+        slot=slot,
+        version=version,
+        e0=e0,
+        e1=0,
+        values=np.asarray(values, dtype=np.int32),
     ).to_bytes()
 
 
@@ -49,8 +56,9 @@ def setup():
     prefix = loopback_prefix()
     agg = SoftAggregator(f"{prefix}.1").start()
     port = wire.UDP_PORT + 3
-    agg.create_job(JobSpec(job_id=5, num_workers=2, elems=K, slot_base=10, slot_count=4,
-                           agg_port=port))
+    agg.create_job(
+        JobSpec(job_id=5, num_workers=2, elems=K, slot_base=10, slot_count=4, agg_port=port)
+    )
     socks = [udp(f"{prefix}.{2 + i}") for i in range(2)]
     for i, s in enumerate(socks):
         ip, p = s.getsockname()
@@ -79,8 +87,7 @@ def test_sum_goes_to_every_worker_and_retransmission_to_sender_only(setup):
     assert no_datagram(b)
     assert agg.counters(5) == {"aggregated": 1, "completed": 1, "retx_answered": 1}
     wc = agg.worker_counters(5)
-    assert wc[0] == {"packets": 2, "contributions": 1, "duplicates": 1, "answered": 1,
-                     "dropped": 0}
+    assert wc[0] == {"packets": 2, "contributions": 1, "duplicates": 1, "answered": 1, "dropped": 0}
     assert wc[1]["contributions"] == 1
 
 
@@ -149,10 +156,12 @@ def test_gso_burst_is_split_into_datagrams(setup):
     ip_a, port_a = a.getsockname()
     a.close()  # rebind worker 0's address with a batching socket
     ds = DatagramSocket((ip_a, port_a))
-    rows = np.concatenate([
-        np.frombuffer(contribution(np.full(K, s), slot=10 + s, tsi=s), dtype=np.uint8)[None]
-        for s in range(4)
-    ])
+    rows = np.concatenate(
+        [
+            np.frombuffer(contribution(np.full(K, s), slot=10 + s, tsi=s), dtype=np.uint8)[None]
+            for s in range(4)
+        ]
+    )
     assert ds.send_rows(rows, dest) == 4
     for s in range(4):
         b.sendto(contribution(np.full(K, 100), slot=10 + s, tsi=s), dest)

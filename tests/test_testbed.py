@@ -78,8 +78,9 @@ for i in range(n):
 
 
 def start_receiver(tb, host, port, idle=0.5):
-    p = tb.popen(host, [sys.executable, "-c", RECV, str(port), str(idle)],
-                 stdout=subprocess.PIPE, text=True)
+    p = tb.popen(
+        host, [sys.executable, "-c", RECV, str(port), str(idle)], stdout=subprocess.PIPE, text=True
+    )
     assert p.stdout.readline().strip() == "ready"
     return p
 
@@ -109,6 +110,7 @@ def assert_gone(prefix):
 
 # ---------------------------------------------------------------- no root
 
+
 def test_plan_one_arm():
     p = plan.make_plan("xt0001", 3, "one-arm")
     assert p.namespaces == ["xt0001sw", "xt0001ag", "xt0001w0", "xt0001w1", "xt0001w2"]
@@ -130,11 +132,20 @@ def test_plan_switch():
         assert len(v.if_a) <= 15 and len(v.if_b) <= 15
 
 
-@pytest.mark.parametrize("kw", [dict(workers=0), dict(workers=33), dict(topology="ring"),
-                                dict(prefix="bad/prefix"), dict(rate="1 gbps"),
-                                dict(loss_up=1.5), dict(mtu=10),
-                                dict(topology="switch", agg_rate="1gbit"),
-                                dict(topology="switch", dup_down=0.1)])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(workers=0),
+        dict(workers=33),
+        dict(topology="ring"),
+        dict(prefix="bad/prefix"),
+        dict(rate="1 gbps"),
+        dict(loss_up=1.5),
+        dict(mtu=10),
+        dict(topology="switch", agg_rate="1gbit"),
+        dict(topology="switch", dup_down=0.1),
+    ],
+)
 def test_bad_options(kw):
     with pytest.raises(ValueError):
         Testbed(**kw)
@@ -172,10 +183,11 @@ def test_rates_and_nft_text():
     text = faults.worker_script("eth0", 0.25, 1.0, 0.0)
     assert "udp dport 0xbee0-0xbeef numgen random mod 1000000000 < 250000000" in text
     assert "udp sport 0xbee0-0xbeef counter drop" in text  # p=1: unconditional
-    assert "hook egress device \"eth0\"" in text and "hook ingress device \"eth0\"" in text
+    assert 'hook egress device "eth0"' in text and 'hook ingress device "eth0"' in text
 
 
 # ------------------------------------------------------------- namespaces
+
 
 @netns_marks
 @pytest.mark.parametrize("topology,workers", [("one-arm", 3), ("switch", 2)])
@@ -343,8 +355,13 @@ if sys.argv[1] == "die":
 @netns_marks
 def test_atexit_cleanup_and_down_stale():
     def build(mode):
-        cp = subprocess.run([sys.executable, "-c", BUILD_AND_EXIT, mode], cwd=REPO,
-                            capture_output=True, text=True, timeout=60)
+        cp = subprocess.run(
+            [sys.executable, "-c", BUILD_AND_EXIT, mode],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         return cp.stdout.strip()
 
     assert_gone(build("exit"))  # the atexit hook removed it
@@ -362,16 +379,32 @@ def test_atexit_cleanup_and_down_stale():
 
 
 def cli(*args, **kw):
-    return subprocess.run([sys.executable, "-m", "netns_testbed.cli", *args], cwd=REPO,
-                          capture_output=True, text=True, timeout=60, **kw)
+    return subprocess.run(
+        [sys.executable, "-m", "netns_testbed.cli", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        **kw,
+    )
 
 
 @netns_marks
 def test_cli_round_trip():
     prefix = "tc" + secrets.token_hex(2)
     try:
-        cp = cli("up", "--workers", "2", "--topology", "one-arm", "--rate", "1gbit",
-                 "--prefix", prefix, "--json")
+        cp = cli(
+            "up",
+            "--workers",
+            "2",
+            "--topology",
+            "one-arm",
+            "--rate",
+            "1gbit",
+            "--prefix",
+            prefix,
+            "--json",
+        )
         assert cp.returncode == 0, cp.stderr
         st = json.loads(cp.stdout)
         assert st["prefix"] == prefix and st["status"] == "up"
@@ -405,8 +438,12 @@ def test_cli_not_root_message_in_process(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     prefix = "tn" + secrets.token_hex(2)
     try:
-        for args in (["up", "--workers", "1"], ["down"], ["exec", "w0", "--", "true"],
-                     ["set", "--rate", "1gbit"]):
+        for args in (
+            ["up", "--workers", "1"],
+            ["down"],
+            ["exec", "w0", "--", "true"],
+            ["set", "--rate", "1gbit"],
+        ):
             r = CliRunner().invoke(testbed_cli.main, [args[0], "--prefix", prefix, *args[1:]])
             assert r.exit_code == 1, (args, r.output)
             assert "not root: run with sudo" in r.stderr, args

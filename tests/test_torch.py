@@ -39,10 +39,17 @@ WORKER = str(ROOT / "tests" / "torch_worker.py")
 
 
 def _env(rank: int, n: int, master: str, port: int, control: str, ifname: str, **extra) -> dict:
-    env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(n), MASTER_ADDR=master,
-               MASTER_PORT=str(port), XDP_AGG_CONTROL=control, GLOO_SOCKET_IFNAME=ifname,
-               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(n),
+        MASTER_ADDR=master,
+        MASTER_PORT=str(port),
+        XDP_AGG_CONTROL=control,
+        GLOO_SOCKET_IFNAME=ifname,
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+    )
     env.update({k: str(v) for k, v in extra.items()})
     return env
 
@@ -71,8 +78,10 @@ def _check_ddp(reports, n):
     for rep in reports:
         for dtype, d in rep["dtypes"].items():
             for step, (err, bound) in enumerate(zip(d["grad_err"], d["grad_bound"])):
-                assert err <= bound, f"rank {rep['rank']} {dtype} step {step}: gradient error " \
-                                     f"{err:.3g} above the bound {bound:.3g}"
+                assert err <= bound, (
+                    f"rank {rep['rank']} {dtype} step {step}: gradient error "
+                    f"{err:.3g} above the bound {bound:.3g}"
+                )
             assert d["param_err"] <= d["param_bound"], f"rank {rep['rank']} {dtype}: {d}"
         assert rep["stats"]["packets_sent"] > 0
     # every rank ends with the same parameters' error (they all hold the same sums)
@@ -87,9 +96,17 @@ def _check_backend(reports, n):
             for op in ("SUM", "AVG"):
                 for mode in ("sync", "async"):
                     assert f"all_reduce {op} {dtype} {mode}" in rep["checks"]
-        for name in ("broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor",
-                     "all_to_all_single", "barrier", "DDP through the backend",
-                     "all_reduce SUM int64 sync route", "all_reduce SUM float64 async route"):
+        for name in (
+            "broadcast",
+            "all_gather",
+            "all_gather_into_tensor",
+            "reduce_scatter_tensor",
+            "all_to_all_single",
+            "barrier",
+            "DDP through the backend",
+            "all_reduce SUM int64 sync route",
+            "all_reduce SUM float64 async route",
+        ):
             assert rep["checks"].get(name), f"rank {rep['rank']}: {name} not checked"
     assert len({r["job"] for r in reports}) == 1
 
@@ -120,8 +137,17 @@ def _start_testbed(tb, cl, scenario, *args, stdin=None, **extra):
     n = len(tb.workers)
     for r, w in enumerate(tb.workers):
         env = _env(r, n, tb.workers[0].ip, port, cl.control_address(w), "eth0", **extra)
-        procs.append(tb.popen(w, [sys.executable, WORKER, scenario, *args], env=env, text=True,
-                              stdin=stdin, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        procs.append(
+            tb.popen(
+                w,
+                [sys.executable, WORKER, scenario, *args],
+                env=env,
+                text=True,
+                stdin=stdin,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+            )
+        )
     return procs
 
 
@@ -173,11 +199,19 @@ def _start_loopback(cl, n, scenario, *args, stdin=None, **extra):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    return [subprocess.Popen(
-        [sys.executable, WORKER, scenario, *args], text=True, stdin=stdin,
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-        env=_env(r, n, "127.0.0.1", port, cl.endpoint, "lo", XDP_AGG_IP=cl.worker_ip(r), **extra),
-    ) for r in range(n)]
+    return [
+        subprocess.Popen(
+            [sys.executable, WORKER, scenario, *args],
+            text=True,
+            stdin=stdin,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            env=_env(
+                r, n, "127.0.0.1", port, cl.endpoint, "lo", XDP_AGG_IP=cl.worker_ip(r), **extra
+            ),
+        )
+        for r in range(n)
+    ]
 
 
 def test_backend_on_loopback():
@@ -185,8 +219,9 @@ def test_backend_on_loopback():
     from hostlib_fixtures import soft_cluster
 
     with soft_cluster() as cl:
-        _check_backend(_reports(_start_loopback(cl, 2, "backend", "--backend-spec",
-                                                "cpu:xdpagg")), 2)
+        _check_backend(
+            _reports(_start_loopback(cl, 2, "backend", "--backend-spec", "cpu:xdpagg")), 2
+        )
 
 
 def test_ddp_hook_on_loopback():
@@ -204,8 +239,14 @@ def test_aggregator_lost_on_loopback(fallback, scenario):
     from hostlib_fixtures import soft_cluster
 
     with soft_cluster() as cl:
-        procs = _start_loopback(cl, 2, scenario, stdin=subprocess.PIPE, XDP_AGG_TIMEOUT=2,
-                                XDP_AGG_FALLBACK="gloo" if fallback else "")
+        procs = _start_loopback(
+            cl,
+            2,
+            scenario,
+            stdin=subprocess.PIPE,
+            XDP_AGG_TIMEOUT=2,
+            XDP_AGG_FALLBACK="gloo" if fallback else "",
+        )
         for p in procs:
             assert p.stdout.readline().strip() == "ready"
         cl.aggregator.stop()
@@ -323,11 +364,19 @@ def test_entry_point_registers_the_backend(tmp_path):
     info.mkdir()
     (info / "METADATA").write_text("Metadata-Version: 2.1\nName: xdp-agg-ep\nVersion: 0\n")
     (info / "entry_points.txt").write_text(f"[torch.backends]\nxdpagg = {target}\n")
-    code = ("import torch.distributed as d; print('xdpagg' in d.Backend.backend_list, "
-            "d.Backend('xdpagg'))")
+    code = (
+        "import torch.distributed as d; print('xdpagg' in d.Backend.backend_list, "
+        "d.Backend('xdpagg'))"
+    )
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT)]))
-    r = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                       timeout=120, check=False)
+    r = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.split() == ["True", "xdpagg"], r.stdout + r.stderr
 

@@ -55,7 +55,9 @@ def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> No
     v = model.process_frame(step.frame)
     assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
     if v.payload is not None:
-        assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
+        assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], (
+            f"model's bytes differ on {step.what}"
+        )
 
 
 def _all_counters(maps) -> Counter:
@@ -73,7 +75,9 @@ def test_packet_case(agg, case: Case):
     model = ReferenceAggregator()
     for j in case.jobs:
         maps.create_job(j)
-        model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum)
+        model.create_job(
+            j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum
+        )
     for w in case.workers:
         maps.add_worker(w)
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
@@ -101,7 +105,11 @@ def test_worker_counters(agg):
     for f in (frame(0, a), frame(0, a), frame(1, a), frame(0, a), frame(0, np.arange(64))):
         bpfsys.prog_test_run(fd, f)
     assert maps.worker_counters(0, 0) == {
-        "packets": 4, "contributions": 1, "duplicates": 2, "answered": 1, "dropped": 1,
+        "packets": 4,
+        "contributions": 1,
+        "duplicates": 2,
+        "answered": 1,
+        "dropped": 1,
     }
     assert maps.worker_counters(0, 1)["contributions"] == 1
     assert maps.counters(0)[Reason.COMPLETED.name.lower()] == 1

@@ -35,7 +35,9 @@ def _drive(cpu, fd, rounds, barrier, conn):
             t0 = time.monotonic_ns()
             act, data, _ = bpfsys.prog_test_run(fd, f)
             span = (t0, time.monotonic_ns())
-            out.append((key, act, data[wire.SWITCHML_OFFSET:] if act == bpfsys.XDP_TX else None, span))
+            out.append(
+                (key, act, data[wire.SWITCHML_OFFSET :] if act == bpfsys.XDP_TX else None, span)
+            )
     conn.send(out)
     conn.close()
 
@@ -60,9 +62,11 @@ def test_two_cpus_same_slots(agg):
         for s in range(SLOTS):
             for w in range(N):
                 vals = rng.integers(-(2**31), 2**31, size=K, dtype=np.int64)
-                f = frame(w, vals, slot=s, version=r % 2, e0=int(rng.integers(-50, 50)), tsi=r * SLOTS + s)
+                f = frame(
+                    w, vals, slot=s, version=r % 2, e0=int(rng.integers(-50, 50)), tsi=r * SLOTS + s
+                )
                 rnd[w % 2].append(((r, s, w, "new"), f))
-                v = model.process(f"198.18.0.{10 + w}", wire.UDP_PORT, f[wire.SWITCHML_OFFSET:])
+                v = model.process(f"198.18.0.{10 + w}", wire.UDP_PORT, f[wire.SWITCHML_OFFSET :])
                 if v.action == Action.TO_ALL:
                     expected[(r, s)] = v.payload
                 if rng.random() < DUP_P:
@@ -96,7 +100,9 @@ def test_two_cpus_same_slots(agg):
         for key in spans[0]
     )
     print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
-    assert overlapping >= ROUNDS * SLOTS // 10, f"only {overlapping} slot rounds ran on both CPUs at once"
+    assert overlapping >= ROUNDS * SLOTS // 10, (
+        f"only {overlapping} slot rounds ran on both CPUs at once"
+    )
 
     completions = {}
     answered = 0
@@ -109,12 +115,16 @@ def test_two_cpus_same_slots(agg):
                 assert act == bpfsys.XDP_DROP
             elif act == bpfsys.XDP_TX:  # a duplicate answered with the stored result
                 answered += 1
-                assert payload == expected[(r, s)], f"retransmission answer for slot {s} round {r} is wrong"
+                assert payload == expected[(r, s)], (
+                    f"retransmission answer for slot {s} round {r} is wrong"
+                )
             else:
                 assert act == bpfsys.XDP_DROP
     assert set(completions) == set(expected), "a slot never completed"
     for key, payload in completions.items():
-        assert payload == expected[key], f"slot {key[1]} round {key[0]}: sum differs from the serial model"
+        assert payload == expected[key], (
+            f"slot {key[1]} round {key[0]}: sum differs from the serial model"
+        )
     c = maps.counters(0)
     assert c["completed"] == ROUNDS * SLOTS
     assert c["aggregated"] == ROUNDS * SLOTS * (N - 1)

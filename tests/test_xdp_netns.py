@@ -33,7 +33,8 @@ s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.bind(("0.0.0.0", wire.UDP_PORT))
 s.settimeout(0.3)
 vals = (np.arange(k) + 1000 * w).reshape(1, -1)
-pkt = wire.build_payloads(job_number=5, size_code=wire.size_code_for(k), tsi=42, slot=1, version=0, values=vals, e0=w).tobytes()
+pkt = wire.build_payloads(job_number=5, size_code=wire.size_code_for(k), tsi=42, slot=1,
+                          version=0, values=vals, e0=w).tobytes()
 for attempt in range(20):   # retransmit until the result arrives, as the host library does
     s.sendto(pkt, (agg, wire.UDP_PORT))
     try:
@@ -41,7 +42,8 @@ for attempt in range(20):   # retransmit until the result arrives, as the host l
     except socket.timeout:
         continue
     m = wire.Message.from_bytes(data)
-    print(json.dumps({"values": m.values.tolist(), "e0": m.e0, "tsi": m.tsi, "src": src[0], "sport": src[1]}))
+    print(json.dumps({"values": m.values.tolist(), "e0": m.e0, "tsi": m.tsi,
+                      "src": src[0], "sport": src[1]}))
     break
 else:
     print("null")
@@ -66,14 +68,32 @@ def instance():
     if inst.exists():
         state = inst.load_state() if inst.state_path.exists() else None
         if state and state.netns:
-            subprocess.run([sys.executable, "-m", "xdp_switch.cli", "--netns", state.netns, "--name", name, "detach"], capture_output=True, timeout=60)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "xdp_switch.cli",
+                    "--netns",
+                    state.netns,
+                    "--name",
+                    name,
+                    "detach",
+                ],
+                capture_output=True,
+                timeout=60,
+            )
         if inst.exists():
             inst.remove()
 
 
 def _run_workers(tb, k):
     procs = [
-        tb.popen(w, [sys.executable, "-c", WORKER, w.agg_ip, str(w.index), str(k)], stdout=subprocess.PIPE, text=True)
+        tb.popen(
+            w,
+            [sys.executable, "-c", WORKER, w.agg_ip, str(w.index), str(k)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
         for w in tb.workers
     ]
     return [json.loads(p.communicate(timeout=30)[0]) for p in procs]
@@ -89,7 +109,21 @@ def test_aggregates_over_veths(testbed_factory, instance, topology):
     tb = testbed_factory(workers=n, topology=topology)
     xdp_agg(tb, "--name", instance, "attach", *tb.agg_interfaces)
     group = ["--group", tb.group_ip] if tb.group_ip else []
-    xdp_agg(tb, "--name", instance, "job", "create", "0", "--workers", str(n), "--elems", str(k), "--slots", "0:8", *group)
+    xdp_agg(
+        tb,
+        "--name",
+        instance,
+        "job",
+        "create",
+        "0",
+        "--workers",
+        str(n),
+        "--elems",
+        str(k),
+        "--slots",
+        "0:8",
+        *group,
+    )
     for w in tb.workers:
         xdp_agg(tb, "--name", instance, "worker", "add", "0", str(w.index), w.ip, "--mac", w.mac)
 
@@ -125,21 +159,28 @@ def test_ping_and_tcp_pass_and_detach_leaves_nothing(testbed_factory, instance):
 
     server = tb.popen(
         "agg",
-        [sys.executable, "-c",
-         "import socket,sys\n"
-         "s=socket.create_server(('0.0.0.0',5001)); c,_=s.accept(); n=0\n"
-         "while True:\n    b=c.recv(1<<16)\n    if not b: break\n    n+=len(b)\n"
-         "print(n)"],
-        stdout=subprocess.PIPE, text=True,
+        [
+            sys.executable,
+            "-c",
+            "import socket,sys\n"
+            "s=socket.create_server(('0.0.0.0',5001)); c,_=s.accept(); n=0\n"
+            "while True:\n    b=c.recv(1<<16)\n    if not b: break\n    n+=len(b)\n"
+            "print(n)",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
     )
     client = tb.run(
         w,
-        [sys.executable, "-c",
-         "import socket,time\n"
-         "for i in range(50):\n"
-         "    try:\n        c=socket.create_connection((%r,5001),timeout=2); break\n"
-         "    except OSError: time.sleep(0.1)\n"
-         "c.sendall(b'x'*(4<<20)); c.close()" % w.agg_ip],
+        [
+            sys.executable,
+            "-c",
+            "import socket,time\n"
+            "for i in range(50):\n"
+            "    try:\n        c=socket.create_connection((%r,5001),timeout=2); break\n"
+            "    except OSError: time.sleep(0.1)\n"
+            "c.sendall(b'x'*(4<<20)); c.close()" % w.agg_ip,
+        ],
         timeout=60,
     )
     assert client.returncode == 0, client.stderr
@@ -153,8 +194,18 @@ def test_ping_and_tcp_pass_and_detach_leaves_nothing(testbed_factory, instance):
     link = tb.run("agg", ["ip", "-d", "link", "show", "dev", "eth0"]).stdout
     assert "xdp" not in link.split("\n")[0] and "prog/xdp" not in link
     assert not pins.Instance(instance).exists()
-    assert subprocess.run(["bpftool", "prog", "show", "id", str(prog_id)], capture_output=True).returncode != 0
-    assert subprocess.run(["bpftool", "map", "show", "id", str(jobs_map_id)], capture_output=True).returncode != 0
+    assert (
+        subprocess.run(
+            ["bpftool", "prog", "show", "id", str(prog_id)], capture_output=True
+        ).returncode
+        != 0
+    )
+    assert (
+        subprocess.run(
+            ["bpftool", "map", "show", "id", str(jobs_map_id)], capture_output=True
+        ).returncode
+        != 0
+    )
 
 
 def test_attach_refuses_an_interface_with_another_program(testbed_factory, instance):

@@ -26,8 +26,12 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import hostlib
 import hostlib.pt
 
-EPS = {torch.float32: 2.0**-24, torch.float16: 2.0**-11, torch.bfloat16: 2.0**-8,
-       torch.float64: 2.0**-53}
+EPS = {
+    torch.float32: 2.0**-24,
+    torch.float16: 2.0**-11,
+    torch.bfloat16: 2.0**-8,
+    torch.float64: 2.0**-53,
+}
 
 
 def _m(n: int) -> int:
@@ -47,8 +51,9 @@ def grad_bound(gmax: float, n: int, dtype) -> float:
 # --- DDP: the hook against gloo -----------------------------------------------------------------
 def _net(dtype) -> torch.nn.Module:
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 10)
-                               ).to(dtype)
+    return torch.nn.Sequential(
+        torch.nn.Linear(64, 96), torch.nn.ReLU(), torch.nn.Linear(96, 10)
+    ).to(dtype)
 
 
 def _batch(rank: int, step: int, dtype):
@@ -58,8 +63,14 @@ def _batch(rank: int, step: int, dtype):
 
 def run_ddp(args, rank: int, n: int) -> dict:
     dist.init_process_group("gloo")
-    comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=args.job,
-                        ip=os.environ.get("XDP_AGG_IP") or None, timeout=15)
+    comm = hostlib.init(
+        rank,
+        n,
+        os.environ["XDP_AGG_CONTROL"],
+        job=args.job,
+        ip=os.environ.get("XDP_AGG_IP") or None,
+        timeout=15,
+    )
     report = {"rank": rank, "dtypes": {}}
     lr, steps = 0.05, args.steps
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -88,16 +99,20 @@ def run_ddp(args, rank: int, n: int) -> dict:
             gmax = torch.tensor([max(local_max)])
             dist.all_reduce(gmax, op=dist.ReduceOp.MAX)
             bound = grad_bound(float(gmax), n, dtype)
-            err = max(float((pa.grad.float() - pb.grad.float()).abs().max())
-                      for pa, pb in zip(a.parameters(), b.parameters()))
+            err = max(
+                float((pa.grad.float() - pb.grad.float()).abs().max())
+                for pa, pb in zip(a.parameters(), b.parameters())
+            )
             out["grad_err"].append(err)
             out["grad_bound"].append(bound)
             budget += lr * bound
             oa.step()
             ob.step()
         pmax = max(float(p.detach().abs().max()) for p in b.parameters())
-        out["param_err"] = max(float((pa.detach().float() - pb.detach().float()).abs().max())
-                               for pa, pb in zip(a.parameters(), b.parameters()))
+        out["param_err"] = max(
+            float((pa.detach().float() - pb.detach().float()).abs().max())
+            for pa, pb in zip(a.parameters(), b.parameters())
+        )
         # after one step the parameters differ by lr |grad error| plus a rounding of the update;
         # later steps also feed that difference back through the gradients, which for the few
         # steps and small lr here stays well inside a factor of 4
@@ -144,8 +159,12 @@ def run_backend(args, rank: int, n: int) -> dict:
                 seed += 1
                 name = f"all_reduce {op_name} {str(dtype)[6:]} {mode}"
                 x = _input(dtype, rank, seed)
-                inputs = [_input(dtype, r, seed).to(torch.float64 if dtype.is_floating_point
-                                                    else torch.int64) for r in range(n)]
+                inputs = [
+                    _input(dtype, r, seed).to(
+                        torch.float64 if dtype.is_floating_point else torch.int64
+                    )
+                    for r in range(n)
+                ]
                 exact = sum(inputs)
                 op = getattr(dist.ReduceOp, op_name)
                 before = pg.comm.stats["packets_sent"]
@@ -160,8 +179,11 @@ def run_backend(args, rank: int, n: int) -> dict:
                     check(name, op_name == "AVG" and not dtype.is_floating_point, repr(e))
                     continue
                 wire = pg.comm.stats["packets_sent"] > before
-                check(name + " route", wire == (dtype in hostlib.pt.channel.WIRE_DTYPES),
-                      f"through the aggregator: {wire}")
+                check(
+                    name + " route",
+                    wire == (dtype in hostlib.pt.channel.WIRE_DTYPES),
+                    f"through the aggregator: {wire}",
+                )
                 if not dtype.is_floating_point:
                     want = exact if op_name == "SUM" else exact // n
                     check(name, torch.equal(x.to(torch.int64), want), "not exact")
@@ -181,9 +203,13 @@ def run_backend(args, rank: int, n: int) -> dict:
     works = [dist.all_reduce(t, async_op=True) for t in xs]
     for w in works:
         w.wait()
-    check("4 async all_reduce in flight",
-          all(torch.allclose(t, torch.full((3000,), float(sum(range(n)) + n * i)), rtol=1e-5)
-              for i, t in enumerate(xs)))
+    check(
+        "4 async all_reduce in flight",
+        all(
+            torch.allclose(t, torch.full((3000,), float(sum(range(n)) + n * i)), rtol=1e-5)
+            for i, t in enumerate(xs)
+        ),
+    )
 
     # delegated collectives
     t = torch.arange(4, dtype=torch.float32) + 10 * rank
@@ -224,8 +250,10 @@ def run_backend(args, rank: int, n: int) -> dict:
     g = torch.cat([p.grad.reshape(-1) for p in m.parameters()])
     gs = [torch.zeros_like(g) for _ in range(n)]
     dist.all_gather(gs, g)
-    check("DDP through the backend", pg.comm.stats["packets_sent"] > before
-          and all(torch.equal(gs[0], q) for q in gs))
+    check(
+        "DDP through the backend",
+        pg.comm.stats["packets_sent"] > before and all(torch.equal(gs[0], q) for q in gs),
+    )
     report["job"] = pg.job
     dist.destroy_process_group()
     return report
@@ -235,9 +263,14 @@ def run_backend(args, rank: int, n: int) -> dict:
 def run_lost_hook(args, rank: int, n: int) -> dict:
     """DDP with the hook (gloo process group); the aggregator goes between two steps."""
     dist.init_process_group("gloo")
-    comm = hostlib.init(rank, n, os.environ["XDP_AGG_CONTROL"], job=args.job,
-                        ip=os.environ.get("XDP_AGG_IP") or None,
-                        timeout=float(os.environ["XDP_AGG_TIMEOUT"]))
+    comm = hostlib.init(
+        rank,
+        n,
+        os.environ["XDP_AGG_CONTROL"],
+        job=args.job,
+        ip=os.environ.get("XDP_AGG_IP") or None,
+        timeout=float(os.environ["XDP_AGG_TIMEOUT"]),
+    )
     state = hostlib.pt.HookState(comm)  # fallback: XDP_AGG_FALLBACK, as the test sets it
     net = _net(torch.float32)
     ref = DDP(copy.deepcopy(net))
@@ -255,8 +288,10 @@ def run_lost_hook(args, rank: int, n: int) -> dict:
             for mod in (m, ref):
                 mod.zero_grad()
                 F.cross_entropy(mod(x), y).backward()
-            err = max(float((a.grad - b.grad).abs().max())
-                      for a, b in zip(m.parameters(), ref.parameters()))
+            err = max(
+                float((a.grad - b.grad).abs().max())
+                for a, b in zip(m.parameters(), ref.parameters())
+            )
             report.setdefault("grad_err", []).append(err)
         report["outcome"] = "completed"
         report["sums"] = [sum(range(n)) + n * i for i in range(3)]  # what _check_lost wants
@@ -312,8 +347,9 @@ def main() -> int:
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost,
-          "lost-hook": run_lost_hook}[args.scenario]
+    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost, "lost-hook": run_lost_hook}[
+        args.scenario
+    ]
     print(json.dumps(fn(args, rank, n)), flush=True)
     return 0
 

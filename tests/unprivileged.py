@@ -70,8 +70,14 @@ def base_python() -> str:
 def _base_path(python: str) -> set[str]:
     """sys.path of `python` without PYTHONPATH or user site: what the child finds by itself."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
-    out = subprocess.run([python, "-s", "-c", "import json, sys; print(json.dumps(sys.path))"],
-                         env=env, capture_output=True, text=True, check=True, timeout=60).stdout
+    out = subprocess.run(
+        [python, "-s", "-c", "import json, sys; print(json.dumps(sys.path))"],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
     return {os.path.realpath(p) for p in json.loads(out) if p}
 
 
@@ -101,8 +107,9 @@ def readable_copy(module: str) -> Iterator[str]:
     python = base_python()
     if not readable_by_others(python):
         pytest.skip(f"the base interpreter {python} is not readable by other users")
-    probe = subprocess.run([sys.executable, "-c", _PROBE, module], capture_output=True,
-                           text=True, timeout=60)
+    probe = subprocess.run(
+        [sys.executable, "-c", _PROBE, module], capture_output=True, text=True, timeout=60
+    )
     assert probe.returncode == 0, probe.stderr
     own = _base_path(python)
     root = tempfile.mkdtemp(prefix="xdp-agg-readable-")
@@ -125,13 +132,27 @@ def readable_copy(module: str) -> Iterator[str]:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def run_as_nobody(copy: str, module: str, *args: str,
-                  timeout: float = 60) -> subprocess.CompletedProcess:
+def run_as_nobody(
+    copy: str, module: str, *args: str, timeout: float = 60
+) -> subprocess.CompletedProcess:
     """`python -m module args` as uid/gid 65534 with no supplementary groups, importing from
     `copy` (see readable_copy). Needs root. A clean environment keeps the caller's PYTHONPATH
     (maybe unreachable) and user site out."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "PYTHONPATH": copy,
-           "PYTHONDONTWRITEBYTECODE": "1", "HOME": "/nonexistent", "LC_ALL": "C.UTF-8"}
-    return subprocess.run([base_python(), "-s", "-m", module, *args], cwd=copy, env=env,
-                          user=NOBODY, group=NOBODY, extra_groups=[], capture_output=True,
-                          text=True, timeout=timeout)
+    env = {
+        "PATH": os.environ.get("PATH", "/usr/bin:/bin"),
+        "PYTHONPATH": copy,
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "HOME": "/nonexistent",
+        "LC_ALL": "C.UTF-8",
+    }
+    return subprocess.run(
+        [base_python(), "-s", "-m", module, *args],
+        cwd=copy,
+        env=env,
+        user=NOBODY,
+        group=NOBODY,
+        extra_groups=[],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

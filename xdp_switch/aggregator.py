@@ -97,8 +97,10 @@ def attach(
     prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant)
     done: list[dict] = []
     try:
-        inst.pin(prog.maps, {"ingress": prog.progs[loader.PROG_INGRESS],
-                             "egress": prog.progs[loader.PROG_EGRESS]})
+        inst.pin(
+            prog.maps,
+            {"ingress": prog.progs[loader.PROG_INGRESS], "egress": prog.progs[loader.PROG_EGRESS]},
+        )
         maps = AggMaps(prog.maps, pool_slots)
         ingress_id = bpfsys.prog_info(prog.progs[loader.PROG_INGRESS]).id
         egress_id = bpfsys.prog_info(prog.progs[loader.PROG_EGRESS]).id
@@ -106,8 +108,9 @@ def attach(
             if topology == "switch":
                 maps.set_port(i, info["ifindex"], prog.progs[loader.PROG_EGRESS])
             links.attach_xdp(info["ifname"], prog.progs[loader.PROG_INGRESS], xdp_mode)
-            done.append({"ifname": info["ifname"], "ifindex": info["ifindex"],
-                         "prog_id": ingress_id})
+            done.append(
+                {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
+            )
         state = pins.State(
             name=name,
             topology=topology,
@@ -135,7 +138,12 @@ def attach(
 
 def _enter_recorded_netns(state: pins.State | None) -> None:
     """Commands given without --netns act in the namespace `attach` ran in, if it still exists."""
-    if state and state.netns and not links.in_netns(state.netns) and os.path.exists(f"/var/run/netns/{state.netns}"):
+    if (
+        state
+        and state.netns
+        and not links.in_netns(state.netns)
+        and os.path.exists(f"/var/run/netns/{state.netns}")
+    ):
         links.enter_netns(state.netns)
 
 
@@ -243,7 +251,10 @@ def slot_state(g: int, name: str = "default") -> dict:
                 "added": st.added[v],
                 "published": st.published[v],
                 "result_e0": res.e0,
-                "result_head": [int.from_bytes(int(x).to_bytes(4, "little"), "big", signed=True) for x in res.data[:8]],
+                "result_head": [
+                    int.from_bytes(int(x).to_bytes(4, "little"), "big", signed=True)
+                    for x in res.data[:8]
+                ],
                 "partial_tags": [f"{p.tag:#x}" for p in maps.partials(g, v)],
             }
         )
@@ -317,4 +328,8 @@ class XdpBackend:
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index."""
-        return {w.index: self.maps.worker_counters(job_id, w.index) for _, w in self.maps.workers() if w.job == job_id}
+        return {
+            w.index: self.maps.worker_counters(job_id, w.index)
+            for _, w in self.maps.workers()
+            if w.job == job_id
+        }

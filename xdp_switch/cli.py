@@ -551,12 +551,26 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
 @main.command("install-service")
 @click.argument("name", default="default", callback=_name)
 @click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
-@click.option("--listen", default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}", show_default=True, callback=_listen,
-              help="The sample config's LISTEN.")
-@click.option("--root", type=click.Path(file_okay=False), default="/", show_default=True,
-              help="Install under this directory instead of / (for packaging and tests).")
-@click.option("--exec", "exe", default=None,
-              help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).")
+@click.option(
+    "--listen",
+    default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
+    show_default=True,
+    callback=_listen,
+    help="The sample config's LISTEN.",
+)
+@click.option(
+    "--root",
+    type=click.Path(file_okay=False),
+    default="/",
+    show_default=True,
+    help="Install under this directory instead of / (for packaging and tests).",
+)
+@click.option(
+    "--exec",
+    "exe",
+    default=None,
+    help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).",
+)
 @click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
 @click.option("--json", "as_json", is_flag=True)
 def install_service(name, interfaces, listen, root, exe, force, as_json):
@@ -572,8 +586,14 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
       sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
       xdp-agg install-service --root /tmp/pkgroot --json
     """
-    rep = service.install_files(Path(root), name, interfaces.split(), exe=exe,
-                                listen=f"{listen[0]}:{listen[1]}", force=force)
+    rep = service.install_files(
+        Path(root),
+        name,
+        interfaces.split(),
+        exe=exe,
+        listen=f"{listen[0]}:{listen[1]}",
+        force=force,
+    )
 
     def text(r):
         for path in r["written"]:
@@ -594,8 +614,13 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
 
 @main.command("service-start")
 @click.argument("name", callback=_name)
-@click.option("--config", "config_file", type=click.Path(dir_okay=False), default=None,
-              help="Default: /etc/xdp-agg/NAME.conf.")
+@click.option(
+    "--config",
+    "config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Default: /etc/xdp-agg/NAME.conf.",
+)
 @click.pass_context
 def service_start(ctx, name, config_file):
     """What the unit xdp-agg@NAME runs: attach as NAME.conf says, then serve until SIGTERM.
@@ -620,11 +645,19 @@ def service_start(ctx, name, config_file):
 
     if service.clear_leftover(name):
         say("detached what an earlier run left attached")
-    state = aggregator.attach(cfg.interfaces, name=name, topology=cfg.topology,
-                              xdp_mode=cfg.xdp_mode, pool_slots=cfg.pool_slots,
-                              netns=cfg.netns, variant=cfg.variant)
-    say(f"attached to {', '.join(cfg.interfaces)} ({state.topology}, {state.xdp_mode} XDP, "
-        f"{state.pool_slots} slots)")
+    state = aggregator.attach(
+        cfg.interfaces,
+        name=name,
+        topology=cfg.topology,
+        xdp_mode=cfg.xdp_mode,
+        pool_slots=cfg.pool_slots,
+        netns=cfg.netns,
+        variant=cfg.variant,
+    )
+    say(
+        f"attached to {', '.join(cfg.interfaces)} ({state.topology}, {state.xdp_mode} XDP, "
+        f"{state.pool_slots} slots)"
+    )
     with sub:
         serve.invoke(sub)
 
@@ -642,8 +675,13 @@ def service_stop(name, as_json):
       sudo xdp-agg service-stop lab
     """
     rep = service.stop(name) or {"name": name, "detached": [], "left_alone": []}
-    _emit(rep, as_json, lambda r: click.echo(
-        f"xdp-agg@{name}: detached from {', '.join(r['detached']) or 'nothing'}", err=True))
+    _emit(
+        rep,
+        as_json,
+        lambda r: click.echo(
+            f"xdp-agg@{name}: detached from {', '.join(r['detached']) or 'nothing'}", err=True
+        ),
+    )
 
 
 @main.command()

@@ -32,7 +32,12 @@ def _c_member_type(m: wire.Member) -> str:
 
 def wire_h() -> str:
     """bpf/generated/wire.h: constants, packed header structs and sub-byte field accessors."""
-    L = [f"/* {BANNER.format(src='aggproto/wire.py')} */", "#ifndef XDP_AGG_WIRE_H", "#define XDP_AGG_WIRE_H", ""]
+    L = [
+        f"/* {BANNER.format(src='aggproto/wire.py')} */",
+        "#ifndef XDP_AGG_WIRE_H",
+        "#define XDP_AGG_WIRE_H",
+        "",
+    ]
     consts = [
         ("SML_UDP_PORT", hex(wire.UDP_PORT), "aggregator base UDP port"),
         ("SML_UDP_PORT_MASK", hex(wire.UDP_PORT_MASK), "ports accepted: (port & mask) == base"),
@@ -43,7 +48,11 @@ def wire_h() -> str:
         ("SML_HLEN", wire.SWITCHML_HLEN, "SwitchML header bytes"),
         ("SML_EXP_HLEN", wire.EXP_HLEN, "exponent header bytes"),
         ("SML_OFFSET", wire.SWITCHML_OFFSET, "SwitchML header offset in the frame"),
-        ("SML_PAYLOAD_OFFSET", wire.PAYLOAD_OFFSET, "payload offset in the frame; the exponent header follows the payload"),
+        (
+            "SML_PAYLOAD_OFFSET",
+            wire.PAYLOAD_OFFSET,
+            "payload offset in the frame; the exponent header follows the payload",
+        ),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
@@ -55,8 +64,10 @@ def wire_h() -> str:
     for code, n in wire.SIZE_CODE_ELEMS.items():
         L.append(f"#define SML_SIZE_{code}_ELEMS {n}")
     L.append("/* X(code, elems) for every size code: code that needs one copy per packet size */")
-    L.append("#define SML_FOR_EACH_SIZE(X) " + " ".join(
-        f"X({code}, SML_SIZE_{code}_ELEMS)" for code in wire.SIZE_CODE_ELEMS))
+    L.append(
+        "#define SML_FOR_EACH_SIZE(X) "
+        + " ".join(f"X({code}, SML_SIZE_{code}_ELEMS)" for code in wire.SIZE_CODE_ELEMS)
+    )
     L.append("")
     for h in wire.HEADERS:
         L.append(f"/* {h.doc} */")
@@ -72,12 +83,16 @@ def wire_h() -> str:
             if len(m.parts) == 1:
                 continue
             if wire.reserved_mask(m):
-                L.append(f"#define SML_{m.name.upper()}_RESERVED {hex(wire.reserved_mask(m))} /* 0 in results */")
+                L.append(
+                    f"#define SML_{m.name.upper()}_RESERVED {hex(wire.reserved_mask(m))} "
+                    "/* 0 in results */"
+                )
             for n, shift, width in m.parts:
                 if n == "reserved":
                     continue
                 L.append(
-                    f"#define SML_{n.upper()}(h) ((((h)->{m.name}) >> {shift}) & {hex((1 << width) - 1)})"
+                    f"#define SML_{n.upper()}(h) "
+                    f"((((h)->{m.name}) >> {shift}) & {hex((1 << width) - 1)})"
                 )
         L.append("")
     L.append("#endif")
@@ -86,7 +101,12 @@ def wire_h() -> str:
 
 def abi_h() -> str:
     """bpf/generated/abi.h: limits, reasons, and the structures of the maps."""
-    L = [f"/* {BANNER.format(src='xdp_switch/abi.py and aggproto')} */", "#ifndef XDP_AGG_ABI_H", "#define XDP_AGG_ABI_H", ""]
+    L = [
+        f"/* {BANNER.format(src='xdp_switch/abi.py and aggproto')} */",
+        "#ifndef XDP_AGG_ABI_H",
+        "#define XDP_AGG_ABI_H",
+        "",
+    ]
     for name, (value, doc) in abi.CONSTANTS.items():
         L.append(f"#define {name} {value} /* {doc} */")
     L.append("")
@@ -124,7 +144,12 @@ def abi_h() -> str:
 
 def wire_p4() -> str:
     """p4/include/wire.p4: the same headers and constants for P4_16."""
-    L = [f"/* {BANNER.format(src='aggproto/wire.py')} */", "#ifndef _XDP_AGG_WIRE_P4_", "#define _XDP_AGG_WIRE_P4_", ""]
+    L = [
+        f"/* {BANNER.format(src='aggproto/wire.py')} */",
+        "#ifndef _XDP_AGG_WIRE_P4_",
+        "#define _XDP_AGG_WIRE_P4_",
+        "",
+    ]
     L.append(f"const bit<16> SML_UDP_PORT = {hex(wire.UDP_PORT)};")
     L.append(f"const bit<16> SML_UDP_PORT_MASK = {hex(wire.UDP_PORT_MASK)};")
     L.append(f"const bit<4> SML_MSG_TYPE_DATA = {wire.MSG_TYPE_DATA};")
@@ -136,7 +161,10 @@ def wire_p4() -> str:
     L.append(f"const bit<16> SML_ETH_HLEN = {wire.ETH_HLEN};")
     L.append(f"const bit<16> SML_IPV4_HLEN = {wire.IPV4_HLEN}; // no options")
     for n in wire.SIZE_CODE_ELEMS.values():
-        L.append(f"const bit<16> SML_UDP_LEN_{n} = {wire.UDP_HLEN + wire.udp_payload_len(n)}; // UDP length, {n} elements")
+        L.append(
+            f"const bit<16> SML_UDP_LEN_{n} = {wire.UDP_HLEN + wire.udp_payload_len(n)}; "
+            f"// UDP length, {n} elements"
+        )
     L.append("")
     for h in wire.HEADERS:
         L.append(f"/* {h.doc} */")
@@ -168,7 +196,9 @@ def drift() -> list[str]:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--check", action="store_true", help="only report drift (exit 1)")
     args = ap.parse_args(argv)
     if args.check:

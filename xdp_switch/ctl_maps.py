@@ -67,7 +67,9 @@ class AggMaps:
     def create_job(self, spec: JobSpec) -> None:
         """Write a job and clear its slots; refuses specs the program cannot serve (the checks
         every backend makes, aggctl.backend.check_job; re-creating a job replaces it)."""
-        check_job(spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots)
+        check_job(
+            spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots
+        )
         end = spec.slot_base + spec.slot_count
         if self.get_job(spec.job_id) is not None:
             self.delete_job(spec.job_id)
@@ -120,14 +122,18 @@ class AggMaps:
         return out
 
     # --- workers --------------------------------------------------------------------------
-    def add_worker(self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None) -> None:
+    def add_worker(
+        self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None
+    ) -> None:
         """Register a worker; with ifindex (the switch topology) also how to address it there."""
         owners = {(ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index) for k, o in self.workers()}
         check_worker(w, self.get_job(w.job_id), owners)
         key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))
         bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
         zero = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_update(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(w.job_id, w.index)), zero)
+        bpfsys.map_update(
+            self.fds["worker_stats"], ct.c_uint32(keys.worker_key(w.job_id, w.index)), zero
+        )
         if ifindex:
             pw = abi.PortWorker(
                 ip=ip_be(w.ip),
@@ -138,7 +144,9 @@ class AggMaps:
             )
             pw.mac[:] = mac_bytes(w.mac)
             pw.agg_mac[:] = mac_bytes(agg_mac or "00:00:00:00:00:00")
-            bpfsys.map_update(self.fds["port_workers"], abi.PortKey(ifindex=ifindex, job=w.job_id), pw)
+            bpfsys.map_update(
+                self.fds["port_workers"], abi.PortKey(ifindex=ifindex, job=w.job_id), pw
+            )
 
     def remove_worker(self, job_id: int, index: int) -> bool:
         found = False
@@ -148,7 +156,11 @@ class AggMaps:
                 found = True
         for key in bpfsys.map_keys(self.fds["port_workers"], abi.PortKey):
             pw = abi.PortWorker()
-            if key.job == job_id and bpfsys.map_lookup(self.fds["port_workers"], key, pw) and pw.index == index:
+            if (
+                key.job == job_id
+                and bpfsys.map_lookup(self.fds["port_workers"], key, pw)
+                and pw.index == index
+            ):
                 bpfsys.map_delete(self.fds["port_workers"], key)
         return found
 
@@ -169,7 +181,9 @@ class AggMaps:
     # --- state and counters -----------------------------------------------------------------
     def slot(self, g: int) -> abi.Slot:
         st = abi.Slot()
-        if not 0 <= g < self.pool_slots or not bpfsys.map_lookup(self.fds["slots"], ct.c_uint32(g), st):
+        if not 0 <= g < self.pool_slots or not bpfsys.map_lookup(
+            self.fds["slots"], ct.c_uint32(g), st
+        ):
             raise ValueError(f"slot {g} is outside the pool of {self.pool_slots}")
         return st
 
@@ -194,8 +208,12 @@ class AggMaps:
 
     def worker_counters(self, job_id: int, index: int) -> dict[str, int]:
         vals = (abi.WorkerStats * self.ncpu)()
-        bpfsys.map_lookup(self.fds["worker_stats"], ct.c_uint32(keys.worker_key(job_id, index)), vals)
-        return {name: int(sum(getattr(v, name) for v in vals)) for name, _ in abi.WorkerStats._fields_}
+        bpfsys.map_lookup(
+            self.fds["worker_stats"], ct.c_uint32(keys.worker_key(job_id, index)), vals
+        )
+        return {
+            name: int(sum(getattr(v, name) for v in vals)) for name, _ in abi.WorkerStats._fields_
+        }
 
     def _clear_counters(self, job_id: int) -> None:
         zero = (ct.c_uint64 * self.ncpu)()

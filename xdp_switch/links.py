@@ -54,7 +54,9 @@ def in_netns(name: str) -> bool:
 def _link(ipr: IPRoute, ifname: str):
     idx = ipr.link_lookup(ifname=ifname)
     if not idx:
-        raise LinkError(f"no interface {ifname!r} here (see `ip link`; use --netns for another namespace)")
+        raise LinkError(
+            f"no interface {ifname!r} here (see `ip link`; use --netns for another namespace)"
+        )
     return ipr.get_links(idx[0])[0]
 
 
@@ -79,7 +81,13 @@ def addresses(ifname: str) -> dict:
         addrs = ipr.get_addr(index=link["index"], family=2)
     ips = [a.get_attr("IFA_ADDRESS") for a in addrs]
     nets = [f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}" for a in addrs]
-    return {"ifname": ifname, "ifindex": link["index"], "mac": link.get_attr("IFLA_ADDRESS"), "ipv4": ips, "ipv4_nets": nets}
+    return {
+        "ifname": ifname,
+        "ifindex": link["index"],
+        "mac": link.get_attr("IFLA_ADDRESS"),
+        "ipv4": ips,
+        "ipv4_nets": nets,
+    }
 
 
 def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:
@@ -88,7 +96,11 @@ def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:
     try:
         with IPRoute() as ipr:
             idx = _link(ipr, ifname)["index"]
-            ipr.link("set", index=idx, xdp={"attrs": [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]})
+            ipr.link(
+                "set",
+                index=idx,
+                xdp={"attrs": [("IFLA_XDP_FD", prog_fd), ("IFLA_XDP_FLAGS", flags)]},
+            )
     except NetlinkError as e:  # the kernel's errno is e.code
         if e.code == errno.EPERM:
             raise NeedsRoot(f"attaching XDP to {ifname}") from e

@@ -28,13 +28,14 @@ from . import abi
 from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
 
-
 def _package_dir(package: str, name: str) -> Path:
     """A directory of package data as a real path (bcc and clang read files, not resources)."""
     d = importlib.resources.files(package) / name
     if not isinstance(d, Path):  # e.g. a zip import; pip always installs packages unpacked
-        raise EnvironmentProblem(f"{package}/{name} is not a directory on disk ({d}): "
-                                 "install the package with pip (unpacked)")
+        raise EnvironmentProblem(
+            f"{package}/{name} is not a directory on disk ({d}): "
+            "install the package with pip (unpacked)"
+        )
     return d
 
 
@@ -152,7 +153,11 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
-def load(pool_slots: int = limits.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = (), variant: str = "percpu") -> Loaded:
+def load(
+    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
+    cflags: tuple[str, ...] = (),
+    variant: str = "percpu",
+) -> Loaded:
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).
@@ -194,4 +199,3 @@ def load(pool_slots: int = limits.DEFAULT_POOL_SLOTS, cflags: tuple[str, ...] = 
     maps["partials"] = partials
     progs = {PROG_INGRESS: ingress.fd, PROG_EGRESS: egress.fd}
     return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags), "variant": variant})
-

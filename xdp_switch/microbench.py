@@ -74,8 +74,16 @@ def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = Fa
     rng = np.random.default_rng(elems)
     vals = rng.integers(-(2**20), 2**20, size=(n, elems))
     return [
-        bytes(sml_frame(src_ip=f"198.18.0.{10 + w}", values=vals[w], slot=s, version=r % 2, tsi=r * slots + s,
-                        udp_checksum=udp_checksum))
+        bytes(
+            sml_frame(
+                src_ip=f"198.18.0.{10 + w}",
+                values=vals[w],
+                slot=s,
+                version=r % 2,
+                tsi=r * slots + s,
+                udp_checksum=udp_checksum,
+            )
+        )
         for r in range(rounds)
         for s in range(slots)
         for w in range(n)
@@ -88,8 +96,15 @@ def _measure(fd: int, frames: list[bytes]) -> float:
 
 
 def run(
-    sizes=BENCH_SIZES, workers: int = 4, slots: int = 64, rounds: int = 20, repeats: int = 5, cpu: int | None = 0,
-    variants=tuple(loader.VARIANTS), progress=None, checksum: bool = True,
+    sizes=BENCH_SIZES,
+    workers: int = 4,
+    slots: int = 64,
+    rounds: int = 20,
+    repeats: int = 5,
+    cpu: int | None = 0,
+    variants=tuple(loader.VARIANTS),
+    progress=None,
+    checksum: bool = True,
 ) -> list[BenchResult]:
     """Measure each variant and packet size; `repeats` passes over the same stream, median
     reported; the floor is measured on the same frames in each pass. `checksum` adds
@@ -113,19 +128,40 @@ def run(
             for rep in range(repeats):
                 for v, (prog, csum) in cases.items():
                     maps = AggMaps(prog.maps, prog.pool_slots)
-                    maps.create_job(JobSpec(0, workers, k, 0, slots, agg_ip="198.18.0.1", group_ip="198.18.0.255",
-                                            udp_checksum=csum))
+                    maps.create_job(
+                        JobSpec(
+                            0,
+                            workers,
+                            k,
+                            0,
+                            slots,
+                            agg_ip="198.18.0.1",
+                            group_ip="198.18.0.255",
+                            udp_checksum=csum,
+                        )
+                    )
                     for w in range(workers):
                         maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
                     runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], streams[csum]))
                     if maps.counters(0)["completed"] != slots * rounds:
-                        raise RuntimeError(f"{v}: the bench stream did not complete every slot: the program misbehaves")
+                        raise RuntimeError(
+                            f"{v}: the bench stream did not complete every slot: "
+                            "the program misbehaves"
+                        )
                 floors.append(_measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)
             for v in cases:
-                out.append(BenchResult(v, k, len(frames), statistics.median(runs[v]), statistics.median(floors),
-                                       max(runs[v]) - min(runs[v])))
+                out.append(
+                    BenchResult(
+                        v,
+                        k,
+                        len(frames),
+                        statistics.median(runs[v]),
+                        statistics.median(floors),
+                        max(runs[v]) - min(runs[v]),
+                    )
+                )
     finally:
         for prog in progs.values():
             os.close(prog.maps["partials"])
@@ -140,7 +176,8 @@ def table(results: list[BenchResult]) -> str:
     ]
     for r in sorted(results, key=lambda r: (r.elems, r.variant)):
         lines.append(
-            f"{r.variant:15s}  {r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  {r.elems_per_sec:12.3g}  "
+            f"{r.variant:15s}  {r.elems:9d}  {r.ns_per_packet:6.0f}  ({r.spread_ns:5.0f})  "
+            f"{r.elems_per_sec:12.3g}  "
             f"{r.floor_ns_per_packet:12.0f}  {r.ratio_to_floor:7.2f}"
         )
     return "\n".join(lines)

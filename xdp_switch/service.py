@@ -55,8 +55,15 @@ class ServiceConfig:
 
     def attach_args(self) -> list[str]:
         """The `xdp-agg attach` arguments this config means."""
-        args = [*self.interfaces, "--xdp-mode", self.xdp_mode, "--pool-slots", str(self.pool_slots),
-                "--variant", self.variant]
+        args = [
+            *self.interfaces,
+            "--xdp-mode",
+            self.xdp_mode,
+            "--pool-slots",
+            str(self.pool_slots),
+            "--variant",
+            self.variant,
+        ]
         return args + (["--topology", self.topology] if self.topology else [])
 
     def serve_args(self) -> list[str]:
@@ -65,7 +72,13 @@ class ServiceConfig:
 
 
 _KEYS = {
-    "INTERFACES", "TOPOLOGY", "XDP_MODE", "POOL_SLOTS", "VARIANT", "LISTEN", "NETNS",
+    "INTERFACES",
+    "TOPOLOGY",
+    "XDP_MODE",
+    "POOL_SLOTS",
+    "VARIANT",
+    "LISTEN",
+    "NETNS",
     "SERVE_OPTIONS",
 }
 
@@ -85,16 +98,19 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
         key, sep, value = line.partition("=")
         key = key.strip()
         if not sep or key not in _KEYS:
-            raise ConfigError(f"{source}:{no}: expected one of {', '.join(sorted(_KEYS))}=VALUE, "
-                              f"got {line!r}")
+            raise ConfigError(
+                f"{source}:{no}: expected one of {', '.join(sorted(_KEYS))}=VALUE, got {line!r}"
+            )
         try:  # strips the quotes an EnvironmentFile allows; lists are then split on spaces
             raw[key] = " ".join(shlex.split(value))
         except ValueError as e:
             raise ConfigError(f"{source}:{no}: {key}: {e}") from None
     ifaces = raw.get("INTERFACES", "").split()
     if not ifaces:
-        raise ConfigError(f"{source}: INTERFACES is empty: name the interface(s) to attach to, "
-                          "e.g. INTERFACES=eth1 (one-arm) or INTERFACES=\"p0 p1 p2 p3\" (switch)")
+        raise ConfigError(
+            f"{source}: INTERFACES is empty: name the interface(s) to attach to, "
+            'e.g. INTERFACES=eth1 (one-arm) or INTERFACES="p0 p1 p2 p3" (switch)'
+        )
     cfg = ServiceConfig(interfaces=ifaces)
     if raw.get("TOPOLOGY"):
         cfg.topology = _choice(raw["TOPOLOGY"], pins.TOPOLOGIES, "TOPOLOGY", source)
@@ -218,9 +234,16 @@ def default_exe() -> str:
     return f"{sys.executable} -m xdp_switch.cli"
 
 
-def install_files(root: Path, name: str, interfaces: list[str], *, exe: str | None = None,
-                  listen: str = "0.0.0.0:48800", pool_slots: int = limits.DEFAULT_POOL_SLOTS,
-                  force: bool = False) -> dict:
+def install_files(
+    root: Path,
+    name: str,
+    interfaces: list[str],
+    *,
+    exe: str | None = None,
+    listen: str = "0.0.0.0:48800",
+    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
+    force: bool = False,
+) -> dict:
     """Write the template unit and a sample config for `name` under `root` (/ for real).
     An existing config is kept unless `force`; the unit is always rewritten (it holds no
     settings). Returns what was written and kept."""
@@ -235,9 +258,18 @@ def install_files(root: Path, name: str, interfaces: list[str], *, exe: str | No
     if conf.exists() and not force:
         kept.append(str(conf))
     else:
-        conf.write_text(SAMPLE_CONFIG.format(name=name, interfaces=" ".join(interfaces),
-                                             pool_slots=pool_slots, listen=listen))
+        conf.write_text(
+            SAMPLE_CONFIG.format(
+                name=name, interfaces=" ".join(interfaces), pool_slots=pool_slots, listen=listen
+            )
+        )
         os.chmod(conf, 0o644)
         written.append(str(conf))
-    return {"name": name, "unit": str(unit), "config": str(conf), "written": written,
-            "kept": kept, "instance": f"xdp-agg@{name}.service"}
+    return {
+        "name": name,
+        "unit": str(unit),
+        "config": str(conf),
+        "written": written,
+        "kept": kept,
+        "instance": f"xdp-agg@{name}.service",
+    }

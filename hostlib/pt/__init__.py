@@ -29,9 +29,13 @@ import warnings
 # name -> submodule; imported on first use, so that the entry point below (run inside
 # `import torch`) imports nothing that could fail before its own try
 _EXPORTS = {
-    "allreduce_hook": "hook", "HookState": "hook",
-    "ProcessGroupXdpAgg": "backend", "register_backend": "backend", "BACKEND_NAME": "backend",
-    "AllreduceChannel": "channel", "AggregatorLost": "channel",
+    "allreduce_hook": "hook",
+    "HookState": "hook",
+    "ProcessGroupXdpAgg": "backend",
+    "register_backend": "backend",
+    "BACKEND_NAME": "backend",
+    "AllreduceChannel": "channel",
+    "AggregatorLost": "channel",
 }
 __all__ = list(_EXPORTS)
 
@@ -57,5 +61,7 @@ def _autoload() -> None:
 
         register_backend()
     except Exception as e:  # noqa: BLE001 - see the docstring
-        warnings.warn(f"xdp-agg: the torch.distributed backend 'xdpagg' is not registered: {e!r}",
-                      stacklevel=2)
+        warnings.warn(
+            f"xdp-agg: the torch.distributed backend 'xdpagg' is not registered: {e!r}",
+            stacklevel=2,
+        )

@@ -50,9 +50,22 @@ from .channel import WIRE_DTYPES, AllreduceChannel
 BACKEND_NAME = "xdpagg"
 
 _DELEGATED = (
-    "broadcast", "allgather", "_allgather_base", "allgather_coalesced", "reduce", "gather",
-    "scatter", "reduce_scatter", "_reduce_scatter_base", "alltoall", "alltoall_base", "barrier",
-    "monitored_barrier", "send", "recv", "recv_anysource",
+    "broadcast",
+    "allgather",
+    "_allgather_base",
+    "allgather_coalesced",
+    "reduce",
+    "gather",
+    "scatter",
+    "reduce_scatter",
+    "_reduce_scatter_base",
+    "alltoall",
+    "alltoall_base",
+    "barrier",
+    "monitored_barrier",
+    "send",
+    "recv",
+    "recv_anysource",
 )
 
 
@@ -61,15 +74,15 @@ def register_backend() -> None:
     call it on import through its `torch.backends` entry point)."""
     if BACKEND_NAME.upper() in dist.Backend._plugins:
         return
-    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True,
-                                  devices=["cpu", "cuda"])
+    dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
 def _create(opts, _backend_options) -> ProcessGroupXdpAgg:
     """Creator called by init_process_group / new_group (the extended API: it gives the group's
     name, used in the job name)."""
-    return ProcessGroupXdpAgg(opts.store, opts.group_rank, opts.group_size, opts.timeout,
-                              group_name=str(opts.group_id))
+    return ProcessGroupXdpAgg(
+        opts.store, opts.group_rank, opts.group_size, opts.timeout, group_name=str(opts.group_id)
+    )
 
 
 class _FutureWork(Work):
@@ -115,8 +128,9 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     """A process group whose all_reduce runs through the xdp-agg aggregator (see the module
     docstring for what is delegated to gloo). Made by init_process_group("xdpagg")."""
 
-    def __init__(self, store, rank: int, size: int, timeout: timedelta, *,
-                 group_name: str = "0") -> None:
+    def __init__(
+        self, store, rank: int, size: int, timeout: timedelta, *, group_name: str = "0"
+    ) -> None:
         super().__init__(rank, size)
         import hostlib
 
@@ -133,20 +147,26 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         if mode == "gloo":
             # its own gloo group: the agreement after a failure runs on the channel's thread and
             # must not interleave with the delegated collectives of the training loop
-            fallback = ProcessGroupGloo(PrefixStore("xdpagg/fallback/", store), rank, size,
-                                        timedelta(seconds=stall + 30))
+            fallback = ProcessGroupGloo(
+                PrefixStore("xdpagg/fallback/", store), rank, size, timedelta(seconds=stall + 30)
+            )
         elif mode not in ("", "none", "error"):
             raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
         comm = hostlib.init(
-            rank, size, control, job=self.job, timeout=stall,
+            rank,
+            size,
+            control,
+            job=self.job,
+            timeout=stall,
             ip=os.environ.get("XDP_AGG_IP") or None,
             elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
             window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
             rendezvous_timeout=max(timeout.total_seconds(), 10.0),
         )
-        self.channel = AllreduceChannel(comm, fallback=fallback, own_comm=True,
-                                        name=f"xdpagg (job {self.job})")
+        self.channel = AllreduceChannel(
+            comm, fallback=fallback, own_comm=True, name=f"xdpagg (job {self.job})"
+        )
 
     # --- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - the c10d name
@@ -176,8 +196,12 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         avg = op == dist.ReduceOp.AVG
         if sum_or_avg and all(_on_wire(t, avg) for t in tensors):
             # in order on one thread: when the last is done, all are; its value is the list
-            futs = [self.channel.submit(t, average=avg, value=tensors if i == len(tensors) - 1
-                                        else None) for i, t in enumerate(tensors)]
+            futs = [
+                self.channel.submit(
+                    t, average=avg, value=tensors if i == len(tensors) - 1 else None
+                )
+                for i, t in enumerate(tensors)
+            ]
             return _FutureWork(futs[-1], futs)
         return self._gloo_allreduce(tensors, op)
 
@@ -214,15 +238,19 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         """all_to_all_single: gloo's alltoall_base."""
-        return self._gloo.alltoall_base(output, input, output_splits, input_splits,
-                                        opts or dist.AllToAllOptions())
+        return self._gloo.alltoall_base(
+            output, input, output_splits, input_splits, opts or dist.AllToAllOptions()
+        )
 
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
-        works = [self._gloo._allgather_base(o, i, dist.AllgatherOptions())
-                 for o, i in zip(outputs, inputs)]
-        return _FutureWork(torch.futures.collect_all([w.get_future() for w in works]).then(
-            lambda _: list(outputs)))
+        works = [
+            self._gloo._allgather_base(o, i, dist.AllgatherOptions())
+            for o, i in zip(outputs, inputs)
+        ]
+        return _FutureWork(
+            torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
+        )
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
@@ -234,8 +262,9 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             if opts is not None:
                 ro.reduceOp = opts.reduceOp
             works.append(self._gloo._reduce_scatter_base(o, i, ro))
-        return _FutureWork(torch.futures.collect_all([w.get_future() for w in works]).then(
-            lambda _: list(outputs)))
+        return _FutureWork(
+            torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
+        )
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 

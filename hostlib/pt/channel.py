@@ -62,8 +62,11 @@ class _Staged:
             self.event.record()
             self.host = host
         elif t.dtype == torch.bfloat16 or not t.is_contiguous():
-            self.host = t.to(torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
-                             memory_format=torch.contiguous_format, copy=True)
+            self.host = t.to(
+                torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
+                memory_format=torch.contiguous_format,
+                copy=True,
+            )
         else:
             self.host = t  # zero copy: the tensor's own memory
         self.src = self.host.numpy().reshape(-1)
@@ -111,8 +114,9 @@ class AllreduceChannel:
         self.name = name
         self._own_comm = own_comm
         self._fallback = _Fallback(fallback, comm.rank, comm.world_size) if fallback else None
-        self._executor = ThreadPoolExecutor(max_workers=1,
-                                            thread_name_prefix=f"xdpagg-r{comm.rank}")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix=f"xdpagg-r{comm.rank}"
+        )
         self._lock = threading.Lock()
         self._seq = 0  # all-reduces submitted so far
         self._closed = False
@@ -123,16 +127,18 @@ class AllreduceChannel:
         """True once the channel runs its all-reduces over gloo (after a failure)."""
         return self._fallback is not None and self._fallback.active
 
-    def submit(self, tensor: torch.Tensor, *, average: bool = False,
-               value=None) -> torch.futures.Future:
+    def submit(
+        self, tensor: torch.Tensor, *, average: bool = False, value=None
+    ) -> torch.futures.Future:
         """Start summing `tensor` over all ranks (in place; divided by the world size if
         `average`). Returns a Future whose value is `tensor` (or `value` if given) once done; do
         not touch the tensor until then. Its error, if it fails, is the original exception
         (AggregatorLost, ValueError for NaN or Inf), not wrapped. Raises TypeError at once for a
         dtype the wire cannot carry (see WIRE_DTYPES)."""
         if tensor.dtype not in WIRE_DTYPES:
-            raise TypeError(f"xdp-agg all-reduces {', '.join(map(str, WIRE_DTYPES))}, not "
-                            f"{tensor.dtype}")
+            raise TypeError(
+                f"xdp-agg all-reduces {', '.join(map(str, WIRE_DTYPES))}, not {tensor.dtype}"
+            )
         if average and tensor.dtype == torch.int32:
             raise TypeError("AVG of int32 tensors is not supported (use SUM)")
         fut: torch.futures.Future = torch.futures.Future()
@@ -148,8 +154,9 @@ class AllreduceChannel:
             self._executor.submit(self._run, seq, staged, average, fut, value)
         return fut
 
-    def _run(self, seq: int, staged: _Staged, average: bool, fut: torch.futures.Future,
-             value) -> None:
+    def _run(
+        self, seq: int, staged: _Staged, average: bool, fut: torch.futures.Future, value
+    ) -> None:
         t0 = time.perf_counter()
         try:
             staged.ready()
@@ -244,13 +251,18 @@ class _Fallback:
         """Agree on the failure point, switch to gloo, and return the sum of all-reduce `seq`."""
         import torch.distributed as dist
 
-        log.warning("%s: all-reduce #%d failed on rank %d (%s); falling back to gloo for the "
-                    "rest of the run", name, seq, self.rank, error)
+        log.warning(
+            "%s: all-reduce #%d failed on rank %d (%s); falling back to gloo for the "
+            "rest of the run",
+            name,
+            seq,
+            self.rank,
+            error,
+        )
         # [f, -f, rank-if-it-holds-(f-1)'s-result]: one MIN all-reduce gives min f, max f and
         # the lowest rank able to serve the result of min f
         holds_prev = self._last_seq == seq - 1 and self._last is not None
-        info = torch.tensor([seq, -seq, self.rank if holds_prev else self.world],
-                            dtype=torch.int64)
+        info = torch.tensor([seq, -seq, self.rank if holds_prev else self.world], dtype=torch.int64)
         try:
             self._allreduce(info, dist.ReduceOp.MIN)
         except Exception as e:
@@ -263,8 +275,10 @@ class _Fallback:
         if kmax == k:  # everyone failed at the same all-reduce: redo it
             return self.gloo_sum(src)
         if kmax != k + 1 or root >= self.world:
-            raise AggregatorLost(f"{name}: inconsistent failure points across ranks "
-                                 f"(first failures between #{k} and #{kmax})")
+            raise AggregatorLost(
+                f"{name}: inconsistent failure points across ranks "
+                f"(first failures between #{k} and #{kmax})"
+            )
         # some ranks completed k: the lowest of them broadcasts k's result
         opts = dist.BroadcastOptions()
         opts.rootRank = root

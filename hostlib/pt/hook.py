@@ -56,8 +56,7 @@ class HookState:
         self.channel.close()
 
 
-def allreduce_hook(state: HookState,
-                   bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def allreduce_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """DDP communication hook: average the bucket over all ranks through the aggregator.
 
     Returns a Future of the bucket's buffer, averaged in place, without waiting for it. float32,
