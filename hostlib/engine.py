@@ -94,6 +94,8 @@ _SPIN_OUTSTANDING, _SPIN_TIME = 64, 60e-6
 _SPIN_PENALTY, _SPIN_CREDIT_MAX, _SPIN_BACKOFF = 2, 8, 200
 assert wire.SML_DTYPE.names == ("msg_type_size", "job_number", "tsi", "pool_index")
 assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.VALUES_AT
+_H = wire.SWITCHML_HLEN
+_TSI = slice(wire.SML_DTYPE.fields["tsi"][1], wire.SML_DTYPE.fields["tsi"][1] + 4)  # in a row
 assert wire.EXP_DTYPE.names == ("e0", "e1") and wire.EXP_DTYPE.fields["e0"][1] == 0
 # the C loop's layout is the wire module's (a stale build would send other bytes)
 assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (
@@ -342,7 +344,7 @@ class StreamEngine:
         # The packet in flight in each slot, built in place: packets are written straight into
         # these rows, sent from them, and retransmitted from them (at most one per slot).
         self._payload = np.zeros((config.window, self.plen), dtype=np.uint8)
-        self._head = self._payload[:, :8].view("<u8")[:, 0]  # type, job, tsi, pool index
+        self._head = self._payload[:, :_H].view("<u8")[:, 0]  # type, job, tsi, pool index
         self._e0_at = wire.exponents_at(config.elems)  # e1 (the next byte) stays 0
         self._e0 = self._payload[:, self._e0_at].view(np.int8)
         self._values = self._payload[:, wire.VALUES_AT : self._e0_at].view(">i4")
@@ -643,9 +645,9 @@ class StreamEngine:
         st = self.stats
         m = len(rows)
         self._dups = _NO_DUPS
-        head = rows[:, :8].view("<u8")[:, 0]
+        head = rows[:, :_H].view("<u8")[:, 0]
         # the usual batch: results of consecutive packets t0.., all valid and new
-        t0 = int(rows[0, 2:6].view(">u4")[0])
+        t0 = int(rows[0, _TSI].view(">u4")[0])
         if (
             t0 + m <= P
             and not np.count_nonzero(head != expect[t0 : t0 + m])
@@ -653,7 +655,7 @@ class StreamEngine:
         ):
             st["results"] += m
             return [(t0, t0 + m)], slice(0, m), m
-        tsi = rows[:, 2:6].view(">u4")[:, 0].astype(np.int64)
+        tsi = rows[:, _TSI].view(">u4")[:, 0].astype(np.int64)
         at = np.minimum(tsi, P)
         ok = head == expect[at]
         sel = np.nonzero(ok & ~done[at])[0]
