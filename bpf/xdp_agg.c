@@ -71,8 +71,8 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	if (SML_SIZE(pk.sml) != job->size_code)
 		return drop(w, AGG_DROP_BAD_SIZE);
 	/* Lengths, before any state changes: the frame must hold the job's payload, and the IPv4
-	 * total length and the UDP length must say exactly that much (headers + exponents + k int32)
-	 * and match the frame. A lying length would otherwise be summed, and echoed in the result,
+	 * total length and the UDP length must say exactly that much (SwitchML header + k int32 +
+	 * exponents) and match the frame. A lying length would otherwise be summed, and echoed in the result,
 	 * whose receivers would take it at its word. */
 	len = (u32)(ctx->data_end - ctx->data);
 	need = SML_HLEN + SML_EXP_HLEN + job->elems * 4; /* UDP payload bytes */
@@ -104,7 +104,7 @@ int xdp_agg_egress(struct xdp_md *ctx)
 	struct agg_pkt pk;
 	u32 g, *owner;
 
-	if (parse(ctx, &pk) != 0)
+	if (parse(ctx, &pk) != AGG_PARSE_OK)
 		return XDP_DROP; /* only our results are broadcast to the devmap */
 	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
 	owner = slot_owner.lookup(&g);
