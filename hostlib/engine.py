@@ -76,6 +76,7 @@ STAT_NAMES = (
     "send_calls",  # system calls (one GSO call sends many datagrams)
     "recv_calls",
     "send_errors",  # sends the kernel refused (full buffer, no route): the timers recover
+    "receive_drops",  # results the kernel dropped at this socket (its receive buffer was full)
     "fault_drops",  # packets and results dropped by the Faults test hook
     "elapsed",  # seconds spent in all-reduces
     "rtt",  # smoothed round trip of a packet (send to result), seconds
@@ -476,6 +477,7 @@ class StreamEngine:
             st["send_calls"] = self.sock.send_calls
             st["recv_calls"] = self.sock.recv_calls
             st["send_errors"] = self.sock.send_errors
+            st["receive_drops"] = self.sock.receive_drops() or 0
             st["malformed"] = self._rx.malformed
             st["bytes_received"] = self._rx.bytes
             st["rtt"] = self._rtt.srtt or 0.0
@@ -552,6 +554,7 @@ class StreamEngine:
             st["send_calls"] = self.sock.send_calls
             st["recv_calls"] = self.sock.recv_calls
             st["send_errors"] = self.sock.send_errors
+            st["receive_drops"] = self.sock.receive_drops() or 0
             st["rtt"] = self._fast.srtt
             st["cwnd"] = self._fast.cwnd
             if printer:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import os
 import select
 import socket
 import struct
@@ -105,6 +106,21 @@ class DatagramSocket:
     def wait_readable(self, timeout: float) -> bool:
         """Block until a datagram is waiting or `timeout` seconds passed."""
         return bool(self._poll.poll(max(0, int(timeout * 1000 + 0.999))))
+
+    def receive_drops(self) -> int | None:
+        """Datagrams the kernel dropped for this socket since it was opened (its receive buffer
+        was full, or the datagram was malformed): the `drops` column of /proc/net/udp for this
+        socket's inode, which the process's own network namespace shows. None if unreadable."""
+        try:
+            inode = str(os.fstat(self.sock.fileno()).st_ino)
+            with open("/proc/self/net/udp") as f:
+                for line in f.readlines()[1:]:
+                    cols = line.split()
+                    if len(cols) >= 13 and cols[9] == inode:
+                        return int(cols[12])
+        except (OSError, ValueError):
+            pass
+        return None
 
     def ensure_buffers(self, rcvbuf: int, sndbuf: int) -> None:
         """Grow the socket's receive/send buffers to at least these sizes (never shrink them).

@@ -216,3 +216,23 @@ def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not
     finally:
         rx.close()
         tx.close()
+
+
+def test_receive_drops_counts_what_a_full_buffer_lost():
+    """receive_drops() reads the kernel's per-socket drop counter (/proc/net/udp): what the
+    engine reports as stats["receive_drops"], so a worker sees its own socket's losses."""
+    import time
+
+    r = DatagramSocket(("127.0.0.1", 0), rcvbuf=4096, gro=False)
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        r.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # room for a few datagrams
+        assert r.receive_drops() == 0
+        for _ in range(200):
+            s.sendto(b"x" * 1000, r.address)
+        time.sleep(0.05)
+        got = len(list(r.recv_datagrams(max_calls=400)))
+        assert got + r.receive_drops() == 200 and r.receive_drops() > 100
+    finally:
+        s.close()
+        r.close()
