@@ -10,6 +10,9 @@
  *    (round + 1) * n is the only one that completes the slot, and sees every addition finished);
  *  - the completing CPU gathers all CPUs' partials of that round, stores the big-endian result,
  *    then bumps `published`: a retransmission only reads a result published for its round.
+ * Test-only builds (tests/test_xdp_concurrency.py) may define AGG_TEST_RACE_DELAY (see
+ * race_window()) and AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL (a racy completion); production
+ * never does.
  * With -DAGG_SPINLOCK (the baseline the design asks to measure against) the per-CPU partials are
  * replaced by one shared partial per (slot, version) under a bpf_spin_lock; the rest is the same.
  * A worker's own packets are processed in order (one queue per flow), which is what makes the
@@ -170,6 +173,30 @@ static __always_inline void complete_slot(struct agg_pkt *pk, __be32 *pl, struct
 }
 #endif
 
+#ifdef AGG_TEST_RACE_DELAY
+/* Test-only (tests/test_xdp_concurrency.py; never in a production build): widen the window
+ * between a contribution's arrival count and the end of its addition by spinning a pseudo-random
+ * 0..AGG_TEST_RACE_DELAY ns. The jitter is what matters: a contribution that arrived first can
+ * then finish its addition after one that arrived later, which is the interleaving a completion
+ * decided on the arrival count gets wrong (a fixed delay would keep arrival order). */
+#define AGG_TEST_RACE_SPINS 2048 /* ktime reads, each tens of ns: covers the delays the test uses */
+static __always_inline void race_window(void)
+{
+	u64 end = bpf_ktime_get_ns() + bpf_get_prandom_u32() % (AGG_TEST_RACE_DELAY + 1);
+
+	/* verifier: a constant bound on the iterations (it walks each one); the clock ends the
+	 * loop earlier */
+	AGG_NO_UNROLL
+	for (u32 i = 0; i < AGG_TEST_RACE_SPINS; i++)
+		if (bpf_ktime_get_ns() >= end)
+			break;
+}
+#else
+#define race_window() \
+	do {          \
+	} while (0)
+#endif
+
 /* True when the UDP checksum of a packet of K elements is right (the caller skips a zero
  * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, the
  * SwitchML header, the payload and the exponent header; the sum of 16-bit words does not
@@ -232,9 +259,15 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	tag = ((u64)job->epoch << 32) | (u32)round;
 	count_worker(w, contributions);
 
+	race_window(); /* nothing unless a test build asks for it */
 	if (accumulate(pkey, tag, pk, pl, K))
 		return XDP_ABORTED;
 	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
+#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
+	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
+	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
+	done = a + 1;
+#endif
 	if (done != (round + 1) * n) {
 		count(w->job, AGG_AGGREGATED);
 		return XDP_DROP;

@@ -7,6 +7,30 @@ time; a barrier between rounds keeps the protocol's rule that a worker only move
 next round after its result. Some packets are sent twice (a retransmission racing its original).
 Checked: exactly one completion per slot and round, its sum and exponent equal the serial
 reference model's, every answered retransmission carries that same sum, and the counters add up.
+
+Why the first test alone does not catch races, and what the others add. The race that matters is
+between a contribution's arrival count (`arrivals`) and the end of its addition into a partial:
+the program must not gather a slot before every contribution of the round is added in, which is
+why it completes on the `added` count. A mutant that completes on the arrival count instead
+(`-DAGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL`, bpf/aggregate.h) only goes wrong when the contribution
+that arrived first finishes its addition *after* the n-th arrival has added its own and
+gathered. In the normal program both additions take the same few hundred ns, so that needs an
+accident such as an interrupt at the right instruction: the mutant passed the first test in 10
+of 10 runs (both variants) and 5 of 5 runs of the 800 slot rounds below built without the window.
+
+`test_race_window_*` therefore run test-only builds (loader.race_test_cflags, never used in
+production) that spin a random 0..RACE_DELAY_NS ns between the arrival count and the addition.
+Random, because a fixed delay keeps the arrival order and so closes no window; with the jitter,
+a later arrival overtakes an earlier one whenever it draws the shorter delay. The runs use few
+slots with one worker per CPU (n = 2: every slot round is one packet from each CPU, both sent at
+once) for many rounds, the barrier between rounds keeping the CPUs in step, so most slot rounds
+overlap. The real program (both variants), whose completion waits for `added`, must be exact in
+every one; `test_race_window_catches_the_mutant` builds the mutant with the same settings and
+asserts that the same checker reports its lost additions, proving the claim on every run.
+Measured on 2 CPUs, wrong sums of the mutant per run of 800 slot rounds (runs caught): no window
+0 (0 of 5), 1 us 2-13 (10 of 10), 2 us 11-18 (10 of 10), 5 us 28-45 (5 of 5), 20 us (the
+setting used) 149-179 (10 of 10, both variants); the real program: no problem in 10 of 10 runs
+of each variant at 20 us.
 """
 
 import multiprocessing as mp
@@ -15,7 +39,7 @@ import time
 
 import numpy as np
 import pytest
-from packet_cases import frame, job, workers
+from packet_cases import frame, job, worker_ip, workers
 
 import bpfsys
 from aggproto import wire
@@ -24,6 +48,11 @@ from aggproto.model import Action, ReferenceAggregator
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 N, K, SLOTS, ROUNDS, DUP_P = 8, 256, 16, 24, 0.05
+# The widened-window runs: one worker per CPU, few slots, many rounds (see the docstring).
+RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P = 2, 64, 2, 400, 0.02
+RACE_DELAY_NS = 20_000
+
+two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
 
 
 def _drive(cpu, fd, rounds, barrier, conn):
@@ -42,40 +71,62 @@ def _drive(cpu, fd, rounds, barrier, conn):
     conn.close()
 
 
-@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-def test_two_cpus_same_slots(agg):
-    prog, maps = agg
-    fd = prog.progs["xdp_agg_ingress"]
-    maps.create_job(job(n=N, elems=K, count=SLOTS))
-    for w in workers(0, N):
-        maps.add_worker(w)
+def _frames(n, k):
+    """A frame builder for worker w: scapy builds each worker's headers once (UDP checksum 0:
+    none), numpy the SwitchML part of every packet (checked once against scapy's)."""
+    size = wire.size_code_for(k)
+    heads = {}
+    for w in range(n):
+        ref = bytearray(frame(w, np.zeros(k, dtype=np.int64), slot=1, version=1, e0=-3, tsi=5))
+        ref[wire.SWITCHML_OFFSET - 2 : wire.SWITCHML_OFFSET] = b"\0\0"
+        heads[w] = bytes(ref[: wire.SWITCHML_OFFSET])
+        sml = wire.build_payloads(
+            job_number=0, size_code=size, tsi=5, slot=1, version=1, e0=-3, values=np.zeros((1, k))
+        )
+        assert bytes(ref[wire.SWITCHML_OFFSET :]) == sml[0].tobytes()
 
-    rng = np.random.default_rng(7)
+    def make(w, vals, *, slot, version, e0, tsi):
+        sml = wire.build_payloads(
+            job_number=0, size_code=size, tsi=tsi, slot=slot, version=version, e0=e0, values=[vals]
+        )
+        return heads[w] + sml[0].tobytes()
+
+    return make
+
+
+def _plan(n, k, slots, rounds, dup_p, seed):
+    """Every round's frames per CPU (even workers on CPU 0, odd on CPU 1), the serial model's
+    result of each (round, slot) and the number of duplicates sent."""
+    rng = np.random.default_rng(seed)
+    make = _frames(n, k)
     model = ReferenceAggregator()
-    model.create_job(0, N, K, 0, SLOTS)
-    for w in workers(0, N):
+    model.create_job(0, n, k, 0, slots)
+    for w in workers(0, n):
         model.add_worker(0, w.index, w.ip, w.agg_port)
     per_cpu = ([], [])  # per CPU: list of rounds, each a list of (key, frame)
     expected, dups = {}, 0
-    for r in range(ROUNDS):
+    for r in range(rounds):
         rnd = ([], [])
-        for s in range(SLOTS):
-            for w in range(N):
-                vals = rng.integers(-(2**31), 2**31, size=K, dtype=np.int64)
-                f = frame(
-                    w, vals, slot=s, version=r % 2, e0=int(rng.integers(-50, 50)), tsi=r * SLOTS + s
-                )
+        for s in range(slots):
+            for w in range(n):
+                vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
+                e0 = int(rng.integers(-50, 50))
+                f = make(w, vals, slot=s, version=r % 2, e0=e0, tsi=r * slots + s)
                 rnd[w % 2].append(((r, s, w, "new"), f))
-                v = model.process(f"198.18.0.{10 + w}", wire.UDP_PORT, f[wire.SWITCHML_OFFSET :])
+                v = model.process(worker_ip(w), wire.UDP_PORT, f[wire.SWITCHML_OFFSET :])
                 if v.action == Action.TO_ALL:
                     expected[(r, s)] = v.payload
-                if rng.random() < DUP_P:
+                if rng.random() < dup_p:
                     rnd[w % 2].append(((r, s, w, "dup"), f))
                     dups += 1
         for c in (0, 1):
             per_cpu[c].append(rnd[c])
-    assert len(expected) == ROUNDS * SLOTS
+    assert len(expected) == rounds * slots
+    return per_cpu, expected, dups
 
+
+def _run(fd, per_cpu):
+    """Both CPUs at once, in step round by round; each CPU's (key, action, result, span)."""
     ctx = mp.get_context("fork")
     barrier = ctx.Barrier(2)
     procs, pipes = [], []
@@ -89,48 +140,133 @@ def test_two_cpus_same_slots(agg):
     for p in procs:
         p.join(timeout=60)
         assert p.exitcode == 0
+    return results
 
-    # Evidence that the CPUs really ran the same slot at the same time (syscall granularity).
+
+def _overlapping(results):
+    """Slot rounds that ran on both CPUs at the same time (syscall granularity)."""
     spans = [{}, {}]
     for c in (0, 1):
         for (r, s, _, _), _, _, span in results[c]:
             spans[c].setdefault((r, s), []).append(span)
-    overlapping = sum(
+    return sum(
         any(a0 < b1 and b0 < a1 for a0, a1 in spans[0][key] for b0, b1 in spans[1].get(key, []))
         for key in spans[0]
     )
+
+
+def _check(results, expected):
+    """What went wrong, as messages (none for a correct aggregator): a completion twice or
+    never, a sum (or exponent) that differs from the serial model's, a wrong retransmission
+    answer, an action other than TX or DROP. Also returns the number of answered duplicates."""
+    problems, completions, answered = [], {}, 0
+    for res in results:
+        for (r, s, _, kind), act, payload, _ in res:
+            if act not in (bpfsys.XDP_TX, bpfsys.XDP_DROP):
+                problems.append(f"slot {s} round {r}: action {act}")
+            elif kind == "new" and act == bpfsys.XDP_TX:
+                if (r, s) in completions:
+                    problems.append(f"slot {s} round {r} completed twice")
+                completions[(r, s)] = payload
+                if payload != expected[(r, s)]:
+                    problems.append(f"slot {s} round {r}: sum differs from the serial model")
+            elif kind == "dup" and act == bpfsys.XDP_TX:  # answered with the stored result
+                answered += 1
+                if payload != expected[(r, s)]:
+                    problems.append(f"retransmission answer for slot {s} round {r} is wrong")
+    problems += [f"slot {s} round {r} never completed" for r, s in set(expected) - set(completions)]
+    return problems, answered
+
+
+def _two_cpus(prog, maps, n, k, slots, rounds, dup_p, seed):
+    """One run of the plan on a fresh job; (problems, answered, duplicates sent, overlapping)."""
+    for j in list(maps.jobs()):
+        maps.delete_job(j)
+    maps.create_job(job(n=n, elems=k, count=slots))
+    for w in workers(0, n):
+        maps.add_worker(w)
+    per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed)
+    results = _run(prog.progs["xdp_agg_ingress"], per_cpu)
+    problems, answered = _check(results, expected)
+    return problems, answered, dups, _overlapping(results)
+
+
+def _assert_counters(maps, slot_rounds, n, answered, dups):
+    c = maps.counters(0)
+    assert c["completed"] == slot_rounds
+    assert c["aggregated"] == slot_rounds * (n - 1)
+    assert c["retx_answered"] == answered
+    assert c["dup_pending"] + c["retx_answered"] == dups
+
+
+@two_cpus
+def test_two_cpus_same_slots(agg):
+    prog, maps = agg
+    problems, answered, dups, overlapping = _two_cpus(prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7)
     print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
     assert overlapping >= ROUNDS * SLOTS // 10, (
         f"only {overlapping} slot rounds ran on both CPUs at once"
     )
-
-    completions = {}
-    answered = 0
-    for res in results:
-        for (r, s, w, kind), act, payload, _ in res:
-            if kind == "new" and act == bpfsys.XDP_TX:
-                assert (r, s) not in completions, f"slot {s} round {r} completed twice"
-                completions[(r, s)] = payload
-            elif kind == "new":
-                assert act == bpfsys.XDP_DROP
-            elif act == bpfsys.XDP_TX:  # a duplicate answered with the stored result
-                answered += 1
-                assert payload == expected[(r, s)], (
-                    f"retransmission answer for slot {s} round {r} is wrong"
-                )
-            else:
-                assert act == bpfsys.XDP_DROP
-    assert set(completions) == set(expected), "a slot never completed"
-    for key, payload in completions.items():
-        assert payload == expected[key], (
-            f"slot {key[1]} round {key[0]}: sum differs from the serial model"
-        )
-    c = maps.counters(0)
-    assert c["completed"] == ROUNDS * SLOTS
-    assert c["aggregated"] == ROUNDS * SLOTS * (N - 1)
-    assert c["retx_answered"] == answered
-    assert c["dup_pending"] + c["retx_answered"] == dups
+    assert not problems, "\n".join(problems[:20])
+    _assert_counters(maps, ROUNDS * SLOTS, N, answered, dups)
     if prog.options["variant"] == "percpu":
         # the last round's completion gathered partial sums from both CPUs
         tags = {p.tag for p in maps.partials(0, (ROUNDS - 1) % 2)}
         assert len(tags) == 1 and 0 not in tags, "both CPUs should hold a partial of the last round"
+
+
+def _race_build(variant, mutant):
+    """A test-only build with the widened race window (loader.race_test_cflags), and with
+    `mutant` the racy completion on the arrival count; (prog, maps), then cleaned up."""
+    from xdp_switch import loader
+    from xdp_switch.ctl_maps import AggMaps
+
+    cflags = loader.race_test_cflags(RACE_DELAY_NS, mutant=mutant)
+    prog = loader.load(pool_slots=16, variant=variant, cflags=cflags)
+    yield prog, AggMaps(prog.maps, prog.pool_slots)
+    os.close(prog.maps["partials"])
+    prog.bpf.cleanup()
+
+
+@pytest.fixture(scope="module", params=["percpu", "spinlock"])
+def race_build(request):
+    """The real program of each variant, built with the widened race window."""
+    yield from _race_build(request.param, mutant=False)
+
+
+@pytest.fixture(scope="module", params=["percpu", "spinlock"])
+def mutant_build(request):
+    """The mutant that completes a slot on the arrival count, with the same window."""
+    yield from _race_build(request.param, mutant=True)
+
+
+def _race_run(prog, maps):
+    slot_rounds = RACE_ROUNDS * RACE_SLOTS
+    problems, answered, dups, overlapping = _two_cpus(
+        prog, maps, RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P, 12
+    )
+    print(f"{overlapping} of {slot_rounds} slot rounds overlapped, {len(problems)} problems")
+    assert overlapping >= slot_rounds // 4, f"only {overlapping} slot rounds ran on both at once"
+    return problems, answered, dups
+
+
+@two_cpus
+def test_race_window_exact(race_build):
+    """Many rounds on two slots, one worker per CPU, the widened window: the real program of
+    both variants is exact in every slot round, and the counters add up."""
+    prog, maps = race_build
+    problems, answered, dups = _race_run(prog, maps)
+    assert not problems, "\n".join(problems[:20])
+    _assert_counters(maps, RACE_ROUNDS * RACE_SLOTS, RACE_N, answered, dups)
+
+
+@two_cpus
+def test_race_window_catches_the_mutant(mutant_build):
+    """The same run on the mutant that completes on the arrival count: the checks above find
+    its lost additions (a sum that differs from the serial model's, a completion twice or never).
+    Measured: 115-189 problems (wrong sums, wrong retransmission answers) per run of 800 slot
+    rounds, in 10 of 10 runs of this file (see the module docstring)."""
+    prog, maps = mutant_build
+    problems, _, _ = _race_run(prog, maps)
+    caught = [p for p in problems if "differs" in p or "completed twice" in p or "never" in p]
+    assert caught, "the mutant completing on the arrival count was not caught"

@@ -59,6 +59,22 @@ VARIANTS = {  # how slots are summed when several CPUs hit one slot
     "percpu": (),  # per-CPU partial sums, atomic completion count, gather by the completing CPU
     "spinlock": ("-DAGG_SPINLOCK",),  # one shared partial per slot under a bpf_spin_lock
 }
+# Test-only build options (bpf/aggregate.h), passed to load() as cflags by
+# tests/test_xdp_concurrency.py alone: production builds define neither and compile exactly the
+# program they compiled before these existed.
+TEST_RACE_DELAY = "-DAGG_TEST_RACE_DELAY={}"  # spin 0..N ns (random) between arrival and addition
+TEST_MUTANT_COMPLETE_ON_ARRIVAL = "-DAGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL"  # the known-racy mutant
+
+
+def race_test_cflags(delay_ns: int = 0, mutant: bool = False) -> tuple[str, ...]:
+    """cflags of a test-only build: a widened race window of up to `delay_ns` ns (0: none), and
+    with `mutant` the deliberately racy completion on the arrival count. Never for production."""
+    if not 0 <= delay_ns <= 50_000:
+        raise ValueError(f"race delay must be 0..50000 ns, not {delay_ns}")
+    flags = (TEST_RACE_DELAY.format(delay_ns),) if delay_ns else ()
+    return flags + ((TEST_MUTANT_COMPLETE_ON_ARRIVAL,) if mutant else ())
+
+
 PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
 
