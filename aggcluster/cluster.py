@@ -164,7 +164,8 @@ class Cluster:
             except subprocess.TimeoutExpired:
                 p.kill()
                 stdout, stderr = p.communicate()
-                errors.append(f"rank {rank}: no answer within {deadline:g} s")
+                tail = (stderr or "").strip()[-1500:]
+                errors.append(f"rank {rank}: no answer within {deadline:g} s: {tail}")
                 continue
             if p.returncode != 0:
                 errors.append(

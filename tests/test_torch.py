@@ -23,7 +23,6 @@ import random
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,8 @@ torch = pytest.importorskip(
 )
 
 import numpy as np  # noqa: E402
+
+from aggcluster.cluster import Cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "torch_worker.py")
@@ -55,23 +56,8 @@ def _env(rank: int, n: int, master: str, port: int, control: str, ifname: str, *
 
 
 def _reports(procs, deadline: float = 150.0) -> list[dict]:
-    """Each rank's JSON report; fails with every failing rank's stderr."""
-    end = time.monotonic() + deadline
-    out, errors = [], []
-    for rank, p in enumerate(procs):
-        try:
-            so, se = p.communicate(timeout=max(1.0, end - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
-            so, se = p.communicate()
-            errors.append(f"rank {rank}: still running after {deadline:g} s: {se[-1500:]}")
-            continue
-        if p.returncode != 0:
-            errors.append(f"rank {rank} exited {p.returncode}: {se[-2500:]}")
-            continue
-        out.append(json.loads([ln for ln in so.splitlines() if ln.startswith("{")][-1]))
-    assert not errors, "\n".join(errors)
-    return out
+    """Each rank's last JSON report; fails with every failing rank's stderr."""
+    return [reps[-1] for reps in Cluster.collect(list(enumerate(procs)), deadline)]
 
 
 def _check_ddp(reports, n):
