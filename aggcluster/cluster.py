@@ -5,17 +5,24 @@ benchmarks share.
         reports = cl.run_workers([{"dtype": "int32", "count": 1000}])
 
 `Cluster` attaches the XDP aggregator to the testbed's aggregator interfaces (xdp-agg attach,
-run in the aggregator's namespace), starts the control endpoint there (xdp-agg serve), runs one
-aggcluster.cluster_worker process per worker namespace, and undoes all of it on exit.
+run in the aggregator's namespace), starts the control endpoint there (xdp-agg serve) with a
+deployment secret of its own (a temporary file, mode 0600, that every worker process gets as
+$XDP_AGG_SECRET_FILE: `worker_env`), runs one aggcluster.cluster_worker process per worker
+namespace, and undoes all of it on exit.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+
+from aggproto import control
 
 CONTROL_PORT = 48800
 
@@ -36,6 +43,12 @@ class Cluster:
         self.pool_slots = pool_slots
         self._server: subprocess.Popen | None = None
         self._attached = False
+        self._secret_dir: str | None = None
+        self.secret_file: str | None = None  # the deployment secret serve checks
+
+    def worker_env(self, base: dict | None = None) -> dict:
+        """The environment of a worker process: `base` (default: ours) plus the secret file."""
+        return {**(os.environ if base is None else base), control.SECRET_ENV: self.secret_file}
 
     # --- lifecycle ------------------------------------------------------------------------
     def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -48,6 +61,9 @@ class Cluster:
 
     def __enter__(self) -> "Cluster":
         try:
+            self._secret_dir = tempfile.mkdtemp(prefix=f"xdp-agg-{self.name}-")
+            self.secret_file = os.path.join(self._secret_dir, "secret")
+            control.create_secret(self.secret_file)
             self.cli(
                 "attach",
                 *self.tb.agg_interfaces,
@@ -67,7 +83,10 @@ class Cluster:
                     self.name,
                     "serve",
                     "--listen",
+                    # every address: in the switch topology each port has its own
                     f"0.0.0.0:{CONTROL_PORT}",
+                    "--secret-file",
+                    self.secret_file,
                 ],
                 stdout=subprocess.DEVNULL,
                 stderr=subprocess.PIPE,
@@ -92,7 +111,12 @@ class Cluster:
                 self._server.kill()
                 self._server.wait()
             self._server = None
-        self.detach()
+        try:
+            self.detach()
+        finally:
+            if self._secret_dir is not None:
+                shutil.rmtree(self._secret_dir, ignore_errors=True)
+                self._secret_dir = None
 
     def detach(self) -> None:
         """Detach the aggregator now (the control endpoint keeps running until exit)."""
@@ -146,7 +170,12 @@ class Cluster:
                 cmd.append("--progress")
             err = None if progress else subprocess.PIPE
             procs.append(
-                (rank, self.tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=err, text=True))
+                (
+                    rank,
+                    self.tb.popen(
+                        w, cmd, env=self.worker_env(), stdout=subprocess.PIPE, stderr=err, text=True
+                    ),
+                )
             )
         return procs
 

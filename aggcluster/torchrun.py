@@ -30,6 +30,8 @@ import sys
 import time
 import uuid
 
+from aggproto import control
+
 RDZV_PORT = 29400
 
 
@@ -100,6 +102,7 @@ def start_torchrun(
         e.update(
             {
                 "XDP_AGG_CONTROL": cluster.control_address(w),
+                control.SECRET_ENV: cluster.secret_file,
                 "GLOO_SOCKET_IFNAME": w.ifname,
                 "OMP_NUM_THREADS": e.get("OMP_NUM_THREADS", "1"),
             }

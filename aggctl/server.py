@@ -48,7 +48,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from aggproto import wire
+from aggproto import control, wire
 from aggproto.jobs import (
     DEFAULT_CONTROL_PORT,
     Delivery,
@@ -58,12 +58,13 @@ from aggproto.jobs import (
 )
 from aggproto.limits import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS
 
+from . import auth
 from .backend import Backend
 
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
-MAX_LINE = 1 << 16
+MAX_LINE = auth.Limits.max_line  # the default bound on a request line
 
 
 @dataclass
@@ -112,6 +113,7 @@ class _Job:
     world_size: int
     window: int
     worker_port: int
+    token: str = ""  # the job's token (aggproto.control.new_token), given to its creator
     ranks: dict[int, _Rank] = field(default_factory=dict)
     holders: set[int] = field(default_factory=set)  # connections keeping the job alive
     complete: bool = False  # every rank has registered: the barrier is open
@@ -153,8 +155,13 @@ class RendezvousServer:
         defaults: ServerDefaults | dict | None = None,
         *,
         fill_worker: Callable[[WorkerSpec, tuple[str, int]], None] | None = None,
+        secret: bytes | None,
+        limits: auth.Limits | None = None,
     ) -> None:
         self.backend = backend
+        self.limits = limits or auth.Limits()
+        self._guard = auth.Guard(secret, self.limits)
+        self._rate = auth.RateLimiter(self.limits.rate, self.limits.burst)
         self.defaults = ServerDefaults.from_any(defaults)
         if not 1 <= self.defaults.pool_slots <= wire.MAX_SLOTS:
             raise ValueError(f"pool_slots must be 1..{wire.MAX_SLOTS}")
@@ -162,6 +169,7 @@ class RendezvousServer:
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}
         self._conns: dict[int, socket.socket] = {}
+        self._sources: dict[int, str] = {}  # connection -> its peer address (per-source cap)
         self._next_conn = 0
         self._stopping = False
         self._thread: threading.Thread | None = None  # the one running serve_forever
@@ -225,16 +233,38 @@ class RendezvousServer:
         self.stop()
 
     # --- connections ------------------------------------------------------------------------
-    def _connected(self, sock: socket.socket) -> int:
+    def _connected(self, sock: socket.socket, source: str) -> int:
+        """Admit a connection (auth.Denied over the connection caps); its number."""
         with self._cond:
+            if len(self._conns) >= self.limits.max_connections:
+                raise auth.Denied(
+                    f"the control endpoint has {len(self._conns)} connections, its limit; "
+                    "try again later",
+                    "limit",
+                )
+            mine = sum(1 for s in self._sources.values() if s == source)
+            if mine >= self.limits.max_per_source:
+                raise auth.Denied(
+                    f"{source} has {mine} connections open, the limit per source address; "
+                    "close some (a worker needs one)",
+                    "limit",
+                )
             self._next_conn += 1
             self._conns[self._next_conn] = sock
+            self._sources[self._next_conn] = source
             return self._next_conn
+
+    def _holds_job(self, conn: int) -> bool:
+        """True when connection `conn` created or registered in a live job: such a connection
+        stays open for a whole run, idle, and its close means "leave", so it is never cut."""
+        with self._cond:
+            return any(conn in j.holders for j in self._jobs.values())
 
     def _disconnected(self, conn: int) -> None:
         """A connection closed: its ranks are gone, its hold on each job released."""
         with self._cond:
             self._conns.pop(conn, None)
+            self._sources.pop(conn, None)
             for job in list(self._jobs.values()):
                 for r, x in job.ranks.items():
                     if x.conn == conn and x.state == "registered":
@@ -248,6 +278,7 @@ class RendezvousServer:
         try:
             if not isinstance(request, dict):
                 raise RequestError("a request is a JSON object with an 'op'")
+            request = self._guard.check(request)  # a bad proof is refused before anything
             op = request.get("op")
             fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
             if fn is None:
@@ -257,6 +288,8 @@ class RendezvousServer:
             return {"ok": True, **fn(conn, request, local, peer)}
         except RequestError as e:
             return {"ok": False, "error": str(e)}
+        except auth.Denied as e:
+            return {"ok": False, "error": str(e), "kind": e.kind}
         except Exception as e:  # a backend failure must reach the client, not kill the server
             log.exception("request %r failed", request)
             return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
@@ -266,6 +299,7 @@ class RendezvousServer:
         return {"version": PROTOCOL_VERSION}
 
     def _op_create(self, conn, req, local, peer):
+        self._guard.need_secret(req, "create")
         key = _key(req)
         world = _int(req, "world_size", 1, MAX_WORKERS)
         elems = _int(req, "elems", 1, wire.MAX_ELEMS)
@@ -321,11 +355,12 @@ class RendezvousServer:
                 self.backend.create_job(spec)
             except ValueError as e:
                 raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
-            job = _Job(key, spec, world, window, worker_port, holders={conn})
+            token = control.new_token()
+            job = _Job(key, spec, world, window, worker_port, token=token, holders={conn})
             self._jobs[key] = job
             self._cond.notify_all()
             log.info("created job %r: %s", key, spec)
-            return {"job": self._describe(job, local)}
+            return {"job": self._describe(job, local), "token": token}
 
     def _op_register(self, conn, req, local, peer):
         key = _key(req)
@@ -340,6 +375,7 @@ class RendezvousServer:
         with self._cond:
             self._check_running()
             job = self._live_job(key)
+            self._guard.need_job(req, key, job.token)
             if rank >= job.world_size:
                 raise RequestError(
                     f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
@@ -415,6 +451,7 @@ class RendezvousServer:
             job = self._jobs.get(key)
             if job is None:
                 return {"deleted": True}  # leaving twice, or after the job ended, is fine
+            self._guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
                 x.state = "left"
@@ -425,10 +462,13 @@ class RendezvousServer:
 
     def _op_status(self, conn, req, local, peer):
         if req.get("job") is None:
+            self._guard.need_secret(req, "status of all jobs")
             with self._cond:
                 return {"jobs": [self._summary(j, local) for j in self._jobs.values()]}
         key = _key(req)
         wait = _float(req, "wait") if req.get("wait") is not None else 0.0
+        if not self._guard.has_credentials(req):  # refused now, not after a wait
+            self._guard.need_secret(req, f"status of job {key!r} (without its token)")
         with self._cond:
             deadline = time.monotonic() + min(wait, self.defaults.barrier_timeout)
             while not self._stopping:
@@ -440,7 +480,10 @@ class RendezvousServer:
                     break
                 self._cond.wait(left)
             job = self._live_job(key, waited=wait)  # raises the explanation if there is none
+            self._guard.need_job(req, key, job.token)
             out = self._summary(job, local)
+            if req.proven:  # a holder of the secret may learn the token (ranks > 0 do)
+                out["token"] = job.token
         # backend calls outside our lock: they may take the backend's own locks
         if hasattr(self.backend, "worker_counters"):
             counters = self.backend.worker_counters(job.spec.job_id)
@@ -448,7 +491,12 @@ class RendezvousServer:
         return out
 
     def _op_diagnose(self, conn, req, local, peer):
-        out = self._op_status(conn, {"op": "diagnose", "job": _key(req)}, local, peer)
+        # the same credentials as status; `wait` is not diagnose's, and the proof (checked once
+        # in handle) comes along as `proven`
+        inner = auth.Checked({k: v for k, v in req.items() if k != "wait"})
+        inner.proven = req.proven
+        out = self._op_status(conn, inner, local, peer)
+        out.pop("token", None)
         counters = {int(k): v for k, v in out.get("counters", {}).items()}
         if hasattr(self.backend, "counters"):
             out["reasons"] = self.backend.counters(out["job"]["job_id"])
@@ -585,24 +633,63 @@ def _float(req: dict, name: str) -> float:
 
 
 class _Handler(socketserver.StreamRequestHandler):
-    """One control connection: a request per line, an answer per line, in order."""
+    """One control connection: a request per line, an answer per line, in order.
+
+    Bounds (auth.Limits): a connection over the caps gets an error answer and is closed; a line
+    longer than max_line too; a connection that holds no job must complete a request line
+    within idle_timeout of its last answer (a slow or silent peer is answered and closed); a
+    source over its request rate gets an error answer per request, and nothing is done. A
+    connection that holds a job is never cut for being idle (TCP keepalive notices a dead peer).
+    """
 
     server: "_TCPServer"
 
     def handle(self) -> None:
         owner = self.server.owner
-        conn = owner._connected(self.connection)
-        local = self.connection.getsockname()[:2]
+        sock = self.connection
         peer = self.client_address[:2]
         try:
+            conn = owner._connected(sock, peer[0])
+        except auth.Denied as e:
+            self._try_answer({"ok": False, "error": str(e), "kind": e.kind})
+            return
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+        local = sock.getsockname()[:2]
+        self._buf = b""
+        try:
             while True:
-                line = self.rfile.readline(MAX_LINE + 1)
-                if not line:
+                deadline = None
+                if not owner._holds_job(conn):
+                    deadline = time.monotonic() + owner.limits.idle_timeout
+                try:
+                    line = self._read_line(owner.limits.max_line, deadline)
+                except TimeoutError:
+                    self._answer(
+                        {
+                            "ok": False,
+                            "kind": "limit",
+                            "error": f"no complete request within "
+                            f"{owner.limits.idle_timeout:g} s on a connection that holds no "
+                            "job: closed",
+                        }
+                    )
                     return
-                if len(line) > MAX_LINE:
-                    self._answer({"ok": False, "error": "request line too long"})
+                if line is None:
+                    return
+                if len(line) > owner.limits.max_line:
+                    self._answer({"ok": False, "kind": "limit", "error": "request line too long"})
                     return
                 if not line.strip():
+                    continue
+                if not owner._rate.allow(peer[0]):
+                    self._answer(
+                        {
+                            "ok": False,
+                            "kind": "limit",
+                            "error": f"more than {owner.limits.rate:g} requests/s from "
+                            f"{peer[0]}: request refused, nothing done; slow down",
+                        }
+                    )
                     continue
                 try:
                     req = json.loads(line)
@@ -615,9 +702,41 @@ class _Handler(socketserver.StreamRequestHandler):
         finally:
             owner._disconnected(conn)
 
+    def _read_line(self, limit: int, deadline: float | None) -> bytes | None:
+        """The next line (without its newline); None at end of stream; at most limit + 1 bytes
+        of a longer one; TimeoutError when the deadline passes first."""
+        sock = self.connection
+        while b"\n" not in self._buf:
+            if len(self._buf) > limit:
+                return self._buf
+            if deadline is None:
+                sock.settimeout(None)
+            else:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+            try:
+                chunk = sock.recv(1 << 16)
+            except socket.timeout:
+                raise TimeoutError from None
+            if not chunk:
+                return None
+            self._buf += chunk
+        line, _, self._buf = self._buf.partition(b"\n")
+        return line if len(line) <= limit else line[: limit + 1]
+
     def _answer(self, obj: dict) -> None:
+        self.connection.settimeout(None)
         self.wfile.write(json.dumps(obj).encode() + b"\n")
         self.wfile.flush()
+
+    def _try_answer(self, obj: dict) -> None:
+        try:
+            self.connection.settimeout(2.0)  # a peer refused for a limit gets no more of us
+            self.connection.sendall(json.dumps(obj).encode() + b"\n")
+        except OSError:
+            pass
 
 
 class _TCPServer(socketserver.ThreadingTCPServer):
@@ -632,10 +751,16 @@ class _TCPServer(socketserver.ThreadingTCPServer):
 
 def main(argv: list[str] | None = None) -> None:
     """Manual use: a control endpoint in front of a SoftAggregator."""
+    import os
+
     from .soft_aggregator import SoftAggregator
 
     p = argparse.ArgumentParser(prog="python -m aggctl.server", description=__doc__.split("\n")[0])
-    p.add_argument("--listen", default=f"127.0.0.1:{DEFAULT_CONTROL_PORT}", help="HOST:PORT (TCP)")
+    p.add_argument(
+        "--listen",
+        default=None,
+        help="HOST:PORT (TCP); default: the --soft address, port 48800",
+    )
     p.add_argument(
         "--soft",
         default="127.0.0.1",
@@ -644,14 +769,35 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
     p.add_argument("--barrier-timeout", type=float, default=120.0)
+    p.add_argument(
+        "--secret-file",
+        default=os.environ.get(control.SECRET_ENV),
+        help=f"the deployment secret (created 0600 when absent); default ${control.SECRET_ENV}, "
+        "else ./xdp-agg-soft.secret",
+    )
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="accept every request without credentials (a trusted lab only)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    host, _, port = args.listen.rpartition(":")
+    host, _, port = (args.listen or f"{args.soft}:{DEFAULT_CONTROL_PORT}").rpartition(":")
+    if host == "0.0.0.0":
+        log.warning("listening on every address (0.0.0.0), as --listen asked")
+    secret = None
+    if not args.insecure_no_auth:
+        path = args.secret_file or "xdp-agg-soft.secret"
+        try:
+            secret = control.create_secret(path)
+        except control.SecretError as e:
+            p.error(str(e))
+        log.info("deployment secret: %s (give workers %s=%s)", path, control.SECRET_ENV, path)
     defaults = ServerDefaults(
         agg_ip=args.soft, pool_slots=args.pool_slots, barrier_timeout=args.barrier_timeout
     )
     with SoftAggregator(args.soft) as agg:
-        server = RendezvousServer(agg, host, int(port), defaults)
+        server = RendezvousServer(agg, host, int(port), defaults, secret=secret)
         log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
         server.run_until_interrupted()
 

@@ -115,7 +115,14 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
                     str(Path(args.out).resolve() / "profile.txt"),
                 ]
             procs.append(
-                tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                tb.popen(
+                    w,
+                    cmd,
+                    env=cl.worker_env(),
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    text=True,
+                )
             )
         per_rank, failed = [], []
         for r, p in enumerate(procs):

@@ -11,7 +11,7 @@ rendezvous (control endpoint client), netinfo (own address and MAC), errors.
 
 from .communicator import AllreduceHandle, Communicator, init
 from .engine import STAT_NAMES, Faults
-from .errors import AllreduceTimeout, HostlibError, RendezvousError
+from .errors import AllreduceTimeout, AuthError, HostlibError, LimitError, RendezvousError
 
 __all__ = [
     "init",
@@ -21,5 +21,7 @@ __all__ = [
     "STAT_NAMES",
     "HostlibError",
     "RendezvousError",
+    "AuthError",
+    "LimitError",
     "AllreduceTimeout",
 ]

@@ -13,19 +13,21 @@ registers, and all return together once every rank is there.
 from __future__ import annotations
 
 import ipaddress
+import os
 import socket
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from aggproto import wire
+from aggproto import control, wire
 from aggproto.jobs import JobDescription
 
 from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, source_ip_towards
-from .rendezvous import ControlClient, parse_endpoint
+from .rendezvous import ControlClient, load_secret, parse_endpoint
 from .udp_io import DatagramSocket
 
 _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
@@ -51,6 +53,9 @@ def init(
     gro: bool = True,
     native: bool | None = None,
     cwnd: str = "aimd",
+    secret_file: str | None = None,
+    token: str | None = None,
+    on_token: Callable[[str], None] | None = None,
 ) -> "Communicator":
     """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
 
@@ -76,9 +81,17 @@ def init(
     native: run all-reduces in the C loop (hostlib._fastpath); None: when it is built and the
         environment does not say XDP_AGG_NATIVE=0; False: the numpy reference loop.
     cwnd: the C loop's congestion window: "aimd" (adapts to loss) or "fixed" (the window).
+    secret_file: the deployment secret (the file `xdp-agg serve` uses, mode 0600); default
+        $XDP_AGG_SECRET_FILE. Rank 0 needs it to create the job; another rank needs it or
+        `token`.
+    token: the job's token, for a rank without the secret (rank 0's launcher passes
+        Communicator.token on); default $XDP_AGG_JOB_TOKEN.
+    on_token: rank 0 only: called with the job's token as soon as the job exists, before the
+        barrier, so a launcher can hand it to the other ranks (hostlib.pt puts it in the store).
 
     Raises RendezvousError with the control endpoint's explanation if the job cannot be made
-    or joined (name in use, ranks missing at the barrier, ...), ValueError on bad arguments.
+    or joined (name in use, ranks missing at the barrier, ...), its AuthError when the
+    credentials are missing or wrong, ValueError on bad arguments.
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
@@ -89,7 +102,15 @@ def init(
     pinned = ip is not None
     my_ip = ip if pinned else source_ip_towards(*endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
-    ctl = ControlClient(endpoint, timeout=30.0, source_ip=my_ip if pinned else None)
+    secret = load_secret(secret_file)
+    token = token or os.environ.get(control.TOKEN_ENV) or None
+    ctl = ControlClient(
+        endpoint,
+        timeout=30.0,
+        source_ip=my_ip if pinned else None,
+        secret=secret,
+        tokens={job: token} if token else None,
+    )
     sock = None
     try:
         wait = rendezvous_timeout
@@ -103,6 +124,8 @@ def init(
                 window=window,
                 worker_port=sock.address[1],
             )
+            if on_token is not None and job in ctl.tokens:
+                on_token(ctl.tokens[job])
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             if desc.world_size != world_size:
@@ -208,6 +231,12 @@ class Communicator:
         self._inline = False  # an all-reduce runs in a caller's thread
         self._closed = False
         self._broken: str | None = None
+
+    @property
+    def token(self) -> str | None:
+        """This job's token (from create, from status with the secret, or as given): what a
+        launcher hands to ranks that do not hold the deployment secret."""
+        return self._ctl.tokens.get(self.job)
 
     # --- all-reduce -------------------------------------------------------------------------
     def allreduce(self, array, out=None, *, inplace: bool = False, timeout: float | None = None):

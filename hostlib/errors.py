@@ -18,6 +18,17 @@ class RendezvousError(HostlibError):
     """
 
 
+class AuthError(RendezvousError):
+    """The control endpoint refused this worker's credentials: no or a wrong proof of the
+    deployment secret, or no or a wrong job token; or the secret file cannot be used (readable
+    by others, missing). The message says which and where the credential comes from."""
+
+
+class LimitError(RendezvousError):
+    """The control endpoint refused a request for one of its limits (request rate, connection
+    caps, idle time, line length); nothing was done, and trying later may work."""
+
+
 class AllreduceTimeout(HostlibError, TimeoutError):
     """An all-reduce made no progress for its timeout.
 

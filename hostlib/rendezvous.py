@@ -2,6 +2,10 @@
 
 The connection stays open for the life of a communicator: the endpoint treats its close as the
 worker leaving, which is how a crashed worker's job is cleaned up.
+
+Credentials (aggproto.control): with the deployment secret, every request carries a fresh proof
+of it; with a job's token (learned from create, from status when the secret was proven, or
+given), every request about that job carries it.
 """
 
 from __future__ import annotations
@@ -10,9 +14,26 @@ import json
 import socket
 import threading
 
+from aggproto import control
 from aggproto.jobs import DEFAULT_CONTROL_PORT, JobDescription
 
-from .errors import RendezvousError
+from .errors import AuthError, LimitError, RendezvousError
+
+_ERRORS = {"auth": AuthError, "limit": LimitError}  # the answer's "kind" -> what we raise
+
+
+def load_secret(path: str | None = None) -> bytes | None:
+    """The deployment secret from file `path`, else from the file ${XDP_AGG_SECRET_FILE} names;
+    None when neither is given. AuthError when the file cannot be used."""
+    import os
+
+    path = path or os.environ.get(control.SECRET_ENV) or None
+    if path is None:
+        return None
+    try:
+        return control.load_secret(path)
+    except control.SecretError as e:
+        raise AuthError(str(e)) from None
 
 
 def parse_endpoint(text: str) -> tuple[str, int]:
@@ -26,12 +47,24 @@ def parse_endpoint(text: str) -> tuple[str, int]:
 
 
 class ControlClient:
-    """One connection to the control endpoint; request() is thread-safe (one at a time)."""
+    """One connection to the control endpoint; request() is thread-safe (one at a time).
+
+    secret: the deployment secret (load_secret): every request proves it. tokens: job name ->
+    token, for requests about those jobs; answers that carry a job's token add it.
+    """
 
     def __init__(
-        self, endpoint: tuple[str, int], *, timeout: float = 30.0, source_ip: str | None = None
+        self,
+        endpoint: tuple[str, int],
+        *,
+        timeout: float = 30.0,
+        source_ip: str | None = None,
+        secret: bytes | None = None,
+        tokens: dict[str, str] | None = None,
     ) -> None:
         self.endpoint = endpoint
+        self.secret = secret
+        self.tokens: dict[str, str] = dict(tokens or {})
         self._lock = threading.Lock()
         try:
             self._sock = socket.create_connection(
@@ -55,7 +88,13 @@ class ControlClient:
         Returns the answer (a dict with ok=True); raises RendezvousError with the endpoint's
         explanation when it says ok=False, or when the connection fails.
         """
-        msg = json.dumps({"op": op, **fields}).encode() + b"\n"
+        req = {"op": op, **fields}
+        token = self.tokens.get(fields.get("job")) if isinstance(fields.get("job"), str) else None
+        if self.secret is not None:
+            req["auth"] = control.prove(self.secret, req)
+        if token is not None:
+            req["token"] = token
+        msg = json.dumps(req).encode() + b"\n"
         with self._lock:
             try:
                 self._sock.settimeout(reply_timeout)
@@ -76,7 +115,10 @@ class ControlClient:
         except ValueError:
             raise RendezvousError(f"control endpoint sent something that is not JSON: {line!r}")
         if not answer.get("ok"):
-            raise RendezvousError(answer.get("error") or f"{op!r} failed without a reason")
+            cls = _ERRORS.get(answer.get("kind"), RendezvousError)
+            raise cls(answer.get("error") or f"{op!r} failed without a reason")
+        if isinstance(answer.get("token"), str) and isinstance(fields.get("job"), str):
+            self.tokens[fields["job"]] = answer["token"]
         return answer
 
     def job(self, op: str, **fields) -> JobDescription:

@@ -8,7 +8,10 @@ keep concurrent test runs on one machine (and their 0xBEE0.. ports) apart.
 from __future__ import annotations
 
 import contextlib
+import os
 import random
+import secrets
+import tempfile
 import threading
 from dataclasses import dataclass
 
@@ -28,6 +31,8 @@ class Cluster:
     prefix: str
     aggregator: SoftAggregator | None
     server: RendezvousServer
+    secret: bytes | None = None  # the deployment secret the server checks (None: no auth)
+    secret_file: str | None = None  # where it is (mode 0600), for hostlib.init(secret_file=)
 
     @property
     def agg_ip(self) -> str:
@@ -43,8 +48,19 @@ class Cluster:
 
 
 @contextlib.contextmanager
-def soft_cluster(*, backend=None, defaults: dict | None = None, start_aggregator: bool = True):
-    """A RendezvousServer on prefix.1 in front of a SoftAggregator (or `backend`)."""
+def soft_cluster(
+    *,
+    backend=None,
+    defaults: dict | None = None,
+    start_aggregator: bool = True,
+    auth: bool = True,
+    limits=None,
+):
+    """A RendezvousServer on prefix.1 in front of a SoftAggregator (or `backend`).
+
+    auth: the server checks a fresh deployment secret, written (0600) to a temporary file that
+    run_ranks gives every rank; False: the trusted-lab mode, no credentials. limits: its
+    aggctl.auth.Limits."""
     prefix = loopback_prefix()
     agg = None
     if backend is None:
@@ -52,13 +68,23 @@ def soft_cluster(*, backend=None, defaults: dict | None = None, start_aggregator
         if start_aggregator:
             agg.start()
     d = {"agg_ip": f"{prefix}.1", "barrier_timeout": 20.0, **(defaults or {})}
-    server = RendezvousServer(backend, f"{prefix}.1", 0, d).start()
-    try:
-        yield Cluster(prefix, agg, server)
-    finally:
-        server.stop()
-        if agg is not None:
-            agg.stop()
+    with tempfile.TemporaryDirectory(prefix="xdp-agg-secret-") as tmp:
+        secret = path = None
+        if auth:
+            secret = secrets.token_hex(32).encode()
+            path = os.path.join(tmp, "secret")
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "wb") as f:
+                f.write(secret)
+        server = RendezvousServer(
+            backend, f"{prefix}.1", 0, d, secret=secret, limits=limits
+        ).start()
+        try:
+            yield Cluster(prefix, agg, server, secret, path)
+        finally:
+            server.stop()
+            if agg is not None:
+                agg.stop()
 
 
 def run_ranks(cluster: Cluster, n: int, fn, *, job: str = "test", deadline: float = 60.0, **kw):
@@ -79,7 +105,7 @@ def run_ranks(cluster: Cluster, n: int, fn, *, job: str = "test", deadline: floa
                 job=job,
                 ip=cluster.worker_ip(r),
                 rendezvous_timeout=15.0,
-                **kw,
+                **{"secret_file": cluster.secret_file, **kw},
             ) as comm:
                 results[r] = fn(comm)
         except Exception as e:  # reported to the test

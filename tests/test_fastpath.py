@@ -339,6 +339,7 @@ def test_mixed_loops_in_one_job_with_loss_and_float16_through_the_communicator()
                 timeout=10.0,
                 retransmit=0.01,
                 rendezvous_timeout=15,
+                secret_file=cl.secret_file,
                 native=(r == 0),
                 faults=Faults(send_loss=0.03, recv_loss=0.03, seed=r),
             ) as comm:
@@ -630,6 +631,7 @@ def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
                     timeout=5.0,
                     retransmit=0.005,
                     rendezvous_timeout=15,
+                    secret_file=cl.secret_file,
                     native=True,
                     faults=Faults(send_loss=0.05, recv_loss=0.25, seed=r),
                 ) as comm:

@@ -81,21 +81,33 @@ def test_busy_worker_port_is_explained():
         def rank0():  # waits at the barrier for rank 1, in vain
             try:
                 hostlib.init(
-                    0, 2, cl.endpoint, job="busy", ip=cl.worker_ip(0), rendezvous_timeout=2.0
+                    0,
+                    2,
+                    cl.endpoint,
+                    job="busy",
+                    ip=cl.worker_ip(0),
+                    rendezvous_timeout=2.0,
+                    secret_file=cl.secret_file,
                 ).close()
             except hostlib.HostlibError as e:
                 errors.append(e)
 
         t = threading.Thread(target=rank0)
         t.start()
-        ctl = ControlClient(cl.server.address)
+        ctl = ControlClient(cl.server.address, secret=cl.secret)
         port = ctl.request("status", job="busy", wait=5)["job"]["worker_port"]
         ctl.close()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blocker:
             blocker.bind((cl.worker_ip(1), port))  # rank 1's port is taken on its address
             with pytest.raises(hostlib.HostlibError, match=f"UDP port rank 0 chose, {port}"):
                 hostlib.init(
-                    1, 2, cl.endpoint, job="busy", ip=cl.worker_ip(1), rendezvous_timeout=5
+                    1,
+                    2,
+                    cl.endpoint,
+                    job="busy",
+                    ip=cl.worker_ip(1),
+                    rendezvous_timeout=5,
+                    secret_file=cl.secret_file,
                 )
         t.join(15)
         assert errors and "barrier timeout" in str(errors[0])
@@ -501,11 +513,13 @@ def test_bad_arguments():
 def test_a_second_run_with_a_live_job_name_is_refused():
     def body(c):
         with pytest.raises(hostlib.RendezvousError, match="'test' already exists"):
-            hostlib.init(0, 1, c_endpoint[0], job="test", ip=c_endpoint[1])
+            hostlib.init(
+                0, 1, c_endpoint[0], job="test", ip=c_endpoint[1], secret_file=c_endpoint[2]
+            )
         return True
 
     with soft_cluster() as cl:
-        c_endpoint = (cl.endpoint, cl.worker_ip(5))
+        c_endpoint = (cl.endpoint, cl.worker_ip(5), cl.secret_file)
         assert ok(run_ranks(cl, 1, body)) == [True]
 
 
@@ -516,7 +530,13 @@ def test_world_size_mismatch_is_refused():
         def rank0():
             try:
                 hostlib.init(
-                    0, 2, cl.endpoint, job="w", ip=cl.worker_ip(0), rendezvous_timeout=1.0
+                    0,
+                    2,
+                    cl.endpoint,
+                    job="w",
+                    ip=cl.worker_ip(0),
+                    rendezvous_timeout=1.0,
+                    secret_file=cl.secret_file,
                 ).close()
             except hostlib.HostlibError as e:
                 errors.append(e)
@@ -524,6 +544,14 @@ def test_world_size_mismatch_is_refused():
         t = threading.Thread(target=rank0)
         t.start()
         with pytest.raises(ValueError, match="world_size 2, this rank was started with 3"):
-            hostlib.init(1, 3, cl.endpoint, job="w", ip=cl.worker_ip(1), rendezvous_timeout=5)
+            hostlib.init(
+                1,
+                3,
+                cl.endpoint,
+                job="w",
+                ip=cl.worker_ip(1),
+                rendezvous_timeout=5,
+                secret_file=cl.secret_file,
+            )
         t.join(15)
         assert errors and "barrier timeout" in str(errors[0])

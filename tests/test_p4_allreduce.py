@@ -14,6 +14,7 @@ answer them with ICMP port unreachable. simple_switch drops plain traffic to unk
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -22,7 +23,7 @@ import pytest
 from p4_fixtures import _InNetns, p4_skip_reason
 
 from aggctl import bmv2_backend as bm
-from aggproto import wire
+from aggproto import control, wire
 from aggproto.jobs import Delivery
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
@@ -78,12 +79,15 @@ def _drop_data_in_kernel(netns: str) -> None:
     )
 
 
-def _run_and_check_workers(tb, port: int, log_tail) -> None:
-    """Run the 4 workers against the control endpoint on `port`; every rank's sum is exact."""
+def _run_and_check_workers(tb, port: int, log_tail, secret_file) -> None:
+    """Run the 4 workers against the control endpoint on `port` (proving the deployment secret
+    in `secret_file`); every rank's sum is exact."""
+    env = {**os.environ, control.SECRET_ENV: str(secret_file)}
     procs = [
         tb.popen(
             w,
             [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
+            env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -138,9 +142,10 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
                     "barrier_timeout": 60.0,
                 },
                 fill_worker=backend.fill_worker,
+                secret=control.create_secret(tmp_path / "secret"),
             )
         server.start()
-        _run_and_check_workers(tb, server.address[1], switch.log_tail)
+        _run_and_check_workers(tb, server.address[1], switch.log_tail, tmp_path / "secret")
         packets = -(-N // 64)
         # Every chunk completed once in the P4 program and went out once per worker; nothing
         # of ours was dropped for a reason other than the protocol's own (duplicates).
@@ -181,6 +186,8 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
             "0.0.0.0:48800",
             "--workdir",
             str(tmp_path),
+            "--secret-file",
+            str(tmp_path / "serve.secret"),
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
@@ -189,7 +196,7 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
     try:
         line = serve.stderr.readline()
         assert "listening" in line, line + serve.stderr.read()
-        _run_and_check_workers(tb, 48800, lambda: "")
+        _run_and_check_workers(tb, 48800, lambda: "", tmp_path / "serve.secret")
     finally:
         serve.terminate()
         assert serve.wait(timeout=30) is not None

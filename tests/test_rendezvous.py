@@ -11,7 +11,7 @@ import pytest
 from hostlib_fixtures import soft_cluster
 
 from aggctl.server import RendezvousServer, _first_fit
-from aggproto import wire
+from aggproto import control, wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient, parse_endpoint
 
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.timeout(60)
 
 def client(cluster, rank: int | None = None) -> ControlClient:
     src = cluster.worker_ip(rank) if rank is not None else None
-    return ControlClient(cluster.server.address, timeout=5, source_ip=src)
+    return ControlClient(cluster.server.address, timeout=5, source_ip=src, secret=cluster.secret)
 
 
 def create(c: ControlClient, job="j", world_size=2, window=4, elems=64, worker_port=40000):
@@ -198,7 +198,8 @@ def test_a_rank_lost_during_the_barrier_fails_it_at_once():
         # rank 2 registers on a connection that closes while rank 1 waits: a raw socket, so
         # that it can go away without waiting for its own (never coming) answer
         raw = socket.create_connection(cl.server.address, timeout=5)
-        raw.sendall(b'{"op": "register", "job": "j", "rank": 2, "port": 40000, "timeout": 20}\n')
+        req = {"op": "register", "job": "j", "rank": 2, "port": 40000, "timeout": 20}
+        raw.sendall(json.dumps({**req, "token": c0.tokens["j"]}).encode() + b"\n")
         time.sleep(0.3)
         t0 = time.monotonic()
         raw.close()
@@ -279,6 +280,9 @@ def test_diagnose_reports_counters_and_lagging_ranks():
 
 
 def test_bad_requests_get_explanations():
+    def proven(req: dict) -> bytes:  # a create that proves the secret, so its fields are read
+        return json.dumps({**req, "auth": control.prove(cl.secret, req)}).encode() + b"\n"
+
     with soft_cluster() as cl:
         with socket.create_connection(cl.server.address, timeout=5) as s:
             f = s.makefile("rwb")
@@ -286,10 +290,19 @@ def test_bad_requests_get_explanations():
                 (b"not json\n", "not JSON"),
                 (b"[1, 2]\n", "JSON object"),
                 (b'{"op": "fly"}\n', "unknown op 'fly'"),
-                (b'{"op": "create", "job": ""}\n', "non-empty job name"),
+                (b'{"op": "create", "job": ""}\n', "needs proof of the deployment secret"),
+                (proven({"op": "create", "job": ""}), "non-empty job name"),
                 (
-                    b'{"op": "create", "job": "x", "world_size": 2, "elems": 100, "window": 1,'
-                    b' "worker_port": 5}\n',
+                    proven(
+                        {
+                            "op": "create",
+                            "job": "x",
+                            "world_size": 2,
+                            "elems": 100,
+                            "window": 1,
+                            "worker_port": 5,
+                        }
+                    ),
                     "not a wire size",
                 ),
                 (b'{"op": "ping"}\n', None),
@@ -381,6 +394,6 @@ def test_unreachable_endpoint_is_explained():
 
 def test_server_defaults_validation():
     with pytest.raises(ValueError, match="unknown server defaults"):
-        RendezvousServer(object(), "127.0.0.1", 0, {"bogus": 1})
+        RendezvousServer(object(), "127.0.0.1", 0, {"bogus": 1}, secret=None)
     with pytest.raises(ValueError, match="pool_slots"):
-        RendezvousServer(object(), "127.0.0.1", 0, {"pool_slots": 0})
+        RendezvousServer(object(), "127.0.0.1", 0, {"pool_slots": 0}, secret=None)

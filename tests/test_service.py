@@ -47,7 +47,12 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
         "--variant",
         "percpu",
     ]
-    assert cfg.serve_args() == ["--listen", "198.18.0.1:48801"]
+    assert cfg.serve_args() == [
+        "--listen",
+        "198.18.0.1:48801",
+        "--secret-file",
+        "/etc/xdp-agg/lab.secret",
+    ]
 
 
 def test_config_values_and_quoting():
@@ -64,8 +69,6 @@ def test_config_values_and_quoting():
         "agg",
     )
     assert cfg.serve_args() == [
-        "--listen",
-        "0.0.0.0:48800",
         "--udp-checksum",
         "--group",
         "239.1.1.1",
@@ -179,6 +182,7 @@ def _serve_and_stop(tb, name, tmp_path):
     conf = tmp_path / f"{name}.conf"
     conf.write_text(
         f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nLISTEN=0.0.0.0:48811\n"
+        f"SECRET_FILE={tmp_path / 'secret'}\n"
         'SERVE_OPTIONS="--barrier-timeout 30"\n'
     )
     # what an earlier run could leave: the same name attached; service-start replaces it
@@ -225,6 +229,7 @@ def _serve_and_stop(tb, name, tmp_path):
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=REPO,
+                env={**os.environ, "XDP_AGG_SECRET_FILE": str(tmp_path / "secret")},
             )
             for i, w in enumerate(tb.workers)
         ]

@@ -123,6 +123,7 @@ def _start_testbed(tb, cl, scenario, *args, stdin=None, **extra):
     n = len(tb.workers)
     for r, w in enumerate(tb.workers):
         env = _env(r, n, tb.workers[0].ip, port, cl.control_address(w), "eth0", **extra)
+        env["XDP_AGG_SECRET_FILE"] = cl.secret_file
         procs.append(
             tb.popen(
                 w,
@@ -193,7 +194,14 @@ def _start_loopback(cl, n, scenario, *args, stdin=None, **extra):
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             env=_env(
-                r, n, "127.0.0.1", port, cl.endpoint, "lo", XDP_AGG_IP=cl.worker_ip(r), **extra
+                r,
+                n,
+                "127.0.0.1",
+                port,
+                cl.endpoint,
+                "lo",
+                XDP_AGG_IP=cl.worker_ip(r),
+                **{"XDP_AGG_SECRET_FILE": cl.secret_file, **extra},
             ),
         )
         for r in range(n)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from aggproto import control
 from xdp_switch import pins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,6 +82,8 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path, testbed_factor
     work = tmp_path / "elsewhere"
     work.mkdir()
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+    secret = tmp_path / "deployment.secret"  # serve creates it (0600); the workers prove it
+    env[control.SECRET_ENV] = str(secret)
 
     def run(argv, **kw):
         return subprocess.run(
@@ -122,7 +125,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path, testbed_factor
         assert st["interfaces"][0]["attached"] and st["topology"] == "one-arm"
 
         server = subprocess.Popen(
-            [str(exe), *agg, "serve", "--listen", "0.0.0.0:48812"],
+            [str(exe), *agg, "serve", "--listen", "0.0.0.0:48812", "--secret-file", str(secret)],
             cwd=work,
             env=env,
             stderr=subprocess.PIPE,

@@ -22,7 +22,8 @@ from pathlib import Path
 
 import click
 
-from aggproto import limits, wire
+from aggctl import auth
+from aggproto import control, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
 
 from . import aggregator, links, loader, pins, service, serving
@@ -66,14 +67,17 @@ def _ipv4(ctx, param, value: str | None) -> str | None:
         raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
 
 
-def _listen(ctx, param, value: str) -> tuple[str, int]:
+def _listen(ctx, param, value: str | None) -> tuple[str, int] | None:
+    """HOST:PORT -> (host, port); an empty HOST (":PORT") means the default address."""
+    if value is None:
+        return None
     host, sep, port = value.rpartition(":")
     try:
         if not sep or not 0 < int(port) < 65536:
             raise ValueError
-        return host or "0.0.0.0", int(port)
+        return host, int(port)
     except ValueError:
-        raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 0.0.0.0:48800") from None
+        raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 198.18.0.1:48800") from None
 
 
 def _version() -> str:
@@ -464,10 +468,11 @@ def slots(ctx, slot, as_json):
 @main.command()
 @click.option(
     "--listen",
-    default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
-    show_default=True,
+    default=None,
     callback=_listen,
-    help="HOST:PORT of the control endpoint (TCP).",
+    help=f"HOST:PORT of the control endpoint (TCP). Default: the one IPv4 address of the "
+    f"aggregator's interfaces (of --ports for bmv2), port {DEFAULT_CONTROL_PORT}; 0.0.0.0 "
+    "(every address) only when given.",
 )
 @click.option(
     "--group",
@@ -504,8 +509,66 @@ def slots(ctx, slot, as_json):
     is_flag=True,
     help="xdp: every job created verifies its contributions' UDP checksums.",
 )
+@click.option(
+    "--secret-file",
+    type=click.Path(dir_okay=False),
+    envvar=control.SECRET_ENV,
+    default=None,
+    help=f"The deployment secret workers must prove (created with mode 0600 when absent; "
+    f"refused if group or others may read it). Default: ${control.SECRET_ENV}, else "
+    "STATE_DIR/NAME.secret (/run/xdp-agg/NAME.secret).",
+)
+@click.option(
+    "--insecure-no-auth",
+    is_flag=True,
+    help="Accept every request without credentials: anyone who reaches the endpoint can create, "
+    "join and end jobs. Only for a trusted lab.",
+)
+@click.option(
+    "--max-connections",
+    type=click.IntRange(1, 100_000),
+    default=auth.Limits.max_connections,
+    show_default=True,
+    help="Open control connections in all.",
+)
+@click.option(
+    "--max-per-source",
+    type=click.IntRange(1, 100_000),
+    default=auth.Limits.max_per_source,
+    show_default=True,
+    help="Open control connections from one address.",
+)
+@click.option(
+    "--idle-timeout",
+    type=click.FloatRange(0.1, 86_400),
+    default=auth.Limits.idle_timeout,
+    show_default=True,
+    help="Seconds a connection that holds no job may take to send a request before it is cut.",
+)
+@click.option(
+    "--request-rate",
+    type=click.FloatRange(0.1, 1e6),
+    default=auth.Limits.rate,
+    show_default=True,
+    help="Requests per second per source address (bursts up to three times that).",
+)
 @click.pass_context
-def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_checksum):
+def serve(
+    ctx,
+    listen,
+    group_ip,
+    barrier_timeout,
+    target,
+    ports,
+    workdir,
+    udp_checksum,
+    secret_file,
+    insecure_no_auth,
+    max_connections,
+    max_per_source,
+    idle_timeout,
+    request_rate,
+):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
     The host library (hostlib.init) talks to this; nobody types worker tables. Jobs get a slot
@@ -515,28 +578,63 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
     talks to bmv2 exactly as to the XDP aggregator.
 
     \b
+    Workers prove the deployment secret to create a job (hostlib.init reads the file named
+    by $XDP_AGG_SECRET_FILE), and each job's token or the secret to touch it; give workers a
+    copy of the secret file (mode 0600). README "Trust model" says what this protects.
+
+    \b
     Examples:
+      sudo xdp-agg --netns agg serve                      # on the interface's address
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
-      sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3
+      sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
+      sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
     """
-    host, port = listen
+    name = ctx.obj["name"]
+    if target == "bmv2" and not ports:
+        raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
+    host, port = listen or ("", DEFAULT_CONTROL_PORT)
+    if not host:
+        ifnames = ports.split(",") if target == "bmv2" else serving.aggregator_interfaces(name)
+        host = serving.listen_address(ifnames)
+    limits = auth.Limits(
+        max_connections=max_connections,
+        max_per_source=max_per_source,
+        idle_timeout=idle_timeout,
+        rate=request_rate,
+        burst=max(1, int(3 * request_rate)),
+    )
+    secret = None
+    notes = []
+    if insecure_no_auth:
+        notes.append(
+            "WARNING: --insecure-no-auth: anyone who reaches this endpoint can create, join and "
+            "end jobs"
+        )
+    else:
+        path = secret_file or str(serving.default_secret_path(name))
+        secret = serving.secret_for(path)
+        notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
+    if host == "0.0.0.0":
+        notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
 
     def announce(line: str) -> None:
-        click.echo(line, err=True)
+        click.echo(line, err=True)  # the first line says "listening" (launchers wait for it)
+        for note in notes:
+            click.echo(note, err=True)
 
     if target == "xdp":
         serving.serve_xdp(
-            ctx.obj["name"],
+            name,
             host,
             port,
             group_ip=group_ip,
             barrier_timeout=barrier_timeout,
             udp_checksum=udp_checksum,
+            secret=secret,
+            limits=limits,
             announce=announce,
         )
         return
-    if not ports:
-        raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
     serving.serve_bmv2(
         ports.split(","),
         workdir,
@@ -544,6 +642,8 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
         port,
         netns=ctx.obj["netns"],
         barrier_timeout=barrier_timeout,
+        secret=secret,
+        limits=limits,
         announce=announce,
     )
 
@@ -553,10 +653,9 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
 @click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
 @click.option(
     "--listen",
-    default=f"0.0.0.0:{DEFAULT_CONTROL_PORT}",
-    show_default=True,
+    default=None,
     callback=_listen,
-    help="The sample config's LISTEN.",
+    help="The sample config's LISTEN (default: empty, serve's default address).",
 )
 @click.option(
     "--root",
@@ -591,7 +690,7 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
         name,
         interfaces.split(),
         exe=exe,
-        listen=f"{listen[0]}:{listen[1]}",
+        listen=f"{listen[0]}:{listen[1]}" if listen else "",
         force=force,
     )
 

@@ -49,7 +49,8 @@ class ServiceConfig:
     xdp_mode: str = "native"  # XDP_MODE: native | skb
     pool_slots: int = limits.DEFAULT_POOL_SLOTS  # POOL_SLOTS
     variant: str = "percpu"  # VARIANT: percpu | spinlock
-    listen: str = "0.0.0.0:48800"  # LISTEN: HOST:PORT of the control endpoint
+    listen: str = ""  # LISTEN: HOST:PORT of the control endpoint ("": serve's default address)
+    secret_file: str = ""  # SECRET_FILE: the deployment secret ("": serve's default place)
     netns: str | None = None  # NETNS: a network namespace to run in (rarely on a middle box)
     serve_options: list[str] = field(default_factory=list)  # SERVE_OPTIONS: more `serve` options
 
@@ -68,7 +69,10 @@ class ServiceConfig:
 
     def serve_args(self) -> list[str]:
         """The `xdp-agg serve` arguments this config means."""
-        return ["--listen", self.listen, *self.serve_options]
+        args = ["--listen", self.listen] if self.listen else []
+        if self.secret_file:
+            args += ["--secret-file", self.secret_file]
+        return args + self.serve_options
 
 
 _KEYS = {
@@ -78,6 +82,7 @@ _KEYS = {
     "POOL_SLOTS",
     "VARIANT",
     "LISTEN",
+    "SECRET_FILE",
     "NETNS",
     "SERVE_OPTIONS",
 }
@@ -127,6 +132,7 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
         cfg.pool_slots = int(slots)
     if raw.get("LISTEN"):
         cfg.listen = raw["LISTEN"]
+    cfg.secret_file = raw.get("SECRET_FILE", "")
     cfg.netns = raw.get("NETNS") or None
     try:
         cfg.serve_options = shlex.split(raw.get("SERVE_OPTIONS", ""))
@@ -217,8 +223,13 @@ POOL_SLOTS={pool_slots}
 # percpu (the design) | spinlock (the baseline).
 VARIANT=percpu
 
-# HOST:PORT of the control endpoint the workers' host library connects to.
+# HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
+# IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
 LISTEN={listen}
+
+# The deployment secret workers must prove (created with mode 0600 when absent). Give each
+# worker a copy (mode 0600) and XDP_AGG_SECRET_FILE=<its path>. Here, it survives reboots.
+SECRET_FILE={secret_file}
 
 # More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300 --group 239.1.1.1".
 SERVE_OPTIONS=
@@ -240,7 +251,7 @@ def install_files(
     interfaces: list[str],
     *,
     exe: str | None = None,
-    listen: str = "0.0.0.0:48800",
+    listen: str = "",
     pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     force: bool = False,
 ) -> dict:
@@ -260,7 +271,11 @@ def install_files(
     else:
         conf.write_text(
             SAMPLE_CONFIG.format(
-                name=name, interfaces=" ".join(interfaces), pool_slots=pool_slots, listen=listen
+                name=name,
+                interfaces=" ".join(interfaces),
+                pool_slots=pool_slots,
+                listen=listen,
+                secret_file=CONFIG_DIR / f"{name}.secret",
             )
         )
         os.chmod(conf, 0o644)

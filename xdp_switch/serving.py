@@ -6,17 +6,67 @@ In the one-arm topology a job's results go once to a group address (default: the
 broadcast of the aggregator's interface) from the interface's own address and MAC
 (Delivery.GROUP_TX); in the switch topology every result is broadcast through the devmap and
 addressed per port (Delivery.BROADCAST), so a job needs no group.
+
+The control endpoint checks a deployment secret (aggproto.control): `secret_for` loads or
+creates it, by default in the state directory (/run/xdp-agg/NAME.secret, mode 0600) so that a
+restarted serve keeps it. It listens where `listen_address` says: the address given, else the
+one IPv4 address of the aggregator's interfaces; 0.0.0.0 only when asked for.
 """
 
 from __future__ import annotations
 
 import ipaddress
 from collections.abc import Callable
+from pathlib import Path
 
+from aggproto import control
 from aggproto.jobs import JobSpec, WorkerSpec
 
-from . import aggregator, links
+from . import aggregator, links, pins
 from .errors import EnvironmentProblem, XdpAggError
+
+
+def default_secret_path(name: str) -> Path:
+    """Where `xdp-agg --name NAME serve` keeps its deployment secret unless told otherwise."""
+    return pins.state_dir() / f"{pins.check_name(name)}.secret"
+
+
+def secret_for(path: str | Path) -> bytes:
+    """The deployment secret in `path`, created (0600) when absent; XdpAggError when the file
+    cannot be used (readable by group or others, too short, not ours to read)."""
+    try:
+        return control.create_secret(path)
+    except control.SecretError as e:
+        raise XdpAggError(str(e)) from None
+
+
+def listen_address(ifnames: list[str]) -> str:
+    """The address the control endpoint listens on by default: the one IPv4 address of the
+    aggregator's interfaces. XdpAggError when they have none or several (then --listen must
+    choose; never a silent 0.0.0.0)."""
+    found = []
+    for ifname in ifnames:
+        try:
+            found += links.addresses(ifname)["ipv4"]
+        except XdpAggError:
+            continue  # an interface gone since attach: it has no address to offer
+    if len(found) == 1:
+        return found[0]
+    if not found:
+        raise XdpAggError(
+            f"{', '.join(ifnames)} have no IPv4 address to listen on: give --listen ADDR:PORT "
+            "(the address workers reach the aggregator at)"
+        )
+    raise XdpAggError(
+        f"{', '.join(ifnames)} have several IPv4 addresses ({', '.join(found)}): give --listen "
+        "ADDR:PORT for one, or --listen 0.0.0.0:PORT to listen on every address"
+    )
+
+
+def aggregator_interfaces(name: str) -> list[str]:
+    """The interfaces aggregator `name` is attached to."""
+    state, _ = aggregator.open_instance(name)
+    return [i["ifname"] for i in state.interfaces]
 
 
 def group_mac_for(ip: str) -> str:
@@ -106,11 +156,13 @@ def fill_worker(ws: WorkerSpec, local: tuple[str, int]) -> None:
     ws.extra["agg_ip"] = local[0]
 
 
-def _server(backend, host: str, port: int, defaults: dict, fill: Callable | None):
+def _server(backend, host: str, port: int, defaults: dict, fill: Callable | None, secret, limits):
     from aggctl.server import RendezvousServer
 
     try:
-        return RendezvousServer(backend, host, port, defaults, fill_worker=fill)
+        return RendezvousServer(
+            backend, host, port, defaults, fill_worker=fill, secret=secret, limits=limits
+        )
     except OSError as e:  # bind: the address is taken or not ours
         raise XdpAggError(
             f"cannot listen on {host}:{port}: {e.strerror or e}; stop what listens there "
@@ -126,12 +178,15 @@ def serve_xdp(
     group_ip: str | None = None,
     barrier_timeout: float = 120.0,
     udp_checksum: bool = False,
+    secret: bytes | None,
+    limits=None,
     announce: Callable[[str], None] = print,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
-    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens."""
+    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens. secret: the
+    deployment secret (None: no authentication); limits: aggctl.auth.Limits."""
     defaults = serve_defaults(name, group_ip, barrier_timeout, udp_checksum)
-    server = _server(aggregator.XdpBackend(name), host, port, defaults, fill_worker)
+    server = _server(aggregator.XdpBackend(name), host, port, defaults, fill_worker, secret, limits)
     announce(f"control endpoint listening on {host}:{port} (aggregator {name}); Ctrl-C stops it")
     server.run_until_interrupted()
 
@@ -144,6 +199,8 @@ def serve_bmv2(
     *,
     netns: str | None = None,
     barrier_timeout: float = 120.0,
+    secret: bytes | None,
+    limits=None,
     announce: Callable[[str], None] = print,
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
@@ -171,6 +228,8 @@ def serve_bmv2(
             port,
             {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
             backend.fill_worker,
+            secret,
+            limits,
         )
         announce(
             f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}); "

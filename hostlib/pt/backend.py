@@ -26,6 +26,10 @@ Settings (environment, read when the group is made):
                              for several ranks on one host with distinct addresses.
 - XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (hostlib.init's elems,
                              window; default 256 and 128; 768 needs an MTU of about 3200).
+- XDP_AGG_SECRET_FILE=path   the deployment secret (a copy of `xdp-agg serve`'s, mode 0600);
+                             rank 0 needs it to create the job. The other ranks use it too
+                             when they have it; a rank without it takes the job's token, which
+                             rank 0 puts in the store as soon as the job exists.
 
 The job's name on the control endpoint is the torchrun run id (TORCHELASTIC_RUN_ID) when there
 is one, then the group, then a token rank 0 draws and shares through the store, so that two runs
@@ -44,6 +48,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
+
+from aggproto.control import SECRET_ENV
 
 from .channel import WIRE_DTYPES, AllreduceChannel
 
@@ -153,6 +159,10 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         elif mode not in ("", "none", "error"):
             raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
+        token_key = f"xdpagg/token/{self.job}"
+        token = None
+        if rank > 0 and not os.environ.get(SECRET_ENV):
+            token = store.get(token_key).decode()  # waits for rank 0's create
         comm = hostlib.init(
             rank,
             size,
@@ -163,6 +173,8 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
             window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
             rendezvous_timeout=max(timeout.total_seconds(), 10.0),
+            token=token,
+            on_token=(lambda t: store.set(token_key, t)) if rank == 0 else None,
         )
         self.channel = AllreduceChannel(
             comm, fallback=fallback, own_comm=True, name=f"xdpagg (job {self.job})"
