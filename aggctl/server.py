@@ -1,10 +1,23 @@
 """The control endpoint: workers find each other and their aggregator job here.
 
 Protocol: JSON lines over TCP. Each request is one JSON object with an "op"; each answer is one
-JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and what to do>"}.
+JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and what to do>"},
+with "kind": "auth" or "limit" for the refusals below.
+
+Credentials (aggproto.control, checked by aggctl.auth.Guard; docs/protocol.md section 6.6):
+any request may carry "auth", a proof of the deployment secret (HMAC-SHA256 over the request's
+canonical content, a nonce and a timestamp; a stale, replayed or wrong proof is refused before
+anything is read), and "token", a job's token. create and status without a job need the proof;
+register, leave, status and diagnose of a job need that job's token or the proof. ping needs
+nothing. With secret=None (the CLI's --insecure-no-auth) everything is allowed.
+
+Limits (aggctl.auth.Limits): line length, connections in all and per source address, the idle
+time of a connection that holds no job (a connection that created or registered is never cut:
+it stays open all run and its close means "leave"), requests per second per source address.
+A refusal is an error answer and changes nothing.
 
     create   {job, world_size, elems, window, worker_port}          (rank 0)
-             -> {ok, job: <description>}
+             -> {ok, job: <description>, token}
              Allocates a job id (0..63), `window` contiguous slots (first fit over the pool) and an
              aggregator port in 0xBEE0..0xBEEF that no live job uses, then backend.create_job.
              A live job with the same key is an error, never a merge.
@@ -18,7 +31,8 @@ JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and w
              the job is deleted from the backend and its id, slots and port are freed.
     status   {job?, wait?} -> {ok, job, state, registered, missing, left, counters?} for one job
              (waiting up to `wait` seconds for it to be created), or {ok, jobs: [...]} for all;
-             `counters` are per worker, if the backend has worker_counters(job_id).
+             `counters` are per worker, if the backend has worker_counters(job_id); `token`
+             too when the request proved the secret (how ranks > 0 with the secret learn it).
     diagnose {job} -> status plus `reasons` (verdict counters, if the backend has
              counters(job_id)), `absent` (ranks not registered or gone), `lagging` (rank ->
              contributions, for ranks behind the most advanced one) and `most_contributions`.
@@ -30,7 +44,8 @@ group_ip:worker_port),
 send_to [ip, port] (where workers send contributions), group [ip, port] or null (the group
 address results go to in the one-arm topology), workers [{rank, ip, port}] once registered.
 
-Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1`.
+Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1` (the secret:
+--secret-file, $XDP_AGG_SECRET_FILE, else ./xdp-agg-soft.secret, created 0600).
 """
 
 from __future__ import annotations
@@ -145,6 +160,9 @@ class RendezvousServer:
     a target can complete target-specific fields (worker_spec.extra, mac); local_address is this
     server's (ip, port) on the worker's control connection, i.e. the address the worker reached
     us at, which tells on which interface the worker is.
+
+    `secret` is the deployment secret (aggproto.control.load_secret/create_secret); it must be
+    given, None meaning explicitly "no authentication". `limits` bounds the connections.
     """
 
     def __init__(
@@ -374,7 +392,7 @@ class RendezvousServer:
             raise RequestError(f"register: ip {ip!r} is not an IPv4 address") from None
         with self._cond:
             self._check_running()
-            job = self._live_job(key)
+            job = self._live_job(key, reveal=req.proven)
             self._guard.need_job(req, key, job.token)
             if rank >= job.world_size:
                 raise RequestError(
@@ -479,7 +497,8 @@ class RendezvousServer:
                 if left <= 0:
                     break
                 self._cond.wait(left)
-            job = self._live_job(key, waited=wait)  # raises the explanation if there is none
+            # raises the explanation if there is none
+            job = self._live_job(key, waited=wait, reveal=req.proven)
             self._guard.need_job(req, key, job.token)
             out = self._summary(job, local)
             if req.proven:  # a holder of the secret may learn the token (ranks > 0 do)
@@ -515,15 +534,17 @@ class RendezvousServer:
         if self._stopping:
             raise RequestError("the control endpoint is shutting down")
 
-    def _live_job(self, key: str, waited: float = 0.0) -> _Job:
+    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _Job:
+        """The live job `key`, or RequestError explaining; the other jobs' names are listed
+        only when `reveal` (the request proved the secret: listing jobs needs it)."""
         job = self._jobs.get(key)
         if job is None:
-            others = sorted(self._jobs)
+            others = f" (live jobs: {sorted(self._jobs) or 'none'})" if reveal else ""
             raise RequestError(
                 f"no job {key!r}"
                 + (f" after waiting {waited:g} s" if waited else "")
-                + f" (live jobs: {others or 'none'}); rank 0 creates it: is rank 0 running with "
-                f"the same job name and control endpoint?"
+                + f"{others}; rank 0 creates it: is rank 0 running with the same job name and "
+                "control endpoint?"
             )
         return job
 
