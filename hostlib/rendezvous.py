@@ -90,12 +90,12 @@ class ControlClient:
         """
         req = {"op": op, **fields}
         token = self.tokens.get(fields.get("job")) if isinstance(fields.get("job"), str) else None
-        if self.secret is not None:
-            req["auth"] = control.prove(self.secret, req)
         if token is not None:
             req["token"] = token
-        msg = json.dumps(req).encode() + b"\n"
         with self._lock:
+            if self.secret is not None:  # proved now, not before waiting for the lock: fresh
+                req["auth"] = control.prove(self.secret, req)
+            msg = json.dumps(req).encode() + b"\n"
             try:
                 self._sock.settimeout(reply_timeout)
                 self._sock.sendall(msg)

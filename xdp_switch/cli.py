@@ -17,6 +17,7 @@ from __future__ import annotations
 import importlib.metadata
 import ipaddress
 import json
+import os
 import time
 from pathlib import Path
 
@@ -611,7 +612,7 @@ def serve(
             "end jobs"
         )
     else:
-        path = secret_file or str(serving.default_secret_path(name))
+        path = os.path.abspath(secret_file or serving.default_secret_path(name))
         secret = serving.secret_for(path)
         notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
     if host == "0.0.0.0":
