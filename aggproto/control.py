@@ -79,8 +79,9 @@ def new_token() -> str:
 
 
 def same_token(expected: str, given) -> bool:
-    """Constant-time comparison of a job token with what a request carries."""
-    if not isinstance(given, str):
+    """Constant-time comparison of a job token with what a request carries. A job without a
+    token (an empty one) matches nothing: only the secret's proof reaches it."""
+    if not expected or not isinstance(given, str):
         return False
     return hmac.compare_digest(expected.encode(), given.encode("utf-8", "replace"))
 
