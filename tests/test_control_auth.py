@@ -337,3 +337,11 @@ def test_the_trusted_lab_mode_needs_no_credentials():
         assert c.request("create", job="a", **JOB)["job"]["key"] == "a"
         assert c.request("status")["jobs"][0]["job"]["key"] == "a"
         c.close()
+
+
+def test_token_comparison_refuses_empty_and_ill_typed_tokens():
+    t = control.new_token()
+    assert control.same_token(t, t) and not control.same_token(t, t + "x")
+    assert not control.same_token("", "")  # a job without a token is reachable by proof only
+    assert not any(control.same_token(t, v) for v in (None, 5, [t], {"t": t}))
+    assert control.new_token() != t and len(t) == 32
