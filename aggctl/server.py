@@ -21,7 +21,9 @@ JSON object, {"ok": true, ...} or {"ok": false, "error": "<what went wrong and w
              `counters` are per worker, if the backend has worker_counters(job_id).
     diagnose {job} -> status plus `reasons` (verdict counters, if the backend has
              counters(job_id)), `absent` (ranks not registered or gone), `lagging` (rank ->
-             contributions, for ranks behind the most advanced one) and `most_contributions`.
+             contributions, for registered ranks behind the most advanced one),
+             `most_contributions` and `gone` (rank -> {state: left|disconnected, at: epoch
+             seconds, contributions: the aggregator's count of it then}).
     ping     {} -> {ok, version}
 
 A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
@@ -103,6 +105,8 @@ class _Rank:
     mac: str
     conn: int
     state: str = "registered"  # then "left" or "disconnected"
+    gone_at: float | None = None  # wall-clock time it left or its connection closed
+    contributions: int | None = None  # what the aggregator had counted from it by then
 
 
 @dataclass
@@ -238,8 +242,7 @@ class RendezvousServer:
             for job in list(self._jobs.values()):
                 for r, x in job.ranks.items():
                     if x.conn == conn and x.state == "registered":
-                        x.state = "disconnected"
-                        self._remove_worker(job, r)
+                        self._mark_gone(job, r, "disconnected")
                 self._release(job, conn)
             self._cond.notify_all()
 
@@ -417,8 +420,7 @@ class RendezvousServer:
                 return {"deleted": True}  # leaving twice, or after the job ended, is fine
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
-                x.state = "left"
-                self._remove_worker(job, rank)
+                self._mark_gone(job, rank, "left")
             self._release(job, conn)
             self._cond.notify_all()
             return {"deleted": job.deleted}
@@ -458,9 +460,25 @@ class RendezvousServer:
         if counters and contrib:
             top = max(contrib.values())
             lagging = {str(r): c for r, c in contrib.items() if c < top}
-        out["lagging"] = lagging
         out["most_contributions"] = max(contrib.values()) if contrib else 0
+        out["gone"] = self._gone_detail(out["job"]["key"])
+        for r in out["gone"]:
+            lagging.pop(r, None)  # a gone rank's counters are removed with it: "gone" says more
+        out["lagging"] = lagging
         return out
+
+    def _gone_detail(self, key: str) -> dict:
+        """Rank -> {state, at (epoch s), contributions (when it went)} for ranks that left or
+        whose control connection closed."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return {}
+            return {
+                str(r): {"state": x.state, "at": x.gone_at, "contributions": x.contributions}
+                for r, x in sorted(job.ranks.items())
+                if x.state != "registered"
+            }
 
     # --- helpers (called with self._cond held) ----------------------------------------------
     def _check_running(self) -> None:
@@ -505,6 +523,20 @@ class RendezvousServer:
             log.exception("deleting job %r from the backend failed", job.key)
         log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
         self._cond.notify_all()
+
+    def _mark_gone(self, job: _Job, rank: int, state: str) -> None:
+        """Rank `rank` left or lost its connection: remember when, and how many contributions
+        the aggregator had from it (the survivors' diagnosis names it with both), then
+        unregister it from the backend."""
+        x = job.ranks[rank]
+        x.state, x.gone_at = state, time.time()
+        if hasattr(self.backend, "worker_counters"):
+            try:
+                c = self.backend.worker_counters(job.spec.job_id).get(rank, {})
+                x.contributions = c.get("contributions")
+            except Exception:  # the diagnosis is then less precise, nothing else changes
+                log.exception("reading rank %d's counters of job %r failed", rank, job.key)
+        self._remove_worker(job, rank)
 
     def _remove_worker(self, job: _Job, rank: int) -> None:
         try:

@@ -22,6 +22,7 @@ import numpy as np
 from aggproto import wire
 from aggproto.jobs import JobDescription
 
+from .diagnosis import gone_notes
 from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, source_ip_towards
@@ -297,7 +298,9 @@ class Communicator:
         notes = []
         if d.get("missing"):
             notes.append(f"rank(s) {_join(d['missing'])} never registered")
-        if d.get("left"):
+        gone = gone_notes(d)
+        notes += gone
+        if d.get("left") and not gone:
             notes.append(f"rank(s) {_join(d['left'])} left the job or lost their connection")
         counters = d.get("counters") or {}
         mine = counters.get(str(self.rank), {}).get("contributions")
