@@ -306,11 +306,9 @@ class Communicator:
         except RendezvousError as err:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
         notes = []
-        if d.get("lost"):
-            notes.append(
-                f"the aggregator lost this job: {d['lost']}; no sum can come; start the run "
-                "again (every rank)"
-            )
+        if d.get("lost"):  # the cause: what the ranks did afterwards says nothing more
+            note = f"the aggregator lost this job: {d['lost']}; no sum can come; start the run "
+            return e.with_diagnosis(f"Control endpoint: {note}again (every rank).", d)
         if d.get("missing"):
             notes.append(f"rank(s) {_join(d['missing'])} never registered")
         gone = gone_notes(d)
