@@ -320,6 +320,8 @@ class XdpBackend:
         self.state, self.maps = open_instance(name)
         self._created: set[int] = set()  # job ids created through us on this attachment
         self._lost: dict[int, str] = {}  # job id -> why its state is gone (re-attached)
+        self._seen: int | None = self.state.prog_id  # the attachment _follow last saw (None:
+        # detached; our maps are then the old ones until there is a new attachment)
 
     # The aggregator's state can be lost under a running control endpoint: `detach --force`
     # and `attach` again under the same name make new, empty maps, while ours still hold the
@@ -340,8 +342,11 @@ class XdpBackend:
             now = pins.Instance(self.name).load_state()
         except XdpAggError:
             now = None
+        seen, self._seen = self._seen, (now.prog_id if now is not None else None)
         if now is not None and now.prog_id == self.state.prog_id:
             return
+        if self._seen == seen and now is None:
+            return  # still detached: what was made on the old maps is lost already
         if now is None:
             why = f"aggregator {self.name!r} was detached"
         else:
@@ -364,6 +369,8 @@ class XdpBackend:
         self._follow()
         if job_id in self._lost:
             return self._lost[job_id]
+        if self._seen is None:
+            return f"aggregator {self.name!r} is not attached (it was detached)"
         if self.maps.get_job(job_id) is None:
             return f"job id {job_id} is not in aggregator {self.name!r} any more (deleted?)"
         return None
