@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -73,44 +74,54 @@ class Cluster:
                 str(self.pool_slots),
             )
             self._attached = True
-            self._server = self.tb.popen(
-                "agg",
-                [
-                    sys.executable,
-                    "-m",
-                    "xdp_switch.cli",
-                    "--name",
-                    self.name,
-                    "serve",
-                    "--listen",
-                    # every address: in the switch topology each port has its own
-                    f"0.0.0.0:{CONTROL_PORT}",
-                    "--secret-file",
-                    self.secret_file,
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
-            if "listening" not in line:
-                raise ClusterError(
-                    f"xdp-agg serve did not start: {line}{self._server.stderr.read()}"
-                )
+            self.start_server()
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
+    def start_server(self) -> None:
+        """Start the control endpoint (xdp-agg serve) in the aggregator's namespace; returns
+        once it listens. It recovers the jobs an earlier one left (a restart)."""
+        self._server = self.tb.popen(
+            "agg",
+            [
+                sys.executable,
+                "-m",
+                "xdp_switch.cli",
+                "--name",
+                self.name,
+                "serve",
+                "--listen",
+                # every address: in the switch topology each port has its own
+                f"0.0.0.0:{CONTROL_PORT}",
+                "--secret-file",
+                self.secret_file,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
+        if "listening" not in line:
+            raise ClusterError(f"xdp-agg serve did not start: {line}{self._server.stderr.read()}")
+
+    def stop_server(self, sig: int = signal.SIGTERM) -> str:
+        """Stop the control endpoint with `sig` (the jobs go on in the data plane); returns
+        what it wrote to stderr."""
+        p, self._server = self._server, None
+        if p is None:
+            return ""
+        p.send_signal(sig)
+        try:
+            _, err = p.communicate(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            _, err = p.communicate()
+        return err or ""
+
     def __exit__(self, *exc) -> None:
-        if self._server is not None:
-            self._server.terminate()
-            try:
-                self._server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
-            self._server = None
+        self.stop_server()
         try:
             self.detach()
         finally:
@@ -118,11 +129,12 @@ class Cluster:
                 shutil.rmtree(self._secret_dir, ignore_errors=True)
                 self._secret_dir = None
 
-    def detach(self) -> None:
-        """Detach the aggregator now (the control endpoint keeps running until exit)."""
+    def detach(self, force: bool = True) -> None:
+        """Detach the aggregator now (the control endpoint keeps running until exit); `force`:
+        even with live jobs (xdp-agg detach --force)."""
         if self._attached:
             self._attached = False
-            self.cli("detach")
+            self.cli("detach", *(["--force"] if force else []))
 
     # --- work -----------------------------------------------------------------------------
     def control_address(self, worker) -> str:

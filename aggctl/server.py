@@ -35,7 +35,14 @@ A refusal is an error answer and changes nothing.
              too when the request proved the secret (how ranks > 0 with the secret learn it).
     diagnose {job} -> status plus `reasons` (verdict counters, if the backend has
              counters(job_id)), `absent` (ranks not registered or gone), `lagging` (rank ->
-             contributions, for ranks behind the most advanced one) and `most_contributions`.
+             contributions, for registered ranks behind the most advanced one),
+             `most_contributions` and `gone` (rank -> {state: left|disconnected, at: epoch
+             seconds, contributions: the aggregator's count of it then}); `lost` (why the
+             aggregator no longer has the job, if the backend has job_lost(job_id)).
+    rejoin   {job, rank, port, ip?} -> {ok, job: <description>}
+             A registered rank re-identifies itself on a new connection (after its connection
+             broke, or after the endpoint restarted and recovered its jobs, aggctl.jobtable);
+             the new connection then holds the job as the old one did.
     ping     {} -> {ok, version}
 
 A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
@@ -117,8 +124,10 @@ class _Rank:
     ip: str
     port: int
     mac: str
-    conn: int
+    conn: int | None  # None: recovered after a restart, not re-identified (rejoin) yet
     state: str = "registered"  # then "left" or "disconnected"
+    gone_at: float | None = None  # wall-clock time it left or its connection closed
+    contributions: int | None = None  # what the aggregator had counted from it by then
 
 
 @dataclass
@@ -175,11 +184,19 @@ class RendezvousServer:
         fill_worker: Callable[[WorkerSpec, tuple[str, int]], None] | None = None,
         secret: bytes | None,
         limits: auth.Limits | None = None,
+        on_change: Callable[[], None] | None = None,
+        keep_jobs: bool = False,
     ) -> None:
+        """`on_change()`, if given, is called (with the server's lock held) after every change
+        of the job table, so that a target can persist it (aggctl.jobtable); `keep_jobs`: stop()
+        leaves the jobs in the backend (their data plane keeps running, a restarted server
+        recovers them) instead of deleting them."""
         self.backend = backend
         self.limits = limits or auth.Limits()
         self._guard = auth.Guard(secret, self.limits)
         self._rate = auth.RateLimiter(self.limits.rate, self.limits.burst)
+        self.on_change = on_change
+        self.keep_jobs = keep_jobs
         self.defaults = ServerDefaults.from_any(defaults)
         if not 1 <= self.defaults.pool_slots <= wire.MAX_SLOTS:
             raise ValueError(f"pool_slots must be 1..{wire.MAX_SLOTS}")
@@ -224,7 +241,8 @@ class RendezvousServer:
         return self
 
     def stop(self) -> None:
-        """Stop serving, wake blocked barriers, close every connection; jobs are deleted."""
+        """Stop serving, wake blocked barriers, close every connection; jobs are deleted
+        (unless keep_jobs)."""
         with self._cond:
             if self._stopping:
                 return
@@ -241,6 +259,8 @@ class RendezvousServer:
                 pass
         self._tcp.server_close()
         with self._cond:
+            if self.keep_jobs:
+                return
             for job in list(self._jobs.values()):
                 self._delete(job)
 
@@ -283,13 +303,14 @@ class RendezvousServer:
         with self._cond:
             self._conns.pop(conn, None)
             self._sources.pop(conn, None)
+            if self._stopping and self.keep_jobs:
+                return  # our own shutdown closed it: the job goes on, its rank rejoins later
             for job in list(self._jobs.values()):
                 for r, x in job.ranks.items():
                     if x.conn == conn and x.state == "registered":
-                        x.state = "disconnected"
-                        self._remove_worker(job, r)
+                        self._mark_gone(job, r, "disconnected")
                 self._release(job, conn)
-            self._cond.notify_all()
+            self._changed()
 
     def handle(self, conn: int, request: dict, local: tuple[str, int], peer: tuple[str, int]):
         """Answer one request (a dict) from connection `conn`; never raises."""
@@ -301,7 +322,8 @@ class RendezvousServer:
             fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
             if fn is None:
                 raise RequestError(
-                    f"unknown op {op!r}; ops: create, register, leave, status, diagnose, ping"
+                    f"unknown op {op!r}; ops: create, register, leave, status, diagnose, "
+                    "rejoin, ping"
                 )
             return {"ok": True, **fn(conn, request, local, peer)}
         except RequestError as e:
@@ -376,7 +398,7 @@ class RendezvousServer:
             token = control.new_token()
             job = _Job(key, spec, world, window, worker_port, token=token, holders={conn})
             self._jobs[key] = job
-            self._cond.notify_all()
+            self._changed()
             log.info("created job %r: %s", key, spec)
             return {"job": self._describe(job, local), "token": token}
 
@@ -427,7 +449,7 @@ class RendezvousServer:
                 # a flag, not a count: a rank may leave right after its answer, before the
                 # others' threads wake up, and they must still pass
                 job.complete = True
-            self._cond.notify_all()
+            self._changed()
             # the barrier
             limit = self.defaults.barrier_timeout
             if req.get("timeout") is not None:
@@ -472,10 +494,10 @@ class RendezvousServer:
             self._guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
-                x.state = "left"
-                self._remove_worker(job, rank)
+                self._mark_gone(job, rank, "left")
+            job.holders.discard(_recovered_holder(rank))  # left before it rejoined
             self._release(job, conn)
-            self._cond.notify_all()
+            self._changed()
             return {"deleted": job.deleted}
 
     def _op_status(self, conn, req, local, peer):
@@ -519,17 +541,73 @@ class RendezvousServer:
         counters = {int(k): v for k, v in out.get("counters", {}).items()}
         if hasattr(self.backend, "counters"):
             out["reasons"] = self.backend.counters(out["job"]["job_id"])
+        if hasattr(self.backend, "job_lost"):  # the aggregator's state for it is gone
+            lost = self.backend.job_lost(out["job"]["job_id"])
+            if lost:
+                out["lost"] = lost
         out["absent"] = sorted(set(out["missing"]) | set(out["left"]))
         contrib = {r: counters.get(r, {}).get("contributions", 0) for r in out["registered"]}
         lagging = {}
         if counters and contrib:
             top = max(contrib.values())
             lagging = {str(r): c for r, c in contrib.items() if c < top}
-        out["lagging"] = lagging
         out["most_contributions"] = max(contrib.values()) if contrib else 0
+        out["gone"] = self._gone_detail(out["job"]["key"])
+        for r in out["gone"]:
+            lagging.pop(r, None)  # a gone rank's counters are removed with it: "gone" says more
+        out["lagging"] = lagging
         return out
 
+    def _gone_detail(self, key: str) -> dict:
+        """Rank -> {state, at (epoch s), contributions (when it went)} for ranks that left or
+        whose control connection closed."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return {}
+            return {
+                str(r): {"state": x.state, "at": x.gone_at, "contributions": x.contributions}
+                for r, x in sorted(job.ranks.items())
+                if x.state != "registered"
+            }
+
+    def _op_rejoin(self, conn, req, local, peer):
+        """A registered rank re-identifies itself on a new connection (its old one broke, or
+        the endpoint restarted and recovered the job): the new connection holds the job."""
+        key = _key(req)
+        rank = _int(req, "rank", 0, MAX_WORKERS - 1)
+        port = _int(req, "port", 1, 65535)
+        with self._cond:
+            self._check_running()
+            job = self._live_job(key, reveal=req.proven)
+            self._guard.need_job(req, key, job.token)
+            x = job.ranks.get(rank)
+            if x is None or x.state != "registered":
+                state = "never registered" if x is None else x.state
+                raise RequestError(f"rank {rank} of job {key!r} cannot rejoin: it {state}")
+            if (req.get("ip") or peer[0]) != x.ip or port != x.port:
+                raise RequestError(
+                    f"rank {rank} of job {key!r} is registered from {x.ip}:{x.port}, not "
+                    f"{req.get('ip') or peer[0]}:{port}"
+                )
+            if x.conn is not None and x.conn != conn:
+                job.holders.discard(x.conn)
+            x.conn = conn
+            job.holders.discard(_recovered_holder(rank))
+            job.holders.add(conn)
+            self._changed()
+            return {"job": self._describe(job, local)}
+
     # --- helpers (called with self._cond held) ----------------------------------------------
+    def _changed(self) -> None:
+        """The job table changed: wake waiters, and let the target persist it."""
+        self._cond.notify_all()
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # persisting failed: serving goes on, a restart recovers less
+                log.exception("saving the job table failed")
+
     def _check_running(self) -> None:
         if self._stopping:
             raise RequestError("the control endpoint is shutting down")
@@ -573,7 +651,21 @@ class RendezvousServer:
         except Exception:
             log.exception("deleting job %r from the backend failed", job.key)
         log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
-        self._cond.notify_all()
+        self._changed()
+
+    def _mark_gone(self, job: _Job, rank: int, state: str) -> None:
+        """Rank `rank` left or lost its connection: remember when, and how many contributions
+        the aggregator had from it (the survivors' diagnosis names it with both), then
+        unregister it from the backend."""
+        x = job.ranks[rank]
+        x.state, x.gone_at = state, time.time()
+        if hasattr(self.backend, "worker_counters"):
+            try:
+                c = self.backend.worker_counters(job.spec.job_id).get(rank, {})
+                x.contributions = c.get("contributions")
+            except Exception:  # the diagnosis is then less precise, nothing else changes
+                log.exception("reading rank %d's counters of job %r failed", rank, job.key)
+        self._remove_worker(job, rank)
 
     def _remove_worker(self, job: _Job, rank: int) -> None:
         try:
@@ -604,7 +696,17 @@ class RendezvousServer:
             "registered": sorted(job.ranks),
             "missing": job.missing(),
             "left": job.gone,
+            # ranks holding the job through a live control connection (not recovered-only)
+            "connected": sorted(
+                r for r, x in job.ranks.items() if x.state == "registered" and x.conn is not None
+            ),
         }
+
+
+def _recovered_holder(rank: int) -> int:
+    """The placeholder that holds a recovered job for `rank` until it rejoins (real connection
+    ids are positive)."""
+    return -(rank + 1)
 
 
 def _peer_closed(sock: socket.socket) -> bool:

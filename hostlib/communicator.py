@@ -24,6 +24,8 @@ import numpy as np
 from aggproto import control, wire
 from aggproto.jobs import JobDescription
 
+from .control_link import ControlLink
+from .diagnosis import gone_notes
 from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, source_ip_towards
@@ -171,7 +173,16 @@ def init(
         native=native,
         cwnd=cwnd,
     )
-    return Communicator(rank, job, desc, ctl, sock, StreamEngine(sock, cfg, faults))
+    # from here on the control connection survives a restart of the endpoint (control_link)
+    link = ControlLink(
+        ctl,
+        job=job,
+        rank=rank,
+        ip=my_ip,
+        port=sock.address[1],
+        source_ip=my_ip if pinned else None,
+    )
+    return Communicator(rank, job, desc, link, sock, StreamEngine(sock, cfg, faults))
 
 
 def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> None:
@@ -216,7 +227,7 @@ class Communicator:
     one background thread, in order.
     """
 
-    def __init__(self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine):
+    def __init__(self, rank, job, desc, ctl: ControlLink, sock: DatagramSocket, engine):
         self.rank = rank
         self.job = job
         self.description: JobDescription = desc  # the job as the control endpoint described it
@@ -324,9 +335,14 @@ class Communicator:
         except RendezvousError as err:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
         notes = []
+        if d.get("lost"):  # the cause: what the ranks did afterwards says nothing more
+            note = f"the aggregator lost this job: {d['lost']}; no sum can come; start the run "
+            return e.with_diagnosis(f"Control endpoint: {note}again (every rank).", d)
         if d.get("missing"):
             notes.append(f"rank(s) {_join(d['missing'])} never registered")
-        if d.get("left"):
+        gone = gone_notes(d)
+        notes += gone
+        if d.get("left") and not gone:
             notes.append(f"rank(s) {_join(d['left'])} left the job or lost their connection")
         counters = d.get("counters") or {}
         mine = counters.get(str(self.rank), {}).get("contributions")

@@ -29,6 +29,11 @@ class LimitError(RendezvousError):
     caps, idle time, line length); nothing was done, and trying later may work."""
 
 
+class ControlConnectionLost(RendezvousError):
+    """The control connection itself failed (closed, reset, no answer), as opposed to the
+    endpoint answering with an error: hostlib's control link reconnects and rejoins on it."""
+
+
 class AllreduceTimeout(HostlibError, TimeoutError):
     """An all-reduce made no progress for its timeout.
 

@@ -11,13 +11,14 @@ given), every request about that job carries it.
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 
 from aggproto import control
 from aggproto.jobs import DEFAULT_CONTROL_PORT, JobDescription
 
-from .errors import AuthError, LimitError, RendezvousError
+from .errors import AuthError, ControlConnectionLost, LimitError, RendezvousError
 
 _ERRORS = {"auth": AuthError, "limit": LimitError}  # the answer's "kind" -> what we raise
 
@@ -71,7 +72,7 @@ class ControlClient:
                 endpoint, timeout=timeout, source_address=(source_ip, 0) if source_ip else None
             )
         except OSError as e:
-            raise RendezvousError(
+            raise ControlConnectionLost(
                 f"cannot reach the control endpoint {endpoint[0]}:{endpoint[1]}: {e}; is "
                 f"`xdp-agg serve` (or python -m aggctl.server) running there?"
             ) from None
@@ -101,12 +102,12 @@ class ControlClient:
                 self._sock.sendall(msg)
                 line = self._rfile.readline()
             except (OSError, ValueError) as e:  # ValueError: the file was closed
-                raise RendezvousError(
+                raise ControlConnectionLost(
                     f"control endpoint {self.endpoint[0]}:{self.endpoint[1]} did not answer "
                     f"{op!r} within {reply_timeout:g} s: {e}"
                 ) from None
         if not line:
-            raise RendezvousError(
+            raise ControlConnectionLost(
                 f"control endpoint {self.endpoint[0]}:{self.endpoint[1]} closed the connection "
                 f"during {op!r}"
             )
@@ -128,6 +129,19 @@ class ControlClient:
             return JobDescription.from_dict(answer.get("job") or {})
         except ValueError as e:
             raise RendezvousError(f"control endpoint answered {op!r} with {e}") from None
+
+    def peer_closed(self) -> bool:
+        """True when the endpoint has closed the connection (EOF or an error waiting), without
+        consuming anything; call it with no request in flight."""
+        try:
+            readable, _, _ = select.select([self._sock], [], [], 0)
+            return (
+                bool(readable) and self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+            )
+        except BlockingIOError:
+            return False
+        except (OSError, ValueError):
+            return True
 
     def close(self) -> None:
         try:

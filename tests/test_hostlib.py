@@ -474,7 +474,7 @@ def test_an_absent_worker_is_named(how):
     if how == "idle":
         assert "lagging: rank 1 (0 contributions)" in text
     else:
-        assert "rank(s) 1 left the job" in text
+        assert "rank 1 left the job at" in text and "behind by" in text
     assert err.diagnosis is not None and err.outstanding == 5
 
 

@@ -15,6 +15,7 @@ topology, `xdp_mode` says how XDP is attached to each interface: "native" (in th
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import time
 
@@ -24,7 +25,7 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 
 from . import abi, links, loader, pins
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
-from .errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
+from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES
 
 # How a job's results leave in each topology (JobSpec.delivery).
@@ -78,8 +79,8 @@ def attach(
     inst = pins.Instance(name)
     if inst.exists():
         raise AggregatorError(
-            f"an aggregator named {name!r} is already attached: `xdp-agg --name {name} detach` "
-            "first, or attach another under a different --name"
+            f"an aggregator named {name!r} is already attached ({_describe_attachment(inst)}): "
+            f"`xdp-agg --name {name} detach` first, or attach another under a different --name"
         )
     if not pins.bpffs_mounted():
         raise EnvironmentProblem(
@@ -136,6 +137,39 @@ def attach(
         prog.bpf.cleanup()
 
 
+def _describe_attachment(inst: pins.Instance) -> str:
+    """'to eth0 (one-arm, program id 42, netns agg)', or what is left of one without state."""
+    try:
+        st = inst.load_state()
+    except XdpAggError:
+        return f"pins in {inst.dir} without a readable state file"
+    where = f", netns {st.netns}" if st.netns else ""
+    ifaces = ", ".join(i["ifname"] for i in st.interfaces)
+    return f"to {ifaces} ({st.topology}, program id {st.prog_id}{where})"
+
+
+def live_jobs(name: str) -> list[dict]:
+    """The jobs in aggregator `name`'s maps: {job_id, workers, key (serve's name for it, if
+    its job table says)}."""
+    try:
+        _, maps = open_instance(name)
+        jobs = maps.jobs()
+    except XdpAggError:  # nothing readable: nothing that detach would end
+        return []
+    keys = {}
+    table = pins.state_dir() / f"{name}.jobs"
+    try:
+        for rec in json.loads(table.read_text()).get("jobs", []):
+            keys[rec["spec"]["job_id"]] = rec["key"]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    out = []
+    for j, job in sorted(jobs.items()):
+        n = sum(1 for _, w in maps.workers() if w.job == j)
+        out.append({"job_id": j, "workers": f"{n}/{job.num_workers}", "key": keys.get(j)})
+    return out
+
+
 def _enter_recorded_netns(state: pins.State | None) -> None:
     """Commands given without --netns act in the namespace `attach` ran in, if it still exists."""
     if (
@@ -147,13 +181,27 @@ def _enter_recorded_netns(state: pins.State | None) -> None:
         links.enter_netns(state.netns)
 
 
-def detach(name: str = "default") -> dict:
+def detach(name: str = "default", *, force: bool = False) -> dict:
     """Remove what `attach` made: our program from each interface (only if it is still ours),
-    the pins and the state file. Returns what was done."""
+    the pins and the state file. Returns what was done.
+
+    With jobs in the maps it raises LiveJobs listing them, unless `force`: their workers would
+    lose their aggregator mid-run (they then fail with an error saying its state is gone)."""
     _check_root("detaching the aggregator")
     inst = pins.Instance(name)
     if not inst.exists():
         raise pins.NotAttached(name, inst.state_path)
+    live = [] if force else live_jobs(name)
+    if live:
+        listed = "; ".join(
+            f"job {j['job_id']}" + (f" {j['key']!r}" if j["key"] else "") + f" ({j['workers']} "
+            "workers)"
+            for j in live
+        )
+        raise LiveJobs(
+            f"aggregator {name!r} has {len(live)} live job(s): {listed}. Detaching ends them "
+            f"mid-run: wait for them to finish, or `xdp-agg --name {name} detach --force`"
+        )
     report = {"name": name, "detached": [], "left_alone": []}
     try:
         state = inst.load_state()
@@ -270,9 +318,68 @@ class XdpBackend:
     def __init__(self, name: str = "default") -> None:
         self.name = name
         self.state, self.maps = open_instance(name)
+        self._created: set[int] = set()  # job ids created through us on this attachment
+        self._lost: dict[int, str] = {}  # job id -> why its state is gone (re-attached)
+        self._seen: int | None = self.state.prog_id  # the attachment _follow last saw (None:
+        # detached; our maps are then the old ones until there is a new attachment)
+
+    # The aggregator's state can be lost under a running control endpoint: `detach --force`
+    # and `attach` again under the same name make new, empty maps, while ours still hold the
+    # old ones. _follow notices (the state file names another program) and switches to the new
+    # maps; the jobs made on the old ones are "lost": deleting them or their workers touches
+    # nothing in the new aggregator, and the diagnosis says so (job_lost). A fresh pool cannot
+    # give such a job's workers a wrong sum: their (address, aggregator port) is registered in
+    # no job of the new program, so their packets are dropped as drop_unknown_source before
+    # any slot is touched; and the control endpoint keeps the lost job's id, slots and port
+    # reserved until its ranks are gone, so no new job can take that port and adopt the stale
+    # packets.
+    def generation(self) -> int:
+        """Which attachment this is (its program id): aggctl.jobtable keeps it with the table."""
+        return self.state.prog_id
+
+    def _follow(self) -> None:
+        try:
+            now = pins.Instance(self.name).load_state()
+        except XdpAggError:
+            now = None
+        seen, self._seen = self._seen, (now.prog_id if now is not None else None)
+        if now is not None and now.prog_id == self.state.prog_id:
+            return
+        if self._seen == seen and now is None:
+            return  # still detached: what was made on the old maps is lost already
+        if now is None:
+            why = f"aggregator {self.name!r} was detached"
+        else:
+            why = (
+                f"aggregator {self.name!r} was detached and attached again (program id "
+                f"{self.state.prog_id} -> {now.prog_id}): its job state is gone"
+            )
+        for j in self._created:
+            self._lost[j] = why
+        self._created = set()
+        if now is None:
+            return  # keep the old maps until there is a new attachment to follow
+        try:
+            self.state, self.maps = open_instance(self.name)
+        except XdpAggError:
+            return
+
+    def job_lost(self, job_id: int) -> str | None:
+        """Why job `job_id` is no longer in the aggregator, or None while it is there."""
+        self._follow()
+        if job_id in self._lost:
+            return self._lost[job_id]
+        if self._seen is None:
+            return f"aggregator {self.name!r} is not attached (it was detached)"
+        if self.maps.get_job(job_id) is None:
+            return f"job id {job_id} is not in aggregator {self.name!r} any more (deleted?)"
+        return None
 
     def create_job(self, spec: JobSpec) -> None:
         """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""
+        self._follow()
+        self._lost.pop(spec.job_id, None)
+        self._created.add(spec.job_id)
         if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
             spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
         try:
@@ -285,6 +392,9 @@ class XdpBackend:
     def add_worker(self, worker: WorkerSpec) -> None:
         """Register a worker; in the switch topology also find the port it is behind and our
         address there."""
+        self._follow()
+        if worker.job_id in self._lost:
+            raise Refused(f"job {worker.job_id}: {self._lost[worker.job_id]}")
         ifindex = agg_ip = agg_mac = None
         if self.state.topology == "switch":
             ifindex, agg_ip, agg_mac = self._port_of(worker)
@@ -315,19 +425,28 @@ class XdpBackend:
         return oif, worker.extra.get("agg_ip") or src, link.get_attr("IFLA_ADDRESS")
 
     def delete_job(self, job_id: int) -> None:
-        """Delete a job and its workers (nothing happens for a job that does not exist)."""
-        self.maps.delete_job(job_id)
+        """Delete a job and its workers (nothing happens for a job that does not exist, or was
+        lost with an earlier attachment)."""
+        self._follow()
+        self._created.discard(job_id)
+        if self._lost.pop(job_id, None) is None:
+            self.maps.delete_job(job_id)
 
     def remove_worker(self, job_id: int, index: int) -> None:
-        """Unregister a worker."""
-        self.maps.remove_worker(job_id, index)
+        """Unregister a worker (of a job lost with an earlier attachment: nothing to do)."""
+        self._follow()
+        if job_id not in self._lost:
+            self.maps.remove_worker(job_id, index)
 
     def jobs(self) -> list[dict]:
         """The active jobs, each as job_dict gives it."""
+        self._follow()
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
-        """Per-worker counters of a job, by worker index."""
+        """Per-worker counters of a job, by worker index (none for a lost job)."""
+        if job_id in self._lost:
+            return {}
         return {
             w.index: self.maps.worker_counters(job_id, w.index)
             for _, w in self.maps.workers()

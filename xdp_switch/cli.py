@@ -5,8 +5,9 @@ Exit codes (every command):
   1  the operation failed (the message says why and what to do)
   2  usage error (bad option or argument)
   3  environment: not root, no bpffs, bcc or kernel headers missing
+  4  busy: another `xdp-agg serve` already serves this aggregator name
 
-Codes 1 and 3 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
+Codes 1, 3 and 4 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
 2 is click's. This module parses options; what the commands decide lives in aggregator.py
 (attach, detach, status, counters), serving.py (job defaults, the control endpoint) and
 service.py (the systemd unit and its config).
@@ -28,9 +29,9 @@ from aggproto import control, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
 
 from . import aggregator, links, loader, pins, service, serving
-from .errors import EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
+from .errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
-__all__ = ["EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
 class _Cli(click.Group):
@@ -93,7 +94,7 @@ def _version() -> str:
     cls=_Cli,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, "
-    "3 environment (root, bpffs, bcc, headers).",
+    "3 environment (root, bpffs, bcc, headers), 4 busy (another serve of this name).",
 )
 @click.version_option(_version(), prog_name="xdp-agg")
 @click.option(
@@ -192,14 +193,26 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, as_json):
 
 
 @main.command()
+@click.option(
+    "--force",
+    is_flag=True,
+    help="Detach even while jobs are live: their workers' all-reduces then fail with an error "
+    "saying the aggregator's state is gone.",
+)
 @click.option("--json", "as_json", is_flag=True)
 @click.pass_context
-def detach(ctx, as_json):
+def detach(ctx, force, as_json):
     """Detach our program from every interface it was attached to and remove its pins.
 
-    A program that is no longer ours on an interface is left alone (and reported).
+    A program that is no longer ours on an interface is left alone (and reported). With live
+    jobs it refuses (exit 1) and lists them, unless --force.
+
+    \b
+    Examples:
+      sudo xdp-agg detach
+      sudo xdp-agg --name lab detach --force --json
     """
-    rep = aggregator.detach(ctx.obj["name"])
+    rep = aggregator.detach(ctx.obj["name"], force=force)
     _emit(
         rep,
         as_json,
@@ -553,6 +566,14 @@ def slots(ctx, slot, as_json):
     show_default=True,
     help="Requests per second per source address (bursts up to three times that).",
 )
+@click.option(
+    "--rejoin-timeout",
+    type=click.FloatRange(0.1),
+    default=60.0,
+    show_default=True,
+    help="xdp: after a restart, how long a recovered job's ranks have to reconnect before "
+    "they count as gone (which frees the job).",
+)
 @click.pass_context
 def serve(
     ctx,
@@ -569,6 +590,7 @@ def serve(
     max_per_source,
     idle_timeout,
     request_rate,
+    rejoin_timeout,
 ):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
@@ -577,6 +599,11 @@ def serve(
     interrupted. With --target bmv2 it also starts simple_switch with the P4 program on --ports
     (p4c and bmv2 must be installed, see p4/README.md) and stops it on exit: the host library
     talks to bmv2 exactly as to the XDP aggregator.
+
+    With --target xdp, one serve per aggregator name (a second exits 4: the lock
+    /run/xdp-agg/NAME.lock). The job table is saved in /run/xdp-agg/NAME.jobs on every change;
+    stopping serve leaves the jobs running in the data plane, and a restarted serve recovers
+    them from that file and the pinned maps (their workers reconnect by themselves).
 
     \b
     Workers prove the deployment secret to create a job (hostlib.init reads the file named
@@ -633,6 +660,7 @@ def serve(
             udp_checksum=udp_checksum,
             secret=secret,
             limits=limits,
+            rejoin_timeout=rejoin_timeout,
             announce=announce,
         )
         return

@@ -4,6 +4,8 @@
      |                                compiler or verifier error, ...)
      +- Refused               exit 1: the aggregator refused a job or worker (also a ValueError,
      |                                which is how the Backend contract says "bad spec")
+     +- LiveJobs              exit 1: `detach` refused: jobs are live (--force detaches anyway)
+     +- Busy                  exit 4: another process holds the aggregator (a second `serve`)
      +- EnvironmentProblem    exit 3: the machine is not set up for this (no bpffs, bcc or
          |                            kernel headers missing, p4c/bmv2 missing)
          +- NeedsRoot         exit 3: run as root
@@ -16,7 +18,7 @@ or argument) are click's and exit with 2.
 
 from __future__ import annotations
 
-EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV = 0, 1, 2, 3
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_ENV, EXIT_BUSY = 0, 1, 2, 3, 4
 
 
 class XdpAggError(Exception):
@@ -29,6 +31,17 @@ class Refused(XdpAggError, ValueError):
     """The aggregator refused a job or a worker (slots outside the pool or overlapping, an
     address already taken, ...). A ValueError too: the Backend contract's refusal, which the
     control endpoint turns into an answer to the client."""
+
+
+class LiveJobs(XdpAggError):
+    """`detach` would end jobs that are live; the message lists them (--force detaches)."""
+
+
+class Busy(XdpAggError):
+    """Another process holds the aggregator for the same role (a second `xdp-agg serve` of one
+    name); the message names it."""
+
+    exit_code = EXIT_BUSY
 
 
 class EnvironmentProblem(XdpAggError):

@@ -5,6 +5,8 @@
     /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
     /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
                                               options (State below)
+    /run/xdp-agg/<name>.jobs                  `serve`'s job table (aggctl.jobtable)
+    /run/xdp-agg/<name>.lock                  held (flock) by the one `serve` of <name>
 
 `detach` removes exactly these, nothing else. XDP_AGG_PIN_ROOT and XDP_AGG_STATE_DIR move them
 (the tests use their own).
@@ -173,6 +175,9 @@ class Instance:
             # unlinking a pin drops the reference; bpffs directories are removed like any other
             shutil.rmtree(self.dir)
         self.state_path.unlink(missing_ok=True)
+        # serve's job table (xdp_switch.serving.jobs_path) describes jobs of this attachment
+        # only; its lock file stays (removing a held flock's file would let a second serve in)
+        (state_dir() / f"{self.name}.jobs").unlink(missing_ok=True)
         parent = self.dir.parent
         if parent.exists() and not any(parent.iterdir()):
             parent.rmdir()

@@ -161,10 +161,11 @@ def read_config(name: str, path: Path | None = None) -> ServiceConfig:
 
 def clear_leftover(name: str) -> dict | None:
     """Detach an aggregator `name` that is still attached (an earlier run of the service that
-    could not clean up): the service owns that name. The detach report, or None."""
+    could not clean up): the service owns that name, so its jobs go too (force). The detach
+    report, or None."""
     if not pins.Instance(name).exists():
         return None
-    return aggregator.detach(name)
+    return aggregator.detach(name, force=True)
 
 
 def stop(name: str) -> dict | None:

@@ -15,7 +15,11 @@ one IPv4 address of the aggregator's interfaces; 0.0.0.0 only when asked for.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import ipaddress
+import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +27,9 @@ from aggproto import control
 from aggproto.jobs import JobSpec, WorkerSpec
 
 from . import aggregator, links, pins
-from .errors import EnvironmentProblem, XdpAggError
+from .errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
+
+log = logging.getLogger(__name__)
 
 
 def default_secret_path(name: str) -> Path:
@@ -156,13 +162,49 @@ def fill_worker(ws: WorkerSpec, local: tuple[str, int]) -> None:
     ws.extra["agg_ip"] = local[0]
 
 
-def _server(backend, host: str, port: int, defaults: dict, fill: Callable | None, secret, limits):
+def lock_path(name: str) -> Path:
+    """The file `serve` holds an flock on for its whole life (one serve per aggregator)."""
+    return pins.state_dir() / f"{name}.lock"
+
+
+def jobs_path(name: str) -> Path:
+    """serve's job table (aggctl.jobtable), rewritten atomically on every change."""
+    return pins.state_dir() / f"{name}.jobs"
+
+
+def hold_serve_lock(name: str) -> int:
+    """Take the serve lock of aggregator `name` (an flock, released by the kernel when the
+    process ends however it ends, so a crashed serve never blocks the next); returns its fd,
+    to keep open. Raises Busy naming the holder when another serve has it."""
+    path = lock_path(name)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except PermissionError as e:
+        raise NeedsRoot(f"locking {path}") from e
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+        if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+            os.close(fd)
+            raise XdpAggError(f"locking {path} failed: {e.strerror}") from e
+        holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise Busy(
+            f"aggregator {name!r} is already served (xdp-agg serve, pid {holder}, holds {path}): "
+            f"one control endpoint per aggregator; stop that one first (`kill {holder}`), or "
+            "serve another aggregator (--name)"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+    return fd
+
+
+def _server(backend, host: str, port: int, defaults: dict, fill: Callable | None, **kw):
     from aggctl.server import RendezvousServer
 
     try:
-        return RendezvousServer(
-            backend, host, port, defaults, fill_worker=fill, secret=secret, limits=limits
-        )
+        return RendezvousServer(backend, host, port, defaults, fill_worker=fill, **kw)
     except OSError as e:  # bind: the address is taken or not ours
         raise XdpAggError(
             f"cannot listen on {host}:{port}: {e.strerror or e}; stop what listens there "
@@ -180,15 +222,53 @@ def serve_xdp(
     udp_checksum: bool = False,
     secret: bytes | None,
     limits=None,
+    rejoin_timeout: float = 60.0,
     announce: Callable[[str], None] = print,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
     interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens. secret: the
-    deployment secret (None: no authentication); limits: aggctl.auth.Limits."""
-    defaults = serve_defaults(name, group_ip, barrier_timeout, udp_checksum)
-    server = _server(aggregator.XdpBackend(name), host, port, defaults, fill_worker, secret, limits)
-    announce(f"control endpoint listening on {host}:{port} (aggregator {name}); Ctrl-C stops it")
-    server.run_until_interrupted()
+    deployment secret (None: no authentication); limits: aggctl.auth.Limits.
+
+    One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
+    jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
+    a restart does not end the jobs, which the data plane runs without us; stopping leaves
+    them running for the next serve (`detach --force` ends them)."""
+    from aggctl import jobtable
+
+    lock = hold_serve_lock(name)
+    try:
+        defaults = serve_defaults(name, group_ip, barrier_timeout, udp_checksum)
+        backend = aggregator.XdpBackend(name)
+        path = jobs_path(name)
+        saved = jobtable.load(path)
+        holder: list = []
+
+        def persist() -> None:
+            jobtable.save(path, jobtable.snapshot(holder[0], backend.generation()))
+
+        server = _server(
+            backend,
+            host,
+            port,
+            defaults,
+            fill_worker,
+            secret=secret,
+            limits=limits,
+            on_change=persist,
+            keep_jobs=True,
+        )
+        holder.append(server)
+        recovered = jobtable.restore(server, saved, backend.generation(), grace=rejoin_timeout)
+        with server._cond:
+            persist()  # what was not recovered is not kept either
+        announce(
+            f"control endpoint listening on {host}:{port} (aggregator {name}"
+            + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
+            + "); Ctrl-C stops it"
+        )
+        server.run_until_interrupted()
+    finally:
+        os.close(lock)
 
 
 def serve_bmv2(
