@@ -8,8 +8,9 @@ old one, so a crash leaves the old table or the new one, never half of one); `re
 back into a new RendezvousServer.
 
 What is kept per job: its key, spec, world size, window, worker port, its token (so the file
-is written with mode 0600), whether the barrier opened, and per rank its address, port, MAC and state. The aggregator's identity (`generation`:
-for XDP, the program id of the attachment) is kept beside it: a table written for another
+is written with mode 0600), whether the barrier opened, and per rank its address, port, MAC
+and state. The aggregator's identity (`generation`: for XDP, the program id of the attachment)
+is kept beside it: a table written for another
 attachment (the aggregator was detached and attached again, so its jobs are gone) is not
 restored, and `restore` also drops every job the backend no longer has with the same id,
 slots and port.

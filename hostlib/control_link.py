@@ -5,8 +5,9 @@ down or restarting. Its TCP connection does die with it, and the endpoint treats
 connection as the worker leaving. So a training job must not fail for that: ControlLink
 watches its connection in the background and, once it has closed, reconnects (with back-off,
 for as long as the communicator lives) and re-identifies itself with `rejoin {job, rank, ip,
-port}` (with the job's token, like every request about the job), which the restarted endpoint (having recovered its job table, aggctl.jobtable) answers
-by letting the new connection hold the job. A request that finds the connection broken does
+port}` (with the job's token, like every request about the job), which the restarted
+endpoint (having recovered its job table, aggctl.jobtable) answers by letting the new
+connection hold the job. A request that finds the connection broken does
 the same at once, then retries once.
 
 If the endpoint does not know the job any more (it was restarted without its table, or the
@@ -57,6 +58,11 @@ class ControlLink:
     @property
     def endpoint(self) -> tuple[str, int]:
         return self._client.endpoint
+
+    @property
+    def tokens(self) -> dict[str, str]:
+        """The job tokens the connection holds (ControlClient.tokens; a reconnect keeps them)."""
+        return self._client.tokens
 
     def request(self, op: str, *, reply_timeout: float = 30.0, **fields) -> dict:
         """ControlClient.request; a broken connection is re-established (and the rank rejoined)

@@ -18,9 +18,17 @@ from hostlib_fixtures import Cluster, loopback_prefix, ok, run_ranks
 from aggctl import jobtable
 from aggctl.server import RendezvousServer
 from aggctl.soft_aggregator import SoftAggregator
+from aggproto import control
 
 
-def _server(agg, host, port, path, *, generation="g1", grace=30.0, saved=None):
+def _secret(tmp_path) -> tuple[bytes, str]:
+    """A deployment secret (auth on, as `xdp-agg serve` runs): rejoin must carry the token."""
+    file = str(tmp_path / "secret")
+    control.create_secret(file)
+    return control.load_secret(file), file
+
+
+def _server(agg, host, port, path, secret, *, generation="g1", grace=30.0, saved=None):
     holder = []
 
     def persist():
@@ -31,6 +39,7 @@ def _server(agg, host, port, path, *, generation="g1", grace=30.0, saved=None):
         host,
         port,
         {"agg_ip": host, "barrier_timeout": 20.0},
+        secret=secret,
         on_change=persist,
         keep_jobs=True,
     )
@@ -54,12 +63,13 @@ def _connected(server, key):
 
 
 def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
+    secret, secret_file = _secret(tmp_path)
     prefix = loopback_prefix()
     path = tmp_path / "agg.jobs"
     with SoftAggregator(f"{prefix}.1") as agg:
-        first, _ = _server(agg, f"{prefix}.1", 0, path)
+        first, _ = _server(agg, f"{prefix}.1", 0, path, secret)
         host, port = first.address
-        cl = Cluster(prefix, agg, first)
+        cl = Cluster(prefix, agg, first, secret, secret_file)
         restarted = threading.Event()
         reached = threading.Barrier(3)
         both = threading.Barrier(2)
@@ -81,9 +91,10 @@ def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
             reached.wait(20)
             saved = jobtable.load(path)
             assert [j["key"] for j in saved["jobs"]] == ["test"]
+            assert saved["jobs"][0]["token"] == first._jobs["test"].token  # rejoin needs it
             first.stop()
             assert [j["job_id"] for j in agg.jobs()] == [0]  # the job outlives its endpoint
-            box["server"], box["restored"] = _server(agg, host, port, path, saved=saved)
+            box["server"], box["restored"] = _server(agg, host, port, path, secret, saved=saved)
             restarted.set()
 
         t = threading.Thread(target=restart)
@@ -105,13 +116,14 @@ def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
 
 
 def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
+    secret, secret_file = _secret(tmp_path)
     """A worker that died while the endpoint was down: after the grace period the recovered
     job is freed."""
     prefix = loopback_prefix()
     path = tmp_path / "agg.jobs"
     with SoftAggregator(f"{prefix}.1") as agg:
-        first, _ = _server(agg, f"{prefix}.1", 0, path)
-        cl = Cluster(prefix, agg, first)
+        first, _ = _server(agg, f"{prefix}.1", 0, path, secret)
+        cl = Cluster(prefix, agg, first, secret, secret_file)
         gate = threading.Event()
 
         def body(c):
@@ -127,7 +139,9 @@ def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
         t.join(30)
         assert [j["job_id"] for j in agg.jobs()] == [0]
         t0 = time.monotonic()
-        second, restored = _server(agg, *first.address, path, grace=0.5, saved=jobtable.load(path))
+        second, restored = _server(
+            agg, *first.address, path, secret, grace=0.5, saved=jobtable.load(path)
+        )
         try:
             assert restored == ["test"]
             _wait(lambda: agg.jobs() == [], 5, "the expired job being freed")
@@ -140,17 +154,18 @@ def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
 
 
 def test_a_table_of_another_attachment_is_not_restored(tmp_path):
+    secret, secret_file = _secret(tmp_path)
     """The aggregator was attached again (another generation): its jobs are gone, none is
     restored, and the stale table is replaced."""
     prefix = loopback_prefix()
     path = tmp_path / "agg.jobs"
     with SoftAggregator(f"{prefix}.1") as agg:
-        s, _ = _server(agg, f"{prefix}.1", 0, path, generation="g1")
-        cl = Cluster(prefix, agg, s)
+        s, _ = _server(agg, f"{prefix}.1", 0, path, secret, generation="g1")
+        cl = Cluster(prefix, agg, s, secret, secret_file)
         ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(4, np.int32)), s.stop()), window=4))
         saved = jobtable.load(path)
         assert len(saved["jobs"]) == 1
-        s2, restored = _server(agg, *s.address, path, generation="g2", saved=saved)
+        s2, restored = _server(agg, *s.address, path, secret, generation="g2", saved=saved)
         try:
             assert restored == []
         finally:
@@ -163,5 +178,6 @@ def test_save_replaces_the_file_whole(tmp_path):
     jobtable.save(path, {"format": 1, "generation": 8, "jobs": []})
     assert jobtable.load(path)["generation"] == 8
     assert sorted(p.name for p in tmp_path.iterdir()) == ["t.jobs"]  # no temporary file left
+    assert path.stat().st_mode & 0o777 == 0o600  # it holds the jobs' tokens
     path.write_text("{half")
     assert jobtable.load(path) is None  # unreadable: nothing restored, logged
