@@ -220,7 +220,9 @@ VARIANT=percpu
 # HOST:PORT of the control endpoint the workers' host library connects to.
 LISTEN={listen}
 
-# More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300 --group 239.1.1.1".
+# More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300". One-arm results go
+# to a multicast group per job (the switch needs IGMP snooping and a querier, README); add
+# "--results broadcast" for the subnet broadcast, or "--group-base 239.77.0.0/24".
 SERVE_OPTIONS=
 """
 
