@@ -170,6 +170,8 @@ def test_group_and_results_are_one_choice(command):
     assert "either --group" in r.output
     r = CliRunner().invoke(cli.main, [*command, "--results", "anycast"])
     assert r.exit_code == cli.EXIT_USAGE
+    r = CliRunner().invoke(cli.main, [*command, "--group-base", "10.1.0.0/24"])
+    assert r.exit_code == cli.EXIT_USAGE and "not multicast" in r.output
 
 
 def test_serve_help_names_the_results_options():

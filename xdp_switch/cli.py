@@ -22,7 +22,7 @@ from pathlib import Path
 
 import click
 
-from aggproto import limits, wire
+from aggproto import groups, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
 
 from . import aggregator, links, loader, pins, service, serving
@@ -66,12 +66,20 @@ def _ipv4(ctx, param, value: str | None) -> str | None:
         raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
 
 
+def _group_base(ctx, param, value: str) -> str:
+    try:
+        return str(groups.check_group_base(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
 def _results_options(f):
     """--results and --group-base, shared by `serve` and `job create` (one vocabulary)."""
     f = click.option(
         "--group-base",
         default=serving.DEFAULT_GROUP_BASE,
         show_default=True,
+        callback=_group_base,
         help="One-arm, --results multicast: job N's group is this block's address number N.",
     )(f)
     return click.option(
