@@ -36,14 +36,24 @@ class Cluster:
     """The XDP aggregator, its control endpoint and worker processes on a Testbed."""
 
     def __init__(
-        self, tb, *, name: str | None = None, xdp_mode: str = "native", pool_slots: int = 1024
+        self,
+        tb,
+        *,
+        name: str | None = None,
+        xdp_mode: str = "native",
+        pool_slots: int = 1024,
+        serve_args: tuple[str, ...] = (),
     ) -> None:
+        """`serve_args`: more `xdp-agg serve` options, e.g. ("--results", "broadcast")."""
         self.tb = tb
+        self.serve_args = tuple(serve_args)
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
         self.pool_slots = pool_slots
         self._server: subprocess.Popen | None = None
         self._attached = False
+        self.warnings: list[str] = []  # what xdp-agg serve warned about as it started
+        self.serve_line = ""  # its "control endpoint listening on ..." line
         self._secret_dir: str | None = None
         self.secret_file: str | None = None  # the deployment secret serve checks
 
@@ -97,14 +107,19 @@ class Cluster:
                 f"0.0.0.0:{CONTROL_PORT}",
                 "--secret-file",
                 self.secret_file,
+                *self.serve_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
         line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
+        if line.startswith("warning:"):  # e.g. results falling back to the broadcast
+            self.warnings.append(line.strip())
+            line = self._server.stderr.readline()
         if "listening" not in line:
             raise ClusterError(f"xdp-agg serve did not start: {line}{self._server.stderr.read()}")
+        self.serve_line = line.strip()
 
     def stop_server(self, sig: int = signal.SIGTERM) -> str:
         """Stop the control endpoint with `sig` (the jobs go on in the data plane); returns

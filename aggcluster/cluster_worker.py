@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                 "cpu_user_s": [u for u, _ in cpu],
                 "cpu_sys_s": [s for _, s in cpu],
                 "native": comm._engine.native,
+                "group": list(comm.description.group) if comm.description.group else None,
             }
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
             if item.get("verify", True):

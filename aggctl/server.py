@@ -49,7 +49,8 @@ A job description is JobSpec.to_dict() plus: key, world_size, window, worker_por
 of the job listens on it: in the one-arm topology the result is sent once, to
 group_ip:worker_port),
 send_to [ip, port] (where workers send contributions), group [ip, port] or null (the group
-address results go to in the one-arm topology), workers [{rank, ip, port}] once registered.
+address results go to in the one-arm topology: the job's own multicast group when the defaults
+have a group_base, else their group_ip), workers [{rank, ip, port}] once registered.
 
 Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1` (the secret:
 --secret-file, $XDP_AGG_SECRET_FILE, else ./xdp-agg-soft.secret, created 0600).
@@ -70,7 +71,7 @@ import time
 from dataclasses import dataclass, field, fields
 from typing import Callable
 
-from aggproto import control, wire
+from aggproto import control, groups, wire
 from aggproto.jobs import (
     DEFAULT_CONTROL_PORT,
     Delivery,
@@ -96,6 +97,9 @@ class ServerDefaults:
     delivery: Delivery = Delivery.GROUP_TX
     group_ip: str = "0.0.0.0"  # one-arm: results go here (multicast or subnet broadcast)
     group_mac: str = "ff:ff:ff:ff:ff:ff"
+    # one-arm: a block such as 239.18.0.0/24 gives each job its own group, the job id's address
+    # in it (aggproto.groups); group_ip and group_mac then go unused. None: every job uses them.
+    group_base: str | None = None
     agg_ip: str = "0.0.0.0"  # where workers send; 0.0.0.0: the address they reached us at
     agg_mac: str = "00:00:00:00:00:00"
     pool_slots: int = DEFAULT_POOL_SLOTS  # slots this server may hand out: 0..pool_slots-1
@@ -200,6 +204,8 @@ class RendezvousServer:
         self.defaults = ServerDefaults.from_any(defaults)
         if not 1 <= self.defaults.pool_slots <= wire.MAX_SLOTS:
             raise ValueError(f"pool_slots must be 1..{wire.MAX_SLOTS}")
+        if self.defaults.group_base:
+            groups.check_group_base(self.defaults.group_base)
         self.fill_worker = fill_worker
         self._cond = threading.Condition()
         self._jobs: dict[str, _Job] = {}
@@ -377,6 +383,10 @@ class RendezvousServer:
                     f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
                 )
             d = self.defaults
+            group_ip, group_mac = d.group_ip, d.group_mac
+            if d.group_base and d.delivery == Delivery.GROUP_TX:
+                group_ip = groups.job_group(d.group_base, job_id)
+                group_mac = groups.group_mac(group_ip)
             try:
                 spec = JobSpec(
                     job_id=job_id,
@@ -388,8 +398,8 @@ class RendezvousServer:
                     delivery=d.delivery,
                     agg_ip=d.agg_ip,
                     agg_mac=d.agg_mac,
-                    group_ip=d.group_ip,
-                    group_mac=d.group_mac,
+                    group_ip=group_ip,
+                    group_mac=group_mac,
                     udp_checksum=d.udp_checksum,
                 )
                 self.backend.create_job(spec)

@@ -144,7 +144,7 @@ def init(
                     f"port= set to a port free on every host (two workers on one host also need "
                     f"distinct ip= addresses)"
                 ) from None
-        _join_group(sock, desc.group, my_ip, pinned)
+        membership = _join_group(sock, desc.group, my_ip, pinned)
         desc = ctl.job(
             "register",
             job=job,
@@ -182,13 +182,19 @@ def init(
         port=sock.address[1],
         source_ip=my_ip if pinned else None,
     )
-    return Communicator(rank, job, desc, link, sock, StreamEngine(sock, cfg, faults))
+    engine = StreamEngine(sock, cfg, faults)
+    return Communicator(rank, job, desc, link, sock, engine, membership=membership)
 
 
-def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> None:
-    """Make the data socket receive results sent to the job's group address, if it has one."""
+# IP_MULTICAST_ALL (linux/in.h; not in Python's socket module before 3.12 on every build)
+_IP_MULTICAST_ALL = getattr(socket, "IP_MULTICAST_ALL", 49)
+
+
+def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> bytes | None:
+    """Make the data socket receive results sent to the job's group address, if it has one.
+    Returns the ip_mreq of a multicast group joined (Communicator.close leaves it), or None."""
     if not group:
-        return
+        return None
     addr = ipaddress.IPv4Address(group[0])
     if pinned:
         # Linux delivers broadcast and multicast only to sockets bound to 0.0.0.0 (or the group)
@@ -196,9 +202,18 @@ def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> None:
             f"the job sends results to the group {group[0]}:{group[1]}, which a data socket bound "
             f"to {my_ip} does not receive: leave ip= unset so that it binds 0.0.0.0"
         )
-    if addr.is_multicast:
-        mreq = socket.inet_aton(group[0]) + socket.inet_aton(my_ip)
-        sock.sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    if not addr.is_multicast:
+        return None  # a subnet broadcast: a socket bound to 0.0.0.0 receives it as it is
+    # Joining makes the kernel report the membership (IGMP) at once, so a snooping switch
+    # forwards the group to this port before the first result: every rank joins before it
+    # registers, and the barrier opens only after the last one has.
+    mreq = socket.inet_aton(group[0]) + socket.inet_aton(my_ip)
+    sock.sock.setsockopt(socket.IPPROTO_IP, socket.IP_ADD_MEMBERSHIP, mreq)
+    # Only the groups this socket joined: by default Linux hands a socket bound to 0.0.0.0:port
+    # every group any socket of the host joined, so a second job's results to the same port
+    # would reach it.
+    sock.sock.setsockopt(socket.IPPROTO_IP, _IP_MULTICAST_ALL, 0)
+    return mreq
 
 
 class AllreduceHandle:
@@ -227,7 +242,17 @@ class Communicator:
     one background thread, in order.
     """
 
-    def __init__(self, rank, job, desc, ctl: ControlLink, sock: DatagramSocket, engine):
+    def __init__(
+        self,
+        rank,
+        job,
+        desc,
+        ctl: ControlLink,
+        sock: DatagramSocket,
+        engine,
+        *,
+        membership: bytes | None = None,
+    ):
         self.rank = rank
         self.job = job
         self.description: JobDescription = desc  # the job as the control endpoint described it
@@ -242,6 +267,7 @@ class Communicator:
         self._inline = False  # an all-reduce runs in a caller's thread
         self._closed = False
         self._broken: str | None = None
+        self._membership = membership  # the ip_mreq of the job's multicast group, if joined
 
     @property
     def token(self) -> str | None:
@@ -402,6 +428,16 @@ class Communicator:
         except RendezvousError:
             pass  # closing the connection below counts as leaving too
         self._ctl.close()
+        if self._membership is not None:
+            # Leave the group explicitly (closing the socket would too): the switch stops
+            # forwarding the job's group to this port once no member is left behind it.
+            try:
+                self._sock.sock.setsockopt(
+                    socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, self._membership
+                )
+            except OSError:
+                pass  # the interface went away: the kernel dropped the membership with it
+            self._membership = None
         self._sock.close()
 
     def __enter__(self) -> "Communicator":

@@ -8,7 +8,7 @@ limits, nftables loss/duplication, a JSON state file per testbed under
 """
 
 from .errors import NotRootError, TestbedError
-from .hosts import AggregatorHost, WorkerHost
+from .hosts import AggregatorHost, ObserverHost, WorkerHost
 from .plan import MAX_WORKERS, TOPOLOGIES, new_prefix
 from .registry import STATE_DIR, list_states
 from .testbed import Testbed, require_root
@@ -17,6 +17,7 @@ __all__ = [
     "AggregatorHost",
     "MAX_WORKERS",
     "NotRootError",
+    "ObserverHost",
     "STATE_DIR",
     "TOPOLOGIES",
     "Testbed",

@@ -127,10 +127,35 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
     default=0.0,
     help="Duplication probability aggregator -> worker (one-arm only).",
 )
+@click.option(
+    "--observers",
+    type=click.IntRange(0, plan.MAX_OBSERVERS),
+    default=0,
+    show_default=True,
+    help="One-arm: hosts in no job on the bridge (o0.., 198.18.0.200..).",
+)
+@click.option(
+    "--mcast-snooping/--no-mcast-snooping",
+    default=True,
+    show_default=True,
+    help="One-arm: the bridge snoops IGMP with a querier (groups reach members only).",
+)
 @click.option("--prefix", callback=_prefix, help="Name prefix (default: xt + 4 random hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
 def up(
-    workers, topology, rate, agg_rate, mtu, loss_up, loss_down, dup_up, dup_down, prefix, as_json
+    workers,
+    topology,
+    rate,
+    agg_rate,
+    mtu,
+    loss_up,
+    loss_down,
+    dup_up,
+    dup_down,
+    observers,
+    mcast_snooping,
+    prefix,
+    as_json,
 ):
     try:
         # options first: a usage error is worth knowing before asking for sudo
@@ -146,6 +171,8 @@ def up(
             dup_down=dup_down,
             prefix=prefix,
             cleanup_at_exit=False,
+            observers=observers,
+            mcast_snooping=mcast_snooping,
         )
         require_root()
         tb.up()
@@ -374,8 +401,14 @@ def _describe(st: dict) -> str:
             f"  w{w['index']:<3} {w['netns']:<12} {w['ifname']:<5} {w['ip']:<15} {w['mac']}"
             f"  -> {w['agg_ip']} ({w['agg_ifname']})"
         )
+    for o in st.get("observers", []):
+        lines.append(
+            f"  o{o['index']:<3} {o['netns']:<12} {o['ifname']:<5} {o['ip']:<15} {o['mac']}"
+            "  (in no job)"
+        )
     if st.get("group_ip"):
-        lines.append(f"  group address {st['group_ip']}")
+        snooping = "IGMP snooping with a querier" if st.get("mcast_snooping") else "no snooping"
+        lines.append(f"  subnet broadcast {st['group_ip']}; bridge: {snooping}")
     return "\n".join(lines)
 
 

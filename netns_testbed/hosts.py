@@ -65,3 +65,32 @@ class WorkerHost:
     @classmethod
     def from_dict(cls, d: dict) -> WorkerHost:
         return cls(**d)
+
+
+@dataclass
+class ObserverHost:
+    """A host on the one-arm bridge that is in no job: namespace ``<prefix>o<i>``, ``eth0``.
+
+    It runs nothing of its own; tests use it to see what a bystander on the segment receives
+    (the results of a job it is not in: nothing, with per-job multicast groups and the bridge's
+    IGMP snooping; everything, with the subnet broadcast).
+    """
+
+    index: int
+    netns: str
+    ifname: str
+    ip: str
+    mac: str
+    prefixlen: int = 24
+
+    @property
+    def name(self) -> str:
+        """Short host name understood by :meth:`Testbed.run` and the CLI."""
+        return f"o{self.index}"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ObserverHost:
+        return cls(**d)

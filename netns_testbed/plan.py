@@ -8,7 +8,10 @@ Address plan (everything stays inside 198.18.0.0/15, the benchmarking range):
 
 * ``one-arm``: one /24, 198.18.0.0/24. Aggregator ``eth0`` 198.18.0.1, worker
   i ``eth0`` 198.18.0.(10+i); all meet on a bridge ``br0`` in ``<prefix>sw``.
-  The subnet broadcast 198.18.0.255 is the "group" address for results.
+  The subnet broadcast 198.18.0.255 is the ``group_ip`` of results sent to every host
+  (``xdp-agg serve --results broadcast``); by default each job gets a multicast group of its
+  own, which the bridge (IGMP snooping, with a querier) forwards to its members only.
+  Observers (hosts in no job) ``<prefix>o<i>`` ``eth0`` 198.18.0.(200+i), on the same bridge.
 * ``switch``: one /24 per worker, 198.18.(i+1).0/24. Aggregator ``p<i>``
   198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge.
 
@@ -23,10 +26,12 @@ import re
 import secrets
 from dataclasses import dataclass, field
 
-from .hosts import AggregatorHost, WorkerHost
+from .hosts import AggregatorHost, ObserverHost, WorkerHost
 
 TOPOLOGIES = ("one-arm", "switch")
 MAX_WORKERS = 32
+MAX_OBSERVERS = 16  # one-arm: hosts on the bridge that are in no job, 198.18.0.200..215
+OBSERVER_IP_BASE = 200
 PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"
@@ -54,7 +59,7 @@ def validate_prefix(prefix: str) -> str:
 
 def netns_name_re(prefix: str) -> re.Pattern:
     """Regex matching exactly the namespace names a testbed with ``prefix`` uses."""
-    return re.compile(rf"^{re.escape(prefix)}(sw|ag|w\d+)$")
+    return re.compile(rf"^{re.escape(prefix)}(sw|ag|w\d+|o\d+)$")
 
 
 def mac_for_ip(ip: str) -> str:
@@ -68,7 +73,7 @@ class VethSpec:
     """One veth pair: end ``a`` is created in ``ns_a`` with its peer ``b`` in ``ns_b``.
 
     ``worker`` is the worker index whose link this is, or None for the
-    aggregator's own link (one-arm). ``ip``/``mac`` None means "leave unset".
+    aggregator's own link (one-arm) and an observer's. ``ip``/``mac`` None means "leave unset".
     """
 
     ns_a: str
@@ -95,19 +100,28 @@ class Plan:
     switch_netns: str | None = None  # one-arm: namespace holding the bridge
     group_ip: str | None = None
     namespaces: list[str] = field(default_factory=list)
+    observers: list[ObserverHost] = field(default_factory=list)  # one-arm only
 
     @property
     def agg_interfaces(self) -> list[str]:
         return list(self.aggregator.ifnames)
 
 
-def make_plan(prefix: str, workers: int, topology: str) -> Plan:
-    """Compute names/addresses for ``workers`` workers in ``topology``."""
+def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> Plan:
+    """Compute names/addresses for ``workers`` workers in ``topology``, and ``observers``
+    hosts in no job on the one-arm bridge."""
     validate_prefix(prefix)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
     if not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
+    if not isinstance(observers, int) or not 0 <= observers <= MAX_OBSERVERS:
+        raise ValueError(f"observers must be an integer in 0..{MAX_OBSERVERS}, got {observers!r}")
+    if observers and topology != "one-arm":
+        raise ValueError(
+            "observers need the one-arm topology: they share the workers' bridge (in the switch "
+            "topology every worker has a link of its own)"
+        )
 
     agg_ns = f"{prefix}ag"
     worker_ns = [f"{prefix}w{i}" for i in range(workers)]
@@ -149,6 +163,22 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
                     bridge_b=True,
                 )
             )
+        watchers = []
+        for i in range(observers):
+            ip = f"198.18.0.{OBSERVER_IP_BASE + i}"
+            watchers.append(ObserverHost(i, f"{prefix}o{i}", "eth0", ip, mac_for_ip(ip), PREFIXLEN))
+            veths.append(
+                VethSpec(
+                    f"{prefix}o{i}",
+                    "eth0",
+                    sw_ns,
+                    f"o{i}",
+                    None,
+                    ip_a=ip,
+                    mac_a=mac_for_ip(ip),
+                    bridge_b=True,
+                )
+            )
         plan = Plan(
             prefix,
             topology,
@@ -157,7 +187,8 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
             veths,
             sw_ns,
             ONE_ARM_GROUP_IP,
-            [sw_ns, agg_ns, *worker_ns],
+            [sw_ns, agg_ns, *worker_ns, *(o.netns for o in watchers)],
+            watchers,
         )
     else:
         agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)

@@ -24,6 +24,10 @@ interface get a two-instruction XDP_PASS program (:mod:`netns_testbed.xdp_pass`)
 IPv6 is disabled in all namespaces so that no address outside 198.18.0.0/15
 exists and no router solicitations / MLD reports reach the XDP program.
 
+The one-arm bridge snoops IGMP, with its own querier, as a switch in front of an aggregator
+should: a multicast group (a job's results) goes only to the ports whose hosts joined it.
+``observers`` adds hosts in no job on the same bridge, to show what a bystander receives.
+
 Rate limits (tbf, see :mod:`netns_testbed.shaping`) apply to both directions
 of each worker link: the worker's ``eth0`` egress and the other end's egress
 (bridge port ``w<i>`` in one-arm, the aggregator's ``p<i>`` in switch).
@@ -35,7 +39,10 @@ those frames. ``agg_rate`` shapes the aggregator's own link (one-arm only).
 
 from __future__ import annotations
 
+import json
 import os
+import subprocess
+import sys
 import time
 from subprocess import CompletedProcess, Popen
 
@@ -44,7 +51,7 @@ from pyroute2 import netns as pr_netns
 
 from . import faults, nsexec, registry, shaping, xdp_pass
 from .errors import NotRootError, TestbedError
-from .hosts import AggregatorHost, WorkerHost
+from .hosts import AggregatorHost, ObserverHost, WorkerHost
 from .plan import BRIDGE_NAME, make_plan, new_prefix
 
 _KEEP = object()  # "leave this setting as it is"
@@ -78,6 +85,16 @@ def _bridge_without_netfilter(netns: str) -> None:
         )
 
 
+# The bridge's IGMP querier. Linux's bridge keeps flooding every multicast group to every port
+# until a querier has existed for one query response interval ("reports should have arrived by
+# now"), and takes that interval as it is when the querier is switched on: so the interval is
+# set first, the querier after, and up() returns only once the interval has passed (measured:
+# with the querier given at creation, groups were flooded for 10 s, the default interval,
+# whatever interval was asked for with it). 0.5 s is long enough: hosts report a membership the
+# moment they join (IGMP unsolicited reports) and answer a query within the interval.
+QUERY_RESPONSE_CS = 50  # the querier's query response interval, in centiseconds (USER_HZ)
+
+
 # MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
 # or the XDP_PASS stub), and veth refuses an XDP program without frags support on a link whose
 # frame does not fit one page: 4096 - 256 headroom - 320 skb_shared_info - 14 Ethernet = 3506
@@ -99,6 +116,9 @@ class Testbed:
         dup_up / dup_down: probability in [0, 1] of sending one extra copy of
             such a packet toward the aggregator / the worker (dup_down: one-arm only).
         prefix: name prefix of namespaces and the state file; default ``xt`` + 4 hex.
+        observers: one-arm: hosts in no job on the bridge (``o0``.., 198.18.0.200..), 0..16.
+        mcast_snooping: one-arm: the bridge snoops IGMP and runs a querier (default), so a
+            multicast group reaches only its members' ports; False: it floods every group.
         cleanup_at_exit: tear down at interpreter exit if still up (the CLI
             turns this off to leave the testbed running).
 
@@ -123,9 +143,12 @@ class Testbed:
         dup_down: float = 0.0,
         prefix: str | None = None,
         cleanup_at_exit: bool = True,
+        observers: int = 0,
+        mcast_snooping: bool = True,
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
-        self._plan = make_plan(self.prefix, workers, topology)
+        self._plan = make_plan(self.prefix, workers, topology, observers)
+        self.mcast_snooping = bool(mcast_snooping)
         if not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
             raise ValueError(
                 f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r}: "
@@ -152,6 +175,7 @@ class Testbed:
 
         self.aggregator: AggregatorHost = self._plan.aggregator
         self.workers: list[WorkerHost] = self._plan.workers
+        self.observers: list[ObserverHost] = self._plan.observers
         self.group_ip: str | None = self._plan.group_ip
         self.switch_netns: str | None = self._plan.switch_netns
 
@@ -184,13 +208,13 @@ class Testbed:
             f"workers={len(self.workers)}, up={self._is_up})"
         )
 
-    def host(self, host) -> AggregatorHost | WorkerHost | str:
+    def host(self, host) -> AggregatorHost | WorkerHost | ObserverHost | str:
         """Resolve a host: a host record, worker index, ``"agg"``, ``"w<i>"``,
-        ``"sw"`` (one-arm bridge) or one of our namespace names.
+        ``"o<i>"`` (an observer), ``"sw"`` (one-arm bridge) or one of our namespace names.
 
         Returns the host record, or the namespace name for the bridge namespace.
         """
-        if isinstance(host, (AggregatorHost, WorkerHost)):
+        if isinstance(host, (AggregatorHost, WorkerHost, ObserverHost)):
             return host
         if isinstance(host, int) and not isinstance(host, bool):
             if 0 <= host < len(self.workers):
@@ -207,7 +231,7 @@ class Testbed:
                 if self.switch_netns is None:
                     raise ValueError("the switch topology has no bridge namespace")
                 return self.switch_netns
-            for w in self.workers:
+            for w in (*self.workers, *self.observers):
                 if host in (w.name, w.netns):
                     return w
         raise ValueError(
@@ -244,6 +268,30 @@ class Testbed:
         if self._owns_state:
             self._save()
         return p
+
+    def sniff(self, host, ifname: str | None = None) -> "Sniffer":
+        """Start counting the result frames and IGMP reports on ``host``'s interface (default
+        its ``eth0``; the bridge namespace needs ``ifname``, a port such as ``"w0"``) with a
+        raw socket (:mod:`netns_testbed.sniff`); ``stop()`` on the answer returns the counts.
+        Killed by :meth:`down` if still running."""
+        ns = self.netns_of(host)
+        h = self.host(host)
+        ifname = ifname or (h.ifname if not isinstance(h, (str, AggregatorHost)) else None)
+        if ifname is None:
+            raise ValueError(f"sniff({host!r}) needs ifname= (e.g. 'eth0' or a bridge port)")
+        p = self.popen(
+            ns,
+            [sys.executable, "-m", "netns_testbed.sniff", ifname],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = p.stderr.readline()
+        if "ready" not in line:
+            p.kill()
+            raise TestbedError(f"sniff on {ns}:{ifname} did not start: {line}{p.stderr.read()}")
+        return Sniffer(p, f"{ns}:{ifname}")
 
     # ------------------------------------------------------------ lifecycle
     def up(self) -> Testbed:
@@ -348,6 +396,8 @@ class Testbed:
             "prefix": self.prefix,
             "topology": self.topology,
             "n_workers": len(self.workers),
+            "n_observers": len(self.observers),
+            "mcast_snooping": self.mcast_snooping,
             "mtu": self.mtu,
             "rate": shaping.format_rate(self.rate_bits),
             "agg_rate": shaping.format_rate(self.agg_rate_bits),
@@ -366,6 +416,7 @@ class Testbed:
             "namespaces": self.namespaces,
             "aggregator": self.aggregator.to_dict(),
             "workers": [w.to_dict() for w in self.workers],
+            "observers": [o.to_dict() for o in self.observers],
             "registry": self._registry.to_dict(),
         }
 
@@ -393,6 +444,8 @@ class Testbed:
             dup_down=st.get("dup_down", 0.0),
             prefix=prefix,
             cleanup_at_exit=False,
+            observers=st.get("n_observers", 0),
+            mcast_snooping=st.get("mcast_snooping", False),
         )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
         tb._is_up = st.get("status") == "up"
@@ -457,6 +510,7 @@ class Testbed:
             return found[0]
 
         veth_ends: dict[str, list[str]] = {ns: [] for ns in plan.namespaces}
+        querier_since = None
         try:
             for ns in plan.namespaces:
                 ipr(ns).link("set", index=index(ns, "lo"), state="up")
@@ -465,19 +519,24 @@ class Testbed:
                 reg.links.append([plan.switch_netns, BRIDGE_NAME])
                 self._save("building")
                 # STP off and no forward delay: ports forward as soon as they are
-                # up; no multicast snooping so group traffic is simply flooded.
+                # up. IGMP snooping (or, without it, every group flooded to every port).
                 ipr(plan.switch_netns).link(
                     "add",
                     ifname=BRIDGE_NAME,
                     kind="bridge",
                     br_stp_state=0,
                     br_forward_delay=0,
-                    br_mcast_snooping=0,
+                    br_mcast_snooping=int(self.mcast_snooping),
+                    br_mcast_query_response_intvl=QUERY_RESPONSE_CS,
                     mtu=self.mtu,
                 )
                 br = index(plan.switch_netns, BRIDGE_NAME)
                 _bridge_without_netfilter(plan.switch_netns)
                 ipr(plan.switch_netns).link("set", index=br, state="up")
+                if self.mcast_snooping:
+                    # after the response interval is set: see QUERY_RESPONSE_CS
+                    ipr(plan.switch_netns).link("set", index=br, kind="bridge", br_mcast_querier=1)
+                    querier_since = time.monotonic()
             for v in plan.veths:
                 reg.links.append([v.ns_a, v.if_a])
                 reg.links.append([v.ns_b, v.if_b])
@@ -521,6 +580,9 @@ class Testbed:
             elif v.ns_b == plan.aggregator.netns:
                 facing.setdefault(v.ns_a, []).append(v.if_a)
         xdp_pass.attach_pass(facing)
+        if querier_since is not None:
+            # the bridge floods groups until its querier is one response interval old
+            time.sleep(max(0.0, querier_since + QUERY_RESPONSE_CS / 100 - time.monotonic()))
 
     def _wait_operstate_up(self, veth_ends: dict[str, list[str]], timeout: float = 5.0) -> None:
         """Wait until every veth end reports operstate UP.
@@ -576,3 +638,18 @@ class Testbed:
                 self._plan.switch_netns,
                 faults.switch_script([f"w{w.index}" for w in self.workers], self.dup_down),
             )
+
+
+class Sniffer:
+    """A running :mod:`netns_testbed.sniff` (from :meth:`Testbed.sniff`)."""
+
+    def __init__(self, proc: Popen, where: str) -> None:
+        self.proc = proc
+        self.where = where
+
+    def stop(self, timeout: float = 10.0) -> dict:
+        """Stop counting; the counts (see :mod:`netns_testbed.sniff`)."""
+        out, err = self.proc.communicate(input="", timeout=timeout)
+        if self.proc.returncode != 0 or not out.strip():
+            raise TestbedError(f"sniff on {self.where} failed ({self.proc.returncode}): {err}")
+        return json.loads(out)

@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from aggctl import auth
-from aggproto import control, limits, wire
+from aggproto import control, groups, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
 
 from . import aggregator, links, loader, pins, service, serving
@@ -67,6 +67,39 @@ def _ipv4(ctx, param, value: str | None) -> str | None:
         return str(ipaddress.IPv4Address(value))
     except ValueError:
         raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
+
+
+def _group_base(ctx, param, value: str) -> str:
+    try:
+        return str(groups.check_group_base(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _results_options(f):
+    """--results and --group-base, shared by `serve` and `job create` (one vocabulary)."""
+    f = click.option(
+        "--group-base",
+        default=serving.DEFAULT_GROUP_BASE,
+        show_default=True,
+        callback=_group_base,
+        help="One-arm, --results multicast: job N's group is this block's address number N.",
+    )(f)
+    return click.option(
+        "--results",
+        type=click.Choice(serving.RESULTS),
+        default=None,
+        help="One-arm: where results go when --group is not given. multicast (the default): "
+        "a group per job, joined by its workers (a switch needs IGMP snooping and a querier to "
+        "keep it from other hosts); broadcast: the subnet broadcast, to every host on the "
+        "segment. Without the interface's multicast flag the default falls back to broadcast "
+        "with a warning.",
+    )(f)
+
+
+def _check_group_choice(group_ip, results) -> None:
+    if group_ip is not None and results is not None:
+        raise click.UsageError("give either --group (one address for every job) or --results")
 
 
 def _listen(ctx, param, value: str | None) -> tuple[str, int] | None:
@@ -326,10 +359,12 @@ def _slot_range(text: str) -> tuple[int, int]:
 @click.option(
     "--group",
     "group_ip",
-    default="0.0.0.0",
+    default=None,
     callback=_ipv4,
-    help="One-arm: group (multicast or subnet broadcast) address of results.",
+    help="One-arm: group (multicast or subnet broadcast) address of results "
+    "(default: as --results says).",
 )
+@_results_options
 @click.option(
     "--group-mac",
     default=None,
@@ -360,15 +395,19 @@ def job_create(
     group_mac,
     agg_ip,
     udp_checksum,
+    results,
+    group_base,
     as_json,
 ):
     """Create job JOB_ID (its slots start cleared).
 
     \b
     Example:
+      sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128   # group 239.18.0.0
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
       sudo xdp-agg job create 1 --workers 2 --slots 128:64 --port 48865 --udp-checksum
     """
+    _check_group_choice(group_ip, results)
     base, count = _slot_range(slots)
     spec = serving.create_job(
         ctx.obj["name"],
@@ -382,6 +421,9 @@ def job_create(
         group_mac=group_mac,
         agg_ip=agg_ip,
         udp_checksum=udp_checksum,
+        results=results,
+        group_base=group_base,
+        warn=lambda line: click.echo(line, err=True),
     )
     _emit(
         spec.to_dict(),
@@ -493,8 +535,9 @@ def slots(ctx, slot, as_json):
     "group_ip",
     default=None,
     callback=_ipv4,
-    help="One-arm: where results go (default: the interface's subnet broadcast).",
+    help="One-arm: one address every job's results go to (default: as --results says).",
 )
+@_results_options
 @click.option(
     "--barrier-timeout",
     type=float,
@@ -579,6 +622,8 @@ def serve(
     ctx,
     listen,
     group_ip,
+    results,
+    group_base,
     barrier_timeout,
     target,
     ports,
@@ -614,9 +659,11 @@ def serve(
     Examples:
       sudo xdp-agg --netns agg serve                      # on the interface's address
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
+      sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800 --results broadcast
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
     """
+    _check_group_choice(group_ip, results)
     name = ctx.obj["name"]
     if target == "bmv2" and not ports:
         raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
@@ -658,10 +705,13 @@ def serve(
             group_ip=group_ip,
             barrier_timeout=barrier_timeout,
             udp_checksum=udp_checksum,
+            results=results,
+            group_base=group_base,
             secret=secret,
             limits=limits,
             rejoin_timeout=rejoin_timeout,
             announce=announce,
+            warn=lambda line: click.echo(line, err=True),
         )
         return
     serving.serve_bmv2(

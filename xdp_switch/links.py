@@ -14,6 +14,7 @@ XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0  # refuse to replace a program already atta
 XDP_FLAGS_SKB_MODE = 1 << 1  # generic XDP
 XDP_FLAGS_DRV_MODE = 1 << 2  # native (driver) XDP
 MODE_FLAGS = {"native": XDP_FLAGS_DRV_MODE, "skb": XDP_FLAGS_SKB_MODE}
+IFF_MULTICAST = 0x1000  # net/if.h: the link supports multicast
 _CLONE_NEWNET = 0x40000000
 
 
@@ -87,6 +88,9 @@ def addresses(ifname: str) -> dict:
         "mac": link.get_attr("IFLA_ADDRESS"),
         "ipv4": ips,
         "ipv4_nets": nets,
+        # IFF_MULTICAST: the link can send to and take in multicast groups (a per-job group
+        # needs it; without it results go to the subnet broadcast, serving.serve_defaults)
+        "multicast": bool(link["flags"] & IFF_MULTICAST),
     }
 
 

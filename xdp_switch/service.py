@@ -232,7 +232,9 @@ LISTEN={listen}
 # worker a copy (mode 0600) and XDP_AGG_SECRET_FILE=<its path>. Here, it survives reboots.
 SECRET_FILE={secret_file}
 
-# More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300 --group 239.1.1.1".
+# More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300". One-arm results go
+# to a multicast group per job (the switch needs IGMP snooping and a querier, README); add
+# "--results broadcast" for the subnet broadcast, or "--group-base 239.77.0.0/24".
 SERVE_OPTIONS=
 """
 

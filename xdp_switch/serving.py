@@ -2,10 +2,19 @@
 gets from the attached aggregator, and running the control endpoint in front of the XDP
 aggregator or of bmv2. cli.py parses options and calls these.
 
-In the one-arm topology a job's results go once to a group address (default: the subnet
-broadcast of the aggregator's interface) from the interface's own address and MAC
-(Delivery.GROUP_TX); in the switch topology every result is broadcast through the devmap and
-addressed per port (Delivery.BROADCAST), so a job needs no group.
+In the one-arm topology a job's results go once to a group address from the interface's own
+address and MAC (Delivery.GROUP_TX). How that address is chosen is the *results* setting:
+
+- "multicast" (the default): each job its own multicast group, the job id's address in a block
+  (aggproto.groups, default 239.18.0.0/24); its workers join it, and a switch with IGMP snooping
+  and a querier delivers the results to their ports only;
+- "broadcast": the interface's subnet broadcast, which every host on the segment receives;
+- or one fixed group address for every job (`--group`).
+
+An interface without the multicast flag cannot carry per-job groups: by default the results
+then go to the subnet broadcast, with a warning; asking for "multicast" explicitly is refused.
+In the switch topology every result is broadcast through the devmap and addressed per port
+(Delivery.BROADCAST), so a job needs no group and the setting does not apply.
 
 The control endpoint checks a deployment secret (aggproto.control): `secret_for` loads or
 creates it, by default in the state directory (/run/xdp-agg/NAME.secret, mode 0600) so that a
@@ -23,7 +32,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from aggproto import control
+from aggproto import control, groups
 from aggproto.jobs import JobSpec, WorkerSpec
 
 from . import aggregator, links, pins
@@ -75,14 +84,45 @@ def aggregator_interfaces(name: str) -> list[str]:
     return [i["ifname"] for i in state.interfaces]
 
 
+RESULTS = ("multicast", "broadcast")  # how one-arm results reach a job's workers
+DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
+
+
 def group_mac_for(ip: str) -> str:
     """The Ethernet address of an IPv4 group: 01:00:5e + the low 23 bits for a multicast
     address, else broadcast (a subnet broadcast address)."""
-    addr = ipaddress.IPv4Address(ip)
-    if addr.is_multicast:
-        o = addr.packed
-        return f"01:00:5e:{o[1] & 0x7F:02x}:{o[2]:02x}:{o[3]:02x}"
-    return "ff:ff:ff:ff:ff:ff"
+    return groups.group_mac(ip)
+
+
+def _results_mode(first: dict, results: str | None, warn: Callable[[str], None] | None) -> str:
+    """The results mode, multicast or broadcast, for interface `first` (links.addresses);
+    `results` None: multicast where the interface supports it, else broadcast with a warning."""
+    if results not in (None, *RESULTS):
+        raise XdpAggError(f"results {results!r}: use one of {', '.join(RESULTS)}")
+    if first.get("multicast", True) or results == "broadcast":
+        return results or "multicast"
+    if results == "multicast":
+        raise XdpAggError(
+            f"{first['ifname']} has no multicast flag, so per-job multicast groups cannot reach "
+            f"the workers: `ip link set {first['ifname']} multicast on`, or --results broadcast"
+        )
+    if warn is not None:
+        warn(
+            f"warning: {first['ifname']} has no multicast flag: results go to the subnet "
+            "broadcast, which every host on the segment receives (--results broadcast says so "
+            f"without this warning; `ip link set {first['ifname']} multicast on` gives each job "
+            "its own group)"
+        )
+    return "broadcast"
+
+
+def _subnet_broadcast(first: dict) -> str:
+    if not first["ipv4_nets"]:
+        raise XdpAggError(
+            f"{first['ifname']} has no IPv4 address, so it has no subnet broadcast: "
+            f"`ip addr add ADDR/PREFIX dev {first['ifname']}`, or give --group"
+        )
+    return str(ipaddress.IPv4Interface(first["ipv4_nets"][0]).network.broadcast_address)
 
 
 def _first_interface(state) -> dict:
@@ -98,16 +138,31 @@ def create_job(
     slot_count: int,
     *,
     agg_port: int,
-    group_ip: str = "0.0.0.0",
+    group_ip: str | None = None,
     group_mac: str | None = None,
     agg_ip: str | None = None,
     udp_checksum: bool = False,
+    results: str | None = None,
+    group_base: str = DEFAULT_GROUP_BASE,
+    warn: Callable[[str], None] | None = None,
 ) -> JobSpec:
     """Create a job on the attached aggregator `name`, filling what was not given from it:
-    results leave from its first interface's address and MAC, to `group_ip`'s MAC (derived from
-    the group address). Returns the spec as created."""
+    results leave from its first interface's address and MAC, to `group_ip` (one-arm, when not
+    given: the job's group in `group_base`, or the subnet broadcast, as `results` says: see the
+    module docstring), at `group_ip`'s MAC unless `group_mac` is given. Returns the spec as
+    created."""
     backend = aggregator.XdpBackend(name)
     first = _first_interface(backend.state)
+    if group_ip is None:
+        group_ip = "0.0.0.0"  # the switch topology: no group
+        if backend.state.topology != "switch":
+            if _results_mode(first, results, warn) == "multicast":
+                try:
+                    group_ip = groups.job_group(group_base, job_id)
+                except ValueError as e:
+                    raise XdpAggError(str(e)) from None
+            else:
+                group_ip = _subnet_broadcast(first)
     spec = JobSpec(
         job_id=job_id,
         num_workers=num_workers,
@@ -126,10 +181,19 @@ def create_job(
 
 
 def serve_defaults(
-    name: str, group_ip: str | None, barrier_timeout: float, udp_checksum: bool = False
+    name: str,
+    group_ip: str | None,
+    barrier_timeout: float,
+    udp_checksum: bool = False,
+    *,
+    results: str | None = None,
+    group_base: str = DEFAULT_GROUP_BASE,
+    warn: Callable[[str], None] | None = None,
 ) -> dict:
     """What the control endpoint puts into the jobs it creates, from the attached aggregator
-    `name` (aggctl.server.ServerDefaults' fields)."""
+    `name` (aggctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
+    job's group; else `results` (module docstring) chooses a group per job in `group_base` or
+    the subnet broadcast; `warn` gets the warning of a fallback to the broadcast."""
     state, _ = aggregator.open_instance(name)
     d = {
         "pool_slots": state.pool_slots,
@@ -146,14 +210,25 @@ def serve_defaults(
             f"`ip addr add ADDR/PREFIX dev {first['ifname']}`"
         )
     net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
+    d.update(agg_ip=str(net.ip), agg_mac=first["mac"])
+    if group_ip is None and _results_mode(first, results, warn) == "multicast":
+        try:
+            d["group_base"] = str(groups.check_group_base(group_base))
+        except ValueError as e:
+            raise XdpAggError(str(e)) from None
+        return d
     group_ip = group_ip or str(net.network.broadcast_address)
-    d.update(
-        group_ip=group_ip,
-        group_mac=group_mac_for(group_ip),
-        agg_ip=str(net.ip),
-        agg_mac=first["mac"],
-    )
+    d.update(group_ip=group_ip, group_mac=group_mac_for(group_ip))
     return d
+
+
+def describe_results(defaults: dict) -> str:
+    """Where the jobs' results go under `defaults` (serve_defaults' answer), in words."""
+    if defaults.get("group_base"):
+        return f"results to a multicast group per job in {defaults['group_base']}"
+    if defaults.get("group_ip"):
+        return f"results of every job to {defaults['group_ip']}"
+    return "results per port (switch topology)"
 
 
 def fill_worker(ws: WorkerSpec, local: tuple[str, int]) -> None:
@@ -220,13 +295,17 @@ def serve_xdp(
     group_ip: str | None = None,
     barrier_timeout: float = 120.0,
     udp_checksum: bool = False,
+    results: str | None = None,
+    group_base: str = DEFAULT_GROUP_BASE,
     secret: bytes | None,
     limits=None,
     rejoin_timeout: float = 60.0,
     announce: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
-    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens. secret: the
+    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
+    announce) a warning line before it if the results fall back to the broadcast. secret: the
     deployment secret (None: no authentication); limits: aggctl.auth.Limits.
 
     One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
@@ -237,7 +316,15 @@ def serve_xdp(
 
     lock = hold_serve_lock(name)
     try:
-        defaults = serve_defaults(name, group_ip, barrier_timeout, udp_checksum)
+        defaults = serve_defaults(
+            name,
+            group_ip,
+            barrier_timeout,
+            udp_checksum,
+            results=results,
+            group_base=group_base,
+            warn=warn or announce,
+        )
         backend = aggregator.XdpBackend(name)
         path = jobs_path(name)
         saved = jobtable.load(path)
@@ -262,7 +349,8 @@ def serve_xdp(
         with server._cond:
             persist()  # what was not recovered is not kept either
         announce(
-            f"control endpoint listening on {host}:{port} (aggregator {name}"
+            f"control endpoint listening on {host}:{port} (aggregator {name}, "
+            f"{describe_results(defaults)}"
             + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
             + "); Ctrl-C stops it"
         )
