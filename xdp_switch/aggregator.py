@@ -360,6 +360,14 @@ class XdpBackend:
         """The active jobs, each as job_dict gives it."""
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 
+    def parent_status(self, job_id: int) -> dict | None:
+        """A tree job's parent link and its counters (None without a parent)."""
+        return parent_status(self.maps, job_id)
+
+    def counters(self, job_id: int) -> dict[str, int]:
+        """A job's counters by reason, summed over CPUs."""
+        return self.maps.counters(job_id)
+
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index."""
         return {

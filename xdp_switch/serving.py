@@ -46,10 +46,12 @@ def create_job(
     group_mac: str | None = None,
     agg_ip: str | None = None,
     udp_checksum: bool = False,
+    **tree,
 ) -> JobSpec:
     """Create a job on the attached aggregator `name`, filling what was not given from it:
     results leave from its first interface's address and MAC, to `group_ip`'s MAC (derived from
-    the group address). Returns the spec as created."""
+    the group address). `tree`: JobSpec's parent fields (a rack job of a two-level tree).
+    Returns the spec as created."""
     backend = aggregator.XdpBackend(name)
     first = _first_interface(backend.state)
     spec = JobSpec(
@@ -64,6 +66,7 @@ def create_job(
         group_ip=group_ip,
         group_mac=group_mac or group_mac_for(group_ip),
         udp_checksum=udp_checksum,
+        **tree,
     )
     backend.create_job(spec)
     return spec
@@ -127,11 +130,18 @@ def serve_xdp(
     barrier_timeout: float = 120.0,
     udp_checksum: bool = False,
     announce: Callable[[str], None] = print,
+    parent=None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
-    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens."""
+    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens. `parent` (a
+    tree.ParentLink): every job created here is a rack of the parent's job of the same name."""
     defaults = serve_defaults(name, group_ip, barrier_timeout, udp_checksum)
-    server = _server(aggregator.XdpBackend(name), host, port, defaults, fill_worker)
+    backend = aggregator.XdpBackend(name)
+    if parent is not None:
+        from aggctl.tree import TreeBackend
+
+        backend = TreeBackend(backend, parent)
+    server = _server(backend, host, port, defaults, fill_worker)
     announce(f"control endpoint listening on {host}:{port} (aggregator {name}); Ctrl-C stops it")
     server.run_until_interrupted()
 
