@@ -7,6 +7,8 @@ float32 within hostlib.scaling's bound for n = 6). Loss: 1% on every link, both 
 workers' links by the testbed's rules, the racks' and the root's on their bridge ports).
 """
 
+import json
+
 import pytest
 
 from aggcluster.tree import TreeCluster, tree_hosts
@@ -47,6 +49,47 @@ def test_tree_without_loss(testbed_factory):
     ]
     with TreeCluster(tb, racks=RACKS, per_rack=PER_RACK) as tc:
         reports = tc.run_workers(plan, job="tree-clean")
+        # the CLI: a rack job created by hand, its parent link in status, stats and job list
+        root = tb.aggregator
+        tc.cli(
+            0,
+            "job",
+            "create",
+            "9",
+            "--workers",
+            "3",
+            "--slots",
+            "200:16",
+            "--port",
+            "48870",
+            "--group",
+            "198.18.0.255",
+            "--parent",
+            f"{root.ips[0]}:48871",
+            "--parent-mac",
+            root.macs[0],
+            "--parent-slots",
+            "300",
+            "--worker-port",
+            "40000",
+            "--total-workers",
+            "6",
+        )
+        status = json.loads(tc.cli(0, "status", "--json").stdout)
+        (j9,) = [j for j in status["jobs"] if j["job_id"] == 9]
+        assert (j9["parent_ip"], j9["parent_port"], j9["parent_slot_base"]) == (
+            root.ips[0],
+            48871,
+            300,
+        )
+        assert j9["parent"]["address"] == f"{root.ips[0]}:48871"
+        assert j9["parent"]["uplink_port"] == 48870 and j9["worker_port"] == 40000
+        assert j9["parent"]["counters"] == dict.fromkeys(
+            ("forwarded_up", "resent_up", "parent_result", "stale_parent_result"), 0
+        )
+        text = tc.cli(0, "status").stdout + tc.cli(0, "stats").stdout
+        assert text.count(f"parent {root.ips[0]}:48871 (uplink port 48870)") == 2, text
+        tc.cli(0, "job", "delete", "9")
     assert _ok(reports) == 2 * RACKS * PER_RACK
     for g, reps in enumerate(reports):
         c = next(r for r in reps if r.get("check") == "counters")
