@@ -284,6 +284,7 @@ def slot_state(g: int, name: str = "default") -> dict:
                 "arrivals": st.arrivals[v],
                 "added": st.added[v],
                 "published": st.published[v],
+                "up": st.up[v],  # tree jobs: rounds complete here and sent to the parent
                 "result_e0": res.e0,
                 "result_head": [
                     int.from_bytes(int(x).to_bytes(4, "little"), "big", signed=True)

@@ -527,7 +527,8 @@ def slots(ctx, slot, as_json):
         for v in s["versions"]:
             click.echo(
                 f"  v{v['version']}: seen={v['seen']} arrivals={v['arrivals']} added={v['added']} "
-                f"published={v['published']} e0={v['result_e0']} head={v['result_head']}"
+                f"published={v['published']} up={v['up']} e0={v['result_e0']} "
+                f"head={v['result_head']}"
             )
 
     _emit(s, as_json, text)
