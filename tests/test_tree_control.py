@@ -67,6 +67,14 @@ def test_rack_job_spec_checks():
         _spec(total_workers=2, **tree)
 
 
+def test_backends_without_two_levels_refuse_rack_jobs():
+    from aggctl.soft_aggregator import SoftAggregator
+
+    tree = dict(parent_ip="198.18.0.1", parent_port=wire.UDP_PORT, worker_port=40000)
+    with pytest.raises(ValueError, match="two-level"):
+        SoftAggregator(f"{loopback_prefix()}.1").create_job(_spec(**tree))
+
+
 def test_racks_join_the_parents_job():
     p = loopback_prefix()
     parent_be, rack_be = Recorder(), [Recorder(), Recorder()]
