@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 
 from . import wire
+from .limits import MAX_TREE_WORKERS
 
 DEFAULT_CONTROL_PORT = 48800  # TCP port of the control endpoint (xdp-agg serve)
 
@@ -75,8 +76,6 @@ class JobSpec:
         return self.total_workers or self.num_workers
 
     def _check_parent(self) -> None:
-        from .limits import MAX_TREE_WORKERS
-
         if not self.uplink_port:
             self.uplink_port = self.agg_port
         for name in ("parent_port", "uplink_port"):

@@ -321,11 +321,10 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	__be32 *pl = (__be32 *)(pk->sml + 1);
 	struct exponents_hdr *exp = (void *)(pl + K);
 	u32 pkey = AGG_POOL_ENTRY(g, vi);
-	u64 bit = 1ULL << w->index;
 	u64 n = job->num_workers;
 	struct agg_result *r;
 	struct agg_slot *st;
-	u64 old, a, round, tag, done;
+	u64 old, a, round, tag, done, bit;
 
 	/* verifier: a constant-size range check on the packet pointer (the length was checked);
 	 * the exponent header follows the K elements of the payload */
@@ -343,6 +342,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		return XDP_ABORTED;
 	if (w->index == AGG_PARENT_INDEX)
 		return from_parent(ctx, pk, job, w, st, g, vi, pkey, K);
+	bit = 1ULL << w->index; /* a worker's index is < AGG_MAX_WORKERS here (ingress checked) */
 	old = __sync_fetch_and_or(&st->seen[vi], bit);
 	if (old & bit)
 		return answer_duplicate(ctx, pk, job, w, st, vi, pkey, K);
