@@ -77,7 +77,22 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument("--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify}")
     ap.add_argument("--progress", action="store_true")
+    ap.add_argument(
+        "--data-rank",
+        type=int,
+        default=None,
+        help="whose input this worker makes (default --rank): a rack's worker in a two-level "
+        "tree is rank i of its rack's job and one of --data-world workers summed",
+    )
+    ap.add_argument(
+        "--data-world",
+        type=int,
+        default=None,
+        help="how many workers' inputs make the exact sum (default --world)",
+    )
     args = ap.parse_args(argv)
+    data_rank = args.rank if args.data_rank is None else args.data_rank
+    data_world = args.world if args.data_world is None else args.data_world
 
     import hostlib
 
@@ -105,6 +120,8 @@ def main(argv=None) -> int:
                             "check": "counters",
                             "aggregator": mine,
                             "worker": comm.stats,
+                            # a rack of a two-level tree: its parent link and counters
+                            "parent": d.get("parent"),
                         }
                     ),
                     flush=True,
@@ -112,7 +129,7 @@ def main(argv=None) -> int:
                 continue
             dtype, count = item["dtype"], int(item["count"])
             seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
-            x = make_input(dtype, count, seed, args.rank)
+            x = make_input(dtype, count, seed, data_rank)
             times, cpu = [], []
             before = dict(comm.stats)
             for _ in range(reps):
@@ -139,13 +156,13 @@ def main(argv=None) -> int:
             }
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
             if item.get("verify", True):
-                want = expected_sum(dtype, count, seed, args.world)
+                want = expected_sum(dtype, count, seed, data_world)
                 if dtype == "int32":
                     report["ok"] = bool(np.array_equal(out, want))
                     report["mismatches"] = int(np.count_nonzero(out != want))
                 else:
                     err = np.abs(out.astype(np.float64) - want)
-                    bound = float_bound(dtype, count, seed, args.world, args.elems, out)
+                    bound = float_bound(dtype, count, seed, data_world, args.elems, out)
                     report["ok"] = bool(np.all(err <= bound))
                     report["max_abs_err"] = float(err.max())
                     report["max_err_over_bound"] = float((err / bound).max())

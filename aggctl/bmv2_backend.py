@@ -447,6 +447,11 @@ class Bmv2Backend:
             raise ValueError(
                 "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
             )
+        if spec.has_parent:
+            raise ValueError(
+                "the bmv2 program has no two-level aggregation (the XDP program does; "
+                "p4/README.md says why)"
+            )
         end = spec.slot_base + spec.slot_count
         if spec.job_id in self._jobs:
             self.delete_job(spec.job_id)

@@ -402,6 +402,9 @@ class RendezvousServer:
                     group_mac=group_mac,
                     udp_checksum=d.udp_checksum,
                 )
+                join = getattr(self.backend, "join_parent", None)
+                if join is not None:  # a rack of a two-level tree: join the parent's job first
+                    spec = join(key, spec, window=window, worker_port=worker_port)
                 self.backend.create_job(spec)
             except ValueError as e:
                 raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
@@ -539,6 +542,8 @@ class RendezvousServer:
         if hasattr(self.backend, "worker_counters"):
             counters = self.backend.worker_counters(job.spec.job_id)
             out["counters"] = {str(k): v for k, v in counters.items()}
+        if hasattr(self.backend, "parent_status"):  # a rack of a two-level tree
+            out["parent"] = self.backend.parent_status(job.spec.job_id)
         return out
 
     def _op_diagnose(self, conn, req, local, peer):

@@ -102,6 +102,10 @@ class SoftAggregator:
         """Create (or re-create) a job; its slot state starts cleared. ValueError on a bad or
         clashing spec (aggctl.backend.check_job: the model keys slots by job, but a real
         aggregator shares one pool, and this one keeps that contract)."""
+        if spec.has_parent:
+            raise ValueError(
+                "the software aggregator has no two-level aggregation (the XDP aggregator does)"
+            )
         with self._lock:
             ranges = {j: (o.slot_base, o.slot_count) for j, o in self._specs.items()}
             check_job(spec, ranges, wire.MAX_SLOTS)

@@ -12,6 +12,7 @@ from dataclasses import asdict, dataclass, field, fields
 from enum import IntEnum
 
 from . import wire
+from .limits import MAX_TREE_WORKERS
 
 DEFAULT_CONTROL_PORT = 48800  # TCP port of the control endpoint (xdp-agg serve)
 
@@ -43,6 +44,16 @@ class JobSpec:
     # legal for IPv4) and drop wrong ones as drop_bad_checksum. Off by default: it costs a pass
     # over the payload per packet (README, "UDP checksums"), and NIC offload makes it rarely needed.
     udp_checksum: bool = False
+    # Two levels (docs/protocol.md section 3.7): a rack job with a parent forwards each slot it
+    # completes as one contribution to the parent aggregator's job, where this aggregator is one
+    # worker, and sends its workers the parent's result. parent_ip 0.0.0.0: no parent.
+    parent_ip: str = "0.0.0.0"  # the parent aggregator's address
+    parent_mac: str = "00:00:00:00:00:00"  # its MAC, or the next hop's
+    parent_port: int = 0  # the parent job's aggregator port (0xBEE0..0xBEEF)
+    parent_slot_base: int = 0  # the parent job's first slot: our slot_base + i is its base + i
+    uplink_port: int = 0  # our UDP port toward the parent (0xBEE0..0xBEEF; 0: agg_port)
+    worker_port: int = 0  # the UDP port of our workers, where the parent's results go down
+    total_workers: int = 0  # workers under the root (float scaling's n); 0: num_workers
 
     def __post_init__(self) -> None:
         wire.size_code_for(self.elems)  # raises on a size that is not on the wire
@@ -51,6 +62,36 @@ class JobSpec:
         if isinstance(self.delivery, str):  # the JSON form (to_dict) names it
             self.delivery = Delivery[self.delivery.upper()]
         self.delivery = Delivery(self.delivery)
+        if self.has_parent:
+            self._check_parent()
+
+    @property
+    def has_parent(self) -> bool:
+        """True for a rack job of a two-level tree."""
+        return self.parent_ip not in ("", "0.0.0.0")
+
+    @property
+    def scale_workers(self) -> int:
+        """The n of float scaling (docs/protocol.md section 5.1): every worker under the root."""
+        return self.total_workers or self.num_workers
+
+    def _check_parent(self) -> None:
+        if not self.uplink_port:
+            self.uplink_port = self.agg_port
+        for name in ("parent_port", "uplink_port"):
+            p = getattr(self, name)
+            if (p & wire.UDP_PORT_MASK) != wire.UDP_PORT:
+                raise ValueError(f"{name} {p:#x} is not in 0xBEE0..0xBEEF")
+        if not 1 <= self.worker_port <= 65535:
+            raise ValueError("a job with a parent needs its workers' UDP port (worker_port)")
+        if self.delivery != Delivery.GROUP_TX:
+            raise ValueError("a job with a parent needs the one-arm topology (group delivery)")
+        if self.num_workers > MAX_TREE_WORKERS:
+            raise ValueError(f"a job with a parent has at most {MAX_TREE_WORKERS} workers")
+        if self.total_workers and self.total_workers < self.num_workers:
+            raise ValueError("total_workers counts every worker under the root: >= num_workers")
+        if self.parent_slot_base < 0 or self.parent_slot_base + self.slot_count > 1 << 14:
+            raise ValueError("the parent's slots are outside the 14-bit slot field")
 
     def to_dict(self) -> dict:
         d = asdict(self)

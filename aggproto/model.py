@@ -16,6 +16,7 @@ from enum import Enum
 import numpy as np
 
 from . import wire
+from .limits import PARENT_INDEX
 from .reasons import Reason
 
 # Frame offsets the parse needs (the wire module has ours; these are IPv4's and UDP's).
@@ -26,6 +27,8 @@ _IP_MF, _IP_OFFSET_MASK = 0x2000, 0x1FFF  # IPv4 more-fragments flag, fragment o
 _TYPE_SIZE = wire.SML_DTYPE.fields["msg_type_size"][1]
 _POOL_INDEX = wire.SML_DTYPE.fields["pool_index"][1]
 _E0 = wire.EXP_DTYPE.fields["e0"][1]  # from the exponent header's start: wire.exponents_at(k)
+_JOB_NUMBER = wire.SML_DTYPE.fields["job_number"][1]
+_TSI = wire.SML_DTYPE.fields["tsi"][1]
 
 
 def _udp_checksum_ok(frame: bytes) -> bool:
@@ -50,6 +53,7 @@ class Action(Enum):
     DROP = "drop"  # consumed (aggregated, or dropped with a reason)
     TO_ALL = "to_all"  # the result, to every worker of the job
     TO_SENDER = "to_sender"  # the stored result, to the sender alone
+    TO_PARENT = "to_parent"  # a rack job's partial sum, to its parent aggregator
 
 
 @dataclass
@@ -71,6 +75,18 @@ class _Slot:
     acc: list = field(default_factory=lambda: [None, None])
     e0: list = field(default_factory=lambda: [0, 0])
     e1: list = field(default_factory=lambda: [0, 0])
+    # tree jobs: the (job_number, tsi) forwarded up, and whether the parent's result is stored
+    up_hdr: list = field(default_factory=lambda: [None, None])
+    parent_done: list = field(default_factory=lambda: [False, False])
+
+
+@dataclass
+class ModelParent:
+    """A rack job's link to its parent aggregator (the JobSpec parent_* fields)."""
+
+    ip: str  # the parent's address: its results come from there
+    uplink_port: int  # our port toward it: its results come to there
+    slot_base: int  # the parent job's first slot
 
 
 @dataclass
@@ -83,6 +99,7 @@ class ModelJob:
     slot_base: int
     slot_count: int
     udp_checksum: bool = False  # verify contributions' (nonzero) UDP checksums
+    parent: ModelParent | None = None  # a rack job of a two-level tree
 
     @property
     def size_code(self) -> int:
@@ -98,14 +115,39 @@ class ReferenceAggregator:
         self.slots: dict[tuple[int, int], _Slot] = {}
 
     def create_job(
-        self, job_id, num_workers, elems, slot_base, slot_count, udp_checksum: bool = False
+        self,
+        job_id,
+        num_workers,
+        elems,
+        slot_base,
+        slot_count,
+        udp_checksum: bool = False,
+        parent: ModelParent | None = None,
     ) -> ModelJob:
-        """Create (or re-create) a job; its slot state starts cleared."""
-        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count, udp_checksum)
+        """Create (or re-create) a job; its slot state starts cleared. With `parent`, a rack
+        job: its parent is registered as the job's worker PARENT_INDEX."""
+        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count, udp_checksum, parent)
         self.jobs[job_id] = job
         for g in range(slot_base, slot_base + slot_count):
             self.slots[(job_id, g)] = _Slot()
+        if parent is not None:
+            self.workers[(parent.ip, parent.uplink_port)] = (job_id, PARENT_INDEX)
         return job
+
+    def create_job_spec(self, spec) -> ModelJob:
+        """create_job from an aggproto.jobs.JobSpec (its parent link too)."""
+        parent = None
+        if spec.has_parent:
+            parent = ModelParent(spec.parent_ip, spec.uplink_port, spec.parent_slot_base)
+        return self.create_job(
+            spec.job_id,
+            spec.num_workers,
+            spec.elems,
+            spec.slot_base,
+            spec.slot_count,
+            spec.udp_checksum,
+            parent,
+        )
 
     def delete_job(self, job_id: int) -> None:
         self.jobs.pop(job_id, None)
@@ -181,7 +223,8 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_UNKNOWN_SOURCE)
         job_id, w = who
         job = self.jobs.get(job_id)
-        if job is None or w >= job.num_workers:
+        up = w == PARENT_INDEX
+        if job is None or (job.parent is None if up else w >= job.num_workers):
             return Verdict(Action.DROP, Reason.DROP_NO_JOB, job_id=job_id, worker=w)
         ts = payload[_TYPE_SIZE]
         if ts >> 4 != wire.MSG_TYPE_DATA:
@@ -202,12 +245,18 @@ class ReferenceAggregator:
         # the reserved bit set puts g out of every range
         g = pidx & (wire.POOL_SLOT_MASK | wire.POOL_RESERVED_BIT)
         v = int(bool(pidx & wire.POOL_VERSION_BIT))
+        if up:  # the parent's slots map onto ours one to one
+            if not job.parent.slot_base <= g < job.parent.slot_base + job.slot_count:
+                return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
+            g = g - job.parent.slot_base + job.slot_base
         if not job.slot_base <= g < job.slot_base + job.slot_count:
             return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
         if job.udp_checksum and checksum_ok is not None and not checksum_ok():
             return Verdict(Action.DROP, Reason.DROP_BAD_CHECKSUM, job_id=job_id, worker=w)
         msg = wire.Message.from_bytes(payload[:need])
         st = self.slots[(job_id, g)]
+        if up:
+            return self._from_parent(job, payload[:need], msg, st, g, v)
         bit = 1 << w
         if not st.seen[v] & bit:
             st.seen[v] |= bit
@@ -224,12 +273,49 @@ class ReferenceAggregator:
             if st.count[v] < job.num_workers:
                 return Verdict(Action.DROP, Reason.AGGREGATED, job_id=job_id, worker=w)
             st.complete[v] = True
+            if job.parent is not None:  # complete here: the partial sum goes up
+                st.up_hdr[v] = _round_key(payload)
+                st.parent_done[v] = False
+                return Verdict(
+                    Action.TO_PARENT,
+                    Reason.FORWARDED_UP,
+                    self._up(job, payload, st, g, v),
+                    job_id,
+                    w,
+                )
             return Verdict(Action.TO_ALL, Reason.COMPLETED, self._result(payload, st, v), job_id, w)
+        if st.complete[v] and job.parent is not None and not st.parent_done[v]:
+            # complete here, no parent result yet: the partial went up and may have been lost
+            return Verdict(
+                Action.TO_PARENT, Reason.RESENT_UP, self._up(job, payload, st, g, v), job_id, w
+            )
         if st.complete[v]:
             return Verdict(
                 Action.TO_SENDER, Reason.RETX_ANSWERED, self._result(payload, st, v), job_id, w
             )
         return Verdict(Action.DROP, Reason.DUP_PENDING, job_id=job_id, worker=w)
+
+    def _from_parent(self, job, payload, msg, st: _Slot, g: int, v: int) -> Verdict:
+        """A result from a rack job's parent for our slot g, version v: stored and sent to every
+        worker when that round is complete here and waits on it (the same job_number and tsi
+        as the partial sent up); anything else is stale."""
+        waiting = st.complete[v] and not st.parent_done[v]
+        if not waiting or _round_key(payload) != st.up_hdr[v]:
+            return Verdict(Action.DROP, Reason.STALE_PARENT_RESULT, job_id=job.job_id)
+        st.acc[v] = msg.values.astype(np.int64)
+        st.e0[v], st.e1[v] = msg.e0, msg.e1
+        st.parent_done[v] = True
+        out = bytearray(self._result(payload, st, v))
+        out[_POOL_INDEX : _POOL_INDEX + 2] = int(wire.pool_index(g, v)).to_bytes(2, "big")
+        return Verdict(Action.TO_ALL, Reason.PARENT_RESULT, bytes(out), job.job_id, PARENT_INDEX)
+
+    def _up(self, job: ModelJob, request: bytes, st: _Slot, g: int, v: int) -> bytes:
+        """The partial sum of slot g as a contribution to the parent: the request's headers,
+        the parent's slot for ours."""
+        out = bytearray(self._result(request, st, v))
+        pg = g - job.slot_base + job.parent.slot_base
+        out[_POOL_INDEX : _POOL_INDEX + 2] = int(wire.pool_index(pg, v)).to_bytes(2, "big")
+        return bytes(out)
 
     @staticmethod
     def _result(request: bytes, st: _Slot, v: int) -> bytes:
@@ -244,3 +330,9 @@ class ReferenceAggregator:
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
         out[wire.VALUES_AT : wire.exponents_at(n)] = wrapped
         return bytes(out)
+
+
+def _round_key(payload: bytes) -> bytes:
+    """What names a round between the levels: the job_number and tsi of the packet sent up,
+    which the parent's result echoes."""
+    return bytes(payload[_JOB_NUMBER : _JOB_NUMBER + 1]) + bytes(payload[_TSI : _TSI + 4])

@@ -28,6 +28,11 @@ class Reason(IntEnum):
     EGRESS_NO_WORKER = 13  # switch mode: a result copy for a port with no worker of that job
     DROP_BAD_LENGTH = 14  # IPv4 total or UDP length disagrees with the frame or the size code
     DROP_BAD_CHECKSUM = 15  # a job that verifies UDP checksums: a nonzero checksum that is wrong
+    # Two-level aggregation (a rack job with a parent aggregator, docs/protocol.md section 3.7):
+    FORWARDED_UP = 16  # a contribution that completed its slot locally: partial sum to the parent
+    RESENT_UP = 17  # a retransmission while the parent has not answered: partial sum re-sent up
+    PARENT_RESULT = 18  # the parent's result for a slot waiting on it: stored, sent to the workers
+    STALE_PARENT_RESULT = 19  # a parent result for no waiting round (old, duplicate): dropped
 
 
 NUM_REASONS = len(Reason)

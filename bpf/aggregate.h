@@ -16,13 +16,61 @@
  * With -DAGG_SPINLOCK (the baseline the design asks to measure against) the per-CPU partials are
  * replaced by one shared partial per (slot, version) under a bpf_spin_lock; the rest is the same.
  * A worker's own packets are processed in order (one queue per flow), which is what makes the
- * stored result stable while it is read; see docs/protocol.md section 3.3 for why two versions suffice. */
+ * stored result stable while it is read; see docs/protocol.md section 3.3 for why two versions suffice.
+ *
+ * Tree jobs (a rack job with a parent aggregator, docs/protocol.md section 3.7): the completing
+ * CPU stores the partial sum in the result as usual, records the round's key (tsi, job_number)
+ * in `up_round`, and bumps `up` instead of `published` (fetch_add: a full barrier, so whoever
+ * reads `up` with a fetch_add sees the partial and the key); the packet goes to the parent as
+ * our contribution. A retransmission of a round complete here (up * n == arrivals) but not yet
+ * answered (published * n != arrivals) re-sends the stored partial up. The parent's result is
+ * taken once per round: it must match a round waiting on it (up == published + 1, the same
+ * key), and then claim the parent bit of `seen` (fetch_or: exactly one CPU wins when copies
+ * arrive at once; the completing CPU cleared it before bumping `up`). The winner overwrites
+ * the stored partial with the parent's sum and only then bumps `published`, so a
+ * retransmission answered from a published round reads the parent's sum. A re-send racing
+ * with that overwrite may carry a torn sum up: harmless, since a parent result exists only
+ * once the parent holds our contribution, so it takes the re-send for a duplicate and
+ * ignores its payload. */
 #ifndef XDP_AGG_AGGREGATE_H
 #define XDP_AGG_AGGREGATE_H
 
 static __always_inline s32 max_s32(s32 a, s32 b)
 {
 	return a > b ? a : b;
+}
+
+/* Copy a stored sum (network order) and its exponents into the packet. */
+static __always_inline int copy_result(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_result *r,
+				       const u32 K)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	__be32 *pl = (__be32 *)(pk->sml + 1);
+
+	if ((void *)(pl + K) > data_end) /* verifier: the caller checked the length already */
+		return -1;
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+		pl[j] = r->data[j];
+	pk->exp->e0 = r->e0;
+	pk->exp->e1 = r->e1;
+	return 0;
+}
+
+/* Tree jobs: a retransmission of a round complete here that the parent has not answered: the
+ * stored partial goes up again (the first may have been lost between the levels). */
+static __always_inline int resend_up(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
+				     struct agg_worker *w, u32 vi, u32 rkey, const u32 K)
+{
+	struct agg_result *r = results.lookup(&rkey);
+
+	if (!r)
+		return XDP_ABORTED;
+	if (copy_result(ctx, pk, r, K))
+		return XDP_DROP;
+	address_up(pk, job, rkey >> 1, vi);
+	count(w->job, AGG_RESENT_UP);
+	return XDP_TX;
 }
 
 /* A retransmission or duplicate: answer the stored result if the round is published. */
@@ -41,6 +89,11 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 	/* The worker's bit is set, so it is in the latest round of (slot, version); that round is
 	 * complete when every arrival so far belongs to a published round. */
 	if (published * job->num_workers != arrivals) {
+		/* tree: complete here but the parent has not answered: send the partial up again
+		 * (fetch_add(0): the partial stored before `up` was bumped is the one read) */
+		if ((job->flags & AGG_JOB_TREE) &&
+		    __sync_fetch_and_add(&st->up[vi], 0) * job->num_workers == arrivals)
+			return resend_up(ctx, pk, job, w, vi, rkey, K);
 		count(w->job, AGG_DUP_PENDING);
 		return XDP_DROP;
 	}
@@ -222,6 +275,44 @@ static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, cons
 	return sum == 0xffff;
 }
 
+/* Tree jobs: the parent's result for our slot g, version vi (docs/protocol.md section 3.7). */
+static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
+				       struct agg_worker *w, struct agg_slot *st, u32 g, u32 vi,
+				       u32 rkey, const u32 K)
+{
+	void *data_end = (void *)(long)ctx->data_end;
+	__be32 *pl = (__be32 *)(pk->sml + 1);
+	/* fetch_add(0) is a full barrier: up_round below is the one of the round sent up */
+	u64 up = __sync_fetch_and_add(&st->up[vi], 0);
+	struct agg_result *r;
+	u64 old;
+
+	if (up != st->published[vi] + 1 || st->up_round[vi] != round_key(pk)) {
+		count(w->job, AGG_STALE_PARENT_RESULT); /* no round waits on it: old or another's */
+		return XDP_DROP;
+	}
+	old = __sync_fetch_and_or(&st->seen[vi], AGG_PARENT_BIT);
+	if (old & AGG_PARENT_BIT) {
+		count(w->job, AGG_STALE_PARENT_RESULT); /* a copy already taken on another CPU */
+		return XDP_DROP;
+	}
+	r = results.lookup(&rkey);
+	if (!r)
+		return XDP_ABORTED;
+	if ((void *)(pl + K) > data_end) /* verifier: the caller checked the length already */
+		return XDP_DROP;
+	AGG_NO_UNROLL
+	for (u32 j = 0; j < K; j++)
+		r->data[j] = pl[j];
+	r->e0 = pk->exp->e0;
+	r->e1 = pk->exp->e1;
+	/* the parent's sum is stored before the round reads as published */
+	__sync_fetch_and_add(&st->published[vi], 1);
+	count(w->job, AGG_PARENT_RESULT);
+	address_down(pk, job, g, vi);
+	return XDP_TX;
+}
+
 /* A packet of ours with K elements from worker w for slot g, version vi. */
 static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
@@ -230,11 +321,10 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	__be32 *pl = (__be32 *)(pk->sml + 1);
 	struct exponents_hdr *exp = (void *)(pl + K);
 	u32 pkey = AGG_POOL_ENTRY(g, vi);
-	u64 bit = 1ULL << w->index;
 	u64 n = job->num_workers;
 	struct agg_result *r;
 	struct agg_slot *st;
-	u64 old, a, round, tag, done;
+	u64 old, a, round, tag, done, bit;
 
 	/* verifier: a constant-size range check on the packet pointer (the length was checked);
 	 * the exponent header follows the K elements of the payload */
@@ -250,6 +340,9 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	st = slots.lookup(&g);
 	if (!st)
 		return XDP_ABORTED;
+	if (w->index == AGG_PARENT_INDEX)
+		return from_parent(ctx, pk, job, w, st, g, vi, pkey, K);
+	bit = 1ULL << w->index; /* a worker's index is < AGG_MAX_WORKERS here (ingress checked) */
 	old = __sync_fetch_and_or(&st->seen[vi], bit);
 	if (old & bit)
 		return answer_duplicate(ctx, pk, job, w, st, vi, pkey, K);
@@ -278,6 +371,15 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	if (!r)
 		return XDP_ABORTED;
 	complete_slot(pk, pl, r, pkey, tag, K);
+	if (job->flags & AGG_JOB_TREE) {
+		/* the partial is stored; the parent's result for this round is still to be taken */
+		__sync_fetch_and_and(&st->seen[vi], ~AGG_PARENT_BIT);
+		st->up_round[vi] = round_key(pk);
+		__sync_fetch_and_add(&st->up[vi], 1); /* barrier: partial and key before `up` */
+		count(w->job, AGG_FORWARDED_UP);
+		address_up(pk, job, g, vi);
+		return XDP_TX;
+	}
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_COMPLETED);
 	if (job->delivery == AGG_DELIVERY_BROADCAST) {

@@ -20,5 +20,6 @@
 #define AGG_STATS_ROWS	((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
 #define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)       /* per-worker counter rows */
 #define AGG_EXP_NONE	(-128)				       /* neutral element of max over s8 */
+#define AGG_PARENT_BIT	(1ULL << 63) /* tree jobs: the parent's result claimed, in `seen` */
 
 #endif

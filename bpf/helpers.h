@@ -15,10 +15,13 @@ static __always_inline void count(u32 job, u32 reason)
 		*c += 1;
 }
 
-/* A worker's counter row (per-CPU). */
+/* A worker's counter row (per-CPU); none for a tree job's parent (index AGG_PARENT_INDEX). */
 static __always_inline struct agg_worker_stats *worker_counters(struct agg_worker *w)
 {
 	u32 key = AGG_WORKER_KEY(w->job, w->index);
+
+	if (w->index >= AGG_MAX_WORKERS)
+		return NULL;
 
 	return worker_stats.lookup(&key);
 }
@@ -89,6 +92,45 @@ static __always_inline void address_to_group(struct agg_pkt *pk, struct agg_job 
 	pk->udp->dest = p;
 	result_fields(pk);
 	ipv4_csum(pk->ip);
+}
+
+/* Tree jobs: address a partial sum of our slot g, version vi to the parent aggregator, as a
+ * contribution from us (our address and uplink port) to the parent's slot for g. */
+static __always_inline void address_up(struct agg_pkt *pk, struct agg_job *job, u32 g, u32 vi)
+{
+	u32 pg = g - job->slot_base + job->parent_slot_base;
+
+	__builtin_memcpy(pk->eth->h_dest, job->parent_mac, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
+	pk->ip->saddr = job->agg_ip;
+	pk->ip->daddr = job->parent_ip;
+	pk->udp->source = job->uplink_port;
+	pk->udp->dest = job->parent_port;
+	pk->sml->pool_index = bpf_htons((pg & SML_POOL_SLOT_MASK) | (vi << 15));
+	result_fields(pk);
+	ipv4_csum(pk->ip);
+}
+
+/* Tree jobs: address the parent's result for our slot g, version vi to our workers' group,
+ * from our aggregator port to theirs. */
+static __always_inline void address_down(struct agg_pkt *pk, struct agg_job *job, u32 g, u32 vi)
+{
+	__builtin_memcpy(pk->eth->h_dest, job->group_mac, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
+	pk->ip->saddr = job->agg_ip;
+	pk->ip->daddr = job->group_ip;
+	pk->udp->source = bpf_htons((u16)job->agg_port);
+	pk->udp->dest = job->down_port;
+	pk->sml->pool_index = bpf_htons((g & SML_POOL_SLOT_MASK) | (vi << 15));
+	result_fields(pk);
+	ipv4_csum(pk->ip);
+}
+
+/* Tree jobs: what names a round between the levels, the job_number and tsi of the packet sent
+ * up, which the parent's result echoes. */
+static __always_inline u64 round_key(struct agg_pkt *pk)
+{
+	return ((u64)pk->sml->tsi << 8) | pk->sml->job_number;
 }
 
 /* Address a result copy to one worker behind an egress port (switch mode). */

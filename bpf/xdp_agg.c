@@ -40,6 +40,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	struct agg_job *job;
 	struct agg_pkt pk;
 	u32 pidx, g, vi, len, need;
+	bool from_parent;
 	switch (parse(ctx, &pk)) {
 	case AGG_PARSE_OK:
 		break;
@@ -61,7 +62,11 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 		return XDP_DROP;
 	}
 	job = jobs.lookup(&w->job);
-	if (!job || !job->active || w->index >= job->num_workers || w->index >= AGG_MAX_WORKERS) {
+	/* A tree job's parent is registered as its worker AGG_PARENT_INDEX (docs/protocol.md 3.7) */
+	from_parent = w->index == AGG_PARENT_INDEX;
+	if (!job || !job->active ||
+	    (from_parent ? !(job->flags & AGG_JOB_TREE)
+			 : w->index >= job->num_workers || w->index >= AGG_MAX_WORKERS)) {
 		count(w->job < AGG_MAX_JOBS ? w->job : AGG_NO_JOB, AGG_DROP_NO_JOB);
 		return XDP_DROP;
 	}
@@ -86,6 +91,11 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	/* the reserved bit set puts g out of every range */
 	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT);
 	vi = pidx >> 15;
+	if (from_parent) { /* the parent's slots map onto ours one to one */
+		if (g < job->parent_slot_base || g >= job->parent_slot_base + job->slot_count)
+			return drop(w, AGG_DROP_SLOT_RANGE);
+		g = g - job->parent_slot_base + job->slot_base;
+	}
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 

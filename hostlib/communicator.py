@@ -162,7 +162,9 @@ def init(
         raise
     cfg = EngineConfig(
         job_id=desc.spec.job_id,
-        world_size=desc.world_size,
+        # float scaling's n: every worker under the root of a two-level tree (JobSpec
+        # total_workers), else the job's own ranks
+        world_size=desc.spec.total_workers or desc.world_size,
         elems=desc.spec.elems,
         slot_base=desc.spec.slot_base,
         window=desc.window,

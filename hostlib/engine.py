@@ -131,7 +131,7 @@ class EngineConfig:
     """What the engine needs to know about its job (from the control endpoint)."""
 
     job_id: int
-    world_size: int
+    world_size: int  # the n of float scaling: all workers summed (under the root of a tree)
     elems: int  # int32 per packet
     slot_base: int
     window: int  # slots of this worker: slot_base .. slot_base + window - 1

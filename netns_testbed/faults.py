@@ -110,3 +110,35 @@ def _dup_chain(chain: str, dev: str, match: str, p: float, priority: int = 0) ->
 def apply(netns: str, script: str) -> None:
     """Load ``script`` into ``netns`` with ``nft -f -``."""
     nsexec.check(netns, ["nft", "-f", "-"], "nft (loss/duplication rules)", input=script)
+
+
+def port_loss_script(ports: list[str], loss: float) -> str:
+    """nft script for the one-arm bridge namespace: loss on the named bridge ports, both ways.
+
+    For links whose far end runs an aggregator: its XDP_TX'd frames skip its own egress hook and
+    its XDP program sees a frame before its ingress hook, so rules in its own namespace (as
+    worker_script puts them) would never touch the aggregation traffic. Here they sit on the
+    bridge's end of the link: a frame from the aggregator meets the port's ingress hook, one to
+    it the port's egress hook, each dropped with probability ``loss`` when it is UDP from or to
+    0xBEE0-0xBEEF (one chance per frame and direction, whichever of its ports matches). Its own
+    table (``netns_testbed_ports``), so switch_script's duplication stays as it is.
+    """
+    ports_range = f"{AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
+    body = ""
+    if loss > 0:
+        for p in ports:
+            for hook in ("ingress", "egress"):
+                body += (
+                    f'  chain loss_{hook}_{p} {{ type filter hook {hook} device "{p}" priority 0; '
+                    "policy accept;\n"
+                    f"    udp dport {ports_range} {_chance(loss)}counter drop\n"
+                    f"    udp sport {ports_range} udp dport != {ports_range} "
+                    f"{_chance(loss)}counter drop\n  }}\n"
+                )
+    text = f"table netdev {PORTS_TABLE}\ndelete table netdev {PORTS_TABLE}\n"
+    if body:
+        text += f"table netdev {PORTS_TABLE} {{\n{body}}}\n"
+    return text
+
+
+PORTS_TABLE = TABLE + "_ports"

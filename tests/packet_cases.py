@@ -26,6 +26,13 @@ AGG_MAC = "02:00:00:00:00:01"
 GROUP_IP = "198.18.0.255"
 GROUP_MAC = "ff:ff:ff:ff:ff:ff"
 WORKER_PORT = 0xBEE0
+# Two levels: the parent aggregator of the tree cases, and the ports between the levels.
+PARENT_IP = "198.18.1.1"
+PARENT_MAC = "02:00:00:00:01:01"
+PARENT_PORT = 0xBEE4  # the parent job's aggregator port
+UPLINK_PORT = 0xBEE7  # the rack job's port toward the parent
+RACK_WORKER_PORT = 40000  # the rack's workers' port: parent results go down to it
+PARENT_SLOT_BASE = 100  # the parent job's slots: our slot_base + i is its 100 + i
 
 
 def worker_ip(i: int) -> str:
@@ -45,7 +52,19 @@ def job(
     port=wire.UDP_PORT,
     delivery=Delivery.GROUP_TX,
     udp_checksum=False,
+    tree=False,
+    parent_base=PARENT_SLOT_BASE,
 ) -> JobSpec:
+    parent = {}
+    if tree:
+        parent = dict(
+            parent_ip=PARENT_IP,
+            parent_mac=PARENT_MAC,
+            parent_port=PARENT_PORT,
+            parent_slot_base=parent_base,
+            uplink_port=UPLINK_PORT,
+            worker_port=RACK_WORKER_PORT,
+        )
     return JobSpec(
         job_id=job_id,
         num_workers=n,
@@ -59,6 +78,7 @@ def job(
         group_ip=GROUP_IP,
         group_mac=GROUP_MAC,
         udp_checksum=udp_checksum,
+        **parent,
     )
 
 
@@ -80,6 +100,25 @@ def frame(w: int, values, *, port=wire.UDP_PORT, **kw) -> bytes:
             sport=WORKER_PORT,
             dport=port,
             values=values,
+            **kw,
+        )
+    )
+
+
+def parent_frame(values, *, slot: int, version: int = 0, src_ip=PARENT_IP, **kw) -> bytes:
+    """The parent aggregator's result for its slot `slot`, as it sends it to the group of its
+    workers (the racks): from its job's port to the rack's uplink port."""
+    return bytes(
+        sml_frame(
+            src_ip=src_ip,
+            src_mac=PARENT_MAC,
+            dst_ip="198.18.1.255",
+            dst_mac="ff:ff:ff:ff:ff:ff",
+            sport=PARENT_PORT,
+            dport=UPLINK_PORT,
+            values=values,
+            slot=slot,
+            version=version,
             **kw,
         )
     )
@@ -130,6 +169,7 @@ class Step:
     e0: int | None = None
     e1: int = 0  # the result's e1 (max over the round's contributions)
     sender: int | None = None  # worker host a TO_SENDER answer goes back to
+    pool_index: int | None = None  # the output's pool index when not the request's (two levels)
 
 
 @dataclass
@@ -155,6 +195,9 @@ def check_result(step: Step, req, out) -> None:
     from aggproto.scapy_layer import Exponents, SwitchML
 
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
+        if f == "pool_index" and step.pool_index is not None:
+            assert out[SwitchML].pool_index == step.pool_index, f"{step.what}: pool index"
+            continue
         assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), (
             f"{step.what}: {f} not echoed"
         )
@@ -686,6 +729,172 @@ def build_cases() -> list[Case]:
 
     c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
     c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
+    cases.append(c)
+    cases += tree_cases(rng)
+    return cases
+
+
+def tree_cases(rng) -> list[Case]:
+    """Two levels (docs/protocol.md section 3.7): a rack job (base 4, 8 slots) whose parent job's
+    slots start at PARENT_SLOT_BASE. Our slot g is the parent's g - 4 + 100."""
+    cases = []
+    pidx = wire.pool_index
+
+    def up(g, v):
+        return int(pidx(g - 4 + PARENT_SLOT_BASE, v))
+
+    for k in (32, 256):
+        c = Case(
+            f"tree_forward_and_down_k{k}",
+            [job(n=3, elems=k, base=4, count=8, tree=True)],
+            workers(0, 3),
+        )
+        vals = [_vals(rng, k) for _ in range(3)]
+        exps = [3, -5, 9]
+        fr = [frame(h, vals[h], slot=6, tsi=50, e0=exps[h], job_number=7) for h in range(3)]
+        part = _wrap(sum(vals))
+        other = _vals(rng, k, -(10**6), 10**6)  # the other racks' sum, as the parent adds it
+        total = _wrap(sum(vals) + other)
+        down = parent_frame(total, slot=6 - 4 + PARENT_SLOT_BASE, tsi=50, e0=12, job_number=7)
+        c.steps = [
+            Step("w0", fr[0], Action.DROP, Reason.AGGREGATED),
+            Step("w1", fr[1], Action.DROP, Reason.AGGREGATED),
+            Step(
+                "w2 completes here: the partial goes up",
+                fr[2],
+                Action.TO_PARENT,
+                Reason.FORWARDED_UP,
+                part,
+                9,
+                pool_index=up(6, 0),
+            ),
+            Step(
+                "w0 retransmits before the parent answered: the partial again",
+                fr[0],
+                Action.TO_PARENT,
+                Reason.RESENT_UP,
+                part,
+                9,
+                pool_index=up(6, 0),
+            ),
+            Step(
+                "the parent's result comes down to every worker",
+                down,
+                Action.TO_ALL,
+                Reason.PARENT_RESULT,
+                total,
+                12,
+                pool_index=int(pidx(6, 0)),
+            ),
+            Step(
+                "the parent's result again (a copy)", down, Action.DROP, Reason.STALE_PARENT_RESULT
+            ),
+            Step(
+                "w1 retransmits after the parent answered: the parent's result",
+                fr[1],
+                Action.TO_SENDER,
+                Reason.RETX_ANSWERED,
+                total,
+                12,
+                sender=1,
+            ),
+        ]
+        cases.append(c)
+
+    c = Case("tree_versions_alternate", [job(n=2, base=4, count=8, tree=True)], workers(0, 2))
+    for r in range(3):  # v0, v1, v0 on slot 5: each round up, then down
+        v = r % 2
+        a, b = _vals(rng, 32), _vals(rng, 32)
+        tsi = 5 + 8 * r
+        total = _wrap(a + b + 1000 * (r + 1))
+        c.steps += [
+            Step(
+                f"round {r} w0",
+                frame(0, a, slot=5, version=v, tsi=tsi),
+                Action.DROP,
+                Reason.AGGREGATED,
+            ),
+            Step(
+                f"round {r} w1 completes, up",
+                frame(1, b, slot=5, version=v, tsi=tsi),
+                Action.TO_PARENT,
+                Reason.FORWARDED_UP,
+                _wrap(a + b),
+                0,
+                pool_index=up(5, v),
+            ),
+            Step(
+                f"round {r} the parent's result",
+                parent_frame(total, slot=101, version=v, tsi=tsi),
+                Action.TO_ALL,
+                Reason.PARENT_RESULT,
+                total,
+                0,
+                pool_index=int(pidx(5, v)),
+            ),
+        ]
+    cases.append(c)
+
+    c = Case("tree_stale_parent_results", [job(n=2, base=4, count=8, tree=True)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    total = _wrap(a + b + 7)
+    c.steps = [
+        Step(
+            "a parent result before anything went up",
+            parent_frame(total, slot=102, tsi=9),
+            Action.DROP,
+            Reason.STALE_PARENT_RESULT,
+        ),
+        Step("w0", frame(0, a, slot=6, tsi=9), Action.DROP, Reason.AGGREGATED),
+        Step(
+            "a parent result while the slot is still incomplete here",
+            parent_frame(total, slot=102, tsi=9),
+            Action.DROP,
+            Reason.STALE_PARENT_RESULT,
+        ),
+        Step(
+            "w1 completes, up",
+            frame(1, b, slot=6, tsi=9),
+            Action.TO_PARENT,
+            Reason.FORWARDED_UP,
+            _wrap(a + b),
+            0,
+            pool_index=up(6, 0),
+        ),
+        Step(
+            "the parent's result for the other version",
+            parent_frame(total, slot=102, version=1, tsi=9),
+            Action.DROP,
+            Reason.STALE_PARENT_RESULT,
+        ),
+        Step(
+            "a parent result of another packet (tsi)",
+            parent_frame(total, slot=102, tsi=1),
+            Action.DROP,
+            Reason.STALE_PARENT_RESULT,
+        ),
+        Step(
+            "a result from another address than the parent's",
+            parent_frame(total, slot=102, tsi=9, src_ip="198.18.1.2"),
+            Action.DROP,
+            Reason.DROP_UNKNOWN_SOURCE,
+        ),
+        Step(
+            "a parent result for a slot outside the parent job's",
+            parent_frame(total, slot=99, tsi=9),
+            Action.DROP,
+            Reason.DROP_SLOT_RANGE,
+        ),
+        Step(
+            "the parent's result, finally",
+            parent_frame(total, slot=102, tsi=9),
+            Action.TO_ALL,
+            Reason.PARENT_RESULT,
+            total,
+            0,
+            pool_index=int(pidx(6, 0)),
+        ),
+    ]
     cases.append(c)
     return cases
 

@@ -12,9 +12,7 @@ from aggproto.model import Action, ReferenceAggregator
 def test_model_follows_the_table(case):
     model = ReferenceAggregator()
     for j in case.jobs:
-        model.create_job(
-            j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum
-        )
+        model.create_job_spec(j)
     for w in case.workers:
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
     for step in case.steps:

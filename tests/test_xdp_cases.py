@@ -8,7 +8,21 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from packet_cases import AGG_IP, AGG_MAC, CASES, GROUP_IP, GROUP_MAC, Case, Step, check_result
+from packet_cases import (
+    AGG_IP,
+    AGG_MAC,
+    CASES,
+    GROUP_IP,
+    GROUP_MAC,
+    PARENT_IP,
+    PARENT_MAC,
+    PARENT_PORT,
+    RACK_WORKER_PORT,
+    UPLINK_PORT,
+    Case,
+    Step,
+    check_result,
+)
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
@@ -28,7 +42,7 @@ def _xdp_action(step: Step, delivery: Delivery) -> int:
         return bpfsys.XDP_DROP
     if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
         return bpfsys.XDP_REDIRECT
-    return bpfsys.XDP_TX
+    return bpfsys.XDP_TX  # TO_ALL one-arm, TO_SENDER, TO_PARENT
 
 
 def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -> None:
@@ -43,6 +57,25 @@ def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -
     check_result(step, req, out)
     if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
         return  # the devmap egress program addresses each copy (netns test)
+    if step.action == Action.TO_PARENT:  # our partial, as our contribution to the parent
+        assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
+            PARENT_MAC,
+            AGG_MAC,
+            AGG_IP,
+            PARENT_IP,
+        ), step.what
+        assert (out[UDP].sport, out[UDP].dport) == (UPLINK_PORT, PARENT_PORT), step.what
+        return
+    if step.reason == Reason.PARENT_RESULT:  # the parent's sum, down to our workers' group
+        assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
+            GROUP_MAC,
+            AGG_MAC,
+            AGG_IP,
+            GROUP_IP,
+        ), step.what
+        # from the rack job's own port (the tree cases' job has the default one)
+        assert (out[UDP].sport, out[UDP].dport) == (wire.UDP_PORT, RACK_WORKER_PORT), step.what
+        return
     if step.action == Action.TO_ALL:
         want = (GROUP_MAC, AGG_MAC, AGG_IP, GROUP_IP)
     else:
@@ -75,9 +108,7 @@ def test_packet_case(agg, case: Case):
     model = ReferenceAggregator()
     for j in case.jobs:
         maps.create_job(j)
-        model.create_job(
-            j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum
-        )
+        model.create_job_spec(j)
     for w in case.workers:
         maps.add_worker(w)
         model.add_worker(w.job_id, w.index, w.ip, w.agg_port)

@@ -13,7 +13,7 @@ import ctypes as ct
 from dataclasses import dataclass
 from enum import IntFlag
 
-from aggproto.limits import MAX_ELEMS, MAX_JOBS, MAX_PORTS, MAX_WORKERS, NO_JOB
+from aggproto.limits import MAX_ELEMS, MAX_JOBS, MAX_PORTS, MAX_WORKERS, NO_JOB, PARENT_INDEX
 from aggproto.reasons import NUM_REASONS
 
 
@@ -21,6 +21,7 @@ class JobFlag(IntFlag):
     """Per-job options of the data path (bits of agg_job.flags)."""
 
     VERIFY_UDP_CSUM = 1  # drop contributions whose (nonzero) UDP checksum is wrong
+    TREE = 2  # a rack job: completed slots go to the parent aggregator (the parent_* fields)
 
 
 # --- structures --------------------------------------------------------------------------------
@@ -85,6 +86,12 @@ JOB = Struct(
         F("group_mac", "__u8", "one-arm: destination MAC of results", 6),
         F("agg_ip", "__be32", "source address of results"),
         F("group_ip", "__be32", "one-arm: destination address of results"),
+        F("parent_mac", "__u8", "tree: destination MAC of partial sums sent up", 6),
+        F("parent_port", "__be16", "tree: the parent job's aggregator port"),
+        F("uplink_port", "__be16", "tree: our source port up, where parent results arrive"),
+        F("down_port", "__be16", "tree: our workers' port, where parent results go down"),
+        F("parent_ip", "__be32", "tree: the parent aggregator's address"),
+        F("parent_slot_base", "__u32", "tree: the parent job's slot for our slot_base"),
     ),
 )
 
@@ -112,6 +119,8 @@ SLOT = Struct(
         F("arrivals", "__u64", "per version: new contributions ever (round = arrivals / n)", 2),
         F("added", "__u64", "per version: contributions whose addition finished", 2),
         F("published", "__u64", "per version: rounds whose result is stored", 2),
+        F("up", "__u64", "tree, per version: rounds complete here and sent up", 2),
+        F("up_round", "__u64", "tree, per version: tsi << 8 | job_number of the last sent up", 2),
     ),
 )
 
@@ -188,4 +197,5 @@ CONSTANTS = {
     "AGG_MAX_ELEMS": (MAX_ELEMS, "int32 per packet, upper bound"),
     "AGG_NO_JOB": (NO_JOB, "counter row of packets without a job"),
     "AGG_NUM_REASONS": (NUM_REASONS, "counters per job"),
+    "AGG_PARENT_INDEX": (PARENT_INDEX, "worker index of a tree job's parent aggregator"),
 }

@@ -245,10 +245,21 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         (
             {"index": w.index, "ip": ip_str(k.addr), "agg_port": port_ntoh(k.port)}
             for k, w in maps.workers()
-            if w.job == job_id
+            if w.job == job_id and w.index != limits.PARENT_INDEX
         ),
         key=lambda w: w["index"],
     )
+    link = maps.parent_link(job_id)
+    tree = {
+        "parent_ip": "0.0.0.0",
+        "parent_mac": "00:00:00:00:00:00",
+        "parent_port": 0,
+        "parent_slot_base": 0,
+        "uplink_port": 0,
+        "worker_port": 0,
+        "total_workers": 0,  # not kept by the data path (the hosts' scaling uses it)
+    }
+    tree.update(link or {})
     return {  # JobSpec.to_dict()'s keys, and the workers
         "job_id": job_id,
         "num_workers": job.num_workers,
@@ -263,7 +274,27 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
         "group_mac": mac_str(job.group_mac),
         "job_number": 0,  # not kept by the data path
         "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
+        **tree,
         "workers": workers,
+        "parent": parent_status(maps, job_id, link),
+    }
+
+
+# The counters of a tree job's parent link (docs/protocol.md section 3.7).
+PARENT_REASONS = ("forwarded_up", "resent_up", "parent_result", "stale_parent_result")
+
+
+def parent_status(maps: AggMaps, job_id: int, link: dict | None = None) -> dict | None:
+    """A tree job's parent link and its counters; None for a job without a parent."""
+    link = link if link is not None else maps.parent_link(job_id)
+    if link is None:
+        return None
+    c = maps.counters(job_id)
+    return {
+        "address": f"{link['parent_ip']}:{link['parent_port']}",
+        "uplink_port": link["uplink_port"],
+        "parent_slot_base": link["parent_slot_base"],
+        "counters": {r: c[r] for r in PARENT_REASONS},
     }
 
 
@@ -274,9 +305,12 @@ def stats(name: str = "default") -> dict:
     for j, job in maps.jobs().items():
         workers = {}
         for _, w in maps.workers():
-            if w.job == j:
+            if w.job == j and w.index != limits.PARENT_INDEX:
                 workers[w.index] = maps.worker_counters(j, w.index)
         out["jobs"][j] = {"reasons": maps.counters(j), "workers": dict(sorted(workers.items()))}
+        parent = parent_status(maps, j)
+        if parent is not None:
+            out["jobs"][j]["parent"] = parent
     return out
 
 
@@ -298,6 +332,7 @@ def slot_state(g: int, name: str = "default") -> dict:
                 "arrivals": st.arrivals[v],
                 "added": st.added[v],
                 "published": st.published[v],
+                "up": st.up[v],  # tree jobs: rounds complete here and sent to the parent
                 "result_e0": res.e0,
                 "result_head": [
                     int.from_bytes(int(x).to_bytes(4, "little"), "big", signed=True)
@@ -443,6 +478,14 @@ class XdpBackend:
         self._follow()
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 
+    def parent_status(self, job_id: int) -> dict | None:
+        """A tree job's parent link and its counters (None without a parent)."""
+        return parent_status(self.maps, job_id)
+
+    def counters(self, job_id: int) -> dict[str, int]:
+        """A job's counters by reason, summed over CPUs."""
+        return self.maps.counters(job_id)
+
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index (none for a lost job)."""
         if job_id in self._lost:
@@ -450,5 +493,5 @@ class XdpBackend:
         return {
             w.index: self.maps.worker_counters(job_id, w.index)
             for _, w in self.maps.workers()
-            if w.job == job_id
+            if w.job == job_id and w.index != limits.PARENT_INDEX
         }

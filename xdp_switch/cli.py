@@ -281,6 +281,8 @@ def status(ctx, as_json):
                 f"  job {j['job_id']}: {len(j['workers'])}/{j['num_workers']} workers, "
                 f"{j['elems']} elems/packet, slots {j['slot_base']}..{last}, {j['delivery']}"
             )
+            if j.get("parent"):
+                click.echo("    " + _parent_line(j["parent"]))
 
     _emit(st, as_json, text)
 
@@ -294,6 +296,14 @@ def _print_stats(s) -> None:
         )
         for w, c in js["workers"].items():
             click.echo(f"  worker {w}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
+        if js.get("parent"):
+            click.echo("  " + _parent_line(js["parent"]))
+
+
+def _parent_line(p: dict) -> str:
+    """One line for a tree job's parent link and its counters."""
+    c = ", ".join(f"{k}={v}" for k, v in p["counters"].items())
+    return f"parent {p['address']} (uplink port {p['uplink_port']}): {c}"
 
 
 @main.command()
@@ -382,6 +392,39 @@ def _slot_range(text: str) -> tuple[int, int]:
     help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
     "costs a pass over the payload per packet (README: UDP checksums).",
 )
+@click.option(
+    "--parent",
+    default=None,
+    help="Two levels: IP:PORT of the parent aggregator's job; completed slots go there as "
+    "this aggregator's contribution.",
+)
+@click.option("--parent-mac", default=None, help="With --parent: MAC of the parent (next hop).")
+@click.option(
+    "--parent-slots",
+    "parent_slot_base",
+    type=click.IntRange(0, (1 << 14) - 1),
+    default=None,
+    help="With --parent: the parent job's first slot (ours BASE maps to it).",
+)
+@click.option(
+    "--uplink-port",
+    type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
+    default=None,
+    help="With --parent: our port toward the parent (the parent job's worker port; "
+    "default: --port).",
+)
+@click.option(
+    "--worker-port",
+    type=click.IntRange(1, 65535),
+    default=None,
+    help="With --parent: our workers' UDP port, where the parent's results go down.",
+)
+@click.option(
+    "--total-workers",
+    type=click.IntRange(1, 64 * 64),
+    default=None,
+    help="With --parent: workers under the root (the hosts' float scaling).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the job as created, as JSON.")
 @click.pass_context
 def job_create(
@@ -397,6 +440,12 @@ def job_create(
     udp_checksum,
     results,
     group_base,
+    parent,
+    parent_mac,
+    parent_slot_base,
+    uplink_port,
+    worker_port,
+    total_workers,
     as_json,
 ):
     """Create job JOB_ID (its slots start cleared).
@@ -406,9 +455,31 @@ def job_create(
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128   # group 239.18.0.0
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
       sudo xdp-agg job create 1 --workers 2 --slots 128:64 --port 48865 --udp-checksum
+      sudo xdp-agg --name rack0 job create 0 --workers 3 --slots 0:64 --group 198.18.0.255 \
+          --parent 198.18.0.1:48864 --parent-mac 02:00:c6:12:00:01 --parent-slots 0 \
+          --worker-port 40000 --total-workers 6
     """
     _check_group_choice(group_ip, results)
     base, count = _slot_range(slots)
+    tree = {}
+    if parent is not None:
+        from aggctl.tree import parse_endpoint
+
+        if parent_mac is None or parent_slot_base is None or worker_port is None:
+            raise click.UsageError("--parent needs --parent-mac, --parent-slots and --worker-port")
+        try:
+            pip, pport = parse_endpoint(parent)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--parent") from None
+        tree = dict(
+            parent_ip=_ipv4(None, None, pip),
+            parent_mac=parent_mac,
+            parent_port=pport,
+            parent_slot_base=parent_slot_base,
+            uplink_port=uplink_port or agg_port,
+            worker_port=worker_port,
+            total_workers=total_workers or 0,
+        )
     spec = serving.create_job(
         ctx.obj["name"],
         job_id,
@@ -424,6 +495,7 @@ def job_create(
         results=results,
         group_base=group_base,
         warn=lambda line: click.echo(line, err=True),
+        **tree,
     )
     _emit(
         spec.to_dict(),
@@ -515,7 +587,8 @@ def slots(ctx, slot, as_json):
         for v in s["versions"]:
             click.echo(
                 f"  v{v['version']}: seen={v['seen']} arrivals={v['arrivals']} added={v['added']} "
-                f"published={v['published']} e0={v['result_e0']} head={v['result_head']}"
+                f"published={v['published']} up={v['up']} e0={v['result_e0']} "
+                f"head={v['result_head']}"
             )
 
     _emit(s, as_json, text)
@@ -617,6 +690,42 @@ def slots(ctx, slot, as_json):
     help="xdp: after a restart, how long a recovered job's ranks have to reconnect before "
     "they count as gone (which frees the job).",
 )
+@click.option(
+    "--parent",
+    default=None,
+    help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is a "
+    "rack of the parent's job of the same name (README: Two-level trees).",
+)
+@click.option(
+    "--rack-rank",
+    type=click.IntRange(0, limits.MAX_WORKERS - 1),
+    default=None,
+    help="With --parent: this rack's rank in the parent's jobs.",
+)
+@click.option(
+    "--racks",
+    type=click.IntRange(1, limits.MAX_WORKERS),
+    default=None,
+    help="With --parent: racks under the parent (its jobs' world size).",
+)
+@click.option(
+    "--tree-workers",
+    type=click.IntRange(1, 64 * 64),
+    default=None,
+    help="With --parent: workers under the root, for float scaling "
+    "(default: racks x this job's workers).",
+)
+@click.option(
+    "--parent-mac",
+    default=None,
+    help="With --parent: the next hop toward the parent (default: the parent's own MAC).",
+)
+@click.option(
+    "--parent-secret-file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="With --parent: the parent endpoint's deployment secret (default: this endpoint's).",
+)
 @click.pass_context
 def serve(
     ctx,
@@ -636,6 +745,12 @@ def serve(
     idle_timeout,
     request_rate,
     rejoin_timeout,
+    parent,
+    rack_rank,
+    racks,
+    tree_workers,
+    parent_mac,
+    parent_secret_file,
 ):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
@@ -662,6 +777,7 @@ def serve(
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800 --results broadcast
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
+      sudo xdp-agg --name rack0 serve --parent 198.18.0.1:48800 --rack-rank 0 --racks 2
     """
     _check_group_choice(group_ip, results)
     name = ctx.obj["name"]
@@ -691,6 +807,24 @@ def serve(
         notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
     if host == "0.0.0.0":
         notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
+    link = None
+    if parent is not None:
+        if target != "xdp" or rack_rank is None or racks is None:
+            raise click.UsageError("--parent needs --target xdp, --rack-rank and --racks")
+        try:
+            from aggctl.tree import ParentLink, parse_endpoint
+
+            link = ParentLink(
+                parse_endpoint(parent),
+                rack_rank,
+                racks,
+                total_workers=tree_workers or 0,
+                parent_mac=parent_mac,
+                barrier_timeout=barrier_timeout,
+                secret=serving.read_secret(parent_secret_file) if parent_secret_file else secret,
+            )
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--parent/--rack-rank/--racks") from None
 
     def announce(line: str) -> None:
         click.echo(line, err=True)  # the first line says "listening" (launchers wait for it)
@@ -712,6 +846,7 @@ def serve(
             rejoin_timeout=rejoin_timeout,
             announce=announce,
             warn=lambda line: click.echo(line, err=True),
+            parent=link,
         )
         return
     serving.serve_bmv2(

@@ -90,13 +90,34 @@ class AggMaps:
             # slots carry another tag and are never added in.
             epoch=(time.monotonic_ns() >> 10) & 0xFFFFFFFF or 1,
             agg_port=spec.agg_port,
-            flags=int(abi.JobFlag.VERIFY_UDP_CSUM) if spec.udp_checksum else 0,
+            flags=(int(abi.JobFlag.VERIFY_UDP_CSUM) if spec.udp_checksum else 0)
+            | (int(abi.JobFlag.TREE) if spec.has_parent else 0),
             agg_ip=ip_be(spec.agg_ip),
             group_ip=ip_be(spec.group_ip),
         )
         job.agg_mac[:] = mac_bytes(spec.agg_mac)
         job.group_mac[:] = mac_bytes(spec.group_mac)
+        if spec.has_parent:
+            job.parent_ip = ip_be(spec.parent_ip)
+            job.parent_mac[:] = mac_bytes(spec.parent_mac)
+            job.parent_port = port_be(spec.parent_port)
+            job.uplink_port = port_be(spec.uplink_port)
+            job.down_port = port_be(spec.worker_port)
+            job.parent_slot_base = spec.parent_slot_base
         self._clear_counters(spec.job_id)
+        if spec.has_parent:
+            # The parent's results are recognised like a worker's packets, by (its address, the
+            # port they come to): the job's worker PARENT_INDEX.
+            key = abi.WorkerKey(addr=ip_be(spec.parent_ip), port=port_be(spec.uplink_port))
+            other = abi.Worker()
+            if bpfsys.map_lookup(self.fds["workers"], key, other):
+                raise ValueError(
+                    f"{spec.parent_ip} -> port {spec.uplink_port:#x} is already worker "
+                    f"{other.index} of job {other.job}: choose another uplink port"
+                )
+            bpfsys.map_update(
+                self.fds["workers"], key, abi.Worker(job=spec.job_id, index=limits.PARENT_INDEX)
+            )
         bpfsys.map_update(self.fds["jobs"], ct.c_uint32(spec.job_id), job)
 
     def delete_job(self, job_id: int) -> None:
@@ -122,11 +143,29 @@ class AggMaps:
         return out
 
     # --- workers --------------------------------------------------------------------------
+    def parent_link(self, job_id: int) -> dict | None:
+        """A tree job's parent link as configured (None for a job without a parent)."""
+        job = self.get_job(job_id)
+        if job is None or not job.flags & abi.JobFlag.TREE:
+            return None
+        return {
+            "parent_ip": ip_str(job.parent_ip),
+            "parent_mac": mac_str(job.parent_mac),
+            "parent_port": port_ntoh(job.parent_port),
+            "parent_slot_base": job.parent_slot_base,
+            "uplink_port": port_ntoh(job.uplink_port),
+            "worker_port": port_ntoh(job.down_port),
+        }
+
     def add_worker(
         self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None
     ) -> None:
         """Register a worker; with ifindex (the switch topology) also how to address it there."""
-        owners = {(ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index) for k, o in self.workers()}
+        owners = {
+            (ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index)
+            for k, o in self.workers()
+            if o.index != limits.PARENT_INDEX
+        }
         check_worker(w, self.get_job(w.job_id), owners)
         key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))
         bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))

@@ -55,6 +55,15 @@ def secret_for(path: str | Path) -> bytes:
         raise XdpAggError(str(e)) from None
 
 
+def read_secret(path: str | Path) -> bytes:
+    """The deployment secret in `path`, which must exist (another endpoint's: never created
+    here); XdpAggError when it cannot be used."""
+    try:
+        return control.load_secret(path)
+    except control.SecretError as e:
+        raise XdpAggError(str(e)) from None
+
+
 def listen_address(ifnames: list[str]) -> str:
     """The address the control endpoint listens on by default: the one IPv4 address of the
     aggregator's interfaces. XdpAggError when they have none or several (then --listen must
@@ -145,12 +154,13 @@ def create_job(
     results: str | None = None,
     group_base: str = DEFAULT_GROUP_BASE,
     warn: Callable[[str], None] | None = None,
+    **tree,
 ) -> JobSpec:
     """Create a job on the attached aggregator `name`, filling what was not given from it:
     results leave from its first interface's address and MAC, to `group_ip` (one-arm, when not
     given: the job's group in `group_base`, or the subnet broadcast, as `results` says: see the
-    module docstring), at `group_ip`'s MAC unless `group_mac` is given. Returns the spec as
-    created."""
+    module docstring), at `group_ip`'s MAC unless `group_mac` is given. `tree`: JobSpec's parent
+    fields (a rack job of a two-level tree). Returns the spec as created."""
     backend = aggregator.XdpBackend(name)
     first = _first_interface(backend.state)
     if group_ip is None:
@@ -175,6 +185,7 @@ def create_job(
         group_ip=group_ip,
         group_mac=group_mac or group_mac_for(group_ip),
         udp_checksum=udp_checksum,
+        **tree,
     )
     backend.create_job(spec)
     return spec
@@ -302,11 +313,13 @@ def serve_xdp(
     rejoin_timeout: float = 60.0,
     announce: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
+    parent=None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
     interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
     announce) a warning line before it if the results fall back to the broadcast. secret: the
-    deployment secret (None: no authentication); limits: aggctl.auth.Limits.
+    deployment secret (None: no authentication); limits: aggctl.auth.Limits. `parent` (a
+    tree.ParentLink): every job created here is a rack of the parent's job of the same name.
 
     One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
     jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
@@ -326,6 +339,10 @@ def serve_xdp(
             warn=warn or announce,
         )
         backend = aggregator.XdpBackend(name)
+        if parent is not None:
+            from aggctl.tree import TreeBackend
+
+            backend = TreeBackend(backend, parent)
         path = jobs_path(name)
         saved = jobtable.load(path)
         holder: list = []

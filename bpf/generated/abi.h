@@ -7,7 +7,8 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 768 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 16 /* counters per job */
+#define AGG_NUM_REASONS 20 /* counters per job */
+#define AGG_PARENT_INDEX 4294967295 /* worker index of a tree job's parent aggregator */
 
 /* counter index within a job's row: why a packet took its path */
 enum agg_reason {
@@ -27,6 +28,10 @@ enum agg_reason {
 	AGG_EGRESS_NO_WORKER = 13,
 	AGG_DROP_BAD_LENGTH = 14,
 	AGG_DROP_BAD_CHECKSUM = 15,
+	AGG_FORWARDED_UP = 16,
+	AGG_RESENT_UP = 17,
+	AGG_PARENT_RESULT = 18,
+	AGG_STALE_PARENT_RESULT = 19,
 };
 
 /* table keys (aggproto/keys.py) */
@@ -36,6 +41,7 @@ enum agg_reason {
 
 /* per-job options: bits of agg_job.flags */
 #define AGG_JOB_VERIFY_UDP_CSUM 1
+#define AGG_JOB_TREE 2
 
 /* how a job's results reach its workers */
 enum agg_delivery {
@@ -59,6 +65,12 @@ struct agg_job {
 	__u8 group_mac[6]; /* one-arm: destination MAC of results */
 	__be32 agg_ip; /* source address of results */
 	__be32 group_ip; /* one-arm: destination address of results */
+	__u8 parent_mac[6]; /* tree: destination MAC of partial sums sent up */
+	__be16 parent_port; /* tree: the parent job's aggregator port */
+	__be16 uplink_port; /* tree: our source port up, where parent results arrive */
+	__be16 down_port; /* tree: our workers' port, where parent results go down */
+	__be32 parent_ip; /* tree: the parent aggregator's address */
+	__u32 parent_slot_base; /* tree: the parent job's slot for our slot_base */
 };
 
 /* key of map `workers`: how a packet's job and worker are found */
@@ -80,6 +92,8 @@ struct agg_slot {
 	__u64 arrivals[2]; /* per version: new contributions ever (round = arrivals / n) */
 	__u64 added[2]; /* per version: contributions whose addition finished */
 	__u64 published[2]; /* per version: rounds whose result is stored */
+	__u64 up[2]; /* tree, per version: rounds complete here and sent up */
+	__u64 up_round[2]; /* tree, per version: tsi << 8 | job_number of the last sent up */
 };
 
 /* one CPU's partial sum: value of per-CPU map `partials`, key = slot * 2 + version */
