@@ -25,6 +25,9 @@ def test_growth_verdict_catches_a_leak_and_passes_a_swing():
     v = soak.growth_verdict({"a": swing, "b": leak}, 16, "x")
     assert not v["ok"] and v["per_process"]["b"]["growth"] == 40
     assert not soak.growth_verdict({"a": [1]}, 16, "x")["ok"]
+    blips = [5, 6, 5, 5, 5, 5, 6, 5]  # a descriptor open for a moment
+    assert soak.growth_verdict({"a": blips}, 0, "fds", stat=min)["ok"]
+    assert not soak.growth_verdict({"a": [5, 5, 5, 6, 6, 6]}, 0, "fds", stat=min)["ok"]
     assert not soak.growth_verdict({}, 16, "x")["ok"]
 
 
