@@ -183,56 +183,24 @@ class Rank:
         return self.errfile.read().decode(errors="replace")[-n:]
 
 
-class BuildTimeout(Exception):
-    """The testbed's build did not finish in time (see build_testbed)."""
-
-
-def build_testbed(args, log, attempts: int = 3, limit_s: int = 240):
-    """The soak's testbed, up. On a machine shared with other people's tests, a build has been
-    seen to hang for good in a netlink request (pyroute2) after the namespaces it was filling
-    disappeared under it: a build that takes over limit_s seconds is interrupted (SIGALRM),
-    removed, and tried again with a new prefix, up to `attempts` times."""
-    from netns_testbed.errors import TestbedError
-    from netns_testbed.testbed import Testbed
-
-    def expired(*_):
-        raise BuildTimeout(f"testbed build took over {limit_s} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    try:
-        for attempt in range(1, attempts + 1):
-            tb = Testbed(
-                workers=args.jobs * args.workers,
-                topology="one-arm",
-                mtu=args.mtu,
-                loss_up=args.loss,
-                loss_down=args.loss,
-            )
-            signal.alarm(limit_s)
-            try:
-                return tb.up()  # on failure, up() removes what it made
-            except (BuildTimeout, TestbedError) as e:
-                signal.alarm(0)
-                log(f"soak: testbed {tb.prefix} failed to build ({e}), attempt {attempt}")
-                if attempt == attempts:
-                    raise
-            finally:
-                signal.alarm(0)
-    finally:
-        signal.signal(signal.SIGALRM, old)
-
-
 def run(args, log) -> dict:
     """The soak; returns everything the report needs (raises on set-up failure)."""
     from aggcluster.cluster import Cluster
     from netns_testbed import nsexec
+    from netns_testbed.testbed import Testbed
     from xdp_switch import pins
 
     duration = args.minutes * 60.0
     warmup = args.warmup_min * 60.0 if args.warmup_min is not None else min(300.0, duration / 4)
     jobs = [f"soak-{chr(ord('a') + j)}" for j in range(args.jobs)]
     name = f"soak{uuid.uuid4().hex[:6]}"
-    tb = build_testbed(args, log)
+    tb = Testbed(
+        workers=args.jobs * args.workers,
+        topology="one-arm",
+        mtu=args.mtu,
+        loss_up=args.loss,
+        loss_down=args.loss,
+    )
     pin_dir = pins.pin_root() / name
     state_file = pins.state_dir() / f"{name}.json"
     result: dict = {
@@ -789,8 +757,18 @@ def main(argv=None) -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    # SIGTERM (a CI timeout, kill PID) unwinds like an error: the testbed and aggregator go
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    # SIGTERM (a CI timeout, kill PID) unwinds like an error: the testbed and aggregator go.
+    # Only in this process: pyroute2 forks helpers (netns creation) that inherit the handler
+    # and are stopped with SIGTERM; unwinding a forked copy of this stack would run the
+    # testbed's teardown there and remove the namespaces under the build (seen: a hung build).
+    main_pid = os.getpid()
+
+    def on_term(signum, frame):
+        if os.getpid() != main_pid:
+            os._exit(128 + signum)
+        sys.exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, on_term)
     res = run(args, log)
     v = verdicts(res, args)
     write_report(res, v, args.report)
