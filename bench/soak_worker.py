@@ -12,8 +12,9 @@ match bit for bit (wrapping), float32 must lie within the block-scaling bound ar
 sum of the float32 inputs.
 
 Before each all-reduce the ranks all-reduce one int32, rank 0's "stop" flag (1 once the wall
-clock passes --stop-at): all ranks see the same sum, so all stop after the same all-reduce and
-leave the job together. That flag's all-reduce is checked too (its sum must be 0 or 1).
+clock passes --stop-at, or once --stop-file exists): all ranks see the same sum, so all stop
+after the same all-reduce and leave the job together. That flag's all-reduce is checked too
+(its sum must be 0 or 1).
 
 One JSON line per all-reduce on stdout ({"k", "dtype", "bytes", "seconds", "ok", "rss_kib",
 ...}; rss_kib and fds are this process's just before the all-reduce's input is made, so their
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
         "--seed", type=int, default=1, help="inputs of all-reduce k: (seed * 1000003 + k, rank)"
     )
     ap.add_argument("--stop-at", type=float, required=True, help="wall-clock time (epoch s)")
+    ap.add_argument("--stop-file", help="rank 0 also stops once this file exists")
     ap.add_argument("--max-bytes", type=int, default=32 << 20)
     ap.add_argument("--elems", type=int, default=256)
     ap.add_argument("--window", type=int, default=128)
@@ -111,7 +113,10 @@ def main(argv=None) -> int:
     ) as comm:
         flag = np.zeros(1, dtype=np.int32)
         while True:
-            flag[0] = 1 if args.rank == 0 and time.time() >= args.stop_at else 0
+            flag[0] = args.rank == 0 and (
+                time.time() >= args.stop_at
+                or (args.stop_file is not None and os.path.exists(args.stop_file))
+            )
             stop = comm.allreduce(flag)
             if int(stop[0]) not in (0, 1):  # a wrong sum here would desynchronise the ranks
                 print(json.dumps({"k": k, "flag_sum": int(stop[0]), "ok": False}), flush=True)
