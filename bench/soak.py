@@ -457,11 +457,6 @@ def verdicts(res: dict, args) -> dict:
         k: round(slope_per_hour(cyc_t[k], [x / 1024 for x in vals]), 2)
         for k, vals in cyc_rss.items()
     }
-    peak = {k: vals for k, vals in series_rss.items() if k != "server"}
-    v["rss_peak_flat"] = growth_verdict(peak, args.rss_peak_growth_mib << 10, "RSS KiB")
-    v["rss_peak_flat"]["slope_mib_per_hour"] = {
-        k: round(slope_per_hour(times[k], [x / 1024 for x in vals]), 2) for k, vals in peak.items()
-    }
     # the least of each half: a descriptor open for a moment (a worker reading its own /proc, a
     # control request in flight) is no leak, one that stays raises the least value
     v["fds_flat"] = growth_verdict(series_fds, 0, "open file descriptors", stat=min)
@@ -770,8 +765,15 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_term)
     res = run(args, log)
-    v = verdicts(res, args)
-    write_report(res, v, args.report)
+    try:
+        v = verdicts(res, args)
+        write_report(res, v, args.report)
+    except Exception:
+        # a long run's data is not lost to a bug in the report's code
+        args.report.mkdir(parents=True, exist_ok=True)
+        (args.report / "soak-raw.json").write_text(json.dumps(res, default=str) + "\n")
+        log(f"soak: the report failed; raw results in {args.report / 'soak-raw.json'}")
+        raise
     for k, x in v.items():
         log(f"  {k:28s} {'ok' if x['ok'] else 'FAILED'}: {_detail(k, x)}")
     ok = all(x["ok"] for x in v.values())
