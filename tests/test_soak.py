@@ -48,6 +48,106 @@ def test_worker_plan_mixes_sizes_and_types():
     assert max(plan_item(k, 1 << 20)[1] for k in range(len(SIZES))) * 4 == 1 << 20
 
 
+def _synthetic_run(leak_kib: int = 0) -> dict:
+    """What bench.soak.run returns, for one worker of one job over a minute; leak_kib: RSS the
+    worker gains per cycle of sizes."""
+    cycle = soak.CYCLE
+    return {
+        "config": {
+            "minutes": 1,
+            "interval_s": 5,
+            "warmup_s": 0,
+            "jobs": ["a"],
+            "workers_per_job": 1,
+            "loss_up": 0.01,
+            "loss_down": 0.01,
+            "elems": 256,
+            "window": 128,
+            "mtu": 1500,
+            "max_bytes": 1 << 20,
+            "aggregator": "x",
+            "testbed_prefix": "xt00",
+            "started": "start",
+            "ended": "end",
+            "elapsed_s": 60,
+            "host": "h",
+            "kernel": "k",
+            "cpus": 2,
+        },
+        "t_start": 0.0,
+        "samples": [
+            {
+                "t_s": t,
+                "procs": {"a/0": {"rss_kib": 1000, "fds": 5}, "server": {"rss_kib": 500, "fds": 9}},
+                "map_memlock_bytes": 10,
+                "map_kv_bytes": 5,
+                "pinned_maps": 3,
+                "pinned_progs": 1,
+                "pins": 4,
+                "namespaces": 3,
+                "jobs": 1,
+                "slots_in_use": 128,
+                "agg_drops": 0,
+                "allreduces": t,
+                "wrong": 0,
+                "gbit_s": 0.1,
+                "retransmissions": 1,
+                "retx_pct": 1.0,
+            }
+            for t in range(0, 60, 5)
+        ],
+        "after_workers": {"jobs": 0, "slots_in_use": 0, "stats": {}},
+        "ranks": [
+            {"job": "a", "rank": 0, "exit": 0, "allreduces": 4 * cycle, "done": {"done": True}}
+        ],
+        "reports": {
+            "a/0": [
+                {
+                    "k": k,
+                    "at": k * 60 / (4 * cycle),
+                    "dtype": "int32" if k % 2 == 0 else "float32",
+                    "bytes": 1024,
+                    "seconds": 0.1,
+                    "packets": 10,
+                    "retransmissions": 0,
+                    "rss_kib": 1000 + leak_kib * (k // cycle),
+                    "fds": 5,
+                    "ok": True,
+                    "max_err_over_bound": 0.5,
+                }
+                for k in range(4 * cycle)
+            ]
+        },
+        "after_teardown": {
+            "namespaces": 0,
+            "pin_dir_exists": False,
+            "pins": 0,
+            "state_file_exists": False,
+            "processes_left": [],
+        },
+    }
+
+
+def test_verdicts_and_report_of_a_clean_and_a_leaking_run(tmp_path):
+    """The report's code end to end on a synthetic run: clean passes every verdict and writes
+    the three files; a worker gaining 20 MiB per cycle fails rss_flat; a leftover namespace or
+    a wrong result fails theirs."""
+    args = soak.parse_args(["--minutes", "1"])
+    res = _synthetic_run()
+    v = soak.verdicts(res, args)
+    assert all(x["ok"] for x in v.values()), {k: x for k, x in v.items() if not x["ok"]}
+    soak.write_report(res, v, tmp_path)
+    assert (tmp_path / "summary.md").read_text().startswith("# Soak")
+    assert json.loads((tmp_path / "soak.json").read_text())["verdicts"]["rss_flat"]["ok"]
+    assert len((tmp_path / "samples.csv").read_text().splitlines()) == 13
+    assert not soak.verdicts(_synthetic_run(leak_kib=20 << 10), args)["rss_flat"]["ok"]
+    bad = _synthetic_run()
+    bad["after_teardown"]["namespaces"] = 1
+    bad["reports"]["a/0"][3]["ok"] = False
+    v = soak.verdicts(bad, args)
+    assert not v["nothing_left_after_teardown"]["ok"] and not v["results_exact"]["ok"]
+
+
 @pytest.mark.root
 @pytest.mark.bpf
 @pytest.mark.netns
