@@ -1,7 +1,8 @@
 """The soak (bench.soak): a short run of the same code as `make soak`, and its verdicts' logic.
 
 The short run: two jobs of 4 workers each on one XDP aggregator, 1% loss both ways, for 90 s
-with tensors up to 2 MiB, sampled every 5 s: every result right, RSS/fds/map memory flat, nothing left behind.
+with tensors up to 2 MiB, sampled every 5 s: every result right, RSS/fds/map memory flat,
+nothing left behind.
 """
 
 import json
