@@ -4,6 +4,7 @@
 #   sudo make test     set up what is missing, then run the test suite
 #   sudo make bench    benchmarks: the XDP program per packet, and all-reduce against gloo
 #   sudo make bench-training   DDP training (examples/train.py) through xdp-agg and gloo
+#   sudo make soak     two jobs x 4 workers, 1% loss, SOAK_MINUTES (30): exact, flat, no leak
 #
 # Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
 # bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
@@ -18,12 +19,13 @@ DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-header
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
 	clang-format
 PYTEST_ARGS ?=
+SOAK_MINUTES ?= 30
 
 .PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
-	codegen clean help
+	soak codegen clean help
 
 help:
-	@sed -n '1,13p' Makefile
+	@sed -n '1,14p' Makefile
 
 setup: deps headers bpffs venv
 
@@ -84,6 +86,11 @@ bench: setup
 bench-training: setup
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.training
+
+# Two concurrent jobs of 4 workers each, 1% loss both ways, mixed sizes, for SOAK_MINUTES minutes:
+# every result checked, RSS/fds/map memory sampled; report in bench/results/soak/.
+soak: setup
+	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --report bench/results/soak
 
 codegen: venv
 	$(PY) -m xdp_switch.codegen

@@ -8,6 +8,7 @@ scale factor). Loss comes from the testbed's nftables rules, in both directions.
 import subprocess
 import sys
 
+import junk
 import pytest
 
 from aggcluster.cluster import Cluster
@@ -126,59 +127,22 @@ def test_unregistered_host_changes_nothing(testbed_factory):
     assert st["unattributed"]["drop_unknown_source"] >= sent * 0.9  # minus what the veth dropped
 
 
-# A registered worker's address sends frames whose IPv4 or UDP length lies, with a full payload
-# of every size code, for every slot, both versions and every aggregator port, until killed.
-# Before the aggregator checked lengths, such frames were summed into live slots.
-LIAR = r"""
-import socket, sys
-from scapy.layers.inet import IP, UDP
-from scapy.layers.l2 import Ether
-from aggproto import wire
-from aggproto.scapy_layer import sml_frame
-src_ip, src_mac, agg_ip, agg_mac = sys.argv[1:5]
-frames = []
-for code in (0, 1, 2, 3):
-    k = wire.SIZE_CODE_ELEMS[code]
-    udp_len = wire.UDP_HLEN + wire.udp_payload_len(k)
-    ip_len = wire.IPV4_HLEN + wire.UDP_HLEN + wire.udp_payload_len(k)
-    for slot in range(0, 256, 3):
-        for port in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT, 5):
-            f = Ether(bytes(sml_frame(src_ip=src_ip, src_mac=src_mac, dst_ip=agg_ip,
-                                      dst_mac=agg_mac, dport=port, values=[7777777] * k,
-                                      slot=slot, version=slot % 2, tsi=slot, e0=30)))
-            lie = [(None, 18), (None, udp_len + 4), (ip_len - 4, None), (ip_len + 4, None),
-                   (38, 18)][slot % 5]
-            if lie[0] is not None:
-                f[IP].len = lie[0]
-            if lie[1] is not None:
-                f[UDP].len = lie[1]
-            del f[IP].chksum
-            frames.append(bytes(f))
-s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
-s.bind(("eth0", 0))
-print(len(frames), flush=True)
-sent = 0
-while True:
-    for f in frames:
-        try:
-            s.send(f)
-            sent += 1
-        except OSError:
-            pass
-"""
-
-
-def test_lying_lengths_from_a_registered_worker_change_no_sum(testbed_factory):
-    """Frames from worker 0's address with lying IPv4/UDP lengths during live all-reduces: the
-    results stay exact, and the aggregator drops them as that worker's (counted)."""
+def test_lying_lengths_from_a_registered_worker_change_no_sum(testbed_factory, tmp_path):
+    """Frames from worker 0's address with lying IPv4/UDP lengths (tests/junk.py: a full payload
+    of every size code, for every third slot, both versions and every fifth aggregator port),
+    sent in a loop during live all-reduces: the results stay exact, and the aggregator drops them
+    as that worker's (counted). Before the aggregator checked lengths, such frames were summed
+    into live slots."""
     tb = testbed_factory(workers=3, topology="one-arm")
     w0, agg = tb.workers[0], tb.aggregator
     plan = [{"dtype": "int32", "count": 300_000, "seed": s} for s in range(6)]
     plan += [{"dtype": "float32", "count": 100_000, "seed": 9}, {"check": "counters"}]
     with Cluster(tb) as cl:
+        frames = tmp_path / "lies.hex"
+        junk.write_frames(frames, junk.lying_frames(w0.ip, w0.mac, agg.ips[0], agg.macs[0]))
         liar = tb.popen(
             w0,
-            [sys.executable, "-c", LIAR, w0.ip, w0.mac, agg.ips[0], agg.macs[0]],
+            [sys.executable, "-c", junk.SENDER, str(frames), "loop"],
             stdout=subprocess.PIPE,
             text=True,
         )
