@@ -12,6 +12,7 @@ registers, and all return together once every rank is there.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import socket
 import threading
@@ -26,6 +27,7 @@ from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, source_ip_towards
 from .rendezvous import ControlClient, parse_endpoint
+from .striping import StripedEngine
 from .udp_io import DatagramSocket
 
 _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
@@ -34,7 +36,7 @@ _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
 def init(
     rank: int,
     world_size: int,
-    aggregator: str,
+    aggregator,
     job: str = "default",
     elems: int = 256,
     window: int = 64,
@@ -54,7 +56,11 @@ def init(
 ) -> "Communicator":
     """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
 
-    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve).
+    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve); or, to stripe the job over
+        k aggregators, k of them: a list, or one string "HOST:PORT,HOST:PORT" (the form the
+        environment's XDP_AGG_CONTROL takes). The job is then created and joined on each, and
+        every all-reduce is split into k stripes that run at once, one per aggregator
+        (hostlib.striping); every rank must list the same aggregators in the same order.
     job: the job's name; all ranks of one run use the same, and no other live run may.
     elems, window: int32 per packet (32, 64, 128, 256, 512 or 768) and slots per worker; rank
         0's values make the job, the other ranks adopt them.
@@ -65,7 +71,8 @@ def init(
         the source address when one host runs several workers (as the loopback tests do); the
         data socket is then bound to it and can receive unicast results only.
     port: UDP port of the data socket. Rank 0 binds it (0: any free port) and the job fixes it
-        for every rank, because in one-arm mode the result goes once to group:port.
+        for every rank, because in one-arm mode the result goes once to group:port. Striped,
+        aggregator j's socket gets port + j (or any free port when port is 0).
     mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
     rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
     retransmit: least retransmission timer in seconds; the timer follows the measured round
@@ -85,14 +92,84 @@ def init(
     wire.size_code_for(elems)
     if window < 1:
         raise ValueError("window must be at least 1")
-    endpoint = parse_endpoint(aggregator)
+    endpoints = parse_aggregators(aggregator)
+    joined: list[tuple[JobDescription, ControlClient, DatagramSocket]] = []
+    try:
+        for j, endpoint in enumerate(endpoints):
+            joined.append(
+                _join_one(
+                    rank,
+                    world_size,
+                    endpoint,
+                    job,
+                    elems,
+                    window,
+                    ip=ip,
+                    port=port + j if port else 0,
+                    mac=mac,
+                    wait=rendezvous_timeout,
+                    gso=gso,
+                    gro=gro,
+                    where=f" on aggregator {j} ({endpoint[0]}:{endpoint[1]})"
+                    if len(endpoints) > 1
+                    else "",
+                )
+            )
+    except BaseException:
+        for _, ctl, sock in joined:
+            sock.close()
+            ctl.close()
+        raise
+    engines = []
+    for j, (desc, _, sock) in enumerate(joined):
+        cfg = EngineConfig(
+            job_id=desc.spec.job_id,
+            world_size=desc.world_size,
+            elems=desc.spec.elems,
+            slot_base=desc.spec.slot_base,
+            window=desc.window,
+            aggregator=desc.send_to,
+            rto=retransmit,
+            timeout=timeout,
+            progress=progress and j == 0,
+            native=native,
+            cwnd=cwnd,
+        )
+        stripe_faults = faults
+        if faults is not None and j:  # independent losses per stripe
+            stripe_faults = dataclasses.replace(faults, seed=faults.seed + j)
+        engines.append(StreamEngine(sock, cfg, stripe_faults))
+    desc, ctl, sock = joined[0]
+    if len(joined) == 1:
+        return Communicator(rank, job, desc, ctl, sock, engines[0])
+    return Communicator(
+        rank, job, desc, ctl, sock, StripedEngine(engines, endpoints), stripes=joined[1:]
+    )
+
+
+def parse_aggregators(aggregator) -> list[tuple[str, int]]:
+    """init's `aggregator`: "HOST:PORT", "HOST:PORT,HOST:PORT,..." or a sequence of "HOST:PORT"
+    -> the control endpoints, in stripe order. Raises ValueError on an empty or repeated one."""
+    items = aggregator.split(",") if isinstance(aggregator, str) else list(aggregator)
+    endpoints = [parse_endpoint(str(a).strip()) for a in items]
+    if not endpoints or any(not h for h, _ in endpoints):
+        raise ValueError(f"aggregator must name at least one control endpoint, got {aggregator!r}")
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"an aggregator is named twice in {aggregator!r}")
+    return endpoints
+
+
+def _join_one(
+    rank, world_size, endpoint, job, elems, window, *, ip, port, mac, wait, gso, gro, where
+) -> tuple[JobDescription, ControlClient, DatagramSocket]:
+    """Create (rank 0) or find the job at one control endpoint and register there; returns the
+    job's description, the connection (kept open: closing it leaves) and the data socket."""
     pinned = ip is not None
     my_ip = ip if pinned else source_ip_towards(*endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
     ctl = ControlClient(endpoint, timeout=30.0, source_ip=my_ip if pinned else None)
     sock = None
     try:
-        wait = rendezvous_timeout
         if rank == 0:
             sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
             desc = ctl.job(
@@ -107,15 +184,15 @@ def init(
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             if desc.world_size != world_size:
                 raise ValueError(
-                    f"job {job!r} has world_size {desc.world_size}, this rank was started "
+                    f"job {job!r}{where} has world_size {desc.world_size}, this rank was started "
                     f"with {world_size}"
                 )
             try:
                 sock = DatagramSocket((bind_ip, desc.worker_port), gso=gso, gro=gro)
             except OSError as e:
                 raise HostlibError(
-                    f"{e.strerror}: every worker of job {job!r} listens on the UDP port rank 0 "
-                    f"chose, {desc.worker_port}, and it is taken here; start rank 0 with "
+                    f"{e.strerror}: every worker of job {job!r}{where} listens on the UDP port "
+                    f"rank 0 chose, {desc.worker_port}, and it is taken here; start rank 0 with "
                     f"port= set to a port free on every host (two workers on one host also need "
                     f"distinct ip= addresses)"
                 ) from None
@@ -135,20 +212,7 @@ def init(
             sock.close()
         ctl.close()
         raise
-    cfg = EngineConfig(
-        job_id=desc.spec.job_id,
-        world_size=desc.world_size,
-        elems=desc.spec.elems,
-        slot_base=desc.spec.slot_base,
-        window=desc.window,
-        aggregator=desc.send_to,
-        rto=retransmit,
-        timeout=timeout,
-        progress=progress,
-        native=native,
-        cwnd=cwnd,
-    )
-    return Communicator(rank, job, desc, ctl, sock, StreamEngine(sock, cfg, faults))
+    return desc, ctl, sock
 
 
 def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> None:
@@ -193,14 +257,21 @@ class Communicator:
     one background thread, in order.
     """
 
-    def __init__(self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine):
+    def __init__(
+        self, rank, job, desc, ctl: ControlClient, sock: DatagramSocket, engine, *, stripes=()
+    ):
         self.rank = rank
         self.job = job
         self.description: JobDescription = desc  # the job as the control endpoint described it
         self.world_size = desc.world_size
         self._ctl = ctl
         self._sock = sock
-        self._engine: StreamEngine = engine
+        self._engine: StreamEngine | StripedEngine = engine
+        # striped over several aggregators: (description, connection, data socket) of each after
+        # the first; the first is the one above
+        self.descriptions: tuple[JobDescription, ...] = (desc, *(d for d, _, _ in stripes))
+        self._ctls = [ctl, *(c for _, c, _ in stripes)]
+        self._socks = [sock, *(k for _, _, k in stripes)]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
         self._lock = threading.Lock()  # guards _closed, _queued, _inline
         self._engine_lock = threading.Lock()  # held while the engine runs an all-reduce
@@ -290,8 +361,9 @@ class Communicator:
 
     def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:
         """Add the control endpoint's view (absent and lagging ranks) to a timeout."""
+        ctl = self._ctls[e.stripe or 0]  # striped: the stalled aggregator's endpoint
         try:
-            d = self._ctl.request("diagnose", job=self.job, reply_timeout=3.0)
+            d = ctl.request("diagnose", job=self.job, reply_timeout=3.0)
         except RendezvousError as err:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
         notes = []
@@ -311,7 +383,8 @@ class Communicator:
             )
         if mine == 0 and e.packets:
             notes.append(
-                f"the aggregator counted no contribution from this rank ({self._my_address()}): "
+                "the aggregator counted no contribution from this rank "
+                f"({self._my_address(e.stripe or 0)}): "
                 "it does not receive this worker's packets or does not know its address"
             )
         if not notes and "counters" not in d:
@@ -323,8 +396,9 @@ class Communicator:
             notes.append("every rank is registered and none is behind in contributions")
         return e.with_diagnosis("Control endpoint: " + "; ".join(notes) + ".", d)
 
-    def _my_address(self) -> str:
-        me = next((w for w in self.description.workers if w["rank"] == self.rank), None)
+    def _my_address(self, stripe: int = 0) -> str:
+        workers = self.descriptions[stripe].workers
+        me = next((w for w in workers if w["rank"] == self.rank), None)
         return f"{me['ip']}:{me['port']}" if me else "?"
 
     # --- info -------------------------------------------------------------------------------
@@ -338,9 +412,26 @@ class Communicator:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict."""
         return dict(self._engine.stats)
 
-    def status(self) -> dict:
-        """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters)."""
-        return self._ctl.request("diagnose", job=self.job, reply_timeout=5.0)
+    @property
+    def aggregators(self) -> list[str]:
+        """The control endpoints of this job's aggregators, "HOST:PORT", in stripe order (one
+        unless the job is striped)."""
+        return [f"{c.endpoint[0]}:{c.endpoint[1]}" for c in self._ctls]
+
+    def stats_per_aggregator(self) -> list[dict]:
+        """Per aggregator (in stripe order) its stripe's counters, as `stats` has them, plus
+        "aggregator": its control endpoint. One entry, equal to `stats`, unless striped."""
+        per = (
+            self._engine.stats_per_aggregator()
+            if isinstance(self._engine, StripedEngine)
+            else [dict(self._engine.stats)]
+        )
+        return [{"aggregator": a, **st} for a, st in zip(self.aggregators, per)]
+
+    def status(self, aggregator: int = 0) -> dict:
+        """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);
+        striped, that of aggregator number `aggregator`."""
+        return self._ctls[aggregator].request("diagnose", job=self.job, reply_timeout=5.0)
 
     # --- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -352,12 +443,16 @@ class Communicator:
         self._executor.shutdown(wait=True)
         with self._engine_lock:  # an all-reduce running inline in another thread finishes first
             pass
-        try:
-            self._ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
-        except RendezvousError:
-            pass  # closing the connection below counts as leaving too
-        self._ctl.close()
-        self._sock.close()
+        if isinstance(self._engine, StripedEngine):
+            self._engine.close()
+        for ctl in self._ctls:
+            try:
+                ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
+            except RendezvousError:
+                pass  # closing the connection below counts as leaving too
+            ctl.close()
+        for sock in self._socks:
+            sock.close()
 
     def __enter__(self) -> "Communicator":
         return self
