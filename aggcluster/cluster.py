@@ -7,6 +7,11 @@ benchmarks share.
 `Cluster` attaches the XDP aggregator to the testbed's aggregator interfaces (xdp-agg attach,
 run in the aggregator's namespace), starts the control endpoint there (xdp-agg serve), runs one
 aggcluster.cluster_worker process per worker namespace, and undoes all of it on exit.
+
+On a testbed of several aggregators (Testbed(aggregators=K)) it does so in each aggregator's
+namespace: one XDP aggregator (named NAME, NAME-1, NAME-2, ...) and one control endpoint per
+aggregator, each sending its results to its own multicast group (plan.aggregator_group), and the
+workers stripe their job over the first `aggregators` of them (start_workers).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import subprocess
 import sys
 import time
 import uuid
+
+from netns_testbed.plan import aggregator_group
 
 CONTROL_PORT = 48800
 
@@ -34,75 +41,105 @@ class Cluster:
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
         self.pool_slots = pool_slots
-        self._server: subprocess.Popen | None = None
-        self._attached = False
+        hosts = getattr(tb, "aggregators", None) or [tb.aggregator]
+        self.aggregators = list(hosts)  # the testbed's aggregator hosts, in stripe order
+        self._servers: list[subprocess.Popen | None] = [None] * len(self.aggregators)
+        self._attached = [False] * len(self.aggregators)
+
+    def agg_name(self, j: int = 0) -> str:
+        """The XDP aggregator name (pins, state file) of aggregator j: NAME, NAME-1, ..."""
+        return self.name if j == 0 else f"{self.name}-{j}"
 
     # --- lifecycle ------------------------------------------------------------------------
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run `xdp-agg --name NAME ARGS` in the aggregator's namespace."""
-        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.name, *args]
-        r = self.tb.run("agg", cmd, timeout=timeout)
+    def cli(self, *args: str, timeout: float = 120, aggregator: int = 0):
+        """Run `xdp-agg --name NAME ARGS` in aggregator `aggregator`'s namespace."""
+        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.agg_name(aggregator), *args]
+        r = self.tb.run(self.aggregators[aggregator], cmd, timeout=timeout)
         if r.returncode != 0:
             raise ClusterError(f"xdp-agg {' '.join(args)} failed: {r.stderr.strip()}")
         return r
 
     def __enter__(self) -> "Cluster":
         try:
-            self.cli(
-                "attach",
-                *self.tb.agg_interfaces,
-                "--xdp-mode",
-                self.xdp_mode,
-                "--pool-slots",
-                str(self.pool_slots),
-            )
-            self._attached = True
-            self._server = self.tb.popen(
-                "agg",
-                [
-                    sys.executable,
-                    "-m",
-                    "xdp_switch.cli",
-                    "--name",
-                    self.name,
-                    "serve",
-                    "--listen",
-                    f"0.0.0.0:{CONTROL_PORT}",
-                ],
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
-            if "listening" not in line:
-                raise ClusterError(
-                    f"xdp-agg serve did not start: {line}{self._server.stderr.read()}"
-                )
+            for j, host in enumerate(self.aggregators):
+                self._start(j, host)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._server is not None:
-            self._server.terminate()
-            try:
-                self._server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
-            self._server = None
-        self.detach()
+    def _start(self, j: int, host) -> None:
+        """Attach aggregator j and start its control endpoint."""
+        self.cli(
+            "attach",
+            *host.ifnames,
+            "--xdp-mode",
+            self.xdp_mode,
+            "--pool-slots",
+            str(self.pool_slots),
+            aggregator=j,
+        )
+        self._attached[j] = True
+        # several aggregators: each multicasts its results to its own group, which the bridge
+        # keeps off the other aggregators' links (one broadcast address would load them all)
+        group = ["--group", aggregator_group(j)] if len(self.aggregators) > 1 else []
+        server = self.tb.popen(
+            host,
+            [
+                sys.executable,
+                "-m",
+                "xdp_switch.cli",
+                "--name",
+                self.agg_name(j),
+                "serve",
+                "--listen",
+                f"0.0.0.0:{CONTROL_PORT}",
+                *group,
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        self._servers[j] = server
+        line = server.stderr.readline()  # "control endpoint listening ..." or an error
+        if "listening" not in line:
+            raise ClusterError(
+                f"xdp-agg serve ({host.name}) did not start: {line}{server.stderr.read()}"
+            )
 
-    def detach(self) -> None:
-        """Detach the aggregator now (the control endpoint keeps running until exit)."""
-        if self._attached:
-            self._attached = False
-            self.cli("detach")
+    def __exit__(self, *exc) -> None:
+        for j, server in enumerate(self._servers):
+            if server is None:
+                continue
+            server.terminate()
+            try:
+                server.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server.wait()
+            self._servers[j] = None
+        errors = []
+        for j in range(len(self.aggregators)):
+            try:
+                self.detach(j)
+            except ClusterError as e:  # detach the others all the same
+                errors.append(str(e))
+        if errors:
+            raise ClusterError("; ".join(errors))
+
+    def detach(self, aggregator: int = 0) -> None:
+        """Detach aggregator `aggregator` now (its control endpoint keeps running until exit)."""
+        if self._attached[aggregator]:
+            self._attached[aggregator] = False
+            self.cli("detach", aggregator=aggregator)
 
     # --- work -----------------------------------------------------------------------------
-    def control_address(self, worker) -> str:
-        return f"{worker.agg_ip}:{CONTROL_PORT}"
+    def control_address(self, worker, aggregators: int = 1) -> str:
+        """The control endpoint(s) `worker` reaches: of its aggregator, or, striping over the
+        first `aggregators` of several (one-arm), theirs comma-separated (hostlib.init's form)."""
+        if aggregators == 1:
+            return f"{worker.agg_ip}:{CONTROL_PORT}"
+        return ",".join(f"{a.ips[0]}:{CONTROL_PORT}" for a in self.aggregators[:aggregators])
 
     def start_workers(
         self,
@@ -114,9 +151,13 @@ class Cluster:
         window: int = 128,
         timeout: float = 30.0,
         progress: bool = False,
+        aggregators: int = 1,
     ) -> list[tuple[int, subprocess.Popen]]:
         """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
-        is rank i of a job of len(hosts) workers. Collect them with `collect`."""
+        is rank i of a job of len(hosts) workers, striped over the first `aggregators` of the
+        cluster's aggregators. Collect them with `collect`."""
+        if not 1 <= aggregators <= len(self.aggregators):
+            raise ValueError(f"aggregators must be in 1..{len(self.aggregators)}")
         hosts = list(range(len(self.tb.workers))) if hosts is None else hosts
         procs = []
         for rank, h in enumerate(hosts):
@@ -130,7 +171,7 @@ class Cluster:
                 "--world",
                 str(len(hosts)),
                 "--control",
-                self.control_address(w),
+                self.control_address(w, aggregators),
                 "--job",
                 job,
                 "--elems",
@@ -181,5 +222,6 @@ class Cluster:
         """start_workers then collect: per rank, its reports."""
         return self.collect(self.start_workers(plan, **kw), deadline)
 
-    def stats(self) -> dict:
-        return json.loads(self.cli("stats", "--json").stdout)
+    def stats(self, aggregator: int = 0) -> dict:
+        """`xdp-agg stats --json` of aggregator `aggregator`."""
+        return json.loads(self.cli("stats", "--json", aggregator=aggregator).stdout)

@@ -9,6 +9,12 @@ Address plan (everything stays inside 198.18.0.0/15, the benchmarking range):
 * ``one-arm``: one /24, 198.18.0.0/24. Aggregator ``eth0`` 198.18.0.1, worker
   i ``eth0`` 198.18.0.(10+i); all meet on a bridge ``br0`` in ``<prefix>sw``.
   The subnet broadcast 198.18.0.255 is the "group" address for results.
+  With ``aggregators`` K > 1 (for jobs striped over several aggregators),
+  aggregator j is namespace ``<prefix>ag`` (j = 0) or ``<prefix>ag<j>``,
+  ``eth0`` 198.18.0.(1+j), bridge port ``ag`` or ``ag<j>``, and results go to
+  one multicast group per aggregator, 239.18.0.(1+j) (``aggregator_group``):
+  the bridge floods multicast to worker ports only, so an aggregator's link
+  never carries another aggregator's results.
 * ``switch``: one /24 per worker, 198.18.(i+1).0/24. Aggregator ``p<i>``
   198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge.
 
@@ -27,6 +33,7 @@ from .hosts import AggregatorHost, WorkerHost
 
 TOPOLOGIES = ("one-arm", "switch")
 MAX_WORKERS = 32
+MAX_AGGREGATORS = 9  # one-arm: aggregators at 198.18.0.1..9, workers from 198.18.0.10
 PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"
@@ -54,7 +61,7 @@ def validate_prefix(prefix: str) -> str:
 
 def netns_name_re(prefix: str) -> re.Pattern:
     """Regex matching exactly the namespace names a testbed with ``prefix`` uses."""
-    return re.compile(rf"^{re.escape(prefix)}(sw|ag|w\d+)$")
+    return re.compile(rf"^{re.escape(prefix)}(sw|ag\d*|w\d+)$")
 
 
 def mac_for_ip(ip: str) -> str:
@@ -95,19 +102,48 @@ class Plan:
     switch_netns: str | None = None  # one-arm: namespace holding the bridge
     group_ip: str | None = None
     namespaces: list[str] = field(default_factory=list)
+    aggregators: list[AggregatorHost] = field(default_factory=list)  # [aggregator] unless K > 1
 
     @property
     def agg_interfaces(self) -> list[str]:
         return list(self.aggregator.ifnames)
 
 
-def make_plan(prefix: str, workers: int, topology: str) -> Plan:
-    """Compute names/addresses for ``workers`` workers in ``topology``."""
+def aggregator_ip(j: int) -> str:
+    """One-arm: the address of aggregator j."""
+    return f"198.18.0.{1 + j}"
+
+
+def aggregator_group(j: int) -> str:
+    """One-arm with several aggregators: the multicast group aggregator j's results go to."""
+    return f"239.18.0.{1 + j}"
+
+
+def aggregator_netns(prefix: str, j: int) -> str:
+    """Namespace of aggregator j: ``<prefix>ag``, then ``<prefix>ag1``, ``<prefix>ag2``..."""
+    return f"{prefix}ag" if j == 0 else f"{prefix}ag{j}"
+
+
+def make_plan(prefix: str, workers: int, topology: str, aggregators: int = 1) -> Plan:
+    """Compute names/addresses for ``workers`` workers and ``aggregators`` aggregators (more
+    than one: one-arm only) in ``topology``."""
     validate_prefix(prefix)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
     if not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
         raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
+    if (
+        not isinstance(aggregators, int)
+        or isinstance(aggregators, bool)
+        or not 1 <= aggregators <= MAX_AGGREGATORS
+    ):
+        raise ValueError(
+            f"aggregators must be an integer in 1..{MAX_AGGREGATORS}, got {aggregators!r}"
+        )
+    if aggregators > 1 and topology != "one-arm":
+        raise ValueError(
+            "several aggregators need the one-arm topology (they share the workers' bridge)"
+        )
 
     agg_ns = f"{prefix}ag"
     worker_ns = [f"{prefix}w{i}" for i in range(workers)]
@@ -149,6 +185,16 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
                     bridge_b=True,
                 )
             )
+        extra = []
+        for j in range(1, aggregators):
+            ns, ip = aggregator_netns(prefix, j), aggregator_ip(j)
+            extra.append(AggregatorHost(ns, ["eth0"], [ip], [mac_for_ip(ip)], PREFIXLEN, index=j))
+            veths.insert(
+                j,
+                VethSpec(
+                    ns, "eth0", sw_ns, f"ag{j}", None, ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True
+                ),
+            )
         plan = Plan(
             prefix,
             topology,
@@ -157,7 +203,8 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
             veths,
             sw_ns,
             ONE_ARM_GROUP_IP,
-            [sw_ns, agg_ns, *worker_ns],
+            [sw_ns, agg_ns, *(a.netns for a in extra), *worker_ns],
+            [agg, *extra],
         )
     else:
         agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
@@ -194,7 +241,7 @@ def make_plan(prefix: str, workers: int, topology: str) -> Plan:
                     mac_b=mac_for_ip(agg_ip),
                 )
             )
-        plan = Plan(prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns])
+        plan = Plan(prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns], [agg])
 
     for v in veths:
         assert len(v.if_a) <= IFNAMSIZ_MAX and len(v.if_b) <= IFNAMSIZ_MAX
