@@ -31,9 +31,19 @@ import time
 from pathlib import Path
 
 
+def tbf_drops(tb) -> dict[str, int]:
+    """Packets the tbf qdiscs of the aggregators' bridge ports (towards the aggregators) have
+    dropped so far, by port."""
+    r = tb.run("sw", ["tc", "-s", "-j", "qdisc", "show"], check=True)
+    ports = {"ag", *(f"ag{a.index}" for a in tb.aggregators[1:])}
+    return {q["dev"]: q.get("drops", 0) for q in json.loads(r.stdout) if q["dev"] in ports}
+
+
 def run_once(cl, k: int, args, tag: str) -> dict:
-    """n workers, one job striped over the first k aggregators: per-rep times (slowest rank)."""
+    """n workers, one job striped over the first k aggregators: per-rep times (slowest rank),
+    retransmissions, and the drops of the shaped links' tbf during the run."""
     count = args.bytes // 4
+    drops0 = tbf_drops(cl.tb)
     plan = [{"dtype": "float32", "count": count, "reps": args.reps + 1, "seed": 7}]
     reports = cl.run_workers(
         plan,
@@ -49,10 +59,14 @@ def run_once(cl, k: int, args, tag: str) -> dict:
     if bad:
         raise RuntimeError(f"k={k}: wrong result on rank(s) {bad}: {per_rank[bad[0]]}")
     times = [max(r["times"][i] for r in per_rank) for i in range(1, args.reps + 1)]
+    drops1 = tbf_drops(cl.tb)
     return {
+        "tbf_drops": sum(drops1.values()) - sum(drops0.values()),
         "k": k,
         "times": times,
         "retransmissions": sum(r["stats"]["retransmissions"] for r in per_rank),
+        # of those, the ones whose first copy's result came after all (late, not lost)
+        "spurious": sum(r["stats"]["spurious"] for r in per_rank),
         "packets": sum(r["stats"]["packets_sent"] for r in per_rank),
         "per_aggregator_packets": [
             sum(r["per_aggregator"][j]["packets_sent"] for r in per_rank) for j in range(k)
@@ -78,6 +92,8 @@ def summarize(runs: list[dict], args) -> dict:
             "bound_s": bound,
             "of_bound": bound / med,
             "retransmissions": sum(r["retransmissions"] for r in runs if r["k"] == k),
+            "tbf_drops": sum(r["tbf_drops"] for r in runs if r["k"] == k),
+            "spurious": sum(r["spurious"] for r in runs if r["k"] == k),
             "packets": sum(r["packets"] for r in runs if r["k"] == k),
             "cpu_s_per_rank": statistics.median(r["cpu_s"] for r in runs if r["k"] == k),
         }
@@ -98,8 +114,9 @@ def markdown(summary: dict, meta: dict) -> str:
         f"{meta['cpus']} CPUs, load average {meta['load_before']} before, "
         f"{meta['load_after']} after.",
         "",
-        "| k | ms (min-max) | ATE/s | % of bound n*S*8/(k*R) | retx (% of sent) | CPU s/rank |",
-        "|---|---|---|---|---|---|",
+        "| k | ms (min-max) | ATE/s | % of bound n*S*8/(k*R) | retx (% of sent) | of them "
+        "spurious | tbf drops on the aggregators' links | CPU s/rank |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for k in (1, 2):
         s = summary[f"k{k}"]
@@ -107,7 +124,7 @@ def markdown(summary: dict, meta: dict) -> str:
         L.append(
             f"| {k} | {s['median_s'] * 1e3:.0f} ({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}) "
             f"| {s['ate_per_s']:.3g} | {s['of_bound']:.0%} | {s['retransmissions']} "
-            f"({retx:.2f}%) | {s['cpu_s_per_rank']:.3f} |"
+            f"({retx:.2f}%) | {s['spurious']} | {s['tbf_drops']} | {s['cpu_s_per_rank']:.3f} |"
         )
     rounds = ", ".join(f"{r:.2f}" for r in summary["rounds"])
     L += [
@@ -152,7 +169,9 @@ def main(argv=None) -> int:
                 log(
                     f"round {rnd} k={k}: "
                     + ", ".join(f"{x * 1e3:.0f}" for x in r["times"])
-                    + f" ms, retx {r['retransmissions']}, packets per aggregator "
+                    + f" ms, retx {r['retransmissions']} ({r['spurious']} spurious), "
+                    f"tbf drops {r['tbf_drops']}, "
+                    "packets per aggregator "
                     f"{r['per_aggregator_packets']}"
                 )
                 runs.append(r)
