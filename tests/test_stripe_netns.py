@@ -47,6 +47,18 @@ def test_plan_with_several_aggregators():
         plan.make_plan("xt0001", 2, "one-arm", aggregators=10)
 
 
+def test_cli_refuses_several_aggregators_outside_one_arm():
+    from click.testing import CliRunner
+
+    from netns_testbed import cli
+
+    r = CliRunner().invoke(cli.main, ["up", "--aggregators", "2", "--topology", "switch"])
+    assert r.exit_code == 2 and "one-arm" in r.output
+    r = CliRunner().invoke(cli.main, ["up", "--aggregators", "10"])
+    assert r.exit_code == 2 and "1<=x<=9" in r.output.replace(" ", "")
+    assert "--aggregators" in CliRunner().invoke(cli.main, ["up", "--help"]).output
+
+
 # Receiver of one multicast group: prints "ready", then the payloads it got until `idle` s pass.
 RECV_GROUP = r"""
 import json, socket, sys

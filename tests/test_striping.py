@@ -258,3 +258,24 @@ def test_a_silent_aggregator_is_named_within_the_timeout():
         assert err.stripe == 1 and f"{err.endpoint[0]}:{err.endpoint[1]}" == bad
         assert good not in text
     assert took < 10
+
+
+def test_torch_backend_striped_through_the_environment():
+    """hostlib.pt's backend with XDP_AGG_CONTROL listing two aggregators: its collectives as on
+    one (every dtype and op, through the aggregators or gloo as they should go)."""
+    pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
+    from test_torch import _check_backend, _reports, _start_loopback
+
+    class TwoAsOne:  # what _start_loopback reads of a cluster
+        def __init__(self, st: Striped) -> None:
+            self.endpoint = ",".join(st.endpoints)
+            self.worker_ip = st.worker_ip
+
+    with striped(2) as st:
+        procs = _start_loopback(TwoAsOne(st), 2, "backend", "--backend-spec", "cpu:xdpagg")
+        _check_backend(_reports(procs), 2)
+        # both aggregators summed contributions of both ranks
+        for agg in st.aggs:
+            per_worker = agg.worker_counters(0)
+            assert sorted(per_worker) == [0, 1]
+            assert all(c["contributions"] > 0 for c in per_worker.values()), per_worker
