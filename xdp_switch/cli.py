@@ -514,6 +514,10 @@ def serve(ctx, listen, group_ip, barrier_timeout, target, ports, workdir, udp_ch
     (p4c and bmv2 must be installed, see p4/README.md) and stops it on exit: the host library
     talks to bmv2 exactly as to the XDP aggregator.
 
+    A job striped over several aggregators needs one control endpoint per aggregator, each in
+    front of its own attached program (give each its own --group); the workers list all of them
+    (hostlib.init(aggregator=[...]), README "Several aggregators").
+
     \b
     Examples:
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
