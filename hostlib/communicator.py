@@ -115,10 +115,13 @@ def init(
                     else "",
                 )
             )
-    except BaseException:
+    except BaseException as e:
         for _, ctl, sock in joined:
             sock.close()
             ctl.close()
+        if isinstance(e, RendezvousError) and len(endpoints) > 1:  # say which aggregator refused
+            host, port_ = endpoints[len(joined)]
+            raise RendezvousError(f"aggregator {len(joined)} ({host}:{port_}): {e}") from None
         raise
     engines = []
     for j, (desc, _, sock) in enumerate(joined):

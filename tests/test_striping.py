@@ -279,3 +279,13 @@ def test_torch_backend_striped_through_the_environment():
             per_worker = agg.worker_counters(0)
             assert sorted(per_worker) == [0, 1]
             assert all(c["contributions"] > 0 for c in per_worker.values()), per_worker
+
+
+def test_an_unreachable_second_aggregator_is_named_at_init():
+    with striped(1) as st:
+        dead = f"{st.prefix}.201:9"  # nothing listens there
+        t0 = time.monotonic()
+        with pytest.raises(hostlib.RendezvousError) as ei:
+            hostlib.init(0, 1, [st.endpoints[0], dead], job="half", ip=st.worker_ip(0))
+        assert time.monotonic() - t0 < 10
+    assert str(ei.value).startswith(f"aggregator 1 ({dead}): cannot reach the control endpoint")
