@@ -11,6 +11,10 @@ stripe has its own slots, window, congestion window, timers and loss recovery, a
 aggregator fails its own stripe only: the all-reduce then raises that stripe's AllreduceTimeout,
 which names the aggregator (its position, control endpoint and data address).
 
+An all-reduce returns (or raises) only once every stripe has ended, so that no engine still runs
+when the next all-reduce or close() comes: a Ctrl-C stops the calling thread's stripe at once,
+but the others run on until they finish or stall (at most the stall timeout).
+
 Stripes are cut at multiples of the packet size, so every packet carries the same elements as
 without striping: int32 sums are identical, and float32 sums too (block scaling works per packet:
 the exponents agreed for a packet do not depend on which aggregator summed it).
