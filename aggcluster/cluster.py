@@ -9,6 +9,11 @@ run in the aggregator's namespace), starts the control endpoint there (xdp-agg s
 deployment secret of its own (a temporary file, mode 0600, that every worker process gets as
 $XDP_AGG_SECRET_FILE: `worker_env`), runs one aggcluster.cluster_worker process per worker
 namespace, and undoes all of it on exit.
+
+On a testbed of several aggregators (Testbed(aggregators=K)) it does so in each aggregator's
+namespace: one XDP aggregator (named NAME, NAME-1, NAME-2, ...) and one control endpoint per
+aggregator, each giving its jobs multicast groups from its own block (plan.aggregator_group_base), and the
+workers stripe their job over the first `aggregators` of them (start_workers).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import time
 import uuid
 
 from aggproto import control
+from netns_testbed.plan import aggregator_group_base
 
 CONTROL_PORT = 48800
 
@@ -50,22 +56,33 @@ class Cluster:
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
         self.pool_slots = pool_slots
-        self._server: subprocess.Popen | None = None
-        self._attached = False
         self.warnings: list[str] = []  # what xdp-agg serve warned about as it started
-        self.serve_line = ""  # its "control endpoint listening on ..." line
+        self.serve_line = ""  # its "control endpoint listening on ..." line (aggregator 0)
         self._secret_dir: str | None = None
-        self.secret_file: str | None = None  # the deployment secret serve checks
+        self.secret_file: str | None = None  # the deployment secret every serve checks
+        hosts = getattr(tb, "aggregators", None) or [tb.aggregator]
+        self.aggregators = list(hosts)  # the testbed's aggregator hosts, in stripe order
+        self._servers: list[subprocess.Popen | None] = [None] * len(self.aggregators)
+        self._attached = [False] * len(self.aggregators)
 
     def worker_env(self, base: dict | None = None) -> dict:
         """The environment of a worker process: `base` (default: ours) plus the secret file."""
         return {**(os.environ if base is None else base), control.SECRET_ENV: self.secret_file}
 
+    def agg_name(self, j: int = 0) -> str:
+        """The XDP aggregator name (pins, state file) of aggregator j: NAME, NAME-1, ..."""
+        return self.name if j == 0 else f"{self.name}-{j}"
+
+    @property
+    def _server(self) -> subprocess.Popen | None:
+        """Aggregator 0's control endpoint process."""
+        return self._servers[0]
+
     # --- lifecycle ------------------------------------------------------------------------
-    def cli(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """Run `xdp-agg --name NAME ARGS` in the aggregator's namespace."""
-        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.name, *args]
-        r = self.tb.run("agg", cmd, timeout=timeout)
+    def cli(self, *args: str, timeout: float = 120, aggregator: int = 0):
+        """Run `xdp-agg --name NAME ARGS` in aggregator `aggregator`'s namespace."""
+        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.agg_name(aggregator), *args]
+        r = self.tb.run(self.aggregators[aggregator], cmd, timeout=timeout)
         if r.returncode != 0:
             raise ClusterError(f"xdp-agg {' '.join(args)} failed: {r.stderr.strip()}")
         return r
@@ -74,57 +91,68 @@ class Cluster:
         try:
             self._secret_dir = tempfile.mkdtemp(prefix=f"xdp-agg-{self.name}-")
             self.secret_file = os.path.join(self._secret_dir, "secret")
-            control.create_secret(self.secret_file)
-            self.cli(
-                "attach",
-                *self.tb.agg_interfaces,
-                "--xdp-mode",
-                self.xdp_mode,
-                "--pool-slots",
-                str(self.pool_slots),
-            )
-            self._attached = True
-            self.start_server()
+            control.create_secret(self.secret_file)  # one secret for all the aggregators
+            for j, host in enumerate(self.aggregators):
+                self.cli(
+                    "attach",
+                    *host.ifnames,
+                    "--xdp-mode",
+                    self.xdp_mode,
+                    "--pool-slots",
+                    str(self.pool_slots),
+                    aggregator=j,
+                )
+                self._attached[j] = True
+                self.start_server(j)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
 
-    def start_server(self) -> None:
-        """Start the control endpoint (xdp-agg serve) in the aggregator's namespace; returns
+    def start_server(self, j: int = 0) -> None:
+        """Start aggregator j's control endpoint (xdp-agg serve) in its namespace; returns
         once it listens. It recovers the jobs an earlier one left (a restart)."""
-        self._server = self.tb.popen(
-            "agg",
+        # several aggregators: each gives its jobs groups from its own block, so that one
+        # aggregator's results never go to a group of another's (and the bridge keeps them
+        # off the other aggregators' links)
+        blocks = ["--group-base", aggregator_group_base(j)] if len(self.aggregators) > 1 else []
+        server = self.tb.popen(
+            self.aggregators[j],
             [
                 sys.executable,
                 "-m",
                 "xdp_switch.cli",
                 "--name",
-                self.name,
+                self.agg_name(j),
                 "serve",
                 "--listen",
                 # every address: in the switch topology each port has its own
                 f"0.0.0.0:{CONTROL_PORT}",
                 "--secret-file",
                 self.secret_file,
+                *blocks,
                 *self.serve_args,
             ],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
         )
-        line = self._server.stderr.readline()  # "control endpoint listening ..." or an error
+        self._servers[j] = server
+        line = server.stderr.readline()  # "control endpoint listening ..." or an error
         if line.startswith("warning:"):  # e.g. results falling back to the broadcast
             self.warnings.append(line.strip())
-            line = self._server.stderr.readline()
+            line = server.stderr.readline()
         if "listening" not in line:
-            raise ClusterError(f"xdp-agg serve did not start: {line}{self._server.stderr.read()}")
-        self.serve_line = line.strip()
+            raise ClusterError(
+                f"xdp-agg serve ({self.agg_name(j)}) did not start: {line}{server.stderr.read()}"
+            )
+        if j == 0:
+            self.serve_line = line.strip()
 
-    def stop_server(self, sig: int = signal.SIGTERM) -> str:
-        """Stop the control endpoint with `sig` (the jobs go on in the data plane); returns
-        what it wrote to stderr."""
-        p, self._server = self._server, None
+    def stop_server(self, sig: int = signal.SIGTERM, j: int = 0) -> str:
+        """Stop aggregator j's control endpoint with `sig` (the jobs go on in the data plane);
+        returns what it wrote to stderr."""
+        p, self._servers[j] = self._servers[j], None
         if p is None:
             return ""
         p.send_signal(sig)
@@ -136,24 +164,36 @@ class Cluster:
         return err or ""
 
     def __exit__(self, *exc) -> None:
-        self.stop_server()
+        for j in range(len(self.aggregators)):
+            self.stop_server(j=j)
+        errors = []
         try:
-            self.detach()
+            for j in range(len(self.aggregators)):
+                try:
+                    self.detach(aggregator=j)
+                except ClusterError as e:  # detach the others all the same
+                    errors.append(str(e))
         finally:
             if self._secret_dir is not None:
                 shutil.rmtree(self._secret_dir, ignore_errors=True)
                 self._secret_dir = None
+        if errors:
+            raise ClusterError("; ".join(errors))
 
-    def detach(self, force: bool = True) -> None:
-        """Detach the aggregator now (the control endpoint keeps running until exit); `force`:
-        even with live jobs (xdp-agg detach --force)."""
-        if self._attached:
-            self._attached = False
-            self.cli("detach", *(["--force"] if force else []))
+    def detach(self, force: bool = True, aggregator: int = 0) -> None:
+        """Detach aggregator `aggregator` now (its control endpoint keeps running until exit);
+        `force`: even with live jobs (xdp-agg detach --force)."""
+        if self._attached[aggregator]:
+            self._attached[aggregator] = False
+            self.cli("detach", *(["--force"] if force else []), aggregator=aggregator)
 
     # --- work -----------------------------------------------------------------------------
-    def control_address(self, worker) -> str:
-        return f"{worker.agg_ip}:{CONTROL_PORT}"
+    def control_address(self, worker, aggregators: int = 1) -> str:
+        """The control endpoint(s) `worker` reaches: of its aggregator, or, striping over the
+        first `aggregators` of several (one-arm), theirs comma-separated (hostlib.init's form)."""
+        if aggregators == 1:
+            return f"{worker.agg_ip}:{CONTROL_PORT}"
+        return ",".join(f"{a.ips[0]}:{CONTROL_PORT}" for a in self.aggregators[:aggregators])
 
     def start_workers(
         self,
@@ -165,9 +205,13 @@ class Cluster:
         window: int = 128,
         timeout: float = 30.0,
         progress: bool = False,
+        aggregators: int = 1,
     ) -> list[tuple[int, subprocess.Popen]]:
         """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
-        is rank i of a job of len(hosts) workers. Collect them with `collect`."""
+        is rank i of a job of len(hosts) workers, striped over the first `aggregators` of the
+        cluster's aggregators. Collect them with `collect`."""
+        if not 1 <= aggregators <= len(self.aggregators):
+            raise ValueError(f"aggregators must be in 1..{len(self.aggregators)}")
         hosts = list(range(len(self.tb.workers))) if hosts is None else hosts
         procs = []
         for rank, h in enumerate(hosts):
@@ -181,7 +225,7 @@ class Cluster:
                 "--world",
                 str(len(hosts)),
                 "--control",
-                self.control_address(w),
+                self.control_address(w, aggregators),
                 "--job",
                 job,
                 "--elems",
@@ -237,5 +281,6 @@ class Cluster:
         """start_workers then collect: per rank, its reports."""
         return self.collect(self.start_workers(plan, **kw), deadline)
 
-    def stats(self) -> dict:
-        return json.loads(self.cli("stats", "--json").stdout)
+    def stats(self, aggregator: int = 0) -> dict:
+        """`xdp-agg stats --json` of aggregator `aggregator`."""
+        return json.loads(self.cli("stats", "--json", aggregator=aggregator).stdout)

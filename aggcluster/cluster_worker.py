@@ -64,13 +64,21 @@ def float_bound(
     return quant + out_ulp * np.abs(result.astype(np.float64)) + 1e-30
 
 
+# counters reported per aggregator of a striped job (hostlib's stats_per_aggregator)
+_PER_AGGREGATOR = ("packets_sent", "retransmissions", "results", "elements", "allreduces")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
-    ap.add_argument("--control", required=True, help="HOST:PORT of xdp-agg serve")
+    ap.add_argument(
+        "--control",
+        required=True,
+        help="HOST:PORT of xdp-agg serve; several, comma-separated, stripe the job over them",
+    )
     ap.add_argument("--job", default="e2e")
     ap.add_argument("--elems", type=int, default=256)
     ap.add_argument("--window", type=int, default=128)
@@ -132,6 +140,7 @@ def main(argv=None) -> int:
             x = make_input(dtype, count, seed, data_rank)
             times, cpu = [], []
             before = dict(comm.stats)
+            before_per = comm.stats_per_aggregator()
             for _ in range(reps):
                 comm.barrier()
                 r0 = resource.getrusage(resource.RUSAGE_SELF)
@@ -155,6 +164,13 @@ def main(argv=None) -> int:
                 "group": list(comm.description.group) if comm.description.group else None,
             }
             report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
+            report["per_aggregator"] = [
+                {
+                    "aggregator": now["aggregator"],
+                    **{k: now[k] - was[k] for k in _PER_AGGREGATOR},
+                }
+                for now, was in zip(comm.stats_per_aggregator(), before_per)
+            ]
             if item.get("verify", True):
                 want = expected_sum(dtype, count, seed, data_world)
                 if dtype == "int32":

@@ -5,8 +5,9 @@
         total = comm.allreduce(gradients)
 
 Modules: communicator (init, Communicator, the public API), engine (the self-clocked packet
-stream), scaling (block floating point for floats), udp_io (GSO/GRO batched sockets),
-rendezvous (control endpoint client), netinfo (own address and MAC), errors.
+stream), striping (a job over several aggregators), scaling (block floating point for floats),
+udp_io (GSO/GRO batched sockets), rendezvous (control endpoint client), netinfo (own address and
+MAC), errors.
 """
 
 from .communicator import AllreduceHandle, Communicator, init

@@ -12,6 +12,7 @@ registers, and all return together once every rank is there.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import socket
@@ -30,6 +31,7 @@ from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, source_ip_towards
 from .rendezvous import ControlClient, load_secret, parse_endpoint
+from .striping import StripedEngine
 from .udp_io import DatagramSocket
 
 _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
@@ -38,7 +40,7 @@ _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
 def init(
     rank: int,
     world_size: int,
-    aggregator: str,
+    aggregator,
     job: str = "default",
     elems: int = 256,
     window: int = 64,
@@ -61,7 +63,11 @@ def init(
 ) -> "Communicator":
     """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
 
-    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve).
+    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve); or, to stripe the job over
+        k aggregators, k of them: a list, or one string "HOST:PORT,HOST:PORT" (the form the
+        environment's XDP_AGG_CONTROL takes). The job is then created and joined on each, and
+        every all-reduce is split into k stripes that run at once, one per aggregator
+        (hostlib.striping); every rank must list the same aggregators in the same order.
     job: the job's name; all ranks of one run use the same, and no other live run may.
     elems, window: int32 per packet (32, 64, 128, 256, 512 or 768) and slots per worker; rank
         0's values make the job, the other ranks adopt them.
@@ -72,7 +78,8 @@ def init(
         the source address when one host runs several workers (as the loopback tests do); the
         data socket is then bound to it and can receive unicast results only.
     port: UDP port of the data socket. Rank 0 binds it (0: any free port) and the job fixes it
-        for every rank, because in one-arm mode the result goes once to group:port.
+        for every rank, because in one-arm mode the result goes once to group:port. Striped,
+        aggregator j's socket gets port + j (or any free port when port is 0).
     mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
     rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
     retransmit: least retransmission timer in seconds; the timer follows the measured round
@@ -100,12 +107,128 @@ def init(
     wire.size_code_for(elems)
     if window < 1:
         raise ValueError("window must be at least 1")
-    endpoint = parse_endpoint(aggregator)
+    endpoints = parse_aggregators(aggregator)
+    secret = load_secret(secret_file)
+    # the job's token at the first aggregator (striped, the others need the secret: a token is
+    # one aggregator's, made when rank 0 creates the job there)
+    token = token or os.environ.get(control.TOKEN_ENV) or None
+    joined: list[_Joined] = []
+    try:
+        for j, endpoint in enumerate(endpoints):
+            joined.append(
+                _join_one(
+                    rank,
+                    world_size,
+                    endpoint,
+                    job,
+                    elems,
+                    window,
+                    ip=ip,
+                    port=port + j if port else 0,
+                    mac=mac,
+                    wait=rendezvous_timeout,
+                    gso=gso,
+                    gro=gro,
+                    secret=secret,
+                    token=token if j == 0 else None,
+                    on_token=on_token if j == 0 else None,
+                    where=f" on aggregator {j} ({endpoint[0]}:{endpoint[1]})"
+                    if len(endpoints) > 1
+                    else "",
+                )
+            )
+    except BaseException as e:
+        for x in joined:
+            x.sock.close()
+            x.ctl.close()
+        if isinstance(e, RendezvousError) and len(endpoints) > 1:  # say which aggregator refused
+            host, port_ = endpoints[len(joined)]
+            raise type(e)(f"aggregator {len(joined)} ({host}:{port_}): {e}") from None
+        raise
+    engines = []
+    for j, x in enumerate(joined):
+        desc = x.desc
+        cfg = EngineConfig(
+            job_id=desc.spec.job_id,
+            # float scaling's n: every worker under the root of a two-level tree (JobSpec
+            # total_workers), else the job's own ranks
+            world_size=desc.spec.total_workers or desc.world_size,
+            elems=desc.spec.elems,
+            slot_base=desc.spec.slot_base,
+            window=desc.window,
+            aggregator=desc.send_to,
+            rto=retransmit,
+            timeout=timeout,
+            progress=progress and j == 0,
+            native=native,
+            cwnd=cwnd,
+        )
+        stripe_faults = faults
+        if faults is not None and j:  # independent losses per stripe
+            stripe_faults = dataclasses.replace(faults, seed=faults.seed + j)
+        engines.append(StreamEngine(x.sock, cfg, stripe_faults))
+    first = joined[0]
+    engine = engines[0] if len(joined) == 1 else StripedEngine(engines, endpoints)
+    return Communicator(
+        rank,
+        job,
+        first.desc,
+        first.ctl,
+        first.sock,
+        engine,
+        membership=first.membership,
+        stripes=joined[1:],
+    )
+
+
+@dataclasses.dataclass
+class _Joined:
+    """A rank's place at one aggregator: the job there, its control link, data socket and the
+    multicast membership of that socket (or None)."""
+
+    desc: JobDescription
+    ctl: "ControlLink"
+    sock: DatagramSocket
+    membership: bytes | None
+
+
+def parse_aggregators(aggregator) -> list[tuple[str, int]]:
+    """init's `aggregator`: "HOST:PORT", "HOST:PORT,HOST:PORT,..." or a sequence of "HOST:PORT"
+    -> the control endpoints, in stripe order. Raises ValueError on an empty or repeated one."""
+    items = aggregator.split(",") if isinstance(aggregator, str) else list(aggregator)
+    endpoints = [parse_endpoint(str(a).strip()) for a in items]
+    if not endpoints or any(not h for h, _ in endpoints):
+        raise ValueError(f"aggregator must name at least one control endpoint, got {aggregator!r}")
+    if len(set(endpoints)) != len(endpoints):
+        raise ValueError(f"an aggregator is named twice in {aggregator!r}")
+    return endpoints
+
+
+def _join_one(
+    rank,
+    world_size,
+    endpoint,
+    job,
+    elems,
+    window,
+    *,
+    ip,
+    port,
+    mac,
+    wait,
+    gso,
+    gro,
+    secret,
+    token,
+    on_token,
+    where,
+) -> _Joined:
+    """Create (rank 0) or find the job at one control endpoint and register there; returns the
+    job's description, the control link (kept open: closing it leaves), the data socket and
+    its group membership."""
     pinned = ip is not None
     my_ip = ip if pinned else source_ip_towards(*endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
-    secret = load_secret(secret_file)
-    token = token or os.environ.get(control.TOKEN_ENV) or None
     ctl = ControlClient(
         endpoint,
         timeout=30.0,
@@ -115,7 +238,6 @@ def init(
     )
     sock = None
     try:
-        wait = rendezvous_timeout
         if rank == 0:
             sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
             desc = ctl.job(
@@ -132,15 +254,15 @@ def init(
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             if desc.world_size != world_size:
                 raise ValueError(
-                    f"job {job!r} has world_size {desc.world_size}, this rank was started "
+                    f"job {job!r}{where} has world_size {desc.world_size}, this rank was started "
                     f"with {world_size}"
                 )
             try:
                 sock = DatagramSocket((bind_ip, desc.worker_port), gso=gso, gro=gro)
             except OSError as e:
                 raise HostlibError(
-                    f"{e.strerror}: every worker of job {job!r} listens on the UDP port rank 0 "
-                    f"chose, {desc.worker_port}, and it is taken here; start rank 0 with "
+                    f"{e.strerror}: every worker of job {job!r}{where} listens on the UDP port "
+                    f"rank 0 chose, {desc.worker_port}, and it is taken here; start rank 0 with "
                     f"port= set to a port free on every host (two workers on one host also need "
                     f"distinct ip= addresses)"
                 ) from None
@@ -160,21 +282,6 @@ def init(
             sock.close()
         ctl.close()
         raise
-    cfg = EngineConfig(
-        job_id=desc.spec.job_id,
-        # float scaling's n: every worker under the root of a two-level tree (JobSpec
-        # total_workers), else the job's own ranks
-        world_size=desc.spec.total_workers or desc.world_size,
-        elems=desc.spec.elems,
-        slot_base=desc.spec.slot_base,
-        window=desc.window,
-        aggregator=desc.send_to,
-        rto=retransmit,
-        timeout=timeout,
-        progress=progress,
-        native=native,
-        cwnd=cwnd,
-    )
     # from here on the control connection survives a restart of the endpoint (control_link)
     link = ControlLink(
         ctl,
@@ -184,8 +291,7 @@ def init(
         port=sock.address[1],
         source_ip=my_ip if pinned else None,
     )
-    engine = StreamEngine(sock, cfg, faults)
-    return Communicator(rank, job, desc, link, sock, engine, membership=membership)
+    return _Joined(desc, link, sock, membership)
 
 
 # IP_MULTICAST_ALL (linux/in.h; not in Python's socket module before 3.12 on every build)
@@ -254,6 +360,7 @@ class Communicator:
         engine,
         *,
         membership: bytes | None = None,
+        stripes=(),
     ):
         self.rank = rank
         self.job = job
@@ -261,7 +368,15 @@ class Communicator:
         self.world_size = desc.world_size
         self._ctl = ctl
         self._sock = sock
-        self._engine: StreamEngine = engine
+        self._engine: StreamEngine | StripedEngine = engine
+        # striped over several aggregators: (description, connection, data socket) of each after
+        # the first; the first is the one above
+        # striped: the other aggregators' places (_Joined), in stripe order after the first
+        self.descriptions: tuple[JobDescription, ...] = (desc, *(x.desc for x in stripes))
+        self._ctls = [ctl, *(x.ctl for x in stripes)]
+        self._socks = [sock, *(x.sock for x in stripes)]
+        # the ip_mreq of each socket's multicast group, if it joined one (close leaves them)
+        self._memberships = [membership, *(x.membership for x in stripes)]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
         self._lock = threading.Lock()  # guards _closed, _queued, _inline
         self._engine_lock = threading.Lock()  # held while the engine runs an all-reduce
@@ -269,7 +384,6 @@ class Communicator:
         self._inline = False  # an all-reduce runs in a caller's thread
         self._closed = False
         self._broken: str | None = None
-        self._membership = membership  # the ip_mreq of the job's multicast group, if joined
 
     @property
     def token(self) -> str | None:
@@ -358,8 +472,9 @@ class Communicator:
 
     def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:
         """Add the control endpoint's view (absent and lagging ranks) to a timeout."""
+        ctl = self._ctls[e.stripe or 0]  # striped: the stalled aggregator's endpoint
         try:
-            d = self._ctl.request("diagnose", job=self.job, reply_timeout=3.0)
+            d = ctl.request("diagnose", job=self.job, reply_timeout=3.0)
         except RendezvousError as err:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
         notes = []
@@ -384,7 +499,8 @@ class Communicator:
             )
         if mine == 0 and e.packets:
             notes.append(
-                f"the aggregator counted no contribution from this rank ({self._my_address()}): "
+                "the aggregator counted no contribution from this rank "
+                f"({self._my_address(e.stripe or 0)}): "
                 "it does not receive this worker's packets or does not know its address"
             )
         if not notes and "counters" not in d:
@@ -396,8 +512,9 @@ class Communicator:
             notes.append("every rank is registered and none is behind in contributions")
         return e.with_diagnosis("Control endpoint: " + "; ".join(notes) + ".", d)
 
-    def _my_address(self) -> str:
-        me = next((w for w in self.description.workers if w["rank"] == self.rank), None)
+    def _my_address(self, stripe: int = 0) -> str:
+        workers = self.descriptions[stripe].workers
+        me = next((w for w in workers if w["rank"] == self.rank), None)
         return f"{me['ip']}:{me['port']}" if me else "?"
 
     # --- info -------------------------------------------------------------------------------
@@ -411,9 +528,26 @@ class Communicator:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict."""
         return dict(self._engine.stats)
 
-    def status(self) -> dict:
-        """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters)."""
-        return self._ctl.request("diagnose", job=self.job, reply_timeout=5.0)
+    @property
+    def aggregators(self) -> list[str]:
+        """The control endpoints of this job's aggregators, "HOST:PORT", in stripe order (one
+        unless the job is striped)."""
+        return [f"{c.endpoint[0]}:{c.endpoint[1]}" for c in self._ctls]
+
+    def stats_per_aggregator(self) -> list[dict]:
+        """Per aggregator (in stripe order) its stripe's counters, as `stats` has them, plus
+        "aggregator": its control endpoint. One entry, equal to `stats`, unless striped."""
+        per = (
+            self._engine.stats_per_aggregator()
+            if isinstance(self._engine, StripedEngine)
+            else [dict(self._engine.stats)]
+        )
+        return [{"aggregator": a, **st} for a, st in zip(self.aggregators, per)]
+
+    def status(self, aggregator: int = 0) -> dict:
+        """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);
+        striped, that of aggregator number `aggregator`."""
+        return self._ctls[aggregator].request("diagnose", job=self.job, reply_timeout=5.0)
 
     # --- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -425,22 +559,25 @@ class Communicator:
         self._executor.shutdown(wait=True)
         with self._engine_lock:  # an all-reduce running inline in another thread finishes first
             pass
-        try:
-            self._ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
-        except RendezvousError:
-            pass  # closing the connection below counts as leaving too
-        self._ctl.close()
-        if self._membership is not None:
-            # Leave the group explicitly (closing the socket would too): the switch stops
-            # forwarding the job's group to this port once no member is left behind it.
+        if isinstance(self._engine, StripedEngine):
+            self._engine.close()
+        for ctl in self._ctls:
             try:
-                self._sock.sock.setsockopt(
-                    socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, self._membership
-                )
-            except OSError:
-                pass  # the interface went away: the kernel dropped the membership with it
-            self._membership = None
-        self._sock.close()
+                ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
+            except RendezvousError:
+                pass  # closing the connection below counts as leaving too
+            ctl.close()
+        for sock, mreq in zip(self._socks, self._memberships):
+            if mreq is not None:
+                # Leave the group explicitly (closing the socket would too): the switch stops
+                # forwarding the job's group to this port once no member is left behind it.
+                try:
+                    sock.sock.setsockopt(socket.IPPROTO_IP, socket.IP_DROP_MEMBERSHIP, mreq)
+                except OSError:
+                    pass  # the interface went away: the kernel dropped the membership with it
+        self._memberships = [None] * len(self._socks)
+        for sock in self._socks:
+            sock.close()
 
     def __enter__(self) -> "Communicator":
         return self

@@ -52,6 +52,8 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         outstanding_slots: tuple[int, ...] = (),
         results: int = 0,
         diagnosis: dict | None = None,
+        stripe: int | None = None,
+        endpoint: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(message)
         self.aggregator = aggregator
@@ -60,6 +62,9 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         self.outstanding_slots = outstanding_slots
         self.results = results  # results received in this all-reduce
         self.diagnosis = diagnosis  # the control endpoint's `diagnose` answer, if it came
+        # a striped job (several aggregators): which one stalled, and its control endpoint
+        self.stripe = stripe
+        self.endpoint = endpoint
 
     def with_diagnosis(self, text: str, diagnosis: dict | None) -> "AllreduceTimeout":
         """A copy whose message ends with the control endpoint's view of the job."""
@@ -71,4 +76,6 @@ class AllreduceTimeout(HostlibError, TimeoutError):
             outstanding_slots=self.outstanding_slots,
             results=self.results,
             diagnosis=diagnosis,
+            stripe=self.stripe,
+            endpoint=self.endpoint,
         )

@@ -21,12 +21,13 @@ from .testbed import MAX_MTU, MIN_MTU, Testbed, require_root
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
-MAIN_HELP = f"""Build and remove network-namespace testbeds (N workers + 1 aggregator).
+MAIN_HELP = f"""Build and remove network-namespace testbeds (N workers + 1 aggregator, or K).
 
 \b
 Examples:
   netns-testbed up --workers 4 --topology switch --rate 1gbit
   netns-testbed up -n 3 --prefix demo --loss-up 0.01 --json
+  netns-testbed up -n 4 --aggregators 2 --agg-rate 300mbit   # for striped jobs
   netns-testbed status
   netns-testbed exec --prefix demo w0 -- ping -c 1 198.18.0.1
   netns-testbed exec --prefix demo agg -- ip -br addr
@@ -92,6 +93,10 @@ def main():
 one-arm: bridge in <prefix>sw; aggregator eth0 198.18.0.1/24, worker i
          eth0 198.18.0.(10+i)/24; results to group 198.18.0.255.
 switch:  aggregator p<i> 198.18.(i+1).1/24 <-> worker i eth0 198.18.(i+1).2/24.
+--aggregators K (one-arm): aggregator j in <prefix>ag<j> (j >= 1), eth0
+         198.18.0.(1+j)/24, for jobs striped over K aggregators; each one's
+         results go to the multicast group 239.18.0.(1+j), kept off the other
+         aggregators' bridge ports; --agg-rate shapes each aggregator's link.
 
 \b
 Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
@@ -109,6 +114,13 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 )
 @click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
 @click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
+@click.option(
+    "--aggregators",
+    type=click.IntRange(1, plan.MAX_AGGREGATORS),
+    default=1,
+    show_default=True,
+    help="Number of aggregators (more than 1: one-arm only).",
+)
 @click.option(
     "--mtu",
     type=int,
@@ -147,6 +159,7 @@ def up(
     topology,
     rate,
     agg_rate,
+    aggregators,
     mtu,
     loss_up,
     loss_down,
@@ -173,6 +186,7 @@ def up(
             cleanup_at_exit=False,
             observers=observers,
             mcast_snooping=mcast_snooping,
+            aggregators=aggregators,
         )
         require_root()
         tb.up()
@@ -393,9 +407,10 @@ def _describe(st: dict) -> str:
             else ""
         )
     ]
-    ag = st["aggregator"]
-    for ifname, ip, mac in zip(ag["ifnames"], ag["ips"], ag["macs"]):
-        lines.append(f"  agg  {ag['netns']:<12} {ifname:<5} {ip:<15} {mac}")
+    for j, ag in enumerate(st.get("aggregators") or [st["aggregator"]]):
+        name = "agg" if j == 0 else f"agg{j}"
+        for ifname, ip, mac in zip(ag["ifnames"], ag["ips"], ag["macs"]):
+            lines.append(f"  {name:<4} {ag['netns']:<12} {ifname:<5} {ip:<15} {mac}")
     for w in st["workers"]:
         lines.append(
             f"  w{w['index']:<3} {w['netns']:<12} {w['ifname']:<5} {w['ip']:<15} {w['mac']}"

@@ -14,6 +14,7 @@ class AggregatorHost:
 
     ``ifnames[k]``, ``ips[k]`` and ``macs[k]`` describe the same interface:
     one ``eth0`` in one-arm, ``p0..pN-1`` (one per worker) in switch.
+    ``index`` is its number among a testbed's aggregators (0 unless several).
     """
 
     netns: str
@@ -21,11 +22,13 @@ class AggregatorHost:
     ips: list[str] = field(default_factory=list)
     macs: list[str] = field(default_factory=list)
     prefixlen: int = 24
+    index: int = 0
 
     @property
     def name(self) -> str:
-        """Short host name understood by :meth:`Testbed.run` and the CLI."""
-        return "agg"
+        """Short host name understood by :meth:`Testbed.run` and the CLI: ``agg``, then
+        ``agg1``, ``agg2``... for further aggregators."""
+        return "agg" if self.index == 0 else f"agg{self.index}"
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -12,6 +12,11 @@ Address plan (everything stays inside 198.18.0.0/15, the benchmarking range):
   (``xdp-agg serve --results broadcast``); by default each job gets a multicast group of its
   own, which the bridge (IGMP snooping, with a querier) forwards to its members only.
   Observers (hosts in no job) ``<prefix>o<i>`` ``eth0`` 198.18.0.(200+i), on the same bridge.
+  With ``aggregators`` K > 1 (for jobs striped over several aggregators),
+  aggregator j is namespace ``<prefix>ag`` (j = 0) or ``<prefix>ag<j>``,
+  ``eth0`` 198.18.0.(1+j), bridge port ``ag`` or ``ag<j>``;
+  their bridge ports do not flood multicast (``mcast_flood off``), so an
+  aggregator's link never carries another aggregator's results.
 * ``switch``: one /24 per worker, 198.18.(i+1).0/24. Aggregator ``p<i>``
   198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge.
 
@@ -32,6 +37,7 @@ TOPOLOGIES = ("one-arm", "switch")
 MAX_WORKERS = 32
 MAX_OBSERVERS = 16  # one-arm: hosts on the bridge that are in no job, 198.18.0.200..215
 OBSERVER_IP_BASE = 200
+MAX_AGGREGATORS = 9  # one-arm: aggregators at 198.18.0.1..9, workers from 198.18.0.10
 PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"
@@ -59,7 +65,7 @@ def validate_prefix(prefix: str) -> str:
 
 def netns_name_re(prefix: str) -> re.Pattern:
     """Regex matching exactly the namespace names a testbed with ``prefix`` uses."""
-    return re.compile(rf"^{re.escape(prefix)}(sw|ag|w\d+|o\d+)$")
+    return re.compile(rf"^{re.escape(prefix)}(sw|ag\d*|w\d+|o\d+)$")
 
 
 def mac_for_ip(ip: str) -> str:
@@ -101,15 +107,36 @@ class Plan:
     group_ip: str | None = None
     namespaces: list[str] = field(default_factory=list)
     observers: list[ObserverHost] = field(default_factory=list)  # one-arm only
+    aggregators: list[AggregatorHost] = field(default_factory=list)  # [aggregator] unless K > 1
 
     @property
     def agg_interfaces(self) -> list[str]:
         return list(self.aggregator.ifnames)
 
 
-def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> Plan:
-    """Compute names/addresses for ``workers`` workers in ``topology``, and ``observers``
-    hosts in no job on the one-arm bridge."""
+def aggregator_ip(j: int) -> str:
+    """One-arm: the address of aggregator j."""
+    return f"198.18.0.{1 + j}"
+
+
+def aggregator_group_base(j: int) -> str:
+    """One-arm with several aggregators: the block aggregator j's endpoint takes its jobs'
+    multicast groups from (`xdp-agg serve --group-base`): 239.18.j.0/24, so that two
+    aggregators' job N never share a group."""
+    return f"239.18.{j}.0/24"
+
+
+def aggregator_netns(prefix: str, j: int) -> str:
+    """Namespace of aggregator j: ``<prefix>ag``, then ``<prefix>ag1``, ``<prefix>ag2``..."""
+    return f"{prefix}ag" if j == 0 else f"{prefix}ag{j}"
+
+
+def make_plan(
+    prefix: str, workers: int, topology: str, observers: int = 0, aggregators: int = 1
+) -> Plan:
+    """Compute names/addresses for ``workers`` workers and ``aggregators`` aggregators (more
+    than one: one-arm only) in ``topology``, and ``observers`` hosts in no job on the one-arm
+    bridge."""
     validate_prefix(prefix)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
@@ -121,6 +148,18 @@ def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> P
         raise ValueError(
             "observers need the one-arm topology: they share the workers' bridge (in the switch "
             "topology every worker has a link of its own)"
+        )
+    if (
+        not isinstance(aggregators, int)
+        or isinstance(aggregators, bool)
+        or not 1 <= aggregators <= MAX_AGGREGATORS
+    ):
+        raise ValueError(
+            f"aggregators must be an integer in 1..{MAX_AGGREGATORS}, got {aggregators!r}"
+        )
+    if aggregators > 1 and topology != "one-arm":
+        raise ValueError(
+            "several aggregators need the one-arm topology (they share the workers' bridge)"
         )
 
     agg_ns = f"{prefix}ag"
@@ -179,6 +218,16 @@ def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> P
                     bridge_b=True,
                 )
             )
+        extra = []
+        for j in range(1, aggregators):
+            ns, ip = aggregator_netns(prefix, j), aggregator_ip(j)
+            extra.append(AggregatorHost(ns, ["eth0"], [ip], [mac_for_ip(ip)], PREFIXLEN, index=j))
+            veths.insert(
+                j,
+                VethSpec(
+                    ns, "eth0", sw_ns, f"ag{j}", None, ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True
+                ),
+            )
         plan = Plan(
             prefix,
             topology,
@@ -187,8 +236,9 @@ def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> P
             veths,
             sw_ns,
             ONE_ARM_GROUP_IP,
-            [sw_ns, agg_ns, *worker_ns, *(o.netns for o in watchers)],
-            watchers,
+            [sw_ns, agg_ns, *(a.netns for a in extra), *worker_ns, *(o.netns for o in watchers)],
+            observers=watchers,
+            aggregators=[agg, *extra],
         )
     else:
         agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
@@ -225,7 +275,9 @@ def make_plan(prefix: str, workers: int, topology: str, observers: int = 0) -> P
                     mac_b=mac_for_ip(agg_ip),
                 )
             )
-        plan = Plan(prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns])
+        plan = Plan(
+            prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns], aggregators=[agg]
+        )
 
     for v in veths:
         assert len(v.if_a) <= IFNAMSIZ_MAX and len(v.if_b) <= IFNAMSIZ_MAX

@@ -31,10 +31,17 @@ should: a multicast group (a job's results) goes only to the ports whose hosts j
 Rate limits (tbf, see :mod:`netns_testbed.shaping`) apply to both directions
 of each worker link: the worker's ``eth0`` egress and the other end's egress
 (bridge port ``w<i>`` in one-arm, the aggregator's ``p<i>`` in switch).
+``aggregators`` K > 1 (one-arm) adds aggregator namespaces ``<prefix>ag1``..
+on the same bridge (:mod:`netns_testbed.plan`), for jobs striped over several
+aggregators; their bridge ports get ``mcast_flood off`` so that the results
+one aggregator multicasts to the workers do not reach (and load) the others'
+links, as IGMP snooping on a real switch would keep them off.
+
 LIMITATION (switch): frames the aggregator sends with XDP_TX or a devmap
 redirect on ``p<i>`` bypass the qdisc there, so the aggregator->worker
 direction is unshaped for XDP traffic; in one-arm the bridge port shapes
-those frames. ``agg_rate`` shapes the aggregator's own link (one-arm only).
+those frames. ``agg_rate`` shapes the aggregator's own link (one-arm only), each
+aggregator's when there are several.
 """
 
 from __future__ import annotations
@@ -109,7 +116,8 @@ class Testbed:
         workers: number of workers, 1..32.
         topology: ``"one-arm"`` or ``"switch"``.
         rate: per-worker-link rate, e.g. ``"1gbit"``; None = unshaped.
-        agg_rate: rate of the aggregator's own link (one-arm only).
+        agg_rate: rate of the aggregator's own link (one-arm only; each one's).
+        aggregators: number of aggregators, 1..9 (more than 1: one-arm only).
         mtu: MTU of every veth and the bridge, 68..3506 (MAX_MTU: XDP without frags).
         loss_up / loss_down: drop probability in [0, 1] for UDP a worker sends
             to / receives from ports 0xBEE0-0xBEEF (1 = drop all).
@@ -145,9 +153,10 @@ class Testbed:
         cleanup_at_exit: bool = True,
         observers: int = 0,
         mcast_snooping: bool = True,
+        aggregators: int = 1,
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
-        self._plan = make_plan(self.prefix, workers, topology, observers)
+        self._plan = make_plan(self.prefix, workers, topology, observers, aggregators)
         self.mcast_snooping = bool(mcast_snooping)
         if not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
             raise ValueError(
@@ -174,6 +183,7 @@ class Testbed:
         self.cleanup_at_exit = cleanup_at_exit
 
         self.aggregator: AggregatorHost = self._plan.aggregator
+        self.aggregators: list[AggregatorHost] = self._plan.aggregators  # [aggregator] unless K > 1
         self.workers: list[WorkerHost] = self._plan.workers
         self.observers: list[ObserverHost] = self._plan.observers
         self.group_ip: str | None = self._plan.group_ip
@@ -209,8 +219,9 @@ class Testbed:
         )
 
     def host(self, host) -> AggregatorHost | WorkerHost | ObserverHost | str:
-        """Resolve a host: a host record, worker index, ``"agg"``, ``"w<i>"``,
-        ``"o<i>"`` (an observer), ``"sw"`` (one-arm bridge) or one of our namespace names.
+        """Resolve a host: a host record, worker index, ``"agg"`` (``"agg<j>"``: aggregator j
+        of several), ``"w<i>"``, ``"o<i>"`` (an observer), ``"sw"`` (one-arm bridge) or one of
+        our namespace names.
 
         Returns the host record, or the namespace name for the bridge namespace.
         """
@@ -225,6 +236,9 @@ class Testbed:
         if isinstance(host, str):
             if host in ("agg", "aggregator", "ag", self.aggregator.netns):
                 return self.aggregator
+            for a in self.aggregators:
+                if host in (a.name, a.netns, f"ag{a.index}"):
+                    return a
             if host in ("sw", "switch", "bridge") or (
                 self.switch_netns and host == self.switch_netns
             ):
@@ -398,6 +412,7 @@ class Testbed:
             "n_workers": len(self.workers),
             "n_observers": len(self.observers),
             "mcast_snooping": self.mcast_snooping,
+            "n_aggregators": len(self.aggregators),
             "mtu": self.mtu,
             "rate": shaping.format_rate(self.rate_bits),
             "agg_rate": shaping.format_rate(self.agg_rate_bits),
@@ -415,6 +430,7 @@ class Testbed:
             "switch_netns": self.switch_netns,
             "namespaces": self.namespaces,
             "aggregator": self.aggregator.to_dict(),
+            "aggregators": [a.to_dict() for a in self.aggregators],
             "workers": [w.to_dict() for w in self.workers],
             "observers": [o.to_dict() for o in self.observers],
             "registry": self._registry.to_dict(),
@@ -446,6 +462,7 @@ class Testbed:
             cleanup_at_exit=False,
             observers=st.get("n_observers", 0),
             mcast_snooping=st.get("mcast_snooping", False),
+            aggregators=st.get("n_aggregators", 1),
         )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
         tb._is_up = st.get("status") == "up"
@@ -558,6 +575,14 @@ class Testbed:
                         )
                     if ns == plan.switch_netns and v.bridge_b:
                         ipr(ns).link("set", index=idx, master=br)
+                        if v.worker is None and len(plan.aggregators) > 1:
+                            # results are multicast to the workers: keep them off the other
+                            # aggregators' links (see the module docstring)
+                            nsexec.check(
+                                ns,
+                                ["bridge", "link", "set", "dev", ifname, "mcast_flood", "off"],
+                                "bridge (mcast_flood off on an aggregator port)",
+                            )
                     ipr(ns).link("set", index=idx, state="up")
         finally:
             for r in iprs.values():
@@ -574,10 +599,11 @@ class Testbed:
         self._wait_operstate_up(veth_ends)
         # The ends facing the aggregator receive its XDP_TX'd / redirected frames: they need NAPI.
         facing: dict[str, list[str]] = {}
+        agg_netns = {a.netns for a in plan.aggregators}
         for v in plan.veths:
-            if v.ns_a == plan.aggregator.netns:
+            if v.ns_a in agg_netns:
                 facing.setdefault(v.ns_b, []).append(v.if_b)
-            elif v.ns_b == plan.aggregator.netns:
+            elif v.ns_b in agg_netns:
                 facing.setdefault(v.ns_a, []).append(v.if_a)
         xdp_pass.attach_pass(facing)
         if querier_since is not None:
@@ -625,8 +651,10 @@ class Testbed:
             else:
                 shaping.shape(self.aggregator.netns, self.agg_interfaces, self.rate_bits, self.mtu)
         if plan.switch_netns and with_agg and not (initial and self.agg_rate_bits is None):
-            shaping.shape(self.aggregator.netns, ["eth0"], self.agg_rate_bits, self.mtu)
-            shaping.shape(plan.switch_netns, ["ag"], self.agg_rate_bits, self.mtu)
+            for a in self.aggregators:
+                shaping.shape(a.netns, ["eth0"], self.agg_rate_bits, self.mtu)
+            ports = ["ag"] + [f"ag{a.index}" for a in self.aggregators[1:]]
+            shaping.shape(plan.switch_netns, ports, self.agg_rate_bits, self.mtu)
 
     def _apply_faults(self) -> None:
         for w in self.workers:

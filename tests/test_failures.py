@@ -243,4 +243,4 @@ def test_attach_twice_detach_with_jobs_two_serves(testbed_factory):
         r = _xdp_agg(tb, "--name", cl.name, "detach", "--force", "--json")
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["detached"] == [p0, p1]
-        cl._attached = False
+        cl._attached[0] = False

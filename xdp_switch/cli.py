@@ -770,6 +770,10 @@ def serve(
     by $XDP_AGG_SECRET_FILE), and each job's token or the secret to touch it; give workers a
     copy of the secret file (mode 0600). README "Trust model" says what this protects.
 
+    A job striped over several aggregators needs one control endpoint per aggregator, each in
+    front of its own attached program (give each its own --group-base, so that their jobs' groups differ); the workers list all of them
+    (hostlib.init(aggregator=[...]), README "Several aggregators").
+
     \b
     Examples:
       sudo xdp-agg --netns agg serve                      # on the interface's address

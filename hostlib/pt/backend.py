@@ -17,7 +17,9 @@ What goes where:
   builds on the same store.
 
 Settings (environment, read when the group is made):
-- XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required.
+- XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required. Several,
+                             comma-separated (host:port,host:port), stripe the job over
+                             those aggregators (hostlib.striping).
 - XDP_AGG_FALLBACK=gloo      after an aggregator failure, continue over gloo (logged once)
                              instead of raising hostlib.pt.AggregatorLost.
 - XDP_AGG_TIMEOUT=seconds    an all-reduce's stall timeout (default 30): how soon a lost

@@ -1,0 +1,177 @@
+"""Striping: one job over k aggregators, each tensor split into k contiguous stripes.
+
+    comm = hostlib.init(rank, n, aggregator=["198.18.0.1:48800", "198.18.0.2:48800"], job="j")
+
+Each aggregator runs the job independently (its control endpoint created it and registered every
+rank); this worker holds one data socket and one StreamEngine per aggregator. An all-reduce splits
+the flat tensor into k stripes of whole packets (stripe_bounds) and runs stripe j as an ordinary
+all-reduce on engine j, all k at once: engine 0 in the calling thread, the others on a thread each
+(the C loop releases the GIL for the whole stream, so the stripes really run in parallel). So each
+stripe has its own slots, window, congestion window, timers and loss recovery, and a stalled
+aggregator fails its own stripe only: the all-reduce then raises that stripe's AllreduceTimeout,
+which names the aggregator (its position, control endpoint and data address).
+
+An all-reduce returns (or raises) only once every stripe has ended, so that no engine still runs
+when the next all-reduce or close() comes: a Ctrl-C stops the calling thread's stripe at once,
+but the others run on until they finish or stall (at most the stall timeout).
+
+Stripes are cut at multiples of the packet size, so every packet carries the same elements as
+without striping: int32 sums are identical, and float32 sums too (block scaling works per packet:
+the exponents agreed for a packet do not depend on which aggregator summed it).
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .engine import STAT_NAMES, StreamEngine
+from .errors import AllreduceTimeout
+
+# stats that are not a sum over the stripes: the striped all-reduce's own (counted once), or
+# a property of each stream (rtt: the slowest stripe's; cwnd: the sum, packets in flight)
+_OWN = ("allreduces", "elements", "elapsed")
+
+
+def stripe_bounds(length: int, elems: int, k: int) -> list[tuple[int, int]]:
+    """Element ranges [a, b) of the k stripes of a flat tensor of `length` elements.
+
+    The tensor's P = ceil(length / elems) packets are dealt out in contiguous runs as evenly as
+    whole packets allow (the first P mod k stripes get one packet more), so a stripe starts at a
+    multiple of `elems` and only the last non-empty one may end with a partial packet. A tensor
+    of fewer than k packets leaves the last stripes empty, (length, length).
+    """
+    if k < 1:
+        raise ValueError("k must be at least 1")
+    if elems < 1 or length < 0:
+        raise ValueError("elems must be positive and length non-negative")
+    packets = -(-length // elems)
+    base, extra = divmod(packets, k)
+    out, p = [], 0
+    for j in range(k):
+        q = p + base + (1 if j < extra else 0)
+        out.append((min(p * elems, length), min(q * elems, length)))
+        p = q
+    return out
+
+
+class StripedEngine:
+    """The engines of a job striped over several aggregators, run as one (see module doc).
+
+    Has what the communicator uses of a StreamEngine: allreduce_int32, allreduce_float32,
+    counter, stats and cfg. Not thread-safe, like StreamEngine: one all-reduce at a time.
+    """
+
+    def __init__(self, engines: list[StreamEngine], endpoints: list[tuple[str, int]]) -> None:
+        if len(engines) < 2 or len(engines) != len(endpoints):
+            raise ValueError("a striped engine needs one endpoint per engine, two or more")
+        elems = {e.cfg.elems for e in engines}
+        if len(elems) != 1:
+            raise ValueError(f"the aggregators' jobs disagree on elements per packet: {elems}")
+        self.engines = engines
+        self.endpoints = endpoints
+        self.elems = engines[0].cfg.elems
+        self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
+        self._pool = ThreadPoolExecutor(
+            max_workers=len(engines) - 1, thread_name_prefix="hostlib-stripe"
+        )
+
+    @property
+    def cfg(self):
+        """The first aggregator's engine configuration (timeout, elems and window are those of
+        every stripe)."""
+        return self.engines[0].cfg
+
+    @property
+    def native(self) -> bool:
+        return self.engines[0].native
+
+    @property
+    def counter(self) -> int:
+        """All-reduces started on any stripe (changes when one starts, as StreamEngine's)."""
+        return sum(e.counter for e in self.engines)
+
+    @property
+    def stats(self) -> dict:
+        """The stripes' counters added up; allreduces, elements and elapsed (wall time) are the
+        striped all-reduces' own, rtt the slowest stripe's, cwnd the sum."""
+        out = {name: 0 for name in STAT_NAMES}
+        for e in self.engines:
+            for name in STAT_NAMES:
+                if name not in _OWN:
+                    out[name] += e.stats[name]
+        out["rtt"] = max(e.stats["rtt"] for e in self.engines)
+        out.update(self._own)
+        return out
+
+    def stats_per_aggregator(self) -> list[dict]:
+        """Each stripe's own counters (StreamEngine.stats), in aggregator order."""
+        return [dict(e.stats) for e in self.engines]
+
+    def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
+        self._run("allreduce_int32", src, dst, timeout)
+
+    def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+        self._run("allreduce_float32", src, dst, timeout)
+
+    def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        t0 = time.monotonic()
+        parts = [
+            (j, a, b) for j, (a, b) in enumerate(stripe_bounds(src.size, self.elems, len(self)))
+        ]
+        parts = [p for p in parts if p[2] > p[1]]
+        if not parts:
+            return
+
+        def run(j: int, a: int, b: int) -> None:
+            getattr(self.engines[j], method)(src[a:b], dst[a:b], timeout)
+
+        futures = [(j, self._pool.submit(run, j, a, b)) for j, a, b in parts[1:]]
+        errors: list[tuple[int, BaseException]] = []
+        try:
+            run(*parts[0])
+        except BaseException as e:  # noqa: BLE001 - raised below, once the others finished
+            errors.append((parts[0][0], e))
+        for j, f in futures:  # every stripe ends (done or its own timeout) before we return
+            try:
+                f.result()
+            except BaseException as e:  # noqa: BLE001
+                errors.append((j, e))
+        self._own["elapsed"] += time.monotonic() - t0
+        if errors:
+            # a stalled aggregator first: it is the cause; the others' errors follow from it
+            errors.sort(key=lambda je: not isinstance(je[1], AllreduceTimeout))
+            j, e = errors[0]
+            if isinstance(e, AllreduceTimeout):
+                raise self._name_stripe(j, e) from None
+            raise e
+        self._own["allreduces"] += 1
+        self._own["elements"] += src.size
+
+    def _name_stripe(self, j: int, e: AllreduceTimeout) -> AllreduceTimeout:
+        """e, its message prefixed with which aggregator stalled."""
+        host, port = self.endpoints[j]
+        data = self.engines[j].cfg.aggregator
+        return AllreduceTimeout(
+            f"aggregator {j} of {len(self)} (control endpoint {host}:{port}, contributions to "
+            f"{data[0]}:{data[1]}): {e.args[0]}",
+            aggregator=e.aggregator,
+            packets=e.packets,
+            outstanding=e.outstanding,
+            outstanding_slots=e.outstanding_slots,
+            results=e.results,
+            diagnosis=e.diagnosis,
+            stripe=j,
+            endpoint=(host, port),
+        )
+
+    def __len__(self) -> int:
+        return len(self.engines)
+
+    def close(self) -> None:
+        """Stop the stripes' threads (after an all-reduce has returned)."""
+        self._pool.shutdown(wait=True)
