@@ -12,8 +12,9 @@ namespace, and undoes all of it on exit.
 
 On a testbed of several aggregators (Testbed(aggregators=K)) it does so in each aggregator's
 namespace: one XDP aggregator (named NAME, NAME-1, NAME-2, ...) and one control endpoint per
-aggregator, each giving its jobs multicast groups from its own block (plan.aggregator_group_base), and the
-workers stripe their job over the first `aggregators` of them (start_workers).
+aggregator, each giving its jobs multicast groups from its own block
+(plan.aggregator_group_base), all with the one secret, and the workers stripe their job over
+the first `aggregators` of them (start_workers).
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ mid-run) are in test_stripe_netns.py.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import tempfile
 import time
 
 import numpy as np
@@ -23,6 +26,7 @@ from test_hostlib import (
 import hostlib
 from aggctl.server import RendezvousServer
 from aggctl.soft_aggregator import SoftAggregator
+from aggproto import control
 from hostlib.communicator import parse_aggregators
 from hostlib.striping import stripe_bounds
 
@@ -88,6 +92,10 @@ class Striped:
     def __init__(self, k: int, backends=None) -> None:
         self.prefix = loopback_prefix()
         self.aggs, self.servers = [], []
+        # one deployment secret for every endpoint (auth on, as `xdp-agg serve` runs)
+        self._secret_dir = tempfile.mkdtemp(prefix="xdp-agg-striped-")
+        self.secret_file = os.path.join(self._secret_dir, "secret")
+        secret = control.create_secret(self.secret_file)
         for j in range(k):
             ip = f"{self.prefix}.{200 + j}"
             backend = backends[j] if backends else None
@@ -95,7 +103,7 @@ class Striped:
                 backend = SoftAggregator(ip).start()
                 self.aggs.append(backend)
             d = {"agg_ip": ip, "barrier_timeout": 20.0}
-            self.servers.append(RendezvousServer(backend, ip, 0, d).start())
+            self.servers.append(RendezvousServer(backend, ip, 0, d, secret=secret).start())
 
     @property
     def endpoints(self) -> list[str]:
@@ -109,6 +117,7 @@ class Striped:
             s.stop()
         for a in self.aggs:
             a.stop()
+        shutil.rmtree(self._secret_dir, ignore_errors=True)
 
 
 @contextlib.contextmanager
@@ -129,6 +138,7 @@ def run_striped(st: Striped, n: int, fn, *, deadline: float = 90.0, **kw):
     def rank_main(r: int) -> None:
         try:
             kw.setdefault("timeout", 10.0)
+            kw.setdefault("secret_file", st.secret_file)
             with hostlib.init(
                 r,
                 n,
@@ -210,6 +220,7 @@ def test_both_loops_in_one_striped_job_under_loss():
                     ",".join(st.endpoints),  # the environment's form
                     job="mixed",
                     ip=st.worker_ip(r),
+                    secret_file=st.secret_file,
                     elems=elems,
                     window=16,
                     retransmit=0.01,
@@ -270,6 +281,7 @@ def test_torch_backend_striped_through_the_environment():
         def __init__(self, st: Striped) -> None:
             self.endpoint = ",".join(st.endpoints)
             self.worker_ip = st.worker_ip
+            self.secret_file = st.secret_file
 
     with striped(2) as st:
         procs = _start_loopback(TwoAsOne(st), 2, "backend", "--backend-spec", "cpu:xdpagg")
@@ -286,6 +298,13 @@ def test_an_unreachable_second_aggregator_is_named_at_init():
         dead = f"{st.prefix}.201:9"  # nothing listens there
         t0 = time.monotonic()
         with pytest.raises(hostlib.RendezvousError) as ei:
-            hostlib.init(0, 1, [st.endpoints[0], dead], job="half", ip=st.worker_ip(0))
+            hostlib.init(
+                0,
+                1,
+                [st.endpoints[0], dead],
+                job="half",
+                ip=st.worker_ip(0),
+                secret_file=st.secret_file,
+            )
         assert time.monotonic() - t0 < 10
     assert str(ei.value).startswith(f"aggregator 1 ({dead}): cannot reach the control endpoint")

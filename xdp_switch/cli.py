@@ -771,8 +771,9 @@ def serve(
     copy of the secret file (mode 0600). README "Trust model" says what this protects.
 
     A job striped over several aggregators needs one control endpoint per aggregator, each in
-    front of its own attached program (give each its own --group-base, so that their jobs' groups differ); the workers list all of them
-    (hostlib.init(aggregator=[...]), README "Several aggregators").
+    front of its own attached program (give each its own --group-base, so that their jobs'
+    groups differ); the workers list all of them (hostlib.init(aggregator=[...]), README
+    "Several aggregators").
 
     \b
     Examples:
