@@ -181,7 +181,7 @@ class Cluster:
         if errors:
             raise ClusterError("; ".join(errors))
 
-    def detach(self, force: bool = True, aggregator: int = 0) -> None:
+    def detach(self, aggregator: int = 0, *, force: bool = True) -> None:
         """Detach aggregator `aggregator` now (its control endpoint keeps running until exit);
         `force`: even with live jobs (xdp-agg detach --force)."""
         if self._attached[aggregator]:

@@ -54,7 +54,10 @@ class TreeCluster:
         self.racks, self.per_rack = racks, per_rack
         self.loss = faults.check_probability("loss", loss)
         self.name = name or f"t{uuid.uuid4().hex[:6]}"
-        self.root = Cluster(tb, name=f"{self.name}r")
+        # The root's workers are the rack aggregators: XDP programs, which join no multicast
+        # group, so a snooping bridge would keep the root's results from them (they would come
+        # only as unicast answers to re-sent partials): the root sends to the broadcast.
+        self.root = Cluster(tb, name=f"{self.name}r", serve_args=("--results", "broadcast"))
         self.rack_hosts = [tb.workers[racks * per_rack + r] for r in range(racks)]
         self._attached: list[int] = []
         self._servers: list[subprocess.Popen] = []

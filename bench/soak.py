@@ -262,7 +262,9 @@ def run(args, log) -> dict:
                         str(args.allreduce_timeout),
                     ]
                     err = tempfile.TemporaryFile()
-                    p = tb.popen(w, cmd, stdout=subprocess.PIPE, stderr=err, text=True)
+                    p = tb.popen(
+                        w, cmd, env=cl.worker_env(), stdout=subprocess.PIPE, stderr=err, text=True
+                    )
                     ranks.append(Rank(job, r, p, err))
                     pids.append(p.pid)
             log(

@@ -106,24 +106,26 @@ def test_worker_killed_mid_allreduce(testbed_factory):
         assert all(r["ok"] for reps in reports for r in reps), reports
 
 
-def _control(tb, host: int, op: str, **fields) -> dict:
-    """One request to the control endpoint from worker `host`'s namespace."""
+def _control(cl, host: int, op: str, **fields) -> dict:
+    """One request to the control endpoint from worker `host`'s namespace, proving the
+    cluster's deployment secret."""
     code = (
-        "import json, sys; from hostlib.rendezvous import ControlClient; "
-        "c = ControlClient((sys.argv[1], 48800), timeout=5); "
+        "import json, sys; from hostlib.rendezvous import ControlClient, load_secret; "
+        "c = ControlClient((sys.argv[1], 48800), timeout=5, secret=load_secret()); "
         "print(json.dumps(c.request(sys.argv[2], **json.loads(sys.argv[3]))))"
     )
-    w = tb.workers[host]
-    r = tb.run(w, [sys.executable, "-c", code, w.agg_ip, op, json.dumps(fields)], timeout=30)
+    w = cl.tb.workers[host]
+    argv = [sys.executable, "-c", code, w.agg_ip, op, json.dumps(fields)]
+    r = cl.tb.run(w, argv, timeout=30, env=cl.worker_env())
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
 
 
-def _wait_connected(tb, job: str, ranks: list[int], limit: float) -> float:
+def _wait_connected(cl, job: str, ranks: list[int], limit: float) -> float:
     """Seconds until every rank of `job` holds it through a live connection again."""
     t0 = time.monotonic()
     while True:
-        st = _control(tb, 0, "status", job=job)
+        st = _control(cl, 0, "status", job=job)
         if st["connected"] == ranks:
             return time.monotonic() - t0
         assert time.monotonic() - t0 < limit, f"{job}: connected {st['connected']} after {limit} s"
@@ -152,7 +154,7 @@ def test_serve_restarted_while_jobs_run(testbed_factory, sig):
         time.sleep(1.0)  # all-reduces run with no control endpoint at all
         cl.start_server()
         assert {j["job_id"] for j in _status(cl)["jobs"]} == before
-        took = {job: _wait_connected(tb, job, [0, 1], limit=15) for job in ("A", "C")}
+        took = {job: _wait_connected(cl, job, [0, 1], limit=15) for job in ("A", "C")}
         print(f"after the restart the ranks rejoined within {took} s; old serve said {err!r}")
 
         _kill(c[1][1])  # a crash after the restart still frees job C

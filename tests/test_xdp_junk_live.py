@@ -94,6 +94,7 @@ def test_junk_from_an_intruder_and_a_worker_changes_no_sum_and_is_counted(
                         "--max-bytes",
                         str(4 << 20),
                     ],
+                    env=cl.worker_env(),
                     stdout=subprocess.PIPE,
                     stderr=subprocess.PIPE,
                     text=True,

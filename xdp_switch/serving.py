@@ -327,17 +327,18 @@ def serve_xdp(
     them running for the next serve (`detach --force` ends them)."""
     from aggctl import jobtable
 
+    # the configuration first: a refusal of the options is worth more than "already served"
+    defaults = serve_defaults(
+        name,
+        group_ip,
+        barrier_timeout,
+        udp_checksum,
+        results=results,
+        group_base=group_base,
+        warn=warn or announce,
+    )
     lock = hold_serve_lock(name)
     try:
-        defaults = serve_defaults(
-            name,
-            group_ip,
-            barrier_timeout,
-            udp_checksum,
-            results=results,
-            group_base=group_base,
-            warn=warn or announce,
-        )
         backend = aggregator.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
