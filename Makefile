@@ -22,7 +22,7 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
 .PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
-	soak codegen clean help
+	soak codegen cli-doc clean help
 
 help:
 	@sed -n '1,14p' Makefile
@@ -63,6 +63,10 @@ venv: .venv/.installed
 # The C extension hostlib._fastpath in the source tree (pip install -e builds it too).
 ext: venv
 	$(PY) setup.py -q build_ext --inplace
+
+# docs/cli.md from the click tree (tests/test_docs.py checks it is current).
+cli-doc: venv
+	$(PY) tools/clidoc.py
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

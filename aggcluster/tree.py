@@ -1,5 +1,5 @@
 """A two-level tree on a one-arm netns testbed: a root aggregator, one rack aggregator per rack,
-and each rack's workers (docs/protocol.md section 3.7, README "Two-level trees").
+and each rack's workers (docs/protocol.md section 3.7, docs/striping-and-trees.md).
 
     tb = Testbed(workers=tree_hosts(2, 3), topology="one-arm")
     with tb, TreeCluster(tb, racks=2, per_rack=3, loss=0.01) as tc:

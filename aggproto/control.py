@@ -1,7 +1,7 @@
 """Authentication of the control protocol, shared by the endpoint (aggctl.server) and its
 client (hostlib.rendezvous): the deployment secret's file, the proof of the secret, job tokens.
 
-Two credentials (docs/protocol.md section 6.3, README "Trust model"):
+Two credentials (docs/protocol.md section 6.3, docs/operations.md "Trust model"):
 
 - The *deployment secret*: random bytes in a file only its owner may read (mode 0600), created
   by `xdp-agg serve` when absent. A request proves it holds the secret with an `auth` field,

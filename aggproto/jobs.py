@@ -42,7 +42,8 @@ class JobSpec:
     job_number: int = 0  # the hosts' job counter (low 8 bits on the wire), informational
     # Verify the UDP checksum of each contribution (a zero checksum means the sender sent none,
     # legal for IPv4) and drop wrong ones as drop_bad_checksum. Off by default: it costs a pass
-    # over the payload per packet (README, "UDP checksums"), and NIC offload makes it rarely needed.
+    # over the payload per packet (docs/design.md, "UDP checksums"), and NIC offload makes it
+    # rarely needed.
     udp_checksum: bool = False
     # Two levels (docs/protocol.md section 3.7): a rack job with a parent forwards each slot it
     # completes as one contribution to the parent aggregator's job, where this aggregator is one

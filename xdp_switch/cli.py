@@ -390,7 +390,7 @@ def _slot_range(text: str) -> tuple[int, int]:
     "--udp-checksum",
     is_flag=True,
     help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
-    "costs a pass over the payload per packet (README: UDP checksums).",
+    "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
 )
 @click.option(
     "--parent",
@@ -694,7 +694,7 @@ def slots(ctx, slot, as_json):
     "--parent",
     default=None,
     help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is a "
-    "rack of the parent's job of the same name (README: Two-level trees).",
+    "rack of the parent's job of the same name (docs/striping-and-trees.md).",
 )
 @click.option(
     "--rack-rank",
@@ -768,12 +768,13 @@ def serve(
     \b
     Workers prove the deployment secret to create a job (hostlib.init reads the file named
     by $XDP_AGG_SECRET_FILE), and each job's token or the secret to touch it; give workers a
-    copy of the secret file (mode 0600). README "Trust model" says what this protects.
+    copy of the secret file (mode 0600). docs/operations.md ("Trust model") says what this
+    protects.
 
     A job striped over several aggregators needs one control endpoint per aggregator, each in
     front of its own attached program (give each its own --group-base, so that their jobs'
-    groups differ); the workers list all of them (hostlib.init(aggregator=[...]), README
-    "Several aggregators").
+    groups differ); the workers list all of them (hostlib.init(aggregator=[...]),
+    docs/striping-and-trees.md).
 
     \b
     Examples:

@@ -66,7 +66,7 @@ def _load_floor():
 
 
 # A measured case beside the program variants: the per-CPU program with a job that verifies UDP
-# checksums, on the same stream with checksums filled in (the README's "UDP checksums").
+# checksums, on the same stream with checksums filled in (docs/design.md, "UDP checksums").
 CHECKSUM_CASE = "percpu+udp-csum"
 
 

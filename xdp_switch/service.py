@@ -176,7 +176,7 @@ def stop(name: str) -> dict | None:
 # --- installing ---------------------------------------------------------------------------------
 UNIT_TEMPLATE = """\
 # xdp-agg: the XDP aggregator NAME (%i) and its control endpoint, configured by
-# /etc/xdp-agg/%i.conf. Written by `xdp-agg install-service`; see the README, "Install on a
+# /etc/xdp-agg/%i.conf. Written by `xdp-agg install-service`; see docs/operations.md, "Install on a
 # middle box".
 [Unit]
 Description=xdp-agg in-network aggregator %i (XDP program and control endpoint)
@@ -233,7 +233,7 @@ LISTEN={listen}
 SECRET_FILE={secret_file}
 
 # More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300". One-arm results go
-# to a multicast group per job (the switch needs IGMP snooping and a querier, README); add
+# to a multicast group per job (the switch needs IGMP snooping and a querier, docs/design.md); add
 # "--results broadcast" for the subnet broadcast, or "--group-base 239.77.0.0/24".
 SERVE_OPTIONS=
 """
