@@ -98,7 +98,7 @@ class TreeCluster:
                         "serve",
                         "--listen",
                         f"0.0.0.0:{CONTROL_PORT}",
-                        "--parent",
+                        "--parent-endpoint",
                         f"{root_ip}:{CONTROL_PORT}",
                         "--rack-rank",
                         str(r),

@@ -9,13 +9,13 @@ limits, nftables loss/duplication, a JSON state file per testbed under
 
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
-from .plan import MAX_WORKERS, TOPOLOGIES, new_prefix
+from .plan import MAX_TESTBED_WORKERS, TOPOLOGIES, new_prefix
 from .registry import STATE_DIR, list_states
 from .testbed import Testbed, require_root
 
 __all__ = [
     "AggregatorHost",
-    "MAX_WORKERS",
+    "MAX_TESTBED_WORKERS",
     "NotRootError",
     "ObserverHost",
     "STATE_DIR",

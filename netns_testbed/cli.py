@@ -91,12 +91,15 @@ def main():
 
 \b
 one-arm: bridge in <prefix>sw; aggregator eth0 198.18.0.1/24, worker i
-         eth0 198.18.0.(10+i)/24; results to group 198.18.0.255.
+         eth0 198.18.0.(10+i)/24; results to each job's multicast group
+         (xdp-agg serve: 239.18.0.N for job N), or with --results broadcast
+         to the subnet broadcast 198.18.0.255.
 switch:  aggregator p<i> 198.18.(i+1).1/24 <-> worker i eth0 198.18.(i+1).2/24.
 --aggregators K (one-arm): aggregator j in <prefix>ag<j> (j >= 1), eth0
-         198.18.0.(1+j)/24, for jobs striped over K aggregators; each one's
-         results go to the multicast group 239.18.0.(1+j), kept off the other
-         aggregators' bridge ports; --agg-rate shapes each aggregator's link.
+         198.18.0.(1+j)/24, for jobs striped over K aggregators; aggregator
+         j's jobs take their groups from the block 239.18.j.0/24 (serve
+         --group-base), kept off the other aggregators' bridge ports (no
+         unregistered multicast there); --agg-rate shapes each one's link.
 
 \b
 Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
@@ -104,13 +107,17 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 @click.option(
     "-n",
     "--workers",
-    type=click.IntRange(1, plan.MAX_WORKERS),
+    type=click.IntRange(1, plan.MAX_TESTBED_WORKERS),
     default=2,
     show_default=True,
     help="Number of workers.",
 )
 @click.option(
-    "--topology", type=click.Choice(plan.TOPOLOGIES), default="one-arm", show_default=True
+    "--topology",
+    type=click.Choice(plan.TOPOLOGIES),
+    default="one-arm",
+    show_default=True,
+    help="one-arm: every host on one bridge; switch: a veth per worker into the aggregator.",
 )
 @click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
 @click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
@@ -220,7 +227,8 @@ Examples: netns-testbed down --prefix demo
     "--all", "all_", is_flag=True, help=f"Remove every testbed recorded in {registry.STATE_DIR}."
 )
 @click.option("--stale", is_flag=True, help="Remove testbeds left behind by programs that died.")
-def down(prefix, all_, stale):
+@click.option("--json", "as_json", is_flag=True, help='Print {"removed": [prefixes]} as JSON.')
+def down(prefix, all_, stale, as_json):
     if (prefix is not None) + all_ + stale != 1:
         raise click.UsageError("give exactly one of --prefix P, --stale or --all")
     try:
@@ -233,13 +241,15 @@ def down(prefix, all_, stale):
                 for st in registry.list_states()
                 if all_ or (st.get("cleanup_at_exit") and not registry.owner_alive(st))
             ]
-        if not prefixes:
+        if not prefixes and not as_json:
             click.echo("nothing to remove")
-        failed = []
+        failed, removed = [], []
         for p in prefixes:
             try:
                 _down_one(p)
-                click.echo(f"removed {p}")
+                removed.append(p)
+                if not as_json:
+                    click.echo(f"removed {p}")
             except TestbedError as e:
                 if prefix is not None:
                     raise
@@ -248,6 +258,8 @@ def down(prefix, all_, stale):
             raise TestbedError("; ".join(failed))
     except TestbedError as e:
         raise _fail(e) from None
+    if as_json:
+        click.echo(json.dumps({"removed": removed}))
 
 
 def _down_one(prefix: str) -> None:
@@ -363,14 +375,15 @@ def exec_(prefix, host, cmd):
 Examples: netns-testbed set --prefix demo --rate 100mbit
           netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1""",
 )
-@click.option("--prefix", callback=_prefix, required=True)
+@click.option("--prefix", callback=_prefix, required=True, help="Testbed to change.")
 @click.option("--rate", help="New per worker link rate, or 'none' to remove the limit.")
 @click.option("--agg-rate", help="New aggregator link rate (one-arm), or 'none'.")
-@click.option("--loss-up", type=PROB)
-@click.option("--loss-down", type=PROB)
-@click.option("--dup-up", type=PROB)
-@click.option("--dup-down", type=PROB)
-def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down):
+@click.option("--loss-up", type=PROB, help="New drop probability worker -> aggregator.")
+@click.option("--loss-down", type=PROB, help="New drop probability aggregator -> worker.")
+@click.option("--dup-up", type=PROB, help="New duplication probability worker -> aggregator.")
+@click.option("--dup-down", type=PROB, help="New duplication probability aggregator -> worker.")
+@click.option("--json", "as_json", is_flag=True, help="Print the new state as JSON.")
+def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json):
     try:
         require_root()
         tb = Testbed.attach(prefix)
@@ -391,6 +404,9 @@ def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down):
         raise click.UsageError(str(e)) from None
     except TestbedError as e:
         raise _fail(e) from None
+    if as_json:
+        click.echo(json.dumps(tb.state(), indent=1, sort_keys=True))
+        return
     click.echo(_describe(tb.state()))
 
 

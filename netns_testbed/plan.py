@@ -34,7 +34,9 @@ from dataclasses import dataclass, field
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
 
 TOPOLOGIES = ("one-arm", "switch")
-MAX_WORKERS = 32
+# The testbed's own bound (namespaces, veths and processes on one machine), below the protocol's
+# aggproto.limits.MAX_WORKERS (64 per job): a different quantity, so a different name.
+MAX_TESTBED_WORKERS = 32
 MAX_OBSERVERS = 16  # one-arm: hosts on the bridge that are in no job, 198.18.0.200..215
 OBSERVER_IP_BASE = 200
 MAX_AGGREGATORS = 9  # one-arm: aggregators at 198.18.0.1..9, workers from 198.18.0.10
@@ -140,8 +142,8 @@ def make_plan(
     validate_prefix(prefix)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
-    if not isinstance(workers, int) or not 1 <= workers <= MAX_WORKERS:
-        raise ValueError(f"workers must be an integer in 1..{MAX_WORKERS}, got {workers!r}")
+    if not isinstance(workers, int) or not 1 <= workers <= MAX_TESTBED_WORKERS:
+        raise ValueError(f"workers must be an integer in 1..{MAX_TESTBED_WORKERS}, got {workers!r}")
     if not isinstance(observers, int) or not 0 <= observers <= MAX_OBSERVERS:
         raise ValueError(f"observers must be an integer in 0..{MAX_OBSERVERS}, got {observers!r}")
     if observers and topology != "one-arm":

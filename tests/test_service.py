@@ -95,7 +95,7 @@ def test_config_errors_name_the_problem(text, what):
 
 # --- install-service ---------------------------------------------------------------------------
 def test_install_service_writes_unit_and_keeps_an_edited_config(tmp_path):
-    r = run_cli("install-service", "lab", "--interfaces", "eth1", "--root", str(tmp_path))
+    r = run_cli("service-install", "lab", "--interfaces", "eth1", "--root", str(tmp_path))
     assert r.exit_code == 0, r.output
     unit = tmp_path / "etc/systemd/system/xdp-agg@.service"
     conf = tmp_path / "etc/xdp-agg/lab.conf"
@@ -104,10 +104,11 @@ def test_install_service_writes_unit_and_keeps_an_edited_config(tmp_path):
     assert "service-start %i --config /etc/xdp-agg/%i.conf" in text
     assert "ExecStopPost=" in text and "Restart=on-failure" in text
     conf.write_text(conf.read_text().replace('INTERFACES="eth1"', 'INTERFACES="eth2"'))
+    # the old name still runs (COMMAND_ALIASES), and --help shows only the new one
     again = json.loads(run_cli("install-service", "lab", "--root", str(tmp_path), "--json").output)
     assert again["kept"] == [str(conf)] and 'INTERFACES="eth2"' in conf.read_text()
     forced = json.loads(
-        run_cli("install-service", "lab", "--root", str(tmp_path), "--force", "--json").output
+        run_cli("service-install", "lab", "--root", str(tmp_path), "--force", "--json").output
     )
     assert str(conf) in forced["written"] and 'INTERFACES=""' in conf.read_text()
 
@@ -140,7 +141,7 @@ def test_service_start_exit_codes(tmp_path, monkeypatch):
     monkeypatch.setenv("XDP_AGG_PIN_ROOT", str(tmp_path / "pins"))
     monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path / "run"))
     missing = run_cli("service-start", "lab", "--config", str(tmp_path / "none.conf"))
-    assert missing.exit_code == cli.EXIT_FAILED and "install-service lab" in missing.output
+    assert missing.exit_code == cli.EXIT_FAILED and "service-install lab" in missing.output
     conf = tmp_path / "lab.conf"
     conf.write_text('INTERFACES=eth0\nSERVE_OPTIONS="--no-such-option"\n')
     assert run_cli("service-start", "lab", "--config", str(conf)).exit_code == cli.EXIT_USAGE

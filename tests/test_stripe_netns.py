@@ -205,10 +205,10 @@ def test_a_lost_aggregator_is_named(testbed_factory):
 @pytest.mark.slow
 @needs_root
 def test_thirty_two_workers_on_one_aggregator(testbed_factory):
-    """The testbed's most workers (plan.MAX_WORKERS) in one job on one XDP aggregator, small
+    """The testbed's most workers (plan.MAX_TESTBED_WORKERS) in one job on one XDP aggregator, small
     tensors: every rank's int32 sum exact, float32 within the bound; the aggregator counted one
     contribution per result of every rank and dropped nothing."""
-    n = plan.MAX_WORKERS
+    n = plan.MAX_TESTBED_WORKERS
     tb = testbed_factory(workers=n)
     work = [
         {"dtype": "int32", "count": ODD, "reps": 2},

@@ -123,7 +123,7 @@ def test_plan_one_arm():
 
 
 def test_plan_switch():
-    p = plan.make_plan("xt0001", plan.MAX_WORKERS, "switch")
+    p = plan.make_plan("xt0001", plan.MAX_TESTBED_WORKERS, "switch")
     assert p.switch_netns is None and p.group_ip is None
     assert p.agg_interfaces == [f"p{i}" for i in range(32)]
     w = p.workers[31]

@@ -60,11 +60,11 @@ def test_tree_without_loss(testbed_factory):
             "3",
             "--slots",
             "200:16",
-            "--port",
+            "--agg-port",
             "48870",
             "--group",
             "198.18.0.255",
-            "--parent",
+            "--parent-address",
             f"{root.ips[0]}:48871",
             "--parent-mac",
             root.macs[0],
@@ -72,7 +72,7 @@ def test_tree_without_loss(testbed_factory):
             "300",
             "--worker-port",
             "40000",
-            "--total-workers",
+            "--tree-workers",
             "6",
         )
         status = json.loads(tc.cli(0, "status", "--json").stdout)

@@ -15,6 +15,7 @@ service.py (the systemd unit and its config).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import ipaddress
 import json
@@ -34,9 +35,18 @@ from .errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAg
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
+# Old command names that still run, left out of --help (renamed for one vocabulary: every
+# service command starts with "service-").
+COMMAND_ALIASES = {"install-service": "service-install"}
+
+
 class _Cli(click.Group):
     """The top-level group: an XdpAggError anywhere below becomes its message on stderr and its
     exit code (1 or 3). Anything else is a bug and keeps its traceback."""
+
+    def get_command(self, ctx: click.Context, cmd_name: str):
+        """A command by its name, or by the old name it had (COMMAND_ALIASES)."""
+        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -44,6 +54,25 @@ class _Cli(click.Group):
         except XdpAggError as e:
             click.echo(f"xdp-agg: {e}", err=True)
             ctx.exit(e.exit_code)
+
+
+class _Renamed(click.Option):
+    """An option whose first name is its name; the others are the names it had before the
+    vocabulary was made one (one word, one meaning) and still parse, but --help shows only the
+    first, so that the old names fade out of scripts without breaking them."""
+
+    def get_help_record(self, ctx: click.Context):
+        """The help line with the current name only."""
+        opts, self.opts = self.opts, self.opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+
+def _json_option(what: str = "the result"):
+    """--json, the same on every command: machine-readable output instead of text."""
+    return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
 
 
 def _emit(obj, as_json: bool, text) -> None:
@@ -152,7 +181,7 @@ def main(ctx, name, netns):
       sudo xdp-agg worker add 0 0 198.18.0.10
       sudo xdp-agg stats --watch
       sudo xdp-agg detach
-      sudo xdp-agg install-service --interfaces eth1   # as a systemd service
+      sudo xdp-agg service-install --interfaces eth1   # as a systemd service
 
     Shell completion (bash): eval "$(_XDP_AGG_COMPLETE=bash_source xdp-agg)"
     """
@@ -194,7 +223,7 @@ def main(ctx, name, netns):
     help="percpu: per-CPU partial sums (the design); "
     "spinlock: one locked sum per slot (the baseline).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_json_option()
 @click.pass_context
 def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, as_json):
     """Compile, load and attach the aggregator to IFACES; it stays after this command exits.
@@ -232,7 +261,7 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, as_json):
     help="Detach even while jobs are live: their workers' all-reduces then fail with an error "
     "saying the aggregator's state is gone.",
 )
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 @click.pass_context
 def detach(ctx, force, as_json):
     """Detach our program from every interface it was attached to and remove its pins.
@@ -261,10 +290,16 @@ def detach(ctx, force, as_json):
 
 
 @main.command()
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 @click.pass_context
 def status(ctx, as_json):
-    """Program, interfaces and jobs of the aggregator."""
+    """Program, interfaces and jobs of the aggregator.
+
+    \b
+    Examples:
+      sudo xdp-agg status
+      sudo xdp-agg --name lab status --json
+    """
     st = aggregator.status(ctx.obj["name"])
 
     def text(s):
@@ -308,8 +343,14 @@ def _parent_line(p: dict) -> str:
 
 @main.command()
 @click.option("--watch", is_flag=True, help="Refresh every --interval seconds until interrupted.")
-@click.option("--interval", type=float, default=1.0, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--interval",
+    type=click.FloatRange(0.01),
+    default=1.0,
+    show_default=True,
+    help="With --watch: seconds between refreshes.",
+)
+@_json_option()
 @click.pass_context
 def stats(ctx, watch, interval, as_json):
     """Packet counters by reason: without a job, per job, and per worker.
@@ -349,22 +390,32 @@ def _slot_range(text: str) -> tuple[int, int]:
 
 @job.command("create")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
-@click.option("--workers", "num_workers", type=click.IntRange(1, limits.MAX_WORKERS), required=True)
+@click.option(
+    "--workers",
+    "num_workers",
+    type=click.IntRange(1, limits.MAX_WORKERS),
+    required=True,
+    help="Workers in the job (its world size).",
+)
 @click.option(
     "--elems",
     type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]),
     default="256",
     show_default=True,
+    help="Elements per packet (512 and 768 need a larger MTU).",
 )
 @click.option(
     "--slots", "slots", default="0:128", show_default=True, help="BASE:COUNT of the pool."
 )
 @click.option(
+    "--agg-port",
     "--port",
     "agg_port",
+    cls=_Renamed,
     type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
     default=wire.UDP_PORT,
     show_default=True,
+    help="The aggregator port the job's workers send to (one per live job).",
 )
 @click.option(
     "--group",
@@ -393,39 +444,47 @@ def _slot_range(text: str) -> tuple[int, int]:
     "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
 )
 @click.option(
+    "--parent-address",
     "--parent",
+    "parent",
+    cls=_Renamed,
     default=None,
-    help="Two levels: IP:PORT of the parent aggregator's job; completed slots go there as "
-    "this aggregator's contribution.",
+    help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed slots "
+    "go there as this aggregator's contribution.",
 )
-@click.option("--parent-mac", default=None, help="With --parent: MAC of the parent (next hop).")
+@click.option(
+    "--parent-mac", default=None, help="With --parent-address: MAC of the parent (next hop)."
+)
 @click.option(
     "--parent-slots",
     "parent_slot_base",
     type=click.IntRange(0, (1 << 14) - 1),
     default=None,
-    help="With --parent: the parent job's first slot (ours BASE maps to it).",
+    help="With --parent-address: the parent job's first slot (ours BASE maps to it).",
 )
 @click.option(
     "--uplink-port",
     type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
     default=None,
-    help="With --parent: our port toward the parent (the parent job's worker port; "
-    "default: --port).",
+    help="With --parent-address: our port toward the parent (the parent job's worker port; "
+    "default: --agg-port).",
 )
 @click.option(
     "--worker-port",
     type=click.IntRange(1, 65535),
     default=None,
-    help="With --parent: our workers' UDP port, where the parent's results go down.",
+    help="With --parent-address: our workers' UDP port, where the parent's results go down.",
 )
 @click.option(
+    "--tree-workers",
     "--total-workers",
+    "total_workers",
+    cls=_Renamed,
     type=click.IntRange(1, 64 * 64),
     default=None,
-    help="With --parent: workers under the root (the hosts' float scaling).",
+    help="With --parent-address: workers under the root (the hosts' float scaling).",
 )
-@click.option("--json", "as_json", is_flag=True, help="Print the job as created, as JSON.")
+@_json_option("the job as created")
 @click.pass_context
 def job_create(
     ctx,
@@ -451,13 +510,13 @@ def job_create(
     """Create job JOB_ID (its slots start cleared).
 
     \b
-    Example:
+    Examples:
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128   # group 239.18.0.0
       sudo xdp-agg job create 0 --workers 4 --elems 256 --slots 0:128 --group 198.18.0.255
-      sudo xdp-agg job create 1 --workers 2 --slots 128:64 --port 48865 --udp-checksum
-      sudo xdp-agg --name rack0 job create 0 --workers 3 --slots 0:64 --group 198.18.0.255 \
-          --parent 198.18.0.1:48864 --parent-mac 02:00:c6:12:00:01 --parent-slots 0 \
-          --worker-port 40000 --total-workers 6
+      sudo xdp-agg job create 1 --workers 2 --slots 128:64 --agg-port 48865 --udp-checksum
+      sudo xdp-agg --name rack0 job create 0 --workers 3 --slots 0:64 --group 198.18.0.255 \\
+          --parent-address 198.18.0.1:48864 --parent-mac 02:00:c6:12:00:01 --parent-slots 0 \\
+          --worker-port 40000 --tree-workers 6
     """
     _check_group_choice(group_ip, results)
     base, count = _slot_range(slots)
@@ -466,11 +525,13 @@ def job_create(
         from aggctl.tree import parse_endpoint
 
         if parent_mac is None or parent_slot_base is None or worker_port is None:
-            raise click.UsageError("--parent needs --parent-mac, --parent-slots and --worker-port")
+            raise click.UsageError(
+                "--parent-address needs --parent-mac, --parent-slots and --worker-port"
+            )
         try:
             pip, pport = parse_endpoint(parent)
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--parent") from None
+            raise click.BadParameter(str(e), param_hint="--parent-address") from None
         tree = dict(
             parent_ip=_ipv4(None, None, pip),
             parent_mac=parent_mac,
@@ -509,18 +570,31 @@ def job_create(
 
 @job.command("delete")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
+@_json_option()
 @click.pass_context
-def job_delete(ctx, job_id):
-    """Delete a job and its workers."""
+def job_delete(ctx, job_id, as_json):
+    """Delete a job and its workers.
+
+    \b
+    Example:
+      sudo xdp-agg job delete 0
+    """
     aggregator.XdpBackend(ctx.obj["name"]).delete_job(job_id)
-    click.echo(f"job {job_id} deleted")
+    _emit(
+        {"job_id": job_id, "deleted": True}, as_json, lambda _: click.echo(f"job {job_id} deleted")
+    )
 
 
 @job.command("list")
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 @click.pass_context
 def job_list(ctx, as_json):
-    """The configured jobs and their workers."""
+    """The configured jobs and their workers.
+
+    \b
+    Example:
+      sudo xdp-agg job list --json
+    """
     jobs = aggregator.XdpBackend(ctx.obj["name"]).jobs()
     _emit(
         jobs, as_json, lambda js: [click.echo(json.dumps(j)) for j in js] or click.echo("no jobs")
@@ -537,49 +611,73 @@ def worker():
 @click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
 @click.argument("ip", callback=_ipv4)
 @click.option(
+    "--worker-port",
     "--port",
+    "port",
+    cls=_Renamed,
     type=click.IntRange(1, 65535),
     default=wire.UDP_PORT,
     show_default=True,
-    help="The worker's UDP port.",
+    help="The worker's UDP port (its results go there).",
 )
 @click.option(
     "--agg-port",
     type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
     default=wire.UDP_PORT,
     show_default=True,
+    help="The aggregator port the worker sends to (its job's --agg-port).",
 )
 @click.option("--mac", default="00:00:00:00:00:00", help="Switch topology: the worker's MAC.")
+@_json_option("the worker as registered")
 @click.pass_context
-def worker_add(ctx, job_id, index, ip, port, agg_port, mac):
+def worker_add(ctx, job_id, index, ip, port, agg_port, mac, as_json):
     """Register worker INDEX of JOB_ID, sending from IP.
 
     \b
-    Example:
+    Examples:
+      sudo xdp-agg worker add 0 0 198.18.0.10
       sudo xdp-agg worker add 0 1 198.18.0.11 --mac 02:00:00:00:00:0b
     """
-    aggregator.XdpBackend(ctx.obj["name"]).add_worker(
-        WorkerSpec(job_id, index, ip, port, agg_port, mac)
+    spec = WorkerSpec(job_id, index, ip, port, agg_port, mac)
+    aggregator.XdpBackend(ctx.obj["name"]).add_worker(spec)
+    _emit(
+        dataclasses.asdict(spec),
+        as_json,
+        lambda _: click.echo(f"worker {index} of job {job_id}: {ip}"),
     )
-    click.echo(f"worker {index} of job {job_id}: {ip}")
 
 
 @worker.command("remove")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
+@_json_option()
 @click.pass_context
-def worker_remove(ctx, job_id, index):
-    """Unregister worker INDEX of JOB_ID."""
+def worker_remove(ctx, job_id, index, as_json):
+    """Unregister worker INDEX of JOB_ID.
+
+    \b
+    Example:
+      sudo xdp-agg worker remove 0 1
+    """
     aggregator.XdpBackend(ctx.obj["name"]).remove_worker(job_id, index)
-    click.echo(f"worker {index} of job {job_id} removed")
+    _emit(
+        {"job_id": job_id, "index": index, "removed": True},
+        as_json,
+        lambda _: click.echo(f"worker {index} of job {job_id} removed"),
+    )
 
 
 @main.command()
 @click.argument("slot", type=click.IntRange(0, wire.MAX_SLOTS - 1))
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 @click.pass_context
 def slots(ctx, slot, as_json):
-    """One slot's state (both versions), for debugging."""
+    """One slot's state (both versions), for debugging.
+
+    \b
+    Example:
+      sudo xdp-agg slots 3 --json
+    """
     s = aggregator.slot_state(slot, ctx.obj["name"])
 
     def text(s):
@@ -691,7 +789,10 @@ def slots(ctx, slot, as_json):
     "they count as gone (which frees the job).",
 )
 @click.option(
+    "--parent-endpoint",
     "--parent",
+    "parent",
+    cls=_Renamed,
     default=None,
     help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is a "
     "rack of the parent's job of the same name (docs/striping-and-trees.md).",
@@ -700,32 +801,34 @@ def slots(ctx, slot, as_json):
     "--rack-rank",
     type=click.IntRange(0, limits.MAX_WORKERS - 1),
     default=None,
-    help="With --parent: this rack's rank in the parent's jobs.",
+    help="With --parent-endpoint: this rack's rank in the parent's jobs.",
 )
 @click.option(
     "--racks",
     type=click.IntRange(1, limits.MAX_WORKERS),
     default=None,
-    help="With --parent: racks under the parent (its jobs' world size).",
+    help="With --parent-endpoint: racks under the parent (its jobs' world size).",
 )
 @click.option(
     "--tree-workers",
     type=click.IntRange(1, 64 * 64),
     default=None,
-    help="With --parent: workers under the root, for float scaling "
+    help="With --parent-endpoint: workers under the root, for float scaling "
     "(default: racks x this job's workers).",
 )
 @click.option(
     "--parent-mac",
     default=None,
-    help="With --parent: the next hop toward the parent (default: the parent's own MAC).",
+    help="With --parent-endpoint: the next hop toward the parent (default: the parent's own MAC).",
 )
 @click.option(
     "--parent-secret-file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="With --parent: the parent endpoint's deployment secret (default: this endpoint's).",
+    help="With --parent-endpoint: the parent endpoint's deployment secret (default: this "
+    "endpoint's).",
 )
+@_json_option('what serve says as it starts (a line {"listening": ..., "notes": [...]})')
 @click.pass_context
 def serve(
     ctx,
@@ -751,6 +854,7 @@ def serve(
     tree_workers,
     parent_mac,
     parent_secret_file,
+    as_json,
 ):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
@@ -783,7 +887,7 @@ def serve(
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800 --results broadcast
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
-      sudo xdp-agg --name rack0 serve --parent 198.18.0.1:48800 --rack-rank 0 --racks 2
+      sudo xdp-agg --name rack0 serve --parent-endpoint 198.18.0.1:48800 --rack-rank 0 --racks 2
     """
     _check_group_choice(group_ip, results)
     name = ctx.obj["name"]
@@ -816,7 +920,7 @@ def serve(
     link = None
     if parent is not None:
         if target != "xdp" or rack_rank is None or racks is None:
-            raise click.UsageError("--parent needs --target xdp, --rack-rank and --racks")
+            raise click.UsageError("--parent-endpoint needs --target xdp, --rack-rank and --racks")
         try:
             from aggctl.tree import ParentLink, parse_endpoint
 
@@ -830,12 +934,16 @@ def serve(
                 secret=serving.read_secret(parent_secret_file) if parent_secret_file else secret,
             )
         except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--parent/--rack-rank/--racks") from None
+            raise click.BadParameter(
+                str(e), param_hint="--parent-endpoint/--rack-rank/--racks"
+            ) from None
 
     def announce(line: str) -> None:
         click.echo(line, err=True)  # the first line says "listening" (launchers wait for it)
         for note in notes:
             click.echo(note, err=True)
+        if as_json:
+            click.echo(json.dumps({"listening": line, "notes": notes}))
 
     if target == "xdp":
         serving.serve_xdp(
@@ -868,7 +976,7 @@ def serve(
     )
 
 
-@main.command("install-service")
+@main.command("service-install")
 @click.argument("name", default="default", callback=_name)
 @click.option("--interfaces", default="", help='The sample config\'s INTERFACES, e.g. "eth1".')
 @click.option(
@@ -891,7 +999,7 @@ def serve(
     help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 def install_service(name, interfaces, listen, root, exe, force, as_json):
     """Write the systemd unit xdp-agg@.service and a sample /etc/xdp-agg/NAME.conf.
 
@@ -901,9 +1009,9 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
 
     \b
     Examples:
-      sudo xdp-agg install-service --interfaces eth1
-      sudo xdp-agg install-service lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
-      xdp-agg install-service --root /tmp/pkgroot --json
+      sudo xdp-agg service-install --interfaces eth1
+      sudo xdp-agg service-install lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
+      xdp-agg service-install --root /tmp/pkgroot --json
     """
     rep = service.install_files(
         Path(root),
@@ -938,10 +1046,11 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
     "config_file",
     type=click.Path(dir_okay=False),
     default=None,
-    help="Default: /etc/xdp-agg/NAME.conf.",
+    help="The config file to read (default: /etc/xdp-agg/NAME.conf).",
 )
+@_json_option("what serve says as it starts (serve --json)")
 @click.pass_context
-def service_start(ctx, name, config_file):
+def service_start(ctx, name, config_file, as_json):
     """What the unit xdp-agg@NAME runs: attach as NAME.conf says, then serve until SIGTERM.
 
     An aggregator NAME left attached by an earlier run is detached first (the service owns the
@@ -955,7 +1064,8 @@ def service_start(ctx, name, config_file):
     # SERVE_OPTIONS are parsed before anything is attached: a usage error there exits 2 with
     # nothing to undo
     ctx.obj["name"], ctx.obj["netns"] = name, cfg.netns
-    sub = serve.make_context("serve", cfg.serve_args(), parent=ctx)
+    args = cfg.serve_args() + (["--json"] if as_json else [])
+    sub = serve.make_context("serve", args, parent=ctx)
     if cfg.netns:
         links.enter_netns(cfg.netns)
 
@@ -983,7 +1093,7 @@ def service_start(ctx, name, config_file):
 
 @main.command("service-stop")
 @click.argument("name", callback=_name)
-@click.option("--json", "as_json", is_flag=True)
+@_json_option()
 def service_stop(name, as_json):
     """What the unit runs when it stops: detach aggregator NAME if it is attached.
 
@@ -1018,8 +1128,14 @@ def service_stop(name, as_json):
     show_default=True,
     help="Rounds over 64 slots per repetition.",
 )
-@click.option("--repeats", type=click.IntRange(1, 100), default=5, show_default=True)
-@click.option("--json", "as_json", is_flag=True)
+@click.option(
+    "--repeats",
+    type=click.IntRange(1, 100),
+    default=5,
+    show_default=True,
+    help="Repetitions per case (the table gives the median).",
+)
+@_json_option()
 def bench(workers, rounds, repeats, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
@@ -1027,6 +1143,11 @@ def bench(workers, rounds, repeats, as_json):
     elements per packet, for both variants (per-CPU partial sums, and the spin-lock baseline),
     beside a program that only parses and drops (the floor), all in one run. Needs root;
     attaches nothing.
+
+    \b
+    Examples:
+      sudo xdp-agg bench
+      sudo xdp-agg bench --workers 8 --repeats 3 --json
     """
     from . import microbench
 

@@ -154,7 +154,7 @@ def read_config(name: str, path: Path | None = None) -> ServiceConfig:
         text = path.read_text()
     except FileNotFoundError:
         raise ConfigError(
-            f"no config {path}: `xdp-agg install-service {name}` writes a sample to edit"
+            f"no config {path}: `xdp-agg service-install {name}` writes a sample to edit"
         ) from None
     return parse_config(text, str(path))
 
@@ -176,7 +176,7 @@ def stop(name: str) -> dict | None:
 # --- installing ---------------------------------------------------------------------------------
 UNIT_TEMPLATE = """\
 # xdp-agg: the XDP aggregator NAME (%i) and its control endpoint, configured by
-# /etc/xdp-agg/%i.conf. Written by `xdp-agg install-service`; see docs/operations.md, "Install on a
+# /etc/xdp-agg/%i.conf. Written by `xdp-agg service-install`; see docs/operations.md, "Install on a
 # middle box".
 [Unit]
 Description=xdp-agg in-network aggregator %i (XDP program and control endpoint)
