@@ -205,6 +205,7 @@ def check_result(step: Step, req, out) -> None:
     k = wire.elems_for(req[SwitchML].size)
     got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
     np.testing.assert_array_equal(got, step.values, err_msg=step.what)
+    np.testing.assert_array_equal(out[Exponents].values, step.values, err_msg=step.what)
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
     # every result leaves as p4app-switchML's sender writes it, whatever the request carried

@@ -51,7 +51,7 @@ def wire_h() -> str:
         (
             "SML_PAYLOAD_OFFSET",
             wire.PAYLOAD_OFFSET,
-            "payload offset in the frame; the exponent header follows the payload",
+            "payload offset in the frame, after the SwitchML and exponent headers",
         ),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
