@@ -54,6 +54,8 @@ PAYLOAD_OFFSET = SWITCHML_OFFSET + VALUES_AT  # 52: the first int32, from the fr
 # --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
 RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
 RESULT_IP_ID = 0  # IPv4 identification of every result
+RESULT_TOS = 0  # IPv4 DSCP and ECN (the ToS byte) of every result
+RESULT_IP_FLAGS = 0  # IPv4 flags of every result: DF (and MF) clear
 
 
 @dataclass(frozen=True)

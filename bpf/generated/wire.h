@@ -15,6 +15,8 @@
 #define SML_MAX_ELEMS 768 /* largest elements per packet */
 #define SML_RESULT_TTL 64 /* IPv4 TTL of every result */
 #define SML_RESULT_IP_ID 0 /* IPv4 identification of every result */
+#define SML_RESULT_TOS 0 /* IPv4 ToS byte (DSCP, ECN) of every result */
+#define SML_RESULT_IP_FLAGS 0 /* IPv4 flags (DF, MF) of every result */
 
 /* size code -> int32 elements per packet */
 #define SML_SIZE_0_ELEMS 32
