@@ -24,11 +24,11 @@ _IP_END = wire.ETH_HLEN + wire.IPV4_HLEN
 _IPPROTO_UDP = 17
 _IP_MF, _IP_OFFSET_MASK = 0x2000, 0x1FFF  # IPv4 more-fragments flag, fragment offset
 # Offsets inside our UDP payload, from the wire module's header layout.
-_TYPE_SIZE = wire.SML_DTYPE.fields["msg_type_size"][1]
-_POOL_INDEX = wire.SML_DTYPE.fields["pool_index"][1]
-_E0 = wire.EXP_DTYPE.fields["e0"][1]  # from the exponent header's start: wire.exponents_at(k)
-_JOB_NUMBER = wire.SML_DTYPE.fields["job_number"][1]
-_TSI = wire.SML_DTYPE.fields["tsi"][1]
+_TYPE_SIZE = wire.HDR_DTYPE.fields["msg_type_size"][1]
+_POOL_INDEX = wire.HDR_DTYPE.fields["pool_index"][1]
+_E0 = wire.HDR_DTYPE.fields["e0"][1]  # the exponent header follows the SwitchML header
+_JOB_NUMBER = wire.HDR_DTYPE.fields["job_number"][1]
+_TSI = wire.HDR_DTYPE.fields["tsi"][1]
 
 
 def _udp_checksum_ok(frame: bytes) -> bool:
@@ -216,7 +216,7 @@ class ReferenceAggregator:
         `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it)."""
         if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             return Verdict(Action.PASS, Reason.PASS)
-        if len(payload) < wire.SWITCHML_HLEN:
+        if len(payload) < wire.UDP_HDRS_LEN:  # both headers, before any lookup
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED)
         who = self.workers.get((src_addr, dst_port))
         if who is None:
@@ -324,11 +324,10 @@ class ReferenceAggregator:
         n = len(st.acc[v])
         out = bytearray(request)  # exactly the job's payload: the lengths were checked
         out[_TYPE_SIZE] &= ~wire.TYPE_SIZE_RESERVED_MASK & 0xFF
-        e0 = wire.exponents_at(n) + _E0
-        out[e0] = st.e0[v] & 0xFF
-        out[e0 + 1] = st.e1[v] & 0xFF
+        out[_E0] = st.e0[v] & 0xFF
+        out[_E0 + 1] = st.e1[v] & 0xFF
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
-        out[wire.VALUES_AT : wire.exponents_at(n)] = wrapped
+        out[wire.VALUES_AT : wire.VALUES_AT + n * wire.ELEM_BYTES] = wrapped
         return bytes(out)
 
 

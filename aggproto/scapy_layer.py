@@ -3,9 +3,9 @@
     from aggproto.scapy_layer import SwitchML, Exponents, sml_frame
     pkt = sml_frame(src_ip="198.18.0.10", values=[1, 2, 3, ...], slot=3)
 
-UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents: the SwitchML
-layer holds the header's fields and the k int32 of the payload (`values`, k from the size code),
-the exponent header follows the payload, as on the wire.
+UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents, in wire order:
+the SwitchML header, then the exponent header, whose layer also holds the k int32 of the payload
+that follow it (`values`, k from the SwitchML layer's size code).
 """
 
 from __future__ import annotations
@@ -30,14 +30,23 @@ def _fields(header: wire.Header):
 
 
 def _payload_elems(pkt) -> int:
-    return wire.SIZE_CODE_ELEMS.get(pkt.size, 0)
+    """k of the SwitchML layer below (0 without one, or for an unknown size code)."""
+    under = pkt.underlayer
+    return wire.SIZE_CODE_ELEMS.get(under.size, 0) if isinstance(under, SwitchML) else 0
 
 
 class SwitchML(Packet):
-    """SwitchML header (8 bytes, fields from wire.SWITCHML) and the payload's int32 after it."""
+    """SwitchML header (8 bytes), fields from wire.SWITCHML."""
 
     name = "SwitchML"
-    fields_desc = _fields(wire.SWITCHML) + [
+    fields_desc = _fields(wire.SWITCHML)
+
+
+class Exponents(Packet):
+    """Exponent header (2 bytes, fields from wire.EXPONENTS) and the payload's int32 after it."""
+
+    name = "SwitchMLExponents"
+    fields_desc = _fields(wire.EXPONENTS) + [
         FieldListField(
             "values",
             [],
@@ -46,13 +55,6 @@ class SwitchML(Packet):
             max_count=wire.MAX_ELEMS,
         )
     ]
-
-
-class Exponents(Packet):
-    """Exponent header (2 bytes), fields from wire.EXPONENTS."""
-
-    name = "SwitchMLExponents"
-    fields_desc = _fields(wire.EXPONENTS)
 
 
 bind_layers(SwitchML, Exponents)
@@ -97,7 +99,6 @@ def sml_frame(
             job_number=job_number,
             tsi=tsi,
             pool_index=pidx,
-            values=[int(v) for v in vals],
         )
-        / Exponents(e0=e0, e1=e1)
+        / Exponents(e0=e0, e1=e1, values=[int(v) for v in vals])
     )

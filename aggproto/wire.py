@@ -5,9 +5,12 @@ The BPF C header (bpf/generated/wire.h), the P4 header (p4/include/wire.p4) and 
 (aggproto.scapy_layer) are generated or built from the tables below; tests fail when a
 generated file drifts or when the compiled BPF object's BTF disagrees with the offsets here.
 
-Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | payload | exponents (2),
-payload being k big-endian int32, k given by the size code: p4app-switchML's order (its parser
-extracts the header, the data, then the exponent; its hosts write the exponent after the data).
+Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | exponents (2) | payload,
+payload being k big-endian int32, k given by the size code. This is p4app-switchML's order at its
+newest commit b5c74a0 (docs/protocol.md section 1 cites the lines): its parser extracts the
+SwitchML header, then the exponents, then the data; its DPDK host writes the exponents right after
+the SwitchML header and the values after them. (Revisions before September 2021 had one 16-bit
+exponent behind the data; they are not the protocol.)
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ SWITCHML_HLEN = 8
 EXP_HLEN = 2
 ELEM_BYTES = 4
 SWITCHML_OFFSET = ETH_HLEN + IPV4_HLEN + UDP_HLEN  # 42: from the start of the Ethernet frame
-PAYLOAD_OFFSET = SWITCHML_OFFSET + SWITCHML_HLEN  # 50: the first int32, from the frame's start
-VALUES_AT = SWITCHML_HLEN  # the first int32, from the start of the UDP payload
+EXPONENTS_AT = SWITCHML_HLEN  # the exponent header, from the start of the UDP payload
+VALUES_AT = SWITCHML_HLEN + EXP_HLEN  # the first int32, from the start of the UDP payload: 10
 UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our two headers in a UDP payload, together
+PAYLOAD_OFFSET = SWITCHML_OFFSET + VALUES_AT  # 52: the first int32, from the frame's start
 
 # --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
 RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
 RESULT_IP_ID = 0  # IPv4 identification of every result
+RESULT_TOS = 0  # IPv4 DSCP and ECN (the ToS byte) of every result
+RESULT_IP_FLAGS = 0  # IPv4 flags of every result: DF (and MF) clear
 
 
 @dataclass(frozen=True)
@@ -148,11 +154,14 @@ def _np_type(m: Member) -> str:
     )
 
 
-# numpy views of our two headers: the SwitchML header opens the UDP payload, the exponent
-# header closes it (at exponents_at(k)). No padding.
+# numpy views of our headers: the SwitchML header opens the UDP payload and the exponent header
+# follows it (EXPONENTS_AT); HDR_DTYPE is both together, the 10 bytes before the values.
 SML_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SWITCHML)])
 EXP_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(EXPONENTS)])
+HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
 assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
+assert HDR_DTYPE.itemsize == UDP_HDRS_LEN == VALUES_AT
+assert HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
 
 
 def reserved_mask(m: Member) -> int:
@@ -209,11 +218,6 @@ def udp_payload_len(elems: int) -> int:
     return UDP_HDRS_LEN + elems * ELEM_BYTES
 
 
-def exponents_at(elems: int) -> int:
-    """Where the exponent header starts in the UDP payload of a packet of `elems` elements."""
-    return VALUES_AT + elems * ELEM_BYTES
-
-
 def frame_len(elems: int) -> int:
     """Bytes of a whole Ethernet frame for a packet of `elems` elements."""
     return SWITCHML_OFFSET + udp_payload_len(elems)
@@ -231,7 +235,7 @@ def build_payloads(
     e1=0,
     msg_type: int = MSG_TYPE_DATA,
 ) -> np.ndarray:
-    """UDP payloads for m packets at once, as an (m, 8 + 4k + 2) uint8 array.
+    """UDP payloads for m packets at once, as an (m, 8 + 2 + 4k) uint8 array.
 
     `values` is an (m, k) integer array (k = elems of size_code); tsi, slot, version, e0, e1 are
     scalars or length-m arrays. Vectorised: no per-packet Python.
@@ -242,20 +246,19 @@ def build_payloads(
         raise ValueError(f"values must have shape (m, {k}) for size code {size_code}")
     m = values.shape[0]
     out = np.empty((m, udp_payload_len(k)), dtype=np.uint8)
-    hdr = out[:, :VALUES_AT].view(SML_DTYPE).reshape(m)
+    hdr = out[:, :VALUES_AT].view(HDR_DTYPE).reshape(m)
     hdr["msg_type_size"] = type_size(msg_type, size_code)
     hdr["job_number"] = job_number & 0xFF
     hdr["tsi"] = tsi
     hdr["pool_index"] = pool_index(slot, version)
-    exp = out[:, exponents_at(k) :].view(EXP_DTYPE).reshape(m)
-    exp["e0"] = e0
-    exp["e1"] = e1
-    out[:, VALUES_AT : exponents_at(k)].view(">i4")[:] = values
+    hdr["e0"] = e0
+    hdr["e1"] = e1
+    out[:, VALUES_AT:].view(">i4")[:] = values
     return out
 
 
 def parse_payloads(buf: np.ndarray, elems: int):
-    """Split (m, 8 + 4k + 2) uint8 UDP payloads into (headers, exponents, values).
+    """Split (m, 8 + 2 + 4k) uint8 UDP payloads into (headers, exponents, values).
 
     headers is a structured array of SML_DTYPE, exponents one of EXP_DTYPE, values an (m, k)
     native int32 array.
@@ -264,9 +267,9 @@ def parse_payloads(buf: np.ndarray, elems: int):
     if buf.ndim != 2 or buf.shape[1] != udp_payload_len(elems):
         raise ValueError(f"payloads must have shape (m, {udp_payload_len(elems)})")
     m = buf.shape[0]
-    hdr = buf[:, :VALUES_AT].copy().view(SML_DTYPE).reshape(m)
-    exp = buf[:, exponents_at(elems) :].copy().view(EXP_DTYPE).reshape(m)
-    values = buf[:, VALUES_AT : exponents_at(elems)].view(">i4").astype(np.int32)
+    hdr = buf[:, :EXPONENTS_AT].copy().view(SML_DTYPE).reshape(m)
+    exp = buf[:, EXPONENTS_AT:VALUES_AT].copy().view(EXP_DTYPE).reshape(m)
+    values = buf[:, VALUES_AT:].view(">i4").astype(np.int32)
     return hdr, exp, values
 
 
@@ -304,14 +307,14 @@ class Message:
         """Decode a UDP payload; ValueError when it is truncated or the size code is unknown."""
         if len(data) < SWITCHML_HLEN:
             raise ValueError(f"truncated: {len(data)} bytes, the header needs {SWITCHML_HLEN}")
-        hdr = np.frombuffer(data[:VALUES_AT], dtype=SML_DTYPE)[0]
+        hdr = np.frombuffer(data[:EXPONENTS_AT], dtype=SML_DTYPE)[0]
         ts = int(hdr["msg_type_size"])
         k = elems_for(ts & 7)
         if len(data) < udp_payload_len(k):
             raise ValueError(f"truncated: {len(data)} bytes, size code needs {udp_payload_len(k)}")
         pidx = int(hdr["pool_index"])
-        vals = np.frombuffer(data[VALUES_AT : exponents_at(k)], dtype=">i4").astype(np.int32)
-        exp = np.frombuffer(data[exponents_at(k) : udp_payload_len(k)], dtype=EXP_DTYPE)[0]
+        exp = np.frombuffer(data[EXPONENTS_AT:VALUES_AT], dtype=EXP_DTYPE)[0]
+        vals = np.frombuffer(data[VALUES_AT : udp_payload_len(k)], dtype=">i4").astype(np.int32)
         return cls(
             msg_type=ts >> 4,
             reserved=(ts >> 3) & 1,

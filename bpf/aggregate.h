@@ -45,7 +45,7 @@ static __always_inline int copy_result(struct xdp_md *ctx, struct agg_pkt *pk, s
 				       const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->sml + 1);
+	__be32 *pl = (__be32 *)(pk->exp + 1);
 
 	if ((void *)(pl + K) > data_end) /* verifier: the caller checked the length already */
 		return -1;
@@ -79,7 +79,7 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 					    struct agg_slot *st, u32 vi, u32 rkey, const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->sml + 1);
+	__be32 *pl = (__be32 *)(pk->exp + 1);
 	u64 arrivals = st->arrivals[vi];
 	/* fetch_add(0) is a full barrier: the result read below is the one published. */
 	u64 published = __sync_fetch_and_add(&st->published[vi], 0);
@@ -252,22 +252,21 @@ static __always_inline void race_window(void)
 
 /* True when the UDP checksum of a packet of K elements is right (the caller skips a zero
  * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, the
- * SwitchML header, the payload and the exponent header; the sum of 16-bit words does not
- * depend on their byte order (RFC 1071), so the words are added as they lie in memory, the
- * payload 32 bits at a time. pk->exp is set and bounds-checked. */
+ * SwitchML and exponent headers and the payload; the sum of 16-bit words does not depend on
+ * their byte order (RFC 1071), so the words are added as they lie in memory, the payload 32
+ * bits at a time. */
 static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, const u32 K)
 {
 	u16 *h = (u16 *)pk->udp;
 	u64 sum = (u64)pk->ip->saddr + pk->ip->daddr + bpf_htons(IPPROTO_UDP) + pk->udp->len;
 
-	/* UDP and SwitchML headers: 16 bytes, bounds-checked by the parser */
+	/* UDP, SwitchML and exponent headers: 18 bytes, bounds-checked by the parser */
 #pragma unroll
-	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN) / 2; i++)
+	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN + SML_EXP_HLEN) / 2; i++)
 		sum += h[i];
 	AGG_NO_UNROLL
 	for (u32 j = 0; j < K; j++)
 		sum += pl[j];
-	sum += *(u16 *)pk->exp;
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);
@@ -281,7 +280,7 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 				       u32 rkey, const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->sml + 1);
+	__be32 *pl = (__be32 *)(pk->exp + 1);
 	/* fetch_add(0) is a full barrier: up_round below is the one of the round sent up */
 	u64 up = __sync_fetch_and_add(&st->up[vi], 0);
 	struct agg_result *r;
@@ -318,19 +317,16 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
 {
 	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->sml + 1);
-	struct exponents_hdr *exp = (void *)(pl + K);
+	__be32 *pl = (__be32 *)(pk->exp + 1);
 	u32 pkey = AGG_POOL_ENTRY(g, vi);
 	u64 n = job->num_workers;
 	struct agg_result *r;
 	struct agg_slot *st;
 	u64 old, a, round, tag, done, bit;
 
-	/* verifier: a constant-size range check on the packet pointer (the length was checked);
-	 * the exponent header follows the K elements of the payload */
-	if ((void *)(exp + 1) > data_end)
+	/* verifier: a constant-size range check on the packet pointer (the length was checked) */
+	if ((void *)(pl + K) > data_end)
 		return XDP_DROP;
-	pk->exp = exp;
 	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check &&
 	    !udp_checksum_ok(pk, pl, K)) {
 		count(w->job, AGG_DROP_BAD_CHECKSUM); /* before any state changes */

@@ -51,10 +51,13 @@ static __always_inline void ipv4_csum(struct iphdr *ip)
 }
 
 /* The fields every result leaves with, whatever the request carried, as p4app-switchML's sender
- * writes them: TTL 64, IP id 0, the SwitchML header's reserved bit 0, UDP checksum 0 (legal for
- * IPv4). The caller recomputes the IPv4 checksum. */
+ * writes them: ToS 0, IP id 0, flags 0 (no DF), TTL 64, the SwitchML header's reserved bit 0,
+ * UDP checksum 0 (legal for IPv4). The fragment offset is 0 already: fragments are not ours.
+ * The caller recomputes the IPv4 checksum. */
 static __always_inline void result_fields(struct agg_pkt *pk)
 {
+	pk->ip->tos = SML_RESULT_TOS;
+	pk->ip->frag_off = bpf_htons(SML_RESULT_IP_FLAGS << 13);
 	pk->ip->ttl = SML_RESULT_TTL;
 	pk->ip->id = bpf_htons(SML_RESULT_IP_ID);
 	pk->sml->msg_type_size &= ~SML_MSG_TYPE_SIZE_RESERVED;

@@ -7,9 +7,8 @@
 #define AGG_IP_MF	   0x2000 /* IPv4 more-fragments flag */
 #define AGG_IP_OFFSET_MASK 0x1fff /* IPv4 fragment offset */
 
-/* Headers of one of our packets, bounds-checked by parse() up to the SwitchML header; the
- * exponent header follows the payload, whose length only the job's size code gives, so
- * aggregate() finds it (exp stays NULL until then). */
+/* Headers of one of our packets, bounds-checked by parse() up to the exponent header, which
+ * follows the SwitchML header; the payload (k int32) follows the exponent header. */
 struct agg_pkt {
 	struct ethhdr *eth;
 	struct iphdr *ip;
@@ -20,9 +19,9 @@ struct agg_pkt {
 
 enum agg_parse {
 	AGG_PARSE_NOT_OURS = -1, /* not IPv4 UDP to 0xBEE0..0xBEEF: pass it untouched */
-	AGG_PARSE_OK = 0,	 /* ours, pk filled up to the SwitchML header */
+	AGG_PARSE_OK = 0,	 /* ours, pk filled up to the exponent header */
 	AGG_PARSE_MALFORMED,	 /* ours, with IPv4 options or as a first fragment */
-	AGG_PARSE_TRUNCATED,	 /* ours, shorter than the SwitchML header */
+	AGG_PARSE_TRUNCATED,	 /* ours, shorter than our two headers */
 };
 
 static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
@@ -59,8 +58,8 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 	pk->ip = ip;
 	pk->udp = udp;
 	pk->sml = (void *)(udp + 1);
-	pk->exp = NULL;
-	if ((void *)(pk->sml + 1) > data_end)
+	pk->exp = (void *)(pk->sml + 1);
+	if ((void *)(pk->exp + 1) > data_end)
 		return AGG_PARSE_TRUNCATED;
 	return AGG_PARSE_OK;
 }

@@ -76,8 +76,8 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	if (SML_SIZE(pk.sml) != job->size_code)
 		return drop(w, AGG_DROP_BAD_SIZE);
 	/* Lengths, before any state changes: the frame must hold the job's payload, and the IPv4
-	 * total length and the UDP length must say exactly that much (SwitchML header + k int32 +
-	 * exponents) and match the frame. A lying length would otherwise be summed, and echoed in the result,
+	 * total length and the UDP length must say exactly that much (SwitchML header + exponents
+	 * + k int32) and match the frame. A lying length would otherwise be summed, and echoed in the result,
 	 * whose receivers would take it at its word. */
 	len = (u32)(ctx->data_end - ctx->data);
 	need = SML_HLEN + SML_EXP_HLEN + job->elems * 4; /* UDP payload bytes */

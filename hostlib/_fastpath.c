@@ -14,8 +14,8 @@
  *
  * Wire layout (aggproto/wire.py; hostlib.engine checks VALUES_AT and EXP_LEN against it):
  *   byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index (big-endian,
- *   bit 15 version), then k big-endian int32, then e0 (int8) and e1 (0): p4app-switchML's
- *   order, the exponent header after the payload.
+ *   bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32: p4app-switchML's order
+ *   (b5c74a0, dpdk_worker_thread_utils.inc lines 132-134), the exponents before the payload.
  *
  * Plain CPython C API, Linux only (sendmmsg, recvmmsg, UDP_SEGMENT/UDP_GRO). AVX2 code is
  * compiled with a function target attribute and chosen at run time, so one build runs on any
@@ -52,9 +52,9 @@
 #define UDP_GRO 104
 #endif
 
-#define VALUES_AT        8 /* the payload follows the SwitchML header (8 bytes) */
-#define EXP_LEN          2 /* the exponent header (e0, e1) follows the payload */
-#define E0_AT(k)         (VALUES_AT + 4 * (k))
+#define EXP_AT           8 /* the exponent header (e0, e1) follows the SwitchML header */
+#define EXP_LEN          2
+#define VALUES_AT        (EXP_AT + EXP_LEN) /* the payload follows the exponent header */
 #define E_MIN            (-128)
 #define E_MAX            127
 #define MAX_GSO_SEGMENTS 64 /* UDP_MAX_SEGMENTS of older kernels */
@@ -465,7 +465,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         e->faults = 1;
         e->rng = seed * 0x2545F4914F6CDD1Dull + 1;
     }
-    e->plen = VALUES_AT + 4 * e->k + EXP_LEN;
+    e->plen = VALUES_AT + 4 * e->k;
     e->gso = gso;
     e->gro = gro;
     e->have_rtt = 0;
@@ -644,7 +644,7 @@ static void fill(Run *r, int64_t p, uint8_t *row)
 {
     Engine *e = r->e;
     int k = e->k;
-    uint8_t *vals = row + VALUES_AT, *exp = row + E0_AT(k);
+    uint8_t *vals = row + VALUES_AT, *exp = row + EXP_AT;
     header_of(r, p, row);
     exp[1] = 0;
     if (!r->is_float) {
@@ -681,7 +681,7 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
         return;
     }
     if (p < r->Pd)
-        r->agreed[p] = (int8_t)buf[E0_AT(k)]; /* the max of the workers' e0 for chunk p */
+        r->agreed[p] = (int8_t)buf[EXP_AT]; /* the max of the workers' e0 for chunk p */
     if (p >= r->w) {
         int64_t c = p - r->w;
         Py_ssize_t a = (Py_ssize_t)c * k, n = r->L - a < k ? r->L - a : k;

@@ -86,7 +86,7 @@ STAT_NAMES = (
 
 
 # The SwitchML header (8 bytes, wire order: wire.SML_DTYPE), read and written as one uint64. The
-# payload follows it; the exponent header follows the payload (wire.exponents_at(k)).
+# exponent header follows it (wire.EXPONENTS_AT), then the payload (wire.VALUES_AT).
 _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("pool_index", ">u2")])
 # Busy-polling (StreamEngine._spin) while at most this many packets are outstanding, for at most
 # _SPIN_TIME seconds at a time; a failed spin costs _SPIN_PENALTY credit (a success earns 1, up to
@@ -94,7 +94,7 @@ _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("p
 _SPIN_OUTSTANDING, _SPIN_TIME = 64, 60e-6
 _SPIN_PENALTY, _SPIN_CREDIT_MAX, _SPIN_BACKOFF = 2, 8, 200
 assert wire.SML_DTYPE.names == ("msg_type_size", "job_number", "tsi", "pool_index")
-assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.VALUES_AT
+assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.EXPONENTS_AT
 _H = wire.SWITCHML_HLEN
 _TSI = slice(wire.SML_DTYPE.fields["tsi"][1], wire.SML_DTYPE.fields["tsi"][1] + 4)  # in a row
 assert wire.EXP_DTYPE.names == ("e0", "e1") and wire.EXP_DTYPE.fields["e0"][1] == 0
@@ -346,9 +346,10 @@ class StreamEngine:
         # these rows, sent from them, and retransmitted from them (at most one per slot).
         self._payload = np.zeros((config.window, self.plen), dtype=np.uint8)
         self._head = self._payload[:, :_H].view("<u8")[:, 0]  # type, job, tsi, pool index
-        self._e0_at = wire.exponents_at(config.elems)  # e1 (the next byte) stays 0
+        self._e0_at = wire.EXPONENTS_AT  # e1 (the next byte) stays 0
+        self._values_end = wire.VALUES_AT + wire.ELEM_BYTES * config.elems
         self._e0 = self._payload[:, self._e0_at].view(np.int8)
-        self._values = self._payload[:, wire.VALUES_AT : self._e0_at].view(">i4")
+        self._values = self._payload[:, wire.VALUES_AT : self._values_end].view(">i4")
         self._type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
         self._slots = config.slot_base + np.arange(config.window)
         self._work = np.empty((config.window, config.elems))  # float64 rows for quantising
@@ -432,7 +433,7 @@ class StreamEngine:
                     runs, sel, fresh = self._accept(rows, P, expect, done)
                     if fresh:
                         e0 = rows[sel, self._e0_at].view(np.int8)
-                        values = rows[sel, wire.VALUES_AT : self._e0_at].view(">i4")
+                        values = rows[sel, wire.VALUES_AT : self._values_end].view(">i4")
                         pos = 0
                         for a, b in runs:
                             tr.accept(a, b, e0[pos : pos + b - a], values[pos : pos + b - a])

@@ -50,9 +50,9 @@ struct headers_t {
     ipv4_options_h ipv4_options;
     udp_h udp;
     switchml_h switchml;
+    exponents_h exponents;
     payload_h d0; // elements 0..31
     payload_h d1; // elements 32..63 (64-element packets only)
-    exponents_h exponents; // after the payload, as in p4app-switchML
 }
 
 #endif

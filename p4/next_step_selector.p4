@@ -7,8 +7,10 @@ control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
     // The fields every result leaves with, whatever the request carried (as p4app-switchML's
     // sender writes them, and as the XDP program does).
     action result_fields() {
-        hdr.ipv4.ttl = SML_RESULT_TTL;
+        hdr.ipv4.diffserv = SML_RESULT_TOS;
         hdr.ipv4.identification = SML_RESULT_IP_ID;
+        hdr.ipv4.flags = SML_RESULT_IP_FLAGS; // the fragment offset is 0: fragments are not ours
+        hdr.ipv4.ttl = SML_RESULT_TTL;
         hdr.switchml.reserved = 0;
         hdr.udp.checksum = 0;
         md.rewrite_ipv4 = 1;

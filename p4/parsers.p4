@@ -3,10 +3,9 @@
 #define _XDP_AGG_PARSERS_P4_
 
 /* Ethernet, IPv4, UDP; then, for UDP to 0xBEE0..0xBEEF, our headers and as many payload headers
- * as the packet's size code says, then the exponent header (p4app-switchML's order). A packet too
- * short for them stops with a parser error; bmv2 still runs ingress then, with the headers
- * extracted so far valid and the missing ones invalid, which is how UDPReceiver recognises a
- * truncated packet (the XDP program compares lengths). */
+ * as the packet's size code says. A packet too short for them stops with a parser error; bmv2
+ * still runs ingress then, with the headers extracted so far valid and the missing ones invalid,
+ * which is how UDPReceiver recognises a truncated packet (the XDP program compares lengths). */
 parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
                  inout standard_metadata_t sm) {
     state start {
@@ -41,9 +40,11 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
         }
     }
 
-    // p4app-switchML's order: the header, the payload, then the exponent header.
+    // p4app-switchML's order (b5c74a0, dev_root/p4/parsers.p4 lines 187-195): the SwitchML
+    // header, the exponent header, then the payload.
     state parse_switchml {
         pkt.extract(hdr.switchml);
+        pkt.extract(hdr.exponents);
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;
             SML_SIZE_64: parse_d0;
@@ -55,17 +56,12 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
         pkt.extract(hdr.d0);
         transition select(hdr.switchml.size) {
             SML_SIZE_64: parse_d1;
-            default: parse_exponents;
+            default: accept;
         }
     }
 
     state parse_d1 {
         pkt.extract(hdr.d1);
-        transition parse_exponents;
-    }
-
-    state parse_exponents {
-        pkt.extract(hdr.exponents);
         transition accept;
     }
 }
@@ -97,9 +93,9 @@ control SmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.ipv4_options);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
+        pkt.emit(hdr.exponents);
         pkt.emit(hdr.d0);
         pkt.emit(hdr.d1);
-        pkt.emit(hdr.exponents);
     }
 }
 

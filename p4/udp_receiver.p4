@@ -74,8 +74,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
             }
             if (hdr.ipv4_options.isValid() || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED; // options or a first fragment
-            } else if (!hdr.switchml.isValid()) {
-                md.reason = AGG_DROP_TRUNCATED; // shorter than the SwitchML header
+            } else if (!hdr.exponents.isValid()) {
+                md.reason = AGG_DROP_TRUNCATED; // shorter than our headers
             } else if (!workers.apply().hit) {
                 // unknown_source() set the reason
             } else if (!jobs.apply().hit) {
@@ -86,8 +86,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
-            } else if (!hdr.exponents.isValid()) {
-                md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload and exponents
+            } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())) {
+                md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload
             } else if (hdr.udp.length != udp_len || hdr.ipv4.total_len != SML_IPV4_HLEN + udp_len
                        || packet_length != (bit<32>)(SML_ETH_HLEN + SML_IPV4_HLEN + udp_len)) {
                 md.reason = AGG_DROP_BAD_LENGTH;

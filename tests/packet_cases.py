@@ -8,6 +8,7 @@ addressing and bytes too, and that the serial reference model agrees with every 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +21,8 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.model import Action
 from aggproto.reasons import Reason
 from aggproto.scapy_layer import sml_frame
+
+import p4app_host
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -145,11 +148,15 @@ def relength(
     return (b[: len(b) - cut] if cut else b) + trailer
 
 
-def with_request_fields(f: bytes, *, ttl: int, ip_id: int, reserved: int) -> bytes:
-    """A valid contribution whose TTL, IP id and SwitchML reserved bit are not what results
-    carry (the aggregator must not echo them)."""
+def with_request_fields(
+    f: bytes, *, ttl: int, ip_id: int, reserved: int, tos: int = 0, df: bool = False
+) -> bytes:
+    """A valid contribution whose TTL, IP id, ToS, DF flag and SwitchML reserved bit are not
+    what results carry (the aggregator must not echo them)."""
     pkt = Ether(f)
-    pkt[IP].ttl, pkt[IP].id = ttl, ip_id
+    pkt[IP].ttl, pkt[IP].id, pkt[IP].tos = ttl, ip_id, tos
+    if df:
+        pkt[IP].flags = "DF"
     del pkt[IP].chksum
     b = bytearray(bytes(pkt))
     if reserved:
@@ -170,6 +177,8 @@ class Step:
     e1: int = 0  # the result's e1 (max over the round's contributions)
     sender: int | None = None  # worker host a TO_SENDER answer goes back to
     pool_index: int | None = None  # the output's pool index when not the request's (two levels)
+    # reads the output frame as another implementation would (the p4app-switchML host cases)
+    raw_check: Callable[[bytes], None] | None = None
 
 
 @dataclass
@@ -205,14 +214,19 @@ def check_result(step: Step, req, out) -> None:
     k = wire.elems_for(req[SwitchML].size)
     got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
     np.testing.assert_array_equal(got, step.values, err_msg=step.what)
+    np.testing.assert_array_equal(out[Exponents].values, step.values, err_msg=step.what)
+    if step.raw_check is not None:
+        step.raw_check(bytes(out))
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
     # every result leaves as p4app-switchML's sender writes it, whatever the request carried
-    assert (out[IP].ttl, out[IP].id, out[SwitchML].reserved) == (
+    assert (out[IP].ttl, out[IP].id, out[IP].tos, int(out[IP].flags)) == (
         wire.RESULT_TTL,
         wire.RESULT_IP_ID,
-        0,
-    ), step.what
+        wire.RESULT_TOS,
+        wire.RESULT_IP_FLAGS,
+    ), f"{step.what}: IPv4 fields of a result"
+    assert out[SwitchML].reserved == 0, step.what
     assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
 
@@ -524,16 +538,19 @@ def build_cases() -> list[Case]:
     ]
     cases.append(c)
 
-    # Results carry TTL 64, IP id 0 and a 0 reserved bit whatever the requests carried
-    # (check_result asserts it on every result of the table; here the requests differ).
+    # Results carry ToS 0, IP id 0, no DF, TTL 64 and a 0 reserved bit whatever the requests
+    # carried, as p4app-switchML's sender writes them (check_result asserts it on every result
+    # of the table; here the requests differ: a DSCP and ECN, DF as Linux's UDP sets it).
     c = Case("result_fields_are_the_aggregators", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     odd = [
-        with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1)
+        with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1, tos=0xB9, df=True)
         for h, v in ((0, a), (1, b))
     ]
     c.steps = [
-        Step("w0 with TTL 1, id 0x1234, reserved 1", odd[0], Action.DROP, Reason.AGGREGATED),
+        Step(
+            "w0 with TTL 1, id 0x1234, DSCP, DF, reserved 1", odd[0], Action.DROP, Reason.AGGREGATED
+        ),
         Step("w1 likewise completes", odd[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
         Step(
             "w0 retransmits likewise",
@@ -730,8 +747,78 @@ def build_cases() -> list[Case]:
     c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
     c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
     cases.append(c)
+    cases += p4app_host_cases(rng)
     cases += tree_cases(rng)
     return cases
+
+
+def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callable[[bytes], None]:
+    """A check of a result as p4app-switchML's receive path reads it (tests/p4app_host.py):
+    its pkt_id and short job id echoed, the max exponent, the sum."""
+    sent = p4app_host.read_result(req, k)
+
+    def check(out: bytes) -> None:
+        got = p4app_host.read_result(out, k)
+        assert (got.short_job_id, got.pkt_id) == (sent.short_job_id, sent.pkt_id), what
+        assert got.exponent == exponent, f"{what}: the exponent p4app's host reads"
+        np.testing.assert_array_equal(got.entries, values, err_msg=f"{what}: p4app's entries")
+
+    return check
+
+
+def p4app_host_cases(rng) -> list[Case]:
+    """Requests built byte for byte as p4app-switchML's DPDK host builds them (BuildPacket at
+    b5c74a0: tests/p4app_host.py cites the lines), 64 int32 per packet as its default packet
+    size; the results checked at the offsets its receive path reads. With and without our UDP
+    checksum verification (the host's checksum is offloaded, so right on the wire)."""
+    out = []
+    switch = p4app_host.Endpoint(AGG_MAC, AGG_IP, p4app_host.SWITCH_PORT)
+    for verify in (False, True):
+        c = Case(
+            "p4app_host_buildpacket" + ("_udp_checksum" if verify else ""),
+            [job(n=3, elems=64, udp_checksum=verify)],
+            workers(0, 3),
+        )
+        vals = [np.arange(1, 65)] + [_vals(rng, 64, -(2**31), 2**31 - 1) for _ in range(2)]
+        exps, extra = [-4, -9, -6], [3, 0x81, 7]  # the second byte: e1, signed on our side
+        pidx = 0x8000 | 5  # version 1, slot 5
+        reqs = [
+            p4app_host.build_packet(
+                worker=p4app_host.Endpoint(worker_mac(i), worker_ip(i), WORKER_PORT),
+                switch=switch,
+                job_id=0x1234,  # the host sends the job id's low 8 bits
+                pkt_id=0x01020304 + i,
+                pool_index=pidx,
+                values=vals[i],
+                exponent=exps[i],
+                extra_byte=extra[i],
+            )
+            for i in range(3)
+        ]
+        total, e1 = _wrap(sum(v.astype(np.int64) for v in vals)), max(3, 0x81 - 256, 7)
+        c.steps = [
+            Step(f"p4app w{i} partial", reqs[i], Action.DROP, Reason.AGGREGATED) for i in (0, 1)
+        ]
+        for i, what, action, reason in (
+            (2, "p4app w2 completes", Action.TO_ALL, Reason.COMPLETED),
+            (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
+        ):
+            c.steps.append(
+                Step(
+                    what,
+                    reqs[i],
+                    action,
+                    reason,
+                    total,
+                    max(exps),
+                    e1=e1,
+                    sender=i if action == Action.TO_SENDER else None,
+                    pool_index=pidx,
+                    raw_check=_p4app_check(what, reqs[i], 64, total, max(exps)),
+                )
+            )
+        out.append(c)
+    return out
 
 
 def tree_cases(rng) -> list[Case]:

@@ -85,13 +85,13 @@ class EchoAggregator:
     def result(self, data: bytes) -> bytes:
         out = bytearray(data)
         tsi = int.from_bytes(data[2:6], "big")
-        at = len(data) - wire.EXP_HLEN  # the exponent header closes the datagram
+        at = wire.EXPONENTS_AT  # the exponent header follows the SwitchML header
         if self.bump is not None:
             e0 = data[at] - 256 if data[at] >= 128 else data[at]  # int8
             out[at] = max(e0, int(self.bump[tsi % 64])) & 0xFF
-        vals = np.frombuffer(data[wire.VALUES_AT : at], ">i4").astype(np.int64)
+        vals = np.frombuffer(data[wire.VALUES_AT :], ">i4").astype(np.int64)
         vals += self.add * (tsi + np.arange(vals.size))
-        out[wire.VALUES_AT : at] = vals.astype(np.uint32).astype(">u4").tobytes()  # mod 2^32
+        out[wire.VALUES_AT :] = vals.astype(np.uint32).astype(">u4").tobytes()  # mod 2^32
         return bytes(out)
 
     def _loop(self) -> None:

@@ -51,11 +51,13 @@ def wire_h() -> str:
         (
             "SML_PAYLOAD_OFFSET",
             wire.PAYLOAD_OFFSET,
-            "payload offset in the frame; the exponent header follows the payload",
+            "payload offset in the frame, after the SwitchML and exponent headers",
         ),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
+        ("SML_RESULT_TOS", wire.RESULT_TOS, "IPv4 ToS byte (DSCP, ECN) of every result"),
+        ("SML_RESULT_IP_FLAGS", wire.RESULT_IP_FLAGS, "IPv4 flags (DF, MF) of every result"),
     ]
     for name, value, doc in consts:
         L.append(f"#define {name} {value} /* {doc} */")
@@ -156,6 +158,8 @@ def wire_p4() -> str:
     L.append(f"const bit<16> SML_POOL_SLOT_MASK = {hex(wire.POOL_SLOT_MASK)};")
     L.append(f"const bit<8> SML_RESULT_TTL = {wire.RESULT_TTL};")
     L.append(f"const bit<16> SML_RESULT_IP_ID = {wire.RESULT_IP_ID};")
+    L.append(f"const bit<8> SML_RESULT_TOS = {wire.RESULT_TOS};")
+    L.append(f"const bit<3> SML_RESULT_IP_FLAGS = {wire.RESULT_IP_FLAGS};")
     for code, n in wire.SIZE_CODE_ELEMS.items():
         L.append(f"const bit<3> SML_SIZE_{n} = {code};")
     L.append(f"const bit<16> SML_ETH_HLEN = {wire.ETH_HLEN};")

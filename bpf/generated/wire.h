@@ -11,10 +11,12 @@
 #define SML_HLEN 8 /* SwitchML header bytes */
 #define SML_EXP_HLEN 2 /* exponent header bytes */
 #define SML_OFFSET 42 /* SwitchML header offset in the frame */
-#define SML_PAYLOAD_OFFSET 50 /* payload offset in the frame; the exponent header follows the payload */
+#define SML_PAYLOAD_OFFSET 52 /* payload offset in the frame, after the SwitchML and exponent headers */
 #define SML_MAX_ELEMS 768 /* largest elements per packet */
 #define SML_RESULT_TTL 64 /* IPv4 TTL of every result */
 #define SML_RESULT_IP_ID 0 /* IPv4 identification of every result */
+#define SML_RESULT_TOS 0 /* IPv4 ToS byte (DSCP, ECN) of every result */
+#define SML_RESULT_IP_FLAGS 0 /* IPv4 flags (DF, MF) of every result */
 
 /* size code -> int32 elements per packet */
 #define SML_SIZE_0_ELEMS 32

@@ -41,8 +41,8 @@ struct header_t {
     ipv4_h ipv4;
     udp_h udp;
     switchml_h switchml;
+    exponents_h exponents;
     payload_h d0;
-    exponents_h exponents; // after the payload, as in p4app-switchML
 }
 
 #endif

@@ -13,8 +13,10 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
         ig_md.bridged.ingress_port = ig_intr_md.ingress_port;
         if (ig_md.sml.reason == AGG_COMPLETED || ig_md.sml.reason == AGG_RETX_ANSWERED) {
             // what every result leaves with, as p4app-switchML's sender writes it
-            hdr.ipv4.ttl = SML_RESULT_TTL;
+            hdr.ipv4.diffserv = SML_RESULT_TOS;
             hdr.ipv4.identification = SML_RESULT_IP_ID;
+            hdr.ipv4.flags = SML_RESULT_IP_FLAGS;
+            hdr.ipv4.ttl = SML_RESULT_TTL;
             hdr.switchml.reserved = 0;
         }
         if (ig_md.sml.reason == AGG_COMPLETED) {

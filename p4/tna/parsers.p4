@@ -63,9 +63,11 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         }
     }
 
-    // p4app-switchML's order: the header, the payload, then the exponent header.
+    // p4app-switchML's order (b5c74a0, dev_root/p4/parsers.p4 lines 187-195): the SwitchML
+    // header, the exponent header, then the payload.
     state parse_switchml {
         pkt.extract(hdr.switchml);
+        pkt.extract(hdr.exponents);
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;
             default: accept; // not aggregated by this variant: dropped as a bad size
@@ -74,7 +76,6 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
 
     state parse_d0 {
         pkt.extract(hdr.d0);
-        pkt.extract(hdr.exponents);
         transition accept;
     }
 }
@@ -96,8 +97,8 @@ control IngressDeparser(packet_out pkt, inout header_t hdr, in ingress_metadata_
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
-        pkt.emit(hdr.d0);
         pkt.emit(hdr.exponents);
+        pkt.emit(hdr.d0);
     }
 }
 

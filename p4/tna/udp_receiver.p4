@@ -65,7 +65,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
             md.version = hdr.switchml.pool_index[15:15];
             if (hdr.ipv4.ihl != 5 || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED;
-            } else if (!hdr.switchml.isValid()) {
+            } else if (!hdr.exponents.isValid()) {
                 md.reason = AGG_DROP_TRUNCATED;
             } else if (!workers.apply().hit) {
             } else if (!jobs.apply().hit) {
@@ -75,7 +75,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
-            } else if (!hdr.exponents.isValid()) { // the payload and the exponents after it
+            } else if (!hdr.d0.isValid()) {
                 md.reason = AGG_DROP_TRUNCATED;
             } else if (hdr.udp.length != SML_UDP_LEN_32
                        || hdr.ipv4.total_len != SML_IPV4_HLEN + SML_UDP_LEN_32) {
