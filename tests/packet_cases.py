@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
+import p4app_host
 from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
@@ -21,8 +22,6 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.model import Action
 from aggproto.reasons import Reason
 from aggproto.scapy_layer import sml_frame
-
-import p4app_host
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"

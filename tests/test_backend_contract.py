@@ -9,7 +9,7 @@ replaces it.
 import dataclasses
 
 import pytest
-from hostlib_fixtures import loopback_prefix
+from harness.ranks import loopback_prefix
 
 from aggctl.backend import check_job, check_worker
 from aggctl.soft_aggregator import SoftAggregator

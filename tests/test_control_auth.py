@@ -19,7 +19,7 @@ import time
 import numpy as np
 import pytest
 from click.testing import CliRunner
-from hostlib_fixtures import ok, run_ranks, soft_cluster
+from harness.ranks import ok, run_ranks, soft_cluster
 
 import hostlib
 from aggctl.auth import Limits

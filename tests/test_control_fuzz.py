@@ -20,7 +20,7 @@ import socket
 import time
 
 import pytest
-from hostlib_fixtures import soft_cluster
+from harness.ranks import soft_cluster
 
 from aggctl.auth import Limits
 from aggctl.server import MAX_LINE

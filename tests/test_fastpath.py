@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from hostlib_fixtures import loopback_prefix, ok, soft_cluster
+from harness.ranks import loopback_prefix, ok, soft_cluster
 
 import hostlib
 from aggproto import wire

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from hostlib_fixtures import ok, run_ranks, soft_cluster
+from harness.ranks import ok, run_ranks, soft_cluster
 
 import hostlib
 from hostlib import scaling
@@ -118,7 +118,7 @@ def test_gso_send_gro_receive_and_fallback_when_gso_is_refused():
     import errno
     import socket
 
-    from hostlib_fixtures import loopback_prefix
+    from harness.ranks import loopback_prefix
 
     from hostlib.udp_io import DatagramSocket, RowReceiver
 

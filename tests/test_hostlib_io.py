@@ -10,7 +10,7 @@ import threading
 
 import numpy as np
 import pytest
-from hostlib_fixtures import loopback_prefix, ok, run_ranks, soft_cluster
+from harness.ranks import loopback_prefix, ok, run_ranks, soft_cluster
 
 from hostlib import udp_io
 from hostlib.udp_io import DatagramSocket, RowReceiver

@@ -13,7 +13,7 @@ import threading
 import time
 
 import numpy as np
-from hostlib_fixtures import Cluster, loopback_prefix, ok, run_ranks
+from harness.ranks import Cluster, loopback_prefix, ok, run_ranks
 
 from aggctl import jobtable
 from aggctl.server import RendezvousServer

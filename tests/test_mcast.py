@@ -25,7 +25,7 @@ import uuid
 
 import pytest
 from click.testing import CliRunner
-from hostlib_fixtures import soft_cluster
+from harness.ranks import soft_cluster
 
 from aggctl.server import RendezvousServer
 from aggproto import groups

@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from hostlib_fixtures import soft_cluster
+from harness.ranks import soft_cluster
 
 from aggctl.server import RendezvousServer, _first_fit
 from aggproto import control, wire

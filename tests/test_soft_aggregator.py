@@ -6,7 +6,7 @@ import socket
 
 import numpy as np
 import pytest
-from hostlib_fixtures import loopback_prefix
+from harness.ranks import loopback_prefix
 
 from aggctl.soft_aggregator import SoftAggregator
 from aggproto import wire

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 import pytest
-from hostlib_fixtures import loopback_prefix, ok
+from harness.ranks import loopback_prefix, ok
 from test_hostlib import (
     AcceptingBackend,
     assert_within_scaling_bound,

@@ -210,7 +210,7 @@ def _start_loopback(cl, n, scenario, *args, stdin=None, **extra):
 
 def test_backend_on_loopback():
     """The backend's collectives through the soft aggregator (2 ranks, 'cpu:xdpagg')."""
-    from hostlib_fixtures import soft_cluster
+    from harness.ranks import soft_cluster
 
     with soft_cluster() as cl:
         _check_backend(
@@ -219,7 +219,7 @@ def test_backend_on_loopback():
 
 
 def test_ddp_hook_on_loopback():
-    from hostlib_fixtures import soft_cluster
+    from harness.ranks import soft_cluster
 
     with soft_cluster() as cl:
         _check_ddp(_reports(_start_loopback(cl, 2, "ddp", "--steps", "2")), 2)
@@ -230,7 +230,7 @@ def test_ddp_hook_on_loopback():
 def test_aggregator_lost_on_loopback(fallback, scenario):
     """The soft aggregator stopped between two all-reduces: the backend's all_reduce (or DDP's
     backward with the hook) raises AggregatorLost, or with the fallback continues on gloo."""
-    from hostlib_fixtures import soft_cluster
+    from harness.ranks import soft_cluster
 
     with soft_cluster() as cl:
         procs = _start_loopback(

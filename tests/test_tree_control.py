@@ -8,7 +8,7 @@ import threading
 import time
 
 import pytest
-from hostlib_fixtures import loopback_prefix
+from harness.ranks import loopback_prefix
 
 from aggctl.server import RendezvousServer
 from aggctl.tree import ParentLink, TreeBackend

@@ -1,0 +1,2 @@
+"""The test harness, loaded as pytest plugins (tests/conftest.py): the rank runner over one or k
+soft aggregators (ranks), the two-CPU driver of the XDP program (cpus), the CLI runner (cli)."""
