@@ -1,8 +1,20 @@
-"""Shared test configuration: root-only tests skip (with the reason) when not root."""
+"""Shared test configuration: root-only tests skip (with the reason) when not root; the harness
+(tests/harness) and the testbed's fixtures come in as plugins."""
 
 import os
 
 import pytest
+
+# The harness as plugins, so that a test asks for a fixture by name (soft, two_cpus, xdp_agg,
+# p4_json, testbed) instead of importing it under a noqa; its functions are imported from
+# harness.* like any module.
+pytest_plugins = [
+    "harness.ranks",
+    "harness.cpus",
+    "harness.cli",
+    "harness.p4",
+    "netns_testbed.fixtures",
+]
 
 
 def pytest_collection_modifyitems(config, items):
@@ -40,7 +52,3 @@ def agg(agg_prog):
     for key, _ in maps.workers():
         bpfsys.map_delete(maps.fds["workers"], key)
     return prog, maps
-
-
-# Network-namespace testbeds: `testbed_factory` and `testbed` (skip unless root).
-from netns_testbed.fixtures import testbed, testbed_factory  # noqa: E402,F401

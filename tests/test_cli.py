@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import unprivileged
-from click.testing import CliRunner
+from harness.cli import invoke
 
 from xdp_switch import aggregator, cli, loader, pins, serving
 from xdp_switch.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
@@ -16,11 +16,9 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
-def run(tmp_path, monkeypatch):
-    monkeypatch.setenv("XDP_AGG_PIN_ROOT", str(tmp_path / "bpf" / "xdp-agg"))
-    monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path / "run"))
-    runner = CliRunner()
-    return lambda *args: runner.invoke(cli.main, list(args))
+def run(xdp_agg):
+    """`xdp-agg ARGS` with the pins and state under tmp_path (the harness's CLI runner)."""
+    return xdp_agg
 
 
 def test_help_has_examples_and_exit_codes(run):
@@ -194,26 +192,15 @@ def test_state_file_round_trip(tmp_path, monkeypatch):
     assert inst.load_state() == st
 
 
-@pytest.mark.parametrize(
-    "module,prog", [("xdp_switch.cli", "xdp-agg"), ("netns_testbed.cli", "netns-testbed")]
-)
-def test_shell_completion(module, prog):
-    """click's completion, as the README tells users to enable it: the bash script, and the
-    completions it asks for (here: the verbs starting with "st")."""
-    import importlib
-
-    main = importlib.import_module(module).main
+@pytest.mark.parametrize("prog", ["xdp-agg", "netns-testbed"])
+def test_shell_completion(prog):
+    """click's completion, as docs/operations.md tells users to enable it: the bash script, and
+    the completions it asks for (here: the verbs starting with "st")."""
     var = f"_{prog.replace('-', '_').upper()}_COMPLETE"
-    runner = CliRunner()
-    script = runner.invoke(main, [], prog_name=prog, env={var: "bash_source"})
+    script = invoke(prog, env={var: "bash_source"})
     assert (
         script.exit_code == 0
         and f"complete -o nosort -F _{prog.replace('-', '_')}_completion" in script.output
     )
-    words = runner.invoke(
-        main,
-        [],
-        prog_name=prog,
-        env={var: "bash_complete", "COMP_WORDS": f"{prog} st", "COMP_CWORD": "1"},
-    )
+    words = invoke(prog, env={var: "bash_complete", "COMP_WORDS": f"{prog} st", "COMP_CWORD": "1"})
     assert "plain,status" in words.output.splitlines()

@@ -18,7 +18,7 @@ import time
 
 import numpy as np
 import pytest
-from click.testing import CliRunner
+from harness.cli import xdp_agg_cli
 from harness.ranks import ok, run_ranks, soft_cluster
 
 import hostlib
@@ -204,9 +204,7 @@ def test_secret_file_created_0600_and_a_readable_one_refused(tmp_path, monkeypat
         control.load_secret(loose)
     with pytest.raises(AuthError, match="mode 0644"):
         hostlib.init(0, 1, "127.0.0.1:1", secret_file=str(loose))
-    r = CliRunner().invoke(
-        cli.main, ["serve", "--listen", "127.0.0.1:1", "--secret-file", str(loose)]
-    )
+    r = xdp_agg_cli("serve", "--listen", "127.0.0.1:1", "--secret-file", str(loose))
     assert r.exit_code == cli.EXIT_FAILED and "chmod 600" in r.output, r.output
     short = tmp_path / "short.secret"
     short.write_text("abc")
@@ -235,16 +233,15 @@ def test_serve_listens_on_the_interface_address_by_default(monkeypatch):
 
     monkeypatch.setattr(serving, "aggregator_interfaces", lambda name: ["eth1"])
     monkeypatch.setattr(serving, "serve_xdp", fake_serve)
-    runner = CliRunner()
-    r = runner.invoke(cli.main, ["serve", "--insecure-no-auth"])
+    r = xdp_agg_cli("serve", "--insecure-no-auth")
     assert r.exit_code == 0, r.output
     assert (seen["host"], seen["port"], seen["secret"]) == ("198.18.7.1", 48800, None)
     assert "WARNING: --insecure-no-auth" in r.output and "0.0.0.0" not in r.output
-    r = runner.invoke(cli.main, ["serve", "--listen", "0.0.0.0:48801", "--insecure-no-auth"])
+    r = xdp_agg_cli("serve", "--listen", "0.0.0.0:48801", "--insecure-no-auth")
     assert r.exit_code == 0 and seen["host"] == "0.0.0.0"
     assert "WARNING: listening on every address" in r.output
     monkeypatch.setattr(serving, "aggregator_interfaces", lambda name: ["p0", "p1"])
-    r = runner.invoke(cli.main, ["serve", "--insecure-no-auth"])
+    r = xdp_agg_cli("serve", "--insecure-no-auth")
     assert r.exit_code == cli.EXIT_FAILED and "--listen 0.0.0.0:PORT" in r.output
 
 
@@ -255,9 +252,7 @@ def test_serve_creates_its_secret_in_the_state_directory(monkeypatch, tmp_path):
     monkeypatch.setattr(
         serving, "serve_xdp", lambda name, host, port, **kw: seen.update(secret=kw["secret"])
     )
-    r = CliRunner().invoke(
-        cli.main, ["--name", "lab", "serve", "--listen", "127.0.0.1:1", "--request-rate", "7"]
-    )
+    r = xdp_agg_cli("--name", "lab", "serve", "--listen", "127.0.0.1:1", "--request-rate", "7")
     assert r.exit_code == 0, r.output
     path = tmp_path / "lab.secret"
     assert stat.S_IMODE(path.stat().st_mode) == 0o600

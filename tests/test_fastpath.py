@@ -17,7 +17,7 @@ from collections import defaultdict
 
 import numpy as np
 import pytest
-from harness.ranks import loopback_prefix, ok, soft_cluster
+from harness.ranks import loopback_prefix, ok, run_ranks, soft_cluster
 
 import hostlib
 from aggproto import wire
@@ -324,35 +324,21 @@ def test_mixed_loops_in_one_job_with_loss_and_float16_through_the_communicator()
             out.append(c.allreduce(xf.astype(ml_dtypes.bfloat16)))
         return out, c._engine.native
 
-    results = [None] * n
-
-    def rank_main(r):
-        try:
-            with hostlib.init(
-                r,
-                n,
-                cl.endpoint,
-                job="mixed",
-                ip=cl.worker_ip(r),
-                elems=64,
-                window=8,
-                timeout=10.0,
-                retransmit=0.01,
-                rendezvous_timeout=15,
-                secret_file=cl.secret_file,
-                native=(r == 0),
-                faults=Faults(send_loss=0.03, recv_loss=0.03, seed=r),
-            ) as comm:
-                results[r] = body(comm)
-        except Exception as e:
-            results[r] = e
-
     with soft_cluster() as cl:
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = run_ranks(
+            cl,
+            n,
+            body,
+            job="mixed",
+            elems=64,
+            window=8,
+            retransmit=0.01,
+            rendezvous_timeout=15,
+            per_rank=lambda r: {
+                "native": r == 0,
+                "faults": Faults(send_loss=0.03, recv_loss=0.03, seed=r),
+            },
+        )
     res = ok(results)
     assert [native for _, native in res] == [True, False, False]
     want = sum(inputs(r)[0].astype(np.int64) for r in range(n)).astype(np.int32)
@@ -616,34 +602,19 @@ def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
         return out, c.stats
 
     with soft_cluster() as cl:
-        results = [None] * n
-
-        def rank_main(r):
-            try:
-                with hostlib.init(
-                    r,
-                    n,
-                    cl.endpoint,
-                    job="aimd",
-                    ip=cl.worker_ip(r),
-                    elems=64,
-                    window=16,
-                    timeout=5.0,
-                    retransmit=0.005,
-                    rendezvous_timeout=15,
-                    secret_file=cl.secret_file,
-                    native=True,
-                    faults=Faults(send_loss=0.05, recv_loss=0.25, seed=r),
-                ) as comm:
-                    results[r] = body(comm)
-            except Exception as e:
-                results[r] = e
-
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
+        results = run_ranks(
+            cl,
+            n,
+            body,
+            job="aimd",
+            elems=64,
+            window=16,
+            timeout=5.0,
+            retransmit=0.005,
+            rendezvous_timeout=15,
+            native=True,
+            per_rank=lambda r: {"faults": Faults(send_loss=0.05, recv_loss=0.25, seed=r)},
+        )
     for out, stats in ok(results):
         for i, got in enumerate(out):
             assert np.array_equal(got, (np.arange(length) + i).astype(np.int32) * n)

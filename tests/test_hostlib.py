@@ -523,35 +523,35 @@ def test_a_second_run_with_a_live_job_name_is_refused():
         assert ok(run_ranks(cl, 1, body)) == [True]
 
 
-def test_world_size_mismatch_is_refused():
-    with soft_cluster() as cl:
-        errors = []
+def test_world_size_mismatch_is_refused(soft):
+    cl = soft
+    errors = []
 
-        def rank0():
-            try:
-                hostlib.init(
-                    0,
-                    2,
-                    cl.endpoint,
-                    job="w",
-                    ip=cl.worker_ip(0),
-                    rendezvous_timeout=1.0,
-                    secret_file=cl.secret_file,
-                ).close()
-            except hostlib.HostlibError as e:
-                errors.append(e)
-
-        t = threading.Thread(target=rank0)
-        t.start()
-        with pytest.raises(ValueError, match="world_size 2, this rank was started with 3"):
+    def rank0():
+        try:
             hostlib.init(
-                1,
-                3,
+                0,
+                2,
                 cl.endpoint,
                 job="w",
-                ip=cl.worker_ip(1),
-                rendezvous_timeout=5,
+                ip=cl.worker_ip(0),
+                rendezvous_timeout=1.0,
                 secret_file=cl.secret_file,
-            )
-        t.join(15)
-        assert errors and "barrier timeout" in str(errors[0])
+            ).close()
+        except hostlib.HostlibError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    with pytest.raises(ValueError, match="world_size 2, this rank was started with 3"):
+        hostlib.init(
+            1,
+            3,
+            cl.endpoint,
+            job="w",
+            ip=cl.worker_ip(1),
+            rendezvous_timeout=5,
+            secret_file=cl.secret_file,
+        )
+    t.join(15)
+    assert errors and "barrier timeout" in str(errors[0])

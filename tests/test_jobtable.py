@@ -69,7 +69,7 @@ def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
     with SoftAggregator(f"{prefix}.1") as agg:
         first, _ = _server(agg, f"{prefix}.1", 0, path, secret)
         host, port = first.address
-        cl = Cluster(prefix, agg, first, secret, secret_file)
+        cl = Cluster(prefix, [first], [agg], secret, secret_file)
         restarted = threading.Event()
         reached = threading.Barrier(3)
         both = threading.Barrier(2)
@@ -123,7 +123,7 @@ def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
     path = tmp_path / "agg.jobs"
     with SoftAggregator(f"{prefix}.1") as agg:
         first, _ = _server(agg, f"{prefix}.1", 0, path, secret)
-        cl = Cluster(prefix, agg, first, secret, secret_file)
+        cl = Cluster(prefix, [first], [agg], secret, secret_file)
         gate = threading.Event()
 
         def body(c):
@@ -161,7 +161,7 @@ def test_a_table_of_another_attachment_is_not_restored(tmp_path):
     path = tmp_path / "agg.jobs"
     with SoftAggregator(f"{prefix}.1") as agg:
         s, _ = _server(agg, f"{prefix}.1", 0, path, secret, generation="g1")
-        cl = Cluster(prefix, agg, s, secret, secret_file)
+        cl = Cluster(prefix, [s], [agg], secret, secret_file)
         ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(4, np.int32)), s.stop()), window=4))
         saved = jobtable.load(path)
         assert len(saved["jobs"]) == 1

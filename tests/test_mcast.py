@@ -24,7 +24,7 @@ import time
 import uuid
 
 import pytest
-from click.testing import CliRunner
+from harness.cli import xdp_agg_cli
 from harness.ranks import soft_cluster
 
 from aggctl.server import RendezvousServer
@@ -165,17 +165,17 @@ def test_describe_results():
 
 @pytest.mark.parametrize("command", [["serve"], ["job", "create", "0", "--workers", "2"]])
 def test_group_and_results_are_one_choice(command):
-    r = CliRunner().invoke(cli.main, [*command, "--group", "239.1.1.1", "--results", "broadcast"])
+    r = xdp_agg_cli(*command, "--group", "239.1.1.1", "--results", "broadcast")
     assert r.exit_code == cli.EXIT_USAGE
     assert "either --group" in r.output
-    r = CliRunner().invoke(cli.main, [*command, "--results", "anycast"])
+    r = xdp_agg_cli(*command, "--results", "anycast")
     assert r.exit_code == cli.EXIT_USAGE
-    r = CliRunner().invoke(cli.main, [*command, "--group-base", "10.1.0.0/24"])
+    r = xdp_agg_cli(*command, "--group-base", "10.1.0.0/24")
     assert r.exit_code == cli.EXIT_USAGE and "not multicast" in r.output
 
 
 def test_serve_help_names_the_results_options():
-    out = CliRunner().invoke(cli.main, ["serve", "--help"]).output
+    out = xdp_agg_cli("serve", "--help").output
     assert "--results [multicast|broadcast]" in out and "--group-base" in out
     assert "IGMP snooping" in out
 

@@ -20,7 +20,7 @@ import sys
 
 import numpy as np
 import pytest
-from p4_fixtures import _InNetns, p4_skip_reason
+from harness.p4 import _InNetns, p4_skip_reason
 
 from aggctl import bmv2_backend as bm
 from aggproto import control, wire

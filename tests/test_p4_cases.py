@@ -25,7 +25,7 @@ import dataclasses
 from collections import Counter
 
 import pytest
-from p4_fixtures import VethLab, p4_json  # noqa: F401  (fixture)
+from harness.p4 import VethLab
 from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, worker_mac
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -50,7 +50,7 @@ def port_of_host(h: int) -> int:
 
 
 @pytest.fixture(scope="module")
-def lab(p4_json, tmp_path_factory):  # noqa: F811
+def lab(p4_json, tmp_path_factory):
     lab = VethLab(p4_json, NPORTS, log_path=tmp_path_factory.mktemp("bmv2") / "switch.log")
     lab.up()
     try:

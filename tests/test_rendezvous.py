@@ -55,27 +55,27 @@ def register_all(cluster, job: str, n: int, port=40000, timeout=5.0):
     return clients, answers
 
 
-def test_create_allocates_ids_slots_and_ports():
-    with soft_cluster() as cl:
-        c = client(cl)
-        a = create(c, "a", window=4)
-        b = create(c, "b", window=8)
-        assert (a["job_id"], a["slot_base"], a["slot_count"], a["agg_port"]) == (0, 0, 4, 0xBEE0)
-        assert (b["job_id"], b["slot_base"], b["slot_count"], b["agg_port"]) == (1, 4, 8, 0xBEE1)
-        assert a["send_to"] == [cl.agg_ip, 0xBEE0] and a["group"] is None
-        assert a["worker_port"] == 40000 and a["key"] == "a" and a["window"] == 4
-        assert [j["job_id"] for j in cl.aggregator.jobs()] == [0, 1]
-        with pytest.raises(RendezvousError, match="'a' already exists"):
-            create(c, "a")
-        c.close()  # the creator's connection was the only holder: both jobs go
-        deadline = time.monotonic() + 5
-        while cl.aggregator.jobs() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert cl.aggregator.jobs() == []
-        c2 = client(cl)
-        again = create(c2, "a", window=2)  # id, port and slots are free again
-        assert (again["job_id"], again["slot_base"], again["agg_port"]) == (0, 0, 0xBEE0)
-        c2.close()
+def test_create_allocates_ids_slots_and_ports(soft):
+    cl = soft
+    c = client(cl)
+    a = create(c, "a", window=4)
+    b = create(c, "b", window=8)
+    assert (a["job_id"], a["slot_base"], a["slot_count"], a["agg_port"]) == (0, 0, 4, 0xBEE0)
+    assert (b["job_id"], b["slot_base"], b["slot_count"], b["agg_port"]) == (1, 4, 8, 0xBEE1)
+    assert a["send_to"] == [cl.agg_ip, 0xBEE0] and a["group"] is None
+    assert a["worker_port"] == 40000 and a["key"] == "a" and a["window"] == 4
+    assert [j["job_id"] for j in cl.aggregator.jobs()] == [0, 1]
+    with pytest.raises(RendezvousError, match="'a' already exists"):
+        create(c, "a")
+    c.close()  # the creator's connection was the only holder: both jobs go
+    deadline = time.monotonic() + 5
+    while cl.aggregator.jobs() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cl.aggregator.jobs() == []
+    c2 = client(cl)
+    again = create(c2, "a", window=2)  # id, port and slots are free again
+    assert (again["job_id"], again["slot_base"], again["agg_port"]) == (0, 0, 0xBEE0)
+    c2.close()
 
 
 def test_first_fit():
@@ -104,75 +104,75 @@ def test_pool_and_port_exhaustion_are_explained():
         c.close()
 
 
-def test_register_barrier_answers_everyone_with_the_job():
-    with soft_cluster() as cl:
-        c0 = client(cl, 0)
-        create(c0, "j", world_size=3)
-        clients, answers = register_all(cl, "j", 3)
-        for r, ans in enumerate(answers):
-            assert not isinstance(ans, Exception), ans
-            job = ans["job"]
-            assert job["world_size"] == 3 and job["send_to"] == [cl.agg_ip, 0xBEE0]
-            assert job["workers"] == [
-                {"rank": i, "ip": cl.worker_ip(i), "port": 40000} for i in range(3)
-            ]
-        workers = cl.aggregator.jobs()[0]["workers"]
-        assert [(w["index"], w["ip"], w["agg_port"]) for w in workers] == [
-            (i, cl.worker_ip(i), 0xBEE0) for i in range(3)
+def test_register_barrier_answers_everyone_with_the_job(soft):
+    cl = soft
+    c0 = client(cl, 0)
+    create(c0, "j", world_size=3)
+    clients, answers = register_all(cl, "j", 3)
+    for r, ans in enumerate(answers):
+        assert not isinstance(ans, Exception), ans
+        job = ans["job"]
+        assert job["world_size"] == 3 and job["send_to"] == [cl.agg_ip, 0xBEE0]
+        assert job["workers"] == [
+            {"rank": i, "ip": cl.worker_ip(i), "port": 40000} for i in range(3)
         ]
-        st = c0.request("status", job="j")
-        assert st["state"] == "ready" and st["registered"] == [0, 1, 2] and st["missing"] == []
-        # every rank leaves: the job is deleted
-        for r, c in enumerate(clients):
-            assert c.request("leave", job="j", rank=r)["deleted"] is False  # c0 holds it
-        assert c0.request("status", job="j")["left"] == [0, 1, 2]
-        c0.close()
-        deadline = time.monotonic() + 5
-        while cl.aggregator.jobs() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert cl.aggregator.jobs() == []
-        for c in clients:
-            c.close()
-
-
-def test_barrier_deadline_names_the_missing_ranks():
-    with soft_cluster() as cl:
-        c0 = client(cl, 0)
-        create(c0, "j", world_size=4)
-        t0 = time.monotonic()
-        clients, answers = register_all(cl, "j", 2, timeout=0.5)  # ranks 2 and 3 never come
-        assert time.monotonic() - t0 < 5
-        for ans in answers:
-            assert isinstance(ans, RendezvousError)
-            assert "barrier timeout" in str(ans) and "rank(s) 2, 3 of 4" in str(ans)
-        for c in clients + [c0]:
-            c.close()
-
-
-def test_register_errors():
-    with soft_cluster() as cl:
-        c = client(cl, 0)
-        with pytest.raises(RendezvousError, match="no job 'nope'.*rank 0 creates it"):
-            c.request("register", job="nope", rank=0, port=1)
-        create(c, "j", world_size=2)
-        with pytest.raises(RendezvousError, match="rank 2 is out of range"):
-            c.request("register", job="j", rank=2, port=1)
-        with pytest.raises(RendezvousError, match="'port' must be an integer"):
-            c.request("register", job="j", rank=0, port="x")
-        with pytest.raises(RendezvousError, match="not an IPv4"):
-            c.request("register", job="j", rank=0, port=1, ip="nowhere")
-        # a rank registered twice: the second is refused while the first waits at the barrier
-        first = client(cl, 0)
-        t = threading.Thread(
-            target=lambda: _swallow(first.request, "register", job="j", rank=0, port=1, timeout=2)
-        )
-        t.start()
-        time.sleep(0.3)
-        with pytest.raises(RendezvousError, match="rank 0 of job 'j' is already registered"):
-            c.request("register", job="j", rank=0, port=1)
-        t.join(10)
-        first.close()
+    workers = cl.aggregator.jobs()[0]["workers"]
+    assert [(w["index"], w["ip"], w["agg_port"]) for w in workers] == [
+        (i, cl.worker_ip(i), 0xBEE0) for i in range(3)
+    ]
+    st = c0.request("status", job="j")
+    assert st["state"] == "ready" and st["registered"] == [0, 1, 2] and st["missing"] == []
+    # every rank leaves: the job is deleted
+    for r, c in enumerate(clients):
+        assert c.request("leave", job="j", rank=r)["deleted"] is False  # c0 holds it
+    assert c0.request("status", job="j")["left"] == [0, 1, 2]
+    c0.close()
+    deadline = time.monotonic() + 5
+    while cl.aggregator.jobs() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert cl.aggregator.jobs() == []
+    for c in clients:
         c.close()
+
+
+def test_barrier_deadline_names_the_missing_ranks(soft):
+    cl = soft
+    c0 = client(cl, 0)
+    create(c0, "j", world_size=4)
+    t0 = time.monotonic()
+    clients, answers = register_all(cl, "j", 2, timeout=0.5)  # ranks 2 and 3 never come
+    assert time.monotonic() - t0 < 5
+    for ans in answers:
+        assert isinstance(ans, RendezvousError)
+        assert "barrier timeout" in str(ans) and "rank(s) 2, 3 of 4" in str(ans)
+    for c in clients + [c0]:
+        c.close()
+
+
+def test_register_errors(soft):
+    cl = soft
+    c = client(cl, 0)
+    with pytest.raises(RendezvousError, match="no job 'nope'.*rank 0 creates it"):
+        c.request("register", job="nope", rank=0, port=1)
+    create(c, "j", world_size=2)
+    with pytest.raises(RendezvousError, match="rank 2 is out of range"):
+        c.request("register", job="j", rank=2, port=1)
+    with pytest.raises(RendezvousError, match="'port' must be an integer"):
+        c.request("register", job="j", rank=0, port="x")
+    with pytest.raises(RendezvousError, match="not an IPv4"):
+        c.request("register", job="j", rank=0, port=1, ip="nowhere")
+    # a rank registered twice: the second is refused while the first waits at the barrier
+    first = client(cl, 0)
+    t = threading.Thread(
+        target=lambda: _swallow(first.request, "register", job="j", rank=0, port=1, timeout=2)
+    )
+    t.start()
+    time.sleep(0.3)
+    with pytest.raises(RendezvousError, match="rank 0 of job 'j' is already registered"):
+        c.request("register", job="j", rank=0, port=1)
+    t.join(10)
+    first.close()
+    c.close()
 
 
 def _swallow(fn, *a, **kw):
@@ -182,56 +182,54 @@ def _swallow(fn, *a, **kw):
         pass
 
 
-def test_a_rank_lost_during_the_barrier_fails_it_at_once():
-    with soft_cluster() as cl:
-        c0 = client(cl, 0)
-        create(c0, "j", world_size=3)
-        c1 = client(cl, 1)
-        answer = []
-        t = threading.Thread(
-            target=lambda: _record(
-                answer, c1.request, "register", job="j", rank=1, port=40000, timeout=20
-            )
+def test_a_rank_lost_during_the_barrier_fails_it_at_once(soft):
+    cl = soft
+    c0 = client(cl, 0)
+    create(c0, "j", world_size=3)
+    c1 = client(cl, 1)
+    answer = []
+    t = threading.Thread(
+        target=lambda: _record(
+            answer, c1.request, "register", job="j", rank=1, port=40000, timeout=20
         )
-        t.start()
-        c2 = client(cl, 2)
-        # rank 2 registers on a connection that closes while rank 1 waits: a raw socket, so
-        # that it can go away without waiting for its own (never coming) answer
-        raw = socket.create_connection(cl.server.address, timeout=5)
-        req = {"op": "register", "job": "j", "rank": 2, "port": 40000, "timeout": 20}
-        raw.sendall(json.dumps({**req, "token": c0.tokens["j"]}).encode() + b"\n")
-        time.sleep(0.3)
-        t0 = time.monotonic()
-        raw.close()
-        t.join(10)
-        assert time.monotonic() - t0 < 5
-        assert answer and "rank(s) 2 of job 'j' left or lost their connection" in str(answer[0])
-        for c in (c0, c1, c2):
-            c.close()
+    )
+    t.start()
+    c2 = client(cl, 2)
+    # rank 2 registers on a connection that closes while rank 1 waits: a raw socket, so
+    # that it can go away without waiting for its own (never coming) answer
+    raw = socket.create_connection(cl.server.address, timeout=5)
+    req = {"op": "register", "job": "j", "rank": 2, "port": 40000, "timeout": 20}
+    raw.sendall(json.dumps({**req, "token": c0.tokens["j"]}).encode() + b"\n")
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    raw.close()
+    t.join(10)
+    assert time.monotonic() - t0 < 5
+    assert answer and "rank(s) 2 of job 'j' left or lost their connection" in str(answer[0])
+    for c in (c0, c1, c2):
+        c.close()
 
 
-def test_status_waits_for_the_job_to_be_created():
-    with soft_cluster() as cl:
-        waiter = client(cl, 1)
-        got = {}
-        t = threading.Thread(
-            target=lambda: got.update(waiter.request("status", job="late", wait=5.0))
-        )
-        t.start()
-        time.sleep(0.3)
-        assert not got
-        c0 = client(cl, 0)
-        create(c0, "late", worker_port=40123)
-        t.join(10)
-        assert got["job"]["worker_port"] == 40123 and got["state"] == "registering"
-        assert got["missing"] == [0, 1]
-        t0 = time.monotonic()
-        with pytest.raises(RendezvousError, match="no job 'other' after waiting 0.3 s"):
-            waiter.request("status", job="other", wait=0.3)
-        assert time.monotonic() - t0 < 3
-        assert [j["job"]["key"] for j in waiter.request("status")["jobs"]] == ["late"]
-        waiter.close()
-        c0.close()
+def test_status_waits_for_the_job_to_be_created(soft):
+    cl = soft
+    waiter = client(cl, 1)
+    got = {}
+    t = threading.Thread(target=lambda: got.update(waiter.request("status", job="late", wait=5.0)))
+    t.start()
+    time.sleep(0.3)
+    assert not got
+    c0 = client(cl, 0)
+    create(c0, "late", worker_port=40123)
+    t.join(10)
+    assert got["job"]["worker_port"] == 40123 and got["state"] == "registering"
+    assert got["missing"] == [0, 1]
+    t0 = time.monotonic()
+    with pytest.raises(RendezvousError, match="no job 'other' after waiting 0.3 s"):
+        waiter.request("status", job="other", wait=0.3)
+    assert time.monotonic() - t0 < 3
+    assert [j["job"]["key"] for j in waiter.request("status")["jobs"]] == ["late"]
+    waiter.close()
+    c0.close()
 
 
 def test_diagnose_reports_counters_and_lagging_ranks():
@@ -349,24 +347,22 @@ def test_group_delivery_fixes_the_worker_port():
         c.close()
 
 
-def test_stop_wakes_a_blocked_barrier():
-    with soft_cluster() as cl:
-        c = client(cl, 0)
-        create(c, "j", world_size=2)
-        errors = []
-        t = threading.Thread(
-            target=lambda: _record(
-                errors, c.request, "register", job="j", rank=0, port=1, timeout=30
-            )
-        )
-        t.start()
-        time.sleep(0.2)
-        t0 = time.monotonic()
-        cl.server.stop()
-        t.join(10)
-        assert not t.is_alive() and time.monotonic() - t0 < 5
-        assert errors and ("shutting down" in str(errors[0]) or "closed" in str(errors[0]))
-        assert cl.aggregator.jobs() == []
+def test_stop_wakes_a_blocked_barrier(soft):
+    cl = soft
+    c = client(cl, 0)
+    create(c, "j", world_size=2)
+    errors = []
+    t = threading.Thread(
+        target=lambda: _record(errors, c.request, "register", job="j", rank=0, port=1, timeout=30)
+    )
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    cl.server.stop()
+    t.join(10)
+    assert not t.is_alive() and time.monotonic() - t0 < 5
+    assert errors and ("shutting down" in str(errors[0]) or "closed" in str(errors[0]))
+    assert cl.aggregator.jobs() == []
 
 
 def _record(errors, fn, *a, **kw):

@@ -13,15 +13,11 @@ import uuid
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
+from harness.cli import xdp_agg_cli as run_cli
 
 from xdp_switch import cli, pins, service
 
 REPO = Path(__file__).resolve().parent.parent
-
-
-def run_cli(*args, env=None):
-    return CliRunner().invoke(cli.main, list(args), env=env)
 
 
 # --- config ------------------------------------------------------------------------------------

@@ -48,15 +48,13 @@ def test_plan_with_several_aggregators():
 
 
 def test_cli_refuses_several_aggregators_outside_one_arm():
-    from click.testing import CliRunner
+    from harness.cli import testbed_cli_run as run
 
-    from netns_testbed import cli
-
-    r = CliRunner().invoke(cli.main, ["up", "--aggregators", "2", "--topology", "switch"])
+    r = run("up", "--aggregators", "2", "--topology", "switch")
     assert r.exit_code == 2 and "one-arm" in r.output
-    r = CliRunner().invoke(cli.main, ["up", "--aggregators", "10"])
+    r = run("up", "--aggregators", "10")
     assert r.exit_code == 2 and "1<=x<=9" in r.output.replace(" ", "")
-    assert "--aggregators" in CliRunner().invoke(cli.main, ["up", "--help"]).output
+    assert "--aggregators" in run("up", "--help").output
 
 
 # Receiver of one multicast group: prints "ready", then the payloads it got until `idle` s pass.

@@ -6,15 +6,11 @@ mid-run) are in test_stripe_netns.py.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import shutil
-import tempfile
 import time
 
 import numpy as np
 import pytest
-from harness.ranks import loopback_prefix, ok
+from harness.ranks import ok, run_ranks, soft_cluster
 from test_hostlib import (
     AcceptingBackend,
     assert_within_scaling_bound,
@@ -24,9 +20,6 @@ from test_hostlib import (
 )
 
 import hostlib
-from aggctl.server import RendezvousServer
-from aggctl.soft_aggregator import SoftAggregator
-from aggproto import control
 from hostlib.communicator import parse_aggregators
 from hostlib.engine import _fastpath
 from hostlib.striping import stripe_bounds
@@ -92,80 +85,9 @@ needs_fastpath = pytest.mark.skipif(
 # --- all-reduces over k soft aggregators ------------------------------------------------------
 
 
-class Striped:
-    """k soft aggregators with their control endpoints in one loopback /24: aggregator j at
-    prefix.(200 + j), rank r at prefix.(2 + r) for every aggregator."""
-
-    def __init__(self, k: int, backends=None) -> None:
-        self.prefix = loopback_prefix()
-        self.aggs, self.servers = [], []
-        # one deployment secret for every endpoint (auth on, as `xdp-agg serve` runs)
-        self._secret_dir = tempfile.mkdtemp(prefix="xdp-agg-striped-")
-        self.secret_file = os.path.join(self._secret_dir, "secret")
-        secret = control.create_secret(self.secret_file)
-        for j in range(k):
-            ip = f"{self.prefix}.{200 + j}"
-            backend = backends[j] if backends else None
-            if backend is None:
-                backend = SoftAggregator(ip).start()
-                self.aggs.append(backend)
-            d = {"agg_ip": ip, "barrier_timeout": 20.0}
-            self.servers.append(RendezvousServer(backend, ip, 0, d, secret=secret).start())
-
-    @property
-    def endpoints(self) -> list[str]:
-        return [f"{h}:{p}" for h, p in (s.address for s in self.servers)]
-
-    def worker_ip(self, rank: int) -> str:
-        return f"{self.prefix}.{2 + rank}"
-
-    def close(self) -> None:
-        for s in self.servers:
-            s.stop()
-        for a in self.aggs:
-            a.stop()
-        shutil.rmtree(self._secret_dir, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def striped(k: int, backends=None):
-    st = Striped(k, backends)
-    try:
-        yield st
-    finally:
-        st.close()
-
-
-def run_striped(st: Striped, n: int, fn, *, deadline: float = 90.0, **kw):
-    """fn(comm) on ranks 0..n-1 (threads), each joined to every aggregator of `st`."""
-    import threading
-
-    results: list = [None] * n
-
-    def rank_main(r: int) -> None:
-        try:
-            kw.setdefault("timeout", 10.0)
-            kw.setdefault("secret_file", st.secret_file)
-            with hostlib.init(
-                r,
-                n,
-                st.endpoints,
-                job="striped",
-                ip=st.worker_ip(r),
-                rendezvous_timeout=20.0,
-                **kw,
-            ) as comm:
-                results[r] = fn(comm)
-        except Exception as e:  # reported to the test
-            results[r] = e
-
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(deadline)
-    assert not [r for r, t in enumerate(threads) if t.is_alive()], "ranks still running"
-    return results
+def _run(cluster, n, fn, *, job="striped", **kw):
+    """fn(comm) on ranks 0..n-1, each joined to every aggregator of `cluster`."""
+    return run_ranks(cluster, n, fn, job=job, deadline=90.0, **kw)
 
 
 @needs_fastpath
@@ -183,8 +105,8 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
 
     striped_out = {}
     for native in (False, True):
-        with striped(2) as st:
-            res = ok(run_striped(st, n, body, elems=elems, window=8, native=native))
+        with soft_cluster(aggregators=2) as st:
+            res = ok(_run(st, n, body, elems=elems, window=8, native=native))
             endpoints = st.endpoints
         striped_out[native] = [out for out, _, _ in res]
         for out, per, aggs in res:
@@ -197,8 +119,8 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
             assert [p["aggregator"] for p in per] == endpoints
             assert all(p["results"] > 0 for p in per)
             assert per[0]["allreduces"] == per[1]["allreduces"] + 2
-    with striped(1) as st:
-        single = ok(run_striped(st, n, lambda c: body(c)[0], elems=elems, window=8, native=True))
+    with soft_cluster() as st:
+        single = ok(_run(st, n, lambda c: body(c)[0], elems=elems, window=8, native=True))
     for r in range(n):
         for i in range(2 * len(lengths)):
             assert np.array_equal(striped_out[False][r][i], single[r][i])
@@ -216,37 +138,21 @@ def test_both_loops_in_one_striped_job_under_loss():
         out.append(c.allreduce(float_inputs(c.rank, L, elems)))
         return out, c.stats_per_aggregator(), c.stats
 
-    import threading
-
-    results: list = [None] * n
-    with striped(2) as st:
-
-        def rank_main(r: int) -> None:
-            try:
-                with hostlib.init(
-                    r,
-                    n,
-                    ",".join(st.endpoints),  # the environment's form
-                    job="mixed",
-                    ip=st.worker_ip(r),
-                    secret_file=st.secret_file,
-                    elems=elems,
-                    window=16,
-                    retransmit=0.01,
-                    native=r != 0,
-                    faults=hostlib.Faults(send_loss=0.02, recv_loss=0.02, seed=r),
-                    timeout=10.0,
-                    rendezvous_timeout=20.0,
-                ) as comm:
-                    results[r] = body(comm)
-            except Exception as e:
-                results[r] = e
-
-        threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(90)
+    with soft_cluster(aggregators=2) as st:
+        results = _run(
+            st,
+            n,
+            body,
+            job="mixed",
+            control_spec=",".join(st.endpoints),  # the environment's form
+            elems=elems,
+            window=16,
+            retransmit=0.01,
+            per_rank=lambda r: {
+                "native": r != 0,
+                "faults": hostlib.Faults(send_loss=0.02, recv_loss=0.02, seed=r),
+            },
+        )
     inputs = [float_inputs(r, L, elems) for r in range(n)]
     retx = [0, 0]
     for out, per, total in ok(results):
@@ -264,9 +170,9 @@ def test_a_silent_aggregator_is_named_within_the_timeout():
     """The second aggregator takes the job but never answers: the all-reduce fails after about
     the stall timeout, naming that aggregator; the first one's stripe completed."""
     prefix_backend = AcceptingBackend()
-    with striped(2, backends=[None, prefix_backend]) as st:
+    with soft_cluster(backends=[None, prefix_backend]) as st:
         t0 = time.monotonic()
-        res = run_striped(st, 2, lambda c: c.allreduce(np.ones(32 * 20, np.int32)), timeout=1.5)
+        res = _run(st, 2, lambda c: c.allreduce(np.ones(32 * 20, np.int32)), timeout=1.5)
         took = time.monotonic() - t0
         bad = st.endpoints[1]
         good = st.endpoints[0]
@@ -287,12 +193,12 @@ def test_torch_backend_striped_through_the_environment():
     from test_torch import _check_backend, _reports, _start_loopback
 
     class TwoAsOne:  # what _start_loopback reads of a cluster
-        def __init__(self, st: Striped) -> None:
+        def __init__(self, st) -> None:
             self.endpoint = ",".join(st.endpoints)
             self.worker_ip = st.worker_ip
             self.secret_file = st.secret_file
 
-    with striped(2) as st:
+    with soft_cluster(aggregators=2) as st:
         procs = _start_loopback(TwoAsOne(st), 2, "backend", "--backend-spec", "cpu:xdpagg")
         _check_backend(_reports(procs), 2)
         # both aggregators summed contributions of both ranks
@@ -303,7 +209,7 @@ def test_torch_backend_striped_through_the_environment():
 
 
 def test_an_unreachable_second_aggregator_is_named_at_init():
-    with striped(1) as st:
+    with soft_cluster() as st:
         dead = f"{st.prefix}.201:9"  # nothing listens there
         t0 = time.monotonic()
         with pytest.raises(hostlib.RendezvousError) as ei:

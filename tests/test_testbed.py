@@ -17,9 +17,8 @@ import sys
 
 import pytest
 import unprivileged
-from click.testing import CliRunner
+from harness.cli import testbed_cli_run
 
-from netns_testbed import cli as testbed_cli
 from netns_testbed import faults, plan, registry, shaping
 from netns_testbed.errors import TestbedError
 from netns_testbed.fixtures import SKIP_REASON
@@ -157,11 +156,7 @@ def test_mtu_above_what_xdp_on_veth_allows_is_refused_with_the_limit():
     Testbed(mtu=MAX_MTU)
     with pytest.raises(ValueError, match=r"68\.\.3506, got 9000.*XDP"):
         Testbed(mtu=9000)
-    from click.testing import CliRunner
-
-    from netns_testbed.cli import main
-
-    r = CliRunner().invoke(main, ["up", "--mtu", "3507"])
+    r = testbed_cli_run("up", "--mtu", "3507")
     assert r.exit_code == 2 and "3506" in r.output and "Traceback" not in r.output
 
 
@@ -444,7 +439,7 @@ def test_cli_not_root_message_in_process(monkeypatch):
             ["exec", "w0", "--", "true"],
             ["set", "--rate", "1gbit"],
         ):
-            r = CliRunner().invoke(testbed_cli.main, [args[0], "--prefix", prefix, *args[1:]])
+            r = testbed_cli_run(args[0], "--prefix", prefix, *args[1:])
             assert r.exit_code == 1, (args, r.output)
             assert "not root: run with sudo" in r.stderr, args
     finally:

@@ -12,9 +12,6 @@ ignores since it already has our contribution) or is answered with the parent's 
 (`retx_answered`). Checked against the serial model, and the counters add up.
 """
 
-import multiprocessing as mp
-import os
-
 import numpy as np
 import pytest
 from packet_cases import PARENT_SLOT_BASE, frame, job, parent_frame, workers
@@ -26,20 +23,6 @@ from aggproto.model import Action, ReferenceAggregator
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 K, SLOTS, ROUNDS, RETX_P = 64, 8, 40, 0.5
-
-two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-
-
-def _drive(cpu, fd, phases, barrier, conn):
-    os.sched_setaffinity(0, {cpu})
-    out = []
-    for frames in phases:
-        barrier.wait(timeout=60)
-        for key, f in frames:
-            act, data, _ = bpfsys.prog_test_run(fd, f)
-            out.append((key, act, data[wire.SWITCHML_OFFSET :] if act == bpfsys.XDP_TX else None))
-    conn.send(out)
-    conn.close()
 
 
 def _plan(seed):
@@ -81,23 +64,6 @@ def _plan(seed):
     return spec, per_cpu, want, retx
 
 
-def _run(fd, per_cpu):
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(2)
-    procs, pipes = [], []
-    for c in (0, 1):
-        rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_drive, args=(c, fd, per_cpu[c], barrier, wr))
-        p.start()
-        procs.append(p)
-        pipes.append(rd)
-    results = [pipes[c].recv() for c in (0, 1)]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
-
-
 def _values(payload: bytes) -> np.ndarray:
     return np.frombuffer(payload[wire.VALUES_AT : wire.udp_payload_len(K)], ">i4")
 
@@ -105,7 +71,7 @@ def _values(payload: bytes) -> np.ndarray:
 def _check(results, want):
     problems, ups, downs, resent, answered = [], {}, {}, 0, 0
     for res in results:
-        for (r, s, w, kind), act, payload in res:
+        for (r, s, w, kind), act, payload, _ in res:
             up, down, answer = want[(r, s)]
             if kind in ("new", "parent"):
                 if act == bpfsys.XDP_DROP:
@@ -134,8 +100,7 @@ def _check(results, want):
     return problems, resent, answered
 
 
-@two_cpus
-def test_tree_paths_on_two_cpus(agg):
+def test_tree_paths_on_two_cpus(two_cpus, agg):
     prog, maps = agg
     for j in list(maps.jobs()):
         maps.delete_job(j)
@@ -143,7 +108,7 @@ def test_tree_paths_on_two_cpus(agg):
     maps.create_job(spec)
     for w in workers(0, 2):
         maps.add_worker(w)
-    results = _run(prog.progs["xdp_agg_ingress"], per_cpu)
+    results = two_cpus(prog.progs["xdp_agg_ingress"], per_cpu)
     problems, resent, answered = _check(results, want)
     assert not problems, "\n".join(problems[:20])
     n = ROUNDS * SLOTS

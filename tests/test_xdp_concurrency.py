@@ -33,9 +33,7 @@ setting used) 149-179 (10 of 10, both variants); the real program: no problem in
 of each variant at 20 us.
 """
 
-import multiprocessing as mp
 import os
-import time
 
 import numpy as np
 import pytest
@@ -51,24 +49,6 @@ N, K, SLOTS, ROUNDS, DUP_P = 8, 256, 16, 24, 0.05
 # The widened-window runs: one worker per CPU, few slots, many rounds (see the docstring).
 RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P = 2, 64, 2, 400, 0.02
 RACE_DELAY_NS = 20_000
-
-two_cpus = pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
-
-
-def _drive(cpu, fd, rounds, barrier, conn):
-    os.sched_setaffinity(0, {cpu})
-    out = []
-    for frames in rounds:
-        barrier.wait(timeout=60)
-        for key, f in frames:
-            t0 = time.monotonic_ns()
-            act, data, _ = bpfsys.prog_test_run(fd, f)
-            span = (t0, time.monotonic_ns())
-            out.append(
-                (key, act, data[wire.SWITCHML_OFFSET :] if act == bpfsys.XDP_TX else None, span)
-            )
-    conn.send(out)
-    conn.close()
 
 
 def _frames(n, k):
@@ -125,24 +105,6 @@ def _plan(n, k, slots, rounds, dup_p, seed):
     return per_cpu, expected, dups
 
 
-def _run(fd, per_cpu):
-    """Both CPUs at once, in step round by round; each CPU's (key, action, result, span)."""
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(2)
-    procs, pipes = [], []
-    for c in (0, 1):
-        rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_drive, args=(c, fd, per_cpu[c], barrier, wr))
-        p.start()
-        procs.append(p)
-        pipes.append(rd)
-    results = [pipes[c].recv() for c in (0, 1)]
-    for p in procs:
-        p.join(timeout=60)
-        assert p.exitcode == 0
-    return results
-
-
 def _overlapping(results):
     """Slot rounds that ran on both CPUs at the same time (syscall granularity)."""
     spans = [{}, {}]
@@ -178,15 +140,16 @@ def _check(results, expected):
     return problems, answered
 
 
-def _two_cpus(prog, maps, n, k, slots, rounds, dup_p, seed):
-    """One run of the plan on a fresh job; (problems, answered, duplicates sent, overlapping)."""
+def _two_cpus(run, prog, maps, n, k, slots, rounds, dup_p, seed):
+    """One run of the plan on a fresh job through `run` (the harness's two-CPU driver);
+    (problems, answered, duplicates sent, overlapping)."""
     for j in list(maps.jobs()):
         maps.delete_job(j)
     maps.create_job(job(n=n, elems=k, count=slots))
     for w in workers(0, n):
         maps.add_worker(w)
     per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed)
-    results = _run(prog.progs["xdp_agg_ingress"], per_cpu)
+    results = run(prog.progs["xdp_agg_ingress"], per_cpu)
     problems, answered = _check(results, expected)
     return problems, answered, dups, _overlapping(results)
 
@@ -199,10 +162,11 @@ def _assert_counters(maps, slot_rounds, n, answered, dups):
     assert c["dup_pending"] + c["retx_answered"] == dups
 
 
-@two_cpus
-def test_two_cpus_same_slots(agg):
+def test_two_cpus_same_slots(two_cpus, agg):
     prog, maps = agg
-    problems, answered, dups, overlapping = _two_cpus(prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7)
+    problems, answered, dups, overlapping = _two_cpus(
+        two_cpus, prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7
+    )
     print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
     assert overlapping >= ROUNDS * SLOTS // 10, (
         f"only {overlapping} slot rounds ran on both CPUs at once"
@@ -240,33 +204,31 @@ def mutant_build(request):
     yield from _race_build(request.param, mutant=True)
 
 
-def _race_run(prog, maps):
+def _race_run(run, prog, maps):
     slot_rounds = RACE_ROUNDS * RACE_SLOTS
     problems, answered, dups, overlapping = _two_cpus(
-        prog, maps, RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P, 12
+        run, prog, maps, RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P, 12
     )
     print(f"{overlapping} of {slot_rounds} slot rounds overlapped, {len(problems)} problems")
     assert overlapping >= slot_rounds // 4, f"only {overlapping} slot rounds ran on both at once"
     return problems, answered, dups
 
 
-@two_cpus
-def test_race_window_exact(race_build):
+def test_race_window_exact(two_cpus, race_build):
     """Many rounds on two slots, one worker per CPU, the widened window: the real program of
     both variants is exact in every slot round, and the counters add up."""
     prog, maps = race_build
-    problems, answered, dups = _race_run(prog, maps)
+    problems, answered, dups = _race_run(two_cpus, prog, maps)
     assert not problems, "\n".join(problems[:20])
     _assert_counters(maps, RACE_ROUNDS * RACE_SLOTS, RACE_N, answered, dups)
 
 
-@two_cpus
-def test_race_window_catches_the_mutant(mutant_build):
+def test_race_window_catches_the_mutant(two_cpus, mutant_build):
     """The same run on the mutant that completes on the arrival count: the checks above find
     its lost additions (a sum that differs from the serial model's, a completion twice or never).
     Measured: 115-189 problems (wrong sums, wrong retransmission answers) per run of 800 slot
     rounds, in 10 of 10 runs of this file (see the module docstring)."""
     prog, maps = mutant_build
-    problems, _, _ = _race_run(prog, maps)
+    problems, _, _ = _race_run(two_cpus, prog, maps)
     caught = [p for p in problems if "differs" in p or "completed twice" in p or "never" in p]
     assert caught, "the mutant completing on the arrival count was not caught"

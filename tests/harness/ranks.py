@@ -1,8 +1,10 @@
-"""Helpers for the host library, soft aggregator and rendezvous tests (loopback only).
+"""The rank runner: soft aggregators with their control endpoints on loopback, and ranks as
+threads, each with its own communicator, for one aggregator or a job striped over k.
 
-Each cluster gets its own 127.A.B.0/24 (random A, B): the aggregator and control endpoint on .1,
-rank r on .(2 + r). The aggregator tells workers apart by source address, and distinct subnets
-keep concurrent test runs on one machine (and their 0xBEE0.. ports) apart.
+Each cluster gets its own 127.A.B.0/24 (random A, B): the first aggregator and its control
+endpoint on .1, aggregator j > 0 on .(200 + j), rank r on .(2 + r). The aggregator tells workers
+apart by source address, and distinct subnets keep concurrent test runs on one machine (and
+their 0xBEE0.. ports) apart.
 """
 
 from __future__ import annotations
@@ -10,14 +12,16 @@ from __future__ import annotations
 import contextlib
 import os
 import random
-import secrets
 import tempfile
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import pytest
 
 import hostlib
 from aggctl.server import RendezvousServer
 from aggctl.soft_aggregator import SoftAggregator
+from aggproto import control
 
 
 def loopback_prefix() -> str:
@@ -28,20 +32,37 @@ def loopback_prefix() -> str:
 
 @dataclass
 class Cluster:
+    """k control endpoints (servers[j]), each in front of a soft aggregator (aggs[j]) unless the
+    test brought its own backend; one deployment secret for all of them."""
+
     prefix: str
-    aggregator: SoftAggregator | None
-    server: RendezvousServer
-    secret: bytes | None = None  # the deployment secret the server checks (None: no auth)
+    servers: list[RendezvousServer] = field(default_factory=list)
+    aggs: list[SoftAggregator | None] = field(default_factory=list)
+    secret: bytes | None = None  # the deployment secret the servers check (None: no auth)
     secret_file: str | None = None  # where it is (mode 0600), for hostlib.init(secret_file=)
+
+    @property
+    def server(self) -> RendezvousServer:
+        """The first (with one aggregator: the only) control endpoint."""
+        return self.servers[0]
+
+    @property
+    def aggregator(self) -> SoftAggregator | None:
+        """The first soft aggregator (None where the test gave its own backend)."""
+        return self.aggs[0]
 
     @property
     def agg_ip(self) -> str:
         return f"{self.prefix}.1"
 
     @property
+    def endpoints(self) -> list[str]:
+        """Every control endpoint as HOST:PORT, in stripe order."""
+        return [f"{h}:{p}" for h, p in (s.address for s in self.servers)]
+
+    @property
     def endpoint(self) -> str:
-        host, port = self.server.address
-        return f"{host}:{port}"
+        return self.endpoints[0]
 
     def worker_ip(self, rank: int) -> str:
         return f"{self.prefix}.{2 + rank}"
@@ -50,63 +71,76 @@ class Cluster:
 @contextlib.contextmanager
 def soft_cluster(
     *,
+    aggregators: int = 1,
     backend=None,
+    backends: list | None = None,
     defaults: dict | None = None,
     start_aggregator: bool = True,
     auth: bool = True,
     limits=None,
 ):
-    """A RendezvousServer on prefix.1 in front of a SoftAggregator (or `backend`).
+    """k RendezvousServers (on prefix.1, prefix.201, ...) in front of SoftAggregators (or the
+    given backends: `backend` for one, `backends` with None where a soft aggregator stands).
 
-    auth: the server checks a fresh deployment secret, written (0600) to a temporary file that
-    run_ranks gives every rank; False: the trusted-lab mode, no credentials. limits: its
+    auth: the servers check a fresh deployment secret, written (0600) to a temporary file that
+    run_ranks gives every rank; False: the trusted-lab mode, no credentials. limits: their
     aggctl.auth.Limits."""
     prefix = loopback_prefix()
-    agg = None
-    if backend is None:
-        agg = backend = SoftAggregator(f"{prefix}.1")
-        if start_aggregator:
-            agg.start()
-    d = {"agg_ip": f"{prefix}.1", "barrier_timeout": 20.0, **(defaults or {})}
+    given = backends if backends is not None else [backend] + [None] * (aggregators - 1)
+    cluster = Cluster(prefix)
     with tempfile.TemporaryDirectory(prefix="xdp-agg-secret-") as tmp:
-        secret = path = None
         if auth:
-            secret = secrets.token_hex(32).encode()
-            path = os.path.join(tmp, "secret")
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            with os.fdopen(fd, "wb") as f:
-                f.write(secret)
-        server = RendezvousServer(
-            backend, f"{prefix}.1", 0, d, secret=secret, limits=limits
-        ).start()
+            cluster.secret_file = os.path.join(tmp, "secret")
+            cluster.secret = control.create_secret(cluster.secret_file)
         try:
-            yield Cluster(prefix, agg, server, secret, path)
+            for j, b in enumerate(given):
+                ip = f"{prefix}.1" if j == 0 else f"{prefix}.{200 + j}"
+                agg = None
+                if b is None:
+                    agg = b = SoftAggregator(ip)
+                    if start_aggregator:
+                        agg.start()
+                cluster.aggs.append(agg)
+                d = {"agg_ip": ip, "barrier_timeout": 20.0, **(defaults or {})}
+                server = RendezvousServer(b, ip, 0, d, secret=cluster.secret, limits=limits)
+                cluster.servers.append(server.start())
+            yield cluster
         finally:
-            server.stop()
-            if agg is not None:
-                agg.stop()
+            for server in cluster.servers:
+                server.stop()
+            for agg in cluster.aggs:
+                if agg is not None:
+                    agg.stop()
 
 
-def run_ranks(cluster: Cluster, n: int, fn, *, job: str = "test", deadline: float = 60.0, **kw):
-    """Run fn(comm) on ranks 0..n-1 (threads), each in its own communicator; their results.
+def run_ranks(
+    cluster: Cluster,
+    n: int,
+    fn,
+    *,
+    job: str = "test",
+    deadline: float = 60.0,
+    control_spec=None,
+    per_rank=None,
+    **kw,
+):
+    """Run fn(comm) on ranks 0..n-1 (threads), each in its own communicator joined to every
+    aggregator of the cluster; their results.
 
-    An exception of a rank is returned in its place; a rank still running after `deadline` s
-    fails the test (nothing may hang).
+    control_spec: what hostlib.init gets as `aggregator` (default: the one endpoint, or the
+    list of k); per_rank(r): extra init arguments of rank r (a loop, faults). An exception of a
+    rank is returned in its place; a rank still running after `deadline` s fails the test
+    (nothing may hang).
     """
     results: list = [None] * n
+    if control_spec is None:
+        control_spec = cluster.endpoint if len(cluster.servers) == 1 else cluster.endpoints
+    base = {"timeout": 10.0, "rendezvous_timeout": 20.0, "secret_file": cluster.secret_file}
 
     def rank_main(r: int) -> None:
+        args = {**base, **kw, **(per_rank(r) if per_rank else {})}
         try:
-            kw.setdefault("timeout", 10.0)
-            with hostlib.init(
-                r,
-                n,
-                cluster.endpoint,
-                job=job,
-                ip=cluster.worker_ip(r),
-                rendezvous_timeout=15.0,
-                **{"secret_file": cluster.secret_file, **kw},
-            ) as comm:
+            with hostlib.init(r, n, control_spec, job=job, ip=cluster.worker_ip(r), **args) as comm:
                 results[r] = fn(comm)
         except Exception as e:  # reported to the test
             results[r] = e
@@ -127,3 +161,10 @@ def ok(results: list) -> list:
         if isinstance(r, BaseException):
             raise r
     return results
+
+
+@pytest.fixture
+def soft():
+    """A soft cluster with one aggregator and auth on, for the length of one test."""
+    with soft_cluster() as cluster:
+        yield cluster
