@@ -79,10 +79,10 @@ demo: setup
 	$(PY) -m aggcluster.demo
 
 bench-micro: setup
-	$(PY) -m xdp_switch.cli bench
+	$(PY) -m aggapp.cli bench
 
 bench: setup
-	$(PY) -m xdp_switch.cli bench
+	$(PY) -m aggapp.cli bench
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.allreduce
 

@@ -82,7 +82,7 @@ class Cluster:
     # --- lifecycle ------------------------------------------------------------------------
     def cli(self, *args: str, timeout: float = 120, aggregator: int = 0):
         """Run `xdp-agg --name NAME ARGS` in aggregator `aggregator`'s namespace."""
-        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.agg_name(aggregator), *args]
+        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.agg_name(aggregator), *args]
         r = self.tb.run(self.aggregators[aggregator], cmd, timeout=timeout)
         if r.returncode != 0:
             raise ClusterError(f"xdp-agg {' '.join(args)} failed: {r.stderr.strip()}")
@@ -122,7 +122,7 @@ class Cluster:
             [
                 sys.executable,
                 "-m",
-                "xdp_switch.cli",
+                "aggapp.cli",
                 "--name",
                 self.agg_name(j),
                 "serve",

@@ -69,7 +69,7 @@ class TreeCluster:
         """`xdp-agg ARGS` for rack r's aggregator (None: the root's)."""
         if r is None:
             return self.root.cli(*args, timeout=timeout)
-        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", self.rack_name(r), *args]
+        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.rack_name(r), *args]
         res = self.tb.run(self.rack_hosts[r], cmd, timeout=timeout)
         if res.returncode != 0:
             raise ClusterError(f"rack {r}: xdp-agg {' '.join(args)} failed: {res.stderr.strip()}")
@@ -92,7 +92,7 @@ class TreeCluster:
                     [
                         sys.executable,
                         "-m",
-                        "xdp_switch.cli",
+                        "aggapp.cli",
                         "--name",
                         self.rack_name(r),
                         "serve",

@@ -22,11 +22,11 @@ from harness.cli import xdp_agg_cli
 from harness.ranks import ok, run_ranks, soft_cluster
 
 import hostlib
+from aggapp import cli, serving
 from aggctl.auth import Limits
 from aggproto import control
 from hostlib.errors import AuthError, LimitError, RendezvousError
 from hostlib.rendezvous import ControlClient
-from xdp_switch import cli, serving
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -183,7 +183,7 @@ def test_aggregator_state_lost_mid_allreduce(testbed_factory):
         lost = cl.start_workers(LONG_PLAN, hosts=[0, 1], job="L", timeout=TIMEOUT)
         for rank, p in lost:
             _wait_line(p, f"rank {rank}")
-        r = cl.tb.run("agg", [sys.executable, "-m", "xdp_switch.cli", "--name", cl.name, "detach"])
+        r = cl.tb.run("agg", [sys.executable, "-m", "aggapp.cli", "--name", cl.name, "detach"])
         assert r.returncode == 1, r.stderr
         assert "1 live job(s): job 0 'L' (2/2 workers)" in r.stderr and "--force" in r.stderr
         t0 = time.monotonic()
@@ -210,7 +210,7 @@ def test_aggregator_state_lost_mid_allreduce(testbed_factory):
 
 
 def _xdp_agg(tb, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return tb.run("agg", [sys.executable, "-m", "xdp_switch.cli", *args], timeout=timeout)
+    return tb.run("agg", [sys.executable, "-m", "aggapp.cli", *args], timeout=timeout)
 
 
 def test_attach_twice_detach_with_jobs_two_serves(testbed_factory):

@@ -3,9 +3,10 @@
 From the bottom: the protocol (aggproto) and the BPF system calls (bpfsys) import no package of
 ours; the host library (hostlib) builds on the protocol only; the testbed (netns_testbed) on
 bpfsys only; the control endpoint and its backends (aggctl) on the protocol and on hostlib's
-batched UDP socket (the software aggregator sends as hosts do); the XDP control plane and the
-CLI (xdp_switch) on those below; orchestration (aggcluster) and the benchmarks (bench) on top.
-Every import counts, module level or inside a function.
+batched UDP socket (the software aggregator sends as hosts do); the XDP target (xdp_switch) on
+those below; the application (aggapp: the CLI, serving, the service) above every target;
+orchestration (aggcluster) and the benchmarks (bench) on top. Every import counts, module level
+or inside a function.
 """
 
 import ast
@@ -22,8 +23,10 @@ ALLOWED = {
     "netns_testbed": {"bpfsys"},
     "aggctl": {"aggproto", "hostlib"},
     "xdp_switch": {"aggproto", "aggctl", "bpfsys"},
+    "aggapp": {"aggproto", "aggctl", "bpfsys", "xdp_switch"},
     "aggcluster": {"aggproto", "aggctl", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
     "bench": {
+        "aggapp",
         "aggproto",
         "aggctl",
         "aggcluster",

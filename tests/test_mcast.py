@@ -1,7 +1,7 @@
 """Results only to a job's members (issue 12, item 6).
 
 Without root: the allocation of a group per job (aggproto.groups), the control endpoint's use of
-it, the choice between multicast and broadcast (xdp_switch.serving), the CLI's vocabulary, the
+it, the choice between multicast and broadcast (aggapp.serving), the CLI's vocabulary, the
 testbed's observers, and the frame counter's parsing (netns_testbed.sniff).
 
 As root, in the one-arm testbed with the bridge snooping IGMP and a host in no job (an
@@ -27,12 +27,12 @@ import pytest
 from harness.cli import xdp_agg_cli
 from harness.ranks import soft_cluster
 
+from aggapp import cli, serving
 from aggctl.server import RendezvousServer
 from aggproto import groups
 from aggproto.jobs import Delivery
 from hostlib.rendezvous import ControlClient
 from netns_testbed import plan, sniff
-from xdp_switch import cli, serving
 from xdp_switch.errors import XdpAggError
 
 # --- the allocation ---------------------------------------------------------------------------
@@ -351,7 +351,7 @@ def test_without_the_multicast_flag_results_fall_back_to_the_broadcast(testbed_f
         assert len(cl.warnings) == 1 and "eth0 has no multicast flag" in cl.warnings[0]
         assert "results of every job to 198.18.0.255" in cl.serve_line
         # asked for explicitly, multicast is refused (exit 1) rather than silently downgraded
-        cmd = [sys.executable, "-m", "xdp_switch.cli", "--name", cl.name]
+        cmd = [sys.executable, "-m", "aggapp.cli", "--name", cl.name]
         r = tb.run("agg", [*cmd, "serve", "--listen", "0.0.0.0:48801", "--results", "multicast"])
         assert r.returncode == 1 and "multicast on" in r.stderr, r.stderr
         # `job create` follows the same rule, and with the flag back gets the job's own group

@@ -174,7 +174,7 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
         [
             sys.executable,
             "-m",
-            "xdp_switch.cli",
+            "aggapp.cli",
             "--netns",
             tb.aggregator.netns,
             "serve",

@@ -52,7 +52,7 @@ else:
 
 def xdp_agg(tb, *args, check=True):
     """Run the CLI in the aggregator's namespace (it enters it itself: bpffs stays visible)."""
-    cmd = [sys.executable, "-m", "xdp_switch.cli", "--netns", tb.aggregator.netns, *args]
+    cmd = [sys.executable, "-m", "aggapp.cli", "--netns", tb.aggregator.netns, *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
@@ -72,7 +72,7 @@ def instance():
                 [
                     sys.executable,
                     "-m",
-                    "xdp_switch.cli",
+                    "aggapp.cli",
                     "--netns",
                     state.netns,
                     "--name",

@@ -175,7 +175,7 @@ class Instance:
             # unlinking a pin drops the reference; bpffs directories are removed like any other
             shutil.rmtree(self.dir)
         self.state_path.unlink(missing_ok=True)
-        # serve's job table (xdp_switch.serving.jobs_path) describes jobs of this attachment
+        # serve's job table (aggapp.serving.jobs_path) describes jobs of this attachment
         # only; its lock file stays (removing a held flock's file would let a second serve in)
         (state_dir() / f"{self.name}.jobs").unlink(missing_ok=True)
         parent = self.dir.parent

@@ -27,9 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aggproto import limits, wire
-
-from . import aggregator, pins
-from .errors import XdpAggError
+from xdp_switch import aggregator, pins
+from xdp_switch.errors import XdpAggError
 
 UNIT_NAME = "xdp-agg@.service"
 CONFIG_DIR = Path("/etc/xdp-agg")
@@ -122,7 +121,7 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
     if raw.get("XDP_MODE"):
         cfg.xdp_mode = _choice(raw["XDP_MODE"], pins.XDP_MODES, "XDP_MODE", source)
     if raw.get("VARIANT"):
-        from . import loader
+        from xdp_switch import loader
 
         cfg.variant = _choice(raw["VARIANT"], tuple(loader.VARIANTS), "VARIANT", source)
     if raw.get("POOL_SLOTS"):
@@ -245,7 +244,7 @@ def default_exe() -> str:
     script = Path(sys.executable).parent / "xdp-agg"
     if script.exists():
         return str(script)
-    return f"{sys.executable} -m xdp_switch.cli"
+    return f"{sys.executable} -m aggapp.cli"
 
 
 def install_files(

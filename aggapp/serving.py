@@ -34,9 +34,8 @@ from pathlib import Path
 
 from aggproto import control, groups
 from aggproto.jobs import JobSpec, WorkerSpec
-
-from . import aggregator, links, pins
-from .errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
+from xdp_switch import aggregator, links, pins
+from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
 
 log = logging.getLogger(__name__)
 

@@ -8,9 +8,9 @@ Exit codes (every command):
   4  busy: another `xdp-agg serve` already serves this aggregator name
 
 Codes 1, 3 and 4 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
-2 is click's. This module parses options; what the commands decide lives in aggregator.py
-(attach, detach, status, counters), serving.py (job defaults, the control endpoint) and
-service.py (the systemd unit and its config).
+2 is click's. This module parses options; what the commands decide lives in
+xdp_switch/aggregator.py (attach, detach, status, counters), serving.py (job defaults, the
+control endpoint) and service.py (the systemd unit and its config).
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ import click
 from aggctl import auth
 from aggproto import control, groups, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
+from xdp_switch import aggregator, links, loader, pins
+from xdp_switch.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
-from . import aggregator, links, loader, pins, service, serving
-from .errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
+from . import service, serving
 
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -1149,7 +1150,7 @@ def bench(workers, rounds, repeats, as_json):
       sudo xdp-agg bench
       sudo xdp-agg bench --workers 8 --repeats 3 --json
     """
-    from . import microbench
+    from xdp_switch import microbench
 
     def progress(k, i, n):
         if not as_json:
