@@ -390,7 +390,7 @@ def serve_bmv2(
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
     run the control endpoint in front of it until interrupted; the switch stops on exit."""
-    from aggctl import bmv2_backend as bm
+    import bmv2_switch as bm
     from aggproto.jobs import Delivery
 
     missing = bm.missing_tools()

@@ -52,13 +52,11 @@ send_to [ip, port] (where workers send contributions), group [ip, port] or null 
 address results go to in the one-arm topology: the job's own multicast group when the defaults
 have a group_base, else their group_ip), workers [{rank, ip, port}] once registered.
 
-Run by hand: `python -m aggctl.server --listen 127.0.0.1:48800 --soft 127.0.0.1` (the secret:
---secret-file, $XDP_AGG_SECRET_FILE, else ./xdp-agg-soft.secret, created 0600).
+Run by hand in front of a soft aggregator: `python -m aggapp.soft_endpoint` (aggapp).
 """
 
 from __future__ import annotations
 
-import argparse
 import ipaddress
 import json
 import logging
@@ -895,60 +893,3 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     def __init__(self, address, owner: RendezvousServer) -> None:
         self.owner = owner
         super().__init__(address, _Handler)
-
-
-def main(argv: list[str] | None = None) -> None:
-    """Manual use: a control endpoint in front of a SoftAggregator."""
-    import os
-
-    from .soft_aggregator import SoftAggregator
-
-    p = argparse.ArgumentParser(prog="python -m aggctl.server", description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--listen",
-        default=None,
-        help="HOST:PORT (TCP); default: the --soft address, port 48800",
-    )
-    p.add_argument(
-        "--soft",
-        default="127.0.0.1",
-        metavar="IP",
-        help="run a SoftAggregator bound to IP (ports 0xBEE0..0xBEEF as jobs need)",
-    )
-    p.add_argument("--pool-slots", type=int, default=DEFAULT_POOL_SLOTS)
-    p.add_argument("--barrier-timeout", type=float, default=120.0)
-    p.add_argument(
-        "--secret-file",
-        default=os.environ.get(control.SECRET_ENV),
-        help=f"the deployment secret (created 0600 when absent); default ${control.SECRET_ENV}, "
-        "else ./xdp-agg-soft.secret",
-    )
-    p.add_argument(
-        "--insecure-no-auth",
-        action="store_true",
-        help="accept every request without credentials (a trusted lab only)",
-    )
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    host, _, port = (args.listen or f"{args.soft}:{DEFAULT_CONTROL_PORT}").rpartition(":")
-    if host == "0.0.0.0":
-        log.warning("listening on every address (0.0.0.0), as --listen asked")
-    secret = None
-    if not args.insecure_no_auth:
-        path = os.path.abspath(args.secret_file or "xdp-agg-soft.secret")
-        try:
-            secret = control.create_secret(path)
-        except control.SecretError as e:
-            p.error(str(e))
-        log.info("deployment secret: %s (give workers %s=%s)", path, control.SECRET_ENV, path)
-    defaults = ServerDefaults(
-        agg_ip=args.soft, pool_slots=args.pool_slots, barrier_timeout=args.barrier_timeout
-    )
-    with SoftAggregator(args.soft) as agg:
-        server = RendezvousServer(agg, host, int(port), defaults, secret=secret)
-        log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
-        server.run_until_interrupted()
-
-
-if __name__ == "__main__":
-    main()

@@ -74,7 +74,7 @@ class ControlClient:
         except OSError as e:
             raise ControlConnectionLost(
                 f"cannot reach the control endpoint {endpoint[0]}:{endpoint[1]}: {e}; is "
-                f"`xdp-agg serve` (or python -m aggctl.server) running there?"
+                f"`xdp-agg serve` (or python -m aggapp.soft_endpoint) running there?"
             ) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._rfile = self._sock.makefile("rb")

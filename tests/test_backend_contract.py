@@ -12,10 +12,10 @@ import pytest
 from harness.ranks import loopback_prefix
 
 from aggctl.backend import check_job, check_worker
-from aggctl.soft_aggregator import SoftAggregator
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import MAX_JOBS, MAX_WORKERS
+from soft_switch import SoftAggregator
 
 PORT = wire.UDP_PORT + 2
 

@@ -9,9 +9,9 @@ import re
 
 import pytest
 
-from aggctl.bmv2_backend import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
 from aggproto import keys, reasons
 from aggproto.jobs import JobSpec, WorkerSpec
+from bmv2_switch import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
 
 
 class FakeCLI:

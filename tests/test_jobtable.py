@@ -17,8 +17,8 @@ from harness.ranks import Cluster, loopback_prefix, ok, run_ranks
 
 from aggctl import jobtable
 from aggctl.server import RendezvousServer
-from aggctl.soft_aggregator import SoftAggregator
 from aggproto import control
+from soft_switch import SoftAggregator
 
 
 def _secret(tmp_path) -> tuple[bytes, str]:

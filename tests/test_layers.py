@@ -22,8 +22,11 @@ ALLOWED = {
     "hostlib": {"aggproto"},
     "netns_testbed": {"bpfsys"},
     "aggctl": {"aggproto", "hostlib"},
+    # the targets, side by side: none imports another
     "xdp_switch": {"aggproto", "aggctl", "bpfsys"},
-    "aggapp": {"aggproto", "aggctl", "bpfsys", "xdp_switch"},
+    "soft_switch": {"aggproto", "aggctl", "hostlib"},
+    "bmv2_switch": {"aggproto", "aggctl"},
+    "aggapp": {"aggproto", "aggctl", "bpfsys", "xdp_switch", "soft_switch", "bmv2_switch"},
     "aggcluster": {"aggproto", "aggctl", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
     "bench": {
         "aggapp",

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 from harness.p4 import _InNetns, p4_skip_reason
 
-from aggctl import bmv2_backend as bm
+import bmv2_switch as bm
 from aggproto import control, wire
 from aggproto.jobs import Delivery
 

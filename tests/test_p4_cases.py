@@ -64,7 +64,7 @@ def lab(p4_json, tmp_path_factory):
 
 
 def lab_backend(lab):
-    from aggctl.bmv2_backend import Bmv2Backend
+    from bmv2_switch import Bmv2Backend
 
     return Bmv2Backend(lab.switch.cli(), lab.ports)
 

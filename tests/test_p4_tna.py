@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from aggctl import bmv2_backend as bm
+import bmv2_switch as bm
 
 pytestmark = [pytest.mark.p4]
 

@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from harness.ranks import loopback_prefix
 
-from aggctl.soft_aggregator import SoftAggregator
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import NO_JOB
+from soft_switch import SoftAggregator
 
 pytestmark = pytest.mark.timeout(30)
 

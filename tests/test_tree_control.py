@@ -72,7 +72,7 @@ def test_rack_job_spec_checks():
 
 
 def test_backends_without_two_levels_refuse_rack_jobs():
-    from aggctl.soft_aggregator import SoftAggregator
+    from soft_switch import SoftAggregator
 
     tree = dict(parent_ip="198.18.0.1", parent_port=wire.UDP_PORT, worker_port=40000)
     with pytest.raises(ValueError, match="two-level"):

@@ -103,7 +103,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path, testbed_factor
         [
             py,
             "-c",
-            "import json, aggctl.bmv2_backend as b, hostlib, xdp_switch.loader as l; "
+            "import json, bmv2_switch as b, hostlib, xdp_switch.loader as l; "
             "print(json.dumps([hostlib.__file__, str(l.SOURCE), str(b.P4_MAIN), "
             "l.SOURCE.is_symlink() or l.BPF_DIR.is_symlink(), b.P4_MAIN.exists()]))",
         ]

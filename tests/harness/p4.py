@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from aggctl import bmv2_backend as bm
+import bmv2_switch as bm
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4  # sll_pkttype of frames we sent ourselves

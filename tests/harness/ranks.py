@@ -20,8 +20,8 @@ import pytest
 
 import hostlib
 from aggctl.server import RendezvousServer
-from aggctl.soft_aggregator import SoftAggregator
 from aggproto import control
+from soft_switch import SoftAggregator
 
 
 def loopback_prefix() -> str:

@@ -24,14 +24,13 @@ from collections import Counter, defaultdict
 
 import numpy as np
 
+from aggctl.backend import check_job, check_worker
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import NO_JOB
 from aggproto.model import Action, ReferenceAggregator
 from aggproto.reasons import Reason
 from hostlib.udp_io import DatagramSocket
-
-from .backend import check_job, check_worker
 
 # how the per-worker counters (named as in abi.WORKER_STATS) follow from a verdict's reason
 _CONTRIBUTION = {Reason.AGGREGATED, Reason.COMPLETED}

@@ -1,6 +1,10 @@
-"""The bmv2 target: the P4 twin of the XDP aggregator, run in simple_switch.
+"""The bmv2 target's Backend: the job/worker vocabulary of aggctl.backend.Backend spoken to a
+running simple_switch (Bmv2Backend): a job is an entry of table `jobs` and a multicast group; a
+worker an entry of `workers` (how its packets are recognised), of `worker_addr` (how its result
+copy is addressed) and a multicast node (which port its copy leaves on). p4/switchml.p4
+implements docs/protocol.md sections 1-3 (its differences: 3.6).
 
-    from aggctl import bmv2_backend as bm
+    import bmv2_switch as bm
 
     ports = bm.port_specs(["p0", "p1"], netns="agg")            # port i = interface i, our MAC/IP
     switch, backend = bm.launch(ports, "/tmp/p4out", netns="agg") # compile, start, set up
@@ -8,50 +12,21 @@
     backend.add_worker(WorkerSpec(..., extra={"port": 0}))
     backend.counters(job_id)                                      # {reason name: packets}
     switch.stop()
-
-p4/switchml.p4 implements docs/protocol.md sections 1-3 (its differences: 3.6) (see its header
-comment). This module
-- compiles it (compile_p4),
-- starts and stops simple_switch on a set of interfaces, optionally inside a network namespace
-  (SimpleSwitch; give the namespace by name rather than entering it first: simple_switch is run
-  with `ip netns exec`, which also gives it the namespace's /sys),
-- drives the running switch through simple_switch_CLI (SwitchCLI: commands in batches, one CLI
-  process per batch, errors raised), and
-- speaks the job/worker vocabulary of backend.Backend on top of it (Bmv2Backend): a job is an
-  entry of table `jobs` and a multicast group; a worker an entry of `workers` (how its packets
-  are recognised), of `worker_addr` (how its result copy is addressed) and a multicast node
-  (which port its copy leaves on).
-
-simple_switch_CLI is a Python script that needs the `thrift` module, which Debian ships for its
-own /usr/bin/python3 (python3-thrift); the CLI is therefore run with that interpreter (override
-with XDP_AGG_BMV2_PYTHON) rather than through its `#!/usr/bin/env python3` line, which may find
-another Python first on PATH.
 """
 
 from __future__ import annotations
 
-import importlib.resources
-import os
 import re
-import shutil
-import subprocess
-import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
+from aggctl.backend import check_job, check_worker
+from aggctl.p4gen import P4_ELEMS
 from aggproto import keys, limits, reasons, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 
-from .backend import check_job, check_worker
-from .p4gen import P4_ELEMS
+from .switch import DEFAULT_THRIFT_PORT, PortSpec, SimpleSwitch, SwitchCLI
+from .toolchain import DEFAULT_POOL_SLOTS, Bmv2Error, compile_p4
 
-# The P4 sources are package data: aggctl/p4 links to the repository's top-level p4/ in a
-# checkout and is a copy of it in a wheel.
-P4_DIR = Path(str(importlib.resources.files("aggctl") / "p4"))
-P4_MAIN = P4_DIR / "switchml.p4"
-
-DEFAULT_POOL_SLOTS = 1024  # must match POOL_SLOTS the program was compiled with
-DEFAULT_THRIFT_PORT = 9090
 FLOOD_MGID = 1  # p4/configuration.p4: plain traffic to unknown MACs
 
 # Names of the objects in the compiled program (absolute @name annotations in p4/*.p4).
@@ -59,102 +34,10 @@ T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_f
 R_SEEN, R_COUNT = "slot_seen", "slot_count"
 C_INGRESS, C_EGRESS = "ingress_reasons", "egress_reasons"
 
-TOOLS = {
-    "p4c": "p4c-bm2-ss",  # the bmv2 simple_switch back end of p4c
-    "switch": "simple_switch",
-    "cli": "simple_switch_CLI",
-}
-
-
-class Bmv2Error(RuntimeError):
-    """A bmv2 tool failed; the message carries its output."""
-
 
 def job_mgid(job_id: int) -> int:
     """The multicast group of a job's results (group 1 is the flood group)."""
     return job_id + 2
-
-
-def missing_tools() -> list[str]:
-    """The bmv2 tools not found on PATH (empty when everything is there)."""
-    return [name for name in TOOLS.values() if shutil.which(name) is None]
-
-
-def cli_python() -> str:
-    """The interpreter simple_switch_CLI runs with: one that has the thrift module."""
-    env = os.environ.get("XDP_AGG_BMV2_PYTHON")
-    if env:
-        return env
-    return "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else "python3"
-
-
-def _which(tool: str) -> str:
-    path = shutil.which(tool)
-    if path is None:
-        raise Bmv2Error(f"{tool} is not on PATH: build and install p4c and bmv2 (see p4/README.md)")
-    return path
-
-
-def _netns_prefix(netns: str | None) -> list[str]:
-    # nsenter rather than `ip netns exec`: the latter remounts /sys, which we do not need.
-    return [] if netns is None else ["nsenter", f"--net=/var/run/netns/{netns}"]
-
-
-def compile_p4(
-    out_dir, *, pool_slots: int = DEFAULT_POOL_SLOTS, source: Path = P4_MAIN, timeout: float = 300.0
-) -> Path:
-    """Compile the v1model program with p4c-bm2-ss; returns the path of the bmv2 JSON."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    out = out_dir / (Path(source).stem + ".json")
-    # --Wdisable=unused: the generated includes define every wire constant, used or not.
-    argv = [
-        _which(TOOLS["p4c"]),
-        "--std",
-        "p4-16",
-        "--Wdisable=unused",
-        f"-DPOOL_SLOTS={int(pool_slots)}",
-        "-o",
-        str(out),
-        str(source),
-    ]
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        raise Bmv2Error(f"p4c failed ({r.returncode}):\n{r.stderr}{r.stdout}")
-    return out
-
-
-@dataclass(frozen=True)
-class PortSpec:
-    """A port of the switch: bmv2 port number, the interface it runs on, and the switch's own
-    address on that port (the source of result copies sent there, as the XDP program's switch
-    mode uses its interface's MAC and address)."""
-
-    port: int
-    iface: str
-    mac: str = "00:00:00:00:00:00"
-    ip: str = "0.0.0.0"
-
-
-def port_specs(ifnames: list[str], netns: str | None = None) -> list[PortSpec]:
-    """PortSpecs for interfaces (in `netns`, or this process's namespace), numbered 0.. in the
-    order given, each with its interface's MAC and first IPv4 address as our address there."""
-    from pyroute2 import IPRoute, NetNS
-
-    out = []
-    with NetNS(netns) if netns else IPRoute() as ipr:
-        for i, name in enumerate(ifnames):
-            links = ipr.link_lookup(ifname=name)
-            if not links:
-                raise ValueError(
-                    f"no interface {name!r}" + (f" in namespace {netns}" if netns else "")
-                )
-            link = ipr.get_links(links[0])[0]
-            addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=links[0], family=2)]
-            out.append(
-                PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), addrs[0] if addrs else "0.0.0.0")
-            )
-    return out
 
 
 def launch(
@@ -177,166 +60,6 @@ def launch(
         switch.stop()
         raise
     return switch, backend
-
-
-class SwitchCLI:
-    """simple_switch_CLI, one process per batch of commands (optionally inside a netns)."""
-
-    PROMPT = "RuntimeCmd: "
-    ERROR_PREFIXES = ("Error", "Invalid", "Exception", "***")
-
-    def __init__(
-        self,
-        thrift_port: int = DEFAULT_THRIFT_PORT,
-        netns: str | None = None,
-        timeout: float = 120.0,
-    ) -> None:
-        self.thrift_port = thrift_port
-        self.netns = netns
-        self.timeout = timeout
-
-    def argv(self) -> list[str]:
-        return [
-            *_netns_prefix(self.netns),
-            cli_python(),
-            _which(TOOLS["cli"]),
-            "--thrift-port",
-            str(self.thrift_port),
-        ]
-
-    def run(self, commands: list[str], *, check: bool = True) -> list[str]:
-        """Run the commands in order; returns each one's output. With check, the first command
-        whose output is an error raises Bmv2Error (the ones before it have taken effect)."""
-        if not commands:
-            return []
-        r = subprocess.run(
-            self.argv(),
-            input="\n".join(commands) + "\n",
-            capture_output=True,
-            text=True,
-            timeout=self.timeout,
-        )
-        # The CLI prints its prompt before reading each line: the text between two prompts is
-        # the output of one command. Before the first prompt: the banner (or a connect error).
-        parts = r.stdout.split(self.PROMPT)
-        if len(parts) < len(commands) + 1:
-            raise Bmv2Error(
-                f"simple_switch_CLI on thrift port {self.thrift_port} answered "
-                f"{len(parts) - 1} of {len(commands)} commands (is simple_switch running?):\n"
-                f"{r.stdout[-2000:]}{r.stderr[-2000:]}"
-            )
-        outputs = [p.strip() for p in parts[1 : len(commands) + 1]]
-        if check:
-            for cmd, out in zip(commands, outputs):
-                bad = [ln for ln in out.splitlines() if ln.startswith(self.ERROR_PREFIXES)]
-                if bad:
-                    raise Bmv2Error(f"`{cmd}` failed: {bad[0]}")
-        return outputs
-
-    def ready(self) -> bool:
-        """Whether the switch answers on its Thrift port."""
-        try:
-            self.run(["show_ports"])
-            return True
-        except (Bmv2Error, subprocess.TimeoutExpired):
-            return False
-
-
-class SimpleSwitch:
-    """A simple_switch process running the compiled program on the given ports.
-
-    The process is started with start() (or `with`), in `netns` if given, and stopped by its
-    PID with stop(); its console log goes to log_path (default: beside the JSON).
-    """
-
-    def __init__(
-        self,
-        json_path,
-        ports: list[PortSpec],
-        *,
-        netns: str | None = None,
-        thrift_port: int = DEFAULT_THRIFT_PORT,
-        log_path=None,
-        extra_args: tuple[str, ...] = (),
-    ) -> None:
-        self.json_path = Path(json_path)
-        self.ports = list(ports)
-        self.netns = netns
-        self.thrift_port = thrift_port
-        self.log_path = (
-            Path(log_path) if log_path else self.json_path.with_suffix(f".{thrift_port}.log")
-        )
-        self.extra_args = tuple(extra_args)
-        self.proc: subprocess.Popen | None = None
-
-    def argv(self) -> list[str]:
-        # `ip netns exec` (which execs, keeping the PID) rather than nsenter: it also mounts the
-        # namespace's own /sys, where libpcap reads the interfaces' statistics; under nsenter
-        # it finds the root namespace's /sys and logs "open: No such file or directory" forever.
-        prefix = ["ip", "netns", "exec", self.netns] if self.netns else []
-        argv = [*prefix, _which(TOOLS["switch"])]
-        for p in self.ports:
-            argv += ["-i", f"{p.port}@{p.iface}"]
-        argv += ["--thrift-port", str(self.thrift_port), *self.extra_args, str(self.json_path)]
-        return argv
-
-    def cli(self, timeout: float = 120.0) -> SwitchCLI:
-        return SwitchCLI(self.thrift_port, self.netns, timeout)
-
-    def start(self, timeout: float = 30.0) -> "SimpleSwitch":
-        """Start simple_switch and wait until its Thrift server answers."""
-        if self.proc is not None:
-            raise Bmv2Error("this simple_switch is already started")
-        if self.netns:
-            # The Thrift server listens on 127.0.0.1: a new namespace's loopback starts down.
-            subprocess.run(
-                ["ip", "-n", self.netns, "link", "set", "lo", "up"], check=True, capture_output=True
-            )
-        with open(self.log_path, "wb") as log:
-            self.proc = subprocess.Popen(
-                self.argv(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL
-            )
-        cli = self.cli()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                break
-            if cli.ready():
-                return self
-            time.sleep(0.2)
-        self.stop()
-        raise Bmv2Error(
-            f"simple_switch did not come up on thrift port {self.thrift_port}; its log "
-            f"({self.log_path}):\n{self.log_tail()}"
-        )
-
-    def log_tail(self, n: int = 4000) -> str:
-        try:
-            return self.log_path.read_text(errors="replace")[-n:]
-        except OSError:
-            return ""
-
-    def stop(self, grace: float = 3.0) -> None:
-        """Stop the process we started (SIGTERM, then SIGKILL after `grace` seconds)."""
-        proc, self.proc = self.proc, None
-        if proc is None or proc.poll() is not None:
-            return
-        proc.terminate()
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(grace)
-
-    @property
-    def pid(self) -> int | None:
-        return self.proc.pid if self.proc else None
-
-    def __enter__(self) -> "SimpleSwitch":
-        return self.start()
-
-    def __exit__(self, *exc) -> None:
-        self.stop()
 
 
 @dataclass

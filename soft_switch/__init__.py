@@ -1,0 +1,6 @@
+"""The soft target: the serial reference model (aggproto.model) as a UDP aggregator on ordinary
+sockets, for tests and demos without root (soft_switch.aggregator.SoftAggregator)."""
+
+from .aggregator import SoftAggregator
+
+__all__ = ["SoftAggregator"]
