@@ -78,7 +78,11 @@ def test_job_and_worker_become_entries_group_and_node():
             3, 1, "198.18.2.2", 40000, mac="02:00:00:00:02:02", extra={"agg_ip": "198.18.2.1"}
         )
     )
-    assert cli.log[0] == "table_add workers set_worker 198.18.2.2 48864 => 3 1"
+    # the source MAC matched too (ternary; priority 1: the other keys are exact)
+    assert cli.log[0] == (
+        "table_add workers set_worker 198.18.2.2 48864 02:00:00:00:02:02&&&ff:ff:ff:ff:ff:ff "
+        "=> 3 1 1"
+    )
     # placed behind port 1 (the port whose address the worker reached), sourced from it
     assert cli.log[1] == (
         "table_add worker_addr to_worker 3 1 => 02:00:00:00:02:02 198.18.2.2 40000 "
