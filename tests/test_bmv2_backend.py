@@ -203,3 +203,36 @@ def test_cli_output_is_split_by_prompt_and_errors_raise(monkeypatch):
     ]
     with pytest.raises(Bmv2Error, match="nope"):
         cli.run(["a", "b"])
+
+
+def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
+    """`xdp-agg serve --target bmv2` wires the bmv2 backend into a listening control endpoint
+    with the deployment secret and limits (a fake switch: this runs without p4c and bmv2, so CI
+    sees it; `pytest -m p4` runs the real one)."""
+    from aggctl import bmv2_backend as bm
+    from aggctl import server as srv
+    from xdp_switch import serving
+
+    stopped, seen = [], {}
+
+    class FakeSwitch:
+        def stop(self):
+            stopped.append(True)
+
+    backend = Bmv2Backend(FakeCLI(), PORTS)
+
+    def run_once(self):  # what Ctrl-C would end: check the endpoint, then stop it
+        seen.update(backend=self.backend, address=self.address, secret=self._guard.secret)
+        self.stop()
+
+    monkeypatch.setattr(bm, "missing_tools", lambda: [])
+    monkeypatch.setattr(bm, "port_specs", lambda names, netns=None: PORTS)
+    monkeypatch.setattr(bm, "launch", lambda *a, **k: (FakeSwitch(), backend))
+    monkeypatch.setattr(srv.RendezvousServer, "run_until_interrupted", run_once)
+    lines = []
+    serving.serve_bmv2(
+        ["p0", "p1"], str(tmp_path), "127.0.0.1", 0, secret=b"s" * 32, announce=lines.append
+    )
+    assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
+    assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
+    assert stopped == [True] and "control endpoint listening" in lines[0]
