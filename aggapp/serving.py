@@ -413,8 +413,8 @@ def serve_bmv2(
             port,
             {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
             backend.fill_worker,
-            secret,
-            limits,
+            secret=secret,
+            limits=limits,
         )
         announce(
             f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}); "

@@ -112,6 +112,7 @@ class ReferenceAggregator:
     def __init__(self) -> None:
         self.jobs: dict[int, ModelJob] = {}
         self.workers: dict[tuple[str, int], tuple[int, int]] = {}
+        self.macs: dict[tuple[str, int], bytes] = {}  # (addr, port) -> MAC its frames come from
         self.slots: dict[tuple[int, int], _Slot] = {}
 
     def create_job(
@@ -153,14 +154,24 @@ class ReferenceAggregator:
         self.jobs.pop(job_id, None)
         self.workers = {k: v for k, v in self.workers.items() if v[0] != job_id}
 
-    def add_worker(self, job_id: int, index: int, addr: str, port: int = wire.UDP_PORT) -> None:
-        """Register worker `index` of a job: packets from `addr` to aggregator port `port`."""
+    def add_worker(
+        self, job_id: int, index: int, addr: str, port: int = wire.UDP_PORT, mac: str | None = None
+    ) -> None:
+        """Register worker `index` of a job: packets from `addr` to aggregator port `port`, and
+        whole frames (process_frame) from source MAC `mac` too, unless it is None or all zeros
+        (not known: any MAC), as the XDP program and p4app-switchML's switch match them."""
         self.workers[(addr, port)] = (job_id, index)
+        raw = bytes(int(x, 16) for x in mac.split(":")) if mac else bytes(6)
+        if any(raw):
+            self.macs[(addr, port)] = raw
+        else:
+            self.macs.pop((addr, port), None)
 
     def remove_worker(self, job_id: int, index: int) -> None:
         """Unregister worker `index` of a job (a no-op if it is not registered): its packets are
         then from an unknown source. The slot state stays, as in the XDP program."""
         self.workers = {k: v for k, v in self.workers.items() if v != (job_id, index)}
+        self.macs = {k: v for k, v in self.macs.items() if k in self.workers}
 
     def process_frame(self, frame: bytes) -> Verdict:
         """Run one whole Ethernet frame through the aggregator, as the XDP program sees it.
@@ -194,6 +205,7 @@ class ReferenceAggregator:
             len(b),
             *lengths,
             checksum_ok=lambda: _udp_checksum_ok(b),
+            src_mac=b[6:12],
         )
 
     def process(self, src_addr: str, dst_port: int, payload: bytes) -> Verdict:
@@ -209,17 +221,27 @@ class ReferenceAggregator:
         )
 
     def _classify(
-        self, src_addr, dst_port, payload, frame_len, ip_len, udp_len, checksum_ok=None
+        self,
+        src_addr,
+        dst_port,
+        payload,
+        frame_len,
+        ip_len,
+        udp_len,
+        checksum_ok=None,
+        src_mac=None,
     ) -> Verdict:
         """The checks of docs/protocol.md section 2 in the XDP program's order, then the state
         machine. `payload` is everything after the UDP header up to the end of the frame;
-        `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it)."""
+        `checksum_ok()` says whether its UDP checksum is right (None: the kernel checked it);
+        `src_mac` is the frame's source MAC (None: a datagram, no MAC to match)."""
         if (dst_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             return Verdict(Action.PASS, Reason.PASS)
         if len(payload) < wire.UDP_HDRS_LEN:  # both headers, before any lookup
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED)
         who = self.workers.get((src_addr, dst_port))
-        if who is None:
+        mac = self.macs.get((src_addr, dst_port))
+        if who is None or (src_mac is not None and mac is not None and src_mac != mac):
             return Verdict(Action.DROP, Reason.DROP_UNKNOWN_SOURCE)
         job_id, w = who
         job = self.jobs.get(job_id)

@@ -101,6 +101,13 @@ def _mac_ok(mac: str) -> str:
     return mac.lower()
 
 
+def _mac_match(mac: str) -> str:
+    """The workers table's ternary MAC key: the worker's MAC exactly, or any where it is not
+    known (all zeros). The entries' other keys are exact, so one priority serves them all."""
+    mac = _mac_ok(mac)
+    return f"{mac}&&&ff:ff:ff:ff:ff:ff" if mac != "00:00:00:00:00:00" else "0&&&0"
+
+
 class Bmv2Backend:
     """backend.Backend for a simple_switch running p4/switchml.p4.
 
@@ -236,8 +243,8 @@ class Bmv2Backend:
         adds = []
         for job, worker, port, agg_mac, agg_ip in placed:
             adds += [
-                f"table_add {T_WORKERS} set_worker {worker.ip} {worker.agg_port} => "
-                f"{worker.job_id} {worker.index}",
+                f"table_add {T_WORKERS} set_worker {worker.ip} {worker.agg_port} "
+                f"{_mac_match(worker.mac)} => {worker.job_id} {worker.index} 1",
                 f"table_add {T_WORKER_ADDR} to_worker {worker.job_id} {worker.index} => "
                 f"{_mac_ok(worker.mac)} {worker.ip} {worker.port} {agg_mac} {agg_ip}",
                 f"mc_node_create {worker.index} {port}",

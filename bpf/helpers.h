@@ -64,6 +64,13 @@ static __always_inline void result_fields(struct agg_pkt *pk)
 	pk->udp->check = 0;
 }
 
+/* Two MACs are equal: one 32-bit and one 16-bit compare (the verifier allows these unaligned
+ * loads from packet and map memory alike on x86-64, where bcc's programs run). */
+static __always_inline bool same_mac(const u8 *a, const u8 *b)
+{
+	return *(const u32 *)a == *(const u32 *)b && *(const u16 *)(a + 4) == *(const u16 *)(b + 4);
+}
+
 /* Turn a request around to its sender: swap MACs, addresses and ports. */
 static __always_inline void reply_to_sender(struct agg_pkt *pk)
 {

@@ -57,7 +57,10 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	wk.addr = pk.ip->saddr;
 	wk.port = pk.udp->dest;
 	w = workers.lookup(&wk);
-	if (!w) {
+	/* the source MAC too, where the control plane knows it (an on-link worker), as
+	 * p4app-switchML's switch matches it: another host's frames with a worker's address and
+	 * port are from a source we do not know */
+	if (!w || (w->match_mac && !same_mac(pk.eth->h_source, w->mac))) {
 		count(AGG_NO_JOB, AGG_DROP_UNKNOWN_SOURCE);
 		return XDP_DROP;
 	}

@@ -16,12 +16,16 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         md.reason = AGG_DROP_UNKNOWN_SOURCE;
     }
 
-    // The job and worker index of a packet come from its addressing, never from a header field.
+    // The job and worker index of a packet come from its addressing, never from a header field:
+    // source address, aggregator port and, where the control plane knows it (mask all ones),
+    // the source MAC, as p4app-switchML's receive_udp matches them (udp_receiver.p4 lines
+    // 94-123 at b5c74a0); a worker whose MAC is not known has mask 0 there.
     @name(".workers")
     table workers {
         key = {
             hdr.ipv4.src_addr: exact;
             hdr.udp.dst_port: exact;
+            hdr.ethernet.src_addr: ternary;
         }
         actions = {
             set_worker;

@@ -91,12 +91,13 @@ def workers(job_id: int, n: int, first: int = 0, port=wire.UDP_PORT) -> list[Wor
     ]
 
 
-def frame(w: int, values, *, port=wire.UDP_PORT, **kw) -> bytes:
-    """A contribution of worker host `w` (its address) to aggregator port `port`."""
+def frame(w: int, values, *, port=wire.UDP_PORT, src_mac=None, **kw) -> bytes:
+    """A contribution of worker host `w` (its address and, unless given, its MAC) to
+    aggregator port `port`."""
     return bytes(
         sml_frame(
             src_ip=worker_ip(w),
-            src_mac=worker_mac(w),
+            src_mac=src_mac or worker_mac(w),
             dst_ip=AGG_IP,
             dst_mac=AGG_MAC,
             sport=WORKER_PORT,
@@ -746,9 +747,44 @@ def build_cases() -> list[Case]:
     c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
     c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
     cases.append(c)
+    cases += mac_cases(rng)
     cases += p4app_host_cases(rng)
     cases += tree_cases(rng)
     return cases
+
+
+def mac_cases(rng) -> list[Case]:
+    """A worker's source MAC is matched with its address and port (as p4app-switchML's switch
+    matches it), where the control plane knows it; an all-zero MAC matches any."""
+    stranger = "02:00:00:00:ee:01"  # another host using a worker's address and port
+    c = Case("worker_mac_matched", [job(n=2)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    c.steps = [
+        Step(
+            "w0's address, another MAC",
+            frame(0, b, src_mac=stranger),
+            Action.DROP,
+            Reason.DROP_UNKNOWN_SOURCE,
+        ),
+        Step("w0", frame(0, a), Action.DROP, Reason.AGGREGATED),
+        Step(
+            "w1's address, another MAC",
+            frame(1, a, src_mac=stranger),
+            Action.DROP,
+            Reason.DROP_UNKNOWN_SOURCE,
+        ),
+        Step("w1 completes", frame(1, b), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    unknown = [
+        WorkerSpec(w.job_id, w.index, w.ip, w.port, w.agg_port, "00:00:00:00:00:00")
+        for w in workers(0, 2)
+    ]
+    d = Case("worker_mac_unknown_matches_any", [job(n=2)], unknown)
+    d.steps = [
+        Step("w0 from any MAC", frame(0, a, src_mac=stranger), Action.DROP, Reason.AGGREGATED),
+        Step("w1 completes", frame(1, b), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    return [c, d]
 
 
 def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callable[[bytes], None]:

@@ -78,7 +78,11 @@ def test_job_and_worker_become_entries_group_and_node():
             3, 1, "198.18.2.2", 40000, mac="02:00:00:00:02:02", extra={"agg_ip": "198.18.2.1"}
         )
     )
-    assert cli.log[0] == "table_add workers set_worker 198.18.2.2 48864 => 3 1"
+    # the source MAC matched too (ternary; priority 1: the other keys are exact)
+    assert cli.log[0] == (
+        "table_add workers set_worker 198.18.2.2 48864 02:00:00:00:02:02&&&ff:ff:ff:ff:ff:ff "
+        "=> 3 1 1"
+    )
     # placed behind port 1 (the port whose address the worker reached), sourced from it
     assert cli.log[1] == (
         "table_add worker_addr to_worker 3 1 => 02:00:00:00:02:02 198.18.2.2 40000 "
@@ -199,3 +203,36 @@ def test_cli_output_is_split_by_prompt_and_errors_raise(monkeypatch):
     ]
     with pytest.raises(Bmv2Error, match="nope"):
         cli.run(["a", "b"])
+
+
+def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
+    """`xdp-agg serve --target bmv2` wires the bmv2 backend into a listening control endpoint
+    with the deployment secret and limits (a fake switch: this runs without p4c and bmv2, so CI
+    sees it; `pytest -m p4` runs the real one)."""
+    import bmv2_switch as bm
+    from aggapp import serving
+    from aggctl import server as srv
+
+    stopped, seen = [], {}
+
+    class FakeSwitch:
+        def stop(self):
+            stopped.append(True)
+
+    backend = Bmv2Backend(FakeCLI(), PORTS)
+
+    def run_once(self):  # what Ctrl-C would end: check the endpoint, then stop it
+        seen.update(backend=self.backend, address=self.address, secret=self._guard.secret)
+        self.stop()
+
+    monkeypatch.setattr(bm, "missing_tools", lambda: [])
+    monkeypatch.setattr(bm, "port_specs", lambda names, netns=None: PORTS)
+    monkeypatch.setattr(bm, "launch", lambda *a, **k: (FakeSwitch(), backend))
+    monkeypatch.setattr(srv.RendezvousServer, "run_until_interrupted", run_once)
+    lines = []
+    serving.serve_bmv2(
+        ["p0", "p1"], str(tmp_path), "127.0.0.1", 0, secret=b"s" * 32, announce=lines.append
+    )
+    assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
+    assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
+    assert stopped == [True] and "control endpoint listening" in lines[0]

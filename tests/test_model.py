@@ -14,7 +14,7 @@ def test_model_follows_the_table(case):
     for j in case.jobs:
         model.create_job_spec(j)
     for w in case.workers:
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     for step in case.steps:
         v = model.process_frame(step.frame)
         assert (v.action, v.reason) == (step.action, step.reason), step.what

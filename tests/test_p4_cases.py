@@ -166,12 +166,14 @@ def test_packet_case(lab, case: Case):
         ]
     )
     for w in case.workers:
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     rows = sorted({j.job_id for j in case.jobs} | {limits.NO_JOB})
     before = backend.counter_rows(rows)
     copies = 0
     for step in case.steps:
-        in_port = port_of_host(HOST_OF_MAC[Ether(step.frame).src])
+        req = Ether(step.frame)  # a stranger's MAC with a worker's address: that worker's port
+        host = HOST_OF_MAC[req.src] if req.src in HOST_OF_MAC else HOST_OF_IP[req[IP].src]
+        in_port = port_of_host(host)
         want = _expected_ports(case, step, in_port)
         outs = lab.exchange(in_port, step.frame, len(want))
         _check_outputs(case, step, in_port, outs)

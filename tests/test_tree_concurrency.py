@@ -33,7 +33,7 @@ def _plan(seed):
     model = ReferenceAggregator()
     model.create_job_spec(spec)
     for w in workers(0, 2):
-        model.add_worker(0, w.index, w.ip, w.agg_port)
+        model.add_worker(0, w.index, w.ip, w.agg_port, w.mac)
     per_cpu, want, retx = ([], []), {}, 0
     for r in range(ROUNDS):
         v = r % 2

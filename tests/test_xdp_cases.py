@@ -111,7 +111,7 @@ def test_packet_case(agg, case: Case):
         model.create_job_spec(j)
     for w in case.workers:
         maps.add_worker(w)
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     delivery = case.jobs[0].delivery
     before = _all_counters(maps)
     for step in case.steps:

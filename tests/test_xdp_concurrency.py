@@ -82,7 +82,7 @@ def _plan(n, k, slots, rounds, dup_p, seed):
     model = ReferenceAggregator()
     model.create_job(0, n, k, 0, slots)
     for w in workers(0, n):
-        model.add_worker(0, w.index, w.ip, w.agg_port)
+        model.add_worker(0, w.index, w.ip, w.agg_port, w.mac)
     per_cpu = ([], [])  # per CPU: list of rounds, each a list of (key, frame)
     expected, dups = {}, 0
     for r in range(rounds):

@@ -44,7 +44,7 @@ def _setup(maps, model):
         ws = workers(j.job_id, j.num_workers, first=HOSTS[j.job_id][0], port=j.agg_port)
         for w in ws:
             maps.add_worker(w)
-            model.add_worker(w.job_id, w.index, w.ip, w.agg_port)
+            model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
 
 
 def _ip_checksum(h: bytes) -> int:

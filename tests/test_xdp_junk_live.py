@@ -110,7 +110,7 @@ def test_junk_from_an_intruder_and_a_worker_changes_no_sum_and_is_counted(
                 jid, job["num_workers"], job["elems"], job["slot_base"], job["slot_count"]
             )
             for w in job["workers"]:
-                model.add_worker(jid, w["index"], w["ip"], w["agg_port"])
+                model.add_worker(jid, w["index"], w["ip"], w["agg_port"], w["mac"])
             other_port = next(p for p in range(0xBEE0, 0xBEF0) if p != job["agg_port"])
             kinds = {
                 "worker": junk.malformed_frames(

@@ -108,7 +108,13 @@ WORKER_KEY = Struct(
 WORKER = Struct(
     "agg_worker",
     "value of map `workers`",
-    (F("job", "__u32", "job id"), F("index", "__u32", "worker index 0..n-1")),
+    (
+        F("job", "__u32", "job id"),
+        F("index", "__u32", "worker index 0..n-1"),
+        F("mac", "__u8", "its source MAC, matched too when match_mac is 1", 6),
+        F("match_mac", "__u8", "1: a frame must come from mac (the worker is on-link)"),
+        F("pad", "__u8", "0"),
+    ),
 )
 
 SLOT = Struct(

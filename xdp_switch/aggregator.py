@@ -240,10 +240,29 @@ def status(name: str = "default") -> dict:
     return {**state.to_dict(), "interfaces": ifaces, "jobs": jobs}
 
 
+def _on_link(ip: str) -> bool:
+    """True when the kernel reaches `ip` without a gateway, so that frames from it carry its own
+    source MAC (the one a worker registers with, which the XDP program then matches)."""
+    from pyroute2 import IPRoute, NetlinkError
+
+    with IPRoute() as ipr:
+        try:
+            route = ipr.route("get", dst=ip)[0]
+        except NetlinkError:
+            return False  # unreachable: add_worker's other checks say why, if it matters
+    return route.get_attr("RTA_GATEWAY") is None
+
+
 def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
     workers = sorted(
         (
-            {"index": w.index, "ip": ip_str(k.addr), "agg_port": port_ntoh(k.port)}
+            {
+                "index": w.index,
+                "ip": ip_str(k.addr),
+                "agg_port": port_ntoh(k.port),
+                # the source MAC its frames must come from; all zeros: not matched
+                "mac": mac_str(w.mac) if w.match_mac else "00:00:00:00:00:00",
+            }
             for k, w in maps.workers()
             if w.job == job_id and w.index != limits.PARENT_INDEX
         ),
@@ -433,6 +452,9 @@ class XdpBackend:
         ifindex = agg_ip = agg_mac = None
         if self.state.topology == "switch":
             ifindex, agg_ip, agg_mac = self._port_of(worker)
+        if not _on_link(worker.ip):
+            # behind a router its frames carry the router's MAC: match its address and port only
+            worker = dataclasses.replace(worker, mac="00:00:00:00:00:00")
         try:
             self.maps.add_worker(worker, ifindex=ifindex or 0, agg_ip=agg_ip, agg_mac=agg_mac)
         except Refused:

@@ -49,6 +49,15 @@ def mac_str(raw) -> str:
     return ":".join(f"{b:02x}" for b in bytes(raw))
 
 
+def worker_value(w: WorkerSpec) -> abi.Worker:
+    """The `workers` map value of a worker: its job and index, and its MAC, matched as
+    p4app-switchML's switch matches it, unless it is all zeros (not known: no match)."""
+    v = abi.Worker(job=w.job_id, index=w.index)
+    v.mac[:] = mac_bytes(w.mac)
+    v.match_mac = int(any(v.mac))
+    return v
+
+
 class AggMaps:
     """The aggregator's maps, by name -> fd (from a fresh load or from the pins)."""
 
@@ -168,7 +177,7 @@ class AggMaps:
         }
         check_worker(w, self.get_job(w.job_id), owners)
         key = abi.WorkerKey(addr=ip_be(w.ip), port=port_be(w.agg_port))
-        bpfsys.map_update(self.fds["workers"], key, abi.Worker(job=w.job_id, index=w.index))
+        bpfsys.map_update(self.fds["workers"], key, worker_value(w))
         zero = (abi.WorkerStats * self.ncpu)()
         bpfsys.map_update(
             self.fds["worker_stats"], ct.c_uint32(keys.worker_key(w.job_id, w.index)), zero

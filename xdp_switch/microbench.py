@@ -77,6 +77,7 @@ def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = Fa
         bytes(
             sml_frame(
                 src_ip=f"198.18.0.{10 + w}",
+                src_mac=_mac(w),
                 values=vals[w],
                 slot=s,
                 version=r % 2,
@@ -88,6 +89,11 @@ def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = Fa
         for s in range(slots)
         for w in range(n)
     ]
+
+
+def _mac(w: int) -> str:
+    """Worker w's MAC: registered with it, so that the program matches it as on-link workers'."""
+    return f"02:00:00:00:01:{10 + w:02x}"
 
 
 def _measure(fd: int, frames: list[bytes]) -> float:
@@ -141,7 +147,9 @@ def run(
                         )
                     )
                     for w in range(workers):
-                        maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT))
+                        maps.add_worker(
+                            WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w))
+                        )
                     runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], streams[csum]))
                     if maps.counters(0)["completed"] != slots * rounds:
                         raise RuntimeError(

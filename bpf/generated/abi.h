@@ -84,6 +84,9 @@ struct agg_worker_key {
 struct agg_worker {
 	__u32 job; /* job id */
 	__u32 index; /* worker index 0..n-1 */
+	__u8 mac[6]; /* its source MAC, matched too when match_mac is 1 */
+	__u8 match_mac; /* 1: a frame must come from mac (the worker is on-link) */
+	__u8 pad; /* 0 */
 };
 
 /* shared state of one slot, both versions: value of map `slots`, key = slot */

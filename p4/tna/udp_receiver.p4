@@ -16,10 +16,12 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
         md.reason = AGG_DROP_UNKNOWN_SOURCE;
     }
 
+    // As p4app-switchML's receive_udp: the source MAC too (ternary: mask 0 where not known).
     table workers {
         key = {
             hdr.ipv4.src_addr: exact;
             hdr.udp.dst_port: exact;
+            hdr.ethernet.src_addr: ternary;
         }
         actions = {
             set_worker;
