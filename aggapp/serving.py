@@ -285,11 +285,12 @@ def hold_serve_lock(name: str) -> int:
     return fd
 
 
-def _server(backend, host: str, port: int, defaults: dict, fill: Callable | None, **kw):
-    from aggctl.server import RendezvousServer
+def _stand_up(backend, host: str, port: int, defaults: dict, **kw):
+    """aggctl.endpoint.stand_up, with a bind failure said as what to do about it."""
+    from aggctl.endpoint import stand_up
 
     try:
-        return RendezvousServer(backend, host, port, defaults, fill_worker=fill, **kw)
+        return stand_up(backend, host, port, defaults, **kw)
     except OSError as e:  # bind: the address is taken or not ours
         raise XdpAggError(
             f"cannot listen on {host}:{port}: {e.strerror or e}; stop what listens there "
@@ -324,8 +325,6 @@ def serve_xdp(
     jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
     a restart does not end the jobs, which the data plane runs without us; stopping leaves
     them running for the next serve (`detach --force` ends them)."""
-    from aggctl import jobtable
-
     # the configuration first: a refusal of the options is worth more than "already served"
     defaults = serve_defaults(
         name,
@@ -343,28 +342,18 @@ def serve_xdp(
             from aggctl.tree import TreeBackend
 
             backend = TreeBackend(backend, parent)
-        path = jobs_path(name)
-        saved = jobtable.load(path)
-        holder: list = []
-
-        def persist() -> None:
-            jobtable.save(path, jobtable.snapshot(holder[0], backend.generation()))
-
-        server = _server(
+        server, recovered = _stand_up(
             backend,
             host,
             port,
             defaults,
-            fill_worker,
             secret=secret,
             limits=limits,
-            on_change=persist,
-            keep_jobs=True,
+            fill_worker=fill_worker,
+            table=jobs_path(name),
+            generation=backend.generation(),
+            grace=rejoin_timeout,
         )
-        holder.append(server)
-        recovered = jobtable.restore(server, saved, backend.generation(), grace=rejoin_timeout)
-        with server._cond:
-            persist()  # what was not recovered is not kept either
         announce(
             f"control endpoint listening on {host}:{port} (aggregator {name}, "
             f"{describe_results(defaults)}"
@@ -407,12 +396,12 @@ def serve_bmv2(
     except bm.Bmv2Error as e:
         raise XdpAggError(f"starting bmv2 failed: {e}") from e
     try:
-        server = _server(
+        server, _ = _stand_up(
             backend,
             host,
             port,
             {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
-            backend.fill_worker,
+            fill_worker=backend.fill_worker,
             secret=secret,
             limits=limits,
         )

@@ -11,7 +11,8 @@ import argparse
 import logging
 import os
 
-from aggctl.server import RendezvousServer, ServerDefaults
+from aggctl.endpoint import stand_up
+from aggctl.server import ServerDefaults
 from aggproto import control
 from aggproto.jobs import DEFAULT_CONTROL_PORT
 from aggproto.limits import DEFAULT_POOL_SLOTS
@@ -66,7 +67,7 @@ def main(argv: list[str] | None = None) -> None:
         agg_ip=args.soft, pool_slots=args.pool_slots, barrier_timeout=args.barrier_timeout
     )
     with SoftAggregator(args.soft) as agg:
-        server = RendezvousServer(agg, host, int(port), defaults, secret=secret)
+        server, _ = stand_up(agg, host, int(port), defaults, secret=secret)
         log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
         server.run_until_interrupted()
 

@@ -4,8 +4,9 @@ The data plane does not need the control endpoint: a job's all-reduces go on whi
 serve` is down. What a restarted endpoint needs to carry on (answer `leave`, free a job when
 its ranks are gone, keep new jobs off its id, slots and port) is its job table. `save` writes it
 after every change (the server's on_change hook), atomically (a temporary file renamed over the
-old one, so a crash leaves the old table or the new one, never half of one); `restore` reads it
-back into a new RendezvousServer.
+old one, so a crash leaves the old table or the new one, never half of one); `load` reads it
+back for RendezvousServer.restore. What goes into the table (RendezvousServer.snapshot) and how
+it comes back is the server's; this module is the file. aggctl.endpoint.stand_up wires both.
 
 What is kept per job: its key, spec, world size, window, worker port, its token (so the file
 is written with mode 0600), whether the barrier opened, and per rank its address, port, MAC
@@ -26,40 +27,11 @@ from __future__ import annotations
 import json
 import logging
 import os
-import threading
 from pathlib import Path
 
-from aggproto.jobs import JobSpec
-
-from .server import RendezvousServer, _Job, _Rank, _recovered_holder
+from .server import TABLE_FORMAT as FORMAT
 
 log = logging.getLogger(__name__)
-
-FORMAT = 1  # the file's format version
-
-
-def snapshot(server: RendezvousServer, generation=None) -> dict:
-    """The server's job table as JSON-able data (call with the server's lock held or quiet)."""
-    jobs = []
-    for job in server._jobs.values():
-        if job.deleted:
-            continue
-        jobs.append(
-            {
-                "key": job.key,
-                "spec": job.spec.to_dict(),
-                "world_size": job.world_size,
-                "window": job.window,
-                "worker_port": job.worker_port,
-                "token": job.token,
-                "complete": job.complete,
-                "ranks": {
-                    str(r): {"ip": x.ip, "port": x.port, "mac": x.mac, "state": x.state}
-                    for r, x in sorted(job.ranks.items())
-                },
-            }
-        )
-    return {"format": FORMAT, "generation": generation, "jobs": jobs}
 
 
 def save(path: Path, data: dict) -> None:
@@ -89,82 +61,3 @@ def load(path: Path) -> dict | None:
         log.error("ignoring the job table %s: not format %d", path, FORMAT)
         return None
     return data
-
-
-def _same_job(spec: JobSpec, have: dict) -> bool:
-    return all(
-        have.get(k) == getattr(spec, k)
-        for k in ("job_id", "num_workers", "elems", "slot_base", "slot_count", "agg_port")
-    )
-
-
-def restore(
-    server: RendezvousServer, data: dict | None, generation=None, grace: float = 60.0
-) -> list[str]:
-    """Put the saved jobs the backend still has into `server` (before it serves); returns their
-    keys. Ranks that do not rejoin within `grace` seconds are then treated as disconnected."""
-    if not data:
-        return []
-    if data.get("generation") != generation:
-        log.warning(
-            "not restoring %d job(s): they were made on another attachment of the aggregator "
-            "(%s, now %s), whose state is gone",
-            len(data.get("jobs", [])),
-            data.get("generation"),
-            generation,
-        )
-        return []
-    have = {j["job_id"]: j for j in server.backend.jobs()}
-    restored = []
-    with server._cond:
-        for rec in data.get("jobs", []):
-            try:
-                spec = JobSpec(**rec["spec"])
-                ranks = {
-                    int(r): _Rank(x["ip"], int(x["port"]), x["mac"], None, x["state"])
-                    for r, x in rec["ranks"].items()
-                }
-                key = rec["key"]
-            except (KeyError, TypeError, ValueError) as e:
-                log.error("skipping an unreadable job record %r: %s", rec, e)
-                continue
-            if spec.job_id not in have or not _same_job(spec, have[spec.job_id]):
-                log.warning("not restoring job %r: the aggregator has no such job any more", key)
-                continue
-            job = _Job(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
-            # a table without a token restores a job no token matches (aggproto.control.same_token)
-            job.token = str(rec.get("token") or "")
-            job.ranks, job.complete = ranks, bool(rec.get("complete"))
-            job.holders = {
-                _recovered_holder(r) for r, x in ranks.items() if x.state == "registered"
-            }
-            server._jobs[key] = job
-            if not job.holders:  # nobody can come back for it: free it now
-                server._delete(job)
-                continue
-            restored.append(key)
-            log.info("recovered job %r (id %d), ranks %s", key, spec.job_id, sorted(ranks))
-    if restored:
-        t = threading.Timer(grace, _expire, args=(server, grace))
-        t.daemon = True
-        t.start()
-    return restored
-
-
-def _expire(server: RendezvousServer, grace: float) -> None:
-    """Recovered ranks that did not rejoin within `grace` are disconnected (frees their jobs)."""
-    with server._cond:
-        if server._stopping:
-            return
-        for job in list(server._jobs.values()):
-            for r, x in job.ranks.items():
-                if x.state == "registered" and x.conn is None:
-                    log.warning(
-                        "rank %d of job %r did not rejoin within %g s: disconnected",
-                        r,
-                        job.key,
-                        grace,
-                    )
-                    server._mark_gone(job, r, "disconnected")
-                    server._release(job, _recovered_holder(r))
-        server._changed()

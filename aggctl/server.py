@@ -274,6 +274,90 @@ class RendezvousServer:
     def __exit__(self, *exc) -> None:
         self.stop()
 
+    # --- the job table: what a restarted endpoint needs to carry on ----------------------------
+    def snapshot(self, generation=None) -> dict:
+        """The job table as JSON-able data (aggctl.jobtable saves it): per job its key, spec,
+        world size, window, worker port, token, whether the barrier opened, and per rank its
+        address, port, MAC and state; `generation` names the aggregator's attachment."""
+        with self._cond:
+            jobs = [_job_record(job) for job in self._jobs.values() if not job.deleted]
+        return {"format": TABLE_FORMAT, "generation": generation, "jobs": jobs}
+
+    def restore(self, data: dict | None, generation=None, grace: float = 60.0) -> list[str]:
+        """Put the saved jobs the backend still has back (before serving); their keys. A table
+        of another `generation` (the aggregator was attached again: its jobs are gone) restores
+        nothing. A recovered rank holds its job through a placeholder until it rejoins; one that
+        does not within `grace` seconds counts as disconnected (which may free its job)."""
+        if not data:
+            return []
+        if data.get("generation") != generation:
+            log.warning(
+                "not restoring %d job(s): they were made on another attachment of the "
+                "aggregator (%s, now %s), whose state is gone",
+                len(data.get("jobs", [])),
+                data.get("generation"),
+                generation,
+            )
+            return []
+        have = {j["job_id"]: j for j in self.backend.jobs()}
+        with self._cond:
+            restored = [key for rec in data.get("jobs", []) if (key := self._restore(rec, have))]
+        if restored:
+            t = threading.Timer(grace, self._expire_unrejoined, args=(grace,))
+            t.daemon = True
+            t.start()
+        return restored
+
+    def notify_change(self) -> None:
+        """Run on_change now (a target saving the table it just restored)."""
+        with self._cond:
+            self._changed()
+
+    def _restore(self, rec: dict, have: dict) -> str | None:
+        """One saved job back in the table (lock held); its key, or None if it is not."""
+        try:
+            spec = JobSpec(**rec["spec"])
+            ranks = {
+                int(r): _Rank(x["ip"], int(x["port"]), x["mac"], None, x["state"])
+                for r, x in rec["ranks"].items()
+            }
+            key = rec["key"]
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("skipping an unreadable job record %r: %s", rec, e)
+            return None
+        if spec.job_id not in have or not _same_job(spec, have[spec.job_id]):
+            log.warning("not restoring job %r: the aggregator has no such job any more", key)
+            return None
+        job = _Job(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
+        # a table without a token restores a job no token matches (aggproto.control.same_token)
+        job.token = str(rec.get("token") or "")
+        job.ranks, job.complete = ranks, bool(rec.get("complete"))
+        job.holders = {_recovered_holder(r) for r, x in ranks.items() if x.state == "registered"}
+        self._jobs[key] = job
+        if not job.holders:  # nobody can come back for it: free it now
+            self._delete(job)
+            return None
+        log.info("recovered job %r (id %d), ranks %s", key, spec.job_id, sorted(ranks))
+        return key
+
+    def _expire_unrejoined(self, grace: float) -> None:
+        """Recovered ranks that did not rejoin within `grace` are disconnected (frees jobs)."""
+        with self._cond:
+            if self._stopping:
+                return
+            for job in list(self._jobs.values()):
+                for r, x in job.ranks.items():
+                    if x.state == "registered" and x.conn is None:
+                        log.warning(
+                            "rank %d of job %r did not rejoin within %g s: disconnected",
+                            r,
+                            job.key,
+                            grace,
+                        )
+                        self._mark_gone(job, r, "disconnected")
+                        self._release(job, _recovered_holder(r))
+            self._changed()
+
     # --- connections ------------------------------------------------------------------------
     def _connected(self, sock: socket.socket, source: str) -> int:
         """Admit a connection (auth.Denied over the connection caps); its number."""
@@ -714,6 +798,34 @@ class RendezvousServer:
                 r for r, x in job.ranks.items() if x.state == "registered" and x.conn is not None
             ),
         }
+
+
+TABLE_FORMAT = 1  # the saved job table's format version (aggctl.jobtable)
+
+
+def _job_record(job: _Job) -> dict:
+    """One job of the table as RendezvousServer.snapshot writes it."""
+    return {
+        "key": job.key,
+        "spec": job.spec.to_dict(),
+        "world_size": job.world_size,
+        "window": job.window,
+        "worker_port": job.worker_port,
+        "token": job.token,
+        "complete": job.complete,
+        "ranks": {
+            str(r): {"ip": x.ip, "port": x.port, "mac": x.mac, "state": x.state}
+            for r, x in sorted(job.ranks.items())
+        },
+    }
+
+
+def _same_job(spec: JobSpec, have: dict) -> bool:
+    """Whether the backend's job `have` is the saved `spec` (id, size, slots and port)."""
+    return all(
+        have.get(k) == getattr(spec, k)
+        for k in ("job_id", "num_workers", "elems", "slot_base", "slot_count", "agg_port")
+    )
 
 
 def _recovered_holder(rank: int) -> int:

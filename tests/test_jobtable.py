@@ -16,7 +16,7 @@ import numpy as np
 from harness.ranks import Cluster, loopback_prefix, ok, run_ranks
 
 from aggctl import jobtable
-from aggctl.server import RendezvousServer
+from aggctl.endpoint import stand_up
 from aggproto import control
 from soft_switch import SoftAggregator
 
@@ -28,23 +28,19 @@ def _secret(tmp_path) -> tuple[bytes, str]:
     return control.load_secret(file), file
 
 
-def _server(agg, host, port, path, secret, *, generation="g1", grace=30.0, saved=None):
-    holder = []
-
-    def persist():
-        jobtable.save(path, jobtable.snapshot(holder[0], generation))
-
-    s = RendezvousServer(
+def _server(agg, host, port, path, secret, *, generation="g1", grace=30.0):
+    """The endpoint as `xdp-agg serve` stands it up: the table at `path` restored, then saved on
+    every change; (the started server, the keys it recovered)."""
+    s, restored = stand_up(
         agg,
         host,
         port,
         {"agg_ip": host, "barrier_timeout": 20.0},
         secret=secret,
-        on_change=persist,
-        keep_jobs=True,
+        table=path,
+        generation=generation,
+        grace=grace,
     )
-    holder.append(s)
-    restored = jobtable.restore(s, saved, generation, grace=grace)
     return s.start(), restored
 
 
@@ -94,7 +90,7 @@ def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
             assert saved["jobs"][0]["token"] == first._jobs["test"].token  # rejoin needs it
             first.stop()
             assert [j["job_id"] for j in agg.jobs()] == [0]  # the job outlives its endpoint
-            box["server"], box["restored"] = _server(agg, host, port, path, secret, saved=saved)
+            box["server"], box["restored"] = _server(agg, host, port, path, secret)
             restarted.set()
 
         t = threading.Thread(target=restart)
@@ -139,9 +135,7 @@ def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
         t.join(30)
         assert [j["job_id"] for j in agg.jobs()] == [0]
         t0 = time.monotonic()
-        second, restored = _server(
-            agg, *first.address, path, secret, grace=0.5, saved=jobtable.load(path)
-        )
+        second, restored = _server(agg, *first.address, path, secret, grace=0.5)
         try:
             assert restored == ["test"]
             _wait(lambda: agg.jobs() == [], 5, "the expired job being freed")
@@ -165,7 +159,7 @@ def test_a_table_of_another_attachment_is_not_restored(tmp_path):
         ok(run_ranks(cl, 1, lambda c: (c.allreduce(np.ones(4, np.int32)), s.stop()), window=4))
         saved = jobtable.load(path)
         assert len(saved["jobs"]) == 1
-        s2, restored = _server(agg, *s.address, path, secret, generation="g2", saved=saved)
+        s2, restored = _server(agg, *s.address, path, secret, generation="g2")
         try:
             assert restored == []
         finally:

@@ -112,7 +112,7 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file) -> None:
 
 
 def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
-    from aggctl.server import RendezvousServer
+    from aggctl.endpoint import stand_up
 
     reason = p4_skip_reason()
     if reason:
@@ -132,7 +132,7 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
     backend.create_job = lambda spec: (create_job(spec), created.append(spec.job_id))
     try:
         with _InNetns(agg.netns):  # the listening socket lives in the aggregator namespace
-            server = RendezvousServer(
+            server, _ = stand_up(
                 backend,
                 "0.0.0.0",
                 0,

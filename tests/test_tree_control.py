@@ -10,7 +10,7 @@ import time
 import pytest
 from harness.ranks import loopback_prefix
 
-from aggctl.server import RendezvousServer
+from aggctl.endpoint import stand_up
 from aggctl.tree import ParentLink, TreeBackend
 from aggproto import wire
 from aggproto.jobs import Delivery, JobSpec
@@ -82,21 +82,16 @@ def test_backends_without_two_levels_refuse_rack_jobs():
 def test_racks_join_the_parents_job():
     p = loopback_prefix()
     parent_be, rack_be = Recorder(), [Recorder(), Recorder()]
-    parent = RendezvousServer(
-        parent_be,
-        f"{p}.1",
-        0,
-        {"agg_ip": f"{p}.1", "agg_mac": "02:00:00:00:00:01"},
-        secret=SECRET,
-    ).start()
+    parent, _ = stand_up(
+        parent_be, f"{p}.1", 0, {"agg_ip": f"{p}.1", "agg_mac": "02:00:00:00:00:01"}, secret=SECRET
+    )
+    parent.start()
     racks = []
     try:
         for r in range(2):
             link = ParentLink(parent.address, r, 2, barrier_timeout=10, secret=SECRET)
             d = {"agg_ip": f"{p}.{2 + r}", "agg_mac": f"02:00:00:00:00:0{2 + r}"}
-            rack = RendezvousServer(
-                TreeBackend(rack_be[r], link), f"{p}.{2 + r}", 0, d, secret=SECRET
-            )
+            rack, _ = stand_up(TreeBackend(rack_be[r], link), f"{p}.{2 + r}", 0, d, secret=SECRET)
             racks.append(rack)
             racks[-1].start()
         # the second rack's endpoint takes another aggregator port: the uplink is rack 0's
@@ -164,7 +159,8 @@ def test_rack_refused_when_the_parent_is_unreachable():
     link = ParentLink((f"{p}.1", 9), 0, 2, barrier_timeout=2, secret=SECRET)
     be = Recorder()
     backend = TreeBackend(be, link)
-    with RendezvousServer(backend, f"{p}.2", 0, {"agg_ip": f"{p}.2"}, secret=SECRET).start() as s:
+    s, _ = stand_up(backend, f"{p}.2", 0, {"agg_ip": f"{p}.2"}, secret=SECRET)
+    with s:
         c = ControlClient(s.address, timeout=10, secret=SECRET)
         with pytest.raises(RendezvousError, match="parent"):
             c.job("create", job="j", world_size=3, elems=64, window=4, worker_port=40000)

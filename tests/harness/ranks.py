@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import pytest
 
 import hostlib
+from aggctl.endpoint import stand_up
 from aggctl.server import RendezvousServer
 from aggproto import control
 from soft_switch import SoftAggregator
@@ -102,7 +103,7 @@ def soft_cluster(
                         agg.start()
                 cluster.aggs.append(agg)
                 d = {"agg_ip": ip, "barrier_timeout": 20.0, **(defaults or {})}
-                server = RendezvousServer(b, ip, 0, d, secret=cluster.secret, limits=limits)
+                server, _ = stand_up(b, ip, 0, d, secret=cluster.secret, limits=limits)
                 cluster.servers.append(server.start())
             yield cluster
         finally:
