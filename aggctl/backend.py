@@ -1,20 +1,36 @@
 """The job/worker vocabulary every aggregator target speaks (XDP, the software model, bmv2).
 
 The control endpoint (`xdp-agg serve`), the CLI and the tests talk to an aggregator only through
-this interface, so the host library drives each target the same way.
+this interface, so the host library drives each target the same way. Backend is what every
+target has; the capabilities below it are what some have, each a protocol of its own that the
+endpoint tests with isinstance (they are runtime_checkable) before it uses it:
+
+| capability | what the endpoint does with it | targets |
+|---|---|---|
+| JobCounters | `diagnose` answers the job's counters by reason | xdp, soft, bmv2 |
+| WorkerCounters | `status` and `diagnose` say how far each rank got | xdp, soft |
+| JobLoss | `diagnose` says why the aggregator no longer has a job | xdp |
+| Generation | the saved job table names the attachment it was made on | xdp |
+| ParentStatus | `status` shows a rack job's parent link and its counters | xdp |
+| ParentJoin | `create` joins the parent's job first (a rack of a two-level tree) | tree |
+
+tests/test_backend_contract.py checks each target against each capability it claims, and that
+it claims those of the table.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import MAX_JOBS, MAX_WORKERS
 
 
+@runtime_checkable
 class Backend(Protocol):
-    """An aggregator target the control plane can configure."""
+    """An aggregator target the control plane can configure (runtime_checkable, so that a test
+    can ask whether a target has the whole contract)."""
 
     def create_job(self, spec: JobSpec) -> None:
         """Create a job; its slot state starts cleared. Raises ValueError on a bad spec."""
@@ -30,6 +46,63 @@ class Backend(Protocol):
 
     def jobs(self) -> list[dict]:
         """The configured jobs, each a JobSpec.to_dict() with a 'workers' list."""
+
+
+# --- the optional capabilities -----------------------------------------------------------------
+@runtime_checkable
+class JobCounters(Protocol):
+    """Packets counted by reason for a job."""
+
+    def counters(self, job_id: int) -> dict[str, int]:
+        """{reason name: packets} of job `job_id` (limits.NO_JOB: packets of no job)."""
+
+
+@runtime_checkable
+class WorkerCounters(Protocol):
+    """Per-worker counters of a job."""
+
+    def worker_counters(self, job_id: int) -> dict[int, dict]:
+        """{worker index: {counter name: value}}, with at least `contributions`."""
+
+
+@runtime_checkable
+class JobLoss(Protocol):
+    """Whether the target lost a job's state behind the endpoint's back (e.g. detached)."""
+
+    def job_lost(self, job_id: int) -> str | None:
+        """Why job `job_id` is no longer in the aggregator, or None while it is there."""
+
+
+@runtime_checkable
+class Generation(Protocol):
+    """An identity of the target's current state, which a restart must find unchanged."""
+
+    def generation(self):
+        """A JSON-able value that changes when the target's state starts over."""
+
+
+@runtime_checkable
+class ParentStatus(Protocol):
+    """Two-level trees: a rack job's link to its parent."""
+
+    def parent_status(self, job_id: int) -> dict | None:
+        """The job's parent link and its counters; None for a job without a parent."""
+
+
+@runtime_checkable
+class ParentJoin(Protocol):
+    """A rack endpoint's backend: a job is created as a rack of the parent's job."""
+
+    def join_parent(self, name: str, spec: JobSpec, *, window: int, worker_port: int) -> JobSpec:
+        """Join job `name` at the parent; the spec of the rack job to create (with the link)."""
+
+
+CAPABILITIES = (JobCounters, WorkerCounters, JobLoss, Generation, ParentStatus, ParentJoin)
+
+
+def capabilities(backend) -> set[str]:
+    """The names of the capabilities `backend` has."""
+    return {c.__name__ for c in CAPABILITIES if isinstance(backend, c)}
 
 
 # --- the checks every backend makes, written once ---------------------------------------------

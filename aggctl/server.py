@@ -80,7 +80,7 @@ from aggproto.jobs import (
 from aggproto.limits import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS
 
 from . import auth
-from .backend import Backend
+from .backend import Backend, JobCounters, JobLoss, ParentJoin, ParentStatus, WorkerCounters
 
 log = logging.getLogger(__name__)
 
@@ -484,9 +484,10 @@ class RendezvousServer:
                     group_mac=group_mac,
                     udp_checksum=d.udp_checksum,
                 )
-                join = getattr(self.backend, "join_parent", None)
-                if join is not None:  # a rack of a two-level tree: join the parent's job first
-                    spec = join(key, spec, window=window, worker_port=worker_port)
+                if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
+                    spec = self.backend.join_parent(
+                        key, spec, window=window, worker_port=worker_port
+                    )
                 self.backend.create_job(spec)
             except ValueError as e:
                 raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
@@ -621,10 +622,10 @@ class RendezvousServer:
             if req.proven:  # a holder of the secret may learn the token (ranks > 0 do)
                 out["token"] = job.token
         # backend calls outside our lock: they may take the backend's own locks
-        if hasattr(self.backend, "worker_counters"):
+        if isinstance(self.backend, WorkerCounters):
             counters = self.backend.worker_counters(job.spec.job_id)
             out["counters"] = {str(k): v for k, v in counters.items()}
-        if hasattr(self.backend, "parent_status"):  # a rack of a two-level tree
+        if isinstance(self.backend, ParentStatus):  # a rack of a two-level tree
             out["parent"] = self.backend.parent_status(job.spec.job_id)
         return out
 
@@ -636,9 +637,9 @@ class RendezvousServer:
         out = self._op_status(conn, inner, local, peer)
         out.pop("token", None)
         counters = {int(k): v for k, v in out.get("counters", {}).items()}
-        if hasattr(self.backend, "counters"):
+        if isinstance(self.backend, JobCounters):
             out["reasons"] = self.backend.counters(out["job"]["job_id"])
-        if hasattr(self.backend, "job_lost"):  # the aggregator's state for it is gone
+        if isinstance(self.backend, JobLoss):  # the aggregator's state for it is gone
             lost = self.backend.job_lost(out["job"]["job_id"])
             if lost:
                 out["lost"] = lost
@@ -756,7 +757,7 @@ class RendezvousServer:
         unregister it from the backend."""
         x = job.ranks[rank]
         x.state, x.gone_at = state, time.time()
-        if hasattr(self.backend, "worker_counters"):
+        if isinstance(self.backend, WorkerCounters):
             try:
                 c = self.backend.worker_counters(job.spec.job_id).get(rank, {})
                 x.contributions = c.get("contributions")

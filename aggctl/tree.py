@@ -31,6 +31,8 @@ from aggproto.jobs import JobSpec, WorkerSpec
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
 
+from .backend import Generation, JobCounters, JobLoss, ParentStatus, WorkerCounters
+
 log = logging.getLogger("aggctl.tree")
 
 
@@ -159,32 +161,40 @@ class TreeBackend:
             self._leave(job_id)
 
     def add_worker(self, worker: WorkerSpec) -> None:
+        """Register a worker of the rack job (the inner backend's)."""
         self.inner.add_worker(worker)
 
     def remove_worker(self, job_id: int, index: int) -> None:
+        """Unregister a worker of the rack job."""
         self.inner.remove_worker(job_id, index)
 
     def jobs(self) -> list[dict]:
+        """The inner backend's jobs."""
         return self.inner.jobs()
 
+    # --- the capabilities, each the inner backend's (its neutral answer where it has none) ---
     def worker_counters(self, job_id: int) -> dict[int, dict]:
-        return self.inner.worker_counters(job_id)
+        """Per-worker counters of the rack job ({} where the inner backend counts none)."""
+        inner = self.inner
+        return inner.worker_counters(job_id) if isinstance(inner, WorkerCounters) else {}
 
     def counters(self, job_id: int) -> dict:
-        """The job's counters by reason (the parent link's among them)."""
-        return self.inner.counters(job_id)
+        """The job's counters by reason, the parent link's among them ({} without)."""
+        inner = self.inner
+        return inner.counters(job_id) if isinstance(inner, JobCounters) else {}
 
     def parent_status(self, job_id: int) -> dict | None:
         """The parent link and its counters, when the inner backend knows them."""
-        ps = getattr(self.inner, "parent_status", None)
-        return ps(job_id) if ps is not None else None
+        inner = self.inner
+        return inner.parent_status(job_id) if isinstance(inner, ParentStatus) else None
 
-    def __getattr__(self, name: str):
-        # the inner backend's optional parts (generation, job_lost, ...), so that
-        # hasattr(backend, ...) answers for the aggregator behind the tree
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)
+    def job_lost(self, job_id: int) -> str | None:
+        """Why the inner backend lost the job (None: it has it, or cannot tell)."""
+        return self.inner.job_lost(job_id) if isinstance(self.inner, JobLoss) else None
+
+    def generation(self):
+        """The inner backend's generation (None where it has none)."""
+        return self.inner.generation() if isinstance(self.inner, Generation) else None
 
     def _leave(self, job_id: int) -> None:
         with self._lock:

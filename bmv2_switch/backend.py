@@ -331,12 +331,12 @@ class Bmv2Backend:
         return out
 
     # --- counters ----------------------------------------------------------------------------
-    def counters(self, row: int) -> dict[str, int]:
+    def counters(self, job_id: int) -> dict[str, int]:
         """Packets by reason (lower-case reasons.Reason names) for a job id or limits.NO_JOB;
         ingress and egress counters added, as the XDP program's one counter row."""
-        if not 0 <= row <= limits.NO_JOB:
-            raise ValueError(f"row is a job id or limits.NO_JOB ({limits.NO_JOB})")
-        return self.counter_rows([row])[row]
+        if not 0 <= job_id <= limits.NO_JOB:
+            raise ValueError(f"job_id is a job id or limits.NO_JOB ({limits.NO_JOB})")
+        return self.counter_rows([job_id])[job_id]
 
     def counter_rows(self, rows: list[int]) -> dict[int, dict[str, int]]:
         """counters() for several rows with one CLI call."""

@@ -1,23 +1,32 @@
-"""One backend contract: the job and worker checks of aggctl.backend, seen through each target.
+"""One backend contract: the job and worker checks of aggctl.backend, seen through each target,
+and each optional capability (aggctl.backend's protocols) checked on every target that claims it.
 
-The same sequence runs against the software aggregator (no root) and the XDP program's maps
-(root, bcc); the bmv2 backend calls the same two functions (tests/test_bmv2_backend.py drives it
-through a fake CLI). Every refusal is a ValueError naming what is wrong, and re-creating a job
-replaces it.
+The same sequence runs against the software aggregator and the bmv2 backend over a fake CLI (no
+root) and the XDP program's maps (root, bcc). Every refusal is a ValueError naming what is
+wrong, and re-creating a job replaces it. Each target claims exactly the capabilities of the
+table in aggctl/backend.py; a TreeBackend claims every one and answers each as the backend
+behind it does, or neutrally where that one has none.
 """
 
 import dataclasses
+import json
 
 import pytest
+from harness.p4 import PORTS, FakeCLI
 from harness.ranks import loopback_prefix
 
+import bmv2_switch
+from aggctl import backend as contract
 from aggctl.backend import check_job, check_worker
+from aggctl.tree import ParentLink, TreeBackend
 from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import MAX_JOBS, MAX_WORKERS
+from aggproto.reasons import Reason
 from soft_switch import SoftAggregator
 
 PORT = wire.UDP_PORT + 2
+REASON_NAMES = {r.name.lower() for r in Reason}
 
 
 def spec(job_id=5, n=2, base=10, count=4, port=PORT) -> JobSpec:
@@ -26,11 +35,21 @@ def spec(job_id=5, n=2, base=10, count=4, port=PORT) -> JobSpec:
     )
 
 
-def worker(index, ip, job_id=5, port=PORT) -> WorkerSpec:
-    return WorkerSpec(job_id=job_id, index=index, ip=ip, port=40000 + index, agg_port=port)
+def worker(index, ip, job_id=5, port=PORT, extra=None) -> WorkerSpec:
+    return WorkerSpec(
+        job_id=job_id, index=index, ip=ip, port=40000 + index, agg_port=port, extra=extra or {}
+    )
 
 
-def run_contract(backend, pool_slots: int) -> None:
+make_worker = worker  # run_contract's own `worker` adds the target's extra
+
+
+def run_contract(backend, pool_slots: int, extra=None) -> None:
+    """The sequence every target passes; `extra`: what its workers need (bmv2: their port)."""
+
+    def worker(index, ip, job_id=5, port=PORT):
+        return make_worker(index, ip, job_id, port, extra)
+
     s = spec()
     backend.create_job(s)
     assert s == spec(), "a backend must not change the caller's spec"
@@ -71,6 +90,117 @@ def test_soft_aggregator_keeps_the_contract():
         run_contract(agg, wire.MAX_SLOTS)
     finally:
         agg.stop()
+
+
+def test_bmv2_backend_keeps_the_contract():
+    b = bmv2_switch.Bmv2Backend(FakeCLI(), PORTS)
+    run_contract(b, b.pool_slots, extra={"port": 0})
+
+
+# --- the optional capabilities ---------------------------------------------------------------
+def _xdp_backend_class():
+    from xdp_switch.aggregator import XdpBackend
+
+    return XdpBackend
+
+
+CLAIMS = {
+    "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
+    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters"}),
+    "xdp": (
+        _xdp_backend_class,
+        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus"},
+    ),
+    "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),
+}
+
+
+@pytest.mark.parametrize("target", sorted(CLAIMS))
+def test_each_target_claims_the_capabilities_of_the_table(target):
+    cls, claimed = CLAIMS[target]
+    has = {c.__name__ for c in contract.CAPABILITIES if issubclass(cls(), c)}
+    assert has == claimed, f"{target}: has {sorted(has)}, the table says {sorted(claimed)}"
+    assert issubclass(cls(), contract.Backend) or target == "tree"
+
+
+def _check_capabilities(backend, job_id: int) -> set[str]:
+    """Each capability `backend` claims, called on its live job `job_id` (one worker, index 0,
+    registered), with what the answer must be; the names checked."""
+    checked = contract.capabilities(backend)
+    if "JobCounters" in checked:
+        reasons = backend.counters(job_id)
+        assert set(reasons) <= REASON_NAMES, set(reasons) - REASON_NAMES
+        assert all(isinstance(v, int) and v >= 0 for v in reasons.values())
+    if "WorkerCounters" in checked:
+        per = backend.worker_counters(job_id)
+        assert all(isinstance(i, int) and "contributions" in c for i, c in per.items()), per
+    if "JobLoss" in checked:
+        assert backend.job_lost(job_id) is None  # a live job is not lost
+    if "Generation" in checked:
+        g = backend.generation()
+        assert g == backend.generation() and json.loads(json.dumps(g)) == g
+    if "ParentStatus" in checked:
+        assert backend.parent_status(job_id) is None  # a job without a parent
+    return checked
+
+
+def _with_a_job(backend, extra=None):
+    backend.create_job(spec())
+    backend.add_worker(worker(0, "127.0.0.10", extra=extra))
+    return backend
+
+
+def test_soft_aggregator_capabilities():
+    agg = SoftAggregator(f"{loopback_prefix()}.1").start()
+    try:
+        assert _check_capabilities(_with_a_job(agg), 5) == CLAIMS["soft"][1]
+    finally:
+        agg.stop()
+
+
+def test_bmv2_backend_capabilities():
+    b = _with_a_job(bmv2_switch.Bmv2Backend(FakeCLI(), PORTS), extra={"port": 0})
+    assert _check_capabilities(b, 5) == CLAIMS["bmv2"][1]
+
+
+class _Bare:
+    """A Backend with no capability at all (every method of the contract, nothing more)."""
+
+    def __init__(self):
+        self.made: list = []
+
+    def create_job(self, spec):
+        self.made.append(spec)
+
+    def delete_job(self, job_id):
+        self.made = [s for s in self.made if s.job_id != job_id]
+
+    def add_worker(self, worker):
+        pass
+
+    def remove_worker(self, job_id, index):
+        pass
+
+    def jobs(self):
+        return [s.to_dict() for s in self.made]
+
+
+def test_tree_backend_answers_as_its_inner_backend_or_neutrally():
+    link = ParentLink(("127.0.0.1", 9), 0, 2)
+    agg = SoftAggregator(f"{loopback_prefix()}.1").start()
+    try:
+        tree = _with_a_job(TreeBackend(agg, link))
+        assert tree.counters(5) == agg.counters(5)
+        assert tree.worker_counters(5) == agg.worker_counters(5)
+        assert tree.jobs() == agg.jobs()
+    finally:
+        agg.stop()
+    bare = TreeBackend(_Bare(), link)
+    assert contract.capabilities(_Bare()) == set()
+    bare.create_job(spec())
+    assert (bare.counters(5), bare.worker_counters(5)) == ({}, {})
+    assert (bare.job_lost(5), bare.generation(), bare.parent_status(5)) == (None, None, None)
+    assert [j["job_id"] for j in bare.jobs()] == [5]
 
 
 @pytest.mark.root

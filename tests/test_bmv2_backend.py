@@ -8,45 +8,11 @@ themselves run against a real simple_switch in tests/test_p4_cases.py.
 import re
 
 import pytest
+from harness.p4 import PORTS, FakeCLI
 
 from aggproto import keys, reasons
 from aggproto.jobs import JobSpec, WorkerSpec
 from bmv2_switch import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
-
-
-class FakeCLI:
-    """Answers like simple_switch_CLI: handles for adds and node creation, counters."""
-
-    def __init__(self):
-        self.log: list[str] = []
-        self.next_handle = 0
-        self.counters: dict[tuple[str, int], int] = {}
-
-    def _handle(self, what):
-        self.next_handle += 1
-        return f"{what} with handle {self.next_handle - 1}"
-
-    def run(self, commands, check=True):
-        out = []
-        for c in commands:
-            self.log.append(c)
-            if c.startswith("table_add"):
-                out.append(self._handle("Entry has been added"))
-            elif c.startswith("mc_node_create"):
-                out.append(self._handle("node was created"))
-            elif c.startswith("counter_read"):
-                _, name, idx = c.split()
-                n = self.counters.get((name, int(idx)), 0)
-                out.append(f"{name}[{idx}]=  ({n * 100} bytes, {n} packets)")
-            else:
-                out.append("")
-        return out
-
-
-PORTS = [
-    PortSpec(0, "p0", "02:00:00:00:01:01", "198.18.1.1"),
-    PortSpec(1, "p1", "02:00:00:00:02:01", "198.18.2.1"),
-]
 
 
 def spec(job_id=3, n=2, elems=64, base=10, count=4):

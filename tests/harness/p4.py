@@ -202,3 +202,40 @@ class VethLab:
             if r:
                 got += self.drain()
         return got
+
+
+# --- a bmv2 backend without bmv2 ------------------------------------------------------------
+class FakeCLI:
+    """Answers like simple_switch_CLI: handles for adds and node creation, counters."""
+
+    def __init__(self):
+        self.log: list[str] = []
+        self.next_handle = 0
+        self.counters: dict[tuple[str, int], int] = {}
+
+    def _handle(self, what):
+        self.next_handle += 1
+        return f"{what} with handle {self.next_handle - 1}"
+
+    def run(self, commands, check=True):
+        out = []
+        for c in commands:
+            self.log.append(c)
+            if c.startswith("table_add"):
+                out.append(self._handle("Entry has been added"))
+            elif c.startswith("mc_node_create"):
+                out.append(self._handle("node was created"))
+            elif c.startswith("counter_read"):
+                _, name, idx = c.split()
+                n = self.counters.get((name, int(idx)), 0)
+                out.append(f"{name}[{idx}]=  ({n * 100} bytes, {n} packets)")
+            else:
+                out.append("")
+        return out
+
+
+# two switch ports with our MAC and address on each, for a Bmv2Backend over FakeCLI
+PORTS = [
+    bm.PortSpec(0, "p0", "02:00:00:00:01:01", "198.18.1.1"),
+    bm.PortSpec(1, "p1", "02:00:00:00:02:01", "198.18.2.1"),
+]
