@@ -17,21 +17,18 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
-import ipaddress
 import json
-import os
 import time
 from pathlib import Path
 
 import click
 
-from aggctl import auth
-from aggproto import control, groups, limits, wire
-from aggproto.jobs import DEFAULT_CONTROL_PORT, WorkerSpec
+from aggproto import limits, wire
+from aggproto.jobs import WorkerSpec
 from xdp_switch import aggregator, links, loader, pins
 from xdp_switch.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
-from . import service, serving
+from . import options, service, serving
 
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -57,20 +54,6 @@ class _Cli(click.Group):
             ctx.exit(e.exit_code)
 
 
-class _Renamed(click.Option):
-    """An option whose first name is its name; the others are the names it had before the
-    vocabulary was made one (one word, one meaning) and still parse, but --help shows only the
-    first, so that the old names fade out of scripts without breaking them."""
-
-    def get_help_record(self, ctx: click.Context):
-        """The help line with the current name only."""
-        opts, self.opts = self.opts, self.opts[:1]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
 def _json_option(what: str = "the result"):
     """--json, the same on every command: machine-readable output instead of text."""
     return click.option("--json", "as_json", is_flag=True, help=f"Print {what} as JSON.")
@@ -88,61 +71,6 @@ def _name(ctx, param, value: str) -> str:
         return pins.check_name(value)
     except ValueError as e:
         raise click.BadParameter(str(e)) from None
-
-
-def _ipv4(ctx, param, value: str | None) -> str | None:
-    if value is None:
-        return None
-    try:
-        return str(ipaddress.IPv4Address(value))
-    except ValueError:
-        raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
-
-
-def _group_base(ctx, param, value: str) -> str:
-    try:
-        return str(groups.check_group_base(value))
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
-
-
-def _results_options(f):
-    """--results and --group-base, shared by `serve` and `job create` (one vocabulary)."""
-    f = click.option(
-        "--group-base",
-        default=serving.DEFAULT_GROUP_BASE,
-        show_default=True,
-        callback=_group_base,
-        help="One-arm, --results multicast: job N's group is this block's address number N.",
-    )(f)
-    return click.option(
-        "--results",
-        type=click.Choice(serving.RESULTS),
-        default=None,
-        help="One-arm: where results go when --group is not given. multicast (the default): "
-        "a group per job, joined by its workers (a switch needs IGMP snooping and a querier to "
-        "keep it from other hosts); broadcast: the subnet broadcast, to every host on the "
-        "segment. Without the interface's multicast flag the default falls back to broadcast "
-        "with a warning.",
-    )(f)
-
-
-def _check_group_choice(group_ip, results) -> None:
-    if group_ip is not None and results is not None:
-        raise click.UsageError("give either --group (one address for every job) or --results")
-
-
-def _listen(ctx, param, value: str | None) -> tuple[str, int] | None:
-    """HOST:PORT -> (host, port); an empty HOST (":PORT") means the default address."""
-    if value is None:
-        return None
-    host, sep, port = value.rpartition(":")
-    try:
-        if not sep or not 0 < int(port) < 65536:
-            raise ValueError
-        return host, int(port)
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 198.18.0.1:48800") from None
 
 
 def _version() -> str:
@@ -381,133 +309,12 @@ def job():
     """Create, delete and list jobs."""
 
 
-def _slot_range(text: str) -> tuple[int, int]:
-    try:
-        base, _, count = text.partition(":")
-        return int(base), int(count)
-    except ValueError:
-        raise click.BadParameter("use BASE:COUNT, e.g. 0:128") from None
-
-
 @job.command("create")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
-@click.option(
-    "--workers",
-    "num_workers",
-    type=click.IntRange(1, limits.MAX_WORKERS),
-    required=True,
-    help="Workers in the job (its world size).",
-)
-@click.option(
-    "--elems",
-    type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]),
-    default="256",
-    show_default=True,
-    help="Elements per packet (512 and 768 need a larger MTU).",
-)
-@click.option(
-    "--slots", "slots", default="0:128", show_default=True, help="BASE:COUNT of the pool."
-)
-@click.option(
-    "--agg-port",
-    "--port",
-    "agg_port",
-    cls=_Renamed,
-    type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
-    default=wire.UDP_PORT,
-    show_default=True,
-    help="The aggregator port the job's workers send to (one per live job).",
-)
-@click.option(
-    "--group",
-    "group_ip",
-    default=None,
-    callback=_ipv4,
-    help="One-arm: group (multicast or subnet broadcast) address of results "
-    "(default: as --results says).",
-)
-@_results_options
-@click.option(
-    "--group-mac",
-    default=None,
-    help="Default: derived from --group (multicast) or ff:ff:ff:ff:ff:ff.",
-)
-@click.option(
-    "--agg-ip",
-    default=None,
-    callback=_ipv4,
-    help="Source address of results (default: the interface's first address).",
-)
-@click.option(
-    "--udp-checksum",
-    is_flag=True,
-    help="Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
-    "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
-)
-@click.option(
-    "--parent-address",
-    "--parent",
-    "parent",
-    cls=_Renamed,
-    default=None,
-    help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed slots "
-    "go there as this aggregator's contribution.",
-)
-@click.option(
-    "--parent-mac", default=None, help="With --parent-address: MAC of the parent (next hop)."
-)
-@click.option(
-    "--parent-slots",
-    "parent_slot_base",
-    type=click.IntRange(0, (1 << 14) - 1),
-    default=None,
-    help="With --parent-address: the parent job's first slot (ours BASE maps to it).",
-)
-@click.option(
-    "--uplink-port",
-    type=click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15),
-    default=None,
-    help="With --parent-address: our port toward the parent (the parent job's worker port; "
-    "default: --agg-port).",
-)
-@click.option(
-    "--worker-port",
-    type=click.IntRange(1, 65535),
-    default=None,
-    help="With --parent-address: our workers' UDP port, where the parent's results go down.",
-)
-@click.option(
-    "--tree-workers",
-    "--total-workers",
-    "total_workers",
-    cls=_Renamed,
-    type=click.IntRange(1, 64 * 64),
-    default=None,
-    help="With --parent-address: workers under the root (the hosts' float scaling).",
-)
+@options.click_options(options.JobOptions)
 @_json_option("the job as created")
 @click.pass_context
-def job_create(
-    ctx,
-    job_id,
-    num_workers,
-    elems,
-    slots,
-    agg_port,
-    group_ip,
-    group_mac,
-    agg_ip,
-    udp_checksum,
-    results,
-    group_base,
-    parent,
-    parent_mac,
-    parent_slot_base,
-    uplink_port,
-    worker_port,
-    total_workers,
-    as_json,
-):
+def job_create(ctx, job_id, opts: options.JobOptions, as_json):
     """Create job JOB_ID (its slots start cleared).
 
     \b
@@ -519,51 +326,15 @@ def job_create(
           --parent-address 198.18.0.1:48864 --parent-mac 02:00:c6:12:00:01 --parent-slots 0 \\
           --worker-port 40000 --tree-workers 6
     """
-    _check_group_choice(group_ip, results)
-    base, count = _slot_range(slots)
-    tree = {}
-    if parent is not None:
-        from aggctl.tree import parse_endpoint
-
-        if parent_mac is None or parent_slot_base is None or worker_port is None:
-            raise click.UsageError(
-                "--parent-address needs --parent-mac, --parent-slots and --worker-port"
-            )
-        try:
-            pip, pport = parse_endpoint(parent)
-        except ValueError as e:
-            raise click.BadParameter(str(e), param_hint="--parent-address") from None
-        tree = dict(
-            parent_ip=_ipv4(None, None, pip),
-            parent_mac=parent_mac,
-            parent_port=pport,
-            parent_slot_base=parent_slot_base,
-            uplink_port=uplink_port or agg_port,
-            worker_port=worker_port,
-            total_workers=total_workers or 0,
-        )
     spec = serving.create_job(
-        ctx.obj["name"],
-        job_id,
-        num_workers,
-        int(elems),
-        base,
-        count,
-        agg_port=agg_port,
-        group_ip=group_ip,
-        group_mac=group_mac,
-        agg_ip=agg_ip,
-        udp_checksum=udp_checksum,
-        results=results,
-        group_base=group_base,
-        warn=lambda line: click.echo(line, err=True),
-        **tree,
+        ctx.obj["name"], job_id, opts, warn=lambda line: click.echo(line, err=True)
     )
+    base, count = opts.slots
     _emit(
         spec.to_dict(),
         as_json,
         lambda _: click.echo(
-            f"job {job_id} created: {num_workers} workers, {elems} elems/packet, "
+            f"job {job_id} created: {opts.num_workers} workers, {opts.elems} elems/packet, "
             f"slots {base}..{base + count - 1}"
         ),
     )
@@ -610,12 +381,12 @@ def worker():
 @worker.command("add")
 @click.argument("job_id", type=click.IntRange(0, limits.MAX_JOBS - 1))
 @click.argument("index", type=click.IntRange(0, limits.MAX_WORKERS - 1))
-@click.argument("ip", callback=_ipv4)
+@click.argument("ip", callback=options.ipv4)
 @click.option(
     "--worker-port",
     "--port",
     "port",
-    cls=_Renamed,
+    cls=options.Renamed,
     type=click.IntRange(1, 65535),
     default=wire.UDP_PORT,
     show_default=True,
@@ -694,169 +465,10 @@ def slots(ctx, slot, as_json):
 
 
 @main.command()
-@click.option(
-    "--listen",
-    default=None,
-    callback=_listen,
-    help=f"HOST:PORT of the control endpoint (TCP). Default: the one IPv4 address of the "
-    f"aggregator's interfaces (of --ports for bmv2), port {DEFAULT_CONTROL_PORT}; 0.0.0.0 "
-    "(every address) only when given.",
-)
-@click.option(
-    "--group",
-    "group_ip",
-    default=None,
-    callback=_ipv4,
-    help="One-arm: one address every job's results go to (default: as --results says).",
-)
-@_results_options
-@click.option(
-    "--barrier-timeout",
-    type=float,
-    default=120.0,
-    show_default=True,
-    help="Longest a worker waits for the others to register.",
-)
-@click.option(
-    "--target",
-    type=click.Choice(["xdp", "bmv2"]),
-    default="xdp",
-    show_default=True,
-    help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on --ports.",
-)
-@click.option(
-    "--ports", default=None, help="bmv2: comma-separated interfaces, switch port i = the i-th."
-)
-@click.option(
-    "--workdir",
-    default="/tmp/xdp-agg-bmv2",
-    show_default=True,
-    help="bmv2: where the compiled program goes.",
-)
-@click.option(
-    "--udp-checksum",
-    is_flag=True,
-    help="xdp: every job created verifies its contributions' UDP checksums.",
-)
-@click.option(
-    "--secret-file",
-    type=click.Path(dir_okay=False),
-    envvar=control.SECRET_ENV,
-    default=None,
-    help=f"The deployment secret workers must prove (created with mode 0600 when absent; "
-    f"refused if group or others may read it). Default: ${control.SECRET_ENV}, else "
-    "STATE_DIR/NAME.secret (/run/xdp-agg/NAME.secret).",
-)
-@click.option(
-    "--insecure-no-auth",
-    is_flag=True,
-    help="Accept every request without credentials: anyone who reaches the endpoint can create, "
-    "join and end jobs. Only for a trusted lab.",
-)
-@click.option(
-    "--max-connections",
-    type=click.IntRange(1, 100_000),
-    default=auth.Limits.max_connections,
-    show_default=True,
-    help="Open control connections in all.",
-)
-@click.option(
-    "--max-per-source",
-    type=click.IntRange(1, 100_000),
-    default=auth.Limits.max_per_source,
-    show_default=True,
-    help="Open control connections from one address.",
-)
-@click.option(
-    "--idle-timeout",
-    type=click.FloatRange(0.1, 86_400),
-    default=auth.Limits.idle_timeout,
-    show_default=True,
-    help="Seconds a connection that holds no job may take to send a request before it is cut.",
-)
-@click.option(
-    "--request-rate",
-    type=click.FloatRange(0.1, 1e6),
-    default=auth.Limits.rate,
-    show_default=True,
-    help="Requests per second per source address (bursts up to three times that).",
-)
-@click.option(
-    "--rejoin-timeout",
-    type=click.FloatRange(0.1),
-    default=60.0,
-    show_default=True,
-    help="xdp: after a restart, how long a recovered job's ranks have to reconnect before "
-    "they count as gone (which frees the job).",
-)
-@click.option(
-    "--parent-endpoint",
-    "--parent",
-    "parent",
-    cls=_Renamed,
-    default=None,
-    help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is a "
-    "rack of the parent's job of the same name (docs/striping-and-trees.md).",
-)
-@click.option(
-    "--rack-rank",
-    type=click.IntRange(0, limits.MAX_WORKERS - 1),
-    default=None,
-    help="With --parent-endpoint: this rack's rank in the parent's jobs.",
-)
-@click.option(
-    "--racks",
-    type=click.IntRange(1, limits.MAX_WORKERS),
-    default=None,
-    help="With --parent-endpoint: racks under the parent (its jobs' world size).",
-)
-@click.option(
-    "--tree-workers",
-    type=click.IntRange(1, 64 * 64),
-    default=None,
-    help="With --parent-endpoint: workers under the root, for float scaling "
-    "(default: racks x this job's workers).",
-)
-@click.option(
-    "--parent-mac",
-    default=None,
-    help="With --parent-endpoint: the next hop toward the parent (default: the parent's own MAC).",
-)
-@click.option(
-    "--parent-secret-file",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="With --parent-endpoint: the parent endpoint's deployment secret (default: this "
-    "endpoint's).",
-)
+@options.click_options(options.ServeOptions)
 @_json_option('what serve says as it starts (a line {"listening": ..., "notes": [...]})')
 @click.pass_context
-def serve(
-    ctx,
-    listen,
-    group_ip,
-    results,
-    group_base,
-    barrier_timeout,
-    target,
-    ports,
-    workdir,
-    udp_checksum,
-    secret_file,
-    insecure_no_auth,
-    max_connections,
-    max_per_source,
-    idle_timeout,
-    request_rate,
-    rejoin_timeout,
-    parent,
-    rack_rank,
-    racks,
-    tree_workers,
-    parent_mac,
-    parent_secret_file,
-    as_json,
-):
+def serve(ctx, opts: options.ServeOptions, as_json):
     """Run the control endpoint: rank 0 creates jobs, every worker registers.
 
     The host library (hostlib.init) talks to this; nobody types worker tables. Jobs get a slot
@@ -890,90 +502,28 @@ def serve(
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
       sudo xdp-agg --name rack0 serve --parent-endpoint 198.18.0.1:48800 --rack-rank 0 --racks 2
     """
-    _check_group_choice(group_ip, results)
     name = ctx.obj["name"]
-    if target == "bmv2" and not ports:
-        raise click.UsageError("--target bmv2 needs --ports IFACE,IFACE,...")
-    host, port = listen or ("", DEFAULT_CONTROL_PORT)
-    if not host:
-        ifnames = ports.split(",") if target == "bmv2" else serving.aggregator_interfaces(name)
-        host = serving.listen_address(ifnames)
-    limits = auth.Limits(
-        max_connections=max_connections,
-        max_per_source=max_per_source,
-        idle_timeout=idle_timeout,
-        rate=request_rate,
-        burst=max(1, int(3 * request_rate)),
-    )
-    secret = None
-    notes = []
-    if insecure_no_auth:
-        notes.append(
-            "WARNING: --insecure-no-auth: anyone who reaches this endpoint can create, join and "
-            "end jobs"
-        )
-    else:
-        path = os.path.abspath(secret_file or serving.default_secret_path(name))
-        secret = serving.secret_for(path)
-        notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
-    if host == "0.0.0.0":
-        notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
-    link = None
-    if parent is not None:
-        if target != "xdp" or rack_rank is None or racks is None:
-            raise click.UsageError("--parent-endpoint needs --target xdp, --rack-rank and --racks")
-        try:
-            from aggctl.tree import ParentLink, parse_endpoint
-
-            link = ParentLink(
-                parse_endpoint(parent),
-                rack_rank,
-                racks,
-                total_workers=tree_workers or 0,
-                parent_mac=parent_mac,
-                barrier_timeout=barrier_timeout,
-                secret=serving.read_secret(parent_secret_file) if parent_secret_file else secret,
-            )
-        except ValueError as e:
-            raise click.BadParameter(
-                str(e), param_hint="--parent-endpoint/--rack-rank/--racks"
-            ) from None
+    try:
+        endpoint = serving.resolve(name, opts)
+    except ValueError as e:  # the parent options make no link
+        raise click.BadParameter(
+            str(e), param_hint="--parent-endpoint/--rack-rank/--racks"
+        ) from None
 
     def announce(line: str) -> None:
         click.echo(line, err=True)  # the first line says "listening" (launchers wait for it)
-        for note in notes:
+        for note in endpoint.notes:
             click.echo(note, err=True)
         if as_json:
-            click.echo(json.dumps({"listening": line, "notes": notes}))
+            click.echo(json.dumps({"listening": line, "notes": endpoint.notes}))
 
-    if target == "xdp":
-        serving.serve_xdp(
-            name,
-            host,
-            port,
-            group_ip=group_ip,
-            barrier_timeout=barrier_timeout,
-            udp_checksum=udp_checksum,
-            results=results,
-            group_base=group_base,
-            secret=secret,
-            limits=limits,
-            rejoin_timeout=rejoin_timeout,
-            announce=announce,
-            warn=lambda line: click.echo(line, err=True),
-            parent=link,
-        )
-        return
-    serving.serve_bmv2(
-        ports.split(","),
-        workdir,
-        host,
-        port,
+    serving.serve(
+        name,
+        opts,
+        endpoint,
         netns=ctx.obj["netns"],
-        barrier_timeout=barrier_timeout,
-        secret=secret,
-        limits=limits,
         announce=announce,
+        warn=lambda line: click.echo(line, err=True),
     )
 
 
@@ -983,7 +533,7 @@ def serve(
 @click.option(
     "--listen",
     default=None,
-    callback=_listen,
+    callback=options.listen,
     help="The sample config's LISTEN (default: empty, serve's default address).",
 )
 @click.option(

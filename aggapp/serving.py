@@ -24,6 +24,7 @@ one IPv4 address of the aggregator's interfaces; 0.0.0.0 only when asked for.
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import fcntl
 import ipaddress
@@ -33,9 +34,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aggproto import control, groups
-from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.jobs import DEFAULT_CONTROL_PORT, JobSpec, WorkerSpec
 from xdp_switch import aggregator, links, pins
 from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
+
+from . import options
 
 log = logging.getLogger(__name__)
 
@@ -92,8 +95,9 @@ def aggregator_interfaces(name: str) -> list[str]:
     return [i["ifname"] for i in state.interfaces]
 
 
-RESULTS = ("multicast", "broadcast")  # how one-arm results reach a job's workers
-DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
+# how one-arm results reach a job's workers: multicast or broadcast (module docstring)
+RESULTS = options.RESULTS
+DEFAULT_GROUP_BASE = options.DEFAULT_GROUP_BASE
 
 
 def group_mac_for(ip: str) -> str:
@@ -137,53 +141,65 @@ def _first_interface(state) -> dict:
     return links.addresses(state.interfaces[0]["ifname"])
 
 
+def _tree_fields(opts: options.JobOptions) -> dict:
+    """JobSpec's parent fields from the options (none without --parent-address; JobOptions.check
+    has made sure it is IP:PORT)."""
+    if opts.parent is None:
+        return {}
+    from aggctl.tree import parse_endpoint
+
+    parent_ip, parent_port = parse_endpoint(opts.parent)
+    return dict(
+        parent_ip=str(ipaddress.IPv4Address(parent_ip)),
+        parent_mac=opts.parent_mac,
+        parent_port=parent_port,
+        parent_slot_base=opts.parent_slot_base,
+        uplink_port=opts.uplink_port or opts.agg_port,
+        worker_port=opts.worker_port,
+        total_workers=opts.total_workers or 0,
+    )
+
+
 def create_job(
     name: str,
     job_id: int,
-    num_workers: int,
-    elems: int,
-    slot_base: int,
-    slot_count: int,
+    opts: options.JobOptions,
     *,
-    agg_port: int,
-    group_ip: str | None = None,
-    group_mac: str | None = None,
-    agg_ip: str | None = None,
-    udp_checksum: bool = False,
-    results: str | None = None,
-    group_base: str = DEFAULT_GROUP_BASE,
     warn: Callable[[str], None] | None = None,
-    **tree,
 ) -> JobSpec:
-    """Create a job on the attached aggregator `name`, filling what was not given from it:
-    results leave from its first interface's address and MAC, to `group_ip` (one-arm, when not
-    given: the job's group in `group_base`, or the subnet broadcast, as `results` says: see the
-    module docstring), at `group_ip`'s MAC unless `group_mac` is given. `tree`: JobSpec's parent
-    fields (a rack job of a two-level tree). Returns the spec as created."""
+    """Create job `job_id` as `opts` says on the attached aggregator `name`, filling what was
+    not given from it: results leave from its first interface's address and MAC, to the group
+    address (one-arm, when not given: the job's group in the group block, or the subnet
+    broadcast, as the results option says: see the module docstring), at that address's MAC
+    unless one is given. With a parent address: a rack job of a two-level tree. Returns the spec
+    as created."""
+    tree = _tree_fields(opts)
+    slot_base, slot_count = opts.slots
+    group_ip, group_mac = opts.group_ip, opts.group_mac
     backend = aggregator.XdpBackend(name)
     first = _first_interface(backend.state)
     if group_ip is None:
         group_ip = "0.0.0.0"  # the switch topology: no group
         if backend.state.topology != "switch":
-            if _results_mode(first, results, warn) == "multicast":
+            if _results_mode(first, opts.results, warn) == "multicast":
                 try:
-                    group_ip = groups.job_group(group_base, job_id)
+                    group_ip = groups.job_group(opts.group_base, job_id)
                 except ValueError as e:
                     raise XdpAggError(str(e)) from None
             else:
                 group_ip = _subnet_broadcast(first)
     spec = JobSpec(
         job_id=job_id,
-        num_workers=num_workers,
-        elems=elems,
+        num_workers=opts.num_workers,
+        elems=int(opts.elems),
         slot_base=slot_base,
         slot_count=slot_count,
-        agg_port=agg_port,
-        agg_ip=agg_ip or (first["ipv4"][0] if first["ipv4"] else "0.0.0.0"),
+        agg_port=opts.agg_port,
+        agg_ip=opts.agg_ip or (first["ipv4"][0] if first["ipv4"] else "0.0.0.0"),
         agg_mac=first["mac"],
         group_ip=group_ip,
         group_mac=group_mac or group_mac_for(group_ip),
-        udp_checksum=udp_checksum,
+        udp_checksum=opts.udp_checksum,
         **tree,
     )
     backend.create_job(spec)
@@ -412,3 +428,97 @@ def serve_bmv2(
         server.run_until_interrupted()
     finally:
         switch.stop()
+
+
+# --- serve: from its options to a running endpoint ----------------------------------------------
+@dataclasses.dataclass
+class Endpoint:
+    """Where and how serve's control endpoint listens, resolved from its options."""
+
+    host: str
+    port: int
+    secret: bytes | None  # None: no authentication
+    limits: object  # aggctl.auth.Limits
+    parent: object | None  # aggctl.tree.ParentLink: every job a rack of the parent's
+    notes: list[str]  # what to tell the operator after the "listening" line
+
+
+def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
+    """The endpoint `opts` describe for aggregator `name`: its address (the one IPv4 address
+    of the aggregator's interfaces, or of the bmv2 ports, unless --listen says), its secret
+    (loaded or created) and its parent link. ValueError for parent options that make no link."""
+    host, port = opts.listen or ("", DEFAULT_CONTROL_PORT)
+    if not host:
+        bmv2 = opts.target == "bmv2"
+        host = listen_address(opts.ports.split(",") if bmv2 else aggregator_interfaces(name))
+    notes, secret = [], None
+    if opts.insecure_no_auth:
+        notes.append(
+            "WARNING: --insecure-no-auth: anyone who reaches this endpoint can create, join and "
+            "end jobs"
+        )
+    else:
+        path = os.path.abspath(opts.secret_file or default_secret_path(name))
+        secret = secret_for(path)
+        notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
+    if host == "0.0.0.0":
+        notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
+    return Endpoint(host, port, secret, opts.limits(), _parent_link(opts, secret), notes)
+
+
+def _parent_link(opts: options.ServeOptions, secret: bytes | None):
+    if opts.parent is None:
+        return None
+    from aggctl.tree import ParentLink, parse_endpoint
+
+    return ParentLink(
+        parse_endpoint(opts.parent),
+        opts.rack_rank,
+        opts.racks,
+        total_workers=opts.tree_workers or 0,
+        parent_mac=opts.parent_mac,
+        barrier_timeout=opts.barrier_timeout,
+        secret=read_secret(opts.parent_secret_file) if opts.parent_secret_file else secret,
+    )
+
+
+def serve(
+    name: str,
+    opts: options.ServeOptions,
+    endpoint: Endpoint,
+    *,
+    netns: str | None = None,
+    announce: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> None:
+    """Run the endpoint (resolve's) in front of the target `opts` names until interrupted."""
+    ep = endpoint
+    if opts.target == "xdp":
+        serve_xdp(
+            name,
+            ep.host,
+            ep.port,
+            group_ip=opts.group_ip,
+            barrier_timeout=opts.barrier_timeout,
+            udp_checksum=opts.udp_checksum,
+            results=opts.results,
+            group_base=opts.group_base,
+            secret=ep.secret,
+            limits=ep.limits,
+            rejoin_timeout=opts.rejoin_timeout,
+            announce=announce,
+            warn=warn,
+            parent=ep.parent,
+        )
+        return
+    serve_bmv2(
+        opts.ports.split(","),
+        opts.workdir,
+        ep.host,
+        ep.port,
+        netns=netns,
+        barrier_timeout=opts.barrier_timeout,
+        secret=ep.secret,
+        limits=ep.limits,
+        announce=announce,
+    )

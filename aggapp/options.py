@@ -1,0 +1,407 @@
+"""Options as data: what `xdp-agg serve` and `xdp-agg job create` are told, as dataclasses that
+the library takes (aggapp.serving.serve, aggapp.serving.create_job), each field carrying its
+command-line option. `click_options(ServeOptions)` turns the fields into click options and
+hands the command one ServeOptions; a script or a test builds the same object directly.
+
+The callbacks here check one option's value each (an address, HOST:PORT, a group block);
+`check()` on the dataclass checks the options together (what needs what, what excludes what)
+and raises ValueError with the message the CLI prints as a usage error.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import ipaddress
+from dataclasses import dataclass, field
+
+import click
+
+from aggctl import auth
+from aggproto import control, groups, limits, wire
+from aggproto.jobs import DEFAULT_CONTROL_PORT
+
+DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
+RESULTS = ("multicast", "broadcast")
+MAX_TREE_TOTAL = 64 * 64  # workers under a root: 64 racks of 64
+
+
+class Renamed(click.Option):
+    """An option whose first name is its name; the others are the names it had before the
+    vocabulary was made one (one word, one meaning) and still parse, but --help shows only the
+    first, so that the old names fade out of scripts without breaking them."""
+
+    def get_help_record(self, ctx: click.Context):
+        """The help line with the current name only."""
+        opts, self.opts = self.opts, self.opts[:1]
+        try:
+            return super().get_help_record(ctx)
+        finally:
+            self.opts = opts
+
+
+# --- one option's value ------------------------------------------------------------------------
+def ipv4(ctx, param, value: str | None) -> str | None:
+    """click callback: an IPv4 address, normalised (None stays None)."""
+    if value is None:
+        return None
+    try:
+        return str(ipaddress.IPv4Address(value))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not an IPv4 address") from None
+
+
+def group_base(ctx, param, value: str) -> str:
+    """click callback: a block of multicast groups, one address per job id."""
+    try:
+        return str(groups.check_group_base(value))
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def listen(ctx, param, value: str | None) -> tuple[str, int] | None:
+    """click callback: HOST:PORT -> (host, port); an empty HOST (":PORT") means the default
+    address."""
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":")
+    try:
+        if not sep or not 0 < int(port) < 65536:
+            raise ValueError
+        return host, int(port)
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 198.18.0.1:48800") from None
+
+
+def slot_range(ctx, param, text: str) -> tuple[int, int]:
+    """click callback: BASE:COUNT -> (base, count)."""
+    try:
+        base, _, count = text.partition(":")
+        return int(base), int(count)
+    except ValueError:
+        raise click.BadParameter("use BASE:COUNT, e.g. 0:128") from None
+
+
+# --- fields that are options ---------------------------------------------------------------------
+def opt(*decls: str, default=None, **click_kw):
+    """A dataclass field with `default`, whose command-line option is click.option(*decls,
+    default=default, **click_kw)."""
+    return field(default=default, metadata={"click": (decls, {"default": default, **click_kw})})
+
+
+def flag(decl: str, help: str):
+    """A boolean field, False unless its flag is given."""
+    return opt(decl, default=False, is_flag=True, help=help)
+
+
+def _group_base_field():
+    return opt(
+        "--group-base",
+        default=DEFAULT_GROUP_BASE,
+        show_default=True,
+        callback=group_base,
+        help="One-arm, --results multicast: job N's group is this block's address number N.",
+    )
+
+
+def _results_field():
+    return opt(
+        "--results",
+        type=click.Choice(RESULTS),
+        help="One-arm: where results go when --group is not given. multicast (the default): "
+        "a group per job, joined by its workers (a switch needs IGMP snooping and a querier to "
+        "keep it from other hosts); broadcast: the subnet broadcast, to every host on the "
+        "segment. Without the interface's multicast flag the default falls back to broadcast "
+        "with a warning.",
+    )
+
+
+def _check_group_choice(group_ip, results) -> None:
+    if group_ip is not None and results is not None:
+        raise ValueError("give either --group (one address for every job) or --results")
+
+
+def click_options(cls, param: str = "opts"):
+    """A click decorator: one option per field of dataclass `cls` (in field order), passed to
+    the command as one `cls` instance named `param`, checked (cls.check) before the command
+    runs: a ValueError there is a usage error (exit 2)."""
+    fields = dataclasses.fields(cls)
+
+    def decorate(f):
+        @functools.wraps(f)
+        def command(*args, **kw):
+            values = cls(**{fl.name: kw.pop(fl.name) for fl in fields})
+            try:
+                values.check()
+            except ValueError as e:
+                raise click.UsageError(str(e)) from None
+            return f(*args, **{param: values}, **kw)
+
+        for fl in reversed(fields):
+            decls, click_kw = fl.metadata["click"]
+            command = click.option(*decls, fl.name, **click_kw)(command)
+        return command
+
+    return decorate
+
+
+# --- serve ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class ServeOptions:
+    """What `xdp-agg serve` is told (every field is one of its options)."""
+
+    listen: tuple[str, int] | None = opt(
+        "--listen",
+        callback=listen,
+        help=f"HOST:PORT of the control endpoint (TCP). Default: the one IPv4 address of the "
+        f"aggregator's interfaces (of --ports for bmv2), port {DEFAULT_CONTROL_PORT}; 0.0.0.0 "
+        "(every address) only when given.",
+    )
+    group_ip: str | None = opt(
+        "--group",
+        callback=ipv4,
+        help="One-arm: one address every job's results go to (default: as --results says).",
+    )
+    results: str | None = _results_field()
+    group_base: str = _group_base_field()
+    barrier_timeout: float = opt(
+        "--barrier-timeout",
+        default=120.0,
+        type=float,
+        show_default=True,
+        help="Longest a worker waits for the others to register.",
+    )
+    target: str = opt(
+        "--target",
+        default="xdp",
+        type=click.Choice(["xdp", "bmv2"]),
+        show_default=True,
+        help="xdp: the attached aggregator (--name); bmv2: the P4 program in simple_switch on "
+        "--ports.",
+    )
+    ports: str | None = opt(
+        "--ports", help="bmv2: comma-separated interfaces, switch port i = the i-th."
+    )
+    workdir: str = opt(
+        "--workdir",
+        default="/tmp/xdp-agg-bmv2",
+        show_default=True,
+        help="bmv2: where the compiled program goes.",
+    )
+    udp_checksum: bool = flag(
+        "--udp-checksum", "xdp: every job created verifies its contributions' UDP checksums."
+    )
+    secret_file: str | None = opt(
+        "--secret-file",
+        type=click.Path(dir_okay=False),
+        envvar=control.SECRET_ENV,
+        help=f"The deployment secret workers must prove (created with mode 0600 when absent; "
+        f"refused if group or others may read it). Default: ${control.SECRET_ENV}, else "
+        "STATE_DIR/NAME.secret (/run/xdp-agg/NAME.secret).",
+    )
+    insecure_no_auth: bool = flag(
+        "--insecure-no-auth",
+        "Accept every request without credentials: anyone who reaches the endpoint can create, "
+        "join and end jobs. Only for a trusted lab.",
+    )
+    max_connections: int = opt(
+        "--max-connections",
+        default=auth.Limits.max_connections,
+        type=click.IntRange(1, 100_000),
+        show_default=True,
+        help="Open control connections in all.",
+    )
+    max_per_source: int = opt(
+        "--max-per-source",
+        default=auth.Limits.max_per_source,
+        type=click.IntRange(1, 100_000),
+        show_default=True,
+        help="Open control connections from one address.",
+    )
+    idle_timeout: float = opt(
+        "--idle-timeout",
+        default=auth.Limits.idle_timeout,
+        type=click.FloatRange(0.1, 86_400),
+        show_default=True,
+        help="Seconds a connection that holds no job may take to send a request before it is cut.",
+    )
+    request_rate: float = opt(
+        "--request-rate",
+        default=auth.Limits.rate,
+        type=click.FloatRange(0.1, 1e6),
+        show_default=True,
+        help="Requests per second per source address (bursts up to three times that).",
+    )
+    rejoin_timeout: float = opt(
+        "--rejoin-timeout",
+        default=60.0,
+        type=click.FloatRange(0.1),
+        show_default=True,
+        help="xdp: after a restart, how long a recovered job's ranks have to reconnect before "
+        "they count as gone (which frees the job).",
+    )
+    parent: str | None = opt(
+        "--parent-endpoint",
+        "--parent",
+        cls=Renamed,
+        help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is "
+        "a rack of the parent's job of the same name (docs/striping-and-trees.md).",
+    )
+    rack_rank: int | None = opt(
+        "--rack-rank",
+        type=click.IntRange(0, limits.MAX_WORKERS - 1),
+        help="With --parent-endpoint: this rack's rank in the parent's jobs.",
+    )
+    racks: int | None = opt(
+        "--racks",
+        type=click.IntRange(1, limits.MAX_WORKERS),
+        help="With --parent-endpoint: racks under the parent (its jobs' world size).",
+    )
+    tree_workers: int | None = opt(
+        "--tree-workers",
+        type=click.IntRange(1, MAX_TREE_TOTAL),
+        help="With --parent-endpoint: workers under the root, for float scaling "
+        "(default: racks x this job's workers).",
+    )
+    parent_mac: str | None = opt(
+        "--parent-mac",
+        help="With --parent-endpoint: the next hop toward the parent (default: the parent's own "
+        "MAC).",
+    )
+    parent_secret_file: str | None = opt(
+        "--parent-secret-file",
+        type=click.Path(dir_okay=False),
+        help="With --parent-endpoint: the parent endpoint's deployment secret (default: this "
+        "endpoint's).",
+    )
+
+    def check(self) -> None:
+        """ValueError when the options do not go together."""
+        _check_group_choice(self.group_ip, self.results)
+        if self.target == "bmv2" and not self.ports:
+            raise ValueError("--target bmv2 needs --ports IFACE,IFACE,...")
+        if self.parent is not None and (
+            self.target != "xdp" or self.rack_rank is None or self.racks is None
+        ):
+            raise ValueError("--parent-endpoint needs --target xdp, --rack-rank and --racks")
+
+    def limits(self) -> auth.Limits:
+        """The endpoint's bounds these options give."""
+        return auth.Limits(
+            max_connections=self.max_connections,
+            max_per_source=self.max_per_source,
+            idle_timeout=self.idle_timeout,
+            rate=self.request_rate,
+            burst=max(1, int(3 * self.request_rate)),
+        )
+
+
+# --- job create ----------------------------------------------------------------------------------
+AGG_PORTS = click.IntRange(wire.UDP_PORT, wire.UDP_PORT + 15)
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What `xdp-agg job create` is told besides the job id (every field is one of its
+    options)."""
+
+    num_workers: int = opt(
+        "--workers",
+        type=click.IntRange(1, limits.MAX_WORKERS),
+        required=True,
+        help="Workers in the job (its world size).",
+    )
+    elems: str = opt(
+        "--elems",
+        default="256",
+        type=click.Choice([str(n) for n in wire.SIZE_CODE_ELEMS.values()]),
+        show_default=True,
+        help="Elements per packet (512 and 768 need a larger MTU).",
+    )
+    slots: tuple[int, int] = opt(
+        "--slots",
+        default="0:128",
+        callback=slot_range,
+        show_default=True,
+        help="BASE:COUNT of the pool.",
+    )
+    agg_port: int = opt(
+        "--agg-port",
+        "--port",
+        cls=Renamed,
+        default=wire.UDP_PORT,
+        type=AGG_PORTS,
+        show_default=True,
+        help="The aggregator port the job's workers send to (one per live job).",
+    )
+    group_ip: str | None = opt(
+        "--group",
+        callback=ipv4,
+        help="One-arm: group (multicast or subnet broadcast) address of results "
+        "(default: as --results says).",
+    )
+    results: str | None = _results_field()
+    group_base: str = _group_base_field()
+    group_mac: str | None = opt(
+        "--group-mac", help="Default: derived from --group (multicast) or ff:ff:ff:ff:ff:ff."
+    )
+    agg_ip: str | None = opt(
+        "--agg-ip",
+        callback=ipv4,
+        help="Source address of results (default: the interface's first address).",
+    )
+    udp_checksum: bool = flag(
+        "--udp-checksum",
+        "Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
+        "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
+    )
+    parent: str | None = opt(
+        "--parent-address",
+        "--parent",
+        cls=Renamed,
+        help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "
+        "slots go there as this aggregator's contribution.",
+    )
+    parent_mac: str | None = opt(
+        "--parent-mac", help="With --parent-address: MAC of the parent (next hop)."
+    )
+    parent_slot_base: int | None = opt(
+        "--parent-slots",
+        type=click.IntRange(0, (1 << 14) - 1),
+        help="With --parent-address: the parent job's first slot (ours BASE maps to it).",
+    )
+    uplink_port: int | None = opt(
+        "--uplink-port",
+        type=AGG_PORTS,
+        help="With --parent-address: our port toward the parent (the parent job's worker port; "
+        "default: --agg-port).",
+    )
+    worker_port: int | None = opt(
+        "--worker-port",
+        type=click.IntRange(1, 65535),
+        help="With --parent-address: our workers' UDP port, where the parent's results go down.",
+    )
+    total_workers: int | None = opt(
+        "--tree-workers",
+        "--total-workers",
+        cls=Renamed,
+        type=click.IntRange(1, MAX_TREE_TOTAL),
+        help="With --parent-address: workers under the root (the hosts' float scaling).",
+    )
+
+    def check(self) -> None:
+        """ValueError when the options do not go together."""
+        _check_group_choice(self.group_ip, self.results)
+        if self.parent is not None and None in (
+            self.parent_mac,
+            self.parent_slot_base,
+            self.worker_port,
+        ):
+            raise ValueError(
+                "--parent-address needs --parent-mac, --parent-slots and --worker-port"
+            )
+        if self.parent is not None:
+            from aggctl.tree import parse_endpoint
+
+            ip, _ = parse_endpoint(self.parent)  # ValueError: not IP:PORT
+            ipaddress.IPv4Address(ip)
