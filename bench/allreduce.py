@@ -169,10 +169,10 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
 
 
 def attribute(delta: dict, layout, engine: list[dict]) -> "object":
-    """netns_testbed.counters.attribute, imported late (the summary needs no root)."""
-    from netns_testbed import counters
+    """bench.loss.attribute, imported late (the summary needs none of the testbed)."""
+    from bench import loss
 
-    return counters.attribute(delta, layout, engine)
+    return loss.attribute(delta, layout, engine)
 
 
 def _top_causes(causes: dict, k: int = 2) -> str:

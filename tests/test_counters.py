@@ -13,8 +13,10 @@ from pathlib import Path
 
 import pytest
 
+from bench import loss as attribution
+from bench.loss import CAUSES
 from netns_testbed import counters
-from netns_testbed.counters import CAUSES, Layout
+from netns_testbed.counters import Layout
 from netns_testbed.fixtures import SKIP_REASON
 
 DATA = Path(__file__).parent / "data" / "counters"
@@ -177,7 +179,7 @@ def test_no_loss_all_duplicates_is_spurious():
         },
     }
     d = _delta(2, agg_workers=agg, reasons={"dup_pending": 35, "retx_answered": 15})
-    a = counters.attribute(d, _layout(2), _engine([1030, 1020], [30, 20]))
+    a = attribution.attribute(d, _layout(2), _engine([1030, 1020], [30, 20]))
     assert (a.detail["duplicates_while_pending"], a.detail["duplicates_answered"]) == (35, 15)
     assert a.causes["spurious"] == 50
     assert sum(a.causes.values()) == 50 and set(a.causes) == set(CAUSES)
@@ -196,7 +198,7 @@ def test_upstream_tbf_loss_with_collateral():
     d = _delta(
         2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}}, agg_workers=agg
     )  # 2 skbs: GSO sends of several datagrams each
-    a = counters.attribute(d, _layout(2), _engine([1010, 1013], [10, 13]))
+    a = attribution.attribute(d, _layout(2), _engine([1010, 1013], [10, 13]))
     assert a.detail["lost_before_aggregator"] == 10
     assert a.causes["tbf_qdisc"] == 20 and a.causes["spurious"] == 3
     assert a.causes["unexplained"] == 0 and a.detail["collateral"] == 10
@@ -205,7 +207,7 @@ def test_upstream_tbf_loss_with_collateral():
 def test_engine_spurious_statistic_wins():
     agg = {"0": {"packets": 1000, "duplicates": 0}, "1": {"packets": 1013, "duplicates": 13}}
     d = _delta(2, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 2}}}}, agg_workers=agg)
-    a = counters.attribute(d, _layout(2), _engine([1010, 1013], [10, 13], spurious=4))
+    a = attribution.attribute(d, _layout(2), _engine([1010, 1013], [10, 13], spurious=4))
     assert a.causes["spurious"] == 8  # the engines' 4 + 4 (the duplicates leave 13)
     assert a.causes["tbf_qdisc"] == 15 and a.detail["spurious_from"] == "engine"
 
@@ -219,7 +221,7 @@ def test_downstream_socket_and_bridge_port_drops():
         bridge={"qdisc": {"w1": {"kind": "tbf", "drops": 2}}},
         agg_workers=agg,
     )
-    a = counters.attribute(d, _layout(2), _engine([1000, 1007], [0, 7]))
+    a = attribution.attribute(d, _layout(2), _engine([1000, 1007], [0, 7]))
     assert a.causes["socket_rcvbuf"] == 5 and a.causes["tbf_qdisc"] == 2
     assert a.causes["spurious"] == 0 and a.causes["unexplained"] == 0
     assert a.detail["downstream_counted"] == {"tbf_qdisc": 2, "socket_rcvbuf": 5}
@@ -231,7 +233,7 @@ def test_veth_pair_drops_are_not_counted_twice():
     agg = {"0": {"packets": 101, "duplicates": 1}, "1": {"packets": 101, "duplicates": 1}}
     d = _delta(2, bridge={"link": {"ag": {"rx_dropped": 1, "tx_dropped": 0}}}, agg_workers=agg)
     d["ns"]["tag"]["link"]["eth0"] = {"tx_dropped": 1, "rx_dropped": 0}
-    a = counters.attribute(d, _layout(2), _engine([101, 101], [1, 1]))
+    a = attribution.attribute(d, _layout(2), _engine([101, 101], [1, 1]))
     assert a.causes["veth_xdp_ring"] == 2 and a.causes["spurious"] == 0
 
 
@@ -245,7 +247,7 @@ def test_nft_loss_counts_datagrams_of_gso_skbs():
         worker_ns={0: {"nft": {"loss_up": {"packets": 1, "bytes": 16 * 3082 + 42, "drop": True}}}},
         agg_workers=agg,
     )
-    a = counters.attribute(d, _layout(2), _engine([100, 100], [16, 0]), datagram_bytes=db)
+    a = attribution.attribute(d, _layout(2), _engine([100, 100], [16, 0]), datagram_bytes=db)
     assert a.causes["injected_loss"] == 16
     assert a.detail["upstream_counted"]["injected_loss"] == pytest.approx(16, abs=0.1)
 
@@ -254,14 +256,14 @@ def test_refused_sends_beyond_own_tbf_drops():
     # 4 sends refused, 3 of them tbf's own drops (ENOBUFS): 3 tbf + 1 refused, 4 x 4 datagrams
     agg = {"0": {"packets": 84, "duplicates": 0}}
     d = _delta(1, worker_ns={0: {"qdisc": {"eth0": {"kind": "tbf", "drops": 3}}}}, agg_workers=agg)
-    a = counters.attribute(d, _layout(1), _engine([100], [16], send_errors=4))
+    a = attribution.attribute(d, _layout(1), _engine([100], [16], send_errors=4))
     assert a.causes["tbf_qdisc"] == 12 and a.causes["send_refused"] == 4
 
 
 def test_aggregator_drop_reasons():
     agg = {"0": {"packets": 105, "duplicates": 0, "dropped": 5}}
     d = _delta(1, agg_workers=agg, reasons={"drop_bad_size": 5, "aggregated": 100})
-    a = counters.attribute(d, _layout(1), _engine([105], [5]))
+    a = attribution.attribute(d, _layout(1), _engine([105], [5]))
     assert a.causes["aggregator_drop"] == 5 and a.causes["unexplained"] == 0
     assert a.detail["counters"]["aggregator/jobs/0/reasons/drop_bad_size"] == 5
     assert "aggregator/jobs/0/reasons/aggregated" not in a.detail["counters"]
@@ -272,17 +274,19 @@ def test_without_aggregator_counters_and_with_nothing_counted():
     # 1's socket, each of which may have held back worker 0 once (collateral takes its bound,
     # so spurious is a lower bound), the rest spurious
     d = _delta(2, worker_ns={1: {"udp": {"InErrors": 3}}})
-    a = counters.attribute(d, _layout(2), _engine([100, 110], [0, 10]))
+    a = attribution.attribute(d, _layout(2), _engine([100, 110], [0, 10]))
     assert a.detail["source"] == "counters" and a.detail["collateral"] == 3
     assert a.causes["socket_rcvbuf"] == 6 and a.causes["spurious"] == 4
     # loss that no counter saw is reported as such, not hidden in another cause
     agg = {"0": {"packets": 95, "duplicates": 0}}
-    a = counters.attribute(_delta(1, agg_workers=agg), _layout(1), _engine([100], [5]))
+    a = attribution.attribute(_delta(1, agg_workers=agg), _layout(1), _engine([100], [5]))
     assert a.causes["unexplained"] == 5
 
 
 def test_round_to_total():
-    r = counters._round_to_total({c: v for c, v in zip(CAUSES, [1.5, 1.5, 1.0, 0, 0, 0, 0, 0])}, 4)
+    r = attribution._round_to_total(
+        {c: v for c, v in zip(CAUSES, [1.5, 1.5, 1.0, 0, 0, 0, 0, 0])}, 4
+    )
     assert sum(r.values()) == 4 and r["socket_rcvbuf"] == 1
 
 
@@ -320,7 +324,7 @@ def test_injected_loss_is_attributed(testbed_factory, direction):
         "jobs": {"0": {"workers": {str(c["rank"]): c["aggregator"] for c in checks}}}
     }
     engine = [c["worker"] for c in checks]
-    a = counters.attribute(delta, layout, engine)
+    a = attribution.attribute(delta, layout, engine)
     retx = sum(e["retransmissions"] for e in engine)
     assert all(r[0]["ok"] for r in reports)
     assert retx > 0 and sum(a.causes.values()) == retx
