@@ -97,7 +97,7 @@ soak: setup
 	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --report bench/results/soak
 
 codegen: venv
-	$(PY) -m xdp_switch.codegen
+	$(PY) -m aggcodegen
 
 clean:
 	rm -rf .venv .pytest_cache *.egg-info

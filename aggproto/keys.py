@@ -4,7 +4,7 @@ Every target keys its state the same way: a slot's two versions are pool entries
 `slot * 2 + version` (the XDP program's `results` and `partials` maps, the P4 registers), counters
 are rows of reasons `row * NUM_REASONS + reason` (row = job id, or limits.NO_JOB), and per-worker
 counters `job * MAX_WORKERS + index`. KEYS is the one definition: the Python functions below are
-compiled from it, and xdp_switch.codegen writes the same expressions into bpf/generated/abi.h as
+compiled from it, and aggcodegen writes the same expressions into bpf/generated/abi.h as
 macros (AGG_POOL_ENTRY, AGG_COUNTER_KEY, AGG_WORKER_KEY), so no side spells a formula by hand.
 """
 

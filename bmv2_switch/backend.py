@@ -19,8 +19,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from aggcodegen.p4 import P4_ELEMS
 from aggctl.backend import check_job, check_worker
-from aggctl.p4gen import P4_ELEMS
 from aggproto import keys, limits, reasons, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 

@@ -9,12 +9,13 @@ import subprocess
 import numpy as np
 import pytest
 
+from aggcodegen import abi
+from aggcodegen import generate as codegen
 from aggproto import wire
-from xdp_switch import abi, codegen
 
 
 def test_generated_files_are_current():
-    assert codegen.drift() == [], "run `python -m xdp_switch.codegen` and commit the result"
+    assert codegen.drift() == [], "run `python -m aggcodegen` and commit the result"
 
 
 def test_codegen_check_mode_reports_drift(tmp_path, monkeypatch):

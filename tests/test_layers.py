@@ -18,14 +18,15 @@ ROOT = Path(__file__).resolve().parent.parent
 
 ALLOWED = {
     "aggproto": set(),
+    "aggcodegen": {"aggproto"},
     "bpfsys": set(),
     "hostlib": {"aggproto"},
     "netns_testbed": {"bpfsys"},
     "aggctl": {"aggproto", "hostlib"},
     # the targets, side by side: none imports another
-    "xdp_switch": {"aggproto", "aggctl", "bpfsys"},
+    "xdp_switch": {"aggproto", "aggcodegen", "aggctl", "bpfsys"},
     "soft_switch": {"aggproto", "aggctl", "hostlib"},
-    "bmv2_switch": {"aggproto", "aggctl"},
+    "bmv2_switch": {"aggproto", "aggcodegen", "aggctl"},
     "aggapp": {"aggproto", "aggctl", "bpfsys", "xdp_switch", "soft_switch", "bmv2_switch"},
     "aggcluster": {"aggproto", "aggctl", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
     "bench": {

@@ -30,7 +30,7 @@ from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, wo
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from aggctl.p4gen import P4_ELEMS
+from aggcodegen.p4 import P4_ELEMS
 from aggproto import limits, wire
 from aggproto.model import Action, ReferenceAggregator
 from aggproto.reasons import Reason

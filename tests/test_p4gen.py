@@ -1,6 +1,6 @@
-"""The generated P4 parts (aggctl/p4gen.py) say what the Python side says (drift: test_codegen)."""
+"""The generated P4 parts (aggcodegen/p4.py) say what the Python side says (drift: test_codegen)."""
 
-from aggctl import p4gen
+from aggcodegen import p4 as p4gen
 from aggproto import limits, reasons
 
 

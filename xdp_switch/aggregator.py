@@ -20,10 +20,11 @@ import os
 import time
 
 import bpfsys
+from aggcodegen import abi
 from aggproto import limits
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 
-from . import abi, links, loader, pins
+from . import links, loader, pins
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
 from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES

@@ -1,7 +1,7 @@
 """Typed access to the aggregator's maps: jobs, workers, ports, slots and counters.
 
 Everything the control plane writes or reads goes through here, with the ctypes structures of
-xdp_switch.abi, so the Python side and bpf/generated/abi.h share one definition.
+aggcodegen.abi, so the Python side and bpf/generated/abi.h share one definition.
 """
 
 from __future__ import annotations
@@ -12,12 +12,11 @@ import socket
 import time
 
 import bpfsys
+from aggcodegen import abi
 from aggctl.backend import check_job, check_worker
 from aggproto import keys, limits, wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.reasons import Reason
-
-from . import abi
 
 
 def ip_be(addr: str) -> int:

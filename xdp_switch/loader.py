@@ -22,9 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import bpfsys
+from aggcodegen import abi
 from aggproto import limits
 
-from . import abi
 from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
 
