@@ -493,32 +493,12 @@ def serve(
 ) -> None:
     """Run the endpoint (resolve's) in front of the target `opts` names until interrupted."""
     ep = endpoint
-    if opts.target == "xdp":
-        serve_xdp(
-            name,
-            ep.host,
-            ep.port,
-            group_ip=opts.group_ip,
-            barrier_timeout=opts.barrier_timeout,
-            udp_checksum=opts.udp_checksum,
-            results=opts.results,
-            group_base=opts.group_base,
-            secret=ep.secret,
-            limits=ep.limits,
-            rejoin_timeout=opts.rejoin_timeout,
-            announce=announce,
-            warn=warn,
-            parent=ep.parent,
-        )
-        return
-    serve_bmv2(
-        opts.ports.split(","),
-        opts.workdir,
-        ep.host,
-        ep.port,
-        netns=netns,
-        barrier_timeout=opts.barrier_timeout,
-        secret=ep.secret,
-        limits=ep.limits,
-        announce=announce,
+    common = dict(
+        barrier_timeout=opts.barrier_timeout, secret=ep.secret, limits=ep.limits, announce=announce
     )
+    if opts.target == "bmv2":
+        serve_bmv2(opts.ports.split(","), opts.workdir, ep.host, ep.port, netns=netns, **common)
+        return
+    results = dict(group_ip=opts.group_ip, results=opts.results, group_base=opts.group_base)
+    xdp = dict(udp_checksum=opts.udp_checksum, rejoin_timeout=opts.rejoin_timeout, parent=ep.parent)
+    serve_xdp(name, ep.host, ep.port, warn=warn, **results, **xdp, **common)

@@ -32,6 +32,8 @@ import uuid
 from aggproto import control
 from netns_testbed.plan import aggregator_group_base
 
+from . import cluster_worker
+
 CONTROL_PORT = 48800
 
 
@@ -217,29 +219,17 @@ class Cluster:
         procs = []
         for rank, h in enumerate(hosts):
             w = self.tb.workers[h]
-            cmd = [
-                sys.executable,
-                "-m",
-                "aggcluster.cluster_worker",
-                "--rank",
-                str(rank),
-                "--world",
-                str(len(hosts)),
-                "--control",
+            cmd = cluster_worker.argv(
+                rank,
+                len(hosts),
                 self.control_address(w, aggregators),
-                "--job",
                 job,
-                "--elems",
-                str(elems),
-                "--window",
-                str(window),
-                "--timeout",
-                str(timeout),
-                "--plan",
-                json.dumps(plan),
-            ]
-            if progress:
-                cmd.append("--progress")
+                plan,
+                elems=elems,
+                window=window,
+                timeout=timeout,
+                progress=progress,
+            )
             err = None if progress else subprocess.PIPE
             procs.append(
                 (

@@ -68,6 +68,38 @@ def float_bound(
 _PER_AGGREGATOR = ("packets_sent", "retransmissions", "results", "elements", "allreduces")
 
 
+def argv(rank: int, world: int, control: str, job: str, plan, *, python=None, **options):
+    """The command line of one cluster_worker: rank of world, joined to job at the control
+    endpoint(s) `control`, running `plan` (a list, or its JSON); `options`: more of its options
+    by name (elems=768 -> --elems 768; True: a flag); `python`: the interpreter (this one)."""
+    cmd = [python or sys.executable, "-m", "aggcluster.cluster_worker"]
+    cmd += ["--rank", str(rank), "--world", str(world), "--control", control, "--job", job]
+    cmd += ["--plan", plan if isinstance(plan, str) else json.dumps(plan)]
+    for name, value in options.items():
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            cmd.append(flag)
+        elif value is not None and value is not False:
+            cmd += [flag, str(value)]
+    return cmd
+
+
+def join(args, **kw):
+    """hostlib.init for a worker process, from its --rank, --world, --control, --job, --elems and
+    --window (the benchmarks' workers take the same); `kw`: any other init argument."""
+    import hostlib
+
+    return hostlib.init(
+        args.rank,
+        args.world,
+        args.control,
+        job=args.job,
+        elems=args.elems,
+        window=args.window,
+        **kw,
+    )
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -102,19 +134,8 @@ def main(argv=None) -> int:
     data_rank = args.rank if args.data_rank is None else args.data_rank
     data_world = args.world if args.data_world is None else args.data_world
 
-    import hostlib
-
     plan = json.loads(args.plan)
-    with hostlib.init(
-        args.rank,
-        args.world,
-        args.control,
-        job=args.job,
-        elems=args.elems,
-        window=args.window,
-        timeout=args.timeout,
-        progress=args.progress and args.rank == 0,
-    ) as comm:
+    with join(args, timeout=args.timeout, progress=args.progress and args.rank == 0) as comm:
         for item in plan:
             if item.get("check") == "counters":
                 # What the aggregator counted for this worker, beside what this worker sent.

@@ -31,6 +31,7 @@ import uuid
 
 from netns_testbed import faults, xdp_pass
 
+from . import cluster_worker
 from .cluster import CONTROL_PORT, Cluster, ClusterError
 
 
@@ -160,31 +161,18 @@ class TreeCluster:
         for r, rack in enumerate(self.rack_hosts):
             for i in range(self.per_rack):
                 g = r * self.per_rack + i
-                cmd = [
-                    sys.executable,
-                    "-m",
-                    "aggcluster.cluster_worker",
-                    "--rank",
-                    str(i),
-                    "--world",
-                    str(self.per_rack),
-                    "--data-rank",
-                    str(g),
-                    "--data-world",
-                    str(total),
-                    "--control",
+                cmd = cluster_worker.argv(
+                    i,
+                    self.per_rack,
                     f"{rack.ip}:{CONTROL_PORT}",
-                    "--job",
                     job,
-                    "--elems",
-                    str(elems),
-                    "--window",
-                    str(window),
-                    "--timeout",
-                    str(timeout),
-                    "--plan",
-                    json.dumps(plan),
-                ]
+                    plan,
+                    data_rank=g,
+                    data_world=total,
+                    elems=elems,
+                    window=window,
+                    timeout=timeout,
+                )
                 p = self.tb.popen(
                     self.tb.workers[g],
                     cmd,

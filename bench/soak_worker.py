@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from aggcluster.cluster_worker import expected_sum, float_bound, make_input
+from aggcluster.cluster_worker import expected_sum, float_bound, join, make_input
 
 # Tensor sizes in bytes, cycled through: mostly small and medium, a few tens of MiB.
 SIZES = (
@@ -98,19 +98,9 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=60.0)
     args = ap.parse_args(argv)
 
-    import hostlib
-
     wrong = 0
     k = 0
-    with hostlib.init(
-        args.rank,
-        args.world,
-        args.control,
-        job=args.job,
-        elems=args.elems,
-        window=args.window,
-        timeout=args.timeout,
-    ) as comm:
+    with join(args, timeout=args.timeout) as comm:
         flag = np.zeros(1, dtype=np.int32)
         while True:
             flag[0] = args.rank == 0 and (

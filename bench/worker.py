@@ -31,6 +31,8 @@ from datetime import timedelta
 
 import numpy as np
 
+from aggcluster.cluster_worker import join
+
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
@@ -67,18 +69,8 @@ def main(argv=None) -> int:
     import torch
     import torch.distributed as dist
 
-    import hostlib
-
     torch.set_num_threads(1)
-    comm = hostlib.init(
-        args.rank,
-        args.world,
-        args.control,
-        job=args.job,
-        elems=args.elems,
-        window=args.window,
-        timeout=60,
-    )
+    comm = join(args, timeout=60)
     dist.init_process_group(
         "gloo",
         init_method=f"tcp://{args.gloo}",

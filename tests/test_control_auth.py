@@ -13,13 +13,12 @@ import queue
 import select
 import socket
 import stat
-import threading
 import time
 
 import numpy as np
 import pytest
 from harness.cli import xdp_agg_cli
-from harness.ranks import ok, run_ranks, soft_cluster
+from harness.ranks import in_threads, ok, run_ranks, soft_cluster
 
 import hostlib
 from aggapp import cli, serving
@@ -167,11 +166,7 @@ def test_a_rank_without_the_secret_joins_with_the_token_rank_0_hands_on():
             except Exception as e:
                 results[r] = e
 
-        threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        assert not in_threads(rank, 2, 30)
         for r in range(2):
             assert not isinstance(results[r], Exception), results[r]
             got, token = results[r]

@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from harness.ranks import ok, run_ranks, soft_cluster
+from harness.ranks import join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
 from hostlib import scaling
@@ -76,39 +76,15 @@ def test_busy_worker_port_is_explained():
     from hostlib.rendezvous import ControlClient
 
     with soft_cluster() as cl:
-        errors = []
-
-        def rank0():  # waits at the barrier for rank 1, in vain
-            try:
-                hostlib.init(
-                    0,
-                    2,
-                    cl.endpoint,
-                    job="busy",
-                    ip=cl.worker_ip(0),
-                    rendezvous_timeout=2.0,
-                    secret_file=cl.secret_file,
-                ).close()
-            except hostlib.HostlibError as e:
-                errors.append(e)
-
-        t = threading.Thread(target=rank0)
-        t.start()
+        # rank 0 waits at the barrier for rank 1, in vain
+        t, errors = start_rank(cl, 0, 2, job="busy", rendezvous_timeout=2.0)
         ctl = ControlClient(cl.server.address, secret=cl.secret)
         port = ctl.request("status", job="busy", wait=5)["job"]["worker_port"]
         ctl.close()
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as blocker:
             blocker.bind((cl.worker_ip(1), port))  # rank 1's port is taken on its address
             with pytest.raises(hostlib.HostlibError, match=f"UDP port rank 0 chose, {port}"):
-                hostlib.init(
-                    1,
-                    2,
-                    cl.endpoint,
-                    job="busy",
-                    ip=cl.worker_ip(1),
-                    rendezvous_timeout=5,
-                    secret_file=cl.secret_file,
-                )
+                join_rank(cl, 1, 2, job="busy", rendezvous_timeout=5)
         t.join(15)
         assert errors and "barrier timeout" in str(errors[0])
 
@@ -525,33 +501,8 @@ def test_a_second_run_with_a_live_job_name_is_refused():
 
 def test_world_size_mismatch_is_refused(soft):
     cl = soft
-    errors = []
-
-    def rank0():
-        try:
-            hostlib.init(
-                0,
-                2,
-                cl.endpoint,
-                job="w",
-                ip=cl.worker_ip(0),
-                rendezvous_timeout=1.0,
-                secret_file=cl.secret_file,
-            ).close()
-        except hostlib.HostlibError as e:
-            errors.append(e)
-
-    t = threading.Thread(target=rank0)
-    t.start()
+    t, errors = start_rank(cl, 0, 2, job="w", rendezvous_timeout=1.0)
     with pytest.raises(ValueError, match="world_size 2, this rank was started with 3"):
-        hostlib.init(
-            1,
-            3,
-            cl.endpoint,
-            job="w",
-            ip=cl.worker_ip(1),
-            rendezvous_timeout=5,
-            secret_file=cl.secret_file,
-        )
+        join_rank(cl, 1, 3, job="w", rendezvous_timeout=5)
     t.join(15)
     assert errors and "barrier timeout" in str(errors[0])

@@ -16,6 +16,7 @@ import pytest
 from harness.cli import xdp_agg_cli as run_cli
 
 from aggapp import cli, service
+from aggcluster import cluster_worker
 from xdp_switch import pins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -208,21 +209,7 @@ def _serve_and_stop(tb, name, tmp_path):
         workers = [
             tb.popen(
                 w,
-                [
-                    sys.executable,
-                    "-m",
-                    "aggcluster.cluster_worker",
-                    "--rank",
-                    str(i),
-                    "--world",
-                    "2",
-                    "--control",
-                    f"{w.agg_ip}:48811",
-                    "--job",
-                    "svc",
-                    "--plan",
-                    plan,
-                ],
+                cluster_worker.argv(i, 2, f"{w.agg_ip}:48811", "svc", plan),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -4,11 +4,10 @@ join the parent's job (aggctl.tree.TreeBackend in front of each rack's backend).
 from __future__ import annotations
 
 import secrets
-import threading
 import time
 
 import pytest
-from harness.ranks import loopback_prefix
+from harness.ranks import in_threads, loopback_prefix
 
 from aggctl.endpoint import stand_up
 from aggctl.tree import ParentLink, TreeBackend
@@ -108,11 +107,7 @@ def test_racks_join_the_parents_job():
             except RendezvousError as e:
                 answers[r] = e
 
-        threads = [threading.Thread(target=create, args=(r,)) for r in range(2)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(30)
+        assert not in_threads(create, 2, 30)
         assert all(not isinstance(a, Exception) for a in answers), answers
         (pspec,) = parent_be.specs.values()
         assert pspec.num_workers == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from aggcluster import cluster_worker
 from aggproto import control
 from xdp_switch import pins
 
@@ -137,21 +138,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path, testbed_factor
         workers = [
             tb.popen(
                 w,
-                [
-                    str(py),
-                    "-m",
-                    "aggcluster.cluster_worker",
-                    "--rank",
-                    str(i),
-                    "--world",
-                    "2",
-                    "--control",
-                    f"{w.agg_ip}:48812",
-                    "--job",
-                    "wheel",
-                    "--plan",
-                    plan,
-                ],
+                cluster_worker.argv(i, 2, f"{w.agg_ip}:48812", "wheel", plan, python=str(py)),
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,

@@ -114,17 +114,24 @@ def soft_cluster(
                     agg.stop()
 
 
-def run_ranks(
-    cluster: Cluster,
-    n: int,
-    fn,
-    *,
-    job: str = "test",
-    deadline: float = 60.0,
-    control_spec=None,
-    per_rank=None,
-    **kw,
-):
+def in_threads(fn, n: int, deadline: float = 60.0) -> list[int]:
+    """fn(r) for r in 0..n-1, each in its own thread, all at once; the r still running after
+    `deadline` seconds (none, for a test that passes)."""
+    threads = [threading.Thread(target=fn, args=(r,), daemon=True) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline)
+    return [r for r, t in enumerate(threads) if t.is_alive()]
+
+
+def join_rank(cluster: Cluster, rank: int, world: int, *, job: str, **kw):
+    """hostlib.init of `rank` at the cluster's first endpoint, from its address, with its secret."""
+    args = {"secret_file": cluster.secret_file, "ip": cluster.worker_ip(rank), **kw}
+    return hostlib.init(rank, world, cluster.endpoint, job=job, **args)
+
+
+def run_ranks(cluster, n, fn, *, job="test", deadline=60.0, control_spec=None, per_rank=None, **kw):
     """Run fn(comm) on ranks 0..n-1 (threads), each in its own communicator joined to every
     aggregator of the cluster; their results.
 
@@ -146,14 +153,28 @@ def run_ranks(
         except Exception as e:  # reported to the test
             results[r] = e
 
-    threads = [threading.Thread(target=rank_main, args=(r,), daemon=True) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(deadline)
-    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    stuck = in_threads(rank_main, n, deadline)
     assert not stuck, f"ranks {stuck} still running after {deadline} s"
     return results
+
+
+def start_rank(cluster: Cluster, rank: int, world: int, *, job: str, **kw):
+    """One rank joining in a thread and leaving at once (a rank that waits at the barrier while
+    the test does something else); the started thread and the HostlibErrors it raised."""
+    errors: list = []
+
+    def join() -> None:
+        try:
+            args = {"secret_file": cluster.secret_file, **kw}
+            hostlib.init(
+                rank, world, cluster.endpoint, job=job, ip=cluster.worker_ip(rank), **args
+            ).close()
+        except hostlib.HostlibError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=join, daemon=True)
+    t.start()
+    return t, errors
 
 
 def ok(results: list) -> list:
