@@ -89,15 +89,8 @@ def join(args, **kw):
     --window (the benchmarks' workers take the same); `kw`: any other init argument."""
     import hostlib
 
-    return hostlib.init(
-        args.rank,
-        args.world,
-        args.control,
-        job=args.job,
-        elems=args.elems,
-        window=args.window,
-        **kw,
-    )
+    job = dict(job=args.job, elems=args.elems, window=args.window)
+    return hostlib.init(args.rank, args.world, args.control, **job, **kw)
 
 
 def main(argv=None) -> int:

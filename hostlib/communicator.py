@@ -114,27 +114,21 @@ def init(
     token = token or os.environ.get(control.TOKEN_ENV) or None
     joined: list[_Joined] = []
     try:
+        link = dict(ip=ip, mac=mac, wait=rendezvous_timeout, gso=gso, gro=gro, secret=secret)
         for j, endpoint in enumerate(endpoints):
+            first = j == 0  # the token is the first aggregator's (above)
+            where = (
+                f" on aggregator {j} ({endpoint[0]}:{endpoint[1]})" if len(endpoints) > 1 else ""
+            )
+            one = (rank, world_size, endpoint, job, elems, window)
             joined.append(
                 _join_one(
-                    rank,
-                    world_size,
-                    endpoint,
-                    job,
-                    elems,
-                    window,
-                    ip=ip,
+                    *one,
                     port=port + j if port else 0,
-                    mac=mac,
-                    wait=rendezvous_timeout,
-                    gso=gso,
-                    gro=gro,
-                    secret=secret,
-                    token=token if j == 0 else None,
-                    on_token=on_token if j == 0 else None,
-                    where=f" on aggregator {j} ({endpoint[0]}:{endpoint[1]})"
-                    if len(endpoints) > 1
-                    else "",
+                    token=token if first else None,
+                    on_token=on_token if first else None,
+                    where=where,
+                    **link,
                 )
             )
     except BaseException as e:

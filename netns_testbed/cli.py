@@ -161,40 +161,10 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 )
 @click.option("--prefix", callback=_prefix, help="Name prefix (default: xt + 4 random hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
-def up(
-    workers,
-    topology,
-    rate,
-    agg_rate,
-    aggregators,
-    mtu,
-    loss_up,
-    loss_down,
-    dup_up,
-    dup_down,
-    observers,
-    mcast_snooping,
-    prefix,
-    as_json,
-):
+def up(as_json, **params):
     try:
         # options first: a usage error is worth knowing before asking for sudo
-        tb = Testbed(
-            workers=workers,
-            topology=topology,
-            rate=rate,
-            agg_rate=agg_rate,
-            mtu=mtu,
-            loss_up=loss_up,
-            loss_down=loss_down,
-            dup_up=dup_up,
-            dup_down=dup_down,
-            prefix=prefix,
-            cleanup_at_exit=False,
-            observers=observers,
-            mcast_snooping=mcast_snooping,
-            aggregators=aggregators,
-        )
+        tb = Testbed(**params, cleanup_at_exit=False)  # the options are its arguments
         require_root()
         tb.up()
     except ValueError as e:

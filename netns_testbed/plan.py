@@ -133,6 +133,11 @@ def aggregator_netns(prefix: str, j: int) -> str:
     return f"{prefix}ag" if j == 0 else f"{prefix}ag{j}"
 
 
+def _worker(index: int, netns: str, ip: str, agg_ip: str, agg_if: str, agg_mac: str):
+    """Worker `index` on its eth0 at `ip`, reaching the aggregator at agg_ip on agg_if."""
+    return WorkerHost(index, netns, "eth0", ip, mac_for_ip(ip), agg_ip, agg_if, agg_mac, PREFIXLEN)
+
+
 def make_plan(
     prefix: str, workers: int, topology: str, observers: int = 0, aggregators: int = 1
 ) -> Plan:
@@ -179,19 +184,7 @@ def make_plan(
         hosts = []
         for i in range(workers):
             ip = f"198.18.0.{10 + i}"
-            hosts.append(
-                WorkerHost(
-                    i,
-                    worker_ns[i],
-                    "eth0",
-                    ip,
-                    mac_for_ip(ip),
-                    ONE_ARM_AGG_IP,
-                    "eth0",
-                    agg_mac,
-                    PREFIXLEN,
-                )
-            )
+            hosts.append(_worker(i, worker_ns[i], ip, ONE_ARM_AGG_IP, "eth0", agg_mac))
             veths.append(
                 VethSpec(
                     worker_ns[i],
@@ -251,19 +244,7 @@ def make_plan(
             agg.ifnames.append(agg_if)
             agg.ips.append(agg_ip)
             agg.macs.append(mac_for_ip(agg_ip))
-            hosts.append(
-                WorkerHost(
-                    i,
-                    worker_ns[i],
-                    "eth0",
-                    ip,
-                    mac_for_ip(ip),
-                    agg_ip,
-                    agg_if,
-                    mac_for_ip(agg_ip),
-                    PREFIXLEN,
-                )
-            )
+            hosts.append(_worker(i, worker_ns[i], ip, agg_ip, agg_if, mac_for_ip(agg_ip)))
             veths.append(
                 VethSpec(
                     worker_ns[i],

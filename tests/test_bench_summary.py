@@ -4,32 +4,19 @@
 from bench import allreduce
 
 
+def _row(n, link, kind, dtype, xdp_agg, cpu_s, **more):
+    """One row as run_config makes it: 64 MiB, xdp-agg's times and CPU seconds, then `more`."""
+    return {"n": n, "link": link, "bytes": 64 << 20, "kind": kind, "dtype": dtype,
+            "xdp-agg": xdp_agg, "xdp-agg cpu_s": cpu_s, **more}  # fmt: skip
+
+
 def _rows():
-    thr = {
-        "n": 4,
-        "link": "1gbit",
-        "bytes": 64 << 20,
-        "kind": "throughput",
-        "dtype": "float32",
-        "xdp-agg": [0.7, 0.6, 0.8],
-        "gloo": [0.9, 0.9, 0.9],
-        "xdp-agg cpu_s": [0.4, 0.5, 0.6],
-        "gloo cpu_s": [0.1, 0.1, 0.2],
-        "retransmissions": 50,
-        "packets": 10000,
-        "retx_causes": {"spurious": 40, "tbf_qdisc": 10},
-    }
-    host = {
-        "n": 1,
-        "link": "unshaped",
-        "bytes": 64 << 20,
-        "kind": "host",
-        "dtype": "int32",
-        "xdp-agg": [0.25, 0.2, 0.3],
-        "xdp-agg cpu_s": [0.3, 0.2, 0.4],
-        "retransmissions": 0,
-        "packets": 22000,
-    }
+    thr = _row(4, "1gbit", "throughput", "float32", [0.7, 0.6, 0.8], [0.4, 0.5, 0.6],
+               gloo=[0.9, 0.9, 0.9], retransmissions=50, packets=10000,
+               retx_causes={"spurious": 40, "tbf_qdisc": 10})  # fmt: skip
+    thr["gloo cpu_s"] = [0.1, 0.1, 0.2]
+    host = _row(1, "unshaped", "host", "int32", [0.25, 0.2, 0.3], [0.3, 0.2, 0.4],
+                retransmissions=0, packets=22000)  # fmt: skip
     return [thr, host]
 
 

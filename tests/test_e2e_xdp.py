@@ -10,35 +10,23 @@ import sys
 
 import junk
 import pytest
+from harness.workers import MIXED_PLAN, ODD, assert_reports_ok
 
 from aggcluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
-
-ODD = 10 * 256 + 3  # not a multiple of the packet size
-
-
-def _ok(reports):
-    for rank, reps in enumerate(reports):
-        for r in reps:
-            if "ok" in r:
-                assert r["ok"], f"rank {rank}: wrong result for {r['dtype']} x {r['count']}: {r}"
 
 
 @pytest.mark.parametrize("n", [2, 4, 8])
 def test_allreduce_one_arm(testbed_factory, n):
     tb = testbed_factory(workers=n, topology="one-arm")
     plan = [
-        {"dtype": "int32", "count": 1},
-        {"dtype": "int32", "count": ODD},
-        {"dtype": "int32", "count": 200_000, "seed": 3},
-        {"dtype": "float32", "count": 100_000, "seed": 4},
-        {"dtype": "float16", "count": ODD, "seed": 5},
+        *MIXED_PLAN,
         {"check": "counters"},
     ]
     with Cluster(tb) as cl:
         reports = cl.run_workers(plan, job=f"one-arm-{n}")
-    _ok(reports)
+    assert_reports_ok(reports)
     for rank, reps in enumerate(reports):
         c = next(r for r in reps if r.get("check") == "counters")
         agg, me = c["aggregator"], c["worker"]
@@ -59,7 +47,7 @@ def test_allreduce_switch(testbed_factory):
     with Cluster(tb) as cl:
         reports = cl.run_workers(plan, job="switch")
         st = cl.stats()
-    _ok(reports)
+    assert_reports_ok(reports)
     assert st["unattributed"]["drop_unknown_source"] == 0
 
 
@@ -69,7 +57,7 @@ def test_loss_in_both_directions(testbed_factory, loss):
     plan = [{"dtype": "int32", "count": 100_000}, {"dtype": "float32", "count": 50_000, "seed": 2}]
     with Cluster(tb) as cl:
         reports = cl.run_workers(plan, job=f"loss-{loss}", timeout=60)
-    _ok(reports)
+    assert_reports_ok(reports)
     retx = sum(r["stats"]["retransmissions"] for reps in reports for r in reps if "stats" in r)
     assert retx > 0, "loss was configured but nothing was retransmitted"
 
@@ -84,8 +72,8 @@ def test_two_jobs_at_once_stay_isolated(testbed_factory):
             [{"dtype": "int32", "count": 300_000, "seed": 12}], hosts=[2, 3], job="job-b"
         )
         ra, rb = cl.collect(a), cl.collect(b)
-    _ok(ra)
-    _ok(rb)
+    assert_reports_ok(ra)
+    assert_reports_ok(rb)
 
 
 # An unregistered host floods the aggregator with well-formed contributions for the job's slots.
@@ -122,7 +110,7 @@ def test_unregistered_host_changes_nothing(testbed_factory):
         reports = cl.collect(procs)
         sent = int(spam.communicate(timeout=30)[0])
         st = cl.stats()
-    _ok(reports)
+    assert_reports_ok(reports)
     assert sent > 0
     assert st["unattributed"]["drop_unknown_source"] >= sent * 0.9  # minus what the veth dropped
 
@@ -152,7 +140,7 @@ def test_lying_lengths_from_a_registered_worker_change_no_sum(testbed_factory, t
         finally:
             liar.kill()
             liar.wait(timeout=10)
-    _ok(reports)
+    assert_reports_ok(reports)
     c = next(r for r in reports[0] if r.get("check") == "counters")
     assert c["aggregator"]["dropped"] > 0, "no lying frame reached the aggregator"
     assert c["aggregator"]["contributions"] == c["worker"]["results"]

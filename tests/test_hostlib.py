@@ -305,18 +305,9 @@ def test_loss_in_both_directions_is_recovered_exactly(loss):
         out.append(c.allreduce(float_inputs(c.rank, length, 64)))
         return out, c.stats
 
+    faults = hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7)
     with soft_cluster() as cl:
-        res = ok(
-            run_ranks(
-                cl,
-                n,
-                body,
-                elems=64,
-                window=16,
-                retransmit=0.01,
-                faults=hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7),
-            )
-        )
+        res = ok(run_ranks(cl, n, body, elems=64, window=16, retransmit=0.01, faults=faults))
     inputs = [float_inputs(r, length, 64) for r in range(n)]
     for out, stats in res:
         assert np.array_equal(out[0], int_expected(n, length, seed=0))
@@ -332,17 +323,9 @@ def test_duplicated_packets_and_results_are_harmless():
     def body(c):
         return c.allreduce(int_inputs(c.rank, length)), c.stats
 
+    faults = hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3)
     with soft_cluster() as cl:
-        res = ok(
-            run_ranks(
-                cl,
-                n,
-                body,
-                elems=64,
-                window=8,
-                faults=hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3),
-            )
-        )
+        res = ok(run_ranks(cl, n, body, elems=64, window=8, faults=faults))
         counters = cl.aggregator.counters(0)
     for got, stats in res:
         assert np.array_equal(got, int_expected(n, length))

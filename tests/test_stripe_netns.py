@@ -11,15 +11,13 @@ import os
 import time
 
 import pytest
-from test_e2e_xdp import _ok
+from harness.workers import MIXED_PLAN, ODD, assert_reports_ok
 
 from aggcluster.cluster import Cluster, ClusterError
 from netns_testbed import plan
 from netns_testbed.fixtures import SKIP_REASON
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)
-
-ODD = 10 * 256 + 3  # not a multiple of the packet size
 
 
 def test_plan_with_several_aggregators():
@@ -141,17 +139,11 @@ def test_striped_over_two_aggregators_exact_under_loss(testbed_factory, loss):
     """4 workers, 2 XDP aggregators, 1% loss both ways on every worker link: int32 bit-exact,
     float32 and float16 within the bound, both aggregators carried traffic and retransmitted."""
     tb = testbed_factory(workers=4, aggregators=2, loss_up=loss, loss_down=loss)
-    work = [
-        {"dtype": "int32", "count": 1},
-        {"dtype": "int32", "count": ODD},
-        {"dtype": "int32", "count": 200_000, "seed": 3},
-        {"dtype": "float32", "count": 100_000, "seed": 4},
-        {"dtype": "float16", "count": ODD, "seed": 5},
-    ]
+    work = MIXED_PLAN
     with Cluster(tb) as cl:
         reports = cl.run_workers(work, job="striped", aggregators=2, timeout=60)
         stats = [cl.stats(j) for j in range(2)]
-    _ok(reports)
+    assert_reports_ok(reports)
     endpoints = [f"198.18.0.{1 + j}:48800" for j in range(2)]
     retx = [0, 0]
     for reps in reports:
@@ -217,7 +209,7 @@ def test_thirty_two_workers_on_one_aggregator(testbed_factory):
         reports = cl.run_workers(work, job="thirty-two", window=16, timeout=60, deadline=600)
         st = cl.stats()
     assert len(reports) == n
-    _ok(reports)
+    assert_reports_ok(reports)
     for rank, reps in enumerate(reports):
         c = next(r for r in reps if r.get("check") == "counters")
         assert c["aggregator"]["contributions"] == c["worker"]["results"], f"rank {rank}"
