@@ -93,7 +93,7 @@ def join(args, **kw):
     return hostlib.init(args.rank, args.world, args.control, **job, **kw)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -123,79 +123,95 @@ def main(argv=None) -> int:
         default=None,
         help="how many workers' inputs make the exact sum (default --world)",
     )
-    args = ap.parse_args(argv)
+    return ap
+
+
+def _counters_report(comm, rank: int) -> dict:
+    """What the aggregator counted for this worker, beside what this worker sent."""
+    comm.barrier()
+    d = comm.status()
+    return {
+        "rank": rank,
+        "check": "counters",
+        "aggregator": (d.get("counters") or {}).get(str(rank)),
+        "worker": comm.stats,
+        "parent": d.get("parent"),  # a rack of a two-level tree: its parent link and counters
+    }
+
+
+def _timed(comm, x, reps: int):
+    """`reps` all-reduces of x in step with the other ranks; the last result, the times and the
+    (user, sys) CPU seconds of each."""
+    times, cpu = [], []
+    for _ in range(reps):
+        comm.barrier()
+        r0 = resource.getrusage(resource.RUSAGE_SELF)
+        t0 = time.perf_counter()
+        out = comm.allreduce(x)
+        times.append(time.perf_counter() - t0)
+        r1 = resource.getrusage(resource.RUSAGE_SELF)
+        cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+    return out, times, cpu
+
+
+def _verify(report: dict, out, dtype: str, count: int, seed: int, world: int, elems: int):
+    """The result against the exact sum: bit-exact for int32, within the bound for floats."""
+    want = expected_sum(dtype, count, seed, world)
+    if dtype == "int32":
+        report["ok"] = bool(np.array_equal(out, want))
+        report["mismatches"] = int(np.count_nonzero(out != want))
+        return
+    err = np.abs(out.astype(np.float64) - want)
+    bound = float_bound(dtype, count, seed, world, elems, out)
+    report["ok"] = bool(np.all(err <= bound))
+    report["max_abs_err"] = float(err.max())
+    report["max_err_over_bound"] = float((err / bound).max())
+
+
+def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -> dict:
+    """One plan item: its all-reduces timed, their counters, and the result checked."""
+    dtype, count = item["dtype"], int(item["count"])
+    seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
+    x = make_input(dtype, count, seed, data_rank)
+    before = dict(comm.stats)
+    before_per = comm.stats_per_aggregator()
+    out, times, cpu = _timed(comm, x, reps)
+    # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
+    # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
+    # XDP program) that runs in the sending system call
+    report = {
+        "rank": args.rank,
+        "dtype": dtype,
+        "count": count,
+        "times": times,
+        "cpu_s": [u + s for u, s in cpu],
+        "cpu_user_s": [u for u, _ in cpu],
+        "cpu_sys_s": [s for _, s in cpu],
+        "native": comm._engine.native,
+        "group": list(comm.description.group) if comm.description.group else None,
+    }
+    report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
+    report["per_aggregator"] = [
+        {"aggregator": now["aggregator"], **{k: now[k] - was[k] for k in _PER_AGGREGATOR}}
+        for now, was in zip(comm.stats_per_aggregator(), before_per)
+    ]
+    if item.get("verify", True):
+        _verify(report, out, dtype, count, seed, data_world, args.elems)
+    return report
+
+
+def main(argv=None) -> int:
+    """Run the plan; one JSON report line per item on stdout."""
+    args = _parser().parse_args(argv)
     data_rank = args.rank if args.data_rank is None else args.data_rank
     data_world = args.world if args.data_world is None else args.data_world
-
     plan = json.loads(args.plan)
     with join(args, timeout=args.timeout, progress=args.progress and args.rank == 0) as comm:
         for item in plan:
             if item.get("check") == "counters":
-                # What the aggregator counted for this worker, beside what this worker sent.
-                comm.barrier()
-                d = comm.status()
-                mine = (d.get("counters") or {}).get(str(args.rank))
-                print(
-                    json.dumps(
-                        {
-                            "rank": args.rank,
-                            "check": "counters",
-                            "aggregator": mine,
-                            "worker": comm.stats,
-                            # a rack of a two-level tree: its parent link and counters
-                            "parent": d.get("parent"),
-                        }
-                    ),
-                    flush=True,
-                )
-                continue
-            dtype, count = item["dtype"], int(item["count"])
-            seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
-            x = make_input(dtype, count, seed, data_rank)
-            times, cpu = [], []
-            before = dict(comm.stats)
-            before_per = comm.stats_per_aggregator()
-            for _ in range(reps):
-                comm.barrier()
-                r0 = resource.getrusage(resource.RUSAGE_SELF)
-                t0 = time.perf_counter()
-                out = comm.allreduce(x)
-                times.append(time.perf_counter() - t0)
-                r1 = resource.getrusage(resource.RUSAGE_SELF)
-                cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
-            # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
-            # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
-            # XDP program) that runs in the sending system call
-            report = {
-                "rank": args.rank,
-                "dtype": dtype,
-                "count": count,
-                "times": times,
-                "cpu_s": [u + s for u, s in cpu],
-                "cpu_user_s": [u for u, _ in cpu],
-                "cpu_sys_s": [s for _, s in cpu],
-                "native": comm._engine.native,
-                "group": list(comm.description.group) if comm.description.group else None,
-            }
-            report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
-            report["per_aggregator"] = [
-                {
-                    "aggregator": now["aggregator"],
-                    **{k: now[k] - was[k] for k in _PER_AGGREGATOR},
-                }
-                for now, was in zip(comm.stats_per_aggregator(), before_per)
-            ]
-            if item.get("verify", True):
-                want = expected_sum(dtype, count, seed, data_world)
-                if dtype == "int32":
-                    report["ok"] = bool(np.array_equal(out, want))
-                    report["mismatches"] = int(np.count_nonzero(out != want))
-                else:
-                    err = np.abs(out.astype(np.float64) - want)
-                    bound = float_bound(dtype, count, seed, data_world, args.elems, out)
-                    report["ok"] = bool(np.all(err <= bound))
-                    report["max_abs_err"] = float(err.max())
-                    report["max_err_over_bound"] = float((err / bound).max())
+                report = _counters_report(comm, args.rank)
+            else:
+                report = _allreduce_report(comm, item, args, data_rank, data_world)
             print(json.dumps(report), flush=True)
     return 0
 

@@ -14,7 +14,56 @@ import sys
 import time
 
 
+def _print_results(args, count: int, reports: list, agg: dict) -> bool:
+    """The demo's table, from the workers' reports and the aggregator's counters; whether every
+    result was right."""
+    rs = [reps[0] for reps in reports]
+    t = max(min(r["times"]) for r in rs)  # the slowest worker's best all-reduce
+    retx = sum(r["stats"]["retransmissions"] for r in rs)
+    sent = sum(r["stats"]["packets_sent"] for r in rs)
+    ok = all(r["ok"] for r in rs)
+    print()
+    print(
+        f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, "
+        f"window {args.window}, MTU {args.mtu})"
+    )
+    print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
+    best = f", best of {args.reps}" if args.reps > 1 else ""
+    print(f"  all-reduce time    {t:.3f} s (slowest worker{best})")
+    print(f"  ATE/s              {count / t:.3e} aggregated tensor elements per second")
+    print(f"  goodput per worker {count * 4 * 8 / t / 1e9:.2f} Gbit/s each way")
+    gib = count * 4 / 2**30
+    i = min(range(len(rs[0]["cpu_s"])), key=lambda j: rs[0]["cpu_s"][j])  # rank 0's best
+    user, sys_ = rs[0]["cpu_user_s"][i] / gib, rs[0]["cpu_sys_s"][i] / gib
+    loop = "C (hostlib._fastpath)" if all(r["native"] for r in rs) else "numpy"
+    print(
+        f"  worker CPU         {user + sys_:.2f} s/GiB (user {user:.2f} + sys {sys_:.2f}, "
+        f"rank 0, {loop} loop)"
+    )
+    print(f"  packets sent       {sent:,}, retransmissions {retx:,}")
+    print(
+        "  aggregator         "
+        f"{sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} "
+        "unattributed drops"
+    )
+    if args.dtype == "int32":
+        print(
+            "  verified           "
+            f"{'bit-exact against numpy on every worker' if ok else 'MISMATCH'}"
+        )
+    else:
+        worst = max(r.get("max_err_over_bound", 0) for r in rs)
+        err = max(r.get("max_abs_err", 0) for r in rs)
+        print(
+            f"  verified           {'within' if ok else 'OUTSIDE'} the block-scaling bound "
+            "on every worker "
+            f"(max |error| {err:.2e}, {worst:.0%} of the bound)"
+        )
+    return ok
+
+
 def main(argv=None) -> int:
+    """Build, attach, all-reduce, print the results, tear down; the exit code."""
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -73,48 +122,7 @@ def main(argv=None) -> int:
                 return 1
             agg = cl.stats()
         say("detached; removing the testbed")
-    rs = [reps[0] for reps in reports]
-    t = max(min(r["times"]) for r in rs)  # the slowest worker's best all-reduce
-    retx = sum(r["stats"]["retransmissions"] for r in rs)
-    sent = sum(r["stats"]["packets_sent"] for r in rs)
-    ok = all(r["ok"] for r in rs)
-    print()
-    print(
-        f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, "
-        f"window {args.window}, MTU {args.mtu})"
-    )
-    print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
-    best = f", best of {args.reps}" if args.reps > 1 else ""
-    print(f"  all-reduce time    {t:.3f} s (slowest worker{best})")
-    print(f"  ATE/s              {count / t:.3e} aggregated tensor elements per second")
-    print(f"  goodput per worker {count * 4 * 8 / t / 1e9:.2f} Gbit/s each way")
-    gib = count * 4 / 2**30
-    i = min(range(len(rs[0]["cpu_s"])), key=lambda j: rs[0]["cpu_s"][j])  # rank 0's best
-    user, sys_ = rs[0]["cpu_user_s"][i] / gib, rs[0]["cpu_sys_s"][i] / gib
-    loop = "C (hostlib._fastpath)" if all(r["native"] for r in rs) else "numpy"
-    print(
-        f"  worker CPU         {user + sys_:.2f} s/GiB (user {user:.2f} + sys {sys_:.2f}, "
-        f"rank 0, {loop} loop)"
-    )
-    print(f"  packets sent       {sent:,}, retransmissions {retx:,}")
-    print(
-        "  aggregator         "
-        f"{sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} "
-        "unattributed drops"
-    )
-    if args.dtype == "int32":
-        print(
-            "  verified           "
-            f"{'bit-exact against numpy on every worker' if ok else 'MISMATCH'}"
-        )
-    else:
-        worst = max(r.get("max_err_over_bound", 0) for r in rs)
-        err = max(r.get("max_abs_err", 0) for r in rs)
-        print(
-            f"  verified           {'within' if ok else 'OUTSIDE'} the block-scaling bound "
-            "on every worker "
-            f"(max |error| {err:.2e}, {worst:.0%} of the bound)"
-        )
+    ok = _print_results(args, count, reports, agg)
     print(f"  total demo time    {time.perf_counter() - t_start:.1f} s")
     return 0 if ok else 1
 

@@ -408,25 +408,30 @@ def plot(summary: list[dict], path: Path) -> None:
             )
             ax.legend(fontsize=7)
     if lat:
-        for j, lk in enumerate(links):
-            ax = axes[rows - 1][j]
-            for b, style in zip(sorted({s["bytes"] for s in lat}), ("o-", "^--")):
-                pts = sorted(
-                    (s for s in lat if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
-                )
-                ns = [s["n"] for s in pts]
-                for system in ("xdp-agg", "gloo"):
-                    ax.plot(
-                        ns,
-                        [s[system]["p50_s"] * 1e3 for s in pts],
-                        style,
-                        color=colors[system],
-                        label=f"{system} {_size(b)}",
-                    )
-            _style(ax, f"small all-reduces, {lk}: p50 latency", "ms (p50)", ns)
-            ax.legend(fontsize=7)
+        _plot_latency(axes[rows - 1], lat, links, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None:
+    """The last row: the small all-reduces' p50 latency against n, per link."""
+    for j, lk in enumerate(links):
+        ax = axes[j]
+        for b, style in zip(sorted({s["bytes"] for s in lat}), ("o-", "^--")):
+            pts = sorted(
+                (s for s in lat if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
+            )
+            ns = [s["n"] for s in pts]
+            for system in ("xdp-agg", "gloo"):
+                ax.plot(
+                    ns,
+                    [s[system]["p50_s"] * 1e3 for s in pts],
+                    style,
+                    color=colors[system],
+                    label=f"{system} {_size(b)}",
+                )
+        _style(ax, f"small all-reduces, {lk}: p50 latency", "ms (p50)", ns)
+        ax.legend(fontsize=7)
 
 
 def main(argv=None) -> int:

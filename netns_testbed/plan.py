@@ -138,12 +138,8 @@ def _worker(index: int, netns: str, ip: str, agg_ip: str, agg_if: str, agg_mac: 
     return WorkerHost(index, netns, "eth0", ip, mac_for_ip(ip), agg_ip, agg_if, agg_mac, PREFIXLEN)
 
 
-def make_plan(
-    prefix: str, workers: int, topology: str, observers: int = 0, aggregators: int = 1
-) -> Plan:
-    """Compute names/addresses for ``workers`` workers and ``aggregators`` aggregators (more
-    than one: one-arm only) in ``topology``, and ``observers`` hosts in no job on the one-arm
-    bridge."""
+def _check_sizes(prefix: str, workers: int, topology: str, observers: int, aggregators: int):
+    """ValueError for a testbed make_plan cannot lay out."""
     validate_prefix(prefix)
     if topology not in TOPOLOGIES:
         raise ValueError(f"unknown topology {topology!r}: use one of {', '.join(TOPOLOGIES)}")
@@ -169,99 +165,117 @@ def make_plan(
             "several aggregators need the one-arm topology (they share the workers' bridge)"
         )
 
+
+def _one_arm_plan(prefix, agg_ns, worker_ns, observers, aggregators) -> Plan:
+    """Every host on one bridge in <prefix>sw: the aggregator(s), workers, observers."""
+    topology, workers = "one-arm", len(worker_ns)
+    sw_ns = f"{prefix}sw"
+    agg_mac = mac_for_ip(ONE_ARM_AGG_IP)
+    agg = AggregatorHost(agg_ns, ["eth0"], [ONE_ARM_AGG_IP], [agg_mac], PREFIXLEN)
+    veths = [
+        VethSpec(
+            agg_ns, "eth0", sw_ns, "ag", None, ip_a=ONE_ARM_AGG_IP, mac_a=agg_mac, bridge_b=True
+        )
+    ]
+    hosts = []
+    for i in range(workers):
+        ip = f"198.18.0.{10 + i}"
+        hosts.append(_worker(i, worker_ns[i], ip, ONE_ARM_AGG_IP, "eth0", agg_mac))
+        veths.append(
+            VethSpec(
+                worker_ns[i],
+                "eth0",
+                sw_ns,
+                f"w{i}",
+                i,
+                ip_a=ip,
+                mac_a=mac_for_ip(ip),
+                bridge_b=True,
+            )
+        )
+    watchers = []
+    for i in range(observers):
+        ip = f"198.18.0.{OBSERVER_IP_BASE + i}"
+        watchers.append(ObserverHost(i, f"{prefix}o{i}", "eth0", ip, mac_for_ip(ip), PREFIXLEN))
+        veths.append(
+            VethSpec(
+                f"{prefix}o{i}",
+                "eth0",
+                sw_ns,
+                f"o{i}",
+                None,
+                ip_a=ip,
+                mac_a=mac_for_ip(ip),
+                bridge_b=True,
+            )
+        )
+    extra = []
+    for j in range(1, aggregators):
+        ns, ip = aggregator_netns(prefix, j), aggregator_ip(j)
+        extra.append(AggregatorHost(ns, ["eth0"], [ip], [mac_for_ip(ip)], PREFIXLEN, index=j))
+        veths.insert(
+            j,
+            VethSpec(
+                ns, "eth0", sw_ns, f"ag{j}", None, ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True
+            ),
+        )
+    return Plan(
+        prefix,
+        topology,
+        agg,
+        hosts,
+        veths,
+        sw_ns,
+        ONE_ARM_GROUP_IP,
+        [sw_ns, agg_ns, *(a.netns for a in extra), *worker_ns, *(o.netns for o in watchers)],
+        observers=watchers,
+        aggregators=[agg, *extra],
+    )
+
+
+def _switch_plan(prefix, agg_ns, worker_ns) -> Plan:
+    """A veth per worker into the aggregator's namespace, a /24 each."""
+    topology, workers = "switch", len(worker_ns)
+    agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
+    veths, hosts = [], []
+    for i in range(workers):
+        agg_ip, ip = f"198.18.{i + 1}.1", f"198.18.{i + 1}.2"
+        agg_if = f"p{i}"
+        agg.ifnames.append(agg_if)
+        agg.ips.append(agg_ip)
+        agg.macs.append(mac_for_ip(agg_ip))
+        hosts.append(_worker(i, worker_ns[i], ip, agg_ip, agg_if, mac_for_ip(agg_ip)))
+        veths.append(
+            VethSpec(
+                worker_ns[i],
+                "eth0",
+                agg_ns,
+                agg_if,
+                i,
+                ip_a=ip,
+                mac_a=mac_for_ip(ip),
+                ip_b=agg_ip,
+                mac_b=mac_for_ip(agg_ip),
+            )
+        )
+    return Plan(
+        prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns], aggregators=[agg]
+    )
+
+
+def make_plan(
+    prefix: str, workers: int, topology: str, observers: int = 0, aggregators: int = 1
+) -> Plan:
+    """Compute names/addresses for ``workers`` workers and ``aggregators`` aggregators (more
+    than one: one-arm only) in ``topology``, and ``observers`` hosts in no job on the one-arm
+    bridge."""
+    _check_sizes(prefix, workers, topology, observers, aggregators)
     agg_ns = f"{prefix}ag"
     worker_ns = [f"{prefix}w{i}" for i in range(workers)]
-
     if topology == "one-arm":
-        sw_ns = f"{prefix}sw"
-        agg_mac = mac_for_ip(ONE_ARM_AGG_IP)
-        agg = AggregatorHost(agg_ns, ["eth0"], [ONE_ARM_AGG_IP], [agg_mac], PREFIXLEN)
-        veths = [
-            VethSpec(
-                agg_ns, "eth0", sw_ns, "ag", None, ip_a=ONE_ARM_AGG_IP, mac_a=agg_mac, bridge_b=True
-            )
-        ]
-        hosts = []
-        for i in range(workers):
-            ip = f"198.18.0.{10 + i}"
-            hosts.append(_worker(i, worker_ns[i], ip, ONE_ARM_AGG_IP, "eth0", agg_mac))
-            veths.append(
-                VethSpec(
-                    worker_ns[i],
-                    "eth0",
-                    sw_ns,
-                    f"w{i}",
-                    i,
-                    ip_a=ip,
-                    mac_a=mac_for_ip(ip),
-                    bridge_b=True,
-                )
-            )
-        watchers = []
-        for i in range(observers):
-            ip = f"198.18.0.{OBSERVER_IP_BASE + i}"
-            watchers.append(ObserverHost(i, f"{prefix}o{i}", "eth0", ip, mac_for_ip(ip), PREFIXLEN))
-            veths.append(
-                VethSpec(
-                    f"{prefix}o{i}",
-                    "eth0",
-                    sw_ns,
-                    f"o{i}",
-                    None,
-                    ip_a=ip,
-                    mac_a=mac_for_ip(ip),
-                    bridge_b=True,
-                )
-            )
-        extra = []
-        for j in range(1, aggregators):
-            ns, ip = aggregator_netns(prefix, j), aggregator_ip(j)
-            extra.append(AggregatorHost(ns, ["eth0"], [ip], [mac_for_ip(ip)], PREFIXLEN, index=j))
-            veths.insert(
-                j,
-                VethSpec(
-                    ns, "eth0", sw_ns, f"ag{j}", None, ip_a=ip, mac_a=mac_for_ip(ip), bridge_b=True
-                ),
-            )
-        plan = Plan(
-            prefix,
-            topology,
-            agg,
-            hosts,
-            veths,
-            sw_ns,
-            ONE_ARM_GROUP_IP,
-            [sw_ns, agg_ns, *(a.netns for a in extra), *worker_ns, *(o.netns for o in watchers)],
-            observers=watchers,
-            aggregators=[agg, *extra],
-        )
+        plan = _one_arm_plan(prefix, agg_ns, worker_ns, observers, aggregators)
     else:
-        agg = AggregatorHost(agg_ns, [], [], [], PREFIXLEN)
-        veths, hosts = [], []
-        for i in range(workers):
-            agg_ip, ip = f"198.18.{i + 1}.1", f"198.18.{i + 1}.2"
-            agg_if = f"p{i}"
-            agg.ifnames.append(agg_if)
-            agg.ips.append(agg_ip)
-            agg.macs.append(mac_for_ip(agg_ip))
-            hosts.append(_worker(i, worker_ns[i], ip, agg_ip, agg_if, mac_for_ip(agg_ip)))
-            veths.append(
-                VethSpec(
-                    worker_ns[i],
-                    "eth0",
-                    agg_ns,
-                    agg_if,
-                    i,
-                    ip_a=ip,
-                    mac_a=mac_for_ip(ip),
-                    ip_b=agg_ip,
-                    mac_b=mac_for_ip(agg_ip),
-                )
-            )
-        plan = Plan(
-            prefix, topology, agg, hosts, veths, None, None, [agg_ns, *worker_ns], aggregators=[agg]
-        )
-
-    for v in veths:
+        plan = _switch_plan(prefix, agg_ns, worker_ns)
+    for v in plan.veths:
         assert len(v.if_a) <= IFNAMSIZ_MAX and len(v.if_b) <= IFNAMSIZ_MAX
     return plan

@@ -493,6 +493,12 @@ class Testbed:
             )
 
     def _build(self) -> None:
+        self._create_namespaces()
+        veth_ends, querier_since = self._build_links()
+        self._finish_links(veth_ends, querier_since)
+
+    def _create_namespaces(self) -> None:
+        """Every namespace of the plan, registered before it exists, without IPv6."""
         plan, reg = self._plan, self._registry
         for ns in plan.namespaces:
             reg.namespaces.append(ns)
@@ -513,6 +519,10 @@ class Testbed:
                     "sysctl (disable IPv6)",
                 )
 
+    def _build_links(self) -> tuple[dict[str, list[str]], float | None]:
+        """The bridge and every veth, addressed and up; the veth ends per namespace, and when the
+        bridge's querier was switched on (None without one)."""
+        plan, reg = self._plan, self._registry
         iprs: dict[str, IPRoute] = {}
 
         def ipr(ns: str) -> IPRoute:
@@ -587,7 +597,12 @@ class Testbed:
         finally:
             for r in iprs.values():
                 r.close()  # an open netlink socket would keep a namespace alive
+        return veth_ends, querier_since
 
+    def _finish_links(self, veth_ends: dict[str, list[str]], querier_since: float | None) -> None:
+        """GRO, rates and faults, operstate, the XDP_PASS programs the XDP_TX'd frames need, and
+        the querier's first response interval."""
+        plan = self._plan
         # GRO can only be switched on after link-up.
         for ns, ends in veth_ends.items():
             if ends:
