@@ -258,7 +258,7 @@ def describe_results(defaults: dict) -> str:
 
 
 def fill_worker(ws: WorkerSpec, local: tuple[str, int]) -> None:
-    """RendezvousServer hook: in the switch topology, the address the worker reached the control
+    """ControlEndpoint hook: in the switch topology, the address the worker reached the control
     endpoint at is our address on its port, the source of the results sent there."""
     ws.extra["agg_ip"] = local[0]
 

@@ -1,4 +1,4 @@
-"""The one way to stand up a control endpoint: a RendezvousServer in front of a backend, and,
+"""The one way to stand up a control endpoint: a ControlEndpoint in front of a backend, and,
 where the endpoint keeps a job table on disk, that table restored at start and saved on every
 change. `xdp-agg serve` (both targets), the soft endpoint and the tests all come through here.
 """
@@ -12,7 +12,7 @@ from aggproto.jobs import WorkerSpec
 
 from . import auth, jobtable
 from .backend import Backend
-from .server import RendezvousServer, ServerDefaults
+from .server import ControlEndpoint, ServerDefaults
 
 
 def stand_up(
@@ -27,7 +27,7 @@ def stand_up(
     table: Path | None = None,
     generation=None,
     grace: float = 60.0,
-) -> tuple[RendezvousServer, list[str]]:
+) -> tuple[ControlEndpoint, list[str]]:
     """A control endpoint bound to host:port (not yet serving: start() it, or
     run_until_interrupted()), and the keys of the jobs it recovered.
 
@@ -36,7 +36,7 @@ def stand_up(
     still has (of the same `generation`, the aggregator's attachment; ranks have `grace`
     seconds to rejoin) and saves the table after every change. Raises OSError when the address
     cannot be bound."""
-    server = RendezvousServer(
+    server = ControlEndpoint(
         backend,
         host,
         port,

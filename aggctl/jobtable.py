@@ -5,7 +5,7 @@ serve` is down. What a restarted endpoint needs to carry on (answer `leave`, fre
 its ranks are gone, keep new jobs off its id, slots and port) is its job table. `save` writes it
 after every change (the server's on_change hook), atomically (a temporary file renamed over the
 old one, so a crash leaves the old table or the new one, never half of one); `load` reads it
-back for RendezvousServer.restore. What goes into the table (RendezvousServer.snapshot) and how
+back for ControlEndpoint.restore. What goes into the table (ControlEndpoint.snapshot) and how
 it comes back is the server's; this module is the file. aggctl.endpoint.stand_up wires both.
 
 What is kept per job: its key, spec, world size, window, worker port, its token (so the file

@@ -133,7 +133,7 @@ class _Rank:
 
 
 @dataclass
-class _Job:
+class _EndpointJob:
     key: str
     spec: JobSpec
     world_size: int
@@ -164,7 +164,7 @@ class _Job:
         return None
 
 
-class RendezvousServer:
+class ControlEndpoint:
     """The control endpoint in front of one aggregator backend.
 
     `fill_worker(worker_spec, local_address)`, if given, is called before backend.add_worker so
@@ -206,7 +206,7 @@ class RendezvousServer:
             groups.check_group_base(self.defaults.group_base)
         self.fill_worker = fill_worker
         self._cond = threading.Condition()
-        self._jobs: dict[str, _Job] = {}
+        self._jobs: dict[str, _EndpointJob] = {}
         self._conns: dict[int, socket.socket] = {}
         self._sources: dict[int, str] = {}  # connection -> its peer address (per-source cap)
         self._next_conn = 0
@@ -235,11 +235,11 @@ class RendezvousServer:
         finally:
             self.stop()
 
-    def start(self) -> "RendezvousServer":
+    def start(self) -> "ControlEndpoint":
         """Serve in a background thread."""
         # set before the thread runs so that an early stop() still shuts it down
         self._thread = threading.Thread(
-            target=self._tcp.serve_forever, args=(0.2,), name="rendezvous", daemon=True
+            target=self._tcp.serve_forever, args=(0.2,), name="control-endpoint", daemon=True
         )
         self._thread.start()
         return self
@@ -268,7 +268,7 @@ class RendezvousServer:
             for job in list(self._jobs.values()):
                 self._delete(job)
 
-    def __enter__(self) -> "RendezvousServer":
+    def __enter__(self) -> "ControlEndpoint":
         return self.start()
 
     def __exit__(self, *exc) -> None:
@@ -328,7 +328,7 @@ class RendezvousServer:
         if spec.job_id not in have or not _same_job(spec, have[spec.job_id]):
             log.warning("not restoring job %r: the aggregator has no such job any more", key)
             return None
-        job = _Job(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
+        job = _EndpointJob(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
         # a table without a token restores a job no token matches (aggproto.control.same_token)
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
@@ -492,7 +492,7 @@ class RendezvousServer:
             except ValueError as e:
                 raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
             token = control.new_token()
-            job = _Job(key, spec, world, window, worker_port, token=token, holders={conn})
+            job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={conn})
             self._jobs[key] = job
             self._changed()
             log.info("created job %r: %s", key, spec)
@@ -710,7 +710,7 @@ class RendezvousServer:
         if self._stopping:
             raise RequestError("the control endpoint is shutting down")
 
-    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _Job:
+    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
         """The live job `key`, or RequestError explaining; the other jobs' names are listed
         only when `reveal` (the request proved the secret: listing jobs needs it)."""
         job = self._jobs.get(key)
@@ -736,12 +736,12 @@ class RendezvousServer:
         ranges = sorted((s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs)
         return ids, ports, ranges
 
-    def _release(self, job: _Job, conn: int) -> None:
+    def _release(self, job: _EndpointJob, conn: int) -> None:
         job.holders.discard(conn)
         if not job.holders and not job.deleted:
             self._delete(job)
 
-    def _delete(self, job: _Job) -> None:
+    def _delete(self, job: _EndpointJob) -> None:
         job.deleted = True
         self._jobs.pop(job.key, None)
         try:
@@ -751,7 +751,7 @@ class RendezvousServer:
         log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
         self._changed()
 
-    def _mark_gone(self, job: _Job, rank: int, state: str) -> None:
+    def _mark_gone(self, job: _EndpointJob, rank: int, state: str) -> None:
         """Rank `rank` left or lost its connection: remember when, and how many contributions
         the aggregator had from it (the survivors' diagnosis names it with both), then
         unregister it from the backend."""
@@ -765,13 +765,13 @@ class RendezvousServer:
                 log.exception("reading rank %d's counters of job %r failed", rank, job.key)
         self._remove_worker(job, rank)
 
-    def _remove_worker(self, job: _Job, rank: int) -> None:
+    def _remove_worker(self, job: _EndpointJob, rank: int) -> None:
         try:
             self.backend.remove_worker(job.spec.job_id, rank)
         except Exception:
             log.exception("removing rank %d of job %r failed", rank, job.key)
 
-    def _describe(self, job: _Job, local: tuple[str, int]) -> dict:
+    def _describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
         """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
         agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
         return JobDescription(
@@ -787,7 +787,7 @@ class RendezvousServer:
             ),
         ).to_dict()
 
-    def _summary(self, job: _Job, local) -> dict:
+    def _summary(self, job: _EndpointJob, local) -> dict:
         return {
             "job": self._describe(job, local),
             "state": job.state,
@@ -804,8 +804,8 @@ class RendezvousServer:
 TABLE_FORMAT = 1  # the saved job table's format version (aggctl.jobtable)
 
 
-def _job_record(job: _Job) -> dict:
-    """One job of the table as RendezvousServer.snapshot writes it."""
+def _job_record(job: _EndpointJob) -> dict:
+    """One job of the table as ControlEndpoint.snapshot writes it."""
     return {
         "key": job.key,
         "spec": job.spec.to_dict(),
@@ -889,6 +889,11 @@ def _float(req: dict, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
         raise RequestError(f"{req.get('op')}: field {name!r} must be a number >= 0 (got {v!r})")
     return float(v)
+
+
+# The name it had when "rendezvous" and "control endpoint" both named it (docs/protocol.md still
+# says RendezvousServer); code outside this repository may use it.
+RendezvousServer = ControlEndpoint
 
 
 class _Handler(socketserver.StreamRequestHandler):
@@ -1003,6 +1008,6 @@ class _TCPServer(socketserver.ThreadingTCPServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, address, owner: RendezvousServer) -> None:
+    def __init__(self, address, owner: ControlEndpoint) -> None:
         self.owner = owner
         super().__init__(address, _Handler)

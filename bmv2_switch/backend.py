@@ -74,7 +74,7 @@ class _Worker:
 
 
 @dataclass
-class _Job:
+class _SwitchJob:
     spec: JobSpec
     handle: int
     workers: dict[int, _Worker] = field(default_factory=dict)
@@ -128,7 +128,7 @@ class Bmv2Backend:
         self.cli = cli
         self.ports = {p.port: p for p in ports}
         self.pool_slots = pool_slots
-        self._jobs: dict[int, _Job] = {}
+        self._jobs: dict[int, _SwitchJob] = {}
         self._macs: dict[str, int] = {}  # MAC -> l2 table handle
         self._flood_node: int | None = None
 
@@ -200,7 +200,7 @@ class Bmv2Backend:
                 f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid}"
             ]
         )
-        self._jobs[spec.job_id] = _Job(spec=spec, handle=_handle(out[0]))
+        self._jobs[spec.job_id] = _SwitchJob(spec=spec, handle=_handle(out[0]))
 
     def delete_job(self, job_id: int) -> None:
         """Delete a job, its workers and its multicast group (a missing job is no error)."""
@@ -265,7 +265,7 @@ class Bmv2Backend:
             )
         self.cli.run(assoc)
 
-    def _check_worker(self, worker: WorkerSpec) -> _Job:
+    def _check_worker(self, worker: WorkerSpec) -> _SwitchJob:
         """The worker's job; ValueError when the worker cannot be registered."""
         job = self._jobs.get(worker.job_id)
         owners = {
@@ -292,7 +292,7 @@ class Bmv2Backend:
         )
 
     def fill_worker(self, worker: WorkerSpec, local: tuple[str, int]) -> None:
-        """RendezvousServer hook: the address the worker reached the control endpoint at is our
+        """ControlEndpoint hook: the address the worker reached the control endpoint at is our
         address on its port (as in the XDP switch topology), which tells the port."""
         worker.extra.setdefault("agg_ip", local[0])
 
@@ -304,7 +304,7 @@ class Bmv2Backend:
             self.cli.run(self._worker_removal(job, w))
 
     @staticmethod
-    def _worker_removal(job: _Job, w: _Worker) -> list[str]:
+    def _worker_removal(job: _SwitchJob, w: _Worker) -> list[str]:
         return [
             f"mc_node_dissociate {job.mgid} {w.node_handle}",
             f"mc_node_destroy {w.node_handle}",

@@ -394,7 +394,7 @@ class Communicator:
         shape and length; every rank must pass the same length. `timeout` overrides the
         communicator's stall timeout for this call.
         """
-        job = _Job.prepare(array, out, inplace)
+        job = _AllreduceArrays.prepare(array, out, inplace)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
@@ -419,18 +419,18 @@ class Communicator:
 
         Do not modify `array` (or read `out`) until the handle is done.
         """
-        job = _Job.prepare(array, out, inplace)
+        job = _AllreduceArrays.prepare(array, out, inplace)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
             return self._submit(job, timeout)
 
-    def _submit(self, job: "_Job", timeout: float | None) -> AllreduceHandle:
+    def _submit(self, job: "_AllreduceArrays", timeout: float | None) -> AllreduceHandle:
         """Queue an all-reduce on the executor (with self._lock held)."""
         self._queued += 1
         return AllreduceHandle(self._executor.submit(self._run_queued, job, timeout))
 
-    def _run_queued(self, job: "_Job", timeout: float | None):
+    def _run_queued(self, job: "_AllreduceArrays", timeout: float | None):
         try:
             with self._engine_lock:  # after an all-reduce running inline, if any
                 return self._run(job, timeout)
@@ -442,7 +442,7 @@ class Communicator:
         """Return once every rank has reached its barrier (an all-reduce of one int32)."""
         self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
 
-    def _run(self, job: "_Job", timeout: float | None):
+    def _run(self, job: "_AllreduceArrays", timeout: float | None):
         if self._broken:
             raise HostlibError(
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
@@ -580,7 +580,7 @@ class Communicator:
         self.close()
 
 
-class _Job:
+class _AllreduceArrays:
     """One all-reduce's arrays: validated, flattened, float types up-converted."""
 
     def __init__(self, kind, src, dst_flat, result, convert_back):
@@ -588,7 +588,7 @@ class _Job:
         self.result, self.convert_back = result, convert_back
 
     @classmethod
-    def prepare(cls, array, out, inplace: bool) -> "_Job":
+    def prepare(cls, array, out, inplace: bool) -> "_AllreduceArrays":
         if inplace:
             if out is not None:
                 raise ValueError("give either out= or inplace=True, not both")

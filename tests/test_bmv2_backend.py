@@ -194,7 +194,7 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(bm, "missing_tools", lambda: [])
     monkeypatch.setattr(bm, "port_specs", lambda names, netns=None: PORTS)
     monkeypatch.setattr(bm, "launch", lambda *a, **k: (FakeSwitch(), backend))
-    monkeypatch.setattr(srv.RendezvousServer, "run_until_interrupted", run_once)
+    monkeypatch.setattr(srv.ControlEndpoint, "run_until_interrupted", run_once)
     lines = []
     serving.serve_bmv2(
         ["p0", "p1"], str(tmp_path), "127.0.0.1", 0, secret=b"s" * 32, announce=lines.append

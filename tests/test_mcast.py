@@ -28,7 +28,7 @@ from harness.cli import xdp_agg_cli
 from harness.ranks import soft_cluster
 
 from aggapp import cli, serving
-from aggctl.server import RendezvousServer
+from aggctl.server import ControlEndpoint
 from aggproto import groups
 from aggproto.jobs import Delivery
 from hostlib.rendezvous import ControlClient
@@ -129,7 +129,7 @@ def test_the_switch_topology_has_no_group():
 
 def test_the_endpoint_refuses_a_bad_block():
     with pytest.raises(ValueError, match="not multicast"):
-        RendezvousServer(object(), "127.0.0.1", 0, {"group_base": "10.0.0.0/24"}, secret=None)
+        ControlEndpoint(object(), "127.0.0.1", 0, {"group_base": "10.0.0.0/24"}, secret=None)
 
 
 # --- multicast or broadcast -------------------------------------------------------------------

@@ -2,7 +2,7 @@
 
 The netns testbed's switch topology (worker i behind the aggregator namespace's p<i>, each on its
 own /24) with simple_switch running p4/switchml.p4 on p0..p3 inside the aggregator namespace; the
-control endpoint (RendezvousServer) in front of Bmv2Backend listens in that namespace too. Each
+control endpoint (ControlEndpoint) in front of Bmv2Backend listens in that namespace too. Each
 worker process runs hostlib.init(...) / comm.allreduce(...) in its own namespace, exactly as
 against the XDP aggregator; the result must be the exact int32 sum (wrapping) on every rank.
 

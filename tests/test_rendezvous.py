@@ -10,7 +10,7 @@ import time
 import pytest
 from harness.ranks import soft_cluster
 
-from aggctl.server import RendezvousServer, _first_fit
+from aggctl.server import ControlEndpoint, _first_fit
 from aggproto import control, wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient, parse_endpoint
@@ -390,6 +390,6 @@ def test_unreachable_endpoint_is_explained():
 
 def test_server_defaults_validation():
     with pytest.raises(ValueError, match="unknown server defaults"):
-        RendezvousServer(object(), "127.0.0.1", 0, {"bogus": 1}, secret=None)
+        ControlEndpoint(object(), "127.0.0.1", 0, {"bogus": 1}, secret=None)
     with pytest.raises(ValueError, match="pool_slots"):
-        RendezvousServer(object(), "127.0.0.1", 0, {"pool_slots": 0}, secret=None)
+        ControlEndpoint(object(), "127.0.0.1", 0, {"pool_slots": 0}, secret=None)

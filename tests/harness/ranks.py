@@ -20,7 +20,7 @@ import pytest
 
 import hostlib
 from aggctl.endpoint import stand_up
-from aggctl.server import RendezvousServer
+from aggctl.server import ControlEndpoint
 from aggproto import control
 from soft_switch import SoftAggregator
 
@@ -37,13 +37,13 @@ class Cluster:
     test brought its own backend; one deployment secret for all of them."""
 
     prefix: str
-    servers: list[RendezvousServer] = field(default_factory=list)
+    servers: list[ControlEndpoint] = field(default_factory=list)
     aggs: list[SoftAggregator | None] = field(default_factory=list)
     secret: bytes | None = None  # the deployment secret the servers check (None: no auth)
     secret_file: str | None = None  # where it is (mode 0600), for hostlib.init(secret_file=)
 
     @property
-    def server(self) -> RendezvousServer:
+    def server(self) -> ControlEndpoint:
         """The first (with one aggregator: the only) control endpoint."""
         return self.servers[0]
 
@@ -80,7 +80,7 @@ def soft_cluster(
     auth: bool = True,
     limits=None,
 ):
-    """k RendezvousServers (on prefix.1, prefix.201, ...) in front of SoftAggregators (or the
+    """k control endpoints (on prefix.1, prefix.201, ...) in front of SoftAggregators (or the
     given backends: `backend` for one, `backends` with None where a soft aggregator stands).
 
     auth: the servers check a fresh deployment secret, written (0600) to a temporary file that
