@@ -29,7 +29,7 @@ import logging
 import os
 from pathlib import Path
 
-from .server import TABLE_FORMAT as FORMAT
+from .registry import TABLE_FORMAT as FORMAT
 
 log = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ import time
 import pytest
 from harness.ranks import soft_cluster
 
-from aggctl.server import ControlEndpoint, _first_fit
+from aggctl.registry import _first_fit
+from aggctl.server import ControlEndpoint
 from aggproto import control, wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient, parse_endpoint

@@ -1,0 +1,495 @@
+"""The control endpoint's job registry and barrier: jobs created, ranks registered and waited
+for, leaving and rejoining, and the job table a restart carries on from (snapshot, restore).
+ControlEndpoint (aggctl.server) is this, the status answers (aggctl.status) and the connections.
+Every method here runs with the endpoint's lock (self._cond) held unless it says otherwise.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import select
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+
+from aggproto import control, groups, wire
+from aggproto.jobs import Delivery, JobDescription, JobSpec, WorkerSpec
+from aggproto.limits import MAX_JOBS, MAX_WORKERS
+
+from .backend import ParentJoin, WorkerCounters
+from .fields import RequestError, float_field, int_field, request_key
+
+log = logging.getLogger("aggctl.server")
+
+
+@dataclass
+class _Rank:
+    ip: str
+    port: int
+    mac: str
+    conn: int | None  # None: recovered after a restart, not re-identified (rejoin) yet
+    state: str = "registered"  # then "left" or "disconnected"
+    gone_at: float | None = None  # wall-clock time it left or its connection closed
+    contributions: int | None = None  # what the aggregator had counted from it by then
+
+
+@dataclass
+class _EndpointJob:
+    key: str
+    spec: JobSpec
+    world_size: int
+    window: int
+    worker_port: int
+    token: str = ""  # the job's token (aggproto.control.new_token), given to its creator
+    ranks: dict[int, _Rank] = field(default_factory=dict)
+    holders: set[int] = field(default_factory=set)  # connections keeping the job alive
+    complete: bool = False  # every rank has registered: the barrier is open
+    deleted: bool = False
+
+    @property
+    def gone(self) -> list[int]:
+        return sorted(r for r, x in self.ranks.items() if x.state != "registered")
+
+    @property
+    def state(self) -> str:
+        if self.gone:
+            return "closing"
+        return "ready" if len(self.ranks) == self.world_size else "registering"
+
+    def missing(self) -> list[int]:
+        return [r for r in range(self.world_size) if r not in self.ranks]
+
+    def group(self) -> tuple[str, int] | None:
+        if self.spec.delivery == Delivery.GROUP_TX and self.spec.group_ip != "0.0.0.0":
+            return (self.spec.group_ip, self.worker_port)
+        return None
+
+
+TABLE_FORMAT = 1  # the saved job table's format version (aggctl.jobtable)
+
+
+def _job_record(job: _EndpointJob) -> dict:
+    """One job of the table as ControlEndpoint.snapshot writes it."""
+    return {
+        "key": job.key,
+        "spec": job.spec.to_dict(),
+        "world_size": job.world_size,
+        "window": job.window,
+        "worker_port": job.worker_port,
+        "token": job.token,
+        "complete": job.complete,
+        "ranks": {
+            str(r): {"ip": x.ip, "port": x.port, "mac": x.mac, "state": x.state}
+            for r, x in sorted(job.ranks.items())
+        },
+    }
+
+
+def _same_job(spec: JobSpec, have: dict) -> bool:
+    """Whether the backend's job `have` is the saved `spec` (id, size, slots and port)."""
+    return all(
+        have.get(k) == getattr(spec, k)
+        for k in ("job_id", "num_workers", "elems", "slot_base", "slot_count", "agg_port")
+    )
+
+
+def _recovered_holder(rank: int) -> int:
+    """The placeholder that holds a recovered job for `rank` until it rejoins (real connection
+    ids are positive)."""
+    return -(rank + 1)
+
+
+def _first_fit(ranges: list[tuple[int, int]], count: int, pool: int) -> int | None:
+    """First base b with [b, b + count) free of the (sorted) used ranges, inside the pool."""
+    base = 0
+    for lo, hi in ranges:
+        if base + count <= lo:
+            break
+        base = max(base, hi)
+    return base if base + count <= pool else None
+
+
+def _peer_closed(sock: socket.socket) -> bool:
+    """True when the peer has closed the connection (EOF waiting), without consuming data."""
+    try:
+        readable, _, _ = select.select([sock], [], [], 0)
+        return bool(readable) and sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+    except (OSError, ValueError):
+        return True
+
+
+class JobRegistry:
+    """The jobs of a control endpoint (a mixin of ControlEndpoint, whose __init__ makes the
+    state: backend, defaults, _cond, _jobs, _guard, on_change, _stopping)."""
+
+    def snapshot(self, generation=None) -> dict:
+        """The job table as JSON-able data (aggctl.jobtable saves it): per job its key, spec,
+        world size, window, worker port, token, whether the barrier opened, and per rank its
+        address, port, MAC and state; `generation` names the aggregator's attachment."""
+        with self._cond:
+            jobs = [_job_record(job) for job in self._jobs.values() if not job.deleted]
+        return {"format": TABLE_FORMAT, "generation": generation, "jobs": jobs}
+
+    def restore(self, data: dict | None, generation=None, grace: float = 60.0) -> list[str]:
+        """Put the saved jobs the backend still has back (before serving); their keys. A table
+        of another `generation` (the aggregator was attached again: its jobs are gone) restores
+        nothing. A recovered rank holds its job through a placeholder until it rejoins; one that
+        does not within `grace` seconds counts as disconnected (which may free its job)."""
+        if not data:
+            return []
+        if data.get("generation") != generation:
+            log.warning(
+                "not restoring %d job(s): they were made on another attachment of the "
+                "aggregator (%s, now %s), whose state is gone",
+                len(data.get("jobs", [])),
+                data.get("generation"),
+                generation,
+            )
+            return []
+        have = {j["job_id"]: j for j in self.backend.jobs()}
+        with self._cond:
+            restored = [key for rec in data.get("jobs", []) if (key := self._restore(rec, have))]
+        if restored:
+            t = threading.Timer(grace, self._expire_unrejoined, args=(grace,))
+            t.daemon = True
+            t.start()
+        return restored
+
+    def notify_change(self) -> None:
+        """Run on_change now (a target saving the table it just restored)."""
+        with self._cond:
+            self._changed()
+
+    def _restore(self, rec: dict, have: dict) -> str | None:
+        """One saved job back in the table (lock held); its key, or None if it is not."""
+        try:
+            spec = JobSpec(**rec["spec"])
+            ranks = {
+                int(r): _Rank(x["ip"], int(x["port"]), x["mac"], None, x["state"])
+                for r, x in rec["ranks"].items()
+            }
+            key = rec["key"]
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("skipping an unreadable job record %r: %s", rec, e)
+            return None
+        if spec.job_id not in have or not _same_job(spec, have[spec.job_id]):
+            log.warning("not restoring job %r: the aggregator has no such job any more", key)
+            return None
+        job = _EndpointJob(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
+        # a table without a token restores a job no token matches (aggproto.control.same_token)
+        job.token = str(rec.get("token") or "")
+        job.ranks, job.complete = ranks, bool(rec.get("complete"))
+        job.holders = {_recovered_holder(r) for r, x in ranks.items() if x.state == "registered"}
+        self._jobs[key] = job
+        if not job.holders:  # nobody can come back for it: free it now
+            self._delete(job)
+            return None
+        log.info("recovered job %r (id %d), ranks %s", key, spec.job_id, sorted(ranks))
+        return key
+
+    def _expire_unrejoined(self, grace: float) -> None:
+        """Recovered ranks that did not rejoin within `grace` are disconnected (frees jobs)."""
+        with self._cond:
+            if self._stopping:
+                return
+            for job in list(self._jobs.values()):
+                for r, x in job.ranks.items():
+                    if x.state == "registered" and x.conn is None:
+                        log.warning(
+                            "rank %d of job %r did not rejoin within %g s: disconnected",
+                            r,
+                            job.key,
+                            grace,
+                        )
+                        self._mark_gone(job, r, "disconnected")
+                        self._release(job, _recovered_holder(r))
+            self._changed()
+
+    def _op_create(self, conn, req, local, peer):
+        self._guard.need_secret(req, "create")
+        key = request_key(req)
+        world = int_field(req, "world_size", 1, MAX_WORKERS)
+        elems = int_field(req, "elems", 1, wire.MAX_ELEMS)
+        try:
+            wire.size_code_for(elems)
+        except ValueError as e:
+            raise RequestError(str(e)) from None
+        window = int_field(req, "window", 1, self.defaults.pool_slots)
+        worker_port = int_field(req, "worker_port", 1, 65535)
+        with self._cond:
+            self._check_running()
+            if key in self._jobs:
+                old = self._jobs[key]
+                raise RequestError(
+                    f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
+                    f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
+                    f"run at a time: pick another name or wait until the old run has left"
+                )
+            ids, ports, ranges = self._in_use()
+            job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
+            if job_id is None:
+                raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
+            free_ports = [
+                p
+                for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
+                if p not in ports
+            ]
+            port = free_ports[0] if free_ports else None
+            if port is None:
+                raise RequestError("all 16 aggregator ports 0xBEE0..0xBEEF are used by live jobs")
+            base = _first_fit(ranges, window, self.defaults.pool_slots)
+            if base is None:
+                raise RequestError(
+                    f"no {window} contiguous free slots in the pool of "
+                    f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+                )
+            d = self.defaults
+            group_ip, group_mac = d.group_ip, d.group_mac
+            if d.group_base and d.delivery == Delivery.GROUP_TX:
+                group_ip = groups.job_group(d.group_base, job_id)
+                group_mac = groups.group_mac(group_ip)
+            try:
+                spec = JobSpec(
+                    job_id=job_id,
+                    num_workers=world,
+                    elems=elems,
+                    slot_base=base,
+                    slot_count=window,
+                    agg_port=port,
+                    delivery=d.delivery,
+                    agg_ip=d.agg_ip,
+                    agg_mac=d.agg_mac,
+                    group_ip=group_ip,
+                    group_mac=group_mac,
+                    udp_checksum=d.udp_checksum,
+                )
+                if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
+                    spec = self.backend.join_parent(
+                        key, spec, window=window, worker_port=worker_port
+                    )
+                self.backend.create_job(spec)
+            except ValueError as e:
+                raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+            token = control.new_token()
+            job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={conn})
+            self._jobs[key] = job
+            self._changed()
+            log.info("created job %r: %s", key, spec)
+            return {"job": self._describe(job, local), "token": token}
+
+    def _op_register(self, conn, req, local, peer):
+        key = request_key(req)
+        rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
+        port = int_field(req, "port", 1, 65535)
+        mac = str(req.get("mac") or "00:00:00:00:00:00")
+        ip = req.get("ip") or peer[0]
+        try:
+            ipaddress.IPv4Address(ip)
+        except ValueError:
+            raise RequestError(f"register: ip {ip!r} is not an IPv4 address") from None
+        with self._cond:
+            self._check_running()
+            job = self._live_job(key, reveal=req.proven)
+            self._guard.need_job(req, key, job.token)
+            if rank >= job.world_size:
+                raise RequestError(
+                    f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
+                )
+            if job.state == "closing":
+                raise RequestError(
+                    f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
+                    f"to end and start all ranks again"
+                )
+            if rank in job.ranks:
+                x = job.ranks[rank]
+                raise RequestError(
+                    f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
+                    f"two workers were started with the same rank"
+                )
+            if job.group() and port != job.worker_port:
+                raise RequestError(
+                    f"port {port} differs from the job's worker port {job.worker_port}: results "
+                    f"go once to the group {job.spec.group_ip}:{job.worker_port}"
+                )
+            ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
+            if self.fill_worker is not None:
+                self.fill_worker(ws, local)
+            try:
+                self.backend.add_worker(ws)
+            except ValueError as e:
+                raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
+            job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
+            job.holders.add(conn)
+            if len(job.ranks) == job.world_size:
+                # a flag, not a count: a rank may leave right after its answer, before the
+                # others' threads wake up, and they must still pass
+                job.complete = True
+            self._changed()
+            # the barrier
+            limit = self.defaults.barrier_timeout
+            if req.get("timeout") is not None:
+                limit = min(limit, float_field(req, "timeout"))
+            deadline = time.monotonic() + limit
+            sock = self._conns.get(conn)
+            while not (job.complete or job.deleted or job.gone or self._stopping):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                # wake now and then: this thread is the only reader of the waiting rank's
+                # connection, so a worker killed during the barrier is noticed only here
+                self._cond.wait(min(left, 0.25))
+                if sock is not None and _peer_closed(sock):
+                    self._disconnected(conn)
+                    raise RequestError("connection closed during the barrier")
+            if job.complete:
+                return {"job": self._describe(job, local)}
+            if self._stopping:
+                raise RequestError("the control endpoint is shutting down")
+            if job.deleted:
+                raise RequestError(f"job {key!r} was deleted while waiting for the other ranks")
+            if job.gone:
+                raise RequestError(
+                    f"rank(s) {', '.join(map(str, job.gone))} of job {key!r} left or lost their "
+                    f"connection before every rank had registered; start the run again"
+                )
+            raise RequestError(
+                f"barrier timeout after {limit:g} s for job {key!r}: rank(s) "
+                f"{', '.join(map(str, job.missing()))} of {job.world_size} did not register "
+                f"(registered: {sorted(job.ranks)}); start the missing workers with the same "
+                f"job name and control endpoint, or check their logs"
+            )
+
+    def _op_leave(self, conn, req, local, peer):
+        key = request_key(req)
+        rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return {"deleted": True}  # leaving twice, or after the job ended, is fine
+            self._guard.need_job(req, key, job.token)
+            x = job.ranks.get(rank)
+            if x is not None and x.state == "registered":
+                self._mark_gone(job, rank, "left")
+            job.holders.discard(_recovered_holder(rank))  # left before it rejoined
+            self._release(job, conn)
+            self._changed()
+            return {"deleted": job.deleted}
+
+    def _op_rejoin(self, conn, req, local, peer):
+        """A registered rank re-identifies itself on a new connection (its old one broke, or
+        the endpoint restarted and recovered the job): the new connection holds the job."""
+        key = request_key(req)
+        rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
+        port = int_field(req, "port", 1, 65535)
+        with self._cond:
+            self._check_running()
+            job = self._live_job(key, reveal=req.proven)
+            self._guard.need_job(req, key, job.token)
+            x = job.ranks.get(rank)
+            if x is None or x.state != "registered":
+                state = "never registered" if x is None else x.state
+                raise RequestError(f"rank {rank} of job {key!r} cannot rejoin: it {state}")
+            if (req.get("ip") or peer[0]) != x.ip or port != x.port:
+                raise RequestError(
+                    f"rank {rank} of job {key!r} is registered from {x.ip}:{x.port}, not "
+                    f"{req.get('ip') or peer[0]}:{port}"
+                )
+            if x.conn is not None and x.conn != conn:
+                job.holders.discard(x.conn)
+            x.conn = conn
+            job.holders.discard(_recovered_holder(rank))
+            job.holders.add(conn)
+            self._changed()
+            return {"job": self._describe(job, local)}
+
+    def _changed(self) -> None:
+        """The job table changed: wake waiters, and let the target persist it."""
+        self._cond.notify_all()
+        if self.on_change is not None:
+            try:
+                self.on_change()
+            except Exception:  # persisting failed: serving goes on, a restart recovers less
+                log.exception("saving the job table failed")
+
+    def _check_running(self) -> None:
+        if self._stopping:
+            raise RequestError("the control endpoint is shutting down")
+
+    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
+        """The live job `key`, or RequestError explaining; the other jobs' names are listed
+        only when `reveal` (the request proved the secret: listing jobs needs it)."""
+        job = self._jobs.get(key)
+        if job is None:
+            others = f" (live jobs: {sorted(self._jobs) or 'none'})" if reveal else ""
+            raise RequestError(
+                f"no job {key!r}"
+                + (f" after waiting {waited:g} s" if waited else "")
+                + f"{others}; rank 0 creates it: is rank 0 running with the same job name and "
+                "control endpoint?"
+            )
+        return job
+
+    def _in_use(self):
+        """Job ids, ports and slot ranges taken by our jobs and any the backend already has."""
+        specs = [j.spec.to_dict() for j in self._jobs.values()]
+        try:
+            specs += self.backend.jobs()
+        except Exception:  # a backend that cannot list still works with our own bookkeeping
+            log.exception("backend.jobs() failed")
+        ids = {s["job_id"] for s in specs}
+        ports = {s["agg_port"] for s in specs}
+        ranges = sorted((s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs)
+        return ids, ports, ranges
+
+    def _release(self, job: _EndpointJob, conn: int) -> None:
+        job.holders.discard(conn)
+        if not job.holders and not job.deleted:
+            self._delete(job)
+
+    def _delete(self, job: _EndpointJob) -> None:
+        job.deleted = True
+        self._jobs.pop(job.key, None)
+        try:
+            self.backend.delete_job(job.spec.job_id)
+        except Exception:
+            log.exception("deleting job %r from the backend failed", job.key)
+        log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
+        self._changed()
+
+    def _mark_gone(self, job: _EndpointJob, rank: int, state: str) -> None:
+        """Rank `rank` left or lost its connection: remember when, and how many contributions
+        the aggregator had from it (the survivors' diagnosis names it with both), then
+        unregister it from the backend."""
+        x = job.ranks[rank]
+        x.state, x.gone_at = state, time.time()
+        if isinstance(self.backend, WorkerCounters):
+            try:
+                c = self.backend.worker_counters(job.spec.job_id).get(rank, {})
+                x.contributions = c.get("contributions")
+            except Exception:  # the diagnosis is then less precise, nothing else changes
+                log.exception("reading rank %d's counters of job %r failed", rank, job.key)
+        self._remove_worker(job, rank)
+
+    def _remove_worker(self, job: _EndpointJob, rank: int) -> None:
+        try:
+            self.backend.remove_worker(job.spec.job_id, rank)
+        except Exception:
+            log.exception("removing rank %d of job %r failed", rank, job.key)
+
+    def _describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
+        """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
+        agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
+        return JobDescription(
+            key=job.key,
+            spec=job.spec,
+            world_size=job.world_size,
+            window=job.window,
+            worker_port=job.worker_port,
+            send_to=(agg_ip, job.spec.agg_port),
+            group=job.group(),
+            workers=tuple(
+                {"rank": r, "ip": x.ip, "port": x.port} for r, x in sorted(job.ranks.items())
+            ),
+        ).to_dict()
