@@ -434,7 +434,8 @@ def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None
         ax.legend(fontsize=7)
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -479,6 +480,11 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = _parser()
     args = ap.parse_args(argv)
     if args.quick:  # defaults only: what the user spelled out stays
         given = set(argv if argv is not None else sys.argv[1:])

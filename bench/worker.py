@@ -34,7 +34,8 @@ import numpy as np
 from aggcluster.cluster_worker import join
 
 
-def main(argv=None) -> int:
+def _parser() -> argparse.ArgumentParser:
+    """The command line's options."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--rank", type=int, required=True)
     ap.add_argument("--world", type=int, required=True)
@@ -63,7 +64,11 @@ def main(argv=None) -> int:
         help="cProfile xdp-agg's all-reduces of this size into --profile-out",
     )
     ap.add_argument("--profile-out", default=None)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
 
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "eth0")
     import torch

@@ -17,10 +17,7 @@ EXCEPTIONS = {
     "to be cut with the soak's sampler into a class",
     "bench/loss.py:attribute": "the loss account, one pass per cause over the counters (moved "
     "here from netns_testbed as it was); to be cut per cause",
-    "bench/worker.py:main": "the benchmark worker's timed sequence; its phases share the "
-    "measurement state",
     "bench/allreduce.py:run_config": "one benchmark cell, start to teardown",
-    "bench/allreduce.py:main": "the benchmark's options and its table",
     "hostlib/engine.py:_run": "the numpy stream loop, being changed by the wire fix (issue 19); "
     "cut with StreamEngine (issue 21, item 7)",
 }
