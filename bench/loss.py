@@ -125,38 +125,10 @@ def _agg_drops(delta: dict) -> int:
     return sum(v for row in rows for k, v in row.items() if k.startswith("drop_"))
 
 
-def attribute(
-    delta: dict, layout: Layout, engine: list[dict], datagram_bytes: int | None = None
-) -> Attribution:
-    """Attribute the workers' retransmissions over a span to causes (:data:`CAUSES`).
-
-    ``delta``: :func:`diff` of snapshots around the span (with the aggregator's counters for a
-    per-worker account; taken while the job exists). ``engine``: each worker's engine statistics
-    over the same span (differences of ``comm.stats``: retransmissions, packets_sent,
-    send_errors, and ``spurious`` when the engine counts it), ``engine[i]`` being the worker in
-    ``layout.workers[i]``. ``datagram_bytes``: the size of
-    one contribution on the wire (IP and UDP headers included), to count nft drops of GSO/GRO
-    skbs in datagrams; by default from the engine's bytes_sent / packets_sent.
-
-    The account, per span: every datagram a worker sends is either lost before the aggregator
-    counts it (L = sent - the aggregator's per-worker packets; spread over the upstream drop
-    counters in proportion), dropped by the aggregator, a new contribution, or a duplicate of a
-    contribution already counted. So retransmissions = L + aggregator drops + duplicates. A
-    duplicate's original arrived: its result was lost on the way down (downstream drop
-    counters, a drop before the bridge's flood counting once per worker), or its slot waited
-    for another worker's lost datagram or result (collateral, at most n-1 per loss: a worker
-    that lost a result also holds back the packet that would reuse its slot), or the timer was
-    early (spurious). With the engine's ``spurious`` statistic, that is the spurious
-    count and the rest of the duplicates is collateral; without it, collateral takes up to its
-    bound and the rest is spurious. Without the aggregator's counters, the duplicates are what
-    the counted upstream drops leave.
-    """
+def _counted(delta: dict, layout: Layout, engine: list[dict], datagram_bytes):
+    """What the testbed's counters saw: drops per cause on the way up and on the way down, and
+    the duplicates the nftables rules injected."""
     n = len(layout.workers)
-    R = float(sum(e.get("retransmissions", 0) for e in engine))
-    S = float(sum(e.get("packets_sent", 0) for e in engine))
-    if datagram_bytes is None and S > 0 and sum(e.get("bytes_sent", 0) for e in engine) > 0:
-        # UDP payload per datagram (the engine's bytes_sent), plus the IPv4 and UDP headers
-        datagram_bytes = sum(e.get("bytes_sent", 0) for e in engine) / S + 28
 
     def ns(i: int) -> str:
         return layout.workers[i]
@@ -194,6 +166,43 @@ def attribute(
         tbf_own = _get(delta, "ns", ns(i), "qdisc", "eth0", "drops")
         up["send_refused"] += max(0.0, e.get("send_errors", 0) - tbf_own)
     injected_dups = sum(nft(i, _DUP_CHAINS) for i in range(n))
+    return up, down, injected_dups
+
+
+def attribute(
+    delta: dict, layout: Layout, engine: list[dict], datagram_bytes: int | None = None
+) -> Attribution:
+    """Attribute the workers' retransmissions over a span to causes (:data:`CAUSES`).
+
+    ``delta``: :func:`diff` of snapshots around the span (with the aggregator's counters for a
+    per-worker account; taken while the job exists). ``engine``: each worker's engine statistics
+    over the same span (differences of ``comm.stats``: retransmissions, packets_sent,
+    send_errors, and ``spurious`` when the engine counts it), ``engine[i]`` being the worker in
+    ``layout.workers[i]``. ``datagram_bytes``: the size of
+    one contribution on the wire (IP and UDP headers included), to count nft drops of GSO/GRO
+    skbs in datagrams; by default from the engine's bytes_sent / packets_sent.
+
+    The account, per span: every datagram a worker sends is either lost before the aggregator
+    counts it (L = sent - the aggregator's per-worker packets; spread over the upstream drop
+    counters in proportion), dropped by the aggregator, a new contribution, or a duplicate of a
+    contribution already counted. So retransmissions = L + aggregator drops + duplicates. A
+    duplicate's original arrived: its result was lost on the way down (downstream drop
+    counters, a drop before the bridge's flood counting once per worker), or its slot waited
+    for another worker's lost datagram or result (collateral, at most n-1 per loss: a worker
+    that lost a result also holds back the packet that would reuse its slot), or the timer was
+    early (spurious). With the engine's ``spurious`` statistic, that is the spurious
+    count and the rest of the duplicates is collateral; without it, collateral takes up to its
+    bound and the rest is spurious. Without the aggregator's counters, the duplicates are what
+    the counted upstream drops leave.
+    """
+    n = len(layout.workers)
+    R = float(sum(e.get("retransmissions", 0) for e in engine))
+    S = float(sum(e.get("packets_sent", 0) for e in engine))
+    if datagram_bytes is None and S > 0 and sum(e.get("bytes_sent", 0) for e in engine) > 0:
+        # UDP payload per datagram (the engine's bytes_sent), plus the IPv4 and UDP headers
+        datagram_bytes = sum(e.get("bytes_sent", 0) for e in engine) / S + 28
+
+    up, down, injected_dups = _counted(delta, layout, engine, datagram_bytes)
 
     agg_w = _workers_agg(delta)
     agg_drops = _agg_drops(delta)
