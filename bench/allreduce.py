@@ -132,40 +132,44 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
         if failed:  # every rank's: the first to fail is often not rank 0
             raise RuntimeError(f"n={n} {rate}: " + "\n".join(failed))
-    rows = []
-    for i, item in enumerate(plan):
-        reports = [pr[i] for pr in per_rank]
-        row = {
-            "n": n,
-            "link": rate,
-            "bytes": item["bytes"],
-            "kind": item["kind"],
-            "dtype": item.get("dtype", "float32"),
-        }
-        systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
-        for system in systems:
-            # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
-            reps = range(item["reps"])
-            row[system] = [max(r["times"][system][k] for r in reports) for k in reps]
-            row[f"{system} cpu_s"] = [
-                statistics.fmean(r["cpu"][system][k] for r in reports) for k in reps
-            ]
-        row["retransmissions"] = sum(r["retransmissions"] for r in reports)
-        row["packets"] = sum(r["packets"] for r in reports)
-        row["engine"] = [r["engine"] for r in reports]
-        if "counters" in reports[0]:
-            a = attribute(reports[0]["counters"], layout, row["engine"])
-            row["retx_causes"], row["retx_detail"] = a.causes, a.detail
-        rows.append(row)
-        line = f"  n={n} {rate:8s} {item['kind']:10s} {row['dtype']:7s} {item['bytes']:>9d} B:"
-        for system in systems:
-            line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
-        log(
-            line
-            + f", retx {row['retransmissions']}"
-            + (f" ({_top_causes(row['retx_causes'])})" if "retx_causes" in row else "")
-        )
-    return rows
+    return [
+        _row(n, rate, item, [pr[i] for pr in per_rank], layout, log) for i, item in enumerate(plan)
+    ]
+
+
+def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log) -> dict:
+    """One plan item's row from every rank's report: the slowest rank's times, the mean CPU,
+    the retransmissions and their causes; logged as one line."""
+    row = {
+        "n": n,
+        "link": rate,
+        "bytes": item["bytes"],
+        "kind": item["kind"],
+        "dtype": item.get("dtype", "float32"),
+    }
+    systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
+    for system in systems:
+        # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
+        reps = range(item["reps"])
+        row[system] = [max(r["times"][system][k] for r in reports) for k in reps]
+        row[f"{system} cpu_s"] = [
+            statistics.fmean(r["cpu"][system][k] for r in reports) for k in reps
+        ]
+    row["retransmissions"] = sum(r["retransmissions"] for r in reports)
+    row["packets"] = sum(r["packets"] for r in reports)
+    row["engine"] = [r["engine"] for r in reports]
+    if "counters" in reports[0]:
+        a = attribute(reports[0]["counters"], layout, row["engine"])
+        row["retx_causes"], row["retx_detail"] = a.causes, a.detail
+    line = f"  n={n} {rate:8s} {item['kind']:10s} {row['dtype']:7s} {item['bytes']:>9d} B:"
+    for system in systems:
+        line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
+    log(
+        line
+        + f", retx {row['retransmissions']}"
+        + (f" ({_top_causes(row['retx_causes'])})" if "retx_causes" in row else "")
+    )
+    return row
 
 
 def attribute(delta: dict, layout, engine: list[dict]) -> "object":

@@ -15,7 +15,6 @@ OUTSIDE = {"tests", "examples", ".venv", "build"}
 EXCEPTIONS = {
     "bench/soak.py:run": "the soak's one loop: start, sample every interval, stop, tear down; "
     "to be cut with the soak's sampler into a class",
-    "bench/allreduce.py:run_config": "one benchmark cell, start to teardown",
     "hostlib/engine.py:_run": "the numpy stream loop, being changed by the wire fix (issue 19); "
     "cut with StreamEngine (issue 21, item 7)",
 }
