@@ -183,6 +183,117 @@ class Rank:
         return self.errfile.read().decode(errors="replace")[-n:]
 
 
+def _config(args, jobs: list[str], name: str, prefix: str, warmup: float) -> dict:
+    """The soak's configuration, as the report gives it."""
+    return {
+        "minutes": args.minutes,
+        "interval_s": args.interval,
+        "warmup_s": warmup,
+        "jobs": jobs,
+        "workers_per_job": args.workers,
+        "loss_up": args.loss,
+        "loss_down": args.loss,
+        "elems": args.elems,
+        "window": args.window,
+        "mtu": args.mtu,
+        "max_bytes": args.max_mib << 20,
+        "aggregator": name,
+        "testbed_prefix": prefix,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": os.uname().nodename,
+        "kernel": os.uname().release,
+        "cpus": os.cpu_count(),
+    }
+
+
+def _start_ranks(cl, tb, args, jobs: list[str], stop_at: float, ranks: list) -> None:
+    """One bench.soak_worker per worker namespace, args.workers per job, each appended to `ranks`
+    as it starts (so that a failure part way still stops the ones started)."""
+    for j, job in enumerate(jobs):
+        for r in range(args.workers):
+            w = tb.workers[j * args.workers + r]
+            cmd = [
+                sys.executable,
+                "-m",
+                "bench.soak_worker",
+                "--rank",
+                str(r),
+                "--world",
+                str(args.workers),
+                "--control",
+                cl.control_address(w),
+                "--job",
+                job,
+                "--seed",
+                str(j + 1),
+                "--stop-at",
+                repr(stop_at),
+                "--max-bytes",
+                str(args.max_mib << 20),
+                "--elems",
+                str(args.elems),
+                "--window",
+                str(args.window),
+                "--timeout",
+                str(args.allreduce_timeout),
+            ]
+            err = tempfile.TemporaryFile()
+            p = tb.popen(w, cmd, env=cl.worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+            ranks.append(Rank(job, r, p, err))
+
+
+def _watch(cl, tb, ranks, server_pid, pin_dir, args, log, result, t_start, stop_at) -> None:
+    """Sample every interval until the workers are done (or one failed, or overran)."""
+    last = {"t": 0.0, "bytes": 0, "packets": 0, "retx": 0}
+    next_sample = t_start
+    while True:
+        now = time.time()
+        alive = [rk for rk in ranks if rk.proc.poll() is None]
+        if now >= next_sample or not alive:
+            s = sample(cl, tb, ranks, server_pid, pin_dir, now - t_start, last)
+            result["samples"].append(s)
+            log(progress_line(s, args.minutes))
+            next_sample += args.interval
+        if not alive:
+            break
+        failed = [rk for rk in ranks if rk.proc.poll() not in (None, 0)]
+        if failed:
+            log(f"soak: {failed[0].key} exited {failed[0].proc.returncode}; stopping")
+            break
+        if now > stop_at + args.drain_s:
+            log(f"soak: workers still running {args.drain_s:g} s after the end; stopping")
+            break
+        time.sleep(min(1.0, max(0.05, next_sample - time.time())))
+
+
+def _after_workers(cl, ranks, result: dict) -> None:
+    """The jobs left once the workers are gone, and each rank's outcome."""
+    # the jobs end when their workers leave: the control endpoint deletes them
+    jobs_after, t_end = None, time.monotonic() + 20
+    while time.monotonic() < t_end:
+        jobs_after = json.loads(cl.cli("job", "list", "--json").stdout)
+        if not jobs_after:
+            break
+        time.sleep(0.5)
+    result["after_workers"] = {
+        "jobs": len(jobs_after or []),
+        "slots_in_use": sum(j["slot_count"] for j in jobs_after or []),
+        "stats": cl.stats(),
+    }
+    result["ranks"] = [
+        {
+            "job": rk.job,
+            "rank": rk.rank,
+            "exit": rk.proc.returncode,
+            "allreduces": len(rk.reports),
+            "done": rk.done,
+            "stderr_tail": rk.stderr_tail() if rk.proc.returncode else "",
+        }
+        for rk in ranks
+    ]
+    result["reports"] = {rk.key: rk.reports for rk in ranks}
+
+
 def run(args, log) -> dict:
     """The soak; returns everything the report needs (raises on set-up failure)."""
     from aggcluster.cluster import Cluster
@@ -203,28 +314,7 @@ def run(args, log) -> dict:
     )
     pin_dir = pins.pin_root() / name
     state_file = pins.state_dir() / f"{name}.json"
-    result: dict = {
-        "config": {
-            "minutes": args.minutes,
-            "interval_s": args.interval,
-            "warmup_s": warmup,
-            "jobs": jobs,
-            "workers_per_job": args.workers,
-            "loss_up": args.loss,
-            "loss_down": args.loss,
-            "elems": args.elems,
-            "window": args.window,
-            "mtu": args.mtu,
-            "max_bytes": args.max_mib << 20,
-            "aggregator": name,
-            "testbed_prefix": tb.prefix,
-            "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-            "host": os.uname().nodename,
-            "kernel": os.uname().release,
-            "cpus": os.cpu_count(),
-        },
-        "samples": [],
-    }
+    result: dict = {"config": _config(args, jobs, name, tb.prefix, warmup), "samples": []}
     ranks: list[Rank] = []
     pids: list[int] = []
     with tb, Cluster(tb, name=name, pool_slots=max(1024, args.jobs * args.window)) as cl:
@@ -233,92 +323,18 @@ def run(args, log) -> dict:
         t_start = result["t_start"] = time.time()
         stop_at = t_start + duration
         try:
-            for j, job in enumerate(jobs):
-                for r in range(args.workers):
-                    w = tb.workers[j * args.workers + r]
-                    cmd = [
-                        sys.executable,
-                        "-m",
-                        "bench.soak_worker",
-                        "--rank",
-                        str(r),
-                        "--world",
-                        str(args.workers),
-                        "--control",
-                        cl.control_address(w),
-                        "--job",
-                        job,
-                        "--seed",
-                        str(j + 1),
-                        "--stop-at",
-                        repr(stop_at),
-                        "--max-bytes",
-                        str(args.max_mib << 20),
-                        "--elems",
-                        str(args.elems),
-                        "--window",
-                        str(args.window),
-                        "--timeout",
-                        str(args.allreduce_timeout),
-                    ]
-                    err = tempfile.TemporaryFile()
-                    p = tb.popen(
-                        w, cmd, env=cl.worker_env(), stdout=subprocess.PIPE, stderr=err, text=True
-                    )
-                    ranks.append(Rank(job, r, p, err))
-                    pids.append(p.pid)
+            _start_ranks(cl, tb, args, jobs, stop_at, ranks)
+            pids += [rk.proc.pid for rk in ranks]
             log(
                 f"soak: {len(jobs)} jobs x {args.workers} workers, loss {args.loss:.1%} both "
                 f"ways, {args.minutes:g} min, aggregator {name}, testbed {tb.prefix}"
             )
-            last = {"t": 0.0, "bytes": 0, "packets": 0, "retx": 0}
-            next_sample = t_start
-            while True:
-                now = time.time()
-                alive = [rk for rk in ranks if rk.proc.poll() is None]
-                if now >= next_sample or not alive:
-                    s = sample(cl, tb, ranks, server_pid, pin_dir, now - t_start, last)
-                    result["samples"].append(s)
-                    log(progress_line(s, args.minutes))
-                    next_sample += args.interval
-                if not alive:
-                    break
-                failed = [rk for rk in ranks if rk.proc.poll() not in (None, 0)]
-                if failed:
-                    log(f"soak: {failed[0].key} exited {failed[0].proc.returncode}; stopping")
-                    break
-                if now > stop_at + args.drain_s:
-                    log(f"soak: workers still running {args.drain_s:g} s after the end; stopping")
-                    break
-                time.sleep(min(1.0, max(0.05, next_sample - time.time())))
+            _watch(cl, tb, ranks, server_pid, pin_dir, args, log, result, t_start, stop_at)
         finally:
             nsexec.terminate([rk.proc for rk in ranks if rk.proc.poll() is None], grace=5)
             for rk in ranks:
                 rk.thread.join(timeout=10)
-        # the jobs end when their workers leave: the control endpoint deletes them
-        jobs_after, t_end = None, time.monotonic() + 20
-        while time.monotonic() < t_end:
-            jobs_after = json.loads(cl.cli("job", "list", "--json").stdout)
-            if not jobs_after:
-                break
-            time.sleep(0.5)
-        result["after_workers"] = {
-            "jobs": len(jobs_after or []),
-            "slots_in_use": sum(j["slot_count"] for j in jobs_after or []),
-            "stats": cl.stats(),
-        }
-        result["ranks"] = [
-            {
-                "job": rk.job,
-                "rank": rk.rank,
-                "exit": rk.proc.returncode,
-                "allreduces": len(rk.reports),
-                "done": rk.done,
-                "stderr_tail": rk.stderr_tail() if rk.proc.returncode else "",
-            }
-            for rk in ranks
-        ]
-        result["reports"] = {rk.key: rk.reports for rk in ranks}
+        _after_workers(cl, ranks, result)
     # after Cluster and Testbed exit: nothing of ours may be left
     time.sleep(0.5)
     result["after_teardown"] = {

@@ -13,8 +13,6 @@ LIMIT = 100
 # Not production: the tests themselves, and the example training script users copy from.
 OUTSIDE = {"tests", "examples", ".venv", "build"}
 EXCEPTIONS = {
-    "bench/soak.py:run": "the soak's one loop: start, sample every interval, stop, tear down; "
-    "to be cut with the soak's sampler into a class",
     "hostlib/engine.py:_run": "the numpy stream loop, being changed by the wire fix (issue 19); "
     "cut with StreamEngine (issue 21, item 7)",
 }
