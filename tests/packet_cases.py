@@ -265,16 +265,30 @@ def complete_round(
     return steps, vals, exps
 
 
-def build_cases() -> list[Case]:
-    """The table. Deterministic (seeded)."""
-    rng = np.random.default_rng(2021)
-    cases = []
+# --- the table: one function per case, registered in order ------------------------------------
+# Each takes the table's one random generator (seeded once and used in registration order, so
+# every value is the same run to run) and returns its case(s); build_cases() calls them all.
+CASE_FUNCTIONS: list[Callable[[np.random.Generator], list[Case]]] = []
 
+
+def case(fn: Callable[[np.random.Generator], list[Case]]):
+    """Register a case function of the table (in the order the functions are defined)."""
+    CASE_FUNCTIONS.append(fn)
+    return fn
+
+
+@case
+def complete_n3_k(rng) -> list[Case]:
+    cases = []
     for k in (32, 64, 256, 768):
         c = Case(f"complete_n3_k{k}", [job(n=3, elems=k)], workers(0, 3))
         c.steps, _, _ = complete_round(rng, 3, k, slot=2)
         cases.append(c)
+    return cases
 
+
+@case
+def duplicate_not_counted_twice(rng) -> list[Case]:
     c = Case("duplicate_not_counted_twice", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
@@ -289,8 +303,11 @@ def build_cases() -> list[Case]:
             4,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def retransmission_after_completion(rng) -> list[Case]:
     c = Case("retransmission_after_completion", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
@@ -322,14 +339,20 @@ def build_cases() -> list[Case]:
             sender=1,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def versions_alternate_and_slots_are_reused(rng) -> list[Case]:
     c = Case("versions_alternate_and_slots_are_reused", [job(n=2, count=4)], workers(0, 2))
     for r in range(5):  # v0, v1, v0, v1, v0 on slot 1: each first contribution overwrites
         steps, _, _ = complete_round(rng, 2, 32, slot=1, version=r % 2, tag=f"round {r} ")
         c.steps += steps
-    cases.append(c)
+    return [c]
 
+
+@case
+def one_worker(rng) -> list[Case]:
     c = Case("one_worker", [job(n=1)], workers(0, 1))
     for r in range(3):
         a = _vals(rng, 32)
@@ -343,8 +366,11 @@ def build_cases() -> list[Case]:
                 r,
             )
         )
-    cases.append(c)
+    return [c]
 
+
+@case
+def int32_wraps_around(rng) -> list[Case]:
     c = Case("int32_wraps_around", [job(n=3)], workers(0, 3))
     big = np.full(32, 2**31 - 1, dtype=np.int64)
     big[::2] = -(2**31)
@@ -353,12 +379,18 @@ def build_cases() -> list[Case]:
         Step("w1", frame(1, big, slot=0), Action.DROP, Reason.AGGREGATED),
         Step("w2", frame(2, big, slot=0), Action.TO_ALL, Reason.COMPLETED, _wrap(3 * big), 0),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def many_workers_40(rng) -> list[Case]:
     c = Case("many_workers_40", [job(n=40, elems=64)], workers(0, 40))
     c.steps, _, _ = complete_round(rng, 40, 64, slot=5)
-    cases.append(c)
+    return [c]
 
+
+@case
+def two_jobs_isolated(rng) -> list[Case]:
     c = Case(
         "two_jobs_isolated",
         [job(0, n=2, base=0, count=8), job(1, n=2, base=8, count=8, port=wire.UDP_PORT + 1)],
@@ -396,8 +428,11 @@ def build_cases() -> list[Case]:
             Reason.DROP_UNKNOWN_SOURCE,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def bad_packets_dropped_and_counted(rng) -> list[Case]:
     c = Case("bad_packets_dropped_and_counted", [job(n=2, base=4, count=4)], workers(0, 2))
     a = _vals(rng, 32)
     full = frame(0, a, slot=5)
@@ -423,8 +458,11 @@ def build_cases() -> list[Case]:
         ),
         Step("valid after all that", frame(0, a, slot=5), Action.DROP, Reason.AGGREGATED),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def lengths_must_agree(rng) -> list[Case]:
     # Lengths that lie, each from a registered worker with its full payload present: dropped
     # and counted before any state changes. The valid contributions after them show that no
     # worker bit, accumulator or exponent moved: w0 still aggregates, w1 completes the exact sum.
@@ -506,8 +544,12 @@ def build_cases() -> list[Case]:
             sender=0,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def lying_frame_for_the_other_version(rng) -> list[Case]:
+    ilen = wire.IPV4_HLEN + wire.UDP_HLEN + wire.udp_payload_len(32)
     # The defect's worst form: a lying frame for (slot, version 0) from a worker that waits on
     # version 1 must neither clear its bit of version 1 nor complete anything.
     c = Case("lying_frame_for_the_other_version", [job(n=2, base=0, count=4)], workers(0, 2))
@@ -536,8 +578,11 @@ def build_cases() -> list[Case]:
             0,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def result_fields_are_the_aggregators(rng) -> list[Case]:
     # Results carry ToS 0, IP id 0, no DF, TTL 64 and a 0 reserved bit whatever the requests
     # carried, as p4app-switchML's sender writes them (check_result asserts it on every result
     # of the table; here the requests differ: a DSCP and ECN, DF as Linux's UDP sets it).
@@ -562,8 +607,12 @@ def build_cases() -> list[Case]:
             sender=0,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def udp_checksum_verified_k(rng) -> list[Case]:
+    cases = []
     # A job that verifies UDP checksums: a wrong one is dropped before any state changes; a zero
     # checksum (none sent, legal for IPv4) is taken. Jobs without the option ignore checksums.
     for k in (32, 256):
@@ -597,6 +646,11 @@ def build_cases() -> list[Case]:
             ),
         ]
         cases.append(c)
+    return cases
+
+
+@case
+def udp_checksum_ignored_by_default(rng) -> list[Case]:
     c = Case("udp_checksum_ignored_by_default", [job(n=1)], workers(0, 1))
     a = _vals(rng, 32)
     bad = bytearray(frame(0, a, slot=0, udp_checksum=True))
@@ -612,8 +666,11 @@ def build_cases() -> list[Case]:
             0,
         )
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def not_ours_passes_untouched(rng) -> list[Case]:
     c = Case("not_ours_passes_untouched", [job(n=2)], workers(0, 2))
     eth = Ether(src=worker_mac(0), dst=AGG_MAC)
     c.steps = [
@@ -672,8 +729,11 @@ def build_cases() -> list[Case]:
             Reason.PASS,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def malformed_ipv4_to_our_port(rng) -> list[Case]:
     c = Case("malformed_ipv4_to_our_port", [job(n=2)], workers(0, 2))
     a = _vals(rng, 32)
     opt = Ether(frame(0, a))
@@ -698,8 +758,11 @@ def build_cases() -> list[Case]:
         Step("ihl below 5", bytes(short_ihl), Action.PASS, Reason.PASS),
         Step("still aggregates", frame(0, a), Action.DROP, Reason.AGGREGATED),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def second_exponent_is_a_max_too(rng) -> list[Case]:
     c = Case("second_exponent_is_a_max_too", [job(n=3)], workers(0, 3))
     a, b, d = (_vals(rng, 32) for _ in range(3))
     c.steps = [
@@ -725,8 +788,11 @@ def build_cases() -> list[Case]:
             e1=11,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def retransmission_answer_k64(rng) -> list[Case]:
     c = Case("retransmission_answer_k64", [job(n=2, elems=64)], workers(0, 2))
     a, b = _vals(rng, 64, -(2**31), 2**31 - 1), _vals(rng, 64, -(2**31), 2**31 - 1)
     c.steps = [
@@ -742,17 +808,17 @@ def build_cases() -> list[Case]:
             sender=0,
         ),
     ]
-    cases.append(c)
+    return [c]
 
+
+@case
+def switch_mode_broadcasts(rng) -> list[Case]:
     c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
     c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
-    cases.append(c)
-    cases += mac_cases(rng)
-    cases += p4app_host_cases(rng)
-    cases += tree_cases(rng)
-    return cases
+    return [c]
 
 
+@case
 def mac_cases(rng) -> list[Case]:
     """A worker's source MAC is matched with its address and port (as p4app-switchML's switch
     matches it), where the control plane knows it; an all-zero MAC matches any."""
@@ -801,6 +867,7 @@ def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callab
     return check
 
 
+@case
 def p4app_host_cases(rng) -> list[Case]:
     """Requests built byte for byte as p4app-switchML's DPDK host builds them (BuildPacket at
     b5c74a0: tests/p4app_host.py cites the lines), 64 int32 per packet as its default packet
@@ -856,6 +923,7 @@ def p4app_host_cases(rng) -> list[Case]:
     return out
 
 
+@case
 def tree_cases(rng) -> list[Case]:
     """Two levels (docs/protocol.md section 3.7): a rack job (base 4, 8 slots) whose parent job's
     slots start at PARENT_SLOT_BASE. Our slot g is the parent's g - 4 + 100."""
@@ -1019,6 +1087,12 @@ def tree_cases(rng) -> list[Case]:
     ]
     cases.append(c)
     return cases
+
+
+def build_cases() -> list[Case]:
+    """The table: every registered case function's cases, in order. Deterministic (seeded)."""
+    rng = np.random.default_rng(2021)
+    return [c for fn in CASE_FUNCTIONS for c in fn(rng)]
 
 
 CASES = build_cases()
