@@ -46,7 +46,7 @@ def test_plan_with_several_aggregators():
 
 
 def test_cli_refuses_several_aggregators_outside_one_arm():
-    from harness.cli import testbed_cli_run as run
+    from harness.cli import run_testbed_cli as run
 
     r = run("up", "--aggregators", "2", "--topology", "switch")
     assert r.exit_code == 2 and "one-arm" in r.output

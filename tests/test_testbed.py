@@ -17,7 +17,7 @@ import sys
 
 import pytest
 import unprivileged
-from harness.cli import testbed_cli_run
+from harness.cli import run_testbed_cli
 
 from netns_testbed import faults, plan, registry, shaping
 from netns_testbed.errors import TestbedError
@@ -156,7 +156,7 @@ def test_mtu_above_what_xdp_on_veth_allows_is_refused_with_the_limit():
     Testbed(mtu=MAX_MTU)
     with pytest.raises(ValueError, match=r"68\.\.3506, got 9000.*XDP"):
         Testbed(mtu=9000)
-    r = testbed_cli_run("up", "--mtu", "3507")
+    r = run_testbed_cli("up", "--mtu", "3507")
     assert r.exit_code == 2 and "3506" in r.output and "Traceback" not in r.output
 
 
@@ -439,7 +439,7 @@ def test_cli_not_root_message_in_process(monkeypatch):
             ["exec", "w0", "--", "true"],
             ["set", "--rate", "1gbit"],
         ):
-            r = testbed_cli_run(args[0], "--prefix", prefix, *args[1:])
+            r = run_testbed_cli(args[0], "--prefix", prefix, *args[1:])
             assert r.exit_code == 1, (args, r.output)
             assert "not root: run with sudo" in r.stderr, args
     finally:

@@ -23,7 +23,7 @@ def xdp_agg_cli(*args: str, env: dict | None = None, **kw) -> Result:
     return invoke("xdp-agg", *args, env=env, **kw)
 
 
-def testbed_cli_run(*args: str, env: dict | None = None, **kw) -> Result:
+def run_testbed_cli(*args: str, env: dict | None = None, **kw) -> Result:
     """Run `netns-testbed ARGS...`."""
     return invoke("netns-testbed", *args, env=env, **kw)
 
