@@ -83,6 +83,7 @@ from aggproto.limits import DEFAULT_POOL_SLOTS, MAX_JOBS, MAX_WORKERS
 
 from . import auth
 from .backend import Backend
+from .lease import JobLease
 
 log = logging.getLogger(__name__)
 
@@ -215,6 +216,8 @@ class RendezvousServer:
         self._stopping = False
         self._thread: threading.Thread | None = None  # the one running serve_forever
         self._tcp = _TCPServer((host, port), self)
+        # --- job leases (aggctl.lease): quiet jobs expire; renewed in handle() ---
+        self.lease = JobLease(self, self.limits.job_lease)
 
     # --- lifecycle --------------------------------------------------------------------------
     @property
@@ -225,6 +228,7 @@ class RendezvousServer:
     def serve_forever(self) -> None:
         """Serve in the calling thread until stop() (from another thread) or an exception."""
         self._thread = threading.current_thread()
+        self.lease.start()
         self._tcp.serve_forever(poll_interval=0.2)
 
     def run_until_interrupted(self) -> None:
@@ -244,6 +248,7 @@ class RendezvousServer:
             target=self._tcp.serve_forever, args=(0.2,), name="rendezvous", daemon=True
         )
         self._thread.start()
+        self.lease.start()
         return self
 
     def stop(self) -> None:
@@ -254,6 +259,7 @@ class RendezvousServer:
                 return
             self._stopping = True
             self._cond.notify_all()
+            self.lease.stop()
             conns = list(self._conns.values())
         serving = self._thread
         if serving is not None and serving is not threading.current_thread():
@@ -331,7 +337,9 @@ class RendezvousServer:
                     f"unknown op {op!r}; ops: create, register, leave, status, diagnose, "
                     "rejoin, ping"
                 )
-            return {"ok": True, **fn(conn, request, local, peer)}
+            answer = {"ok": True, **fn(conn, request, local, peer)}
+            self.lease.renew(conn)  # a request of a job's member renews the job's lease
+            return answer
         except RequestError as e:
             return {"ok": False, "error": str(e)}
         except auth.Denied as e:

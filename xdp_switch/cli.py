@@ -676,6 +676,15 @@ def slots(ctx, slot, as_json):
     help="Seconds a connection that holds no job may take to send a request before it is cut.",
 )
 @click.option(
+    "--job-lease",
+    type=click.FloatRange(0, 86_400),
+    default=auth.Limits.job_lease,
+    show_default=True,
+    help="Seconds a job lives while none of its members sends a request (hostlib pings every "
+    "10 s) and the aggregator counts no traffic of it; then it is deleted, freeing its slots "
+    "and port (a crashed run's stuck ranks). 0: never.",
+)
+@click.option(
     "--request-rate",
     type=click.FloatRange(0.1, 1e6),
     default=auth.Limits.rate,
@@ -743,6 +752,7 @@ def serve(
     max_connections,
     max_per_source,
     idle_timeout,
+    job_lease,
     request_rate,
     rejoin_timeout,
     parent,
@@ -796,6 +806,7 @@ def serve(
         max_connections=max_connections,
         max_per_source=max_per_source,
         idle_timeout=idle_timeout,
+        job_lease=job_lease,
         rate=request_rate,
         burst=max(1, int(3 * request_rate)),
     )
