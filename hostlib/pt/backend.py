@@ -49,7 +49,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
+from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo, Work
 
 from aggproto.control import SECRET_ENV
 
@@ -173,6 +173,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         elif mode not in ("", "none", "error"):
             raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
+        self.premul_sums = 0  # PREMUL_SUM collectives turned into scale + SUM (a diagnostic)
         token_key = f"xdpagg/token/{self.job}"
         token = None
         if rank > 0 and not os.environ.get(SECRET_ENV):
@@ -219,6 +220,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
     def _allreduce(self, tensors: list[torch.Tensor], op) -> Work:
         if _is_premul(op):
+            self.premul_sums += 1
             # PREMUL_SUM(f) (FSDP2's gradient divide factor; gloo refuses it) is sum(f x_i):
             # scale in place (all_reduce's result replaces its input anyway), then SUM
             for t in tensors:
@@ -262,7 +264,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     # torch 2.13's names of the tensor-to-tensor collectives, on gloo's older names
     def all_gather_single(self, output, input, opts=None):
         """all_gather_into_tensor: gloo's _allgather_base."""
-        return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+        return self._gloo._allgather_base(output, input, opts or AllgatherOptions())
 
     def reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_tensor: gloo's _reduce_scatter_base (PREMUL_SUM as scale + SUM)."""
@@ -271,6 +273,8 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     def _reduce_scatter_base(self, output, input, opts=None):
         """reduce_scatter_tensor on gloo; PREMUL_SUM(f) becomes SUM of f * input (a copy: the
         caller's input stays as it was)."""
+        if opts is not None and _is_premul(opts.reduceOp):
+            self.premul_sums += 1
         input, o = _premul_to_sum(input, opts, dist.ReduceScatterOptions)
         return self._gloo._reduce_scatter_base(output, input, o)
 
@@ -278,6 +282,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         """reduce_scatter of tensor lists on gloo; PREMUL_SUM as in _reduce_scatter_base."""
         o = opts
         if opts is not None and _is_premul(opts.reduceOp):
+            self.premul_sums += 1
             inputs = [
                 [_premul_to_sum(t, opts, dist.ReduceScatterOptions)[0] for t in ts] for ts in inputs
             ]
@@ -294,8 +299,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
         works = [
-            self._gloo._allgather_base(o, i, dist.AllgatherOptions())
-            for o, i in zip(outputs, inputs)
+            self._gloo._allgather_base(o, i, AllgatherOptions()) for o, i in zip(outputs, inputs)
         ]
         return _FutureWork(
             torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
