@@ -10,9 +10,10 @@ tests/torch_fsdp_worker.py runs as a user would run it: a real torchrun per work
   aggregator job and name; the replicate all-reduces went through the aggregator (its
   per-worker contribution counters), reduce-scatter and all-gather through gloo; with a
   gradient divide factor FSDP2 reduce-scatters with PREMUL_SUM and still matches DDP.
-- restart: --max-restarts 1, rank 2 SIGKILLs itself at step 3 of the first round; torchrun
-  starts a second round, which trains to the end under a new job; the crashed round's job is
-  gone and the aggregator's job count is back.
+- restart: --max-restarts 1, rank 2 SIGKILLs itself at step 3 of the first round, its control
+  connection silenced first (as if its host vanished); torchrun starts a second round, which
+  trains to the end under a new job; the crashed round's job, held open by the silent
+  connection, is removed by the endpoint's job lease, and the aggregator's job count is back.
 One testbed for the module: its start-up is most of a scenario's cost.
 """
 
@@ -35,6 +36,7 @@ WORKER = str(ROOT / "tests" / "torch_fsdp_worker.py")
 N = 4
 STEPS = 5
 LOSS_TOL = 1e-4
+LEASE = 20  # s: the control endpoint's job lease here (hostlib's control link pings every 10 s)
 
 pytestmark = [
     pytest.mark.root,
@@ -52,7 +54,8 @@ def bed():
     from netns_testbed.testbed import Testbed
 
     skip_unless_root()
-    with Testbed(workers=N, topology="one-arm") as tb, Cluster(tb) as cl:
+    serve = ("--job-lease", str(LEASE))
+    with Testbed(workers=N, topology="one-arm") as tb, Cluster(tb, serve_args=serve) as cl:
         yield tb, cl
 
 
@@ -171,24 +174,32 @@ def test_hsdp_2x2_replicate_all_reduce_through_the_aggregator(bed, hsdp_run):
 
 
 def test_torchrun_restart_after_a_rank_is_killed(bed):
+    """Rank 2 dies as if its host vanished: its control connection's FIN and RST never arrive
+    (iptables in its namespace), so only the job lease can end the crashed round's job."""
+    tb, cl = bed
     steps = 8
-    reports, outs, before = _torchrun(
-        bed,
-        "restart",
-        "--steps",
-        str(steps),
-        "--kill-rank",
-        "2",
-        "--kill-step",
-        "3",
-        max_restarts=1,
-    )
-    assert any("KILLED rank 2 at step 3" in o for o in outs)
-    for rep in reports:  # TORCHELASTIC_RESTART_COUNT counts a node's own failures only
-        assert rep["steps"] == steps and rep["attempt"] == (1 if rep["rank"] == 2 else 0), rep
-    # each node printed its job's name in both rounds: one job per round, not the same
-    rounds = [[ln.split()[2] for ln in o.splitlines() if ln.startswith("JOB ")] for o in outs]
-    assert all(len(r) == 2 for r in rounds), rounds
-    first, second = {r[0] for r in rounds}, {r[1] for r in rounds}
-    assert len(first) == len(second) == 1 and first != second, rounds
-    assert _wait_jobs(bed[1], before) == before  # the crashed round's job is gone too
+    try:
+        reports, outs, before = _torchrun(
+            bed,
+            *("restart", "--steps", str(steps), "--kill-rank", "2", "--kill-step", "3"),
+            "--vanish",
+            max_restarts=1,
+        )
+        assert any("KILLED rank 2 at step 3" in o for o in outs)
+        assert any("VANISHED control connection" in o for o in outs)
+        for rep in reports:  # TORCHELASTIC_RESTART_COUNT counts a node's own failures only
+            assert rep["steps"] == steps and rep["attempt"] == (1 if rep["rank"] == 2 else 0)
+        # each node printed its job's name in both rounds: one job per round, not the same
+        rounds = [[ln.split()[2] for ln in o.splitlines() if ln.startswith("JOB ")] for o in outs]
+        assert all(len(r) == 2 for r in rounds), rounds
+        first, second = {r[0] for r in rounds}, {r[1] for r in rounds}
+        assert len(first) == len(second) == 1 and first != second, rounds
+        # the crashed round's job outlives its processes until its lease lapses
+        assert _wait_jobs(cl, before, limit=LEASE + 30) == before
+    finally:
+        tb.run(tb.workers[2], ["iptables", "-F", "OUTPUT"], timeout=30)
+    # the endpoint says why it went: the lease (a closed connection would need no log line)
+    log = cl.stop_server()
+    cl.start_server()
+    (old,) = first
+    assert any(old in ln and "the lease is" in ln for ln in log.splitlines()), log[-2000:]

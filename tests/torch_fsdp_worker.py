@@ -15,6 +15,7 @@ import copy
 import json
 import os
 import signal
+import subprocess
 import sys
 import time
 
@@ -189,12 +190,33 @@ def run_restart(args, rank: int, n: int, gloo) -> dict:
 
     def crash(step):
         if attempt == 0 and rank == args.kill_rank and step == args.kill_step:
+            if args.vanish:
+                _vanish()
             print(f"KILLED rank {rank} at step {step}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)  # no cleanup at all, as a crash
 
     model = _shard(_model(), mesh)
     losses = _train(model, rank, args.steps, on_step=crash)
     return {"attempt": attempt, "steps": len(losses), "losses": losses}
+
+
+def _vanish() -> None:
+    """Make this rank's death look like its host's: drop every further packet of its open
+    control connections (their FIN and RST too, with iptables in this worker's namespace), so
+    the control endpoint sees them stay open and silent; only the job lease ends the job."""
+    port = os.environ["XDP_AGG_CONTROL"].rpartition(":")[2]
+    out = subprocess.run(
+        ["ss", "-Htn", "state", "established", f"( dport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    for line in out.splitlines():
+        local = line.split()[-2]  # Recv-Q Send-Q Local:Port Peer:Port
+        sport = local.rpartition(":")[2]
+        rule = ["OUTPUT", "-p", "tcp", "--sport", sport, "--dport", port, "-j", "DROP"]
+        subprocess.run(["iptables", "-A", *rule], check=True)
+        print(f"VANISHED control connection from port {sport}", flush=True)
 
 
 def main() -> int:
@@ -204,6 +226,7 @@ def main() -> int:
     ap.add_argument("--kill-rank", type=int, default=2)
     ap.add_argument("--kill-step", type=int, default=3)
     ap.add_argument("--backend", default="xdpagg")
+    ap.add_argument("--vanish", action="store_true", help="the killed rank's FIN never arrives")
     args = ap.parse_args()
     torch.set_num_threads(1)
     hostlib.pt.register_backend()  # the entry point does it where the package is installed
