@@ -8,7 +8,8 @@ namespace
 
     torchrun --nnodes N --nproc-per-node 1 --rdzv-backend c10d \\
         --rdzv-endpoint <worker 0's address>:29400 --rdzv-id <run id> \\
-        --rdzv-conf is_host=<1 on worker 0, else 0> --local-addr <own address> SCRIPT ARGS...
+        --rdzv-conf is_host=<1 on worker 0, else 0> --local-addr <own address> \\
+        --max-restarts <--max-restarts, default 0> SCRIPT ARGS...
 
 with XDP_AGG_CONTROL (the control endpoint as that worker reaches it) and GLOO_SOCKET_IFNAME set,
 so that the script's init_process_group("xdpagg") (or "gloo") finds both. torchrun's c10d

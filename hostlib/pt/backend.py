@@ -9,12 +9,19 @@ What goes where:
   or int32 tensors: through the aggregator (hostlib), sync or async (a Work handle). int32 sums
   are exact (wrapping modulo 2^32 like the aggregator); floats are block-scaled through int32
   (per-element bound in hostlib.scaling, about n^2 2^-32 of each 256-element chunk's largest
-  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size.
+  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size;
+  PREMUL_SUM(f) (FSDP2's gradient divide factor) scales the tensor by f in place, then sums.
 - every other all_reduce (MIN, MAX, PRODUCT, ...; int64, float64 and other dtypes the wire
   cannot carry exactly; AVG of integer tensors is refused, as gloo does) and every other
   collective (broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce, gather,
   scatter, all_to_all, barrier, send/recv): delegated to a gloo process group that this one
-  builds on the same store.
+  builds on the same store; a reduce-scatter with PREMUL_SUM(f), which gloo refuses, as a SUM
+  of f times (a copy of) the input.
+
+The groups work with DeviceMesh, FSDP2 (fully_shard), HSDP, DTensor and the functional
+collectives (they carry torch's group name and description: see __init__); every group,
+sub-groups from new_group(backend="xdpagg") and DeviceMesh included, has its own aggregator
+job, left when the group is destroyed. docs/pytorch.md has the user's view.
 
 Settings (environment, read when the group is made):
 - XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required. Several,
