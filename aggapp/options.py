@@ -225,6 +225,15 @@ class ServeOptions:
         show_default=True,
         help="Seconds a connection that holds no job may take to send a request before it is cut.",
     )
+    job_lease: float = opt(
+        "--job-lease",
+        default=auth.Limits.job_lease,
+        type=click.FloatRange(0, 86_400),
+        show_default=True,
+        help="Seconds a job lives while none of its members sends a request (hostlib pings every "
+        "10 s) and the aggregator counts no traffic of it; then it is deleted, freeing its slots "
+        "and port (a crashed run's stuck ranks). 0: never.",
+    )
     request_rate: float = opt(
         "--request-rate",
         default=auth.Limits.rate,
@@ -291,6 +300,7 @@ class ServeOptions:
             max_connections=self.max_connections,
             max_per_source=self.max_per_source,
             idle_timeout=self.idle_timeout,
+            job_lease=self.job_lease,
             rate=self.request_rate,
             burst=max(1, int(3 * self.request_rate)),
         )

@@ -44,6 +44,7 @@ class Limits:
     burst: int = 60  # requests a source may send at once
     proof_skew: float = 120.0  # s a proof's timestamp may differ from the endpoint's clock
     replay_cache: int = 1 << 16  # proofs remembered (within the skew) to refuse replays
+    job_lease: float = 60.0  # s a job lives without requests or traffic of its members (lease)
 
     def __post_init__(self) -> None:
         for name in ("max_line", "max_connections", "max_per_source", "burst", "replay_cache"):

@@ -78,6 +78,7 @@ from aggproto.limits import DEFAULT_POOL_SLOTS
 from . import auth
 from .backend import Backend
 from .fields import RequestError
+from .lease import JobLease
 from .registry import JobRegistry, _EndpointJob
 from .status import StatusOps
 
@@ -165,6 +166,8 @@ class ControlEndpoint(JobRegistry, StatusOps):
         self._stopping = False
         self._thread: threading.Thread | None = None  # the one running serve_forever
         self._tcp = _TCPServer((host, port), self)
+        # --- job leases (aggctl.lease): quiet jobs expire; renewed in handle() ---
+        self.lease = JobLease(self, self.limits.job_lease)
 
     # --- lifecycle --------------------------------------------------------------------------
     @property
@@ -175,6 +178,7 @@ class ControlEndpoint(JobRegistry, StatusOps):
     def serve_forever(self) -> None:
         """Serve in the calling thread until stop() (from another thread) or an exception."""
         self._thread = threading.current_thread()
+        self.lease.start()
         self._tcp.serve_forever(poll_interval=0.2)
 
     def run_until_interrupted(self) -> None:
@@ -194,6 +198,7 @@ class ControlEndpoint(JobRegistry, StatusOps):
             target=self._tcp.serve_forever, args=(0.2,), name="control-endpoint", daemon=True
         )
         self._thread.start()
+        self.lease.start()
         return self
 
     def stop(self) -> None:
@@ -204,6 +209,7 @@ class ControlEndpoint(JobRegistry, StatusOps):
                 return
             self._stopping = True
             self._cond.notify_all()
+            self.lease.stop()
             conns = list(self._conns.values())
         serving = self._thread
         if serving is not None and serving is not threading.current_thread():
@@ -281,7 +287,9 @@ class ControlEndpoint(JobRegistry, StatusOps):
                     f"unknown op {op!r}; ops: create, register, leave, status, diagnose, "
                     "rejoin, ping"
                 )
-            return {"ok": True, **fn(conn, request, local, peer)}
+            answer = {"ok": True, **fn(conn, request, local, peer)}
+            self.lease.renew(conn)  # a request of a job's member renews the job's lease
+            return answer
         except RequestError as e:
             return {"ok": False, "error": str(e)}
         except auth.Denied as e:

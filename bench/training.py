@@ -9,6 +9,10 @@ unmodified examples/train.py with --backend xdpagg, then --backend gloo:
 - wide: the 25.2 M-parameter MLP on synthetic inputs at 1 Gbit/s (tbf on every worker link),
   MTU 3500 and 768 int32 per packet as in the all-reduce benchmark: time per iteration of both
   systems (SwitchML's training-speedup table is the analog).
+- sharded: the digits MLP, --sharded-steps steps, unshaped links, as DDP, FSDP2 (fully_shard on
+  a 1-D mesh) and HSDP (a replicate 2 x shard 2 mesh), each on both systems: time per
+  iteration and communication share (under xdpagg, FSDP2's reduce-scatter and all-gather go
+  to gloo and only HSDP's replicate all-reduce through the aggregator; docs/pytorch.md).
 
 Writes --out (default bench/results/training): results.json (both systems' reports), results.md
 (the tables), digits.png (loss and accuracy per step), wide.png (time per iteration).
@@ -29,25 +33,37 @@ TRAIN = str(ROOT / "examples" / "train.py")
 
 
 def run_case(
-    name: str, *, workers: int, rate, mtu: int, train_args: list[str], env: dict, out: Path, log
+    name: str,
+    *,
+    workers: int,
+    rate,
+    mtu: int,
+    train_args: list[str],
+    env: dict,
+    out: Path,
+    log,
+    variants: tuple[str, ...] = ("",),
 ) -> dict:
-    """One testbed, both systems in turn; {system: rank 0's report}."""
+    """One testbed, both systems in turn (for each --parallel of `variants`, "" meaning the
+    script's default); {system: rank 0's report}, or {"PARALLEL-system": ...} per variant."""
     from aggcluster.cluster import Cluster
     from aggcluster.torchrun import start_torchrun, wait_all
     from netns_testbed.testbed import Testbed
 
     reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
     with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, Cluster(tb) as cl:
-        for system in ("xdpagg", "gloo"):
-            path = out / f".{name}-{system}.json"
+        for variant, system in ((v, s) for v in variants for s in ("xdpagg", "gloo")):
+            key = f"{variant}-{system}" if variant else system
+            path = out / f".{name}-{key}.json"
             t0 = time.monotonic()
+            extra = ["--parallel", variant] if variant else []
             procs = start_torchrun(
                 tb,
                 cl,
                 TRAIN,
-                ["--backend", system, *train_args, "--out", str(path)],
+                ["--backend", system, *extra, *train_args, "--out", str(path)],
                 env=env,
-                run_id=f"{name}-{system}-{os.getpid()}",
+                run_id=f"{name}-{key}-{os.getpid()}",
             )
             results = wait_all(procs, 900)
             bad = [
@@ -56,8 +72,8 @@ def run_case(
                 if rc != 0
             ]
             if bad:
-                raise RuntimeError(f"{name} {system}: " + "\n".join(bad))
-            reports[system] = json.loads(path.read_text())
+                raise RuntimeError(f"{name} {key}: " + "\n".join(bad))
+            reports[key] = json.loads(path.read_text())
             path.unlink()
             log(f"  {results[0][1].strip()}  ({time.monotonic() - t0:.0f} s with start-up)")
     reports["load"].append(os.getloadavg()[0])
@@ -141,7 +157,46 @@ def markdown(res: dict) -> str:
         f"({2 * (n - 1) / n * grad_bits / 1e9:.2f} s), a ratio of {2 * (n - 1) / n:.2f}.",
         "",
     ]
+    if "sharded" in res:
+        lines += sharded_markdown(res["sharded"], meta["workers"])
     return "\n".join(lines)
+
+
+SHARDED = ("ddp", "fsdp", "hsdp")
+
+
+def sharded_markdown(case: dict, n: int) -> list[str]:
+    """The sharded case's table: DDP, FSDP2 and HSDP, each on both systems."""
+    r0 = case["ddp-xdpagg"]
+    lines = [
+        f"## sharded: DDP, FSDP2 and HSDP, MLP 64-256-256-10 ({r0['params']:,} parameters) on "
+        f"load_digits, unshaped links, MTU 3500, {r0['steps']} steps of {r0['batch_per_rank']} "
+        f"samples per rank",
+        "",
+        _when(case),
+        "",
+        f"FSDP2: fully_shard per Linear and the root on a 1-D mesh of {n}; HSDP: a (replicate "
+        f"2, shard {n // 2}) mesh. Under xdpagg only all-reduces go through the aggregator: all "
+        f"of DDP's gradients, HSDP's replicate-dimension all-reduce of the reduce-scattered "
+        f"shards; FSDP2's reduce-scatter and all-gather are gloo's (docs/pytorch.md).",
+        "",
+        "| parallelism | system | time per iteration | compute | communication share | "
+        "final loss | aggregator all-reduces (rank 0) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for par in SHARDED:
+        for s in ("xdpagg", "gloo"):
+            r = case.get(f"{par}-{s}")
+            if r is None:
+                continue
+            x = r.get("xdpagg", {})
+            agg = x.get("replicate", x).get("channel", {}).get("allreduces", "-") if x else "-"
+            lines.append(
+                f"| {par} | {s} | {r['time_per_iter_s'] * 1e3:.1f} ms | "
+                f"{r['compute_per_iter_s'] * 1e3:.1f} ms | {r['comm_share']:.0%} | "
+                f"{r['loss'][-1]:.4f} | {agg} |"
+            )
+    return [*lines, ""]
 
 
 def _when(case: dict) -> str:
@@ -207,8 +262,9 @@ def main(argv=None) -> int:
     ap.add_argument("--digits-steps", type=int, default=300)
     ap.add_argument("--wide-steps", type=int, default=8)
     ap.add_argument("--wide-warmup", type=int, default=2)
+    ap.add_argument("--sharded-steps", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "training"))
-    ap.add_argument("--only", choices=["digits", "wide"], default=None)
+    ap.add_argument("--only", choices=["digits", "wide", "sharded"], default=None)
     ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker")
     ap.add_argument(
         "--replot",
@@ -270,10 +326,26 @@ def main(argv=None) -> int:
                 "4",
             ],
         )
+    if args.only in (None, "sharded"):
+        log(f"sharded (DDP, FSDP2, HSDP), n={args.workers}, unshaped:")
+        res["sharded"] = run_case(
+            "sharded",
+            workers=args.workers,
+            rate=None,
+            mtu=3500,
+            out=out,
+            log=log,
+            # HSDP holds 5 jobs on the aggregator (the world, 2 replicate and 2 shard groups):
+            # at most 128 slots each fit the testbed's pool of 1024
+            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(min(args.window, 128))},
+            train_args=["--model", "digits", "--steps", str(args.sharded_steps)],
+            variants=SHARDED,
+        )
     (out / "results.json").write_text(json.dumps(res, indent=1))
     if "digits" in res and "wide" in res:
         (out / "results.md").write_text(markdown(res))
-        plots(res, out)
+        if args.only != "sharded":  # its table only: the plots are the other cases'
+            plots(res, out)
         log((out / "results.md").read_text())
     return 0
 

@@ -10,6 +10,9 @@ The script is what a user writes: init_process_group(--backend), DistributedData
 optimizer loop. With --backend xdpagg, DDP's gradient all-reduces go through the aggregator (the
 backend "xdpagg" of hostlib.pt, registered when torch is imported); with gloo, through gloo;
 with gloo and --hook, through the aggregator by the DDP communication hook, gloo doing the rest.
+--parallel fsdp shards the model with FSDP2 (fully_shard on a 1-D DeviceMesh: reduce-scatter
+and all-gather, which the backend delegates to gloo); --parallel hsdp on a 2-D (replicate 2,
+shard n/2) mesh, whose replicate all-reduces go through the aggregator (docs/pytorch.md).
 
 Models:
 - digits: an MLP on scikit-learn's handwritten digits (load_digits: 1797 8x8 images shipped
@@ -90,6 +93,23 @@ class Batches:
         return self.x[idx], self.y[idx]
 
 
+def wrap(net: torch.nn.Module, parallel: str, n: int) -> torch.nn.Module:
+    """DDP, or FSDP2 on a 1-D (fsdp) or (replicate 2, shard n/2) (hsdp) DeviceMesh."""
+    if parallel == "ddp":
+        return DDP(net)
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    if parallel == "fsdp":
+        mesh = init_device_mesh("cpu", (n,))
+    else:
+        mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    for layer in net:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    return fully_shard(net, mesh=mesh)
+
+
 def accuracy(model: torch.nn.Module, x, y) -> float:
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
@@ -100,6 +120,7 @@ def main(argv=None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--backend", default="xdpagg", help="xdpagg, cpu:xdpagg or gloo")
+    ap.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp")
     ap.add_argument("--model", choices=["digits", "wide"], default="digits")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
@@ -132,7 +153,7 @@ def main(argv=None) -> int:
     net = make_model(args.model)
     params = sum(p.numel() for p in net.parameters())
     local = copy.deepcopy(net)  # for the compute-only timing
-    model = DDP(net)
+    model = wrap(net, args.parallel, n)
     state = None
     if args.hook:
         import hostlib
@@ -163,12 +184,11 @@ def main(argv=None) -> int:
         opt.step()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
-        if (
-            args.model == "digits"
-            and rank == 0
-            and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps)
-        ):
-            accs.append((step + 1, accuracy(model.module, xte, yte)))
+        if args.model == "digits" and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            if args.parallel != "ddp":  # a sharded forward is collective: every rank runs it
+                accs.append((step + 1, accuracy(model, xte, yte)))
+            elif rank == 0:
+                accs.append((step + 1, accuracy(model.module, xte, yte)))
 
     # compute-only: the same work on a local copy, no communication (every rank, at once, so
     # that the CPU is shared as during training)
@@ -195,6 +215,7 @@ def main(argv=None) -> int:
         t_comp = statistics.median(comp[args.warmup :])
         report = {
             "backend": args.backend + (" + xdp-agg hook" if args.hook else ""),
+            "parallel": args.parallel,
             "model": args.model,
             "world_size": n,
             "params": params,
@@ -217,9 +238,13 @@ def main(argv=None) -> int:
                 "channel": pg.channel.stats,
                 "engine": pg.comm.stats,
             }
+            if args.parallel == "hsdp":  # the replicate dimension's all-reduces
+                rg = next(model.parameters()).device_mesh.get_group("replicate")
+                report["xdpagg"]["replicate"] = {"job": rg.job, "channel": rg.channel.stats}
         acc = f", final accuracy {report['final_accuracy']:.4f}" if accs else ""
         print(
-            f"{report['backend']}: {args.model} ({params / 1e6:.2f} M parameters), n={n}: "
+            f"{report['backend']} {args.parallel}: {args.model} "
+            f"({params / 1e6:.2f} M parameters), n={n}: "
             f"{t_iter * 1e3:.1f} ms per iteration, {t_comp * 1e3:.1f} ms of it compute "
             f"(communication {report['comm_share']:.0%}), final loss {mean_loss[-1]:.4f}{acc}",
             flush=True,

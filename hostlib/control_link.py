@@ -14,12 +14,18 @@ If the endpoint does not know the job any more (it was restarted without its tab
 aggregator was re-attached), rejoin is refused: that is remembered (`lost`), logged once, and
 the link stops trying; all-reduces still run as long as the data plane has the job, and a
 timeout's diagnosis then says what the endpoint answered.
+
+While open, the link sends a `ping` every RENEW_INTERVAL seconds: the endpoint removes a job
+whose members all went quiet (no request, no traffic) for its lease (aggctl.lease, default 60 s),
+and a live rank that does not all-reduce for a while (evaluation, a checkpoint) must not look
+like one that hangs.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 
 from .errors import ControlConnectionLost, RendezvousError
 from .rendezvous import ControlClient
@@ -28,6 +34,7 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.25  # s between looks at an idle connection
 BACKOFF = (0.1, 2.0)  # s: first and longest wait between reconnection attempts
+RENEW_INTERVAL = 10.0  # s between pings that renew the job's lease (aggctl.lease)
 
 
 class ControlLink:
@@ -83,7 +90,11 @@ class ControlLink:
 
     # --- internals --------------------------------------------------------------------------
     def _watch(self) -> None:
+        renewed = time.monotonic()
         while not self._closed.wait(WATCH_INTERVAL):
+            if time.monotonic() - renewed >= RENEW_INTERVAL:
+                renewed = time.monotonic()
+                self._renew()
             client = self._client
             if self.lost is not None or not client._lock.acquire(blocking=False):
                 continue  # a request is in flight: it finds a broken connection itself
@@ -93,6 +104,15 @@ class ControlLink:
                 client._lock.release()
             if broken:
                 self._reconnect(client, attempts=None)
+
+    def _renew(self) -> None:
+        """Ping, renewing the job's lease; a broken connection is left to the watch loop."""
+        if self.lost is not None:
+            return
+        try:
+            self._client.request("ping", reply_timeout=5.0)
+        except RendezvousError:  # ControlConnectionLost too: the loop's peer check reconnects
+            pass
 
     def _reconnect(self, broken: ControlClient, attempts: int | None) -> bool:
         """Replace `broken` by a new connection that has rejoined; False when it could not

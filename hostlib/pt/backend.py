@@ -9,12 +9,19 @@ What goes where:
   or int32 tensors: through the aggregator (hostlib), sync or async (a Work handle). int32 sums
   are exact (wrapping modulo 2^32 like the aggregator); floats are block-scaled through int32
   (per-element bound in hostlib.scaling, about n^2 2^-32 of each 256-element chunk's largest
-  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size.
+  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size;
+  PREMUL_SUM(f) (FSDP2's gradient divide factor) scales the tensor by f in place, then sums.
 - every other all_reduce (MIN, MAX, PRODUCT, ...; int64, float64 and other dtypes the wire
   cannot carry exactly; AVG of integer tensors is refused, as gloo does) and every other
   collective (broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce, gather,
   scatter, all_to_all, barrier, send/recv): delegated to a gloo process group that this one
-  builds on the same store.
+  builds on the same store; a reduce-scatter with PREMUL_SUM(f), which gloo refuses, as a SUM
+  of f times (a copy of) the input.
+
+The groups work with DeviceMesh, FSDP2 (fully_shard), HSDP, DTensor and the functional
+collectives (they carry torch's group name and description: see __init__); every group,
+sub-groups from new_group(backend="xdpagg") and DeviceMesh included, has its own aggregator
+job, left when the group is destroyed. docs/pytorch.md has the user's view.
 
 Settings (environment, read when the group is made):
 - XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required. Several,
@@ -49,7 +56,7 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import PrefixStore, ProcessGroupGloo, Work
+from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo, Work
 
 from aggproto.control import SECRET_ENV
 
@@ -65,8 +72,6 @@ _DELEGATED = (
     "reduce",
     "gather",
     "scatter",
-    "reduce_scatter",
-    "_reduce_scatter_base",
     "alltoall",
     "alltoall_base",
     "barrier",
@@ -149,6 +154,20 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
                 "aggregator (xdp-agg serve)"
             )
         self._gloo = ProcessGroupGloo(PrefixStore("xdpagg/gloo/", store), rank, size, timeout)
+        # torch keeps a group's name and description on its registered backends, not on the
+        # ProcessGroup: ProcessGroup::getGroupName raises "ProcessGroup name not set" while there
+        # is none. For a ProcessGroup subclass, distributed_c10d._new_process_group_helper
+        # (torch 2.13) registers no backend ("pg = backend_class; break") and then calls
+        # pg._set_group_name / _set_group_desc, which reach only registered backends. So the
+        # delegate is registered as this group's CPU backend: the name and description land
+        # on it, and DeviceMesh (device_mesh._init_one_process_group reads .group_name),
+        # FSDP2 and _functional_collectives (they resolve groups by that name through the
+        # registry c10d._register_process_group fills) find this group. Collectives still
+        # come here: dist.* and the functional collectives' dispatcher ops call this
+        # subclass's overrides (PyProcessGroup), not the registered backend.
+        self._register_backend(
+            torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo
+        )
         stall = float(os.environ.get("XDP_AGG_TIMEOUT", "30"))
         fallback = None
         mode = os.environ.get("XDP_AGG_FALLBACK", "")
@@ -161,6 +180,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         elif mode not in ("", "none", "error"):
             raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
+        self.premul_sums = 0  # PREMUL_SUM collectives turned into scale + SUM (a diagnostic)
         token_key = f"xdpagg/token/{self.job}"
         token = None
         if rank > 0 and not os.environ.get(SECRET_ENV):
@@ -206,6 +226,13 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         return self._allreduce(list(tensors), op)
 
     def _allreduce(self, tensors: list[torch.Tensor], op) -> Work:
+        if _is_premul(op):
+            self.premul_sums += 1
+            # PREMUL_SUM(f) (FSDP2's gradient divide factor; gloo refuses it) is sum(f x_i):
+            # scale in place (all_reduce's result replaces its input anyway), then SUM
+            for t in tensors:
+                t.mul_(_premul_factor(op, t))
+            op = dist.ReduceOp.SUM
         sum_or_avg = op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
         avg = op == dist.ReduceOp.AVG
         if sum_or_avg and all(_on_wire(t, avg) for t in tensors):
@@ -244,11 +271,31 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     # torch 2.13's names of the tensor-to-tensor collectives, on gloo's older names
     def all_gather_single(self, output, input, opts=None):
         """all_gather_into_tensor: gloo's _allgather_base."""
-        return self._gloo._allgather_base(output, input, opts or dist.AllgatherOptions())
+        return self._gloo._allgather_base(output, input, opts or AllgatherOptions())
 
     def reduce_scatter_single(self, output, input, opts=None):
-        """reduce_scatter_tensor: gloo's _reduce_scatter_base."""
-        return self._gloo._reduce_scatter_base(output, input, opts or dist.ReduceScatterOptions())
+        """reduce_scatter_tensor: gloo's _reduce_scatter_base (PREMUL_SUM as scale + SUM)."""
+        return self._reduce_scatter_base(output, input, opts)
+
+    def _reduce_scatter_base(self, output, input, opts=None):
+        """reduce_scatter_tensor on gloo; PREMUL_SUM(f) becomes SUM of f * input (a copy: the
+        caller's input stays as it was)."""
+        if opts is not None and _is_premul(opts.reduceOp):
+            self.premul_sums += 1
+        input, o = _premul_to_sum(input, opts, dist.ReduceScatterOptions)
+        return self._gloo._reduce_scatter_base(output, input, o)
+
+    def reduce_scatter(self, outputs, inputs, opts=None):
+        """reduce_scatter of tensor lists on gloo; PREMUL_SUM as in _reduce_scatter_base."""
+        o = opts
+        if opts is not None and _is_premul(opts.reduceOp):
+            self.premul_sums += 1
+            inputs = [
+                [_premul_to_sum(t, opts, dist.ReduceScatterOptions)[0] for t in ts] for ts in inputs
+            ]
+            o = dist.ReduceScatterOptions()
+            o.reduceOp = dist.ReduceOp.SUM
+        return self._gloo.reduce_scatter(outputs, inputs, o or dist.ReduceScatterOptions())
 
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         """all_to_all_single: gloo's alltoall_base."""
@@ -259,8 +306,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
         works = [
-            self._gloo._allgather_base(o, i, dist.AllgatherOptions())
-            for o, i in zip(outputs, inputs)
+            self._gloo._allgather_base(o, i, AllgatherOptions()) for o, i in zip(outputs, inputs)
         ]
         return _FutureWork(
             torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
@@ -270,12 +316,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """reduce_scatter_tensor of several tensors (one gloo _reduce_scatter_base each)."""
-        works = []
-        for o, i in zip(outputs, inputs):
-            ro = dist.ReduceScatterOptions()
-            if opts is not None:
-                ro.reduceOp = opts.reduceOp
-            works.append(self._gloo._reduce_scatter_base(o, i, ro))
+        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
         return _FutureWork(
             torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
         )
@@ -302,6 +343,25 @@ def _delegate(name: str):
 
 for _name in _DELEGATED:
     setattr(ProcessGroupXdpAgg, _name, _delegate(_name))
+
+
+def _is_premul(op) -> bool:
+    return isinstance(op, dist.ReduceOp) and op.op == dist.ReduceOp.PREMUL_SUM
+
+
+def _premul_factor(op, t: torch.Tensor):
+    """PREMUL_SUM's factor (a Python number, or a tensor, as ReduceOp.PREMUL_SUM allows)."""
+    f = op.factor
+    return f.to(t.device) if isinstance(f, torch.Tensor) else f
+
+
+def _premul_to_sum(t: torch.Tensor, opts, options_type):
+    """(input, options) for gloo: PREMUL_SUM(f) as (f * t, SUM); anything else unchanged."""
+    if opts is None or not _is_premul(opts.reduceOp):
+        return t, opts if opts is not None else options_type()
+    o = options_type()
+    o.reduceOp = dist.ReduceOp.SUM
+    return t * _premul_factor(opts.reduceOp, t), o
 
 
 def _on_wire(t: torch.Tensor, average: bool) -> bool:

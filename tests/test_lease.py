@@ -1,0 +1,114 @@
+"""Job leases (aggctl.lease) on loopback with the soft aggregator (no root).
+
+A job whose members all went quiet (no request on their control connections, no traffic the
+aggregator counts) for the lease is deleted, its slots, port and id freed; a request of a
+member, the aggregator's count of new contributions, hostlib's control-link pings and a job
+still in its register barrier each keep it. The torchrun restart in the testbed is in
+tests/test_torch_fsdp.py.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from harness.ranks import ok, run_ranks, soft_cluster
+
+import hostlib.control_link
+from aggctl.auth import Limits
+from hostlib.errors import RendezvousError
+from hostlib.rendezvous import ControlClient
+
+pytestmark = pytest.mark.timeout(60)
+
+JOB = dict(world_size=1, elems=64, window=4, worker_port=40000)
+
+
+def _holder(cl, job: str) -> ControlClient:
+    """A rank 0 that created and registered `job` (world size 1) and then says nothing."""
+    c = ControlClient(cl.server.address, timeout=5, secret=cl.secret)
+    c.request("create", job=job, **JOB)
+    c.request("register", job=job, rank=0, port=40000, ip=cl.worker_ip(0))
+    return c
+
+
+def _wait_gone(cl, job: str, limit: float) -> float:
+    t0 = time.monotonic()
+    while job in cl.server._jobs:
+        assert time.monotonic() - t0 < limit, f"job {job!r} still there after {limit} s"
+        time.sleep(0.05)
+    return time.monotonic() - t0
+
+
+def test_a_quiet_job_expires_after_its_lease_and_frees_its_slots():
+    with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
+        quiet = _holder(cl, "quiet")
+        job_id = cl.server._jobs["quiet"].spec.job_id
+        talking = _holder(cl, "talking")
+        t0 = time.monotonic()
+        while "quiet" in cl.server._jobs:
+            talking.request("ping")  # a member's request renews its job only
+            assert time.monotonic() - t0 < 5, "the quiet job outlived its lease by far"
+            time.sleep(0.2)
+        assert time.monotonic() - t0 >= 1.0
+        assert "talking" in cl.server._jobs and cl.server.lease.expired == ["quiet"]
+        assert job_id not in {j["job_id"] for j in cl.aggregator.jobs()}  # gone from the backend
+        with pytest.raises(RendezvousError, match="no job 'quiet'"):
+            quiet.request("status", job="quiet")
+        again = _holder(cl, "next")  # the freed id, slots and port are handed out again
+        assert cl.server._jobs["next"].spec.job_id == job_id
+        for c in (quiet, talking, again):
+            c.close()
+
+
+def test_traffic_renews_the_lease_and_the_job_expires_once_it_stops(monkeypatch):
+    """Two hostlib ranks all-reduce for 3 leases (their link's pings turned off): the
+    aggregator's contribution counters keep the job; once they only wait, it expires."""
+    monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 1e9)
+    with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
+
+        def rank(comm):
+            t0 = time.monotonic()
+            n = 0
+            while time.monotonic() - t0 < 3.0:
+                comm.allreduce(np.ones(512, np.float32))
+                n += 1
+                time.sleep(0.05)
+            alive = "traffic" in cl.server._jobs
+            _wait_gone(cl, "traffic", 5.0)
+            return n, alive
+
+        for n, alive in ok(run_ranks(cl, 2, rank, job="traffic")):
+            assert n > 10 and alive
+        assert cl.server.lease.expired == ["traffic"]
+
+
+def test_hostlib_control_link_pings_keep_an_idle_job(monkeypatch):
+    monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 0.2)
+    with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
+
+        def rank(comm):
+            time.sleep(3.0)  # no all-reduce for three leases
+            return "idle" in cl.server._jobs
+
+        assert ok(run_ranks(cl, 2, rank, job="idle")) == [True, True]
+        assert cl.server.lease.expired == []
+
+
+def test_a_job_in_its_register_barrier_does_not_expire():
+    with soft_cluster(limits=Limits(job_lease=0.5)) as cl:
+        c = ControlClient(cl.server.address, timeout=5, secret=cl.secret)
+        c.request("create", job="wait", **{**JOB, "world_size": 2})
+        time.sleep(2.0)  # rank 1 is late: the barrier's own timeout governs
+        assert "wait" in cl.server._jobs
+        c.close()
+
+
+def test_lease_zero_turns_leases_off():
+    with soft_cluster(limits=Limits(job_lease=0)) as cl:
+        c = _holder(cl, "kept")
+        time.sleep(1.0)
+        assert cl.server.lease.sweep() == [] and "kept" in cl.server._jobs
+        assert not cl.server.lease.enabled
+        c.close()
