@@ -37,7 +37,11 @@ def extract_bpf(rev: str, into: Path) -> Path:
     ).stdout
     with tarfile.open(fileobj=io.BytesIO(tar)) as t:
         for m in t.getmembers():  # our own repository's files; no links, nothing outside bpf/
-            if not (m.isfile() or m.isdir()) or not (m.name + "/").startswith("bpf/") or ".." in m.name:
+            if (
+                not (m.isfile() or m.isdir())
+                or not (m.name + "/").startswith("bpf/")
+                or ".." in m.name
+            ):
                 raise ValueError(f"unexpected member in git archive of {rev}: {m.name}")
         t.extractall(into)
     return into / "bpf" / "xdp_agg.c"
