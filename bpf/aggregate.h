@@ -208,6 +208,7 @@ static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt 
 		}
 		p->e0 = pk->exp->e0;
 		p->e1 = pk->exp->e1;
+		p->count = 1;
 		p->tag = tag;
 	} else {
 		/* verifier: a constant trip count, walked block by block */
@@ -219,6 +220,7 @@ static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt 
 		}
 		p->e0 = max_s32(p->e0, pk->exp->e0);
 		p->e1 = max_s32(p->e1, pk->exp->e1);
+		p->count += 1;
 	}
 }
 
@@ -269,9 +271,13 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 /* Sum the partials of round `tag` over all CPUs into the packet and the stored result. `own` is
  * this CPU's, which holds the round's last addition: the other CPUs' partials are gathered into
  * r->data first, and own is added in the pass that publishes (one pass when no other CPU saw the
- * round). XDP does not nest on a CPU, so own stays as folded. */
+ * round). XDP does not nest on a CPU, so own stays as folded. When own holds all n contributions
+ * of the round (its count, kept per CPU without atomics), no other CPU has any and none is read:
+ * reading another CPU's partial only to find an old tag was a cache miss per CPU and completion
+ * (6% of the program's samples under perf at 768 elements, all on one CPU). */
 static __always_inline void complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
-					  u32 pkey, u64 tag, struct agg_partial *own, const u32 K)
+					  u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					  const u32 K)
 {
 	agg_lanes *rw = (agg_lanes *)r->data;
 	s32 e0 = own->e0, e1 = own->e1;
@@ -280,7 +286,7 @@ static __always_inline void complete_slot(struct agg_pkt *pk, agg_lanes *pw, str
 
 	/* Bounded by the possible CPUs known at load time: the verifier walks each iteration. */
 	AGG_NO_UNROLL
-	for (u32 cpu = 0; cpu < AGG_NR_CPUS; cpu++) {
+	for (u32 cpu = 0; cpu < AGG_NR_CPUS && own->count != n; cpu++) {
 		struct agg_partial *q;
 		agg_lanes *qw;
 
@@ -325,7 +331,8 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 /* Every addition of the round is finished (the `added` count says so) and no new round can
  * start before this result is sent, so the shared partial (`own`) is read without the lock. */
 static __always_inline void complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
-					  u32 pkey, u64 tag, struct agg_partial *own, const u32 K)
+					  u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					  const u32 K)
 {
 	publish_result(pk, pw, r, (agg_lanes *)own->sum, false, own->e0, own->e1, K);
 }
@@ -475,7 +482,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	r = results.lookup(&pkey);
 	if (!r)
 		return XDP_ABORTED;
-	complete_slot(pk, pw, r, pkey, tag, own, K);
+	complete_slot(pk, pw, r, pkey, tag, own, n, K);
 	if (job->flags & AGG_JOB_TREE) {
 		/* the partial is stored; the parent's result for this round is still to be taken */
 		__sync_fetch_and_and(&st->seen[vi], ~AGG_PARENT_BIT);
