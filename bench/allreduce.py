@@ -172,6 +172,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         if "syscpu" in reports[0]:  # rank 0's system-wide spans, per system and repetition
             row["syscpu"] = reports[0]["syscpu"]
             row["background_cpu_per_s"] = reports[0].get("background_cpu_per_s")
+            row["bpf_stats"] = getattr(args, "bpf_stats", False)
         if "counters" in reports[0]:
             a = attribute(reports[0]["counters"], layout, row["engine"])
             row["retx_causes"], row["retx_detail"] = a.causes, a.detail
@@ -237,6 +238,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                 s[system]["syscpu"] = cpustat.cell(
                     row["syscpu"][system], S, row.get("background_cpu_per_s")
                 )
+                # without the kernel's BPF statistics the aggregator's share is unknown, not 0
+                s[system]["syscpu"]["bpf_stats"] = row.get("bpf_stats", True)
         if row["kind"] == "host":
             s["gbit_each_way"] = S * 8 / s["xdp-agg"]["median_s"] / 1e9
             s["cpu_s_per_gib"] = s["xdp-agg"]["cpu_s_per_rank"] / (S / 2**30)
@@ -348,12 +351,13 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
     for s, system, c in cells:
         pct = lambda p: f"{c[p + '_s']:.3f} ({c[p + '_share']:.0%})"  # noqa: E731
         ns = f"{c['bpf_ns_per_run']:.0f}" if c.get("bpf_ns_per_run") else "-"
+        agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
         L.append(
             f"| {s['n']} | {s['link']}{kind} | {_size(s['bytes'])} | {system} | "
             f"{c['sys_cpu_s']:.3f} | {c['sys_cpu_s_per_gib']:.2f} | {pct('host')} | "
-            f"{pct('fabric')} | {pct('aggregator')} | {c['mostly']} | {ns} | {bg} |"
+            f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
         )
     return L
 
@@ -568,6 +572,7 @@ def main(argv=None) -> int:
     load_before = [round(x, 2) for x in os.getloadavg()]
     # the kernel keeps BPF run times only while asked to: on for the run, restored after
     with cpustat.BpfStats() if args.syscpu else contextlib.nullcontext() as bpf_stats:
+        args.bpf_stats = bool(bpf_stats and bpf_stats.enabled)
         if "host" in args.rows:
             log("host (n=1, unshaped):")
             host_plan = [
@@ -592,7 +597,7 @@ def main(argv=None) -> int:
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
         "syscpu": args.syscpu,
-        "bpf_stats": bool(bpf_stats and bpf_stats.enabled),
+        "bpf_stats": args.bpf_stats,
         "clk_tck": cpustat.ticks_per_second(),
     }
     (out / "results.json").write_text(

@@ -127,6 +127,13 @@ def test_summary_and_markdown_carry_the_system_wide_columns():
         "| 0.100 (20%) | host | 100000 | 0.050 |" in md
     )
     assert "| 2 | 10gbit | 16 MiB | gloo | 0.200 | 12.80 |" in md
+    rows = _rows()
+    rows[0]["bpf_stats"] = False  # not root: no BPF statistics, so no aggregator share
+    md = allreduce.markdown(
+        allreduce.summarize(rows),
+        {"when": "now", "reps": 2, "mtu": 3500, "elems": 768, "window": 64},
+    )
+    assert "| - (no BPF stats) |" in md
 
 
 def test_bpf_stats_sysctl_restored(tmp_path):
