@@ -137,7 +137,14 @@ PARTIAL = Struct(
         F("tag", "__u64", "epoch << 32 | round this sum belongs to"),
         F("e0", "__s32", "max e0 of the contributions added here"),
         F("e1", "__s32", "max e1 of the contributions added here"),
-        F("sum", "__s32", "partial sums, host order", MAX_ELEMS),
+        F("count", "__u32", "contributions of this round added here"),
+        F("pad", "__u32", "0"),
+        F(
+            "sum",
+            "__s32",
+            "partial sums, host order, each pair swapped (bpf/aggregate.h)",
+            MAX_ELEMS,
+        ),
     ),
 )
 

@@ -29,6 +29,15 @@ CPU seconds per rank per all-reduce (user + sys of each worker process, all thre
 over the repetitions of the mean over ranks: gloo's threads and the kernel work done in the
 process's context count, softirq work done elsewhere does not).
 
+System-wide CPU (bench.cpustat, on unless --no-syscpu): for every cell and both systems, the
+busy time of all CPUs over exactly each all-reduce (/proc/stat, user + nice + system + irq +
+softirq, read by rank 0 behind barriers), in CPU seconds per all-reduce and per all-reduced GiB,
+split into host (the workers' processes and their system calls), fabric (irq and softirq: the
+emulated network's forwarding) and aggregator (the XDP programs' own run time from the kernel's
+BPF statistics, kernel.bpf_stats_enabled = 1 for the run, restored after), with which of the
+three took most ("mostly"), and the rest of the machine's rate measured over a quiet second
+before each set ("background"): on a shared machine the total includes other users' work.
+
 profile.txt (n=4, unshaped, 64 MiB): one more xdp-agg all-reduce, with a cProfile of rank 0's
 Python and, where `perf` is installed, a system-wide perf sample of both CPUs over exactly that
 all-reduce: how the machine's time splits between the workers' Python and numpy, the kernel's
@@ -40,6 +49,7 @@ Writes bench-results/{results.json, results.md, plot.png, profile.txt} (or --out
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -47,6 +57,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+from bench import cpustat
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -106,7 +118,11 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             if args.counters:
                 cmd += ["--counted"]
                 if r == 0:
-                    cmd += ["--layout", json.dumps(layout.to_dict()), "--agg-name", cl.name]
+                    cmd += ["--layout", json.dumps(layout.to_dict())]
+            if args.syscpu:
+                cmd += ["--syscpu"]
+            if r == 0 and (args.counters or args.syscpu):
+                cmd += ["--agg-name", cl.name]
             if profile:
                 cmd += [
                     "--profile",
@@ -133,13 +149,14 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         if failed:  # every rank's: the first to fail is often not rank 0
             raise RuntimeError(f"n={n} {rate}: " + "\n".join(failed))
     return [
-        _row(n, rate, item, [pr[i] for pr in per_rank], layout, log) for i, item in enumerate(plan)
+        _row(n, rate, item, [pr[i] for pr in per_rank], layout, log, args)
+        for i, item in enumerate(plan)
     ]
 
 
-def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log) -> dict:
+def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log, args) -> dict:
     """One plan item's row from every rank's report: the slowest rank's times, the mean CPU,
-    the retransmissions and their causes; logged as one line."""
+    rank 0's system-wide CPU spans, the retransmissions and their causes; logged as one line."""
     row = {
         "n": n,
         "link": rate,
@@ -158,6 +175,10 @@ def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log) -> dic
     row["retransmissions"] = sum(r["retransmissions"] for r in reports)
     row["packets"] = sum(r["packets"] for r in reports)
     row["engine"] = [r["engine"] for r in reports]
+    if "syscpu" in reports[0]:  # rank 0's system-wide spans, per system and repetition
+        row["syscpu"] = reports[0]["syscpu"]
+        row["background_cpu_per_s"] = reports[0].get("background_cpu_per_s")
+        row["bpf_stats"] = getattr(args, "bpf_stats", False)
     if "counters" in reports[0]:
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
@@ -218,6 +239,12 @@ def summarize(rows: list[dict]) -> list[dict]:
             }
             if f"{system} cpu_s" in row:
                 s[system]["cpu_s_per_rank"] = statistics.median(row[f"{system} cpu_s"])
+            if row.get("syscpu", {}).get(system):
+                s[system]["syscpu"] = cpustat.cell(
+                    row["syscpu"][system], S, row.get("background_cpu_per_s")
+                )
+                # without the kernel's BPF statistics the aggregator's share is unknown, not 0
+                s[system]["syscpu"]["bpf_stats"] = row.get("bpf_stats", True)
         if row["kind"] == "host":
             s["gbit_each_way"] = S * 8 / s["xdp-agg"]["median_s"] / 1e9
             s["cpu_s_per_gib"] = s["xdp-agg"]["cpu_s_per_rank"] / (S / 2**30)
@@ -283,6 +310,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
                 f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | {s['gbit_each_way']:.2f} | "
                 f"{s['cpu_s_per_gib']:.2f} | {_retx_cell(s)} |"
             )
+    L += _syscpu_table(summary)
     if not any(x["kind"] == "latency" for x in summary):
         return "\n".join(L) + "\n"
     L += [
@@ -300,6 +328,43 @@ def markdown(summary: list[dict], meta: dict) -> str:
             f"{g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |"
         )
     return "\n".join(L) + "\n"
+
+
+def _syscpu_table(summary: list[dict]) -> list[str]:
+    """Where each cell's CPU went, system-wide (bench.cpustat): per system, CPU seconds per
+    all-reduce and per all-reduced GiB, split into host, fabric and aggregator."""
+    cells = [
+        (s, system, s[system]["syscpu"])
+        for s in summary
+        for system in ("xdp-agg", "gloo")
+        if system in s and s[system].get("syscpu")
+    ]
+    if not cells:
+        return []
+    L = [
+        "",
+        "System-wide CPU per all-reduce (all CPUs, /proc/stat user+nice+system+irq+softirq over "
+        "each all-reduce, mean over the repetitions): host = the workers' processes and their "
+        "system calls, fabric = irq + softirq (forwarding) less the aggregator, aggregator = the "
+        "XDP programs' BPF run time; background = the rest of the machine's rate before the set "
+        "times the span (included in the total and in host):",
+        "",
+        "| n | link | size | system | CPU s | CPU s/GiB | host s | fabric s | aggregator s "
+        "| mostly | aggregator ns/run | background s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for s, system, c in cells:
+        pct = lambda p: f"{c[p + '_s']:.3f} ({c[p + '_share']:.0%})"  # noqa: E731
+        ns = f"{c['bpf_ns_per_run']:.0f}" if c.get("bpf_ns_per_run") else "-"
+        agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
+        bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
+        kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
+        L.append(
+            f"| {s['n']} | {s['link']}{kind} | {_size(s['bytes'])} | {system} | "
+            f"{c['sys_cpu_s']:.3f} | {c['sys_cpu_s_per_gib']:.2f} | {pct('host')} | "
+            f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
+        )
+    return L
 
 
 def _retx_cell(s: dict) -> str:
@@ -467,6 +532,12 @@ def _parser() -> argparse.ArgumentParser:
         action="store_false",
         help="no drop counters, so no retransmission causes (saves a snapshot per run)",
     )
+    ap.add_argument(
+        "--no-syscpu",
+        dest="syscpu",
+        action="store_false",
+        help="no system-wide CPU accounting (/proc/stat and BPF run time around each all-reduce)",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
@@ -515,18 +586,21 @@ def main(argv=None) -> int:
     rows = []
     t0 = time.time()
     load_before = [round(x, 2) for x in os.getloadavg()]
-    if "host" in args.rows:
-        log("host (n=1, unshaped):")
-        host_plan = [
-            {"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
-            for d in ("float32", "int32")
-        ]
-        rows += run_config(1, "unshaped", args, log, plan=host_plan)
-    if "throughput" in args.rows or "latency" in args.rows:
-        for n in (int(x) for x in args.workers.split(",")):
-            for rate in args.links.split(","):
-                log(f"n={n}, {rate}:")
-                rows += run_config(n, rate, args, log)
+    # the kernel keeps BPF run times only while asked to: on for the run, restored after
+    with cpustat.BpfStats() if args.syscpu else contextlib.nullcontext() as bpf_stats:
+        args.bpf_stats = bool(bpf_stats and bpf_stats.enabled)
+        if "host" in args.rows:
+            log("host (n=1, unshaped):")
+            host_plan = [
+                {"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
+                for d in ("float32", "int32")
+            ]
+            rows += run_config(1, "unshaped", args, log, plan=host_plan)
+        if "throughput" in args.rows or "latency" in args.rows:
+            for n in (int(x) for x in args.workers.split(",")):
+                for rate in args.links.split(","):
+                    log(f"n={n}, {rate}:")
+                    rows += run_config(n, rate, args, log)
     summary = summarize(rows)
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
@@ -538,6 +612,9 @@ def main(argv=None) -> int:
         "cpus": os.cpu_count(),
         "load_before": load_before,
         "load_after": [round(x, 2) for x in os.getloadavg()],
+        "syscpu": args.syscpu,
+        "bpf_stats": args.bpf_stats,
+        "clk_tck": cpustat.ticks_per_second(),
     }
     (out / "results.json").write_text(
         json.dumps({"meta": meta, "summary": summary, "raw": rows}, indent=1)

@@ -9,6 +9,10 @@ or host set, behind barriers, outside the timed span, so that gloo's traffic bet
 not counted; the sum of those differences goes out with the set for bench.allreduce to
 attribute the retransmissions.
 
+With --syscpu, rank 0 also reads system-wide CPU time (/proc/stat) and the aggregator's BPF run
+time around each all-reduce of either system, behind barriers (bench.cpustat), and the rest of
+the machine's CPU rate over a quiet second before each measurement set.
+
 Run by bench.allreduce inside a worker namespace; prints one JSON line per measurement set.
 """
 
@@ -59,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--layout", default=None, help="JSON of netns_testbed.counters.Layout (rank 0)")
     ap.add_argument("--agg-name", default=None, help="the aggregator's --name, for its counters")
     ap.add_argument(
+        "--syscpu",
+        action="store_true",
+        help="every rank: rank 0 reads system-wide CPU (/proc/stat) and the aggregator's BPF run "
+        "time around each all-reduce (bench.cpustat; the extra barriers are on all ranks)",
+    )
+    ap.add_argument(
         "--profile",
         default=None,
         help="cProfile xdp-agg's all-reduces of this size into --profile-out",
@@ -84,6 +94,11 @@ def main(argv=None) -> int:
         timeout=timedelta(seconds=120),
     )
     counters = _Counters(args) if args.rank == 0 and args.layout else None
+    meter = None
+    if args.syscpu and args.rank == 0:
+        from bench import cpustat
+
+        meter = cpustat.Meter(cpustat.aggregator_prog_fds(args.agg_name) if args.agg_name else [])
     try:
         for item in json.loads(args.plan):
             nbytes, reps = int(item["bytes"]), int(item["reps"])
@@ -108,6 +123,13 @@ def main(argv=None) -> int:
             cpu = {k: [] for k in runs}
             count_drops = args.counted and kind in ("throughput", "host")
             deltas = []
+            spans = {k: [] for k in runs}
+            background = None
+            if args.syscpu:  # the rest of the machine's rate, while every rank waits
+                dist.barrier()
+                if meter:
+                    background = meter.background(1.0)
+                dist.barrier()
             before = comm.stats
             for rep in range(reps):
                 order = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # alternate who goes first
@@ -117,15 +139,20 @@ def main(argv=None) -> int:
                     if snap:
                         s0 = counters.snapshot() if counters else None
                         dist.barrier()
+                    if args.syscpu:  # the span: from here to every rank done (the barrier below)
+                        m0 = meter.start() if meter else None
+                        dist.barrier()
                     c0 = _cpu_seconds()
                     t0 = time.perf_counter()
                     runs[name]()
                     times[name].append(time.perf_counter() - t0)
                     cpu[name].append(_cpu_seconds() - c0)
-                    if snap:
+                    if snap or args.syscpu:
                         dist.barrier()  # every rank is done: its socket's counters are final
-                        if counters:
-                            deltas.append(counters.diff(s0, counters.snapshot()))
+                    if meter:
+                        spans[name].append(meter.span(m0))
+                    if snap and counters:
+                        deltas.append(counters.diff(s0, counters.snapshot()))
             after = comm.stats
             engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
             engine["rtt"] = after.get(
@@ -144,6 +171,9 @@ def main(argv=None) -> int:
             }
             if deltas:
                 out["counters"] = counters.sum(deltas)
+            if meter:
+                out["syscpu"] = spans
+                out["background_cpu_per_s"] = background
             if args.profile and int(args.profile) == nbytes:
                 profile_one(comm, dist, x, y, args)
             print(json.dumps(out), flush=True)

@@ -146,7 +146,20 @@ class ProgInfo(ct.Structure):
         ("jited_ksyms", ct.c_uint64),
         ("jited_func_lens", ct.c_uint64),
         ("btf_id", ct.c_uint32),
-        ("pad", ct.c_uint8 * 156),
+        ("func_info_rec_size", ct.c_uint32),
+        ("func_info", ct.c_uint64),
+        ("nr_func_info", ct.c_uint32),
+        ("nr_line_info", ct.c_uint32),
+        ("line_info", ct.c_uint64),
+        ("jited_line_info", ct.c_uint64),
+        ("nr_jited_line_info", ct.c_uint32),
+        ("line_info_rec_size", ct.c_uint32),
+        ("jited_line_info_rec_size", ct.c_uint32),
+        ("nr_prog_tags", ct.c_uint32),
+        ("prog_tags", ct.c_uint64),
+        ("run_time_ns", ct.c_uint64),  # with kernel.bpf_stats_enabled = 1 only
+        ("run_cnt", ct.c_uint64),
+        ("pad", ct.c_uint8 * 64),
     ]
 
 

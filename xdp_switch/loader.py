@@ -173,10 +173,12 @@ def load(
     pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     cflags: tuple[str, ...] = (),
     variant: str = "percpu",
+    source: Path = SOURCE,
 ) -> Loaded:
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
-    `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline).
+    `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline). `source`:
+    another copy of xdp_agg.c (bench/xdp_compare.py loads an older revision beside this one).
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
     (compiler error, verifier rejection with the tail of the verifier log), each with an
     actionable message; ValueError for a variant or pool size out of range.
@@ -201,7 +203,7 @@ def load(
     log = []
     try:
         with _capture_fd2() as log:
-            b = bcc.BPF(text=source_text().encode(), cflags=flags)
+            b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
             ingress = b.load_func(PROG_INGRESS.encode(), bcc.BPF.XDP)
             egress = b.load_func(PROG_EGRESS.encode(), bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP)
     except Exception as e:  # bcc raises plain Exceptions

@@ -101,6 +101,36 @@ def _measure(fd: int, frames: list[bytes]) -> float:
     return sum(bpfsys.prog_test_run(fd, f)[2] for f in frames) / len(frames)
 
 
+def measure_pass(
+    prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], csum: bool = False
+) -> float:
+    """One pass of a stream of `_frames(k, workers, slots, rounds, csum)` through a loaded program,
+    on a freshly created job: the mean kernel-measured ns per packet. Raises RuntimeError when the
+    stream did not complete every slot (the program misbehaves)."""
+    maps = AggMaps(prog.maps, prog.pool_slots)
+    maps.create_job(
+        JobSpec(
+            0,
+            workers,
+            k,
+            0,
+            slots,
+            agg_ip="198.18.0.1",
+            group_ip="198.18.0.255",
+            udp_checksum=csum,
+        )
+    )
+    for w in range(workers):
+        maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w)))
+    ns = _measure(prog.progs[loader.PROG_INGRESS], frames)
+    if maps.counters(0)["completed"] != slots * rounds:
+        raise RuntimeError(
+            f"{prog.options.get('variant')}: the bench stream did not complete every slot: "
+            "the program misbehaves"
+        )
+    return ns
+
+
 def run(
     sizes=BENCH_SIZES,
     workers: int = 4,
@@ -133,29 +163,9 @@ def run(
             floors = []
             for rep in range(repeats):
                 for v, (prog, csum) in cases.items():
-                    maps = AggMaps(prog.maps, prog.pool_slots)
-                    maps.create_job(
-                        JobSpec(
-                            0,
-                            workers,
-                            k,
-                            0,
-                            slots,
-                            agg_ip="198.18.0.1",
-                            group_ip="198.18.0.255",
-                            udp_checksum=csum,
-                        )
+                    runs[v].append(
+                        measure_pass(prog, k, workers, slots, rounds, streams[csum], csum)
                     )
-                    for w in range(workers):
-                        maps.add_worker(
-                            WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w))
-                        )
-                    runs[v].append(_measure(prog.progs[loader.PROG_INGRESS], streams[csum]))
-                    if maps.counters(0)["completed"] != slots * rounds:
-                        raise RuntimeError(
-                            f"{v}: the bench stream did not complete every slot: "
-                            "the program misbehaves"
-                        )
                 floors.append(_measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)

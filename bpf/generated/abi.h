@@ -104,7 +104,9 @@ struct agg_partial {
 	__u64 tag; /* epoch << 32 | round this sum belongs to */
 	__s32 e0; /* max e0 of the contributions added here */
 	__s32 e1; /* max e1 of the contributions added here */
-	__s32 sum[768]; /* partial sums, host order */
+	__u32 count; /* contributions of this round added here */
+	__u32 pad; /* 0 */
+	__s32 sum[768]; /* partial sums, host order, each pair swapped (bpf/aggregate.h) */
 };
 
 /* a published result: value of map `results`, key = slot * 2 + version */
