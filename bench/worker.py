@@ -101,86 +101,93 @@ def main(argv=None) -> int:
         meter = cpustat.Meter(cpustat.aggregator_prog_fds(args.agg_name) if args.agg_name else [])
     try:
         for item in json.loads(args.plan):
-            nbytes, reps = int(item["bytes"]), int(item["reps"])
-            kind, dtype = item.get("kind", "throughput"), item.get("dtype", "float32")
-            count = max(1, nbytes // 4)
-            rng = np.random.default_rng([args.rank, count])
-            if dtype == "int32":
-                x = rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
-            else:
-                x = rng.standard_normal(count).astype(np.float32)
-            y = np.empty_like(
-                x
-            )  # xdp-agg's sum goes here (gloo sums t in place: no allocation either)
-            t = torch.from_numpy(x.copy())
-            runs = {"xdp-agg": lambda: comm.allreduce(x, out=y)}
-            if kind != "host":
-                runs["gloo"] = lambda: dist.all_reduce(t)
-            for fn in runs.values():  # warm-up: connections, buffers, page faults
-                dist.barrier()
-                fn()
-            times = {k: [] for k in runs}
-            cpu = {k: [] for k in runs}
-            count_drops = args.counted and kind in ("throughput", "host")
-            deltas = []
-            spans = {k: [] for k in runs}
-            background = None
-            if args.syscpu:  # the rest of the machine's rate, while every rank waits
-                dist.barrier()
-                if meter:
-                    background = meter.background(1.0)
-                dist.barrier()
-            before = comm.stats
-            for rep in range(reps):
-                order = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # alternate who goes first
-                for name in order:
-                    snap = count_drops and name == "xdp-agg"
-                    dist.barrier()
-                    if snap:
-                        s0 = counters.snapshot() if counters else None
-                        dist.barrier()
-                    if args.syscpu:  # the span: from here to every rank done (the barrier below)
-                        m0 = meter.start() if meter else None
-                        dist.barrier()
-                    c0 = _cpu_seconds()
-                    t0 = time.perf_counter()
-                    runs[name]()
-                    times[name].append(time.perf_counter() - t0)
-                    cpu[name].append(_cpu_seconds() - c0)
-                    if snap or args.syscpu:
-                        dist.barrier()  # every rank is done: its socket's counters are final
-                    if meter:
-                        spans[name].append(meter.span(m0))
-                    if snap and counters:
-                        deltas.append(counters.diff(s0, counters.snapshot()))
-            after = comm.stats
-            engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
-            engine["rtt"] = after.get(
-                "rtt", 0.0
-            )  # the smoothed round trip at the end, not a difference
-            out = {
-                "rank": args.rank,
-                "bytes": nbytes,
-                "kind": kind,
-                "dtype": dtype,
-                "times": times,
-                "cpu": cpu,
-                "engine": engine,
-                "retransmissions": engine["retransmissions"],
-                "packets": engine["packets_sent"],
-            }
-            if deltas:
-                out["counters"] = counters.sum(deltas)
-            if meter:
-                out["syscpu"] = spans
-                out["background_cpu_per_s"] = background
-            if args.profile and int(args.profile) == nbytes:
-                profile_one(comm, dist, x, y, args)
+            out = _run_item(args, comm, dist, torch, item, counters, meter)
             print(json.dumps(out), flush=True)
     finally:
         dist.destroy_process_group()
         comm.close()
     return 0
+
+
+def _inputs(item: dict, rank: int):
+    """This rank's tensor of a plan item (int32 or float32), seeded by rank and size."""
+    count = max(1, int(item["bytes"]) // 4)
+    rng = np.random.default_rng([rank, count])
+    if item.get("dtype", "float32") == "int32":
+        return rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
+    return rng.standard_normal(count).astype(np.float32)
+
+
+def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
+    """One plan item on every system: warm-up, then the timed, alternating repetitions; this
+    rank's report."""
+    nbytes, reps = int(item["bytes"]), int(item["reps"])
+    kind, dtype = item.get("kind", "throughput"), item.get("dtype", "float32")
+    x = _inputs(item, args.rank)
+    y = np.empty_like(x)  # xdp-agg's sum goes here (gloo sums t in place: no allocation)
+    t = torch.from_numpy(x.copy())
+    runs = {"xdp-agg": lambda: comm.allreduce(x, out=y)}
+    if kind != "host":
+        runs["gloo"] = lambda: dist.all_reduce(t)
+    for fn in runs.values():  # warm-up: connections, buffers, page faults
+        dist.barrier()
+        fn()
+    times = {k: [] for k in runs}
+    cpu = {k: [] for k in runs}
+    count_drops = args.counted and kind in ("throughput", "host")
+    deltas = []
+    spans = {k: [] for k in runs}
+    background = None
+    if args.syscpu:  # the rest of the machine's rate, while every rank waits
+        dist.barrier()
+        if meter:
+            background = meter.background(1.0)
+        dist.barrier()
+    before = comm.stats
+    for rep in range(reps):
+        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # alternate who goes first
+        for name in order:
+            snap = count_drops and name == "xdp-agg"
+            dist.barrier()
+            if snap:
+                s0 = counters.snapshot() if counters else None
+                dist.barrier()
+            if args.syscpu:  # the span: from here to every rank done (the barrier below)
+                m0 = meter.start() if meter else None
+                dist.barrier()
+            c0 = _cpu_seconds()
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+            cpu[name].append(_cpu_seconds() - c0)
+            if snap or args.syscpu:
+                dist.barrier()  # every rank is done: its socket's counters are final
+            if meter:
+                spans[name].append(meter.span(m0))
+            if snap and counters:
+                deltas.append(counters.diff(s0, counters.snapshot()))
+    after = comm.stats
+    engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
+    engine["rtt"] = after.get("rtt", 0.0)  # the smoothed round trip at the end, not a difference
+    out = {
+        "rank": args.rank,
+        "bytes": nbytes,
+        "kind": kind,
+        "dtype": dtype,
+        "times": times,
+        "cpu": cpu,
+        "engine": engine,
+        "retransmissions": engine["retransmissions"],
+        "packets": engine["packets_sent"],
+    }
+    if deltas:
+        out["counters"] = counters.sum(deltas)
+    if meter:
+        out["syscpu"] = spans
+        out["background_cpu_per_s"] = background
+    if args.profile and int(args.profile) == nbytes:
+        profile_one(comm, dist, x, y, args)
+    return out
 
 
 def _cpu_seconds() -> float:
