@@ -446,9 +446,9 @@ class Bmv2Backend:
             self.pool_slots,
         )
         if spec.elems not in P4_ELEMS:
+            sizes = ", ".join(map(str, P4_ELEMS[:-1])) + f" or {P4_ELEMS[-1]}"
             raise ValueError(
-                f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
-                f"packet, not {spec.elems}"
+                f"the bmv2 program aggregates {sizes} elements per packet, not {spec.elems}"
             )
         if spec.udp_checksum:
             raise ValueError(

@@ -48,19 +48,39 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
     apply {
         md.kind = KIND_NONE;
         md.rewrite_ipv4 = 0;
-        udp_receiver.apply(hdr, md, sm.packet_length);
-        if (md.accepted == 1) {
-            bitmap_checker.apply(md);
-            workers_counter.apply(md);
-            exponents.apply(hdr, md);
+        if (sm.instance_type == INSTANCE_TYPE_RECIRC) {
+            // A later pass of a folded (256-element) packet: its first pass made every check
+            // and ran the state machine (FOLD_FIELDS keep what it decided); this pass sums or
+            // reads the next 64 elements.
+            md.pass = md.pass + 1;
             elements.apply(hdr, md);
-        }
-        if (md.ours == 1) {
-            next_step_selector.apply(hdr, md, sm);
         } else {
-            forwarder.apply(hdr, md, sm);
+            md.pass = 0;
+            md.add = 0;
+            md.read = 0;
+            md.ingress_port = sm.ingress_port;
+            udp_receiver.apply(hdr, md, sm.packet_length);
+            if (md.accepted == 1) {
+                bitmap_checker.apply(md);
+                workers_counter.apply(md);
+                exponents.apply(hdr, md);
+                elements.apply(hdr, md);
+            }
         }
-        reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
+        if (md.ours == 1 && md.size_code == SML_SIZE_256 && (md.add == 1 || md.read == 1)
+            && md.pass != SML_LAST_PASS) {
+            // p4app-switchML's folded pipe: 64 elements a pass. Out through egress to be
+            // recirculated (egress does not send it); counted once, in its last pass.
+            sm.egress_spec = md.ingress_port;
+            md.kind = KIND_FOLD;
+        } else {
+            if (md.ours == 1) {
+                next_step_selector.apply(hdr, md, sm);
+            } else {
+                forwarder.apply(hdr, md, sm);
+            }
+            reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
+        }
     }
 }
 
@@ -77,6 +97,8 @@ control SmlEgress(inout headers_t hdr, inout sml_metadata_t md, inout standard_m
             reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
         } else if (md.kind == KIND_FLOOD && sm.egress_port == md.ingress_port) {
             mark_to_drop(sm);
+        } else if (md.kind == KIND_FOLD) {
+            recirculate_preserving_field_list(FOLD_FIELDS); // back to the parser, next pass
         }
     }
 }
