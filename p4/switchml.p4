@@ -3,7 +3,8 @@
  * Implements docs/protocol.md sections 1-3 packet for packet like the reference state machine
  * (aggproto/model.py): workers are found by (IPv4 source, UDP destination port); per slot and
  * version, registers hold the workers seen, the contributions counted, the maximum exponents and
- * one accumulator array per payload element (32 or 64 elements per packet); the first
+ * one accumulator array per payload element of a pass (32 or 64 elements per packet, 256 in four
+ * recirculated passes of 64); the first
  * contribution of a round overwrites, the last one carries the sum to every worker of the job
  * through the job's multicast group, a retransmission for a completed slot gets the stored
  * result back alone, everything else of ours is dropped. Every packet is counted by reason in
