@@ -72,7 +72,7 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
             && md.pass != SML_LAST_PASS) {
             // p4app-switchML's folded pipe: 64 elements a pass. Out through egress to be
             // recirculated (egress does not send it); counted once, in its last pass.
-            sm.egress_spec = md.ingress_port;
+            sm.egress_spec = FOLD_PORT;
             md.kind = KIND_FOLD;
         } else {
             if (md.ours == 1) {
