@@ -53,6 +53,11 @@ P4_MAIN = P4_DIR / "switchml.p4"
 DEFAULT_POOL_SLOTS = 1024  # must match POOL_SLOTS the program was compiled with
 DEFAULT_THRIFT_PORT = 9090
 FLOOD_MGID = 1  # p4/configuration.p4: plain traffic to unknown MACs
+# p4/configuration.p4: where 256-element packets wait between their passes (never an interface),
+# and that queue's depth: a pass dropped at a full queue would leave its slot's sum short
+# (bmv2's default is 64 packets; its recirculation queue holds 1024).
+FOLD_PORT = 510
+FOLD_QUEUE_DEPTH = 1024
 
 # Names of the objects in the compiled program (absolute @name annotations in p4/*.p4).
 T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_forward"
@@ -404,6 +409,8 @@ class Bmv2Backend:
     ) -> None:
         self.cli = cli
         self.ports = {p.port: p for p in ports}
+        if FOLD_PORT in self.ports:
+            raise ValueError(f"port {FOLD_PORT} is the program's FOLD_PORT, not an interface's")
         self.pool_slots = pool_slots
         self._jobs: dict[int, _Job] = {}
         self._macs: dict[str, int] = {}  # MAC -> l2 table handle
@@ -424,7 +431,12 @@ class Bmv2Backend:
             ]
         )
         self._flood_node = _handle(out[1])
-        self.cli.run([f"mc_node_associate {FLOOD_MGID} {self._flood_node}"])
+        self.cli.run(
+            [
+                f"mc_node_associate {FLOOD_MGID} {self._flood_node}",
+                f"set_queue_depth {FOLD_QUEUE_DEPTH} {FOLD_PORT}",
+            ]
+        )
 
     def add_mac(self, mac: str, port: int) -> None:
         """A static MAC table entry: frames to `mac` that are not ours leave on `port`."""
