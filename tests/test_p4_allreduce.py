@@ -122,15 +122,16 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64
         )
 
 
-@pytest.mark.parametrize("elems", [64, 256])
-def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems):
-    """64 elements per packet (one pass) and 256 (four passes, recirculated)."""
+@pytest.mark.parametrize(("elems", "loss"), [(64, 0.0), (256, 0.0), (256, 0.05)])
+def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems, loss):
+    """64 elements per packet (one pass) and 256 (four passes, recirculated), and 256 under
+    5% loss each way between the workers and the switch (retransmissions, answers)."""
     from aggctl.server import RendezvousServer
 
     reason = p4_skip_reason()
     if reason:
         pytest.skip(reason)
-    tb = testbed_factory(workers=WORLD, topology="switch")
+    tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
     agg = tb.aggregator
     _drop_data_in_kernel(agg.netns)
     ports = bm.port_specs(agg.ifnames, netns=agg.netns)
@@ -169,6 +170,8 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems)
         assert counts["aggregated"] == (WORLD - 1) * packets
         bad = {k: v for k, v in counts.items() if k.startswith("drop_") or k == "egress_no_worker"}
         assert not any(bad.values()), bad
+        if loss:  # the loss was real: lost contributions or results were sent again
+            assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
     finally:
         if server is not None:
             server.stop()
