@@ -28,6 +28,11 @@ from .switch import DEFAULT_THRIFT_PORT, PortSpec, SimpleSwitch, SwitchCLI
 from .toolchain import DEFAULT_POOL_SLOTS, Bmv2Error, compile_p4
 
 FLOOD_MGID = 1  # p4/configuration.p4: plain traffic to unknown MACs
+# p4/configuration.p4: where 256-element packets wait between their passes (never an interface),
+# and that queue's depth: a pass dropped at a full queue would leave its slot's sum short
+# (bmv2's default is 64 packets; its recirculation queue holds 1024).
+FOLD_PORT = 510
+FOLD_QUEUE_DEPTH = 1024
 
 # Names of the objects in the compiled program (absolute @name annotations in p4/*.p4).
 T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_forward"
@@ -127,6 +132,8 @@ class Bmv2Backend:
     ) -> None:
         self.cli = cli
         self.ports = {p.port: p for p in ports}
+        if FOLD_PORT in self.ports:
+            raise ValueError(f"port {FOLD_PORT} is the program's FOLD_PORT, not an interface's")
         self.pool_slots = pool_slots
         self._jobs: dict[int, _SwitchJob] = {}
         self._macs: dict[str, int] = {}  # MAC -> l2 table handle
@@ -147,7 +154,12 @@ class Bmv2Backend:
             ]
         )
         self._flood_node = _handle(out[1])
-        self.cli.run([f"mc_node_associate {FLOOD_MGID} {self._flood_node}"])
+        self.cli.run(
+            [
+                f"mc_node_associate {FLOOD_MGID} {self._flood_node}",
+                f"set_queue_depth {FOLD_QUEUE_DEPTH} {FOLD_PORT}",
+            ]
+        )
 
     def add_mac(self, mac: str, port: int) -> None:
         """A static MAC table entry: frames to `mac` that are not ours leave on `port`."""
@@ -169,9 +181,9 @@ class Bmv2Backend:
             self.pool_slots,
         )
         if spec.elems not in P4_ELEMS:
+            sizes = ", ".join(map(str, P4_ELEMS[:-1])) + f" or {P4_ELEMS[-1]}"
             raise ValueError(
-                f"the bmv2 program aggregates {' or '.join(map(str, P4_ELEMS))} elements per "
-                f"packet, not {spec.elems}"
+                f"the bmv2 program aggregates {sizes} elements per packet, not {spec.elems}"
             )
         if spec.udp_checksum:
             raise ValueError(

@@ -14,6 +14,14 @@ const bit<32> POOL_ENTRIES = 2 * POOL_SLOTS;
 // (the control plane creates both; see bmv2_backend.FLOOD_MGID and job_mgid()).
 const bit<16> FLOOD_MGID = 1;
 
+// The egress port every folded (256-element) packet goes to between its passes: no interface's
+// (the control plane numbers interfaces from 0, bmv2's drop port is 511). It never leaves there
+// (egress recirculates it); one port for all of them means one egress queue, so the passes of
+// any two folded packets stay in the order their first passes had (a later pass of a round's
+// first contribution overwrites, and the completing one must come after the others). The
+// control plane deepens its queue (bmv2_backend.FOLD_QUEUE_DEPTH).
+const bit<9> FOLD_PORT = 510;
+
 // Table sizes.
 const bit<32> WORKERS_TABLE_SIZE = 4096; // (IPv4 source, UDP destination port) -> job, worker
 const bit<32> L2_TABLE_SIZE = 1024; // static MAC table

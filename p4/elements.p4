@@ -2,11 +2,18 @@
 #ifndef _XDP_AGG_ELEMENTS_P4_
 #define _XDP_AGG_ELEMENTS_P4_
 
+const bit<32> SML_PASSES = 4; // passes of a 256-element packet, 64 elements each
+const bit<2> SML_LAST_PASS = 3;
+
 #include "processor.p4"
 
-/* All 64 elements: element i is summed in its own register array (Processor instance i).
- * The second payload header exists only in 64-element packets; its elements are left alone
- * otherwise, so a 32-element job never touches registers 32..63. */
+/* 64 Processors: element i of a pass is summed in register array i (Processor instance i)
+ * at index pass * POOL_ENTRIES + slot * 2 + version.
+ * A 256-element packet is folded: 4 passes (ingress, egress, recirculation) of 64 elements.
+ * After each pass its payload headers rotate by 2, so pass p sums elements 64p..64p+63
+ * on d0 and d1, and after the last rotation the packet is in its own order again.
+ * The second payload header exists only in 64- and 256-element packets; its elements are left
+ * alone otherwise, so a 32-element job never touches registers 32..63. */
 control Elements(inout headers_t hdr, in sml_metadata_t md) {
     Processor() value00;
     Processor() value01;
@@ -141,6 +148,19 @@ control Elements(inout headers_t hdr, in sml_metadata_t md) {
             value61.apply(hdr.d1.d29, md);
             value62.apply(hdr.d1.d30, md);
             value63.apply(hdr.d1.d31, md);
+        }
+        if (hdr.d7.isValid()) {
+            // folded: d2.. move down by 2, d0..d1 to the end
+            payload_h t0 = hdr.d0;
+            payload_h t1 = hdr.d1;
+            hdr.d0 = hdr.d2;
+            hdr.d1 = hdr.d3;
+            hdr.d2 = hdr.d4;
+            hdr.d3 = hdr.d5;
+            hdr.d4 = hdr.d6;
+            hdr.d5 = hdr.d7;
+            hdr.d6 = t0;
+            hdr.d7 = t1;
         }
     }
 }

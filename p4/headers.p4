@@ -52,7 +52,13 @@ struct headers_t {
     switchml_h switchml;
     exponents_h exponents;
     payload_h d0; // elements 0..31
-    payload_h d1; // elements 32..63 (64-element packets only)
+    payload_h d1; // elements 32..63 (64- and 256-element packets)
+    payload_h d2; // d2..d7: elements 64..255 (256-element packets only); rotated down to d0, d1
+    payload_h d3; // for the later passes (elements.p4)
+    payload_h d4;
+    payload_h d5;
+    payload_h d6;
+    payload_h d7;
 }
 
 #endif

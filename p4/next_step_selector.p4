@@ -17,7 +17,6 @@ control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
     }
 
     apply {
-        md.ingress_port = sm.ingress_port;
         if (md.reason == AGG_COMPLETED || md.reason == AGG_RETX_ANSWERED) {
             result_fields();
         }
@@ -31,8 +30,9 @@ control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
             hdr.udp.checksum = 0;
             md.rewrite_ipv4 = 1;
         } else if (md.reason == AGG_RETX_ANSWERED) {
-            // The stored result to the sender alone: back out of its port, addresses swapped.
-            sm.egress_spec = sm.ingress_port;
+            // The stored result to the sender alone: back out of its port (the port of the
+            // packet's first pass), addresses swapped.
+            sm.egress_spec = md.ingress_port;
             md.kind = KIND_ANSWER;
             bit<48> mac = hdr.ethernet.dst_addr;
             hdr.ethernet.dst_addr = hdr.ethernet.src_addr;

@@ -48,6 +48,7 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;
             SML_SIZE_64: parse_d0;
+            SML_SIZE_256: parse_d0;
             default: accept; // sizes this program does not aggregate: dropped as a bad size
         }
     }
@@ -55,13 +56,47 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
     state parse_d0 {
         pkt.extract(hdr.d0);
         transition select(hdr.switchml.size) {
-            SML_SIZE_64: parse_d1;
-            default: accept;
+            SML_SIZE_32: accept;
+            default: parse_d1;
         }
     }
 
     state parse_d1 {
         pkt.extract(hdr.d1);
+        transition select(hdr.switchml.size) {
+            SML_SIZE_256: parse_d2;
+            default: accept;
+        }
+    }
+
+    // 256 elements: six more payload headers (a recirculated pass parses them again, rotated).
+    state parse_d2 {
+        pkt.extract(hdr.d2);
+        transition parse_d3;
+    }
+
+    state parse_d3 {
+        pkt.extract(hdr.d3);
+        transition parse_d4;
+    }
+
+    state parse_d4 {
+        pkt.extract(hdr.d4);
+        transition parse_d5;
+    }
+
+    state parse_d5 {
+        pkt.extract(hdr.d5);
+        transition parse_d6;
+    }
+
+    state parse_d6 {
+        pkt.extract(hdr.d6);
+        transition parse_d7;
+    }
+
+    state parse_d7 {
+        pkt.extract(hdr.d7);
         transition accept;
     }
 }
@@ -96,6 +131,12 @@ control SmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.exponents);
         pkt.emit(hdr.d0);
         pkt.emit(hdr.d1);
+        pkt.emit(hdr.d2);
+        pkt.emit(hdr.d3);
+        pkt.emit(hdr.d4);
+        pkt.emit(hdr.d5);
+        pkt.emit(hdr.d6);
+        pkt.emit(hdr.d7);
     }
 }
 

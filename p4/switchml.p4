@@ -3,7 +3,8 @@
  * Implements docs/protocol.md sections 1-3 packet for packet like the reference state machine
  * (aggproto/model.py): workers are found by (IPv4 source, UDP destination port); per slot and
  * version, registers hold the workers seen, the contributions counted, the maximum exponents and
- * one accumulator array per payload element (32 or 64 elements per packet); the first
+ * one accumulator array per payload element of a pass (32 or 64 elements per packet, 256 in four
+ * recirculated passes of 64); the first
  * contribution of a round overwrites, the last one carries the sum to every worker of the job
  * through the job's multicast group, a retransmission for a completed slot gets the stored
  * result back alone, everything else of ours is dropped. Every packet is counted by reason in
@@ -48,19 +49,39 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
     apply {
         md.kind = KIND_NONE;
         md.rewrite_ipv4 = 0;
-        udp_receiver.apply(hdr, md, sm.packet_length);
-        if (md.accepted == 1) {
-            bitmap_checker.apply(md);
-            workers_counter.apply(md);
-            exponents.apply(hdr, md);
+        if (sm.instance_type == INSTANCE_TYPE_RECIRC) {
+            // A later pass of a folded (256-element) packet: its first pass made every check
+            // and ran the state machine (FOLD_FIELDS keep what it decided); this pass sums or
+            // reads the next 64 elements.
+            md.pass = md.pass + 1;
             elements.apply(hdr, md);
-        }
-        if (md.ours == 1) {
-            next_step_selector.apply(hdr, md, sm);
         } else {
-            forwarder.apply(hdr, md, sm);
+            md.pass = 0;
+            md.add = 0;
+            md.read = 0;
+            md.ingress_port = sm.ingress_port;
+            udp_receiver.apply(hdr, md, sm.packet_length);
+            if (md.accepted == 1) {
+                bitmap_checker.apply(md);
+                workers_counter.apply(md);
+                exponents.apply(hdr, md);
+                elements.apply(hdr, md);
+            }
         }
-        reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
+        if (md.ours == 1 && md.size_code == SML_SIZE_256 && (md.add == 1 || md.read == 1)
+            && md.pass != SML_LAST_PASS) {
+            // p4app-switchML's folded pipe: 64 elements a pass. Out through egress to be
+            // recirculated (egress does not send it); counted once, in its last pass.
+            sm.egress_spec = FOLD_PORT;
+            md.kind = KIND_FOLD;
+        } else {
+            if (md.ours == 1) {
+                next_step_selector.apply(hdr, md, sm);
+            } else {
+                forwarder.apply(hdr, md, sm);
+            }
+            reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
+        }
     }
 }
 
@@ -77,6 +98,8 @@ control SmlEgress(inout headers_t hdr, inout sml_metadata_t md, inout standard_m
             reasons.count((bit<32>)md.counter_row * AGG_NUM_REASONS + (bit<32>)md.reason);
         } else if (md.kind == KIND_FLOOD && sm.egress_port == md.ingress_port) {
             mark_to_drop(sm);
+        } else if (md.kind == KIND_FOLD) {
+            recirculate_preserving_field_list(FOLD_FIELDS); // back to the parser, next pass
         }
     }
 }

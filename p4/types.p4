@@ -9,37 +9,46 @@ typedef bit<64> worker_bitmap_t; // one bit per worker of a job
 typedef bit<32> pool_entry_t; // register index: slot * 2 + version
 
 // What egress does with a packet (sml_metadata_t.kind).
-const bit<2> KIND_NONE = 0; // forwarded unchanged (or dropped)
-const bit<2> KIND_RESULT = 1; // a multicast copy of a result: address it to the worker (egress_rid)
-const bit<2> KIND_ANSWER = 2; // a stored result going back to its sender (addresses already swapped)
-const bit<2> KIND_FLOOD = 3; // a flooded copy of plain traffic: not back out of its ingress port
+const bit<3> KIND_NONE = 0; // forwarded unchanged (or dropped)
+const bit<3> KIND_RESULT = 1; // a multicast copy of a result: address it to the worker (egress_rid)
+const bit<3> KIND_ANSWER = 2; // a stored result back to its sender (addresses already swapped)
+const bit<3> KIND_FLOOD = 3; // a flooded copy of plain traffic: not back out of its ingress port
+const bit<3> KIND_FOLD = 4; // a 256-element packet between passes: recirculate it (FOLD_FIELDS)
+
+// bmv2's standard_metadata.instance_type of a recirculated packet (PKT_INSTANCE_TYPE_RECIRC).
+const bit<32> INSTANCE_TYPE_RECIRC = 4;
+
+// The field list a folded packet keeps across recirculation (@field_list below): what its first
+// pass decided. Every other field starts at 0 in the next pass.
+const bit<8> FOLD_FIELDS = 1;
 
 /* Everything ingress learns about a packet. bmv2 copies it with each multicast replica, so
  * egress sees the job and kind of every result copy. */
 struct sml_metadata_t {
-    bit<1> ours; // IPv4 UDP to 0xBEE0..0xBEEF: never forwarded as plain traffic
+    @field_list(FOLD_FIELDS) bit<1> ours; // IPv4 UDP to 0xBEE0..0xBEEF: never plain traffic
     bit<1> accepted; // passed every check: runs the state machine
-    bit<8> reason; // AGG_* of abi.p4: the counter column
-    bit<8> counter_row; // the job, or AGG_NO_JOB before the job is known
-    job_id_t job_id;
+    @field_list(FOLD_FIELDS) bit<8> reason; // AGG_* of abi.p4: the counter column
+    @field_list(FOLD_FIELDS) bit<8> counter_row; // the job, or AGG_NO_JOB before the job is known
+    @field_list(FOLD_FIELDS) job_id_t job_id;
     worker_id_t worker_id;
     // the job's parameters (jobs table)
     bit<8> num_workers;
-    bit<3> size_code;
+    @field_list(FOLD_FIELDS) bit<3> size_code;
     bit<16> slot_base;
     bit<16> slot_end; // exclusive
-    bit<16> mgid; // the job's multicast group
+    @field_list(FOLD_FIELDS) bit<16> mgid; // the job's multicast group
     // the slot this packet addresses
-    pool_entry_t pool_entry; // slot * 2 + version
+    @field_list(FOLD_FIELDS) pool_entry_t pool_entry; // slot * 2 + version
     pool_entry_t other_entry; // slot * 2 + (1 - version)
     // state machine outcome
     bit<1> is_new; // the worker's bit was not yet set in this version's bitmap
-    bit<1> first; // first contribution of a round: overwrite instead of add
-    bit<1> add; // a new contribution: accumulate into the registers
-    bit<1> read; // read the stored result into the packet (retransmission of a completed slot)
-    bit<2> kind; // KIND_*
+    @field_list(FOLD_FIELDS) bit<1> first; // first contribution of a round: overwrite, not add
+    @field_list(FOLD_FIELDS) bit<1> add; // a new contribution: accumulate into the registers
+    @field_list(FOLD_FIELDS) bit<1> read; // read the stored result into the packet (retransmission)
+    @field_list(FOLD_FIELDS) bit<2> pass; // pass of a folded packet: elements 64 * pass ..
+    bit<3> kind; // KIND_*
     bit<1> rewrite_ipv4; // addresses changed: recompute the IPv4 checksum
-    port_t ingress_port;
+    @field_list(FOLD_FIELDS) port_t ingress_port; // the port of its first pass
 }
 
 #endif

@@ -75,6 +75,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
             bit<16> udp_len = SML_UDP_LEN_32;
             if (hdr.switchml.size == SML_SIZE_64) {
                 udp_len = SML_UDP_LEN_64;
+            } else if (hdr.switchml.size == SML_SIZE_256) {
+                udp_len = SML_UDP_LEN_256;
             }
             if (hdr.ipv4_options.isValid() || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED; // options or a first fragment
@@ -90,7 +92,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
-            } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())) {
+            } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())
+                       || (md.size_code == SML_SIZE_256 && !hdr.d7.isValid())) {
                 md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload
             } else if (hdr.udp.length != udp_len || hdr.ipv4.total_len != SML_IPV4_HLEN + udp_len
                        || packet_length != (bit<32>)(SML_ETH_HLEN + SML_IPV4_HLEN + udp_len)) {

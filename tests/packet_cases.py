@@ -1089,6 +1089,162 @@ def tree_cases(rng) -> list[Case]:
     return cases
 
 
+@case
+def folded_cases(rng) -> list[Case]:
+    """256 elements per packet (size code 3, p4app-switchML's 1024-byte payload), which the P4
+    programs aggregate in four passes of 64 (p4app's folded pipe; bmv2 recirculates): every
+    verdict of the state machine on them, rounds that overwrite each pass's registers, the
+    checks before any state changes, and a request built as p4app's host builds it."""
+    k = 256
+    cases = []
+    c = Case("folded_k256_rounds_and_answers", [job(n=2, elems=k, base=0, count=4)], workers(0, 2))
+    a, b = _vals(rng, k, -(2**31), 2**31 - 1), _vals(rng, k, -(2**31), 2**31 - 1)
+    c.steps = [
+        Step("w0", frame(0, a, slot=1, e0=5, e1=-2), Action.DROP, Reason.AGGREGATED),
+        Step("w0 again", frame(0, a, slot=1, e0=5, e1=-2), Action.DROP, Reason.DUP_PENDING),
+        Step(
+            "w1 completes",
+            frame(1, b, slot=1, e0=-7, e1=9),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a + b),
+            5,
+            e1=9,
+        ),
+        Step(
+            "w1 retransmits",
+            frame(1, b, slot=1, e0=-7, e1=9),
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            _wrap(a + b),
+            5,
+            e1=9,
+            sender=1,
+        ),
+    ]
+    for r in range(3):  # v1, v0, v1 on slot 1: each first contribution overwrites all passes
+        steps, _, _ = complete_round(rng, 2, k, slot=1, version=(r + 1) % 2, tag=f"round {r} ")
+        c.steps += steps
+    c.steps.append(
+        Step(
+            "w0 retransmits v0 after it moved on",  # its bit in v0 was cleared by v1's round
+            frame(0, a, slot=1, version=0),
+            Action.DROP,
+            Reason.AGGREGATED,
+        )
+    )
+    cases.append(c)
+
+    c = Case("folded_k256_checks", [job(n=2, elems=k, base=4, count=4)], workers(0, 2))
+    a, b = _vals(rng, k), _vals(rng, k)
+    full = frame(0, a, slot=5)
+    plen = wire.udp_payload_len(k)
+    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    c.steps = [
+        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
+        Step(
+            "lengths agree with a frame of 252 elements",
+            relength(full, ip_len=ilen - 16, udp_len=ulen - 16, cut=16),
+            Action.DROP,
+            Reason.DROP_TRUNCATED,
+        ),
+        Step(
+            "64 elements to a 256 job", frame(0, a[:64], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
+        ),
+        Step(
+            "128 elements (XDP only)", frame(0, a[:128], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
+        ),
+        Step(
+            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
+        ),
+        Step(
+            "IPv4 length short",
+            relength(full, ip_len=ilen - 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "bytes after the payload",
+            relength(full, trailer=b"\0" * 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
+        Step("w0 after all that", full, Action.DROP, Reason.AGGREGATED),
+        Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    cases.append(c)
+
+    c = Case(
+        "folded_k256_size_mismatch_both_ways",
+        [
+            job(0, n=1, elems=64, base=0, count=4),
+            job(1, n=1, elems=k, base=4, count=4, port=wire.UDP_PORT + 1),
+        ],
+        workers(0, 1) + workers(1, 1, first=1, port=wire.UDP_PORT + 1),
+    )
+    a, b = _vals(rng, k), _vals(rng, 64)
+    c.steps = [
+        Step("256 elements to a 64 job", frame(0, a, slot=0), Action.DROP, Reason.DROP_BAD_SIZE),
+        Step(
+            "64 elements to its job",
+            frame(0, b, slot=0),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(b),
+            0,
+        ),
+        Step(
+            "256 elements to their job",
+            frame(1, a, slot=4, port=wire.UDP_PORT + 1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a),
+            0,
+        ),
+    ]
+    cases.append(c)
+
+    c = Case("p4app_host_buildpacket_k256", [job(n=2, elems=k)], workers(0, 2))
+    switch = p4app_host.Endpoint(AGG_MAC, AGG_IP, p4app_host.SWITCH_PORT)
+    vals = [_vals(rng, k, -(2**31), 2**31 - 1) for _ in range(2)]
+    exps = [-3, 6]
+    pidx = 3  # version 0, slot 3
+    reqs = [
+        p4app_host.build_packet(
+            worker=p4app_host.Endpoint(worker_mac(i), worker_ip(i), WORKER_PORT),
+            switch=switch,
+            job_id=7,
+            pkt_id=0x0A0B0C00 + i,
+            pool_index=pidx,
+            values=vals[i],
+            exponent=exps[i],
+        )
+        for i in range(2)
+    ]
+    total = _wrap(vals[0] + vals[1])
+    c.steps = [Step("p4app w0 partial", reqs[0], Action.DROP, Reason.AGGREGATED)]
+    for i, what, action, reason in (
+        (1, "p4app w1 completes", Action.TO_ALL, Reason.COMPLETED),
+        (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
+    ):
+        c.steps.append(
+            Step(
+                what,
+                reqs[i],
+                action,
+                reason,
+                total,
+                max(exps),
+                sender=i if action == Action.TO_SENDER else None,
+                pool_index=pidx,
+                raw_check=_p4app_check(what, reqs[i], k, total, max(exps)),
+            )
+        )
+    cases.append(c)
+    return cases
+
+
 def build_cases() -> list[Case]:
     """The table: every registered case function's cases, in order. Deterministic (seeded)."""
     rng = np.random.default_rng(2021)

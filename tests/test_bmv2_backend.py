@@ -84,8 +84,12 @@ def test_worker_falls_back_to_the_jobs_address_and_needs_a_port():
 
 def test_refusals():
     b = Bmv2Backend(FakeCLI(), PORTS, pool_slots=64)
-    with pytest.raises(ValueError, match="32 or 64"):
-        b.create_job(spec(elems=256))
+    for elems in (128, 512, 768):  # the XDP program's sizes only
+        with pytest.raises(ValueError, match="32, 64 or 256 elements per packet, not"):
+            b.create_job(spec(elems=elems))
+    b.create_job(spec(job_id=3, base=16, count=8, elems=256))  # p4app's 1024-byte packets
+    assert "set_job 3 => 2 3 16 24" in " ".join(b.cli.log), b.cli.log[-3:]
+    b.delete_job(3)
     with pytest.raises(ValueError, match="outside the pool"):
         b.create_job(spec(base=60, count=8))
     with pytest.raises(ValueError, match="a job has 1..64"):

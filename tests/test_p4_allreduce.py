@@ -29,16 +29,18 @@ from aggproto.jobs import Delivery
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
 WORLD = 4
-N = 6000  # elements: 94 packets of 64 per worker, window 16: every slot reused, both versions
+N = 6000  # elements: 94 packets of 64 (24 of 256) per worker, window 16: slots reused, both
+# versions
 
 WORKER = r"""
 import json, sys
 import numpy as np
 import hostlib
 rank, world, endpoint, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+elems = int(sys.argv[5])
 x = np.random.default_rng(rank).integers(-2**31, 2**31, size=n, dtype=np.int64).astype(np.int32)
 # UDP GSO/GRO off: simple_switch reads frames with libpcap and must see one datagram per frame.
-with hostlib.init(rank, world, aggregator=endpoint, job="p4-allreduce", elems=64, window=16,
+with hostlib.init(rank, world, aggregator=endpoint, job="p4-allreduce", elems=elems, window=16,
                   timeout=60, gso=False, gro=False) as comm:
     out = comm.allreduce(x)
     stats = comm.stats
@@ -79,14 +81,23 @@ def _drop_data_in_kernel(netns: str) -> None:
     )
 
 
-def _run_and_check_workers(tb, port: int, log_tail, secret_file) -> None:
+def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64) -> None:
     """Run the 4 workers against the control endpoint on `port` (proving the deployment secret
-    in `secret_file`); every rank's sum is exact."""
+    in `secret_file`), `elems` elements per packet; every rank's sum is exact."""
     env = {**os.environ, control.SECRET_ENV: str(secret_file)}
     procs = [
         tb.popen(
             w,
-            [sys.executable, "-c", WORKER, str(w.index), str(WORLD), f"{w.agg_ip}:{port}", str(N)],
+            [
+                sys.executable,
+                "-c",
+                WORKER,
+                str(w.index),
+                str(WORLD),
+                f"{w.agg_ip}:{port}",
+                str(N),
+                str(elems),
+            ],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -100,7 +111,7 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file) -> None:
         assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\nswitch log:\n{log_tail()}"
         results.append(json.loads(out.strip().splitlines()[-1]))
     want = _expected()
-    packets = -(-N // 64)
+    packets = -(-N // elems)
     for r in results:
         assert r["dtype"] == "int32"
         assert r["stats"]["results"] == packets, r["stats"]  # one result per packet
@@ -111,13 +122,16 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file) -> None:
         )
 
 
-def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
+@pytest.mark.parametrize(("elems", "loss"), [(64, 0.0), (256, 0.0), (256, 0.05)])
+def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems, loss):
+    """64 elements per packet (one pass) and 256 (four passes, recirculated), and 256 under
+    5% loss each way between the workers and the switch (retransmissions, answers)."""
     from aggctl.endpoint import stand_up
 
     reason = p4_skip_reason()
     if reason:
         pytest.skip(reason)
-    tb = testbed_factory(workers=WORLD, topology="switch")
+    tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
     agg = tb.aggregator
     _drop_data_in_kernel(agg.netns)
     ports = bm.port_specs(agg.ifnames, netns=agg.netns)
@@ -145,8 +159,8 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
                 secret=control.create_secret(tmp_path / "secret"),
             )
         server.start()
-        _run_and_check_workers(tb, server.address[1], switch.log_tail, tmp_path / "secret")
-        packets = -(-N // 64)
+        _run_and_check_workers(tb, server.address[1], switch.log_tail, tmp_path / "secret", elems)
+        packets = -(-N // elems)
         # Every chunk completed once in the P4 program and went out once per worker; nothing
         # of ours was dropped for a reason other than the protocol's own (duplicates).
         assert len(created) == 1
@@ -156,6 +170,8 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path):
         assert counts["aggregated"] == (WORLD - 1) * packets
         bad = {k: v for k, v in counts.items() if k.startswith("drop_") or k == "egress_no_worker"}
         assert not any(bad.values()), bad
+        if loss:  # the loss was real: lost contributions or results were sent again
+            assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
     finally:
         if server is not None:
             server.stop()

@@ -12,8 +12,8 @@ and the per-reason counters move exactly as the steps say. The serial reference 
 with every verdict and every result's bytes.
 
 Differences from the XDP test, by design:
-- cases with 256- or 768-element packets are skipped: the v1model program aggregates 32 and 64
-  elements per packet (issue 4 asks for those two);
+- cases with 768-element packets are skipped: the v1model program aggregates 32, 64 and 256
+  elements per packet (256 in four passes, recirculated: p4app-switchML's sizes);
 - the P4 program always delivers results as switch mode does (one copy per worker through the
   job's multicast group), whatever the job's `delivery` says: a P4 switch has no "one-arm" port;
 - plain traffic is switched (MAC table, flooding) instead of passed to a kernel.
@@ -144,7 +144,8 @@ def test_packet_case(lab, case: Case):
     if unsupported:
         pytest.skip(
             f"{unsupported} elements per packet: the v1model program aggregates "
-            f"{' and '.join(map(str, P4_ELEMS))} (issue 4); 256 and 768 are the XDP program's"
+            f"{', '.join(map(str, P4_ELEMS))} (p4app-switchML's sizes); 128, 512 and 768 are "
+            "the XDP program's"
         )
     if any(j.udp_checksum for j in case.jobs):
         pytest.skip("UDP checksum verification is the XDP program's (the bmv2 backend refuses it)")
@@ -191,14 +192,15 @@ def test_packet_case(lab, case: Case):
 
 
 def test_backend_refuses_what_the_program_cannot_serve(lab):
-    """Sizes other than 32/64, slots past the pool, overlapping ranges, unknown jobs."""
+    """Sizes other than 32/64/256, slots past the pool, overlapping ranges, unknown jobs."""
     from packet_cases import job, workers
 
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])
-    with pytest.raises(ValueError, match="32 or 64"):
-        backend.create_job(job(elems=256))
+    for elems in (128, 512, 768):
+        with pytest.raises(ValueError, match="32, 64 or 256"):
+            backend.create_job(job(elems=elems))
     with pytest.raises(ValueError, match="outside the pool"):
         backend.create_job(job(base=backend.pool_slots - 4, count=8))
     backend.create_job(job(0, base=0, count=8))

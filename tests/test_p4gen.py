@@ -1,5 +1,7 @@
 """The generated P4 parts (aggcodegen/p4.py) say what the Python side says (drift: test_codegen)."""
 
+import re
+
 from aggcodegen import p4 as p4gen
 from aggproto import limits, reasons
 
@@ -19,8 +21,30 @@ def test_every_element_is_summed_once_into_its_own_field():
         line = f"value{i:02d}.apply(hdr.d{i // 32}.d{i % 32:02d}, md);"
         assert text.count(line) == 1, line
         assert text.count(f"Processor() value{i:02d};") == 1
+    assert "Processor() value64;" not in text
     tna = p4gen.elements_tna()
     for i in range(32):
         assert tna.count(f"value{i:02d}.apply(hdr.d0.d{i:02d}, md);") == 1
     payload = p4gen.payload_p4()
     assert sum(1 for ln in payload.splitlines() if ln.strip().startswith("bit<32> d")) == 32
+
+
+def test_a_folded_packet_brings_each_element_to_its_processor_once():
+    """The rotation of elements.p4, run on header names: in pass p the Processors see d0 and d1,
+    which hold elements 64p..64p+63 of a 256-element packet; after the last pass every header is
+    back where it was."""
+    text = p4gen.elements_v1model()
+    body = text[text.index("if (hdr.d7.isValid())") :]
+    moves = re.findall(r"^\s+(?:payload_h )?(\w+(?:\.\w+)?) = (\w+(?:\.\w+)?);$", body, re.M)
+    assert len(moves) == p4gen.PAYLOAD_HEADERS + p4gen.PASS_HEADERS
+    where = {f"hdr.d{h}": h for h in range(p4gen.PAYLOAD_HEADERS)}  # field -> original header
+    seen = []
+    for _ in range(p4gen.PASSES):
+        seen += [where["hdr.d0"], where["hdr.d1"]]
+        new = dict(where)
+        for dst, src in moves:
+            new[dst] = new[src] if src.startswith("t") else where[src]
+        where = {k: v for k, v in new.items() if k.startswith("hdr.")}
+    assert seen == list(range(p4gen.PAYLOAD_HEADERS))
+    assert where == {f"hdr.d{h}": h for h in range(p4gen.PAYLOAD_HEADERS)}
+    assert f"SML_PASSES = {p4gen.PASSES};" in text and 256 in p4gen.P4_ELEMS

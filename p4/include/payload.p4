@@ -4,6 +4,7 @@
 
 // 32 elements per packet: size code 0, 1 payload header(s)
 // 64 elements per packet: size code 1, 2 payload header(s)
+// 256 elements per packet: size code 3, 8 payload header(s)
 const bit<32> SML_ELEMS_PER_HEADER = 32;
 
 /* 32 payload elements, big-endian int32 (summed as bit<32>: wraps mod 2^32) */

@@ -23,13 +23,24 @@ control BitmapChecker(inout switchml_md_t md) {
         }
     };
 
+    // The AND of two run-time fields is ALU work (an action), not a condition: a Tofino gateway
+    // compares a field with a constant. p4app-switchML's map_result, the same way.
+    action check_worker_bit() {
+        md.map_result = md.bitmap_before & md.worker_bit;
+    }
+
     apply {
         if (md.version == 0) {
             md.bitmap_before = update_v0.execute(md.slot);
         } else {
             md.bitmap_before = update_v1.execute(md.slot);
         }
-        md.is_new = (md.bitmap_before & md.worker_bit) == 0 ? 1w1 : 1w0;
+        check_worker_bit();
+        if (md.map_result == 0) {
+            md.is_new = 1;
+        } else {
+            md.is_new = 0;
+        }
     }
 }
 

@@ -1,8 +1,10 @@
 /* switchml.p4 (TNA): the Tofino variant of p4/switchml.p4, same structure, file for file.
  *
- * NOT COMPILED HERE: it needs Intel's Tofino SDE (bf-p4c, tna.p4), which is not public. It is
- * kept parallel to the v1model program, which is compiled and tested against the packet table
- * in bmv2; when changing one, change the other. Differences, forced by the hardware:
+ * Compiled by p4c's open Tofino back end (bf-p4c, p4c's backends/tofino) where it is installed
+ * (tests/test_p4_tna.py; p4/README.md has the result), but not run: there is no Tofino model
+ * here. It is kept parallel to the v1model program, which is compiled and tested against the
+ * packet table in bmv2; when changing one, change the other. Differences, forced by the
+ * hardware:
  * - 32 elements per packet (one register, one stateful ALU, per element; a 64-element packet
  *   would need p4app-switchML's recirculation passes);
  * - at most 32 workers per job (a worker bitmap of one version is one 32-bit half of a
@@ -11,7 +13,10 @@
  *   instead of a shift by a run-time amount;
  * - the workers counter counts down (p4app-switchML's encoding), which is the reference
  *   model's count/complete pair in one register;
- * - reason counters are indexed row * 16 + reason (no multiplication by 14).
+ * - reason counters are indexed row * 16 + reason (no multiplication by 14);
+ * - tests a Tofino gateway cannot make (an if compares a field with a constant, or two fields
+ *   for equality) are ALU work first: the worker-bit test as p4app-switchML's map_result, the
+ *   ordered comparisons (worker index, slot range) as saturating subtractions in set_job.
  */
 #include <core.p4>
 #include <tna.p4>

@@ -50,6 +50,12 @@ struct switchml_md_t {
     bit<1> version;
     pool_entry_t pool_entry;
     worker_bitmap_t bitmap_before; // this version's bitmap before this packet
+    worker_bitmap_t map_result; // bitmap_before & worker_bit: 0 for a new contribution
+    // Ordered comparisons of run-time fields, done as saturating subtractions in set_job (a
+    // Tofino gateway compares a field with a constant, or two fields for equality only):
+    bit<8> workers_above; // num_workers |-| worker_id: 0 <=> worker_id >= num_workers
+    bit<16> slots_below; // slot_base |-| slot: not 0 <=> slot < slot_base
+    bit<16> slots_left; // slot_end |-| slot: 0 <=> slot >= slot_end
     bit<8> count_before; // remaining contributions before this packet (0: fresh or complete)
     bit<1> is_new;
     bit<1> first;

@@ -38,6 +38,9 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
         md.slot_base = slot_base;
         md.slot_end = slot_end;
         md.mgid = mgid;
+        md.workers_above = num_workers |-| md.worker_id;
+        md.slots_below = slot_base |-| md.slot;
+        md.slots_left = slot_end |-| md.slot;
     }
 
     action no_job() {
@@ -71,7 +74,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 md.reason = AGG_DROP_TRUNCATED;
             } else if (!workers.apply().hit) {
             } else if (!jobs.apply().hit) {
-            } else if (md.worker_id >= md.num_workers) {
+            } else if (md.workers_above == 0) { // worker_id >= num_workers
                 md.reason = AGG_DROP_NO_JOB;
             } else if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
                 md.reason = AGG_DROP_BAD_TYPE;
@@ -85,7 +88,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 // echoed. (TNA's ingress has no frame length to compare; bytes after the UDP
                 // length ride along in the result, whose lengths stay right.)
                 md.reason = AGG_DROP_BAD_LENGTH;
-            } else if (md.slot < md.slot_base || md.slot >= md.slot_end) {
+            } else if (md.slots_below != 0 || md.slots_left == 0) { // outside [base, end)
                 md.reason = AGG_DROP_SLOT_RANGE;
             } else {
                 md.accepted = 1;
