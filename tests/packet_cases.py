@@ -867,6 +867,55 @@ def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callab
     return check
 
 
+def p4app_round(
+    name: str, spec: JobSpec, vals, exps, *, pidx: int, job_id: int, pkt_id: int, extra=None
+) -> Case:
+    """One round of a slot from p4app-switchML hosts 0..n-1 (n = len(vals)): requests built by
+    p4app_host.build_packet, n-1 partials, the last completes, worker 0 retransmits; both results
+    read as p4app's receive path reads them too."""
+    n, k = len(vals), spec.elems
+    extra = extra if extra is not None else [0] * n
+    switch = p4app_host.Endpoint(AGG_MAC, AGG_IP, p4app_host.SWITCH_PORT)
+    reqs = [
+        p4app_host.build_packet(
+            worker=p4app_host.Endpoint(worker_mac(i), worker_ip(i), WORKER_PORT),
+            switch=switch,
+            job_id=job_id,
+            pkt_id=pkt_id + i,
+            pool_index=pidx,
+            values=vals[i],
+            exponent=exps[i],
+            extra_byte=extra[i],
+        )
+        for i in range(n)
+    ]
+    total = _wrap(sum(np.asarray(v, dtype=np.int64) for v in vals))
+    e1 = max(b - 256 if b >= 128 else b for b in extra)  # the second byte, signed on our side
+    c = Case(name, [spec], workers(0, n))
+    c.steps = [
+        Step(f"p4app w{i} partial", reqs[i], Action.DROP, Reason.AGGREGATED) for i in range(n - 1)
+    ]
+    for i, what, action, reason in (
+        (n - 1, f"p4app w{n - 1} completes", Action.TO_ALL, Reason.COMPLETED),
+        (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
+    ):
+        c.steps.append(
+            Step(
+                what,
+                reqs[i],
+                action,
+                reason,
+                total,
+                max(exps),
+                e1=e1,
+                sender=i if action == Action.TO_SENDER else None,
+                pool_index=pidx,
+                raw_check=_p4app_check(what, reqs[i], k, total, max(exps)),
+            )
+        )
+    return c
+
+
 @case
 def p4app_host_cases(rng) -> list[Case]:
     """Requests built byte for byte as p4app-switchML's DPDK host builds them (BuildPacket at
@@ -874,52 +923,20 @@ def p4app_host_cases(rng) -> list[Case]:
     size; the results checked at the offsets its receive path reads. With and without our UDP
     checksum verification (the host's checksum is offloaded, so right on the wire)."""
     out = []
-    switch = p4app_host.Endpoint(AGG_MAC, AGG_IP, p4app_host.SWITCH_PORT)
     for verify in (False, True):
-        c = Case(
-            "p4app_host_buildpacket" + ("_udp_checksum" if verify else ""),
-            [job(n=3, elems=64, udp_checksum=verify)],
-            workers(0, 3),
-        )
         vals = [np.arange(1, 65)] + [_vals(rng, 64, -(2**31), 2**31 - 1) for _ in range(2)]
-        exps, extra = [-4, -9, -6], [3, 0x81, 7]  # the second byte: e1, signed on our side
-        pidx = 0x8000 | 5  # version 1, slot 5
-        reqs = [
-            p4app_host.build_packet(
-                worker=p4app_host.Endpoint(worker_mac(i), worker_ip(i), WORKER_PORT),
-                switch=switch,
+        out.append(
+            p4app_round(
+                "p4app_host_buildpacket" + ("_udp_checksum" if verify else ""),
+                job(n=3, elems=64, udp_checksum=verify),
+                vals,
+                [-4, -9, -6],
+                extra=[3, 0x81, 7],  # the second byte, which the switch maxes as e1
+                pidx=0x8000 | 5,  # version 1, slot 5
                 job_id=0x1234,  # the host sends the job id's low 8 bits
-                pkt_id=0x01020304 + i,
-                pool_index=pidx,
-                values=vals[i],
-                exponent=exps[i],
-                extra_byte=extra[i],
+                pkt_id=0x01020304,
             )
-            for i in range(3)
-        ]
-        total, e1 = _wrap(sum(v.astype(np.int64) for v in vals)), max(3, 0x81 - 256, 7)
-        c.steps = [
-            Step(f"p4app w{i} partial", reqs[i], Action.DROP, Reason.AGGREGATED) for i in (0, 1)
-        ]
-        for i, what, action, reason in (
-            (2, "p4app w2 completes", Action.TO_ALL, Reason.COMPLETED),
-            (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
-        ):
-            c.steps.append(
-                Step(
-                    what,
-                    reqs[i],
-                    action,
-                    reason,
-                    total,
-                    max(exps),
-                    e1=e1,
-                    sender=i if action == Action.TO_SENDER else None,
-                    pool_index=pidx,
-                    raw_check=_p4app_check(what, reqs[i], 64, total, max(exps)),
-                )
-            )
-        out.append(c)
+        )
     return out
 
 
@@ -1205,42 +1222,16 @@ def folded_cases(rng) -> list[Case]:
     ]
     cases.append(c)
 
-    c = Case("p4app_host_buildpacket_k256", [job(n=2, elems=k)], workers(0, 2))
-    switch = p4app_host.Endpoint(AGG_MAC, AGG_IP, p4app_host.SWITCH_PORT)
     vals = [_vals(rng, k, -(2**31), 2**31 - 1) for _ in range(2)]
-    exps = [-3, 6]
-    pidx = 3  # version 0, slot 3
-    reqs = [
-        p4app_host.build_packet(
-            worker=p4app_host.Endpoint(worker_mac(i), worker_ip(i), WORKER_PORT),
-            switch=switch,
-            job_id=7,
-            pkt_id=0x0A0B0C00 + i,
-            pool_index=pidx,
-            values=vals[i],
-            exponent=exps[i],
-        )
-        for i in range(2)
-    ]
-    total = _wrap(vals[0] + vals[1])
-    c.steps = [Step("p4app w0 partial", reqs[0], Action.DROP, Reason.AGGREGATED)]
-    for i, what, action, reason in (
-        (1, "p4app w1 completes", Action.TO_ALL, Reason.COMPLETED),
-        (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
-    ):
-        c.steps.append(
-            Step(
-                what,
-                reqs[i],
-                action,
-                reason,
-                total,
-                max(exps),
-                sender=i if action == Action.TO_SENDER else None,
-                pool_index=pidx,
-                raw_check=_p4app_check(what, reqs[i], k, total, max(exps)),
-            )
-        )
+    c = p4app_round(
+        "p4app_host_buildpacket_k256",
+        job(n=2, elems=k),
+        vals,
+        [-3, 6],
+        pidx=3,  # version 0, slot 3
+        job_id=7,
+        pkt_id=0x0A0B0C00,
+    )
     cases.append(c)
     return cases
 
