@@ -64,19 +64,22 @@ def test_a_quiet_job_expires_after_its_lease_and_frees_its_slots():
 
 def test_traffic_renews_the_lease_and_the_job_expires_once_it_stops(monkeypatch):
     """Two hostlib ranks all-reduce for 3 leases (their link's pings turned off): the
-    aggregator's contribution counters keep the job; once they only wait, it expires."""
+    aggregator's contribution counters keep the job; once they only wait, it expires. The lease
+    is 2 s: the ranks, the soft aggregator and the lease share one process (and its GIL), and a
+    loaded 2-core machine has stalled them for over a second (a 1 s lease expired mid-traffic)."""
     monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 1e9)
-    with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
+    lease = 2.0
+    with soft_cluster(limits=Limits(job_lease=lease)) as cl:
 
         def rank(comm):
             t0 = time.monotonic()
             n = 0
-            while time.monotonic() - t0 < 3.0:
+            while time.monotonic() - t0 < 3 * lease:
                 comm.allreduce(np.ones(512, np.float32))
                 n += 1
                 time.sleep(0.05)
             alive = "traffic" in cl.server._jobs
-            _wait_gone(cl, "traffic", 5.0)
+            _wait_gone(cl, "traffic", 5 * lease)
             return n, alive
 
         for n, alive in ok(run_ranks(cl, 2, rank, job="traffic")):
@@ -86,10 +89,11 @@ def test_traffic_renews_the_lease_and_the_job_expires_once_it_stops(monkeypatch)
 
 def test_hostlib_control_link_pings_keep_an_idle_job(monkeypatch):
     monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 0.2)
-    with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
+    lease = 2.0  # ten pings a lease: a loaded machine's stalls do not lapse it
+    with soft_cluster(limits=Limits(job_lease=lease)) as cl:
 
         def rank(comm):
-            time.sleep(3.0)  # no all-reduce for three leases
+            time.sleep(3 * lease)  # no all-reduce for three leases
             return "idle" in cl.server._jobs
 
         assert ok(run_ranks(cl, 2, rank, job="idle")) == [True, True]
