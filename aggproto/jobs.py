@@ -17,6 +17,14 @@ from .limits import MAX_TREE_WORKERS
 DEFAULT_CONTROL_PORT = 48800  # TCP port of the control endpoint (xdp-agg serve)
 
 
+def mac_bytes(mac: str) -> bytes:
+    """The 6 bytes of a MAC written aa:bb:cc:dd:ee:ff; ValueError for anything else."""
+    parts = mac.split(":")
+    if len(parts) != 6:
+        raise ValueError(f"not a MAC address: {mac!r}")
+    return bytes(int(p, 16) for p in parts)
+
+
 class Delivery(IntEnum):
     """How a job's results reach its workers."""
 

@@ -16,6 +16,7 @@ from enum import Enum
 import numpy as np
 
 from . import wire
+from .jobs import mac_bytes
 from .limits import PARENT_INDEX
 from .reasons import Reason
 
@@ -161,7 +162,7 @@ class ReferenceAggregator:
         whole frames (process_frame) from source MAC `mac` too, unless it is None or all zeros
         (not known: any MAC), as the XDP program and p4app-switchML's switch match them."""
         self.workers[(addr, port)] = (job_id, index)
-        raw = bytes(int(x, 16) for x in mac.split(":")) if mac else bytes(6)
+        raw = mac_bytes(mac) if mac else bytes(6)
         if any(raw):
             self.macs[(addr, port)] = raw
         else:

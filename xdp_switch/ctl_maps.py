@@ -15,7 +15,7 @@ import bpfsys
 from aggcodegen import abi
 from aggctl.backend import check_job, check_worker
 from aggproto import keys, limits, wire
-from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.jobs import JobSpec, WorkerSpec, mac_bytes
 from aggproto.reasons import Reason
 
 
@@ -35,13 +35,6 @@ def port_ntoh(raw: int) -> int:
 
 def port_be(port: int) -> int:
     return socket.htons(port)
-
-
-def mac_bytes(mac: str) -> bytes:
-    parts = mac.split(":")
-    if len(parts) != 6:
-        raise ValueError(f"not a MAC address: {mac!r}")
-    return bytes(int(p, 16) for p in parts)
 
 
 def mac_str(raw) -> str:
