@@ -1,10 +1,10 @@
 """Both CPUs drive the same slots at once; every result must match the serial model.
 
 Two processes, pinned to CPU 0 and CPU 1, run the program with BPF_PROG_TEST_RUN on the
-contributions of their half of the workers. Within a round both walk the slots in the same order
-at the same pace, so packets of different workers for the same slot run on both CPUs at the same
-time; a barrier between rounds keeps the protocol's rule that a worker only moves on to a slot's
-next round after its result. Some packets are sent twice (a retransmission racing its original).
+contributions of their half of the workers. Both walk the slots in the same order, and a barrier
+before every slot round starts both CPUs on it together, so packets of different workers for the
+same slot run on both CPUs at the same time; the barriers also keep the protocol's rule that a
+worker only moves on to a slot's next round after its result. Some packets are sent twice (a retransmission racing its original).
 Checked: exactly one completion per slot and round, its sum and exponent equal the serial
 reference model's, every answered retransmission carries that same sum, and the counters add up.
 
@@ -83,11 +83,11 @@ def _plan(n, k, slots, rounds, dup_p, seed):
     model.create_job(0, n, k, 0, slots)
     for w in workers(0, n):
         model.add_worker(0, w.index, w.ip, w.agg_port, w.mac)
-    per_cpu = ([], [])  # per CPU: list of rounds, each a list of (key, frame)
+    per_cpu = ([], [])  # per CPU: list of phases (one per slot round), each a list of (key, frame)
     expected, dups = {}, 0
     for r in range(rounds):
-        rnd = ([], [])
         for s in range(slots):
+            rnd = ([], [])
             for w in range(n):
                 vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
                 e0 = int(rng.integers(-50, 50))
@@ -99,8 +99,11 @@ def _plan(n, k, slots, rounds, dup_p, seed):
                 if rng.random() < dup_p:
                     rnd[w % 2].append(((r, s, w, "dup"), f))
                     dups += 1
-        for c in (0, 1):
-            per_cpu[c].append(rnd[c])
+            # One phase per slot round: both CPUs start each slot round together (the barrier),
+            # so the slot's contributions overlap even when the machine is loaded. With one
+            # phase per round the CPUs drifted apart on a loaded CI machine (7 of 384 overlapped).
+            for c in (0, 1):
+                per_cpu[c].append(rnd[c])
     assert len(expected) == rounds * slots
     return per_cpu, expected, dups
 
