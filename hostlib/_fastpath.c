@@ -1,9 +1,9 @@
 /*
  * hostlib._fastpath: the native per-packet loop of the host library (issue 10, part 3).
  *
- * Python's StreamEngine (hostlib/engine.py) is the reference: it moves one all-reduce as a
- * self-clocked stream of packets with numpy, and pays tens of microseconds of interpreter and
- * numpy call overhead per batch. This module runs the same stream in C with the GIL released:
+ * The numpy loop (hostlib/numpy_loop.py, run by hostlib.engine.StreamEngine) is the reference:
+ * it moves one all-reduce as a self-clocked stream of packets with numpy, and pays tens of
+ * microseconds of interpreter and numpy call overhead per batch. This module runs the same stream in C with the GIL released:
  * one Engine.allreduce() call builds the packets in place (headers, quantise or byte-swap into
  * the slot rows), sends them with sendmmsg + UDP GSO, receives with recvmmsg (+ UDP GRO),
  * validates and deduplicates the results, writes them into the output, runs the per-packet
@@ -12,7 +12,7 @@
  * engine sends (tests/test_fastpath.py compares them), with the same float semantics as
  * hostlib/scaling.py: q = rint(x * f) in float64, f = M * 2^-E, result = (float)(sum / f).
  *
- * Wire layout (aggproto/wire.py; hostlib.engine checks VALUES_AT and EXP_LEN against it):
+ * Wire layout (aggproto/wire.py; hostlib.native_loop checks VALUES_AT and EXP_LEN against it):
  *   byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index (big-endian,
  *   bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32: p4app-switchML's order
  *   (b5c74a0, dpdk_worker_thread_utils.inc lines 132-134), the exponents before the payload.
@@ -62,7 +62,7 @@
 #define RECV_SLOT        (65536 + 4096) /* one GRO buffer: at most one 64 KiB datagram */
 #define RECV_MSGS_GRO    32
 #define RECV_MSGS_PLAIN  256
-/* Busy-polling, as StreamEngine._spin: while at most SPIN_OUTSTANDING packets of the
+/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING packets of the
  * all-reduce are outstanding, for at most SPIN_TIME s; credit as there. */
 #define SPIN_OUTSTANDING 64
 #define SPIN_TIME        60e-6

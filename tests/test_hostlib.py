@@ -11,7 +11,7 @@ from harness.ranks import join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
 from hostlib import scaling
-from hostlib.engine import _ranges
+from hostlib.stream_state import _ranges
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -60,7 +60,7 @@ def test_values_beyond_2_to_127_saturate_instead_of_wrapping():
 
 
 def test_progress_line(capsys):
-    from hostlib.engine import _Progress
+    from hostlib.stream_state import _Progress
 
     p = _Progress(number=3, packets=200, plen=1034, t0=0.0)
     p.show(2.0, 50, 1)

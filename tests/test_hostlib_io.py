@@ -129,14 +129,13 @@ def test_blocking_allreduce_runs_in_the_callers_thread_and_keeps_order_behind_as
     def body(c):
         eng = c._engine
         threads = []
-        name = "_run_native" if eng.native else "_run"  # the loop this engine runs
-        real = getattr(eng, name)
+        real = eng.loop.run  # the loop this engine runs (C or numpy)
 
         def spy(*args):
             threads.append(threading.current_thread().name)
             return real(*args)
 
-        setattr(eng, name, spy)
+        eng.loop.run = spy
         a = c.allreduce(np.full(10, c.rank + 1, np.int32))  # nothing queued: this thread
         h1 = c.allreduce_async(np.full(3000, 1, np.int32))
         h2 = c.allreduce_async(np.full(3000, 2, np.int32))
@@ -153,7 +152,7 @@ def test_blocking_allreduce_runs_in_the_callers_thread_and_keeps_order_behind_as
 
 
 def test_progress_prints_whole_lines_when_stderr_is_not_a_terminal(monkeypatch):
-    from hostlib.engine import _Progress
+    from hostlib.stream_state import _Progress
 
     class Tty(io.StringIO):
         def isatty(self):
@@ -197,14 +196,21 @@ def test_stats_count_one_receive_call_per_batch():
 
 
 def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not():
-    from hostlib.engine import _SPIN_BACKOFF, EngineConfig, StreamEngine
+    from hostlib.engine import EngineConfig, StreamEngine
+    from hostlib.numpy_loop import _SPIN_BACKOFF
 
     rx, tx = _pair(gro=True)
     try:
         cfg = EngineConfig(
-            job_id=0, world_size=1, elems=32, slot_base=0, window=4, aggregator=tx.address
+            job_id=0,
+            world_size=1,
+            elems=32,
+            slot_base=0,
+            window=4,
+            aggregator=tx.address,
+            native=False,
         )
-        eng = StreamEngine(rx, cfg)
+        eng = StreamEngine(rx, cfg).loop  # the numpy loop busy-polls
         assert len(eng._spin()) == 0  # nothing arrives: a failed spin, spinning stops
         assert eng._spin_credit == -_SPIN_BACKOFF
         calls = rx.recv_calls

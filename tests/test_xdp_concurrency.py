@@ -4,9 +4,10 @@ Two processes, pinned to CPU 0 and CPU 1, run the program with BPF_PROG_TEST_RUN
 contributions of their half of the workers. Both walk the slots in the same order, and a barrier
 before every slot round starts both CPUs on it together, so packets of different workers for the
 same slot run on both CPUs at the same time; the barriers also keep the protocol's rule that a
-worker only moves on to a slot's next round after its result. Some packets are sent twice (a retransmission racing its original).
-Checked: exactly one completion per slot and round, its sum and exponent equal the serial
-reference model's, every answered retransmission carries that same sum, and the counters add up.
+worker only moves on to a slot's next round after its result. Some packets are sent twice (a
+retransmission racing its original). Checked: exactly one completion per slot and round, its sum
+and exponent equal the serial reference model's, every answered retransmission carries that same
+sum, and the counters add up.
 
 Why the first test alone does not catch races, and what the others add. The race that matters is
 between a contribution's arrival count (`arrivals`) and the end of its addition into a partial:

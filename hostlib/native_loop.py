@@ -1,0 +1,150 @@
+"""The C loop: one all-reduce run by the extension hostlib._fastpath with the GIL released.
+
+It sends the same packets as the numpy loop (hostlib.numpy_loop; tests/test_fastpath.py
+compares them byte for byte): P, w and the exponents as its transfers make them. Only the C
+loop has a congestion window (EngineConfig.cwnd): AIMD, starting at 16 packets, slow start up
+to the slot window, halved once per loss event (a timer expiry).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+from aggproto import wire
+
+from . import scaling
+from .stream_state import Allreduce, StreamState
+
+try:
+    from . import _fastpath
+except ImportError:  # not built (a source checkout without build_ext): the numpy loop only
+    _fastpath = None
+
+# the C loop's layout is the wire module's (a stale build would send other bytes)
+assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (
+    wire.VALUES_AT,
+    wire.EXP_HLEN,
+)
+
+# the counters the C loop reports per all-reduce that add up in StreamState.stats as they are
+# (the socket's system calls and errors go through the DatagramSocket's own counters)
+_COUNTED = (
+    "packets_sent",
+    "retransmissions",
+    "timeouts",
+    "results",
+    "duplicates",
+    "stale",
+    "malformed",
+    "bytes_sent",
+    "bytes_received",
+    "fault_drops",
+    "spurious",
+)
+
+
+def available() -> bool:
+    """Whether the extension is built."""
+    return _fastpath is not None
+
+
+class NativeLoop:
+    """Runs a StreamState's all-reduces through one _fastpath.Engine (kept for the state's
+    life: it holds the C loop's RTT estimate and congestion window)."""
+
+    def __init__(self, state: StreamState) -> None:
+        if _fastpath is None:
+            raise ImportError(
+                "EngineConfig(native=True) but hostlib._fastpath is not built: run "
+                "`python setup.py build_ext --inplace` (or pip install) in the source tree"
+            )
+        self.state = state
+        cfg, f = state.cfg, state.faults
+        sock = state.sock
+        self._fast = _fastpath.Engine(
+            sock.fileno(),
+            cfg.aggregator[0],
+            cfg.aggregator[1],
+            cfg.elems,
+            cfg.window,
+            cfg.world_size,
+            state.type_size,
+            cfg.slot_base,
+            cfg.rto,
+            cfg.rto_max,
+            gso=sock.gso,
+            gro=sock.gro,
+            cwnd=cfg.cwnd,
+            faults=None
+            if f is None
+            else (f.send_loss, f.recv_loss, f.send_duplicate, f.recv_duplicate, f.seed),
+        )
+
+    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
+        state, k, L = self.state, self.state.cfg.elems, src.size
+        Pd = -(-L // k)
+        w = min(state.cfg.window, Pd)
+        exps = None
+        if is_float:
+            exps, bad = _fastpath.chunk_exponents(src, k)  # before anything is sent
+            if bad >= 0:
+                raise scaling.nonfinite_error(src[bad], bad)
+        P = Pd + w if is_float else Pd
+        if P == 0:
+            return
+        with state.allreduce(P, w, timeout, elements=L) as ar:
+            res = None
+            try:
+                res = self._fast.allreduce(
+                    is_float,
+                    src,
+                    dst,
+                    P,
+                    w,
+                    ar.job_number,
+                    state.versions[:w].tobytes(),
+                    exps,
+                    ar.timeout,
+                    progress=_shower(ar),
+                    progress_every=0.25,
+                )
+                if res["status"] != "done":
+                    raise state.stalled(ar, res["results_here"], res["busy"])
+            finally:
+                self._account(res, ar)
+
+    def _account(self, res: dict | None, ar: Allreduce) -> None:
+        """The C loop's counters of one all-reduce into the state's (and the socket's)."""
+        st, sock = self.state.stats, self.state.sock
+        if res is not None:
+            c = res["counters"]
+            for name in _COUNTED:
+                st[name] += c[name]
+            sock.send_calls += c["send_calls"]
+            sock.recv_calls += c["recv_calls"]
+            sock.send_errors += c["send_errors"]
+            if res["last_errno"]:
+                sock.last_send_error = OSError(res["last_errno"], os.strerror(res["last_errno"]))
+            if res["gso_refused"]:
+                sock.gso = False
+            ar.ndone = res["ndone"]
+        st["rtt"] = self._fast.srtt
+        st["cwnd"] = self._fast.cwnd
+
+
+def _shower(ar: Allreduce):
+    """The C loop's progress callback for `ar`'s progress line (None without one)."""
+    printer = ar.printer
+    if printer is None:
+        return None
+
+    def show(ndone: int, retx: int) -> None:
+        now = time.monotonic()
+        if now >= printer.next:
+            printer.show(now, ndone, retx)
+
+    return show
