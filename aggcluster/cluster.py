@@ -29,6 +29,7 @@ import tempfile
 import time
 import uuid
 
+from aggapp import serving
 from aggproto import control
 from netns_testbed.plan import aggregator_group_base
 
@@ -67,6 +68,7 @@ class Cluster:
         self.aggregators = list(hosts)  # the testbed's aggregator hosts, in stripe order
         self._servers: list[subprocess.Popen | None] = [None] * len(self.aggregators)
         self._attached = [False] * len(self.aggregators)
+        self._served: set[int] = set()  # aggregators whose serve this cluster started
 
     def worker_env(self, base: dict | None = None) -> dict:
         """The environment of a worker process: `base` (default: ours) plus the secret file."""
@@ -149,6 +151,7 @@ class Cluster:
             raise ClusterError(
                 f"xdp-agg serve ({self.agg_name(j)}) did not start: {line}{server.stderr.read()}"
             )
+        self._served.add(j)  # it holds the serve lock of agg_name(j) now
         if j == 0:
             self.serve_line = line.strip()
 
@@ -177,6 +180,11 @@ class Cluster:
                 except ClusterError as e:  # detach the others all the same
                     errors.append(str(e))
         finally:
+            for j in sorted(self._served):
+                # its serve has ended (stop_server waited), so nobody holds the lock: remove
+                # the file, or every test run would leave one per cluster in the state dir
+                serving.lock_path(self.agg_name(j)).unlink(missing_ok=True)
+            self._served.clear()
             if self._secret_dir is not None:
                 shutil.rmtree(self._secret_dir, ignore_errors=True)
                 self._secret_dir = None

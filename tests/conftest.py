@@ -2,6 +2,7 @@
 (tests/harness) and the testbed's fixtures come in as plugins."""
 
 import os
+import shutil
 
 import pytest
 
@@ -15,6 +16,24 @@ pytest_plugins = [
     "harness.p4",
     "netns_testbed.fixtures",
 ]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _state_dir(tmp_path_factory):
+    """xdp-agg's state directory (XDP_AGG_STATE_DIR: serve's lock and job table, secrets) in a
+    directory of this session, removed with it, for the test process and every command it
+    starts: each test serves under a fresh aggregator name, and the lock files that must
+    outlive a serve would otherwise pile up in /run/xdp-agg, one per test and run."""
+    if "XDP_AGG_STATE_DIR" in os.environ:  # the caller chose one
+        yield
+        return
+    path = tmp_path_factory.mktemp("xdp-agg-state")
+    os.environ["XDP_AGG_STATE_DIR"] = str(path)
+    try:
+        yield
+    finally:
+        del os.environ["XDP_AGG_STATE_DIR"]
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items):

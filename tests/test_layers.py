@@ -28,7 +28,15 @@ ALLOWED = {
     "soft_switch": {"aggproto", "aggctl", "hostlib"},
     "bmv2_switch": {"aggproto", "aggcodegen", "aggctl"},
     "aggapp": {"aggproto", "aggctl", "bpfsys", "xdp_switch", "soft_switch", "bmv2_switch"},
-    "aggcluster": {"aggproto", "aggctl", "bpfsys", "hostlib", "netns_testbed", "xdp_switch"},
+    "aggcluster": {
+        "aggapp",
+        "aggproto",
+        "aggctl",
+        "bpfsys",
+        "hostlib",
+        "netns_testbed",
+        "xdp_switch",
+    },
     "bench": {
         "aggapp",
         "aggproto",

@@ -241,17 +241,40 @@ def status(name: str = "default") -> dict:
     return {**state.to_dict(), "interfaces": ifaces, "jobs": jobs}
 
 
-def _on_link(ip: str) -> bool:
-    """True when the kernel reaches `ip` without a gateway, so that frames from it carry its own
-    source MAC (the one a worker registers with, which the XDP program then matches)."""
+@dataclasses.dataclass(frozen=True)
+class _Route:
+    """What the kernel's routing table says of a worker's address (`ip route get ADDR`)."""
+
+    oif: int | None = None  # the interface it is reached through
+    src: str | None = None  # our preferred source address there
+    gateway: str | None = None  # None: on-link
+    port_mac: str | None = None  # the MAC of that interface
+    error: str | None = None  # why there is no route (then nothing else is set)
+
+    @property
+    def on_link(self) -> bool:
+        """Reached without a gateway, so that frames from it carry its own source MAC (the one
+        a worker registers with, which the XDP program then matches)."""
+        return self.error is None and self.gateway is None
+
+
+def _route_to(ip: str) -> _Route:
+    """One route lookup for a worker's address (both of add_worker's questions)."""
     from pyroute2 import IPRoute, NetlinkError
 
     with IPRoute() as ipr:
         try:
             route = ipr.route("get", dst=ip)[0]
-        except NetlinkError:
-            return False  # unreachable: add_worker's other checks say why, if it matters
-    return route.get_attr("RTA_GATEWAY") is None
+        except NetlinkError as e:
+            return _Route(error=os.strerror(e.code))
+        oif = route.get_attr("RTA_OIF")
+        link = ipr.get_links(oif)[0]
+    return _Route(
+        oif=oif,
+        src=route.get_attr("RTA_PREFSRC"),
+        gateway=route.get_attr("RTA_GATEWAY"),
+        port_mac=link.get_attr("IFLA_ADDRESS"),
+    )
 
 
 def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
@@ -451,9 +474,10 @@ class XdpBackend:
         if worker.job_id in self._lost:
             raise Refused(f"job {worker.job_id}: {self._lost[worker.job_id]}")
         ifindex = agg_ip = agg_mac = None
+        route = _route_to(worker.ip)
         if self.state.topology == "switch":
-            ifindex, agg_ip, agg_mac = self._port_of(worker)
-        if not _on_link(worker.ip):
+            ifindex, agg_ip, agg_mac = self._port_of(worker, route)
+        if not route.on_link:
             # behind a router its frames carry the router's MAC: match its address and port only
             worker = dataclasses.replace(worker, mac="00:00:00:00:00:00")
         try:
@@ -463,24 +487,17 @@ class XdpBackend:
         except ValueError as e:
             raise Refused(f"worker {worker.index} of job {worker.job_id}: {e}") from e
 
-    def _port_of(self, worker: WorkerSpec):
-        from pyroute2 import IPRoute, NetlinkError
-
-        with IPRoute() as ipr:
-            try:
-                route = ipr.route("get", dst=worker.ip)[0]
-            except NetlinkError as e:
-                raise Refused(f"no route to worker {worker.ip}: {os.strerror(e.code)}") from e
-            oif = route.get_attr("RTA_OIF")
-            src = route.get_attr("RTA_PREFSRC")
-            link = ipr.get_links(oif)[0]
+    def _port_of(self, worker: WorkerSpec, route: _Route):
+        """(ifindex, our address, our MAC) of the attached port the worker is behind."""
+        if route.error is not None:
+            raise Refused(f"no route to worker {worker.ip}: {route.error}")
         ours = {d["ifindex"] for d in self.state.interfaces}
-        if oif not in ours:
+        if route.oif not in ours:
             raise Refused(
-                f"worker {worker.ip} is reached through ifindex {oif}, not an attached port: "
-                "check the worker's address and the routes (`ip route get ADDR`)"
+                f"worker {worker.ip} is reached through ifindex {route.oif}, not an attached "
+                "port: check the worker's address and the routes (`ip route get ADDR`)"
             )
-        return oif, worker.extra.get("agg_ip") or src, link.get_attr("IFLA_ADDRESS")
+        return route.oif, worker.extra.get("agg_ip") or route.src, route.port_mac
 
     def delete_job(self, job_id: int) -> None:
         """Delete a job and its workers (nothing happens for a job that does not exist, or was
