@@ -201,16 +201,9 @@ def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not
 
     rx, tx = _pair(gro=True)
     try:
-        cfg = EngineConfig(
-            job_id=0,
-            world_size=1,
-            elems=32,
-            slot_base=0,
-            window=4,
-            aggregator=tx.address,
-            native=False,
-        )
-        eng = StreamEngine(rx, cfg).loop  # the numpy loop busy-polls
+        # job 0, one worker, 32 elements, slots 0..3; the numpy loop is the one that busy-polls
+        cfg = EngineConfig(0, 1, 32, 0, 4, tx.address, native=False)
+        eng = StreamEngine(rx, cfg).loop
         assert len(eng._spin()) == 0  # nothing arrives: a failed spin, spinning stops
         assert eng._spin_credit == -_SPIN_BACKOFF
         calls = rx.recv_calls
