@@ -62,8 +62,9 @@
 #define RECV_SLOT        (65536 + 4096) /* one GRO buffer: at most one 64 KiB datagram */
 #define RECV_MSGS_GRO    32
 #define RECV_MSGS_PLAIN  256
-/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING packets of the
- * all-reduce are outstanding, for at most SPIN_TIME s; credit as there. */
+/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING
+ * packets of the all-reduce are outstanding, for at most SPIN_TIME s; credit as there. Off with
+ * EngineConfig.spin (XDP_AGG_SPIN=0). */
 #define SPIN_OUTSTANDING 64
 #define SPIN_TIME        60e-6
 #define SPIN_PENALTY     2
@@ -345,6 +346,7 @@ typedef struct {
     double srtt, rttvar;
     int cwnd_fixed;
     double cwnd, ssthresh;
+    int spin; /* busy-poll at all (EngineConfig.spin) */
     int spin_credit;
     int faults;
     double send_loss, recv_loss, send_dup, recv_dup;
@@ -425,16 +427,17 @@ static void Engine_dealloc(Engine *e)
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fd",         "host",      "port",      "elems",  "window",
-                             "world_size", "type_size", "slot_base", "rto",    "rto_max",
-                             "gso",        "gro",       "cwnd",      "faults", NULL};
+    static char *kwlist[] = {"fd",        "host",      "port", "elems",   "window", "world_size",
+                             "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
+                             "cwnd",      "faults",    "spin", NULL};
     const char *host, *cwnd = "aimd";
-    int port, type_size, gso = 1, gro = 1;
+    int port, type_size, gso = 1, gro = 1, spin = 1;
     PyObject *faults = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "isiiiiiidd|ppsO", kwlist, &e->fd, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "isiiiiiidd|ppsOp", kwlist, &e->fd, &host, &port,
                                      &e->k, &e->window, &e->world, &type_size, &e->slot_base,
-                                     &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults))
+                                     &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults, &spin))
         return -1;
+    e->spin = spin;
     if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535 || type_size < 0 ||
         type_size > 255) {
         PyErr_SetString(PyExc_ValueError, "bad engine parameters");
@@ -1015,7 +1018,7 @@ static int run_loop(Run *r, double timeout, PyObject *progress, double progress_
         if (got || sent || (r->nready > 0 && r->inflight < window_now(r)))
             continue;
         /* nothing to do until a result comes or a timer expires */
-        if (r->P - r->ndone <= SPIN_OUTSTANDING) {
+        if (e->spin && r->P - r->ndone <= SPIN_OUTSTANDING) {
             if (e->spin_credit < 0) {
                 e->spin_credit++; /* a probe again after |credit| skipped chances */
             } else {

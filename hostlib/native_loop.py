@@ -78,6 +78,7 @@ class NativeLoop:
             gso=sock.gso,
             gro=sock.gro,
             cwnd=cfg.cwnd,
+            spin=cfg.spin,
             faults=None
             if f is None
             else (f.send_loss, f.recv_loss, f.send_duplicate, f.recv_duplicate, f.seed),

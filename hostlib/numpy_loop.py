@@ -248,6 +248,7 @@ class NumpyLoop:
         self._sent_at = np.empty(cfg.window)
         self._rto = np.empty(cfg.window)
         self._plans: dict[tuple[int, int], tuple] = {}  # (P, w) -> header template, see _expect
+        self._spins = cfg.spin  # busy-poll at all
         self._spin_credit = 0  # see _spin
         self._dups = _NO_DUPS  # packet numbers of the duplicate results of the last _accept
 
@@ -312,7 +313,7 @@ class NumpyLoop:
         """Results that arrived; when none did, spin briefly or sleep until one arrives, a
         timer expires, the stall deadline passes or the progress line is due."""
         rows = self._receive()
-        if len(rows) == 0 and ar.packets - ar.ndone <= _SPIN_OUTSTANDING:
+        if len(rows) == 0 and self._spins and ar.packets - ar.ndone <= _SPIN_OUTSTANDING:
             rows = self._spin()
         if len(rows) == 0:
             wake = min(fl.next_deadline, fl.last_progress + ar.timeout)

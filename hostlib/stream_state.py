@@ -12,6 +12,7 @@ socket's counters and shows progress; and they raise the same AllreduceTimeout (
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 import time
 from dataclasses import dataclass
@@ -85,6 +86,13 @@ class EngineConfig:
     # the C loop (hostlib._fastpath): None = when built and XDP_AGG_NATIVE is not "0"
     native: bool | None = None
     cwnd: str = "aimd"  # congestion window of the C loop: "aimd", or "fixed" (= window)
+    # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin);
+    # None = unless the environment says XDP_AGG_SPIN=0
+    spin: bool | None = None
+
+    def __post_init__(self) -> None:
+        if self.spin is None:
+            self.spin = os.environ.get("XDP_AGG_SPIN", "1") != "0"
 
 
 @dataclass

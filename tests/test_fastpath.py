@@ -239,6 +239,32 @@ def test_both_loops_send_the_same_bytes_and_get_the_same_results(n):
         assert st["allreduces"] == len(tensors)
 
 
+def test_without_busy_polling_both_loops_send_the_same_bytes_and_results(monkeypatch):
+    """EngineConfig.spin=False (XDP_AGG_SPIN=0, for machines with more workers than cores):
+    the numpy loop never spins, and both loops still send the bytes they send when spinning."""
+    from hostlib.numpy_loop import NumpyLoop
+
+    tensors = mixed_tensors()
+    spun_out, spun_pk, _ = run_sequence(False, tensors)
+
+    def never(self):
+        raise AssertionError("spun with spin=False")
+
+    monkeypatch.setattr(NumpyLoop, "_spin", never)
+    for native in (False, True):
+        out, pk, st = run_sequence(native, tensors, spin=False)
+        assert pk == spun_pk and st["retransmissions"] == 0
+        assert all(a.tobytes() == b.tobytes() for a, b in zip(out, spun_out))
+
+
+def test_spin_follows_the_environment(monkeypatch):
+    cfg = dict(job_id=0, world_size=1, elems=32, slot_base=0, window=4, aggregator=("x", 1))
+    assert EngineConfig(**cfg).spin is True
+    monkeypatch.setenv("XDP_AGG_SPIN", "0")
+    assert EngineConfig(**cfg).spin is False
+    assert EngineConfig(**cfg, spin=True).spin is True  # an explicit choice wins
+
+
 def test_int_results_are_the_echoed_sums():
     """The echo adds add * (tsi + i) to each value: check the C loop's copy-back directly."""
     x = np.arange(3 * 32 + 7, dtype=np.int32) * 1000003
