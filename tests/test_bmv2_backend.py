@@ -261,3 +261,10 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
     assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
     assert stopped == [True] and "control endpoint listening" in lines[0]
+    # with a parent (serve --parent-endpoint): every job a rack, through TreeBackend
+    from aggctl.tree import ParentLink, TreeBackend
+
+    link = ParentLink(("198.18.2.9", 48800), 1, 2)
+    serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, parent=link)
+    assert isinstance(seen["backend"], TreeBackend) and seen["backend"].inner is backend
+    assert seen["backend"].link is link and stopped == [True, True]
