@@ -81,12 +81,10 @@ class _Worker:
 
 @dataclass
 class _Parent:
-    """A rack job's parent link as configured: the port toward the parent, our address there,
-    and the entries of tables parent_link and workers (the parent's results)."""
+    """A rack job's parent link as configured: the port toward the parent, and the entries of
+    tables parent_link and workers (the parent's results)."""
 
     port: int
-    mac: str
-    ip: str
     link_handle: int
     workers_handle: int
 
@@ -245,17 +243,21 @@ class Bmv2Backend:
             clear.append(f"register_write {R_SEEN} {entry} 0")
             clear.append(f"register_write {R_COUNT} {entry} 0")
         self.cli.run(clear + [f"mc_mgrp_create {mgid}"])
+        # A rack job's parent link goes in before its jobs entry: no packet finds the job
+        # without it.
+        link = self._parent_commands(spec, uplink) if uplink else []
         tree = f"1 {spec.parent_slot_base}" if uplink else "0 0"
         out = self.cli.run(
-            [
+            link
+            + [
                 f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
                 f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid} {tree}"
             ]
         )
-        job = _SwitchJob(spec=spec, handle=_handle(out[0]))
-        self._jobs[spec.job_id] = job
+        job = _SwitchJob(spec=spec, handle=_handle(out[-1]))
         if uplink:
-            job.parent = self._add_parent(spec, uplink)
+            job.parent = _Parent(uplink.port, _handle(out[0]), _handle(out[1]))
+        self._jobs[spec.job_id] = job
 
     def _check_parent(self, spec: JobSpec) -> PortSpec:
         """The port toward a rack job's parent; ValueError when the parent's key (its address,
@@ -270,23 +272,22 @@ class Bmv2Backend:
             )
         return uplink
 
-    def _add_parent(self, spec: JobSpec, uplink: PortSpec) -> _Parent:
-        """Table entries of a rack job's parent link: how partial sums go up (parent_link) and
-        how the parent's results are recognised (workers: set_parent, any source MAC, as the
-        XDP program and the model match the parent)."""
+    @staticmethod
+    def _parent_commands(spec: JobSpec, uplink: PortSpec) -> list[str]:
+        """The table entries of a rack job's parent link: how partial sums go up (parent_link:
+        from our address on the port toward the parent, else the job's) and how the parent's
+        results are recognised (workers: set_parent, any source MAC, as the XDP program and
+        the model match the parent)."""
         mac = _mac_ok(_nonzero_mac(uplink.mac) or spec.agg_mac)
         ip = _nonzero_ip(uplink.ip) or spec.agg_ip
-        out = self.cli.run(
-            [
-                f"table_add {T_PARENT_LINK} set_parent_link {spec.job_id} => "
-                f"{_mac_ok(spec.parent_mac)} {spec.parent_ip} {spec.parent_port} "
-                f"{spec.uplink_port} {uplink.port} {mac} {ip} {spec.slot_base} "
-                f"{spec.parent_slot_base} {spec.agg_port}",
-                f"table_add {T_WORKERS} set_parent {spec.parent_ip} {spec.uplink_port} 0&&&0 "
-                f"=> {spec.job_id} 1",
-            ]
-        )
-        return _Parent(uplink.port, mac, ip, _handle(out[0]), _handle(out[1]))
+        return [
+            f"table_add {T_PARENT_LINK} set_parent_link {spec.job_id} => "
+            f"{_mac_ok(spec.parent_mac)} {spec.parent_ip} {spec.parent_port} "
+            f"{spec.uplink_port} {uplink.port} {mac} {ip} {spec.slot_base} "
+            f"{spec.parent_slot_base} {spec.agg_port}",
+            f"table_add {T_WORKERS} set_parent {spec.parent_ip} {spec.uplink_port} 0&&&0 "
+            f"=> {spec.job_id} 1",
+        ]
 
     def delete_job(self, job_id: int) -> None:
         """Delete a job, its workers and its multicast group (a missing job is no error)."""

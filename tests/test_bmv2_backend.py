@@ -129,13 +129,15 @@ def test_rack_job_becomes_its_parent_link():
     b.create_job(_rack())
     # the parent's slot base in the jobs entry; the link: the parent's addressing, port 1 (the
     # parent's subnet) and our address there, our slot base, its slot base, our own port
-    assert "table_add jobs set_job 3 => 2 1 10 14 5 1 100" in cli.log
-    assert (
+    link = (
         "table_add parent_link set_parent_link 3 => 02:00:00:00:09:09 198.18.2.9 48868 48871 1 "
         "02:00:00:00:02:01 198.18.2.1 10 100 48864"
-    ) in cli.log
+    )
     # its results are recognised by (its address, our uplink port), from any MAC
-    assert "table_add workers set_parent 198.18.2.9 48871 0&&&0 => 3 1" in cli.log
+    parent = "table_add workers set_parent 198.18.2.9 48871 0&&&0 => 3 1"
+    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100"
+    # the link first: no packet finds the job without it
+    assert cli.log.index(link) < cli.log.index(job) and cli.log.index(parent) < cli.log.index(job)
     st = b.parent_status(3)
     assert (st["address"], st["uplink_port"], st["switch_port"]) == ("198.18.2.9:48868", 0xBEE7, 1)
     assert set(st["counters"]) == set(reasons.PARENT_REASONS)
