@@ -297,12 +297,12 @@ class Bmv2Backend:
         cmds = []
         for index in list(job.workers):
             cmds += self._worker_removal(job, job.workers.pop(index))
-        if job.parent is not None:
+        cmds += [f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"]
+        if job.parent is not None:  # after the jobs entry, as create_job adds them before it
             cmds += [
                 f"table_delete {T_PARENT_LINK} {job.parent.link_handle}",
                 f"table_delete {T_WORKERS} {job.parent.workers_handle}",
             ]
-        cmds += [f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"]
         del self._jobs[job_id]
         self.cli.run(cmds)
 
