@@ -501,6 +501,8 @@ def serve(ctx, opts: options.ServeOptions, as_json):
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
       sudo xdp-agg --name rack0 serve --parent-endpoint 198.18.0.1:48800 --rack-rank 0 --racks 2
+      sudo xdp-agg serve --target bmv2 --ports eth0 --parent-endpoint 198.18.0.1:48800 \\
+          --rack-rank 1 --racks 2                       # a bmv2 rack under the same root
     """
     name = ctx.obj["name"]
     try:

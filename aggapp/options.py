@@ -289,10 +289,8 @@ class ServeOptions:
         _check_group_choice(self.group_ip, self.results)
         if self.target == "bmv2" and not self.ports:
             raise ValueError("--target bmv2 needs --ports IFACE,IFACE,...")
-        if self.parent is not None and (
-            self.target != "xdp" or self.rack_rank is None or self.racks is None
-        ):
-            raise ValueError("--parent-endpoint needs --target xdp, --rack-rank and --racks")
+        if self.parent is not None and (self.rack_rank is None or self.racks is None):
+            raise ValueError("--parent-endpoint needs --rack-rank and --racks")
 
     def limits(self) -> auth.Limits:
         """The endpoint's bounds these options give."""

@@ -392,9 +392,12 @@ def serve_bmv2(
     secret: bytes | None,
     limits=None,
     announce: Callable[[str], None] = print,
+    parent=None,
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
-    run the control endpoint in front of it until interrupted; the switch stops on exit."""
+    run the control endpoint in front of it until interrupted; the switch stops on exit.
+    `parent` (a tree.ParentLink): every job created here is a rack of the parent's job of the
+    same name, its partial sums sent up from the port whose subnet holds the parent."""
     import bmv2_switch as bm
     from aggproto.jobs import Delivery
 
@@ -411,9 +414,14 @@ def serve_bmv2(
         switch, backend = bm.launch(ports, workdir, netns=netns, unknown_unicast="drop")
     except bm.Bmv2Error as e:
         raise XdpAggError(f"starting bmv2 failed: {e}") from e
+    endpoint_backend = backend
+    if parent is not None:
+        from aggctl.tree import TreeBackend
+
+        endpoint_backend = TreeBackend(backend, parent)
     try:
         server, _ = _stand_up(
-            backend,
+            endpoint_backend,
             host,
             port,
             {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
@@ -421,8 +429,9 @@ def serve_bmv2(
             secret=secret,
             limits=limits,
         )
+        rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         announce(
-            f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}); "
+            f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}{rack}); "
             "Ctrl-C stops it"
         )
         server.run_until_interrupted()
@@ -497,7 +506,8 @@ def serve(
         barrier_timeout=opts.barrier_timeout, secret=ep.secret, limits=ep.limits, announce=announce
     )
     if opts.target == "bmv2":
-        serve_bmv2(opts.ports.split(","), opts.workdir, ep.host, ep.port, netns=netns, **common)
+        ifnames = opts.ports.split(",")
+        serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, netns=netns, parent=ep.parent, **common)
         return
     results = dict(group_ip=opts.group_ip, results=opts.results, group_base=opts.group_base)
     xdp = dict(udp_checksum=opts.udp_checksum, rejoin_timeout=opts.rejoin_timeout, parent=ep.parent)

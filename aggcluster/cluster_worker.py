@@ -111,6 +111,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify}")
     ap.add_argument("--progress", action="store_true")
     ap.add_argument(
+        "--no-offload",
+        action="store_true",
+        help="UDP GSO and GRO off: a bmv2 aggregator (libpcap) must see one datagram per frame",
+    )
+    ap.add_argument(
         "--data-rank",
         type=int,
         default=None,
@@ -206,7 +211,9 @@ def main(argv=None) -> int:
     data_rank = args.rank if args.data_rank is None else args.data_rank
     data_world = args.world if args.data_world is None else args.data_world
     plan = json.loads(args.plan)
-    with join(args, timeout=args.timeout, progress=args.progress and args.rank == 0) as comm:
+    offload = {"gso": False, "gro": False} if args.no_offload else {}
+    progress = args.progress and args.rank == 0
+    with join(args, timeout=args.timeout, progress=progress, **offload) as comm:
         for item in plan:
             if item.get("check") == "counters":
                 report = _counters_report(comm, args.rank)

@@ -20,6 +20,12 @@ results go to the racks' uplink port, where no worker listens.
 Loss (`loss`): the testbed's own rules on every worker link (both ways), and
 netns_testbed.faults.port_loss_script on the bridge ports of the root and the racks, both ways,
 since the XDP programs there would bypass rules in their own namespaces.
+
+Racks in `bmv2_racks` run the P4 program in bmv2 instead (`xdp-agg serve --target bmv2 --ports
+eth0 --parent-endpoint ...`, p4c and simple_switch on PATH): simple_switch on the rack host's
+one interface, one-arm as the XDP racks are (each result copy out of that port, addressed to its
+worker), the host's kernel told to ignore the aggregation traffic it also sees, and the rack's
+workers sending without UDP GSO/GRO (libpcap must see one datagram per frame).
 """
 
 from __future__ import annotations
@@ -44,7 +50,15 @@ class TreeCluster:
     """The root aggregator, the rack aggregators with their endpoints, and the workers."""
 
     def __init__(
-        self, tb, *, racks: int, per_rack: int, loss: float = 0.0, name: str | None = None
+        self,
+        tb,
+        *,
+        racks: int,
+        per_rack: int,
+        loss: float = 0.0,
+        name: str | None = None,
+        bmv2_racks: tuple[int, ...] = (),
+        workdir: str = "/tmp/xdp-agg-tree-bmv2",
     ) -> None:
         if tb.topology != "one-arm" or len(tb.workers) != tree_hosts(racks, per_rack):
             raise ValueError(
@@ -60,6 +74,8 @@ class TreeCluster:
         # only as unicast answers to re-sent partials): the root sends to the broadcast.
         self.root = Cluster(tb, name=f"{self.name}r", serve_args=("--results", "broadcast"))
         self.rack_hosts = [tb.workers[racks * per_rack + r] for r in range(racks)]
+        self.bmv2_racks = frozenset(bmv2_racks)
+        self.workdir = workdir  # where each bmv2 rack compiles the program (a folder per rack)
         self._attached: list[int] = []
         self._servers: list[subprocess.Popen] = []
 
@@ -84,46 +100,37 @@ class TreeCluster:
             # The bridge's ends of the racks' links receive the racks' XDP_TX'd frames.
             xdp_pass.attach_pass({sw: ports})
             faults.apply(sw, faults.port_loss_script(["ag", *ports], self.loss))
-            root_ip = self.tb.aggregator.ips[0]
-            for r, host in enumerate(self.rack_hosts):
-                self.cli(r, "attach", host.ifname)
-                self._attached.append(r)
-                srv = self.tb.popen(
-                    host,
-                    [
-                        sys.executable,
-                        "-m",
-                        "aggapp.cli",
-                        "--name",
-                        self.rack_name(r),
-                        "serve",
-                        "--listen",
-                        f"0.0.0.0:{CONTROL_PORT}",
-                        "--parent-endpoint",
-                        f"{root_ip}:{CONTROL_PORT}",
-                        "--rack-rank",
-                        str(r),
-                        "--racks",
-                        str(self.racks),
-                        "--tree-workers",
-                        str(self.racks * self.per_rack),
-                        # one secret for the tree: the rack proves it to the root, its
-                        # workers to the rack
-                        "--secret-file",
-                        self.root.secret_file,
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-                self._servers.append(srv)
-                line = srv.stderr.readline()
-                if "listening" not in line:
-                    raise ClusterError(f"rack {r}: xdp-agg serve did not start: {line}")
+            for r in range(self.racks):
+                self._start_rack(r)
         except BaseException:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def _start_rack(self, r: int) -> None:
+        """Rack r's aggregator (XDP attached, or bmv2 started by serve) and its endpoint."""
+        host = self.rack_hosts[r]
+        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.rack_name(r)]
+        if r in self.bmv2_racks:
+            faults.apply(host.netns, faults.kernel_ignores_data_script())
+            target = ["--target", "bmv2", "--ports", host.ifname]
+            target += ["--workdir", f"{self.workdir}/{self.rack_name(r)}"]
+            cmd[-2:-2] = ["--netns", host.netns]  # simple_switch via `ip netns exec`
+        else:
+            self.cli(r, "attach", host.ifname)
+            self._attached.append(r)
+            target = []
+        root_ip = self.tb.aggregator.ips[0]
+        cmd += ["serve", *target, "--listen", f"0.0.0.0:{CONTROL_PORT}"]
+        cmd += ["--parent-endpoint", f"{root_ip}:{CONTROL_PORT}", "--rack-rank", str(r)]
+        cmd += ["--racks", str(self.racks), "--tree-workers", str(self.racks * self.per_rack)]
+        # one secret for the tree: the rack proves it to the root, its workers to the rack
+        cmd += ["--secret-file", self.root.secret_file]
+        srv = self.tb.popen(host, cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self._servers.append(srv)
+        line = srv.stderr.readline()
+        if "listening" not in line:
+            raise ClusterError(f"rack {r}: xdp-agg serve did not start: {line}")
 
     def __exit__(self, *exc) -> None:
         for srv in self._servers:
@@ -172,6 +179,7 @@ class TreeCluster:
                     elems=elems,
                     window=window,
                     timeout=timeout,
+                    no_offload=r in self.bmv2_racks,
                 )
                 p = self.tb.popen(
                     self.tb.workers[g],
@@ -191,8 +199,12 @@ class TreeCluster:
         return self.collect(self.start_workers(plan, **kw), deadline)
 
     def stats(self) -> dict:
-        """`xdp-agg stats --json` of the root ("root") and of each rack ("racks")."""
+        """`xdp-agg stats --json` of the root ("root") and of each XDP rack ("racks"; None for
+        a bmv2 rack, whose counters its endpoint's status reports)."""
         return {
             "root": json.loads(self.cli(None, "stats", "--json").stdout),
-            "racks": [json.loads(self.cli(r, "stats", "--json").stdout) for r in range(self.racks)],
+            "racks": [
+                None if r in self.bmv2_racks else json.loads(self.cli(r, "stats", "--json").stdout)
+                for r in range(self.racks)
+            ],
         }

@@ -97,6 +97,16 @@ class ParentJoin(Protocol):
         """Join job `name` at the parent; the spec of the rack job to create (with the link)."""
 
 
+@runtime_checkable
+class UplinkAddress(Protocol):
+    """Two levels, a target with several ports (bmv2): its own address toward a parent, which
+    a rack registers as at the parent. Without it a rack registers as the job's agg_ip/agg_mac
+    (the XDP target's one interface). Not a capability of the endpoint's: TreeBackend asks."""
+
+    def uplink_address(self, ip: str) -> tuple[str, str]:
+        """Our (IPv4 address, MAC) toward the parent at `ip`; ValueError when none leads there."""
+
+
 CAPABILITIES = (JobCounters, WorkerCounters, JobLoss, Generation, ParentStatus, ParentJoin)
 
 

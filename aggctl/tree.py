@@ -31,7 +31,14 @@ from aggproto.jobs import JobSpec, WorkerSpec
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
 
-from .backend import Generation, JobCounters, JobLoss, ParentStatus, WorkerCounters
+from .backend import (
+    Generation,
+    JobCounters,
+    JobLoss,
+    ParentStatus,
+    UplinkAddress,
+    WorkerCounters,
+)
 
 log = logging.getLogger("aggctl.tree")
 
@@ -85,8 +92,11 @@ class TreeBackend:
         Raises ParentRefused (a ValueError) with the parent's explanation."""
         link = self.link
         uplink = spec.agg_port
+        ip, mac = spec.agg_ip, spec.agg_mac
         ctl = None
         try:
+            if isinstance(self.inner, UplinkAddress):  # bmv2: its port toward the parent
+                ip, mac = self.inner.uplink_address(link.endpoint[0])
             ctl = ControlClient(link.endpoint, timeout=link.barrier_timeout, secret=link.secret)
             wait = link.barrier_timeout
             if link.rank == 0:
@@ -106,12 +116,12 @@ class TreeBackend:
                 job=name,
                 rank=link.rank,
                 port=uplink,
-                ip=spec.agg_ip,
-                mac=spec.agg_mac,
+                ip=ip,
+                mac=mac,
                 timeout=wait,
                 reply_timeout=wait + 5,
             )
-        except (RendezvousError, OSError) as e:
+        except (RendezvousError, OSError, ValueError) as e:
             if ctl is not None:
                 ctl.close()
             raise ParentRefused(

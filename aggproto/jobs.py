@@ -93,8 +93,6 @@ class JobSpec:
                 raise ValueError(f"{name} {p:#x} is not in 0xBEE0..0xBEEF")
         if not 1 <= self.worker_port <= 65535:
             raise ValueError("a job with a parent needs its workers' UDP port (worker_port)")
-        if self.delivery != Delivery.GROUP_TX:
-            raise ValueError("a job with a parent needs the one-arm topology (group delivery)")
         if self.num_workers > MAX_TREE_WORKERS:
             raise ValueError(f"a job with a parent has at most {MAX_TREE_WORKERS} workers")
         if self.total_workers and self.total_workers < self.num_workers:

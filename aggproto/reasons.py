@@ -36,3 +36,15 @@ class Reason(IntEnum):
 
 
 NUM_REASONS = len(Reason)
+
+# A rack job's parent-link counters (docs/protocol.md section 3.7), as every target reports them
+# in its parent status: the lower-case names of the tree reasons.
+PARENT_REASONS = tuple(
+    r.name.lower()
+    for r in (
+        Reason.FORWARDED_UP,
+        Reason.RESENT_UP,
+        Reason.PARENT_RESULT,
+        Reason.STALE_PARENT_RESULT,
+    )
+)

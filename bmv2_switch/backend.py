@@ -36,6 +36,7 @@ FOLD_QUEUE_DEPTH = 1024
 
 # Names of the objects in the compiled program (absolute @name annotations in p4/*.p4).
 T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_forward"
+T_PARENT_LINK = "parent_link"  # a rack job's link to its parent (next_step_selector.p4)
 R_SEEN, R_COUNT = "slot_seen", "slot_count"
 C_INGRESS, C_EGRESS = "ingress_reasons", "egress_reasons"
 
@@ -79,10 +80,21 @@ class _Worker:
 
 
 @dataclass
+class _Parent:
+    """A rack job's parent link as configured: the port toward the parent, and the entries of
+    tables parent_link and workers (the parent's results)."""
+
+    port: int
+    link_handle: int
+    workers_handle: int
+
+
+@dataclass
 class _SwitchJob:
     spec: JobSpec
     handle: int
     workers: dict[int, _Worker] = field(default_factory=dict)
+    parent: _Parent | None = None
 
     @property
     def mgid(self) -> int:
@@ -138,6 +150,7 @@ class Bmv2Backend:
         self._jobs: dict[int, _SwitchJob] = {}
         self._macs: dict[str, int] = {}  # MAC -> l2 table handle
         self._flood_node: int | None = None
+        self._parent_ports: dict[str, int] = {}  # a tree's parent address -> the port to it
 
     # --- switch-wide setup -------------------------------------------------------------------
     def setup(self, *, unknown_unicast: str = "flood") -> None:
@@ -172,9 +185,37 @@ class Bmv2Backend:
         cmds.append(f"table_add {T_L2} l2_forward_port {mac} => {port}")
         self._macs[mac] = _handle(self.cli.run(cmds)[-1])
 
+    def set_parent_port(self, ip: str, port: int) -> None:
+        """Two levels: the parent aggregator `ip` of rack jobs is behind `port` (by default,
+        the port whose subnet holds it: uplink_port_for)."""
+        if port not in self.ports:
+            raise ValueError(f"port {port} is not a port of this switch ({sorted(self.ports)})")
+        self._parent_ports[ip] = port
+
+    def uplink_port_for(self, ip: str) -> PortSpec:
+        """The port toward a tree's parent at `ip`: set_parent_port's, else the one port whose
+        subnet holds `ip`; ValueError when there is none."""
+        if ip in self._parent_ports:
+            return self.ports[self._parent_ports[ip]]
+        on_link = [p for p in self.ports.values() if p.on_link(ip)]
+        if len(on_link) != 1:
+            raise ValueError(
+                f"the parent {ip} is on the subnet of {len(on_link)} ports of this switch, not "
+                "one: say which port it is behind (Bmv2Backend.set_parent_port)"
+            )
+        return on_link[0]
+
+    def uplink_address(self, ip: str) -> tuple[str, str]:
+        """Our (IPv4 address, MAC) on the port toward a parent at `ip`: what a rack registers
+        as at the parent (aggctl.tree.TreeBackend asks for it)."""
+        p = self.uplink_port_for(ip)
+        return p.ip, p.mac
+
     # --- Backend -----------------------------------------------------------------------------
     def create_job(self, spec: JobSpec) -> None:
-        """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared."""
+        """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared.
+        A rack job (spec.has_parent) also gets its parent link and the parent's workers entry
+        (docs/protocol.md section 3.7)."""
         check_job(
             spec,
             {j: (o.spec.slot_base, o.spec.slot_count) for j, o in self._jobs.items()},
@@ -189,11 +230,7 @@ class Bmv2Backend:
             raise ValueError(
                 "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
             )
-        if spec.has_parent:
-            raise ValueError(
-                "the bmv2 program has no two-level aggregation (the XDP program does; "
-                "p4/README.md says why)"
-            )
+        uplink = self._check_parent(spec) if spec.has_parent else None
         end = spec.slot_base + spec.slot_count
         if spec.job_id in self._jobs:
             self.delete_job(spec.job_id)
@@ -206,13 +243,51 @@ class Bmv2Backend:
             clear.append(f"register_write {R_SEEN} {entry} 0")
             clear.append(f"register_write {R_COUNT} {entry} 0")
         self.cli.run(clear + [f"mc_mgrp_create {mgid}"])
+        # A rack job's parent link goes in before its jobs entry: no packet finds the job
+        # without it.
+        link = self._parent_commands(spec, uplink) if uplink else []
+        tree = f"1 {spec.parent_slot_base}" if uplink else "0 0"
         out = self.cli.run(
-            [
+            link
+            + [
                 f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
-                f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid}"
+                f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid} {tree}"
             ]
         )
-        self._jobs[spec.job_id] = _SwitchJob(spec=spec, handle=_handle(out[0]))
+        job = _SwitchJob(spec=spec, handle=_handle(out[-1]))
+        if uplink:
+            job.parent = _Parent(uplink.port, _handle(out[0]), _handle(out[1]))
+        self._jobs[spec.job_id] = job
+
+    def _check_parent(self, spec: JobSpec) -> PortSpec:
+        """The port toward a rack job's parent; ValueError when the parent's key (its address,
+        our uplink port) is another job's or worker's."""
+        uplink = self.uplink_port_for(spec.parent_ip)
+        key = (spec.parent_ip, spec.uplink_port)
+        owner = self._owners().get(key)
+        if owner is not None and owner[0] != spec.job_id:
+            raise ValueError(
+                f"{spec.parent_ip} -> port {spec.uplink_port:#x} is already worker {owner[1]} "
+                f"of job {owner[0]}: choose another uplink port"
+            )
+        return uplink
+
+    @staticmethod
+    def _parent_commands(spec: JobSpec, uplink: PortSpec) -> list[str]:
+        """The table entries of a rack job's parent link: how partial sums go up (parent_link:
+        from our address on the port toward the parent, else the job's) and how the parent's
+        results are recognised (workers: set_parent, any source MAC, as the XDP program and
+        the model match the parent)."""
+        mac = _mac_ok(_nonzero_mac(uplink.mac) or spec.agg_mac)
+        ip = _nonzero_ip(uplink.ip) or spec.agg_ip
+        return [
+            f"table_add {T_PARENT_LINK} set_parent_link {spec.job_id} => "
+            f"{_mac_ok(spec.parent_mac)} {spec.parent_ip} {spec.parent_port} "
+            f"{spec.uplink_port} {uplink.port} {mac} {ip} {spec.slot_base} "
+            f"{spec.parent_slot_base} {spec.agg_port}",
+            f"table_add {T_WORKERS} set_parent {spec.parent_ip} {spec.uplink_port} 0&&&0 "
+            f"=> {spec.job_id} 1",
+        ]
 
     def delete_job(self, job_id: int) -> None:
         """Delete a job, its workers and its multicast group (a missing job is no error)."""
@@ -223,6 +298,11 @@ class Bmv2Backend:
         for index in list(job.workers):
             cmds += self._worker_removal(job, job.workers.pop(index))
         cmds += [f"table_delete {T_JOBS} {job.handle}", f"mc_mgrp_destroy {job.mgid}"]
+        if job.parent is not None:  # after the jobs entry, as create_job adds them before it
+            cmds += [
+                f"table_delete {T_PARENT_LINK} {job.parent.link_handle}",
+                f"table_delete {T_WORKERS} {job.parent.workers_handle}",
+            ]
         del self._jobs[job_id]
         self.cli.run(cmds)
 
@@ -280,13 +360,21 @@ class Bmv2Backend:
     def _check_worker(self, worker: WorkerSpec) -> _SwitchJob:
         """The worker's job; ValueError when the worker cannot be registered."""
         job = self._jobs.get(worker.job_id)
+        check_worker(worker, job.spec if job else None, self._owners())
+        return job
+
+    def _owners(self) -> dict[tuple[str, int], tuple[int, int]]:
+        """(ip, port) -> (job, index) of every entry of table workers: the workers, and each
+        rack job's parent (index limits.PARENT_INDEX)."""
         owners = {
             (w.spec.ip, w.spec.agg_port): (j, w.spec.index)
             for j, o in self._jobs.items()
             for w in o.workers.values()
         }
-        check_worker(worker, job.spec if job else None, owners)
-        return job
+        for j, o in self._jobs.items():
+            if o.parent is not None:
+                owners[(o.spec.parent_ip, o.spec.uplink_port)] = (j, limits.PARENT_INDEX)
+        return owners
 
     def _port_of(self, worker: WorkerSpec) -> int:
         if "port" in worker.extra:
@@ -341,6 +429,21 @@ class Bmv2Backend:
             ]
             out.append(d)
         return out
+
+    def parent_status(self, job_id: int) -> dict | None:
+        """A rack job's parent link and its counters, as the XDP target reports them (None for
+        a job without a parent)."""
+        job = self._jobs.get(job_id)
+        if job is None or job.parent is None:
+            return None
+        spec, c = job.spec, self.counters(job_id)
+        return {
+            "address": f"{spec.parent_ip}:{spec.parent_port}",
+            "uplink_port": spec.uplink_port,
+            "parent_slot_base": spec.parent_slot_base,
+            "switch_port": job.parent.port,
+            "counters": {r: c[r] for r in reasons.PARENT_REASONS},
+        }
 
     # --- counters ----------------------------------------------------------------------------
     def counters(self, job_id: int) -> dict[str, int]:

@@ -26,11 +26,22 @@ class PortSpec:
     iface: str
     mac: str = "00:00:00:00:00:00"
     ip: str = "0.0.0.0"
+    prefixlen: int = 32  # of ip's subnet: which neighbours (a tree's parent) are on this port
+
+    def on_link(self, addr: str) -> bool:
+        """Whether `addr` is on this port's subnet (never for a port without an address)."""
+        import ipaddress
+
+        if self.ip in ("", "0.0.0.0"):
+            return False
+        net = ipaddress.IPv4Interface(f"{self.ip}/{self.prefixlen}").network
+        return ipaddress.IPv4Address(addr) in net
 
 
 def port_specs(ifnames: list[str], netns: str | None = None) -> list[PortSpec]:
     """PortSpecs for interfaces (in `netns`, or this process's namespace), numbered 0.. in the
-    order given, each with its interface's MAC and first IPv4 address as our address there."""
+    order given, each with its interface's MAC and first IPv4 address (and its prefix) as our
+    address there."""
     from pyroute2 import IPRoute, NetNS
 
     out = []
@@ -42,10 +53,12 @@ def port_specs(ifnames: list[str], netns: str | None = None) -> list[PortSpec]:
                     f"no interface {name!r}" + (f" in namespace {netns}" if netns else "")
                 )
             link = ipr.get_links(links[0])[0]
-            addrs = [a.get_attr("IFA_ADDRESS") for a in ipr.get_addr(index=links[0], family=2)]
-            out.append(
-                PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), addrs[0] if addrs else "0.0.0.0")
-            )
+            addrs = [
+                (a.get_attr("IFA_ADDRESS"), a["prefixlen"])
+                for a in ipr.get_addr(index=links[0], family=2)
+            ]
+            ip, plen = addrs[0] if addrs else ("0.0.0.0", 32)
+            out.append(PortSpec(i, name, link.get_attr("IFLA_ADDRESS"), ip, plen))
     return out
 
 

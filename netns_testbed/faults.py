@@ -142,3 +142,16 @@ def port_loss_script(ports: list[str], loss: float) -> str:
 
 
 PORTS_TABLE = TABLE + "_ports"
+
+
+def kernel_ignores_data_script() -> str:
+    """nft script for a namespace whose aggregation traffic a userspace switch takes (bmv2 reads
+    its interfaces with libpcap, beside the kernel): the kernel drops UDP to 0xBEE0-0xBEEF
+    instead of answering it with ICMP port unreachable. Not a fault, but the same machinery."""
+    return _replace_table(
+        "inet",
+        "  chain input {\n"
+        "    type filter hook input priority 0; policy accept;\n"
+        f"    udp dport {AGG_PORT_LO:#x}-{AGG_PORT_HI:#x} drop\n"
+        "  }\n",
+    )

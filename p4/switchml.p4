@@ -27,6 +27,7 @@
 #include "udp_receiver.p4"
 #include "bitmap_checker.p4"
 #include "workers_counter.p4"
+#include "tree_link.p4"
 #include "exponents.p4"
 #include "elements.p4"
 #include "next_step_selector.p4"
@@ -41,6 +42,7 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
     UDPReceiver() udp_receiver;
     BitmapChecker() bitmap_checker;
     WorkersCounter() workers_counter;
+    TreeLink() tree_link;
     Exponents() exponents;
     Elements() elements;
     NextStepSelector() next_step_selector;
@@ -62,8 +64,14 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
             md.ingress_port = sm.ingress_port;
             udp_receiver.apply(hdr, md, sm.packet_length);
             if (md.accepted == 1) {
-                bitmap_checker.apply(md);
+                md.is_new = 0;
+                if (md.from_parent == 0) {
+                    bitmap_checker.apply(md); // the parent has no bit: its results are keyed
+                }
                 workers_counter.apply(md);
+                if (md.tree == 1) {
+                    tree_link.apply(hdr, md); // a rack job: up, down, or re-sent up
+                }
                 exponents.apply(hdr, md);
                 elements.apply(hdr, md);
             }

@@ -14,6 +14,7 @@ const bit<3> KIND_RESULT = 1; // a multicast copy of a result: address it to the
 const bit<3> KIND_ANSWER = 2; // a stored result back to its sender (addresses already swapped)
 const bit<3> KIND_FLOOD = 3; // a flooded copy of plain traffic: not back out of its ingress port
 const bit<3> KIND_FOLD = 4; // a 256-element packet between passes: recirculate it (FOLD_FIELDS)
+const bit<3> KIND_UP = 5; // a rack job's partial sum to its parent (addressed in ingress)
 
 // bmv2's standard_metadata.instance_type of a recirculated packet (PKT_INSTANCE_TYPE_RECIRC).
 const bit<32> INSTANCE_TYPE_RECIRC = 4;
@@ -31,17 +32,21 @@ struct sml_metadata_t {
     @field_list(FOLD_FIELDS) bit<8> counter_row; // the job, or AGG_NO_JOB before the job is known
     @field_list(FOLD_FIELDS) job_id_t job_id;
     worker_id_t worker_id;
+    bit<1> from_parent; // tree: the parent's result (its address and our uplink port)
     // the job's parameters (jobs table)
     bit<8> num_workers;
     @field_list(FOLD_FIELDS) bit<3> size_code;
     bit<16> slot_base;
     bit<16> slot_end; // exclusive
+    bit<1> tree; // a rack job of a two-level tree (docs/protocol.md section 3.7)
+    bit<16> parent_slot_base; // tree: the parent job's first slot (ours slot_base maps to it)
     @field_list(FOLD_FIELDS) bit<16> mgid; // the job's multicast group
     // the slot this packet addresses
     @field_list(FOLD_FIELDS) pool_entry_t pool_entry; // slot * 2 + version
     pool_entry_t other_entry; // slot * 2 + (1 - version)
     // state machine outcome
     bit<1> is_new; // the worker's bit was not yet set in this version's bitmap
+    bit<1> complete; // from the parent: this round is complete here (all n contributions)
     @field_list(FOLD_FIELDS) bit<1> first; // first contribution of a round: overwrite, not add
     @field_list(FOLD_FIELDS) bit<1> add; // a new contribution: accumulate into the registers
     @field_list(FOLD_FIELDS) bit<1> read; // read the stored result into the packet (retransmission)

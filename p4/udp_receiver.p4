@@ -12,6 +12,15 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         md.counter_row = job_id;
     }
 
+    // A rack job's parent, registered under (its address, our uplink port): its results are
+    // found by addressing like a worker's contributions (docs/protocol.md section 3.7).
+    @name(".set_parent")
+    action set_parent(job_id_t job_id) {
+        md.job_id = job_id;
+        md.from_parent = 1;
+        md.counter_row = job_id;
+    }
+
     action unknown_source() {
         md.reason = AGG_DROP_UNKNOWN_SOURCE;
     }
@@ -29,6 +38,7 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         }
         actions = {
             set_worker;
+            set_parent;
             @defaultonly unknown_source;
         }
         const default_action = unknown_source();
@@ -37,12 +47,14 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
 
     @name(".set_job")
     action set_job(bit<8> num_workers, bit<3> size_code, bit<16> slot_base, bit<16> slot_end,
-                   bit<16> mgid) {
+                   bit<16> mgid, bit<1> tree, bit<16> parent_slot_base) {
         md.num_workers = num_workers;
         md.size_code = size_code;
         md.slot_base = slot_base;
         md.slot_end = slot_end;
         md.mgid = mgid;
+        md.tree = tree;
+        md.parent_slot_base = parent_slot_base;
     }
 
     action no_job() {
@@ -65,6 +77,7 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
     apply {
         md.ours = 0;
         md.accepted = 0;
+        md.from_parent = 0;
         md.counter_row = AGG_NO_JOB;
         md.reason = AGG_PASS;
         if (hdr.udp.isValid() && (hdr.udp.dst_port & SML_UDP_PORT_MASK) == SML_UDP_PORT) {
@@ -86,7 +99,9 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 // unknown_source() set the reason
             } else if (!jobs.apply().hit) {
                 // no_job() set the reason
-            } else if (md.worker_id >= md.num_workers) {
+            } else if (md.from_parent == 1 && md.tree == 0) {
+                md.reason = AGG_DROP_NO_JOB; // a parent entry of a job that has no parent
+            } else if (md.from_parent == 0 && md.worker_id >= md.num_workers) {
                 md.reason = AGG_DROP_NO_JOB; // a stale worker entry of a job re-created smaller
             } else if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
                 md.reason = AGG_DROP_BAD_TYPE;
@@ -98,10 +113,16 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
             } else if (hdr.udp.length != udp_len || hdr.ipv4.total_len != SML_IPV4_HLEN + udp_len
                        || packet_length != (bit<32>)(SML_ETH_HLEN + SML_IPV4_HLEN + udp_len)) {
                 md.reason = AGG_DROP_BAD_LENGTH;
-            } else if (g < md.slot_base || g >= md.slot_end) {
+            } else if (md.from_parent == 0 && (g < md.slot_base || g >= md.slot_end)) {
                 md.reason = AGG_DROP_SLOT_RANGE;
+            } else if (md.from_parent == 1 && (g < md.parent_slot_base
+                       || g - md.parent_slot_base >= md.slot_end - md.slot_base)) {
+                md.reason = AGG_DROP_SLOT_RANGE; // the parent's results: the parent job's slots
             } else {
                 md.accepted = 1;
+                if (md.from_parent == 1) {
+                    g = g - md.parent_slot_base + md.slot_base; // the parent's slot -> ours
+                }
                 md.pool_entry = ((pool_entry_t)g << 1) | (pool_entry_t)hdr.switchml.pool_index[15:15];
                 md.other_entry = md.pool_entry ^ 1;
             }

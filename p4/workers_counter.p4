@@ -15,7 +15,14 @@ control WorkersCounter(inout sml_metadata_t md) {
         md.add = 0;
         md.read = 0;
         md.first = 0;
-        if (md.is_new == 1) {
+        md.complete = 0;
+        if (md.from_parent == 1) {
+            // The parent's result counts no contribution: TreeLink takes it only when this
+            // round is complete here.
+            if (c == md.num_workers) {
+                md.complete = 1;
+            }
+        } else if (md.is_new == 1) {
             md.add = 1;
             if (c == 0 || c == md.num_workers) {
                 md.first = 1; // overwrite the accumulators: no separate reset

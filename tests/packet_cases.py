@@ -231,6 +231,18 @@ def check_result(step: Step, req, out) -> None:
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
 
 
+def check_to_parent(step: Step, out) -> None:
+    """A rack job's partial sum (scapy `out`) leaves as every target's rack sends it up: from
+    our MAC and address and the uplink port, to the parent's job (docs/protocol.md 3.7)."""
+    assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
+        PARENT_MAC,
+        AGG_MAC,
+        AGG_IP,
+        PARENT_IP,
+    ), step.what
+    assert (out[UDP].sport, out[UDP].dport) == (UPLINK_PORT, PARENT_PORT), step.what
+
+
 def _vals(rng, k, lo=-1000, hi=1000):
     return rng.integers(lo, hi, size=k, dtype=np.int64)
 

@@ -106,7 +106,7 @@ def _xdp_backend_class():
 
 CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
-    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters"}),
+    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus"}),
     "xdp": (
         _xdp_backend_class,
         {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus"},

@@ -5,6 +5,7 @@ group and nodes, slot clearing), the bookkeeping behind jobs(), and the refusals
 themselves run against a real simple_switch in tests/test_p4_cases.py.
 """
 
+import dataclasses
 import re
 
 import pytest
@@ -37,7 +38,7 @@ def test_job_and_worker_become_entries_group_and_node():
             int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")
         ] == list(range(20, 28))
     assert f"mc_mgrp_create {job_mgid(3)}" in cli.log
-    assert "table_add jobs set_job 3 => 2 1 10 14 5" in cli.log
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0" in cli.log  # no parent
     cli.log.clear()
     b.add_worker(
         WorkerSpec(
@@ -105,6 +106,62 @@ def test_refusals():
     with pytest.raises(ValueError, match="already has a worker 0"):  # as the XDP backend
         b.add_worker(WorkerSpec(1, 0, "198.18.1.3", 1, extra={"port": 0}))
     b.add_worker(WorkerSpec(1, 0, "198.18.1.2", 2, extra={"port": 1}))  # same address: updated
+
+
+def _rack(job_id=3, parent_ip="198.18.2.9", uplink=0xBEE7, **kw):
+    """A rack job of a two-level tree (docs/protocol.md section 3.7)."""
+    return dataclasses.replace(
+        spec(job_id=job_id, **kw),
+        parent_ip=parent_ip,
+        parent_mac="02:00:00:00:09:09",
+        parent_port=0xBEE4,
+        parent_slot_base=100,
+        uplink_port=uplink,
+        worker_port=40000,
+    )
+
+
+def test_rack_job_becomes_its_parent_link():
+    cli = FakeCLI()
+    ports = [dataclasses.replace(p, prefixlen=24) for p in PORTS]  # 198.18.1.0/24, .2.0/24
+    b = Bmv2Backend(cli, ports)
+    assert b.uplink_address("198.18.2.9") == ("198.18.2.1", "02:00:00:00:02:01")
+    b.create_job(_rack())
+    # the parent's slot base in the jobs entry; the link: the parent's addressing, port 1 (the
+    # parent's subnet) and our address there, our slot base, its slot base, our own port
+    link = (
+        "table_add parent_link set_parent_link 3 => 02:00:00:00:09:09 198.18.2.9 48868 48871 1 "
+        "02:00:00:00:02:01 198.18.2.1 10 100 48864"
+    )
+    # its results are recognised by (its address, our uplink port), from any MAC
+    parent = "table_add workers set_parent 198.18.2.9 48871 0&&&0 => 3 1"
+    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100"
+    # the link first: no packet finds the job without it
+    assert cli.log.index(link) < cli.log.index(job) and cli.log.index(parent) < cli.log.index(job)
+    st = b.parent_status(3)
+    assert (st["address"], st["uplink_port"], st["switch_port"]) == ("198.18.2.9:48868", 0xBEE7, 1)
+    assert set(st["counters"]) == set(reasons.PARENT_REASONS)
+    with pytest.raises(ValueError, match="another uplink port"):
+        b.create_job(_rack(job_id=4, base=40))
+    b.create_job(dataclasses.replace(spec(job_id=4, base=40), agg_port=0xBEE7))
+    with pytest.raises(ValueError, match="already worker"):  # the parent's key is taken
+        b.add_worker(WorkerSpec(4, 0, "198.18.2.9", 40000, agg_port=0xBEE7, extra={"port": 1}))
+    b.delete_job(4)
+    cli.log.clear()
+    b.delete_job(3)
+    assert sum(c.startswith("table_delete") for c in cli.log) == 3  # jobs, parent_link, workers
+    assert b.parent_status(3) is None
+
+
+def test_rack_job_needs_a_port_toward_its_parent():
+    b = Bmv2Backend(FakeCLI(), PORTS)  # /32 ports: no parent is on their subnets
+    with pytest.raises(ValueError, match="set_parent_port"):
+        b.create_job(_rack())
+    b.set_parent_port("198.18.2.9", 0)
+    b.create_job(_rack())
+    assert b.parent_status(3)["switch_port"] == 0
+    with pytest.raises(ValueError, match="not a port"):
+        b.set_parent_port("198.18.2.9", 7)
 
 
 def test_add_workers_batches_into_two_cli_calls():
@@ -206,3 +263,10 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
     assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
     assert stopped == [True] and "control endpoint listening" in lines[0]
+    # with a parent (serve --parent-endpoint): every job a rack, through TreeBackend
+    from aggctl.tree import ParentLink, TreeBackend
+
+    link = ParentLink(("198.18.2.9", 48800), 1, 2)
+    serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, parent=link)
+    assert isinstance(seen["backend"], TreeBackend) and seen["backend"].inner is backend
+    assert seen["backend"].link is link and stopped == [True, True]

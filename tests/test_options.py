@@ -41,17 +41,8 @@ def test_job_options_parse_to_their_fields():
     [
         ({"group_ip": "239.1.1.1", "results": "broadcast"}, "either --group"),
         ({"target": "bmv2"}, "needs --ports"),
-        ({"parent": "10.0.0.1:48800"}, "needs --target xdp, --rack-rank and --racks"),
-        (
-            {
-                "parent": "10.0.0.1:48800",
-                "rack_rank": 0,
-                "racks": 2,
-                "target": "bmv2",
-                "ports": "p0",
-            },
-            "needs --target xdp",
-        ),
+        ({"parent": "10.0.0.1:48800"}, "needs --rack-rank and --racks"),
+        ({"parent": "10.0.0.1:48800", "rack_rank": 0, "target": "bmv2"}, "needs --ports"),
     ],
 )
 def test_serve_options_that_do_not_go_together(changes, message):

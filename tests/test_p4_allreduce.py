@@ -23,8 +23,9 @@ import pytest
 from harness.p4 import _InNetns, p4_skip_reason
 
 import bmv2_switch as bm
-from aggproto import control, wire
+from aggproto import control
 from aggproto.jobs import Delivery
+from netns_testbed import faults
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -63,22 +64,7 @@ def _expected() -> np.ndarray:
 
 def _drop_data_in_kernel(netns: str) -> None:
     """nftables in the aggregator namespace: the kernel ignores UDP to 0xBEE0..0xBEEF."""
-    lo, hi = wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT - 1
-    ruleset = (
-        "table inet xagg_p4 {\n"
-        "  chain input {\n"
-        "    type filter hook input priority 0; policy accept;\n"
-        f"    udp dport {lo}-{hi} drop\n"
-        "  }\n"
-        "}\n"
-    )
-    subprocess.run(
-        ["nsenter", f"--net=/var/run/netns/{netns}", "nft", "-f", "-"],
-        input=ruleset,
-        text=True,
-        check=True,
-        capture_output=True,
-    )
+    faults.apply(netns, faults.kernel_ignores_data_script())
 
 
 def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64) -> None:

@@ -26,7 +26,18 @@ from collections import Counter
 
 import pytest
 from harness.p4 import VethLab
-from packet_cases import AGG_MAC, CASES, Case, Step, check_result, worker_ip, worker_mac
+from packet_cases import (
+    AGG_MAC,
+    CASES,
+    PARENT_IP,
+    PARENT_MAC,
+    Case,
+    Step,
+    check_result,
+    check_to_parent,
+    worker_ip,
+    worker_mac,
+)
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
@@ -38,7 +49,8 @@ from aggproto.reasons import Reason
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
 WORKER_PORTS = 4  # worker host h is behind switch port h % 4
-HOST_PORT = 4  # where AGG_MAC (the aggregator's own host) is: plain traffic to it goes here
+HOST_PORT = 4  # where AGG_MAC (the aggregator's own host) is: plain traffic to it goes here,
+# and where the tree cases' parent aggregator is: partial sums go up there, its results come in
 NPORTS = 5
 HOSTS = 64  # worker host indexes the table uses (0..40, and 7 as a stranger)
 HOST_OF_MAC = {worker_mac(h): h for h in range(HOSTS)}
@@ -57,6 +69,7 @@ def lab(p4_json, tmp_path_factory):
         backend = lab_backend(lab)
         backend.setup(unknown_unicast="flood")
         backend.add_mac(AGG_MAC, HOST_PORT)
+        backend.set_parent_port(PARENT_IP, HOST_PORT)
         lab.backend = backend
         yield lab
     finally:
@@ -70,7 +83,11 @@ def lab_backend(lab):
 
 
 def _owner(case: Case, req):
-    """The (job spec, worker specs) a frame of ours belongs to, by (source address, port)."""
+    """The (job spec, worker specs) a frame of ours belongs to, by (source address, port): a
+    worker's, or a rack job's parent's."""
+    for j in case.jobs:
+        if j.has_parent and (j.parent_ip, j.uplink_port) == (req[IP].src, req[UDP].dport):
+            return j, [x for x in case.workers if x.job_id == j.job_id]
     for w in case.workers:
         if (w.ip, w.agg_port) == (req[IP].src, req[UDP].dport):
             job = next(j for j in case.jobs if j.job_id == w.job_id)
@@ -85,6 +102,8 @@ def _expected_ports(case: Case, step: Step, in_port: int) -> list[int]:
         return []
     if step.action == Action.TO_SENDER:
         return [in_port]
+    if step.action == Action.TO_PARENT:
+        return [HOST_PORT]
     if step.action == Action.TO_ALL:
         _, ws = _owner(case, req)
         return sorted(port_of_host(HOST_OF_IP[w.ip]) for w in ws)
@@ -115,15 +134,20 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
                 req[IP].src,
             )
             assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
+        if step.action == Action.TO_PARENT:  # our partial, as the XDP rack sends it up
+            check_to_parent(step, out)
     if step.action == Action.TO_ALL:
         job, ws = _owner(case, req)
         copies = {(Ether(d).dst, Ether(d)[IP].dst): (p, Ether(d)) for p, d in outs}
         assert len(copies) == len(ws), f"{step.what}: not one copy per worker"
+        # a completion leaves from the port it came to; the parent's result from the rack
+        # job's own port (it came to the uplink port)
+        sport = job.agg_port if step.reason == Reason.PARENT_RESULT else req[UDP].dport
         for w in ws:
             port, out = copies[(w.mac, w.ip)]
             assert port == port_of_host(HOST_OF_IP[w.ip])
             assert (out.src, out[IP].src) == (job.agg_mac, job.agg_ip)
-            assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, w.port)
+            assert (out[UDP].sport, out[UDP].dport) == (sport, w.port), step.what
 
 
 def _check_model(model: ReferenceAggregator, step: Step, outs) -> None:
@@ -149,17 +173,13 @@ def test_packet_case(lab, case: Case):
         )
     if any(j.udp_checksum for j in case.jobs):
         pytest.skip("UDP checksum verification is the XDP program's (the bmv2 backend refuses it)")
-    if any(j.has_parent for j in case.jobs):
-        pytest.skip("two-level aggregation is the XDP program's (p4/README.md says why)")
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])
     model = ReferenceAggregator()
     for j in case.jobs:
         backend.create_job(j)
-        model.create_job(
-            j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count, j.udp_checksum
-        )
+        model.create_job_spec(j)
     backend.add_workers(
         [
             dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
@@ -173,8 +193,11 @@ def test_packet_case(lab, case: Case):
     copies = 0
     for step in case.steps:
         req = Ether(step.frame)  # a stranger's MAC with a worker's address: that worker's port
-        host = HOST_OF_MAC[req.src] if req.src in HOST_OF_MAC else HOST_OF_IP[req[IP].src]
-        in_port = port_of_host(host)
+        if req.src == PARENT_MAC:  # the tree cases' parent (or a stranger with its MAC)
+            in_port = HOST_PORT
+        else:
+            host = HOST_OF_MAC[req.src] if req.src in HOST_OF_MAC else HOST_OF_IP[req[IP].src]
+            in_port = port_of_host(host)
         want = _expected_ports(case, step, in_port)
         outs = lab.exchange(in_port, step.frame, len(want))
         _check_outputs(case, step, in_port, outs)

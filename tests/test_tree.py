@@ -10,34 +10,13 @@ workers' links by the testbed's rules, the racks' and the root's on their bridge
 import json
 
 import pytest
+from harness.trees import count_ok, parent_counters, retransmissions
 
 from aggcluster.tree import TreeCluster, tree_hosts
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
 RACKS, PER_RACK = 2, 3
-
-
-def _ok(reports):
-    n = 0
-    for g, reps in enumerate(reports):
-        for r in reps:
-            if "ok" in r:
-                assert r["ok"], f"worker {g}: wrong result for {r['dtype']} x {r['count']}: {r}"
-                n += 1
-    return n
-
-
-def _parent_counters(reports, r):
-    """Rack r's parent-link counters as its endpoint reported them to its workers' last
-    counters check (the jobs are gone once the workers leave); the latest of its workers'."""
-    seen = [
-        x["parent"]["counters"]
-        for reps in reports[r * PER_RACK : (r + 1) * PER_RACK]
-        for x in reps
-        if x.get("check") == "counters"
-    ]
-    return max(seen, key=lambda c: c["forwarded_up"] + c["resent_up"] + c["parent_result"])
 
 
 def test_tree_without_loss(testbed_factory):
@@ -90,14 +69,14 @@ def test_tree_without_loss(testbed_factory):
         text = tc.cli(0, "status").stdout + tc.cli(0, "stats").stdout
         assert text.count(f"parent {root.ips[0]}:48871 (uplink port 48870)") == 2, text
         tc.cli(0, "job", "delete", "9")
-    assert _ok(reports) == 2 * RACKS * PER_RACK
+    assert count_ok(reports) == 2 * RACKS * PER_RACK
     for g, reps in enumerate(reports):
         c = next(r for r in reps if r.get("check") == "counters")
         # the endpoint's status shows the rack's parent link and its counters
         assert c["parent"]["address"] == f"{tb.aggregator.ips[0]}:48864", c["parent"]
         assert c["parent"]["counters"]["forwarded_up"] > 0
     for r in range(RACKS):
-        pc = _parent_counters(reports, r)
+        pc = parent_counters(reports, r, PER_RACK)
         # without loss: every slot completed here went up once and its result came back once;
         # partials are re-sent only for the workers' (spurious, timer) retransmissions
         assert pc["forwarded_up"] == pc["parent_result"] > 0, pc
@@ -124,11 +103,11 @@ def test_tree_exact_under_loss(testbed_factory):
     ]
     with TreeCluster(tb, racks=RACKS, per_rack=PER_RACK, loss=loss) as tc:
         reports = tc.run_workers(plan, job="tree-loss", timeout=60)
-    assert _ok(reports) == 3 * RACKS * PER_RACK
-    retx = sum(r["stats"]["retransmissions"] for reps in reports for r in reps if "stats" in r)
+    assert count_ok(reports) == 3 * RACKS * PER_RACK
+    retx = retransmissions(reports)
     assert retx > 0, "loss was configured but nothing was retransmitted"
     for r in range(RACKS):
-        pc = _parent_counters(reports, r)
+        pc = parent_counters(reports, r, PER_RACK)
         # loss between the levels was recovered by re-sending partials up
         assert pc["forwarded_up"] > 0 and pc["resent_up"] > 0, pc
         assert pc["parent_result"] > 0, pc

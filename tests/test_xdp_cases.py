@@ -14,14 +14,11 @@ from packet_cases import (
     CASES,
     GROUP_IP,
     GROUP_MAC,
-    PARENT_IP,
-    PARENT_MAC,
-    PARENT_PORT,
     RACK_WORKER_PORT,
-    UPLINK_PORT,
     Case,
     Step,
     check_result,
+    check_to_parent,
 )
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -58,13 +55,7 @@ def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -
     if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
         return  # the devmap egress program addresses each copy (netns test)
     if step.action == Action.TO_PARENT:  # our partial, as our contribution to the parent
-        assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
-            PARENT_MAC,
-            AGG_MAC,
-            AGG_IP,
-            PARENT_IP,
-        ), step.what
-        assert (out[UDP].sport, out[UDP].dport) == (UPLINK_PORT, PARENT_PORT), step.what
+        check_to_parent(step, out)
         return
     if step.reason == Reason.PARENT_RESULT:  # the parent's sum, down to our workers' group
         assert (out.dst, out.src, out[IP].src, out[IP].dst) == (
@@ -161,3 +152,13 @@ def test_job_listing_speaks_the_backend_vocabulary(agg):
     assert set(spec.to_dict()) <= set(d)
     assert d["agg_port"] == wire.UDP_PORT + 3 and d["slot_count"] == spec.slot_count
     assert [w["index"] for w in d["workers"]] == [0, 1]
+
+
+def test_rack_jobs_need_the_one_arm_topology(agg):
+    """Up, down and answers of a rack job all leave with XDP_TX through the one interface."""
+    from packet_cases import job
+
+    _, maps = agg
+    with pytest.raises(ValueError, match="one-arm"):
+        maps.create_job(job(tree=True, delivery=Delivery.BROADCAST))
+    assert maps.get_job(0) is None

@@ -23,6 +23,7 @@ import bpfsys
 from aggcodegen import abi
 from aggproto import limits
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
@@ -324,7 +325,6 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
 
 
 # The counters of a tree job's parent link (docs/protocol.md section 3.7).
-PARENT_REASONS = ("forwarded_up", "resent_up", "parent_result", "stale_parent_result")
 
 
 def parent_status(maps: AggMaps, job_id: int, link: dict | None = None) -> dict | None:

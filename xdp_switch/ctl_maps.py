@@ -15,7 +15,7 @@ import bpfsys
 from aggcodegen import abi
 from aggctl.backend import check_job, check_worker
 from aggproto import keys, limits, wire
-from aggproto.jobs import JobSpec, WorkerSpec, mac_bytes
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from aggproto.reasons import Reason
 
 
@@ -71,6 +71,9 @@ class AggMaps:
         check_job(
             spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots
         )
+        if spec.has_parent and spec.delivery != Delivery.GROUP_TX:
+            # up, down and answers all leave with XDP_TX through the one interface
+            raise ValueError("a job with a parent needs the one-arm topology (group delivery)")
         end = spec.slot_base + spec.slot_count
         if self.get_job(spec.job_id) is not None:
             self.delete_job(spec.job_id)

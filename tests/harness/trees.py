@@ -1,0 +1,32 @@
+"""Reading the reports of a two-level tree's workers (aggcluster.tree.TreeCluster.run_workers):
+the XDP tree tests and the bmv2 one share them."""
+
+from __future__ import annotations
+
+
+def count_ok(reports) -> int:
+    """How many verified results the workers reported; fails on the first wrong one."""
+    n = 0
+    for g, reps in enumerate(reports):
+        for r in reps:
+            if "ok" in r:
+                assert r["ok"], f"worker {g}: wrong result for {r['dtype']} x {r['count']}: {r}"
+                n += 1
+    return n
+
+
+def parent_counters(reports, r: int, per_rack: int) -> dict:
+    """Rack r's parent-link counters as its endpoint reported them to its workers' last
+    counters check (the jobs are gone once the workers leave); the latest of its workers'."""
+    seen = [
+        x["parent"]["counters"]
+        for reps in reports[r * per_rack : (r + 1) * per_rack]
+        for x in reps
+        if x.get("check") == "counters"
+    ]
+    return max(seen, key=lambda c: c["forwarded_up"] + c["resent_up"] + c["parent_result"])
+
+
+def retransmissions(reports) -> int:
+    """Retransmissions the workers counted, over all their all-reduces."""
+    return sum(x["stats"]["retransmissions"] for reps in reports for x in reps if "stats" in x)
