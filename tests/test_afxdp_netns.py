@@ -14,7 +14,7 @@ from harness.workers import assert_reports_ok
 
 from aggcluster.cluster import Cluster
 from hostlib import afxdp
-from netns_testbed import faults
+from netns_testbed import faults, nsexec, shaping
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -51,3 +51,42 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
     dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)
     assert retx > 0 and dups > 0, "loss and duplication were configured but none showed"
+
+
+def _to_aggregator(tb) -> int:
+    """Bytes the bridge sent the aggregator (its port "ag"): what reached the aggregator's link
+    (the aggregator's own veth counts no frames its XDP program takes)."""
+    # /proc/net is the reader's namespace's (nsenter leaves /sys the caller's)
+    cp = nsexec.run(tb.switch_netns, ["cat", "/proc/net/dev"])
+    assert cp.returncode == 0, cp.stderr
+    line = next(x for x in cp.stdout.splitlines() if x.strip().startswith("ag:"))
+    return int(line.split(":", 1)[1].split()[8])  # receive: 8 fields, then transmit bytes
+
+
+def test_neither_path_exceeds_the_link_rate(testbed_factory, monkeypatch):
+    """100 Mbit/s per worker link towards the aggregator: what reaches the aggregator stays
+    within the two links' rate on the kernel path (shaped at the worker's qdisc and the bridge
+    port's ingress) and on AF_XDP (whose frames skip the worker's qdisc: only the bridge port's
+    ingress ifb shapes them; without it they reach several times the rate)."""
+    rate = 100e6
+    tb = testbed_factory(workers=2, topology="one-arm", rate="100mbit")
+    # the results' direction unshaped: otherwise the results (as large as the contributions)
+    # would clock the senders down to the rate whatever shaped their own direction
+    shaping.shape(tb.switch_netns, [f"w{w.index}" for w in tb.workers], None, tb.mtu)
+    plan = [{"dtype": "int32", "count": 1_000_000, "reps": 2}]
+    burst = shaping.tbf_burst(int(rate), tb.mtu)
+    seen = {}
+    with Cluster(tb) as cl:
+        for path in ("udp", "afxdp"):
+            monkeypatch.setenv(afxdp.ENV, path)
+            before = _to_aggregator(tb)
+            reports = cl.run_workers(plan, job=f"rate-{path}", timeout=60)
+            got = _to_aggregator(tb) - before
+            assert_reports_ok(reports)
+            assert all(r["stats"]["data_path"].startswith(path) for reps in reports for r in reps)
+            # the all-reduces' time (after a barrier each); the bytes also hold the rendezvous
+            # and barriers, which only makes the measured rate higher
+            seconds = max(sum(r["times"]) for reps in reports for r in reps)
+            seen[path] = got * 8 / seconds
+            assert got * 8 <= 2 * rate * seconds * 1.05 + 2 * 8 * burst, (path, seen)
+    assert min(seen.values()) > 0.3 * 2 * rate, seen  # the links were the bottleneck
