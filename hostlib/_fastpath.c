@@ -461,7 +461,7 @@ static int open_xsk(Engine *e, PyObject *spec)
     c.src_port = (uint16_t)sport;
     c.dst_port = ntohs(e->dst.sin_port);
     c.plen = e->plen;
-    c.prog_flags = strcmp(mode, "drv") == 0 ? XDP_FLAGS_DRV_MODE
+    c.prog_flags = strcmp(mode, "drv") == 0   ? XDP_FLAGS_DRV_MODE
                    : strcmp(mode, "skb") == 0 ? XDP_FLAGS_SKB_MODE
                                               : 0;
     e->xrows = PyMem_RawCalloc(2 * (size_t)e->window, sizeof *e->xrows);
@@ -475,10 +475,9 @@ static int open_xsk(Engine *e, PyObject *spec)
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fd",         "host",      "port",      "elems",  "window",
-                             "world_size", "type_size", "slot_base", "rto",    "rto_max",
-                             "gso",        "gro",       "cwnd",      "faults", "xsk",
-                             NULL};
+    static char *kwlist[] = {"fd",        "host",      "port", "elems",   "window", "world_size",
+                             "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
+                             "cwnd",      "faults",    "xsk",  NULL};
     const char *host, *cwnd = "aimd";
     int port, type_size, gso = 1, gro = 1;
     PyObject *faults = Py_None, *xsk = Py_None;

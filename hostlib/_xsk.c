@@ -73,14 +73,15 @@ static long sys_bpf(int cmd, union bpf_attr *attr)
 }
 
 /* --- the redirect program ----------------------------------------------------------------- */
-#define INSN(c, d, s, o, i) ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
-#define LDX(size, d, s, o)  INSN(BPF_LDX | (size) | BPF_MEM, d, s, o, 0)
-#define MOVR(d, s)          INSN(BPF_ALU64 | BPF_MOV | BPF_X, d, s, 0, 0)
-#define MOVI(d, i)          INSN(BPF_ALU64 | BPF_MOV | BPF_K, d, 0, 0, i)
-#define ALUI(op, d, i)      INSN(BPF_ALU64 | (op) | BPF_K, d, 0, 0, i)
-#define JNEI(d, i, o)       INSN(BPF_JMP | BPF_JNE | BPF_K, d, 0, o, i)
-#define PASS_AT             23 /* the index of the XDP_PASS exit below */
-#define TO_PASS(at)         (PASS_AT - (at) - 1)
+#define INSN(c, d, s, o, i) \
+    ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
+#define LDX(size, d, s, o) INSN(BPF_LDX | (size) | BPF_MEM, d, s, o, 0)
+#define MOVR(d, s)         INSN(BPF_ALU64 | BPF_MOV | BPF_X, d, s, 0, 0)
+#define MOVI(d, i)         INSN(BPF_ALU64 | BPF_MOV | BPF_K, d, 0, 0, i)
+#define ALUI(op, d, i)     INSN(BPF_ALU64 | (op) | BPF_K, d, 0, 0, i)
+#define JNEI(d, i, o)      INSN(BPF_JMP | BPF_JNE | BPF_K, d, 0, o, i)
+#define PASS_AT            23 /* the index of the XDP_PASS exit below */
+#define TO_PASS(at)        (PASS_AT - (at)-1)
 
 /* The worker's program: a frame that is IPv4 without options, unfragmented UDP to the worker's
  * data port goes to the XSK of its receive queue (bpf_redirect_map's flags give XDP_PASS when
@@ -108,12 +109,12 @@ static int load_program(int map_fd, uint16_t port, char *log, size_t log_len)
         JNEI(5, htons(port), TO_PASS(16)),                    /* 16 */
         INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map_fd), /* 17-18: r1 = map */
         INSN(0, 0, 0, 0, 0),
-        LDX(BPF_W, 2, 6, 16),                                 /* 19: r2 = rx_queue_index */
-        MOVI(3, XDP_PASS),                                    /* 20: no XSK there: pass */
+        LDX(BPF_W, 2, 6, 16),                                     /* 19: r2 = rx_queue_index */
+        MOVI(3, XDP_PASS),                                        /* 20: no XSK there: pass */
         INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect_map), /* 21 */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                 /* 22 */
-        MOVI(0, XDP_PASS),                                    /* 23: PASS_AT */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                 /* 24 */
+        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 22 */
+        MOVI(0, XDP_PASS),                                        /* 23: PASS_AT */
+        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 24 */
     };
     union bpf_attr a;
     memset(&a, 0, sizeof a);
@@ -165,8 +166,8 @@ static int map_ring(Xsk *x, struct ring *r, const struct xdp_ring_offset *o, siz
                     off_t pgoff)
 {
     r->map_len = o->desc + XSK_RING * desc_size;
-    r->map = mmap(NULL, r->map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, x->fd,
-                  pgoff);
+    r->map =
+        mmap(NULL, r->map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, x->fd, pgoff);
     if (r->map == MAP_FAILED) {
         r->map = NULL;
         return -1;
@@ -437,7 +438,8 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
         put_be16(f + 18, x->ip_id++);
         put_be16(f + 24, csum_fold(csum_add(0, f + 14, 20)));
         memcpy(f + XSK_HDR_LEN, rows[i], plen);
-        d[prod & x->tx.mask] = (struct xdp_desc){.addr = addr, .len = (uint32_t)(XSK_HDR_LEN + plen)};
+        d[prod & x->tx.mask] =
+            (struct xdp_desc){.addr = addr, .len = (uint32_t)(XSK_HDR_LEN + plen)};
     }
     __atomic_store_n(x->tx.producer, prod, __ATOMIC_RELEASE);
     int rc = kick(x, calls);
