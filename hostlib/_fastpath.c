@@ -1061,7 +1061,8 @@ static int wait_readable(Engine *e, double until)
     if (e->xsk)
         pfd[1] = (struct pollfd){.fd = xsk_fd(e->xsk), .events = POLLIN};
     int rc = ppoll(pfd, e->xsk ? 2 : 1, &ts, NULL);
-    if (rc > 0 && e->xsk && (pfd[0].revents & POLLIN))
+    /* POLLERR too: a queued ICMP error is taken off by a receive, else ppoll would not wait */
+    if (rc > 0 && e->xsk && (pfd[0].revents & (POLLIN | POLLERR)))
         e->kernel_ready = 1;
     return rc < 0 ? -errno : rc;
 }

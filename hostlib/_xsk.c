@@ -401,10 +401,11 @@ static void reap(Xsk *x)
 }
 
 /* sendto() makes the kernel transmit what the TX ring holds; copy mode does at most 32 frames
- * per call and says EAGAIN while more wait. Returns 0 or -errno (not transient). */
+ * per call and says EAGAIN while more wait. Zero-copy only wakes the driver, which then
+ * consumes the ring by itself: one call. Returns 0 or -errno (not transient). */
 static int kick(Xsk *x, uint64_t *calls)
 {
-    for (int i = 0; i < KICK_TRIES; i++) {
+    for (int i = 0; i < (x->zerocopy ? 1 : KICK_TRIES); i++) {
         if (__atomic_load_n(x->tx.consumer, __ATOMIC_ACQUIRE) == *x->tx.producer)
             return 0;
         (*calls)++;
