@@ -12,7 +12,8 @@ setup(
     ext_modules=[
         Extension(
             "hostlib._fastpath",
-            sources=["hostlib/_fastpath.c"],
+            sources=["hostlib/_fastpath.c", "hostlib/_xsk.c"],
+            depends=["hostlib/_xsk.h"],
             extra_compile_args=[
                 "-O2",
                 "-ffp-contract=off",

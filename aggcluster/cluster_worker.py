@@ -13,6 +13,7 @@ bound of hostlib.scaling. One JSON line per plan entry on stdout.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import resource
 import sys
@@ -108,7 +109,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--elems", type=int, default=256)
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=30.0)
-    ap.add_argument("--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify}")
+    ap.add_argument(
+        "--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify, digest}"
+    )
     ap.add_argument("--progress", action="store_true")
     ap.add_argument(
         "--no-offload",
@@ -195,13 +198,17 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
         "native": comm._engine.native,
         "group": list(comm.description.group) if comm.description.group else None,
     }
-    report["stats"] = {k: comm.stats[k] - before.get(k, 0) for k in comm.stats}
+    now = comm.stats
+    # the counters' differences; the data path's two strings as they are
+    report["stats"] = {k: v if isinstance(v, str) else v - before.get(k, 0) for k, v in now.items()}
     report["per_aggregator"] = [
         {"aggregator": now["aggregator"], **{k: now[k] - was[k] for k in _PER_AGGREGATOR}}
         for now, was in zip(comm.stats_per_aggregator(), before_per)
     ]
     if item.get("verify", True):
         _verify(report, out, dtype, count, seed, data_world, args.elems)
+    if item.get("digest"):  # to compare two runs' results byte for byte
+        report["sha256"] = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
     return report
 
 

@@ -1,1 +1,27 @@
 """Benchmarks of xdp-agg against torch.distributed gloo on the same netns testbed (issue 5)."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+
+def machine(load_before: list[float]) -> dict:
+    """The meta fields every run records about the machine: its CPUs and its load average
+    before (`load_before`, taken at the start) and now."""
+    return {
+        "cpus": os.cpu_count(),
+        "load_before": load_before,
+        "load_after": [round(x, 2) for x in os.getloadavg()],
+    }
+
+
+def write_results(out: str | Path, name: str, doc: dict, md: str) -> Path:
+    """`doc` as out/NAME.json and the table `md` as out/NAME.md (printed too); returns out."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    return out

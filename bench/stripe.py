@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import machine, write_results
+
 
 def tbf_drops(tb) -> dict[str, int]:
     """Packets the tbf qdiscs of the aggregators' bridge ports (towards the aggregators) have
@@ -187,19 +189,11 @@ def main(argv=None) -> int:
         "window": args.window,
         "reps": args.reps,
         "rounds": args.rounds,
-        "cpus": os.cpu_count(),
         "seconds": round(time.time() - t0),
-        "load_before": load_before,
-        "load_after": [round(x, 2) for x in os.getloadavg()],
+        **machine(load_before),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    md = markdown(summary, meta)
-    (out / "stripe.json").write_text(
-        json.dumps({"meta": meta, "summary": summary, "runs": runs}, indent=1)
-    )
-    (out / "stripe.md").write_text(md)
-    print(md)
+    doc = {"meta": meta, "summary": summary, "runs": runs}
+    out = write_results(args.out, "stripe", doc, markdown(summary, meta))
     log(f"results in {out}/stripe.{{json,md}} ({meta['seconds']} s)")
     return 0
 

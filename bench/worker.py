@@ -167,7 +167,10 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
             if snap and counters:
                 deltas.append(counters.diff(s0, counters.snapshot()))
     after = comm.stats
-    engine = {k: after[k] - before.get(k, 0) for k in after if k != "rtt"}
+    # the counters' differences (data_path and its reason are strings: as they are)
+    engine = {
+        k: v if isinstance(v, str) else v - before.get(k, 0) for k, v in after.items() if k != "rtt"
+    }
     engine["rtt"] = after.get("rtt", 0.0)  # the smoothed round trip at the end, not a difference
     out = {
         "rank": args.rank,

@@ -27,6 +27,7 @@
 
 #include <arpa/inet.h>
 #include <errno.h>
+#include <linux/if_link.h>
 #include <math.h>
 #include <netinet/in.h>
 #include <poll.h>
@@ -34,6 +35,8 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <time.h>
+
+#include "_xsk.h"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -369,6 +372,11 @@ typedef struct {
     struct mmsghdr *rmsg;
     char *rctrl;
     int rcount, rslot;
+    /* the AF_XDP path (hostlib/_xsk.c), NULL on the kernel socket's */
+    Xsk *xsk;
+    const uint8_t **xrows; /* the rows of one send (2x window) */
+    int kernel_ready;      /* the kernel socket has datagrams too (results on other queues) */
+    char xsk_why[320];     /* why AF_XDP was asked for and is not used ("" if it is or was not) */
 } Engine;
 
 #define SEG_CMSG_SPACE CMSG_SPACE(sizeof(uint16_t))
@@ -398,6 +406,7 @@ typedef struct {
     double batch_sample;
     Counters c;
     int gso_refused;
+    double rx_now; /* AF_XDP: when the frames being taken arrived */
 } Run;
 
 static void engine_free_buffers(Engine *e)
@@ -417,6 +426,10 @@ static void engine_free_buffers(Engine *e)
     PyMem_RawFree(e->riov);
     PyMem_RawFree(e->rmsg);
     PyMem_RawFree(e->rctrl);
+    PyMem_RawFree(e->xrows);
+    e->xrows = NULL;
+    xsk_close(e->xsk);
+    e->xsk = NULL;
 }
 
 static void Engine_dealloc(Engine *e)
@@ -425,17 +438,55 @@ static void Engine_dealloc(Engine *e)
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
+/* The AF_XDP path from spec = (ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos,
+ * zerocopy, mode): mode "drv", "skb" or "" (either). Returns -1 with a Python error on a bad spec;
+ * 0 otherwise, with e->xsk NULL and the reason in e->xsk_why when AF_XDP cannot run here. */
+static int open_xsk(Engine *e, PyObject *spec)
+{
+    XskConfig c;
+    memset(&c, 0, sizeof c);
+    const char *smac, *dmac, *sip, *mode;
+    Py_ssize_t slen, dlen;
+    int sport;
+    if (!PyArg_ParseTuple(spec, "iiy#y#siiips", &c.ifindex, &c.queue, &smac, &slen, &dmac, &dlen,
+                          &sip, &sport, &c.ttl, &c.tos, &c.zerocopy, &mode))
+        return -1;
+    struct in_addr a;
+    if (slen != 6 || dlen != 6 || inet_pton(AF_INET, sip, &a) != 1 || sport < 1 || sport > 65535) {
+        PyErr_SetString(PyExc_ValueError, "xsk: bad MAC, address or port");
+        return -1;
+    }
+    memcpy(c.src_mac, smac, 6);
+    memcpy(c.dst_mac, dmac, 6);
+    c.src_ip = ntohl(a.s_addr);
+    c.dst_ip = ntohl(e->dst.sin_addr.s_addr);
+    c.src_port = (uint16_t)sport;
+    c.dst_port = ntohs(e->dst.sin_port);
+    c.plen = e->plen;
+    c.prog_flags = strcmp(mode, "drv") == 0   ? XDP_FLAGS_DRV_MODE
+                   : strcmp(mode, "skb") == 0 ? XDP_FLAGS_SKB_MODE
+                                              : 0;
+    e->xrows = PyMem_RawCalloc(2 * (size_t)e->window, sizeof *e->xrows);
+    if (!e->xrows) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    e->xsk = xsk_open(&c, e->xsk_why, sizeof e->xsk_why);
+    return 0;
+}
+
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"fd",        "host",      "port", "elems",   "window", "world_size",
                              "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
-                             "cwnd",      "faults",    "spin", NULL};
+                             "cwnd",      "faults",    "xsk",  "spin",    NULL};
     const char *host, *cwnd = "aimd";
     int port, type_size, gso = 1, gro = 1, spin = 1;
-    PyObject *faults = Py_None;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "isiiiiiidd|ppsOp", kwlist, &e->fd, &host, &port,
+    PyObject *faults = Py_None, *xsk = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "isiiiiiidd|ppsOOp", kwlist, &e->fd, &host, &port,
                                      &e->k, &e->window, &e->world, &type_size, &e->slot_base,
-                                     &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults, &spin))
+                                     &e->rto_min, &e->rto_max, &gso, &gro, &cwnd, &faults, &xsk,
+                                     &spin))
         return -1;
     e->spin = spin;
     if (e->k < 1 || e->window < 1 || e->world < 1 || port < 0 || port > 65535 || type_size < 0 ||
@@ -515,7 +566,9 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
     }
     for (size_t i = 0; i < w; i++)
         e->pkt[i] = -1;
-    return 0;
+    e->xsk_why[0] = 0;
+    e->kernel_ready = 0;
+    return xsk == Py_None ? 0 : open_xsk(e, xsk);
 }
 
 /* --- sending ------------------------------------------------------------------------------ */
@@ -566,6 +619,25 @@ static int build_msgs(Engine *e, int first_iov, int n)
     return m;
 }
 
+/* The AF_XDP send of the niov rows in siov: frames the rings had no room for are lost, as
+ * datagrams a full socket buffer refuses (their timers resend them). */
+static int send_xsk(Run *r, int niov)
+{
+    Engine *e = r->e;
+    for (int i = 0; i < niov; i++)
+        e->xrows[i] = e->siov[i].iov_base;
+    uint64_t calls = 0;
+    int q = xsk_send(e->xsk, e->xrows, niov, &calls);
+    r->c.send_calls += calls;
+    if (q < 0)
+        return q;
+    if (q < niov) {
+        r->c.send_errors += (uint64_t)(niov - q);
+        e->last_errno = ENOBUFS;
+    }
+    return 0;
+}
+
 /* Send the rows of slots sendq[0..n) (Faults applied). Returns 0, or -errno on an error that
  * is neither transient nor a GSO refusal (the caller raises OSError). */
 static int send_slots(Run *r, int n)
@@ -589,6 +661,8 @@ static int send_slots(Run *r, int n)
             niov++;
         }
     }
+    if (e->xsk)
+        return send_xsk(r, niov);
     int nmsg = build_msgs(e, 0, niov), i = 0, waited = 0;
     while (i < nmsg) {
         r->c.send_calls++;
@@ -892,7 +966,7 @@ static void on_message(Run *r, const uint8_t *buf, size_t n, size_t seg, double 
 }
 
 /* One recvmmsg. Returns the messages received (0: none waiting), or -errno. */
-static int receive_batch(Run *r)
+static int receive_kernel(Run *r)
 {
     Engine *e = r->e;
     for (int i = 0; i < e->rcount; i++) {
@@ -947,6 +1021,34 @@ static int receive_batch(Run *r)
     return m;
 }
 
+static void on_xsk_datagram(void *ctx, const uint8_t *payload, size_t len)
+{
+    Run *r = ctx;
+    on_message(r, payload, len, len, r->rx_now); /* one datagram per frame: no GRO */
+}
+
+/* One batch: the AF_XDP RX ring, and the kernel socket when the last wait saw it readable
+ * (results that came on a queue without the XSK, or before the program was attached). */
+static int receive_batch(Run *r)
+{
+    Engine *e = r->e;
+    if (!e->xsk)
+        return receive_kernel(r);
+    r->rx_now = now_s();
+    r->batch_sample_at = -INFINITY;
+    int m = xsk_receive(e->xsk, RECV_MSGS_PLAIN, on_xsk_datagram, r, &r->c.malformed);
+    if (r->batch_sample_at > -INFINITY)
+        rtt_update(e, r->batch_sample); /* as receive_kernel: one sample per batch */
+    if (e->kernel_ready) {
+        e->kernel_ready = 0;
+        int k = receive_kernel(r);
+        if (k < 0)
+            return k;
+        m += k;
+    }
+    return m;
+}
+
 /* --- the loop ----------------------------------------------------------------------------- */
 enum { ST_DONE = 0, ST_STALLED = 1 };
 
@@ -959,8 +1061,13 @@ static int wait_readable(Engine *e, double until)
     if (dt > 1.0)
         dt = 1.0; /* wake up now and then: the progress line and signals */
     struct timespec ts = {(time_t)dt, (long)((dt - (double)(time_t)dt) * 1e9)};
-    struct pollfd pfd = {.fd = e->fd, .events = POLLIN};
-    int rc = ppoll(&pfd, 1, &ts, NULL);
+    struct pollfd pfd[2] = {{.fd = e->fd, .events = POLLIN}, {.fd = -1}};
+    if (e->xsk)
+        pfd[1] = (struct pollfd){.fd = xsk_fd(e->xsk), .events = POLLIN};
+    int rc = ppoll(pfd, e->xsk ? 2 : 1, &ts, NULL);
+    /* POLLERR too: a queued ICMP error is taken off by a receive, else ppoll would not wait */
+    if (rc > 0 && e->xsk && (pfd[0].revents & (POLLIN | POLLERR)))
+        e->kernel_ready = 1;
     return rc < 0 ? -errno : rc;
 }
 
@@ -1224,10 +1331,30 @@ static PyObject *Engine_get_gso(Engine *e, void *c)
     return PyBool_FromLong(e->gso);
 }
 
+static PyObject *Engine_get_data_path(Engine *e, void *c)
+{
+    (void)c;
+    if (!e->xsk)
+        return PyUnicode_FromString("udp");
+    return PyUnicode_FromFormat("afxdp-%s-%s", xsk_zerocopy(e->xsk) ? "zerocopy" : "copy",
+                                xsk_attach_mode(e->xsk));
+}
+
+static PyObject *Engine_get_xsk_reason(Engine *e, void *c)
+{
+    (void)c;
+    return PyUnicode_FromString(e->xsk_why);
+}
+
 static PyGetSetDef Engine_getset[] = {
     {"srtt", (getter)Engine_get_srtt, NULL, "smoothed round trip, s (0 before a sample)", NULL},
     {"cwnd", (getter)Engine_get_cwnd, NULL, "congestion window, packets", NULL},
     {"gso", (getter)Engine_get_gso, NULL, "whether sends still use UDP GSO", NULL},
+    {"data_path", (getter)Engine_get_data_path, NULL,
+     "'udp' (the kernel socket), or 'afxdp-copy-drv' / 'afxdp-zerocopy-drv' / 'afxdp-copy-skb'",
+     NULL},
+    {"xsk_reason", (getter)Engine_get_xsk_reason, NULL,
+     "why AF_XDP was asked for and could not run ('' when it runs or was not asked for)", NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 
@@ -1240,10 +1367,13 @@ static PyMethodDef Engine_methods[] = {
 PyDoc_STRVAR(
     Engine_doc,
     "Engine(fd, host, port, elems, window, world_size, type_size, slot_base, rto, rto_max,\n"
-    "       gso=True, gro=True, cwnd='aimd', faults=None)\n\n"
+    "       gso=True, gro=True, cwnd='aimd', faults=None, xsk=None)\n\n"
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
-    "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).");
+    "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
+    "xsk: None, or (ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode)\n"
+    "to send and receive through an AF_XDP socket on that interface queue (hostlib/_xsk.c);\n"
+    "where it cannot run, the kernel socket stays and xsk_reason says why.");
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hostlib._fastpath.Engine",

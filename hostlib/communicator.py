@@ -57,6 +57,7 @@ def init(
     gro: bool = True,
     native: bool | None = None,
     cwnd: str = "aimd",
+    data_path: str | None = None,
     secret_file: str | None = None,
     token: str | None = None,
     on_token: Callable[[str], None] | None = None,
@@ -90,6 +91,9 @@ def init(
     native: run all-reduces in the C loop (hostlib._fastpath); None: when it is built and the
         environment does not say XDP_AGG_NATIVE=0; False: the numpy reference loop.
     cwnd: the C loop's congestion window: "aimd" (adapts to loss) or "fixed" (the window).
+    data_path: how the C loop's packets travel (hostlib.afxdp): "udp" (the kernel socket),
+        "auto" (an AF_XDP socket where one can run, else the kernel socket: stats says which
+        and why) or "afxdp" (an AF_XDP socket or an error); None: $XDP_AGG_DATA_PATH, or "udp".
     secret_file: the deployment secret (the file `xdp-agg serve` uses, mode 0600); default
         $XDP_AGG_SECRET_FILE. Rank 0 needs it to create the job; another rank needs it or
         `token`.
@@ -156,6 +160,7 @@ def init(
             progress=progress and j == 0,
             native=native,
             cwnd=cwnd,
+            data_path=data_path,
         )
         stripe_faults = faults
         if faults is not None and j:  # independent losses per stripe
@@ -519,8 +524,13 @@ class Communicator:
 
     @property
     def stats(self) -> dict:
-        """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict."""
-        return dict(self._engine.stats)
+        """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict, and
+        two strings: "data_path" (StreamEngine.data_path) and "data_path_reason"."""
+        return {
+            **self._engine.stats,
+            "data_path": self._engine.data_path,
+            "data_path_reason": self._engine.data_path_reason,
+        }
 
     @property
     def aggregators(self) -> list[str]:

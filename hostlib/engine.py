@@ -17,7 +17,7 @@ import os
 
 import numpy as np
 
-from . import native_loop
+from . import afxdp, native_loop
 from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
 from .numpy_loop import NumpyLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
@@ -37,7 +37,24 @@ class StreamEngine:
     ) -> None:
         self.state = StreamState(sock, config, faults)
         self.native = _use_native(config.native)
+        if not self.native and afxdp.choose(config.data_path) == "afxdp":
+            raise ValueError("data_path='afxdp' needs the C loop (native)")
         self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
+
+    @property
+    def data_path(self) -> str:
+        """How packets leave and arrive: "udp" (the kernel socket) or "afxdp-..." (the AF_XDP
+        socket's mode, hostlib.afxdp)."""
+        return self.loop.data_path if self.native else "udp"
+
+    @property
+    def data_path_reason(self) -> str:
+        """Why AF_XDP was asked for ("auto") and is not used; "" otherwise."""
+        if self.native:
+            return self.loop.data_path_reason
+        if afxdp.choose(self.cfg.data_path) == "auto":
+            return "the numpy loop sends through the kernel socket"
+        return ""
 
     # what the communicator and the striped engine read of an engine
     @property

@@ -15,7 +15,8 @@ import numpy as np
 
 from aggproto import wire
 
-from . import scaling
+from . import afxdp, scaling
+from .errors import HostlibError
 from .stream_state import Allreduce, StreamState
 
 try:
@@ -64,6 +65,8 @@ class NativeLoop:
         self.state = state
         cfg, f = state.cfg, state.faults
         sock = state.sock
+        path = afxdp.choose(cfg.data_path)
+        xsk, self.data_path_reason = _xsk_spec(path, sock, cfg.aggregator)
         self._fast = _fastpath.Engine(
             sock.fileno(),
             cfg.aggregator[0],
@@ -82,7 +85,17 @@ class NativeLoop:
             faults=None
             if f is None
             else (f.send_loss, f.recv_loss, f.send_duplicate, f.recv_duplicate, f.seed),
+            xsk=xsk,
         )
+        if xsk is not None:
+            self.data_path_reason = self._fast.xsk_reason
+        if path == "afxdp" and self.data_path == "udp":
+            raise HostlibError(f"data_path='afxdp' cannot run: {self.data_path_reason}")
+
+    @property
+    def data_path(self) -> str:
+        """ "udp", or the AF_XDP socket's mode: "afxdp-copy-drv", "afxdp-zerocopy-drv", ..."""
+        return self._fast.data_path
 
     def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
         """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
@@ -135,6 +148,18 @@ class NativeLoop:
             ar.ndone = res["ndone"]
         st["rtt"] = self._fast.srtt
         st["cwnd"] = self._fast.cwnd
+
+
+def _xsk_spec(path: str, sock, aggregator: tuple[str, int]) -> tuple[tuple | None, str]:
+    """The Engine's xsk argument for data path `path` (None: the kernel socket) and, when AF_XDP
+    was asked for but has nothing to run on, why."""
+    if path == "udp":
+        return None, ""
+    try:
+        found = afxdp.spec(sock.sock, aggregator)
+    except Exception as e:  # netlink refused, no route: the kernel socket, and why
+        return None, f"finding the interface towards {aggregator[0]}: {e}"
+    return (None, found) if isinstance(found, str) else (found, "")
 
 
 def _shower(ar: Allreduce):

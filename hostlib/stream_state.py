@@ -86,6 +86,8 @@ class EngineConfig:
     # the C loop (hostlib._fastpath): None = when built and XDP_AGG_NATIVE is not "0"
     native: bool | None = None
     cwnd: str = "aimd"  # congestion window of the C loop: "aimd", or "fixed" (= window)
+    # the C loop's data path (hostlib.afxdp): "udp", "auto", "afxdp"; None = $XDP_AGG_DATA_PATH
+    data_path: str | None = None
     # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin);
     # None = unless the environment says XDP_AGG_SPIN=0
     spin: bool | None = None

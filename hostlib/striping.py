@@ -106,6 +106,17 @@ class StripedEngine:
         out.update(self._own)
         return out
 
+    @property
+    def data_path(self) -> str:
+        """The stripes' data paths (StreamEngine.data_path), comma-separated in stripe order."""
+        return ",".join(e.data_path for e in self.engines)
+
+    @property
+    def data_path_reason(self) -> str:
+        """The stripes' reasons for not using AF_XDP, "; "-separated ("" when none has one)."""
+        reasons = [(j, e.data_path_reason) for j, e in enumerate(self.engines)]
+        return "; ".join(f"stripe {j}: {r}" for j, r in reasons if r)
+
     def stats_per_aggregator(self) -> list[dict]:
         """Each stripe's own counters (StreamEngine.stats), in aggregator order."""
         return [dict(e.stats) for e in self.engines]

@@ -228,12 +228,10 @@ class TestbedBuild:
             for w in self.workers:
                 shaping.shape(w.netns, [w.ifname], self.rate_bits, self.mtu)
             if plan.switch_netns:
-                shaping.shape(
-                    plan.switch_netns,
-                    [f"w{w.index}" for w in self.workers],
-                    self.rate_bits,
-                    self.mtu,
-                )
+                ports = [f"w{w.index}" for w in self.workers]
+                shaping.shape(plan.switch_netns, ports, self.rate_bits, self.mtu)
+                # and what the ports receive: an AF_XDP sender skips its own qdisc
+                shaping.shape_ingress(plan.switch_netns, ports, self.rate_bits, self.mtu)
             else:
                 shaping.shape(self.aggregator.netns, self.agg_interfaces, self.rate_bits, self.mtu)
         if plan.switch_netns and with_agg and not (initial and self.agg_rate_bits is None):

@@ -89,3 +89,48 @@ def shape(netns: str, devs: list[str], rate_bits: int | None, mtu: int) -> None:
     nsexec.check(
         netns, ["tc", "-batch", "-"], "tc (rate shaping)", input=tbf_batch(devs, rate_bits, mtu)
     )
+
+
+def ifb_name(dev: str) -> str:
+    """The ifb device that shapes what ``dev`` receives (``w0`` -> ``ifb-w0``)."""
+    return f"ifb-{dev}"[:15]
+
+
+def ingress_batch(devs: list[str], rate_bits: int, mtu: int) -> str:
+    """``tc -batch`` text: every frame ``devs`` receive goes through the tbf of its ifb device
+    (u32 matching all, mirred redirect: this kernel has no matchall classifier)."""
+    text = ""
+    for d in devs:
+        text += (
+            f"qdisc replace dev {d} handle ffff: ingress\n"
+            f"filter replace dev {d} parent ffff: pref 1 protocol all u32 match u32 0 0 "
+            f"action mirred egress redirect dev {ifb_name(d)}\n"
+        )
+    return text + tbf_batch([ifb_name(d) for d in devs], rate_bits, mtu)
+
+
+def shape_ingress(netns: str, devs: list[str], rate_bits: int | None, mtu: int) -> None:
+    """Limit what ``devs`` in ``netns`` receive to ``rate_bits`` (None: remove the limit).
+
+    Why: a sender's own egress qdisc limits only what passes through it, and an AF_XDP socket's
+    frames (hostlib/_xsk.c) go straight to the driver. The far end's ingress cannot be skipped by
+    anything the sender does, so the testbed shapes there too (an ifb device per port, made on
+    first use, holding the tbf)."""
+    if not devs:
+        return
+    if rate_bits is None:
+        text = "".join(f"qdisc del dev {d} ingress\n" for d in devs)
+        nsexec.run(netns, ["tc", "-force", "-batch", "-"], input=text, timeout=30)
+        return
+    script = "".join(
+        f"ip link show {ifb_name(d)} >/dev/null 2>&1 || ip link add {ifb_name(d)} type ifb\n"
+        f"ip link set {ifb_name(d)} up\n"
+        for d in devs
+    )
+    nsexec.check(netns, ["sh", "-ec", script], "ip link (ifb devices for ingress shaping)")
+    nsexec.check(
+        netns,
+        ["tc", "-batch", "-"],
+        "tc (ingress rate shaping)",
+        input=ingress_batch(devs, rate_bits, mtu),
+    )

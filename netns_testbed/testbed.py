@@ -30,7 +30,11 @@ should: a multicast group (a job's results) goes only to the ports whose hosts j
 
 Rate limits (tbf, see :mod:`netns_testbed.shaping`) apply to both directions
 of each worker link: the worker's ``eth0`` egress and the other end's egress
-(bridge port ``w<i>`` in one-arm, the aggregator's ``p<i>`` in switch).
+(bridge port ``w<i>`` in one-arm, the aggregator's ``p<i>`` in switch). In
+one-arm what ``w<i>`` receives is shaped as well (an ifb device ``ifb-w<i>``
+per port): frames a worker sends through an AF_XDP socket skip its own qdisc
+(and its nftables hooks, so loss_up/loss_down/dup_up do not touch them; the
+bridge ports' rules, ``faults.port_loss_script`` and dup_down, do).
 ``aggregators`` K > 1 (one-arm) adds aggregator namespaces ``<prefix>ag1``..
 on the same bridge (:mod:`netns_testbed.plan`), for jobs striped over several
 aggregators; their bridge ports get ``mcast_flood off`` so that the results

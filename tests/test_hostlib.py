@@ -366,7 +366,8 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    assert set(stats) == set(hostlib.STAT_NAMES)
+    assert set(stats) == set(hostlib.STAT_NAMES) | {"data_path", "data_path_reason"}
+    assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert stats["allreduces"] == 1 and stats["elements"] == 1000
     assert stats["packets_sent"] == stats["results"] == 4
     assert stats["bytes_sent"] == 4 * (10 + 1024) and stats["elapsed"] > 0

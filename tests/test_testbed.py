@@ -179,6 +179,11 @@ def test_rates_and_nft_text():
     assert "udp dport 0xbee0-0xbeef numgen random mod 1000000000 < 250000000" in text
     assert "udp sport 0xbee0-0xbeef counter drop" in text  # p=1: unconditional
     assert 'hook egress device "eth0"' in text and 'hook ingress device "eth0"' in text
+    # what a bridge port receives goes through its ifb's tbf (AF_XDP senders skip their qdisc)
+    lines = shaping.ingress_batch(["w0"], 10**8, 1500).splitlines()
+    assert lines[0] == "qdisc replace dev w0 handle ffff: ingress"
+    assert lines[1].endswith("u32 match u32 0 0 action mirred egress redirect dev ifb-w0")
+    assert lines[2].startswith("qdisc replace dev ifb-w0 root tbf rate 100000000bit")
 
 
 # ------------------------------------------------------------- namespaces

@@ -1,0 +1,152 @@
+"""`python -m bench.afxdp`: the C loop's two data paths side by side, the kernel's UDP socket
+(sendmmsg + GSO, recvmmsg + GRO) and an AF_XDP socket (hostlib/_xsk.c, copy mode on veth).
+
+One one-arm testbed, links unshaped, an XDP aggregator and a control endpoint
+(aggcluster.Cluster). Alternately (`--rounds` times, who goes first alternating too), n fresh
+worker processes all-reduce a float32 tensor `--reps` times over one path, then over the other
+(XDP_AGG_DATA_PATH=udp / afxdp). Each run's first all-reduce is a warm-up and not counted; an
+all-reduce's time is its slowest rank's, and every rank checks its result against the exact sum.
+
+Per path: the median time and the throughput (tensor bytes per second), each rank's CPU seconds
+(user, sys: the worker process, all its threads) per GiB of tensor, and the system calls per
+packet sent. On this one-machine testbed a worker's sys time also holds softirq work done in its
+system calls (the veth, the bridge, the aggregator's XDP program), as bench.allreduce says.
+
+Writes bench/results/afxdp.{json,md} (or --out). Root, bcc and the XDP build, like
+bench.allreduce.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from pathlib import Path
+
+from bench import machine, write_results
+
+PATHS = ("udp", "afxdp")
+
+
+def run_once(cl, path: str, args, tag: str) -> dict:
+    """n workers over data path `path`: per-rep times (slowest rank), CPU per rank and rep, and
+    the counters of the timed all-reduces."""
+    os.environ["XDP_AGG_DATA_PATH"] = path
+    plan = [{"dtype": "float32", "count": args.bytes // 4, "reps": 1, "seed": 7}]
+    plan.append({**plan[0], "reps": args.reps})  # the first item is the warm-up
+    reports = cl.run_workers(
+        plan, job=f"afxdp-{tag}", elems=args.elems, window=args.window, timeout=60
+    )
+    timed = [reps[1] for reps in reports]
+    bad = [r["rank"] for reps in reports for r in reps if not r.get("ok")]
+    if bad:
+        raise RuntimeError(f"{path}: wrong result on rank(s) {bad}")
+    st = [r["stats"] for r in timed]
+    return {
+        "path": path,
+        "data_path": sorted({s["data_path"] for s in st}),
+        "times": [max(r["times"][i] for r in timed) for i in range(args.reps)],
+        "cpu_user_s": statistics.fmean(x for r in timed for x in r["cpu_user_s"]),
+        "cpu_sys_s": statistics.fmean(x for r in timed for x in r["cpu_sys_s"]),
+        "packets": sum(s["packets_sent"] for s in st),
+        "send_calls": sum(s["send_calls"] for s in st),
+        "recv_calls": sum(s["recv_calls"] for s in st),
+        "retransmissions": sum(s["retransmissions"] for s in st),
+    }
+
+
+def summarize(runs: list[dict], args) -> dict:
+    """Per path: median time, throughput, CPU per GiB, system calls per packet."""
+    gib = args.bytes / 2**30
+    out = {}
+    for path in PATHS:
+        rs = [r for r in runs if r["path"] == path]
+        t = sorted(x for r in rs for x in r["times"])
+        med = statistics.median(t)
+        user = statistics.median(r["cpu_user_s"] for r in rs)
+        sys_ = statistics.median(r["cpu_sys_s"] for r in rs)
+        packets = sum(r["packets"] for r in rs)
+        out[path] = {
+            "data_path": sorted({p for r in rs for p in r["data_path"]}),
+            "median_s": med,
+            "min_s": t[0],
+            "max_s": t[-1],
+            "gib_per_s": gib / med,
+            "cpu_user_s_per_gib": user / gib,
+            "cpu_sys_s_per_gib": sys_ / gib,
+            "cpu_s_per_gib": (user + sys_) / gib,
+            "send_calls_per_packet": sum(r["send_calls"] for r in rs) / packets,
+            "recv_calls_per_packet": sum(r["recv_calls"] for r in rs) / packets,
+            "retransmissions": sum(r["retransmissions"] for r in rs),
+            "packets": packets,
+        }
+    return out
+
+
+def markdown(summary: dict, meta: dict) -> str:
+    """The table of bench/results/afxdp.md."""
+    L = [
+        f"Run {meta['when']}: {meta['workers']} workers, float32 {meta['bytes'] >> 20} MiB, "
+        f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
+        f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
+        f"alternating; {meta['cpus']} CPUs, load average {meta['load_before']} before, "
+        f"{meta['load_after']} after.",
+        "",
+        "| path | mode | ms (min-max) | GiB/s | CPU s/GiB per rank (user + sys) | send calls "
+        "/ packet | recv calls / packet | retx |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for path in PATHS:
+        s = summary[path]
+        L.append(
+            f"| {path} | {', '.join(s['data_path'])} | {s['median_s'] * 1e3:.0f} "
+            f"({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}) | {s['gib_per_s']:.3f} | "
+            f"{s['cpu_s_per_gib']:.2f} ({s['cpu_user_s_per_gib']:.2f} + "
+            f"{s['cpu_sys_s_per_gib']:.2f}) | {s['send_calls_per_packet']:.3f} | "
+            f"{s['recv_calls_per_packet']:.3f} | {s['retransmissions']} |"
+        )
+    return "\n".join(L) + "\n"
+
+
+def main(argv=None) -> int:
+    """Run the rounds, write the JSON and the table."""
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--bytes", type=int, default=32 << 20, help="tensor size (float32)")
+    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
+    ap.add_argument("--rounds", type=int, default=2, help="runs of each path, alternating")
+    ap.add_argument("--elems", type=int, default=768)
+    ap.add_argument("--mtu", type=int, default=3500)
+    ap.add_argument("--window", type=int, default=128)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    args = ap.parse_args(argv)
+
+    from aggcluster.cluster import Cluster
+    from netns_testbed.testbed import Testbed
+
+    load_before = [round(x, 2) for x in os.getloadavg()]
+    runs = []
+    with Testbed(workers=args.workers, topology="one-arm", mtu=args.mtu) as tb, Cluster(tb) as cl:
+        for rnd in range(args.rounds):
+            for path in PATHS if rnd % 2 == 0 else PATHS[::-1]:
+                r = run_once(cl, path, args, f"{rnd}-{path}")
+                times = ", ".join(f"{x * 1e3:.0f}" for x in r["times"])
+                print(f"round {rnd} {path} {r['data_path']}: {times} ms", flush=True)
+                runs.append(r)
+    summary = summarize(runs, args)
+    meta = {
+        "when": time.strftime("%Y-%m-%d %H:%M"),
+        **{k: getattr(args, k) for k in ("workers", "bytes", "mtu", "elems", "window")},
+        **{k: getattr(args, k) for k in ("reps", "rounds")},
+        **machine(load_before),
+    }
+    doc = {"meta": meta, "summary": summary, "runs": runs}
+    write_results(args.out, "afxdp", doc, markdown(summary, meta))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,100 @@
+"""The AF_XDP data path's choice and addresses (issue 20 item 3; the socket is hostlib/_xsk.c).
+
+With data_path "afxdp" or "auto" the C loop sends and receives its job's packets through an
+AF_XDP socket on the interface towards the aggregator instead of the kernel's UDP socket: the
+frames it builds carry the bytes the kernel would put there (Ethernet to the next hop's MAC,
+IPv4 with DF, the socket's TTL and TOS, UDP from the data socket's port; the UDP checksum is 0,
+"none", where the kernel leaves veth a partial one and a NIC fills it in), and a small XDP
+program on that interface redirects the results (UDP to the data port) to the socket and passes
+everything else. The data socket stays open: it keeps the port, takes the results that arrive on
+another receive queue, and is the whole path when AF_XDP cannot run.
+
+    "udp"    the kernel socket (the default; env XDP_AGG_DATA_PATH overrides it)
+    "auto"   AF_XDP where it can run, else the kernel socket, with the reason in comm.stats
+    "afxdp"  AF_XDP or an error saying why not
+
+spec() finds what the socket needs, or says why there is nothing to find (the loopback, an
+aggregator on this host, no neighbour entry); the C side says why a socket could not be made
+(no privilege, no AF_XDP, the interface has another XDP program).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import time
+
+DATA_PATHS = ("udp", "auto", "afxdp")
+ENV = "XDP_AGG_DATA_PATH"
+
+# neighbour states with a usable link-layer address (include/uapi/linux/neighbour.h)
+_NUD_VALID = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80  # REACHABLE STALE DELAY PROBE NOARP PERM
+_RTN_UNICAST = 1
+_ARPHRD_ETHER = 1
+
+
+def choose(requested: str | None) -> str:
+    """The data path to use: `requested`, else $XDP_AGG_DATA_PATH, else "udp"."""
+    path = requested if requested is not None else os.environ.get(ENV) or "udp"
+    if path not in DATA_PATHS:
+        raise ValueError(f"data_path must be one of {', '.join(DATA_PATHS)}, not {path!r}")
+    return path
+
+
+def spec(sock: socket.socket, aggregator: tuple[str, int], zerocopy: bool = True, mode: str = ""):
+    """The xsk argument of _fastpath.Engine for the data socket `sock` sending to `aggregator`,
+    or a str: why AF_XDP has nothing to run on here."""
+    agg_ip = aggregator[0]
+    if ipaddress.ip_address(agg_ip).is_loopback:
+        return "the aggregator is on the loopback"
+    try:
+        from pyroute2 import IPRoute  # a project dependency, imported late: rarely needed
+    except ImportError:
+        return "pyroute2 is not installed"
+    with IPRoute() as ipr:
+        route = ipr.route("get", dst=agg_ip)[0]
+        if route["type"] != _RTN_UNICAST:
+            return f"the aggregator {agg_ip} is not reached through an interface (local route)"
+        oif = route.get_attr("RTA_OIF")
+        link = ipr.get_links(oif)[0]
+        ifname = link.get_attr("IFLA_IFNAME")
+        if link["ifi_type"] != _ARPHRD_ETHER:
+            return f"{ifname} is not an Ethernet interface"
+        nexthop = route.get_attr("RTA_GATEWAY") or agg_ip
+        dst_mac = _neighbour(ipr, oif, nexthop)
+        if dst_mac is None:
+            return f"no neighbour entry for {nexthop} on {ifname}"
+        src_mac = link.get_attr("IFLA_ADDRESS")
+        src_ip, src_port = sock.getsockname()
+        if src_ip == "0.0.0.0":
+            src_ip = route.get_attr("RTA_PREFSRC")
+    ttl = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
+    tos = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
+    return (oif, 0, _mac(src_mac), _mac(dst_mac), src_ip, src_port, ttl, tos, zerocopy, mode)
+
+
+def _mac(text: str) -> bytes:
+    return bytes(int(b, 16) for b in text.split(":"))
+
+
+def _neighbour(ipr, oif: int, ip: str, wait: float = 1.0) -> str | None:
+    """The link-layer address of `ip` on interface `oif`; when the table has none, one empty
+    datagram to its discard port makes the kernel resolve it (for up to `wait` s)."""
+    deadline = time.monotonic() + wait
+    probed = False
+    while True:
+        for n in ipr.get_neighbours(ifindex=oif, dst=ip):
+            mac = n.get_attr("NDA_LLADDR")
+            if mac and n["state"] & _NUD_VALID:
+                return mac
+        if time.monotonic() > deadline:
+            return None
+        if not probed:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                try:
+                    s.sendto(b"", (ip, 9))
+                except OSError:
+                    return None
+            probed = True
+        time.sleep(0.02)

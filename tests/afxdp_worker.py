@@ -1,0 +1,79 @@
+"""One stream engine in a namespace for tests/test_afxdp.py: all-reduces an int32 and a float32
+tensor through the aggregator at --agg over the data path --path, prints one JSON line: the
+data path, the reason, a SHA-256 of each result's bytes and the engine's counters.
+
+    python tests/afxdp_worker.py --local 198.19.250.1:40000 --agg 198.19.250.2:48879 \
+        --path afxdp --faults 0.1,0.1,0.2,0.2,4
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from hostlib.engine import EngineConfig, Faults, StreamEngine  # noqa: E402
+from hostlib.udp_io import DatagramSocket  # noqa: E402
+
+
+def _endpoint(text: str) -> tuple[str, int]:
+    host, port = text.rsplit(":", 1)
+    return host, int(port)
+
+
+def main() -> int:
+    """Run the all-reduces; one JSON line on stdout."""
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--local", type=_endpoint, required=True)
+    ap.add_argument("--agg", type=_endpoint, required=True)
+    ap.add_argument("--path", default="udp")
+    ap.add_argument("--native", type=int, default=1)
+    ap.add_argument("--gso", type=int, default=1)
+    ap.add_argument("--count", type=int, default=200_000)
+    ap.add_argument("--faults", default="", help="send_loss,recv_loss,send_dup,recv_dup,seed")
+    args = ap.parse_args()
+    faults = None
+    if args.faults:
+        *p, seed = args.faults.split(",")
+        faults = Faults(*(float(x) for x in p), seed=int(seed))
+    sock = DatagramSocket(args.local, gso=bool(args.gso))
+    cfg = EngineConfig(
+        job_id=1,
+        world_size=1,
+        elems=256,
+        slot_base=0,
+        window=64,
+        aggregator=args.agg,
+        rto=0.005,
+        timeout=10,
+        native=bool(args.native),
+        data_path=args.path,
+    )
+    eng = StreamEngine(sock, cfg, faults)
+    rng = np.random.default_rng(7)
+    x = rng.integers(-(2**31), 2**31, size=args.count, dtype=np.int64).astype(np.int32)
+    f = (rng.standard_normal(args.count) * 1e-3).astype(np.float32)
+    out_i, out_f = np.empty_like(x), np.empty_like(f)
+    eng.allreduce_int32(x, out_i)
+    eng.allreduce_float32(f, out_f)
+    report = {
+        "data_path": eng.data_path,
+        "reason": eng.data_path_reason,
+        "int32": hashlib.sha256(out_i.tobytes()).hexdigest(),
+        "int32_equal": bool(np.array_equal(out_i, x)),
+        "float32": hashlib.sha256(out_f.tobytes()).hexdigest(),
+        "stats": eng.stats,
+    }
+    print(json.dumps(report), flush=True)
+    sock.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

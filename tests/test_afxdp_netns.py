@@ -1,0 +1,92 @@
+"""AF_XDP workers through the XDP aggregator in the namespace testbed (issue 20 item 3).
+
+The same jobs run twice on one one-arm testbed, under loss both ways and duplicated results:
+first every rank on the numpy loop over the kernel socket (the reference), then every rank on
+the C loop over an AF_XDP socket. Each rank's results must be byte for byte the reference's,
+and each must check against the exact sum (aggcluster.cluster_worker). The loss sits on the
+bridge ports (netns_testbed.faults.port_loss_script) and the duplication on their egress: the
+worker's own netdev hooks, where the testbed puts loss_up and loss_down, are skipped by AF_XDP
+frames (transmit goes straight to the driver; the redirect comes before the ingress hook).
+"""
+
+import pytest
+from harness.workers import assert_reports_ok
+
+from aggcluster.cluster import Cluster
+from hostlib import afxdp
+from netns_testbed import faults, nsexec, shaping
+
+pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
+
+PLAN = [
+    {"dtype": "int32", "count": 150_001, "digest": True},
+    {"dtype": "float32", "count": 100_000, "seed": 2, "digest": True},
+    {"dtype": "float32", "count": 4_097, "seed": 3, "digest": True},
+]
+
+
+def _digests(reports) -> list[list[str]]:
+    return [[r["sha256"] for r in reps if "sha256" in r] for reps in reports]
+
+
+def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
+    testbed_factory, monkeypatch
+):
+    tb = testbed_factory(workers=3, topology="one-arm", dup_down=0.05)
+    ports = [f"w{w.index}" for w in tb.workers]
+    faults.apply(tb.switch_netns, faults.port_loss_script(ports, 0.02))
+    with Cluster(tb) as cl:
+        monkeypatch.setenv("XDP_AGG_NATIVE", "0")
+        monkeypatch.setenv(afxdp.ENV, "udp")
+        ref = cl.run_workers(PLAN, job="afxdp-ref", timeout=60)
+        monkeypatch.setenv("XDP_AGG_NATIVE", "1")
+        monkeypatch.setenv(afxdp.ENV, "afxdp")
+        got = cl.run_workers(PLAN, job="afxdp", timeout=60)
+    assert_reports_ok(ref)
+    assert_reports_ok(got)
+    assert _digests(got) == _digests(ref) and all(len(d) == len(PLAN) for d in _digests(ref))
+    for reps in got:
+        for r in reps:
+            assert r["stats"]["data_path"].startswith("afxdp-copy-"), r["stats"]
+    retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
+    dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)
+    assert retx > 0 and dups > 0, "loss and duplication were configured but none showed"
+
+
+def _to_aggregator(tb) -> int:
+    """Bytes the bridge sent the aggregator (its port "ag"): what reached the aggregator's link
+    (the aggregator's own veth counts no frames its XDP program takes)."""
+    # /proc/net is the reader's namespace's (nsenter leaves /sys the caller's)
+    cp = nsexec.run(tb.switch_netns, ["cat", "/proc/net/dev"])
+    assert cp.returncode == 0, cp.stderr
+    line = next(x for x in cp.stdout.splitlines() if x.strip().startswith("ag:"))
+    return int(line.split(":", 1)[1].split()[8])  # receive: 8 fields, then transmit bytes
+
+
+def test_neither_path_exceeds_the_link_rate(testbed_factory, monkeypatch):
+    """100 Mbit/s per worker link towards the aggregator: what reaches the aggregator stays
+    within the two links' rate on the kernel path (shaped at the worker's qdisc and the bridge
+    port's ingress) and on AF_XDP (whose frames skip the worker's qdisc: only the bridge port's
+    ingress ifb shapes them; without it they reach several times the rate)."""
+    rate = 100e6
+    tb = testbed_factory(workers=2, topology="one-arm", rate="100mbit")
+    # the results' direction unshaped: otherwise the results (as large as the contributions)
+    # would clock the senders down to the rate whatever shaped their own direction
+    shaping.shape(tb.switch_netns, [f"w{w.index}" for w in tb.workers], None, tb.mtu)
+    plan = [{"dtype": "int32", "count": 1_000_000, "reps": 2}]
+    burst = shaping.tbf_burst(int(rate), tb.mtu)
+    seen = {}
+    with Cluster(tb) as cl:
+        for path in ("udp", "afxdp"):
+            monkeypatch.setenv(afxdp.ENV, path)
+            before = _to_aggregator(tb)
+            reports = cl.run_workers(plan, job=f"rate-{path}", timeout=60)
+            got = _to_aggregator(tb) - before
+            assert_reports_ok(reports)
+            assert all(r["stats"]["data_path"].startswith(path) for reps in reports for r in reps)
+            # the all-reduces' time (after a barrier each); the bytes also hold the rendezvous
+            # and barriers, which only makes the measured rate higher
+            seconds = max(sum(r["times"]) for reps in reports for r in reps)
+            seen[path] = got * 8 / seconds
+            assert got * 8 <= 2 * rate * seconds * 1.05 + 2 * 8 * burst, (path, seen)
+    assert min(seen.values()) > 0.3 * 2 * rate, seen  # the links were the bottleneck
