@@ -1,16 +1,16 @@
-"""A seeded fuzz of the data plane: 100,000 frames through BPF_PROG_TEST_RUN, each against the
+"""A seeded fuzz of the data plane: 150,000 frames through BPF_PROG_TEST_RUN, each against the
 serial model (issue 12, item 3, the PROG_TEST_RUN part).
 
 The frames start from valid contributions of registered workers of two jobs (sizes 32 and 64,
 their slots, both versions, few enough slots that rounds complete and retransmissions get
 answered; the multi-buffer (frags) variant has a third job of 2048 int32 per packet, 8244-byte
-frames that span buffers) and are then, at random, left alone or broken: header bytes of every layer changed
-(IPv4 version/ihl/lengths/flags/fragment offset/protocol/TTL, UDP ports and length, every byte
-of our header), cut anywhere, extended with a trailer, given IPv4 options, a VLAN tag, made IPv6,
-sent from an unregistered address or to another port, or replaced by random bytes. For every
-frame the XDP action and, for results, the output bytes must be the model's; at the end every
-counter by reason must equal the model's count of that reason. Frames that are not ours must
-leave untouched. Deterministic: the seed fixes every frame.
+frames that span buffers) and are then, at random, left alone or broken: header bytes of every
+layer changed (IPv4 version/ihl/lengths/flags/fragment offset/protocol/TTL, UDP ports and
+length, every byte of our header), cut anywhere, extended with a trailer, given IPv4 options, a
+VLAN tag, made IPv6, sent from an unregistered address or to another port, or replaced by random
+bytes. For every frame the XDP action and, for results, the output bytes must be the model's; at
+the end every counter by reason must equal the model's count of that reason. Frames that are
+not ours must leave untouched. Deterministic: the seed fixes every frame.
 """
 
 import socket
