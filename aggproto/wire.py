@@ -189,6 +189,17 @@ def size_code_for(elems: int) -> int:
     )
 
 
+def elems_for_mtu(mtu: int) -> int:
+    """The most elements per packet whose IPv4 datagram fits an MTU of `mtu` bytes (1500: 256,
+    3500: 768, 9000: 2048); ValueError when not even the smallest size fits."""
+    fits = [n for n in SIZE_CODE_ELEMS.values() if IPV4_HLEN + UDP_HLEN + udp_payload_len(n) <= mtu]
+    if not fits:
+        raise ValueError(
+            f"MTU {mtu} holds no packet of ours (the smallest needs {frame_len(32) - ETH_HLEN})"
+        )
+    return max(fits)
+
+
 def elems_for(size_code: int) -> int:
     """Elements per packet for a size code; ValueError for an unknown code."""
     try:
