@@ -700,10 +700,11 @@ def service_stop(name, as_json):
 def bench(workers, rounds, repeats, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
-    Prints ns per packet and aggregated elements per second per core for 64, 256 and 768
-    elements per packet, for both variants (per-CPU partial sums, and the spin-lock baseline),
-    beside a program that only parses and drops (the floor), all in one run. Needs root;
-    attaches nothing.
+    Prints ns per packet and aggregated elements per second per core for 64, 256, 768 and
+    2048 elements per packet, for both variants (per-CPU partial sums, and the spin-lock
+    baseline) and the per-CPU program loaded as a multi-buffer (frags) program, the only one
+    measured at 2048 (a jumbo frame), beside a program that only parses and drops (the floor),
+    all in one run. Needs root; attaches nothing.
 
     \b
     Examples:

@@ -3,7 +3,8 @@ multi-buffer (frags) program attaches, and all-reduces of 2048 int32 per packet 
 
 - a plain XDP program is refused on a veth whose peer has MTU 9000, with a message naming
   --frags; `xdp-agg attach --frags` attaches (../shared/design/platform.md measured both); an
-  aggregator attached without it refuses a jumbo job;
+  aggregator attached without it refuses a jumbo job, and so does one in the switch topology
+  (its devmap broadcast did not carry multi-buffer results);
 - hostlib's elems="auto" picks 2048 from the path MTU, and int32 and float32 all-reduces come
   back exact (floats within hostlib.scaling's bound) under 1% loss in both directions, through
   the C loop and the numpy reference loop.
@@ -45,6 +46,24 @@ def test_plain_aggregator_refuses_a_jumbo_job(testbed_factory):
         job = [*cli, "job", "create", "0", "--workers", "1", "--slots", "0:8", "--elems"]
         r = tb.run(agg, [*job, "2048"], timeout=60)
         assert r.returncode != 0 and "--frags" in r.stderr, r.stderr
+        r = tb.run(agg, [*job, "768"], timeout=60)
+        assert r.returncode == 0, r.stderr
+    finally:
+        tb.run(agg, [*cli, "detach", "--force"], timeout=60)
+
+
+def test_switch_topology_refuses_a_jumbo_job(testbed_factory):
+    """Results of the switch topology leave through a devmap broadcast, which did not carry
+    multi-buffer frames here: a jumbo job there is refused, naming the one-arm topology."""
+    tb = testbed_factory(workers=2, topology="switch", mtu=MTU)
+    agg = tb.aggregator
+    cli = [sys.executable, "-m", "aggapp.cli", "--name", "jswitch"]
+    r = tb.run(agg, [*cli, "attach", "--frags", *agg.ifnames], timeout=120)
+    assert r.returncode == 0, r.stderr
+    try:
+        job = [*cli, "job", "create", "0", "--workers", "2", "--slots", "0:8", "--elems"]
+        r = tb.run(agg, [*job, "2048"], timeout=60)
+        assert r.returncode != 0 and "one-arm" in r.stderr, r.stderr
         r = tb.run(agg, [*job, "768"], timeout=60)
         assert r.returncode == 0, r.stderr
     finally:

@@ -474,6 +474,16 @@ class XdpBackend:
                 f"page, which aggregator {self.name!r} cannot see: attach it with --frags "
                 "(an XDP multi-buffer program)"
             )
+        if spec.elems in jumbo and self.state.topology == "switch":
+            # measured on 6.18 veth: no devmap broadcast of a multi-buffer result reached a port
+            # (every packet of a 2048-element job needed a retransmission, answered by XDP_TX);
+            # redirecting multi-buffer frames was refused outright when frags came in (kernel
+            # 5.18, net/core/filter.c xdp_do_redirect: "not fully supported yet")
+            raise Refused(
+                f"job {spec.job_id}: {spec.elems} elements per packet need the one-arm topology: "
+                "a switch-topology aggregator broadcasts results through a devmap, which does "
+                "not carry multi-buffer frames"
+            )
         try:
             self.maps.create_job(spec)
         except Refused:
