@@ -1124,6 +1124,42 @@ def tree_cases(rng) -> list[Case]:
     return cases
 
 
+def length_lies(full: bytes, k: int, fewer: int) -> tuple[list[Step], list[Step]]:
+    """Steps of a valid frame of k elements made to lie, all dropped before any state changes:
+    (too short: its payload cut, or its lengths agreeing with `fewer` elements less), and
+    (lengths that lie: UDP length long, IPv4 length short, bytes after the payload)."""
+    plen = wire.udp_payload_len(k)
+    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    cut = 4 * fewer
+    short = [
+        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
+        Step(
+            f"lengths agree with a frame of {k - fewer} elements",
+            relength(full, ip_len=ilen - cut, udp_len=ulen - cut, cut=cut),
+            Action.DROP,
+            Reason.DROP_TRUNCATED,
+        ),
+    ]
+    lies = [
+        Step(
+            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
+        ),
+        Step(
+            "IPv4 length short",
+            relength(full, ip_len=ilen - 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "bytes after the payload",
+            relength(full, trailer=b"\0" * 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+    ]
+    return short, lies
+
+
 @case
 def folded_cases(rng) -> list[Case]:
     """256 elements per packet (size code 3, p4app-switchML's 1024-byte payload), which the P4
@@ -1173,37 +1209,16 @@ def folded_cases(rng) -> list[Case]:
     c = Case("folded_k256_checks", [job(n=2, elems=k, base=4, count=4)], workers(0, 2))
     a, b = _vals(rng, k), _vals(rng, k)
     full = frame(0, a, slot=5)
-    plen = wire.udp_payload_len(k)
-    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    short, lies = length_lies(full, k, 4)
     c.steps = [
-        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step(
-            "lengths agree with a frame of 252 elements",
-            relength(full, ip_len=ilen - 16, udp_len=ulen - 16, cut=16),
-            Action.DROP,
-            Reason.DROP_TRUNCATED,
-        ),
+        *short,
         Step(
             "64 elements to a 256 job", frame(0, a[:64], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
         ),
         Step(
             "128 elements (XDP only)", frame(0, a[:128], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
         ),
-        Step(
-            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
-            "IPv4 length short",
-            relength(full, ip_len=ilen - 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
-        Step(
-            "bytes after the payload",
-            relength(full, trailer=b"\0" * 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
+        *lies,
         Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
         Step("w0 after all that", full, Action.DROP, Reason.AGGREGATED),
         Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
@@ -1291,31 +1306,16 @@ def jumbo_cases(rng) -> list[Case]:
     c = Case("jumbo_k2048_checks", [job(n=2, elems=k, base=4, count=4)], workers(0, 2))
     a, b = _vals(rng, k, -(2**31), 2**31 - 1), _vals(rng, k, -(2**31), 2**31 - 1)
     full = frame(0, a, slot=5)
-    plen = wire.udp_payload_len(k)
-    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    short, lies = length_lies(full, k, 8)
     c.steps = [
-        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step(
-            "lengths agree with a frame of 2040 elements",
-            relength(full, ip_len=ilen - 32, udp_len=ulen - 32, cut=32),
-            Action.DROP,
-            Reason.DROP_TRUNCATED,
-        ),
+        *short,
         Step(
             "1024 elements to a 2048 job",
             frame(0, a[:1024], slot=5),
             Action.DROP,
             Reason.DROP_BAD_SIZE,
         ),
-        Step(
-            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
-            "bytes after the payload",
-            relength(full, trailer=b"\0" * 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
+        *lies,
         Step("w0", full, Action.DROP, Reason.AGGREGATED),
         Step("w0 again", full, Action.DROP, Reason.DUP_PENDING),
         Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),

@@ -34,40 +34,35 @@ def test_plain_program_refused_frags_attaches(testbed_factory):
     assert r.returncode == 0, r.stderr
 
 
-def test_plain_aggregator_refuses_a_jumbo_job(testbed_factory):
-    """A job of 2048 elements per packet on an aggregator without --frags would have every
-    packet truncated to its first buffer: refused, naming --frags; 768 is taken."""
-    tb = testbed_factory(workers=1, topology="one-arm")
+def _jumbo_job_refused(tb, name: str, attach: list[str], workers: int, why: str) -> None:
+    """Attach aggregator `name` with `attach` options: a job of 2048 elements per packet is
+    refused with a message containing `why`, one of 768 is created."""
     agg = tb.aggregator
-    cli = [sys.executable, "-m", "aggapp.cli", "--name", "plain"]
-    r = tb.run(agg, [*cli, "attach", *agg.ifnames], timeout=120)
+    cli = [sys.executable, "-m", "aggapp.cli", "--name", name]
+    r = tb.run(agg, [*cli, "attach", *attach, *agg.ifnames], timeout=120)
     assert r.returncode == 0, r.stderr
     try:
-        job = [*cli, "job", "create", "0", "--workers", "1", "--slots", "0:8", "--elems"]
-        r = tb.run(agg, [*job, "2048"], timeout=60)
-        assert r.returncode != 0 and "--frags" in r.stderr, r.stderr
-        r = tb.run(agg, [*job, "768"], timeout=60)
+        job = [*cli, "job", "create", "0", "--workers", str(workers), "--slots", "0:8"]
+        r = tb.run(agg, [*job, "--elems", "2048"], timeout=60)
+        assert r.returncode != 0 and why in r.stderr, r.stderr
+        r = tb.run(agg, [*job, "--elems", "768"], timeout=60)
         assert r.returncode == 0, r.stderr
     finally:
         tb.run(agg, [*cli, "detach", "--force"], timeout=60)
+
+
+def test_plain_aggregator_refuses_a_jumbo_job(testbed_factory):
+    """A job of 2048 elements per packet on an aggregator without --frags would have every
+    packet truncated to its first buffer: refused, naming --frags."""
+    tb = testbed_factory(workers=1, topology="one-arm")
+    _jumbo_job_refused(tb, "plain", [], 1, "--frags")
 
 
 def test_switch_topology_refuses_a_jumbo_job(testbed_factory):
     """Results of the switch topology leave through a devmap broadcast, which did not carry
     multi-buffer frames here: a jumbo job there is refused, naming the one-arm topology."""
     tb = testbed_factory(workers=2, topology="switch", mtu=MTU)
-    agg = tb.aggregator
-    cli = [sys.executable, "-m", "aggapp.cli", "--name", "jswitch"]
-    r = tb.run(agg, [*cli, "attach", "--frags", *agg.ifnames], timeout=120)
-    assert r.returncode == 0, r.stderr
-    try:
-        job = [*cli, "job", "create", "0", "--workers", "2", "--slots", "0:8", "--elems"]
-        r = tb.run(agg, [*job, "2048"], timeout=60)
-        assert r.returncode != 0 and "one-arm" in r.stderr, r.stderr
-        r = tb.run(agg, [*job, "768"], timeout=60)
-        assert r.returncode == 0, r.stderr
-    finally:
-        tb.run(agg, [*cli, "detach", "--force"], timeout=60)
+    _jumbo_job_refused(tb, "jswitch", ["--frags"], 2, "one-arm")
 
 
 @pytest.mark.parametrize("native", ["1", "0"], ids=["c-loop", "numpy-loop"])
