@@ -53,9 +53,12 @@ class Cluster:
         xdp_mode: str = "native",
         pool_slots: int = 1024,
         serve_args: tuple[str, ...] = (),
+        frags: bool = False,
     ) -> None:
-        """`serve_args`: more `xdp-agg serve` options, e.g. ("--results", "broadcast")."""
+        """`serve_args`: more `xdp-agg serve` options, e.g. ("--results", "broadcast");
+        `frags`: attach as an XDP multi-buffer program (jumbo MTUs, 1024 and 2048 elements)."""
         self.tb = tb
+        self.frags = frags
         self.serve_args = tuple(serve_args)
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
@@ -105,6 +108,7 @@ class Cluster:
                     self.xdp_mode,
                     "--pool-slots",
                     str(self.pool_slots),
+                    *(("--frags",) if self.frags else ()),
                     aggregator=j,
                 )
                 self._attached[j] = True
@@ -212,7 +216,7 @@ class Cluster:
         *,
         hosts: list[int] | None = None,
         job: str = "e2e",
-        elems: int = 256,
+        elems: int | str = 256,
         window: int = 128,
         timeout: float = 30.0,
         progress: bool = False,

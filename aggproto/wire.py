@@ -28,8 +28,12 @@ UDP_PORT_COUNT = 16
 MSG_TYPE_DATA = 1  # a contribution, and a result (SwitchML does not distinguish them)
 
 # --- size codes (3 bits): elements per packet -------------------------------------------------
-SIZE_CODE_ELEMS = {0: 32, 1: 64, 2: 128, 3: 256, 4: 512, 5: 768}  # 4 and 5 are our extension
+# 4 and 5 are our extension; 6 and 7 (the last free values) are jumbo frames: 1024 and 2048 int32
+# (4148- and 8244-byte frames) need more than a page, so an XDP program sees them only through
+# multi-buffer (frags, docs/protocol.md section 1.1), and a 9000-byte MTU carries 2048.
+SIZE_CODE_ELEMS = {0: 32, 1: 64, 2: 128, 3: 256, 4: 512, 5: 768, 6: 1024, 7: 2048}
 SWITCHML_SIZE_CODES = (0, 1, 2, 3)
+JUMBO_SIZE_CODES = (6, 7)  # frames larger than one XDP buffer (a page) on veth
 MAX_ELEMS = max(SIZE_CODE_ELEMS.values())
 
 # --- pool index (16 bits) ---------------------------------------------------------------------
@@ -183,6 +187,17 @@ def size_code_for(elems: int) -> int:
         f"{elems} elements per packet is not a wire size; use one of "
         f"{sorted(SIZE_CODE_ELEMS.values())}"
     )
+
+
+def elems_for_mtu(mtu: int) -> int:
+    """The most elements per packet whose IPv4 datagram fits an MTU of `mtu` bytes (1500: 256,
+    3500: 768, 9000: 2048); ValueError when not even the smallest size fits."""
+    fits = [n for n in SIZE_CODE_ELEMS.values() if IPV4_HLEN + UDP_HLEN + udp_payload_len(n) <= mtu]
+    if not fits:
+        raise ValueError(
+            f"MTU {mtu} holds no packet of ours (the smallest needs {frame_len(32) - ETH_HLEN})"
+        )
+    return max(fits)
 
 
 def elems_for(size_code: int) -> int:

@@ -71,7 +71,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     systems (or `plan`: the host rows)."""
     from aggcluster.cluster import Cluster
     from netns_testbed.counters import Layout
-    from netns_testbed.testbed import Testbed
+    from netns_testbed.testbed import PLAIN_XDP_MAX_MTU, Testbed
 
     if plan is None:
         plan = [
@@ -89,7 +89,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     profile = rate == "unshaped" and n == 4 and args.profile
     with (
         Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb,
-        Cluster(tb) as cl,
+        Cluster(tb, frags=args.mtu > PLAIN_XDP_MAX_MTU) as cl,  # jumbo MTUs: multi-buffer XDP
     ):
         layout = Layout.from_testbed(tb)
         procs = []
@@ -542,7 +542,11 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
     ap.add_argument(
-        "--elems", type=int, default=768, help="int32 per packet (768 needs --mtu >= 3110)"
+        "--elems",
+        type=int,
+        default=768,
+        help="int32 per packet (768 needs --mtu >= 3110, 2048 --mtu >= 8230; above MTU 3506 the "
+        "aggregator is attached as a multi-buffer (frags) program)",
     )
     ap.add_argument("--mtu", type=int, default=3500)
     ap.add_argument(

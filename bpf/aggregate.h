@@ -129,14 +129,21 @@ static __always_inline s32 max_s32(s32 a, s32 b)
 static __always_inline int copy_result(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_result *r,
 				       const u32 K)
 {
-	void *data_end = (void *)(long)ctx->data_end;
+	void *data_end = pk->data_end;
 	agg_lanes *pw = (agg_lanes *)(pk->exp + 1), *rw = (agg_lanes *)r->data;
 
-	if ((void *)(pw + AGG_WORDS(K)) > data_end) /* verifier: the caller checked the length */
-		return -1;
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < AGG_WORDS(K); j++)
-		pw[j] = rw[j];
+	if (!AGG_DIRECT(K)) {
+		/* a jumbo payload spans buffers: one helper call writes all of them */
+		if (agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
+			return -1;
+	} else {
+		/* verifier: the caller checked the length */
+		if ((void *)(pw + AGG_WORDS(K)) > data_end)
+			return -1;
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < AGG_WORDS(K); j++)
+			pw[j] = rw[j];
+	}
 	pk->exp->e0 = r->e0;
 	pk->exp->e1 = r->e1;
 	return 0;
@@ -391,7 +398,7 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 				       struct agg_worker *w, struct agg_slot *st, u32 g, u32 vi,
 				       u32 rkey, const u32 K)
 {
-	void *data_end = (void *)(long)ctx->data_end;
+	void *data_end = pk->data_end;
 	agg_lanes *pw = (agg_lanes *)(pk->exp + 1), *rw;
 	/* fetch_add(0) is a full barrier: up_round below is the one of the round sent up */
 	u64 up = __sync_fetch_and_add(&st->up[vi], 0);
@@ -410,12 +417,19 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 	r = results.lookup(&rkey);
 	if (!r)
 		return XDP_ABORTED;
-	if ((void *)(pw + AGG_WORDS(K)) > data_end) /* verifier: the caller checked the length */
-		return XDP_DROP;
-	rw = (agg_lanes *)r->data;
-	AGG_NO_UNROLL
-	for (u32 j = 0; j < AGG_WORDS(K); j++)
-		rw[j] = pw[j];
+	if (!AGG_DIRECT(K)) {
+		/* a jumbo payload spans buffers: one helper call reads all of them */
+		if (agg_xdp_load_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
+			return XDP_DROP;
+	} else {
+		/* verifier: the caller checked the length */
+		if ((void *)(pw + AGG_WORDS(K)) > data_end)
+			return XDP_DROP;
+		rw = (agg_lanes *)r->data;
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < AGG_WORDS(K); j++)
+			rw[j] = pw[j];
+	}
 	r->e0 = pk->exp->e0;
 	r->e1 = pk->exp->e1;
 	/* the parent's sum is stored before the round reads as published */
@@ -425,12 +439,34 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 	return XDP_TX;
 }
 
+/* The payload of a packet of K elements, where the element loops read it: in the packet (direct
+ * access) when K is a size that fits the first buffer, else copied into this CPU's scratch.
+ * NULL: the payload is not where it must be (counted as truncated by the caller). */
+static __always_inline __be32 *payload(struct xdp_md *ctx, struct agg_pkt *pk, const u32 K)
+{
+	void *data_end = pk->data_end;
+	__be32 *pl = (__be32 *)(pk->exp + 1);
+	u32 zero = 0;
+	struct agg_scratch *s;
+
+	if (AGG_DIRECT(K)) {
+		/* verifier: a constant-size range check on the packet pointer. The length was checked;
+		 * in a frags program this also fails for a frame split before its payload's end,
+		 * which no driver here does at these sizes (consts.h) */
+		return (void *)(pl + K) > data_end ? NULL : pl;
+	}
+	s = scratch.lookup(&zero);
+	/* verifier: K * 4 is a constant no larger than the scratch value (AGG_MAX_ELEMS) */
+	if (!s || agg_xdp_load_bytes(ctx, SML_PAYLOAD_OFFSET, s->data, K * 4))
+		return NULL;
+	return s->data;
+}
+
 /* A packet of ours with K elements from worker w for slot g, version vi. */
 static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 				     struct agg_worker *w, u32 g, u32 vi, const u32 K)
 {
-	void *data_end = (void *)(long)ctx->data_end;
-	__be32 *pl = (__be32 *)(pk->exp + 1);
+	__be32 *pl = payload(ctx, pk, K);
 	agg_lanes *pw = (agg_lanes *)pl;
 	u32 pkey = AGG_POOL_ENTRY(g, vi);
 	u64 n = job->num_workers;
@@ -439,9 +475,11 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	struct agg_slot *st;
 	u64 old, a, round, tag, done, bit;
 
-	/* verifier: a constant-size range check on the packet pointer (the length was checked) */
-	if ((void *)(pl + K) > data_end)
+	if (!pl) {
+		count(w->job, AGG_DROP_TRUNCATED);
+		count_worker(w, dropped);
 		return XDP_DROP;
+	}
 	if ((job->flags & AGG_JOB_VERIFY_UDP_CSUM) && pk->udp->check &&
 	    !udp_checksum_ok(pk, pl, K)) {
 		count(w->job, AGG_DROP_BAD_CHECKSUM); /* before any state changes */
@@ -483,6 +521,9 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	if (!r)
 		return XDP_ABORTED;
 	complete_slot(pk, pw, r, pkey, tag, own, n, K);
+	/* a jumbo sum was published into the scratch copy: one helper call writes every buffer */
+	if (!AGG_DIRECT(K) && agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, pl, K * 4))
+		return XDP_ABORTED;
 	if (job->flags & AGG_JOB_TREE) {
 		/* the partial is stored; the parent's result for this round is still to be taken */
 		__sync_fetch_and_and(&st->seen[vi], ~AGG_PARENT_BIT);

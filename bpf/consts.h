@@ -13,6 +13,14 @@
 #error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
 #endif
 
+/* Packet sizes up to this many int32 are read and written in place (direct packet access: a frame
+ * of 768 is 3124 bytes, inside the first buffer of every driver here, and veth and the test run
+ * keep up to 3520 bytes there). Larger ones (the jumbo size codes, more than a page) are copied
+ * through the per-CPU scratch map with bpf_xdp_load_bytes/bpf_xdp_store_bytes: the verifier
+ * allows direct access only to the first buffer of a multi-buffer (frags) frame. */
+#define AGG_DIRECT_MAX_ELEMS 768
+#define AGG_DIRECT(K)	     ((K) <= AGG_DIRECT_MAX_ELEMS)
+
 /* Element loops stay loops: unrolled, six packet sizes would make the program too large (and
  * clang then hoists helper addresses into registers, an indirect call BPF v1 lacks). */
 #define AGG_NO_UNROLL _Pragma("clang loop unroll(disable)")

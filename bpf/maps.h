@@ -36,6 +36,14 @@ static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
 	(void *)BPF_FUNC_map_lookup_percpu_elem;
 /* clang-format on */
 
+/* Per-CPU scratch: the payload of a jumbo packet (size codes above AGG_DIRECT_MAX_ELEMS), copied
+ * out of the frame's buffers with bpf_xdp_load_bytes so that the element loops read it with the
+ * constant bounds the verifier checks, as they read a packet that fits one buffer. */
+struct agg_scratch {
+	__be32 data[AGG_MAX_ELEMS];
+};
+BPF_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
+
 #ifdef AGG_SPINLOCK
 /* Spin-lock variant: one shared partial per (slot, version), folded into under its lock. */
 struct agg_locked_partial {

@@ -15,6 +15,10 @@ struct agg_pkt {
 	struct udphdr *udp;
 	struct switchml_hdr *sml;
 	struct exponents_hdr *exp;
+	/* ctx->data_end as parse() read it: later bounds checks compare against this copy, since
+	 * clang may otherwise keep &ctx->data_end in a register, and the verifier refuses loads
+	 * through a ctx pointer moved off its start ("dereference of modified ctx ptr") */
+	void *data_end;
 };
 
 enum agg_parse {
@@ -59,6 +63,7 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 	pk->udp = udp;
 	pk->sml = (void *)(udp + 1);
 	pk->exp = (void *)(pk->sml + 1);
+	pk->data_end = data_end;
 	if ((void *)(pk->exp + 1) > data_end)
 		return AGG_PARSE_TRUNCATED;
 	return AGG_PARSE_OK;

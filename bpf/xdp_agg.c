@@ -5,7 +5,10 @@
  * and sends the finished sum to every worker; anything that is not IPv4 UDP to ports
  * 0xBEE0-0xBEEF passes untouched. xdp_agg_egress is the devmap egress program of switch mode: it
  * addresses each broadcast copy of a result to the job's worker behind that port.
- * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. */
+ * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. With
+ * -DAGG_FRAGS the loader loads both programs as multi-buffer (frags) programs, which see frames
+ * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
+ * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h). */
 #include <uapi/linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
@@ -82,7 +85,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	 * total length and the UDP length must say exactly that much (SwitchML header + exponents
 	 * + k int32) and match the frame. A lying length would otherwise be summed, and echoed in the result,
 	 * whose receivers would take it at its word. */
-	len = (u32)(ctx->data_end - ctx->data);
+	len = frame_len(ctx);
 	need = SML_HLEN + SML_EXP_HLEN + job->elems * 4; /* UDP payload bytes */
 	if (len < SML_OFFSET + need)
 		return drop(w, AGG_DROP_TRUNCATED);

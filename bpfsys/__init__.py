@@ -26,6 +26,10 @@ PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD = 13, 14, 15
 MAP_TYPE_PERCPU_ARRAY = 6
 # program types
 PROG_TYPE_XDP = 6
+# program load flags
+BPF_F_XDP_HAS_FRAGS = 1 << 5  # an XDP program that handles multi-buffer frames (kernel 5.18+)
+# expected attach types (enum bpf_attach_type)
+BPF_XDP_DEVMAP = 33  # a devmap egress program
 # XDP actions
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
 XDP_ACTIONS = {0: "aborted", 1: "drop", 2: "pass", 3: "tx", 4: "redirect"}
@@ -69,6 +73,8 @@ class _ProgLoad(ct.Structure):
         ("kern_version", ct.c_uint32),
         ("prog_flags", ct.c_uint32),
         ("prog_name", ct.c_char * 16),
+        ("prog_ifindex", ct.c_uint32),
+        ("expected_attach_type", ct.c_uint32),
         ("pad", ct.c_uint8 * 64),
     ]
 
@@ -174,6 +180,11 @@ class MapInfo(ct.Structure):
         ("max_entries", ct.c_uint32),
         ("map_flags", ct.c_uint32),
         ("name", ct.c_char * 16),
+        ("ifindex", ct.c_uint32),
+        ("btf_vmlinux_value_type_id", ct.c_uint32),
+        ("netns_dev", ct.c_uint64),
+        ("netns_ino", ct.c_uint64),
+        ("btf_id", ct.c_uint32),
         ("pad", ct.c_uint8 * 64),
     ]
 
@@ -195,13 +206,52 @@ def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, 
     return _bpf(MAP_CREATE, a)
 
 
-def prog_load(prog_type: int, insns: list[int], name: str, license: bytes = b"GPL") -> int:
-    """Load a program given as raw 64-bit instructions; returns its fd."""
-    code = (ct.c_uint64 * len(insns))(*insns)
+VERIFIER_LOG_BYTES = 1 << 20  # the tail of the verifier log kept when a load is refused
+
+
+class ProgLoadError(BpfError):
+    """The kernel refused a program; .log holds the tail of the verifier's log."""
+
+    def __init__(self, err: int, msg: str, log: str):
+        super().__init__(err, msg)
+        self.log = log
+
+
+def prog_load(
+    prog_type: int,
+    insns: list[int] | bytes,
+    name: str,
+    license: bytes = b"GPL",
+    prog_flags: int = 0,
+    expected_attach_type: int = 0,
+) -> int:
+    """Load a program given as raw 64-bit instructions (a list of ints, or their bytes as bcc's
+    dump_func returns them, map fds patched in); returns its fd. `prog_flags`: e.g.
+    BPF_F_XDP_HAS_FRAGS. A refusal raises ProgLoadError with the verifier log's tail: the load
+    is retried once with the log on (a log costs the verifier time, so the first try has none)."""
+    raw = bytes(insns) if isinstance(insns, (bytes, bytearray)) else None
+    if raw is not None:
+        code = ct.create_string_buffer(raw, len(raw))
+        count = len(raw) // 8
+    else:
+        code = (ct.c_uint64 * len(insns))(*insns)
+        count = len(insns)
     lic = ct.create_string_buffer(license)
-    attr = _ProgLoad(prog_type, len(insns), ct.addressof(code), ct.addressof(lic))
+    attr = _ProgLoad(prog_type, count, ct.addressof(code), ct.addressof(lic))
     attr.prog_name = name.encode()[:15]
-    return _bpf(PROG_LOAD, attr)
+    attr.prog_flags = prog_flags
+    attr.expected_attach_type = expected_attach_type
+    try:
+        return _bpf(PROG_LOAD, attr)
+    except BpfError as e:
+        # kernels since 6.4 keep the log's tail (rotating) when it overflows the buffer
+        log = ct.create_string_buffer(VERIFIER_LOG_BYTES)
+        attr.log_level, attr.log_size, attr.log_buf = 1, len(log), ct.addressof(log)
+        try:
+            return _bpf(PROG_LOAD, attr)
+        except BpfError as e2:
+            text = log.value.decode(errors="replace")
+            raise ProgLoadError(e2.errno, f"{e}: the kernel refused {name}", text) from e2
 
 
 XDP_PASS_INSNS = [0xB7 | (XDP_PASS << 32), 0x95]  # mov64 r0, XDP_PASS ; exit

@@ -29,7 +29,7 @@ from .control_link import ControlLink
 from .diagnosis import gone_notes
 from .engine import EngineConfig, Faults, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
-from .netinfo import mac_of, source_ip_towards
+from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .rendezvous import ControlClient, load_secret, parse_endpoint
 from .striping import StripedEngine
 from .udp_io import DatagramSocket
@@ -42,7 +42,7 @@ def init(
     world_size: int,
     aggregator,
     job: str = "default",
-    elems: int = 256,
+    elems: int | str = 256,
     window: int = 64,
     timeout: float = 30.0,
     *,
@@ -70,8 +70,10 @@ def init(
         every all-reduce is split into k stripes that run at once, one per aggregator
         (hostlib.striping); every rank must list the same aggregators in the same order.
     job: the job's name; all ranks of one run use the same, and no other live run may.
-    elems, window: int32 per packet (32, 64, 128, 256, 512 or 768) and slots per worker; rank
-        0's values make the job, the other ranks adopt them.
+    elems, window: int32 per packet (32, 64, 128, 256, 512, 768, 1024 or 2048) and slots per
+        worker; rank 0's values make the job, the other ranks adopt them. elems="auto": the most
+        that fits the path MTU towards the control endpoint(s) (wire.elems_for_mtu: 256 at MTU
+        1500, 2048 at 9000; 1024 and 2048 need an aggregator attached with --frags).
     timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
     ip: the address the aggregator knows this worker by. By default the source address the
         kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
@@ -108,10 +110,12 @@ def init(
     """
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
+    endpoints = parse_aggregators(aggregator)
+    if elems == "auto":
+        elems = min(wire.elems_for_mtu(path_mtu_towards(*e)) for e in endpoints)
     wire.size_code_for(elems)
     if window < 1:
         raise ValueError("window must be at least 1")
-    endpoints = parse_aggregators(aggregator)
     secret = load_secret(secret_file)
     # the job's token at the first aggregator (striped, the others need the secret: a token is
     # one aggregator's, made when rank 0 creates the job there)

@@ -16,6 +16,18 @@ def source_ip_towards(host: str, port: int) -> str:
         return s.getsockname()[0]
 
 
+IP_MTU = 14  # <linux/in.h>: a connected socket's path MTU (getsockopt); not in Python's socket
+
+
+def path_mtu_towards(host: str, port: int) -> int:
+    """The MTU of the path to (host, port) as this host knows it: the route's (or the
+    interface's) MTU, lowered by what path MTU discovery has learnt, read from a connected UDP
+    socket (IP_MTU, ip(7)); connect() sends nothing."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(host), port or 9))
+        return s.getsockopt(socket.IPPROTO_IP, IP_MTU)
+
+
 def mac_of(ip: str) -> str:
     """MAC of the interface that holds `ip`, or all zeros if none does (e.g. 127.0.0.x).
 

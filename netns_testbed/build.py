@@ -13,7 +13,7 @@ from pyroute2 import netns as pr_netns
 
 from . import faults, nsexec, registry, shaping, xdp_pass
 from .errors import TestbedError
-from .plan import BRIDGE_NAME
+from .plan import BRIDGE_NAME, PLAIN_XDP_MAX_MTU
 
 # br_netfilter, when loaded (Docker loads it), makes every bridge pass its frames through the
 # iptables/ip6tables/arptables hooks, per namespace; a switch does not, and on one worker it cost
@@ -191,7 +191,7 @@ class TestbedBuild:
                 facing.setdefault(v.ns_b, []).append(v.if_b)
             elif v.ns_b in agg_netns:
                 facing.setdefault(v.ns_a, []).append(v.if_a)
-        xdp_pass.attach_pass(facing)
+        xdp_pass.attach_pass(facing, frags=self.mtu > PLAIN_XDP_MAX_MTU)
         if querier_since is not None:
             # the bridge floods groups until its querier is one response interval old
             time.sleep(max(0.0, querier_since + QUERY_RESPONSE_CS / 100 - time.monotonic()))

@@ -17,7 +17,7 @@ import click
 # the package had an __init__.py maps it as a namespace package.
 from . import nsexec, plan, registry, shaping
 from .errors import TestbedError
-from .testbed import MAX_MTU, MIN_MTU, Testbed, require_root
+from .testbed import MAX_MTU, MIN_MTU, PLAIN_XDP_MAX_MTU, Testbed, require_root
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -133,7 +133,7 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
     type=int,
     default=1500,
     show_default=True,
-    help=f"Link MTU, {MIN_MTU}..{MAX_MTU} (XDP on veth without frags allows no more).",
+    help=f"Link MTU, {MIN_MTU}..{MAX_MTU} (above {PLAIN_XDP_MAX_MTU}: xdp-agg attach --frags).",
 )
 @click.option("--loss-up", type=PROB, default=0.0, help="Drop probability worker -> aggregator.")
 @click.option("--loss-down", type=PROB, default=0.0, help="Drop probability aggregator -> worker.")

@@ -44,6 +44,13 @@ PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"
 BRIDGE_NAME = "br0"
+
+# MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
+# or the XDP_PASS stub), and veth refuses an XDP program without frags support on a link whose
+# frame does not fit one page: 4096 - 256 headroom - 320 skb_shared_info - 14 Ethernet = 3506
+# (measured: 3507 fails with ERANGE). Above PLAIN_XDP_MAX_MTU the testbed's XDP_PASS stubs are
+# multi-buffer (frags) programs, and the aggregator must be attached with --frags too.
+MIN_MTU, PLAIN_XDP_MAX_MTU, MAX_MTU = 68, 3506, 9000
 # Interface names must fit IFNAMSIZ-1 = 15 characters; ours are at most 4.
 IFNAMSIZ_MAX = 15
 

@@ -61,7 +61,7 @@ from . import faults, nsexec, registry, shaping
 from .build import TestbedBuild
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
-from .plan import make_plan, new_prefix
+from .plan import MAX_MTU, MIN_MTU, PLAIN_XDP_MAX_MTU, make_plan, new_prefix
 
 _KEEP = object()  # "leave this setting as it is"
 STATE_VERSION = 1
@@ -73,13 +73,6 @@ def require_root() -> None:
         raise NotRootError()
 
 
-# MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
-# or the XDP_PASS stub), and veth refuses an XDP program without frags support on a link whose
-# frame does not fit one page: 4096 - 256 headroom - 320 skb_shared_info - 14 Ethernet = 3506
-# (measured: 3507 fails with ERANGE).
-MIN_MTU, MAX_MTU = 68, 3506
-
-
 class Testbed(TestbedBuild):
     """Workers and an aggregator in network namespaces; see the module docstring.
 
@@ -89,7 +82,8 @@ class Testbed(TestbedBuild):
         rate: per-worker-link rate, e.g. ``"1gbit"``; None = unshaped.
         agg_rate: rate of the aggregator's own link (one-arm only; each one's).
         aggregators: number of aggregators, 1..9 (more than 1: one-arm only).
-        mtu: MTU of every veth and the bridge, 68..3506 (MAX_MTU: XDP without frags).
+        mtu: MTU of every veth and the bridge, 68..9000; above 3506 (PLAIN_XDP_MAX_MTU, XDP
+            without frags) the aggregator needs a multi-buffer program (xdp-agg attach --frags).
         loss_up / loss_down: drop probability in [0, 1] for UDP a worker sends
             to / receives from ports 0xBEE0-0xBEEF (1 = drop all).
         dup_up / dup_down: probability in [0, 1] of sending one extra copy of
@@ -131,10 +125,8 @@ class Testbed(TestbedBuild):
         self.mcast_snooping = bool(mcast_snooping)
         if not isinstance(mtu, int) or not MIN_MTU <= mtu <= MAX_MTU:
             raise ValueError(
-                f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r}: "
-                "the testbed attaches "
-                f"XDP programs to its veths, and XDP without multi-buffer (frags) support, which "
-                f"bcc cannot ask for, fits a frame in one page: at most MTU {MAX_MTU} on veth"
+                f"mtu must be an integer in {MIN_MTU}..{MAX_MTU}, got {mtu!r} "
+                f"(above {PLAIN_XDP_MAX_MTU} the XDP programs on its veths are multi-buffer ones)"
             )
         self.mtu = mtu
         self.topology = topology

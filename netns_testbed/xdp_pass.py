@@ -17,11 +17,16 @@ import bpfsys
 _XDP_FLAGS_DRV_MODE = 1 << 2
 
 
-def attach_pass(ends: dict[str, list[str]]) -> None:
-    """Attach the XDP_PASS program to each named interface, per namespace."""
+def attach_pass(ends: dict[str, list[str]], frags: bool = False) -> None:
+    """Attach the XDP_PASS program to each named interface, per namespace. `frags`: load it as
+    a multi-buffer program (BPF_F_XDP_HAS_FRAGS), which veth requires once the link's MTU is
+    above what one page holds (the testbed's jumbo MTUs)."""
     if not any(ends.values()):
         return
-    fd = bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, bpfsys.XDP_PASS_INSNS, "tb_xdp_pass")
+    flags = bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0
+    fd = bpfsys.prog_load(
+        bpfsys.PROG_TYPE_XDP, bpfsys.XDP_PASS_INSNS, "tb_xdp_pass", prog_flags=flags
+    )
     try:
         for ns, ifnames in ends.items():
             with IPRoute(netns=ns) as ipr:

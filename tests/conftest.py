@@ -47,17 +47,19 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", params=["percpu", "spinlock"])
+@pytest.fixture(scope="session", params=["percpu", "spinlock", "percpu-frags"])
 def agg_prog(request):
     """The XDP aggregator compiled and loaded once per variant (not attached), with typed map
-    access. Every test using it runs against both the per-CPU design and the spin-lock baseline."""
+    access. Every test using it runs against the per-CPU design, the spin-lock baseline and the
+    per-CPU design loaded as a multi-buffer (frags) program, the one jumbo frames need; a test
+    of jumbo frames skips the others (prog.options["frags"] says which it has)."""
     from xdp_switch import loader
     from xdp_switch.ctl_maps import AggMaps
 
-    prog = loader.load(pool_slots=256, variant=request.param)
+    variant, _, frags = request.param.partition("-")
+    prog = loader.load(pool_slots=256, variant=variant, frags=bool(frags))
     yield prog, AggMaps(prog.maps, prog.pool_slots)
-    os.close(prog.maps["partials"])
-    prog.bpf.cleanup()
+    prog.close()
 
 
 @pytest.fixture

@@ -952,73 +952,79 @@ def p4app_host_cases(rng) -> list[Case]:
     return out
 
 
+def parent_pool_index(g: int, v: int) -> int:
+    """The parent's pool index for our slot g, version v, in the tree cases (g - 4 + 100)."""
+    return int(wire.pool_index(g - 4 + PARENT_SLOT_BASE, v))
+
+
+def tree_forward_and_down(rng, k: int) -> Case:
+    """A rack job's round of k elements through two levels: up, again up, down, a stale copy of
+    the parent's result, and a retransmission answered with it."""
+    pidx, up = wire.pool_index, parent_pool_index
+    c = Case(
+        f"tree_forward_and_down_k{k}",
+        [job(n=3, elems=k, base=4, count=8, tree=True)],
+        workers(0, 3),
+    )
+    vals = [_vals(rng, k) for _ in range(3)]
+    exps = [3, -5, 9]
+    fr = [frame(h, vals[h], slot=6, tsi=50, e0=exps[h], job_number=7) for h in range(3)]
+    part = _wrap(sum(vals))
+    other = _vals(rng, k, -(10**6), 10**6)  # the other racks' sum, as the parent adds it
+    total = _wrap(sum(vals) + other)
+    down = parent_frame(total, slot=6 - 4 + PARENT_SLOT_BASE, tsi=50, e0=12, job_number=7)
+    c.steps = [
+        Step("w0", fr[0], Action.DROP, Reason.AGGREGATED),
+        Step("w1", fr[1], Action.DROP, Reason.AGGREGATED),
+        Step(
+            "w2 completes here: the partial goes up",
+            fr[2],
+            Action.TO_PARENT,
+            Reason.FORWARDED_UP,
+            part,
+            9,
+            pool_index=up(6, 0),
+        ),
+        Step(
+            "w0 retransmits before the parent answered: the partial again",
+            fr[0],
+            Action.TO_PARENT,
+            Reason.RESENT_UP,
+            part,
+            9,
+            pool_index=up(6, 0),
+        ),
+        Step(
+            "the parent's result comes down to every worker",
+            down,
+            Action.TO_ALL,
+            Reason.PARENT_RESULT,
+            total,
+            12,
+            pool_index=int(pidx(6, 0)),
+        ),
+        Step("the parent's result again (a copy)", down, Action.DROP, Reason.STALE_PARENT_RESULT),
+        Step(
+            "w1 retransmits after the parent answered: the parent's result",
+            fr[1],
+            Action.TO_SENDER,
+            Reason.RETX_ANSWERED,
+            total,
+            12,
+            sender=1,
+        ),
+    ]
+    return c
+
+
 @case
 def tree_cases(rng) -> list[Case]:
     """Two levels (docs/protocol.md section 3.7): a rack job (base 4, 8 slots) whose parent job's
     slots start at PARENT_SLOT_BASE. Our slot g is the parent's g - 4 + 100."""
     cases = []
-    pidx = wire.pool_index
-
-    def up(g, v):
-        return int(pidx(g - 4 + PARENT_SLOT_BASE, v))
-
+    pidx, up = wire.pool_index, parent_pool_index
     for k in (32, 256):
-        c = Case(
-            f"tree_forward_and_down_k{k}",
-            [job(n=3, elems=k, base=4, count=8, tree=True)],
-            workers(0, 3),
-        )
-        vals = [_vals(rng, k) for _ in range(3)]
-        exps = [3, -5, 9]
-        fr = [frame(h, vals[h], slot=6, tsi=50, e0=exps[h], job_number=7) for h in range(3)]
-        part = _wrap(sum(vals))
-        other = _vals(rng, k, -(10**6), 10**6)  # the other racks' sum, as the parent adds it
-        total = _wrap(sum(vals) + other)
-        down = parent_frame(total, slot=6 - 4 + PARENT_SLOT_BASE, tsi=50, e0=12, job_number=7)
-        c.steps = [
-            Step("w0", fr[0], Action.DROP, Reason.AGGREGATED),
-            Step("w1", fr[1], Action.DROP, Reason.AGGREGATED),
-            Step(
-                "w2 completes here: the partial goes up",
-                fr[2],
-                Action.TO_PARENT,
-                Reason.FORWARDED_UP,
-                part,
-                9,
-                pool_index=up(6, 0),
-            ),
-            Step(
-                "w0 retransmits before the parent answered: the partial again",
-                fr[0],
-                Action.TO_PARENT,
-                Reason.RESENT_UP,
-                part,
-                9,
-                pool_index=up(6, 0),
-            ),
-            Step(
-                "the parent's result comes down to every worker",
-                down,
-                Action.TO_ALL,
-                Reason.PARENT_RESULT,
-                total,
-                12,
-                pool_index=int(pidx(6, 0)),
-            ),
-            Step(
-                "the parent's result again (a copy)", down, Action.DROP, Reason.STALE_PARENT_RESULT
-            ),
-            Step(
-                "w1 retransmits after the parent answered: the parent's result",
-                fr[1],
-                Action.TO_SENDER,
-                Reason.RETX_ANSWERED,
-                total,
-                12,
-                sender=1,
-            ),
-        ]
-        cases.append(c)
+        cases.append(tree_forward_and_down(rng, k))
 
     c = Case("tree_versions_alternate", [job(n=2, base=4, count=8, tree=True)], workers(0, 2))
     for r in range(3):  # v0, v1, v0 on slot 5: each round up, then down
@@ -1118,6 +1124,42 @@ def tree_cases(rng) -> list[Case]:
     return cases
 
 
+def length_lies(full: bytes, k: int, fewer: int) -> tuple[list[Step], list[Step]]:
+    """Steps of a valid frame of k elements made to lie, all dropped before any state changes:
+    (too short: its payload cut, or its lengths agreeing with `fewer` elements less), and
+    (lengths that lie: UDP length long, IPv4 length short, bytes after the payload)."""
+    plen = wire.udp_payload_len(k)
+    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    cut = 4 * fewer
+    short = [
+        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
+        Step(
+            f"lengths agree with a frame of {k - fewer} elements",
+            relength(full, ip_len=ilen - cut, udp_len=ulen - cut, cut=cut),
+            Action.DROP,
+            Reason.DROP_TRUNCATED,
+        ),
+    ]
+    lies = [
+        Step(
+            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
+        ),
+        Step(
+            "IPv4 length short",
+            relength(full, ip_len=ilen - 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+        Step(
+            "bytes after the payload",
+            relength(full, trailer=b"\0" * 4),
+            Action.DROP,
+            Reason.DROP_BAD_LENGTH,
+        ),
+    ]
+    return short, lies
+
+
 @case
 def folded_cases(rng) -> list[Case]:
     """256 elements per packet (size code 3, p4app-switchML's 1024-byte payload), which the P4
@@ -1167,37 +1209,16 @@ def folded_cases(rng) -> list[Case]:
     c = Case("folded_k256_checks", [job(n=2, elems=k, base=4, count=4)], workers(0, 2))
     a, b = _vals(rng, k), _vals(rng, k)
     full = frame(0, a, slot=5)
-    plen = wire.udp_payload_len(k)
-    ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
+    short, lies = length_lies(full, k, 4)
     c.steps = [
-        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step(
-            "lengths agree with a frame of 252 elements",
-            relength(full, ip_len=ilen - 16, udp_len=ulen - 16, cut=16),
-            Action.DROP,
-            Reason.DROP_TRUNCATED,
-        ),
+        *short,
         Step(
             "64 elements to a 256 job", frame(0, a[:64], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
         ),
         Step(
             "128 elements (XDP only)", frame(0, a[:128], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
         ),
-        Step(
-            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
-            "IPv4 length short",
-            relength(full, ip_len=ilen - 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
-        Step(
-            "bytes after the payload",
-            relength(full, trailer=b"\0" * 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
+        *lies,
         Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
         Step("w0 after all that", full, Action.DROP, Reason.AGGREGATED),
         Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
@@ -1243,6 +1264,91 @@ def folded_cases(rng) -> list[Case]:
         pidx=3,  # version 0, slot 3
         job_id=7,
         pkt_id=0x0A0B0C00,
+    )
+    cases.append(c)
+    return cases
+
+
+def with_size_code(f: bytes, code: int) -> bytes:
+    """A frame with another size code in its SwitchML header (payload and lengths unchanged)."""
+    b = bytearray(f)
+    b[wire.SWITCHML_OFFSET] = (b[wire.SWITCHML_OFFSET] & ~7) | code
+    return bytes(b)
+
+
+@case
+def jumbo_cases(rng) -> list[Case]:
+    """The jumbo size codes, 1024 and 2048 int32 (4148- and 8244-byte frames, more than a page:
+    the XDP program takes them as a multi-buffer (frags) program only, through
+    bpf_xdp_load_bytes/store_bytes). Every verdict of the state machine on them, the length and
+    checksum checks (a flipped bit past the first buffer), two levels; and the jumbo codes
+    carried to a job of another size, which every target, bmv2 included, drops as a bad size.
+    Registered last, so that the cases before keep their values."""
+    cases = []
+    for k in (1024, 2048):
+        c = Case(f"jumbo_complete_n3_k{k}", [job(n=3, elems=k)], workers(0, 3))
+        c.steps, vals, exps = complete_round(rng, 3, k, slot=2)
+        again = frame(1, vals[1], slot=2, e0=exps[1], tsi=1001)
+        c.steps.append(
+            Step(
+                "w1 retransmits",
+                again,
+                Action.TO_SENDER,
+                Reason.RETX_ANSWERED,
+                _wrap(sum(vals)),
+                max(exps),
+                sender=1,
+            )
+        )
+        cases.append(c)
+
+    k = 2048
+    c = Case("jumbo_k2048_checks", [job(n=2, elems=k, base=4, count=4)], workers(0, 2))
+    a, b = _vals(rng, k, -(2**31), 2**31 - 1), _vals(rng, k, -(2**31), 2**31 - 1)
+    full = frame(0, a, slot=5)
+    short, lies = length_lies(full, k, 8)
+    c.steps = [
+        *short,
+        Step(
+            "1024 elements to a 2048 job",
+            frame(0, a[:1024], slot=5),
+            Action.DROP,
+            Reason.DROP_BAD_SIZE,
+        ),
+        *lies,
+        Step("w0", full, Action.DROP, Reason.AGGREGATED),
+        Step("w0 again", full, Action.DROP, Reason.DUP_PENDING),
+        Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    cases.append(c)
+
+    c = Case("jumbo_udp_checksum_k2048", [job(n=2, elems=k, udp_checksum=True)], workers(0, 2))
+    a, b = _vals(rng, k, -(2**31), 2**31 - 1), _vals(rng, k, -(2**31), 2**31 - 1)
+    sums = [frame(h, v, slot=3, udp_checksum=True) for h, v in ((0, a), (1, b))]
+    bad = bytearray(sums[1])
+    bad[wire.PAYLOAD_OFFSET + 4 * 1900 + 1] ^= 0x10  # past the first buffer (3520 bytes)
+    c.steps = [
+        Step("w0, right checksum", sums[0], Action.DROP, Reason.AGGREGATED),
+        Step("w1, a bit flipped late", bytes(bad), Action.DROP, Reason.DROP_BAD_CHECKSUM),
+        Step("w1 completes", sums[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+    ]
+    cases.append(c)
+    cases.append(tree_forward_and_down(rng, k))
+    cases[-1].name = "jumbo_tree_forward_and_down_k2048"
+
+    c = Case("jumbo_size_codes_to_a_32_job", [job(n=1, elems=32)], workers(0, 1))
+    a = _vals(rng, 32)
+    c.steps = [
+        Step(
+            f"size code {code} ({wire.elems_for(code)}) on a 32-element frame",
+            with_size_code(frame(0, a, slot=1), code),
+            Action.DROP,
+            Reason.DROP_BAD_SIZE,
+        )
+        for code in wire.JUMBO_SIZE_CODES
+    ]
+    c.steps.append(
+        Step("the frame itself", frame(0, a, slot=1), Action.TO_ALL, Reason.COMPLETED, _wrap(a), 0)
     )
     cases.append(c)
     return cases

@@ -10,7 +10,8 @@ import pytest
 from harness.ranks import join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
-from hostlib import scaling
+from aggproto import wire
+from hostlib import netinfo, scaling
 from hostlib.stream_state import _ranges
 
 pytestmark = pytest.mark.timeout(90)
@@ -357,6 +358,49 @@ def test_plain_sockets_without_gso_and_gro(native):
             assert stats["send_calls"] >= stats["packets_sent"]  # one datagram per call
         else:  # sendmmsg: many plain datagrams per call, never one GSO buffer
             assert 0 < stats["send_calls"] <= stats["packets_sent"]
+
+
+def test_elems_for_mtu_is_the_largest_size_that_fits():
+    assert [wire.elems_for_mtu(m) for m in (1500, 3500, 4200, 9000, 65535)] == [
+        256,
+        768,
+        1024,
+        2048,
+        2048,
+    ]
+    for mtu in (200, 1500, 3506, 4147, 9000):  # the IPv4 datagram fits, the next size would not
+        k = wire.elems_for_mtu(mtu)
+        assert wire.frame_len(k) - wire.ETH_HLEN <= mtu
+        bigger = [n for n in wire.SIZE_CODE_ELEMS.values() if n > k]
+        assert all(wire.frame_len(n) - wire.ETH_HLEN > mtu for n in bigger)
+    with pytest.raises(ValueError, match="MTU 100"):
+        wire.elems_for_mtu(100)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_elems_follow_the_path_mtu(native):
+    """elems="auto": the most the path MTU towards the control endpoint allows (loopback's
+    65536: 2048 per packet, the jumbo size), and the all-reduce is exact at that size."""
+    from hostlib.engine import _fastpath
+
+    if native and _fastpath is None:
+        pytest.skip("hostlib._fastpath is not built")
+    n, length = 2, 3 * 2048 + 5
+    with soft_cluster() as cl:
+        res = ok(
+            run_ranks(
+                cl,
+                n,
+                lambda c: (c.description.spec.elems, c.allreduce(int_inputs(c.rank, length))),
+                elems="auto",
+                native=native,
+            )
+        )
+    want = wire.elems_for_mtu(netinfo.path_mtu_towards("127.0.0.1", 9))
+    assert want == 2048
+    for elems, got in res:
+        assert elems == want
+        assert np.array_equal(got, int_expected(n, length))
 
 
 def test_stats_are_counted():

@@ -12,8 +12,9 @@ and the per-reason counters move exactly as the steps say. The serial reference 
 with every verdict and every result's bytes.
 
 Differences from the XDP test, by design:
-- cases with 768-element packets are skipped: the v1model program aggregates 32, 64 and 256
-  elements per packet (256 in four passes, recirculated: p4app-switchML's sizes);
+- cases with 128, 512, 768, 1024 or 2048-element packets are skipped: the v1model program
+  aggregates 32, 64 and 256 elements per packet (256 in four passes, recirculated: p4app-switchML's
+  sizes); a jumbo size code on a frame to one of its jobs is a counted bad size;
 - the P4 program always delivers results as switch mode does (one copy per worker through the
   job's multicast group), whatever the job's `delivery` says: a P4 switch has no "one-arm" port;
 - plain traffic is switched (MAC table, flooding) instead of passed to a kernel.
@@ -168,8 +169,8 @@ def test_packet_case(lab, case: Case):
     if unsupported:
         pytest.skip(
             f"{unsupported} elements per packet: the v1model program aggregates "
-            f"{', '.join(map(str, P4_ELEMS))} (p4app-switchML's sizes); 128, 512 and 768 are "
-            "the XDP program's"
+            f"{', '.join(map(str, P4_ELEMS))} (p4app-switchML's sizes); 128, 512, 768 and the "
+            "jumbo 1024 and 2048 are the XDP program's"
         )
     if any(j.udp_checksum for j in case.jobs):
         pytest.skip("UDP checksum verification is the XDP program's (the bmv2 backend refuses it)")

@@ -22,7 +22,7 @@ from harness.cli import run_testbed_cli
 from netns_testbed import faults, plan, registry, shaping
 from netns_testbed.errors import TestbedError
 from netns_testbed.fixtures import SKIP_REASON
-from netns_testbed.testbed import MAX_MTU, Testbed
+from netns_testbed.testbed import MAX_MTU, PLAIN_XDP_MAX_MTU, Testbed
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 AGG_PORT = 0xBEE0
@@ -150,14 +150,16 @@ def test_bad_options(kw):
         Testbed(**kw)
 
 
-def test_mtu_above_what_xdp_on_veth_allows_is_refused_with_the_limit():
-    """veth refuses XDP without frags above MTU 3506 (ERANGE from the kernel): say so up front."""
-    assert MAX_MTU == 3506
+def test_mtu_above_the_jumbo_limit_is_refused_with_the_limit():
+    """Up to 3506 the testbed's XDP programs are plain ones; above, to 9000, multi-buffer (frags)
+    programs (veth refuses a plain one there with ERANGE); more is refused up front."""
+    assert (PLAIN_XDP_MAX_MTU, MAX_MTU) == (3506, 9000)
+    Testbed(mtu=PLAIN_XDP_MAX_MTU)
     Testbed(mtu=MAX_MTU)
-    with pytest.raises(ValueError, match=r"68\.\.3506, got 9000.*XDP"):
-        Testbed(mtu=9000)
-    r = run_testbed_cli("up", "--mtu", "3507")
-    assert r.exit_code == 2 and "3506" in r.output and "Traceback" not in r.output
+    with pytest.raises(ValueError, match=r"68\.\.9000, got 9001.*multi-buffer"):
+        Testbed(mtu=9001)
+    r = run_testbed_cli("up", "--mtu", "9001")
+    assert r.exit_code == 2 and "9000" in r.output and "Traceback" not in r.output
 
 
 def test_default_prefix_and_records():

@@ -1,15 +1,16 @@
-"""A seeded fuzz of the data plane: 100,000 frames through BPF_PROG_TEST_RUN, each against the
+"""A seeded fuzz of the data plane: 150,000 frames through BPF_PROG_TEST_RUN, each against the
 serial model (issue 12, item 3, the PROG_TEST_RUN part).
 
 The frames start from valid contributions of registered workers of two jobs (sizes 32 and 64,
 their slots, both versions, few enough slots that rounds complete and retransmissions get
-answered) and are then, at random, left alone or broken: header bytes of every layer changed
-(IPv4 version/ihl/lengths/flags/fragment offset/protocol/TTL, UDP ports and length, every byte
-of our header), cut anywhere, extended with a trailer, given IPv4 options, a VLAN tag, made IPv6,
-sent from an unregistered address or to another port, or replaced by random bytes. For every
-frame the XDP action and, for results, the output bytes must be the model's; at the end every
-counter by reason must equal the model's count of that reason. Frames that are not ours must
-leave untouched. Deterministic: the seed fixes every frame.
+answered; the multi-buffer (frags) variant has a third job of 2048 int32 per packet, 8244-byte
+frames that span buffers) and are then, at random, left alone or broken: header bytes of every
+layer changed (IPv4 version/ihl/lengths/flags/fragment offset/protocol/TTL, UDP ports and
+length, every byte of our header), cut anywhere, extended with a trailer, given IPv4 options, a
+VLAN tag, made IPv6, sent from an unregistered address or to another port, or replaced by random
+bytes. For every frame the XDP action and, for results, the output bytes must be the model's; at
+the end every counter by reason must equal the model's count of that reason. Frames that are
+not ours must leave untouched. Deterministic: the seed fixes every frame.
 """
 
 import socket
@@ -28,19 +29,20 @@ from aggproto.model import Action, ReferenceAggregator
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.slow]
 
-FRAMES = 50_000  # per program variant: 100,000 in all
+FRAMES = 50_000  # per program variant: 150,000 in all
 JOBS = [
     job(0, n=3, elems=32, base=0, count=6),
     job(1, n=2, elems=64, base=6, count=4, port=wire.UDP_PORT + 1),
 ]
-HOSTS = {0: range(0, 3), 1: range(3, 5)}  # worker host numbers per job
+JUMBO_JOB = job(2, n=2, elems=2048, base=10, count=4, port=wire.UDP_PORT + 2)  # frags only
+HOSTS = {0: range(0, 3), 1: range(3, 5), 2: range(5, 7)}  # worker host numbers per job
 
 
-def _setup(maps, model):
-    for j in JOBS:
+def _setup(maps, model, jobs):
+    for j in jobs:
         maps.create_job(j)
         model.create_job(j.job_id, j.num_workers, j.elems, j.slot_base, j.slot_count)
-    for j in JOBS:
+    for j in jobs:
         ws = workers(j.job_id, j.num_workers, first=HOSTS[j.job_id][0], port=j.agg_port)
         for w in ws:
             maps.add_worker(w)
@@ -78,8 +80,8 @@ def _frame(host: int, port: int, udp_payload: bytes) -> bytes:
     return eth + b"\x08\x00" + bytes(ip) + udp + udp_payload
 
 
-def _valid(rng) -> bytes:
-    j = JOBS[rng.integers(len(JOBS))]
+def _valid(rng, jobs=JOBS) -> bytes:
+    j = jobs[rng.integers(len(jobs))]
     host = int(rng.choice(list(HOSTS[j.job_id])))
     slot = j.slot_base + int(rng.integers(-1, j.slot_count + 1))  # sometimes just outside
     vals = rng.integers(-(2**31), 2**31, size=(1, j.elems), dtype=np.int64)
@@ -175,16 +177,17 @@ def _counters(maps) -> Counter:
 def test_fuzzed_frames_match_the_model(agg):
     prog, maps = agg
     fd = prog.progs["xdp_agg_ingress"]
-    assert all(j.delivery == Delivery.GROUP_TX for j in JOBS)
+    jobs = JOBS + ([JUMBO_JOB] if prog.options["frags"] else [])
+    assert all(j.delivery == Delivery.GROUP_TX for j in jobs)
     model = ReferenceAggregator()
-    _setup(maps, model)
+    _setup(maps, model, jobs)
     rng = np.random.default_rng(2026)
     probe = _valid(np.random.default_rng(1))  # the fast builder makes packet_cases.frame's bytes
     assert probe == _frame_like_packet_cases(probe)
     before = _counters(maps)
     want = Counter()
     for i in range(FRAMES):
-        f = _valid(rng)
+        f = _valid(rng, jobs)
         if rng.random() < 0.5:
             f = _broken(rng, f)
         v = model.process_frame(f)

@@ -21,7 +21,7 @@ import time
 
 import bpfsys
 from aggcodegen import abi
-from aggproto import limits
+from aggproto import limits, wire
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.reasons import PARENT_REASONS
 
@@ -58,13 +58,16 @@ def attach(
     netns: str | None = None,
     cflags: tuple[str, ...] = (),
     variant: str = "percpu",
+    frags: bool = False,
 ) -> pins.State:
     """Load the program, pin it, and attach it to `ifaces` (in the current namespace).
 
     `topology` is one of TOPOLOGIES (default: one-arm for one interface, switch for several),
-    `xdp_mode` one of XDP_MODES. Everything made is rolled back if a step fails. Raises
-    XdpAggError subclasses (NeedsRoot, EnvironmentProblem, AggregatorError, LinkError,
-    LoadError) with what to do.
+    `xdp_mode` one of XDP_MODES. `frags`: load it as an XDP multi-buffer program, which takes
+    frames larger than a page (jumbo jobs, 1024 and 2048 int32 per packet) and attaches where
+    the link's MTU is above what one page holds (a veth whose peer has MTU 9000). Everything
+    made is rolled back if a step fails. Raises XdpAggError subclasses (NeedsRoot,
+    EnvironmentProblem, AggregatorError, LinkError, LoadError) with what to do.
     """
     _check_root("attaching the aggregator (BPF maps and XDP)")
     if not ifaces:
@@ -97,7 +100,7 @@ def attach(
                 f"(`ip link set dev {ifname} xdp off`) if it is not needed"
             )
         infos.append(links.addresses(ifname))
-    prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant)
+    prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant, frags=frags)
     done: list[dict] = []
     try:
         inst.pin(
@@ -124,7 +127,12 @@ def attach(
             prog_id=ingress_id,
             egress_prog_id=egress_id,
             attached_at=time.time(),
-            options={"cflags": list(cflags), "nr_cpus": prog.nr_cpus, "variant": variant},
+            options={
+                "cflags": list(cflags),
+                "nr_cpus": prog.nr_cpus,
+                "variant": variant,
+                "frags": frags,
+            },
         )
         inst.save_state(state)
         return state
@@ -135,8 +143,7 @@ def attach(
         raise
     finally:
         # The pins hold the program and maps now; drop this process's references.
-        os.close(prog.maps["partials"])
-        prog.bpf.cleanup()
+        prog.close()
 
 
 def _describe_attachment(inst: pins.Instance) -> str:
@@ -460,6 +467,23 @@ class XdpBackend:
         self._created.add(spec.job_id)
         if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
             spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
+        jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
+        if spec.elems in jumbo and not self.state.options.get("frags"):
+            raise Refused(
+                f"job {spec.job_id}: {spec.elems} elements per packet are frames larger than a "
+                f"page, which aggregator {self.name!r} cannot see: attach it with --frags "
+                "(an XDP multi-buffer program)"
+            )
+        if spec.elems in jumbo and self.state.topology == "switch":
+            # measured on 6.18 veth: no devmap broadcast of a multi-buffer result reached a port
+            # (every packet of a 2048-element job needed a retransmission, answered by XDP_TX);
+            # redirecting multi-buffer frames was refused outright when frags came in (kernel
+            # 5.18, net/core/filter.c xdp_do_redirect: "not fully supported yet")
+            raise Refused(
+                f"job {spec.job_id}: {spec.elems} elements per packet need the one-arm topology: "
+                "a switch-topology aggregator broadcasts results through a devmap, which does "
+                "not carry multi-buffer frames"
+            )
         try:
             self.maps.create_job(spec)
         except Refused:

@@ -110,6 +110,12 @@ def attach_xdp(ifname: str, prog_fd: int, mode: str) -> None:
             raise NeedsRoot(f"attaching XDP to {ifname}") from e
         if e.code == errno.EBUSY:
             raise LinkError(f"another XDP program is already attached to {ifname}") from e
+        if e.code == errno.ERANGE:  # veth: "Peer MTU is too large to set XDP"
+            raise LinkError(
+                f"{ifname} (or its veth peer) has an MTU larger than a page holds, which an XDP "
+                "program without multi-buffer support cannot take: attach with --frags, or "
+                "lower the MTU to 3506 or less"
+            ) from e
         if e.code == errno.EOPNOTSUPP and mode == "native":
             raise LinkError(f"{ifname}'s driver has no native XDP: use --xdp-mode skb") from e
         raise LinkError(f"attaching XDP to {ifname} failed: {e}") from e

@@ -41,7 +41,7 @@ def _package_dir(package: str, name: str) -> Path:
 
 BPF_DIR = _package_dir("xdp_switch", "bpf")  # xdp_agg.c, xdp_floor.c, the headers, generated/
 SOURCE = BPF_DIR / "xdp_agg.c"
-BPF_XDP_DEVMAP = 33  # enum bpf_attach_type: expected attach type of devmap egress programs
+BPF_XDP_DEVMAP = bpfsys.BPF_XDP_DEVMAP  # expected attach type of devmap egress programs
 
 # Maps the control plane uses, by their names in bpf/maps.h.
 MAP_NAMES = (
@@ -94,6 +94,14 @@ class Loaded:
     pool_slots: int
     nr_cpus: int
     options: dict = field(default_factory=dict)
+    own_fds: list[int] = field(default_factory=list)  # loaded here, not by bcc (frags programs)
+
+    def close(self) -> None:
+        """Close every fd of the loaded programs and maps (pins keep what they pin)."""
+        for fd in self.own_fds + [self.maps["partials"]]:
+            os.close(fd)
+        self.own_fds.clear()
+        self.bpf.cleanup()
 
 
 def kernel_headers_present() -> bool:
@@ -169,16 +177,36 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
+def _load_frags(b, name: str, attach_type: int) -> int:
+    """Load bcc's compiled `name` (map fds patched in) as an XDP multi-buffer program, with
+    BPF_F_XDP_HAS_FRAGS, which bcc's load_func cannot pass (../shared/design/platform.md)."""
+    try:
+        return bpfsys.prog_load(
+            bpfsys.PROG_TYPE_XDP,
+            b.dump_func(name.encode()),
+            name,
+            prog_flags=bpfsys.BPF_F_XDP_HAS_FRAGS,
+            expected_attach_type=attach_type,
+        )
+    except bpfsys.ProgLoadError as e:
+        tail = "\n".join(e.log.strip().splitlines()[-25:])
+        raise LoadError(f"the kernel verifier rejected {name} (frags):\n{tail}\n({e})") from e
+
+
 def load(
     pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     cflags: tuple[str, ...] = (),
     variant: str = "percpu",
     source: Path = SOURCE,
+    frags: bool = False,
 ) -> Loaded:
     """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline). `source`:
     another copy of xdp_agg.c (bench/xdp_compare.py loads an older revision beside this one).
+    `frags`: load both programs as XDP multi-buffer programs (BPF_F_XDP_HAS_FRAGS), which take
+    frames larger than a page (the jumbo size codes) and attach to a veth whose peer's MTU is
+    above about 3500; built with -DAGG_FRAGS and loaded through bpfsys, since bcc cannot.
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
     (compiler error, verifier rejection with the tail of the verifier log), each with an
     actionable message; ValueError for a variant or pool size out of range.
@@ -198,14 +226,18 @@ def load(
         f"-DAGG_NR_CPUS={nr_cpus}",
         "-Wno-unused-function",
         *VARIANTS[variant],
+        *(("-DAGG_FRAGS",) if frags else ()),
         *cflags,
     ]
     log = []
     try:
         with _capture_fd2() as log:
             b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
-            ingress = b.load_func(PROG_INGRESS.encode(), bcc.BPF.XDP)
-            egress = b.load_func(PROG_EGRESS.encode(), bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP)
+            if not frags:
+                ingress = b.load_func(PROG_INGRESS.encode(), bcc.BPF.XDP).fd
+                egress = b.load_func(
+                    PROG_EGRESS.encode(), bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP
+                ).fd
     except Exception as e:  # bcc raises plain Exceptions
         os.close(partials)
         text = "".join(log)
@@ -213,7 +245,19 @@ def load(
         if "Permission denied" in str(e) or "processed" in text:
             raise LoadError(f"the kernel verifier rejected the program:\n{tail}\n({e})") from e
         raise LoadError(f"could not compile bpf/xdp_agg.c:\n{tail}\n({e})") from e
+    own: list[int] = []
+    if frags:
+        try:
+            own.append(_load_frags(b, PROG_INGRESS, 0))
+            own.append(_load_frags(b, PROG_EGRESS, BPF_XDP_DEVMAP))
+        except LoadError:
+            for fd in own + [partials]:
+                os.close(fd)
+            b.cleanup()
+            raise
+        ingress, egress = own
     maps = {name: b[name.encode()].map_fd for name in MAP_NAMES}
     maps["partials"] = partials
-    progs = {PROG_INGRESS: ingress.fd, PROG_EGRESS: egress.fd}
-    return Loaded(b, progs, maps, pool_slots, nr_cpus, {"cflags": list(cflags), "variant": variant})
+    progs = {PROG_INGRESS: ingress, PROG_EGRESS: egress}
+    options = {"cflags": list(cflags), "variant": variant, "frags": frags}
+    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own)

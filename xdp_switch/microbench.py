@@ -4,9 +4,11 @@ For each packet size, a job of n workers streams rounds over a window of slots i
 order (so n-1 of n packets aggregate and the n-th completes, gathers and rewrites), and the
 kernel's own per-run duration is summed. In the same run, on the same frames: both variants of
 the program (per-CPU partial sums, and the spin-lock baseline) and the floor, a program that only
-parses the frames and drops them. Reported: ns per packet, aggregated int32 elements per second
-per core (elements / ns), and the ratio to the floor. The duration includes the test-run timer
-(tens of ns), the same for every program.
+parses the frames and drops them; and the per-CPU program loaded as a multi-buffer (frags)
+program (FRAGS_CASE), the only one that takes the jumbo sizes (1024 and 2048 int32, more than a
+page: copied through a scratch map with bpf_xdp_load_bytes/store_bytes). Reported: ns per
+packet, aggregated int32 elements per second per core (elements / ns), and the ratio to the
+floor. The duration includes the test-run timer (tens of ns), the same for every program.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from aggproto.scapy_layer import sml_frame
 from . import loader
 from .ctl_maps import AggMaps
 
-BENCH_SIZES = (64, 256, wire.MAX_ELEMS)
+BENCH_SIZES = (64, 256, 768, wire.MAX_ELEMS)
 
 
 @dataclass
@@ -68,6 +70,23 @@ def _load_floor():
 # A measured case beside the program variants: the per-CPU program with a job that verifies UDP
 # checksums, on the same stream with checksums filled in (docs/design.md, "UDP checksums").
 CHECKSUM_CASE = "percpu+udp-csum"
+FRAGS_CASE = "percpu-frags"  # the per-CPU program as a multi-buffer (frags) program
+
+
+def _jumbo(k: int) -> bool:
+    """Frames of k elements are larger than a page: only a frags program takes them."""
+    return wire.size_code_for(k) in wire.JUMBO_SIZE_CODES
+
+
+def _load_cases(variants, slots: int, checksum: bool, frags: bool) -> dict:
+    """The measured cases: name -> (loaded program, whether its job verifies UDP checksums)."""
+    progs = {v: loader.load(pool_slots=max(slots, 64), variant=v) for v in variants}
+    if frags:
+        progs[FRAGS_CASE] = loader.load(pool_slots=max(slots, 64), variant="percpu", frags=True)
+    cases = {v: (prog, False) for v, prog in progs.items()}
+    if checksum and "percpu" in progs:
+        cases[CHECKSUM_CASE] = (progs["percpu"], True)
+    return cases
 
 
 def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = False) -> list[bytes]:
@@ -141,35 +160,35 @@ def run(
     variants=tuple(loader.VARIANTS),
     progress=None,
     checksum: bool = True,
+    frags: bool = True,
 ) -> list[BenchResult]:
     """Measure each variant and packet size; `repeats` passes over the same stream, median
     reported; the floor is measured on the same frames in each pass. `checksum` adds
-    CHECKSUM_CASE: the per-CPU program verifying UDP checksums."""
+    CHECKSUM_CASE: the per-CPU program verifying UDP checksums; `frags` adds FRAGS_CASE, the
+    only case measured at the jumbo sizes."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
     floor_bpf, floor_fd = _load_floor()
-    progs = {v: loader.load(pool_slots=max(slots, 64), variant=v) for v in variants}
-    cases = {v: (progs[v], False) for v in variants}
-    if checksum and "percpu" in progs:
-        cases[CHECKSUM_CASE] = (progs["percpu"], True)
+    cases = _load_cases(variants, slots, checksum, frags)
     out = []
     try:
         for k in sizes:
+            here = {v: c for v, c in cases.items() if not _jumbo(k) or c[0].options["frags"]}
             streams = {False: _frames(k, workers, slots, rounds)}
-            if checksum:
+            if any(csum for _, csum in here.values()):
                 streams[True] = _frames(k, workers, slots, rounds, udp_checksum=True)
             frames = streams[False]
-            runs = {v: [] for v in cases}
+            runs = {v: [] for v in here}
             floors = []
             for rep in range(repeats):
-                for v, (prog, csum) in cases.items():
+                for v, (prog, csum) in here.items():
                     runs[v].append(
                         measure_pass(prog, k, workers, slots, rounds, streams[csum], csum)
                     )
                 floors.append(_measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)
-            for v in cases:
+            for v in here:
                 out.append(
                     BenchResult(
                         v,
@@ -181,9 +200,8 @@ def run(
                     )
                 )
     finally:
-        for prog in progs.values():
-            os.close(prog.maps["partials"])
-            prog.bpf.cleanup()
+        for prog in {id(p): p for p, _ in cases.values()}.values():
+            prog.close()
         floor_bpf.cleanup()
     return out
 

@@ -5,7 +5,7 @@
 #define AGG_MAX_JOBS 64 /* job ids 0..AGG_MAX_JOBS-1 */
 #define AGG_MAX_WORKERS 64 /* workers per job (u64 bitmap) */
 #define AGG_MAX_PORTS 64 /* devmap entries */
-#define AGG_MAX_ELEMS 768 /* int32 per packet, upper bound */
+#define AGG_MAX_ELEMS 2048 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
 #define AGG_NUM_REASONS 20 /* counters per job */
 #define AGG_PARENT_INDEX 4294967295 /* worker index of a tree job's parent aggregator */
@@ -106,14 +106,14 @@ struct agg_partial {
 	__s32 e1; /* max e1 of the contributions added here */
 	__u32 count; /* contributions of this round added here */
 	__u32 pad; /* 0 */
-	__s32 sum[768]; /* partial sums, host order, each pair swapped (bpf/aggregate.h) */
+	__s32 sum[2048]; /* partial sums, host order, each pair swapped (bpf/aggregate.h) */
 };
 
 /* a published result: value of map `results`, key = slot * 2 + version */
 struct agg_result {
 	__s32 e0; /* max e0 */
 	__s32 e1; /* max e1 */
-	__be32 data[768]; /* the sum, network order */
+	__be32 data[2048]; /* the sum, network order */
 };
 
 /* key of map `port_workers`: an egress port and a job */

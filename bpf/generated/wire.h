@@ -12,7 +12,7 @@
 #define SML_EXP_HLEN 2 /* exponent header bytes */
 #define SML_OFFSET 42 /* SwitchML header offset in the frame */
 #define SML_PAYLOAD_OFFSET 52 /* payload offset in the frame, after the SwitchML and exponent headers */
-#define SML_MAX_ELEMS 768 /* largest elements per packet */
+#define SML_MAX_ELEMS 2048 /* largest elements per packet */
 #define SML_RESULT_TTL 64 /* IPv4 TTL of every result */
 #define SML_RESULT_IP_ID 0 /* IPv4 identification of every result */
 #define SML_RESULT_TOS 0 /* IPv4 ToS byte (DSCP, ECN) of every result */
@@ -25,8 +25,10 @@
 #define SML_SIZE_3_ELEMS 256
 #define SML_SIZE_4_ELEMS 512
 #define SML_SIZE_5_ELEMS 768
+#define SML_SIZE_6_ELEMS 1024
+#define SML_SIZE_7_ELEMS 2048
 /* X(code, elems) for every size code: code that needs one copy per packet size */
-#define SML_FOR_EACH_SIZE(X) X(0, SML_SIZE_0_ELEMS) X(1, SML_SIZE_1_ELEMS) X(2, SML_SIZE_2_ELEMS) X(3, SML_SIZE_3_ELEMS) X(4, SML_SIZE_4_ELEMS) X(5, SML_SIZE_5_ELEMS)
+#define SML_FOR_EACH_SIZE(X) X(0, SML_SIZE_0_ELEMS) X(1, SML_SIZE_1_ELEMS) X(2, SML_SIZE_2_ELEMS) X(3, SML_SIZE_3_ELEMS) X(4, SML_SIZE_4_ELEMS) X(5, SML_SIZE_5_ELEMS) X(6, SML_SIZE_6_ELEMS) X(7, SML_SIZE_7_ELEMS)
 
 /* SwitchML header (p4app-switchML UDP format) */
 struct switchml_hdr {

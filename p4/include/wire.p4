@@ -16,6 +16,8 @@ const bit<3> SML_SIZE_128 = 2;
 const bit<3> SML_SIZE_256 = 3;
 const bit<3> SML_SIZE_512 = 4;
 const bit<3> SML_SIZE_768 = 5;
+const bit<3> SML_SIZE_1024 = 6;
+const bit<3> SML_SIZE_2048 = 7;
 const bit<16> SML_ETH_HLEN = 14;
 const bit<16> SML_IPV4_HLEN = 20; // no options
 const bit<16> SML_UDP_LEN_32 = 146; // UDP length, 32 elements
@@ -24,6 +26,8 @@ const bit<16> SML_UDP_LEN_128 = 530; // UDP length, 128 elements
 const bit<16> SML_UDP_LEN_256 = 1042; // UDP length, 256 elements
 const bit<16> SML_UDP_LEN_512 = 2066; // UDP length, 512 elements
 const bit<16> SML_UDP_LEN_768 = 3090; // UDP length, 768 elements
+const bit<16> SML_UDP_LEN_1024 = 4114; // UDP length, 1024 elements
+const bit<16> SML_UDP_LEN_2048 = 8210; // UDP length, 2048 elements
 
 /* SwitchML header (p4app-switchML UDP format) */
 header switchml_h {
