@@ -47,6 +47,7 @@ from aggproto import wire
 
 RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 HOST_SPLIT = Path(__file__).resolve().parent / "results" / "host-split"  # host rows, two sizes
+INPLACE_ELEMS = 768  # the largest packet summed in place (bpf/consts.h AGG_DIRECT_MAX_ELEMS)
 ETH_WIRE_EXTRA = 4 + 8 + 12  # FCS, preamble + start delimiter, inter-frame gap
 
 
@@ -63,6 +64,7 @@ class Costs:
     host_byte: float = 0.93e-9  # more per payload byte (copy, quantise, checksum-free UDP)
     xdp_packet: float = 280e-9  # the XDP program per contribution, zero elements
     xdp_elem: float = 0.36e-9  # the XDP program per int32 of a contribution
+    xdp_elem_frags: float = 1.0e-9  # the same beyond one buffer (jumbo: copied through a map)
     tx_copy: float = 100e-9  # sending one copy of a result from XDP (estimate)
     bounce: float = 100e-9  # a cache line moving between CPUs, per contribution (estimate)
 
@@ -74,6 +76,8 @@ SOURCES = {
     "host_byte": "the same fit's slope",
     "xdp_packet": "bench/results/xdp-compare/README.md: 301 ns at 64 int32 minus 64 x 0.36 ns",
     "xdp_elem": "bench/results/xdp-compare/README.md: (557 - 301) / (768 - 64) ns per int32",
+    "xdp_elem_frags": "bench/results/frags: 1986-2143 ns per 2048-element packet in the "
+    "multi-buffer program (0.97-1.05 ns per element, the per-packet part included)",
     "tx_copy": "estimate: one XDP_TX or devmap copy on a real NIC driver (not measured here)",
     "bounce": "estimate: one cache-line transfer between cores (not measured here)",
 }
@@ -127,8 +131,10 @@ def predict(d: Deployment, size: int, c: Costs = Costs()) -> dict:
     k = d.k
     P = math.ceil(size / (4 * k))
     spread = 1 if d.steered else min(d.n, d.agg_cores)
-    per_contribution = c.xdp_packet + c.xdp_elem * k + (0 if d.steered else c.bounce)
-    gather = (spread - 1) * k * c.xdp_elem  # per completed slot round
+    # frames beyond one buffer take the multi-buffer program's copy (INPLACE_ELEMS)
+    elem = c.xdp_elem_frags if k > INPLACE_ELEMS else c.xdp_elem
+    per_contribution = c.xdp_packet + elem * k + (0 if d.steered else c.bounce)
+    gather = (spread - 1) * k * elem  # per completed slot round
     times = {
         "link": P * wire_bytes(k) * 8 / d.rate,
         "host": P * (c.host_packet + c.host_byte * 4 * k) / d.host_cores,
