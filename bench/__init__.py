@@ -17,6 +17,16 @@ def machine(load_before: list[float]) -> dict:
     }
 
 
+def run_line(meta: dict, what: str) -> str:
+    """The first line of a results table: the run's time, `what` was run, and the machine's
+    CPUs and load (machine())."""
+    return (
+        f"Run {meta['when']}: {meta['workers']} workers, float32 {meta['bytes'] >> 20} MiB, "
+        f"{what}; {meta['cpus']} CPUs, load average {meta['load_before']} before, "
+        f"{meta['load_after']} after."
+    )
+
+
 def write_results(out: str | Path, name: str, doc: dict, md: str) -> Path:
     """`doc` as out/NAME.json and the table `md` as out/NAME.md (printed too); returns out."""
     out = Path(out)

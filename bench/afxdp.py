@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench import machine, write_results
+from bench import machine, run_line, write_results
 
 PATHS = ("udp", "afxdp")
 
@@ -87,11 +87,12 @@ def summarize(runs: list[dict], args) -> dict:
 def markdown(summary: dict, meta: dict) -> str:
     """The table of bench/results/afxdp.md."""
     L = [
-        f"Run {meta['when']}: {meta['workers']} workers, float32 {meta['bytes'] >> 20} MiB, "
-        f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
-        f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
-        f"alternating; {meta['cpus']} CPUs, load average {meta['load_before']} before, "
-        f"{meta['load_after']} after.",
+        run_line(
+            meta,
+            f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
+            f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
+            "alternating",
+        ),
         "",
         "| path | mode | ms (min-max) | GiB/s | CPU s/GiB per rank (user + sys) | send calls "
         "/ packet | recv calls / packet | retx |",

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import machine, write_results
+from bench import machine, run_line, write_results
 
 
 def tbf_drops(tb) -> dict[str, int]:
@@ -109,12 +109,12 @@ def summarize(runs: list[dict], args) -> dict:
 
 def markdown(summary: dict, meta: dict) -> str:
     L = [
-        f"Run {meta['when']}: {meta['workers']} workers, float32 {meta['bytes'] >> 20} MiB, "
-        f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, MTU "
-        f"{meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
-        f"{meta['rounds']} rounds of {meta['reps']} all-reduces per k, alternating; "
-        f"{meta['cpus']} CPUs, load average {meta['load_before']} before, "
-        f"{meta['load_after']} after.",
+        run_line(
+            meta,
+            f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, MTU "
+            f"{meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
+            f"{meta['rounds']} rounds of {meta['reps']} all-reduces per k, alternating",
+        ),
         "",
         "| k | ms (min-max) | ATE/s | % of bound n*S*8/(k*R) | retx (% of sent) | of them "
         "spurious | tbf drops on the aggregators' links | CPU s/rank |",

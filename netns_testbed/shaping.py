@@ -76,15 +76,20 @@ def tbf_batch(devs: list[str], rate_bits: int, mtu: int) -> str:
     )
 
 
+def _delete_qdiscs(netns: str, devs: list[str], parent: str) -> None:
+    """Delete the `parent` ("root" or "ingress") qdisc of each of ``devs``: "del" fails where
+    there is none, and -force keeps going."""
+    text = "".join(f"qdisc del dev {d} {parent}\n" for d in devs)
+    nsexec.run(netns, ["tc", "-force", "-batch", "-"], input=text, timeout=30)
+
+
 def shape(netns: str, devs: list[str], rate_bits: int | None, mtu: int) -> None:
     """Limit egress of ``devs`` in ``netns`` to ``rate_bits`` (None: remove the limit)."""
     if not devs:
         return
     if rate_bits is None:
-        # "del" fails when there is no root qdisc; -force keeps going, and
-        # either way the device ends up with the veth default (noqueue).
-        text = "".join(f"qdisc del dev {d} root\n" for d in devs)
-        nsexec.run(netns, ["tc", "-force", "-batch", "-"], input=text, timeout=30)
+        # either way the device ends up with the veth default (noqueue)
+        _delete_qdiscs(netns, devs, "root")
         return
     nsexec.check(
         netns, ["tc", "-batch", "-"], "tc (rate shaping)", input=tbf_batch(devs, rate_bits, mtu)
@@ -119,8 +124,7 @@ def shape_ingress(netns: str, devs: list[str], rate_bits: int | None, mtu: int) 
     if not devs:
         return
     if rate_bits is None:
-        text = "".join(f"qdisc del dev {d} ingress\n" for d in devs)
-        nsexec.run(netns, ["tc", "-force", "-batch", "-"], input=text, timeout=30)
+        _delete_qdiscs(netns, devs, "ingress")
         return
     script = "".join(
         f"ip link show {ifb_name(d)} >/dev/null 2>&1 || ip link add {ifb_name(d)} type ifb\n"

@@ -43,13 +43,14 @@ def main() -> int:
         *p, seed = args.faults.split(",")
         faults = Faults(*(float(x) for x in p), seed=int(seed))
     sock = DatagramSocket(args.local, gso=bool(args.gso))
+    # job 1, one worker, 256 int32 per packet, slots 0..63
     cfg = EngineConfig(
-        job_id=1,
-        world_size=1,
-        elems=256,
-        slot_base=0,
-        window=64,
-        aggregator=args.agg,
+        1,
+        1,
+        256,
+        0,
+        64,
+        args.agg,
         rto=0.005,
         timeout=10,
         native=bool(args.native),
