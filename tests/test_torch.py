@@ -421,3 +421,11 @@ def test_channel_orders_all_reduces_and_skips_empty_tensors():
     with pytest.raises(TypeError):
         ch.submit(torch.zeros(3, dtype=torch.int64))
     ch.close()
+
+
+def test_elems_from_the_environment_take_auto_and_refuse_junk():
+    from hostlib.pt.backend import _elems
+
+    assert _elems("768") == 768 and _elems("auto") == "auto" and _elems(" AUTO ") == "auto"
+    with pytest.raises(ValueError, match="XDP_AGG_ELEMS='lots'"):
+        _elems("lots")

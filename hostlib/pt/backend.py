@@ -34,7 +34,8 @@ Settings (environment, read when the group is made):
 - XDP_AGG_IP=address         this rank's address towards the aggregator (hostlib.init's ip=),
                              for several ranks on one host with distinct addresses.
 - XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (hostlib.init's elems,
-                             window; default 256 and 128; 768 needs an MTU of about 3200).
+                             window; default 256 and 128; 768 needs an MTU of about 3200;
+                             XDP_AGG_ELEMS=auto: the most the path MTU allows).
 - XDP_AGG_SECRET_FILE=path   the deployment secret (a copy of `xdp-agg serve`'s, mode 0600);
                              rank 0 needs it to create the job. The other ranks use it too
                              when they have it; a rank without it takes the job's token, which
@@ -192,7 +193,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             job=self.job,
             timeout=stall,
             ip=os.environ.get("XDP_AGG_IP") or None,
-            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
+            elems=_elems(os.environ.get("XDP_AGG_ELEMS", "256")),
             window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
             rendezvous_timeout=max(timeout.total_seconds(), 10.0),
             token=token,
@@ -382,3 +383,13 @@ def _job_name(store, rank: int, group_name: str) -> str:
         store.set(key, name)
         return name
     return store.get(key).decode()
+
+
+def _elems(value: str) -> int | str:
+    """XDP_AGG_ELEMS: int32 per packet, or "auto" (the most the path MTU allows)."""
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"XDP_AGG_ELEMS={value!r}: give int32 per packet or 'auto'") from None
