@@ -67,9 +67,26 @@ def _bf_p4c() -> str | None:
     return os.environ.get("XDP_AGG_BF_P4C") or shutil.which("bf-p4c")
 
 
+STAGES = {"tofino": 12, "tofino2": 20}  # MAU stages a pipe of the chip has
+
+
+def bfa_stages(bfa: str) -> dict[str, int]:
+    """Stages each gress uses in an assembly file of bf-p4c: its `stage N ingress:` sections."""
+    used: dict[str, int] = {}
+    for n, gress in re.findall(r"^stage (\d+) (ingress|egress):", bfa, re.M):
+        used[gress] = max(used.get(gress, 0), int(n) + 1)
+    return used
+
+
+def test_bfa_stages_counts_each_gress():
+    bfa = "version:\nstage 0 ingress:\n  x\nstage 3 ingress:\nstage 1 egress:\n  stage 9 ingress:\n"
+    assert bfa_stages(bfa) == {"ingress": 4, "egress": 2}
+
+
 @pytest.mark.parametrize(("target", "arch"), [("tofino", "tna"), ("tofino2", "t2na")])
 def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
-    """bf-p4c to the end: no error, and an assembled pipe (the .bfa and the binary)."""
+    """bf-p4c to the end: no error, an assembled pipe (the .bfa and the binary), and the ingress
+    pipeline (checks, bitmap, counter, 34 accumulators) within the chip's stages."""
     bf = _bf_p4c()
     if bf is None:
         pytest.skip(
@@ -91,6 +108,8 @@ def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
     bfa = out / "pipe" / "switchml.bfa"
     assert bfa.exists() and bfa.stat().st_size > 0, "the assembler had nothing to assemble"
     assert list((out / "pipe").glob("*.bin")), "no binary: the assembler did not finish"
-    stages = {"tofino": 12, "tofino2": 20}[target]
+    used = bfa_stages(bfa.read_text())
+    assert 0 < used.get("ingress", 0) <= STAGES[target], used
+    assert used.get("egress", 0) <= STAGES[target], used
     for f in out.rglob("resources.json"):  # written with -g (backends/tofino/scripts)
-        assert int(json.loads(f.read_text())["resources"]["mau"]["nStages"]) <= stages
+        assert int(json.loads(f.read_text())["resources"]["mau"]["nStages"]) <= STAGES[target]
