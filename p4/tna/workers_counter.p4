@@ -43,18 +43,23 @@ control WorkersCounter(inout switchml_md_t md) {
     // its bitmap test the same way (b5c74a0, dev_root/p4/workers_counter.p4 lines 71-111).
     table count {
         key = {
-            md.worker_id: exact;
+            md.worker_id: ternary;
             md.bitmap_before: ternary;
         }
         actions = {
             count_contribution;
             count_retransmission;
+            @defaultonly NoAction;
         }
         const entries = {
 #include "worker_seen_entries.p4"
+            // Last (lowest priority): every other packet is a new contribution. An entry, not
+            // the default action: a default action cannot use the hash unit that computes
+            // the register index (bf-p4c: "requires the hash distribution unit").
+            (_, _): count_contribution();
         }
-        const default_action = count_contribution();
-        size = TNA_MAX_WORKERS;
+        const default_action = NoAction();
+        size = TNA_MAX_WORKERS + 1;
     }
 
     apply {
