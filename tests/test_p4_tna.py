@@ -67,9 +67,50 @@ def _bf_p4c() -> str | None:
     return os.environ.get("XDP_AGG_BF_P4C") or shutil.which("bf-p4c")
 
 
-@pytest.mark.parametrize(("target", "arch"), [("tofino", "tna"), ("tofino2", "t2na")])
+STAGES = {"tofino": 12, "tofino2": 20}  # MAU stages a pipe of the chip has
+
+
+def bfa_stages(bfa: str) -> dict[str, int]:
+    """Stages each gress uses in an assembly file of bf-p4c: its `stage N ingress:` sections."""
+    used: dict[str, int] = {}
+    for n, gress in re.findall(r"^stage (\d+) (ingress|egress):", bfa, re.M):
+        used[gress] = max(used.get(gress, 0), int(n) + 1)
+    return used
+
+
+def test_bfa_stages_counts_each_gress():
+    bfa = "version:\nstage 0 ingress:\n  x\nstage 3 ingress:\nstage 1 egress:\n  stage 9 ingress:\n"
+    assert bfa_stages(bfa) == {"ingress": 4, "egress": 2}
+
+
+# Tofino 1 does not fit yet: 16 ingress stages of its 12, the tail after the accumulators
+# (NextStepSelector, l2_forward, the reason counter) placed behind them (p4/README.md)
+TOFINO1_OVER = pytest.mark.xfail(
+    strict=True, reason="16 ingress stages > Tofino's 12: the tail after the accumulators"
+)
+
+
+def _assemble_after_driver_bug(bf: str, r, pipe: Path) -> None:
+    """bf-p4c's driver at p4c 34b86e9 dies in its assembler step (barefoot.py: 'PosixPath' object
+    has no attribute 'find') after the back end wrote the .bfa: run the assembler, bfas, as the
+    driver would have."""
+    if r.returncode == 0 or "PosixPath" not in r.stderr or not (pipe / "switchml.bfa").exists():
+        return
+    bfas = Path(bf).resolve().parent / "bfas"
+    a = subprocess.run(
+        [str(bfas), "switchml.bfa"], capture_output=True, text=True, timeout=600, cwd=pipe
+    )
+    assert a.returncode == 0, a.stdout[-4000:] + a.stderr[-4000:]
+    r.returncode, r.stderr = 0, r.stderr + a.stderr
+
+
+@pytest.mark.parametrize(
+    ("target", "arch"),
+    [pytest.param("tofino", "tna", marks=TOFINO1_OVER), ("tofino2", "t2na")],
+)
 def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
-    """bf-p4c to the end: no error, and an assembled pipe (the .bfa and the binary)."""
+    """bf-p4c to the end: no error, an assembled pipe (the .bfa and the binary), and the ingress
+    pipeline (checks, bitmap, counter, 34 accumulators) within the chip's stages."""
     bf = _bf_p4c()
     if bf is None:
         pytest.skip(
@@ -86,11 +127,14 @@ def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
     )
     if "ModuleNotFoundError" in r.stderr and r.returncode != 0:
         pytest.skip(f"bf-p4c's driver does not start (its Python modules): {r.stderr[-300:]}")
+    _assemble_after_driver_bug(bf, r, out / "pipe")
     errors = [ln for ln in (r.stdout + r.stderr).splitlines() if re.search(r"\berror\b", ln)]
     assert r.returncode == 0 and not errors, r.stdout[-4000:] + r.stderr[-4000:]
     bfa = out / "pipe" / "switchml.bfa"
     assert bfa.exists() and bfa.stat().st_size > 0, "the assembler had nothing to assemble"
     assert list((out / "pipe").glob("*.bin")), "no binary: the assembler did not finish"
-    stages = {"tofino": 12, "tofino2": 20}[target]
+    used = bfa_stages(bfa.read_text())
+    assert 0 < used.get("ingress", 0) <= STAGES[target], used
+    assert used.get("egress", 0) <= STAGES[target], used
     for f in out.rglob("resources.json"):  # written with -g (backends/tofino/scripts)
-        assert int(json.loads(f.read_text())["resources"]["mau"]["nStages"]) <= stages
+        assert int(json.loads(f.read_text())["resources"]["mau"]["nStages"]) <= STAGES[target]

@@ -48,3 +48,16 @@ def test_a_folded_packet_brings_each_element_to_its_processor_once():
     assert seen == list(range(p4gen.PAYLOAD_HEADERS))
     assert where == {f"hdr.d{h}": h for h in range(p4gen.PAYLOAD_HEADERS)}
     assert f"SML_PASSES = {p4gen.PASSES};" in text and 256 in p4gen.P4_ELEMS
+
+
+def test_tofino_counter_entries_tell_each_workers_retransmission():
+    """WorkersCounter.count (p4/tna): one entry per worker index, matching exactly that worker's
+    bit of bitmap_before, so a packet is a retransmission iff its worker's bit was set."""
+    text = p4gen.worker_seen_entries_tna()
+    entries = re.findall(
+        r"^\((\d+), 32w(0x[0-9a-f]+) &&& 32w(0x[0-9a-f]+)\): (\w+)\(\);$", text, re.M
+    )
+    assert [int(w) for w, *_ in entries] == list(range(p4gen.TNA_MAX_WORKERS))
+    for w, value, mask, action in entries:
+        assert int(value, 16) == int(mask, 16) == 1 << int(w)
+        assert action == "count_retransmission"

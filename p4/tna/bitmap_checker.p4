@@ -1,6 +1,7 @@
 /* bitmap_checker.p4 (TNA): both versions' worker bitmaps of a slot in one register pair, so one
  * stateful ALU sets the worker's bit in this version and clears it in the other atomically (as
- * p4app-switchML's UpdateAndCheckWorkerBitmap). */
+ * p4app-switchML's UpdateAndCheckWorkerBitmap, b5c74a0 dev_root/p4/bitmap_checker.p4
+ * lines 75-98). */
 #ifndef _XDP_AGG_TNA_BITMAP_CHECKER_P4_
 #define _XDP_AGG_TNA_BITMAP_CHECKER_P4_
 
@@ -23,23 +24,13 @@ control BitmapChecker(inout switchml_md_t md) {
         }
     };
 
-    // The AND of two run-time fields is ALU work (an action), not a condition: a Tofino gateway
-    // compares a field with a constant. p4app-switchML's map_result, the same way.
-    action check_worker_bit() {
-        md.map_result = md.bitmap_before & md.worker_bit;
-    }
-
+    // Whether the worker's bit was set is not tested here (an AND of two run-time fields, then
+    // a compare, would take a stage): WorkersCounter matches bitmap_before in its table key.
     apply {
         if (md.version == 0) {
             md.bitmap_before = update_v0.execute(md.slot);
         } else {
             md.bitmap_before = update_v1.execute(md.slot);
-        }
-        check_worker_bit();
-        if (md.map_result == 0) {
-            md.is_new = 1;
-        } else {
-            md.is_new = 0;
         }
     }
 }

@@ -26,14 +26,41 @@ control ExponentMax(inout bit<8> e, in switchml_md_t md) {
         }
     };
 
-    apply {
-        if (md.add == 1 && md.first == 1) {
-            e = (bit<8>)write.execute(md.pool_entry);
-        } else if (md.add == 1) {
-            e = (bit<8>)max_of.execute(md.pool_entry);
-        } else if (md.read == 1) {
-            e = (bit<8>)read.execute(md.pool_entry);
+    action write_action() {
+        e = (bit<8>)write.execute(md.pool_entry);
+    }
+
+    action max_action() {
+        e = (bit<8>)max_of.execute(md.pool_entry);
+    }
+
+    action read_action() {
+        e = (bit<8>)read.execute(md.pool_entry);
+    }
+
+    // As Processor's table `sum` (processor.p4).
+    table exponent_max {
+        key = {
+            md.is_new: exact;
+            md.count_before: ternary;
         }
+        actions = {
+            write_action;
+            max_action;
+            read_action;
+            @defaultonly NoAction;
+        }
+        const entries = {
+            (1, 0): write_action();
+            (1, _): max_action();
+            (0, 0): read_action();
+        }
+        const default_action = NoAction();
+        size = 3;
+    }
+
+    apply {
+        exponent_max.apply();
     }
 }
 

@@ -14,6 +14,12 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
         ig_md.update_ipv4_checksum = false;
+        // UDPReceiver's defaults, set here rather than in its first stage: there the workers
+        // table writes reason and counter_row too, and the two writes would take two stages.
+        ig_md.sml.ours = 0;
+        ig_md.sml.accepted = 0;
+        ig_md.sml.reason = AGG_PASS;
+        ig_md.sml.counter_row = AGG_NO_JOB;
         transition parse_ethernet;
     }
 
@@ -67,6 +73,10 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
     // header, the exponent header, then the payload.
     state parse_switchml {
         pkt.extract(hdr.switchml);
+        // The slot and version for set_worker's range check in stage 0 (an action there
+        // cannot use a field that another action of the same stage computes).
+        ig_md.sml.slot = hdr.switchml.pool_index[14:0];
+        ig_md.sml.version = hdr.switchml.pool_index[15:15];
         pkt.extract(hdr.exponents);
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;

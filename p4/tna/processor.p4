@@ -28,14 +28,43 @@ control Processor(inout bit<32> value, in switchml_md_t md) {
         }
     };
 
-    apply {
-        if (md.add == 1 && md.first == 1) {
-            value = write.execute(md.pool_entry);
-        } else if (md.add == 1) {
-            value = add.execute(md.pool_entry);
-        } else if (md.read == 1) {
-            value = read.execute(md.pool_entry);
+    action write_action() {
+        value = write.execute(md.pool_entry);
+    }
+
+    action add_action() {
+        value = add.execute(md.pool_entry);
+    }
+
+    action read_action() {
+        value = read.execute(md.pool_entry);
+    }
+
+    // Keyed on the counter's outputs directly (not on flags computed from them, which would
+    // take a stage): p4app-switchML's table `sum`, the same way (b5c74a0,
+    // dev_root/p4/processor.p4 lines 82-127).
+    table sum {
+        key = {
+            md.is_new: exact;
+            md.count_before: ternary;
         }
+        actions = {
+            write_action;
+            add_action;
+            read_action;
+            @defaultonly NoAction;
+        }
+        const entries = {
+            (1, 0): write_action(); // a new round's first contribution
+            (1, _): add_action();
+            (0, 0): read_action(); // a retransmission for a completed slot
+        }
+        const default_action = NoAction(); // a retransmission for a pending slot
+        size = 3;
+    }
+
+    apply {
+        sum.apply();
     }
 }
 

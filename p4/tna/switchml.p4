@@ -14,9 +14,18 @@
  * - the workers counter counts down (p4app-switchML's encoding), which is the reference
  *   model's count/complete pair in one register;
  * - reason counters are indexed row * 16 + reason (no multiplication by 14);
+ * - one table, `workers`, carries the job's parameters in each worker's entry (no `jobs`
+ *   table): the control plane keeps them in step, and gives a worker whose job is gone or whose
+ *   index is not below the job's worker count the action `stale_worker` (drop_no_job), which
+ *   the v1model program finds with its jobs lookup and a comparison (udp_receiver.p4);
  * - tests a Tofino gateway cannot make (an if compares a field with a constant, or two fields
- *   for equality) are ALU work first: the worker-bit test as p4app-switchML's map_result, the
- *   ordered comparisons (worker index, slot range) as saturating subtractions in set_job.
+ *   for equality) are table keys or ALU work: the worker-bit test is the key of the counter's
+ *   table (one ternary entry per worker), the slot range saturating subtractions in
+ *   set_worker; the accumulators' choice (overwrite, add, read) is a table keyed on the
+ *   counter's output, as p4app-switchML's `sum`. This is meant to keep the chain in front of
+ *   the accumulators at three stages (worker; checks and bitmap; counter), so that the 34
+ *   stateful ALUs of the accumulators and exponents (4 a stage) fit into the 9 stages Tofino
+ *   has left; p4/README.md says what bf-p4c has confirmed of it.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -26,8 +35,8 @@
 #include "types.p4"
 #include "headers.p4"
 #include "parsers.p4"
-#include "udp_receiver.p4"
 #include "bitmap_checker.p4"
+#include "udp_receiver.p4"
 #include "workers_counter.p4"
 #include "exponents.p4"
 #include "elements.p4"
@@ -46,8 +55,7 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
                 inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
     Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * TNA_REASON_STRIDE, CounterType_t.PACKETS) reasons;
 
-    UDPReceiver() udp_receiver;
-    BitmapChecker() bitmap_checker;
+    UDPReceiver() udp_receiver; // applies BitmapChecker to an accepted packet
     WorkersCounter() workers_counter;
     Exponents() exponents;
     Elements() elements;
@@ -57,7 +65,6 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
     apply {
         udp_receiver.apply(hdr, ig_md.sml, ig_prsr_md);
         if (ig_md.sml.accepted == 1) {
-            bitmap_checker.apply(ig_md.sml);
             workers_counter.apply(ig_md.sml);
             exponents.apply(hdr, ig_md.sml);
             elements.apply(hdr, ig_md.sml);

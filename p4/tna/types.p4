@@ -6,7 +6,7 @@ typedef bit<8> job_id_t;
 typedef bit<8> worker_id_t;
 typedef bit<32> worker_bitmap_t;
 typedef bit<32> pool_entry_t; // slot * 2 + version
-typedef bit<16> pool_slot_t; // slot (register pair index of the bitmaps)
+typedef bit<15> pool_slot_t; // slot: pool_index bits 14..0 (register pair index of the bitmaps)
 
 struct worker_bitmap_pair_t {
     worker_bitmap_t first; // version 0
@@ -43,24 +43,17 @@ struct switchml_md_t {
     worker_bitmap_t worker_bit; // 1 << worker_id
     bit<8> num_workers;
     bit<3> size_code;
-    bit<16> slot_base;
-    bit<16> slot_end;
     MulticastGroupId_t mgid;
-    pool_slot_t slot;
-    bit<1> version;
+    pool_slot_t slot; // set by the parser: pool_index bits 14..0 (bit 14 reserved: out of range)
+    bit<1> version; // set by the parser: pool_index bit 15
     pool_entry_t pool_entry;
     worker_bitmap_t bitmap_before; // this version's bitmap before this packet
-    worker_bitmap_t map_result; // bitmap_before & worker_bit: 0 for a new contribution
-    // Ordered comparisons of run-time fields, done as saturating subtractions in set_job (a
-    // Tofino gateway compares a field with a constant, or two fields for equality only):
-    bit<8> workers_above; // num_workers |-| worker_id: 0 <=> worker_id >= num_workers
-    bit<16> slots_below; // slot_base |-| slot: not 0 <=> slot < slot_base
-    bit<16> slots_left; // slot_end |-| slot: 0 <=> slot >= slot_end
+    // The slot range as saturating subtractions in set_worker (a Tofino gateway compares a
+    // field with a constant, or two fields for equality only):
+    pool_slot_t slots_below; // slot_base |-| slot: not 0 <=> slot < slot_base
+    pool_slot_t slots_left; // slot_end |-| slot: 0 <=> slot >= slot_end
     bit<8> count_before; // remaining contributions before this packet (0: fresh or complete)
-    bit<1> is_new;
-    bit<1> first;
-    bit<1> add;
-    bit<1> read;
+    bit<1> is_new; // the worker's bit was clear in this version's bitmap
 }
 
 struct ingress_metadata_t {

@@ -27,29 +27,53 @@ control WorkersCounter(inout switchml_md_t md) {
         }
     };
 
+    action count_contribution() {
+        md.is_new = 1;
+        md.count_before = count_new.execute(md.pool_entry);
+    }
+
+    action count_retransmission() {
+        md.is_new = 0;
+        md.count_before = read.execute(md.pool_entry);
+    }
+
+    // New contribution or retransmission: is the worker's bit set in bitmap_before? A table
+    // key (the bitmap ternary, one entry per worker index) instead of an AND and a compare,
+    // which would take a stage of their own; p4app-switchML keys its count_workers table on
+    // its bitmap test the same way (b5c74a0, dev_root/p4/workers_counter.p4 lines 71-111).
+    table count {
+        key = {
+            md.worker_id: ternary;
+            md.bitmap_before: ternary;
+        }
+        actions = {
+            count_contribution;
+            count_retransmission;
+            @defaultonly NoAction;
+        }
+        const entries = {
+#include "worker_seen_entries.p4"
+            // Last (lowest priority): every other packet is a new contribution. An entry, not
+            // the default action: a default action cannot use the hash unit that computes
+            // the register index (bf-p4c: "requires the hash distribution unit").
+            (_, _): count_contribution();
+        }
+        const default_action = NoAction();
+        size = TNA_MAX_WORKERS + 1;
+    }
+
     apply {
-        md.add = 0;
-        md.read = 0;
-        md.first = 0;
+        count.apply();
         if (md.is_new == 1) {
-            md.count_before = count_new.execute(md.pool_entry);
-            md.add = 1;
-            if (md.count_before == 0) {
-                md.first = 1;
-            }
             if (md.count_before == 1 || (md.count_before == 0 && md.num_workers == 1)) {
                 md.reason = AGG_COMPLETED;
             } else {
                 md.reason = AGG_AGGREGATED;
             }
+        } else if (md.count_before == 0) {
+            md.reason = AGG_RETX_ANSWERED;
         } else {
-            md.count_before = read.execute(md.pool_entry);
-            if (md.count_before == 0) {
-                md.read = 1;
-                md.reason = AGG_RETX_ANSWERED;
-            } else {
-                md.reason = AGG_DUP_PENDING;
-            }
+            md.reason = AGG_DUP_PENDING;
         }
     }
 }
