@@ -20,7 +20,7 @@ import uuid
 import pytest
 
 from hostlib import afxdp
-from hostlib.engine import EngineConfig, StreamEngine
+from hostlib.engine import EngineConfig, StreamEngine, _fastpath
 from hostlib.udp_io import DatagramSocket
 from netns_testbed import nsexec, xdp_pass
 
@@ -165,6 +165,9 @@ def test_auto_falls_back_to_the_kernel_socket_with_the_reason(pair):
     assert cp.returncode != 0 and "data_path='afxdp' cannot run" in cp.stderr
 
 
+@pytest.mark.skipif(
+    _fastpath is None, reason="hostlib._fastpath is not built (python setup.py build_ext --inplace)"
+)
 def test_the_loopback_has_no_afxdp_and_the_choice_is_checked(monkeypatch):
     """No root needed: an aggregator on the loopback gives the kernel socket and the reason;
     the environment picks the path when the caller does not; nonsense is refused."""
