@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 from aggproto import wire
+from bench.allreduce import RATES  # the link rates the testbed cells were shaped to
 
 RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 HOST_SPLIT = Path(__file__).resolve().parent / "results" / "host-split"  # host rows, two sizes
@@ -163,17 +164,13 @@ def _cells(results: dict) -> list[dict]:
     ]
 
 
-def _rate(cell: dict) -> float | None:
-    return {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}[cell["link"]]
-
-
 def fit(results: dict) -> tuple[float, float]:
     """(system-wide CPU s per xdp-agg packet, per byte gloo moves) from the unshaped cells, where
     the CPUs alone bound both: least squares of time * cpus = n * work * c through 0."""
     cpus, k = results["meta"]["cpus"], results["meta"]["elems"]
     xs, gs = [], []
     for s in _cells(results):
-        if _rate(s) is None:
+        if RATES[s["link"]] is None:
             n, size = s["n"], s["bytes"]
             xs.append((n * math.ceil(size / (4 * k)), s["xdp-agg"]["median_s"] * cpus))
             gs.append((n * 2 * (n - 1) / n * size, s["gloo"]["median_s"] * cpus))
@@ -189,7 +186,7 @@ def check(results: dict) -> list[dict]:
     cpus, k = results["meta"]["cpus"], results["meta"]["elems"]
     rows = []
     for s in _cells(results):
-        n, size, rate = s["n"], s["bytes"], _rate(s)
+        n, size, rate = s["n"], s["bytes"], RATES[s["link"]]
         P = math.ceil(size / (4 * k))
         ring = 2 * (n - 1) / n * size
         x = max(n * P * c / cpus, P * wire_bytes(k) * 8 / rate if rate else 0)
