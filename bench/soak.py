@@ -7,6 +7,14 @@ rank one long-lived bench.soak_worker process that all-reduces mixed sizes (1 Ki
 int32 and float32, see bench.soak_worker.SIZES) until the time is up, checking every result:
 int32 bit-exact, float32 within the block-scaling bound around the float64 sum.
 
+Data paths (--data-path): "mixed" (the default) runs every even-numbered job's workers on
+AF_XDP sockets and the others on kernel UDP sockets, so that one soak covers both of hostlib's
+paths at once; "udp" or "afxdp" puts every job on one. A rank that did not get the path its job
+asked for (hostlib falls back silently to UDP, with the reason in comm.stats) fails the
+`data_paths` verdict. AF_XDP frames skip the worker's own nftables hooks, so whenever a job runs
+on AF_XDP the loss sits on the bridge's worker ports (netns_testbed.faults.port_loss_script),
+both ways, for every job alike, instead of on the workers' eth0.
+
 Every --interval seconds (default 30) it samples: each worker's and the control endpoint's RSS
 and open file descriptors (/proc/PID/status, /proc/PID/fd), the aggregator's map memory
 (bpftool on every pinned map: memlock bytes, and key+value size x entries) and pinned map and
@@ -51,6 +59,7 @@ import uuid
 from pathlib import Path
 
 from bench.soak_worker import SIZES
+from hostlib import afxdp
 
 CYCLE = len(SIZES)  # all-reduces per cycle of sizes
 DEFAULT_REPORT = Path(__file__).resolve().parent / "results" / "soak"
@@ -193,6 +202,8 @@ def _config(args, jobs: list[str], name: str, prefix: str, warmup: float) -> dic
         "workers_per_job": args.workers,
         "loss_up": args.loss,
         "loss_down": args.loss,
+        "loss_on": "bridge ports" if _uses_afxdp(args) else "worker eth0",
+        "data_paths": {j: job_data_path(args, i) for i, j in enumerate(jobs)},
         "elems": args.elems,
         "window": args.window,
         "mtu": args.mtu,
@@ -204,6 +215,17 @@ def _config(args, jobs: list[str], name: str, prefix: str, warmup: float) -> dic
         "kernel": os.uname().release,
         "cpus": os.cpu_count(),
     }
+
+
+def job_data_path(args, j: int) -> str:
+    """The data path job number `j` asks for (see the module docstring)."""
+    if args.data_path == "mixed":
+        return "afxdp" if j % 2 == 0 else "udp"
+    return args.data_path
+
+
+def _uses_afxdp(args) -> bool:
+    return any(job_data_path(args, j) == "afxdp" for j in range(args.jobs))
 
 
 def _start_ranks(cl, tb, args, jobs: list[str], stop_at: float, ranks: list) -> None:
@@ -238,7 +260,11 @@ def _start_ranks(cl, tb, args, jobs: list[str], stop_at: float, ranks: list) -> 
                 str(args.allreduce_timeout),
             ]
             err = tempfile.TemporaryFile()
-            p = tb.popen(w, cmd, env=cl.worker_env(), stdout=subprocess.PIPE, stderr=err, text=True)
+            env = cl.worker_env()
+            env[afxdp.ENV] = job_data_path(args, j)
+            if env[afxdp.ENV] == "afxdp":
+                env["XDP_AGG_NATIVE"] = "1"  # AF_XDP is the C loop's
+            p = tb.popen(w, cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
             ranks.append(Rank(job, r, p, err))
 
 
@@ -297,7 +323,7 @@ def _after_workers(cl, ranks, result: dict) -> None:
 def run(args, log) -> dict:
     """The soak; returns everything the report needs (raises on set-up failure)."""
     from aggcluster.cluster import Cluster
-    from netns_testbed import nsexec
+    from netns_testbed import faults, nsexec
     from netns_testbed.testbed import Testbed
     from xdp_switch import pins
 
@@ -305,12 +331,13 @@ def run(args, log) -> dict:
     warmup = args.warmup_min * 60.0 if args.warmup_min is not None else min(300.0, duration / 4)
     jobs = [f"soak-{chr(ord('a') + j)}" for j in range(args.jobs)]
     name = f"soak{uuid.uuid4().hex[:6]}"
+    on_ports = _uses_afxdp(args)  # AF_XDP frames skip the worker's own nftables hooks
     tb = Testbed(
         workers=args.jobs * args.workers,
         topology="one-arm",
         mtu=args.mtu,
-        loss_up=args.loss,
-        loss_down=args.loss,
+        loss_up=0.0 if on_ports else args.loss,
+        loss_down=0.0 if on_ports else args.loss,
     )
     pin_dir = pins.pin_root() / name
     state_file = pins.state_dir() / f"{name}.json"
@@ -320,6 +347,9 @@ def run(args, log) -> dict:
     with tb, Cluster(tb, name=name, pool_slots=max(1024, args.jobs * args.window)) as cl:
         server_pid = cl._server.pid
         pids.append(server_pid)
+        if on_ports:
+            ports = [f"w{w.index}" for w in tb.workers]
+            faults.apply(tb.switch_netns, faults.port_loss_script(ports, args.loss))
         t_start = result["t_start"] = time.time()
         stop_at = t_start + duration
         try:
@@ -425,6 +455,24 @@ def sampled_rss(res: dict) -> dict:
     return info
 
 
+def data_path_verdict(res: dict) -> dict:
+    """Every rank ran on the data path its job asked for (AF_XDP: afxdp-copy-* or -zc-*)."""
+    asked = res["config"].get("data_paths", {})
+    got = {}
+    for rk in res.get("ranks", []):
+        done = rk.get("done") or {}
+        got[f"{rk['job']}/{rk['rank']}"] = [done.get("data_path"), done.get("data_path_reason")]
+    wrong = {
+        k: v for k, v in got.items() if not str(v[0]).startswith(asked.get(k.split("/")[0], "?"))
+    }
+    return {
+        "ok": bool(got) and not wrong,
+        "asked": asked,
+        "got": sorted({str(v[0]) for v in got.values()}),
+        "wrong": wrong,
+    }
+
+
 def verdicts(res: dict, args) -> dict:
     """Every check of the soak, each {"ok": bool, ...}."""
     cfg = res["config"]
@@ -452,6 +500,7 @@ def verdicts(res: dict, args) -> dict:
             if rk["exit"] != 0 or not rk["done"]
         ],
     }
+    v["data_paths"] = data_path_verdict(res)
     post = [s for s in res["samples"] if s["t_s"] >= cfg["warmup_s"] and len(s["procs"]) > 1]
     series_rss, series_fds, times = {}, {}, {}
     for s in post:
@@ -609,7 +658,10 @@ def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
         "",
         f"{len(cfg['jobs'])} jobs at once ({', '.join(cfg['jobs'])}) on one XDP aggregator, "
         f"{cfg['workers_per_job']} workers each (one namespace per worker, one-arm), "
-        f"{cfg['loss_up']:.1%} loss on every worker link both ways, {cfg['elems']} elements "
+        f"{cfg['loss_up']:.1%} loss on every worker link both ways (on the "
+        f"{cfg.get('loss_on', 'worker eth0')}), data paths "
+        f"{', '.join(f'{j}: {p}' for j, p in cfg.get('data_paths', {}).items()) or 'udp'}, "
+        f"{cfg['elems']} elements "
         f"per packet, window {cfg['window']}, MTU {cfg['mtu']}; sizes 1 KiB to "
         f"{cfg['max_bytes'] >> 20} MiB, int32 and float32; sampled every "
         f"{cfg['interval_s']:g} s, warm-up {cfg['warmup_s'] / 60:.1f} min.",
@@ -638,6 +690,14 @@ def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
     injected = 1 - (1 - cfg["loss_up"]) * (1 - cfg["loss_down"])  # contribution or result lost
     pk = sum(r["packets"] for r in reps)
     rx = sum(r["retransmissions"] for r in reps)
+    lines.append("")
+    for job in cfg["jobs"]:
+        jr = [r for k, rs in res.get("reports", {}).items() if k.split("/")[0] == job for r in rs]
+        jp, jx = sum(r["packets"] for r in jr), sum(r["retransmissions"] for r in jr)
+        lines.append(
+            f"{job} ({cfg.get('data_paths', {}).get(job, 'udp')}): {len(jr):,} results, "
+            f"{jp:,} datagrams, {jx:,} retransmissions ({100.0 * jx / max(1, jp):.2f}%)."
+        )
     lines += [
         "",
         f"Datagrams sent {pk:,}, retransmissions {rx:,} ({100.0 * rx / max(1, pk):.2f}%; the "
@@ -719,6 +779,8 @@ def _detail(key: str, x: dict) -> str:
         return f"{'; '.join(d)} in {x['samples']} samples"
     if key == "samples_clean":
         return f"{x['samples']} samples ({x['post_warmup']} after warm-up), errors {x['errors']}"
+    if key == "data_paths":
+        return f"asked {x['asked']}; got {', '.join(x['got'])}; wrong: {x['wrong'] or 'none'}"
     if key == "no_job_or_slot_left":
         return f"jobs {x['jobs']}, slots {x['slots_in_use']} after the workers left"
     if key == "nothing_left_after_teardown":
@@ -750,6 +812,13 @@ def parse_args(argv=None):
     ap.add_argument("--mtu", type=int, default=1500)
     ap.add_argument(
         "--rss-growth-mib", type=int, default=16, help="RSS at cycle starts, control endpoint"
+    )
+    ap.add_argument(
+        "--data-path",
+        choices=("mixed", "udp", "afxdp"),
+        default="mixed",
+        help="hostlib's data path per job: mixed = AF_XDP for even-numbered jobs, kernel UDP "
+        "sockets for the others (both paths in one soak), or one path for all",
     )
     ap.add_argument("--allreduce-timeout", type=float, default=60.0)
     ap.add_argument("--drain-s", type=float, default=300.0, help="wait for the last all-reduce")

@@ -74,6 +74,7 @@ def _synthetic_run(leak_kib: int = 0) -> dict:
             "host": "h",
             "kernel": "k",
             "cpus": 2,
+            "data_paths": {"a": "udp"},
         },
         "t_start": 0.0,
         "samples": [
@@ -99,7 +100,13 @@ def _synthetic_run(leak_kib: int = 0) -> dict:
         ],
         "after_workers": {"jobs": 0, "slots_in_use": 0, "stats": {}},
         "ranks": [
-            {"job": "a", "rank": 0, "exit": 0, "allreduces": 4 * cycle, "done": {"done": True}}
+            {
+                "job": "a",
+                "rank": 0,
+                "exit": 0,
+                "allreduces": 4 * cycle,
+                "done": {"done": True, "data_path": "udp"},
+            }
         ],
         "reports": {
             "a/0": [
@@ -147,6 +154,13 @@ def test_verdicts_and_report_of_a_clean_and_a_leaking_run(tmp_path):
     bad["reports"]["a/0"][3]["ok"] = False
     v = soak.verdicts(bad, args)
     assert not v["nothing_left_after_teardown"]["ok"] and not v["results_exact"]["ok"]
+    fell_back = _synthetic_run()  # the job asked for AF_XDP, hostlib fell back to UDP
+    fell_back["config"]["data_paths"] = {"a": "afxdp"}
+    fell_back["ranks"][0]["done"]["data_path_reason"] = "no CAP_NET_RAW"
+    v = soak.verdicts(fell_back, args)
+    assert not v["data_paths"]["ok"] and v["data_paths"]["wrong"] == {
+        "a/0": ["udp", "no CAP_NET_RAW"]
+    }
 
 
 @pytest.mark.root
@@ -183,6 +197,9 @@ def test_short_soak(tmp_path):
     assert doc["verdicts"]["results_exact"]["checked"] >= 8 * 12  # a full cycle of sizes each
     assert len(doc["samples"]) >= 10
     assert {b["dtype"] for b in doc["results_by_size"]} == {"int32", "float32"}
+    # the default, --data-path mixed: one job on AF_XDP sockets, the other on kernel sockets
+    assert doc["config"]["data_paths"] == {"soak-a": "afxdp", "soak-b": "udp"}
+    assert [p.split("-")[0] for p in doc["verdicts"]["data_paths"]["got"]] == ["afxdp", "udp"]
     assert (tmp_path / "summary.md").read_text().startswith("# Soak")
     assert len((tmp_path / "samples.csv").read_text().splitlines()) == len(doc["samples"]) + 1
     assert "[" in r.stderr and "soak PASSED" in r.stderr  # progress lines and the verdict
