@@ -32,7 +32,8 @@ CAUSES = (
   other than those a tbf qdisc on the worker's own link dropped;
 * ``aggregator_drop``: dropped by the aggregator's program (its ``drop_*`` reasons);
 * ``injected_loss``: dropped by the testbed's nftables loss rules;
-* ``spurious``: nothing was lost, the timer expired before the result came back;
+* ``spurious``: nothing was lost, the timer expired before the result came back (also when
+  the duplicate's slot was still waiting for another worker's late, not lost, contribution);
 * ``unexplained``: retransmissions no counter accounts for (should stay 0).
 
 A datagram lost upstream of the aggregator stalls its slot for every worker, and a lost result
@@ -247,7 +248,12 @@ def attribute(
             for c in CAUSES:
                 causes[c] += collateral * (up_events[c] + down_events[c]) / n_loss
         else:
-            causes["unexplained"] += collateral
+            # Nothing was lost anywhere, yet the slot of a duplicate's original was still
+            # waiting: for another worker's contribution that was late, not lost (a worker
+            # descheduled on a machine with more workers than CPUs). The timer expired before
+            # the result came back with nothing lost: spurious, by the definition of CAUSES.
+            spurious += collateral
+            collateral = 0.0
     causes["spurious"] += spurious
     # What the identities do not cover (e.g. duplicates and losses that straddle the span)
     residual = R - sum(causes.values())

@@ -188,6 +188,20 @@ def test_no_loss_all_duplicates_is_spurious():
     assert a.detail["spurious_from"] == "aggregator duplicates"
 
 
+def test_late_not_lost_is_spurious_with_the_engine_statistic_too():
+    """Nothing lost anywhere, the engines counted 9 spurious retransmissions (the original's
+    result came back) and 41 more met their slot still waiting for a late worker: all 50 are
+    spurious, as without the engine statistic, none unexplained (seen at n = 8 on 2 CPUs)."""
+    agg = {
+        "0": {"packets": 1030, "contributions": 1000, "duplicates": 30, "dropped": 0},
+        "1": {"packets": 1020, "contributions": 1000, "duplicates": 20, "dropped": 0},
+    }
+    d = _delta(2, agg_workers=agg, reasons={"dup_pending": 41, "retx_answered": 9})
+    a = attribution.attribute(d, _layout(2), _engine([1030, 1020], [30, 20], spurious=4.5))
+    assert a.causes["spurious"] == 50 and a.causes["unexplained"] == 0
+    assert a.detail["spurious_from"] == "engine" and a.detail["collateral"] == 0
+
+
 def test_upstream_tbf_loss_with_collateral():
     # worker 0 loses 10 datagrams at its tbf; each stalls its slot, so worker 1 retransmits too
     # (its copies arrived: duplicates); 3 more of worker 1's retransmissions are spurious
