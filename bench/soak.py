@@ -214,6 +214,7 @@ def _config(args, jobs: list[str], name: str, prefix: str, warmup: float) -> dic
         "host": os.uname().nodename,
         "kernel": os.uname().release,
         "cpus": os.cpu_count(),
+        "load_before": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -375,6 +376,7 @@ def run(args, log) -> dict:
         "processes_left": [p for p in pids if os.path.exists(f"/proc/{p}")],
     }
     result["config"]["ended"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    result["config"]["load_after"] = [round(x, 2) for x in os.getloadavg()]
     result["config"]["elapsed_s"] = time.time() - t_start
     return result
 
@@ -645,6 +647,12 @@ def by_size(res: dict) -> list[dict]:
     ]
 
 
+def _load(cfg: dict, key: str) -> str:
+    """The 1-minute load average of the machine at the soak's start or end, as recorded."""
+    x = cfg.get(key)
+    return f"{x[0]:.2f}" if x else "?"
+
+
 def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
     cfg = res["config"]
     reps = [r for rs in res.get("reports", {}).values() for r in rs]
@@ -654,7 +662,8 @@ def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
         "",
         f"**{'PASS' if ok_all else 'FAIL'}**: {cfg['started']} to {cfg.get('ended', '?')} "
         f"({cfg.get('elapsed_s', 0) / 60:.1f} min) on {cfg['host']} (kernel {cfg['kernel']}, "
-        f"{cfg['cpus']} CPUs, shared with other users' tests).",
+        f"{cfg['cpus']} CPUs, load average {_load(cfg, 'load_before')} before, "
+        f"{_load(cfg, 'load_after')} after).",
         "",
         f"{len(cfg['jobs'])} jobs at once ({', '.join(cfg['jobs'])}) on one XDP aggregator, "
         f"{cfg['workers_per_job']} workers each (one namespace per worker, one-arm), "
