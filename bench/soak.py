@@ -655,7 +655,6 @@ def _load(cfg: dict, key: str) -> str:
 
 def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
     cfg = res["config"]
-    reps = [r for rs in res.get("reports", {}).values() for r in rs]
     ok_all = all(x["ok"] for x in v.values())
     lines = [
         "# Soak (bench.soak)",
@@ -696,21 +695,8 @@ def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
             f"| {b['dtype']} | {b['bytes']:,} | {b['results']} | {b['wrong']} | "
             f"{b['median_s']:.4f} | {eob} |"
         )
-    injected = 1 - (1 - cfg["loss_up"]) * (1 - cfg["loss_down"])  # contribution or result lost
-    pk = sum(r["packets"] for r in reps)
-    rx = sum(r["retransmissions"] for r in reps)
-    lines.append("")
-    for job in cfg["jobs"]:
-        jr = [r for k, rs in res.get("reports", {}).items() if k.split("/")[0] == job for r in rs]
-        jp, jx = sum(r["packets"] for r in jr), sum(r["retransmissions"] for r in jr)
-        lines.append(
-            f"{job} ({cfg.get('data_paths', {}).get(job, 'udp')}): {len(jr):,} results, "
-            f"{jp:,} datagrams, {jx:,} retransmissions ({100.0 * jx / max(1, jp):.2f}%)."
-        )
+    lines += ["", *_retx_lines(res)]
     lines += [
-        "",
-        f"Datagrams sent {pk:,}, retransmissions {rx:,} ({100.0 * rx / max(1, pk):.2f}%; the "
-        f"injected loss alone would cause about {100 * injected:.1f}%).",
         "",
         "## Memory per process",
         "",
@@ -746,21 +732,46 @@ def summary_md(res: dict, v: dict, rows: list[dict]) -> str:
         "RSS | server fds | map MiB | maps | pins | netns | jobs | slots |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
-    for r in rows:
-        rss = (
-            f"{r['worker_rss_min_kib'] / 1024:.0f}-{r['worker_rss_max_kib'] / 1024:.0f}"
-            if r["worker_rss_min_kib"] != ""
-            else "-"
-        )
-        fds = f"{r['worker_fds_min']}-{r['worker_fds_max']}" if r["worker_fds_min"] != "" else "-"
-        srss = f"{r['server_rss_kib'] / 1024:.0f}" if r["server_rss_kib"] != "" else "-"
-        lines.append(
-            f"| {r['t_s'] / 60:.1f} | {r['allreduces']} | {r['wrong']} | {r['gbit_s']:.3f} | "
-            f"{r['retx_pct']:.2f} | {rss} | {fds} | {srss} | {r['server_fds']} | "
-            f"{r['map_memlock_bytes'] / 2**20:.2f} | {r['pinned_maps']} | {r['pins']} | "
-            f"{r['namespaces']} | {r['jobs']} | {r['slots_in_use']} |"
-        )
+    lines += [_series_line(r) for r in rows]
     return "\n".join(lines) + "\n"
+
+
+def _retx_lines(res: dict) -> list[str]:
+    """Datagrams and retransmissions per job (with its data path) and in all."""
+    cfg, reports = res["config"], res.get("reports", {})
+    lines = []
+    for job in cfg["jobs"]:
+        jr = [r for k, rs in reports.items() if k.split("/")[0] == job for r in rs]
+        jp, jx = sum(r["packets"] for r in jr), sum(r["retransmissions"] for r in jr)
+        lines.append(
+            f"{job} ({cfg.get('data_paths', {}).get(job, 'udp')}): {len(jr):,} results, "
+            f"{jp:,} datagrams, {jx:,} retransmissions ({100.0 * jx / max(1, jp):.2f}%)."
+        )
+    reps = [r for rs in reports.values() for r in rs]
+    pk, rx = sum(r["packets"] for r in reps), sum(r["retransmissions"] for r in reps)
+    injected = 1 - (1 - cfg["loss_up"]) * (1 - cfg["loss_down"])  # contribution or result lost
+    return lines + [
+        "",
+        f"Datagrams sent {pk:,}, retransmissions {rx:,} ({100.0 * rx / max(1, pk):.2f}%; the "
+        f"injected loss alone would cause about {100 * injected:.1f}%).",
+    ]
+
+
+def _series_line(r: dict) -> str:
+    """One row of the time series table, from a samples.csv row."""
+    rss = (
+        f"{r['worker_rss_min_kib'] / 1024:.0f}-{r['worker_rss_max_kib'] / 1024:.0f}"
+        if r["worker_rss_min_kib"] != ""
+        else "-"
+    )
+    fds = f"{r['worker_fds_min']}-{r['worker_fds_max']}" if r["worker_fds_min"] != "" else "-"
+    srss = f"{r['server_rss_kib'] / 1024:.0f}" if r["server_rss_kib"] != "" else "-"
+    return (
+        f"| {r['t_s'] / 60:.1f} | {r['allreduces']} | {r['wrong']} | {r['gbit_s']:.3f} | "
+        f"{r['retx_pct']:.2f} | {rss} | {fds} | {srss} | {r['server_fds']} | "
+        f"{r['map_memlock_bytes'] / 2**20:.2f} | {r['pinned_maps']} | {r['pins']} | "
+        f"{r['namespaces']} | {r['jobs']} | {r['slots_in_use']} |"
+    )
 
 
 def _detail(key: str, x: dict) -> str:
