@@ -226,7 +226,8 @@ def job_data_path(args, j: int) -> str:
 
 
 def _uses_afxdp(args) -> bool:
-    return any(job_data_path(args, j) == "afxdp" for j in range(args.jobs))
+    """Whether any job runs on AF_XDP ("mixed" puts job 0 there; --jobs is at least 1)."""
+    return args.data_path != "udp"
 
 
 def _start_ranks(cl, tb, args, jobs: list[str], stop_at: float, ranks: list) -> None:
@@ -460,13 +461,13 @@ def sampled_rss(res: dict) -> dict:
 def data_path_verdict(res: dict) -> dict:
     """Every rank ran on the data path its job asked for (AF_XDP: afxdp-copy-* or -zc-*)."""
     asked = res["config"].get("data_paths", {})
-    got = {}
+    got, wrong = {}, {}
     for rk in res.get("ranks", []):
         done = rk.get("done") or {}
-        got[f"{rk['job']}/{rk['rank']}"] = [done.get("data_path"), done.get("data_path_reason")]
-    wrong = {
-        k: v for k, v in got.items() if not str(v[0]).startswith(asked.get(k.split("/")[0], "?"))
-    }
+        key = f"{rk['job']}/{rk['rank']}"
+        got[key] = path = [done.get("data_path"), done.get("data_path_reason")]
+        if not str(path[0]).startswith(asked.get(rk["job"], "?")):
+            wrong[key] = path
     return {
         "ok": bool(got) and not wrong,
         "asked": asked,
