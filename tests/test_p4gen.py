@@ -1,6 +1,7 @@
 """The generated P4 parts (aggcodegen/p4.py) say what the Python side says (drift: test_codegen)."""
 
 import re
+from pathlib import Path
 
 from aggcodegen import p4 as p4gen
 from aggproto import limits, reasons
@@ -23,8 +24,9 @@ def test_every_element_is_summed_once_into_its_own_field():
         assert text.count(f"Processor() value{i:02d};") == 1
     assert "Processor() value64;" not in text
     tna = p4gen.elements_tna()
-    for i in range(32):
-        assert tna.count(f"value{i:02d}.apply(hdr.d0.d{i:02d}, md);") == 1
+    for i in range(32):  # a register pair each: element i of d0 and of d1
+        assert tna.count(f"value{i:02d}.apply(hdr.d0.d{i:02d}, hdr.d1.d{i:02d}, md);") == 1
+    assert "Processor() value32;" not in tna
     payload = p4gen.payload_p4()
     assert sum(1 for ln in payload.splitlines() if ln.strip().startswith("bit<32> d")) == 32
 
@@ -61,3 +63,115 @@ def test_tofino_counter_entries_tell_each_workers_retransmission():
     for w, value, mask, action in entries:
         assert int(value, 16) == int(mask, 16) == 1 << int(w)
         assert action == "count_retransmission"
+
+
+def _tna_step_entries() -> dict[tuple[str, int, str], tuple[str, list[int]]]:
+    """next_step's entries: (size, step, reason) -> (action, its arguments)."""
+    text = p4gen.next_step_entries_tna()
+    found = re.findall(r"^\((SML_SIZE_\d+), (\d+), (AGG_\w+)\): (\w+)\(([\d, ]*)\);$", text, re.M)
+    return {
+        (size, int(step), r): (action, [int(a) for a in args.split(",") if a.strip()])
+        for size, step, r, action, args in found
+    }
+
+
+def _tna_sum_action(step: int, is_new: int, count_before: int) -> str:
+    """Processor.sum (p4/tna/processor.p4) for one pass: its const entries, first match wins."""
+    text = (Path(__file__).resolve().parent.parent / "p4" / "tna" / "processor.p4").read_text()
+    block = text[text.index("const entries") : text.index("const default_action")]
+    for v, m, new, count, action in re.findall(
+        r"\(1, (\d+) &&& (\d+), ([01_]), ([0-9_])\): (\w+)\(\);", block
+    ):
+        if (
+            step & int(m) == int(v)
+            and new in ("_", str(is_new))
+            and count in ("_", str(count_before))
+        ):
+            return action
+    return "NoAction"
+
+
+# (is_new, count_before) the counter gives for a reason (workers_counter.p4)
+TNA_COUNTER = {
+    "AGG_COMPLETED": (1, 1),
+    "AGG_AGGREGATED": (1, 2),
+    "AGG_RETX_ANSWERED": (0, 0),
+    "AGG_DUP_PENDING": (0, 2),
+}
+
+
+def _tna_parse(size: str, step: int, payload: list[int]):
+    """The ingress parser's payload headers for a pass: (d0, d1, the rest); None: not parsed."""
+    if size == "SML_SIZE_32":
+        return None, payload[:32], payload[32:]  # in d1
+    if step < 8 or size == "SML_SIZE_64":
+        return payload[:32], payload[32:64], payload[64:]
+    return None, None, payload  # a 256-element harvest pass parses no payload
+
+
+def _run_tna_passes(size: str, reason: str, mine: list[int], stored: list[list[list[int]]]):
+    """The Tofino program's passes for one packet of ours (its parser, Processor.sum and
+    next_step on the payload headers): (its elements when it leaves, how it leaves, passes).
+    `stored[q][i]` is the register pair of quarter q, element i, before the packet."""
+    entries, (is_new, count) = _tna_step_entries(), TNA_COUNTER[reason]
+    payload, step, quarter, passes = list(mine), 0, 0, 0
+    while True:
+        passes += 1
+        d0, d1, payload = _tna_parse(size, step, payload)
+        action, pair = _tna_sum_action(step, is_new, count), stored[quarter]
+        if action in ("write_read1_action", "sum_read1_action"):  # count 1 or more: adds
+            for i in range(32):
+                pair[i] = [pair[i][0] + (d0[i] if d0 else 0), pair[i][1] + d1[i]]
+        if action != "NoAction":
+            half = [pair[i][0 if action == "read0_action" else 1] for i in range(32)]
+            d0, d1 = (half, d1) if action == "read0_action" else (d0, half)
+        name, args = entries.get((size, step, reason), ("drop", []))
+        if name == "consume_next":
+            d0 = d1 = None
+        elif name == "harvest_d1_next":
+            d0 = None
+        elif name == "harvest_d0_next":
+            d1 = None
+        packet = (d0 or []) + (d1 or []) + payload  # the deparser: d0, d1, then the rest
+        if not name.endswith("_next"):
+            return packet, name, passes
+        payload, (step, quarter) = packet, args
+
+
+def _tna_store(size: str, elements: list[int]) -> list[list[list[int]]]:
+    """The register pairs after one contribution: quarter q holds elements 64q..64q+63 (d0's
+    half first); a 32-element packet's elements are second halves (it is parsed into d1)."""
+    pairs = [[[0, 0] for _ in range(32)] for _ in range(4)]
+    if size == "SML_SIZE_32":
+        for i in range(32):
+            pairs[0][i][1] = elements[i]
+        return pairs
+    for q in range(len(elements) // 64):
+        for i in range(32):
+            pairs[q][i] = [elements[64 * q + i], elements[64 * q + 32 + i]]
+    return pairs
+
+
+TNA_SIZES = (("SML_SIZE_32", 32), ("SML_SIZE_64", 64), ("SML_SIZE_256", 256))
+
+
+def test_tofino_passes_put_every_element_of_a_result_back_in_order():
+    """p4/tna's passes (next_step_entries.p4 with processor.p4's `sum`): the last worker's 32-,
+    64- and 256-element packet leaves with the sum of element i at position i, after 1, 2 and 12
+    passes; a retransmission for the completed slot gets the stored sums, in as many passes."""
+    for (size, n), passes in zip(TNA_SIZES, (1, 2, 12)):
+        other, mine = [7 * i + 3 for i in range(n)], [1000 + i for i in range(n)]
+        packet, how, k = _run_tna_passes(size, "AGG_COMPLETED", mine, _tna_store(size, other))
+        assert (how, k) == ("result_harvested" if n == 256 else "result", passes), size
+        assert packet == [a + b for a, b in zip(other, mine)], size
+        packet, how, k = _run_tna_passes(size, "AGG_RETX_ANSWERED", mine, _tna_store(size, other))
+        assert how.startswith("answer") and k == passes and packet == other, size
+
+
+def test_tofino_passes_drop_what_does_not_complete():
+    """An AGGREGATED packet stops after its last consume pass (4 for 256 elements), every other
+    reason after its first: dropped by next_step's default action, counted then."""
+    for (size, n), passes in zip(TNA_SIZES, (1, 1, 4)):
+        mine, stored = list(range(n)), _tna_store(size, [0] * n)
+        assert _run_tna_passes(size, "AGG_AGGREGATED", mine, stored)[1:] == ("drop", passes)
+        assert _run_tna_passes(size, "AGG_DUP_PENDING", mine, stored)[1:] == ("drop", 1)

@@ -4,9 +4,10 @@
 
 #include "processor.p4"
 
-/* 32 Processors, one register array (one stateful ALU) per element. A Tofino pass
- * has about 48 stateful ALUs, so one pass aggregates 32 elements; 64 would need a second
- * pass (recirculation, as p4app-switchML does), which this variant does not do. */
+/* 32 Processors, one register pair (one stateful ALU) per element of d0 and the one
+ * of d1 at the same offset: 64 elements a pass. A stateful ALU returns 32 bits, so a
+ * pass reads one half back: d1 while summing, d0 (or, in a 256-element packet's harvest, either)
+ * in a harvest pass (next_step_selector.p4). */
 control Elements(inout header_t hdr, in switchml_md_t md) {
     Processor() value00;
     Processor() value01;
@@ -42,38 +43,38 @@ control Elements(inout header_t hdr, in switchml_md_t md) {
     Processor() value31;
 
     apply {
-        value00.apply(hdr.d0.d00, md);
-        value01.apply(hdr.d0.d01, md);
-        value02.apply(hdr.d0.d02, md);
-        value03.apply(hdr.d0.d03, md);
-        value04.apply(hdr.d0.d04, md);
-        value05.apply(hdr.d0.d05, md);
-        value06.apply(hdr.d0.d06, md);
-        value07.apply(hdr.d0.d07, md);
-        value08.apply(hdr.d0.d08, md);
-        value09.apply(hdr.d0.d09, md);
-        value10.apply(hdr.d0.d10, md);
-        value11.apply(hdr.d0.d11, md);
-        value12.apply(hdr.d0.d12, md);
-        value13.apply(hdr.d0.d13, md);
-        value14.apply(hdr.d0.d14, md);
-        value15.apply(hdr.d0.d15, md);
-        value16.apply(hdr.d0.d16, md);
-        value17.apply(hdr.d0.d17, md);
-        value18.apply(hdr.d0.d18, md);
-        value19.apply(hdr.d0.d19, md);
-        value20.apply(hdr.d0.d20, md);
-        value21.apply(hdr.d0.d21, md);
-        value22.apply(hdr.d0.d22, md);
-        value23.apply(hdr.d0.d23, md);
-        value24.apply(hdr.d0.d24, md);
-        value25.apply(hdr.d0.d25, md);
-        value26.apply(hdr.d0.d26, md);
-        value27.apply(hdr.d0.d27, md);
-        value28.apply(hdr.d0.d28, md);
-        value29.apply(hdr.d0.d29, md);
-        value30.apply(hdr.d0.d30, md);
-        value31.apply(hdr.d0.d31, md);
+        value00.apply(hdr.d0.d00, hdr.d1.d00, md);
+        value01.apply(hdr.d0.d01, hdr.d1.d01, md);
+        value02.apply(hdr.d0.d02, hdr.d1.d02, md);
+        value03.apply(hdr.d0.d03, hdr.d1.d03, md);
+        value04.apply(hdr.d0.d04, hdr.d1.d04, md);
+        value05.apply(hdr.d0.d05, hdr.d1.d05, md);
+        value06.apply(hdr.d0.d06, hdr.d1.d06, md);
+        value07.apply(hdr.d0.d07, hdr.d1.d07, md);
+        value08.apply(hdr.d0.d08, hdr.d1.d08, md);
+        value09.apply(hdr.d0.d09, hdr.d1.d09, md);
+        value10.apply(hdr.d0.d10, hdr.d1.d10, md);
+        value11.apply(hdr.d0.d11, hdr.d1.d11, md);
+        value12.apply(hdr.d0.d12, hdr.d1.d12, md);
+        value13.apply(hdr.d0.d13, hdr.d1.d13, md);
+        value14.apply(hdr.d0.d14, hdr.d1.d14, md);
+        value15.apply(hdr.d0.d15, hdr.d1.d15, md);
+        value16.apply(hdr.d0.d16, hdr.d1.d16, md);
+        value17.apply(hdr.d0.d17, hdr.d1.d17, md);
+        value18.apply(hdr.d0.d18, hdr.d1.d18, md);
+        value19.apply(hdr.d0.d19, hdr.d1.d19, md);
+        value20.apply(hdr.d0.d20, hdr.d1.d20, md);
+        value21.apply(hdr.d0.d21, hdr.d1.d21, md);
+        value22.apply(hdr.d0.d22, hdr.d1.d22, md);
+        value23.apply(hdr.d0.d23, hdr.d1.d23, md);
+        value24.apply(hdr.d0.d24, hdr.d1.d24, md);
+        value25.apply(hdr.d0.d25, hdr.d1.d25, md);
+        value26.apply(hdr.d0.d26, hdr.d1.d26, md);
+        value27.apply(hdr.d0.d27, hdr.d1.d27, md);
+        value28.apply(hdr.d0.d28, hdr.d1.d28, md);
+        value29.apply(hdr.d0.d29, hdr.d1.d29, md);
+        value30.apply(hdr.d0.d30, hdr.d1.d30, md);
+        value31.apply(hdr.d0.d31, hdr.d1.d31, md);
     }
 }
 

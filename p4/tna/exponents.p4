@@ -38,9 +38,12 @@ control ExponentMax(inout bit<8> e, in switchml_md_t md) {
         e = (bit<8>)read.execute(md.pool_entry);
     }
 
-    // As Processor's table `sum` (processor.p4).
+    // As Processor's table `sum` (processor.p4), in a packet's first pass only: later passes
+    // carry the exponents the first one wrote.
     table exponent_max {
         key = {
+            md.accepted: exact;
+            md.step: exact;
             md.is_new: exact;
             md.count_before: ternary;
         }
@@ -51,9 +54,9 @@ control ExponentMax(inout bit<8> e, in switchml_md_t md) {
             @defaultonly NoAction;
         }
         const entries = {
-            (1, 0): write_action();
-            (1, _): max_action();
-            (0, 0): read_action();
+            (1, STEP_CONSUME0, 1, 0): write_action();
+            (1, STEP_CONSUME0, 1, _): max_action();
+            (1, STEP_CONSUME0, 0, 0): read_action();
         }
         const default_action = NoAction();
         size = 3;

@@ -37,12 +37,14 @@ header udp_h {
 }
 
 struct header_t {
+    fold_h fold; // between the passes of a packet of ours (types.p4)
     ethernet_h ethernet;
     ipv4_h ipv4;
     udp_h udp;
     switchml_h switchml;
     exponents_h exponents;
-    payload_h d0;
+    payload_h d0; // elements 0..31 of the pass (a 32-element packet has none: d1 only)
+    payload_h d1; // elements 32..63 of the pass, or a 32-element packet's 32
 }
 
 #endif

@@ -14,13 +14,57 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         pkt.extract(ig_intr_md);
         pkt.advance(PORT_METADATA_SIZE);
         ig_md.update_ipv4_checksum = false;
+        ig_md.sml.folds = 0;
+        transition select(ig_intr_md.ingress_port[6:0]) {
+            RECIRC_PORT_IN_PIPE: parse_fold; // a later pass of a packet of ours
+            default: first_pass;
+        }
+    }
+
+    state first_pass {
         // UDPReceiver's defaults, set here rather than in its first stage: there the workers
         // table writes reason and counter_row too, and the two writes would take two stages.
         ig_md.sml.ours = 0;
         ig_md.sml.accepted = 0;
         ig_md.sml.reason = AGG_PASS;
         ig_md.sml.counter_row = AGG_NO_JOB;
+        ig_md.sml.step = STEP_CONSUME0;
+        ig_md.sml.quarter = 0;
         transition parse_ethernet;
+    }
+
+    // What the first pass decided (it made every check: the headers are as it parsed them, with
+    // no IPv4 options), then the pass's payload: the next 64 elements of a consume pass, the
+    // 64 a 64-element packet carries in its harvest pass, none in a 256-element harvest (the
+    // elements read so far stay behind as payload; this pass puts 32 more in front).
+    state parse_fold {
+        pkt.extract(hdr.fold);
+        ig_md.sml.ours = 1;
+        ig_md.sml.accepted = 1;
+        ig_md.sml.step = hdr.fold.step;
+        ig_md.sml.quarter = hdr.fold.quarter;
+        ig_md.sml.is_new = hdr.fold.is_new;
+        ig_md.sml.count_before = hdr.fold.count_before;
+        ig_md.sml.reason = hdr.fold.reason;
+        ig_md.sml.counter_row = hdr.fold.counter_row;
+        ig_md.sml.job_id = hdr.fold.job_id;
+        ig_md.sml.ingress_port = hdr.fold.ingress_port;
+        ig_md.sml.mgid = hdr.fold.mgid;
+        pkt.extract(hdr.ethernet);
+        pkt.extract(hdr.ipv4);
+        pkt.extract(hdr.udp);
+        transition parse_fold_switchml;
+    }
+
+    state parse_fold_switchml {
+        pkt.extract(hdr.switchml);
+        ig_md.sml.slot = hdr.switchml.pool_index[14:0];
+        ig_md.sml.version = hdr.switchml.pool_index[15:15];
+        pkt.extract(hdr.exponents);
+        transition select(hdr.fold.step[3:3], hdr.switchml.size) {
+            (1w1, SML_SIZE_256): accept;
+            default: parse_d0;
+        }
     }
 
     state parse_ethernet {
@@ -79,13 +123,20 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         ig_md.sml.version = hdr.switchml.pool_index[15:15];
         pkt.extract(hdr.exponents);
         transition select(hdr.switchml.size) {
-            SML_SIZE_32: parse_d0;
+            SML_SIZE_32: parse_d1; // in d1: a pass sums d1 and reads d1 back
+            SML_SIZE_64: parse_d0;
+            SML_SIZE_256: parse_d0; // its first 64; the rest stays payload for the next passes
             default: accept; // not aggregated by this variant: dropped as a bad size
         }
     }
 
     state parse_d0 {
         pkt.extract(hdr.d0);
+        transition parse_d1;
+    }
+
+    state parse_d1 {
+        pkt.extract(hdr.d1);
         transition accept;
     }
 }
@@ -102,13 +153,15 @@ control IngressDeparser(packet_out pkt, inout header_t hdr, in ingress_metadata_
                 hdr.ipv4.identification, hdr.ipv4.flags, hdr.ipv4.frag_offset, hdr.ipv4.ttl,
                 hdr.ipv4.protocol, hdr.ipv4.src_addr, hdr.ipv4.dst_addr});
         }
-        pkt.emit(ig_md.bridged);
+        pkt.emit(hdr.fold); // valid only in a packet that recirculates (egress bypassed)
+        pkt.emit(ig_md.bridged); // valid in every other packet that is not dropped
         pkt.emit(hdr.ethernet);
         pkt.emit(hdr.ipv4);
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
         pkt.emit(hdr.exponents);
         pkt.emit(hdr.d0);
+        pkt.emit(hdr.d1);
     }
 }
 

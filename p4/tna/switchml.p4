@@ -5,8 +5,11 @@
  * here. It is kept parallel to the v1model program, which is compiled and tested against the
  * packet table in bmv2; when changing one, change the other. Differences, forced by the
  * hardware:
- * - 32 elements per packet (one register, one stateful ALU, per element; a 64-element packet
- *   would need p4app-switchML's recirculation passes);
+ * - 64 elements a pass, in 32 register pairs (one stateful ALU each, as p4app-switchML's
+ *   Processor), which read back one half a pass: a 64-element result takes a second pass, a
+ *   256-element packet four consume passes and eight harvest passes through the pipe's
+ *   recirculation port (next_step_selector.p4; p4app-switchML's folded pipe on one pipe);
+ * - a pool of 4096 slots (the accumulators hold four quarters of each; configuration.p4);
  * - at most 32 workers per job (a worker bitmap of one version is one 32-bit half of a
  *   register pair, so that one stateful ALU updates both versions at once);
  * - the worker bit comes from the workers table (1 << index, written by the control plane)
@@ -22,10 +25,11 @@
  *   for equality) are table keys or ALU work: the worker-bit test is the key of the counter's
  *   table (one ternary entry per worker), the slot range saturating subtractions in
  *   set_worker; the accumulators' choice (overwrite, add, read) is a table keyed on the
- *   counter's output, as p4app-switchML's `sum`. This is meant to keep the chain in front of
+ *   counter's output and the pass, as p4app-switchML's `sum`; the lengths of the job's size code
+ *   come with the worker's entry, compared as differences. This keeps the chain in front of
  *   the accumulators at three stages (worker; checks and bitmap; counter), so that the 34
  *   stateful ALUs of the accumulators and exponents (4 a stage) fit into the 9 stages Tofino
- *   has left; p4/README.md says what bf-p4c has confirmed of it.
+ *   has left; p4/README.md has bf-p4c's placement and resources.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -63,18 +67,32 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
     Forwarder() forwarder;
 
     apply {
-        udp_receiver.apply(hdr, ig_md.sml, ig_prsr_md);
-        if (ig_md.sml.accepted == 1) {
-            workers_counter.apply(ig_md.sml);
-            exponents.apply(hdr, ig_md.sml);
-            elements.apply(hdr, ig_md.sml);
+        if (!hdr.fold.isValid()) {
+            // Here, not in the parser's first_pass state: a Tofino parser state writes constants
+            // or bytes it extracts itself (ig_intr_md is extracted in start).
+            ig_md.sml.ingress_port = ig_intr_md.ingress_port;
+            udp_receiver.apply(hdr, ig_md.sml, ig_prsr_md);
+            if (ig_md.sml.accepted == 1) {
+                workers_counter.apply(ig_md.sml);
+            }
+        } else if (hdr.fold.step[3:3] == 0 && !hdr.d1.isValid()) {
+            // A later consume pass of a 256-element packet shorter than its UDP length says
+            // (TNA's ingress has no frame length: its first pass could not tell; p4/README.md).
+            ig_md.sml.accepted = 0;
+            ig_md.sml.reason = AGG_DROP_TRUNCATED;
         }
+        // Not under `if (accepted == 1)`: their tables match on accepted (a gateway in front
+        // of them put the first accumulators a stage later, the exponents into a 13th stage).
+        exponents.apply(hdr, ig_md.sml);
+        elements.apply(hdr, ig_md.sml);
         if (ig_md.sml.ours == 1) {
             next_step_selector.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
         } else {
             forwarder.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
         }
-        reasons.count((bit<32>)(ig_md.sml.counter_row ++ ig_md.sml.reason[3:0]));
+        if (ig_md.sml.folds == 0) { // a packet is counted once, in its last pass
+            reasons.count((bit<32>)(ig_md.sml.counter_row ++ ig_md.sml.reason[3:0]));
+        }
     }
 }
 

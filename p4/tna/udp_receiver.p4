@@ -21,8 +21,8 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
     BitmapChecker() bitmap_checker;
 
     action set_worker(job_id_t job_id, worker_id_t worker_id, worker_bitmap_t worker_bit,
-                      bit<8> num_workers, bit<3> size_code, pool_slot_t slot_base,
-                      pool_slot_t slot_end, MulticastGroupId_t mgid) {
+                      bit<8> num_workers, bit<3> size_code, bit<16> udp_len, bit<16> ip_len,
+                      pool_slot_t slot_base, pool_slot_t slot_end, MulticastGroupId_t mgid) {
         md.job_id = job_id;
         md.worker_id = worker_id;
         md.worker_bit = worker_bit; // 1 << worker_id, computed by the control plane
@@ -34,6 +34,10 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
         // compared with 0 by the gateways of the next stage.
         md.slots_below = slot_base |-| md.slot;
         md.slots_left = slot_end |-| md.slot;
+        // The lengths of the job's size code (udp_len: SML_UDP_LEN_*, ip_len: 20 more), written
+        // by the control plane with it: a gateway then compares the differences with 0.
+        md.udp_len_diff = udp_len - hdr.udp.length;
+        md.ip_len_diff = ip_len - hdr.ipv4.total_len;
     }
 
     action stale_worker(job_id_t job_id) {
@@ -80,14 +84,13 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                             md.reason = AGG_DROP_BAD_TYPE;
                         } else if (hdr.switchml.size != md.size_code) {
                             md.reason = AGG_DROP_BAD_SIZE;
-                        } else if (!hdr.d0.isValid()) {
-                            md.reason = AGG_DROP_TRUNCATED;
-                        } else if (hdr.udp.length != SML_UDP_LEN_32
-                                   || hdr.ipv4.total_len != SML_IPV4_HLEN + SML_UDP_LEN_32) {
+                        } else if (!hdr.d1.isValid()) {
+                            md.reason = AGG_DROP_TRUNCATED; // every size's first pass ends in d1
+                        } else if (md.udp_len_diff != 0 || md.ip_len_diff != 0) {
                             // Lengths that disagree with the size code: a lying length would be
                             // summed and echoed. (TNA's ingress has no frame length to compare;
                             // bytes after the UDP length ride along in the result, whose lengths
-                            // stay right.)
+                            // stay right; p4/README.md says what that means for 256 elements.)
                             md.reason = AGG_DROP_BAD_LENGTH;
                         } else if (md.slots_below != 0 || md.slots_left == 0) {
                             md.reason = AGG_DROP_SLOT_RANGE; // outside [base, end)
