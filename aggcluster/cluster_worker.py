@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import resource
 import sys
 import time
@@ -115,7 +116,10 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--window", type=int, default=128)
     ap.add_argument("--timeout", type=float, default=30.0)
     ap.add_argument(
-        "--plan", required=True, help="JSON list of {dtype, count, reps, seed, verify, digest}"
+        "--plan",
+        required=True,
+        help="JSON list of {dtype, count, reps, seed, verify, digest, until}; until: a path, "
+        "all-reduce until rank 0 sees it (at least reps times)",
     )
     ap.add_argument("--progress", action="store_true")
     ap.add_argument(
@@ -152,11 +156,22 @@ def _counters_report(comm, rank: int) -> dict:
     }
 
 
-def _timed(comm, x, reps: int):
-    """`reps` all-reduces of x in step with the other ranks; the last result, the times and the
-    (user, sys) CPU seconds of each."""
+def _go_on(comm, until: str | None, done: int, reps: int, rank: int) -> bool:
+    """Whether the ranks run another all-reduce: `reps` of them, or with `until` (a path) at
+    least `reps` and then as long as rank 0 does not see that file. Rank 0's view reaches every
+    rank through a one-element all-reduce, so all of them stop after the same round (a rank
+    deciding alone would leave the others waiting on a round it never sends)."""
+    if until is None:
+        return done < reps
+    flag = 1 if rank == 0 and (done < reps or not os.path.exists(until)) else 0
+    return bool(comm.allreduce(np.array([flag], dtype=np.int32))[0])
+
+
+def _timed(comm, x, reps: int, until: str | None = None, rank: int = 0):
+    """`reps` all-reduces of x in step with the other ranks (with `until`, see _go_on); the last
+    result, the times and the (user, sys) CPU seconds of each."""
     times, cpu = [], []
-    for _ in range(reps):
+    while _go_on(comm, until, len(times), reps, rank):
         comm.barrier()
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
@@ -188,7 +203,7 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     x = make_input(dtype, count, seed, data_rank)
     before = dict(comm.stats)
     before_per = comm.stats_per_aggregator()
-    out, times, cpu = _timed(comm, x, reps)
+    out, times, cpu = _timed(comm, x, reps, item.get("until"), args.rank)
     # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
     # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
     # XDP program) that runs in the sending system call

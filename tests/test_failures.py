@@ -32,10 +32,13 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.
 TIMEOUT = 3.0  # the workers' all-reduce stall timeout in these tests
 SLACK = 6.0  # what the diagnosis, the process exit and a loaded 2-core machine may add
 
-# a first small all-reduce (its report line tells the test the job is running), then a long one
+# a first small all-reduce (its report line tells the test the job is running), then
+# all-reduces until the failure the test makes ends them: `until` names a file nobody creates,
+# so a fast machine cannot finish the job before the test is done with it
+NEVER = "/nonexistent/xdp-agg-tests/never-created"
 LONG_PLAN = [
     {"dtype": "int32", "count": 1000, "seed": 1},
-    {"dtype": "int32", "count": 1_000_000, "reps": 150, "seed": 2, "verify": False},
+    {"dtype": "int32", "count": 1_000_000, "reps": 20, "seed": 2, "verify": False, "until": NEVER},
 ]
 
 
@@ -133,14 +136,15 @@ def _wait_connected(cl, job: str, ranks: list[int], limit: float) -> float:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["term", "kill"])
-def test_serve_restarted_while_jobs_run(testbed_factory, sig):
+def test_serve_restarted_while_jobs_run(testbed_factory, tmp_path, sig):
     """Job A keeps all-reducing through a restart of serve and ends exactly, leaving normally;
     job C's rank 1 is killed after the restart and C is freed all the same; job B registers
     with the restarted endpoint and runs exactly."""
     tb = testbed_factory(workers=4, topology="one-arm")
+    a_done = tmp_path / "a-done"  # A all-reduces until the test has seen its ranks rejoin
     long_exact = [
         {"dtype": "int32", "count": 1000, "seed": 1},
-        {"dtype": "int32", "count": 1_000_000, "reps": 120, "seed": 2},
+        {"dtype": "int32", "count": 1_000_000, "reps": 20, "seed": 2, "until": str(a_done)},
     ]
     with Cluster(tb) as cl:
         a = cl.start_workers(long_exact, hosts=[0, 1], job="A", timeout=TIMEOUT)
@@ -166,6 +170,8 @@ def test_serve_restarted_while_jobs_run(testbed_factory, sig):
         b = cl.run_workers([{"dtype": "int32", "count": 100_000, "seed": 5}], hosts=[2, 3], job="B")
         assert all(r["ok"] for reps in b for r in reps), b
 
+        assert a[0][1].poll() is None, "job A ended before the test let it"
+        a_done.touch()
         ra = cl.collect(a, deadline=120)  # finished exactly, and left (leave after restart)
         assert all(r["ok"] for reps in ra for r in reps), ra
         deadline = time.monotonic() + 10
