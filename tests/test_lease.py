@@ -70,20 +70,23 @@ def test_traffic_renews_the_lease_and_the_job_expires_once_it_stops(monkeypatch)
     monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 1e9)
     lease = 2.0
     with soft_cluster(limits=Limits(job_lease=lease)) as cl:
+        # a count, not a time: both ranks must run the same number of all-reduces (each rank
+        # reading its own clock once ran one more than the other, which then waited for it
+        # in vain); the sleeps alone make it last 3 leases
+        rounds = int(3 * lease / 0.05)
 
         def rank(comm):
             t0 = time.monotonic()
-            n = 0
-            while time.monotonic() - t0 < 3 * lease:
+            for _ in range(rounds):
                 comm.allreduce(np.ones(512, np.float32))
-                n += 1
                 time.sleep(0.05)
             alive = "traffic" in cl.server._jobs
+            took = time.monotonic() - t0
             _wait_gone(cl, "traffic", 5 * lease)
-            return n, alive
+            return took, alive
 
-        for n, alive in ok(run_ranks(cl, 2, rank, job="traffic")):
-            assert n > 10 and alive
+        for took, alive in ok(run_ranks(cl, 2, rank, job="traffic")):
+            assert took >= 3 * lease and alive
         assert cl.server.lease.expired == ["traffic"]
 
 
