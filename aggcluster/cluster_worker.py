@@ -158,12 +158,12 @@ def _counters_report(comm, rank: int) -> dict:
 
 def _go_on(comm, until: str | None, done: int, reps: int, rank: int) -> bool:
     """Whether the ranks run another all-reduce: `reps` of them, or with `until` (a path) at
-    least `reps` and then as long as rank 0 does not see that file. Rank 0's view reaches every
-    rank through a one-element all-reduce, so all of them stop after the same round (a rank
-    deciding alone would leave the others waiting on a round it never sends)."""
-    if until is None:
+    least `reps` and then as long as rank 0 does not see that file. Past `reps`, rank 0's view
+    reaches every rank through a one-element all-reduce, so all of them stop after the same
+    round (a rank deciding alone would leave the others waiting on a round it never sends)."""
+    if until is None or done < reps:  # every rank knows this alike: nothing to agree on
         return done < reps
-    flag = 1 if rank == 0 and (done < reps or not os.path.exists(until)) else 0
+    flag = 1 if rank == 0 and not os.path.exists(until) else 0
     return bool(comm.allreduce(np.array([flag], dtype=np.int32))[0])
 
 
