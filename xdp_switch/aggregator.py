@@ -30,6 +30,10 @@ from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
 from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES
 
+# The pinned programs of an attachment (pins.Instance.prog_path): the aggregator, and the egress
+# program that addresses a switch-topology result to the worker behind each port.
+PROGRAMS = ("ingress", "egress")
+
 # How a job's results leave in each topology (JobSpec.delivery).
 DELIVERY = {"one-arm": Delivery.GROUP_TX, "switch": Delivery.BROADCAST}
 
@@ -549,6 +553,34 @@ class XdpBackend:
     def counters(self, job_id: int) -> dict[str, int]:
         """A job's counters by reason, summed over CPUs."""
         return self.maps.counters(job_id)
+
+    def program_stats(self) -> dict:
+        """The attached programs' run time and runs (the kernel counts them only while
+        kernel.bpf_stats_enabled = 1: `bpf_stats_enabled` says whether it does) and the kernel
+        memory of each program and map, in bytes:
+        {"bpf_stats_enabled", "programs": {name: {"run_time_ns", "run_cnt", "memlock"}},
+        "maps": {name: memlock}}."""
+        self._follow()
+        inst = pins.Instance(self.name)
+        programs = {}
+        for prog in PROGRAMS:
+            if not inst.prog_path(prog).exists():
+                continue  # no egress program pinned: an aggregator attached before it had one
+            fd = inst.open_prog(prog)
+            try:
+                info = bpfsys.prog_info(fd)
+                programs[prog] = {
+                    "run_time_ns": info.run_time_ns,
+                    "run_cnt": info.run_cnt,
+                    "memlock": bpfsys.memlock(fd),
+                }
+            finally:
+                os.close(fd)
+        return {
+            "bpf_stats_enabled": bpfsys.bpf_stats_enabled(),
+            "programs": programs,
+            "maps": {m: bpfsys.memlock(fd) for m, fd in sorted(self.maps.fds.items())},
+        }
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index (none for a lost job)."""
