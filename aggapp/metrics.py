@@ -64,12 +64,13 @@ class Sources:
 
     backend: the aggregator target (aggctl.backend.Backend), with the capabilities it has
     (JobCounters, WorkerCounters); target: its name, the `target` label ("xdp", "bmv2", "soft");
-    programs: an XDP target's XdpBackend (program_stats), None for the others; endpoint: the
+    xdp: an XDP target's XdpBackend (the program's statistics, program_stats, and every job's
+    per-worker counters in one read, all_worker_counters), None for the others; endpoint: the
     control endpoint in front of it (aggctl.server.ControlEndpoint), None without one."""
 
     backend: object
     target: str
-    programs: object | None = None
+    xdp: object | None = None
     endpoint: object | None = None
 
 
@@ -106,11 +107,17 @@ class AggregatorCollector(Collector):
             for reason, n in _reasons(src.backend, row).items():
                 fam = fams["drops"] if reason.startswith(DROP_PREFIX) else fams["verdicts"]
                 fam.add_metric([src.target, label, reason], n)
+        # per-worker counters: of every job in one read where the target can (XDP)
+        every = src.xdp.all_worker_counters() if src.xdp is not None else None
         for j in jobs:
             jid = str(j["job_id"])
             fams["workers"].add_metric([src.target, jid], j["num_workers"])
             fams["payload"].add_metric([src.target, jid], 4 * j["elems"])
-            for index, c in _worker_counters(src.backend, j["job_id"]).items():
+            if every is not None:
+                per_worker = every.get(j["job_id"], {})
+            else:
+                per_worker = _worker_counters(src.backend, j["job_id"])
+            for index, c in per_worker.items():
                 for field, value in c.items():
                     if field in WORKER_METRICS:
                         fams[field].add_metric([src.target, jid, str(index)], value)
@@ -118,9 +125,9 @@ class AggregatorCollector(Collector):
 
     # --- the XDP program ----------------------------------------------------------------------
     def _programs(self) -> list[Metric]:
-        if self.sources.programs is None:
+        if self.sources.xdp is None:
             return []
-        st = self.sources.programs.program_stats()
+        st = self.sources.xdp.program_stats()
         fams = _program_families()
         fams["enabled"].add_metric([], int(st["bpf_stats_enabled"]))
         for name, p in st["programs"].items():

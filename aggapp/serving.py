@@ -315,10 +315,11 @@ def _stand_up(backend, host: str, port: int, defaults: dict, **kw):
         ) from e
 
 
-def _exporting(address: tuple[str, int] | None, sources: dict):
-    """aggapp.metrics.exporting (serve --metrics): a context yielding the metrics' URL, or None
-    when `address` is None. prometheus_client is an optional dependency (the `metrics` extra):
-    imported only when asked for."""
+def metrics_exporting(address: tuple[str, int] | None, sources: dict):
+    """aggapp.metrics.exporting (serve --metrics, the soft endpoint's too): a context yielding
+    the metrics' URL, or None when `address` is None; `sources`: aggapp.metrics.Sources'
+    fields. prometheus_client is an optional dependency (the `metrics` extra): imported only
+    when asked for."""
     if address is None:
         return contextlib.nullcontext()
     metrics = _metrics_module()
@@ -342,7 +343,7 @@ def xdp_exposition(name: str) -> str:
     """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
     endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
     backend = aggregator.XdpBackend(name)
-    sources = dict(backend=backend, target="xdp", programs=backend)
+    sources = dict(backend=backend, target="xdp", xdp=backend)
     metrics = _metrics_module()
     return metrics.exposition(metrics.Sources(**sources))
 
@@ -410,8 +411,8 @@ def serve_xdp(
             generation=backend.generation(),
             grace=rejoin_timeout,
         )
-        sources = dict(backend=backend, target="xdp", programs=xdp, endpoint=server)
-        with _exporting(metrics, sources) as url:
+        sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
+        with metrics_exporting(metrics, sources) as url:
             announce(
                 f"control endpoint listening on {host}:{port} (aggregator {name}, "
                 f"{describe_results(defaults)}"
@@ -475,7 +476,7 @@ def serve_bmv2(
         )
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
-        with _exporting(metrics, sources) as url:
+        with metrics_exporting(metrics, sources) as url:
             announce(
                 f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
                 f"{rack}){_metrics_note(url)}; Ctrl-C stops it"

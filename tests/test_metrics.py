@@ -17,6 +17,7 @@ import re
 import shutil
 import socket
 import subprocess
+import sys
 import threading
 import urllib.request
 from pathlib import Path
@@ -242,3 +243,30 @@ def test_the_dashboard_parses_and_its_queries_use_metrics_that_exist():
     wanted = ("Gbit/s", "drops", "retransmissions", "jobs", "ranks")
     for word in wanted:
         assert any(word in t.lower() or word in t for t in panels), f"no panel on {word}"
+
+
+def test_the_soft_endpoint_serves_metrics_too():
+    """`python -m aggapp.soft_endpoint --metrics`: the soft target's counters and the endpoint's."""
+    from harness.ranks import loopback_prefix
+
+    ip = f"{loopback_prefix()}.1"
+    argv = [sys.executable, "-m", "aggapp.soft_endpoint", "--soft", ip, "--insecure-no-auth"]
+    proc = subprocess.Popen(
+        [*argv, "--metrics", f"{ip}:9464"], stderr=subprocess.PIPE, text=True, cwd=ROOT
+    )
+    try:
+        lines = []
+        for line in proc.stderr:  # its log, until it says where the metrics are
+            lines.append(line)
+            if "Prometheus metrics at" in line:
+                break
+        url = lines[-1].split("Prometheus metrics at ")[-1].strip() if lines else ""
+        assert url == f"http://{ip}:9464/metrics", "".join(lines)
+        with urllib.request.urlopen(url, timeout=10) as r:
+            got = samples(r.read().decode())
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    assert value(got, "xdpagg_drops_total", target="soft", job_id="none",
+                 reason="drop_unknown_source") == 0  # fmt: skip
+    assert value(got, "xdpagg_endpoint_jobs", state="ready") == 0
