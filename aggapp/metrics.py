@@ -103,8 +103,9 @@ class AggregatorCollector(Collector):
         jobs = src.backend.jobs()
         fams = _job_families()
         rows = [(NO_JOB_LABEL, limits.NO_JOB)] + [(str(j["job_id"]), j["job_id"]) for j in jobs]
+        counted = _reason_rows(src.backend, [row for _, row in rows])
         for label, row in rows:
-            for reason, n in _reasons(src.backend, row).items():
+            for reason, n in counted.get(row, {}).items():
                 fam = fams["drops"] if reason.startswith(DROP_PREFIX) else fams["verdicts"]
                 fam.add_metric([src.target, label, reason], n)
         # per-worker counters: of every job in one read where the target can (XDP)
@@ -241,13 +242,17 @@ def _endpoint_families() -> dict[str, Metric]:
     }
 
 
-def _reasons(backend, row: int) -> dict[str, int]:
-    """The row's counters by reason, every reason present (0 where the target counted none:
-    the soft aggregator lists only the reasons it saw), or {} for a target without them."""
+def _reason_rows(backend, rows: list[int]) -> dict[int, dict[str, int]]:
+    """{row: {reason: packets}} for the rows (job ids, limits.NO_JOB), every reason present (0
+    where the target counted none: the soft aggregator lists only the reasons it saw); {} for a
+    target without the counters. One call for all rows where the target has one (bmv2's
+    counter_rows: one simple_switch_CLI run instead of one per row)."""
     if not isinstance(backend, JobCounters):
         return {}
-    got = backend.counters(row)
-    return {r.name.lower(): int(got.get(r.name.lower(), 0)) for r in Reason}
+    batch = getattr(backend, "counter_rows", None)
+    got = batch(rows) if batch is not None else {row: backend.counters(row) for row in rows}
+    names = [r.name.lower() for r in Reason]
+    return {row: {r: int(got[row].get(r, 0)) for r in names} for row in rows}
 
 
 def _worker_counters(backend, job_id: int) -> dict[int, dict]:

@@ -152,7 +152,7 @@ def test_a_scrape_shows_contributions_drops_ranks_and_refusals():
         assert names.get(stored) == fam.type, fam.name
 
 
-def test_after_the_job_its_series_are_gone_and_a_reader_without_counters_has_none():
+def test_series_go_with_their_job_and_other_targets_shapes_are_read():
     with soft_cluster() as cl:
         src = metrics.Sources(backend=cl.aggregator, target="soft", endpoint=cl.server)
         ok(run_ranks(cl, 1, lambda c: c.allreduce(np.ones(ELEMS, dtype=np.int32)), job="gone"))
@@ -170,6 +170,25 @@ def test_after_the_job_its_series_are_gone_and_a_reader_without_counters_has_non
     got = samples(metrics.exposition(metrics.Sources(backend=JobsOnly(), target="bmv2")))
     assert value(got, "xdpagg_job_workers", target="bmv2", job_id="3") == 2
     assert not [k for k in got if k[0] in ("xdpagg_packets_total", "xdpagg_drops_total")]
+
+    class Batched(JobsOnly):
+        """bmv2's shape: counters per row, and counter_rows for several rows in one call."""
+
+        def __init__(self):
+            self.calls = []
+
+        def counters(self, row):
+            raise AssertionError("one call for all rows was expected")
+
+        def counter_rows(self, rows):
+            self.calls.append(list(rows))
+            return {row: {"drop_bad_type": row} for row in rows}
+
+    b = Batched()
+    got = samples(metrics.exposition(metrics.Sources(backend=b, target="bmv2")))
+    assert b.calls == [[limits.NO_JOB, 3]]
+    assert value(got, "xdpagg_drops_total", target="bmv2", job_id="3", reason="drop_bad_type") == 3
+    assert value(got, "xdpagg_packets_total", target="bmv2", job_id="3", reason="completed") == 0
 
 
 def test_served_over_http_while_the_job_runs_and_promtool_accepts_it(tmp_path):
