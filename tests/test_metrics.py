@@ -107,7 +107,8 @@ def _counted_then(cl, job_id: int, scrape):
 
 
 def _provoke_refusals(cl) -> None:
-    """One refusal for a wrong secret (auth), one for a job that does not exist (request)."""
+    """One refusal for a wrong secret (auth), one for a job that does not exist (request), one
+    for a request line over the endpoint's limit (limit)."""
     for secret, fields in ((b"x" * 32, {}), (cl.secret, {"job": "nobody"})):
         c = ControlClient(cl.server.address, timeout=5, secret=secret)
         try:
@@ -115,6 +116,10 @@ def _provoke_refusals(cl) -> None:
                 c.request("status", **fields)
         finally:
             c.close()
+    with socket.create_connection(cl.server.address, timeout=10) as s:
+        s.sendall(b"x" * (cl.server.limits.max_line + 1) + b"\n")
+        answer = json.loads(s.makefile("rb").readline())
+    assert answer["kind"] == "limit", answer
 
 
 def test_a_scrape_shows_contributions_drops_ranks_and_refusals():
@@ -143,7 +148,8 @@ def test_a_scrape_shows_contributions_drops_ranks_and_refusals():
     assert value(got, "xdpagg_endpoint_jobs", state="ready") == 1
     assert value(got, "xdpagg_endpoint_refusals_total", kind="auth") == 1
     assert value(got, "xdpagg_endpoint_refusals_total", kind="request") == 1
-    assert value(got, "xdpagg_endpoint_refusals_total", kind="limit") == 0
+    assert value(got, "xdpagg_endpoint_refusals_total", kind="limit") == 1
+    assert value(got, "xdpagg_endpoint_refusals_total", kind="internal") == 0
     assert value(got, "xdpagg_endpoint_lease_expiries_total") == 0
     # every name is one metric_names() announces, with its type
     names = metrics.metric_names()
