@@ -24,6 +24,7 @@ one IPv4 address of the aggregator's interfaces; 0.0.0.0 only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -314,6 +315,44 @@ def _stand_up(backend, host: str, port: int, defaults: dict, **kw):
         ) from e
 
 
+def metrics_exporting(address: tuple[str, int] | None, sources: dict):
+    """aggapp.metrics.exporting (serve --metrics, the soft endpoint's too): a context yielding
+    the metrics' URL, or None when `address` is None; `sources`: aggapp.metrics.Sources'
+    fields. prometheus_client is an optional dependency (the `metrics` extra): imported only
+    when asked for."""
+    if address is None:
+        return contextlib.nullcontext()
+    metrics = _metrics_module()
+    return metrics.exporting(address, metrics.Sources(**sources))
+
+
+def _metrics_module():
+    """aggapp.metrics; EnvironmentProblem without prometheus_client (an optional dependency,
+    the `metrics` extra, imported only where metrics are asked for)."""
+    try:
+        from . import metrics
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"metrics need the Python package prometheus_client ({e}): "
+            "pip install 'xdp-agg[metrics]'"
+        ) from e
+    return metrics
+
+
+def xdp_exposition(name: str) -> str:
+    """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
+    endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
+    backend = aggregator.XdpBackend(name)
+    sources = dict(backend=backend, target="xdp", xdp=backend)
+    metrics = _metrics_module()
+    return metrics.exposition(metrics.Sources(**sources))
+
+
+def _metrics_note(url: str | None) -> str:
+    """The announce line's words for where the metrics are served."""
+    return f"; Prometheus metrics at {url}" if url else ""
+
+
 def serve_xdp(
     name: str,
     host: str,
@@ -330,12 +369,14 @@ def serve_xdp(
     announce: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
     parent=None,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
     interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
     announce) a warning line before it if the results fall back to the broadcast. secret: the
     deployment secret (None: no authentication); limits: aggctl.auth.Limits. `parent` (a
     tree.ParentLink): every job created here is a rack of the parent's job of the same name.
+    `metrics` (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics).
 
     One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
     jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
@@ -353,7 +394,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = aggregator.XdpBackend(name)
+        backend = xdp = aggregator.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 
@@ -370,13 +411,15 @@ def serve_xdp(
             generation=backend.generation(),
             grace=rejoin_timeout,
         )
-        announce(
-            f"control endpoint listening on {host}:{port} (aggregator {name}, "
-            f"{describe_results(defaults)}"
-            + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
-            + "); Ctrl-C stops it"
-        )
-        server.run_until_interrupted()
+        sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
+        with metrics_exporting(metrics, sources) as url:
+            announce(
+                f"control endpoint listening on {host}:{port} (aggregator {name}, "
+                f"{describe_results(defaults)}"
+                + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
+                + f"){_metrics_note(url)}; Ctrl-C stops it"
+            )
+            server.run_until_interrupted()
     finally:
         os.close(lock)
 
@@ -393,11 +436,13 @@ def serve_bmv2(
     limits=None,
     announce: Callable[[str], None] = print,
     parent=None,
+    metrics: tuple[str, int] | None = None,
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
     run the control endpoint in front of it until interrupted; the switch stops on exit.
     `parent` (a tree.ParentLink): every job created here is a rack of the parent's job of the
-    same name, its partial sums sent up from the port whose subnet holds the parent."""
+    same name, its partial sums sent up from the port whose subnet holds the parent. `metrics`
+    (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics)."""
     import bmv2_switch as bm
     from aggproto.jobs import Delivery
 
@@ -430,11 +475,13 @@ def serve_bmv2(
             limits=limits,
         )
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
-        announce(
-            f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}{rack}); "
-            "Ctrl-C stops it"
-        )
-        server.run_until_interrupted()
+        sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
+        with metrics_exporting(metrics, sources) as url:
+            announce(
+                f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
+                f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
+            )
+            server.run_until_interrupted()
     finally:
         switch.stop()
 
@@ -505,6 +552,8 @@ def serve(
     common = dict(
         barrier_timeout=opts.barrier_timeout, secret=ep.secret, limits=ep.limits, announce=announce
     )
+    # --metrics :PORT: beside the control endpoint, on its address
+    common["metrics"] = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
     if opts.target == "bmv2":
         ifnames = opts.ports.split(",")
         serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, netns=netns, parent=ep.parent, **common)
