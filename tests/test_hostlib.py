@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from harness.ranks import join_rank, ok, run_ranks, soft_cluster, start_rank
+from harness.ranks import init, join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
 from aggproto import wire
@@ -451,7 +451,7 @@ def test_absent_aggregator_gives_a_clear_timeout_within_the_deadline():
     assert "no result at all from the aggregator at" in text
     assert f"{cl.agg_ip}:{0xBEE0}" in text and "never answered" in text
     assert "no per-worker counters" in text  # this backend cannot tell more
-    assert err.outstanding == 1 and err.results == 0 and err.aggregator == (cl.agg_ip, 0xBEE0)
+    assert err.outstanding == 1 and err.results == 0 and err.data_address == (cl.agg_ip, 0xBEE0)
 
 
 @pytest.mark.parametrize("how", ["idle", "closed"])
@@ -509,17 +509,15 @@ def test_bad_arguments():
         (got,) = ok(run_ranks(cl, 1, body))
         assert got.tolist() == [2] * 5
         with pytest.raises(ValueError, match="rank 3 is not in 0..1"):
-            hostlib.init(3, 2, cl.endpoint)
+            init(3, 2, cl.endpoint)
         with pytest.raises(ValueError, match="not a wire size"):
-            hostlib.init(0, 2, cl.endpoint, elems=100)
+            init(0, 2, cl.endpoint, elems=100)
 
 
 def test_a_second_run_with_a_live_job_name_is_refused():
     def body(c):
         with pytest.raises(hostlib.RendezvousError, match="'test' already exists"):
-            hostlib.init(
-                0, 1, c_endpoint[0], job="test", ip=c_endpoint[1], secret_file=c_endpoint[2]
-            )
+            init(0, 1, c_endpoint[0], job="test", ip=c_endpoint[1], secret_file=c_endpoint[2])
         return True
 
     with soft_cluster() as cl:

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from harness.ranks import ok, run_ranks, soft_cluster
+from harness.ranks import init, ok, run_ranks, soft_cluster
 from test_hostlib import (
     AcceptingBackend,
     assert_within_scaling_bound,
@@ -20,7 +20,7 @@ from test_hostlib import (
 )
 
 import hostlib
-from hostlib.communicator import parse_aggregators
+from hostlib.communicator import parse_controls
 from hostlib.engine import _fastpath
 from hostlib.striping import stripe_bounds
 
@@ -68,12 +68,12 @@ def test_bad_stripe_arguments():
 
 
 def test_aggregator_lists():
-    assert parse_aggregators("10.0.0.1:1,10.0.0.2") == [("10.0.0.1", 1), ("10.0.0.2", 48800)]
-    assert parse_aggregators(["a:5", " b:6 "]) == [("a", 5), ("b", 6)]
-    assert parse_aggregators("a:5") == [("a", 5)]
+    assert parse_controls("10.0.0.1:1,10.0.0.2") == [("10.0.0.1", 1), ("10.0.0.2", 48800)]
+    assert parse_controls(["a:5", " b:6 "]) == [("a", 5), ("b", 6)]
+    assert parse_controls("a:5") == [("a", 5)]
     for bad in ("", [], "a:5,a:5", "a:5,,b:6"):
         with pytest.raises(ValueError):
-            parse_aggregators(bad)
+            parse_controls(bad)
 
 
 # the C loop is compared against the numpy one: without it built (e.g. a copy of the modules
@@ -213,7 +213,7 @@ def test_an_unreachable_second_aggregator_is_named_at_init():
         dead = f"{st.prefix}.201:9"  # nothing listens there
         t0 = time.monotonic()
         with pytest.raises(hostlib.RendezvousError) as ei:
-            hostlib.init(
+            init(
                 0,
                 1,
                 [st.endpoints[0], dead],
