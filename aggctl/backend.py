@@ -13,7 +13,7 @@ endpoint tests with isinstance (they are runtime_checkable) before it uses it:
 | Generation | the saved job table names the attachment it was made on | xdp |
 | ParentStatus | `status` shows a rack job's parent link and its counters | xdp |
 | ParentJoin | `create` joins the parent's job first (a rack of a two-level tree) | tree |
-| ElemSizes | `ping` says which packet sizes the target aggregates (hostlib's elems="auto") | xdp, bmv2 |
+| ElemSizes | `ping` says which packet sizes the target takes (elems="auto") | xdp, bmv2 |
 
 tests/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.

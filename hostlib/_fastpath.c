@@ -23,7 +23,6 @@
 #include <Python.h>
 
 #include <arpa/inet.h>
-#include <errno.h>
 #include <linux/if_link.h>
 #include <math.h>
 #include <string.h>

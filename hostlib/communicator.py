@@ -95,8 +95,9 @@ def init(
         for x in joined:
             x.ctl.close()
         if isinstance(e, RendezvousError) and len(endpoints) > 1:  # say which aggregator refused
-            host, port_ = endpoints[len(joined)]
-            raise type(e)(f"aggregator {len(joined)} ({host}:{port_}): {e}") from None
+            j = len(joined) if len(ctls) == len(endpoints) else len(ctls)
+            host, port_ = endpoints[j]
+            raise type(e)(f"aggregator {j} ({host}:{port_}): {e}") from None
         raise
     engines = [_engine(x, opts, j) for j, x in enumerate(joined)]
     first = joined[0]
@@ -452,6 +453,11 @@ class Communicator:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
         me = self._my_address(e.stripe or 0)
         return e.with_diagnosis(explain_timeout(d, self.rank, me, e.packets), d)
+
+    def _my_address(self, stripe: int = 0) -> str:
+        workers = self.descriptions[stripe].workers
+        me = next((w for w in workers if w["rank"] == self.rank), None)
+        return f"{me['ip']}:{me['port']}" if me else "?"
 
     # --- info -------------------------------------------------------------------------------
     @property

@@ -12,6 +12,7 @@ from harness.ranks import init, join_rank, ok, run_ranks, soft_cluster, start_ra
 import hostlib
 from aggproto import wire
 from hostlib import netinfo, scaling
+from hostlib.engine import Faults
 from hostlib.stream_state import _ranges
 
 pytestmark = pytest.mark.timeout(90)
@@ -306,7 +307,7 @@ def test_loss_in_both_directions_is_recovered_exactly(loss):
         out.append(c.allreduce(float_inputs(c.rank, length, 64)))
         return out, c.stats
 
-    faults = hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7)
+    faults = Faults(send_loss=loss, recv_loss=loss, seed=7)
     with soft_cluster() as cl:
         res = ok(run_ranks(cl, n, body, elems=64, window=16, retransmit=0.01, faults=faults))
     inputs = [float_inputs(r, length, 64) for r in range(n)]
@@ -324,7 +325,7 @@ def test_duplicated_packets_and_results_are_harmless():
     def body(c):
         return c.allreduce(int_inputs(c.rank, length)), c.stats
 
-    faults = hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3)
+    faults = Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3)
     with soft_cluster() as cl:
         res = ok(run_ranks(cl, n, body, elems=64, window=8, faults=faults))
         counters = cl.aggregator.counters(0)
@@ -410,8 +411,10 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    assert set(stats) == set(hostlib.STAT_NAMES) | {"data_path", "data_path_reason"}
+    strings = {"data_path", "data_path_reason", "elems", "elems_reason"}
+    assert set(stats) == set(hostlib.STAT_NAMES) | strings
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
+    assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
     assert stats["allreduces"] == 1 and stats["elements"] == 1000
     assert stats["packets_sent"] == stats["results"] == 4
     assert stats["bytes_sent"] == 4 * (10 + 1024) and stats["elapsed"] > 0

@@ -21,7 +21,7 @@ from test_hostlib import (
 
 import hostlib
 from hostlib.communicator import parse_controls
-from hostlib.engine import _fastpath
+from hostlib.engine import Faults, _fastpath
 from hostlib.striping import stripe_bounds
 
 # --- splitting ------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
     def body(c):
         out = [c.allreduce(int_inputs(c.rank, L, seed=L)) for L in lengths]
         out += [c.allreduce(float_inputs(c.rank, L, elems)) for L in lengths]
-        return out, c.stats_per_aggregator(), c.aggregators
+        return out, c.stats_per_aggregator(), c.controls
 
     striped_out = {}
     for native in (False, True):
@@ -116,7 +116,7 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
             inputs = [float_inputs(r, lengths[0], elems) for r in range(n)]
             assert_within_scaling_bound(out[len(lengths)], inputs, elems)
             # both aggregators carried packets; the 5- and 0-element tensors only the first
-            assert [p["aggregator"] for p in per] == endpoints
+            assert [p["control"] for p in per] == endpoints
             assert all(p["results"] > 0 for p in per)
             assert per[0]["allreduces"] == per[1]["allreduces"] + 2
     with soft_cluster() as st:
@@ -150,7 +150,7 @@ def test_both_loops_in_one_striped_job_under_loss():
             retransmit=0.01,
             per_rank=lambda r: {
                 "native": r != 0,
-                "faults": hostlib.Faults(send_loss=0.02, recv_loss=0.02, seed=r),
+                "faults": Faults(send_loss=0.02, recv_loss=0.02, seed=r),
             },
         )
     inputs = [float_inputs(r, L, elems) for r in range(n)]
