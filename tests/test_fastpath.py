@@ -646,3 +646,26 @@ def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
         for i, got in enumerate(out):
             assert np.array_equal(got, (np.arange(length) + i).astype(np.int32) * n)
         assert stats["cwnd"] < 16 and stats["retransmissions"] > 0
+
+
+# --- (g) the extension's interface -------------------------------------------------------------
+def test_the_engine_takes_keyword_arguments_only():
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        _fastpath.Engine(3, "127.0.0.1", 9, 32, 4, 1, 0, 0, 0.01, 0.25)
+    with pytest.raises(ValueError, match="Engine needs fd, host"):
+        _fastpath.Engine(fd=3, host="127.0.0.1", port=9)
+
+
+def test_a_build_with_other_wire_constants_refuses_to_import():
+    """hostlib.native_loop checks the constants the extension was built with (fp_wire.h,
+    generated from aggproto.wire) with an if, not an assert that python -O would strip."""
+    import types
+
+    from hostlib import native_loop
+
+    assert set(_fastpath.WIRE) >= {"VALUES_AT", "EXP_HLEN", "POOL_SLOT_MASK"}
+    native_loop._check_wire(_fastpath)  # the build under test is current
+    stale = types.SimpleNamespace(**{n: getattr(_fastpath, n) for n in _fastpath.WIRE})
+    stale.WIRE, stale.VALUES_AT = _fastpath.WIRE, wire.VALUES_AT + 2
+    with pytest.raises(ImportError, match=r"VALUES_AT 12 \(aggproto.wire: 10\)"):
+        native_loop._check_wire(stale)

@@ -535,3 +535,29 @@ def test_world_size_mismatch_is_refused(soft):
         join_rank(cl, 1, 3, job="w", rendezvous_timeout=5)
     t.join(15)
     assert errors and "barrier timeout" in str(errors[0])
+
+
+def test_elems_auto_takes_what_the_path_and_the_aggregator_allow(monkeypatch):
+    """elems="auto" (HostOptions' default): rank 0 takes the most the path MTU towards the
+    control endpoint (the loopback: 2048) and the aggregator (its `ping` answer) allow;
+    comm.stats says what and why on every rank."""
+    from soft_switch import SoftAggregator
+
+    x = np.arange(5000, dtype=np.int32)
+
+    def body(c):
+        return c.allreduce(x), c.stats
+
+    with soft_cluster() as cl:
+        got = ok(run_ranks(cl, 2, body, job="wide", elems="auto"))
+    assert all(np.array_equal(out, 2 * x) for out, _ in got)
+    assert [st["elems"] for _, st in got] == [2048, 2048]
+    assert "carries up to 2048" in got[0][1]["elems_reason"]
+    assert got[1][1]["elems_reason"] == "the job's, as rank 0 made it"
+    # an aggregator that takes fewer sizes (as the P4 target: 32, 64 and 256)
+    monkeypatch.setattr(SoftAggregator, "elem_sizes", lambda self: (32, 64, 256), raising=False)
+    with soft_cluster() as cl:
+        got = ok(run_ranks(cl, 2, body, job="narrow", elems="auto"))
+    assert all(np.array_equal(out, 2 * x) for out, _ in got)
+    assert [st["elems"] for _, st in got] == [256, 256]
+    assert "the aggregator takes up to 256" in got[0][1]["elems_reason"]
