@@ -98,9 +98,7 @@ static int parse_faults(PyObject *faults, StreamConfig *cfg)
 /* The data address host:port into dst. */
 static int parse_address(const char *host, int port, struct sockaddr_in *dst)
 {
-    memset(dst, 0, sizeof *dst);
-    dst->sin_family = AF_INET;
-    dst->sin_port = htons((uint16_t)port);
+    *dst = (struct sockaddr_in){.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
     if (inet_pton(AF_INET, host, &dst->sin_addr) != 1) {
         PyErr_Format(PyExc_ValueError, "not an IPv4 address: %s", host);
         return -1;
@@ -110,10 +108,11 @@ static int parse_address(const char *host, int port, struct sockaddr_in *dst)
 
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"fd",        "host",      "port", "elems",   "window", "world_size",
-                             "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
-                             "cwnd",      "faults",    "xsk",  "spin",    NULL};
-    StreamConfig c = {.k = -1, .window = -1, .world = -1, .slot_base = -1, .rto_min = -1};
+    static char *kwlist[] = {
+        "fd",        "host",      "port", "elems",   "window", "scaling_workers",
+        "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
+        "cwnd",      "faults",    "xsk",  "spin",    NULL};
+    StreamConfig c = {.k = -1, .window = -1, .scaling_workers = -1, .slot_base = -1, .rto_min = -1};
     const char *host = NULL, *cwnd = "aimd";
     int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1;
     PyObject *faults = Py_None, *xsk = Py_None;
@@ -122,14 +121,15 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOp", kwlist, &fd, &host, &port,
-                                     &c.k, &c.window, &c.world, &type_size, &c.slot_base,
+                                     &c.k, &c.window, &c.scaling_workers, &type_size, &c.slot_base,
                                      &c.rto_min, &c.rto_max, &gso, &gro, &cwnd, &faults, &xsk,
                                      &spin))
         return -1;
-    if (fd < 0 || !host || c.k < 1 || c.window < 1 || c.world < 1 || port < 0 || port > 65535 ||
-        type_size < 0 || type_size > 255 || c.slot_base < 0 || c.rto_min <= 0 || c.rto_max <= 0) {
+    if (fd < 0 || !host || c.k < 1 || c.window < 1 || c.scaling_workers < 1 || port < 0 ||
+        port > 65535 || type_size < 0 || type_size > 255 || c.slot_base < 0 || c.rto_min <= 0 ||
+        c.rto_max <= 0) {
         PyErr_SetString(PyExc_ValueError,
-                        "Engine needs fd, host, port, elems, window, world_size, type_size, "
+                        "Engine needs fd, host, port, elems, window, scaling_workers, type_size, "
                         "slot_base, rto and rto_max, each in range");
         return -1;
     }
@@ -386,8 +386,8 @@ static PyMethodDef Engine_methods[] = {
 
 PyDoc_STRVAR(
     Engine_doc,
-    "Engine(*, fd, host, port, elems, window, world_size, type_size, slot_base, rto, rto_max,\n"
-    "       gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True)\n\n"
+    "Engine(*, fd, host, port, elems, window, scaling_workers, type_size, slot_base, rto,\n"
+    "       rto_max, gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True)\n\n"
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
@@ -440,7 +440,7 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
 
 PyDoc_STRVAR(
     quantise_doc,
-    "quantise(x, exponents, world_size, k) -> bytes\n\n"
+    "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
     "Test entry point: the big-endian int32 payload rows of the float32 chunks of x (k each, the\n"
     "last zero-padded) quantised with their agreed exponents, as the loop builds them.");
 
@@ -476,7 +476,7 @@ done:
 
 PyDoc_STRVAR(
     dequantise_doc,
-    "dequantise(sums, exponents, world_size, k) -> bytes\n\n"
+    "dequantise(sums, exponents, scaling_workers, k) -> bytes\n\n"
     "Test entry point: float32 (native order) of the big-endian int32 sums (rows of k) with\n"
     "their agreed exponents, as the loop writes them into the output.");
 

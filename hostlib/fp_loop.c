@@ -436,7 +436,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     /* slow start from a small window; ssthresh at the slot window until the first loss */
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
     st->cc.ssthresh = cfg->window;
-    st->M = (double)(2147483647 / cfg->world);
+    st->M = (double)(2147483647 / cfg->scaling_workers);
     for (int i = 0; i < 256; i++)
         st->ftab[i] = ldexp(st->M, -(int)(int8_t)i);
     size_t w = (size_t)cfg->window;

@@ -17,8 +17,8 @@
 
 /* What the stream is (fixed for its life). */
 typedef struct {
-    int k, window, world; /* int32 per packet, slots, workers summed (float scaling's n) */
-    uint8_t type_size;    /* the first header byte: message type and size code */
+    int k, window, scaling_workers; /* int32 per packet, slots, float scaling's n */
+    uint8_t type_size;              /* the first header byte: message type and size code */
     int slot_base;
     double rto_min, rto_max;
     int cwnd_fixed; /* 1: the congestion window is the slot window */

@@ -88,7 +88,7 @@ class NativeLoop:
             port=cfg.data_address[1],
             elems=cfg.elems,
             window=cfg.window,
-            world_size=cfg.scaling_workers,
+            scaling_workers=cfg.scaling_workers,
             type_size=state.type_size,
             slot_base=cfg.slot_base,
             rto=cfg.rto,
