@@ -189,7 +189,7 @@ def fastpath_wire_h() -> str:
         "#define FP_WIRE_CONSTANTS(X) "
         + " ".join(f"X({name}, {macro})" for name, macro, _ in FASTPATH_WIRE)
     )
-    return header("aggproto/wire.py", "XDP_AGG_FP_WIRE_H", L)
+    return header("aggproto/wire.py", "HOSTLIB_FP_WIRE_H", L)
 
 
 GENERATED = {

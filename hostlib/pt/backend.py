@@ -31,7 +31,7 @@ Settings (environment, read when the group is made, through hostlib.options.Host
                              instead of raising hostlib.pt.AggregatorLost.
 - XDP_AGG_TIMEOUT=seconds    an all-reduce's stall timeout (default 30): how soon a lost
                              aggregator is noticed.
-- XDP_AGG_IP=address         this rank's address towards the aggregator (hostlib.init's ip=),
+- XDP_AGG_IP=address         this rank's address towards the aggregator (HostOptions.ip),
                              for several ranks on one host with distinct addresses.
 - XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (HostOptions' elems,
                              window; default "auto", the most the path MTU and the aggregator
