@@ -39,11 +39,12 @@ from aggproto import control, wire
 from .afxdp import DATA_PATHS
 from .stream_state import Faults
 
-# Slots per worker when nobody says. Measured 2026-12-03 (2 ranks on the loopback soft
-# aggregator, 1 MiB int32, best of 3, 2 shared cores): window 16: 47 ms, 32: 190 ms (163
-# retransmissions), 64: 46 ms (none), 128: 106 ms (236), 256: 46 ms (797). 64 is as fast as any
-# without retransmitting, and takes a sixteenth of the pool (1024 slots) per job; the old
-# defaults were 64 (init), 128 (hostlib.pt) and 256 (the demo).
+# Slots per worker when nobody says: 64, measured 2026-12-03 on this 2-core machine, shared and
+# loaded (docs/design.md "options as data" has the numbers): bench.allreduce's host row (XDP
+# testbed, 768 int32 per packet, 64 MiB) ran best or second best at 64 in two passes of windows
+# 32..256, without a retransmission; 256 retransmitted about 1% of its packets. 2 ranks on the
+# loopback soft aggregator agree (64: no retransmission, 128 and 256 hundreds). The old defaults
+# were 64 (init), 128 (hostlib.pt) and 256 (the demo).
 DEFAULT_WINDOW = 64
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 
