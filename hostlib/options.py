@@ -40,10 +40,10 @@ from .afxdp import DATA_PATHS
 from .stream_state import Faults
 
 # Slots per worker when nobody says: 64, measured 2026-12-03 on this 2-core machine, shared and
-# loaded (docs/design.md "options as data" has the numbers): bench.allreduce's host row (XDP
+# loaded (docs/design.md, "The host library", has the numbers): bench.allreduce's host row (XDP
 # testbed, 768 int32 per packet, 64 MiB) ran best or second best at 64 in two passes of windows
 # 32..256, without a retransmission; 256 retransmitted about 1% of its packets. 2 ranks on the
-# loopback soft aggregator agree (64: no retransmission, 128 and 256 hundreds). The old defaults
+# loopback soft aggregator agree (64: none; 32, 128 and 256: 163 to 797). The old defaults
 # were 64 (init), 128 (hostlib.pt) and 256 (the demo).
 DEFAULT_WINDOW = 64
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
