@@ -217,14 +217,15 @@ class Cluster:
         hosts: list[int] | None = None,
         job: str = "e2e",
         elems: int | str = 256,
-        window: int = 128,
+        window: int | None = None,
         timeout: float = 30.0,
         progress: bool = False,
         aggregators: int = 1,
     ) -> list[tuple[int, subprocess.Popen]]:
         """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
         is rank i of a job of len(hosts) workers, striped over the first `aggregators` of the
-        cluster's aggregators. Collect them with `collect`."""
+        cluster's aggregators; window None: hostlib's default (HostOptions). Collect them with
+        `collect`."""
         if not 1 <= aggregators <= len(self.aggregators):
             raise ValueError(f"aggregators must be in 1..{len(self.aggregators)}")
         hosts = list(range(len(self.tb.workers))) if hosts is None else hosts

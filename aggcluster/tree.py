@@ -158,7 +158,7 @@ class TreeCluster:
         *,
         job: str = "tree",
         elems: int = 256,
-        window: int = 128,
+        window: int | None = None,
         timeout: float = 30.0,
     ) -> list[tuple[int, subprocess.Popen]]:
         """One cluster_worker per worker host: rank i of its rack's job, input and exact sum as

@@ -43,7 +43,7 @@ A refusal is an error answer and changes nothing.
              A registered rank re-identifies itself on a new connection (after its connection
              broke, or after the endpoint restarted and recovered its jobs, aggctl.jobtable);
              the new connection then holds the job as the old one did.
-    ping     {} -> {ok, version}
+    ping     {} -> {ok, version, elems}: elems, the packet sizes the aggregator takes
 
 A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
 of the job listens on it: in the one-arm topology the result is sent once, to
@@ -77,7 +77,7 @@ from aggproto.jobs import (
 from aggproto.limits import DEFAULT_POOL_SLOTS
 
 from . import auth
-from .backend import Backend
+from .backend import Backend, elem_sizes
 from .fields import RequestError
 from .lease import JobLease
 from .registry import JobRegistry, _EndpointJob
@@ -322,7 +322,8 @@ class ControlEndpoint(JobRegistry, StatusOps):
 
     # --- ops --------------------------------------------------------------------------------
     def _op_ping(self, conn, req, local, peer):
-        return {"version": PROTOCOL_VERSION}
+        # elems: the packet sizes the aggregator takes, for a worker's elems="auto"
+        return {"version": PROTOCOL_VERSION, "elems": elem_sizes(self.backend)}
 
 
 def _keepalive(sock: socket.socket) -> None:

@@ -38,6 +38,7 @@ from .backend import (
     ParentStatus,
     UplinkAddress,
     WorkerCounters,
+    elem_sizes,
 )
 
 log = logging.getLogger("aggctl.tree")
@@ -201,6 +202,10 @@ class TreeBackend:
     def job_lost(self, job_id: int) -> str | None:
         """Why the inner backend lost the job (None: it has it, or cannot tell)."""
         return self.inner.job_lost(job_id) if isinstance(self.inner, JobLoss) else None
+
+    def elem_sizes(self) -> tuple[int, ...]:
+        """The inner backend's packet sizes (every wire size where it does not say)."""
+        return tuple(elem_sizes(self.inner))
 
     def generation(self):
         """The inner backend's generation (None where it has none)."""

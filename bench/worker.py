@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--control", required=True)
     ap.add_argument("--gloo", required=True, help="HOST:PORT of rank 0 for gloo's TCP rendezvous")
     ap.add_argument("--job", required=True)
-    ap.add_argument("--elems", type=int, default=256)
-    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--elems", type=lambda v: v if v == "auto" else int(v), default=None)
+    ap.add_argument("--window", type=int, default=None)
     ap.add_argument(
         "--plan",
         required=True,

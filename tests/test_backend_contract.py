@@ -106,10 +106,10 @@ def _xdp_backend_class():
 
 CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
-    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus"}),
+    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus", "ElemSizes"}),
     "xdp": (
         _xdp_backend_class,
-        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus"},
+        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus", "ElemSizes"},
     ),
     "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),
 }
@@ -141,6 +141,9 @@ def _check_capabilities(backend, job_id: int) -> set[str]:
         assert g == backend.generation() and json.loads(json.dumps(g)) == g
     if "ParentStatus" in checked:
         assert backend.parent_status(job_id) is None  # a job without a parent
+    if "ElemSizes" in checked:
+        sizes = backend.elem_sizes()
+        assert sizes and set(sizes) <= set(wire.SIZE_CODE_ELEMS.values()), sizes
     return checked
 
 

@@ -310,7 +310,11 @@ def test_bad_requests_get_explanations():
                 f.flush()
                 ans = json.loads(f.readline())
                 if expect is None:
-                    assert ans == {"ok": True, "version": 1}
+                    assert ans == {
+                        "ok": True,
+                        "version": 1,
+                        "elems": sorted(wire.SIZE_CODE_ELEMS.values()),
+                    }
                 else:
                     assert ans["ok"] is False and expect in ans["error"], ans
 

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hostlib
 import hostlib.pt
+from hostlib.options import HostOptions, control_from_env
 
 EPS = {
     torch.float32: 2.0**-24,
@@ -64,14 +65,8 @@ def _batch(rank: int, step: int, dtype):
 
 def run_ddp(args, rank: int, n: int) -> dict:
     dist.init_process_group("gloo")
-    comm = hostlib.init(
-        rank,
-        n,
-        os.environ["XDP_AGG_CONTROL"],
-        job=args.job,
-        ip=os.environ.get("XDP_AGG_IP") or None,
-        timeout=15,
-    )
+    opts = HostOptions.from_env(timeout=15)  # XDP_AGG_IP and the rest from the environment
+    comm = hostlib.init(rank, n, control_from_env(), args.job, opts)
     report = {"rank": rank, "dtypes": {}}
     lr, steps = 0.05, args.steps
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -369,14 +364,7 @@ def run_backend(args, rank: int, n: int) -> dict:
 def run_lost_hook(args, rank: int, n: int) -> dict:
     """DDP with the hook (gloo process group); the aggregator goes between two steps."""
     dist.init_process_group("gloo")
-    comm = hostlib.init(
-        rank,
-        n,
-        os.environ["XDP_AGG_CONTROL"],
-        job=args.job,
-        ip=os.environ.get("XDP_AGG_IP") or None,
-        timeout=float(os.environ["XDP_AGG_TIMEOUT"]),
-    )
+    comm = hostlib.init(rank, n, control_from_env(), args.job)  # options: the environment's
     state = hostlib.pt.HookState(comm)  # fallback: XDP_AGG_FALLBACK, as the test sets it
     net = _net(torch.float32)
     ref = DDP(copy.deepcopy(net))
