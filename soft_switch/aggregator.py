@@ -12,8 +12,8 @@ results for one destination leave as one GSO send.
 Delivery: a completed slot (TO_ALL) is sent to every registered worker's address of the job by
 unicast (there is no group address on loopback), from the job's aggregator port, to the port it
 registered, or with Delivery.BROADCAST (the switch topology) to the completing request's source
-port, as the XDP and P4 switches do; a retransmission for a completed slot (TO_SENDER) is answered to the
-source address of the datagram.
+port, as the XDP and P4 switches do; a retransmission for a completed slot (TO_SENDER) is
+answered to the source address of the datagram.
 """
 
 from __future__ import annotations
