@@ -47,6 +47,9 @@ class _EndpointJob:
     holders: set[int] = field(default_factory=set)  # connections keeping the job alive
     complete: bool = False  # every rank has registered: the barrier is open
     deleted: bool = False
+    # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
+    # has no connection to renew it and lives until the next session or its end
+    leased: bool = True
 
     @property
     def gone(self) -> list[int]:
@@ -210,11 +213,14 @@ class JobRegistry:
     # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
     def open_job(self, holder, key, world, elems, window, worker_port, *, port, base) -> JobSpec:
         """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
-        until end_job; its spec. RequestError when it cannot be (the port or slots taken)."""
+        until end_job (no lease ends it); its spec. RequestError when it cannot be (the port or
+        slots taken)."""
         with self._cond:
-            return self._new_job(
+            job = self._new_job(
                 holder, key, world, elems, window, worker_port, port=port, base=base
-            ).spec
+            )
+            job.leased = False
+            return job.spec
 
     def join_job(self, holder, key, rank, ip, port, mac, local) -> None:
         """Register rank `rank` of job `key` without waiting for the others (their barrier is

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 
 import grpc
+import numpy as np
 import p4app_host
 
 from aggctl import switchml_proto as pb
@@ -57,7 +58,8 @@ def setup_switch(
     target: str, *, rank: int, world: int, mac: str, ip: str, packet_numel: int, timeout=60.0
 ) -> Switch:
     """DpdkBackend::SetupSwitch against the controller at `target` (HOST:PORT), in its order."""
-    with grpc.insecure_channel(target) as ch:
+    # no proxy from the environment: the controller is on the test's own network
+    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as ch:
         session_id = time.time_ns() if rank == 0 else 0
         bcast = _call(ch, "Sync", "Broadcast")(
             pb.BroadcastRequest(value=session_id, rank=rank, num_workers=world, root=0),
@@ -82,6 +84,20 @@ def setup_switch(
             response = udp_session(request, timeout=timeout)
         sync(barrier, timeout=timeout)
     return Switch(session_id, mac_text(response.mac), str(ipaddress.IPv4Address(response.ipv4)))
+
+
+def thread_values(seed: int, rank: int, thread: int, per_thread: int, k: int):
+    """The int32 values (per_thread x k) and the exponent thread `thread` of rank `rank`
+    contributes in a test run seeded `seed` (the worker and the test compute the same)."""
+    rng = np.random.default_rng([seed, rank, thread])
+    return rng.integers(-(2**20), 2**20, size=(per_thread, k)), int(rng.integers(-5, 5))
+
+
+def expected(seed: int, world: int, thread: int, per_thread: int, k: int):
+    """The sums (per_thread x k, int32) and the max exponent thread `thread`'s slots get."""
+    got = [thread_values(seed, r, thread, per_thread, k) for r in range(world)]
+    total = sum(v for v, _ in got).astype(np.int32)
+    return total, max(e for _, e in got)
 
 
 def thread_slots(t: int, per_thread: int) -> list[int]:

@@ -85,19 +85,19 @@ def _bound(ip: str, port: int) -> socket.socket:
     return s
 
 
-def _exchange(stack: Stack, world: int, switch: client.Switch, rng) -> dict:
-    """Every worker's two threads send their first PER_THREAD requests; returns
-    {(rank, thread): [(pool index, values, exponent) received on that thread's port]}."""
+def _exchange(stack: Stack, world: int, switch: client.Switch, seed: int) -> None:
+    """Every worker's two threads send their first PER_THREAD requests (values of
+    client.thread_values) from their own ports; each port must get exactly its thread's
+    results, exact."""
     socks = {
         (r, t): _bound(stack.worker(r)[0], WORKER_PORT + t)
         for r in range(world)
         for t in range(THREADS)
     }
-    vals = {key: rng.integers(-(2**20), 2**20, size=(PER_THREAD, K)) for key in socks}
-    exps = {key: int(rng.integers(-5, 5)) for key in socks}
     try:
         for (r, t), s in socks.items():
             ip, mac = stack.worker(r)
+            values, exponent = client.thread_values(seed, r, t, PER_THREAD, K)
             reqs = client.requests(
                 mac=mac,
                 ip=ip,
@@ -105,8 +105,8 @@ def _exchange(stack: Stack, world: int, switch: client.Switch, rng) -> dict:
                 thread=t,
                 worker_port=WORKER_PORT,
                 per_thread=PER_THREAD,
-                values=vals[(r, t)],
-                exponent=exps[(r, t)],
+                values=values,
+                exponent=exponent,
             )
             for _, frame in reqs:
                 s.sendto(frame[p4app_host.SML_AT :], (switch.ip, AGG_PORT))
@@ -115,14 +115,17 @@ def _exchange(stack: Stack, world: int, switch: client.Switch, rng) -> dict:
         for s in socks.values():
             s.close()
     for (r, t), results in got.items():
-        want_slots = client.thread_slots(t, PER_THREAD)
-        assert sorted(x[0] for x in results) == want_slots, f"rank {r} thread {t}: its slots"
-        for slot, values, exponent in results:
-            i = want_slots.index(slot)
-            total = sum(vals[(q, t)][i] for q in range(world))
-            np.testing.assert_array_equal(values, total.astype(np.int32))
-            assert exponent == max(exps[(q, t)] for q in range(world))
-    return got
+        check_thread(results, seed, world, t, what=f"rank {r} thread {t}")
+
+
+def check_thread(results, seed: int, world: int, t: int, *, what: str) -> None:
+    """A thread's results [(pool index, entries, exponent)]: its own slots, each sum exact."""
+    want_slots = client.thread_slots(t, PER_THREAD)
+    assert sorted(x[0] for x in results) == want_slots, f"{what}: its slots"
+    sums, exponent = client.expected(seed, world, t, PER_THREAD, K)
+    for slot, values, e in results:
+        np.testing.assert_array_equal(values, sums[want_slots.index(slot)], err_msg=what)
+        assert e == exponent, what
 
 
 def _read(payload: bytes) -> tuple[int, np.ndarray, int]:
@@ -134,7 +137,6 @@ def _read(payload: bytes) -> tuple[int, np.ndarray, int]:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
-    rng = np.random.default_rng(world)
     switches = stack.setup_all(world)
     assert len({s.session_id for s in switches}) == 1
     assert {(s.mac, s.ip) for s in switches} == {(SWITCH_MAC, stack.agg_ip)}
@@ -143,7 +145,7 @@ def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
     assert sorted((w["index"], w["ip"]) for w in job["workers"]) == [
         (r, stack.worker(r)[0]) for r in range(world)
     ]
-    _exchange(stack, world, switches[0], rng)
+    _exchange(stack, world, switches[0], seed=world)
     assert stack.agg.counters(job["job_id"])["completed"] == THREADS * PER_THREAD
     assert stack.api.events == {
         "sessions_opened": 1,
@@ -153,16 +155,27 @@ def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
 
 
 def test_a_second_session_replaces_the_first(stack):
-    rng = np.random.default_rng(7)
     first = stack.setup_all(2)[0]
     second = stack.setup_all(2)[0]
     assert second.session_id != first.session_id
     (job,) = stack.agg.jobs()  # the first session's job is gone
     assert [j["key"] for j in stack.endpoint.snapshot()["jobs"]] == [stack.api.session_key]
     assert stack.api.session_key == f"switchml-{second.session_id:#x}"
-    _exchange(stack, 2, second, rng)
+    _exchange(stack, 2, second, seed=7)
     assert stack.api.events["sessions_replaced"] == 1
     assert stack.api.events["sessions_opened"] == 2
+
+
+def test_no_lease_ends_a_session_job(stack):
+    from aggctl.lease import JobLease
+
+    stack.setup_all(2)
+    with stack.endpoint._cond:  # a job of the JSON protocol beside it, whose ranks went quiet
+        stack.endpoint._new_job(-7, "plain", 2, 32, 8, 5000).complete = True
+    lease = JobLease(stack.endpoint, seconds=1e-9)
+    lease.sweep()
+    assert lease.sweep() == ["plain"]
+    assert [j["key"] for j in stack.endpoint.snapshot()["jobs"]] == [stack.api.session_key]
 
 
 def test_a_worker_that_never_calls_udp_session_times_the_barrier_out():
@@ -248,3 +261,16 @@ def test_the_proto_file_is_the_descriptor_built_in_code(tmp_path):
     fd.ClearField("source_code_info")
     ours.ClearField("source_code_info")
     assert fd == ours
+
+
+def test_the_serve_option_takes_an_address_and_defaults_the_port():
+    import click
+
+    from aggapp.options import switchml_address
+
+    assert switchml_address(None, None, "198.18.0.1") == ("198.18.0.1", 50099)
+    assert switchml_address(None, None, "198.18.0.1:7000") == ("198.18.0.1", 7000)
+    assert switchml_address(None, None, None) is None
+    for bad in (":50099", "198.18.0.1:0", "agg:50099", ""):
+        with pytest.raises(click.BadParameter, match="ADDRESS"):
+            switchml_address(None, None, bad)
