@@ -437,23 +437,6 @@ class JobOptions:
         help="With --parent-address: workers under the root (the hosts' float scaling).",
     )
 
-    switchml_grpc: tuple[str, int] | None = opt(
-        "--switchml-grpc",
-        callback=switchml_address,
-        help="Also serve p4app-switchML's controller API (gRPC: Session.UdpSession, Sync.Barrier, "
-        f"Sync.Broadcast) on ADDRESS[:PORT] (port {SWITCHML_GRPC_PORT} unless given), so that "
-        "SwitchML's own hosts join jobs unchanged. Off unless given; it has no credentials "
-        "(docs/operations.md, trust model).",
-    )
-    switchml_window: int = opt(
-        "--switchml-window",
-        default=512,
-        type=click.IntRange(1, limits.DEFAULT_POOL_SLOTS),
-        show_default=True,
-        help="With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
-        "up to 2 x max_outstanding_packets, 2 x 256 by default).",
-    )
-
     def check(self) -> None:
         """ValueError when the options do not go together."""
         _check_group_choice(self.group_ip, self.results)
