@@ -108,7 +108,8 @@ class Sync:
     def barrier(self, world: int, timeout: float, on_complete, on_timeout) -> None:
         """Wait until `world` callers are in the barrier. The last runs on_complete(generation)
         (its ApiError or None is every caller's outcome); after `timeout` s the generation
-        fails for every caller with on_timeout(generation, arrived)."""
+        fails for every caller with on_timeout(generation, arrived), and open Broadcasts are
+        dropped."""
         with self._cond:
             gen = self.generation
             self._arrived += 1
@@ -120,6 +121,9 @@ class Sync:
                     self._cond.wait(left)
                 if gen == self.generation:
                     self._close(gen, on_timeout(gen, self._arrived))
+                    # the run failed: a Broadcast a rank left open must not hand its value to
+                    # the next run's ranks (p4app's controller resets both the same way)
+                    self._ops.clear()
             err = self._outcome.get(gen)
         if err is not None:
             raise err

@@ -274,3 +274,18 @@ def test_the_serve_option_takes_an_address_and_defaults_the_port():
     for bad in (":50099", "198.18.0.1:0", "agg:50099", ""):
         with pytest.raises(click.BadParameter, match="ADDRESS"):
             switchml_address(None, None, bad)
+
+
+def test_a_failed_run_leaves_no_broadcast_for_the_next():
+    """Rank 0 broadcasts a session id, rank 1 never comes: the barrier times out; the next
+    run's rank 1 must get the next run's id, not the failed run's."""
+    stack = Stack(barrier_timeout=0.5)
+    try:
+        with pytest.raises(grpc.RpcError):
+            stack.setup(0, 2)
+        stack.api.settings.barrier_timeout = 30.0
+        switches = stack.setup_all(2)
+        assert switches[0].session_id == switches[1].session_id
+        assert stack.api.events["sessions_complete"] == 1
+    finally:
+        stack.close()
