@@ -85,6 +85,7 @@ class _Session:
     session_id: int
     key: str  # the job's name in the registry
     world: int
+    size_code: int  # its packet_size
     first_barrier: int  # the Sync generation of the session's first barrier
 
 
@@ -204,6 +205,8 @@ class SwitchmlApi:
                     HOLDER, session.key, rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), (our_ip, 0)
                 )
             except RequestError as e:
+                if rank == 0:  # the session it just opened has no use without it
+                    self._end(session)
                 raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
             self.events["ranks_registered"] += 1
         log.info("session %#x: rank %d of %d at %s", req.session_id, rank, world, ip)
@@ -230,7 +233,9 @@ class SwitchmlApi:
             )
         except RequestError as e:
             raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        self._session = _Session(req.session_id, key, req.num_workers, self.sync.generation)
+        self._session = _Session(
+            req.session_id, key, req.num_workers, req.packet_size, self.sync.generation
+        )
         self.events["sessions_opened"] += 1
         return self._session
 
@@ -243,10 +248,12 @@ class SwitchmlApi:
                 f"no session {req.session_id:#x} ({now}): rank 0 opens it with its UdpSession "
                 "before the first Barrier; start rank 0 with the same controller",
             )
-        if req.num_workers != s.world:
+        if (req.num_workers, req.packet_size) != (s.world, s.size_code):
             raise ApiError(
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_workers {req.num_workers}, but session {s.session_id:#x} has {s.world}",
+                f"num_workers {req.num_workers}, packet_size {req.packet_size}, but session "
+                f"{s.session_id:#x} has {s.world} workers, packet_size {s.size_code}: start every "
+                "worker with the same configuration",
             )
         return s
 

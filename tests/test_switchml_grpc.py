@@ -289,3 +289,34 @@ def test_a_failed_run_leaves_no_broadcast_for_the_next():
         assert stack.api.events["sessions_complete"] == 1
     finally:
         stack.close()
+
+
+def test_a_rank_with_another_packet_size_is_refused():
+    """Rank 1 asks for 256-element packets in a 64-element session: refused; rank 0's last
+    barrier then times out (5 s: the first barrier, which both pass, must not) and ends the
+    job."""
+    stack = Stack(barrier_timeout=5.0)
+    try:
+        _other_size_refused(stack)
+    finally:
+        stack.close()
+
+
+def _other_size_refused(stack: Stack) -> None:
+    def rank1_other_size():
+        ip, mac = stack.worker(1)
+        return client.setup_switch(
+            stack.target, rank=1, world=2, mac=mac, ip=ip, packet_numel=256, timeout=30
+        )
+
+    with futures.ThreadPoolExecutor(2) as pool:
+        other = pool.submit(rank1_other_size)
+        with pytest.raises(grpc.RpcError) as err0:
+            stack.setup(0, 2)
+        with pytest.raises(grpc.RpcError) as err1:
+            other.result()
+    assert err1.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "packet_size 3, but session" in err1.value.details()
+    assert err0.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "rank(s) [1] have not called UdpSession" in err0.value.details()
+    assert stack.agg.jobs() == []
