@@ -850,10 +850,11 @@ def switch_results_to_request_source_port(rng) -> list[Case]:
     (dev_root/p4/udp_receiver.p4 lines 70-71, udp_sender.p4 lines 37 and 80 at b5c74a0): its host's
     thread t sends from worker_port + t and owns its own slots, so each thread gets its own
     slots' results. Two threads' rounds here, from ports 4000 and 4001 (p4app's default
-    worker_port and the next); the workers registered 0xBEE0. bmv2's runner checks every copy's
-    ports; the XDP program's devmap egress (which BPF_PROG_TEST_RUN cannot run) is checked in the
-    testbed by tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets)
-    by tests/test_switchml_grpc.py."""
+    worker_port and the next); the workers registered 0xBEE0. The XDP program's devmap egress
+    (which BPF_PROG_TEST_RUN cannot run) is checked in the testbed by
+    tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
+    tests/test_switchml_grpc.py; the P4 twin still answers the registered port (docs/protocol.md
+    7.1), which bmv2's runner checks."""
     c = Case(
         "switch_results_to_request_source_port",
         [job(n=2, delivery=Delivery.BROADCAST)],
