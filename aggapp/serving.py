@@ -344,6 +344,22 @@ def port_address_of(ifnames: list[str]) -> Callable[[str], tuple[str, str]]:
     return find
 
 
+def bmv2_port_address(backend) -> Callable[[str], tuple[str, str]]:
+    """For the SwitchML API on bmv2: our (IPv4, MAC) on the switch port whose subnet holds a
+    worker's address (Bmv2Backend.uplink_address, which speaks of a parent)."""
+
+    def find(ip: str) -> tuple[str, str]:
+        try:
+            return backend.uplink_address(ip)
+        except ValueError:
+            raise ValueError(
+                f"not one port of the switch has a subnet holding the worker's address {ip}: "
+                "give the port it is behind an address in its subnet"
+            ) from None
+
+    return find
+
+
 def start_switchml(sml: SwitchmlServe | None, server, port_address):
     """The SwitchML API (aggctl.switchml_grpc) before control endpoint `server`, started; None
     without --switchml-grpc. EnvironmentProblem without grpcio, XdpAggError when it cannot
@@ -491,7 +507,7 @@ def serve_bmv2(
             secret=secret,
             limits=limits,
         )
-        sml = start_switchml(switchml, server, backend.uplink_address)
+        sml = start_switchml(switchml, server, bmv2_port_address(backend))
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         announce(
             f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}{rack}); "

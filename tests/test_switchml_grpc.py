@@ -320,3 +320,19 @@ def _other_size_refused(stack: Stack) -> None:
     assert err0.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     assert "rank(s) [1] have not called UdpSession" in err0.value.details()
     assert stack.agg.jobs() == []
+
+
+def test_bmv2_answers_the_port_a_worker_is_behind_or_says_why_not():
+    from aggapp.serving import bmv2_port_address
+
+    class Ports:  # Bmv2Backend.uplink_address's contract
+        def uplink_address(self, ip):
+            if ip.startswith("198.18.1."):
+                return "198.18.1.1", "02:00:00:00:01:01"
+            raise ValueError("the parent ... (Bmv2Backend.set_parent_port)")
+
+    find = bmv2_port_address(Ports())
+    assert find("198.18.1.2") == ("198.18.1.1", "02:00:00:00:01:01")
+    with pytest.raises(ValueError, match="worker's address 198.18.9.2") as err:
+        find("198.18.9.2")
+    assert "parent" not in str(err.value)
