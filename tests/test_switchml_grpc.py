@@ -193,6 +193,18 @@ def test_a_worker_that_never_calls_udp_session_times_the_barrier_out():
         stack.close()
 
 
+def _both_fail(stack: Stack, rank1) -> tuple:
+    """Rank 0's p4app setup beside `rank1` (a function) in a thread: both must fail; their
+    grpc.RpcErrors (rank 0's, rank 1's)."""
+    with futures.ThreadPoolExecutor(1) as pool:
+        other = pool.submit(rank1)
+        with pytest.raises(grpc.RpcError) as err0:
+            stack.setup(0, 2)
+        with pytest.raises(grpc.RpcError) as err1:
+            other.result()
+    return err0.value, err1.value
+
+
 def test_ranks_that_pass_the_barriers_without_udp_session_fail_the_last_one(stack):
     def rank1_without_session():
         with grpc.insecure_channel(stack.target) as ch:
@@ -203,13 +215,7 @@ def test_ranks_that_pass_the_barriers_without_udp_session_fail_the_last_one(stac
             barrier(pb.BarrierRequest(num_workers=2), timeout=30)
             barrier(pb.BarrierRequest(num_workers=2), timeout=30)
 
-    with futures.ThreadPoolExecutor(2) as pool:
-        lazy = pool.submit(rank1_without_session)
-        with pytest.raises(grpc.RpcError) as err:
-            stack.setup(0, 2)
-        with pytest.raises(grpc.RpcError) as err1:
-            lazy.result()
-    for e in (err.value, err1.value):
+    for e in _both_fail(stack, rank1_without_session):
         assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
         assert "rank(s) [1] passed the barriers without calling UdpSession" in e.details()
     assert stack.agg.jobs() == []
@@ -309,16 +315,11 @@ def _other_size_refused(stack: Stack) -> None:
             stack.target, rank=1, world=2, mac=mac, ip=ip, packet_numel=256, timeout=30
         )
 
-    with futures.ThreadPoolExecutor(2) as pool:
-        other = pool.submit(rank1_other_size)
-        with pytest.raises(grpc.RpcError) as err0:
-            stack.setup(0, 2)
-        with pytest.raises(grpc.RpcError) as err1:
-            other.result()
-    assert err1.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "packet_size 3, but session" in err1.value.details()
-    assert err0.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "rank(s) [1] have not called UdpSession" in err0.value.details()
+    err0, err1 = _both_fail(stack, rank1_other_size)
+    assert err1.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "packet_size 3, but session" in err1.details()
+    assert err0.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "rank(s) [1] have not called UdpSession" in err0.details()
     assert stack.agg.jobs() == []
 
 
