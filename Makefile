@@ -18,6 +18,11 @@ KVER := $(shell uname -r)
 DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-headers-amd64 \
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
 	clang-format
+# Prometheus and promtool for tests/test_metrics_prometheus.py, without the recommended extras
+# (node-exporter, ipmitool, ...). The test runs its own server (own port, temporary data); the
+# package's service is enabled on a machine with systemd, left stopped in a container (its
+# invoke-rc.d policy). Where it cannot be installed, the test says so and skips.
+TEST_DEB_PKGS := prometheus
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
@@ -34,6 +39,12 @@ deps:
 	if [ -n "$$missing" ]; then \
 		echo "installing Debian packages: $$missing"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@missing=$$(for p in $(TEST_DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		echo "installing Debian packages (tests only, no recommends): $$missing"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+			--no-install-recommends $$missing >/dev/null) || echo "could not install $$missing: its tests skip"; \
 	fi
 
 # bcc compiles against /lib/modules/$(uname -r)/build; a custom kernel may ship none. Debian's

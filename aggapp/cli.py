@@ -287,16 +287,28 @@ def _parent_line(p: dict) -> str:
     show_default=True,
     help="With --watch: seconds between refreshes.",
 )
+@click.option(
+    "--prometheus",
+    is_flag=True,
+    help="Print the metrics `serve --metrics` serves, once, in Prometheus's text format (for "
+    "node_exporter's textfile collector); without the control endpoint's.",
+)
 @_json_option()
 @click.pass_context
-def stats(ctx, watch, interval, as_json):
+def stats(ctx, watch, interval, prometheus, as_json):
     """Packet counters by reason: without a job, per job, and per worker.
 
     \b
     Examples:
       sudo xdp-agg stats --json
       sudo xdp-agg stats --watch --interval 2     # Ctrl-C ends it
+      sudo xdp-agg stats --prometheus      # once (node_exporter's textfile collector)
     """
+    if prometheus:
+        if watch or as_json:
+            raise click.UsageError("--prometheus prints once in its own format: no --watch, --json")
+        click.echo(serving.xdp_exposition(ctx.obj["name"]), nl=False)
+        return
     try:
         while True:
             s = aggregator.stats(ctx.obj["name"])

@@ -172,6 +172,15 @@ def click_options(cls, param: str = "opts"):
 class ServeOptions:
     """What `xdp-agg serve` is told (every field is one of its options)."""
 
+    # before `listen`, whose callback it uses: a field of that name hides it from the fields below
+    metrics: tuple[str, int] | None = opt(
+        "--metrics",
+        callback=listen,
+        help="HOST:PORT to serve Prometheus metrics at (http://HOST:PORT/metrics: counters per "
+        "job and worker, the XDP program's run time, the endpoint's jobs and refusals; "
+        "docs/operations.md); :PORT: on the control endpoint's address. Needs prometheus_client "
+        "(the `metrics` extra). Default: none.",
+    )
     listen: tuple[str, int] | None = opt(
         "--listen",
         callback=listen,

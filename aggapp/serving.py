@@ -24,6 +24,7 @@ one IPv4 address of the aggregator's interfaces; 0.0.0.0 only when asked for.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import errno
 import fcntl
@@ -360,12 +361,14 @@ def bmv2_port_address(backend) -> Callable[[str], tuple[str, str]]:
     return find
 
 
-def start_switchml(sml: SwitchmlServe | None, server, port_address):
-    """The SwitchML API (aggctl.switchml_grpc) before control endpoint `server`, started; None
-    without --switchml-grpc. EnvironmentProblem without grpcio, XdpAggError when it cannot
-    bind."""
+@contextlib.contextmanager
+def switchml_serving(sml: SwitchmlServe | None, server, port_address):
+    """A context serving the SwitchML API (aggctl.switchml_grpc) before control endpoint
+    `server` (nothing without --switchml-grpc), stopped on exit. EnvironmentProblem without
+    grpcio, XdpAggError when it cannot bind."""
     if sml is None:
-        return None
+        yield None
+        return
     try:
         from aggctl import switchml_grpc
     except ImportError as e:
@@ -380,7 +383,48 @@ def start_switchml(sml: SwitchmlServe | None, server, port_address):
         raise XdpAggError(
             f"--switchml-grpc: {e}; stop what listens there (`ss -ltnp`) or choose another port"
         ) from e
-    return grpc_server
+    try:
+        yield grpc_server
+    finally:
+        grpc_server.stop(None)
+
+
+def metrics_exporting(address: tuple[str, int] | None, sources: dict):
+    """aggapp.metrics.exporting (serve --metrics, the soft endpoint's too): a context yielding
+    the metrics' URL, or None when `address` is None; `sources`: aggapp.metrics.Sources'
+    fields. prometheus_client is an optional dependency (the `metrics` extra): imported only
+    when asked for."""
+    if address is None:
+        return contextlib.nullcontext()
+    metrics = _metrics_module()
+    return metrics.exporting(address, metrics.Sources(**sources))
+
+
+def _metrics_module():
+    """aggapp.metrics; EnvironmentProblem without prometheus_client (an optional dependency,
+    the `metrics` extra, imported only where metrics are asked for)."""
+    try:
+        from . import metrics
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"metrics need the Python package prometheus_client ({e}): "
+            "pip install 'xdp-agg[metrics]'"
+        ) from e
+    return metrics
+
+
+def xdp_exposition(name: str) -> str:
+    """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
+    endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
+    backend = aggregator.XdpBackend(name)
+    sources = dict(backend=backend, target="xdp", xdp=backend)
+    metrics = _metrics_module()
+    return metrics.exposition(metrics.Sources(**sources))
+
+
+def _metrics_note(url: str | None) -> str:
+    """The announce line's words for where the metrics are served."""
+    return f"; Prometheus metrics at {url}" if url else ""
 
 
 def serve_xdp(
@@ -399,6 +443,7 @@ def serve_xdp(
     announce: Callable[[str], None] = print,
     warn: Callable[[str], None] | None = None,
     parent=None,
+    metrics: tuple[str, int] | None = None,
     switchml: SwitchmlServe | None = None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
@@ -406,6 +451,7 @@ def serve_xdp(
     announce) a warning line before it if the results fall back to the broadcast. secret: the
     deployment secret (None: no authentication); limits: aggctl.auth.Limits. `parent` (a
     tree.ParentLink): every job created here is a rack of the parent's job of the same name.
+    `metrics` (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics).
     `switchml`: also serve p4app-switchML's controller API (aggctl.switchml_grpc).
 
     One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
@@ -424,7 +470,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = aggregator.XdpBackend(name)
+        backend = xdp = aggregator.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 
@@ -441,18 +487,19 @@ def serve_xdp(
             generation=backend.generation(),
             grace=rejoin_timeout,
         )
-        sml = start_switchml(switchml, server, port_address_of(aggregator_interfaces(name)))
-        announce(
-            f"control endpoint listening on {host}:{port} (aggregator {name}, "
-            f"{describe_results(defaults)}"
-            + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
-            + "); Ctrl-C stops it"
-        )
-        try:
+        sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
+        port_address = port_address_of(aggregator_interfaces(name))
+        with (
+            metrics_exporting(metrics, sources) as url,
+            switchml_serving(switchml, server, port_address),
+        ):
+            announce(
+                f"control endpoint listening on {host}:{port} (aggregator {name}, "
+                f"{describe_results(defaults)}"
+                + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
+                + f"){_metrics_note(url)}; Ctrl-C stops it"
+            )
             server.run_until_interrupted()
-        finally:
-            if sml is not None:
-                sml.stop(None)
     finally:
         os.close(lock)
 
@@ -469,13 +516,15 @@ def serve_bmv2(
     limits=None,
     announce: Callable[[str], None] = print,
     parent=None,
+    metrics: tuple[str, int] | None = None,
     switchml: SwitchmlServe | None = None,
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
     run the control endpoint in front of it until interrupted; the switch stops on exit.
     `parent` (a tree.ParentLink): every job created here is a rack of the parent's job of the
-    same name, its partial sums sent up from the port whose subnet holds the parent.
-    `switchml`: also serve p4app-switchML's controller API (aggctl.switchml_grpc)."""
+    same name, its partial sums sent up from the port whose subnet holds the parent. `metrics`
+    (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics). `switchml`: also serve
+    p4app-switchML's controller API (aggctl.switchml_grpc)."""
     import bmv2_switch as bm
     from aggproto.jobs import Delivery
 
@@ -507,17 +556,17 @@ def serve_bmv2(
             secret=secret,
             limits=limits,
         )
-        sml = start_switchml(switchml, server, bmv2_port_address(backend))
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
-        announce(
-            f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}{rack}); "
-            "Ctrl-C stops it"
-        )
-        try:
+        sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
+        with (
+            metrics_exporting(metrics, sources) as url,
+            switchml_serving(switchml, server, bmv2_port_address(backend)),
+        ):
+            announce(
+                f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
+                f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
+            )
             server.run_until_interrupted()
-        finally:
-            if sml is not None:
-                sml.stop(None)
     finally:
         switch.stop()
 
@@ -602,6 +651,8 @@ def serve(
         announce=announce,
         switchml=ep.switchml,
     )
+    # --metrics :PORT: beside the control endpoint, on its address
+    common["metrics"] = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
     if opts.target == "bmv2":
         ifnames = opts.ports.split(",")
         serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, netns=netns, parent=ep.parent, **common)

@@ -1,6 +1,7 @@
 """`python -m aggapp.soft_endpoint`: a control endpoint in front of a soft aggregator, by hand.
 
     python -m aggapp.soft_endpoint --listen 127.0.0.1:48800 --soft 127.0.0.1
+    python -m aggapp.soft_endpoint --soft 127.0.0.1 --metrics 127.0.0.1:9464   # + Prometheus
 
 The secret: --secret-file, $XDP_AGG_SECRET_FILE, else ./xdp-agg-soft.secret, created 0600.
 """
@@ -17,6 +18,8 @@ from aggproto import control
 from aggproto.jobs import DEFAULT_CONTROL_PORT
 from aggproto.limits import DEFAULT_POOL_SLOTS
 from soft_switch import SoftAggregator
+
+from . import serving
 
 log = logging.getLogger("aggapp.soft_endpoint")
 
@@ -50,6 +53,13 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="accept every request without credentials (a trusted lab only)",
     )
+    p.add_argument(
+        "--metrics",
+        default=None,
+        metavar="HOST:PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (aggapp.metrics; needs "
+        "prometheus_client)",
+    )
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     host, _, port = (args.listen or f"{args.soft}:{DEFAULT_CONTROL_PORT}").rpartition(":")
@@ -66,10 +76,18 @@ def main(argv: list[str] | None = None) -> None:
     defaults = ServerDefaults(
         agg_ip=args.soft, pool_slots=args.pool_slots, barrier_timeout=args.barrier_timeout
     )
+    metrics_at = None
+    if args.metrics:
+        m_host, _, m_port = args.metrics.rpartition(":")
+        metrics_at = (m_host, int(m_port))
     with SoftAggregator(args.soft) as agg:
         server, _ = stand_up(agg, host, int(port), defaults, secret=secret)
         log.info("control endpoint on %s:%d, soft aggregator on %s", *server.address, args.soft)
-        server.run_until_interrupted()
+        sources = dict(backend=agg, target="soft", endpoint=server)
+        with serving.metrics_exporting(metrics_at, sources) as url:
+            if url:
+                log.info("Prometheus metrics at %s", url)
+            server.run_until_interrupted()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ class JobLease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.expired: list[str] = []  # keys of the jobs removed for a lapsed lease
+        self.expiries = 0  # how many, as a counter for the metrics (aggctl.status.overview)
 
     @property
     def enabled(self) -> bool:
@@ -113,6 +114,7 @@ class JobLease:
                 self._renewed.pop(token, None)
                 self._traffic.pop(token, None)
         self.expired += gone
+        self.expiries += len(gone)
         return gone
 
     def _contributions(self, job) -> int | None:

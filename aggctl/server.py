@@ -64,6 +64,7 @@ import socket
 import socketserver
 import threading
 import time
+from collections import Counter
 from dataclasses import dataclass, fields
 from typing import Callable
 
@@ -85,6 +86,11 @@ from .status import StatusOps
 log = logging.getLogger(__name__)
 
 PROTOCOL_VERSION = 1
+# What a refused request was refused for (ControlEndpoint.refusals): "auth" a missing or wrong
+# credential, "limit" a bound of auth.Limits (connections, rate, line length, idle time),
+# "request" a request that cannot be done (bad field, no such job, a full pool), "internal" a
+# failure of ours (the backend's).
+REFUSAL_KINDS = ("auth", "limit", "request", "internal")
 MAX_LINE = auth.Limits.max_line  # the default bound on a request line
 
 
@@ -166,6 +172,9 @@ class ControlEndpoint(JobRegistry, StatusOps):
         self._stopping = False
         self._thread: threading.Thread | None = None  # the one running serve_forever
         self._tcp = _TCPServer((host, port), self)
+        # refusals answered, by kind (REFUSAL_KINDS), for the operator's metrics (overview())
+        self._refusals: Counter[str] = Counter()
+        self._refusals_lock = threading.Lock()
         # --- job leases (aggctl.lease): quiet jobs expire; renewed in handle() ---
         self.lease = JobLease(self, self.limits.job_lease)
 
@@ -274,6 +283,16 @@ class ControlEndpoint(JobRegistry, StatusOps):
                 self._release(job, conn)
             self._changed()
 
+    def refused(self, kind: str) -> None:
+        """Count one refusal of `kind` (REFUSAL_KINDS)."""
+        with self._refusals_lock:
+            self._refusals[kind] += 1
+
+    def refusals(self) -> dict[str, int]:
+        """Refusals answered so far, by kind (every kind of REFUSAL_KINDS, 0 when none)."""
+        with self._refusals_lock:
+            return {k: self._refusals[k] for k in REFUSAL_KINDS}
+
     def handle(self, conn: int, request: dict, local: tuple[str, int], peer: tuple[str, int]):
         """Answer one request (a dict) from connection `conn`; never raises."""
         try:
@@ -291,11 +310,14 @@ class ControlEndpoint(JobRegistry, StatusOps):
             self.lease.renew(conn)  # a request of a job's member renews the job's lease
             return answer
         except RequestError as e:
+            self.refused("request")
             return {"ok": False, "error": str(e)}
         except auth.Denied as e:
+            self.refused(e.kind)
             return {"ok": False, "error": str(e), "kind": e.kind}
         except Exception as e:  # a backend failure must reach the client, not kill the server
             log.exception("request %r failed", request)
+            self.refused("internal")
             return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
 
     # --- ops --------------------------------------------------------------------------------
@@ -341,6 +363,7 @@ class _Handler(socketserver.StreamRequestHandler):
         try:
             conn = owner._connected(sock, peer[0])
         except auth.Denied as e:
+            owner.refused(e.kind)
             self._try_answer({"ok": False, "error": str(e), "kind": e.kind})
             return
         _keepalive(sock)
@@ -354,6 +377,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 try:
                     line = self._read_line(owner.limits.max_line, deadline)
                 except TimeoutError:
+                    owner.refused("limit")
                     self._answer(
                         {
                             "ok": False,
@@ -367,11 +391,13 @@ class _Handler(socketserver.StreamRequestHandler):
                 if line is None:
                     return
                 if len(line) > owner.limits.max_line:
+                    owner.refused("limit")
                     self._answer({"ok": False, "kind": "limit", "error": "request line too long"})
                     return
                 if not line.strip():
                     continue
                 if not owner._rate.allow(peer[0]):
+                    owner.refused("limit")
                     self._answer(
                         {
                             "ok": False,
@@ -384,6 +410,7 @@ class _Handler(socketserver.StreamRequestHandler):
                 try:
                     req = json.loads(line)
                 except ValueError as e:
+                    owner.refused("request")
                     self._answer({"ok": False, "error": f"not JSON: {e}"})
                     continue
                 self._answer(owner.handle(conn, req, local, peer))

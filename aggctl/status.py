@@ -74,6 +74,32 @@ class StatusOps:
         out["lagging"] = lagging
         return out
 
+    def overview(self) -> dict:
+        """What an operator's metrics show of the endpoint (aggapp.metrics), read at once:
+        per live job its key, job id, state, world size and registered, missing and gone ranks;
+        the open connections, refusals by kind and jobs removed for a lapsed lease."""
+        with self._cond:
+            jobs = [
+                {
+                    "key": j.key,
+                    "job_id": j.spec.job_id,
+                    "state": j.state,
+                    "world_size": j.world_size,
+                    "registered": len(j.ranks) - len(j.gone),
+                    "missing": len(j.missing()),
+                    "gone": len(j.gone),
+                }
+                for j in self._jobs.values()
+                if not j.deleted
+            ]
+            connections = len(self._conns)
+        return {
+            "jobs": jobs,
+            "connections": connections,
+            "refusals": self.refusals(),
+            "lease_expiries": self.lease.expiries,
+        }
+
     def _gone_detail(self, key: str) -> dict:
         """Rank -> {state, at (epoch s), contributions (when it went)} for ranks that left or
         whose control connection closed."""

@@ -29,8 +29,10 @@ import os
 import time
 from pathlib import Path
 
+import bpfsys
+
 PROC_STAT = Path("/proc/stat")
-BPF_STATS_SYSCTL = Path("/proc/sys/kernel/bpf_stats_enabled")
+BPF_STATS_SYSCTL = Path(bpfsys.BPF_STATS_SYSCTL)
 # the fields of /proc/stat's cpu lines, in order (proc(5)); guest time is inside user already
 FIELDS = (
     "user",

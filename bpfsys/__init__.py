@@ -337,6 +337,30 @@ def map_info(fd: int) -> MapInfo:
     return info
 
 
+def memlock(fd: int) -> int:
+    """Bytes of kernel memory a BPF map or program holds: the "memlock" line of the fd's
+    /proc/self/fdinfo entry (bpf_map_info and bpf_prog_info do not carry it)."""
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key == "memlock":
+                return int(value)
+    raise BpfError(errno.EINVAL, f"fd {fd} is not a BPF map or program (no memlock)")
+
+
+BPF_STATS_SYSCTL = "/proc/sys/kernel/bpf_stats_enabled"
+
+
+def bpf_stats_enabled() -> bool:
+    """Whether the kernel counts programs' run time and runs (kernel.bpf_stats_enabled = 1;
+    off by default, as the counting costs a little per run)."""
+    try:
+        with open(BPF_STATS_SYSCTL) as f:
+            return f.read().strip() == "1"
+    except OSError:  # no such sysctl (an old kernel): nothing is counted
+        return False
+
+
 class XdpMd(ct.Structure):
     """struct xdp_md, as the test-run context."""
 

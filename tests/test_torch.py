@@ -429,3 +429,34 @@ def test_elems_from_the_environment_take_auto_and_refuse_junk():
     assert _elems("768") == 768 and _elems("auto") == "auto" and _elems(" AUTO ") == "auto"
     with pytest.raises(ValueError, match="XDP_AGG_ELEMS='lots'"):
         _elems("lots")
+
+
+def test_path_stats_count_every_call_and_warn_once_per_collective_op_and_dtype():
+    """PathStats: counts per (collective, op, dtype, path); one FallbackWarning per
+    (collective, op, dtype) however often it falls back, none for the aggregator's calls."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from hostlib.pt.paths import AGGREGATOR, GLOO, FallbackWarning, PathStats
+
+    ps = PathStats("xdpagg (job t)")
+    f32, f64 = torch.zeros(2), torch.zeros(2, dtype=torch.float64)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            ps.record("all_reduce", dist.ReduceOp.SUM, [f32], AGGREGATOR)
+            ps.record("all_reduce", dist.ReduceOp.MAX, [f32], GLOO, "MAX")
+            ps.record("all_reduce", dist.ReduceOp.SUM, [f64], GLOO, "float64")
+        ps.record("broadcast", None, ([f32, f64], 3), GLOO)
+    said = [str(w.message) for w in caught if w.category is FallbackWarning]
+    assert len(said) == 2, said
+    assert "all_reduce with MAX of float32" in said[0] and "float64" in said[1]
+    assert ps.total(AGGREGATOR) == 3 and ps.total(GLOO) == 7
+    assert {
+        "collective": "broadcast",
+        "op": "-",
+        "dtype": "float32+float64",
+        "path": GLOO,
+        "calls": 1,
+    } in ps.rows()

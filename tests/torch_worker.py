@@ -16,6 +16,7 @@ import json
 import os
 import sys
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -140,6 +141,103 @@ def _input(dtype, rank: int, seed: int) -> torch.Tensor:
     return x.to(dtype)
 
 
+def _coalesced_inputs(rank: int, dtypes) -> list[torch.Tensor]:
+    """One small tensor per dtype, rank r's entry i = (r + 1) * 10^i: every sum and extreme is
+    exact, and a reduction of the entries into each other (a wrong list semantics) shows."""
+    return [torch.full((3,), float((rank + 1) * 10**i)).to(d) for i, d in enumerate(dtypes)]
+
+
+def _coalesced_want(n: int, op_name: str, dtypes) -> list[torch.Tensor]:
+    per_rank = [_coalesced_inputs(r, dtypes) for r in range(n)]
+    fold = {
+        "SUM": lambda v: torch.stack(v).sum(0),
+        "AVG": lambda v: torch.stack(v).sum(0) / n,
+        "MAX": lambda v: torch.stack(v).max(0).values,
+        "MIN": lambda v: torch.stack(v).min(0).values,
+        "PRODUCT": lambda v: torch.stack(v).prod(0),
+    }[op_name]
+    # rounded to each tensor's dtype, as gloo's result is (bfloat16 holds 3000 as 3008)
+    return [fold([p[i].double() for p in per_rank]).to(d).double() for i, d in enumerate(dtypes)]
+
+
+def _check_coalesced(check, pg, rank: int, n: int) -> None:
+    """all_reduce_coalesced and _coalescing_manager: gloo's answer for every op and dtype; the
+    wire dtypes' lists through the aggregator as one stream per wire dtype (float, int32)."""
+    f32, i64 = torch.float32, torch.int64
+    cases = [  # torch's all_reduce_coalesced takes one dtype; _coalescing_manager mixes them
+        ("SUM", (f32, torch.int32, torch.float16, torch.bfloat16, f32), 2),
+        ("AVG", (f32, torch.bfloat16), 1),
+        ("SUM", (torch.float64, i64), 0),
+        ("SUM", (f32, torch.float64), 0),
+        ("MIN", (f32, i64), 0),
+        ("SUM", (f32, f32, f32), 1),
+        ("AVG", (torch.bfloat16, torch.bfloat16), 1),
+        ("SUM", (i64, i64), 0),
+        ("SUM", (torch.float64, torch.float64), 0),
+        ("MAX", (f32, f32), 0),
+        ("MIN", (torch.int32, torch.int32), 0),
+        ("PRODUCT", (f32, f32), 0),
+    ]
+    for op_name, dtypes, streams in cases:
+        for how in ("all_reduce_coalesced", "coalescing_manager")[len(set(dtypes)) > 1 :]:
+            name = f"{how} {op_name} {'+'.join(str(d)[6:] for d in dtypes)}"
+            xs = _coalesced_inputs(rank, dtypes)
+            op = getattr(dist.ReduceOp, op_name)
+            before = pg.channel.stats["allreduces"]
+            if how == "all_reduce_coalesced":
+                dist.all_reduce_coalesced(xs, op=op)
+            else:
+                with dist._coalescing_manager():
+                    for x in xs:
+                        dist.all_reduce(x, op=op)
+            got = [x.double() for x in xs]
+            want = _coalesced_want(n, op_name, dtypes)
+            ok = all(torch.allclose(g, w, rtol=1e-6) for g, w in zip(got, want))
+            check(name, ok, f"{[g.tolist() for g in got]} vs {[w.tolist() for w in want]}")
+            used = pg.channel.stats["allreduces"] - before
+            check(name + " streams", used == streams, f"{used} aggregator all-reduces")
+    rows = {(r["collective"], r["op"], r["dtype"], r["path"]) for r in pg.path_stats()}
+    check(
+        "path_stats",
+        ("all_reduce_coalesced", "MAX", "float32", "gloo") in rows
+        and ("all_reduce_coalesced", "SUM", "bfloat16+float16+float32+int32", "aggregator") in rows
+        and ("all_reduce_coalesced", "SUM", "float32", "aggregator") in rows,
+        f"{sorted(rows)}",
+    )
+
+
+def _check_tensor_collectives(check, rank: int, n: int) -> None:
+    """What torch's own suite has no CPU test of: reduce_scatter_tensor and
+    all_gather_into_tensor, for several dtypes and ops, plain and coalesced."""
+    for dtype in (torch.float32, torch.float64, torch.int32, torch.bfloat16):
+        x = (torch.arange(3 * n) + 7 * rank).to(dtype)
+        rows = [(torch.arange(3 * n) + 7 * r).double() for r in range(n)]
+        for op_name in ("SUM", "MAX"):
+            out = torch.zeros(3, dtype=dtype)
+            dist.reduce_scatter_tensor(out, x, op=getattr(dist.ReduceOp, op_name))
+            fold = sum(rows) if op_name == "SUM" else torch.stack(rows).max(0).values
+            want = fold[3 * rank : 3 * rank + 3]
+            check(f"reduce_scatter_tensor {op_name} {dtype}", torch.equal(out.double(), want))
+        big = torch.zeros(3 * n * n, dtype=dtype)
+        dist.all_gather_into_tensor(big, x)
+        check(f"all_gather_into_tensor {dtype}", torch.equal(big.double(), torch.cat(rows)))
+    outs = [torch.zeros(2 * n) for _ in range(2)]
+    ins = [torch.arange(2.0) + rank + 10 * i for i in range(2)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    want = [torch.cat([torch.arange(2.0) + r + 10 * i for r in range(n)]) for i in range(2)]
+    check("all_gather_into_tensor coalesced", all(map(torch.equal, outs, want)))
+    outs = [torch.zeros(2) for _ in range(2)]
+    ins = [torch.arange(2.0 * n) * (rank + 1) + i for i in range(2)]
+    with dist._coalescing_manager():
+        for o, i in zip(outs, ins):
+            dist.reduce_scatter_tensor(o, i)
+    tot = n * (n + 1) // 2
+    want = [(torch.arange(2.0 * n) * tot + n * i)[2 * rank : 2 * rank + 2] for i in range(2)]
+    check("reduce_scatter_tensor coalesced", all(map(torch.equal, outs, want)), f"{outs} {want}")
+
+
 def run_backend(args, rank: int, n: int) -> dict:
     hostlib.pt.register_backend()  # the entry point does it where the package is installed
     dist.init_process_group(args.backend_spec)
@@ -194,10 +292,15 @@ def run_backend(args, rank: int, n: int) -> dict:
                 err = float((x.to(torch.float64) - exact / div).abs().max())
                 check(name, err <= bound, f"error {err:.3g} > bound {bound:.3g}")
 
-    # MAX is not an aggregator op: gloo
-    x = torch.tensor([float(rank)])
-    dist.all_reduce(x, op=dist.ReduceOp.MAX)
-    check("all_reduce MAX float32 (gloo)", float(x) == n - 1)
+    # MAX is not an aggregator op: gloo, with one FallbackWarning however often it is called
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(3):
+            x = torch.tensor([float(rank)])
+            dist.all_reduce(x, op=dist.ReduceOp.MAX)
+            check("all_reduce MAX float32 (gloo)", float(x) == n - 1)
+    said = [str(w.message) for w in caught if w.category is hostlib.pt.FallbackWarning]
+    check("one FallbackWarning", len(said) == 1 and "MAX of float32" in said[0], f"{said}")
     # several async all-reduces in flight at once complete in order, each right
     xs = [torch.full((3000,), float(rank + i)) for i in range(4)]
     works = [dist.all_reduce(t, async_op=True) for t in xs]
@@ -210,6 +313,9 @@ def run_backend(args, rank: int, n: int) -> dict:
             for i, t in enumerate(xs)
         ),
     )
+
+    _check_coalesced(check, pg, rank, n)
+    _check_tensor_collectives(check, rank, n)
 
     # delegated collectives
     t = torch.arange(4, dtype=torch.float32) + 10 * rank

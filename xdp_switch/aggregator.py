@@ -30,6 +30,10 @@ from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
 from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES
 
+# The pinned programs of an attachment (pins.Instance.prog_path): the aggregator, and the egress
+# program that addresses a switch-topology result to the worker behind each port.
+PROGRAMS = ("ingress", "egress")
+
 # How a job's results leave in each topology (JobSpec.delivery).
 DELIVERY = {"one-arm": Delivery.GROUP_TX, "switch": Delivery.BROADCAST}
 
@@ -245,7 +249,8 @@ def status(name: str = "default") -> dict:
         except links.LinkError:
             cur = None
         ifaces.append({**d, "attached": cur == d["prog_id"], "current_prog_id": cur})
-    jobs = [job_dict(j, job, maps) for j, job in maps.jobs().items()]
+    registered = maps.workers()
+    jobs = [job_dict(j, job, maps, registered) for j, job in maps.jobs().items()]
     return {**state.to_dict(), "interfaces": ifaces, "jobs": jobs}
 
 
@@ -285,7 +290,11 @@ def _route_to(ip: str) -> _Route:
     )
 
 
-def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
+def job_dict(job_id: int, job: abi.Job, maps: AggMaps, registered=None) -> dict:
+    """The job as JobSpec.to_dict() has it, with its workers and parent link; `registered`:
+    maps.workers() if the caller has read it already (once for all jobs: reading the workers
+    map is most of the cost)."""
+    registered = maps.workers() if registered is None else registered
     workers = sorted(
         (
             {
@@ -295,7 +304,7 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps) -> dict:
                 # the source MAC its frames must come from; all zeros: not matched
                 "mac": mac_str(w.mac) if w.match_mac else "00:00:00:00:00:00",
             }
-            for k, w in maps.workers()
+            for k, w in registered
             if w.job == job_id and w.index != limits.PARENT_INDEX
         ),
         key=lambda w: w["index"],
@@ -352,9 +361,10 @@ def stats(name: str = "default") -> dict:
     """Counters by reason: for packets without a job, per job, and per worker."""
     _, maps = open_instance(name)
     out = {"unattributed": maps.counters(limits.NO_JOB), "jobs": {}}
+    registered = maps.workers()
     for j, job in maps.jobs().items():
         workers = {}
-        for _, w in maps.workers():
+        for _, w in registered:
             if w.job == j and w.index != limits.PARENT_INDEX:
                 workers[w.index] = maps.worker_counters(j, w.index)
         out["jobs"][j] = {"reasons": maps.counters(j), "workers": dict(sorted(workers.items()))}
@@ -540,7 +550,8 @@ class XdpBackend:
     def jobs(self) -> list[dict]:
         """The active jobs, each as job_dict gives it."""
         self._follow()
-        return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
+        registered = self.maps.workers()
+        return [job_dict(j, job, self.maps, registered) for j, job in self.maps.jobs().items()]
 
     def parent_status(self, job_id: int) -> dict | None:
         """A tree job's parent link and its counters (None without a parent)."""
@@ -549,6 +560,44 @@ class XdpBackend:
     def counters(self, job_id: int) -> dict[str, int]:
         """A job's counters by reason, summed over CPUs."""
         return self.maps.counters(job_id)
+
+    def all_worker_counters(self) -> dict[int, dict[int, dict]]:
+        """worker_counters of every job at once, {job id: {worker index: counters}}: the
+        workers map read once, where worker_counters per job reads it once per job (what a
+        metrics scrape of many jobs would spend most of its time on)."""
+        out: dict[int, dict[int, dict]] = {}
+        for _, w in self.maps.workers():
+            if w.index != limits.PARENT_INDEX and w.job not in self._lost:
+                out.setdefault(w.job, {})[w.index] = self.maps.worker_counters(w.job, w.index)
+        return {j: dict(sorted(ws.items())) for j, ws in sorted(out.items())}
+
+    def program_stats(self) -> dict:
+        """The attached programs' run time and runs (the kernel counts them only while
+        kernel.bpf_stats_enabled = 1: `bpf_stats_enabled` says whether it does) and the kernel
+        memory of each program and map, in bytes:
+        {"bpf_stats_enabled", "programs": {name: {"run_time_ns", "run_cnt", "memlock"}},
+        "maps": {name: memlock}}."""
+        self._follow()
+        inst = pins.Instance(self.name)
+        programs = {}
+        for prog in PROGRAMS:
+            if not inst.prog_path(prog).exists():
+                continue  # no egress program pinned: an aggregator attached before it had one
+            fd = inst.open_prog(prog)
+            try:
+                info = bpfsys.prog_info(fd)
+                programs[prog] = {
+                    "run_time_ns": info.run_time_ns,
+                    "run_cnt": info.run_cnt,
+                    "memlock": bpfsys.memlock(fd),
+                }
+            finally:
+                os.close(fd)
+        return {
+            "bpf_stats_enabled": bpfsys.bpf_stats_enabled(),
+            "programs": programs,
+            "maps": {m: bpfsys.memlock(fd) for m, fd in sorted(self.maps.fds.items())},
+        }
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index (none for a lost job)."""

@@ -18,7 +18,8 @@ Installing the package registers the backend when torch is imported (a `torch.ba
 point), so an unmodified script finds it; `hostlib.pt.register_backend()` does the same by hand.
 
 Modules: channel (the ordered all-reduce stream of tensors, its staging and its gloo fallback),
-hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend).
+hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend), paths (which
+path each collective took: PathStats, FallbackWarning).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _EXPORTS = {
     "BACKEND_NAME": "backend",
     "AllreduceChannel": "channel",
     "AggregatorLost": "channel",
+    "FallbackWarning": "paths",
 }
 __all__ = list(_EXPORTS)
 

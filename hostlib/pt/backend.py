@@ -5,8 +5,9 @@
     dist.init_process_group("xdpagg")          # or "cpu:xdpagg"; DDP then all-reduces here
 
 What goes where:
-- all_reduce (and all_reduce_coalesced) with ReduceOp.SUM or AVG of float32, float16, bfloat16
-  or int32 tensors: through the aggregator (hostlib), sync or async (a Work handle). int32 sums
+- all_reduce with ReduceOp.SUM or AVG of float32, float16, bfloat16 or int32 tensors: through
+  the aggregator (hostlib), sync or async (a Work handle); all_reduce_coalesced and
+  _coalescing_manager's all-reduces of such lists as one stream per wire dtype. int32 sums
   are exact (wrapping modulo 2^32 like the aggregator); floats are block-scaled through int32
   (per-element bound in hostlib.scaling, about n^2 2^-32 of each 256-element chunk's largest
   magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size;
@@ -16,7 +17,10 @@ What goes where:
   collective (broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce, gather,
   scatter, all_to_all, barrier, send/recv): delegated to a gloo process group that this one
   builds on the same store; a reduce-scatter with PREMUL_SUM(f), which gloo refuses, as a SUM
-  of f times (a copy of) the input.
+  of f times (a copy of) the input. A coalesced list goes to gloo as independent tensors
+  (gloo's allreduce_coalesced, or one all-reduce each), never as one multi-device call.
+Every call is counted per collective, op, dtype and path (path_stats()); an all-reduce that
+falls back to gloo warns once (hostlib.pt.FallbackWarning) with the reason.
 
 The groups work with DeviceMesh, FSDP2 (fully_shard), HSDP, DTensor and the functional
 collectives (they carry torch's group name and description: see __init__); every group,
@@ -51,6 +55,7 @@ namespace), as the aggregator tells workers apart by address.
 
 from __future__ import annotations
 
+import functools
 import os
 import secrets
 from datetime import timedelta
@@ -62,6 +67,7 @@ from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGro
 from aggproto.control import SECRET_ENV
 
 from .channel import WIRE_DTYPES, AllreduceChannel
+from .paths import AGGREGATOR, GLOO, PathStats, op_name
 
 BACKEND_NAME = "xdpagg"
 
@@ -138,6 +144,49 @@ class _FutureWork(Work):
         return self._fut.value()
 
 
+class _AllWork(Work):
+    """The Work of several gloo Works (a coalesced collective done one tensor at a time):
+    wait() waits for each. gloo's _reduce_scatter_base gives a Work without a future
+    (Work::getFuture raises "not implemented"), so none is built from theirs; _coalescing_manager
+    only calls wait()."""
+
+    def __init__(self, works: list, value) -> None:
+        super().__init__()
+        self._works = works
+        self._value = value
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        for w in self._works:
+            w.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self._works)
+
+    def is_success(self) -> bool:
+        return all(w.is_success() for w in self._works)
+
+    def result(self):
+        return self._value
+
+
+def _counted(collective: str):
+    """Decorator: count each call of a collective that gloo carries (path_stats()); its op is
+    that of the options argument, if it has one."""
+
+    def wrap(fn):
+        @functools.wraps(fn)
+        def method(self, *args, **kwargs):
+            opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "reduceOp")]
+            op = opts[0].reduceOp if opts else None
+            self.paths.record(collective, op, args, GLOO)
+            return fn(self, *args, **kwargs)
+
+        return method
+
+    return wrap
+
+
 class ProcessGroupXdpAgg(dist.ProcessGroup):
     """A process group whose all_reduce runs through the xdp-agg aggregator (see the module
     docstring for what is delegated to gloo). Made by init_process_group("xdpagg")."""
@@ -182,6 +231,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
         self.premul_sums = 0  # PREMUL_SUM collectives turned into scale + SUM (a diagnostic)
+        self.paths = PathStats(f"xdpagg (job {self.job})")
         token_key = f"xdpagg/token/{self.job}"
         token = None
         if rank > 0 and not os.environ.get(SECRET_ENV):
@@ -219,14 +269,21 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     def allreduce(self, tensors, opts=None):
         """all_reduce: SUM/AVG of wire dtypes through the aggregator, the rest through gloo."""
         opts = opts if opts is not None else dist.AllreduceOptions()
-        return self._allreduce(list(tensors), opts.reduceOp)
+        return self._reduce("all_reduce", list(tensors), opts.reduceOp, coalesced=False)
 
     def allreduce_coalesced(self, tensors, opts=None):
-        """all_reduce_coalesced: each tensor in turn, like allreduce."""
+        """all_reduce_coalesced (and _coalescing_manager's all_reduce): each tensor summed on its
+        own, the list through the aggregator as one stream per wire dtype, or through gloo."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
-        return self._allreduce(list(tensors), op)
+        return self._reduce("all_reduce_coalesced", list(tensors), op, coalesced=True)
 
-    def _allreduce(self, tensors: list[torch.Tensor], op) -> Work:
+    def path_stats(self) -> list[dict]:
+        """Calls per collective, op, dtype and path ("aggregator" or "gloo"): see paths.py."""
+        return self.paths.rows()
+
+    def _reduce(self, collective: str, tensors: list[torch.Tensor], op, coalesced: bool) -> Work:
+        """The one entry of every all-reduce: picks the path, counts it, runs it."""
+        asked = op
         if _is_premul(op):
             self.premul_sums += 1
             # PREMUL_SUM(f) (FSDP2's gradient divide factor; gloo refuses it) is sum(f x_i):
@@ -234,51 +291,74 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             for t in tensors:
                 t.mul_(_premul_factor(op, t))
             op = dist.ReduceOp.SUM
-        sum_or_avg = op == dist.ReduceOp.SUM or op == dist.ReduceOp.AVG
-        avg = op == dist.ReduceOp.AVG
-        if sum_or_avg and all(_on_wire(t, avg) for t in tensors):
-            # in order on one thread: when the last is done, all are; its value is the list
-            futs = [
-                self.channel.submit(
-                    t, average=avg, value=tensors if i == len(tensors) - 1 else None
-                )
-                for i, t in enumerate(tensors)
-            ]
-            return _FutureWork(futs[-1], futs)
-        return self._gloo_allreduce(tensors, op)
+        reason = _why_not_on_wire(tensors, op, coalesced)
+        if reason is None:
+            self.paths.record(collective, asked, tensors, AGGREGATOR)
+            return self._aggregate(tensors, op == dist.ReduceOp.AVG)
+        self.paths.record(collective, asked, tensors, GLOO, reason)
+        return self._gloo_reduce(tensors, op, coalesced)
 
-    def _gloo_allreduce(self, tensors: list[torch.Tensor], op) -> Work:
-        if op != dist.ReduceOp.AVG:
-            o = dist.AllreduceOptions()
-            o.reduceOp = op
-            return self._gloo.allreduce(tensors, o)
-        # gloo has no AVG: SUM, then divide (floating types only, as AVG is defined for them)
-        if any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
+    def _aggregate(self, tensors: list[torch.Tensor], avg: bool) -> Work:
+        """Sum the tensors through the aggregator: one tensor as it is; a coalesced list as one
+        flat stream per (wire dtype, device), scattered back when it completes. The channel
+        runs its all-reduces in submission order, the same on every rank."""
+        if not tensors:
+            return _FutureWork(_done(tensors))
+        if len(tensors) == 1:
+            fut = self.channel.submit(tensors[0], average=avg, value=tensors)
+            return _FutureWork(fut)
+        raw, done = [], []
+        for group in _wire_groups(tensors):
+            flat = torch.cat([t.detach().reshape(-1).to(_wire_dtype(t)) for t in group])
+            fut = self.channel.submit(flat, average=avg)
+            raw.append(fut)
+            done.append(fut.then(lambda f, g=group: _scatter_back(f.value(), g)))
+        return _FutureWork(torch.futures.collect_all(done).then(lambda _: tensors), raw)
+
+    def _gloo_reduce(self, tensors: list[torch.Tensor], op, coalesced: bool) -> Work:
+        """The all-reduce on gloo, with gloo's meaning of the list: all_reduce's list is one
+        tensor per device (gloo reduces its entries into each other), all_reduce_coalesced's
+        is independent tensors (gloo's coalesced call when they share a dtype, else one call
+        each). gloo has no AVG: SUM, then divide (floating types only, as AVG is defined)."""
+        avg = op == dist.ReduceOp.AVG
+        if avg and any(not (t.is_floating_point() or t.is_complex()) for t in tensors):
             raise ValueError("ReduceOp.AVG is only defined for floating-point tensors here")
-        o = dist.AllreduceOptions()
-        o.reduceOp = dist.ReduceOp.SUM
-        work = self._gloo.allreduce(tensors, o)
+        red = dist.ReduceOp.SUM if avg else op
+        if not coalesced:
+            works = [self._gloo.allreduce(tensors, _opts(dist.AllreduceOptions, red))]
+        elif _one_gloo_call(tensors):
+            o = _opts(dist.AllreduceCoalescedOptions, red)
+            works = [self._gloo.allreduce_coalesced(tensors, o)]
+        else:
+            works = [self._gloo.allreduce([t], _opts(dist.AllreduceOptions, red)) for t in tensors]
         n = self.size()
 
-        def divide(f):
-            out = f.value()
-            for t in out:
+        def finish(_):
+            for t in tensors if avg else ():
                 t.div_(n)
-            return out
+            return tensors
 
-        return _FutureWork(work.get_future().then(divide))
+        futs = [w.get_future() for w in works]
+        return _FutureWork(torch.futures.collect_all(futs).then(finish), futs)
 
     # --- everything else: gloo --------------------------------------------------------------
     # torch 2.13's names of the tensor-to-tensor collectives, on gloo's older names
+    @_counted("all_gather_into_tensor")
     def all_gather_single(self, output, input, opts=None):
         """all_gather_into_tensor: gloo's _allgather_base."""
         return self._gloo._allgather_base(output, input, opts or AllgatherOptions())
 
+    @_counted("reduce_scatter_tensor")
     def reduce_scatter_single(self, output, input, opts=None):
         """reduce_scatter_tensor: gloo's _reduce_scatter_base (PREMUL_SUM as scale + SUM)."""
-        return self._reduce_scatter_base(output, input, opts)
+        return self._gloo_reduce_scatter(output, input, opts)
 
+    @_counted("reduce_scatter_tensor")
     def _reduce_scatter_base(self, output, input, opts=None):
+        """reduce_scatter_tensor by torch's older name."""
+        return self._gloo_reduce_scatter(output, input, opts)
+
+    def _gloo_reduce_scatter(self, output, input, opts=None):
         """reduce_scatter_tensor on gloo; PREMUL_SUM(f) becomes SUM of f * input (a copy: the
         caller's input stays as it was)."""
         if opts is not None and _is_premul(opts.reduceOp):
@@ -286,6 +366,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         input, o = _premul_to_sum(input, opts, dist.ReduceScatterOptions)
         return self._gloo._reduce_scatter_base(output, input, o)
 
+    @_counted("reduce_scatter")
     def reduce_scatter(self, outputs, inputs, opts=None):
         """reduce_scatter of tensor lists on gloo; PREMUL_SUM as in _reduce_scatter_base."""
         o = opts
@@ -298,29 +379,28 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             o.reduceOp = dist.ReduceOp.SUM
         return self._gloo.reduce_scatter(outputs, inputs, o or dist.ReduceScatterOptions())
 
+    @_counted("all_to_all_single")
     def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
         """all_to_all_single: gloo's alltoall_base."""
         return self._gloo.alltoall_base(
             output, input, output_splits, input_splits, opts or dist.AllToAllOptions()
         )
 
+    @_counted("all_gather_into_tensor_coalesced")
     def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
         """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
         works = [
             self._gloo._allgather_base(o, i, AllgatherOptions()) for o, i in zip(outputs, inputs)
         ]
-        return _FutureWork(
-            torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
-        )
+        return _AllWork(works, list(outputs))
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
+    @_counted("reduce_scatter_tensor_coalesced")
     def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
         """reduce_scatter_tensor of several tensors (one gloo _reduce_scatter_base each)."""
-        works = [self._reduce_scatter_base(o, i, opts) for o, i in zip(outputs, inputs)]
-        return _FutureWork(
-            torch.futures.collect_all([w.get_future() for w in works]).then(lambda _: list(outputs))
-        )
+        works = [self._gloo_reduce_scatter(o, i, opts) for o, i in zip(outputs, inputs)]
+        return _AllWork(works, list(outputs))
 
     reduce_scatter_single_coalesced = reduce_scatter_tensor_coalesced
 
@@ -334,6 +414,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
 
 def _delegate(name: str):
+    @_counted(name)
     def method(self, *args, **kwargs):
         return getattr(self._gloo, name)(*args, **kwargs)
 
@@ -365,13 +446,64 @@ def _premul_to_sum(t: torch.Tensor, opts, options_type):
     return t * _premul_factor(opts.reduceOp, t), o
 
 
-def _on_wire(t: torch.Tensor, average: bool) -> bool:
-    """Whether the aggregator carries this tensor's all-reduce (else gloo does)."""
-    if t.dtype not in WIRE_DTYPES or t.is_sparse or t.is_complex():
-        return False
-    if average and t.dtype == torch.int32:
-        return False  # gloo refuses AVG of integers with its message
-    return t.device.type in ("cpu", "cuda")
+def _why_not_on_wire(tensors: list[torch.Tensor], op, coalesced: bool) -> str | None:
+    """None when the aggregator carries this all-reduce; else why it goes to gloo."""
+    if op != dist.ReduceOp.SUM and op != dist.ReduceOp.AVG:
+        return f"ReduceOp.{op_name(op)} (the aggregator sums: SUM, AVG and PREMUL_SUM only)"
+    if len(tensors) > 1 and not coalesced:
+        return "a list of several tensors (one per device, reduced into each other, as in gloo)"
+    for t in tensors:
+        if t.dtype not in WIRE_DTYPES or t.is_complex():
+            return f"{t.dtype} (the wire carries float32, float16, bfloat16 and int32)"
+        if t.is_sparse or t.layout != torch.strided:
+            return f"a {t.layout} tensor (the wire carries dense tensors)"
+        if t.device.type not in ("cpu", "cuda"):
+            return f"a tensor on {t.device.type} (the channel stages cpu and cuda tensors)"
+        if op == dist.ReduceOp.AVG and t.dtype == torch.int32:
+            return "AVG of int32 (gloo refuses AVG of integers with its message)"
+    return None
+
+
+def _wire_dtype(t: torch.Tensor) -> torch.dtype:
+    """The dtype a tensor travels as in a coalesced stream: int32, or float32 for the floats."""
+    return torch.int32 if t.dtype == torch.int32 else torch.float32
+
+
+def _wire_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors grouped by (wire dtype, device), in order of first appearance (the same on
+    every rank, as the ranks pass the same list)."""
+    groups: dict = {}
+    for t in tensors:
+        groups.setdefault((_wire_dtype(t), t.device), []).append(t)
+    return list(groups.values())
+
+
+def _scatter_back(flat: torch.Tensor, group: list[torch.Tensor]) -> None:
+    """Copy each tensor's slice of the summed stream back into it (converting the dtype)."""
+    at = 0
+    for t in group:
+        n = t.numel()
+        t.detach().copy_(flat[at : at + n].view(t.shape))
+        at += n
+
+
+def _one_gloo_call(tensors: list[torch.Tensor]) -> bool:
+    """Whether gloo's allreduce_coalesced takes the list (dense CPU tensors of one dtype)."""
+    return len({t.dtype for t in tensors}) == 1 and all(
+        t.device.type == "cpu" and t.layout == torch.strided for t in tensors
+    )
+
+
+def _opts(options_type, op):
+    o = options_type()
+    o.reduceOp = op
+    return o
+
+
+def _done(value) -> torch.futures.Future:
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(value)
+    return fut
 
 
 def _job_name(store, rank: int, group_name: str) -> str:

@@ -1,0 +1,101 @@
+"""PyTorch's own distributed tests against the xdpagg backend, beside gloo (tests/torch_suite.py).
+
+torch ships its conformance tests for a process-group backend in the wheel
+(torch/testing/_internal/distributed/distributed_test.py, `DistributedTest._DistTestBase`, the
+body of torch's test/distributed/test_distributed_spawn.py). This driver runs that class twice
+at one world size, ranks forked by torch's harness: on gloo, and on xdpagg with the soft
+aggregator on loopback, both with gloo's selection of tests (BACKEND=gloo at import). Every test
+gloo passes must pass on xdpagg, but for those in DIFFERENT, each failing with its stated reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torch", reason="torch is not importable: make test installs it")
+pytest.importorskip("expecttest", reason="torch's test harness needs expecttest (test extra)")
+
+ROOT = Path(__file__).resolve().parent.parent
+SUITE = str(ROOT / "tests" / "torch_suite.py")
+
+# Tests whose outcome legitimately differs on xdpagg: name -> (why, text its failure contains).
+DIFFERENT = {
+    name: (
+        "torch's dist.monitored_barrier refuses every backend but gloo by name, before it calls "
+        "the group (distributed_c10d.py, monitored_barrier: `if get_backend(group) != "
+        "Backend.GLOO`); the group's own monitored_barrier method is delegated to gloo and works",
+        "monitored_barrier is only implemented for GLOO backend",
+    )
+    for name in ("test_monitored_barrier_gloo", "test_monitored_barrier_gloo_subgroup")
+}
+DIFFERENT["test_get_backend"] = (
+    "the test compares dist.get_backend() with the BACKEND it was selected under (gloo); the "
+    "group is an xdpagg group and says so",
+    "'xdpagg' != 'gloo'",
+)
+
+
+def _run_suite(backend: str, world: int, tmp: Path, env: dict) -> dict:
+    out = tmp / f"{backend}-{world}.json"
+    env = dict(
+        os.environ,
+        **env,
+        BACKEND="gloo",
+        WORLD_SIZE=str(world),
+        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+        OMP_NUM_THREADS="1",
+    )
+    proc = subprocess.run(
+        [sys.executable, SUITE, "--backend", backend, "--json", str(out)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    assert out.exists(), f"the suite did not finish on {backend}:\n{proc.stdout[-3000:]}"
+    print(f"{backend} world {world}: {proc.stdout.strip().splitlines()[-1]}")
+    return json.loads(out.read_text())
+
+
+def _count(outcomes: dict) -> dict:
+    counts = {"passed": 0, "failed": 0, "skipped": 0}
+    for v in outcomes.values():
+        counts[v["outcome"]] += 1
+    return counts
+
+
+@pytest.mark.parametrize(
+    "world", [2, pytest.param(4, marks=pytest.mark.slow)], ids=["world2", "world4"]
+)
+def test_pytorch_distributed_suite_on_xdpagg_as_on_gloo(world, tmp_path):
+    """Every test of torch's suite that gloo passes passes on xdpagg (but DIFFERENT's)."""
+    from harness.ranks import soft_cluster
+
+    gloo = _run_suite("gloo", world, tmp_path, {})
+    with soft_cluster() as cl:
+        env = {
+            "XDP_AGG_CONTROL": cl.endpoint,
+            "XDP_AGG_SECRET_FILE": cl.secret_file,
+            "XDP_AGG_SUITE_PREFIX": cl.prefix,
+        }
+        xdp = _run_suite("xdpagg", world, tmp_path, env)
+    print(f"gloo {_count(gloo)}, xdpagg {_count(xdp)}")
+    assert set(gloo) == set(xdp), "the two runs selected different tests"
+    wrong = []
+    for name, g in sorted(gloo.items()):
+        x = xdp[name]
+        if name in DIFFERENT:
+            if g["outcome"] == "passed" and DIFFERENT[name][1] not in x["detail"]:
+                wrong.append(f"{name}: expected to fail with {DIFFERENT[name][1]!r}: {x}")
+        elif g["outcome"] == "passed" and x["outcome"] != "passed":
+            wrong.append(f"{name}: {x['outcome']} on xdpagg:\n{x['detail']}")
+        elif g["outcome"] == "skipped" and x["outcome"] == "failed":
+            wrong.append(f"{name}: failed on xdpagg, skipped on gloo:\n{x['detail']}")
+    assert not wrong, "\n\n".join(wrong)
+    assert _count(gloo)["passed"] > 50, f"gloo itself passed too few tests: {_count(gloo)}"
