@@ -508,6 +508,10 @@ def serve(ctx, opts: options.ServeOptions, as_json):
     copy of the secret file (mode 0600). docs/operations.md ("Trust model") says what this
     protects.
 
+    With --switchml-grpc, p4app-switchML's own hosts (its client library, dpdk backend) join
+    too, through its controller's gRPC API: each session is a job on aggregator port 0xBEE0,
+    slots from 0. That API has no credentials: give it an address only they reach.
+
     A job striped over several aggregators needs one control endpoint per aggregator, each in
     front of its own attached program (give each its own --group-base, so that their jobs'
     groups differ); the workers list all of them (hostlib.init(aggregator=[...]),
@@ -519,6 +523,7 @@ def serve(ctx, opts: options.ServeOptions, as_json):
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800 --results broadcast
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
+      sudo xdp-agg --netns agg serve --switchml-grpc 198.18.0.1:50099  # p4app-switchML hosts
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
       sudo xdp-agg --name rack0 serve --parent-endpoint 198.18.0.1:48800 --rack-rank 0 --racks 2
       sudo xdp-agg serve --target bmv2 --ports eth0 --parent-endpoint 198.18.0.1:48800 \\

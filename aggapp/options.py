@@ -73,6 +73,28 @@ def listen(ctx, param, value: str | None) -> tuple[str, int] | None:
         raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 198.18.0.1:48800") from None
 
 
+SWITCHML_GRPC_PORT = 50099  # p4app-switchML's controller port (aggctl.switchml_grpc)
+
+
+def switchml_address(ctx, param, value: str | None) -> tuple[str, int] | None:
+    """click callback: HOST[:PORT] of the SwitchML gRPC API -> (host, port); the port defaults
+    to p4app-switchML's 50099. A host is required: the API binds only where it is told."""
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":") if value.count(":") == 1 else ("", "", "")
+    host, port = (host, port) if sep else (value, str(SWITCHML_GRPC_PORT))
+    try:
+        if not host or not 0 < int(port) < 65536:
+            raise ValueError
+        ipaddress.ip_address(host.strip("[]"))
+        return host, int(port)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: use ADDRESS[:PORT], e.g. 198.18.0.1:{SWITCHML_GRPC_PORT} (an address "
+            "of this host: the API has no credentials)"
+        ) from None
+
+
 def slot_range(ctx, param, text: str) -> tuple[int, int]:
     """click callback: BASE:COUNT -> (base, count)."""
     try:
@@ -291,6 +313,23 @@ class ServeOptions:
         type=click.Path(dir_okay=False),
         help="With --parent-endpoint: the parent endpoint's deployment secret (default: this "
         "endpoint's).",
+    )
+
+    switchml_grpc: tuple[str, int] | None = opt(
+        "--switchml-grpc",
+        callback=switchml_address,
+        help="Also serve p4app-switchML's controller API (gRPC: Session.UdpSession, Sync.Barrier, "
+        f"Sync.Broadcast) on ADDRESS[:PORT] (port {SWITCHML_GRPC_PORT} unless given), so that "
+        "SwitchML's own hosts join jobs unchanged. Off unless given; it has no credentials "
+        "(docs/operations.md, trust model).",
+    )
+    switchml_window: int = opt(
+        "--switchml-window",
+        default=512,
+        type=click.IntRange(1, limits.DEFAULT_POOL_SLOTS),
+        show_default=True,
+        help="With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
+        "up to 2 x max_outstanding_packets, 2 x 256 by default).",
     )
 
     def check(self) -> None:

@@ -96,7 +96,8 @@ class JobLease:
                 if seen is not None and seen != self._traffic.get(job.token):
                     self._traffic[job.token] = seen
                     self._renewed[job.token] = now
-                if not job.complete:  # still in its register barrier, which has its timeout
+                # still in its register barrier, which has its timeout; or a job no lease ends
+                if not job.complete or not job.leased:
                     self._renewed[job.token] = now
                 quiet = now - self._renewed.get(job.token, now)
                 if job.token in live and quiet > self.seconds:

@@ -47,6 +47,9 @@ class _EndpointJob:
     holders: set[int] = field(default_factory=set)  # connections keeping the job alive
     complete: bool = False  # every rank has registered: the barrier is open
     deleted: bool = False
+    # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
+    # has no connection to renew it and lives until the next session or its end
+    leased: bool = True
 
     @property
     def gone(self) -> list[int]:
@@ -207,6 +210,41 @@ class JobRegistry:
                         self._release(job, _recovered_holder(r))
             self._changed()
 
+    # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
+    def open_job(self, holder, key, world, elems, window, worker_port, *, port, base) -> JobSpec:
+        """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
+        until end_job (no lease ends it); its spec. RequestError when it cannot be (the port or
+        slots taken)."""
+        with self._cond:
+            job = self._new_job(
+                holder, key, world, elems, window, worker_port, port=port, base=base
+            )
+            job.leased = False
+            return job.spec
+
+    def join_job(self, holder, key, rank, ip, port, mac, local) -> None:
+        """Register rank `rank` of job `key` without waiting for the others (their barrier is
+        the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
+        it. RequestError when it cannot be."""
+        with self._cond:
+            self._check_running()
+            self._add_rank(self._live_job(key), holder, rank, ip, port, mac, local)
+
+    def missing_ranks(self, key) -> list[int] | None:
+        """The ranks of job `key` not registered yet; None when there is no such job."""
+        with self._cond:
+            job = self._jobs.get(key)
+            return None if job is None else job.missing()
+
+    def end_job(self, key) -> bool:
+        """Delete job `key` whoever holds it; whether there was one."""
+        with self._cond:
+            job = self._jobs.get(key)
+            if job is None:
+                return False
+            self._delete(job)
+            return True
+
     def _op_create(self, conn, req, local, peer):
         self._guard.need_secret(req, "create")
         key = request_key(req)
@@ -219,65 +257,99 @@ class JobRegistry:
         window = int_field(req, "window", 1, self.defaults.pool_slots)
         worker_port = int_field(req, "worker_port", 1, 65535)
         with self._cond:
-            self._check_running()
-            if key in self._jobs:
-                old = self._jobs[key]
-                raise RequestError(
-                    f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
-                    f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
-                    f"run at a time: pick another name or wait until the old run has left"
-                )
-            ids, ports, ranges = self._in_use()
-            job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
-            if job_id is None:
-                raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
-            free_ports = [
+            job = self._new_job(conn, key, world, elems, window, worker_port)
+            return {"job": self._describe(job, local), "token": job.token}
+
+    def _new_job(self, holder, key, world, elems, window, worker_port, *, port=None, base=None):
+        """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
+        and first slot `base` given, else the first free port and the first fit of `window`
+        slots; RequestError saying why not."""
+        self._check_running()
+        if key in self._jobs:
+            old = self._jobs[key]
+            raise RequestError(
+                f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
+                f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
+                f"run at a time: pick another name or wait until the old run has left"
+            )
+        ids, ports, ranges = self._in_use()
+        job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
+        if job_id is None:
+            raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
+        port, base = self._place(ports, ranges, window, port, base)
+        spec = self._job_spec(key, job_id, world, elems, base, window, port)
+        try:
+            if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
+                spec = self.backend.join_parent(key, spec, window=window, worker_port=worker_port)
+            self.backend.create_job(spec)
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+        token = control.new_token()
+        job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={holder})
+        self._jobs[key] = job
+        self._changed()
+        log.info("created job %r: %s", key, spec)
+        return job
+
+    def _place(self, ports, ranges, window, port, base) -> tuple[int, int]:
+        """The aggregator port and first slot of a new job: `port`/`base` if given and free,
+        else the first free ones; RequestError when there are none."""
+        if port is not None and port in ports:
+            raise RequestError(
+                f"aggregator port {port:#x} is used by a live job; this job needs that port "
+                "(p4app-switchML's hosts send to 0xBEE0): end that job first"
+            )
+        if port is None:
+            free = [
                 p
                 for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
                 if p not in ports
             ]
-            port = free_ports[0] if free_ports else None
-            if port is None:
+            if not free:
                 raise RequestError("all 16 aggregator ports 0xBEE0..0xBEEF are used by live jobs")
-            base = _first_fit(ranges, window, self.defaults.pool_slots)
-            if base is None:
+            port = free[0]
+        if base is not None:
+            end = base + window
+            taken = [(lo, hi) for lo, hi in ranges if lo < end and base < hi]
+            if taken or end > self.defaults.pool_slots:
                 raise RequestError(
-                    f"no {window} contiguous free slots in the pool of "
-                    f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+                    f"slots {base}..{end - 1} are not free in the pool of "
+                    f"{self.defaults.pool_slots} (used: {taken}); end the job that has them, or "
+                    "use a smaller window"
                 )
-            d = self.defaults
-            group_ip, group_mac = d.group_ip, d.group_mac
-            if d.group_base and d.delivery == Delivery.GROUP_TX:
-                group_ip = groups.job_group(d.group_base, job_id)
-                group_mac = groups.group_mac(group_ip)
-            try:
-                spec = JobSpec(
-                    job_id=job_id,
-                    num_workers=world,
-                    elems=elems,
-                    slot_base=base,
-                    slot_count=window,
-                    agg_port=port,
-                    delivery=d.delivery,
-                    agg_ip=d.agg_ip,
-                    agg_mac=d.agg_mac,
-                    group_ip=group_ip,
-                    group_mac=group_mac,
-                    udp_checksum=d.udp_checksum,
-                )
-                if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
-                    spec = self.backend.join_parent(
-                        key, spec, window=window, worker_port=worker_port
-                    )
-                self.backend.create_job(spec)
-            except ValueError as e:
-                raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
-            token = control.new_token()
-            job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={conn})
-            self._jobs[key] = job
-            self._changed()
-            log.info("created job %r: %s", key, spec)
-            return {"job": self._describe(job, local), "token": token}
+            return port, base
+        base = _first_fit(ranges, window, self.defaults.pool_slots)
+        if base is None:
+            raise RequestError(
+                f"no {window} contiguous free slots in the pool of "
+                f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+            )
+        return port, base
+
+    def _job_spec(self, key, job_id, world, elems, base, window, port) -> JobSpec:
+        """A new job's spec with the endpoint's defaults (its group, addresses, checksum)."""
+        d = self.defaults
+        group_ip, group_mac = d.group_ip, d.group_mac
+        if d.group_base and d.delivery == Delivery.GROUP_TX:
+            group_ip = groups.job_group(d.group_base, job_id)
+            group_mac = groups.group_mac(group_ip)
+        try:
+            return JobSpec(
+                job_id=job_id,
+                num_workers=world,
+                elems=elems,
+                slot_base=base,
+                slot_count=window,
+                agg_port=port,
+                delivery=d.delivery,
+                agg_ip=d.agg_ip,
+                agg_mac=d.agg_mac,
+                group_ip=group_ip,
+                group_mac=group_mac,
+                udp_checksum=d.udp_checksum,
+            )
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
 
     def _op_register(self, conn, req, local, peer):
         key = request_key(req)
@@ -293,40 +365,7 @@ class JobRegistry:
             self._check_running()
             job = self._live_job(key, reveal=req.proven)
             self._guard.need_job(req, key, job.token)
-            if rank >= job.world_size:
-                raise RequestError(
-                    f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
-                )
-            if job.state == "closing":
-                raise RequestError(
-                    f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
-                    f"to end and start all ranks again"
-                )
-            if rank in job.ranks:
-                x = job.ranks[rank]
-                raise RequestError(
-                    f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
-                    f"two workers were started with the same rank"
-                )
-            if job.group() and port != job.worker_port:
-                raise RequestError(
-                    f"port {port} differs from the job's worker port {job.worker_port}: results "
-                    f"go once to the group {job.spec.group_ip}:{job.worker_port}"
-                )
-            ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
-            if self.fill_worker is not None:
-                self.fill_worker(ws, local)
-            try:
-                self.backend.add_worker(ws)
-            except ValueError as e:
-                raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
-            job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
-            job.holders.add(conn)
-            if len(job.ranks) == job.world_size:
-                # a flag, not a count: a rank may leave right after its answer, before the
-                # others' threads wake up, and they must still pass
-                job.complete = True
-            self._changed()
+            self._add_rank(job, conn, rank, ip, port, mac, local)
             # the barrier
             limit = self.defaults.barrier_timeout
             if req.get("timeout") is not None:
@@ -360,6 +399,46 @@ class JobRegistry:
                 f"(registered: {sorted(job.ranks)}); start the missing workers with the same "
                 f"job name and control endpoint, or check their logs"
             )
+
+    def _add_rank(self, job, conn, rank, ip, port, mac, local) -> None:
+        """Register rank `rank` of `job` (lock held) from `ip`, results to `port`, held by
+        `conn`; `local` is our address as the worker reached us (fill_worker's). RequestError
+        when it cannot be."""
+        key = job.key
+        if rank >= job.world_size:
+            raise RequestError(
+                f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
+            )
+        if job.state == "closing":
+            raise RequestError(
+                f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
+                f"to end and start all ranks again"
+            )
+        if rank in job.ranks:
+            x = job.ranks[rank]
+            raise RequestError(
+                f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
+                f"two workers were started with the same rank"
+            )
+        if job.group() and port != job.worker_port:
+            raise RequestError(
+                f"port {port} differs from the job's worker port {job.worker_port}: results "
+                f"go once to the group {job.spec.group_ip}:{job.worker_port}"
+            )
+        ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
+        if self.fill_worker is not None:
+            self.fill_worker(ws, local)
+        try:
+            self.backend.add_worker(ws)
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
+        job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
+        job.holders.add(conn)
+        if len(job.ranks) == job.world_size:
+            # a flag, not a count: a rank may leave right after its answer, before the
+            # others' threads wake up, and they must still pass
+            job.complete = True
+        self._changed()
 
     def _op_leave(self, conn, req, local, peer):
         key = request_key(req)

@@ -163,15 +163,20 @@ static __always_inline u64 round_key(struct agg_pkt *pk)
 	return ((u64)pk->sml->tsi << 8) | pk->sml->job_number;
 }
 
-/* Address a result copy to one worker behind an egress port (switch mode). */
+/* Address a result copy to one worker behind an egress port (switch mode): to its MAC and
+ * address from ours there, and to the completing request's source port, still in the copy, as
+ * p4app-switchML's switch answers (dev_root/p4/udp_sender.p4): a host's threads (or lanes)
+ * send from ports of their own, one per range of slots, and each gets its slots' results. */
 static __always_inline void address_to_worker(struct agg_pkt *pk, struct agg_port_worker *w)
 {
+	__be16 sport = pk->udp->source;
+
 	__builtin_memcpy(pk->eth->h_dest, w->mac, ETH_ALEN);
 	__builtin_memcpy(pk->eth->h_source, w->agg_mac, ETH_ALEN);
 	pk->ip->saddr = w->agg_ip;
 	pk->ip->daddr = w->ip;
 	pk->udp->source = w->agg_port;
-	pk->udp->dest = w->port;
+	pk->udp->dest = sport;
 	ipv4_csum(pk->ip); /* the ingress program set the result's other fields */
 }
 

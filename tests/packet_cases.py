@@ -91,16 +91,16 @@ def workers(job_id: int, n: int, first: int = 0, port=wire.UDP_PORT) -> list[Wor
     ]
 
 
-def frame(w: int, values, *, port=wire.UDP_PORT, src_mac=None, **kw) -> bytes:
+def frame(w: int, values, *, port=wire.UDP_PORT, src_mac=None, sport=WORKER_PORT, **kw) -> bytes:
     """A contribution of worker host `w` (its address and, unless given, its MAC) to
-    aggregator port `port`."""
+    aggregator port `port`, from UDP port `sport`."""
     return bytes(
         sml_frame(
             src_ip=worker_ip(w),
             src_mac=src_mac or worker_mac(w),
             dst_ip=AGG_IP,
             dst_mac=AGG_MAC,
-            sport=WORKER_PORT,
+            sport=sport,
             dport=port,
             values=values,
             **kw,
@@ -252,15 +252,28 @@ def _wrap(x) -> np.ndarray:
 
 
 def complete_round(
-    rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PORT, tag="", exps=None
+    rng,
+    n,
+    k,
+    *,
+    slot=0,
+    version=0,
+    hosts=None,
+    port=wire.UDP_PORT,
+    tag="",
+    exps=None,
+    sport=WORKER_PORT,
 ):
-    """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum."""
+    """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum;
+    every request from UDP port `sport`."""
     hosts = hosts if hosts is not None else list(range(n))
     vals = [_vals(rng, k) for _ in range(n)]
     exps = exps if exps is not None else [int(e) for e in rng.integers(-20, 20, size=n)]
     steps = []
     for i, h in enumerate(hosts):
-        f = frame(h, vals[i], port=port, slot=slot, version=version, e0=exps[i], tsi=1000 + i)
+        f = frame(
+            h, vals[i], port=port, slot=slot, version=version, e0=exps[i], tsi=1000 + i, sport=sport
+        )
         if i < n - 1:
             steps.append(Step(f"{tag}w{i} partial", f, Action.DROP, Reason.AGGREGATED))
         else:
@@ -827,6 +840,67 @@ def retransmission_answer_k64(rng) -> list[Case]:
 def switch_mode_broadcasts(rng) -> list[Case]:
     c = Case("switch_mode_broadcasts", [job(n=2, delivery=Delivery.BROADCAST)], workers(0, 2))
     c.steps, _, _ = complete_round(rng, 2, 32, slot=4)
+    return [c]
+
+
+@case
+def switch_results_to_request_source_port(rng) -> list[Case]:
+    """Switch topology: every copy of a result goes to the completing request's source port,
+    not to the port the worker registered, as p4app-switchML's switch answers
+    (dev_root/p4/udp_receiver.p4 lines 70-71, udp_sender.p4 lines 37 and 80 at b5c74a0): its host's
+    thread t sends from worker_port + t and owns its own slots, so each thread gets its own
+    slots' results. Two threads' rounds here, from ports 4000 and 4001 (p4app's default
+    worker_port and the next); the workers registered 0xBEE0. The XDP program's devmap egress
+    (which BPF_PROG_TEST_RUN cannot run) is checked in the testbed by
+    tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
+    tests/test_switchml_grpc.py; the P4 twin still answers the registered port (docs/protocol.md
+    7.1), which bmv2's runner checks."""
+    c = Case(
+        "switch_results_to_request_source_port",
+        [job(n=2, delivery=Delivery.BROADCAST)],
+        workers(0, 2),
+    )
+    for t, slot in ((0, 1), (1, 9)):
+        steps, _, _ = complete_round(rng, 2, 32, slot=slot, sport=4000 + t, tag=f"thread {t} ")
+        c.steps += steps
+    return [c]
+
+
+@case
+def worker_moves_on_before_the_round_completes(rng) -> list[Case]:
+    """A faulty worker: w0 contributes to (slot 3, version 0), then to version 1 without
+    waiting for version 0's result, which clears its bit in version 0's bitmap (every target, as
+    p4app-switchML's bitmap_checker.p4 lines 84-98 do). w1's version-0 contribution then still
+    joins the round w0 opened: ours starts a new round when the previous one is complete or has
+    no contribution (count 0), so the sum is w0's + w1's. p4app-switchML's switch starts one
+    when the version's bitmap is empty (processor.p4 lines 97-102: its first packet writes
+    instead of adding), so it would overwrite w0's values and, its worker count then at the last
+    packet (workers_counter.p4 lines 27-38), send w1's values alone as the sum. We keep ours
+    (docs/protocol.md 7.2): no result may leave without a contribution the aggregator counted."""
+    c = Case("worker_moves_on_before_the_round_completes", [job(n=2)], workers(0, 2))
+    a0, a1, b0, b1 = (_vals(rng, 32) for _ in range(4))
+    c.steps = [
+        Step("w0 v0", frame(0, a0, slot=3, version=0, e0=1), Action.DROP, Reason.AGGREGATED),
+        Step(
+            "w0 v1, moves on", frame(0, a1, slot=3, version=1, e0=2), Action.DROP, Reason.AGGREGATED
+        ),
+        Step(
+            "w1 v0 completes w0's round",
+            frame(1, b0, slot=3, version=0, e0=-1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a0 + b0),
+            1,
+        ),
+        Step(
+            "w1 v1 completes version 1",
+            frame(1, b1, slot=3, version=1, e0=3),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a1 + b1),
+            3,
+        ),
+    ]
     return [c]
 
 
