@@ -35,7 +35,8 @@ from pathlib import Path
 
 from aggproto import control, groups
 from aggproto.jobs import DEFAULT_CONTROL_PORT, JobSpec, WorkerSpec
-from xdp_switch import aggregator, links, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import links, pins
 from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
 
 from . import options
@@ -91,7 +92,7 @@ def listen_address(ifnames: list[str]) -> str:
 
 def aggregator_interfaces(name: str) -> list[str]:
     """The interfaces aggregator `name` is attached to."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     return [i["ifname"] for i in state.interfaces]
 
 
@@ -176,7 +177,7 @@ def create_job(
     tree = _tree_fields(opts)
     slot_base, slot_count = opts.slots
     group_ip, group_mac = opts.group_ip, opts.group_mac
-    backend = aggregator.XdpBackend(name)
+    backend = xdp_backend.XdpBackend(name)
     first = _first_interface(backend.state)
     if group_ip is None:
         group_ip = "0.0.0.0"  # the switch topology: no group
@@ -220,12 +221,12 @@ def serve_defaults(
     `name` (aggctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
     job's group; else `results` (module docstring) chooses a group per job in `group_base` or
     the subnet broadcast; `warn` gets the warning of a fallback to the broadcast."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     d = {
         "pool_slots": state.pool_slots,
         "barrier_timeout": barrier_timeout,
         "udp_checksum": udp_checksum,
-        "delivery": aggregator.DELIVERY[state.topology],
+        "delivery": xdp_backend.DELIVERY[state.topology],
     }
     if state.topology == "switch":
         return d
@@ -353,7 +354,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = aggregator.XdpBackend(name)
+        backend = xdp_backend.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 

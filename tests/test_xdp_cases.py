@@ -144,7 +144,7 @@ def test_job_listing_speaks_the_backend_vocabulary(agg):
     """jobs() entries carry every JobSpec field (the control endpoint relies on it)."""
     from packet_cases import job, workers
 
-    from xdp_switch.aggregator import job_dict
+    from xdp_switch.backend import job_dict
 
     _, maps = agg
     spec = job(n=2, port=wire.UDP_PORT + 3)

@@ -23,7 +23,7 @@ n * P * c / cpus, with c the system-wide CPU per packet (fitted from the unshape
 nothing else bounds), and the same for gloo with c_gloo per byte moved (2(n-1)/n * S per
 worker). `check` fits both from a results.json of bench.allreduce and prints the model beside
 every 4 MiB and 64 MiB throughput cell; `predict` prints deployments.
-Run: `python -m bench.model [--results FILE]`.
+Run: `python -m bench.perfmodel [--results FILE]`.
 
 The aggregator's multi-core question (per-CPU partials, bpf/aggregate.h): when a slot's n
 contributions arrive on several CPUs (RSS spreads workers, not slots), every contribution does

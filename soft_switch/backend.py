@@ -1,9 +1,9 @@
 """A userspace UDP aggregator: the reference model behind real sockets.
 
-SoftAggregator speaks the Backend protocol (backend.py) like the XDP target, but every datagram
-goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root and no
-BPF, so the host library and the control endpoint can be tested anywhere, and since it is the
-serial state machine itself it doubles as an executable specification of what a worker sees.
+SoftAggregator speaks the Backend protocol (aggctl/backend.py) like the XDP target, but every
+datagram goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root
+and no BPF, so the host library and the control endpoint can be tested anywhere, and since it is
+the serial state machine itself it doubles as an executable specification of what a worker sees.
 
 It is Python-bound (tens of microseconds per packet): a test and development tool, not a
 data path. Batching still helps it: workers' GSO bursts arrive as one GRO buffer, and the
