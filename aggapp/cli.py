@@ -34,18 +34,9 @@ from . import options, service, serving
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
-# Old command names that still run, left out of --help (renamed for one vocabulary: every
-# service command starts with "service-").
-COMMAND_ALIASES = {"install-service": "service-install"}
-
-
 class _Cli(click.Group):
     """The top-level group: an XdpAggError anywhere below becomes its message on stderr and its
     exit code (1 or 3). Anything else is a bug and keeps its traceback."""
-
-    def get_command(self, ctx: click.Context, cmd_name: str):
-        """A command by its name, or by the old name it had (COMMAND_ALIASES)."""
-        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -393,9 +384,7 @@ def worker():
 @click.argument("ip", callback=options.ipv4)
 @click.option(
     "--worker-port",
-    "--port",
     "port",
-    cls=options.Renamed,
     type=click.IntRange(1, 65535),
     default=wire.UDP_PORT,
     show_default=True,

@@ -26,20 +26,6 @@ RESULTS = ("multicast", "broadcast")
 MAX_TREE_TOTAL = 64 * 64  # workers under a root: 64 racks of 64
 
 
-class Renamed(click.Option):
-    """An option whose first name is its name; the others are the names it had before the
-    vocabulary was made one (one word, one meaning) and still parse, but --help shows only the
-    first, so that the old names fade out of scripts without breaking them."""
-
-    def get_help_record(self, ctx: click.Context):
-        """The help line with the current name only."""
-        opts, self.opts = self.opts, self.opts[:1]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
 # --- one option's value ------------------------------------------------------------------------
 def ipv4(ctx, param, value: str | None) -> str | None:
     """click callback: an IPv4 address, normalised (None stays None)."""
@@ -251,8 +237,6 @@ class ServeOptions:
     )
     parent: str | None = opt(
         "--parent-endpoint",
-        "--parent",
-        cls=Renamed,
         help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is "
         "a rack of the parent's job of the same name (docs/striping-and-trees.md).",
     )
@@ -336,8 +320,6 @@ class JobOptions:
     )
     agg_port: int = opt(
         "--agg-port",
-        "--port",
-        cls=Renamed,
         default=wire.UDP_PORT,
         type=AGG_PORTS,
         show_default=True,
@@ -366,8 +348,6 @@ class JobOptions:
     )
     parent: str | None = opt(
         "--parent-address",
-        "--parent",
-        cls=Renamed,
         help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "
         "slots go there as this aggregator's contribution.",
     )
@@ -392,8 +372,6 @@ class JobOptions:
     )
     total_workers: int | None = opt(
         "--tree-workers",
-        "--total-workers",
-        cls=Renamed,
         type=click.IntRange(1, MAX_TREE_TOTAL),
         help="With --parent-address: workers under the root (the hosts' float scaling).",
     )

@@ -9,8 +9,8 @@ Layout: every namespace sits on the testbed's one bridge (one subnet). The testb
 namespace is the root (xdp-agg attach + serve, as Cluster does); of the testbed's "workers",
 hosts 0 .. racks*per_rack-1 are the workers (rack r has hosts r*per_rack ..), and the last
 `racks` hosts are the rack aggregators, each running `xdp-agg attach eth0` and
-`xdp-agg serve --parent ROOT:48800 --rack-rank r --racks R`. A rack's workers talk to their rack's
-endpoint and aggregator only; the racks talk to the root.
+`xdp-agg serve --parent-endpoint ROOT:48800 --rack-rank r --racks R`. A rack's workers talk to
+their rack's endpoint and aggregator only; the racks talk to the root.
 
 One bridge for all is harmless for the results: a rack sends the parent's result to the subnet
 broadcast, so the other racks' workers may receive a copy too, but it is the same sum for the

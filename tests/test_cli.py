@@ -170,9 +170,9 @@ def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
     assert "Traceback (most recent call last)" in cp.stderr and "ZeroDivisionError" in cp.stderr
 
 
-def test_state_file_vocabulary_and_old_files():
-    """The state file says "topology" (the testbed's word) and "xdp_mode"; a file from before
-    the rename ("mode": "one-arm") still reads."""
+def test_state_file_vocabulary():
+    """The state file says "topology" (the testbed's word) and "xdp_mode"; a file without
+    "topology" is not one this version reads."""
     from netns_testbed import plan
 
     assert pins.TOPOLOGIES == tuple(plan.TOPOLOGIES)
@@ -181,8 +181,8 @@ def test_state_file_vocabulary_and_old_files():
     assert new["topology"] == "switch" and new["xdp_mode"] == "skb" and "mode" not in new
     old = {**new, "mode": "one-arm"}
     del old["topology"]
-    st = pins.State.from_dict(old)
-    assert st.topology == "one-arm" and st.xdp_mode == "skb"
+    with pytest.raises(TypeError, match="topology"):
+        pins.State.from_dict(old)
 
 
 def test_state_file_round_trip(tmp_path, monkeypatch):
