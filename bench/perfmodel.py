@@ -1,6 +1,6 @@
-"""What a real deployment gets: a model of the all-reduce time from measured per-packet costs
-(issue 20, item 5), checked against the testbed's cells, then used for deployments this machine
-cannot build (docs/benchmarks.md, "What a deployment gets").
+"""What a real deployment gets: a model of the all-reduce time from measured per-packet costs,
+checked against the testbed's cells, then used for deployments this machine cannot build
+(docs/benchmarks.md, "What a deployment gets").
 
 The model. A tensor of S bytes, k int32 per packet, so P = S / (4k) packets per worker (floats
 add one window of exponent-only packets, ignored here: 0.3% at 64 MiB). In-network aggregation
@@ -72,8 +72,8 @@ class Costs:
 
 SOURCES = {
     "host_packet": "bench/results/host-split: the host row (one worker's process CPU per GiB) at "
-    "256 and 768 int32 per packet, fitted a + b * bytes (fit_host; a loaded machine: issue 20's "
-    "quiet run gave 0.77 of the 768-element figure)",
+    "256 and 768 int32 per packet, fitted a + b * bytes (fit_host; a loaded machine: the quiet "
+    "run of docs/benchmarks.md gave 0.77 of the 768-element figure)",
     "host_byte": "the same fit's slope",
     "xdp_packet": "bench/results/xdp-compare/README.md: 301 ns at 64 int32 minus 64 x 0.36 ns",
     "xdp_elem": "bench/results/xdp-compare/README.md: (557 - 301) / (768 - 64) ns per int32",

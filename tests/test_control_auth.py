@@ -1,4 +1,4 @@
-"""The control endpoint's authentication and limits (issue 12, item 2), on loopback without root:
+"""The control endpoint's authentication and limits, on loopback without root:
 the deployment secret (its file, proofs that are missing, wrong, stale or replayed), job tokens
 (one job's token cannot touch another job), where `xdp-agg serve` listens by default, and the
 bounds (connections in all and per source, the idle cut, the request rate). Every refusal must

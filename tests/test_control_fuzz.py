@@ -1,8 +1,8 @@
-"""A seeded fuzz of the control protocol (issue 12, item 2, the fuzz part): random, oversized,
-truncated and ill-typed requests to the control endpoint, on connections of their own, while a
-job is live. Every request must get an answer that says what is wrong (or, for a line over the
-length limit, an answer and a closed connection); the server must keep answering; and once the
-fuzzing connections are closed (closing one deletes whatever job it created, as for a crashed
+"""A seeded fuzz of the control protocol (the fuzz half; test_control_auth.py tests the limits):
+random, oversized, truncated and ill-typed requests to the control endpoint, on connections of their
+own, while a job is live. Every request must get an answer that says what is wrong (or, for a line
+over the length limit, an answer and a closed connection); the server must keep answering; and once
+the fuzzing connections are closed (closing one deletes whatever job it created, as for a crashed
 worker) the server's and the backend's state must be what it was before.
 
 The first fuzz proves the deployment secret on every request, so that the fields behind the

@@ -1,4 +1,5 @@
-"""Hostile traffic during live all-reduces through the XDP aggregator (issue 12, item 3, live).
+"""Hostile traffic during live all-reduces through the XDP aggregator (the live half;
+test_xdp_fuzz.py is the PROG_TEST_RUN one).
 
 A job of 3 workers (bench.soak_worker: mixed sizes, int32 and float32, every result checked)
 all-reduces in a 4-worker testbed until the test is done; meanwhile (a) the fourth namespace, which
