@@ -1,4 +1,4 @@
-"""The packet table (tests/packet_cases.py) against the P4 program in simple_switch.
+"""The packet table (tests/harness/packet_cases.py) against the P4 program in simple_switch.
 
 The same inputs as the XDP test, frame by frame, into a bmv2 switch on veths; what comes out of
 every port is captured and checked:
@@ -27,7 +27,7 @@ from collections import Counter
 
 import pytest
 from harness.p4 import VethLab
-from packet_cases import (
+from harness.packet_cases import (
     AGG_MAC,
     CASES,
     PARENT_IP,
@@ -217,7 +217,7 @@ def test_packet_case(lab, case: Case):
 
 def test_backend_refuses_what_the_program_cannot_serve(lab):
     """Sizes other than 32/64/256, slots past the pool, overlapping ranges, unknown jobs."""
-    from packet_cases import job, workers
+    from harness.packet_cases import job, workers
 
     backend = lab.backend
     for j in backend.jobs():

@@ -1,4 +1,4 @@
-"""Table-driven BPF_PROG_TEST_RUN tests of the XDP program (tests/packet_cases.py).
+"""Table-driven BPF_PROG_TEST_RUN tests of the XDP program (tests/harness/packet_cases.py).
 
 For every step: the XDP action, the output frame (addressing, checksums, echoed header fields,
 result values, exponent), the counters, and the serial reference model's verdict must agree.
@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from packet_cases import (
+from harness.packet_cases import (
     AGG_IP,
     AGG_MAC,
     CASES,
@@ -119,7 +119,7 @@ def test_packet_case(agg, case: Case):
 
 def test_worker_counters(agg):
     """Per-worker counters follow the packets: contributions, duplicates, answers, drops."""
-    from packet_cases import frame, job, workers
+    from harness.packet_cases import frame, job, workers
 
     prog, maps = agg
     fd = prog.progs["xdp_agg_ingress"]
@@ -142,7 +142,7 @@ def test_worker_counters(agg):
 
 def test_job_listing_speaks_the_backend_vocabulary(agg):
     """jobs() entries carry every JobSpec field (the control endpoint relies on it)."""
-    from packet_cases import job, workers
+    from harness.packet_cases import job, workers
 
     from xdp_switch.backend import job_dict
 
@@ -159,7 +159,7 @@ def test_job_listing_speaks_the_backend_vocabulary(agg):
 
 def test_rack_jobs_need_the_one_arm_topology(agg):
     """Up, down and answers of a rack job all leave with XDP_TX through the one interface."""
-    from packet_cases import job
+    from harness.packet_cases import job
 
     _, maps = agg
     with pytest.raises(ValueError, match="one-arm"):

@@ -19,7 +19,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from packet_cases import AGG_IP, AGG_MAC, WORKER_PORT, frame, job, worker_ip, worker_mac, workers
+from harness.packet_cases import (
+    AGG_IP,
+    AGG_MAC,
+    WORKER_PORT,
+    frame,
+    job,
+    worker_ip,
+    worker_mac,
+    workers,
+)
 
 import bpfsys
 from aggproto import wire

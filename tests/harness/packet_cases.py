@@ -12,7 +12,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
-import p4app_host
 from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
@@ -22,6 +21,7 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.model import Action
 from aggproto.reasons import Reason
 from aggproto.scapy_layer import sml_frame
+from harness import p4app_host
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -866,7 +866,7 @@ def mac_cases(rng) -> list[Case]:
 
 
 def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callable[[bytes], None]:
-    """A check of a result as p4app-switchML's receive path reads it (tests/p4app_host.py):
+    """A check of a result as p4app-switchML's receive path reads it (tests/harness/p4app_host.py):
     its pkt_id and short job id echoed, the max exponent, the sum."""
     sent = p4app_host.read_result(req, k)
 
@@ -931,7 +931,7 @@ def p4app_round(
 @case
 def p4app_host_cases(rng) -> list[Case]:
     """Requests built byte for byte as p4app-switchML's DPDK host builds them (BuildPacket at
-    b5c74a0: tests/p4app_host.py cites the lines), 64 int32 per packet as its default packet
+    b5c74a0: tests/harness/p4app_host.py cites the lines), 64 int32 per packet as its default packet
     size; the results checked at the offsets its receive path reads. With and without our UDP
     checksum verification (the host's checksum is offloaded, so right on the wire)."""
     out = []
