@@ -188,3 +188,14 @@ def test_bench_measures_jumbo_sizes_with_the_frags_program_only():
         (microbench.FRAGS_CASE, 2048),
     }
     assert all(r.ns_per_packet > 0 and r.packets == 2 * 4 * 2 for r in res)
+
+
+def test_the_program_builds_without_shadowed_names(agg_prog):
+    """Every build of bpf/ has -Wshadow on (loader.WARNING_FLAGS); the compiler's warnings come
+    back with the loaded program, and none may be a shadowed name."""
+    from xdp_switch import loader
+
+    prog, _ = agg_prog
+    assert "-Wshadow" in loader.WARNING_FLAGS
+    shadowed = [w for w in prog.warnings if "[-Wshadow]" in w]
+    assert not shadowed, "\n".join(shadowed)
