@@ -34,8 +34,10 @@ from harness.packet_cases import (
     PARENT_MAC,
     Case,
     Step,
+    check_model,
     check_result,
     check_to_parent,
+    model_for,
     worker_ip,
     worker_mac,
 )
@@ -44,7 +46,7 @@ from scapy.layers.l2 import Ether
 
 from aggcodegen.p4 import P4_ELEMS
 from aggproto import limits, wire
-from aggproto.model import Action, ReferenceAggregator
+from aggproto.model import Action
 from aggproto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
@@ -151,14 +153,6 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
             assert (out[UDP].sport, out[UDP].dport) == (sport, w.port), step.what
 
 
-def _check_model(model: ReferenceAggregator, step: Step, outs) -> None:
-    v = model.process_frame(step.frame)
-    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
-    for _, data in outs:
-        if v.payload is not None:
-            assert v.payload == data[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
-
-
 def _case_id(c: Case) -> str:
     return c.name
 
@@ -177,18 +171,15 @@ def test_packet_case(lab, case: Case):
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])
-    model = ReferenceAggregator()
+    model = model_for(case)
     for j in case.jobs:
         backend.create_job(j)
-        model.create_job_spec(j)
     backend.add_workers(
         [
             dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
             for w in case.workers
         ]
     )
-    for w in case.workers:
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     rows = sorted({j.job_id for j in case.jobs} | {limits.NO_JOB})
     before = backend.counter_rows(rows)
     copies = 0
@@ -202,7 +193,7 @@ def test_packet_case(lab, case: Case):
         want = _expected_ports(case, step, in_port)
         outs = lab.exchange(in_port, step.frame, len(want))
         _check_outputs(case, step, in_port, outs)
-        _check_model(model, step, outs)
+        check_model(model, step, [data for _, data in outs])
         if step.action == Action.TO_ALL:
             copies += len(want)
     after = backend.counter_rows(rows)

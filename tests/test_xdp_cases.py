@@ -17,8 +17,10 @@ from harness.packet_cases import (
     RACK_WORKER_PORT,
     Case,
     Step,
+    check_model,
     check_result,
     check_to_parent,
+    model_for,
 )
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -26,7 +28,7 @@ from scapy.layers.l2 import Ether
 import bpfsys
 from aggproto import limits, wire
 from aggproto.jobs import Delivery
-from aggproto.model import Action, ReferenceAggregator
+from aggproto.model import Action
 from aggproto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
@@ -75,15 +77,6 @@ def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -
     assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
 
 
-def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> None:
-    v = model.process_frame(step.frame)
-    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
-    if v.payload is not None:
-        assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], (
-            f"model's bytes differ on {step.what}"
-        )
-
-
 def _all_counters(maps) -> Counter:
     total = Counter()
     for row in list(range(limits.MAX_JOBS)) + [limits.NO_JOB]:
@@ -99,19 +92,17 @@ def test_packet_case(agg, case: Case):
         if not prog.options["frags"]:
             pytest.skip("jumbo frames (more than a page) reach a multi-buffer (frags) program only")
     fd = prog.progs["xdp_agg_ingress"]
-    model = ReferenceAggregator()
+    model = model_for(case)
     for j in case.jobs:
         maps.create_job(j)
-        model.create_job_spec(j)
     for w in case.workers:
         maps.add_worker(w)
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     delivery = case.jobs[0].delivery
     before = _all_counters(maps)
     for step in case.steps:
         action, out, _ = bpfsys.prog_test_run(fd, step.frame)
         _check_step(step, delivery, action, out)
-        _check_model(model, step, out)
+        check_model(model, step, [out])
     delta = _all_counters(maps) - before
     want = Counter(s.reason.name.lower() for s in case.steps)
     assert delta == want

@@ -8,7 +8,7 @@ addressing and bytes too, and that the serial reference model agrees with every 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -18,9 +18,9 @@ from scapy.layers.l2 import ARP, Ether
 
 from aggproto import wire
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
-from aggproto.model import Action
+from aggproto.model import Action, ReferenceAggregator, Verdict
 from aggproto.reasons import Reason
-from aggproto.scapy_layer import sml_frame
+from aggproto.scapy_layer import Exponents, SwitchML, sml_frame
 from harness import p4app_host
 
 AGG_IP = "198.18.0.1"
@@ -197,26 +197,32 @@ def ip_checksum_ok(pkt) -> bool:
     return IP(bytes(ip))[IP].chksum == want
 
 
-def check_result(step: Step, req, out) -> None:
-    """A result frame (scapy `out`, answering `req`): header fields echoed, payload values and
-    exponents as the step expects, UDP checksum 0, IPv4 checksum right. Every target's runner
-    uses this."""
-    from aggproto.scapy_layer import Exponents, SwitchML
-
+def check_payload(step: Step, request: bytes, out: bytes) -> None:
+    """The SwitchML part of a result frame `out` answering the frame `request`: header fields
+    echoed (the pool index as the step says when it says one), reserved bit 0, exponents and
+    int32 values as the step expects, and what p4app-switchML's host reads there (raw_check).
+    Every target's runner and the model's check use this."""
+    req, sml = SwitchML(request[wire.SWITCHML_OFFSET :]), SwitchML(out[wire.SWITCHML_OFFSET :])
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
         if f == "pool_index" and step.pool_index is not None:
-            assert out[SwitchML].pool_index == step.pool_index, f"{step.what}: pool index"
+            assert sml.pool_index == step.pool_index, f"{step.what}: pool index"
             continue
-        assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), (
-            f"{step.what}: {f} not echoed"
-        )
-    assert (out[Exponents].e0, out[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
-    k = wire.elems_for(req[SwitchML].size)
-    got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
+        assert getattr(sml, f) == getattr(req, f), f"{step.what}: {f} not echoed"
+    assert sml.reserved == 0, step.what
+    assert (sml[Exponents].e0, sml[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
+    k = wire.elems_for(req.size)
+    got = np.frombuffer(out[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
     np.testing.assert_array_equal(got, step.values, err_msg=step.what)
-    np.testing.assert_array_equal(out[Exponents].values, step.values, err_msg=step.what)
+    np.testing.assert_array_equal(sml[Exponents].values, step.values, err_msg=step.what)
     if step.raw_check is not None:
-        step.raw_check(bytes(out))
+        step.raw_check(out)
+
+
+def check_result(step: Step, req, out) -> None:
+    """A result frame (scapy `out`, answering `req`): its SwitchML part as check_payload says,
+    UDP checksum 0, IPv4 checksum right, the IPv4 fields and lengths of a result."""
+    check_payload(step, bytes(req), bytes(out))
+    k = wire.elems_for(req[SwitchML].size)
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
     # every result leaves as p4app-switchML's sender writes it, whatever the request carried
@@ -226,9 +232,29 @@ def check_result(step: Step, req, out) -> None:
         wire.RESULT_TOS,
         wire.RESULT_IP_FLAGS,
     ), f"{step.what}: IPv4 fields of a result"
-    assert out[SwitchML].reserved == 0, step.what
     assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
+
+
+def model_for(case: Case) -> ReferenceAggregator:
+    """The serial reference model (aggproto.model) with the case's jobs and workers."""
+    model = ReferenceAggregator()
+    for j in case.jobs:
+        model.create_job_spec(j)
+    for w in case.workers:
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
+    return model
+
+
+def check_model(model: ReferenceAggregator, step: Step, outs: Iterable[bytes] = ()) -> Verdict:
+    """The model's verdict on the step's frame: the step's action and reason, and for a result
+    the same UDP payload bytes as every frame a target put out (`outs`, whole frames)."""
+    v = model.process_frame(step.frame)
+    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
+    for out in outs:
+        if v.payload is not None:
+            assert v.payload == out[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
+    return v
 
 
 def check_to_parent(step: Step, out) -> None:
