@@ -34,7 +34,7 @@ JOB = dict(world_size=2, elems=64, window=4, worker_port=40000)
 
 def _state(cl) -> tuple:
     return sorted(json.dumps(j, sort_keys=True) for j in cl.aggregator.jobs()), sorted(
-        cl.server._jobs
+        cl.server.registry.jobs
     )
 
 

@@ -93,7 +93,7 @@ def _request(rng: random.Random, secret: bytes | None = None) -> bytes:
 
 def _state(cl) -> tuple:
     jobs = sorted(json.dumps(j, sort_keys=True) for j in cl.aggregator.jobs())
-    return jobs, sorted(cl.server._jobs)
+    return jobs, sorted(cl.server.registry.jobs)
 
 
 # the fuzz sends far faster than the rate limit allows: test_control_auth tests that limit
