@@ -111,14 +111,7 @@ class SoftAggregator:
             if spec.job_id in self._specs:
                 self._delete_job(spec.job_id)
             self._open_port(spec.agg_port)
-            self._model.create_job(
-                spec.job_id,
-                spec.num_workers,
-                spec.elems,
-                spec.slot_base,
-                spec.slot_count,
-                spec.udp_checksum,
-            )
+            self._model.create_job_spec(spec)  # no parent: refused above
             self._specs[spec.job_id] = spec
             self._workers[spec.job_id] = {}
             self._reasons.pop(spec.job_id, None)

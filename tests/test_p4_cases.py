@@ -26,6 +26,7 @@ import dataclasses
 from collections import Counter
 
 import pytest
+from harness import packet_cases as table
 from harness.p4 import VethLab
 from harness.packet_cases import (
     AGG_MAC,
@@ -34,10 +35,8 @@ from harness.packet_cases import (
     PARENT_MAC,
     Case,
     Step,
-    check_model,
     check_result,
     check_to_parent,
-    model_for,
     worker_ip,
     worker_mac,
 )
@@ -171,7 +170,7 @@ def test_packet_case(lab, case: Case):
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])
-    model = model_for(case)
+    model = table.model_for(case)
     for j in case.jobs:
         backend.create_job(j)
     backend.add_workers(
@@ -193,7 +192,7 @@ def test_packet_case(lab, case: Case):
         want = _expected_ports(case, step, in_port)
         outs = lab.exchange(in_port, step.frame, len(want))
         _check_outputs(case, step, in_port, outs)
-        check_model(model, step, [data for _, data in outs])
+        table.check_model(model, step, [data for _, data in outs])
         if step.action == Action.TO_ALL:
             copies += len(want)
     after = backend.counter_rows(rows)
