@@ -665,29 +665,9 @@ def service_stop(name, as_json):
 
 
 @main.command()
-@click.option(
-    "--workers",
-    type=click.IntRange(1, limits.MAX_WORKERS),
-    default=4,
-    show_default=True,
-    help="Workers per job in the stream.",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(1, 10_000),
-    default=20,
-    show_default=True,
-    help="Rounds over 64 slots per repetition.",
-)
-@click.option(
-    "--repeats",
-    type=click.IntRange(1, 100),
-    default=5,
-    show_default=True,
-    help="Repetitions per case (the table gives the median).",
-)
+@options.click_options(options.BenchOptions)
 @_json_option()
-def bench(workers, rounds, repeats, as_json):
+def bench(opts: options.BenchOptions, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
     Prints ns per packet and aggregated elements per second per core for 64, 256, 768 and
@@ -707,7 +687,9 @@ def bench(workers, rounds, repeats, as_json):
         if not as_json:
             click.echo(f"  {k} elems/packet: pass {i}/{n}", err=True)
 
-    res = microbench.run(workers=workers, rounds=rounds, repeats=repeats, progress=progress)
+    res = microbench.run(
+        workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats, progress=progress
+    )
     _emit([r.to_dict() for r in res], as_json, lambda _: click.echo(microbench.table(res)))
 
 

@@ -75,6 +75,11 @@ def opt(*decls: str, default=None, **click_kw):
     return field(default=default, metadata={"click": (decls, {"default": default, **click_kw})})
 
 
+def count(decl: str, lo: int, hi: int, default: int, help: str):
+    """An integer field, lo..hi, with `default` (shown in --help)."""
+    return opt(decl, default=default, type=click.IntRange(lo, hi), show_default=True, help=help)
+
+
 def flag(decl: str, help: str):
     """A boolean field, False unless its flag is given."""
     return opt(decl, default=False, is_flag=True, help=help)
@@ -392,3 +397,18 @@ class JobOptions:
 
             ip, _ = parse_endpoint(self.parent)  # ValueError: not IP:PORT
             ipaddress.IPv4Address(ip)
+
+
+# --- bench ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchOptions:
+    """The options of `xdp-agg bench` (the XDP program's micro-benchmark)."""
+
+    workers: int = count("--workers", 1, limits.MAX_WORKERS, 4, "Workers per job in the stream.")
+    rounds: int = count("--rounds", 1, 10_000, 20, "Rounds over 64 slots per repetition.")
+    repeats: int = count(
+        "--repeats", 1, 100, 5, "Repetitions per case (the table gives the median)."
+    )
+
+    def check(self) -> None:
+        """Nothing beyond each option's range (click checks those)."""

@@ -38,7 +38,7 @@ import uuid
 from netns_testbed import faults, xdp_pass
 
 from . import cluster_worker
-from .cluster import CONTROL_PORT, Cluster, ClusterError
+from .cluster import CONTROL_PORT, Cluster, ClusterError, run_cli
 
 
 def tree_hosts(racks: int, per_rack: int) -> int:
@@ -86,11 +86,7 @@ class TreeCluster:
         """`xdp-agg ARGS` for rack r's aggregator (None: the root's)."""
         if r is None:
             return self.root.cli(*args, timeout=timeout)
-        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.rack_name(r), *args]
-        res = self.tb.run(self.rack_hosts[r], cmd, timeout=timeout)
-        if res.returncode != 0:
-            raise ClusterError(f"rack {r}: xdp-agg {' '.join(args)} failed: {res.stderr.strip()}")
-        return res
+        return run_cli(self.tb, self.rack_hosts[r], self.rack_name(r), args, timeout, f"rack {r}: ")
 
     def __enter__(self) -> "TreeCluster":
         self.root.__enter__()
