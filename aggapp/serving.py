@@ -36,7 +36,8 @@ from pathlib import Path
 
 from aggproto import control, groups
 from aggproto.jobs import DEFAULT_CONTROL_PORT, JobSpec, WorkerSpec
-from xdp_switch import aggregator, links, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import links, pins
 from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
 
 from . import options
@@ -92,7 +93,7 @@ def listen_address(ifnames: list[str]) -> str:
 
 def aggregator_interfaces(name: str) -> list[str]:
     """The interfaces aggregator `name` is attached to."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     return [i["ifname"] for i in state.interfaces]
 
 
@@ -177,7 +178,7 @@ def create_job(
     tree = _tree_fields(opts)
     slot_base, slot_count = opts.slots
     group_ip, group_mac = opts.group_ip, opts.group_mac
-    backend = aggregator.XdpBackend(name)
+    backend = xdp_backend.XdpBackend(name)
     first = _first_interface(backend.state)
     if group_ip is None:
         group_ip = "0.0.0.0"  # the switch topology: no group
@@ -221,12 +222,12 @@ def serve_defaults(
     `name` (aggctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
     job's group; else `results` (module docstring) chooses a group per job in `group_base` or
     the subnet broadcast; `warn` gets the warning of a fallback to the broadcast."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     d = {
         "pool_slots": state.pool_slots,
         "barrier_timeout": barrier_timeout,
         "udp_checksum": udp_checksum,
-        "delivery": aggregator.DELIVERY[state.topology],
+        "delivery": xdp_backend.DELIVERY[state.topology],
     }
     if state.topology == "switch":
         return d
@@ -376,7 +377,7 @@ def switchml_serving(sml: SwitchmlServe | None, server, port_address):
             f"--switchml-grpc needs grpcio and protobuf ({e}): pip install 'xdp-agg[switchml]'"
         ) from e
     settings = switchml_grpc.SwitchmlSettings(sml.window, sml.barrier_timeout)
-    api = switchml_grpc.SwitchmlApi(server, settings, port_address)
+    api = switchml_grpc.SwitchmlApi(server.registry, settings, port_address)
     try:
         grpc_server, _ = switchml_grpc.start_server(api, sml.host, sml.port)
     except OSError as e:
@@ -416,7 +417,7 @@ def _metrics_module():
 def xdp_exposition(name: str) -> str:
     """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
     endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
-    backend = aggregator.XdpBackend(name)
+    backend = xdp_backend.XdpBackend(name)
     sources = dict(backend=backend, target="xdp", xdp=backend)
     metrics = _metrics_module()
     return metrics.exposition(metrics.Sources(**sources))
@@ -470,7 +471,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = xdp = aggregator.XdpBackend(name)
+        backend = xdp = xdp_backend.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 

@@ -1,7 +1,8 @@
 """The control endpoint's job registry and barrier: jobs created, ranks registered and waited
 for, leaving and rejoining, and the job table a restart carries on from (snapshot, restore).
-ControlEndpoint (aggctl.server) is this, the status answers (aggctl.status) and the connections.
-Every method here runs with the endpoint's lock (self._cond) held unless it says otherwise.
+ControlEndpoint (aggctl.server) owns one JobRegistry, beside its status answers (aggctl.status)
+and its connections. The registry's lock (`cond`) guards the job table; a method whose name does
+not say otherwise takes it, and the private ones run with it held.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aggproto import control, groups, wire
@@ -124,15 +126,45 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 
 class JobRegistry:
-    """The jobs of a control endpoint (a mixin of ControlEndpoint, whose __init__ makes the
-    state: backend, defaults, _cond, _jobs, _guard, on_change, _stopping)."""
+    """The jobs of a control endpoint: the job table (`jobs`, key -> job) and its lock (`cond`),
+    the ops that change it (create, register, leave, rejoin), and the table a restart carries on
+    from (snapshot, restore).
+
+    `guard` checks a request's credentials (aggctl.auth.Guard); `fill_worker` completes a worker
+    spec before backend.add_worker (ControlEndpoint says how); `on_change()`, if set, runs with
+    the lock held after every change of the table; `connection(conn)` is the socket of the
+    endpoint's connection `conn` (None once closed) and `disconnected(conn)` tells the endpoint
+    that a connection closed: the barrier watches a waiting rank's socket through them.
+    """
+
+    def __init__(
+        self,
+        backend,
+        defaults,
+        guard,
+        *,
+        fill_worker=None,
+        on_change: Callable[[], None] | None = None,
+        connection: Callable[[int], socket.socket | None] = lambda conn: None,
+        disconnected: Callable[[int], None] = lambda conn: None,
+    ) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.guard = guard
+        self.fill_worker = fill_worker
+        self.on_change = on_change
+        self._connection = connection
+        self._disconnected = disconnected
+        self.cond = threading.Condition()
+        self.jobs: dict[str, _EndpointJob] = {}
+        self.stopping = False  # the endpoint is stopping: no new job, barriers end
 
     def snapshot(self, generation=None) -> dict:
         """The job table as JSON-able data (aggctl.jobtable saves it): per job its key, spec,
         world size, window, worker port, token, whether the barrier opened, and per rank its
         address, port, MAC and state; `generation` names the aggregator's attachment."""
-        with self._cond:
-            jobs = [_job_record(job) for job in self._jobs.values() if not job.deleted]
+        with self.cond:
+            jobs = [_job_record(job) for job in self.jobs.values() if not job.deleted]
         return {"format": TABLE_FORMAT, "generation": generation, "jobs": jobs}
 
     def restore(self, data: dict | None, generation=None, grace: float = 60.0) -> list[str]:
@@ -152,7 +184,7 @@ class JobRegistry:
             )
             return []
         have = {j["job_id"]: j for j in self.backend.jobs()}
-        with self._cond:
+        with self.cond:
             restored = [key for rec in data.get("jobs", []) if (key := self._restore(rec, have))]
         if restored:
             t = threading.Timer(grace, self._expire_unrejoined, args=(grace,))
@@ -162,8 +194,8 @@ class JobRegistry:
 
     def notify_change(self) -> None:
         """Run on_change now (a target saving the table it just restored)."""
-        with self._cond:
-            self._changed()
+        with self.cond:
+            self.changed()
 
     def _restore(self, rec: dict, have: dict) -> str | None:
         """One saved job back in the table (lock held); its key, or None if it is not."""
@@ -185,19 +217,19 @@ class JobRegistry:
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
         job.holders = {_recovered_holder(r) for r, x in ranks.items() if x.state == "registered"}
-        self._jobs[key] = job
+        self.jobs[key] = job
         if not job.holders:  # nobody can come back for it: free it now
-            self._delete(job)
+            self.delete(job)
             return None
         log.info("recovered job %r (id %d), ranks %s", key, spec.job_id, sorted(ranks))
         return key
 
     def _expire_unrejoined(self, grace: float) -> None:
         """Recovered ranks that did not rejoin within `grace` are disconnected (frees jobs)."""
-        with self._cond:
-            if self._stopping:
+        with self.cond:
+            if self.stopping:
                 return
-            for job in list(self._jobs.values()):
+            for job in list(self.jobs.values()):
                 for r, x in job.ranks.items():
                     if x.state == "registered" and x.conn is None:
                         log.warning(
@@ -208,14 +240,14 @@ class JobRegistry:
                         )
                         self._mark_gone(job, r, "disconnected")
                         self._release(job, _recovered_holder(r))
-            self._changed()
+            self.changed()
 
     # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
     def open_job(self, holder, key, world, elems, window, worker_port, *, port, base) -> JobSpec:
         """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
         until end_job (no lease ends it); its spec. RequestError when it cannot be (the port or
         slots taken)."""
-        with self._cond:
+        with self.cond:
             job = self._new_job(
                 holder, key, world, elems, window, worker_port, port=port, base=base
             )
@@ -226,27 +258,28 @@ class JobRegistry:
         """Register rank `rank` of job `key` without waiting for the others (their barrier is
         the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
         it. RequestError when it cannot be."""
-        with self._cond:
+        with self.cond:
             self._check_running()
-            self._add_rank(self._live_job(key), holder, rank, ip, port, mac, local)
+            self._add_rank(self.live_job(key), holder, rank, ip, port, mac, local)
 
     def missing_ranks(self, key) -> list[int] | None:
         """The ranks of job `key` not registered yet; None when there is no such job."""
-        with self._cond:
-            job = self._jobs.get(key)
+        with self.cond:
+            job = self.jobs.get(key)
             return None if job is None else job.missing()
 
     def end_job(self, key) -> bool:
         """Delete job `key` whoever holds it; whether there was one."""
-        with self._cond:
-            job = self._jobs.get(key)
+        with self.cond:
+            job = self.jobs.get(key)
             if job is None:
                 return False
             self._delete(job)
             return True
 
-    def _op_create(self, conn, req, local, peer):
-        self._guard.need_secret(req, "create")
+    def create(self, conn, req, local, peer):
+        """op create: a new job, its id, slots and port (server.py's docstring)."""
+        self.guard.need_secret(req, "create")
         key = request_key(req)
         world = int_field(req, "world_size", 1, MAX_WORKERS)
         elems = int_field(req, "elems", 1, wire.MAX_ELEMS)
@@ -256,17 +289,17 @@ class JobRegistry:
             raise RequestError(str(e)) from None
         window = int_field(req, "window", 1, self.defaults.pool_slots)
         worker_port = int_field(req, "worker_port", 1, 65535)
-        with self._cond:
+        with self.cond:
             job = self._new_job(conn, key, world, elems, window, worker_port)
-            return {"job": self._describe(job, local), "token": job.token}
+            return {"job": self.describe(job, local), "token": job.token}
 
     def _new_job(self, holder, key, world, elems, window, worker_port, *, port=None, base=None):
         """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
         and first slot `base` given, else the first free port and the first fit of `window`
         slots; RequestError saying why not."""
         self._check_running()
-        if key in self._jobs:
-            old = self._jobs[key]
+        if key in self.jobs:
+            old = self.jobs[key]
             raise RequestError(
                 f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
                 f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
@@ -286,8 +319,8 @@ class JobRegistry:
             raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
         token = control.new_token()
         job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={holder})
-        self._jobs[key] = job
-        self._changed()
+        self.jobs[key] = job
+        self.changed()
         log.info("created job %r: %s", key, spec)
         return job
 
@@ -351,7 +384,8 @@ class JobRegistry:
         except ValueError as e:
             raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
 
-    def _op_register(self, conn, req, local, peer):
+    def register(self, conn, req, local, peer):
+        """op register: a rank joins its job, answered when every rank has (the barrier)."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
         port = int_field(req, "port", 1, 65535)
@@ -361,30 +395,30 @@ class JobRegistry:
             ipaddress.IPv4Address(ip)
         except ValueError:
             raise RequestError(f"register: ip {ip!r} is not an IPv4 address") from None
-        with self._cond:
+        with self.cond:
             self._check_running()
-            job = self._live_job(key, reveal=req.proven)
-            self._guard.need_job(req, key, job.token)
+            job = self.live_job(key, reveal=req.proven)
+            self.guard.need_job(req, key, job.token)
             self._add_rank(job, conn, rank, ip, port, mac, local)
             # the barrier
             limit = self.defaults.barrier_timeout
             if req.get("timeout") is not None:
                 limit = min(limit, float_field(req, "timeout"))
             deadline = time.monotonic() + limit
-            sock = self._conns.get(conn)
-            while not (job.complete or job.deleted or job.gone or self._stopping):
+            sock = self._connection(conn)
+            while not (job.complete or job.deleted or job.gone or self.stopping):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 # wake now and then: this thread is the only reader of the waiting rank's
                 # connection, so a worker killed during the barrier is noticed only here
-                self._cond.wait(min(left, 0.25))
+                self.cond.wait(min(left, 0.25))
                 if sock is not None and _peer_closed(sock):
                     self._disconnected(conn)
                     raise RequestError("connection closed during the barrier")
             if job.complete:
-                return {"job": self._describe(job, local)}
-            if self._stopping:
+                return {"job": self.describe(job, local)}
+            if self.stopping:
                 raise RequestError("the control endpoint is shutting down")
             if job.deleted:
                 raise RequestError(f"job {key!r} was deleted while waiting for the other ranks")
@@ -438,34 +472,35 @@ class JobRegistry:
             # a flag, not a count: a rank may leave right after its answer, before the
             # others' threads wake up, and they must still pass
             job.complete = True
-        self._changed()
+        self.changed()
 
-    def _op_leave(self, conn, req, local, peer):
+    def leave(self, conn, req, local, peer):
+        """op leave: a rank is done; the last one out deletes the job."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
-        with self._cond:
-            job = self._jobs.get(key)
+        with self.cond:
+            job = self.jobs.get(key)
             if job is None:
                 return {"deleted": True}  # leaving twice, or after the job ended, is fine
-            self._guard.need_job(req, key, job.token)
+            self.guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
                 self._mark_gone(job, rank, "left")
             job.holders.discard(_recovered_holder(rank))  # left before it rejoined
             self._release(job, conn)
-            self._changed()
+            self.changed()
             return {"deleted": job.deleted}
 
-    def _op_rejoin(self, conn, req, local, peer):
+    def rejoin(self, conn, req, local, peer):
         """A registered rank re-identifies itself on a new connection (its old one broke, or
         the endpoint restarted and recovered the job): the new connection holds the job."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
         port = int_field(req, "port", 1, 65535)
-        with self._cond:
+        with self.cond:
             self._check_running()
-            job = self._live_job(key, reveal=req.proven)
-            self._guard.need_job(req, key, job.token)
+            job = self.live_job(key, reveal=req.proven)
+            self.guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is None or x.state != "registered":
                 state = "never registered" if x is None else x.state
@@ -480,12 +515,43 @@ class JobRegistry:
             x.conn = conn
             job.holders.discard(_recovered_holder(rank))
             job.holders.add(conn)
-            self._changed()
-            return {"job": self._describe(job, local)}
+            self.changed()
+            return {"job": self.describe(job, local)}
 
-    def _changed(self) -> None:
+    def holds_job(self, conn: int) -> bool:
+        """True when connection `conn` created or registered in a live job: such a connection
+        stays open for a whole run, idle, and its close means "leave", so it is never cut."""
+        with self.cond:
+            return any(conn in j.holders for j in self.jobs.values())
+
+    def connection_closed(self, conn: int) -> None:
+        """Connection `conn` closed: its ranks are gone, its hold on each job released."""
+        with self.cond:
+            for job in list(self.jobs.values()):
+                for r, x in job.ranks.items():
+                    if x.conn == conn and x.state == "registered":
+                        self._mark_gone(job, r, "disconnected")
+                self._release(job, conn)
+            self.changed()
+
+    def stop(self) -> bool:
+        """No new job from now on, blocked barriers and waits end; False if it had stopped."""
+        with self.cond:
+            if self.stopping:
+                return False
+            self.stopping = True
+            self.cond.notify_all()
+            return True
+
+    def delete_all(self) -> None:
+        """Every job out of the table and the backend (a stopping endpoint's last act)."""
+        with self.cond:
+            for job in list(self.jobs.values()):
+                self.delete(job)
+
+    def changed(self) -> None:
         """The job table changed: wake waiters, and let the target persist it."""
-        self._cond.notify_all()
+        self.cond.notify_all()
         if self.on_change is not None:
             try:
                 self.on_change()
@@ -493,15 +559,15 @@ class JobRegistry:
                 log.exception("saving the job table failed")
 
     def _check_running(self) -> None:
-        if self._stopping:
+        if self.stopping:
             raise RequestError("the control endpoint is shutting down")
 
-    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
+    def live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
         """The live job `key`, or RequestError explaining; the other jobs' names are listed
         only when `reveal` (the request proved the secret: listing jobs needs it)."""
-        job = self._jobs.get(key)
+        job = self.jobs.get(key)
         if job is None:
-            others = f" (live jobs: {sorted(self._jobs) or 'none'})" if reveal else ""
+            others = f" (live jobs: {sorted(self.jobs) or 'none'})" if reveal else ""
             raise RequestError(
                 f"no job {key!r}"
                 + (f" after waiting {waited:g} s" if waited else "")
@@ -512,7 +578,7 @@ class JobRegistry:
 
     def _in_use(self):
         """Job ids, ports and slot ranges taken by our jobs and any the backend already has."""
-        specs = [j.spec.to_dict() for j in self._jobs.values()]
+        specs = [j.spec.to_dict() for j in self.jobs.values()]
         try:
             specs += self.backend.jobs()
         except Exception:  # a backend that cannot list still works with our own bookkeeping
@@ -525,17 +591,18 @@ class JobRegistry:
     def _release(self, job: _EndpointJob, conn: int) -> None:
         job.holders.discard(conn)
         if not job.holders and not job.deleted:
-            self._delete(job)
+            self.delete(job)
 
-    def _delete(self, job: _EndpointJob) -> None:
+    def delete(self, job: _EndpointJob) -> None:
+        """Job `job` out of the table and the backend (its id, slots and port are free)."""
         job.deleted = True
-        self._jobs.pop(job.key, None)
+        self.jobs.pop(job.key, None)
         try:
             self.backend.delete_job(job.spec.job_id)
         except Exception:
             log.exception("deleting job %r from the backend failed", job.key)
         log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
-        self._changed()
+        self.changed()
 
     def _mark_gone(self, job: _EndpointJob, rank: int, state: str) -> None:
         """Rank `rank` left or lost its connection: remember when, and how many contributions
@@ -557,7 +624,7 @@ class JobRegistry:
         except Exception:
             log.exception("removing rank %d of job %r failed", rank, job.key)
 
-    def _describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
+    def describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
         """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
         agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
         return JobDescription(

@@ -162,8 +162,9 @@ class Sync:
 
 
 class SwitchmlApi:
-    """The services' logic over a registry (a ControlEndpoint). `port_address(worker_ip)` is
-    our (IPv4, MAC) on the worker's side (ValueError when no port of ours leads there)."""
+    """The services' logic over a job registry (a ControlEndpoint's, aggctl.registry).
+    `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side (ValueError when no port
+    of ours leads there)."""
 
     def __init__(
         self, registry, settings: SwitchmlSettings, port_address: Callable[[str], tuple[str, str]]

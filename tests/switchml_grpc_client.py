@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import grpc
 import numpy as np
-import p4app_host
+from harness import p4app_host
 
 from aggctl import switchml_proto as pb
 from aggctl.switchml_grpc import mac_text, mac_value

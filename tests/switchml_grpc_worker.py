@@ -14,8 +14,8 @@ import json
 import socket
 import sys
 
-import p4app_host
 import switchml_grpc_client as client
+from harness import p4app_host
 
 WORKER_PORT = 4000  # p4app's default backend.dpdk.worker_port
 

@@ -1,4 +1,5 @@
-"""AF_XDP workers through the XDP aggregator in the namespace testbed (issue 20 item 3).
+"""AF_XDP workers through the XDP aggregator in the namespace testbed (the host path without the
+kernel's UDP stack).
 
 The same jobs run twice on one one-arm testbed, under loss both ways and duplicated results:
 first every rank on the numpy loop over the kernel socket (the reference), then every rank on

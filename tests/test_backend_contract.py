@@ -99,7 +99,7 @@ def test_bmv2_backend_keeps_the_contract():
 
 # --- the optional capabilities ---------------------------------------------------------------
 def _xdp_backend_class():
-    from xdp_switch.aggregator import XdpBackend
+    from xdp_switch.backend import XdpBackend
 
     return XdpBackend
 
@@ -214,7 +214,7 @@ def test_xdp_maps_keep_the_contract(agg):
 
 
 class _MapsBackend:
-    """The XDP maps as a Backend (xdp_switch.aggregator.XdpBackend without an attached link)."""
+    """The XDP maps as a Backend (xdp_switch.backend.XdpBackend without an attached link)."""
 
     def __init__(self, maps):
         self.maps = maps
@@ -232,7 +232,7 @@ class _MapsBackend:
         self.maps.remove_worker(job_id, index)
 
     def jobs(self):
-        from xdp_switch.aggregator import job_dict
+        from xdp_switch.backend import job_dict
 
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 

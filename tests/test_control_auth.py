@@ -1,4 +1,4 @@
-"""The control endpoint's authentication and limits (issue 12, item 2), on loopback without root:
+"""The control endpoint's authentication and limits, on loopback without root:
 the deployment secret (its file, proofs that are missing, wrong, stale or replayed), job tokens
 (one job's token cannot touch another job), where `xdp-agg serve` listens by default, and the
 bounds (connections in all and per source, the idle cut, the request rate). Every refusal must
@@ -33,7 +33,7 @@ JOB = dict(world_size=2, elems=64, window=4, worker_port=40000)
 
 def _state(cl) -> tuple:
     return sorted(json.dumps(j, sort_keys=True) for j in cl.aggregator.jobs()), sorted(
-        cl.server._jobs
+        cl.server.registry.jobs
     )
 
 

@@ -1,4 +1,4 @@
-"""Failures end in a defined state within a bound (issue 12, item 1), in the testbed.
+"""Failures end in a defined state within a bound, in the testbed.
 
 - a worker killed mid-all-reduce: the others raise, within their timeout (+ slack), an error
   naming the lost rank; the job's id, slots and port are freed; a new job of the same name and

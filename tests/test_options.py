@@ -29,7 +29,9 @@ def test_serve_options_parse_to_their_fields():
 
 
 def test_job_options_parse_to_their_fields():
-    params = _parsed(cli.job_create, ["3", "--workers", "2", "--slots", "8:16", "--port", "48865"])
+    params = _parsed(
+        cli.job_create, ["3", "--workers", "2", "--slots", "8:16", "--agg-port", "48865"]
+    )
     assert params.pop("job_id") == 3
     params.pop("as_json")
     opts = options.JobOptions(**params)

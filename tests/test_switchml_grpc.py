@@ -12,8 +12,8 @@ import socket
 from concurrent import futures
 
 import numpy as np
-import p4app_host
 import pytest
+from harness import p4app_host
 from harness.ranks import loopback_prefix
 
 grpc = pytest.importorskip("grpc")
@@ -47,7 +47,7 @@ class Stack:
         self.endpoint, _ = stand_up(self.agg, self.agg_ip, 0, defaults, secret=None)
         self.endpoint.start()
         settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout)
-        self.api = SwitchmlApi(self.endpoint, settings, lambda ip: (self.agg_ip, SWITCH_MAC))
+        self.api = SwitchmlApi(self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC))
         self.server, port = start_server(self.api, "127.0.0.1", 0)
         self.target = f"127.0.0.1:{port}"
 
@@ -159,7 +159,7 @@ def test_a_second_session_replaces_the_first(stack):
     second = stack.setup_all(2)[0]
     assert second.session_id != first.session_id
     (job,) = stack.agg.jobs()  # the first session's job is gone
-    assert [j["key"] for j in stack.endpoint.snapshot()["jobs"]] == [stack.api.session_key]
+    assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == [stack.api.session_key]
     assert stack.api.session_key == f"switchml-{second.session_id:#x}"
     _exchange(stack, 2, second, seed=7)
     assert stack.api.events["sessions_replaced"] == 1
@@ -170,12 +170,12 @@ def test_no_lease_ends_a_session_job(stack):
     from aggctl.lease import JobLease
 
     stack.setup_all(2)
-    with stack.endpoint._cond:  # a job of the JSON protocol beside it, whose ranks went quiet
-        stack.endpoint._new_job(-7, "plain", 2, 32, 8, 5000).complete = True
-    lease = JobLease(stack.endpoint, seconds=1e-9)
+    with stack.endpoint.registry.cond:  # a job of the JSON protocol beside it, whose ranks went quiet
+        stack.endpoint.registry._new_job(-7, "plain", 2, 32, 8, 5000).complete = True
+    lease = JobLease(stack.endpoint.registry, seconds=1e-9)
     lease.sweep()
     assert lease.sweep() == ["plain"]
-    assert [j["key"] for j in stack.endpoint.snapshot()["jobs"]] == [stack.api.session_key]
+    assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == [stack.api.session_key]
 
 
 def test_a_worker_that_never_calls_udp_session_times_the_barrier_out():
@@ -186,7 +186,7 @@ def test_a_worker_that_never_calls_udp_session_times_the_barrier_out():
         assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
         assert "rank(s) [1] have not called UdpSession" in err.value.details()
         assert "its job is ended" in err.value.details()
-        assert stack.agg.jobs() == [] and stack.endpoint.snapshot()["jobs"] == []
+        assert stack.agg.jobs() == [] and stack.endpoint.registry.snapshot()["jobs"] == []
         assert stack.api.events["barrier_timeouts"] == 1
         assert stack.api.events["sessions_ended"] == 1
     finally:
@@ -223,18 +223,18 @@ def test_ranks_that_pass_the_barriers_without_udp_session_fail_the_last_one(stac
 
 
 def test_refused_when_the_aggregator_port_is_taken(stack):
-    stack.endpoint.open_job(-1, "other", 2, 32, 8, 5000, port=AGG_PORT, base=100)
+    stack.endpoint.registry.open_job(-1, "other", 2, 32, 8, 5000, port=AGG_PORT, base=100)
     with pytest.raises(grpc.RpcError) as err:
         stack.setup(0, 1)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "aggregator port 0xbee0 is used by a live job" in err.value.details()
-    assert [j["key"] for j in stack.endpoint.snapshot()["jobs"]] == ["other"]
+    assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == ["other"]
 
 
 def test_registry_refuses_slots_in_use(stack):
-    stack.endpoint.open_job(-1, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
+    stack.endpoint.registry.open_job(-1, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
     with pytest.raises(RequestError, match=r"slots 4..11 are not free"):
-        stack.endpoint.open_job(-1, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
+        stack.endpoint.registry.open_job(-1, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
 
 
 def test_rdma_session_is_unimplemented(stack):

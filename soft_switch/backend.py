@@ -1,9 +1,9 @@
 """A userspace UDP aggregator: the reference model behind real sockets.
 
-SoftAggregator speaks the Backend protocol (backend.py) like the XDP target, but every datagram
-goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root and no
-BPF, so the host library and the control endpoint can be tested anywhere, and since it is the
-serial state machine itself it doubles as an executable specification of what a worker sees.
+SoftAggregator speaks the Backend protocol (aggctl/backend.py) like the XDP target, but every
+datagram goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root
+and no BPF, so the host library and the control endpoint can be tested anywhere, and since it is
+the serial state machine itself it doubles as an executable specification of what a worker sees.
 
 It is Python-bound (tens of microseconds per packet): a test and development tool, not a
 data path. Batching still helps it: workers' GSO bursts arrive as one GRO buffer, and the
@@ -112,14 +112,7 @@ class SoftAggregator:
             if spec.job_id in self._specs:
                 self._delete_job(spec.job_id)
             self._open_port(spec.agg_port)
-            self._model.create_job(
-                spec.job_id,
-                spec.num_workers,
-                spec.elems,
-                spec.slot_base,
-                spec.slot_count,
-                spec.udp_checksum,
-            )
+            self._model.create_job_spec(spec)  # no parent: refused above
             self._specs[spec.job_id] = spec
             self._workers[spec.job_id] = {}
             self._reasons.pop(spec.job_id, None)
