@@ -47,7 +47,9 @@ class Stack:
         self.endpoint, _ = stand_up(self.agg, self.agg_ip, 0, defaults, secret=None)
         self.endpoint.start()
         settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout)
-        self.api = SwitchmlApi(self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC))
+        self.api = SwitchmlApi(
+            self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC)
+        )
         self.server, port = start_server(self.api, "127.0.0.1", 0)
         self.target = f"127.0.0.1:{port}"
 
@@ -170,7 +172,8 @@ def test_no_lease_ends_a_session_job(stack):
     from aggctl.lease import JobLease
 
     stack.setup_all(2)
-    with stack.endpoint.registry.cond:  # a job of the JSON protocol beside it, whose ranks went quiet
+    # a job of the JSON protocol beside it, whose ranks went quiet
+    with stack.endpoint.registry.cond:
         stack.endpoint.registry._new_job(-7, "plain", 2, 32, 8, 5000).complete = True
     lease = JobLease(stack.endpoint.registry, seconds=1e-9)
     lease.sweep()
