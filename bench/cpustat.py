@@ -1,4 +1,5 @@
-"""System-wide CPU over one all-reduce, and where it went (issue 20, item 1).
+"""System-wide CPU over one all-reduce, and where it went (what bounds the all-reduce on a CPU-bound
+testbed).
 
 Three sources, read by rank 0 of bench.worker just before and just after each all-reduce (behind
 barriers, so that the span holds exactly that all-reduce on every rank):

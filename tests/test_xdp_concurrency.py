@@ -38,7 +38,7 @@ import os
 
 import numpy as np
 import pytest
-from packet_cases import frame, job, worker_ip, workers
+from harness.packet_cases import frame, job, worker_ip, workers
 
 import bpfsys
 from aggproto import wire
