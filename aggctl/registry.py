@@ -274,7 +274,7 @@ class JobRegistry:
             job = self.jobs.get(key)
             if job is None:
                 return False
-            self._delete(job)
+            self.delete(job)
             return True
 
     def create(self, conn, req, local, peer):
