@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from netns_testbed.counters import Layout, drop_counters
+from netns_testbed.counters import Layout, down_loss, drop_counters
 
 # --- attribution ----------------------------------------------------------------------------
 CAUSES = (
@@ -31,7 +31,8 @@ CAUSES = (
 * ``send_refused``: sends the kernel refused (engine ``send_errors``, one per refused call),
   other than those a tbf qdisc on the worker's own link dropped;
 * ``aggregator_drop``: dropped by the aggregator's program (its ``drop_*`` reasons);
-* ``injected_loss``: dropped by the testbed's nftables loss rules;
+* ``injected_loss``: dropped by the testbed's loss (nftables rules; XDP drops on the way down in
+  the switch topology);
 * ``spurious``: nothing was lost, the timer expired before the result came back (also when
   the duplicate's slot was still waiting for another worker's late, not lost, contribution);
 * ``unexplained``: retransmissions no counter accounts for (should stay 0).
@@ -43,7 +44,7 @@ of the loss that stalled the slot.
 """
 
 
-_UP_CHAINS, _DOWN_CHAINS = ("loss_up",), ("loss_down",)
+_UP_CHAINS = ("loss_up",)
 _DUP_CHAINS = ("dup_up",)
 
 
@@ -147,7 +148,7 @@ def _counted(delta: dict, layout: Layout, engine: list[dict], datagram_bytes):
         port = layout.down_ports[i] if i < len(layout.down_ports) else None
         up["tbf_qdisc"] += _get(delta, "ns", ns(i), "qdisc", "eth0", "drops")
         up["injected_loss"] += nft(i, _UP_CHAINS)
-        down["injected_loss"] += nft(i, _DOWN_CHAINS)
+        down["injected_loss"] += _nft_datagrams(down_loss(delta, layout, i), datagram_bytes)
         down["socket_rcvbuf"] += _get(delta, "ns", ns(i), "udp", "InErrors")
         if port:
             if layout.topology == "one-arm":  # XDP_TX'd results bypass the aggregator's qdiscs
@@ -270,7 +271,7 @@ def attribute(
         # contribution (dropped), or complete (answered with the stored result)
         duplicates_while_pending=_agg_reason(delta, "dup_pending"),
         duplicates_answered=_agg_reason(delta, "retx_answered"),
-        counters=drop_counters(delta),
+        counters=drop_counters(delta, layout),
     )
     return Attribution(_round_to_total({c: causes[c] for c in CAUSES}, int(R)), detail)
 

@@ -1,6 +1,7 @@
 """Building a testbed: its namespaces, the bridge and the veths, addresses, rates and faults,
-the XDP_PASS programs the aggregator's frames need. Testbed (netns_testbed.testbed) is this and
-its runtime side (commands in the namespaces, live changes, state, teardown).
+the XDP programs the aggregator's frames need (with the switch topology's downstream loss).
+Testbed (netns_testbed.testbed) is this and its runtime side (commands in the namespaces, live
+changes, state, teardown).
 """
 
 from __future__ import annotations
@@ -173,7 +174,6 @@ class TestbedBuild:
     def _finish_links(self, veth_ends: dict[str, list[str]], querier_since: float | None) -> None:
         """GRO, rates and faults, operstate, the XDP_PASS programs the XDP_TX'd frames need, and
         the querier's first response interval."""
-        plan = self._plan
         # GRO can only be switched on after link-up.
         for ns, ends in veth_ends.items():
             if ends:
@@ -183,7 +183,16 @@ class TestbedBuild:
         if self._wants_nft():
             self._apply_faults()
         self._wait_operstate_up(veth_ends)
-        # The ends facing the aggregator receive its XDP_TX'd / redirected frames: they need NAPI.
+        self._attach_xdp()
+        if querier_since is not None:
+            # the bridge floods groups until its querier is one response interval old
+            time.sleep(max(0.0, querier_since + QUERY_RESPONSE_CS / 100 - time.monotonic()))
+
+    def _attach_xdp(self) -> None:
+        """The ends facing the aggregator receive its XDP_TX'd / redirected frames: they need
+        NAPI, so an XDP program; a worker's end gets the downstream loss program when there is
+        loss down in the switch topology (:mod:`netns_testbed.xdp_pass` says why there)."""
+        plan = self._plan
         facing: dict[str, list[str]] = {}
         agg_netns = {a.netns for a in plan.aggregators}
         for v in plan.veths:
@@ -191,10 +200,12 @@ class TestbedBuild:
                 facing.setdefault(v.ns_b, []).append(v.if_b)
             elif v.ns_b in agg_netns:
                 facing.setdefault(v.ns_a, []).append(v.if_a)
-        xdp_pass.attach_pass(facing, frags=self.mtu > PLAIN_XDP_MAX_MTU)
-        if querier_since is not None:
-            # the bridge floods groups until its querier is one response interval old
-            time.sleep(max(0.0, querier_since + QUERY_RESPONSE_CS / 100 - time.monotonic()))
+        lossy = {} if self.topology == "one-arm" else {w.netns for w in self.workers}
+        frags = self.mtu > PLAIN_XDP_MAX_MTU
+        xdp_pass.attach_pass({ns: e for ns, e in facing.items() if ns not in lossy}, frags)
+        xdp_pass.attach_pass(
+            {ns: e for ns, e in facing.items() if ns in lossy}, frags, loss_down=self.loss_down
+        )
 
     def _wait_operstate_up(self, veth_ends: dict[str, list[str]], timeout: float = 5.0) -> None:
         """Wait until every veth end reports operstate UP.
@@ -242,11 +253,11 @@ class TestbedBuild:
 
     def _apply_faults(self) -> None:
         for w in self.workers:
-            faults.apply(
-                w.netns, faults.worker_script(w.ifname, self.loss_up, self.loss_down, self.dup_up)
-            )
+            faults.apply(w.netns, faults.worker_script(w.ifname, self.loss_up, self.dup_up))
         if self._plan.switch_netns:
             faults.apply(
                 self._plan.switch_netns,
-                faults.switch_script([f"w{w.index}" for w in self.workers], self.dup_down),
+                faults.switch_script(
+                    [f"w{w.index}" for w in self.workers], self.dup_down, self.loss_down
+                ),
             )

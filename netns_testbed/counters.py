@@ -12,7 +12,12 @@ that a snapshot of eight workers costs about ten processes):
 * ``/proc/net/snmp``: UDP InErrors, RcvbufErrors, SndbufErrors, MemErrors of the namespace (read
   by a process inside it: /proc/net follows the reader's network namespace);
 * ``nft -j list table netdev netns_testbed``: the packet and byte counters of the loss and
-  duplication rules of :mod:`netns_testbed.faults`;
+  duplication rules of :mod:`netns_testbed.faults` (loss up in each worker's namespace; loss
+  down, one-arm, in the bridge's, chain ``loss_down_w<i>``);
+
+The switch topology's loss down is the XDP program on each worker's ``eth0``
+(:mod:`netns_testbed.xdp_pass`): its drops are that veth's ``rx_queue_N_xdp_drops``.
+:func:`down_loss` reads either for worker i.
 
 and once per machine ``/proc/net/softnet_stat`` (backlog drops, global), plus, when given, the
 XDP aggregator's counters by reason (``xdp-agg stats --json``: per job and per worker).
@@ -226,6 +231,22 @@ class Layout:
         return cls(**d)
 
 
+def down_loss(delta: dict, layout: Layout, i: int) -> dict[str, int]:
+    """What the testbed's downstream loss dropped toward worker ``i`` in a :func:`diff`, shaped
+    as an nft rule's counter: ``{"packets", "bytes"}`` in one-arm (the bridge port's chain; a
+    packet is an skb there), ``{"packets"}`` in switch (the XDP_DROP verdicts on the worker's
+    ``eth0``; there a packet is one frame, one datagram: XDP sees no GSO/GRO)."""
+    if layout.topology == "one-arm":
+        port_ns, port = layout.down_ports[i]
+        c = delta.get("ns", {}).get(port_ns, {}).get("nft", {}).get(faults.down_chain(port), {})
+        return {"packets": c.get("packets", 0), "bytes": c.get("bytes", 0)}
+    eth = delta.get("ns", {}).get(layout.workers[i], {}).get("ethtool", {}).get("eth0", {})
+    return {"packets": sum(v for k, v in eth.items() if _XDP_DROPS.match(k))}
+
+
+_XDP_DROPS = re.compile(r"^rx_queue_\d+_xdp_drops$")
+
+
 # --- snapshots ------------------------------------------------------------------------------
 def snapshot(layout: Layout, aggregator_stats=None, timeout: float = 30.0) -> dict:
     """Read every counter of the testbed now: {"ns": {netns: dump}, "softnet": ...,
@@ -300,10 +321,12 @@ _DROP_KEY = re.compile(r"drop|err|Errors|overlimits|requeues|squeeze", re.IGNORE
 _AGG_KEY = re.compile(r"^drop|dup|answered|^dropped$|^duplicates$")
 
 
-def drop_counters(delta: dict) -> dict[str, int]:
+def drop_counters(delta: dict, layout: Layout | None = None) -> dict[str, int]:
     """Every non-zero drop-like counter of a :func:`diff`, flattened to "ns/section/dev/key"
     (qdisc drops and overlimits, link dropped and errors, ethtool drops and errors, UDP errors,
-    nft rule counters, softnet drops, the aggregator's non-pass reasons)."""
+    nft rule counters, softnet drops, the aggregator's non-pass reasons). With ``layout`` of a
+    switch testbed, the workers' XDP_DROP verdicts (its downstream loss) are kept."""
+    lossy = set(layout.workers) if layout and layout.topology != "one-arm" else set()
     out: dict[str, int] = {}
 
     def walk(d, path):
@@ -321,4 +344,4 @@ def drop_counters(delta: dict) -> dict[str, int]:
 
     walk(delta, [])
     # the aggregator's XDP_DROP verdicts include every contribution it consumed: not loss
-    return {k: v for k, v in out.items() if not k.endswith("xdp_drops")}
+    return {k: v for k, v in out.items() if not k.endswith("xdp_drops") or k.split("/")[1] in lossy}

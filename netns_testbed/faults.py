@@ -7,11 +7,16 @@ program (whose XDP_TX/redirect frames bypass qdiscs and netfilter on the
 aggregator side, but not on the receiving worker):
 
 * loss up:   egress hook, UDP to ports 0xBEE0-0xBEEF dropped with probability p.
-* loss down: ingress hook, UDP from ports 0xBEE0-0xBEEF dropped with p
-  (unicast and the one-arm group broadcast alike).
+* loss down: UDP from ports 0xBEE0-0xBEEF dropped with p (unicast and the one-arm group
+  broadcast alike) before ANY receiver on the worker sees it: in one-arm on the egress hook of
+  the bridge port toward each worker (chain ``loss_down_w<i>`` in ``<prefix>sw``, here); in the
+  switch topology, where the aggregator's XDP_TX'd frames skip every hook of its ``p<i>``, in
+  the XDP program on the worker's ``eth0`` (:mod:`netns_testbed.xdp_pass`). Not the worker's
+  own ingress hook: AF_PACKET sockets (DPDK's net_af_packet) and XDP programs (AF_XDP) see a
+  frame before it, so a drop there reached only the kernel's own receivers.
 * dup up:    egress hook, ``dup to "eth0"`` sends one extra copy with p.
 * dup down:  one-arm only: egress hook of the bridge port toward each worker
-  (in ``<prefix>sw``). In the switch topology the only device before the worker is
+  (in ``<prefix>sw``), after loss down. In the switch topology the only device before the worker is
   the aggregator's ``p<i>``, whose XDP_TX/redirected frames skip its egress
   hook, and a worker's ingress hook cannot copy a frame into its own receive
   path (nft ``dup`` only transmits; this kernel's tc has no random match,
@@ -68,34 +73,42 @@ def _replace_table(family: str, body: str) -> str:
     return text
 
 
-def worker_script(ifname: str, loss_up: float, loss_down: float, dup_up: float) -> str:
+def worker_script(ifname: str, loss_up: float, dup_up: float) -> str:
     """nft script for a worker namespace (replaces any earlier one)."""
     ports = f"{AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
     body = ""
     if loss_up > 0:
-        body += (
-            f'  chain loss_up {{ type filter hook egress device "{ifname}" priority 0; '
-            "policy accept;\n"
-            f"    udp dport {ports} {_chance(loss_up)}counter drop\n  }}\n"
-        )
-    if loss_down > 0:
-        body += (
-            f'  chain loss_down {{ type filter hook ingress device "{ifname}" priority 0; '
-            "policy accept;\n"
-            f"    udp sport {ports} {_chance(loss_down)}counter drop\n  }}\n"
-        )
+        body += _loss_chain("loss_up", ifname, f"udp dport {ports}", loss_up)
     if dup_up > 0:  # priority 10: after loss_up, so only survivors are copied
         body += _dup_chain("dup_up", ifname, f"udp dport {ports}", dup_up, priority=10)
     return _replace_table("netdev", body)
 
 
-def switch_script(ports: list[str], dup_down: float) -> str:
-    """nft script for the one-arm bridge namespace: dup down on each worker port."""
+def switch_script(ports: list[str], dup_down: float, loss_down: float = 0.0) -> str:
+    """nft script for the one-arm bridge namespace: on each worker port's egress, loss down
+    (chain ``loss_down_<port>``, priority -10: first) and dup down (``dup_<port>``)."""
+    match = f"udp sport {AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
     body = ""
+    if loss_down > 0:
+        body += "".join(
+            _loss_chain(down_chain(p), p, match, loss_down, priority=-10) for p in ports
+        )
     if dup_down > 0:
-        match = f"udp sport {AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
-        body = "".join(_dup_chain(f"dup_{p}", p, match, dup_down) for p in ports)
+        body += "".join(_dup_chain(f"dup_{p}", p, match, dup_down) for p in ports)
     return _replace_table("netdev", body)
+
+
+def down_chain(port: str) -> str:
+    """The name of the one-arm loss-down chain on bridge port ``port`` (``w<i>``)."""
+    return f"loss_down_{port}"
+
+
+def _loss_chain(chain: str, dev: str, match: str, p: float, priority: int = 0) -> str:
+    return (
+        f'  chain {chain} {{ type filter hook egress device "{dev}" priority {priority}; '
+        "policy accept;\n"
+        f"    {match} {_chance(p)}counter drop\n  }}\n"
+    )
 
 
 def _dup_chain(chain: str, dev: str, match: str, p: float, priority: int = 0) -> str:

@@ -345,6 +345,8 @@ class Testbed(TestbedBuild):
         if need and self._is_up:  # not up yet: applied by up()
             nsexec.require_tools("nft")
             self._apply_faults()
+        if self._is_up and self.topology != "one-arm":  # loss down: the workers' XDP program
+            self._attach_xdp()
         if self._owns_state:
             self._save()
 

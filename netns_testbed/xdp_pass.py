@@ -1,9 +1,21 @@
-"""A two-instruction XDP_PASS program for the veth ends that receive XDP_TX'd or redirected frames.
+"""The XDP programs on the veth ends that receive XDP_TX'd or redirected frames.
 
 A veth drops frames sent to it by its peer's XDP program unless it runs NAPI, which it does when
 it has an XDP program of its own (toggling GRO did not enable it on this kernel). So the testbed
-puts this program on exactly the ends that face an aggregator interface, and nowhere else (an
-XDP program on a veth costs its peer TSO, which would slow TCP baselines).
+puts a program on exactly the ends that face an aggregator interface, and nowhere else (an XDP
+program on a veth costs its peer TSO, which would slow TCP baselines): a two-instruction
+XDP_PASS, or, on a worker's end when the testbed has downstream loss, the loss program below.
+
+Why downstream loss lives here in the switch topology: the aggregator's XDP_TX'd and redirected
+results skip every hook of its own interface (qdisc, nftables egress), and on the worker's end
+the first thing that sees a frame is this XDP program, before AF_PACKET's taps (DPDK's
+net_af_packet, tcpdump) and before the nftables ingress hook. A drop here therefore reaches
+every kind of receiver: the kernel's UDP socket, an AF_PACKET socket and (in principle) AF_XDP,
+which cannot attach beside it (hostlib/_xsk.c refuses an interface with a program, so AF_XDP
+workers run one-arm, where the loss sits on the bridge port: :mod:`netns_testbed.faults`).
+The veth counts the program's XDP_DROP verdicts (``ethtool -S``: ``rx_queue_N_xdp_drops``);
+nothing else on that end drops, so :mod:`netns_testbed.counters` reads them as the injected
+loss.
 """
 
 from __future__ import annotations
@@ -14,19 +26,80 @@ from pyroute2 import IPRoute
 
 import bpfsys
 
+from .faults import AGG_PORT_HI, AGG_PORT_LO
+
 _XDP_FLAGS_DRV_MODE = 1 << 2
+_FUNC_GET_PRANDOM_U32 = 7
+_ETH_IPV4_UDP = 14 + 20 + 8  # the headers the program reads (IPv4 without options)
 
 
-def attach_pass(ends: dict[str, list[str]], frags: bool = False) -> None:
-    """Attach the XDP_PASS program to each named interface, per namespace. `frags`: load it as
-    a multi-buffer program (BPF_F_XDP_HAS_FRAGS), which veth requires once the link's MTU is
-    above what one page holds (the testbed's jumbo MTUs)."""
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> int:
+    """One raw eBPF instruction as a 64-bit little-endian integer."""
+    return code | (dst << 8) | (src << 12) | ((off & 0xFFFF) << 16) | ((imm & 0xFFFFFFFF) << 32)
+
+
+def loss_insns(p: float) -> list[int]:
+    """An XDP program: UDP over IPv4 from ports 0xBEE0-0xBEEF (the aggregator's results, unicast
+    or broadcast) dropped with probability ``p`` (bpf_get_prandom_u32 below p * 2**32), every
+    other frame passed. ``p`` >= 1 drops every such frame."""
+    threshold = min(1 << 32, max(1, round(p * (1 << 32)))) if p > 0 else 0
+    ldxw, ldxh, ldxb = 0x61, 0x69, 0x71  # BPF_LDX | BPF_MEM | size
+    jne, jgt, jlt, jge_x, jgt_x = 0x55, 0x25, 0xA5, 0x3D, 0x2D  # BPF_JMP | op | K or X
+    body = [
+        _insn(ldxw, 2, 1, 0),  # r2 = ctx->data
+        _insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
+        _insn(0xBF, 4, 2),  # r4 = r2
+        _insn(0x07, 4, imm=_ETH_IPV4_UDP),  # r4 += 42
+        _to_pass(jgt_x, 4, 3),  # short frame: pass
+        _insn(ldxh, 5, 2, 12),
+        _to_pass(jne, 5, imm=0x0008),  # ethertype 0x0800, read in network order
+        _insn(ldxb, 5, 2, 14),
+        _to_pass(jne, 5, imm=0x45),  # IPv4 without options
+        _insn(ldxb, 5, 2, 23),
+        _to_pass(jne, 5, imm=17),  # UDP
+        _insn(ldxh, 5, 2, 20),
+        _insn(0x57, 5, imm=0xFF3F),  # MF and the fragment offset, in network order
+        _to_pass(jne, 5, imm=0),  # a fragment: pass
+        _insn(ldxh, 5, 2, 34),  # the UDP source port
+        _insn(0xDC, 5, imm=16),  # to host order (BPF_END | BPF_TO_BE, 16 bits)
+        _to_pass(jlt, 5, imm=AGG_PORT_LO),
+        _to_pass(jgt, 5, imm=AGG_PORT_HI),
+        _insn(0x85, imm=_FUNC_GET_PRANDOM_U32),  # r0 = a random u32
+        _insn(0x18, 1, imm=threshold & 0xFFFFFFFF),  # r1 = threshold (64-bit immediate)
+        _insn(0, imm=threshold >> 32),
+        _to_pass(jge_x, 0, 1),  # r0 >= threshold: pass
+        _insn(0xB7, 0, imm=bpfsys.XDP_DROP),
+        _insn(0x95),
+    ]
+    pass_at = len(body)  # the pass exit follows the body: mov64 r0, XDP_PASS ; exit
+    code = [
+        x if isinstance(x, int) else _insn(x[0], x[1], x[2], pass_at - i - 1, x[3])
+        for i, x in enumerate(body)
+    ]
+    return code + bpfsys.XDP_PASS_INSNS
+
+
+def _to_pass(code: int, dst: int, src: int = 0, imm: int = 0) -> tuple:
+    """A conditional jump to the program's pass exit (its offset is known once the body is)."""
+    return (code, dst, src, imm)
+
+
+def attach_pass(ends: dict[str, list[str]], frags: bool = False, loss_down: float = 0.0) -> None:
+    """Attach the XDP_PASS program to each named interface, per namespace, or with ``loss_down``
+    > 0 the loss program (:func:`loss_insns`), replacing whatever program is there. `frags`:
+    load it as a multi-buffer program (BPF_F_XDP_HAS_FRAGS), which veth requires once the
+    link's MTU is above what one page holds (the testbed's jumbo MTUs)."""
     if not any(ends.values()):
         return
     flags = bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0
-    fd = bpfsys.prog_load(
-        bpfsys.PROG_TYPE_XDP, bpfsys.XDP_PASS_INSNS, "tb_xdp_pass", prog_flags=flags
-    )
+    if loss_down > 0:
+        fd = bpfsys.prog_load(
+            bpfsys.PROG_TYPE_XDP, loss_insns(loss_down), "tb_xdp_loss", prog_flags=flags
+        )
+    else:
+        fd = bpfsys.prog_load(
+            bpfsys.PROG_TYPE_XDP, bpfsys.XDP_PASS_INSNS, "tb_xdp_pass", prog_flags=flags
+        )
     try:
         for ns, ifnames in ends.items():
             with IPRoute(netns=ns) as ipr:

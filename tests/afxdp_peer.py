@@ -1,7 +1,8 @@
 """A world-of-one aggregator for tests/test_afxdp.py: answers every datagram to --listen with its
 own bytes (the sum of one worker's contribution is that contribution) and, with --capture IF,
 keeps every frame that reaches IF for that port (a raw AF_PACKET socket, below the UDP socket).
-Prints "ready" on stderr once listening; when stdin closes, one JSON line: the frames in hex.
+Prints "ready" on stderr once listening; when stdin closes, one JSON line: the frames in hex and
+the number of datagrams answered.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> int:
         # room for every frame of a test run: a full buffer would drop frames from the capture
         raw.setsockopt(socket.SOL_SOCKET, 33, 16 << 20)  # SO_RCVBUFFORCE (root)
     frames: list[str] = []
+    answered = 0
     print("ready", file=sys.stderr, flush=True)
     watch = [sys.stdin, udp] + ([raw] if raw else [])
     while True:
@@ -40,6 +42,7 @@ def main() -> int:
         if udp in ready:
             data, addr = udp.recvfrom(65536)
             udp.sendto(data, addr)
+            answered += 1
         if raw is not None and raw in ready:
             frame, info = raw.recvfrom(65536)
             # incoming IPv4 UDP to our port (pkttype 4 = PACKET_OUTGOING: our answers)
@@ -47,7 +50,7 @@ def main() -> int:
                 ihl = (frame[14] & 0x0F) * 4
                 if int.from_bytes(frame[14 + ihl + 2 : 14 + ihl + 4], "big") == int(port):
                     frames.append(frame.hex())
-    print(json.dumps({"frames": frames}), flush=True)
+    print(json.dumps({"frames": frames, "answered": answered}), flush=True)
     return 0
 
 

@@ -96,6 +96,24 @@ def test_parse_nft_counters_of_loss_rules():
     assert counters.parse_nft("not json") == {}
 
 
+def test_down_loss_reads_the_bridge_chain_or_the_workers_xdp_drops():
+    """Where the testbed's loss down is counted: one-arm, the bridge port's nft chain; switch,
+    the XDP_DROP verdicts of the worker's eth0 (netns_testbed.xdp_pass)."""
+    one_arm = Layout("one-arm", ["w0", "w1"], "ag", ["eth0"], "sw", [["sw", "w0"], ["sw", "w1"]])
+    delta = {"ns": {"sw": {"nft": {"loss_down_w1": {"packets": 3, "bytes": 300, "drop": True}}}}}
+    assert counters.down_loss(delta, one_arm, 1) == {"packets": 3, "bytes": 300}
+    assert counters.down_loss(delta, one_arm, 0) == {"packets": 0, "bytes": 0}
+    switch = Layout("switch", ["w0"], "ag", ["p0"], None, [["ag", "p0"]])
+    eth0 = {"rx_queue_0_xdp_drops": 4, "rx_queue_1_xdp_drops": 1, "rx_queue_0_drops": 9}
+    delta = {"ns": {"w0": {"ethtool": {"eth0": eth0}}, "ag": {"ethtool": {"p0": eth0}}}}
+    assert counters.down_loss(delta, switch, 0) == {"packets": 5}
+    # the aggregator's XDP_DROP verdicts are the contributions it consumed, not loss; the
+    # workers' are the testbed's loss down
+    kept = counters.drop_counters(delta, switch)
+    assert "ns/w0/ethtool/eth0/rx_queue_0_xdp_drops" in kept
+    assert not any(k.startswith("ns/ag") and k.endswith("xdp_drops") for k in kept)
+
+
 def test_parse_softnet():
     sn = counters.parse_softnet((DATA / "softnet_stat.txt").read_text())
     assert sn["processed"] > 0 and sn["dropped"] >= 0
@@ -312,14 +330,17 @@ needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)
 @pytest.mark.netns
 @pytest.mark.bpf
 @needs_root
-@pytest.mark.parametrize("direction", ["up", "down"])
-def test_injected_loss_is_attributed(testbed_factory, direction):
+@pytest.mark.parametrize(
+    "direction,topology", [("up", "one-arm"), ("down", "one-arm"), ("down", "switch")]
+)
+def test_injected_loss_is_attributed(testbed_factory, direction, topology):
     """2 workers through the XDP aggregator with 3% loss one way: the retransmissions are
-    attributed to the nftables rules, and the account closes (nothing unexplained)."""
+    attributed to the testbed's loss, and the account closes (nothing unexplained). Down in the
+    switch topology the results are XDP_TX'd/redirected: the workers' XDP program drops them."""
     from aggcluster.cluster import Cluster
 
     loss = {"loss_up": 0.03} if direction == "up" else {"loss_down": 0.03}
-    tb = testbed_factory(workers=2, topology="one-arm", mtu=3500, **loss)
+    tb = testbed_factory(workers=2, topology=topology, mtu=3500, **loss)
     with Cluster(tb) as cl:
         layout = Layout.from_testbed(tb)
         before = counters.snapshot(layout, cl.stats)
@@ -342,8 +363,11 @@ def test_injected_loss_is_attributed(testbed_factory, direction):
     retx = sum(e["retransmissions"] for e in engine)
     assert all(r[0]["ok"] for r in reports)
     assert retx > 0 and sum(a.causes.values()) == retx
-    chain = f"loss_{direction}"
-    assert sum(delta["ns"][w.netns]["nft"][chain]["packets"] for w in tb.workers) > 0
+    if direction == "up":
+        counted = sum(delta["ns"][w.netns]["nft"]["loss_up"]["packets"] for w in tb.workers)
+    else:
+        counted = sum(counters.down_loss(delta, layout, i)["packets"] for i in range(2))
+    assert counted > 0
     # a busy 2-core machine adds some spurious retransmissions; the loss must dominate
     assert a.causes["injected_loss"] >= 0.5 * retx, a.to_dict()
     assert a.causes["unexplained"] <= 0.1 * retx, a.to_dict()

@@ -177,10 +177,13 @@ def test_rates_and_nft_text():
     # burst: >= 1 ms at the rate and >= 16 full frames
     assert shaping.tbf_burst(10**9, 1500) == 125_000
     assert shaping.tbf_burst(10**7, 1500) == 16 * 1514
-    text = faults.worker_script("eth0", 0.25, 1.0, 0.0)
+    text = faults.worker_script("eth0", 0.25, 0.0)
     assert "udp dport 0xbee0-0xbeef numgen random mod 1000000000 < 250000000" in text
+    assert 'hook egress device "eth0"' in text and "hook ingress" not in text
+    # loss down sits on the bridge port's egress, before any receiver on the worker
+    text = faults.switch_script(["w0", "w1"], 0.0, 1.0)
+    assert 'chain loss_down_w1 { type filter hook egress device "w1" priority -10;' in text
     assert "udp sport 0xbee0-0xbeef counter drop" in text  # p=1: unconditional
-    assert 'hook egress device "eth0"' in text and 'hook ingress device "eth0"' in text
     # what a bridge port receives goes through its ifb's tbf (AF_XDP senders skip their qdisc)
     lines = shaping.ingress_batch(["w0"], 10**8, 1500).splitlines()
     assert lines[0] == "qdisc replace dev w0 handle ffff: ingress"
