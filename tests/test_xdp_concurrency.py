@@ -36,7 +36,7 @@ of each variant at 20 us.
 
 import numpy as np
 import pytest
-from harness.builds import AGG_BUILDS, load_agg_build
+from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
 from packet_cases import frame, job, worker_ip, workers
 
 import bpfsys
@@ -200,27 +200,16 @@ def _race_build(build, mutant):
     prog.close()
 
 
-# The cpumap build's aggregator gives wrong sums when a slot's packets reach two CPUs (found by
-# these tests, 2026-12-03, not yet explained; its single-CPU cases pass): strict xfail, so that
-# the fix shows. In production the steering keeps a slot on one CPU, which is why --slot-cpus
-# rss stays the default.
-CPUMAP_MERGE_BUG = pytest.mark.xfail(
-    strict=True, reason="the cpumap build's merge of two CPUs' partials is wrong (open)"
-)
 RACE_BUILDS = ["percpu", "spinlock", "percpu-cpumap"]
-REAL_BUILDS = ["percpu", "spinlock", pytest.param("percpu-cpumap", marks=CPUMAP_MERGE_BUG)]
 
 
-@pytest.fixture(
-    scope="module",
-    params=[*AGG_BUILDS, pytest.param("percpu-cpumap", marks=CPUMAP_MERGE_BUG)],
-)
+@pytest.fixture(scope="module", params=AGG_BUILDS_CPUMAP)
 def agg_prog(request):
     """conftest's builds and the one of --slot-cpus cpumap."""
     yield from load_agg_build(request.param)
 
 
-@pytest.fixture(scope="module", params=REAL_BUILDS)
+@pytest.fixture(scope="module", params=RACE_BUILDS)
 def race_build(request):
     """The real program of each variant, built with the widened race window."""
     yield from _race_build(request.param, mutant=False)
