@@ -746,8 +746,16 @@ def service_stop(name, as_json):
     show_default=True,
     help="Repetitions per case (the table gives the median).",
 )
+@click.option(
+    "--slot-cpus",
+    "slot_cpus",
+    is_flag=True,
+    help="Instead: on two CPUs at once, every slot's packets spread over both (rss on veth: "
+    "the completing CPU merges the other's partial) against each slot on the CPU that owns it "
+    "(--slot-cpus cpumap, its steering program included), at 256 and 768 elements.",
+)
 @_json_option()
-def bench(workers, rounds, repeats, as_json):
+def bench(workers, rounds, repeats, slot_cpus, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
     Prints ns per packet and aggregated elements per second per core for 64, 256, 768 and
@@ -760,8 +768,14 @@ def bench(workers, rounds, repeats, as_json):
     Examples:
       sudo xdp-agg bench
       sudo xdp-agg bench --workers 8 --repeats 3 --json
+      sudo xdp-agg bench --slot-cpus      # two CPUs: rss (merge) against cpumap
     """
-    from xdp_switch import microbench
+    from xdp_switch import microbench, slot_bench
+
+    if slot_cpus:
+        rows = slot_bench.run(workers=workers, rounds=rounds, repeats=repeats)
+        _emit(rows, as_json, lambda r: click.echo(slot_bench.table(r)))
+        return
 
     def progress(k, i, n):
         if not as_json:
