@@ -86,6 +86,9 @@ def attach(
     if slot_cpus == "cpumap" and xdp_mode != "native":
         # net/core/dev.c generic_xdp_install: no program using a cpumap with programs
         raise AggregatorError("--slot-cpus cpumap needs native XDP (generic XDP refuses a cpumap)")
+    if slot_cpus == "cpumap" and frags:
+        # not tested: multi-buffer frames through the cpumap and back out by redirect
+        raise AggregatorError("--slot-cpus cpumap is not built for --frags (jumbo frames) yet")
     cpus = sorted(cpus) if cpus else cpu_table.default_cpus()
     if not ifaces:
         raise AggregatorError("name at least one interface to attach to")
