@@ -5,6 +5,7 @@
 #   sudo make bench    benchmarks: the XDP program per packet, and all-reduce against gloo
 #   sudo make bench-training   DDP training (examples/train.py) through xdp-agg and gloo
 #   sudo make soak     two jobs x 4 workers, 1% loss, SOAK_MINUTES (30): exact, flat, no leak
+#   make docs          the API reference of hostlib and hostlib.pt (Sphinx, -W) in build/docs
 #
 # Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
 # bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
@@ -27,10 +28,10 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
 .PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
-	soak codegen cli-doc clean help
+	soak codegen cli-doc docs clean help
 
 help:
-	@sed -n '1,14p' Makefile
+	@sed -n '1,15p' Makefile
 
 setup: deps headers bpffs venv
 
@@ -78,6 +79,12 @@ ext: venv
 # docs/cli.md from the click tree (tests/test_docs.py checks it is current).
 cli-doc: venv
 	$(PY) tools/clidoc.py
+
+# The API reference of hostlib and hostlib.pt from their docstrings (docs/api; Sphinx comes with
+# the test extra); tests/test_api_docs.py builds it the same way.
+docs: venv
+	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
+	@echo "build/docs/index.html"
 
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)

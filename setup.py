@@ -12,14 +12,30 @@ setup(
     ext_modules=[
         Extension(
             "hostlib._fastpath",
-            sources=["hostlib/_fastpath.c", "hostlib/_xsk.c"],
-            depends=["hostlib/_xsk.h"],
+            # the units of the fast path (hostlib/_fastpath.c says which does what)
+            sources=[
+                "hostlib/_fastpath.c",
+                "hostlib/fp_kernels.c",
+                "hostlib/fp_io.c",
+                "hostlib/fp_loop.c",
+                "hostlib/_xsk.c",
+            ],
+            depends=[
+                "hostlib/_xsk.h",
+                "hostlib/fp_counters.h",
+                "hostlib/fp_io.h",
+                "hostlib/fp_kernels.h",
+                "hostlib/fp_loop.h",
+                "hostlib/fp_util.h",
+                "hostlib/fp_wire.h",
+            ],
             extra_compile_args=[
                 "-O2",
                 "-ffp-contract=off",
                 "-fno-strict-aliasing",
                 "-Wall",
                 "-Wextra",
+                "-Wshadow",
                 "-Wno-missing-field-initializers",
             ],
         )

@@ -9,7 +9,7 @@ Exit codes (every command):
 
 Codes 1, 3 and 4 are the exit_code of the XdpAggError the command raised (xdp_switch/errors.py);
 2 is click's. This module parses options; what the commands decide lives in
-xdp_switch/aggregator.py (attach, detach, status, counters), serving.py (job defaults, the
+xdp_switch/backend.py (attach, detach, status, counters), serving.py (job defaults, the
 control endpoint) and service.py (the systemd unit and its config).
 """
 
@@ -25,7 +25,8 @@ import click
 
 from aggproto import limits, wire
 from aggproto.jobs import WorkerSpec
-from xdp_switch import aggregator, links, loader, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import links, loader, pins
 from xdp_switch import slot_cpus as cpu_table
 from xdp_switch.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
@@ -37,18 +38,9 @@ DEFAULT_SLOT_CPUS = "rss"
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
 
-# Old command names that still run, left out of --help (renamed for one vocabulary: every
-# service command starts with "service-").
-COMMAND_ALIASES = {"install-service": "service-install"}
-
-
 class _Cli(click.Group):
     """The top-level group: an XdpAggError anywhere below becomes its message on stderr and its
     exit code (1 or 3). Anything else is a bug and keeps its traceback."""
-
-    def get_command(self, ctx: click.Context, cmd_name: str):
-        """A command by its name, or by the old name it had (COMMAND_ALIASES)."""
-        return super().get_command(ctx, COMMAND_ALIASES.get(cmd_name, cmd_name))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -202,7 +194,7 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, slot_cpu
       sudo xdp-agg attach eth0 --frags       # MTU 9000: 2048 int32 per packet
       sudo xdp-agg attach veth0 --slot-cpus cpumap --cpus 0-1
     """
-    state = aggregator.attach(
+    state = xdp_backend.attach(
         list(ifaces),
         name=ctx.obj["name"],
         topology=topology,
@@ -249,7 +241,7 @@ def detach(ctx, force, as_json):
       sudo xdp-agg detach
       sudo xdp-agg --name lab detach --force --json
     """
-    rep = aggregator.detach(ctx.obj["name"], force=force)
+    rep = xdp_backend.detach(ctx.obj["name"], force=force)
     _emit(
         rep,
         as_json,
@@ -275,7 +267,7 @@ def status(ctx, as_json):
       sudo xdp-agg status
       sudo xdp-agg --name lab status --json
     """
-    st = aggregator.status(ctx.obj["name"])
+    st = xdp_backend.status(ctx.obj["name"])
 
     def text(s):
         click.echo(
@@ -349,7 +341,7 @@ def stats(ctx, watch, interval, prometheus, as_json):
         return
     try:
         while True:
-            s = aggregator.stats(ctx.obj["name"])
+            s = xdp_backend.stats(ctx.obj["name"])
             if watch and not as_json:
                 click.clear()
                 click.echo(time.strftime("%H:%M:%S"))
@@ -409,7 +401,7 @@ def job_delete(ctx, job_id, as_json):
     Example:
       sudo xdp-agg job delete 0
     """
-    aggregator.XdpBackend(ctx.obj["name"]).delete_job(job_id)
+    xdp_backend.XdpBackend(ctx.obj["name"]).delete_job(job_id)
     _emit(
         {"job_id": job_id, "deleted": True}, as_json, lambda _: click.echo(f"job {job_id} deleted")
     )
@@ -425,7 +417,7 @@ def job_list(ctx, as_json):
     Example:
       sudo xdp-agg job list --json
     """
-    jobs = aggregator.XdpBackend(ctx.obj["name"]).jobs()
+    jobs = xdp_backend.XdpBackend(ctx.obj["name"]).jobs()
     _emit(
         jobs, as_json, lambda js: [click.echo(json.dumps(j)) for j in js] or click.echo("no jobs")
     )
@@ -442,9 +434,7 @@ def worker():
 @click.argument("ip", callback=options.ipv4)
 @click.option(
     "--worker-port",
-    "--port",
     "port",
-    cls=options.Renamed,
     type=click.IntRange(1, 65535),
     default=wire.UDP_PORT,
     show_default=True,
@@ -469,7 +459,7 @@ def worker_add(ctx, job_id, index, ip, port, agg_port, mac, as_json):
       sudo xdp-agg worker add 0 1 198.18.0.11 --mac 02:00:00:00:00:0b
     """
     spec = WorkerSpec(job_id, index, ip, port, agg_port, mac)
-    aggregator.XdpBackend(ctx.obj["name"]).add_worker(spec)
+    xdp_backend.XdpBackend(ctx.obj["name"]).add_worker(spec)
     _emit(
         dataclasses.asdict(spec),
         as_json,
@@ -489,7 +479,7 @@ def worker_remove(ctx, job_id, index, as_json):
     Example:
       sudo xdp-agg worker remove 0 1
     """
-    aggregator.XdpBackend(ctx.obj["name"]).remove_worker(job_id, index)
+    xdp_backend.XdpBackend(ctx.obj["name"]).remove_worker(job_id, index)
     _emit(
         {"job_id": job_id, "index": index, "removed": True},
         as_json,
@@ -508,7 +498,7 @@ def slots(ctx, slot, as_json):
     Example:
       sudo xdp-agg slots 3 --json
     """
-    s = aggregator.slot_state(slot, ctx.obj["name"])
+    s = xdp_backend.slot_state(slot, ctx.obj["name"])
 
     def text(s):
         click.echo(f"slot {s['slot']} (job {s['job']})")
@@ -546,6 +536,10 @@ def serve(ctx, opts: options.ServeOptions, as_json):
     copy of the secret file (mode 0600). docs/operations.md ("Trust model") says what this
     protects.
 
+    With --switchml-grpc, p4app-switchML's own hosts (its client library, dpdk backend) join
+    too, through its controller's gRPC API: each session is a job on aggregator port 0xBEE0,
+    slots from 0. That API has no credentials: give it an address only they reach.
+
     A job striped over several aggregators needs one control endpoint per aggregator, each in
     front of its own attached program (give each its own --group-base, so that their jobs'
     groups differ); the workers list all of them (hostlib.init(aggregator=[...]),
@@ -557,6 +551,7 @@ def serve(ctx, opts: options.ServeOptions, as_json):
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800
       sudo xdp-agg --netns agg serve --listen 198.18.0.1:48800 --results broadcast
       sudo xdp-agg serve --secret-file /etc/xdp-agg/lab.secret
+      sudo xdp-agg --netns agg serve --switchml-grpc 198.18.0.1:50099  # p4app-switchML hosts
       sudo xdp-agg --netns agg serve --target bmv2 --ports p0,p1,p2,p3 --listen 0.0.0.0:48800
       sudo xdp-agg --name rack0 serve --parent-endpoint 198.18.0.1:48800 --rack-rank 0 --racks 2
       sudo xdp-agg serve --target bmv2 --ports eth0 --parent-endpoint 198.18.0.1:48800 \\
@@ -685,7 +680,7 @@ def service_start(ctx, name, config_file, as_json):
 
     if service.clear_leftover(name):
         say("detached what an earlier run left attached")
-    state = aggregator.attach(
+    state = xdp_backend.attach(
         cfg.interfaces,
         name=name,
         topology=cfg.topology,
@@ -725,37 +720,9 @@ def service_stop(name, as_json):
 
 
 @main.command()
-@click.option(
-    "--workers",
-    type=click.IntRange(1, limits.MAX_WORKERS),
-    default=4,
-    show_default=True,
-    help="Workers per job in the stream.",
-)
-@click.option(
-    "--rounds",
-    type=click.IntRange(1, 10_000),
-    default=20,
-    show_default=True,
-    help="Rounds over 64 slots per repetition.",
-)
-@click.option(
-    "--repeats",
-    type=click.IntRange(1, 100),
-    default=5,
-    show_default=True,
-    help="Repetitions per case (the table gives the median).",
-)
-@click.option(
-    "--slot-cpus",
-    "slot_cpus",
-    is_flag=True,
-    help="Instead: on two CPUs at once, every slot's packets spread over both (rss on veth: "
-    "the completing CPU merges the other's partial) against each slot on the CPU that owns it "
-    "(--slot-cpus cpumap, its steering program included), at 256 and 768 elements.",
-)
+@options.click_options(options.BenchOptions)
 @_json_option()
-def bench(workers, rounds, repeats, slot_cpus, as_json):
+def bench(opts: options.BenchOptions, as_json):
     """Micro-benchmark of the XDP program (BPF_PROG_TEST_RUN, one core).
 
     Prints ns per packet and aggregated elements per second per core for 64, 256, 768 and
@@ -772,8 +739,8 @@ def bench(workers, rounds, repeats, slot_cpus, as_json):
     """
     from xdp_switch import microbench, slot_bench
 
-    if slot_cpus:
-        rows = slot_bench.run(workers=workers, rounds=rounds, repeats=repeats)
+    if opts.slot_cpus:
+        rows = slot_bench.run(workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats)
         _emit(rows, as_json, lambda r: click.echo(slot_bench.table(r)))
         return
 
@@ -781,7 +748,9 @@ def bench(workers, rounds, repeats, slot_cpus, as_json):
         if not as_json:
             click.echo(f"  {k} elems/packet: pass {i}/{n}", err=True)
 
-    res = microbench.run(workers=workers, rounds=rounds, repeats=repeats, progress=progress)
+    res = microbench.run(
+        workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats, progress=progress
+    )
     _emit([r.to_dict() for r in res], as_json, lambda _: click.echo(microbench.table(res)))
 
 

@@ -26,20 +26,6 @@ RESULTS = ("multicast", "broadcast")
 MAX_TREE_TOTAL = 64 * 64  # workers under a root: 64 racks of 64
 
 
-class Renamed(click.Option):
-    """An option whose first name is its name; the others are the names it had before the
-    vocabulary was made one (one word, one meaning) and still parse, but --help shows only the
-    first, so that the old names fade out of scripts without breaking them."""
-
-    def get_help_record(self, ctx: click.Context):
-        """The help line with the current name only."""
-        opts, self.opts = self.opts, self.opts[:1]
-        try:
-            return super().get_help_record(ctx)
-        finally:
-            self.opts = opts
-
-
 # --- one option's value ------------------------------------------------------------------------
 def ipv4(ctx, param, value: str | None) -> str | None:
     """click callback: an IPv4 address, normalised (None stays None)."""
@@ -73,6 +59,28 @@ def listen(ctx, param, value: str | None) -> tuple[str, int] | None:
         raise click.BadParameter(f"{value!r}: use HOST:PORT, e.g. 198.18.0.1:48800") from None
 
 
+SWITCHML_GRPC_PORT = 50099  # p4app-switchML's controller port (aggctl.switchml_grpc)
+
+
+def switchml_address(ctx, param, value: str | None) -> tuple[str, int] | None:
+    """click callback: HOST[:PORT] of the SwitchML gRPC API -> (host, port); the port defaults
+    to p4app-switchML's 50099. A host is required: the API binds only where it is told."""
+    if value is None:
+        return None
+    host, sep, port = value.rpartition(":") if value.count(":") == 1 else ("", "", "")
+    host, port = (host, port) if sep else (value, str(SWITCHML_GRPC_PORT))
+    try:
+        if not host or not 0 < int(port) < 65536:
+            raise ValueError
+        ipaddress.ip_address(host.strip("[]"))
+        return host, int(port)
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: use ADDRESS[:PORT], e.g. 198.18.0.1:{SWITCHML_GRPC_PORT} (an address "
+            "of this host: the API has no credentials)"
+        ) from None
+
+
 def slot_range(ctx, param, text: str) -> tuple[int, int]:
     """click callback: BASE:COUNT -> (base, count)."""
     try:
@@ -87,6 +95,11 @@ def opt(*decls: str, default=None, **click_kw):
     """A dataclass field with `default`, whose command-line option is click.option(*decls,
     default=default, **click_kw)."""
     return field(default=default, metadata={"click": (decls, {"default": default, **click_kw})})
+
+
+def count(decl: str, lo: int, hi: int, default: int, help: str):
+    """An integer field, lo..hi, with `default` (shown in --help)."""
+    return opt(decl, default=default, type=click.IntRange(lo, hi), show_default=True, help=help)
 
 
 def flag(decl: str, help: str):
@@ -260,8 +273,6 @@ class ServeOptions:
     )
     parent: str | None = opt(
         "--parent-endpoint",
-        "--parent",
-        cls=Renamed,
         help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is "
         "a rack of the parent's job of the same name (docs/striping-and-trees.md).",
     )
@@ -291,6 +302,23 @@ class ServeOptions:
         type=click.Path(dir_okay=False),
         help="With --parent-endpoint: the parent endpoint's deployment secret (default: this "
         "endpoint's).",
+    )
+
+    switchml_grpc: tuple[str, int] | None = opt(
+        "--switchml-grpc",
+        callback=switchml_address,
+        help="Also serve p4app-switchML's controller API (gRPC: Session.UdpSession, Sync.Barrier, "
+        f"Sync.Broadcast) on ADDRESS[:PORT] (port {SWITCHML_GRPC_PORT} unless given), so that "
+        "SwitchML's own hosts join jobs unchanged. Off unless given; it has no credentials "
+        "(docs/operations.md, trust model).",
+    )
+    switchml_window: int = opt(
+        "--switchml-window",
+        default=512,
+        type=click.IntRange(1, limits.DEFAULT_POOL_SLOTS),
+        show_default=True,
+        help="With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
+        "up to 2 x max_outstanding_packets, 2 x 256 by default).",
     )
 
     def check(self) -> None:
@@ -345,8 +373,6 @@ class JobOptions:
     )
     agg_port: int = opt(
         "--agg-port",
-        "--port",
-        cls=Renamed,
         default=wire.UDP_PORT,
         type=AGG_PORTS,
         show_default=True,
@@ -375,8 +401,6 @@ class JobOptions:
     )
     parent: str | None = opt(
         "--parent-address",
-        "--parent",
-        cls=Renamed,
         help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "
         "slots go there as this aggregator's contribution.",
     )
@@ -401,8 +425,6 @@ class JobOptions:
     )
     total_workers: int | None = opt(
         "--tree-workers",
-        "--total-workers",
-        cls=Renamed,
         type=click.IntRange(1, MAX_TREE_TOTAL),
         help="With --parent-address: workers under the root (the hosts' float scaling).",
     )
@@ -423,3 +445,24 @@ class JobOptions:
 
             ip, _ = parse_endpoint(self.parent)  # ValueError: not IP:PORT
             ipaddress.IPv4Address(ip)
+
+
+# --- bench ---------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class BenchOptions:
+    """The options of `xdp-agg bench` (the XDP program's micro-benchmark)."""
+
+    workers: int = count("--workers", 1, limits.MAX_WORKERS, 4, "Workers per job in the stream.")
+    rounds: int = count("--rounds", 1, 10_000, 20, "Rounds over 64 slots per repetition.")
+    repeats: int = count(
+        "--repeats", 1, 100, 5, "Repetitions per case (the table gives the median)."
+    )
+    slot_cpus: bool = flag(
+        "--slot-cpus",
+        "Instead: on two CPUs at once, every slot's packets spread over both (rss on veth: the "
+        "completing CPU merges the other's partial) against each slot on the CPU that owns it "
+        "(--slot-cpus cpumap, its steering program included), at 256 and 768 elements.",
+    )
+
+    def check(self) -> None:
+        """Nothing beyond each option's range (click checks those)."""

@@ -27,7 +27,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from aggproto import limits, wire
-from xdp_switch import aggregator, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import pins
 from xdp_switch.errors import XdpAggError
 
 UNIT_NAME = "xdp-agg@.service"
@@ -164,7 +165,7 @@ def clear_leftover(name: str) -> dict | None:
     report, or None."""
     if not pins.Instance(name).exists():
         return None
-    return aggregator.detach(name, force=True)
+    return xdp_backend.detach(name, force=True)
 
 
 def stop(name: str) -> dict | None:

@@ -36,7 +36,8 @@ from pathlib import Path
 
 from aggproto import control, groups
 from aggproto.jobs import DEFAULT_CONTROL_PORT, JobSpec, WorkerSpec
-from xdp_switch import aggregator, links, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import links, pins
 from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
 
 from . import options
@@ -92,7 +93,7 @@ def listen_address(ifnames: list[str]) -> str:
 
 def aggregator_interfaces(name: str) -> list[str]:
     """The interfaces aggregator `name` is attached to."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     return [i["ifname"] for i in state.interfaces]
 
 
@@ -177,7 +178,7 @@ def create_job(
     tree = _tree_fields(opts)
     slot_base, slot_count = opts.slots
     group_ip, group_mac = opts.group_ip, opts.group_mac
-    backend = aggregator.XdpBackend(name)
+    backend = xdp_backend.XdpBackend(name)
     first = _first_interface(backend.state)
     if group_ip is None:
         group_ip = "0.0.0.0"  # the switch topology: no group
@@ -221,12 +222,12 @@ def serve_defaults(
     `name` (aggctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
     job's group; else `results` (module docstring) chooses a group per job in `group_base` or
     the subnet broadcast; `warn` gets the warning of a fallback to the broadcast."""
-    state, _ = aggregator.open_instance(name)
+    state, _ = xdp_backend.open_instance(name)
     d = {
         "pool_slots": state.pool_slots,
         "barrier_timeout": barrier_timeout,
         "udp_checksum": udp_checksum,
-        "delivery": aggregator.DELIVERY[state.topology],
+        "delivery": xdp_backend.DELIVERY[state.topology],
     }
     if state.topology == "switch":
         return d
@@ -315,6 +316,80 @@ def _stand_up(backend, host: str, port: int, defaults: dict, **kw):
         ) from e
 
 
+@dataclasses.dataclass
+class SwitchmlServe:
+    """Where and how `serve --switchml-grpc` serves p4app-switchML's controller API."""
+
+    host: str
+    port: int
+    window: int = 512  # slots of a session's job, from 0
+    barrier_timeout: float = 120.0  # longest a Barrier or Broadcast waits
+
+
+def port_address_of(ifnames: list[str]) -> Callable[[str], tuple[str, str]]:
+    """For the SwitchML API: our (IPv4, MAC) on the interface whose subnet holds a worker's
+    address (the switch topology: the port it reaches), or of the one interface (one-arm)."""
+
+    def find(ip: str) -> tuple[str, str]:
+        found = [links.addresses(i) for i in ifnames]
+        for a in found:
+            for net in map(ipaddress.IPv4Interface, a["ipv4_nets"]):
+                if ipaddress.IPv4Address(ip) in net.network:
+                    return str(net.ip), a["mac"]
+        if len(found) == 1 and found[0]["ipv4"]:
+            return found[0]["ipv4"][0], found[0]["mac"]
+        raise ValueError(
+            f"no interface of the aggregator ({', '.join(ifnames)}) has a subnet holding the "
+            f"worker's address {ip}: give the port it reaches an address in its subnet"
+        )
+
+    return find
+
+
+def bmv2_port_address(backend) -> Callable[[str], tuple[str, str]]:
+    """For the SwitchML API on bmv2: our (IPv4, MAC) on the switch port whose subnet holds a
+    worker's address (Bmv2Backend.uplink_address, which speaks of a parent)."""
+
+    def find(ip: str) -> tuple[str, str]:
+        try:
+            return backend.uplink_address(ip)
+        except ValueError:
+            raise ValueError(
+                f"not one port of the switch has a subnet holding the worker's address {ip}: "
+                "give the port it is behind an address in its subnet"
+            ) from None
+
+    return find
+
+
+@contextlib.contextmanager
+def switchml_serving(sml: SwitchmlServe | None, server, port_address):
+    """A context serving the SwitchML API (aggctl.switchml_grpc) before control endpoint
+    `server` (nothing without --switchml-grpc), stopped on exit. EnvironmentProblem without
+    grpcio, XdpAggError when it cannot bind."""
+    if sml is None:
+        yield None
+        return
+    try:
+        from aggctl import switchml_grpc
+    except ImportError as e:
+        raise EnvironmentProblem(
+            f"--switchml-grpc needs grpcio and protobuf ({e}): pip install 'xdp-agg[switchml]'"
+        ) from e
+    settings = switchml_grpc.SwitchmlSettings(sml.window, sml.barrier_timeout)
+    api = switchml_grpc.SwitchmlApi(server.registry, settings, port_address)
+    try:
+        grpc_server, _ = switchml_grpc.start_server(api, sml.host, sml.port)
+    except OSError as e:
+        raise XdpAggError(
+            f"--switchml-grpc: {e}; stop what listens there (`ss -ltnp`) or choose another port"
+        ) from e
+    try:
+        yield grpc_server
+    finally:
+        grpc_server.stop(None)
+
+
 def metrics_exporting(address: tuple[str, int] | None, sources: dict):
     """aggapp.metrics.exporting (serve --metrics, the soft endpoint's too): a context yielding
     the metrics' URL, or None when `address` is None; `sources`: aggapp.metrics.Sources'
@@ -342,7 +417,7 @@ def _metrics_module():
 def xdp_exposition(name: str) -> str:
     """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
     endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
-    backend = aggregator.XdpBackend(name)
+    backend = xdp_backend.XdpBackend(name)
     sources = dict(backend=backend, target="xdp", xdp=backend)
     metrics = _metrics_module()
     return metrics.exposition(metrics.Sources(**sources))
@@ -370,6 +445,7 @@ def serve_xdp(
     warn: Callable[[str], None] | None = None,
     parent=None,
     metrics: tuple[str, int] | None = None,
+    switchml: SwitchmlServe | None = None,
 ) -> None:
     """Run the control endpoint in front of the attached XDP aggregator `name` until
     interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
@@ -377,6 +453,7 @@ def serve_xdp(
     deployment secret (None: no authentication); limits: aggctl.auth.Limits. `parent` (a
     tree.ParentLink): every job created here is a rack of the parent's job of the same name.
     `metrics` (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics).
+    `switchml`: also serve p4app-switchML's controller API (aggctl.switchml_grpc).
 
     One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
     jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
@@ -394,7 +471,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = xdp = aggregator.XdpBackend(name)
+        backend = xdp = xdp_backend.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 
@@ -412,7 +489,11 @@ def serve_xdp(
             grace=rejoin_timeout,
         )
         sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
-        with metrics_exporting(metrics, sources) as url:
+        port_address = port_address_of(aggregator_interfaces(name))
+        with (
+            metrics_exporting(metrics, sources) as url,
+            switchml_serving(switchml, server, port_address),
+        ):
             announce(
                 f"control endpoint listening on {host}:{port} (aggregator {name}, "
                 f"{describe_results(defaults)}"
@@ -437,12 +518,14 @@ def serve_bmv2(
     announce: Callable[[str], None] = print,
     parent=None,
     metrics: tuple[str, int] | None = None,
+    switchml: SwitchmlServe | None = None,
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
     run the control endpoint in front of it until interrupted; the switch stops on exit.
     `parent` (a tree.ParentLink): every job created here is a rack of the parent's job of the
     same name, its partial sums sent up from the port whose subnet holds the parent. `metrics`
-    (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics)."""
+    (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics). `switchml`: also serve
+    p4app-switchML's controller API (aggctl.switchml_grpc)."""
     import bmv2_switch as bm
     from aggproto.jobs import Delivery
 
@@ -476,7 +559,10 @@ def serve_bmv2(
         )
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
-        with metrics_exporting(metrics, sources) as url:
+        with (
+            metrics_exporting(metrics, sources) as url,
+            switchml_serving(switchml, server, bmv2_port_address(backend)),
+        ):
             announce(
                 f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
                 f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
@@ -497,6 +583,7 @@ class Endpoint:
     limits: object  # aggctl.auth.Limits
     parent: object | None  # aggctl.tree.ParentLink: every job a rack of the parent's
     notes: list[str]  # what to tell the operator after the "listening" line
+    switchml: SwitchmlServe | None = None  # p4app-switchML's controller API, if asked for
 
 
 def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
@@ -519,7 +606,16 @@ def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
         notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
     if host == "0.0.0.0":
         notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
-    return Endpoint(host, port, secret, opts.limits(), _parent_link(opts, secret), notes)
+    sml = None
+    if opts.switchml_grpc is not None:
+        sml_host, sml_port = opts.switchml_grpc
+        sml = SwitchmlServe(sml_host, sml_port, opts.switchml_window, opts.barrier_timeout)
+        notes.append(
+            f"SwitchML controller API (gRPC) on {sml_host}:{sml_port}, without credentials: "
+            "whoever reaches it can open a session (docs/operations.md)"
+        )
+    link = _parent_link(opts, secret)
+    return Endpoint(host, port, secret, opts.limits(), link, notes, sml)
 
 
 def _parent_link(opts: options.ServeOptions, secret: bytes | None):
@@ -550,7 +646,11 @@ def serve(
     """Run the endpoint (resolve's) in front of the target `opts` names until interrupted."""
     ep = endpoint
     common = dict(
-        barrier_timeout=opts.barrier_timeout, secret=ep.secret, limits=ep.limits, announce=announce
+        barrier_timeout=opts.barrier_timeout,
+        secret=ep.secret,
+        limits=ep.limits,
+        announce=announce,
+        switchml=ep.switchml,
     )
     # --metrics :PORT: beside the control endpoint, on its address
     common["metrics"] = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None

@@ -42,6 +42,18 @@ class ClusterError(RuntimeError):
     """A step of the run failed; the message carries the failing process's output."""
 
 
+def run_cli(
+    tb, host, name: str, args, timeout: float, what: str = ""
+) -> subprocess.CompletedProcess:
+    """`xdp-agg --name NAME ARGS` in testbed `tb`'s namespace of `host`; ClusterError (prefixed
+    with `what`) when it fails."""
+    cmd = [sys.executable, "-m", "aggapp.cli", "--name", name, *args]
+    r = tb.run(host, cmd, timeout=timeout)
+    if r.returncode != 0:
+        raise ClusterError(f"{what}xdp-agg {' '.join(args)} failed: {r.stderr.strip()}")
+    return r
+
+
 class Cluster:
     """The XDP aggregator, its control endpoint and worker processes on a Testbed."""
 
@@ -92,11 +104,9 @@ class Cluster:
     # --- lifecycle ------------------------------------------------------------------------
     def cli(self, *args: str, timeout: float = 120, aggregator: int = 0):
         """Run `xdp-agg --name NAME ARGS` in aggregator `aggregator`'s namespace."""
-        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.agg_name(aggregator), *args]
-        r = self.tb.run(self.aggregators[aggregator], cmd, timeout=timeout)
-        if r.returncode != 0:
-            raise ClusterError(f"xdp-agg {' '.join(args)} failed: {r.stderr.strip()}")
-        return r
+        return run_cli(
+            self.tb, self.aggregators[aggregator], self.agg_name(aggregator), args, timeout
+        )
 
     def __enter__(self) -> "Cluster":
         try:
@@ -221,14 +231,15 @@ class Cluster:
         hosts: list[int] | None = None,
         job: str = "e2e",
         elems: int | str = 256,
-        window: int = 128,
+        window: int | None = None,
         timeout: float = 30.0,
         progress: bool = False,
         aggregators: int = 1,
     ) -> list[tuple[int, subprocess.Popen]]:
         """Start one cluster_worker per host (testbed worker indices, default all): the i-th host
         is rank i of a job of len(hosts) workers, striped over the first `aggregators` of the
-        cluster's aggregators. Collect them with `collect`."""
+        cluster's aggregators; window None: hostlib's default (HostOptions). Collect them with
+        `collect`."""
         if not 1 <= aggregators <= len(self.aggregators):
             raise ValueError(f"aggregators must be in 1..{len(self.aggregators)}")
         hosts = list(range(len(self.tb.workers))) if hosts is None else hosts

@@ -86,13 +86,15 @@ def argv(rank: int, world: int, control: str, job: str, plan, *, python=None, **
     return cmd
 
 
-def join(args, **kw):
-    """hostlib.init for a worker process, from its --rank, --world, --control, --job, --elems and
-    --window (the benchmarks' workers take the same); `kw`: any other init argument."""
+def join(args, **given):
+    """hostlib.init for a worker process, from its --rank, --world, --control and --job, with
+    the options its command line names (HostOptions.from_args: --elems, --window, --timeout,
+    ... over the environment's; the benchmarks' workers take the same); `given`: more options
+    by name (HostOptions fields)."""
     import hostlib
 
-    job = dict(job=args.job, elems=args.elems, window=args.window)
-    return hostlib.init(args.rank, args.world, args.control, **job, **kw)
+    opts = hostlib.HostOptions.from_args(args, **given)
+    return hostlib.init(args.rank, args.world, args.control, args.job, opts)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -110,11 +112,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--elems",
         type=lambda v: v if v == "auto" else int(v),
-        default=256,
-        help="int32 per packet, or auto: the most the path MTU allows",
+        default=None,
+        help="int32 per packet, or auto (the default): the most the path MTU and the "
+        "aggregator allow",
     )
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--timeout", type=float, default=30.0)
+    ap.add_argument("--window", type=int, default=None, help="slots per worker")
+    ap.add_argument("--timeout", type=float, default=None, help="stall timeout, seconds")
     ap.add_argument(
         "--plan",
         required=True,
@@ -222,7 +225,7 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     # the counters' differences; the data path's two strings as they are
     report["stats"] = {k: v if isinstance(v, str) else v - before.get(k, 0) for k, v in now.items()}
     report["per_aggregator"] = [
-        {"aggregator": now["aggregator"], **{k: now[k] - was[k] for k in _PER_AGGREGATOR}}
+        {"control": now["control"], **{k: now[k] - was[k] for k in _PER_AGGREGATOR}}
         for now, was in zip(comm.stats_per_aggregator(), before_per)
     ]
     if item.get("verify", True):
@@ -241,8 +244,7 @@ def main(argv=None) -> int:
     data_world = args.world if args.data_world is None else args.data_world
     plan = json.loads(args.plan)
     offload = {"gso": False, "gro": False} if args.no_offload else {}
-    progress = args.progress and args.rank == 0
-    with join(args, timeout=args.timeout, progress=progress, **offload) as comm:
+    with join(args, progress=args.progress and args.rank == 0, **offload) as comm:
         for item in plan:
             if item.get("check") == "counters":
                 report = _counters_report(comm, args.rank)

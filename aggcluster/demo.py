@@ -13,6 +13,8 @@ import os
 import sys
 import time
 
+from hostlib.options import DEFAULT_WINDOW
+
 
 def _print_results(args, count: int, reports: list, agg: dict) -> bool:
     """The demo's table, from the workers' reports and the aggregator's counters; whether every
@@ -25,7 +27,7 @@ def _print_results(args, count: int, reports: list, agg: dict) -> bool:
     print()
     print(
         f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, "
-        f"window {args.window}, MTU {args.mtu})"
+        f"window {args.window or DEFAULT_WINDOW}, MTU {args.mtu})"
     )
     print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
     best = f", best of {args.reps}" if args.reps > 1 else ""
@@ -79,7 +81,9 @@ def main(argv=None) -> int:
         help="int32 per packet (768 needs --mtu >= 3110; SwitchML's largest is 256)",
     )
     ap.add_argument("--mtu", type=int, default=3500, help="MTU of every testbed link")
-    ap.add_argument("--window", type=int, default=256, help="slots per worker")
+    ap.add_argument(
+        "--window", type=int, default=None, help="slots per worker (default: hostlib's, 64)"
+    )
     ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])
     ap.add_argument("--reps", type=int, default=1, help="all-reduces in a row; the best is shown")
     args = ap.parse_args(argv)

@@ -9,8 +9,8 @@ Layout: every namespace sits on the testbed's one bridge (one subnet). The testb
 namespace is the root (xdp-agg attach + serve, as Cluster does); of the testbed's "workers",
 hosts 0 .. racks*per_rack-1 are the workers (rack r has hosts r*per_rack ..), and the last
 `racks` hosts are the rack aggregators, each running `xdp-agg attach eth0` and
-`xdp-agg serve --parent ROOT:48800 --rack-rank r --racks R`. A rack's workers talk to their rack's
-endpoint and aggregator only; the racks talk to the root.
+`xdp-agg serve --parent-endpoint ROOT:48800 --rack-rank r --racks R`. A rack's workers talk to
+their rack's endpoint and aggregator only; the racks talk to the root.
 
 One bridge for all is harmless for the results: a rack sends the parent's result to the subnet
 broadcast, so the other racks' workers may receive a copy too, but it is the same sum for the
@@ -38,7 +38,7 @@ import uuid
 from netns_testbed import faults, xdp_pass
 
 from . import cluster_worker
-from .cluster import CONTROL_PORT, Cluster, ClusterError
+from .cluster import CONTROL_PORT, Cluster, ClusterError, run_cli
 
 
 def tree_hosts(racks: int, per_rack: int) -> int:
@@ -86,11 +86,7 @@ class TreeCluster:
         """`xdp-agg ARGS` for rack r's aggregator (None: the root's)."""
         if r is None:
             return self.root.cli(*args, timeout=timeout)
-        cmd = [sys.executable, "-m", "aggapp.cli", "--name", self.rack_name(r), *args]
-        res = self.tb.run(self.rack_hosts[r], cmd, timeout=timeout)
-        if res.returncode != 0:
-            raise ClusterError(f"rack {r}: xdp-agg {' '.join(args)} failed: {res.stderr.strip()}")
-        return res
+        return run_cli(self.tb, self.rack_hosts[r], self.rack_name(r), args, timeout, f"rack {r}: ")
 
     def __enter__(self) -> "TreeCluster":
         self.root.__enter__()
@@ -158,7 +154,7 @@ class TreeCluster:
         *,
         job: str = "tree",
         elems: int = 256,
-        window: int = 128,
+        window: int | None = None,
         timeout: float = 30.0,
     ) -> list[tuple[int, subprocess.Popen]]:
         """One cluster_worker per worker host: rank i of its rack's job, input and exact sum as

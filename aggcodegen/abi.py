@@ -172,7 +172,7 @@ PORT_WORKER = Struct(
         F("agg_mac", "__u8", "our MAC on that port", 6),
         F("ip", "__be32", "worker address"),
         F("agg_ip", "__be32", "our address as the worker knows it"),
-        F("port", "__be16", "worker UDP port"),
+        F("port", "__be16", "worker's registered UDP port (results: the request's source port)"),
         F("agg_port", "__be16", "our UDP port"),
         F("index", "__u32", "worker index"),
     ),

@@ -3,8 +3,9 @@
     python -m aggcodegen          # rewrite the generated files
     python -m aggcodegen --check  # exit 1 if any committed file differs
 
-The generated files are committed so that the BPF program and the P4 program can be read and
-compiled without running Python; tests/test_codegen.py fails when they drift.
+The generated files are committed so that the BPF program, the P4 program and the host's C fast
+path (hostlib/fp_wire.h) can be read and compiled without running Python; tests/test_codegen.py
+fails when they drift.
 """
 
 from __future__ import annotations
@@ -163,8 +164,37 @@ def wire_p4() -> str:
     return header("aggproto/wire.py", "_XDP_AGG_WIRE_P4_", L)
 
 
+# the wire constants the C fast path uses: (name in aggproto.wire, C macro, what it is)
+FASTPATH_WIRE = (
+    ("EXPONENTS_AT", "FP_EXP_AT", "the exponent header (e0, e1), from the UDP payload's start"),
+    ("EXP_HLEN", "FP_EXP_LEN", "exponent header bytes"),
+    ("VALUES_AT", "FP_VALUES_AT", "the first int32, from the UDP payload's start"),
+    ("POOL_VERSION_BIT", "FP_POOL_VERSION_BIT", "pool_index: version"),
+    ("POOL_SLOT_MASK", "FP_POOL_SLOT_MASK", "pool_index: slot"),
+    ("SWITCHML_OFFSET", "FP_FRAME_HLEN", "Ethernet + IPv4 + UDP headers before the payload"),
+)
+
+
+def fastpath_wire_h() -> str:
+    """hostlib/fp_wire.h: the wire constants of the C fast path, and FP_WIRE_CONSTANTS(X), the
+    list the extension exports for hostlib.native_loop to check against aggproto.wire."""
+    L = []
+    for name, macro, doc in FASTPATH_WIRE:
+        value = getattr(wire, name)
+        text = hex(value) if "BIT" in name or "MASK" in name else str(value)
+        L.append(f"#define {macro} {text} /* {doc} */")
+    L.append("")
+    L.append("/* X(name in aggproto.wire, value) of each constant above */")
+    L.append(
+        "#define FP_WIRE_CONSTANTS(X) "
+        + " ".join(f"X({name}, {macro})" for name, macro, _ in FASTPATH_WIRE)
+    )
+    return header("aggproto/wire.py", "HOSTLIB_FP_WIRE_H", L)
+
+
 GENERATED = {
     "bpf/generated/wire.h": wire_h,
+    "hostlib/fp_wire.h": fastpath_wire_h,
     "bpf/generated/abi.h": abi_h,
     "p4/include/wire.p4": wire_p4,
     **p4gen.GENERATED,  # the P4 program's per-element parts and reasons

@@ -13,6 +13,7 @@ endpoint tests with isinstance (they are runtime_checkable) before it uses it:
 | Generation | the saved job table names the attachment it was made on | xdp |
 | ParentStatus | `status` shows a rack job's parent link and its counters | xdp |
 | ParentJoin | `create` joins the parent's job first (a rack of a two-level tree) | tree |
+| ElemSizes | `ping` says which packet sizes the target takes (elems="auto") | xdp, bmv2 |
 
 tests/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.
@@ -23,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Protocol, runtime_checkable
 
+from aggproto import wire
 from aggproto.jobs import JobSpec, WorkerSpec
 from aggproto.limits import MAX_JOBS, MAX_WORKERS
 
@@ -107,7 +109,30 @@ class UplinkAddress(Protocol):
         """Our (IPv4 address, MAC) toward the parent at `ip`; ValueError when none leads there."""
 
 
-CAPABILITIES = (JobCounters, WorkerCounters, JobLoss, Generation, ParentStatus, ParentJoin)
+@runtime_checkable
+class ElemSizes(Protocol):
+    """The packet sizes (int32 per packet) a target aggregates; without it, every wire size."""
+
+    def elem_sizes(self) -> tuple[int, ...]:
+        """The sizes of aggproto.wire.SIZE_CODE_ELEMS this target takes now, ascending."""
+
+
+CAPABILITIES = (
+    JobCounters,
+    WorkerCounters,
+    JobLoss,
+    Generation,
+    ParentStatus,
+    ParentJoin,
+    ElemSizes,
+)
+
+
+def elem_sizes(backend) -> list[int]:
+    """The packet sizes `backend` aggregates (ElemSizes), else every wire size."""
+    if isinstance(backend, ElemSizes):
+        return sorted(backend.elem_sizes())
+    return sorted(wire.SIZE_CODE_ELEMS.values())
 
 
 def capabilities(backend) -> set[str]:

@@ -49,7 +49,7 @@ def stand_up(
     if table is None:
         return server, []
     saved = jobtable.load(table)
-    server.on_change = lambda: jobtable.save(table, server.snapshot(generation))
-    recovered = server.restore(saved, generation, grace=grace)
-    server.notify_change()  # what was not recovered is not kept either
+    server.registry.on_change = lambda: jobtable.save(table, server.registry.snapshot(generation))
+    recovered = server.registry.restore(saved, generation, grace=grace)
+    server.registry.notify_change()  # what was not recovered is not kept either
     return server, recovered

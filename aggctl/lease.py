@@ -14,7 +14,7 @@ A job whose lease runs out is deleted from the backend like a job whose ranks al
 members' next requests are told the job does not exist. `seconds` <= 0 turns leases off.
 
 The lease's length is aggctl.auth.Limits.job_lease (default DEFAULT_LEASE), `xdp-agg serve
---job-lease SECONDS` on the command line. The server's hooks (aggctl.server.RendezvousServer)
+--job-lease SECONDS` on the command line. The server's hooks (aggctl.server.ControlEndpoint)
 are JobLease.start/stop with the server, and renew(conn) after each answered request.
 """
 
@@ -32,10 +32,11 @@ DEFAULT_LEASE = Limits.job_lease  # 60 s: 6 renewals of a live control link (a p
 
 
 class JobLease:
-    """Expires the jobs of `server` (a RendezvousServer) that nobody renewed for `seconds`."""
+    """Expires the jobs of `registry` (a ControlEndpoint's JobRegistry) that nobody renewed for
+    `seconds`."""
 
-    def __init__(self, server, seconds: float) -> None:
-        self.server = server
+    def __init__(self, registry, seconds: float) -> None:
+        self.registry = registry
         self.seconds = float(seconds)
         # per job (by its token, unique per creation): when last renewed, and its traffic then
         self._renewed: dict[str, float] = {}
@@ -64,8 +65,8 @@ class JobLease:
         if not self.enabled:
             return
         now = time.monotonic()
-        with self.server._cond:
-            for job in self.server._jobs.values():
+        with self.registry.cond:
+            for job in self.registry.jobs.values():
                 if conn in job.holders:
                     self._renewed[job.token] = now
 
@@ -83,20 +84,21 @@ class JobLease:
         if not self.enabled:
             return []
         now = time.monotonic()
-        with self.server._cond:
-            jobs = list(self.server._jobs.values())
+        with self.registry.cond:
+            jobs = list(self.registry.jobs.values())
         # the backend's counters outside the server's lock (they may take the backend's own)
         traffic = {job.token: self._contributions(job) for job in jobs}
         gone = []
-        with self.server._cond:
-            live = {j.token for j in self.server._jobs.values()}
+        with self.registry.cond:
+            live = {j.token for j in self.registry.jobs.values()}
             for job in jobs:
                 self._renewed.setdefault(job.token, now)  # a new job's lease starts now
                 seen = traffic[job.token]
                 if seen is not None and seen != self._traffic.get(job.token):
                     self._traffic[job.token] = seen
                     self._renewed[job.token] = now
-                if not job.complete:  # still in its register barrier, which has its timeout
+                # still in its register barrier, which has its timeout; or a job no lease ends
+                if not job.complete or not job.leased:
                     self._renewed[job.token] = now
                 quiet = now - self._renewed.get(job.token, now)
                 if job.token in live and quiet > self.seconds:
@@ -107,7 +109,7 @@ class JobLease:
                         quiet,
                         self.seconds,
                     )
-                    self.server._delete(job)
+                    self.registry.delete(job)
                     gone.append(job.key)
             for token in set(self._renewed) - live:  # ended jobs: forget them
                 self._renewed.pop(token, None)
@@ -118,7 +120,7 @@ class JobLease:
 
     def _contributions(self, job) -> int | None:
         """The aggregator's count of the job's contributions, all workers; None if unknown."""
-        counters = getattr(self.server.backend, "worker_counters", None)
+        counters = getattr(self.registry.backend, "worker_counters", None)
         if counters is None:
             return None
         try:

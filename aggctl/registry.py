@@ -1,7 +1,8 @@
 """The control endpoint's job registry and barrier: jobs created, ranks registered and waited
 for, leaving and rejoining, and the job table a restart carries on from (snapshot, restore).
-ControlEndpoint (aggctl.server) is this, the status answers (aggctl.status) and the connections.
-Every method here runs with the endpoint's lock (self._cond) held unless it says otherwise.
+ControlEndpoint (aggctl.server) owns one JobRegistry, beside its status answers (aggctl.status)
+and its connections. The registry's lock (`cond`) guards the job table; a method whose name does
+not say otherwise takes it, and the private ones run with it held.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from aggproto import control, groups, wire
@@ -47,6 +49,9 @@ class _EndpointJob:
     holders: set[int] = field(default_factory=set)  # connections keeping the job alive
     complete: bool = False  # every rank has registered: the barrier is open
     deleted: bool = False
+    # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
+    # has no connection to renew it and lives until the next session or its end
+    leased: bool = True
 
     @property
     def gone(self) -> list[int]:
@@ -121,15 +126,45 @@ def _peer_closed(sock: socket.socket) -> bool:
 
 
 class JobRegistry:
-    """The jobs of a control endpoint (a mixin of ControlEndpoint, whose __init__ makes the
-    state: backend, defaults, _cond, _jobs, _guard, on_change, _stopping)."""
+    """The jobs of a control endpoint: the job table (`jobs`, key -> job) and its lock (`cond`),
+    the ops that change it (create, register, leave, rejoin), and the table a restart carries on
+    from (snapshot, restore).
+
+    `guard` checks a request's credentials (aggctl.auth.Guard); `fill_worker` completes a worker
+    spec before backend.add_worker (ControlEndpoint says how); `on_change()`, if set, runs with
+    the lock held after every change of the table; `connection(conn)` is the socket of the
+    endpoint's connection `conn` (None once closed) and `disconnected(conn)` tells the endpoint
+    that a connection closed: the barrier watches a waiting rank's socket through them.
+    """
+
+    def __init__(
+        self,
+        backend,
+        defaults,
+        guard,
+        *,
+        fill_worker=None,
+        on_change: Callable[[], None] | None = None,
+        connection: Callable[[int], socket.socket | None] = lambda conn: None,
+        disconnected: Callable[[int], None] = lambda conn: None,
+    ) -> None:
+        self.backend = backend
+        self.defaults = defaults
+        self.guard = guard
+        self.fill_worker = fill_worker
+        self.on_change = on_change
+        self._connection = connection
+        self._disconnected = disconnected
+        self.cond = threading.Condition()
+        self.jobs: dict[str, _EndpointJob] = {}
+        self.stopping = False  # the endpoint is stopping: no new job, barriers end
 
     def snapshot(self, generation=None) -> dict:
         """The job table as JSON-able data (aggctl.jobtable saves it): per job its key, spec,
         world size, window, worker port, token, whether the barrier opened, and per rank its
         address, port, MAC and state; `generation` names the aggregator's attachment."""
-        with self._cond:
-            jobs = [_job_record(job) for job in self._jobs.values() if not job.deleted]
+        with self.cond:
+            jobs = [_job_record(job) for job in self.jobs.values() if not job.deleted]
         return {"format": TABLE_FORMAT, "generation": generation, "jobs": jobs}
 
     def restore(self, data: dict | None, generation=None, grace: float = 60.0) -> list[str]:
@@ -149,7 +184,7 @@ class JobRegistry:
             )
             return []
         have = {j["job_id"]: j for j in self.backend.jobs()}
-        with self._cond:
+        with self.cond:
             restored = [key for rec in data.get("jobs", []) if (key := self._restore(rec, have))]
         if restored:
             t = threading.Timer(grace, self._expire_unrejoined, args=(grace,))
@@ -159,8 +194,8 @@ class JobRegistry:
 
     def notify_change(self) -> None:
         """Run on_change now (a target saving the table it just restored)."""
-        with self._cond:
-            self._changed()
+        with self.cond:
+            self.changed()
 
     def _restore(self, rec: dict, have: dict) -> str | None:
         """One saved job back in the table (lock held); its key, or None if it is not."""
@@ -182,19 +217,19 @@ class JobRegistry:
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
         job.holders = {_recovered_holder(r) for r, x in ranks.items() if x.state == "registered"}
-        self._jobs[key] = job
+        self.jobs[key] = job
         if not job.holders:  # nobody can come back for it: free it now
-            self._delete(job)
+            self.delete(job)
             return None
         log.info("recovered job %r (id %d), ranks %s", key, spec.job_id, sorted(ranks))
         return key
 
     def _expire_unrejoined(self, grace: float) -> None:
         """Recovered ranks that did not rejoin within `grace` are disconnected (frees jobs)."""
-        with self._cond:
-            if self._stopping:
+        with self.cond:
+            if self.stopping:
                 return
-            for job in list(self._jobs.values()):
+            for job in list(self.jobs.values()):
                 for r, x in job.ranks.items():
                     if x.state == "registered" and x.conn is None:
                         log.warning(
@@ -205,10 +240,46 @@ class JobRegistry:
                         )
                         self._mark_gone(job, r, "disconnected")
                         self._release(job, _recovered_holder(r))
-            self._changed()
+            self.changed()
 
-    def _op_create(self, conn, req, local, peer):
-        self._guard.need_secret(req, "create")
+    # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
+    def open_job(self, holder, key, world, elems, window, worker_port, *, port, base) -> JobSpec:
+        """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
+        until end_job (no lease ends it); its spec. RequestError when it cannot be (the port or
+        slots taken)."""
+        with self.cond:
+            job = self._new_job(
+                holder, key, world, elems, window, worker_port, port=port, base=base
+            )
+            job.leased = False
+            return job.spec
+
+    def join_job(self, holder, key, rank, ip, port, mac, local) -> None:
+        """Register rank `rank` of job `key` without waiting for the others (their barrier is
+        the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
+        it. RequestError when it cannot be."""
+        with self.cond:
+            self._check_running()
+            self._add_rank(self.live_job(key), holder, rank, ip, port, mac, local)
+
+    def missing_ranks(self, key) -> list[int] | None:
+        """The ranks of job `key` not registered yet; None when there is no such job."""
+        with self.cond:
+            job = self.jobs.get(key)
+            return None if job is None else job.missing()
+
+    def end_job(self, key) -> bool:
+        """Delete job `key` whoever holds it; whether there was one."""
+        with self.cond:
+            job = self.jobs.get(key)
+            if job is None:
+                return False
+            self.delete(job)
+            return True
+
+    def create(self, conn, req, local, peer):
+        """op create: a new job, its id, slots and port (server.py's docstring)."""
+        self.guard.need_secret(req, "create")
         key = request_key(req)
         world = int_field(req, "world_size", 1, MAX_WORKERS)
         elems = int_field(req, "elems", 1, wire.MAX_ELEMS)
@@ -218,68 +289,103 @@ class JobRegistry:
             raise RequestError(str(e)) from None
         window = int_field(req, "window", 1, self.defaults.pool_slots)
         worker_port = int_field(req, "worker_port", 1, 65535)
-        with self._cond:
-            self._check_running()
-            if key in self._jobs:
-                old = self._jobs[key]
-                raise RequestError(
-                    f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
-                    f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
-                    f"run at a time: pick another name or wait until the old run has left"
-                )
-            ids, ports, ranges = self._in_use()
-            job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
-            if job_id is None:
-                raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
-            free_ports = [
+        with self.cond:
+            job = self._new_job(conn, key, world, elems, window, worker_port)
+            return {"job": self.describe(job, local), "token": job.token}
+
+    def _new_job(self, holder, key, world, elems, window, worker_port, *, port=None, base=None):
+        """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
+        and first slot `base` given, else the first free port and the first fit of `window`
+        slots; RequestError saying why not."""
+        self._check_running()
+        if key in self.jobs:
+            old = self.jobs[key]
+            raise RequestError(
+                f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
+                f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
+                f"run at a time: pick another name or wait until the old run has left"
+            )
+        ids, ports, ranges = self._in_use()
+        job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
+        if job_id is None:
+            raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
+        port, base = self._place(ports, ranges, window, port, base)
+        spec = self._job_spec(key, job_id, world, elems, base, window, port)
+        try:
+            if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
+                spec = self.backend.join_parent(key, spec, window=window, worker_port=worker_port)
+            self.backend.create_job(spec)
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+        token = control.new_token()
+        job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={holder})
+        self.jobs[key] = job
+        self.changed()
+        log.info("created job %r: %s", key, spec)
+        return job
+
+    def _place(self, ports, ranges, window, port, base) -> tuple[int, int]:
+        """The aggregator port and first slot of a new job: `port`/`base` if given and free,
+        else the first free ones; RequestError when there are none."""
+        if port is not None and port in ports:
+            raise RequestError(
+                f"aggregator port {port:#x} is used by a live job; this job needs that port "
+                "(p4app-switchML's hosts send to 0xBEE0): end that job first"
+            )
+        if port is None:
+            free = [
                 p
                 for p in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT)
                 if p not in ports
             ]
-            port = free_ports[0] if free_ports else None
-            if port is None:
+            if not free:
                 raise RequestError("all 16 aggregator ports 0xBEE0..0xBEEF are used by live jobs")
-            base = _first_fit(ranges, window, self.defaults.pool_slots)
-            if base is None:
+            port = free[0]
+        if base is not None:
+            end = base + window
+            taken = [(lo, hi) for lo, hi in ranges if lo < end and base < hi]
+            if taken or end > self.defaults.pool_slots:
                 raise RequestError(
-                    f"no {window} contiguous free slots in the pool of "
-                    f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+                    f"slots {base}..{end - 1} are not free in the pool of "
+                    f"{self.defaults.pool_slots} (used: {taken}); end the job that has them, or "
+                    "use a smaller window"
                 )
-            d = self.defaults
-            group_ip, group_mac = d.group_ip, d.group_mac
-            if d.group_base and d.delivery == Delivery.GROUP_TX:
-                group_ip = groups.job_group(d.group_base, job_id)
-                group_mac = groups.group_mac(group_ip)
-            try:
-                spec = JobSpec(
-                    job_id=job_id,
-                    num_workers=world,
-                    elems=elems,
-                    slot_base=base,
-                    slot_count=window,
-                    agg_port=port,
-                    delivery=d.delivery,
-                    agg_ip=d.agg_ip,
-                    agg_mac=d.agg_mac,
-                    group_ip=group_ip,
-                    group_mac=group_mac,
-                    udp_checksum=d.udp_checksum,
-                )
-                if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
-                    spec = self.backend.join_parent(
-                        key, spec, window=window, worker_port=worker_port
-                    )
-                self.backend.create_job(spec)
-            except ValueError as e:
-                raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
-            token = control.new_token()
-            job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={conn})
-            self._jobs[key] = job
-            self._changed()
-            log.info("created job %r: %s", key, spec)
-            return {"job": self._describe(job, local), "token": token}
+            return port, base
+        base = _first_fit(ranges, window, self.defaults.pool_slots)
+        if base is None:
+            raise RequestError(
+                f"no {window} contiguous free slots in the pool of "
+                f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
+            )
+        return port, base
 
-    def _op_register(self, conn, req, local, peer):
+    def _job_spec(self, key, job_id, world, elems, base, window, port) -> JobSpec:
+        """A new job's spec with the endpoint's defaults (its group, addresses, checksum)."""
+        d = self.defaults
+        group_ip, group_mac = d.group_ip, d.group_mac
+        if d.group_base and d.delivery == Delivery.GROUP_TX:
+            group_ip = groups.job_group(d.group_base, job_id)
+            group_mac = groups.group_mac(group_ip)
+        try:
+            return JobSpec(
+                job_id=job_id,
+                num_workers=world,
+                elems=elems,
+                slot_base=base,
+                slot_count=window,
+                agg_port=port,
+                delivery=d.delivery,
+                agg_ip=d.agg_ip,
+                agg_mac=d.agg_mac,
+                group_ip=group_ip,
+                group_mac=group_mac,
+                udp_checksum=d.udp_checksum,
+            )
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+
+    def register(self, conn, req, local, peer):
+        """op register: a rank joins its job, answered when every rank has (the barrier)."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
         port = int_field(req, "port", 1, 65535)
@@ -289,63 +395,30 @@ class JobRegistry:
             ipaddress.IPv4Address(ip)
         except ValueError:
             raise RequestError(f"register: ip {ip!r} is not an IPv4 address") from None
-        with self._cond:
+        with self.cond:
             self._check_running()
-            job = self._live_job(key, reveal=req.proven)
-            self._guard.need_job(req, key, job.token)
-            if rank >= job.world_size:
-                raise RequestError(
-                    f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
-                )
-            if job.state == "closing":
-                raise RequestError(
-                    f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
-                    f"to end and start all ranks again"
-                )
-            if rank in job.ranks:
-                x = job.ranks[rank]
-                raise RequestError(
-                    f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
-                    f"two workers were started with the same rank"
-                )
-            if job.group() and port != job.worker_port:
-                raise RequestError(
-                    f"port {port} differs from the job's worker port {job.worker_port}: results "
-                    f"go once to the group {job.spec.group_ip}:{job.worker_port}"
-                )
-            ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
-            if self.fill_worker is not None:
-                self.fill_worker(ws, local)
-            try:
-                self.backend.add_worker(ws)
-            except ValueError as e:
-                raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
-            job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
-            job.holders.add(conn)
-            if len(job.ranks) == job.world_size:
-                # a flag, not a count: a rank may leave right after its answer, before the
-                # others' threads wake up, and they must still pass
-                job.complete = True
-            self._changed()
+            job = self.live_job(key, reveal=req.proven)
+            self.guard.need_job(req, key, job.token)
+            self._add_rank(job, conn, rank, ip, port, mac, local)
             # the barrier
             limit = self.defaults.barrier_timeout
             if req.get("timeout") is not None:
                 limit = min(limit, float_field(req, "timeout"))
             deadline = time.monotonic() + limit
-            sock = self._conns.get(conn)
-            while not (job.complete or job.deleted or job.gone or self._stopping):
+            sock = self._connection(conn)
+            while not (job.complete or job.deleted or job.gone or self.stopping):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 # wake now and then: this thread is the only reader of the waiting rank's
                 # connection, so a worker killed during the barrier is noticed only here
-                self._cond.wait(min(left, 0.25))
+                self.cond.wait(min(left, 0.25))
                 if sock is not None and _peer_closed(sock):
                     self._disconnected(conn)
                     raise RequestError("connection closed during the barrier")
             if job.complete:
-                return {"job": self._describe(job, local)}
-            if self._stopping:
+                return {"job": self.describe(job, local)}
+            if self.stopping:
                 raise RequestError("the control endpoint is shutting down")
             if job.deleted:
                 raise RequestError(f"job {key!r} was deleted while waiting for the other ranks")
@@ -361,32 +434,73 @@ class JobRegistry:
                 f"job name and control endpoint, or check their logs"
             )
 
-    def _op_leave(self, conn, req, local, peer):
+    def _add_rank(self, job, conn, rank, ip, port, mac, local) -> None:
+        """Register rank `rank` of `job` (lock held) from `ip`, results to `port`, held by
+        `conn`; `local` is our address as the worker reached us (fill_worker's). RequestError
+        when it cannot be."""
+        key = job.key
+        if rank >= job.world_size:
+            raise RequestError(
+                f"rank {rank} is out of range: job {key!r} has world_size {job.world_size}"
+            )
+        if job.state == "closing":
+            raise RequestError(
+                f"job {key!r} is shutting down (ranks {job.gone} left); wait for the old run "
+                f"to end and start all ranks again"
+            )
+        if rank in job.ranks:
+            x = job.ranks[rank]
+            raise RequestError(
+                f"rank {rank} of job {key!r} is already registered from {x.ip}:{x.port}; "
+                f"two workers were started with the same rank"
+            )
+        if job.group() and port != job.worker_port:
+            raise RequestError(
+                f"port {port} differs from the job's worker port {job.worker_port}: results "
+                f"go once to the group {job.spec.group_ip}:{job.worker_port}"
+            )
+        ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
+        if self.fill_worker is not None:
+            self.fill_worker(ws, local)
+        try:
+            self.backend.add_worker(ws)
+        except ValueError as e:
+            raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
+        job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
+        job.holders.add(conn)
+        if len(job.ranks) == job.world_size:
+            # a flag, not a count: a rank may leave right after its answer, before the
+            # others' threads wake up, and they must still pass
+            job.complete = True
+        self.changed()
+
+    def leave(self, conn, req, local, peer):
+        """op leave: a rank is done; the last one out deletes the job."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
-        with self._cond:
-            job = self._jobs.get(key)
+        with self.cond:
+            job = self.jobs.get(key)
             if job is None:
                 return {"deleted": True}  # leaving twice, or after the job ended, is fine
-            self._guard.need_job(req, key, job.token)
+            self.guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
                 self._mark_gone(job, rank, "left")
             job.holders.discard(_recovered_holder(rank))  # left before it rejoined
             self._release(job, conn)
-            self._changed()
+            self.changed()
             return {"deleted": job.deleted}
 
-    def _op_rejoin(self, conn, req, local, peer):
+    def rejoin(self, conn, req, local, peer):
         """A registered rank re-identifies itself on a new connection (its old one broke, or
         the endpoint restarted and recovered the job): the new connection holds the job."""
         key = request_key(req)
         rank = int_field(req, "rank", 0, MAX_WORKERS - 1)
         port = int_field(req, "port", 1, 65535)
-        with self._cond:
+        with self.cond:
             self._check_running()
-            job = self._live_job(key, reveal=req.proven)
-            self._guard.need_job(req, key, job.token)
+            job = self.live_job(key, reveal=req.proven)
+            self.guard.need_job(req, key, job.token)
             x = job.ranks.get(rank)
             if x is None or x.state != "registered":
                 state = "never registered" if x is None else x.state
@@ -401,12 +515,43 @@ class JobRegistry:
             x.conn = conn
             job.holders.discard(_recovered_holder(rank))
             job.holders.add(conn)
-            self._changed()
-            return {"job": self._describe(job, local)}
+            self.changed()
+            return {"job": self.describe(job, local)}
 
-    def _changed(self) -> None:
+    def holds_job(self, conn: int) -> bool:
+        """True when connection `conn` created or registered in a live job: such a connection
+        stays open for a whole run, idle, and its close means "leave", so it is never cut."""
+        with self.cond:
+            return any(conn in j.holders for j in self.jobs.values())
+
+    def connection_closed(self, conn: int) -> None:
+        """Connection `conn` closed: its ranks are gone, its hold on each job released."""
+        with self.cond:
+            for job in list(self.jobs.values()):
+                for r, x in job.ranks.items():
+                    if x.conn == conn and x.state == "registered":
+                        self._mark_gone(job, r, "disconnected")
+                self._release(job, conn)
+            self.changed()
+
+    def stop(self) -> bool:
+        """No new job from now on, blocked barriers and waits end; False if it had stopped."""
+        with self.cond:
+            if self.stopping:
+                return False
+            self.stopping = True
+            self.cond.notify_all()
+            return True
+
+    def delete_all(self) -> None:
+        """Every job out of the table and the backend (a stopping endpoint's last act)."""
+        with self.cond:
+            for job in list(self.jobs.values()):
+                self.delete(job)
+
+    def changed(self) -> None:
         """The job table changed: wake waiters, and let the target persist it."""
-        self._cond.notify_all()
+        self.cond.notify_all()
         if self.on_change is not None:
             try:
                 self.on_change()
@@ -414,15 +559,15 @@ class JobRegistry:
                 log.exception("saving the job table failed")
 
     def _check_running(self) -> None:
-        if self._stopping:
+        if self.stopping:
             raise RequestError("the control endpoint is shutting down")
 
-    def _live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
+    def live_job(self, key: str, waited: float = 0.0, *, reveal: bool = True) -> _EndpointJob:
         """The live job `key`, or RequestError explaining; the other jobs' names are listed
         only when `reveal` (the request proved the secret: listing jobs needs it)."""
-        job = self._jobs.get(key)
+        job = self.jobs.get(key)
         if job is None:
-            others = f" (live jobs: {sorted(self._jobs) or 'none'})" if reveal else ""
+            others = f" (live jobs: {sorted(self.jobs) or 'none'})" if reveal else ""
             raise RequestError(
                 f"no job {key!r}"
                 + (f" after waiting {waited:g} s" if waited else "")
@@ -433,7 +578,7 @@ class JobRegistry:
 
     def _in_use(self):
         """Job ids, ports and slot ranges taken by our jobs and any the backend already has."""
-        specs = [j.spec.to_dict() for j in self._jobs.values()]
+        specs = [j.spec.to_dict() for j in self.jobs.values()]
         try:
             specs += self.backend.jobs()
         except Exception:  # a backend that cannot list still works with our own bookkeeping
@@ -446,17 +591,18 @@ class JobRegistry:
     def _release(self, job: _EndpointJob, conn: int) -> None:
         job.holders.discard(conn)
         if not job.holders and not job.deleted:
-            self._delete(job)
+            self.delete(job)
 
-    def _delete(self, job: _EndpointJob) -> None:
+    def delete(self, job: _EndpointJob) -> None:
+        """Job `job` out of the table and the backend (its id, slots and port are free)."""
         job.deleted = True
-        self._jobs.pop(job.key, None)
+        self.jobs.pop(job.key, None)
         try:
             self.backend.delete_job(job.spec.job_id)
         except Exception:
             log.exception("deleting job %r from the backend failed", job.key)
         log.info("deleted job %r (id %d)", job.key, job.spec.job_id)
-        self._changed()
+        self.changed()
 
     def _mark_gone(self, job: _EndpointJob, rank: int, state: str) -> None:
         """Rank `rank` left or lost its connection: remember when, and how many contributions
@@ -478,7 +624,7 @@ class JobRegistry:
         except Exception:
             log.exception("removing rank %d of job %r failed", rank, job.key)
 
-    def _describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
+    def describe(self, job: _EndpointJob, local: tuple[str, int]) -> dict:
         """The job as its workers are told about it (aggproto.jobs.JobDescription, as JSON)."""
         agg_ip = job.spec.agg_ip if job.spec.agg_ip != "0.0.0.0" else local[0]
         return JobDescription(

@@ -43,7 +43,7 @@ A refusal is an error answer and changes nothing.
              A registered rank re-identifies itself on a new connection (after its connection
              broke, or after the endpoint restarted and recovered its jobs, aggctl.jobtable);
              the new connection then holds the job as the old one did.
-    ping     {} -> {ok, version}
+    ping     {} -> {ok, version, elems}: elems, the packet sizes the aggregator takes
 
 A job description is JobSpec.to_dict() plus: key, world_size, window, worker_port (every worker
 of the job listens on it: in the one-arm topology the result is sent once, to
@@ -77,11 +77,11 @@ from aggproto.jobs import (
 from aggproto.limits import DEFAULT_POOL_SLOTS
 
 from . import auth
-from .backend import Backend
+from .backend import Backend, elem_sizes
 from .fields import RequestError
 from .lease import JobLease
-from .registry import JobRegistry, _EndpointJob
-from .status import StatusOps
+from .registry import JobRegistry
+from .status import JobStatus
 
 log = logging.getLogger(__name__)
 
@@ -123,8 +123,10 @@ class ServerDefaults:
         return cls(**value)
 
 
-class ControlEndpoint(JobRegistry, StatusOps):
-    """The control endpoint in front of one aggregator backend.
+class ControlEndpoint:
+    """The control endpoint in front of one aggregator backend: its connections, and the objects
+    it owns that answer the ops: `registry` (the job table: create, register, leave, rejoin;
+    aggctl.registry), `status` (status, diagnose; aggctl.status) and `lease` (aggctl.lease).
 
     `fill_worker(worker_spec, local_address)`, if given, is called before backend.add_worker so
     a target can complete target-specific fields (worker_spec.extra, mac); local_address is this
@@ -156,27 +158,42 @@ class ControlEndpoint(JobRegistry, StatusOps):
         self.limits = limits or auth.Limits()
         self._guard = auth.Guard(secret, self.limits)
         self._rate = auth.RateLimiter(self.limits.rate, self.limits.burst)
-        self.on_change = on_change
         self.keep_jobs = keep_jobs
         self.defaults = ServerDefaults.from_any(defaults)
         if not 1 <= self.defaults.pool_slots <= wire.MAX_SLOTS:
             raise ValueError(f"pool_slots must be 1..{wire.MAX_SLOTS}")
         if self.defaults.group_base:
             groups.check_group_base(self.defaults.group_base)
-        self.fill_worker = fill_worker
-        self._cond = threading.Condition()
-        self._jobs: dict[str, _EndpointJob] = {}
+        self.registry = JobRegistry(
+            backend,
+            self.defaults,
+            self._guard,
+            fill_worker=fill_worker,
+            on_change=on_change,
+            connection=lambda conn: self._conns.get(conn),
+            disconnected=self._disconnected,
+        )
+        self.status = JobStatus(self.registry)
+        self._ops = {
+            "create": self.registry.create,
+            "register": self.registry.register,
+            "leave": self.registry.leave,
+            "rejoin": self.registry.rejoin,
+            "status": self.status.status,
+            "diagnose": self.status.diagnose,
+            "ping": self._ping,
+        }
+        # the connections, under the registry's lock (a closing one changes the job table)
         self._conns: dict[int, socket.socket] = {}
         self._sources: dict[int, str] = {}  # connection -> its peer address (per-source cap)
         self._next_conn = 0
-        self._stopping = False
         self._thread: threading.Thread | None = None  # the one running serve_forever
         self._tcp = _TCPServer((host, port), self)
         # refusals answered, by kind (REFUSAL_KINDS), for the operator's metrics (overview())
         self._refusals: Counter[str] = Counter()
         self._refusals_lock = threading.Lock()
         # --- job leases (aggctl.lease): quiet jobs expire; renewed in handle() ---
-        self.lease = JobLease(self, self.limits.job_lease)
+        self.lease = JobLease(self.registry, self.limits.job_lease)
 
     # --- lifecycle --------------------------------------------------------------------------
     @property
@@ -213,11 +230,9 @@ class ControlEndpoint(JobRegistry, StatusOps):
     def stop(self) -> None:
         """Stop serving, wake blocked barriers, close every connection; jobs are deleted
         (unless keep_jobs)."""
-        with self._cond:
-            if self._stopping:
+        with self.registry.cond:
+            if not self.registry.stop():
                 return
-            self._stopping = True
-            self._cond.notify_all()
             self.lease.stop()
             conns = list(self._conns.values())
         serving = self._thread
@@ -229,11 +244,8 @@ class ControlEndpoint(JobRegistry, StatusOps):
             except OSError:
                 pass
         self._tcp.server_close()
-        with self._cond:
-            if self.keep_jobs:
-                return
-            for job in list(self._jobs.values()):
-                self._delete(job)
+        if not self.keep_jobs:
+            self.registry.delete_all()
 
     def __enter__(self) -> "ControlEndpoint":
         return self.start()
@@ -244,7 +256,7 @@ class ControlEndpoint(JobRegistry, StatusOps):
     # --- connections ------------------------------------------------------------------------
     def _connected(self, sock: socket.socket, source: str) -> int:
         """Admit a connection (auth.Denied over the connection caps); its number."""
-        with self._cond:
+        with self.registry.cond:
             if len(self._conns) >= self.limits.max_connections:
                 raise auth.Denied(
                     f"the control endpoint has {len(self._conns)} connections, its limit; "
@@ -263,25 +275,14 @@ class ControlEndpoint(JobRegistry, StatusOps):
             self._sources[self._next_conn] = source
             return self._next_conn
 
-    def _holds_job(self, conn: int) -> bool:
-        """True when connection `conn` created or registered in a live job: such a connection
-        stays open for a whole run, idle, and its close means "leave", so it is never cut."""
-        with self._cond:
-            return any(conn in j.holders for j in self._jobs.values())
-
     def _disconnected(self, conn: int) -> None:
         """A connection closed: its ranks are gone, its hold on each job released."""
-        with self._cond:
+        with self.registry.cond:
             self._conns.pop(conn, None)
             self._sources.pop(conn, None)
-            if self._stopping and self.keep_jobs:
+            if self.registry.stopping and self.keep_jobs:
                 return  # our own shutdown closed it: the job goes on, its rank rejoins later
-            for job in list(self._jobs.values()):
-                for r, x in job.ranks.items():
-                    if x.conn == conn and x.state == "registered":
-                        self._mark_gone(job, r, "disconnected")
-                self._release(job, conn)
-            self._changed()
+            self.registry.connection_closed(conn)
 
     def refused(self, kind: str) -> None:
         """Count one refusal of `kind` (REFUSAL_KINDS)."""
@@ -293,6 +294,32 @@ class ControlEndpoint(JobRegistry, StatusOps):
         with self._refusals_lock:
             return {k: self._refusals[k] for k in REFUSAL_KINDS}
 
+    def overview(self) -> dict:
+        """What an operator's metrics show of the endpoint (aggapp.metrics), read at once:
+        per live job its key, job id, state, world size and registered, missing and gone ranks;
+        the open connections, refusals by kind and jobs removed for a lapsed lease."""
+        with self.registry.cond:
+            jobs = [
+                {
+                    "key": j.key,
+                    "job_id": j.spec.job_id,
+                    "state": j.state,
+                    "world_size": j.world_size,
+                    "registered": len(j.ranks) - len(j.gone),
+                    "missing": len(j.missing()),
+                    "gone": len(j.gone),
+                }
+                for j in self.registry.jobs.values()
+                if not j.deleted
+            ]
+            connections = len(self._conns)
+        return {
+            "jobs": jobs,
+            "connections": connections,
+            "refusals": self.refusals(),
+            "lease_expiries": self.lease.expiries,
+        }
+
     def handle(self, conn: int, request: dict, local: tuple[str, int], peer: tuple[str, int]):
         """Answer one request (a dict) from connection `conn`; never raises."""
         try:
@@ -300,7 +327,7 @@ class ControlEndpoint(JobRegistry, StatusOps):
                 raise RequestError("a request is a JSON object with an 'op'")
             request = self._guard.check(request)  # a bad proof is refused before anything
             op = request.get("op")
-            fn = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+            fn = self._ops.get(op) if isinstance(op, str) else None
             if fn is None:
                 raise RequestError(
                     f"unknown op {op!r}; ops: create, register, leave, status, diagnose, "
@@ -321,8 +348,9 @@ class ControlEndpoint(JobRegistry, StatusOps):
             return {"ok": False, "error": f"internal error: {type(e).__name__}: {e}"}
 
     # --- ops --------------------------------------------------------------------------------
-    def _op_ping(self, conn, req, local, peer):
-        return {"version": PROTOCOL_VERSION}
+    def _ping(self, conn, req, local, peer):
+        # elems: the packet sizes the aggregator takes, for a worker's elems="auto"
+        return {"version": PROTOCOL_VERSION, "elems": elem_sizes(self.backend)}
 
 
 def _keepalive(sock: socket.socket) -> None:
@@ -372,7 +400,7 @@ class _Handler(socketserver.StreamRequestHandler):
         try:
             while True:
                 deadline = None
-                if not owner._holds_job(conn):
+                if not owner.registry.holds_job(conn):
                     deadline = time.monotonic() + owner.limits.idle_timeout
                 try:
                     line = self._read_line(owner.limits.max_line, deadline)

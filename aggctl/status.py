@@ -8,57 +8,63 @@ import time
 from . import auth
 from .backend import JobCounters, JobLoss, ParentStatus, WorkerCounters
 from .fields import float_field, request_key
-from .registry import _EndpointJob
+from .registry import JobRegistry, _EndpointJob
 
 
-class StatusOps:
-    """status and diagnose (a mixin of ControlEndpoint, beside JobRegistry)."""
+class JobStatus:
+    """The ops status and diagnose, answered from `registry`'s job table and its backend's
+    counters (ControlEndpoint owns one, beside the registry)."""
 
-    def _op_status(self, conn, req, local, peer):
+    def __init__(self, registry: JobRegistry) -> None:
+        self.registry = registry
+
+    def status(self, conn, req, local, peer):
+        """op status: one job (waiting up to `wait` s for it), or all (server.py's docstring)."""
         if req.get("job") is None:
-            self._guard.need_secret(req, "status of all jobs")
-            with self._cond:
-                return {"jobs": [self._summary(j, local) for j in self._jobs.values()]}
+            self.registry.guard.need_secret(req, "status of all jobs")
+            with self.registry.cond:
+                return {"jobs": [self._summary(j, local) for j in self.registry.jobs.values()]}
         key = request_key(req)
         wait = float_field(req, "wait") if req.get("wait") is not None else 0.0
-        if not self._guard.has_credentials(req):  # refused now, not after a wait
-            self._guard.need_secret(req, f"status of job {key!r} (without its token)")
-        with self._cond:
-            deadline = time.monotonic() + min(wait, self.defaults.barrier_timeout)
-            while not self._stopping:
-                job = self._jobs.get(key)
+        if not self.registry.guard.has_credentials(req):  # refused now, not after a wait
+            self.registry.guard.need_secret(req, f"status of job {key!r} (without its token)")
+        with self.registry.cond:
+            deadline = time.monotonic() + min(wait, self.registry.defaults.barrier_timeout)
+            while not self.registry.stopping:
+                job = self.registry.jobs.get(key)
                 if job is not None and job.state != "closing":
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self.registry.cond.wait(left)
             # raises the explanation if there is none
-            job = self._live_job(key, waited=wait, reveal=req.proven)
-            self._guard.need_job(req, key, job.token)
+            job = self.registry.live_job(key, waited=wait, reveal=req.proven)
+            self.registry.guard.need_job(req, key, job.token)
             out = self._summary(job, local)
             if req.proven:  # a holder of the secret may learn the token (ranks > 0 do)
                 out["token"] = job.token
         # backend calls outside our lock: they may take the backend's own locks
-        if isinstance(self.backend, WorkerCounters):
-            counters = self.backend.worker_counters(job.spec.job_id)
+        if isinstance(self.registry.backend, WorkerCounters):
+            counters = self.registry.backend.worker_counters(job.spec.job_id)
             out["counters"] = {str(k): v for k, v in counters.items()}
-        if isinstance(self.backend, ParentStatus):  # a rack of a two-level tree
-            out["parent"] = self.backend.parent_status(job.spec.job_id)
+        if isinstance(self.registry.backend, ParentStatus):  # a rack of a two-level tree
+            out["parent"] = self.registry.backend.parent_status(job.spec.job_id)
         return out
 
-    def _op_diagnose(self, conn, req, local, peer):
+    def diagnose(self, conn, req, local, peer):
+        """op diagnose: status, plus what the aggregator counted, who lags, who is gone."""
         # the same credentials as status; `wait` is not diagnose's, and the proof (checked once
         # in handle) comes along as `proven`
         inner = auth.Checked({k: v for k, v in req.items() if k != "wait"})
         inner.proven = req.proven
-        out = self._op_status(conn, inner, local, peer)
+        out = self.status(conn, inner, local, peer)
         out.pop("token", None)
         counters = {int(k): v for k, v in out.get("counters", {}).items()}
-        if isinstance(self.backend, JobCounters):
-            out["reasons"] = self.backend.counters(out["job"]["job_id"])
-        if isinstance(self.backend, JobLoss):  # the aggregator's state for it is gone
-            lost = self.backend.job_lost(out["job"]["job_id"])
+        if isinstance(self.registry.backend, JobCounters):
+            out["reasons"] = self.registry.backend.counters(out["job"]["job_id"])
+        if isinstance(self.registry.backend, JobLoss):  # the aggregator's state for it is gone
+            lost = self.registry.backend.job_lost(out["job"]["job_id"])
             if lost:
                 out["lost"] = lost
         out["absent"] = sorted(set(out["missing"]) | set(out["left"]))
@@ -74,37 +80,11 @@ class StatusOps:
         out["lagging"] = lagging
         return out
 
-    def overview(self) -> dict:
-        """What an operator's metrics show of the endpoint (aggapp.metrics), read at once:
-        per live job its key, job id, state, world size and registered, missing and gone ranks;
-        the open connections, refusals by kind and jobs removed for a lapsed lease."""
-        with self._cond:
-            jobs = [
-                {
-                    "key": j.key,
-                    "job_id": j.spec.job_id,
-                    "state": j.state,
-                    "world_size": j.world_size,
-                    "registered": len(j.ranks) - len(j.gone),
-                    "missing": len(j.missing()),
-                    "gone": len(j.gone),
-                }
-                for j in self._jobs.values()
-                if not j.deleted
-            ]
-            connections = len(self._conns)
-        return {
-            "jobs": jobs,
-            "connections": connections,
-            "refusals": self.refusals(),
-            "lease_expiries": self.lease.expiries,
-        }
-
     def _gone_detail(self, key: str) -> dict:
         """Rank -> {state, at (epoch s), contributions (when it went)} for ranks that left or
         whose control connection closed."""
-        with self._cond:
-            job = self._jobs.get(key)
+        with self.registry.cond:
+            job = self.registry.jobs.get(key)
             if job is None:
                 return {}
             return {
@@ -115,7 +95,7 @@ class StatusOps:
 
     def _summary(self, job: _EndpointJob, local) -> dict:
         return {
-            "job": self._describe(job, local),
+            "job": self.registry.describe(job, local),
             "state": job.state,
             "registered": sorted(job.ranks),
             "missing": job.missing(),

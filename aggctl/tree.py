@@ -1,15 +1,15 @@
 """Two-level trees from the control side: a rack's control endpoint joins the parent's job.
 
-`xdp-agg serve --parent ROOT:PORT --rack-rank R --racks N` runs a rack's endpoint in front of
-a TreeBackend. When the rack's rank 0 creates job NAME there, the backend first makes the rack
-rank R of the job NAME of N ranks at the parent's endpoint (the parent's rank-0 rack creates it,
-the others wait for it and register), exactly as a host joins a job (docs/protocol.md section
-6.3), then creates the rack job with the parent link filled in from the parent's description:
-the parent's address and aggregator port (its `send_to`), its MAC (`agg_mac`: the parent is on
-the rack's uplink segment; `--parent-mac` names a next hop instead), its slots, and the
-uplink port, the UDP port the rack sends up from and the parent's results come to (the parent
-job's `worker_port`: the rack-0 rack chooses it, its own job's aggregator port, and every
-other rack uses the same, as every worker of a one-arm job does).
+`xdp-agg serve --parent-endpoint ROOT:PORT --rack-rank R --racks N` runs a rack's endpoint in front
+of a TreeBackend. When the rack's rank 0 creates job NAME there, the backend first makes the rack
+rank R of the job NAME of N ranks at the parent's endpoint (the parent's rank-0 rack creates it, the
+others wait for it and register), exactly as a host joins a job (docs/protocol.md section 6.3), then
+creates the rack job with the parent link filled in from the parent's description: the parent's
+address and aggregator port (its `send_to`), its MAC (`agg_mac`: the parent is on the rack's uplink
+segment; `--parent-mac` names a next hop instead), its slots, and the uplink port, the UDP port the
+rack sends up from and the parent's results come to (the parent job's `worker_port`: the rack-0 rack
+chooses it, its own job's aggregator port, and every other rack uses the same, as every worker of a
+one-arm job does).
 
 The rack endpoint proves the parent's deployment secret (`--parent-secret-file`, by default
 its own secret: one secret per tree) to create and join the parent's job; the job's token comes
@@ -38,6 +38,7 @@ from .backend import (
     ParentStatus,
     UplinkAddress,
     WorkerCounters,
+    elem_sizes,
 )
 
 log = logging.getLogger("aggctl.tree")
@@ -201,6 +202,10 @@ class TreeBackend:
     def job_lost(self, job_id: int) -> str | None:
         """Why the inner backend lost the job (None: it has it, or cannot tell)."""
         return self.inner.job_lost(job_id) if isinstance(self.inner, JobLoss) else None
+
+    def elem_sizes(self) -> tuple[int, ...]:
+        """The inner backend's packet sizes (every wire size where it does not say)."""
+        return tuple(elem_sizes(self.inner))
 
     def generation(self):
         """The inner backend's generation (None where it has none)."""

@@ -272,22 +272,6 @@ def build_payloads(
     return out
 
 
-def parse_payloads(buf: np.ndarray, elems: int):
-    """Split (m, 8 + 2 + 4k) uint8 UDP payloads into (headers, exponents, values).
-
-    headers is a structured array of SML_DTYPE, exponents one of EXP_DTYPE, values an (m, k)
-    native int32 array.
-    """
-    buf = np.ascontiguousarray(buf, dtype=np.uint8)
-    if buf.ndim != 2 or buf.shape[1] != udp_payload_len(elems):
-        raise ValueError(f"payloads must have shape (m, {udp_payload_len(elems)})")
-    m = buf.shape[0]
-    hdr = buf[:, :EXPONENTS_AT].copy().view(SML_DTYPE).reshape(m)
-    exp = buf[:, EXPONENTS_AT:VALUES_AT].copy().view(EXP_DTYPE).reshape(m)
-    values = buf[:, VALUES_AT:].view(">i4").astype(np.int32)
-    return hdr, exp, values
-
-
 @dataclass(frozen=True)
 class Message:
     """One decoded SwitchML message (header fields and payload), for tests and tools."""

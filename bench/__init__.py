@@ -1,4 +1,4 @@
-"""Benchmarks of xdp-agg against torch.distributed gloo on the same netns testbed (issue 5)."""
+"""Benchmarks of xdp-agg against torch.distributed gloo on the same netns testbed."""
 
 from __future__ import annotations
 

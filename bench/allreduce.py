@@ -421,18 +421,7 @@ def plot(summary: list[dict], path: Path) -> None:
     for i, b in enumerate(sizes):
         for j, lk in enumerate(links):
             ax = axes[i][j]
-            pts = sorted(
-                (s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
-            )
-            ns = [s["n"] for s in pts]
-            for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-                ax.plot(
-                    ns,
-                    [s[system]["median_s"] * 1e3 for s in pts],
-                    style,
-                    color=colors[system],
-                    label=system,
-                )
+            pts, ns = _plot_systems(ax, thr, b, lk, colors, lambda x: x["median_s"] * 1e3)
             if pts and "bound_ina_s" in pts[0]:
                 ax.plot(
                     ns,
@@ -455,18 +444,7 @@ def plot(summary: list[dict], path: Path) -> None:
         b = sizes[-1]
         for j, lk in enumerate(links):
             ax = axes[len(sizes)][j]
-            pts = sorted(
-                (s for s in thr if s["bytes"] == b and s["link"] == lk), key=lambda s: s["n"]
-            )
-            ns = [s["n"] for s in pts]
-            for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-                ax.plot(
-                    ns,
-                    [s[system].get("cpu_s_per_rank", float("nan")) for s in pts],
-                    style,
-                    color=colors[system],
-                    label=system,
-                )
+            pts, ns = _plot_systems(ax, thr, b, lk, colors, _cpu_per_rank)
             for s in pts:
                 if "retx_pct" in s:
                     ax.annotate(
@@ -485,6 +463,20 @@ def plot(summary: list[dict], path: Path) -> None:
         _plot_latency(axes[rows - 1], lat, links, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+def _cpu_per_rank(system: dict) -> float:
+    return system.get("cpu_s_per_rank", float("nan"))
+
+
+def _plot_systems(ax, thr: list[dict], size: int, link: str, colors: dict, value):
+    """Both systems' `value` (of a cell's per-system dict) against n, for the throughput cells
+    of one size and link; returns those cells, by n, and their n."""
+    pts = sorted((s for s in thr if s["bytes"] == size and s["link"] == link), key=lambda s: s["n"])
+    ns = [s["n"] for s in pts]
+    for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
+        ax.plot(ns, [value(s[system]) for s in pts], style, color=colors[system], label=system)
+    return pts, ns
 
 
 def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None:

@@ -1,4 +1,5 @@
-"""System-wide CPU over one all-reduce, and where it went (issue 20, item 1).
+"""System-wide CPU over one all-reduce, and where it went (what bounds the all-reduce on a CPU-bound
+testbed).
 
 Three sources, read by rank 0 of bench.worker just before and just after each all-reduce (behind
 barriers, so that the span holds exactly that all-reduce on every rank):
@@ -161,9 +162,9 @@ class Meter:
 
 
 def aggregator_prog_fds(agg_name: str) -> list[int]:
-    """The attached aggregator's programs (each of aggregator.PROGRAMS pinned), by their pins."""
+    """The attached aggregator's programs (each of backend.PROGRAMS pinned), by their pins."""
     from xdp_switch import pins
-    from xdp_switch.aggregator import PROGRAMS
+    from xdp_switch.backend import PROGRAMS
 
     inst = pins.Instance(agg_name)
     fds = []

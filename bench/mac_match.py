@@ -1,4 +1,5 @@
-"""What matching a worker's source MAC costs the XDP program per packet (issue 19).
+"""What matching a worker's source MAC costs the XDP program per packet (the price of refusing a
+registered IP from another MAC).
 
 Runs the same stream of contributions (4 workers, 64 slots, 20 rounds) through the loaded
 per-CPU program with the workers registered with their MACs (matched) and without (all zeros: not

@@ -53,7 +53,7 @@ print(json.dumps({"latency_s": lat, "read_s": reads, "bytes": size}))
 MANY_JOBS = """
 import sys
 from aggproto.jobs import JobSpec, WorkerSpec
-from xdp_switch.aggregator import XdpBackend
+from xdp_switch.backend import XdpBackend
 b = XdpBackend(sys.argv[1])
 for j in range(1, 64):
     b.create_job(JobSpec(job_id=j, num_workers=4, elems=256, slot_base=16 * j, slot_count=16,

@@ -15,7 +15,7 @@ bytes, so with k aggregators of R bit/s each an all-reduce takes at least n*S*8 
 results leave by XDP_TX, which the tbf on the aggregator's own interface does not see, and reach
 the workers over their unshaped links). The table gives each k's median time, spread, ATE/s, the
 fraction of that bound, the retransmissions, and the ratio of the k = 2 throughput to k = 1's per
-round and overall (the acceptance target of issue 13 is >= 1.7x).
+round and overall (two aggregators should give at least 1.7x one's).
 
 Writes bench/results/stripe.{json,md} (or --out). Root, bcc and the XDP build, like bench.allreduce.
 """

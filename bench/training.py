@@ -22,6 +22,7 @@ Run as root (namespaces, XDP).
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -97,20 +98,17 @@ def markdown(res: dict) -> str:
         f"{d['xdpagg']['steps']} steps of "
         f"{d['xdpagg']['batch_per_rank']} samples per rank, SGD lr {d['xdpagg']['lr']} "
         f"momentum 0.9",
-        "",
-        _when(d),
-        "",
-        "| system | final test accuracy | final loss | time per iteration | compute | "
-        "communication share |",
-        "|---|---|---|---|---|---|",
+        *_systems_table(
+            d,
+            ["final test accuracy", "final loss", "time per iteration", "compute"],
+            lambda r: [
+                f"{r['final_accuracy']:.4f}",
+                f"{r['loss'][-1]:.4f}",
+                f"{r['time_per_iter_s'] * 1e3:.1f} ms",
+                f"{r['compute_per_iter_s'] * 1e3:.1f} ms",
+            ],
+        ),
     ]
-    for s in ("xdpagg", "gloo"):
-        r = d[s]
-        lines.append(
-            f"| {s} | {r['final_accuracy']:.4f} | {r['loss'][-1]:.4f} | "
-            f"{r['time_per_iter_s'] * 1e3:.1f} ms | {r['compute_per_iter_s'] * 1e3:.1f} "
-            f"ms | {r['comm_share']:.0%} |"
-        )
     gap = (d["xdpagg"]["final_accuracy"] - d["gloo"]["final_accuracy"]) * 100
     dloss = max(abs(a - b) for a, b in zip(d["xdpagg"]["loss"], d["gloo"]["loss"]))
     lines += [
@@ -126,18 +124,15 @@ def markdown(res: dict) -> str:
         f"{w['xdpagg']['params'] * 4 / 1e6:.0f} MB of float32 gradients per step) on synthetic "
         f"inputs, 1 Gbit/s worker links, MTU 3500, 768 int32 per packet, "
         f"{w['xdpagg']['steps']} steps (median after {meta['wide_warmup']} warm-up)",
-        "",
-        _when(w),
-        "",
-        "| system | time per iteration | compute | communication share |",
-        "|---|---|---|---|",
+        *_systems_table(
+            w,
+            ["time per iteration", "compute"],
+            lambda r: [
+                f"{r['time_per_iter_s'] * 1e3:.0f} ms",
+                f"{r['compute_per_iter_s'] * 1e3:.0f} ms",
+            ],
+        ),
     ]
-    for s in ("xdpagg", "gloo"):
-        r = w[s]
-        lines.append(
-            f"| {s} | {r['time_per_iter_s'] * 1e3:.0f} ms | "
-            f"{r['compute_per_iter_s'] * 1e3:.0f} ms | {r['comm_share']:.0%} |"
-        )
     lines += ["", f"gloo / xdpagg time per iteration: {ratio:.2f}x.", ""]
     eng = w["xdpagg"].get("xdpagg", {}).get("engine")
     if eng:
@@ -160,6 +155,17 @@ def markdown(res: dict) -> str:
     if "sharded" in res:
         lines += sharded_markdown(res["sharded"], meta["workers"])
     return "\n".join(lines)
+
+
+def _systems_table(case: dict, columns: list[str], cells) -> list[str]:
+    """A case's run time and a table of both systems: `columns` and their `cells(result)`, then
+    the communication share."""
+    head = ["system", *columns, "communication share"]
+    lines = ["", _when(case), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for s in ("xdpagg", "gloo"):
+        r = case[s]
+        lines.append("| " + " | ".join([s, *cells(r), f"{r['comm_share']:.0%}"]) + " |")
+    return lines
 
 
 SHARDED = ("ddp", "fsdp", "hsdp")
@@ -287,27 +293,21 @@ def main(argv=None) -> int:
     if args.only and (out / "results.json").exists():  # one case again: keep the other's
         res = json.loads((out / "results.json").read_text())
     res["meta"] = {**res.get("meta", {}), "workers": args.workers, "wide_warmup": args.wide_warmup}
+    # what every case shares: the workers, the MTU, where results and the log go
+    case = functools.partial(run_case, workers=args.workers, mtu=3500, out=out, log=log)
     if args.only in (None, "digits"):
         log(f"digits, n={args.workers}, unshaped:")
-        res["digits"] = run_case(
+        res["digits"] = case(
             "digits",
-            workers=args.workers,
             rate=None,
-            mtu=3500,
-            out=out,
-            log=log,
             env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window)},
             train_args=["--model", "digits", "--steps", str(args.digits_steps)],
         )
     if args.only in (None, "wide"):
         log(f"wide, n={args.workers}, 1 Gbit/s:")
-        res["wide"] = run_case(
+        res["wide"] = case(
             "wide",
-            workers=args.workers,
             rate="1gbit",
-            mtu=3500,
-            out=out,
-            log=log,
             env={
                 "XDP_AGG_ELEMS": "768",
                 "XDP_AGG_WINDOW": str(args.window),
@@ -328,13 +328,9 @@ def main(argv=None) -> int:
         )
     if args.only in (None, "sharded"):
         log(f"sharded (DDP, FSDP2, HSDP), n={args.workers}, unshaped:")
-        res["sharded"] = run_case(
+        res["sharded"] = case(
             "sharded",
-            workers=args.workers,
             rate=None,
-            mtu=3500,
-            out=out,
-            log=log,
             # HSDP holds 5 jobs on the aggregator (the world, 2 replicate and 2 shard groups):
             # at most 128 slots each fit the testbed's pool of 1024
             env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(min(args.window, 128))},

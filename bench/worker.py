@@ -46,8 +46,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--control", required=True)
     ap.add_argument("--gloo", required=True, help="HOST:PORT of rank 0 for gloo's TCP rendezvous")
     ap.add_argument("--job", required=True)
-    ap.add_argument("--elems", type=int, default=256)
-    ap.add_argument("--window", type=int, default=256)
+    ap.add_argument("--elems", type=lambda v: v if v == "auto" else int(v), default=None)
+    ap.add_argument("--window", type=int, default=None)
     ap.add_argument(
         "--plan",
         required=True,
@@ -204,15 +204,15 @@ class _Counters:
 
     def __init__(self, args) -> None:
         from netns_testbed import counters
-        from xdp_switch import aggregator
+        from xdp_switch import backend as xdp_backend
 
         self.mod = counters
         self.layout = counters.Layout.from_dict(json.loads(args.layout))
         # opened once: each open_instance opens every pinned map
-        self.maps = aggregator.open_instance(args.agg_name)[1] if args.agg_name else None
+        self.maps = xdp_backend.open_instance(args.agg_name)[1] if args.agg_name else None
 
     def _aggregator(self) -> dict:
-        """What aggregator.stats reports (reasons per job, counters per worker)."""
+        """What xdp_backend.stats reports (reasons per job, counters per worker)."""
         from aggproto.limits import NO_JOB
 
         m = self.maps

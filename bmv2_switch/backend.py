@@ -212,6 +212,10 @@ class Bmv2Backend:
         return p.ip, p.mac
 
     # --- Backend -----------------------------------------------------------------------------
+    def elem_sizes(self) -> tuple[int, ...]:
+        """The packet sizes the P4 program aggregates (aggcodegen.p4.P4_ELEMS)."""
+        return tuple(P4_ELEMS)
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared.
         A rack job (spec.has_parent) also gets its parent link and the parent's workers entry

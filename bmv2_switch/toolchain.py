@@ -53,7 +53,9 @@ def cli_python() -> str:
 def which_tool(tool: str) -> str:
     path = shutil.which(tool)
     if path is None:
-        raise Bmv2Error(f"{tool} is not on PATH: build and install p4c and bmv2 (see p4/README.md)")
+        raise Bmv2Error(
+            f"{tool} is not on PATH: install p4c and bmv2 (p4/README.md, 'The toolchain')"
+        )
     return path
 
 

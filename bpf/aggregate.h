@@ -35,7 +35,7 @@
 #ifndef XDP_AGG_AGGREGATE_H
 #define XDP_AGG_AGGREGATE_H
 
-/* Element loops (issue 20, item 6: what the JIT makes of them, bench/xdp_compare.py):
+/* Element loops (what the JIT makes of them: bench/xdp_compare.py):
  *  - A payload word, 8 bytes of two big-endian int32 x0, x1, byte-swapped as one u64 puts x0 in
  *    the high lane and x1 in the low one. Partial sums are kept so, in host order with each
  *    pair's two lanes swapped ("lane order"); one 64-bit swap of a lane-order word gives both

@@ -109,17 +109,23 @@ static __always_inline void reply_to_sender(struct agg_pkt *pk)
 	ipv4_csum(pk->ip);
 }
 
+/* Address the packet: both MACs, both IPv4 addresses and both UDP ports (network order). */
+static __always_inline void set_addresses(struct agg_pkt *pk, const u8 *dst_mac, const u8 *src_mac,
+					  __be32 saddr, __be32 daddr, __be16 sport, __be16 dport)
+{
+	__builtin_memcpy(pk->eth->h_dest, dst_mac, ETH_ALEN);
+	__builtin_memcpy(pk->eth->h_source, src_mac, ETH_ALEN);
+	pk->ip->saddr = saddr;
+	pk->ip->daddr = daddr;
+	pk->udp->source = sport;
+	pk->udp->dest = dport;
+}
+
 /* Address a result to the job's group (one-arm mode): from our port to the workers' port. */
 static __always_inline void address_to_group(struct agg_pkt *pk, struct agg_job *job)
 {
-	__be16 p = pk->udp->source;
-
-	__builtin_memcpy(pk->eth->h_dest, job->group_mac, ETH_ALEN);
-	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
-	pk->ip->saddr = job->agg_ip;
-	pk->ip->daddr = job->group_ip;
-	pk->udp->source = pk->udp->dest;
-	pk->udp->dest = p;
+	set_addresses(pk, job->group_mac, job->agg_mac, job->agg_ip, job->group_ip, pk->udp->dest,
+		      pk->udp->source);
 	result_fields(pk);
 	ipv4_csum(pk->ip);
 }
@@ -130,12 +136,8 @@ static __always_inline void address_up(struct agg_pkt *pk, struct agg_job *job, 
 {
 	u32 pg = g - job->slot_base + job->parent_slot_base;
 
-	__builtin_memcpy(pk->eth->h_dest, job->parent_mac, ETH_ALEN);
-	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
-	pk->ip->saddr = job->agg_ip;
-	pk->ip->daddr = job->parent_ip;
-	pk->udp->source = job->uplink_port;
-	pk->udp->dest = job->parent_port;
+	set_addresses(pk, job->parent_mac, job->agg_mac, job->agg_ip, job->parent_ip,
+		      job->uplink_port, job->parent_port);
 	pk->sml->pool_index = bpf_htons((pg & SML_POOL_SLOT_MASK) | (vi << 15));
 	result_fields(pk);
 	ipv4_csum(pk->ip);
@@ -145,12 +147,8 @@ static __always_inline void address_up(struct agg_pkt *pk, struct agg_job *job, 
  * from our aggregator port to theirs. */
 static __always_inline void address_down(struct agg_pkt *pk, struct agg_job *job, u32 g, u32 vi)
 {
-	__builtin_memcpy(pk->eth->h_dest, job->group_mac, ETH_ALEN);
-	__builtin_memcpy(pk->eth->h_source, job->agg_mac, ETH_ALEN);
-	pk->ip->saddr = job->agg_ip;
-	pk->ip->daddr = job->group_ip;
-	pk->udp->source = bpf_htons((u16)job->agg_port);
-	pk->udp->dest = job->down_port;
+	set_addresses(pk, job->group_mac, job->agg_mac, job->agg_ip, job->group_ip,
+		      bpf_htons((u16)job->agg_port), job->down_port);
 	pk->sml->pool_index = bpf_htons((g & SML_POOL_SLOT_MASK) | (vi << 15));
 	result_fields(pk);
 	ipv4_csum(pk->ip);
@@ -163,15 +161,14 @@ static __always_inline u64 round_key(struct agg_pkt *pk)
 	return ((u64)pk->sml->tsi << 8) | pk->sml->job_number;
 }
 
-/* Address a result copy to one worker behind an egress port (switch mode). */
+/* Address a result copy to one worker behind an egress port (switch mode): to its MAC and
+ * address from ours there, and to the completing request's source port, still in the copy, as
+ * p4app-switchML's switch answers (dev_root/p4/udp_sender.p4): a host's threads (or lanes)
+ * send from ports of their own, one per range of slots, and each gets its slots' results. */
 static __always_inline void address_to_worker(struct agg_pkt *pk, struct agg_port_worker *w)
 {
-	__builtin_memcpy(pk->eth->h_dest, w->mac, ETH_ALEN);
-	__builtin_memcpy(pk->eth->h_source, w->agg_mac, ETH_ALEN);
-	pk->ip->saddr = w->agg_ip;
-	pk->ip->daddr = w->ip;
-	pk->udp->source = w->agg_port;
-	pk->udp->dest = w->port;
+	/* the completing request's source port, as set_addresses' argument, before it is replaced */
+	set_addresses(pk, w->mac, w->agg_mac, w->agg_ip, w->ip, w->agg_port, pk->udp->source);
 	ipv4_csum(pk->ip); /* the ingress program set the result's other fields */
 }
 

@@ -20,7 +20,7 @@ _NR_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, OBJ_PIN, OBJ_GET = 5, 6, 7
 PROG_TEST_RUN = 10
-PROG_GET_FD_BY_ID, MAP_GET_FD_BY_ID, OBJ_GET_INFO_BY_FD = 13, 14, 15
+OBJ_GET_INFO_BY_FD = 15
 
 # map types
 MAP_TYPE_PERCPU_ARRAY = 6
@@ -118,10 +118,6 @@ class _TestRun(ct.Structure):
         ("batch_size", ct.c_uint32),
         ("pad", ct.c_uint32),
     ]
-
-
-class _GetById(ct.Structure):
-    _fields_ = [("id", ct.c_uint32), ("next_id", ct.c_uint32), ("open_flags", ct.c_uint32)]
 
 
 class _InfoByFd(ct.Structure):
@@ -316,14 +312,6 @@ def obj_get(path: str) -> int:
     """Open a pinned program or map; returns an fd."""
     p = ct.create_string_buffer(path.encode())
     return _bpf(OBJ_GET, _ObjPin(_addr(p), 0, 0))
-
-
-def prog_fd_by_id(prog_id: int) -> int:
-    return _bpf(PROG_GET_FD_BY_ID, _GetById(prog_id, 0, 0))
-
-
-def map_fd_by_id(map_id: int) -> int:
-    return _bpf(MAP_GET_FD_BY_ID, _GetById(map_id, 0, 0))
 
 
 def prog_info(fd: int) -> ProgInfo:

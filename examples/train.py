@@ -158,17 +158,13 @@ def main(argv=None) -> int:
     if args.hook:
         import hostlib
         import hostlib.pt
+        from hostlib.options import HostOptions, control_from_env
 
         # the job's name from the run id torchrun gives every node (all ranks agree on it)
         job = f"{os.environ.get('TORCHELASTIC_RUN_ID', 'train')}.hook"
-        comm = hostlib.init(
-            rank,
-            n,
-            os.environ["XDP_AGG_CONTROL"],
-            job=job,
-            elems=int(os.environ.get("XDP_AGG_ELEMS", "256")),
-            window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
-        )
+        # the control endpoint and the options (elems, window, ...) from the XDP_AGG_*
+        # environment, as the backend takes them (hostlib.options)
+        comm = hostlib.init(rank, n, control_from_env(), job, HostOptions.from_args(args))
         state = hostlib.pt.HookState(comm)
         model.register_comm_hook(state, hostlib.pt.allreduce_hook)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)

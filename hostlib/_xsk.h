@@ -1,5 +1,5 @@
 /*
- * The AF_XDP data path of hostlib._fastpath (issue 20 item 3): one AF_XDP socket on the worker's
+ * The AF_XDP data path of hostlib._fastpath: one AF_XDP socket on the worker's
  * interface queue, its UMEM and rings, and the worker's XDP program that redirects this job's
  * results (UDP to the worker's data port) to the socket and passes everything else. See
  * hostlib/_xsk.c; hostlib/afxdp.py finds the addresses.
@@ -10,7 +10,9 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define XSK_HDR_LEN 42 /* Ethernet (14) + IPv4 without options (20) + UDP (8) */
+#include "fp_wire.h"
+
+#define XSK_HDR_LEN FP_FRAME_HLEN /* Ethernet (14) + IPv4 without options (20) + UDP (8) */
 
 /* Where the frames go and come from (addresses and ports in host order). */
 typedef struct {

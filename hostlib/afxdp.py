@@ -1,4 +1,4 @@
-"""The AF_XDP data path's choice and addresses (issue 20 item 3; the socket is hostlib/_xsk.c).
+"""The AF_XDP data path's addresses (the socket is hostlib/_xsk.c).
 
 With data_path "afxdp" or "auto" the C loop sends and receives its job's packets through an
 AF_XDP socket on the interface towards the aggregator instead of the kernel's UDP socket: the
@@ -9,7 +9,7 @@ program on that interface redirects the results (UDP to the data port) to the so
 everything else. The data socket stays open: it keeps the port, takes the results that arrive on
 another receive queue, and is the whole path when AF_XDP cannot run.
 
-    "udp"    the kernel socket (the default; env XDP_AGG_DATA_PATH overrides it)
+    "udp"    the kernel socket (the default; HostOptions.data_path)
     "auto"   AF_XDP where it can run, else the kernel socket, with the reason in comm.stats
     "afxdp"  AF_XDP or an error saying why not
 
@@ -21,12 +21,10 @@ aggregator on this host, no neighbour entry); the C side says why a socket could
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 import time
 
-DATA_PATHS = ("udp", "auto", "afxdp")
-ENV = "XDP_AGG_DATA_PATH"
+DATA_PATHS = ("udp", "auto", "afxdp")  # HostOptions.data_path
 
 # neighbour states with a usable link-layer address (include/uapi/linux/neighbour.h)
 _NUD_VALID = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80  # REACHABLE STALE DELAY PROBE NOARP PERM
@@ -34,18 +32,10 @@ _RTN_UNICAST = 1
 _ARPHRD_ETHER = 1
 
 
-def choose(requested: str | None) -> str:
-    """The data path to use: `requested`, else $XDP_AGG_DATA_PATH, else "udp"."""
-    path = requested if requested is not None else os.environ.get(ENV) or "udp"
-    if path not in DATA_PATHS:
-        raise ValueError(f"data_path must be one of {', '.join(DATA_PATHS)}, not {path!r}")
-    return path
-
-
-def spec(sock: socket.socket, aggregator: tuple[str, int], zerocopy: bool = True, mode: str = ""):
-    """The xsk argument of _fastpath.Engine for the data socket `sock` sending to `aggregator`,
-    or a str: why AF_XDP has nothing to run on here."""
-    agg_ip = aggregator[0]
+def spec(sock: socket.socket, data_address: tuple[str, int], zerocopy: bool = True, mode: str = ""):
+    """The xsk argument of _fastpath.Engine for the data socket `sock` sending to the
+    aggregator's `data_address`, or a str: why AF_XDP has nothing to run on here."""
+    agg_ip = data_address[0]
     if ipaddress.ip_address(agg_ip).is_loopback:
         return "the aggregator is on the loopback"
     try:

@@ -1,6 +1,6 @@
 """The API a training job uses: init() a Communicator, then allreduce() tensors.
 
-    comm = hostlib.init(rank, world_size, aggregator="198.18.0.1:48800", job="resnet-run-7")
+    comm = hostlib.init(rank, world_size, "198.18.0.1:48800", "resnet-run-7")
     grads = comm.allreduce(grads)            # int32, float32, float16, bfloat16
     h = comm.allreduce_async(other); ...; other_sum = h.wait()
     comm.close()
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import ipaddress
-import os
 import socket
 import threading
 from collections.abc import Callable
@@ -22,14 +21,15 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from aggproto import control, wire
+from aggproto import wire
 from aggproto.jobs import JobDescription
 
 from .control_link import ControlLink
-from .diagnosis import gone_notes
-from .engine import EngineConfig, Faults, StreamEngine
+from .diagnosis import explain_timeout
+from .engine import Engine, EngineConfig, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
+from .options import HostOptions, token_from_env
 from .rendezvous import ControlClient, load_secret, parse_endpoint
 from .striping import StripedEngine
 from .udp_io import DatagramSocket
@@ -40,65 +40,23 @@ _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
 def init(
     rank: int,
     world_size: int,
-    aggregator,
+    control,
     job: str = "default",
-    elems: int | str = 256,
-    window: int = 64,
-    timeout: float = 30.0,
+    options: HostOptions | None = None,
     *,
-    ip: str | None = None,
-    port: int = 0,
-    mac: str | None = None,
-    rendezvous_timeout: float = 120.0,
-    retransmit: float = 0.015,
-    progress: bool = False,
-    faults: Faults | None = None,
-    gso: bool = True,
-    gro: bool = True,
-    native: bool | None = None,
-    cwnd: str = "aimd",
-    data_path: str | None = None,
-    secret_file: str | None = None,
     token: str | None = None,
     on_token: Callable[[str], None] | None = None,
 ) -> "Communicator":
-    """Join job `job` as `rank` of `world_size` through the control endpoint `aggregator`.
+    """Join job `job` as `rank` of `world_size` through the control endpoint `control`.
 
-    aggregator: "HOST:PORT" of the control endpoint (xdp-agg serve); or, to stripe the job over
+    control: "HOST:PORT" of the control endpoint (xdp-agg serve); or, to stripe the job over
         k aggregators, k of them: a list, or one string "HOST:PORT,HOST:PORT" (the form the
         environment's XDP_AGG_CONTROL takes). The job is then created and joined on each, and
         every all-reduce is split into k stripes that run at once, one per aggregator
-        (hostlib.striping); every rank must list the same aggregators in the same order.
+        (hostlib.striping); every rank must list the same endpoints in the same order.
     job: the job's name; all ranks of one run use the same, and no other live run may.
-    elems, window: int32 per packet (32, 64, 128, 256, 512, 768, 1024 or 2048) and slots per
-        worker; rank 0's values make the job, the other ranks adopt them. elems="auto": the most
-        that fits the path MTU towards the control endpoint(s) (wire.elems_for_mtu: 256 at MTU
-        1500, 2048 at 9000; 1024 and 2048 need an aggregator attached with --frags).
-    timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
-    ip: the address the aggregator knows this worker by. By default the source address the
-        kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
-        also receives results sent to a group (broadcast or multicast) address. Give it to pin
-        the source address when one host runs several workers (as the loopback tests do); the
-        data socket is then bound to it and can receive unicast results only.
-    port: UDP port of the data socket. Rank 0 binds it (0: any free port) and the job fixes it
-        for every rank, because in one-arm mode the result goes once to group:port. Striped,
-        aggregator j's socket gets port + j (or any free port when port is 0).
-    mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
-    rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
-    retransmit: least retransmission timer in seconds; the timer follows the measured round
-        trip above it, and doubles at each expiry of the same packet (capped at 0.25 s).
-    progress: show a progress line on stderr for all-reduces that take over a second.
-    faults: test hook, seeded random loss/duplication inside the engine (engine.Faults).
-    gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).
-    native: run all-reduces in the C loop (hostlib._fastpath); None: when it is built and the
-        environment does not say XDP_AGG_NATIVE=0; False: the numpy reference loop.
-    cwnd: the C loop's congestion window: "aimd" (adapts to loss) or "fixed" (the window).
-    data_path: how the C loop's packets travel (hostlib.afxdp): "udp" (the kernel socket),
-        "auto" (an AF_XDP socket where one can run, else the kernel socket: stats says which
-        and why) or "afxdp" (an AF_XDP socket or an error); None: $XDP_AGG_DATA_PATH, or "udp".
-    secret_file: the deployment secret (the file `xdp-agg serve` uses, mode 0600); default
-        $XDP_AGG_SECRET_FILE. Rank 0 needs it to create the job; another rank needs it or
-        `token`.
+    options: how to join and run (HostOptions: elems, window, timeout, ip, ...); default
+        HostOptions.from_env(), the defaults with what the XDP_AGG_* environment sets.
     token: the job's token, for a rank without the secret (rank 0's launcher passes
         Communicator.token on); default $XDP_AGG_JOB_TOKEN.
     on_token: rank 0 only: called with the job's token as soon as the job exists, before the
@@ -108,80 +66,96 @@ def init(
     or joined (name in use, ranks missing at the barrier, ...), its AuthError when the
     credentials are missing or wrong, ValueError on bad arguments.
     """
+    opts = HostOptions.from_env() if options is None else options
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
-    endpoints = parse_aggregators(aggregator)
-    if elems == "auto":
-        elems = min(wire.elems_for_mtu(path_mtu_towards(*e)) for e in endpoints)
-    wire.size_code_for(elems)
-    if window < 1:
-        raise ValueError("window must be at least 1")
-    secret = load_secret(secret_file)
+    endpoints = parse_controls(control)
+    secret = load_secret(opts.secret_file)
     # the job's token at the first aggregator (striped, the others need the secret: a token is
     # one aggregator's, made when rank 0 creates the job there)
-    token = token or os.environ.get(control.TOKEN_ENV) or None
+    token = token or token_from_env()
     joined: list[_Joined] = []
+    ctls: list[ControlClient] = []
     try:
-        link = dict(ip=ip, mac=mac, wait=rendezvous_timeout, gso=gso, gro=gro, secret=secret)
         for j, endpoint in enumerate(endpoints):
             first = j == 0  # the token is the first aggregator's (above)
-            where = (
-                f" on aggregator {j} ({endpoint[0]}:{endpoint[1]})" if len(endpoints) > 1 else ""
-            )
-            one = (rank, world_size, endpoint, job, elems, window)
-            joined.append(
-                _join_one(
-                    *one,
-                    port=port + j if port else 0,
-                    token=token if first else None,
-                    on_token=on_token if first else None,
-                    where=where,
-                    **link,
-                )
-            )
+            ctls.append(_connect(endpoint, job, opts.ip, secret, token if first else None))
+        size = _packet_size(opts, ctls) if rank == 0 else None
+        for j, ctl in enumerate(ctls):
+            host, port_ = ctl.endpoint
+            where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
+            place = _Place(rank, world_size, job, size.elems if size else 0, where)
+            port = opts.port + j if opts.port else 0
+            joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None))
     except BaseException as e:
         for x in joined:
             x.sock.close()
+        for ctl in ctls[len(joined) :]:
+            ctl.close()
+        for x in joined:
             x.ctl.close()
         if isinstance(e, RendezvousError) and len(endpoints) > 1:  # say which aggregator refused
-            host, port_ = endpoints[len(joined)]
-            raise type(e)(f"aggregator {len(joined)} ({host}:{port_}): {e}") from None
+            j = len(joined) if len(ctls) == len(endpoints) else len(ctls)
+            host, port_ = endpoints[j]
+            raise type(e)(f"aggregator {j} ({host}:{port_}): {e}") from None
         raise
-    engines = []
-    for j, x in enumerate(joined):
-        desc = x.desc
-        cfg = EngineConfig(
-            job_id=desc.spec.job_id,
-            # float scaling's n: every worker under the root of a two-level tree (JobSpec
-            # total_workers), else the job's own ranks
-            world_size=desc.spec.total_workers or desc.world_size,
-            elems=desc.spec.elems,
-            slot_base=desc.spec.slot_base,
-            window=desc.window,
-            aggregator=desc.send_to,
-            rto=retransmit,
-            timeout=timeout,
-            progress=progress and j == 0,
-            native=native,
-            cwnd=cwnd,
-            data_path=data_path,
-        )
-        stripe_faults = faults
-        if faults is not None and j:  # independent losses per stripe
-            stripe_faults = dataclasses.replace(faults, seed=faults.seed + j)
-        engines.append(StreamEngine(x.sock, cfg, stripe_faults))
+    engines = [_engine(x, opts, j) for j, x in enumerate(joined)]
     first = joined[0]
     engine = engines[0] if len(joined) == 1 else StripedEngine(engines, endpoints)
-    return Communicator(
-        rank,
-        job,
-        first.desc,
-        first.ctl,
-        first.sock,
-        engine,
-        membership=first.membership,
-        stripes=joined[1:],
+    size = size or PacketSize(first.desc.spec.elems, "the job's, as rank 0 made it")
+    return Communicator(rank, job, engine, joined, size)
+
+
+@dataclasses.dataclass(frozen=True)
+class PacketSize:
+    """The job's int32 per packet and why (comm.stats "elems" and "elems_reason")."""
+
+    elems: int
+    reason: str
+
+
+def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
+    """Rank 0's packet size: the one given, or for elems="auto" the most that both the path
+    MTU towards every endpoint and every aggregator allow (its `ping` answer's sizes)."""
+    if opts.elems != "auto":
+        return PacketSize(opts.elems, "given")
+    mtu = min(path_mtu_towards(*c.endpoint) for c in ctls)
+    fits = [n for n in sorted(wire.SIZE_CODE_ELEMS.values()) if n <= wire.elems_for_mtu(mtu)]
+    reason = f"auto: the path MTU {mtu} carries up to {fits[-1]}"
+    for j, ctl in enumerate(ctls):
+        # the sizes the aggregator takes; an endpoint older than this answer does not say
+        allowed = set(ctl.request("ping").get("elems") or fits)
+        if fits[-1] not in allowed:
+            fits = [n for n in fits if n in allowed] or fits[:1]
+            name = f"aggregator {j}" if len(ctls) > 1 else "the aggregator"
+            reason += f"; {name} takes up to {max(allowed)}"
+    return PacketSize(fits[-1], reason)
+
+
+def _engine(x: "_Joined", opts: HostOptions, j: int) -> StreamEngine:
+    """The stream engine of stripe `j` (0 unless striped) at the aggregator `x` joined."""
+    desc = x.desc
+    cfg = EngineConfig(
+        job_id=desc.spec.job_id,
+        # float scaling's n: every worker under the root of a two-level tree (JobSpec
+        # total_workers), else the job's own ranks
+        scaling_workers=desc.spec.total_workers or desc.world_size,
+        elems=desc.spec.elems,
+        slot_base=desc.spec.slot_base,
+        window=desc.window,
+        data_address=desc.send_to,
+        rto=opts.retransmit,
+        timeout=opts.timeout,
+        progress=opts.progress and j == 0,
+        native=opts.native,
+        cwnd=opts.cwnd,
+        data_path=opts.data_path,
+        spin=opts.spin,
     )
+    faults = opts.faults
+    if faults is not None and j:  # independent losses per stripe
+        faults = dataclasses.replace(faults, seed=faults.seed + j)
+    return StreamEngine(x.sock, cfg, faults)
 
 
 @dataclasses.dataclass
@@ -195,106 +169,114 @@ class _Joined:
     membership: bytes | None
 
 
-def parse_aggregators(aggregator) -> list[tuple[str, int]]:
-    """init's `aggregator`: "HOST:PORT", "HOST:PORT,HOST:PORT,..." or a sequence of "HOST:PORT"
+@dataclasses.dataclass(frozen=True)
+class _Place:
+    """Where one rank joins at one aggregator: rank of world_size in job `job`; elems: rank 0's
+    packet size (0 on the other ranks, which adopt the job's); where: " on aggregator j (...)"
+    when striped, for the messages."""
+
+    rank: int
+    world_size: int
+    job: str
+    elems: int
+    where: str
+
+
+def parse_controls(control) -> list[tuple[str, int]]:
+    """init's `control`: "HOST:PORT", "HOST:PORT,HOST:PORT,..." or a sequence of "HOST:PORT"
     -> the control endpoints, in stripe order. Raises ValueError on an empty or repeated one."""
-    items = aggregator.split(",") if isinstance(aggregator, str) else list(aggregator)
+    items = control.split(",") if isinstance(control, str) else list(control)
     endpoints = [parse_endpoint(str(a).strip()) for a in items]
     if not endpoints or any(not h for h, _ in endpoints):
-        raise ValueError(f"aggregator must name at least one control endpoint, got {aggregator!r}")
+        raise ValueError(f"control must name at least one control endpoint, got {control!r}")
     if len(set(endpoints)) != len(endpoints):
-        raise ValueError(f"an aggregator is named twice in {aggregator!r}")
+        raise ValueError(f"a control endpoint is named twice in {control!r}")
     return endpoints
 
 
-def _join_one(
-    rank,
-    world_size,
-    endpoint,
-    job,
-    elems,
-    window,
-    *,
-    ip,
-    port,
-    mac,
-    wait,
-    gso,
-    gro,
-    secret,
-    token,
-    on_token,
-    where,
-) -> _Joined:
-    """Create (rank 0) or find the job at one control endpoint and register there; returns the
-    job's description, the control link (kept open: closing it leaves), the data socket and
-    its group membership."""
-    pinned = ip is not None
-    my_ip = ip if pinned else source_ip_towards(*endpoint)
-    bind_ip = my_ip if pinned else "0.0.0.0"
-    ctl = ControlClient(
+def _connect(endpoint, job: str, ip: str | None, secret, token: str | None) -> ControlClient:
+    """The control connection to `endpoint`, from `ip` when pinned, with the credentials."""
+    return ControlClient(
         endpoint,
         timeout=30.0,
-        source_ip=my_ip if pinned else None,
+        source_ip=ip,
         secret=secret,
         tokens={job: token} if token else None,
     )
+
+
+def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, on_token):
+    """Create (rank 0) or find the job at one control endpoint (`ctl`, connected) and register
+    there; returns the job's description, the control link (kept open: closing it leaves),
+    the data socket and its group membership."""
+    pinned = opts.ip is not None
+    my_ip = opts.ip if pinned else source_ip_towards(*ctl.endpoint)
+    bind_ip = my_ip if pinned else "0.0.0.0"
+    job, wait, offload = place.job, opts.rendezvous_timeout, dict(gso=opts.gso, gro=opts.gro)
     sock = None
     try:
-        if rank == 0:
-            sock = DatagramSocket((bind_ip, port), gso=gso, gro=gro)
+        if place.rank == 0:
+            sock = DatagramSocket((bind_ip, port), **offload)
             desc = ctl.job(
                 "create",
                 job=job,
-                world_size=world_size,
-                elems=elems,
-                window=window,
+                world_size=place.world_size,
+                elems=place.elems,
+                window=opts.window,
                 worker_port=sock.address[1],
             )
             if on_token is not None and job in ctl.tokens:
                 on_token(ctl.tokens[job])
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
-            if desc.world_size != world_size:
-                raise ValueError(
-                    f"job {job!r}{where} has world_size {desc.world_size}, this rank was started "
-                    f"with {world_size}"
-                )
-            try:
-                sock = DatagramSocket((bind_ip, desc.worker_port), gso=gso, gro=gro)
-            except OSError as e:
-                raise HostlibError(
-                    f"{e.strerror}: every worker of job {job!r}{where} listens on the UDP port "
-                    f"rank 0 chose, {desc.worker_port}, and it is taken here; start rank 0 with "
-                    f"port= set to a port free on every host (two workers on one host also need "
-                    f"distinct ip= addresses)"
-                ) from None
+            _check_world(desc, place)
+            sock = _worker_socket(bind_ip, desc, place, offload)
         membership = _join_group(sock, desc.group, my_ip, pinned)
         desc = ctl.job(
             "register",
             job=job,
-            rank=rank,
+            rank=place.rank,
             port=sock.address[1],
             ip=my_ip,
-            mac=mac or mac_of(my_ip),
+            mac=opts.mac or mac_of(my_ip),
             timeout=wait,
             reply_timeout=wait + 5,
         )
-    except BaseException:
+    except BaseException:  # init closes the control connection
         if sock is not None:
             sock.close()
-        ctl.close()
         raise
     # from here on the control connection survives a restart of the endpoint (control_link)
     link = ControlLink(
         ctl,
         job=job,
-        rank=rank,
+        rank=place.rank,
         ip=my_ip,
         port=sock.address[1],
         source_ip=my_ip if pinned else None,
     )
     return _Joined(desc, link, sock, membership)
+
+
+def _check_world(desc: JobDescription, place: _Place) -> None:
+    if desc.world_size != place.world_size:
+        raise ValueError(
+            f"job {place.job!r}{place.where} has world_size {desc.world_size}, this rank was "
+            f"started with {place.world_size}"
+        )
+
+
+def _worker_socket(bind_ip: str, desc: JobDescription, place: _Place, offload) -> DatagramSocket:
+    """A rank's data socket on the port rank 0 chose (the job's worker_port)."""
+    try:
+        return DatagramSocket((bind_ip, desc.worker_port), **offload)
+    except OSError as e:
+        raise HostlibError(
+            f"{e.strerror}: every worker of job {place.job!r}{place.where} listens on the UDP "
+            f"port rank 0 chose, {desc.worker_port}, and it is taken here; start rank 0 with "
+            f"port= set to a port free on every host (two workers on one host also need "
+            f"distinct ip= addresses)"
+        ) from None
 
 
 # IP_MULTICAST_ALL (linux/in.h; not in Python's socket module before 3.12 on every build)
@@ -353,33 +335,22 @@ class Communicator:
     one background thread, in order.
     """
 
-    def __init__(
-        self,
-        rank,
-        job,
-        desc,
-        ctl: ControlLink,
-        sock: DatagramSocket,
-        engine,
-        *,
-        membership: bytes | None = None,
-        stripes=(),
-    ):
+    def __init__(self, rank: int, job: str, engine: Engine, joined, size: PacketSize) -> None:
+        """(hostlib.init makes it) `joined`: this rank's place at each aggregator (_Joined), in
+        stripe order; `engine` runs the all-reduces over their data sockets."""
+        first = joined[0]
         self.rank = rank
         self.job = job
-        self.description: JobDescription = desc  # the job as the control endpoint described it
-        self.world_size = desc.world_size
-        self._ctl = ctl
-        self._sock = sock
-        self._engine: StreamEngine | StripedEngine = engine
-        # striped over several aggregators: (description, connection, data socket) of each after
-        # the first; the first is the one above
-        # striped: the other aggregators' places (_Joined), in stripe order after the first
-        self.descriptions: tuple[JobDescription, ...] = (desc, *(x.desc for x in stripes))
-        self._ctls = [ctl, *(x.ctl for x in stripes)]
-        self._socks = [sock, *(x.sock for x in stripes)]
+        self.description: JobDescription = first.desc  # the job as the control endpoint said
+        self.world_size = first.desc.world_size
+        self._engine = engine
+        self._size = size
+        self.descriptions: tuple[JobDescription, ...] = tuple(x.desc for x in joined)
+        self._ctls = [x.ctl for x in joined]
+        self._socks = [x.sock for x in joined]
         # the ip_mreq of each socket's multicast group, if it joined one (close leaves them)
-        self._memberships = [membership, *(x.membership for x in stripes)]
+        self._memberships = [x.membership for x in joined]
+        self._ctl = self._ctls[0]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
         self._lock = threading.Lock()  # guards _closed, _queued, _inline
         self._engine_lock = threading.Lock()  # held while the engine runs an all-reduce
@@ -403,12 +374,12 @@ class Communicator:
         shape and length; every rank must pass the same length. `timeout` overrides the
         communicator's stall timeout for this call.
         """
-        job = _AllreduceArrays.prepare(array, out, inplace)
+        arrays = _AllreduceArrays.prepare(array, out, inplace)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
             if self._queued or self._inline:  # behind others: keep the order, on the executor
-                handle = self._submit(job, timeout)
+                handle = self._submit(arrays, timeout)
             else:
                 handle = None
                 self._inline = True
@@ -416,7 +387,7 @@ class Communicator:
             return handle.wait()
         try:
             with self._engine_lock:
-                return self._run(job, timeout)
+                return self._run(arrays, timeout)
         finally:
             with self._lock:
                 self._inline = False
@@ -428,21 +399,21 @@ class Communicator:
 
         Do not modify `array` (or read `out`) until the handle is done.
         """
-        job = _AllreduceArrays.prepare(array, out, inplace)
+        arrays = _AllreduceArrays.prepare(array, out, inplace)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
-            return self._submit(job, timeout)
+            return self._submit(arrays, timeout)
 
-    def _submit(self, job: "_AllreduceArrays", timeout: float | None) -> AllreduceHandle:
+    def _submit(self, arrays: "_AllreduceArrays", timeout: float | None) -> AllreduceHandle:
         """Queue an all-reduce on the executor (with self._lock held)."""
         self._queued += 1
-        return AllreduceHandle(self._executor.submit(self._run_queued, job, timeout))
+        return AllreduceHandle(self._executor.submit(self._run_queued, arrays, timeout))
 
-    def _run_queued(self, job: "_AllreduceArrays", timeout: float | None):
+    def _run_queued(self, arrays: "_AllreduceArrays", timeout: float | None):
         try:
             with self._engine_lock:  # after an all-reduce running inline, if any
-                return self._run(job, timeout)
+                return self._run(arrays, timeout)
         finally:
             with self._lock:
                 self._queued -= 1
@@ -451,7 +422,7 @@ class Communicator:
         """Return once every rank has reached its barrier (an all-reduce of one int32)."""
         self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
 
-    def _run(self, job: "_AllreduceArrays", timeout: float | None):
+    def _run(self, arrays: "_AllreduceArrays", timeout: float | None):
         if self._broken:
             raise HostlibError(
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
@@ -459,10 +430,10 @@ class Communicator:
             )
         started = self._engine.counter
         try:
-            if job.kind == "int32":
-                self._engine.allreduce_int32(job.src, job.dst_flat, timeout)
+            if arrays.kind == "int32":
+                self._engine.allreduce_int32(arrays.src, arrays.dst_flat, timeout)
             else:
-                self._engine.allreduce_float32(job.src, job.dst_flat, timeout)
+                self._engine.allreduce_float32(arrays.src, arrays.dst_flat, timeout)
         except AllreduceTimeout as e:
             # The ranks' slot states now differ: another all-reduce would only time out again.
             self._broken = "an all-reduce timed out"
@@ -471,7 +442,7 @@ class Communicator:
             if self._engine.counter != started:  # failed half-way (not a rejected input)
                 self._broken = f"an all-reduce failed: {e!r}"
             raise
-        return job.finish()
+        return arrays.finish()
 
     def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:
         """Add the control endpoint's view (absent and lagging ranks) to a timeout."""
@@ -480,40 +451,8 @@ class Communicator:
             d = ctl.request("diagnose", job=self.job, reply_timeout=3.0)
         except RendezvousError as err:
             return e.with_diagnosis(f"Could not ask the control endpoint: {err}", None)
-        notes = []
-        if d.get("lost"):  # the cause: what the ranks did afterwards says nothing more
-            note = f"the aggregator lost this job: {d['lost']}; no sum can come; start the run "
-            return e.with_diagnosis(f"Control endpoint: {note}again (every rank).", d)
-        if d.get("missing"):
-            notes.append(f"rank(s) {_join(d['missing'])} never registered")
-        gone = gone_notes(d)
-        notes += gone
-        if d.get("left") and not gone:
-            notes.append(f"rank(s) {_join(d['left'])} left the job or lost their connection")
-        counters = d.get("counters") or {}
-        mine = counters.get(str(self.rank), {}).get("contributions")
-        lagging = {int(r): c for r, c in (d.get("lagging") or {}).items() if int(r) != self.rank}
-        if lagging:
-            top = d.get("most_contributions", 0)
-            notes.append(
-                "lagging: "
-                + ", ".join(f"rank {r} ({c} contributions)" for r, c in sorted(lagging.items()))
-                + f" reached the aggregator, the most advanced rank {top}"
-            )
-        if mine == 0 and e.packets:
-            notes.append(
-                "the aggregator counted no contribution from this rank "
-                f"({self._my_address(e.stripe or 0)}): "
-                "it does not receive this worker's packets or does not know its address"
-            )
-        if not notes and "counters" not in d:
-            notes.append(
-                "every rank is registered; the aggregator offers no per-worker counters, so an "
-                "idle rank cannot be told apart from an aggregator that does not answer"
-            )
-        elif not notes:
-            notes.append("every rank is registered and none is behind in contributions")
-        return e.with_diagnosis("Control endpoint: " + "; ".join(notes) + ".", d)
+        me = self._my_address(e.stripe or 0)
+        return e.with_diagnosis(explain_timeout(d, self.rank, me, e.packets), d)
 
     def _my_address(self, stripe: int = 0) -> str:
         workers = self.descriptions[stripe].workers
@@ -523,39 +462,39 @@ class Communicator:
     # --- info -------------------------------------------------------------------------------
     @property
     def timeout(self) -> float:
-        """Seconds an all-reduce may go without progress before AllreduceTimeout (init's)."""
-        return self._engine.cfg.timeout
+        """Seconds an all-reduce may go without progress before AllreduceTimeout."""
+        return self._engine.timeout
 
     @property
     def stats(self) -> dict:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict, and
-        two strings: "data_path" (StreamEngine.data_path) and "data_path_reason"."""
+        "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32 per
+        packet) and "elems_reason" (why: given, the path MTU and the aggregator's sizes for
+        elems="auto", or rank 0's choice)."""
         return {
             **self._engine.stats,
             "data_path": self._engine.data_path,
             "data_path_reason": self._engine.data_path_reason,
+            "elems": self._size.elems,
+            "elems_reason": self._size.reason,
         }
 
     @property
-    def aggregators(self) -> list[str]:
+    def controls(self) -> list[str]:
         """The control endpoints of this job's aggregators, "HOST:PORT", in stripe order (one
         unless the job is striped)."""
         return [f"{c.endpoint[0]}:{c.endpoint[1]}" for c in self._ctls]
 
     def stats_per_aggregator(self) -> list[dict]:
         """Per aggregator (in stripe order) its stripe's counters, as `stats` has them, plus
-        "aggregator": its control endpoint. One entry, equal to `stats`, unless striped."""
-        per = (
-            self._engine.stats_per_aggregator()
-            if isinstance(self._engine, StripedEngine)
-            else [dict(self._engine.stats)]
-        )
-        return [{"aggregator": a, **st} for a, st in zip(self.aggregators, per)]
+        "control": its control endpoint. One entry, equal to `stats`, unless striped."""
+        per = self._engine.stats_per_aggregator()
+        return [{"control": a, **st} for a, st in zip(self.controls, per)]
 
-    def status(self, aggregator: int = 0) -> dict:
+    def status(self, stripe: int = 0) -> dict:
         """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);
-        striped, that of aggregator number `aggregator`."""
-        return self._ctls[aggregator].request("diagnose", job=self.job, reply_timeout=5.0)
+        striped, that of aggregator number `stripe`."""
+        return self._ctls[stripe].request("diagnose", job=self.job, reply_timeout=5.0)
 
     # --- teardown ---------------------------------------------------------------------------
     def close(self) -> None:
@@ -567,8 +506,7 @@ class Communicator:
         self._executor.shutdown(wait=True)
         with self._engine_lock:  # an all-reduce running inline in another thread finishes first
             pass
-        if isinstance(self._engine, StripedEngine):
-            self._engine.close()
+        self._engine.close()
         for ctl in self._ctls:
             try:
                 ctl.request("leave", job=self.job, rank=self.rank, reply_timeout=5.0)
@@ -638,7 +576,3 @@ class _AllreduceArrays:
                 self.result.dtype
             )
         return self.result
-
-
-def _join(ranks) -> str:
-    return ", ".join(str(r) for r in ranks)

@@ -8,28 +8,70 @@ error, progress). The loop that runs an all-reduce is a strategy: hostlib.numpy_
 reference, vectorised numpy, the protocol written out in its docstring) or hostlib.native_loop
 (the C extension hostlib._fastpath, which runs the whole stream with the GIL released and sends
 the same bytes: tests/test_fastpath.py compares them). StreamEngine uses the C loop when the
-extension is built (EngineConfig.native; env XDP_AGG_NATIVE=0 forces numpy).
+extension is built (EngineConfig.native; HostOptions.native=False forces numpy).
 """
 
 from __future__ import annotations
 
-import os
+from typing import Protocol
 
 import numpy as np
 
-from . import afxdp, native_loop
+from . import native_loop
 from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
 from .numpy_loop import NumpyLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
 from .udp_io import DatagramSocket
 
-__all__ = ["STAT_NAMES", "EngineConfig", "Faults", "StreamEngine"]
+__all__ = ["STAT_NAMES", "Engine", "EngineConfig", "Faults", "StreamEngine"]
+
+
+class Engine(Protocol):
+    """What a Communicator runs its all-reduces on: a StreamEngine (one aggregator) or a
+    hostlib.striping.StripedEngine (several). Not thread-safe: one all-reduce at a time."""
+
+    native: bool  # whether the C loop runs the all-reduces
+
+    @property
+    def counter(self) -> int:
+        """All-reduces started; changes when one starts (a failure after it is not a rejected
+        input)."""
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The counters of STAT_NAMES."""
+
+    @property
+    def timeout(self) -> float:
+        """Seconds an all-reduce may go without progress (the configured stall timeout)."""
+
+    @property
+    def data_path(self) -> str:
+        """How packets leave and arrive ("udp", "afxdp-...", comma-separated when striped)."""
+
+    @property
+    def data_path_reason(self) -> str:
+        """Why AF_XDP was asked for and is not used; "" otherwise."""
+
+    def stats_per_aggregator(self) -> list[dict]:
+        """Each aggregator's own counters, in stripe order (one entry unless striped)."""
+
+    def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
+
+    def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+
+    def close(self) -> None:
+        """Release what the engine holds besides the sockets (threads); after the last one."""
 
 
 class StreamEngine:
-    """Runs a communicator's all-reduces, one at a time, over its data socket.
+    """Runs a communicator's all-reduces, one at a time, over its data socket (an Engine).
 
-    Not thread-safe: the communicator calls it from one thread.
+    `state` is the stream's state (socket, configuration, slot versions, counters), `loop` the
+    loop that runs an all-reduce on it (C or numpy). Not thread-safe: the communicator calls it
+    from one thread.
     """
 
     def __init__(
@@ -37,7 +79,7 @@ class StreamEngine:
     ) -> None:
         self.state = StreamState(sock, config, faults)
         self.native = _use_native(config.native)
-        if not self.native and afxdp.choose(config.data_path) == "afxdp":
+        if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
         self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
 
@@ -52,22 +94,9 @@ class StreamEngine:
         """Why AF_XDP was asked for ("auto") and is not used; "" otherwise."""
         if self.native:
             return self.loop.data_path_reason
-        if afxdp.choose(self.cfg.data_path) == "auto":
+        if self.state.cfg.data_path == "auto":
             return "the numpy loop sends through the kernel socket"
         return ""
-
-    # what the communicator and the striped engine read of an engine
-    @property
-    def sock(self) -> DatagramSocket:
-        return self.state.sock
-
-    @property
-    def cfg(self) -> EngineConfig:
-        return self.state.cfg
-
-    @property
-    def stats(self) -> dict[str, float]:
-        return self.state.stats
 
     @property
     def counter(self) -> int:
@@ -75,14 +104,18 @@ class StreamEngine:
         return self.state.counter
 
     @property
-    def versions(self) -> np.ndarray:
-        """The next version of each slot of this worker."""
-        return self.state.versions
+    def stats(self) -> dict[str, float]:
+        """The counters of STAT_NAMES (the state's own dict)."""
+        return self.state.stats
 
     @property
-    def plen(self) -> int:
-        """The UDP payload length of this job's packets."""
-        return self.state.plen
+    def timeout(self) -> float:
+        """The configured stall timeout (EngineConfig.timeout)."""
+        return self.state.cfg.timeout
+
+    def stats_per_aggregator(self) -> list[dict]:
+        """One aggregator: a copy of `stats`."""
+        return [dict(self.state.stats)]
 
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
@@ -92,11 +125,13 @@ class StreamEngine:
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
         self.loop.run(True, src, dst, timeout)
 
+    def close(self) -> None:
+        """Nothing to release: the communicator closes the socket."""
+
 
 def _use_native(native: bool | None) -> bool:
-    """Whether to run the C loop: `native` if given, else when it is built and the
-    environment does not say XDP_AGG_NATIVE=0 (NativeLoop says how to build it when asked
-    for without it)."""
+    """Whether to run the C loop: `native` if given, else when it is built (NativeLoop says
+    how to build it when asked for without it)."""
     if native is None:
-        return native_loop.available() and os.environ.get("XDP_AGG_NATIVE", "1") != "0"
+        return native_loop.available()
     return bool(native)

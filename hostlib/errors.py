@@ -46,7 +46,7 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         self,
         message: str,
         *,
-        aggregator: tuple[str, int] | None = None,
+        data_address: tuple[str, int] | None = None,
         packets: int = 0,
         outstanding: int = 0,
         outstanding_slots: tuple[int, ...] = (),
@@ -56,7 +56,7 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         endpoint: tuple[str, int] | None = None,
     ) -> None:
         super().__init__(message)
-        self.aggregator = aggregator
+        self.data_address = data_address  # the stalled aggregator's data address
         self.packets = packets  # packets of this all-reduce
         self.outstanding = outstanding  # packets without a result when it gave up
         self.outstanding_slots = outstanding_slots
@@ -70,7 +70,7 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         """A copy whose message ends with the control endpoint's view of the job."""
         return AllreduceTimeout(
             f"{self.args[0]} {text}".rstrip(),
-            aggregator=self.aggregator,
+            data_address=self.data_address,
             packets=self.packets,
             outstanding=self.outstanding,
             outstanding_slots=self.outstanding_slots,

@@ -17,6 +17,7 @@ from aggproto import wire
 
 from . import afxdp, scaling
 from .errors import HostlibError
+from .options import simd_from_env
 from .stream_state import Allreduce, StreamState
 
 try:
@@ -24,11 +25,25 @@ try:
 except ImportError:  # not built (a source checkout without build_ext): the numpy loop only
     _fastpath = None
 
-# the C loop's layout is the wire module's (a stale build would send other bytes)
-assert _fastpath is None or (_fastpath.VALUES_AT, _fastpath.EXP_LEN) == (
-    wire.VALUES_AT,
-    wire.EXP_HLEN,
-)
+
+def _check_wire(fast) -> None:
+    """ImportError unless the extension's wire constants (from its generated header,
+    hostlib/fastpath/wire.h) are aggproto.wire's: a stale build would send other bytes."""
+    want = {name: getattr(wire, name) for name in fast.WIRE}
+    got = {name: getattr(fast, name) for name in fast.WIRE}
+    wrong = {name: (got[name], want[name]) for name in want if got[name] != want[name]}
+    if wrong:
+        text = ", ".join(f"{n} {g} (aggproto.wire: {w})" for n, (g, w) in sorted(wrong.items()))
+        raise ImportError(
+            f"hostlib._fastpath was built from another wire layout: {text}; rebuild it "
+            "(`python setup.py build_ext --inplace`, or pip install)"
+        )
+
+
+if _fastpath is not None:
+    _check_wire(_fastpath)
+    if simd_from_env():  # XDP_AGG_SIMD: the kernels chosen by the environment
+        _fastpath.set_simd(simd_from_env())
 
 # the counters the C loop reports per all-reduce that add up in StreamState.stats as they are
 # (the socket's system calls and errors go through the DatagramSocket's own counters)
@@ -65,19 +80,19 @@ class NativeLoop:
         self.state = state
         cfg, f = state.cfg, state.faults
         sock = state.sock
-        path = afxdp.choose(cfg.data_path)
-        xsk, self.data_path_reason = _xsk_spec(path, sock, cfg.aggregator)
+        path = cfg.data_path
+        xsk, self.data_path_reason = _xsk_spec(path, sock, cfg.data_address)
         self._fast = _fastpath.Engine(
-            sock.fileno(),
-            cfg.aggregator[0],
-            cfg.aggregator[1],
-            cfg.elems,
-            cfg.window,
-            cfg.world_size,
-            state.type_size,
-            cfg.slot_base,
-            cfg.rto,
-            cfg.rto_max,
+            fd=sock.fileno(),
+            host=cfg.data_address[0],
+            port=cfg.data_address[1],
+            elems=cfg.elems,
+            window=cfg.window,
+            scaling_workers=cfg.scaling_workers,
+            type_size=state.type_size,
+            slot_base=cfg.slot_base,
+            rto=cfg.rto,
+            rto_max=cfg.rto_max,
             gso=sock.gso,
             gro=sock.gro,
             cwnd=cfg.cwnd,
@@ -150,15 +165,15 @@ class NativeLoop:
         st["cwnd"] = self._fast.cwnd
 
 
-def _xsk_spec(path: str, sock, aggregator: tuple[str, int]) -> tuple[tuple | None, str]:
+def _xsk_spec(path: str, sock, data_address: tuple[str, int]) -> tuple[tuple | None, str]:
     """The Engine's xsk argument for data path `path` (None: the kernel socket) and, when AF_XDP
     was asked for but has nothing to run on, why."""
     if path == "udp":
         return None, ""
     try:
-        found = afxdp.spec(sock.sock, aggregator)
+        found = afxdp.spec(sock.sock, data_address)
     except Exception as e:  # netlink refused, no route: the kernel socket, and why
-        return None, f"finding the interface towards {aggregator[0]}: {e}"
+        return None, f"finding the interface towards {data_address[0]}: {e}"
     return (None, found) if isinstance(found, str) else (found, "")
 
 

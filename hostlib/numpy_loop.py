@@ -256,7 +256,7 @@ class NumpyLoop:
         """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
         cfg = self.state.cfg
         if is_float:
-            tr = _FloatTransfer(src, dst, cfg.elems, cfg.window, cfg.world_size, self._work)
+            tr = _FloatTransfer(src, dst, cfg.elems, cfg.window, cfg.scaling_workers, self._work)
         else:
             tr = _IntTransfer(src, dst, cfg.elems, cfg.window)
         if tr.P == 0:
@@ -395,7 +395,7 @@ class NumpyLoop:
         f = self.state.faults
         if f is not None:
             rows = self._perturb(rows, f.send_loss, f.send_duplicate)
-        self.state.sock.send_rows(rows, self.state.cfg.aggregator)
+        self.state.sock.send_rows(rows, self.state.cfg.data_address)
 
     def _spin(self) -> np.ndarray:
         """Receive without sleeping for up to _SPIN_TIME, if spinning has been paying off.

@@ -23,12 +23,9 @@ from .errors import AuthError, ControlConnectionLost, LimitError, RendezvousErro
 _ERRORS = {"auth": AuthError, "limit": LimitError}  # the answer's "kind" -> what we raise
 
 
-def load_secret(path: str | None = None) -> bytes | None:
-    """The deployment secret from file `path`, else from the file ${XDP_AGG_SECRET_FILE} names;
-    None when neither is given. AuthError when the file cannot be used."""
-    import os
-
-    path = path or os.environ.get(control.SECRET_ENV) or None
+def load_secret(path: str | None) -> bytes | None:
+    """The deployment secret from file `path` (HostOptions.secret_file, which the environment's
+    XDP_AGG_SECRET_FILE sets); None without one. AuthError when the file cannot be used."""
     if path is None:
         return None
     try:

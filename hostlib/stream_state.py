@@ -12,7 +12,6 @@ socket's counters and shows progress; and they raise the same AllreduceTimeout (
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 from dataclasses import dataclass
@@ -74,27 +73,22 @@ class EngineConfig:
     """What the engine needs to know about its job (from the control endpoint)."""
 
     job_id: int
-    world_size: int  # the n of float scaling: all workers summed (under the root of a tree)
+    scaling_workers: int  # the n of float scaling: all workers summed (under the root of a tree)
     elems: int  # int32 per packet
     slot_base: int
     window: int  # slots of this worker: slot_base .. slot_base + window - 1
-    aggregator: tuple[str, int]  # where contributions go
+    data_address: tuple[str, int]  # where contributions go (the aggregator's data address)
     rto: float = 0.015  # least retransmission timer (SwitchML: 10 ms)
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces
-    # the C loop (hostlib._fastpath): None = when built and XDP_AGG_NATIVE is not "0"
+    # the C loop (hostlib._fastpath): None = when built
     native: bool | None = None
     cwnd: str = "aimd"  # congestion window of the C loop: "aimd", or "fixed" (= window)
-    # the C loop's data path (hostlib.afxdp): "udp", "auto", "afxdp"; None = $XDP_AGG_DATA_PATH
-    data_path: str | None = None
-    # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin);
-    # None = unless the environment says XDP_AGG_SPIN=0
-    spin: bool | None = None
-
-    def __post_init__(self) -> None:
-        if self.spin is None:
-            self.spin = os.environ.get("XDP_AGG_SPIN", "1") != "0"
+    # the C loop's data path (hostlib.afxdp): "udp", "auto", "afxdp"
+    data_path: str = "udp"
+    # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin)
+    spin: bool = True
 
 
 @dataclass
@@ -171,7 +165,7 @@ class StreamState:
         with a packet in flight."""
         cfg, P, timeout = self.cfg, ar.packets, ar.timeout
         slots = tuple(int(cfg.slot_base + s) for s in busy)
-        agg = f"{cfg.aggregator[0]}:{cfg.aggregator[1]}"
+        agg = f"{cfg.data_address[0]}:{cfg.data_address[1]}"
         outstanding = P - results_here
         if results_here == 0:
             never = " (it has never answered this worker)" if self.stats["results"] == 0 else ""
@@ -192,7 +186,7 @@ class StreamState:
             msg += f" Last send error: {self.sock.last_send_error}."
         return AllreduceTimeout(
             msg,
-            aggregator=cfg.aggregator,
+            data_address=cfg.data_address,
             packets=P,
             outstanding=outstanding,
             outstanding_slots=slots,

@@ -1,6 +1,6 @@
 """Striping: one job over k aggregators, each tensor split into k contiguous stripes.
 
-    comm = hostlib.init(rank, n, aggregator=["198.18.0.1:48800", "198.18.0.2:48800"], job="j")
+    comm = hostlib.init(rank, n, ["198.18.0.1:48800", "198.18.0.2:48800"], "j")
 
 Each aggregator runs the job independently (its control endpoint created it and registered every
 rank); this worker holds one data socket and one StreamEngine per aggregator. An all-reduce splits
@@ -60,33 +60,29 @@ def stripe_bounds(length: int, elems: int, k: int) -> list[tuple[int, int]]:
 class StripedEngine:
     """The engines of a job striped over several aggregators, run as one (see module doc).
 
-    Has what the communicator uses of a StreamEngine: allreduce_int32, allreduce_float32,
-    counter, stats and cfg. Not thread-safe, like StreamEngine: one all-reduce at a time.
+    An Engine (hostlib.engine) like the StreamEngines it runs. Not thread-safe, like
+    StreamEngine: one all-reduce at a time.
     """
 
     def __init__(self, engines: list[StreamEngine], endpoints: list[tuple[str, int]]) -> None:
         if len(engines) < 2 or len(engines) != len(endpoints):
             raise ValueError("a striped engine needs one endpoint per engine, two or more")
-        elems = {e.cfg.elems for e in engines}
+        elems = {e.state.cfg.elems for e in engines}
         if len(elems) != 1:
             raise ValueError(f"the aggregators' jobs disagree on elements per packet: {elems}")
         self.engines = engines
         self.endpoints = endpoints
-        self.elems = engines[0].cfg.elems
+        self.native = engines[0].native  # every stripe's (one HostOptions made them)
+        self.elems = engines[0].state.cfg.elems
         self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
         self._pool = ThreadPoolExecutor(
             max_workers=len(engines) - 1, thread_name_prefix="hostlib-stripe"
         )
 
     @property
-    def cfg(self):
-        """The first aggregator's engine configuration (timeout, elems and window are those of
-        every stripe)."""
-        return self.engines[0].cfg
-
-    @property
-    def native(self) -> bool:
-        return self.engines[0].native
+    def timeout(self) -> float:
+        """The stall timeout (every stripe's)."""
+        return self.engines[0].timeout
 
     @property
     def counter(self) -> int:
@@ -166,11 +162,11 @@ class StripedEngine:
     def _name_stripe(self, j: int, e: AllreduceTimeout) -> AllreduceTimeout:
         """e, its message prefixed with which aggregator stalled."""
         host, port = self.endpoints[j]
-        data = self.engines[j].cfg.aggregator
+        data = self.engines[j].state.cfg.data_address
         return AllreduceTimeout(
             f"aggregator {j} of {len(self)} (control endpoint {host}:{port}, contributions to "
             f"{data[0]}:{data[1]}): {e.args[0]}",
-            aggregator=e.aggregator,
+            data_address=e.data_address,
             packets=e.packets,
             outstanding=e.outstanding,
             outstanding_slots=e.outstanding_slots,

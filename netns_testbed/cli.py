@@ -68,6 +68,13 @@ def _prefix(ctx, param, value):
 PROB = click.FloatRange(0.0, 1.0)
 
 
+def _count_option(*names: str, lo: int, hi: int, default: int, help: str):
+    """An option counting something, lo..hi, its default shown in --help."""
+    return click.option(
+        *names, type=click.IntRange(lo, hi), default=default, show_default=True, help=help
+    )
+
+
 def _fail(e: Exception) -> click.ClickException:
     return click.ClickException(str(e))
 
@@ -104,13 +111,8 @@ switch:  aggregator p<i> 198.18.(i+1).1/24 <-> worker i eth0 198.18.(i+1).2/24.
 \b
 Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 )
-@click.option(
-    "-n",
-    "--workers",
-    type=click.IntRange(1, plan.MAX_TESTBED_WORKERS),
-    default=2,
-    show_default=True,
-    help="Number of workers.",
+@_count_option(
+    "-n", "--workers", lo=1, hi=plan.MAX_TESTBED_WORKERS, default=2, help="Number of workers."
 )
 @click.option(
     "--topology",
@@ -121,11 +123,11 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 )
 @click.option("--rate", callback=_rate, help="Per worker link rate, both directions (e.g. 1gbit).")
 @click.option("--agg-rate", callback=_rate, help="Aggregator link rate (one-arm only).")
-@click.option(
+@_count_option(
     "--aggregators",
-    type=click.IntRange(1, plan.MAX_AGGREGATORS),
+    lo=1,
+    hi=plan.MAX_AGGREGATORS,
     default=1,
-    show_default=True,
     help="Number of aggregators (more than 1: one-arm only).",
 )
 @click.option(
@@ -146,11 +148,11 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
     default=0.0,
     help="Duplication probability aggregator -> worker (one-arm only).",
 )
-@click.option(
+@_count_option(
     "--observers",
-    type=click.IntRange(0, plan.MAX_OBSERVERS),
+    lo=0,
+    hi=plan.MAX_OBSERVERS,
     default=0,
-    show_default=True,
     help="One-arm: hosts in no job on the bridge (o0.., 198.18.0.200..).",
 )
 @click.option(

@@ -8,8 +8,19 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 
+class _Record:
+    """What every host record does: to the state file's JSON and back, field for field."""
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict):
+        return cls(**d)
+
+
 @dataclass
-class AggregatorHost:
+class AggregatorHost(_Record):
     """The aggregator's namespace.
 
     ``ifnames[k]``, ``ips[k]`` and ``macs[k]`` describe the same interface:
@@ -30,16 +41,28 @@ class AggregatorHost:
         ``agg1``, ``agg2``... for further aggregators."""
         return "agg" if self.index == 0 else f"agg{self.index}"
 
-    def to_dict(self) -> dict:
-        return asdict(self)
 
-    @classmethod
-    def from_dict(cls, d: dict) -> AggregatorHost:
-        return cls(**d)
+@dataclass
+class _SingleInterfaceHost(_Record):
+    """A namespace with one interface (`ifname`, its address and MAC): a worker or an
+    observer, named by its letter and index."""
+
+    index: int
+    netns: str
+    ifname: str
+    ip: str
+    mac: str
+
+    LETTER = ""  # a class constant, not a field: "w" for workers, "o" for observers
+
+    @property
+    def name(self) -> str:
+        """Short host name understood by :meth:`Testbed.run` and the CLI."""
+        return f"{self.LETTER}{self.index}"
 
 
 @dataclass
-class WorkerHost:
+class WorkerHost(_SingleInterfaceHost):
     """One worker namespace with its single interface ``eth0``.
 
     ``agg_ip`` is the aggregator address this worker sends to, ``agg_ifname``
@@ -47,31 +70,16 @@ class WorkerHost:
     ``eth0`` in one-arm) and ``agg_mac`` that interface's MAC.
     """
 
-    index: int
-    netns: str
-    ifname: str
-    ip: str
-    mac: str
     agg_ip: str
     agg_ifname: str
     agg_mac: str
     prefixlen: int = 24
 
-    @property
-    def name(self) -> str:
-        """Short host name understood by :meth:`Testbed.run` and the CLI."""
-        return f"w{self.index}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> WorkerHost:
-        return cls(**d)
+    LETTER = "w"
 
 
 @dataclass
-class ObserverHost:
+class ObserverHost(_SingleInterfaceHost):
     """A host on the one-arm bridge that is in no job: namespace ``<prefix>o<i>``, ``eth0``.
 
     It runs nothing of its own; tests use it to see what a bystander on the segment receives
@@ -79,21 +87,6 @@ class ObserverHost:
     IGMP snooping; everything, with the subnet broadcast).
     """
 
-    index: int
-    netns: str
-    ifname: str
-    ip: str
-    mac: str
     prefixlen: int = 24
 
-    @property
-    def name(self) -> str:
-        """Short host name understood by :meth:`Testbed.run` and the CLI."""
-        return f"o{self.index}"
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> ObserverHost:
-        return cls(**d)
+    LETTER = "o"

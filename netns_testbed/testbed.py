@@ -171,10 +171,6 @@ class Testbed(TestbedBuild):
         """All namespace names of this testbed (bridge, aggregator, workers)."""
         return list(self._plan.namespaces)
 
-    @property
-    def is_up(self) -> bool:
-        return self._is_up
-
     def __repr__(self) -> str:
         return (
             f"Testbed(prefix={self.prefix!r}, topology={self.topology!r}, "

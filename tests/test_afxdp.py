@@ -19,8 +19,8 @@ import uuid
 
 import pytest
 
-from hostlib import afxdp
 from hostlib.engine import EngineConfig, StreamEngine, _fastpath
+from hostlib.options import HostOptions
 from hostlib.udp_io import DatagramSocket
 from netns_testbed import nsexec, xdp_pass
 
@@ -180,9 +180,10 @@ def test_the_loopback_has_no_afxdp_and_the_choice_is_checked(monkeypatch):
         assert (numpy_eng.data_path, numpy_eng.data_path_reason) == ("udp", "")
     finally:
         sock.close()
-    monkeypatch.setenv(afxdp.ENV, "auto")
-    assert afxdp.choose(None) == "auto" and afxdp.choose("udp") == "udp"
-    monkeypatch.delenv(afxdp.ENV)
-    assert afxdp.choose(None) == "udp"
+    monkeypatch.setenv("XDP_AGG_DATA_PATH", "auto")
+    assert HostOptions.from_env().data_path == "auto"
+    assert HostOptions.from_env(data_path="udp").data_path == "udp"
+    monkeypatch.delenv("XDP_AGG_DATA_PATH")
+    assert HostOptions.from_env().data_path == "udp"
     with pytest.raises(ValueError, match="data_path must be one of"):
-        afxdp.choose("dpdk")
+        HostOptions(data_path="dpdk")

@@ -1,4 +1,5 @@
-"""AF_XDP workers through the XDP aggregator in the namespace testbed (issue 20 item 3).
+"""AF_XDP workers through the XDP aggregator in the namespace testbed (the host path without the
+kernel's UDP stack).
 
 The same jobs run twice on one one-arm testbed, under loss both ways and duplicated results:
 first every rank on the numpy loop over the kernel socket (the reference), then every rank on
@@ -13,7 +14,6 @@ import pytest
 from harness.workers import assert_reports_ok
 
 from aggcluster.cluster import Cluster
-from hostlib import afxdp
 from netns_testbed import faults, nsexec, shaping
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
@@ -37,10 +37,10 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     faults.apply(tb.switch_netns, faults.port_loss_script(ports, 0.02))
     with Cluster(tb) as cl:
         monkeypatch.setenv("XDP_AGG_NATIVE", "0")
-        monkeypatch.setenv(afxdp.ENV, "udp")
+        monkeypatch.setenv("XDP_AGG_DATA_PATH", "udp")
         ref = cl.run_workers(PLAN, job="afxdp-ref", timeout=60)
         monkeypatch.setenv("XDP_AGG_NATIVE", "1")
-        monkeypatch.setenv(afxdp.ENV, "afxdp")
+        monkeypatch.setenv("XDP_AGG_DATA_PATH", "afxdp")
         got = cl.run_workers(PLAN, job="afxdp", timeout=60)
     assert_reports_ok(ref)
     assert_reports_ok(got)
@@ -78,7 +78,7 @@ def test_neither_path_exceeds_the_link_rate(testbed_factory, monkeypatch):
     seen = {}
     with Cluster(tb) as cl:
         for path in ("udp", "afxdp"):
-            monkeypatch.setenv(afxdp.ENV, path)
+            monkeypatch.setenv("XDP_AGG_DATA_PATH", path)
             before = _to_aggregator(tb)
             reports = cl.run_workers(plan, job=f"rate-{path}", timeout=60)
             got = _to_aggregator(tb) - before

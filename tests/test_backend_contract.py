@@ -99,17 +99,17 @@ def test_bmv2_backend_keeps_the_contract():
 
 # --- the optional capabilities ---------------------------------------------------------------
 def _xdp_backend_class():
-    from xdp_switch.aggregator import XdpBackend
+    from xdp_switch.backend import XdpBackend
 
     return XdpBackend
 
 
 CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
-    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus"}),
+    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus", "ElemSizes"}),
     "xdp": (
         _xdp_backend_class,
-        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus"},
+        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus", "ElemSizes"},
     ),
     "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),
 }
@@ -141,6 +141,9 @@ def _check_capabilities(backend, job_id: int) -> set[str]:
         assert g == backend.generation() and json.loads(json.dumps(g)) == g
     if "ParentStatus" in checked:
         assert backend.parent_status(job_id) is None  # a job without a parent
+    if "ElemSizes" in checked:
+        sizes = backend.elem_sizes()
+        assert sizes and set(sizes) <= set(wire.SIZE_CODE_ELEMS.values()), sizes
     return checked
 
 
@@ -211,7 +214,7 @@ def test_xdp_maps_keep_the_contract(agg):
 
 
 class _MapsBackend:
-    """The XDP maps as a Backend (xdp_switch.aggregator.XdpBackend without an attached link)."""
+    """The XDP maps as a Backend (xdp_switch.backend.XdpBackend without an attached link)."""
 
     def __init__(self, maps):
         self.maps = maps
@@ -229,7 +232,7 @@ class _MapsBackend:
         self.maps.remove_worker(job_id, index)
 
     def jobs(self):
-        from xdp_switch.aggregator import job_dict
+        from xdp_switch.backend import job_dict
 
         return [job_dict(j, job, self.maps) for j, job in self.maps.jobs().items()]
 

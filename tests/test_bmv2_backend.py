@@ -9,23 +9,17 @@ import dataclasses
 import re
 
 import pytest
+from harness import packet_cases
 from harness.p4 import PORTS, FakeCLI
 
 from aggproto import keys, reasons
-from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.jobs import WorkerSpec
 from bmv2_switch import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
 
 
 def spec(job_id=3, n=2, elems=64, base=10, count=4):
-    return JobSpec(
-        job_id=job_id,
-        num_workers=n,
-        elems=elems,
-        slot_base=base,
-        slot_count=count,
-        agg_ip="198.18.0.1",
-        agg_mac="02:00:00:00:00:01",
-    )
+    """A job of the packet table's (its addresses), with this file's usual sizes."""
+    return packet_cases.job(job_id, n, elems, base, count)
 
 
 def test_job_and_worker_become_entries_group_and_node():

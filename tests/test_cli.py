@@ -10,7 +10,8 @@ import unprivileged
 from harness.cli import invoke
 
 from aggapp import cli, serving
-from xdp_switch import aggregator, loader, pins
+from xdp_switch import backend as xdp_backend
+from xdp_switch import loader, pins
 from xdp_switch.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
 
 REPO = Path(__file__).resolve().parent.parent
@@ -69,7 +70,9 @@ def test_group_mac():
 
 
 def test_success_exits_0(run, monkeypatch):
-    monkeypatch.setattr(aggregator, "stats", lambda name: {"unattributed": {"pass": 3}, "jobs": {}})
+    monkeypatch.setattr(
+        xdp_backend, "stats", lambda name: {"unattributed": {"pass": 3}, "jobs": {}}
+    )
     r = run("stats", "--json")
     assert r.exit_code == cli.EXIT_OK == 0, r.output
     assert '"pass": 3' in r.output
@@ -97,7 +100,7 @@ def test_exit_code_comes_from_the_error_class(run, monkeypatch, error, code):
     def fail(name):
         raise exc
 
-    monkeypatch.setattr(aggregator, "status", fail)
+    monkeypatch.setattr(xdp_backend, "status", fail)
     r = run("status")
     assert r.exit_code == code == error.exit_code
     assert r.output.startswith("xdp-agg: ") and "Traceback" not in r.output
@@ -106,8 +109,8 @@ def test_exit_code_comes_from_the_error_class(run, monkeypatch, error, code):
 def test_environment_problems_exit_3(run, monkeypatch):
     monkeypatch.setattr(pins, "bpffs_mounted", lambda path=None: False)
     monkeypatch.setattr("os.geteuid", lambda: 0)
-    monkeypatch.setattr(aggregator.links, "xdp_prog_id", lambda ifname: 0)
-    monkeypatch.setattr(aggregator.links, "addresses", lambda ifname: {"ifname": ifname})
+    monkeypatch.setattr(xdp_backend.links, "xdp_prog_id", lambda ifname: 0)
+    monkeypatch.setattr(xdp_backend.links, "addresses", lambda ifname: {"ifname": ifname})
     assert run("attach", "eth0").exit_code == cli.EXIT_ENV  # no bpffs
     monkeypatch.setattr(loader, "kernel_headers_present", lambda: False)
     assert run("bench").exit_code == cli.EXIT_ENV  # no kernel headers (bench loads programs)
@@ -127,7 +130,7 @@ def test_refused_job_exits_1(run, monkeypatch):
         def create_job(self, spec):
             raise Refused(f"slots {spec.slot_base}.. are outside the pool of 64")
 
-    monkeypatch.setattr(aggregator, "XdpBackend", FakeBackend)
+    monkeypatch.setattr(xdp_backend, "XdpBackend", FakeBackend)
     monkeypatch.setattr(
         serving.links, "addresses", lambda ifname: {"ipv4": [], "mac": "02:00:00:00:00:01"}
     )
@@ -148,11 +151,11 @@ def test_bad_addresses_are_usage_errors(run):
 
 def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
     """A bug is not dressed up as a failure: the exception reaches the user with its traceback."""
-    monkeypatch.setattr(aggregator, "status", lambda name: {}["no such key"])
+    monkeypatch.setattr(xdp_backend, "status", lambda name: {}["no such key"])
     r = run("status")
     assert isinstance(r.exception, KeyError)  # not SystemExit: click did not swallow it
     code = (
-        "import xdp_switch.aggregator as a; a.status = lambda name: 1 / 0\n"
+        "import xdp_switch.backend as a; a.status = lambda name: 1 / 0\n"
         "from aggapp.cli import main; main(['status'])"
     )
     cp = subprocess.run(
@@ -167,19 +170,19 @@ def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
     assert "Traceback (most recent call last)" in cp.stderr and "ZeroDivisionError" in cp.stderr
 
 
-def test_state_file_vocabulary_and_old_files():
-    """The state file says "topology" (the testbed's word) and "xdp_mode"; a file from before
-    the rename ("mode": "one-arm") still reads."""
+def test_state_file_vocabulary():
+    """The state file says "topology" (the testbed's word) and "xdp_mode"; a file without
+    "topology" is not one this version reads."""
     from netns_testbed import plan
 
     assert pins.TOPOLOGIES == tuple(plan.TOPOLOGIES)
-    assert set(aggregator.DELIVERY) == set(pins.TOPOLOGIES)
+    assert set(xdp_backend.DELIVERY) == set(pins.TOPOLOGIES)
     new = pins.State("a", "switch", "skb", None, [], 64, 1, 2, 0.0).to_dict()
     assert new["topology"] == "switch" and new["xdp_mode"] == "skb" and "mode" not in new
     old = {**new, "mode": "one-arm"}
     del old["topology"]
-    st = pins.State.from_dict(old)
-    assert st.topology == "one-arm" and st.xdp_mode == "skb"
+    with pytest.raises(TypeError, match="topology"):
+        pins.State.from_dict(old)
 
 
 def test_state_file_round_trip(tmp_path, monkeypatch):

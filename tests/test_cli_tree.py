@@ -1,5 +1,5 @@
 """Both command lines, walked whole: help on every option, an example and --json on every
-command, one name per meaning, and no help text mangled by a backslash at a line end."""
+command, and no help text mangled by a backslash at a line end."""
 
 import io
 import re
@@ -18,8 +18,6 @@ PROGRAMS = {"xdp-agg": agg_cli.main, "netns-testbed": netns_main}
 NO_JSON = {
     "netns-testbed exec": "it becomes the command it runs (exec), whose output is its own",
 }
-# Names that meant two things, renamed; the old ones still parse but --help no longer shows them.
-RETIRED = {"--parent", "--port", "--total-workers"}
 
 
 def commands():
@@ -69,35 +67,6 @@ def test_every_command_has_an_example_and_json(path, cmd):
     assert ("--json" in names) != (path in NO_JSON), (
         f"{path}: --json missing (or listed in NO_JSON)"
     )
-
-
-@pytest.mark.parametrize("path,cmd", LEAVES, ids=[p for p, _ in LEAVES])
-def test_help_shows_one_name_per_meaning(path, cmd):
-    shown = {o for line in _help(path, cmd).splitlines() for o in line.replace(",", " ").split()}
-    assert not RETIRED & shown, f"{path} --help still shows {RETIRED & shown}"
-
-
-@pytest.mark.parametrize(
-    "args,param,value",
-    [
-        (["create", "0", "--workers", "2", "--port", "48865"], "agg_port", 48865),
-        (["create", "0", "--workers", "2", "--agg-port", "48865"], "agg_port", 48865),
-        (["create", "0", "--workers", "2", "--total-workers", "6"], "total_workers", 6),
-        (["create", "0", "--workers", "2", "--parent", "1.2.3.4:5"], "parent", "1.2.3.4:5"),
-    ],
-)
-def test_old_names_still_parse(args, param, value):
-    parent = _root_context("xdp-agg")
-    with agg_cli.job.make_context("job", list(args), parent=parent) as ctx:
-        sub = agg_cli.job.get_command(ctx, args[0])
-        with sub.make_context(args[0], list(args[1:]), parent=ctx) as sub_ctx:
-            assert sub_ctx.params[param] == value
-
-
-def test_the_old_command_name_still_runs():
-    ctx = _root_context("xdp-agg")
-    assert agg_cli.main.get_command(ctx, "install-service") is agg_cli.install_service
-    assert "install-service" not in agg_cli.main.list_commands(ctx)
 
 
 def test_job_create_example_keeps_its_continuation_lines():

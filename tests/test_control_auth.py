@@ -1,4 +1,4 @@
-"""The control endpoint's authentication and limits (issue 12, item 2), on loopback without root:
+"""The control endpoint's authentication and limits, on loopback without root:
 the deployment secret (its file, proofs that are missing, wrong, stale or replayed), job tokens
 (one job's token cannot touch another job), where `xdp-agg serve` listens by default, and the
 bounds (connections in all and per source, the idle cut, the request rate). Every refusal must
@@ -18,9 +18,8 @@ import time
 import numpy as np
 import pytest
 from harness.cli import xdp_agg_cli
-from harness.ranks import in_threads, ok, run_ranks, soft_cluster
+from harness.ranks import in_threads, init, ok, run_ranks, soft_cluster
 
-import hostlib
 from aggapp import cli, serving
 from aggctl.auth import Limits
 from aggproto import control
@@ -34,7 +33,7 @@ JOB = dict(world_size=2, elems=64, window=4, worker_port=40000)
 
 def _state(cl) -> tuple:
     return sorted(json.dumps(j, sort_keys=True) for j in cl.aggregator.jobs()), sorted(
-        cl.server._jobs
+        cl.server.registry.jobs
     )
 
 
@@ -161,7 +160,7 @@ def test_a_rank_without_the_secret_joins_with_the_token_rank_0_hands_on():
                     kw.update(secret_file=cl.secret_file, on_token=handed.put)
                 else:
                     kw.update(token=handed.get(timeout=10))
-                with hostlib.init(r, 2, cl.endpoint, **kw) as comm:
+                with init(r, 2, cl.endpoint, **kw) as comm:
                     results[r] = (comm.allreduce(np.full(8, r + 1, np.int32)), comm.token)
             except Exception as e:
                 results[r] = e
@@ -174,7 +173,7 @@ def test_a_rank_without_the_secret_joins_with_the_token_rank_0_hands_on():
         assert results[0][1] == results[1][1]
         # without the secret and without a token, rank 0 cannot create
         with pytest.raises(AuthError, match="create needs proof"):
-            hostlib.init(0, 1, cl.endpoint, job="u", ip=cl.worker_ip(3), secret_file=None)
+            init(0, 1, cl.endpoint, job="u", ip=cl.worker_ip(3), secret_file=None)
 
 
 def test_workers_read_the_secret_file_from_the_environment(monkeypatch):
@@ -198,7 +197,7 @@ def test_secret_file_created_0600_and_a_readable_one_refused(tmp_path, monkeypat
     with pytest.raises(control.SecretError, match="mode 0644"):
         control.load_secret(loose)
     with pytest.raises(AuthError, match="mode 0644"):
-        hostlib.init(0, 1, "127.0.0.1:1", secret_file=str(loose))
+        init(0, 1, "127.0.0.1:1", secret_file=str(loose))
     r = xdp_agg_cli("serve", "--listen", "127.0.0.1:1", "--secret-file", str(loose))
     assert r.exit_code == cli.EXIT_FAILED and "chmod 600" in r.output, r.output
     short = tmp_path / "short.secret"

@@ -1,8 +1,8 @@
-"""A seeded fuzz of the control protocol (issue 12, item 2, the fuzz part): random, oversized,
-truncated and ill-typed requests to the control endpoint, on connections of their own, while a
-job is live. Every request must get an answer that says what is wrong (or, for a line over the
-length limit, an answer and a closed connection); the server must keep answering; and once the
-fuzzing connections are closed (closing one deletes whatever job it created, as for a crashed
+"""A seeded fuzz of the control protocol (the fuzz half; test_control_auth.py tests the limits):
+random, oversized, truncated and ill-typed requests to the control endpoint, on connections of their
+own, while a job is live. Every request must get an answer that says what is wrong (or, for a line
+over the length limit, an answer and a closed connection); the server must keep answering; and once
+the fuzzing connections are closed (closing one deletes whatever job it created, as for a crashed
 worker) the server's and the backend's state must be what it was before.
 
 The first fuzz proves the deployment secret on every request, so that the fields behind the
@@ -93,7 +93,7 @@ def _request(rng: random.Random, secret: bytes | None = None) -> bytes:
 
 def _state(cl) -> tuple:
     jobs = sorted(json.dumps(j, sort_keys=True) for j in cl.aggregator.jobs())
-    return jobs, sorted(cl.server._jobs)
+    return jobs, sorted(cl.server.registry.jobs)
 
 
 # the fuzz sends far faster than the rate limit allows: test_control_auth tests that limit

@@ -8,8 +8,8 @@ scale factor). Loss comes from the testbed's nftables rules, in both directions.
 import subprocess
 import sys
 
-import junk
 import pytest
+from harness import junk
 from harness.workers import MIXED_PLAN, ODD, assert_reports_ok
 
 from aggcluster.cluster import Cluster
@@ -116,10 +116,10 @@ def test_unregistered_host_changes_nothing(testbed_factory):
 
 
 def test_lying_lengths_from_a_registered_worker_change_no_sum(testbed_factory, tmp_path):
-    """Frames from worker 0's address with lying IPv4/UDP lengths (tests/junk.py: a full payload
-    of every size code, for every third slot, both versions and every fifth aggregator port),
-    sent in a loop during live all-reduces: the results stay exact, and the aggregator drops them
-    as that worker's (counted). Before the aggregator checked lengths, such frames were summed
+    """Frames from worker 0's address with lying IPv4/UDP lengths (tests/harness/junk.py: a full
+    payload of every size code, for every third slot, both versions and every fifth aggregator
+    port), sent in a loop during live all-reduces: the results stay exact, and the aggregator drops
+    them as that worker's (counted). Before the aggregator checked lengths, such frames were summed
     into live slots."""
     tb = testbed_factory(workers=3, topology="one-arm")
     w0, agg = tb.workers[0], tb.aggregator

@@ -1,4 +1,4 @@
-"""Failures end in a defined state within a bound (issue 12, item 1), in the testbed.
+"""Failures end in a defined state within a bound, in the testbed.
 
 - a worker killed mid-all-reduce: the others raise, within their timeout (+ slack), an error
   naming the lost rank; the job's id, slots and port are freed; a new job of the same name and
@@ -114,7 +114,9 @@ def _control(cl, host: int, op: str, **fields) -> dict:
     cluster's deployment secret."""
     code = (
         "import json, sys; from hostlib.rendezvous import ControlClient, load_secret; "
-        "c = ControlClient((sys.argv[1], 48800), timeout=5, secret=load_secret()); "
+        "from hostlib.options import HostOptions; "
+        "c = ControlClient((sys.argv[1], 48800), timeout=5, "
+        "secret=load_secret(HostOptions.from_env().secret_file)); "
         "print(json.dumps(c.request(sys.argv[2], **json.loads(sys.argv[3]))))"
     )
     w = cl.tb.workers[host]

@@ -23,6 +23,7 @@ import hostlib
 from aggproto import wire
 from hostlib import scaling
 from hostlib.engine import STAT_NAMES, EngineConfig, Faults, StreamEngine, _fastpath
+from hostlib.options import HostOptions
 from hostlib.udp_io import DatagramSocket
 
 pytestmark = [
@@ -161,11 +162,11 @@ def make_engine(
     sock = DatagramSocket((agg.worker_ip(), 0))
     config = EngineConfig(
         job_id=0,
-        world_size=n,
+        scaling_workers=n,
         elems=elems,
         slot_base=5,
         window=window,
-        aggregator=agg.address,
+        data_address=agg.address,
         rto=cfg.pop("rto", 0.02),
         native=native,
         timeout=cfg.pop("timeout", 10.0),
@@ -190,7 +191,7 @@ def run_sequence(native: bool, tensors, *, agg_kw=None, **engine_kw):
         time.sleep(0.05)  # late answers and duplicates still on their way
         return outs, agg.packets(), dict(eng.stats)
     finally:
-        eng.sock.close()
+        eng.state.sock.close()
         agg.close()
 
 
@@ -258,11 +259,11 @@ def test_without_busy_polling_both_loops_send_the_same_bytes_and_results(monkeyp
 
 
 def test_spin_follows_the_environment(monkeypatch):
-    cfg = dict(job_id=0, world_size=1, elems=32, slot_base=0, window=4, aggregator=("x", 1))
-    assert EngineConfig(**cfg).spin is True
+    assert HostOptions.from_env().spin is True
     monkeypatch.setenv("XDP_AGG_SPIN", "0")
-    assert EngineConfig(**cfg).spin is False
-    assert EngineConfig(**cfg, spin=True).spin is True  # an explicit choice wins
+    assert HostOptions.from_env().spin is False
+    assert HostOptions().spin is True  # the environment counts only through from_env
+    assert HostOptions.from_env(spin=True).spin is True  # an explicit choice wins
 
 
 def test_int_results_are_the_echoed_sums():
@@ -384,11 +385,11 @@ def test_no_answer_at_all_times_out_with_the_diagnosis(native):
     sock = DatagramSocket((f"{prefix}.2", 0))
     cfg = EngineConfig(
         job_id=0,
-        world_size=1,
+        scaling_workers=1,
         elems=32,
         slot_base=100,
         window=4,
-        aggregator=silent.getsockname(),
+        data_address=silent.getsockname(),
         native=native,
         timeout=0.4,
         rto=0.05,
@@ -406,7 +407,7 @@ def test_no_answer_at_all_times_out_with_the_diagnosis(native):
         assert err.outstanding_slots == (100, 101, 102, 103)
         assert eng.stats["retransmissions"] > 0
         # the versions advanced as if the all-reduce had completed (8 packets over 4 slots)
-        assert eng.versions[:4].tolist() == [0, 0, 0, 0] and eng.counter == 1
+        assert eng.state.versions[:4].tolist() == [0, 0, 0, 0] and eng.counter == 1
     finally:
         sock.close()
         silent.close()
@@ -421,9 +422,9 @@ def test_a_stall_half_way_gives_the_same_timeout_in_both_loops():
             with pytest.raises(hostlib.AllreduceTimeout) as ei:
                 eng.allreduce_int32(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
             errors.append(ei.value)
-            assert eng.versions.tolist() == [0] * 8  # 64 packets: every slot used 8 times
+            assert eng.state.versions.tolist() == [0] * 8  # 64 packets: every slot used 8 times
         finally:
-            eng.sock.close()
+            eng.state.sock.close()
             agg.close()
     for err in errors:
         assert "made no progress for 0.4 s: 44 of 64 packet(s) without a result" in str(err)
@@ -441,7 +442,7 @@ def test_nan_is_rejected_before_anything_is_sent():
             eng.allreduce_float32(x, np.empty_like(x))
         assert eng.counter == 0 and eng.stats["packets_sent"] == 0
     finally:
-        eng.sock.close()
+        eng.state.sock.close()
         agg.close()
 
 
@@ -546,8 +547,8 @@ def test_engine_choice_follows_config_and_environment(monkeypatch):
         assert make_engine(agg, None).native is True
         assert make_engine(agg, False).native is False
         monkeypatch.setenv("XDP_AGG_NATIVE", "0")
-        assert make_engine(agg, None).native is False
-        assert make_engine(agg, True).native is True  # an explicit choice wins
+        assert make_engine(agg, HostOptions.from_env().native).native is False
+        assert make_engine(agg, HostOptions.from_env(native=True).native).native is True
     finally:
         agg.close()
 
@@ -570,15 +571,15 @@ def test_stale_and_malformed_datagrams_are_counted():
         eng.allreduce_int32(x, np.empty_like(x))
         # a result of that finished all-reduce, and a short datagram, before the next one
         old = agg.result(agg.received[0])
-        agg.sock.sendto(old, eng.sock.address)
-        agg.sock.sendto(b"short", eng.sock.address)
+        agg.sock.sendto(old, eng.state.sock.address)
+        agg.sock.sendto(b"short", eng.state.sock.address)
         time.sleep(0.05)
         out = np.empty_like(x)
         eng.allreduce_int32(x, out)
         assert eng.stats["stale"] == 1 and eng.stats["malformed"] == 1
         assert eng.stats["results"] == 20
     finally:
-        eng.sock.close()
+        eng.state.sock.close()
         agg.close()
 
 
@@ -589,7 +590,7 @@ def test_progress_callback_runs_during_a_long_allreduce(capsys):
         x = np.ones(32 * 20, np.int32)
         eng.allreduce_int32(x, np.empty_like(x))
     finally:
-        eng.sock.close()
+        eng.state.sock.close()
         agg.close()
     err = capsys.readouterr().err
     assert "hostlib all-reduce #0:" in err and "20/20 packets (100%)" in err
@@ -611,7 +612,7 @@ def test_packets_and_counters_per_allreduce_are_independent_of_earlier_failures(
             time.sleep(0.05)
             sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
         finally:
-            eng.sock.close()
+            eng.state.sock.close()
             agg.close()
     assert len(sent[False]) == 6 and sent[False] == sent[True]
 
@@ -645,3 +646,26 @@ def test_ranks_with_small_congestion_windows_do_not_wait_for_each_other():
         for i, got in enumerate(out):
             assert np.array_equal(got, (np.arange(length) + i).astype(np.int32) * n)
         assert stats["cwnd"] < 16 and stats["retransmissions"] > 0
+
+
+# --- (g) the extension's interface -------------------------------------------------------------
+def test_the_engine_takes_keyword_arguments_only():
+    with pytest.raises(TypeError, match="keyword arguments only"):
+        _fastpath.Engine(3, "127.0.0.1", 9, 32, 4, 1, 0, 0, 0.01, 0.25)
+    with pytest.raises(ValueError, match="Engine needs fd, host"):
+        _fastpath.Engine(fd=3, host="127.0.0.1", port=9)
+
+
+def test_a_build_with_other_wire_constants_refuses_to_import():
+    """hostlib.native_loop checks the constants the extension was built with (fp_wire.h,
+    generated from aggproto.wire) with an if, not an assert that python -O would strip."""
+    import types
+
+    from hostlib import native_loop
+
+    assert set(_fastpath.WIRE) >= {"VALUES_AT", "EXP_HLEN", "POOL_SLOT_MASK"}
+    native_loop._check_wire(_fastpath)  # the build under test is current
+    stale = types.SimpleNamespace(**{n: getattr(_fastpath, n) for n in _fastpath.WIRE})
+    stale.WIRE, stale.VALUES_AT = _fastpath.WIRE, wire.VALUES_AT + 2
+    with pytest.raises(ImportError, match=r"VALUES_AT 12 \(aggproto.wire: 10\)"):
+        native_loop._check_wire(stale)

@@ -63,3 +63,15 @@ def test_the_measure_sees_a_long_function(tmp_path):
 def test_every_exception_says_why():
     for name, reason in EXCEPTIONS.items():
         assert len(reason.split()) >= 5, f"{name}: say why it is an exception"
+
+
+C_LIMIT = 600  # lines of one C file of the host library: its units are cut along their seams
+
+
+def test_no_host_c_file_is_over_the_limit():
+    long = {
+        p.name: n
+        for p in sorted((ROOT / "hostlib").glob("*.c"))
+        if (n := len(p.read_text().splitlines())) > C_LIMIT
+    }
+    assert not long, f"hostlib C files over {C_LIMIT} lines: {long}"

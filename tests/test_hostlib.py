@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 import pytest
-from harness.ranks import join_rank, ok, run_ranks, soft_cluster, start_rank
+from harness.ranks import init, join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
 from aggproto import wire
 from hostlib import netinfo, scaling
+from hostlib.engine import Faults
 from hostlib.stream_state import _ranges
 
 pytestmark = pytest.mark.timeout(90)
@@ -306,7 +307,7 @@ def test_loss_in_both_directions_is_recovered_exactly(loss):
         out.append(c.allreduce(float_inputs(c.rank, length, 64)))
         return out, c.stats
 
-    faults = hostlib.Faults(send_loss=loss, recv_loss=loss, seed=7)
+    faults = Faults(send_loss=loss, recv_loss=loss, seed=7)
     with soft_cluster() as cl:
         res = ok(run_ranks(cl, n, body, elems=64, window=16, retransmit=0.01, faults=faults))
     inputs = [float_inputs(r, length, 64) for r in range(n)]
@@ -324,7 +325,7 @@ def test_duplicated_packets_and_results_are_harmless():
     def body(c):
         return c.allreduce(int_inputs(c.rank, length)), c.stats
 
-    faults = hostlib.Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3)
+    faults = Faults(send_duplicate=0.3, recv_duplicate=0.3, seed=3)
     with soft_cluster() as cl:
         res = ok(run_ranks(cl, n, body, elems=64, window=8, faults=faults))
         counters = cl.aggregator.counters(0)
@@ -410,8 +411,10 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    assert set(stats) == set(hostlib.STAT_NAMES) | {"data_path", "data_path_reason"}
+    strings = {"data_path", "data_path_reason", "elems", "elems_reason"}
+    assert set(stats) == set(hostlib.STAT_NAMES) | strings
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
+    assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
     assert stats["allreduces"] == 1 and stats["elements"] == 1000
     assert stats["packets_sent"] == stats["results"] == 4
     assert stats["bytes_sent"] == 4 * (10 + 1024) and stats["elapsed"] > 0
@@ -451,7 +454,7 @@ def test_absent_aggregator_gives_a_clear_timeout_within_the_deadline():
     assert "no result at all from the aggregator at" in text
     assert f"{cl.agg_ip}:{0xBEE0}" in text and "never answered" in text
     assert "no per-worker counters" in text  # this backend cannot tell more
-    assert err.outstanding == 1 and err.results == 0 and err.aggregator == (cl.agg_ip, 0xBEE0)
+    assert err.outstanding == 1 and err.results == 0 and err.data_address == (cl.agg_ip, 0xBEE0)
 
 
 @pytest.mark.parametrize("how", ["idle", "closed"])
@@ -509,17 +512,15 @@ def test_bad_arguments():
         (got,) = ok(run_ranks(cl, 1, body))
         assert got.tolist() == [2] * 5
         with pytest.raises(ValueError, match="rank 3 is not in 0..1"):
-            hostlib.init(3, 2, cl.endpoint)
+            init(3, 2, cl.endpoint)
         with pytest.raises(ValueError, match="not a wire size"):
-            hostlib.init(0, 2, cl.endpoint, elems=100)
+            init(0, 2, cl.endpoint, elems=100)
 
 
 def test_a_second_run_with_a_live_job_name_is_refused():
     def body(c):
         with pytest.raises(hostlib.RendezvousError, match="'test' already exists"):
-            hostlib.init(
-                0, 1, c_endpoint[0], job="test", ip=c_endpoint[1], secret_file=c_endpoint[2]
-            )
+            init(0, 1, c_endpoint[0], job="test", ip=c_endpoint[1], secret_file=c_endpoint[2])
         return True
 
     with soft_cluster() as cl:
@@ -534,3 +535,29 @@ def test_world_size_mismatch_is_refused(soft):
         join_rank(cl, 1, 3, job="w", rendezvous_timeout=5)
     t.join(15)
     assert errors and "barrier timeout" in str(errors[0])
+
+
+def test_elems_auto_takes_what_the_path_and_the_aggregator_allow(monkeypatch):
+    """elems="auto" (HostOptions' default): rank 0 takes the most the path MTU towards the
+    control endpoint (the loopback: 2048) and the aggregator (its `ping` answer) allow;
+    comm.stats says what and why on every rank."""
+    from soft_switch import SoftAggregator
+
+    x = np.arange(5000, dtype=np.int32)
+
+    def body(c):
+        return c.allreduce(x), c.stats
+
+    with soft_cluster() as cl:
+        got = ok(run_ranks(cl, 2, body, job="wide", elems="auto"))
+    assert all(np.array_equal(out, 2 * x) for out, _ in got)
+    assert [st["elems"] for _, st in got] == [2048, 2048]
+    assert "carries up to 2048" in got[0][1]["elems_reason"]
+    assert got[1][1]["elems_reason"] == "the job's, as rank 0 made it"
+    # an aggregator that takes fewer sizes (as the P4 target: 32, 64 and 256)
+    monkeypatch.setattr(SoftAggregator, "elem_sizes", lambda self: (32, 64, 256), raising=False)
+    with soft_cluster() as cl:
+        got = ok(run_ranks(cl, 2, body, job="narrow", elems="auto"))
+    assert all(np.array_equal(out, 2 * x) for out, _ in got)
+    assert [st["elems"] for _, st in got] == [256, 256]
+    assert "the aggregator takes up to 256" in got[0][1]["elems_reason"]

@@ -53,8 +53,8 @@ def _wait(cond, limit: float, what: str) -> float:
 
 
 def _connected(server, key):
-    with server._cond:
-        job = server._jobs.get(key)
+    with server.registry.cond:
+        job = server.registry.jobs.get(key)
         return [] if job is None else server._summary(job, ("0", 0))["connected"]
 
 
@@ -87,7 +87,7 @@ def test_restart_recovers_the_job_and_the_ranks_rejoin(tmp_path):
             reached.wait(20)
             saved = jobtable.load(path)
             assert [j["key"] for j in saved["jobs"]] == ["test"]
-            assert saved["jobs"][0]["token"] == first._jobs["test"].token  # rejoin needs it
+            assert saved["jobs"][0]["token"] == first.registry.jobs["test"].token  # rejoin needs it
             first.stop()
             assert [j["job_id"] for j in agg.jobs()] == [0]  # the job outlives its endpoint
             box["server"], box["restored"] = _server(agg, host, port, path, secret)
@@ -130,7 +130,7 @@ def test_a_rank_that_never_rejoins_frees_the_job(tmp_path):
 
         t = threading.Thread(target=lambda: ok(run_ranks(cl, 2, body, elems=64, window=4)))
         t.start()
-        _wait(lambda: first._stopping, 20, "the first endpoint stopping")
+        _wait(lambda: first.registry.stopping, 20, "the first endpoint stopping")
         gate.set()
         t.join(30)
         assert [j["job_id"] for j in agg.jobs()] == [0]

@@ -1,4 +1,4 @@
-"""Jumbo frames end to end (issue 20, item 2): a testbed at MTU 9000, where only an XDP
+"""Jumbo frames end to end (fewer packets per byte): a testbed at MTU 9000, where only an XDP
 multi-buffer (frags) program attaches, and all-reduces of 2048 int32 per packet through it.
 
 - a plain XDP program is refused on a veth whose peer has MTU 9000, with a message naming

@@ -35,7 +35,7 @@ def _holder(cl, job: str) -> ControlClient:
 
 def _wait_gone(cl, job: str, limit: float) -> float:
     t0 = time.monotonic()
-    while job in cl.server._jobs:
+    while job in cl.server.registry.jobs:
         assert time.monotonic() - t0 < limit, f"job {job!r} still there after {limit} s"
         time.sleep(0.05)
     return time.monotonic() - t0
@@ -44,21 +44,21 @@ def _wait_gone(cl, job: str, limit: float) -> float:
 def test_a_quiet_job_expires_after_its_lease_and_frees_its_slots():
     with soft_cluster(limits=Limits(job_lease=1.0)) as cl:
         quiet = _holder(cl, "quiet")
-        job_id = cl.server._jobs["quiet"].spec.job_id
+        job_id = cl.server.registry.jobs["quiet"].spec.job_id
         talking = _holder(cl, "talking")
         t0 = time.monotonic()
-        while "quiet" in cl.server._jobs:
+        while "quiet" in cl.server.registry.jobs:
             talking.request("ping")  # a member's request renews its job only
             assert time.monotonic() - t0 < 5, "the quiet job outlived its lease by far"
             time.sleep(0.2)
         assert time.monotonic() - t0 >= 1.0
-        assert "talking" in cl.server._jobs and cl.server.lease.expired == ["quiet"]
+        assert "talking" in cl.server.registry.jobs and cl.server.lease.expired == ["quiet"]
         assert cl.server.overview()["lease_expiries"] == 1  # the metrics' counter
         assert job_id not in {j["job_id"] for j in cl.aggregator.jobs()}  # gone from the backend
         with pytest.raises(RendezvousError, match="no job 'quiet'"):
             quiet.request("status", job="quiet")
         again = _holder(cl, "next")  # the freed id, slots and port are handed out again
-        assert cl.server._jobs["next"].spec.job_id == job_id
+        assert cl.server.registry.jobs["next"].spec.job_id == job_id
         for c in (quiet, talking, again):
             c.close()
 
@@ -81,7 +81,7 @@ def test_traffic_renews_the_lease_and_the_job_expires_once_it_stops(monkeypatch)
             for _ in range(rounds):
                 comm.allreduce(np.ones(512, np.float32))
                 time.sleep(0.05)
-            alive = "traffic" in cl.server._jobs
+            alive = "traffic" in cl.server.registry.jobs
             took = time.monotonic() - t0
             _wait_gone(cl, "traffic", 5 * lease)
             return took, alive
@@ -98,7 +98,7 @@ def test_hostlib_control_link_pings_keep_an_idle_job(monkeypatch):
 
         def rank(comm):
             time.sleep(3 * lease)  # no all-reduce for three leases
-            return "idle" in cl.server._jobs
+            return "idle" in cl.server.registry.jobs
 
         assert ok(run_ranks(cl, 2, rank, job="idle")) == [True, True]
         assert cl.server.lease.expired == []
@@ -109,7 +109,7 @@ def test_a_job_in_its_register_barrier_does_not_expire():
         c = ControlClient(cl.server.address, timeout=5, secret=cl.secret)
         c.request("create", job="wait", **{**JOB, "world_size": 2})
         time.sleep(2.0)  # rank 1 is late: the barrier's own timeout governs
-        assert "wait" in cl.server._jobs
+        assert "wait" in cl.server.registry.jobs
         c.close()
 
 
@@ -117,6 +117,6 @@ def test_lease_zero_turns_leases_off():
     with soft_cluster(limits=Limits(job_lease=0)) as cl:
         c = _holder(cl, "kept")
         time.sleep(1.0)
-        assert cl.server.lease.sweep() == [] and "kept" in cl.server._jobs
+        assert cl.server.lease.sweep() == [] and "kept" in cl.server.registry.jobs
         assert not cl.server.lease.enabled
         c.close()

@@ -1,4 +1,4 @@
-"""Results only to a job's members (issue 12, item 6).
+"""Results only to a job's members (no other job's hosts, nor a stranger, get them).
 
 Without root: the allocation of a group per job (aggproto.groups), the control endpoint's use of
 it, the choice between multicast and broadcast (aggapp.serving), the CLI's vocabulary, the

@@ -29,7 +29,9 @@ def test_serve_options_parse_to_their_fields():
 
 
 def test_job_options_parse_to_their_fields():
-    params = _parsed(cli.job_create, ["3", "--workers", "2", "--slots", "8:16", "--port", "48865"])
+    params = _parsed(
+        cli.job_create, ["3", "--workers", "2", "--slots", "8:16", "--agg-port", "48865"]
+    )
     assert params.pop("job_id") == 3
     params.pop("as_json")
     opts = options.JobOptions(**params)
@@ -85,3 +87,92 @@ def test_the_library_takes_the_options(monkeypatch, tmp_path):
     serving.serve("lab", opts, ep)
     assert (seen["udp_checksum"], seen["rejoin_timeout"], seen["secret"]) == (True, 5.0, ep.secret)
     assert seen["limits"] == opts.limits()
+
+
+# --- hostlib's options ---------------------------------------------------------------------------
+def test_host_options_from_the_environment_and_given_ones():
+    from hostlib.options import DEFAULT_WINDOW, HostOptions
+
+    assert HostOptions.from_env({}) == HostOptions()
+    assert (HostOptions().elems, HostOptions().window) == ("auto", DEFAULT_WINDOW)
+    env = {
+        "XDP_AGG_ELEMS": "768",
+        "XDP_AGG_WINDOW": "32",
+        "XDP_AGG_TIMEOUT": "2.5",
+        "XDP_AGG_IP": "10.0.0.2",
+        "XDP_AGG_NATIVE": "0",
+        "XDP_AGG_SPIN": "0",
+        "XDP_AGG_DATA_PATH": "auto",
+        "XDP_AGG_SECRET_FILE": "/s",
+        "XDP_AGG_FALLBACK": "gloo",
+    }
+    o = HostOptions.from_env(env)
+    assert (o.elems, o.window, o.timeout, o.ip) == (768, 32, 2.5, "10.0.0.2")
+    assert (o.native, o.spin, o.data_path, o.secret_file, o.fallback) == (
+        False,
+        False,
+        "auto",
+        "/s",
+        "gloo",
+    )
+    # given fields win; None leaves the environment's
+    o = HostOptions.from_env(env, window=8, ip=None)
+    assert (o.window, o.ip) == (8, "10.0.0.2")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.window = 4  # type: ignore[misc]
+    assert o.replace(window=4).window == 4
+
+
+@pytest.mark.parametrize(
+    "env,message",
+    [
+        ({"XDP_AGG_ELEMS": "lots"}, "XDP_AGG_ELEMS='lots'"),
+        ({"XDP_AGG_ELEMS": "100"}, "not a wire size"),
+        ({"XDP_AGG_WINDOW": "many"}, "XDP_AGG_WINDOW='many'"),
+        ({"XDP_AGG_WINDOW": "0"}, "window must be at least 1"),
+        ({"XDP_AGG_DATA_PATH": "dpdk"}, "data_path must be one of"),
+        ({"XDP_AGG_FALLBACK": "nccl"}, "XDP_AGG_FALLBACK must be 'gloo'"),
+    ],
+)
+def test_host_options_refuse_bad_values(env, message):
+    from hostlib.options import HostOptions
+
+    with pytest.raises(ValueError, match=message):
+        HostOptions.from_env(env)
+
+
+def test_host_options_from_a_worker_command_line():
+    import argparse
+
+    from hostlib.options import HostOptions
+
+    args = argparse.Namespace(rank=1, elems=768, window=None, timeout=9.0, plan="[]")
+    o = HostOptions.from_args(args, progress=True)
+    assert (o.elems, o.window, o.timeout, o.progress) == (768, HostOptions().window, 9.0, True)
+
+
+def test_init_takes_at_most_eight_parameters():
+    import inspect
+
+    import hostlib
+
+    assert len(inspect.signature(hostlib.init).parameters) <= 8
+    assert "Faults" not in hostlib.__all__  # the tests' loss generator: hostlib.engine.Faults
+
+
+def test_only_hostlib_options_reads_the_environment():
+    """No module of hostlib but options.py reads the environment (XDP_AGG_* or any other but
+    torchrun's run id, which names the backend's jobs)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent / "hostlib"
+    readers = re.compile(r"os\.environ|os\.getenv|getenv\(")
+    found = []
+    for path in sorted(root.rglob("*.[pch]*")):
+        if path.suffix not in (".py", ".c", ".h") or path.name == "options.py":
+            continue
+        for n, line in enumerate(path.read_text().splitlines(), 1):
+            if readers.search(line) and "TORCHELASTIC_RUN_ID" not in line:
+                found.append(f"{path.relative_to(root)}:{n}: {line.strip()}")
+    assert not found, found

@@ -41,8 +41,8 @@ rank, world, endpoint, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(
 elems = int(sys.argv[5])
 x = np.random.default_rng(rank).integers(-2**31, 2**31, size=n, dtype=np.int64).astype(np.int32)
 # UDP GSO/GRO off: simple_switch reads frames with libpcap and must see one datagram per frame.
-with hostlib.init(rank, world, aggregator=endpoint, job="p4-allreduce", elems=elems, window=16,
-                  timeout=60, gso=False, gro=False) as comm:
+opts = hostlib.HostOptions.from_env(elems=elems, window=16, timeout=60, gso=False, gro=False)
+with hostlib.init(rank, world, endpoint, "p4-allreduce", opts) as comm:
     out = comm.allreduce(x)
     stats = comm.stats
 print(json.dumps({"rank": rank, "result": out.astype(np.int64).tolist(), "dtype": str(out.dtype),

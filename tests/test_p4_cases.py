@@ -1,4 +1,4 @@
-"""The packet table (tests/packet_cases.py) against the P4 program in simple_switch.
+"""The packet table (tests/harness/packet_cases.py) against the P4 program in simple_switch.
 
 The same inputs as the XDP test, frame by frame, into a bmv2 switch on veths; what comes out of
 every port is captured and checked:
@@ -26,8 +26,9 @@ import dataclasses
 from collections import Counter
 
 import pytest
+from harness import packet_cases as table
 from harness.p4 import VethLab
-from packet_cases import (
+from harness.packet_cases import (
     AGG_MAC,
     CASES,
     PARENT_IP,
@@ -44,7 +45,7 @@ from scapy.layers.l2 import Ether
 
 from aggcodegen.p4 import P4_ELEMS
 from aggproto import limits, wire
-from aggproto.model import Action, ReferenceAggregator
+from aggproto.model import Action
 from aggproto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
@@ -151,14 +152,6 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
             assert (out[UDP].sport, out[UDP].dport) == (sport, w.port), step.what
 
 
-def _check_model(model: ReferenceAggregator, step: Step, outs) -> None:
-    v = model.process_frame(step.frame)
-    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
-    for _, data in outs:
-        if v.payload is not None:
-            assert v.payload == data[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
-
-
 def _case_id(c: Case) -> str:
     return c.name
 
@@ -177,18 +170,15 @@ def test_packet_case(lab, case: Case):
     backend = lab.backend
     for j in backend.jobs():
         backend.delete_job(j["job_id"])
-    model = ReferenceAggregator()
+    model = table.model_for(case)
     for j in case.jobs:
         backend.create_job(j)
-        model.create_job_spec(j)
     backend.add_workers(
         [
             dataclasses.replace(w, extra={**w.extra, "port": port_of_host(HOST_OF_IP[w.ip])})
             for w in case.workers
         ]
     )
-    for w in case.workers:
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     rows = sorted({j.job_id for j in case.jobs} | {limits.NO_JOB})
     before = backend.counter_rows(rows)
     copies = 0
@@ -202,7 +192,7 @@ def test_packet_case(lab, case: Case):
         want = _expected_ports(case, step, in_port)
         outs = lab.exchange(in_port, step.frame, len(want))
         _check_outputs(case, step, in_port, outs)
-        _check_model(model, step, outs)
+        table.check_model(model, step, [data for _, data in outs])
         if step.action == Action.TO_ALL:
             copies += len(want)
     after = backend.counter_rows(rows)
@@ -217,7 +207,7 @@ def test_packet_case(lab, case: Case):
 
 def test_backend_refuses_what_the_program_cannot_serve(lab):
     """Sizes other than 32/64/256, slots past the pool, overlapping ranges, unknown jobs."""
-    from packet_cases import job, workers
+    from harness.packet_cases import job, workers
 
     backend = lab.backend
     for j in backend.jobs():

@@ -1,8 +1,8 @@
 """The TNA variant (p4/tna/): p4c's front end type-checks it against the public tna.p4 that p4c
 ships with its Tofino back end (every error but the last one, the bmv2 back end refusing a
 non-v1model program, would be a mistake in our code), and p4c's open Tofino back end (bf-p4c,
-built from p4c's backends/tofino with -DENABLE_TOFINO=ON) compiles it for Tofino and Tofino 2
-wherever it is installed: on PATH, or named by XDP_AGG_BF_P4C."""
+p4c's backends/tofino) compiles it for Tofino and Tofino 2 wherever it is installed: on PATH, or
+named by XDP_AGG_BF_P4C (p4/README.md, "The toolchain", says which versions were tested)."""
 
 import json
 import os
@@ -108,8 +108,8 @@ def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
     bf = _bf_p4c()
     if bf is None:
         pytest.skip(
-            "bf-p4c (p4c's Tofino back end) is not installed: build it as "
-            "p4/README.md says, put it on PATH or set XDP_AGG_BF_P4C"
+            "bf-p4c (p4c's Tofino back end, github.com/p4lang/p4c backends/tofino) is not "
+            "installed: put it on PATH or set XDP_AGG_BF_P4C"
         )
     out = tmp_path / "out"
     r = subprocess.run(

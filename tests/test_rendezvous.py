@@ -310,7 +310,11 @@ def test_bad_requests_get_explanations():
                 f.flush()
                 ans = json.loads(f.readline())
                 if expect is None:
-                    assert ans == {"ok": True, "version": 1}
+                    assert ans == {
+                        "ok": True,
+                        "version": 1,
+                        "elems": sorted(wire.SIZE_CODE_ELEMS.values()),
+                    }
                 else:
                     assert ans["ok"] is False and expect in ans["error"], ans
 
@@ -323,7 +327,7 @@ def test_fill_worker_hook_and_refusal_by_backend():
         ws.extra["ifindex"] = 7
 
     with soft_cluster() as cl:
-        cl.server.fill_worker = fill
+        cl.server.registry.fill_worker = fill
         c = client(cl, 0)
         create(c, "j", world_size=1)
         ans = c.request("register", job="j", rank=0, port=40000, mac="02:00:00:00:00:01")

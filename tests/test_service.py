@@ -1,4 +1,4 @@
-"""The systemd service (aggapp/service.py): its config file, `install-service`, the unit
+"""The systemd service (aggapp/service.py): its config file, `service-install`, the unit
 (checked with systemd-analyze verify where it is installed), and the commands the unit runs,
 tested directly, since systemd is not PID 1 here: `service-start` attaches and serves, then a
 small all-reduce goes through it, and `service-stop` leaves nothing behind."""
@@ -91,7 +91,7 @@ def test_config_errors_name_the_problem(text, what):
     assert e.value.exit_code == cli.EXIT_FAILED
 
 
-# --- install-service ---------------------------------------------------------------------------
+# --- service-install ---------------------------------------------------------------------------
 def test_install_service_writes_unit_and_keeps_an_edited_config(tmp_path):
     r = run_cli("service-install", "lab", "--interfaces", "eth1", "--root", str(tmp_path))
     assert r.exit_code == 0, r.output
@@ -102,8 +102,7 @@ def test_install_service_writes_unit_and_keeps_an_edited_config(tmp_path):
     assert "service-start %i --config /etc/xdp-agg/%i.conf" in text
     assert "ExecStopPost=" in text and "Restart=on-failure" in text
     conf.write_text(conf.read_text().replace('INTERFACES="eth1"', 'INTERFACES="eth2"'))
-    # the old name still runs (COMMAND_ALIASES), and --help shows only the new one
-    again = json.loads(run_cli("install-service", "lab", "--root", str(tmp_path), "--json").output)
+    again = json.loads(run_cli("service-install", "lab", "--root", str(tmp_path), "--json").output)
     assert again["kept"] == [str(conf)] and 'INTERFACES="eth2"' in conf.read_text()
     forced = json.loads(
         run_cli("service-install", "lab", "--root", str(tmp_path), "--force", "--json").output

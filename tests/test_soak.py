@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import soak
+from bench.soak import report, verdicts
+from bench.soak.verdicts import Thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -21,22 +22,22 @@ def test_growth_verdict_catches_a_leak_and_passes_a_swing():
     """A series that only swings passes; one whose maximum climbs fails; too few samples fail."""
     swing = [100, 300, 100, 300, 100, 300, 100, 300]
     leak = [100, 110, 120, 130, 140, 150, 160, 170]
-    v = soak.growth_verdict({"a": swing}, 16, "x")
+    v = verdicts.growth_verdict({"a": swing}, 16, "x")
     assert v["ok"] and v["per_process"]["a"]["growth"] == 0
-    v = soak.growth_verdict({"a": swing, "b": leak}, 16, "x")
+    v = verdicts.growth_verdict({"a": swing, "b": leak}, 16, "x")
     assert not v["ok"] and v["per_process"]["b"]["growth"] == 40
-    assert not soak.growth_verdict({"a": [1]}, 16, "x")["ok"]
+    assert not verdicts.growth_verdict({"a": [1]}, 16, "x")["ok"]
     blips = [5, 6, 5, 5, 5, 5, 6, 5]  # a descriptor open for a moment
-    assert soak.growth_verdict({"a": blips}, 0, "fds", stat=min)["ok"]
-    assert not soak.growth_verdict({"a": [5, 5, 5, 6, 6, 6]}, 0, "fds", stat=min)["ok"]
-    assert not soak.growth_verdict({}, 16, "x")["ok"]
+    assert verdicts.growth_verdict({"a": blips}, 0, "fds", stat=min)["ok"]
+    assert not verdicts.growth_verdict({"a": [5, 5, 5, 6, 6, 6]}, 0, "fds", stat=min)["ok"]
+    assert not verdicts.growth_verdict({}, 16, "x")["ok"]
 
 
 def test_halves_and_slope():
-    assert soak.halves([1, 2, 3, 4]) == ([1, 2], [3, 4])
-    assert soak.halves([1, 2, 3]) == ([1, 2], [2, 3])
-    assert soak.slope_per_hour([0, 1800, 3600], [10, 15, 20]) == pytest.approx(10.0)
-    assert soak.slope_per_hour([5], [1]) == 0.0
+    assert verdicts.halves([1, 2, 3, 4]) == ([1, 2], [3, 4])
+    assert verdicts.halves([1, 2, 3]) == ([1, 2], [2, 3])
+    assert verdicts.slope_per_hour([0, 1800, 3600], [10, 15, 20]) == pytest.approx(10.0)
+    assert verdicts.slope_per_hour([5], [1]) == 0.0
 
 
 def test_worker_plan_mixes_sizes_and_types():
@@ -52,7 +53,7 @@ def test_worker_plan_mixes_sizes_and_types():
 def _synthetic_run(leak_kib: int = 0) -> dict:
     """What bench.soak.run returns, for one worker of one job over a minute; leak_kib: RSS the
     worker gains per cycle of sizes."""
-    cycle = soak.CYCLE
+    cycle = verdicts.CYCLE
     return {
         "config": {
             "minutes": 1,
@@ -140,24 +141,24 @@ def test_verdicts_and_report_of_a_clean_and_a_leaking_run(tmp_path):
     """The report's code end to end on a synthetic run: clean passes every verdict and writes
     the three files; a worker gaining 20 MiB per cycle fails rss_flat; a leftover namespace or
     a wrong result fails theirs."""
-    args = soak.parse_args(["--minutes", "1"])
+    limits = Thresholds()
     res = _synthetic_run()
-    v = soak.verdicts(res, args)
+    v = verdicts.verdicts(res, limits)
     assert all(x["ok"] for x in v.values()), {k: x for k, x in v.items() if not x["ok"]}
-    soak.write_report(res, v, tmp_path)
+    report.write_report(res, v, tmp_path)
     assert (tmp_path / "summary.md").read_text().startswith("# Soak")
     assert json.loads((tmp_path / "soak.json").read_text())["verdicts"]["rss_flat"]["ok"]
     assert len((tmp_path / "samples.csv").read_text().splitlines()) == 13
-    assert not soak.verdicts(_synthetic_run(leak_kib=20 << 10), args)["rss_flat"]["ok"]
+    assert not verdicts.verdicts(_synthetic_run(leak_kib=20 << 10), limits)["rss_flat"]["ok"]
     bad = _synthetic_run()
     bad["after_teardown"]["namespaces"] = 1
     bad["reports"]["a/0"][3]["ok"] = False
-    v = soak.verdicts(bad, args)
+    v = verdicts.verdicts(bad, limits)
     assert not v["nothing_left_after_teardown"]["ok"] and not v["results_exact"]["ok"]
     fell_back = _synthetic_run()  # the job asked for AF_XDP, hostlib fell back to UDP
     fell_back["config"]["data_paths"] = {"a": "afxdp"}
     fell_back["ranks"][0]["done"]["data_path_reason"] = "no CAP_NET_RAW"
-    v = soak.verdicts(fell_back, args)
+    v = verdicts.verdicts(fell_back, limits)
     assert not v["data_paths"]["ok"] and v["data_paths"]["wrong"] == {
         "a/0": ["udp", "no CAP_NET_RAW"]
     }

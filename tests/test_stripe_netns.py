@@ -148,7 +148,7 @@ def test_striped_over_two_aggregators_exact_under_loss(testbed_factory, loss):
     retx = [0, 0]
     for reps in reports:
         for r in reps:
-            assert [p["aggregator"] for p in r["per_aggregator"]] == endpoints
+            assert [p["control"] for p in r["per_aggregator"]] == endpoints
             if r["count"] >= 2 * 256:  # at least a packet for each
                 assert all(p["results"] > 0 for p in r["per_aggregator"]), r
             for j, p in enumerate(r["per_aggregator"]):

@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 import pytest
-from harness.ranks import ok, run_ranks, soft_cluster
+from harness.ranks import init, ok, run_ranks, soft_cluster
 from test_hostlib import (
     AcceptingBackend,
     assert_within_scaling_bound,
@@ -20,8 +20,8 @@ from test_hostlib import (
 )
 
 import hostlib
-from hostlib.communicator import parse_aggregators
-from hostlib.engine import _fastpath
+from hostlib.communicator import parse_controls
+from hostlib.engine import Faults, _fastpath
 from hostlib.striping import stripe_bounds
 
 # --- splitting ------------------------------------------------------------------------------
@@ -68,12 +68,12 @@ def test_bad_stripe_arguments():
 
 
 def test_aggregator_lists():
-    assert parse_aggregators("10.0.0.1:1,10.0.0.2") == [("10.0.0.1", 1), ("10.0.0.2", 48800)]
-    assert parse_aggregators(["a:5", " b:6 "]) == [("a", 5), ("b", 6)]
-    assert parse_aggregators("a:5") == [("a", 5)]
+    assert parse_controls("10.0.0.1:1,10.0.0.2") == [("10.0.0.1", 1), ("10.0.0.2", 48800)]
+    assert parse_controls(["a:5", " b:6 "]) == [("a", 5), ("b", 6)]
+    assert parse_controls("a:5") == [("a", 5)]
     for bad in ("", [], "a:5,a:5", "a:5,,b:6"):
         with pytest.raises(ValueError):
-            parse_aggregators(bad)
+            parse_controls(bad)
 
 
 # the C loop is compared against the numpy one: without it built (e.g. a copy of the modules
@@ -101,7 +101,7 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
     def body(c):
         out = [c.allreduce(int_inputs(c.rank, L, seed=L)) for L in lengths]
         out += [c.allreduce(float_inputs(c.rank, L, elems)) for L in lengths]
-        return out, c.stats_per_aggregator(), c.aggregators
+        return out, c.stats_per_aggregator(), c.controls
 
     striped_out = {}
     for native in (False, True):
@@ -116,7 +116,7 @@ def test_int32_and_float32_over_two_aggregators_equal_one_aggregator():
             inputs = [float_inputs(r, lengths[0], elems) for r in range(n)]
             assert_within_scaling_bound(out[len(lengths)], inputs, elems)
             # both aggregators carried packets; the 5- and 0-element tensors only the first
-            assert [p["aggregator"] for p in per] == endpoints
+            assert [p["control"] for p in per] == endpoints
             assert all(p["results"] > 0 for p in per)
             assert per[0]["allreduces"] == per[1]["allreduces"] + 2
     with soft_cluster() as st:
@@ -150,7 +150,7 @@ def test_both_loops_in_one_striped_job_under_loss():
             retransmit=0.01,
             per_rank=lambda r: {
                 "native": r != 0,
-                "faults": hostlib.Faults(send_loss=0.02, recv_loss=0.02, seed=r),
+                "faults": Faults(send_loss=0.02, recv_loss=0.02, seed=r),
             },
         )
     inputs = [float_inputs(r, L, elems) for r in range(n)]
@@ -213,7 +213,7 @@ def test_an_unreachable_second_aggregator_is_named_at_init():
         dead = f"{st.prefix}.201:9"  # nothing listens there
         t0 = time.monotonic()
         with pytest.raises(hostlib.RendezvousError) as ei:
-            hostlib.init(
+            init(
                 0,
                 1,
                 [st.endpoints[0], dead],

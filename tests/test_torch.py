@@ -424,11 +424,14 @@ def test_channel_orders_all_reduces_and_skips_empty_tensors():
 
 
 def test_elems_from_the_environment_take_auto_and_refuse_junk():
-    from hostlib.pt.backend import _elems
+    from hostlib.options import HostOptions
 
-    assert _elems("768") == 768 and _elems("auto") == "auto" and _elems(" AUTO ") == "auto"
+    def elems(text):
+        return HostOptions.from_env({"XDP_AGG_ELEMS": text}).elems
+
+    assert elems("768") == 768 and elems("auto") == "auto" and elems(" AUTO ") == "auto"
     with pytest.raises(ValueError, match="XDP_AGG_ELEMS='lots'"):
-        _elems("lots")
+        elems("lots")
 
 
 def test_path_stats_count_every_call_and_warn_once_per_collective_op_and_dtype():

@@ -14,7 +14,7 @@ ignores since it already has our contribution) or is answered with the parent's 
 
 import numpy as np
 import pytest
-from packet_cases import PARENT_SLOT_BASE, frame, job, parent_frame, workers
+from harness.packet_cases import PARENT_SLOT_BASE, frame, job, parent_frame, workers
 
 import bpfsys
 from aggproto import wire

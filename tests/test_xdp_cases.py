@@ -1,4 +1,4 @@
-"""Table-driven BPF_PROG_TEST_RUN tests of the XDP program (tests/packet_cases.py).
+"""Table-driven BPF_PROG_TEST_RUN tests of the XDP program (tests/harness/packet_cases.py).
 
 For every step: the XDP action, the output frame (addressing, checksums, echoed header fields,
 result values, exponent), the counters, and the serial reference model's verdict must agree.
@@ -9,7 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
-from packet_cases import (
+from harness.packet_cases import (
     AGG_IP,
     AGG_MAC,
     CASES,
@@ -18,8 +18,10 @@ from packet_cases import (
     RACK_WORKER_PORT,
     Case,
     Step,
+    check_model,
     check_result,
     check_to_parent,
+    model_for,
 )
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
@@ -27,7 +29,7 @@ from scapy.layers.l2 import Ether
 import bpfsys
 from aggproto import limits, wire
 from aggproto.jobs import Delivery
-from aggproto.model import Action, ReferenceAggregator
+from aggproto.model import Action
 from aggproto.reasons import Reason
 from xdp_switch import loader
 
@@ -91,15 +93,6 @@ def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes, s
     assert (out[UDP].sport, out[UDP].dport) == (req[UDP].dport, req[UDP].sport)
 
 
-def _check_model(model: ReferenceAggregator, step: Step, out_bytes: bytes) -> None:
-    v = model.process_frame(step.frame)
-    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
-    if v.payload is not None:
-        assert v.payload == out_bytes[wire.SWITCHML_OFFSET :], (
-            f"model's bytes differ on {step.what}"
-        )
-
-
 def _all_counters(maps) -> Counter:
     total = Counter()
     for row in list(range(limits.MAX_JOBS)) + [limits.NO_JOB]:
@@ -115,19 +108,17 @@ def test_packet_case(agg, case: Case):
         if not prog.options["frags"]:
             pytest.skip("jumbo frames (more than a page) reach a multi-buffer (frags) program only")
     fd = prog.progs["xdp_agg_ingress"]
-    model = ReferenceAggregator()
+    model = model_for(case)
     for j in case.jobs:
         maps.create_job(j)
-        model.create_job_spec(j)
     for w in case.workers:
         maps.add_worker(w)
-        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
     delivery = case.jobs[0].delivery
     before = _all_counters(maps)
     for step in case.steps:
         action, out, _ = bpfsys.prog_test_run(fd, step.frame)
         _check_step(step, delivery, action, out, _sent(prog))
-        _check_model(model, step, out)
+        check_model(model, step, [out])
     delta = _all_counters(maps) - before
     want = Counter(s.reason.name.lower() for s in case.steps)
     assert delta == want
@@ -154,7 +145,7 @@ def test_steering_of_each_case(agg, case: Case):
 
 def test_worker_counters(agg):
     """Per-worker counters follow the packets: contributions, duplicates, answers, drops."""
-    from packet_cases import frame, job, workers
+    from harness.packet_cases import frame, job, workers
 
     prog, maps = agg
     fd = prog.progs["xdp_agg_ingress"]
@@ -177,9 +168,9 @@ def test_worker_counters(agg):
 
 def test_job_listing_speaks_the_backend_vocabulary(agg):
     """jobs() entries carry every JobSpec field (the control endpoint relies on it)."""
-    from packet_cases import job, workers
+    from harness.packet_cases import job, workers
 
-    from xdp_switch.aggregator import job_dict
+    from xdp_switch.backend import job_dict
 
     _, maps = agg
     spec = job(n=2, port=wire.UDP_PORT + 3)
@@ -194,7 +185,7 @@ def test_job_listing_speaks_the_backend_vocabulary(agg):
 
 def test_rack_jobs_need_the_one_arm_topology(agg):
     """Up, down and answers of a rack job all leave with XDP_TX through the one interface."""
-    from packet_cases import job
+    from harness.packet_cases import job
 
     _, maps = agg
     with pytest.raises(ValueError, match="one-arm"):
@@ -223,3 +214,14 @@ def test_bench_measures_jumbo_sizes_with_the_frags_program_only():
         (microbench.FRAGS_CASE, 2048),
     }
     assert all(r.ns_per_packet > 0 and r.packets == 2 * 4 * 2 for r in res)
+
+
+def test_the_program_builds_without_shadowed_names(agg_prog):
+    """Every build of bpf/ has -Wshadow on (loader.WARNING_FLAGS); the compiler's warnings come
+    back with the loaded program, and none may be a shadowed name."""
+    from xdp_switch import loader
+
+    prog, _ = agg_prog
+    assert "-Wshadow" in loader.WARNING_FLAGS
+    shadowed = [w for w in prog.warnings if "[-Wshadow]" in w]
+    assert not shadowed, "\n".join(shadowed)

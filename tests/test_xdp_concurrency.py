@@ -37,7 +37,7 @@ of each variant at 20 us.
 import numpy as np
 import pytest
 from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
-from packet_cases import frame, job, worker_ip, workers
+from harness.packet_cases import frame, job, worker_ip, workers
 
 import bpfsys
 from aggproto import wire

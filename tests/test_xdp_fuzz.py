@@ -1,5 +1,5 @@
 """A seeded fuzz of the data plane: 150,000 frames through BPF_PROG_TEST_RUN, each against the
-serial model (issue 12, item 3, the PROG_TEST_RUN part).
+serial model (the offline half of the hostile-traffic tests; test_xdp_junk_live.py is the live one).
 
 The frames start from valid contributions of registered workers of two jobs (sizes 32 and 64,
 their slots, both versions, few enough slots that rounds complete and retransmissions get
@@ -19,7 +19,16 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from packet_cases import AGG_IP, AGG_MAC, WORKER_PORT, frame, job, worker_ip, worker_mac, workers
+from harness.packet_cases import (
+    AGG_IP,
+    AGG_MAC,
+    WORKER_PORT,
+    frame,
+    job,
+    worker_ip,
+    worker_mac,
+    workers,
+)
 
 import bpfsys
 from aggproto import wire

@@ -1,10 +1,11 @@
-"""Hostile traffic during live all-reduces through the XDP aggregator (issue 12, item 3, live).
+"""Hostile traffic during live all-reduces through the XDP aggregator (the live half;
+test_xdp_fuzz.py is the PROG_TEST_RUN one).
 
 A job of 3 workers (bench.soak_worker: mixed sizes, int32 and float32, every result checked)
 all-reduces in a 4-worker testbed until the test is done; meanwhile (a) the fourth namespace, which
-is no worker of the job, sends well-formed contributions for the job's slots to its port and to
-the other aggregator ports, and junk to both, and (b) worker 0's address sends malformed frames
-of many kinds (tests/junk.py: bad size codes, other message types, truncated headers and values,
+is no worker of the job, sends well-formed contributions for the job's slots to its port and to the
+other aggregator ports, and junk to both, and (b) worker 0's address sends malformed frames of many
+kinds (tests/harness/junk.py: bad size codes, other message types, truncated headers and values,
 lying lengths, slots outside the job's range and the reserved bit, another port, IPv4 options,
 fragments, IP version 6, random payloads). Every result must stay exact, and the aggregator's
 counters by reason must rise by the numbers sent of each kind, as the serial reference model
@@ -24,8 +25,8 @@ import subprocess
 import sys
 import time
 
-import junk
 import pytest
+from harness import junk
 
 from aggcluster.cluster import Cluster
 from aggproto.model import Action, ReferenceAggregator

@@ -26,6 +26,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hostlib
 import hostlib.pt
+from hostlib.options import HostOptions, control_from_env
 
 EPS = {
     torch.float32: 2.0**-24,
@@ -62,16 +63,17 @@ def _batch(rank: int, step: int, dtype):
     return torch.randn(32, 64, generator=g).to(dtype), torch.randint(0, 10, (32,), generator=g)
 
 
-def run_ddp(args, rank: int, n: int) -> dict:
+def _hook_comm(args, rank: int, n: int, timeout: float) -> hostlib.Communicator:
+    """The gloo process group, and this rank's communicator for the DDP hook (the control
+    endpoint and this rank's address from the environment the test gives)."""
     dist.init_process_group("gloo")
-    comm = hostlib.init(
-        rank,
-        n,
-        os.environ["XDP_AGG_CONTROL"],
-        job=args.job,
-        ip=os.environ.get("XDP_AGG_IP") or None,
-        timeout=15,
+    return hostlib.init(
+        rank, n, control_from_env(), args.job, HostOptions.from_env(timeout=timeout)
     )
+
+
+def run_ddp(args, rank: int, n: int) -> dict:
+    comm = _hook_comm(args, rank, n, timeout=15)
     report = {"rank": rank, "dtypes": {}}
     lr, steps = 0.05, args.steps
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -368,15 +370,7 @@ def run_backend(args, rank: int, n: int) -> dict:
 # --- a lost aggregator ---------------------------------------------------------------------------
 def run_lost_hook(args, rank: int, n: int) -> dict:
     """DDP with the hook (gloo process group); the aggregator goes between two steps."""
-    dist.init_process_group("gloo")
-    comm = hostlib.init(
-        rank,
-        n,
-        os.environ["XDP_AGG_CONTROL"],
-        job=args.job,
-        ip=os.environ.get("XDP_AGG_IP") or None,
-        timeout=float(os.environ["XDP_AGG_TIMEOUT"]),
-    )
+    comm = _hook_comm(args, rank, n, timeout=float(os.environ["XDP_AGG_TIMEOUT"]))
     state = hostlib.pt.HookState(comm)  # fallback: XDP_AGG_FALLBACK, as the test sets it
     net = _net(torch.float32)
     ref = DDP(copy.deepcopy(net))

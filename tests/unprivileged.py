@@ -2,13 +2,13 @@
 
 The checkout, and a venv inside it, may sit in a directory other users cannot enter (/root, a
 `mktemp -d` folder: mode 0700). A child started as nobody straight from there dies with
-ModuleNotFoundError before it reaches the code under test (issue 15). So the child runs the base
-interpreter (not the venv's, which may live in that directory too) with PYTHONPATH set to a
+ModuleNotFoundError before it reaches the code under test (CI once failed so). So the child runs the
+base interpreter (not the venv's, which may live in that directory too) with PYTHONPATH set to a
 temporary directory of mode 0755 holding copies of every module the code needs that does not come
-with that interpreter: the project's packages, taken from where this test run imports them (the
-code under test), and their dependencies from the venv. Starting a fresh interpreter as nobody,
-rather than dropping privileges after importing as root, also checks that importing the CLI
-needs no root, as it would not for a user typing the command.
+with that interpreter: the project's packages, taken from where this test run imports them (the code
+under test), and their dependencies from the venv. Starting a fresh interpreter as nobody, rather
+than dropping privileges after importing as root, also checks that importing the CLI needs no root,
+as it would not for a user typing the command.
 """
 
 from __future__ import annotations

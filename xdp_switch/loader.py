@@ -18,6 +18,7 @@ import os
 import platform
 import re
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -66,6 +67,11 @@ TEST_RACE_DELAY = "-DAGG_TEST_RACE_DELAY={}"  # spin 0..N ns (random) between ar
 TEST_MUTANT_COMPLETE_ON_ARRIVAL = "-DAGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL"  # the known-racy mutant
 
 
+# Warnings of every build of our BPF C: -Wshadow, so that a local never hides another name (the
+# compiler's warnings land in Loaded.warnings; tests/test_xdp_cases.py wants none of these).
+WARNING_FLAGS = ("-Wno-unused-function", "-Wshadow")
+
+
 def race_test_cflags(delay_ns: int = 0, mutant: bool = False) -> tuple[str, ...]:
     """cflags of a test-only build: a widened race window of up to `delay_ns` ns (0: none), and
     with `mutant` the deliberately racy completion on the arrival count. Never for production."""
@@ -106,6 +112,7 @@ class Loaded:
     nr_cpus: int
     options: dict = field(default_factory=dict)
     own_fds: list[int] = field(default_factory=list)  # loaded here, not by bcc (frags programs)
+    warnings: list[str] = field(default_factory=list)  # the compiler's warning lines
 
     def close(self) -> None:
         """Close every fd of the loaded programs and maps (pins keep what they pin)."""
@@ -146,19 +153,20 @@ def check_environment(what: str = "loading BPF programs"):
 
 @contextlib.contextmanager
 def _capture_fd2():
-    """Capture what bcc and the kernel write to stderr (compiler errors, the verifier log)."""
+    """Capture what bcc and the kernel write to stderr (compiler errors and warnings, the
+    verifier log). Into a file, not a pipe: nobody reads a pipe while bcc writes, so more than
+    a pipe's buffer of warnings would block the compile for ever."""
     sys.stderr.flush()
     saved = os.dup(2)
-    r, w = os.pipe()
-    os.dup2(w, 2)
-    os.close(w)
     out = []
-    try:
-        yield out
-    finally:
-        os.dup2(saved, 2)
-        os.close(saved)
-        with os.fdopen(r, "rb") as f:
+    with tempfile.TemporaryFile() as f:
+        os.dup2(f.fileno(), 2)
+        try:
+            yield out
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            f.seek(0)
             out.append(f.read().decode(errors="replace"))
 
 
@@ -272,7 +280,7 @@ def load(
         f"-DAGG_PARTIALS_FD={partials}",
         f"-DAGG_POOL_SLOTS={pool_slots}",
         f"-DAGG_NR_CPUS={nr_cpus}",
-        "-Wno-unused-function",
+        *WARNING_FLAGS,
         *VARIANTS[variant],
         *SLOT_CPUS[slot_cpus],
         *(("-DAGG_FRAGS",) if frags else ()),
@@ -302,4 +310,5 @@ def load(
     maps = {name: b[name.encode()].map_fd for name in names}
     maps["partials"] = partials
     options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}
-    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own)
+    warnings = [line for line in "".join(log).splitlines() if "warning:" in line]
+    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own, warnings)

@@ -63,7 +63,8 @@ class BenchResult:
 def _load_floor():
     bcc = loader.check_environment("the benchmark (it loads BPF programs)")
 
-    b = bcc.BPF(text=loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode())
+    text = loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode()
+    b = bcc.BPF(text=text, cflags=list(loader.WARNING_FLAGS))
     return b, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
 
 

@@ -81,11 +81,7 @@ class State:
 
     @classmethod
     def from_dict(cls, d: dict) -> State:
-        """Read a state file's JSON, also one written before the key was renamed "topology"
-        (it was "mode", which now means only the XDP mode)."""
-        d = dict(d)
-        if "topology" not in d and d.get("mode") in TOPOLOGIES:
-            d["topology"] = d.pop("mode")
+        """Read a state file's JSON (keys this version does not know are left out)."""
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 

@@ -128,7 +128,7 @@ struct agg_port_worker {
 	__u8 agg_mac[6]; /* our MAC on that port */
 	__be32 ip; /* worker address */
 	__be32 agg_ip; /* our address as the worker knows it */
-	__be16 port; /* worker UDP port */
+	__be16 port; /* worker's registered UDP port (results: the request's source port) */
 	__be16 agg_port; /* our UDP port */
 	__u32 index; /* worker index */
 };

@@ -5,7 +5,7 @@ Needs torch (the `torch` extra: pip install 'xdp-agg[torch]'); the rest of hostl
 DDP communication hook (the process group stays gloo or nccl; gradients go through xdp-agg):
 
     import hostlib, hostlib.pt
-    comm = hostlib.init(rank, world, aggregator="198.18.0.1:48800", job="run-7")
+    comm = hostlib.init(rank, world, "198.18.0.1:48800", "run-7")
     model = DistributedDataParallel(net)
     model.register_comm_hook(hostlib.pt.HookState(comm), hostlib.pt.allreduce_hook)
 

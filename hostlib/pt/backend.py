@@ -27,7 +27,7 @@ collectives (they carry torch's group name and description: see __init__); every
 sub-groups from new_group(backend="xdpagg") and DeviceMesh included, has its own aggregator
 job, left when the group is destroyed. docs/pytorch.md has the user's view.
 
-Settings (environment, read when the group is made):
+Settings (environment, read when the group is made, through hostlib.options.HostOptions.from_env):
 - XDP_AGG_CONTROL=host:port  the control endpoint (xdp-agg serve); required. Several,
                              comma-separated (host:port,host:port), stripe the job over
                              those aggregators (hostlib.striping).
@@ -35,11 +35,11 @@ Settings (environment, read when the group is made):
                              instead of raising hostlib.pt.AggregatorLost.
 - XDP_AGG_TIMEOUT=seconds    an all-reduce's stall timeout (default 30): how soon a lost
                              aggregator is noticed.
-- XDP_AGG_IP=address         this rank's address towards the aggregator (hostlib.init's ip=),
+- XDP_AGG_IP=address         this rank's address towards the aggregator (HostOptions.ip),
                              for several ranks on one host with distinct addresses.
-- XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (hostlib.init's elems,
-                             window; default 256 and 128; 768 needs an MTU of about 3200;
-                             XDP_AGG_ELEMS=auto: the most the path MTU allows).
+- XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (HostOptions' elems,
+                             window; default "auto", the most the path MTU and the aggregator
+                             allow, and hostlib.options.DEFAULT_WINDOW).
 - XDP_AGG_SECRET_FILE=path   the deployment secret (a copy of `xdp-agg serve`'s, mode 0600);
                              rank 0 needs it to create the job. The other ranks use it too
                              when they have it; a rank without it takes the job's token, which
@@ -64,8 +64,7 @@ import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo, Work
 
-from aggproto.control import SECRET_ENV
-
+from ..options import HostOptions, control_from_env
 from .channel import WIRE_DTYPES, AllreduceChannel
 from .paths import AGGREGATOR, GLOO, PathStats, op_name
 
@@ -197,12 +196,14 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         super().__init__(rank, size)
         import hostlib
 
-        control = os.environ.get("XDP_AGG_CONTROL")
+        control = control_from_env()
         if not control:
             raise ValueError(
                 "the xdpagg backend needs XDP_AGG_CONTROL=host:port, the control endpoint of the "
                 "aggregator (xdp-agg serve)"
             )
+        # the environment's options (hostlib.options), with the group's rendezvous timeout
+        opts = HostOptions.from_env(rendezvous_timeout=max(timeout.total_seconds(), 10.0))
         self._gloo = ProcessGroupGloo(PrefixStore("xdpagg/gloo/", store), rank, size, timeout)
         # torch keeps a group's name and description on its registered backends, not on the
         # ProcessGroup: ProcessGroup::getGroupName raises "ProcessGroup name not set" while there
@@ -218,34 +219,27 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         self._register_backend(
             torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo
         )
-        stall = float(os.environ.get("XDP_AGG_TIMEOUT", "30"))
+        stall = opts.timeout
         fallback = None
-        mode = os.environ.get("XDP_AGG_FALLBACK", "")
-        if mode == "gloo":
+        if opts.fallback == "gloo":
             # its own gloo group: the agreement after a failure runs on the channel's thread and
             # must not interleave with the delegated collectives of the training loop
             fallback = ProcessGroupGloo(
                 PrefixStore("xdpagg/fallback/", store), rank, size, timedelta(seconds=stall + 30)
             )
-        elif mode not in ("", "none", "error"):
-            raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {mode!r}")
         self.job = _job_name(store, rank, group_name)
         self.premul_sums = 0  # PREMUL_SUM collectives turned into scale + SUM (a diagnostic)
         self.paths = PathStats(f"xdpagg (job {self.job})")
         token_key = f"xdpagg/token/{self.job}"
         token = None
-        if rank > 0 and not os.environ.get(SECRET_ENV):
+        if rank > 0 and not opts.secret_file:
             token = store.get(token_key).decode()  # waits for rank 0's create
         comm = hostlib.init(
             rank,
             size,
             control,
-            job=self.job,
-            timeout=stall,
-            ip=os.environ.get("XDP_AGG_IP") or None,
-            elems=_elems(os.environ.get("XDP_AGG_ELEMS", "256")),
-            window=int(os.environ.get("XDP_AGG_WINDOW", "128")),
-            rendezvous_timeout=max(timeout.total_seconds(), 10.0),
+            self.job,
+            opts,
             token=token,
             on_token=(lambda t: store.set(token_key, t)) if rank == 0 else None,
         )
@@ -515,13 +509,3 @@ def _job_name(store, rank: int, group_name: str) -> str:
         store.set(key, name)
         return name
     return store.get(key).decode()
-
-
-def _elems(value: str) -> int | str:
-    """XDP_AGG_ELEMS: int32 per packet, or "auto" (the most the path MTU allows)."""
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"XDP_AGG_ELEMS={value!r}: give int32 per packet or 'auto'") from None

@@ -1,6 +1,6 @@
 """A DistributedDataParallel communication hook that all-reduces gradient buckets through xdp-agg.
 
-    comm = hostlib.init(rank, world, aggregator="198.18.0.1:48800", job="run-7")
+    comm = hostlib.init(rank, world, "198.18.0.1:48800", "run-7")
     ddp = DistributedDataParallel(model)                 # process group: gloo (or nccl)
     ddp.register_comm_hook(HookState(comm), allreduce_hook)
 
@@ -12,12 +12,12 @@ divided by the world size (DDP expects the average, as its default hook computes
 
 # No `from __future__ import annotations`: DDP's register_comm_hook compares the hook's
 # annotations with dist.GradBucket and Future[Tensor] as objects, and rejects strings.
-import os
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..options import HostOptions
 from .channel import AllreduceChannel
 
 
@@ -37,7 +37,7 @@ class HookState:
 
     def __init__(self, comm, *, fallback=None, timeout: float | None = None) -> None:
         if fallback is None:
-            fallback = os.environ.get("XDP_AGG_FALLBACK") or None
+            fallback = HostOptions.from_env().fallback
         if fallback == "gloo":
             wait = timeout if timeout is not None else comm.timeout + 30
             fallback = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))

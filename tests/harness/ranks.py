@@ -40,7 +40,7 @@ class Cluster:
     servers: list[ControlEndpoint] = field(default_factory=list)
     aggs: list[SoftAggregator | None] = field(default_factory=list)
     secret: bytes | None = None  # the deployment secret the servers check (None: no auth)
-    secret_file: str | None = None  # where it is (mode 0600), for hostlib.init(secret_file=)
+    secret_file: str | None = None  # where it is (mode 0600), for HostOptions.secret_file
 
     @property
     def server(self) -> ControlEndpoint:
@@ -125,18 +125,30 @@ def in_threads(fn, n: int, deadline: float = 60.0) -> list[int]:
     return [r for r, t in enumerate(threads) if t.is_alive()]
 
 
+# what the tests' communicators use unless a test says otherwise: the sizes the tests were
+# written for (on loopback elems="auto" would take 2048, the MTU of lo allowing it)
+TEST_OPTIONS = {"elems": 256, "window": 64}
+
+
+def init(rank: int, world: int, control, *, job: str = "default", token=None, on_token=None, **kw):
+    """hostlib.init with HostOptions made from `kw` (fields by name, over TEST_OPTIONS and the
+    environment's: HostOptions.from_env)."""
+    opts = hostlib.HostOptions.from_env(**{**TEST_OPTIONS, **kw})
+    return hostlib.init(rank, world, control, job, opts, token=token, on_token=on_token)
+
+
 def join_rank(cluster: Cluster, rank: int, world: int, *, job: str, **kw):
     """hostlib.init of `rank` at the cluster's first endpoint, from its address, with its secret."""
     args = {"secret_file": cluster.secret_file, "ip": cluster.worker_ip(rank), **kw}
-    return hostlib.init(rank, world, cluster.endpoint, job=job, **args)
+    return init(rank, world, cluster.endpoint, job=job, **args)
 
 
 def run_ranks(cluster, n, fn, *, job="test", deadline=60.0, control_spec=None, per_rank=None, **kw):
     """Run fn(comm) on ranks 0..n-1 (threads), each in its own communicator joined to every
     aggregator of the cluster; their results.
 
-    control_spec: what hostlib.init gets as `aggregator` (default: the one endpoint, or the
-    list of k); per_rank(r): extra init arguments of rank r (a loop, faults). An exception of a
+    control_spec: what hostlib.init gets as `control` (default: the one endpoint, or the
+    list of k); per_rank(r): extra options of rank r (a loop, faults). An exception of a
     rank is returned in its place; a rank still running after `deadline` s fails the test
     (nothing may hang).
     """
@@ -148,7 +160,7 @@ def run_ranks(cluster, n, fn, *, job="test", deadline=60.0, control_spec=None, p
     def rank_main(r: int) -> None:
         args = {**base, **kw, **(per_rank(r) if per_rank else {})}
         try:
-            with hostlib.init(r, n, control_spec, job=job, ip=cluster.worker_ip(r), **args) as comm:
+            with init(r, n, control_spec, job=job, ip=cluster.worker_ip(r), **args) as comm:
                 results[r] = fn(comm)
         except Exception as e:  # reported to the test
             results[r] = e
@@ -166,9 +178,7 @@ def start_rank(cluster: Cluster, rank: int, world: int, *, job: str, **kw):
     def join() -> None:
         try:
             args = {"secret_file": cluster.secret_file, **kw}
-            hostlib.init(
-                rank, world, cluster.endpoint, job=job, ip=cluster.worker_ip(rank), **args
-            ).close()
+            init(rank, world, cluster.endpoint, job=job, ip=cluster.worker_ip(rank), **args).close()
         except hostlib.HostlibError as e:
             errors.append(e)
 

@@ -1,18 +1,19 @@
 """A userspace UDP aggregator: the reference model behind real sockets.
 
-SoftAggregator speaks the Backend protocol (backend.py) like the XDP target, but every datagram
-goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root and no
-BPF, so the host library and the control endpoint can be tested anywhere, and since it is the
-serial state machine itself it doubles as an executable specification of what a worker sees.
+SoftAggregator speaks the Backend protocol (aggctl/backend.py) like the XDP target, but every
+datagram goes through model.ReferenceAggregator, one at a time, under one lock. It needs no root
+and no BPF, so the host library and the control endpoint can be tested anywhere, and since it is
+the serial state machine itself it doubles as an executable specification of what a worker sees.
 
 It is Python-bound (tens of microseconds per packet): a test and development tool, not a
 data path. Batching still helps it: workers' GSO bursts arrive as one GRO buffer, and the
 results for one destination leave as one GSO send.
 
-Delivery: a completed slot (TO_ALL) is sent to every registered worker (ip, port) of the job by
-unicast, from the job's aggregator port, whatever the job's Delivery says (there is no group
-address on loopback); a retransmission for a completed slot (TO_SENDER) is answered to the
-source address of the datagram.
+Delivery: a completed slot (TO_ALL) is sent to every registered worker's address of the job by
+unicast (there is no group address on loopback), from the job's aggregator port, to the port it
+registered, or with Delivery.BROADCAST (the switch topology) to the completing request's source
+port, as the XDP and P4 switches do; a retransmission for a completed slot (TO_SENDER) is
+answered to the source address of the datagram.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 
 from aggctl.backend import check_job, check_worker
 from aggproto import wire
-from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.limits import NO_JOB
 from aggproto.model import Action, ReferenceAggregator
 from aggproto.reasons import Reason
@@ -111,14 +112,7 @@ class SoftAggregator:
             if spec.job_id in self._specs:
                 self._delete_job(spec.job_id)
             self._open_port(spec.agg_port)
-            self._model.create_job(
-                spec.job_id,
-                spec.num_workers,
-                spec.elems,
-                spec.slot_base,
-                spec.slot_count,
-                spec.udp_checksum,
-            )
+            self._model.create_job_spec(spec)  # no parent: refused above
             self._specs[spec.job_id] = spec
             self._workers[spec.job_id] = {}
             self._reasons.pop(spec.job_id, None)
@@ -225,12 +219,21 @@ class SoftAggregator:
                     self._count_worker(v.job_id, v.worker, v.reason)
                 if v.action is Action.TO_ALL:
                     for w in self._workers.get(v.job_id, {}).values():
-                        out[((w.ip, w.port), len(v.payload))].append(v.payload)
+                        out[(self._result_to(w, src), len(v.payload))].append(v.payload)
                 elif v.action is Action.TO_SENDER:
                     out[(src, len(v.payload))].append(v.payload)
         for (dest, plen), payloads in out.items():
             rows = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(payloads), plen)
             sock.send_rows(rows, dest)
+
+    def _result_to(self, w: WorkerSpec, src: tuple[str, int]) -> tuple[str, int]:
+        """Where worker w's copy of a result completed by a request from `src` goes: in the
+        switch topology (Delivery.BROADCAST) to the request's source port, as p4app-switchML's
+        switch answers (docs/protocol.md 3.3), so that each thread of a host gets its own
+        slots' results; else to the port w registered."""
+        if self._specs[w.job_id].delivery == Delivery.BROADCAST:
+            return (w.ip, src[1])
+        return (w.ip, w.port)
 
     def _count_worker(self, job_id: int, index: int, reason: Reason) -> None:
         c = self._worker_stats[(job_id, index)]

@@ -8,20 +8,20 @@ addressing and bytes too, and that the serial reference model agrees with every 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
-import p4app_host
 from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
 
 from aggproto import wire
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec
-from aggproto.model import Action
+from aggproto.model import Action, ReferenceAggregator, Verdict
 from aggproto.reasons import Reason
-from aggproto.scapy_layer import sml_frame
+from aggproto.scapy_layer import Exponents, SwitchML, sml_frame
+from harness import p4app_host
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -91,16 +91,16 @@ def workers(job_id: int, n: int, first: int = 0, port=wire.UDP_PORT) -> list[Wor
     ]
 
 
-def frame(w: int, values, *, port=wire.UDP_PORT, src_mac=None, **kw) -> bytes:
+def frame(w: int, values, *, port=wire.UDP_PORT, src_mac=None, sport=WORKER_PORT, **kw) -> bytes:
     """A contribution of worker host `w` (its address and, unless given, its MAC) to
-    aggregator port `port`."""
+    aggregator port `port`, from UDP port `sport`."""
     return bytes(
         sml_frame(
             src_ip=worker_ip(w),
             src_mac=src_mac or worker_mac(w),
             dst_ip=AGG_IP,
             dst_mac=AGG_MAC,
-            sport=WORKER_PORT,
+            sport=sport,
             dport=port,
             values=values,
             **kw,
@@ -189,6 +189,22 @@ class Case:
     steps: list[Step] = field(default_factory=list)
 
 
+def dropped(what: str, f: bytes, reason: Reason) -> Step:
+    """The step whose frame is dropped, counted as `reason`."""
+    return Step(what, f, Action.DROP, reason)
+
+
+def completes(what: str, f: bytes, total, e0: int | None = 0, **kw) -> Step:
+    """The step whose frame completes its slot: `total` (and exponent e0) to every worker."""
+    return Step(what, f, Action.TO_ALL, Reason.COMPLETED, total, e0, **kw)
+
+
+def answered(what: str, f: bytes, total, e0: int | None = 0, **kw) -> Step:
+    """The step whose frame, a retransmission for a completed slot, is answered with the stored
+    `total` (and exponent e0) to its sender alone (`sender=` says which host)."""
+    return Step(what, f, Action.TO_SENDER, Reason.RETX_ANSWERED, total, e0, **kw)
+
+
 def ip_checksum_ok(pkt) -> bool:
     """True when the IPv4 header checksum of a scapy packet is right."""
     ip = pkt[IP].copy()
@@ -197,26 +213,32 @@ def ip_checksum_ok(pkt) -> bool:
     return IP(bytes(ip))[IP].chksum == want
 
 
-def check_result(step: Step, req, out) -> None:
-    """A result frame (scapy `out`, answering `req`): header fields echoed, payload values and
-    exponents as the step expects, UDP checksum 0, IPv4 checksum right. Every target's runner
-    uses this."""
-    from aggproto.scapy_layer import Exponents, SwitchML
-
+def check_payload(step: Step, request: bytes, out: bytes) -> None:
+    """The SwitchML part of a result frame `out` answering the frame `request`: header fields
+    echoed (the pool index as the step says when it says one), reserved bit 0, exponents and
+    int32 values as the step expects, and what p4app-switchML's host reads there (raw_check).
+    Every target's runner and the model's check use this."""
+    req, sml = SwitchML(request[wire.SWITCHML_OFFSET :]), SwitchML(out[wire.SWITCHML_OFFSET :])
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
         if f == "pool_index" and step.pool_index is not None:
-            assert out[SwitchML].pool_index == step.pool_index, f"{step.what}: pool index"
+            assert sml.pool_index == step.pool_index, f"{step.what}: pool index"
             continue
-        assert getattr(out[SwitchML], f) == getattr(req[SwitchML], f), (
-            f"{step.what}: {f} not echoed"
-        )
-    assert (out[Exponents].e0, out[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
-    k = wire.elems_for(req[SwitchML].size)
-    got = np.frombuffer(bytes(out)[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
+        assert getattr(sml, f) == getattr(req, f), f"{step.what}: {f} not echoed"
+    assert sml.reserved == 0, step.what
+    assert (sml[Exponents].e0, sml[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
+    k = wire.elems_for(req.size)
+    got = np.frombuffer(out[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
     np.testing.assert_array_equal(got, step.values, err_msg=step.what)
-    np.testing.assert_array_equal(out[Exponents].values, step.values, err_msg=step.what)
+    np.testing.assert_array_equal(sml[Exponents].values, step.values, err_msg=step.what)
     if step.raw_check is not None:
-        step.raw_check(bytes(out))
+        step.raw_check(out)
+
+
+def check_result(step: Step, req, out) -> None:
+    """A result frame (scapy `out`, answering `req`): its SwitchML part as check_payload says,
+    UDP checksum 0, IPv4 checksum right, the IPv4 fields and lengths of a result."""
+    check_payload(step, bytes(req), bytes(out))
+    k = wire.elems_for(req[SwitchML].size)
     assert out[UDP].chksum == 0, step.what
     assert ip_checksum_ok(out), f"{step.what}: bad IPv4 checksum"
     # every result leaves as p4app-switchML's sender writes it, whatever the request carried
@@ -226,9 +248,29 @@ def check_result(step: Step, req, out) -> None:
         wire.RESULT_TOS,
         wire.RESULT_IP_FLAGS,
     ), f"{step.what}: IPv4 fields of a result"
-    assert out[SwitchML].reserved == 0, step.what
     assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
+
+
+def model_for(case: Case) -> ReferenceAggregator:
+    """The serial reference model (aggproto.model) with the case's jobs and workers."""
+    model = ReferenceAggregator()
+    for j in case.jobs:
+        model.create_job_spec(j)
+    for w in case.workers:
+        model.add_worker(w.job_id, w.index, w.ip, w.agg_port, w.mac)
+    return model
+
+
+def check_model(model: ReferenceAggregator, step: Step, outs: Iterable[bytes] = ()) -> Verdict:
+    """The model's verdict on the step's frame: the step's action and reason, and for a result
+    the same UDP payload bytes as every frame a target put out (`outs`, whole frames)."""
+    v = model.process_frame(step.frame)
+    assert (v.action, v.reason) == (step.action, step.reason), f"model disagrees on {step.what}"
+    for out in outs:
+        if v.payload is not None:
+            assert v.payload == out[wire.SWITCHML_OFFSET :], f"model's bytes differ on {step.what}"
+    return v
 
 
 def check_to_parent(step: Step, out) -> None:
@@ -252,28 +294,32 @@ def _wrap(x) -> np.ndarray:
 
 
 def complete_round(
-    rng, n, k, *, slot=0, version=0, hosts=None, port=wire.UDP_PORT, tag="", exps=None
+    rng,
+    n,
+    k,
+    *,
+    slot=0,
+    version=0,
+    hosts=None,
+    port=wire.UDP_PORT,
+    tag="",
+    exps=None,
+    sport=WORKER_PORT,
 ):
-    """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum."""
+    """Steps for one full round of a slot: n-1 partials dropped, the n-th returns the sum;
+    every request from UDP port `sport`."""
     hosts = hosts if hosts is not None else list(range(n))
     vals = [_vals(rng, k) for _ in range(n)]
     exps = exps if exps is not None else [int(e) for e in rng.integers(-20, 20, size=n)]
     steps = []
     for i, h in enumerate(hosts):
-        f = frame(h, vals[i], port=port, slot=slot, version=version, e0=exps[i], tsi=1000 + i)
+        f = frame(
+            h, vals[i], port=port, slot=slot, version=version, e0=exps[i], tsi=1000 + i, sport=sport
+        )
         if i < n - 1:
-            steps.append(Step(f"{tag}w{i} partial", f, Action.DROP, Reason.AGGREGATED))
+            steps.append(dropped(f"{tag}w{i} partial", f, Reason.AGGREGATED))
         else:
-            steps.append(
-                Step(
-                    f"{tag}w{i} completes",
-                    f,
-                    Action.TO_ALL,
-                    Reason.COMPLETED,
-                    _wrap(sum(vals)),
-                    max(exps),
-                )
-            )
+            steps.append(completes(f"{tag}w{i} completes", f, _wrap(sum(vals)), max(exps)))
     return steps, vals, exps
 
 
@@ -304,16 +350,9 @@ def duplicate_not_counted_twice(rng) -> list[Case]:
     c = Case("duplicate_not_counted_twice", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
-        Step("w0", frame(0, a, slot=1, e0=4), Action.DROP, Reason.AGGREGATED),
-        Step("w0 again", frame(0, a, slot=1, e0=4), Action.DROP, Reason.DUP_PENDING),
-        Step(
-            "w1 completes",
-            frame(1, b, slot=1, e0=-3),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b),
-            4,
-        ),
+        dropped("w0", frame(0, a, slot=1, e0=4), Reason.AGGREGATED),
+        dropped("w0 again", frame(0, a, slot=1, e0=4), Reason.DUP_PENDING),
+        completes("w1 completes", frame(1, b, slot=1, e0=-3), _wrap(a + b), 4),
     ]
     return [c]
 
@@ -323,33 +362,10 @@ def retransmission_after_completion(rng) -> list[Case]:
     c = Case("retransmission_after_completion", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
-        Step("w0", frame(0, a, slot=3, tsi=7, e0=1), Action.DROP, Reason.AGGREGATED),
-        Step(
-            "w1 completes",
-            frame(1, b, slot=3, tsi=7, e0=2),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b),
-            2,
-        ),
-        Step(
-            "w0 retransmits",
-            frame(0, a, slot=3, tsi=7, e0=1),
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            2,
-            sender=0,
-        ),
-        Step(
-            "w1 retransmits",
-            frame(1, b, slot=3, tsi=7, e0=2),
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            2,
-            sender=1,
-        ),
+        dropped("w0", frame(0, a, slot=3, tsi=7, e0=1), Reason.AGGREGATED),
+        completes("w1 completes", frame(1, b, slot=3, tsi=7, e0=2), _wrap(a + b), 2),
+        answered("w0 retransmits", frame(0, a, slot=3, tsi=7, e0=1), _wrap(a + b), 2, sender=0),
+        answered("w1 retransmits", frame(1, b, slot=3, tsi=7, e0=2), _wrap(a + b), 2, sender=1),
     ]
     return [c]
 
@@ -369,14 +385,7 @@ def one_worker(rng) -> list[Case]:
     for r in range(3):
         a = _vals(rng, 32)
         c.steps.append(
-            Step(
-                f"round {r}",
-                frame(0, a, slot=0, version=r % 2, e0=r),
-                Action.TO_ALL,
-                Reason.COMPLETED,
-                _wrap(a),
-                r,
-            )
+            completes(f"round {r}", frame(0, a, slot=0, version=r % 2, e0=r), _wrap(a), r)
         )
     return [c]
 
@@ -387,9 +396,9 @@ def int32_wraps_around(rng) -> list[Case]:
     big = np.full(32, 2**31 - 1, dtype=np.int64)
     big[::2] = -(2**31)
     c.steps = [
-        Step("w0", frame(0, big, slot=0), Action.DROP, Reason.AGGREGATED),
-        Step("w1", frame(1, big, slot=0), Action.DROP, Reason.AGGREGATED),
-        Step("w2", frame(2, big, slot=0), Action.TO_ALL, Reason.COMPLETED, _wrap(3 * big), 0),
+        dropped("w0", frame(0, big, slot=0), Reason.AGGREGATED),
+        dropped("w1", frame(1, big, slot=0), Reason.AGGREGATED),
+        completes("w2", frame(2, big, slot=0), _wrap(3 * big), 0),
     ]
     return [c]
 
@@ -410,33 +419,16 @@ def two_jobs_isolated(rng) -> list[Case]:
     )
     a0, b0, a1, b1 = (_vals(rng, 32) for _ in range(4))
     c.steps = [
-        Step("job0 w0", frame(0, a0, slot=3), Action.DROP, Reason.AGGREGATED),
-        Step(
-            "job1 w0", frame(2, a1, slot=11, port=wire.UDP_PORT + 1), Action.DROP, Reason.AGGREGATED
+        dropped("job0 w0", frame(0, a0, slot=3), Reason.AGGREGATED),
+        dropped("job1 w0", frame(2, a1, slot=11, port=wire.UDP_PORT + 1), Reason.AGGREGATED),
+        completes(
+            "job1 w1 completes", frame(3, b1, slot=11, port=wire.UDP_PORT + 1), _wrap(a1 + b1), 0
         ),
-        Step(
-            "job1 w1 completes",
-            frame(3, b1, slot=11, port=wire.UDP_PORT + 1),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a1 + b1),
-            0,
-        ),
-        Step(
-            "job0 w1 completes",
-            frame(1, b0, slot=3),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a0 + b0),
-            0,
-        ),
-        Step(
-            "job0 worker to job1's slot", frame(0, a0, slot=11), Action.DROP, Reason.DROP_SLOT_RANGE
-        ),
-        Step(
+        completes("job0 w1 completes", frame(1, b0, slot=3), _wrap(a0 + b0), 0),
+        dropped("job0 worker to job1's slot", frame(0, a0, slot=11), Reason.DROP_SLOT_RANGE),
+        dropped(
             "job0 worker to job1's port",
             frame(0, a0, slot=3, port=wire.UDP_PORT + 1),
-            Action.DROP,
             Reason.DROP_UNKNOWN_SOURCE,
         ),
     ]
@@ -449,26 +441,15 @@ def bad_packets_dropped_and_counted(rng) -> list[Case]:
     a = _vals(rng, 32)
     full = frame(0, a, slot=5)
     c.steps = [
-        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step(
-            "headers truncated",
-            full[: wire.SWITCHML_OFFSET + 6],
-            Action.DROP,
-            Reason.DROP_TRUNCATED,
-        ),
-        Step(
-            "wrong size code", frame(0, _vals(rng, 64), slot=5), Action.DROP, Reason.DROP_BAD_SIZE
-        ),
-        Step("unregistered source", frame(7, a, slot=5), Action.DROP, Reason.DROP_UNKNOWN_SOURCE),
-        Step("slot below range", frame(0, a, slot=3), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step(
-            "reserved pool bit", frame(0, a, pool_index=0x4005), Action.DROP, Reason.DROP_SLOT_RANGE
-        ),
-        Step(
-            "other message type", frame(0, a, slot=5, msg_type=2), Action.DROP, Reason.DROP_BAD_TYPE
-        ),
-        Step("valid after all that", frame(0, a, slot=5), Action.DROP, Reason.AGGREGATED),
+        dropped("payload truncated", full[:-4], Reason.DROP_TRUNCATED),
+        dropped("headers truncated", full[: wire.SWITCHML_OFFSET + 6], Reason.DROP_TRUNCATED),
+        dropped("wrong size code", frame(0, _vals(rng, 64), slot=5), Reason.DROP_BAD_SIZE),
+        dropped("unregistered source", frame(7, a, slot=5), Reason.DROP_UNKNOWN_SOURCE),
+        dropped("slot below range", frame(0, a, slot=3), Reason.DROP_SLOT_RANGE),
+        dropped("slot above range", frame(0, a, slot=8), Reason.DROP_SLOT_RANGE),
+        dropped("reserved pool bit", frame(0, a, pool_index=0x4005), Reason.DROP_SLOT_RANGE),
+        dropped("other message type", frame(0, a, slot=5, msg_type=2), Reason.DROP_BAD_TYPE),
+        dropped("valid after all that", frame(0, a, slot=5), Reason.AGGREGATED),
     ]
     return [c]
 
@@ -488,73 +469,43 @@ def lengths_must_agree(rng) -> list[Case]:
         junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18, cut=ilen - wire.IPV4_HLEN - 18
     )
     c.steps = [
-        Step("UDP length short", relength(junk, udp_len=18), Action.DROP, Reason.DROP_BAD_LENGTH),
-        Step(
-            "UDP length long", relength(junk, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
-            "IPv4 length short",
-            relength(junk, ip_len=ilen - 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
-        Step(
-            "IPv4 length long", relength(junk, ip_len=ilen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
+        dropped("UDP length short", relength(junk, udp_len=18), Reason.DROP_BAD_LENGTH),
+        dropped("UDP length long", relength(junk, udp_len=ulen + 4), Reason.DROP_BAD_LENGTH),
+        dropped("IPv4 length short", relength(junk, ip_len=ilen - 4), Reason.DROP_BAD_LENGTH),
+        dropped("IPv4 length long", relength(junk, ip_len=ilen + 4), Reason.DROP_BAD_LENGTH),
+        dropped(
             "both lengths long",
             relength(junk, ip_len=ilen + 4, udp_len=ulen + 4),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
+        dropped(
             "UDP 18, IPv4 38, payload as an Ethernet trailer",
             relength(junk, ip_len=wire.IPV4_HLEN + 18, udp_len=18),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
+        dropped(
             "right lengths, bytes after them",
             relength(junk, trailer=b"\0" * 4),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
+        dropped(
             "lengths agree with a frame too short for the size code",
             ours_short,
-            Action.DROP,
             Reason.DROP_TRUNCATED,
         ),
-        Step("w0 still aggregates", good, Action.DROP, Reason.AGGREGATED),
-        Step(
+        dropped("w0 still aggregates", good, Reason.AGGREGATED),
+        dropped(
             "w1 lies at completion",
             relength(frame(1, b, slot=1), udp_len=18),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
-            "w1 completes with the exact sum",
-            frame(1, b, slot=1, e0=-1),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b),
-            3,
-        ),
-        Step(
+        completes("w1 completes with the exact sum", frame(1, b, slot=1, e0=-1), _wrap(a + b), 3),
+        dropped(
             "w0 retransmission with a lying length",
             relength(good, ip_len=ilen + 4),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
-            "w0 retransmits",
-            good,
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            3,
-            sender=0,
-        ),
+        answered("w0 retransmits", good, _wrap(a + b), 3, sender=0),
     ]
     return [c]
 
@@ -568,27 +519,18 @@ def lying_frame_for_the_other_version(rng) -> list[Case]:
     steps, _, _ = complete_round(rng, 2, 32, slot=2, version=0, tag="v0 ")
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = steps + [
-        Step("w0 on v1", frame(0, a, slot=2, version=1), Action.DROP, Reason.AGGREGATED),
-        Step(
+        dropped("w0 on v1", frame(0, a, slot=2, version=1), Reason.AGGREGATED),
+        dropped(
             "w0 lies on v0",
             relength(frame(0, b, slot=2, version=0), udp_len=18),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
+        dropped(
             "w0 lies on v1",
             relength(frame(0, b, slot=2, version=1), ip_len=ilen - 8),
-            Action.DROP,
             Reason.DROP_BAD_LENGTH,
         ),
-        Step(
-            "w1 completes v1 exactly",
-            frame(1, b, slot=2, version=1),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b),
-            0,
-        ),
+        completes("w1 completes v1 exactly", frame(1, b, slot=2, version=1), _wrap(a + b), 0),
     ]
     return [c]
 
@@ -605,19 +547,9 @@ def result_fields_are_the_aggregators(rng) -> list[Case]:
         for h, v in ((0, a), (1, b))
     ]
     c.steps = [
-        Step(
-            "w0 with TTL 1, id 0x1234, DSCP, DF, reserved 1", odd[0], Action.DROP, Reason.AGGREGATED
-        ),
-        Step("w1 likewise completes", odd[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
-        Step(
-            "w0 retransmits likewise",
-            odd[0],
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            0,
-            sender=0,
-        ),
+        dropped("w0 with TTL 1, id 0x1234, DSCP, DF, reserved 1", odd[0], Reason.AGGREGATED),
+        completes("w1 likewise completes", odd[1], _wrap(a + b), 0),
+        answered("w0 retransmits likewise", odd[0], _wrap(a + b), 0, sender=0),
     ]
     return [c]
 
@@ -636,26 +568,11 @@ def udp_checksum_verified_k(rng) -> list[Case]:
         bad = bytearray(sums[1])
         bad[wire.PAYLOAD_OFFSET + 5] ^= 0x40  # one bit flipped in the payload
         c.steps = [
-            Step("w0, right checksum", sums[0], Action.DROP, Reason.AGGREGATED),
-            Step("w1, one payload bit flipped", bytes(bad), Action.DROP, Reason.DROP_BAD_CHECKSUM),
-            Step("w1, right checksum", sums[1], Action.DROP, Reason.AGGREGATED),
-            Step(
-                "w2, no checksum (0)",
-                frame(2, d, slot=2),
-                Action.TO_ALL,
-                Reason.COMPLETED,
-                _wrap(a + b + d),
-                0,
-            ),
-            Step(
-                "w1 retransmits, right checksum",
-                sums[1],
-                Action.TO_SENDER,
-                Reason.RETX_ANSWERED,
-                _wrap(a + b + d),
-                0,
-                sender=1,
-            ),
+            dropped("w0, right checksum", sums[0], Reason.AGGREGATED),
+            dropped("w1, one payload bit flipped", bytes(bad), Reason.DROP_BAD_CHECKSUM),
+            dropped("w1, right checksum", sums[1], Reason.AGGREGATED),
+            completes("w2, no checksum (0)", frame(2, d, slot=2), _wrap(a + b + d), 0),
+            answered("w1 retransmits, right checksum", sums[1], _wrap(a + b + d), 0, sender=1),
         ]
         cases.append(c)
     return cases
@@ -668,16 +585,7 @@ def udp_checksum_ignored_by_default(rng) -> list[Case]:
     bad = bytearray(frame(0, a, slot=0, udp_checksum=True))
     bad[wire.PAYLOAD_OFFSET] ^= 1
     a[0] = np.frombuffer(bytes(bad[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4]), ">i4")[0]
-    c.steps = [
-        Step(
-            "wrong checksum, job without the option",
-            bytes(bad),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a),
-            0,
-        )
-    ]
+    c.steps = [completes("wrong checksum, job without the option", bytes(bad), _wrap(a), 0)]
     return [c]
 
 
@@ -763,12 +671,12 @@ def malformed_ipv4_to_our_port(rng) -> list[Case]:
     short_ihl = bytearray(frame(0, a))
     short_ihl[wire.ETH_HLEN] = 0x44  # version 4, ihl 4: no valid IPv4 header
     c.steps = [
-        Step("IPv4 options", bytes(opt), Action.DROP, Reason.DROP_MALFORMED),
-        Step("first fragment", bytes(frag), Action.DROP, Reason.DROP_MALFORMED),
+        dropped("IPv4 options", bytes(opt), Reason.DROP_MALFORMED),
+        dropped("first fragment", bytes(frag), Reason.DROP_MALFORMED),
         Step("later fragment", bytes(later), Action.PASS, Reason.PASS),
         Step("later fragment with options", bytes(later_opt), Action.PASS, Reason.PASS),
         Step("ihl below 5", bytes(short_ihl), Action.PASS, Reason.PASS),
-        Step("still aggregates", frame(0, a), Action.DROP, Reason.AGGREGATED),
+        dropped("still aggregates", frame(0, a), Reason.AGGREGATED),
     ]
     return [c]
 
@@ -778,26 +686,11 @@ def second_exponent_is_a_max_too(rng) -> list[Case]:
     c = Case("second_exponent_is_a_max_too", [job(n=3)], workers(0, 3))
     a, b, d = (_vals(rng, 32) for _ in range(3))
     c.steps = [
-        Step("w0", frame(0, a, slot=6, e0=-2, e1=5), Action.DROP, Reason.AGGREGATED),
-        Step("w1", frame(1, b, slot=6, e0=7, e1=-9), Action.DROP, Reason.AGGREGATED),
-        Step(
-            "w2 completes",
-            frame(2, d, slot=6, e0=1, e1=11),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b + d),
-            7,
-            e1=11,
-        ),
-        Step(
-            "w1 retransmits",
-            frame(1, b, slot=6, e0=7, e1=-9),
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b + d),
-            7,
-            sender=1,
-            e1=11,
+        dropped("w0", frame(0, a, slot=6, e0=-2, e1=5), Reason.AGGREGATED),
+        dropped("w1", frame(1, b, slot=6, e0=7, e1=-9), Reason.AGGREGATED),
+        completes("w2 completes", frame(2, d, slot=6, e0=1, e1=11), _wrap(a + b + d), 7, e1=11),
+        answered(
+            "w1 retransmits", frame(1, b, slot=6, e0=7, e1=-9), _wrap(a + b + d), 7, sender=1, e1=11
         ),
     ]
     return [c]
@@ -808,17 +701,9 @@ def retransmission_answer_k64(rng) -> list[Case]:
     c = Case("retransmission_answer_k64", [job(n=2, elems=64)], workers(0, 2))
     a, b = _vals(rng, 64, -(2**31), 2**31 - 1), _vals(rng, 64, -(2**31), 2**31 - 1)
     c.steps = [
-        Step("w0", frame(0, a, slot=2), Action.DROP, Reason.AGGREGATED),
-        Step("w1 completes", frame(1, b, slot=2), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
-        Step(
-            "w0 retransmits",
-            frame(0, a, slot=2),
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            0,
-            sender=0,
-        ),
+        dropped("w0", frame(0, a, slot=2), Reason.AGGREGATED),
+        completes("w1 completes", frame(1, b, slot=2), _wrap(a + b), 0),
+        answered("w0 retransmits", frame(0, a, slot=2), _wrap(a + b), 0, sender=0),
     ]
     return [c]
 
@@ -831,6 +716,67 @@ def switch_mode_broadcasts(rng) -> list[Case]:
 
 
 @case
+def switch_results_to_request_source_port(rng) -> list[Case]:
+    """Switch topology: every copy of a result goes to the completing request's source port,
+    not to the port the worker registered, as p4app-switchML's switch answers
+    (dev_root/p4/udp_receiver.p4 lines 70-71, udp_sender.p4 lines 37 and 80 at b5c74a0): its host's
+    thread t sends from worker_port + t and owns its own slots, so each thread gets its own
+    slots' results. Two threads' rounds here, from ports 4000 and 4001 (p4app's default
+    worker_port and the next); the workers registered 0xBEE0. The XDP program's devmap egress
+    (which BPF_PROG_TEST_RUN cannot run) is checked in the testbed by
+    tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
+    tests/test_switchml_grpc.py; the P4 twin still answers the registered port (docs/protocol.md
+    7.1), which bmv2's runner checks."""
+    c = Case(
+        "switch_results_to_request_source_port",
+        [job(n=2, delivery=Delivery.BROADCAST)],
+        workers(0, 2),
+    )
+    for t, slot in ((0, 1), (1, 9)):
+        steps, _, _ = complete_round(rng, 2, 32, slot=slot, sport=4000 + t, tag=f"thread {t} ")
+        c.steps += steps
+    return [c]
+
+
+@case
+def worker_moves_on_before_the_round_completes(rng) -> list[Case]:
+    """A faulty worker: w0 contributes to (slot 3, version 0), then to version 1 without
+    waiting for version 0's result, which clears its bit in version 0's bitmap (every target, as
+    p4app-switchML's bitmap_checker.p4 lines 84-98 do). w1's version-0 contribution then still
+    joins the round w0 opened: ours starts a new round when the previous one is complete or has
+    no contribution (count 0), so the sum is w0's + w1's. p4app-switchML's switch starts one
+    when the version's bitmap is empty (processor.p4 lines 97-102: its first packet writes
+    instead of adding), so it would overwrite w0's values and, its worker count then at the last
+    packet (workers_counter.p4 lines 27-38), send w1's values alone as the sum. We keep ours
+    (docs/protocol.md 7.2): no result may leave without a contribution the aggregator counted."""
+    c = Case("worker_moves_on_before_the_round_completes", [job(n=2)], workers(0, 2))
+    a0, a1, b0, b1 = (_vals(rng, 32) for _ in range(4))
+    c.steps = [
+        Step("w0 v0", frame(0, a0, slot=3, version=0, e0=1), Action.DROP, Reason.AGGREGATED),
+        Step(
+            "w0 v1, moves on", frame(0, a1, slot=3, version=1, e0=2), Action.DROP, Reason.AGGREGATED
+        ),
+        Step(
+            "w1 v0 completes w0's round",
+            frame(1, b0, slot=3, version=0, e0=-1),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a0 + b0),
+            1,
+        ),
+        Step(
+            "w1 v1 completes version 1",
+            frame(1, b1, slot=3, version=1, e0=3),
+            Action.TO_ALL,
+            Reason.COMPLETED,
+            _wrap(a1 + b1),
+            3,
+        ),
+    ]
+    return [c]
+
+
+@case
 def mac_cases(rng) -> list[Case]:
     """A worker's source MAC is matched with its address and port (as p4app-switchML's switch
     matches it), where the control plane knows it; an all-zero MAC matches any."""
@@ -838,20 +784,14 @@ def mac_cases(rng) -> list[Case]:
     c = Case("worker_mac_matched", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     c.steps = [
-        Step(
-            "w0's address, another MAC",
-            frame(0, b, src_mac=stranger),
-            Action.DROP,
-            Reason.DROP_UNKNOWN_SOURCE,
+        dropped(
+            "w0's address, another MAC", frame(0, b, src_mac=stranger), Reason.DROP_UNKNOWN_SOURCE
         ),
-        Step("w0", frame(0, a), Action.DROP, Reason.AGGREGATED),
-        Step(
-            "w1's address, another MAC",
-            frame(1, a, src_mac=stranger),
-            Action.DROP,
-            Reason.DROP_UNKNOWN_SOURCE,
+        dropped("w0", frame(0, a), Reason.AGGREGATED),
+        dropped(
+            "w1's address, another MAC", frame(1, a, src_mac=stranger), Reason.DROP_UNKNOWN_SOURCE
         ),
-        Step("w1 completes", frame(1, b), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        completes("w1 completes", frame(1, b), _wrap(a + b), 0),
     ]
     unknown = [
         WorkerSpec(w.job_id, w.index, w.ip, w.port, w.agg_port, "00:00:00:00:00:00")
@@ -859,14 +799,14 @@ def mac_cases(rng) -> list[Case]:
     ]
     d = Case("worker_mac_unknown_matches_any", [job(n=2)], unknown)
     d.steps = [
-        Step("w0 from any MAC", frame(0, a, src_mac=stranger), Action.DROP, Reason.AGGREGATED),
-        Step("w1 completes", frame(1, b), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        dropped("w0 from any MAC", frame(0, a, src_mac=stranger), Reason.AGGREGATED),
+        completes("w1 completes", frame(1, b), _wrap(a + b), 0),
     ]
     return [c, d]
 
 
 def _p4app_check(what: str, req: bytes, k: int, values, exponent: int) -> Callable[[bytes], None]:
-    """A check of a result as p4app-switchML's receive path reads it (tests/p4app_host.py):
+    """A check of a result as p4app-switchML's receive path reads it (tests/harness/p4app_host.py):
     its pkt_id and short job id echoed, the max exponent, the sum."""
     sent = p4app_host.read_result(req, k)
 
@@ -904,9 +844,7 @@ def p4app_round(
     total = _wrap(sum(np.asarray(v, dtype=np.int64) for v in vals))
     e1 = max(b - 256 if b >= 128 else b for b in extra)  # the second byte, signed on our side
     c = Case(name, [spec], workers(0, n))
-    c.steps = [
-        Step(f"p4app w{i} partial", reqs[i], Action.DROP, Reason.AGGREGATED) for i in range(n - 1)
-    ]
+    c.steps = [dropped(f"p4app w{i} partial", reqs[i], Reason.AGGREGATED) for i in range(n - 1)]
     for i, what, action, reason in (
         (n - 1, f"p4app w{n - 1} completes", Action.TO_ALL, Reason.COMPLETED),
         (0, "p4app w0 retransmits", Action.TO_SENDER, Reason.RETX_ANSWERED),
@@ -931,7 +869,7 @@ def p4app_round(
 @case
 def p4app_host_cases(rng) -> list[Case]:
     """Requests built byte for byte as p4app-switchML's DPDK host builds them (BuildPacket at
-    b5c74a0: tests/p4app_host.py cites the lines), 64 int32 per packet as its default packet
+    b5c74a0: tests/harness/p4app_host.py cites the lines), 64 int32 per packet as its default packet
     size; the results checked at the offsets its receive path reads. With and without our UDP
     checksum verification (the host's checksum is offloaded, so right on the wire)."""
     out = []
@@ -974,8 +912,8 @@ def tree_forward_and_down(rng, k: int) -> Case:
     total = _wrap(sum(vals) + other)
     down = parent_frame(total, slot=6 - 4 + PARENT_SLOT_BASE, tsi=50, e0=12, job_number=7)
     c.steps = [
-        Step("w0", fr[0], Action.DROP, Reason.AGGREGATED),
-        Step("w1", fr[1], Action.DROP, Reason.AGGREGATED),
+        dropped("w0", fr[0], Reason.AGGREGATED),
+        dropped("w1", fr[1], Reason.AGGREGATED),
         Step(
             "w2 completes here: the partial goes up",
             fr[2],
@@ -1003,12 +941,10 @@ def tree_forward_and_down(rng, k: int) -> Case:
             12,
             pool_index=int(pidx(6, 0)),
         ),
-        Step("the parent's result again (a copy)", down, Action.DROP, Reason.STALE_PARENT_RESULT),
-        Step(
+        dropped("the parent's result again (a copy)", down, Reason.STALE_PARENT_RESULT),
+        answered(
             "w1 retransmits after the parent answered: the parent's result",
             fr[1],
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
             total,
             12,
             sender=1,
@@ -1033,12 +969,7 @@ def tree_cases(rng) -> list[Case]:
         tsi = 5 + 8 * r
         total = _wrap(a + b + 1000 * (r + 1))
         c.steps += [
-            Step(
-                f"round {r} w0",
-                frame(0, a, slot=5, version=v, tsi=tsi),
-                Action.DROP,
-                Reason.AGGREGATED,
-            ),
+            dropped(f"round {r} w0", frame(0, a, slot=5, version=v, tsi=tsi), Reason.AGGREGATED),
             Step(
                 f"round {r} w1 completes, up",
                 frame(1, b, slot=5, version=v, tsi=tsi),
@@ -1064,17 +995,15 @@ def tree_cases(rng) -> list[Case]:
     a, b = _vals(rng, 32), _vals(rng, 32)
     total = _wrap(a + b + 7)
     c.steps = [
-        Step(
+        dropped(
             "a parent result before anything went up",
             parent_frame(total, slot=102, tsi=9),
-            Action.DROP,
             Reason.STALE_PARENT_RESULT,
         ),
-        Step("w0", frame(0, a, slot=6, tsi=9), Action.DROP, Reason.AGGREGATED),
-        Step(
+        dropped("w0", frame(0, a, slot=6, tsi=9), Reason.AGGREGATED),
+        dropped(
             "a parent result while the slot is still incomplete here",
             parent_frame(total, slot=102, tsi=9),
-            Action.DROP,
             Reason.STALE_PARENT_RESULT,
         ),
         Step(
@@ -1086,28 +1015,24 @@ def tree_cases(rng) -> list[Case]:
             0,
             pool_index=up(6, 0),
         ),
-        Step(
+        dropped(
             "the parent's result for the other version",
             parent_frame(total, slot=102, version=1, tsi=9),
-            Action.DROP,
             Reason.STALE_PARENT_RESULT,
         ),
-        Step(
+        dropped(
             "a parent result of another packet (tsi)",
             parent_frame(total, slot=102, tsi=1),
-            Action.DROP,
             Reason.STALE_PARENT_RESULT,
         ),
-        Step(
+        dropped(
             "a result from another address than the parent's",
             parent_frame(total, slot=102, tsi=9, src_ip="198.18.1.2"),
-            Action.DROP,
             Reason.DROP_UNKNOWN_SOURCE,
         ),
-        Step(
+        dropped(
             "a parent result for a slot outside the parent job's",
             parent_frame(total, slot=99, tsi=9),
-            Action.DROP,
             Reason.DROP_SLOT_RANGE,
         ),
         Step(
@@ -1132,29 +1057,18 @@ def length_lies(full: bytes, k: int, fewer: int) -> tuple[list[Step], list[Step]
     ulen, ilen = wire.UDP_HLEN + plen, wire.IPV4_HLEN + wire.UDP_HLEN + plen
     cut = 4 * fewer
     short = [
-        Step("payload truncated", full[:-4], Action.DROP, Reason.DROP_TRUNCATED),
-        Step(
+        dropped("payload truncated", full[:-4], Reason.DROP_TRUNCATED),
+        dropped(
             f"lengths agree with a frame of {k - fewer} elements",
             relength(full, ip_len=ilen - cut, udp_len=ulen - cut, cut=cut),
-            Action.DROP,
             Reason.DROP_TRUNCATED,
         ),
     ]
     lies = [
-        Step(
-            "UDP length long", relength(full, udp_len=ulen + 4), Action.DROP, Reason.DROP_BAD_LENGTH
-        ),
-        Step(
-            "IPv4 length short",
-            relength(full, ip_len=ilen - 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
-        ),
-        Step(
-            "bytes after the payload",
-            relength(full, trailer=b"\0" * 4),
-            Action.DROP,
-            Reason.DROP_BAD_LENGTH,
+        dropped("UDP length long", relength(full, udp_len=ulen + 4), Reason.DROP_BAD_LENGTH),
+        dropped("IPv4 length short", relength(full, ip_len=ilen - 4), Reason.DROP_BAD_LENGTH),
+        dropped(
+            "bytes after the payload", relength(full, trailer=b"\0" * 4), Reason.DROP_BAD_LENGTH
         ),
     ]
     return short, lies
@@ -1171,26 +1085,11 @@ def folded_cases(rng) -> list[Case]:
     c = Case("folded_k256_rounds_and_answers", [job(n=2, elems=k, base=0, count=4)], workers(0, 2))
     a, b = _vals(rng, k, -(2**31), 2**31 - 1), _vals(rng, k, -(2**31), 2**31 - 1)
     c.steps = [
-        Step("w0", frame(0, a, slot=1, e0=5, e1=-2), Action.DROP, Reason.AGGREGATED),
-        Step("w0 again", frame(0, a, slot=1, e0=5, e1=-2), Action.DROP, Reason.DUP_PENDING),
-        Step(
-            "w1 completes",
-            frame(1, b, slot=1, e0=-7, e1=9),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a + b),
-            5,
-            e1=9,
-        ),
-        Step(
-            "w1 retransmits",
-            frame(1, b, slot=1, e0=-7, e1=9),
-            Action.TO_SENDER,
-            Reason.RETX_ANSWERED,
-            _wrap(a + b),
-            5,
-            e1=9,
-            sender=1,
+        dropped("w0", frame(0, a, slot=1, e0=5, e1=-2), Reason.AGGREGATED),
+        dropped("w0 again", frame(0, a, slot=1, e0=5, e1=-2), Reason.DUP_PENDING),
+        completes("w1 completes", frame(1, b, slot=1, e0=-7, e1=9), _wrap(a + b), 5, e1=9),
+        answered(
+            "w1 retransmits", frame(1, b, slot=1, e0=-7, e1=9), _wrap(a + b), 5, e1=9, sender=1
         ),
     ]
     for r in range(3):  # v1, v0, v1 on slot 1: each first contribution overwrites all passes
@@ -1212,16 +1111,12 @@ def folded_cases(rng) -> list[Case]:
     short, lies = length_lies(full, k, 4)
     c.steps = [
         *short,
-        Step(
-            "64 elements to a 256 job", frame(0, a[:64], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
-        ),
-        Step(
-            "128 elements (XDP only)", frame(0, a[:128], slot=5), Action.DROP, Reason.DROP_BAD_SIZE
-        ),
+        dropped("64 elements to a 256 job", frame(0, a[:64], slot=5), Reason.DROP_BAD_SIZE),
+        dropped("128 elements (XDP only)", frame(0, a[:128], slot=5), Reason.DROP_BAD_SIZE),
         *lies,
-        Step("slot above range", frame(0, a, slot=8), Action.DROP, Reason.DROP_SLOT_RANGE),
-        Step("w0 after all that", full, Action.DROP, Reason.AGGREGATED),
-        Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        dropped("slot above range", frame(0, a, slot=8), Reason.DROP_SLOT_RANGE),
+        dropped("w0 after all that", full, Reason.AGGREGATED),
+        completes("w1 completes", frame(1, b, slot=5), _wrap(a + b), 0),
     ]
     cases.append(c)
 
@@ -1235,22 +1130,10 @@ def folded_cases(rng) -> list[Case]:
     )
     a, b = _vals(rng, k), _vals(rng, 64)
     c.steps = [
-        Step("256 elements to a 64 job", frame(0, a, slot=0), Action.DROP, Reason.DROP_BAD_SIZE),
-        Step(
-            "64 elements to its job",
-            frame(0, b, slot=0),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(b),
-            0,
-        ),
-        Step(
-            "256 elements to their job",
-            frame(1, a, slot=4, port=wire.UDP_PORT + 1),
-            Action.TO_ALL,
-            Reason.COMPLETED,
-            _wrap(a),
-            0,
+        dropped("256 elements to a 64 job", frame(0, a, slot=0), Reason.DROP_BAD_SIZE),
+        completes("64 elements to its job", frame(0, b, slot=0), _wrap(b), 0),
+        completes(
+            "256 elements to their job", frame(1, a, slot=4, port=wire.UDP_PORT + 1), _wrap(a), 0
         ),
     ]
     cases.append(c)
@@ -1289,17 +1172,7 @@ def jumbo_cases(rng) -> list[Case]:
         c = Case(f"jumbo_complete_n3_k{k}", [job(n=3, elems=k)], workers(0, 3))
         c.steps, vals, exps = complete_round(rng, 3, k, slot=2)
         again = frame(1, vals[1], slot=2, e0=exps[1], tsi=1001)
-        c.steps.append(
-            Step(
-                "w1 retransmits",
-                again,
-                Action.TO_SENDER,
-                Reason.RETX_ANSWERED,
-                _wrap(sum(vals)),
-                max(exps),
-                sender=1,
-            )
-        )
+        c.steps.append(answered("w1 retransmits", again, _wrap(sum(vals)), max(exps), sender=1))
         cases.append(c)
 
     k = 2048
@@ -1309,16 +1182,11 @@ def jumbo_cases(rng) -> list[Case]:
     short, lies = length_lies(full, k, 8)
     c.steps = [
         *short,
-        Step(
-            "1024 elements to a 2048 job",
-            frame(0, a[:1024], slot=5),
-            Action.DROP,
-            Reason.DROP_BAD_SIZE,
-        ),
+        dropped("1024 elements to a 2048 job", frame(0, a[:1024], slot=5), Reason.DROP_BAD_SIZE),
         *lies,
-        Step("w0", full, Action.DROP, Reason.AGGREGATED),
-        Step("w0 again", full, Action.DROP, Reason.DUP_PENDING),
-        Step("w1 completes", frame(1, b, slot=5), Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        dropped("w0", full, Reason.AGGREGATED),
+        dropped("w0 again", full, Reason.DUP_PENDING),
+        completes("w1 completes", frame(1, b, slot=5), _wrap(a + b), 0),
     ]
     cases.append(c)
 
@@ -1328,9 +1196,9 @@ def jumbo_cases(rng) -> list[Case]:
     bad = bytearray(sums[1])
     bad[wire.PAYLOAD_OFFSET + 4 * 1900 + 1] ^= 0x10  # past the first buffer (3520 bytes)
     c.steps = [
-        Step("w0, right checksum", sums[0], Action.DROP, Reason.AGGREGATED),
-        Step("w1, a bit flipped late", bytes(bad), Action.DROP, Reason.DROP_BAD_CHECKSUM),
-        Step("w1 completes", sums[1], Action.TO_ALL, Reason.COMPLETED, _wrap(a + b), 0),
+        dropped("w0, right checksum", sums[0], Reason.AGGREGATED),
+        dropped("w1, a bit flipped late", bytes(bad), Reason.DROP_BAD_CHECKSUM),
+        completes("w1 completes", sums[1], _wrap(a + b), 0),
     ]
     cases.append(c)
     cases.append(tree_forward_and_down(rng, k))
@@ -1339,17 +1207,14 @@ def jumbo_cases(rng) -> list[Case]:
     c = Case("jumbo_size_codes_to_a_32_job", [job(n=1, elems=32)], workers(0, 1))
     a = _vals(rng, 32)
     c.steps = [
-        Step(
+        dropped(
             f"size code {code} ({wire.elems_for(code)}) on a 32-element frame",
             with_size_code(frame(0, a, slot=1), code),
-            Action.DROP,
             Reason.DROP_BAD_SIZE,
         )
         for code in wire.JUMBO_SIZE_CODES
     ]
-    c.steps.append(
-        Step("the frame itself", frame(0, a, slot=1), Action.TO_ALL, Reason.COMPLETED, _wrap(a), 0)
-    )
+    c.steps.append(completes("the frame itself", frame(0, a, slot=1), _wrap(a), 0))
     cases.append(c)
     return cases
 

@@ -1,25 +1,25 @@
-"""bench.model, the deployment model of issue 20 item 5: its fit against the committed testbed run
-and the arithmetic of its predictions (no root, no network)."""
+"""bench.perfmodel, the deployment model (where the time per packet goes at n workers): its fit
+against the committed testbed run and the arithmetic of its predictions (no root, no network)."""
 
 import math
 
 import pytest
 
 from aggproto import wire
-from bench import model
+from bench import perfmodel
 
 
 @pytest.fixture(scope="module")
 def results():
     import json
 
-    return json.loads(model.RESULTS.read_text())
+    return json.loads(perfmodel.RESULTS.read_text())
 
 
 def test_the_model_is_within_a_quarter_of_every_cpu_or_link_bound_testbed_cell(results):
     # n = 2 leaves CPU idle between round trips (the model has no latency term) and 4 MiB cells
     # are a few windows long; every 64 MiB cell with n >= 4 is bound by the CPUs or the link
-    rows = [r for r in model.check(results) if r["n"] >= 4 and r["size"] == 64 << 20]
+    rows = [r for r in perfmodel.check(results) if r["n"] >= 4 and r["size"] == 64 << 20]
     assert len(rows) == 6
     for r in rows:
         assert abs(r["xdp_error"]) < 0.25, r
@@ -42,44 +42,44 @@ def test_the_fit_recovers_a_known_per_packet_cost():
                 "gloo": {"median_s": n * ring * g / cpus},
             }
         )
-    fitted = model.fit({"meta": {"cpus": cpus, "elems": k}, "summary": cells})
+    fitted = perfmodel.fit({"meta": {"cpus": cpus, "elems": k}, "summary": cells})
     assert fitted == pytest.approx((c, g))
 
 
 def test_with_a_free_host_and_aggregator_the_link_bounds_and_the_speedup_is_the_rings():
-    free = model.Costs(0, 0, 0, 0, 0, 0)
-    d = model.Deployment(n=8, rate=100e9, mtu=9000, agg_link=1e15)
-    p = model.predict(d, 64 << 20, free)
+    free = perfmodel.Costs(0, 0, 0, 0, 0, 0)
+    d = perfmodel.Deployment(n=8, rate=100e9, mtu=9000, agg_link=1e15)
+    p = perfmodel.predict(d, 64 << 20, free)
     assert p["bound"] == "link"
-    efficiency = 4 * d.k / model.wire_bytes(d.k)  # payload share of the line
+    efficiency = 4 * d.k / perfmodel.wire_bytes(d.k)  # payload share of the line
     assert p["speedup"] == pytest.approx(2 * 7 / 8 * efficiency, rel=1e-3)
 
 
 def test_steering_slots_saves_the_gather_and_the_line_transfers():
-    c = model.Costs()
-    spread = model.predict(model.Deployment(n=32, rate=25e9), 64 << 20, c)
-    steered = model.predict(model.Deployment(n=32, rate=25e9, steered=True), 64 << 20, c)
-    k = model.Deployment(n=32, rate=25e9).k
+    c = perfmodel.Costs()
+    spread = perfmodel.predict(perfmodel.Deployment(n=32, rate=25e9), 64 << 20, c)
+    steered = perfmodel.predict(perfmodel.Deployment(n=32, rate=25e9, steered=True), 64 << 20, c)
+    k = perfmodel.Deployment(n=32, rate=25e9).k
     P = math.ceil((64 << 20) / (4 * k))
-    elem = c.xdp_elem_frags if k > model.INPLACE_ELEMS else c.xdp_elem
+    elem = c.xdp_elem_frags if k > perfmodel.INPLACE_ELEMS else c.xdp_elem
     saved = (32 * P * c.bounce + P * 15 * k * elem) / 16
     assert spread["agg_cpu"] - steered["agg_cpu"] == pytest.approx(saved)
 
 
 def test_the_packet_size_is_the_largest_that_fits_the_mtu():
     for mtu in (1500, 3500, 9000):
-        k = model.Deployment(n=2, rate=1e9, mtu=mtu).k
+        k = perfmodel.Deployment(n=2, rate=1e9, mtu=mtu).k
         assert wire.frame_len(k) - wire.ETH_HLEN <= mtu
         bigger = [e for e in wire.SIZE_CODE_ELEMS.values() if e > k]
         assert all(wire.frame_len(e) - wire.ETH_HLEN > mtu for e in bigger)
 
 
 def test_the_host_split_is_fitted_from_two_packet_sizes():
-    a, b = model.fit_host()
+    a, b = perfmodel.fit_host()
     assert 0 < a < 20e-6 and 0 < b < 5e-9  # seconds per packet, per byte
 
 
 def test_main_prints_the_check_and_the_predictions(capsys):
-    assert model.main([]) == 0
+    assert perfmodel.main([]) == 0
     out = capsys.readouterr().out
     assert "fitted" in out and "| 64 | 100 | 9000 | steered | 4 |" in out

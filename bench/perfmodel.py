@@ -1,6 +1,6 @@
-"""What a real deployment gets: a model of the all-reduce time from measured per-packet costs
-(issue 20, item 5), checked against the testbed's cells, then used for deployments this machine
-cannot build (docs/benchmarks.md, "What a deployment gets").
+"""What a real deployment gets: a model of the all-reduce time from measured per-packet costs,
+checked against the testbed's cells, then used for deployments this machine cannot build
+(docs/benchmarks.md, "What a deployment gets").
 
 The model. A tensor of S bytes, k int32 per packet, so P = S / (4k) packets per worker (floats
 add one window of exponent-only packets, ignored here: 0.3% at 64 MiB). In-network aggregation
@@ -23,7 +23,7 @@ n * P * c / cpus, with c the system-wide CPU per packet (fitted from the unshape
 nothing else bounds), and the same for gloo with c_gloo per byte moved (2(n-1)/n * S per
 worker). `check` fits both from a results.json of bench.allreduce and prints the model beside
 every 4 MiB and 64 MiB throughput cell; `predict` prints deployments.
-Run: `python -m bench.model [--results FILE]`.
+Run: `python -m bench.perfmodel [--results FILE]`.
 
 The aggregator's multi-core question (per-CPU partials, bpf/aggregate.h): when a slot's n
 contributions arrive on several CPUs (RSS spreads workers, not slots), every contribution does
@@ -72,8 +72,8 @@ class Costs:
 
 SOURCES = {
     "host_packet": "bench/results/host-split: the host row (one worker's process CPU per GiB) at "
-    "256 and 768 int32 per packet, fitted a + b * bytes (fit_host; a loaded machine: issue 20's "
-    "quiet run gave 0.77 of the 768-element figure)",
+    "256 and 768 int32 per packet, fitted a + b * bytes (fit_host; a loaded machine: the quiet "
+    "run of docs/benchmarks.md gave 0.77 of the 768-element figure)",
     "host_byte": "the same fit's slope",
     "xdp_packet": "bench/results/xdp-compare/README.md: 301 ns at 64 int32 minus 64 x 0.36 ns",
     "xdp_elem": "bench/results/xdp-compare/README.md: (557 - 301) / (768 - 64) ns per int32",

@@ -100,6 +100,16 @@ def lying_frames(src_ip: str, src_mac: str, agg_ip: str, agg_mac: str) -> list[b
     return frames
 
 
+def with_payload(f: Ether, payload: bytes) -> bytes:
+    """Frame f with its UDP payload replaced and every length consistent with it."""
+    f[UDP].remove_payload()
+    f[UDP].add_payload(payload)
+    f[UDP].len = wire.UDP_HLEN + len(payload)
+    f[IP].len = wire.IPV4_HLEN + wire.UDP_HLEN + len(payload)
+    del f[IP].chksum
+    return bytes(f)
+
+
 def malformed_frames(
     src_ip: str,
     src_mac: str,
@@ -120,20 +130,14 @@ def malformed_frames(
     need = wire.udp_payload_len(elems)
     rng = np.random.default_rng(12)
 
-    def good(slot):
-        return _contribution(src_ip, src_mac, agg_ip, agg_mac, elems=elems, port=port, slot=slot)
+    def good(slot, *, elems=elems, port=port, **kw):
+        """A contribution from this address to `slot` (the job's size and port unless said)."""
+        return _contribution(
+            src_ip, src_mac, agg_ip, agg_mac, elems=elems, port=port, slot=slot, **kw
+        )
 
     def in_range(i):
         return base + i % count
-
-    def redo_lengths(f: Ether, payload: bytes) -> bytes:
-        """Frame f with its UDP payload replaced and every length consistent with it."""
-        f[UDP].remove_payload()
-        f[UDP].add_payload(payload)
-        f[UDP].len = wire.UDP_HLEN + len(payload)
-        f[IP].len = wire.IPV4_HLEN + wire.UDP_HLEN + len(payload)
-        del f[IP].chksum
-        return bytes(f)
 
     kinds: dict[str, list[bytes]] = {}
     # another size code than the job's (with that code's full payload), and codes 6 and 7,
@@ -147,43 +151,23 @@ def malformed_frames(
     for i in range(n):
         if i % 4:
             c = other[i % len(other)]
-            f = _contribution(
-                src_ip,
-                src_mac,
-                agg_ip,
-                agg_mac,
-                elems=wire.SIZE_CODE_ELEMS[c],
-                port=port,
-                slot=in_range(i),
-            )
-            kinds["bad_size_code"].append(bytes(f))
+            kinds["bad_size_code"].append(bytes(good(in_range(i), elems=wire.SIZE_CODE_ELEMS[c])))
         else:
             b = bytearray(bytes(good(in_range(i))))
             b[wire.SWITCHML_OFFSET + TYPE_SIZE] = (wire.MSG_TYPE_DATA << 4) | (6 + i // 4 % 2)
             kinds["bad_size_code"].append(bytes(b))
     # the message type nibble is not "data"
     kinds["bad_msg_type"] = [
-        bytes(
-            _contribution(
-                src_ip,
-                src_mac,
-                agg_ip,
-                agg_mac,
-                elems=elems,
-                port=port,
-                slot=in_range(i),
-                msg_type=2 + i % 14,  # 2..15: never data (1)
-            )
-        )
+        bytes(good(in_range(i), msg_type=2 + i % 14))  # 2..15: never data (1)
         for i in range(n)
     ]
     # shorter than the SwitchML header; a header with fewer values than the size code needs
     kinds["truncated_header"] = [
-        redo_lengths(good(in_range(i)), bytes(good(in_range(i))[UDP].payload)[: i % 8])
+        with_payload(good(in_range(i)), bytes(good(in_range(i))[UDP].payload)[: i % 8])
         for i in range(n)
     ]
     kinds["truncated_values"] = [
-        redo_lengths(
+        with_payload(
             good(in_range(i)), bytes(good(in_range(i))[UDP].payload)[: need - 4 * (1 + i % 64)]
         )
         for i in range(n)
@@ -205,29 +189,11 @@ def malformed_frames(
     kinds["slot_out_of_range"] = [
         bytes(good(outside[i % len(outside)])) for i in range(n - n // 4)
     ] + [
-        bytes(
-            _contribution(
-                src_ip,
-                src_mac,
-                agg_ip,
-                agg_mac,
-                elems=elems,
-                port=port,
-                slot=0,
-                pool_index=int(wire.pool_index(in_range(i), i % 2)) | wire.POOL_RESERVED_BIT,
-            )
-        )
+        bytes(good(0, pool_index=int(wire.pool_index(in_range(i), i % 2)) | wire.POOL_RESERVED_BIT))
         for i in range(n // 4)
     ]
     # a well-formed contribution to a port this address is not registered at
-    kinds["other_port"] = [
-        bytes(
-            _contribution(
-                src_ip, src_mac, agg_ip, agg_mac, elems=elems, port=other_port, slot=in_range(i)
-            )
-        )
-        for i in range(n)
-    ]
+    kinds["other_port"] = [bytes(good(in_range(i), port=other_port)) for i in range(n)]
     # IPv4 options; a first fragment (more-fragments set); a later fragment (offset > 0: not
     # ours, the kernel's to reassemble); an IP version other than 4 behind the IPv4 ethertype
     kinds["ip_options"] = []
@@ -256,7 +222,7 @@ def malformed_frames(
         kinds["ip_version_6"].append(bytes(b))
     # random bytes after a valid UDP header to the job's port
     kinds["random_payload"] = [
-        redo_lengths(good(in_range(i)), rng.integers(0, 256, int(rng.integers(0, 80))).tobytes())
+        with_payload(good(in_range(i)), rng.integers(0, 256, int(rng.integers(0, 80))).tobytes())
         for i in range(n)
     ]
     return kinds
@@ -278,14 +244,8 @@ def intruder_frames(
         )
 
     def junk(i, p):
-        f = contrib(i, p)
         payload = rng.integers(0, 256, int(rng.integers(0, 2 * wire.SWITCHML_HLEN))).tobytes()
-        f[UDP].remove_payload()
-        f[UDP].add_payload(payload)
-        f[UDP].len = wire.UDP_HLEN + len(payload)
-        f[IP].len = wire.IPV4_HLEN + wire.UDP_HLEN + len(payload)
-        del f[IP].chksum
-        return bytes(f)
+        return with_payload(contrib(i, p), payload)
 
     return {
         "contribution_job_port": [bytes(contrib(i, port)) for i in range(n)],

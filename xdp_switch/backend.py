@@ -505,6 +505,13 @@ class XdpBackend:
             return f"job id {job_id} is not in aggregator {self.name!r} any more (deleted?)"
         return None
 
+    def elem_sizes(self) -> tuple[int, ...]:
+        """The packet sizes this attachment takes: the jumbo ones (larger than a page) only
+        with --frags and in the one-arm topology (create_job says why not)."""
+        jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
+        frags = self.state.options.get("frags") and self.state.topology != "switch"
+        return tuple(sorted(n for n in wire.SIZE_CODE_ELEMS.values() if frags or n not in jumbo))
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""
         self._follow()

@@ -1,0 +1,500 @@
+/*
+ * The stream loop of the C fast path (hostlib/fp_loop.h): building packets, the timers and
+ * the congestion window, taking results, and the loop that runs one all-reduce.
+ */
+#include "fp_loop.h"
+
+#include <errno.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fp_kernels.h"
+#include "fp_wire.h"
+
+/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING
+ * packets of the all-reduce are outstanding, for at most SPIN_TIME s; credit as there. Off with
+ * EngineConfig.spin (HostOptions.spin). */
+#define SPIN_OUTSTANDING 64
+#define SPIN_TIME        60e-6
+#define SPIN_PENALTY     2
+#define SPIN_CREDIT_MAX  8
+#define SPIN_BACKOFF     200
+/* The drain loop hands over to sending once this many packets are ready, so that a long
+ * burst of results does not let the pipe run dry. */
+#define SEND_READY_AT 64
+
+/* --- sending ------------------------------------------------------------------------------ */
+/* Send the rows of slots sendq[0..n) (Faults applied) through the transport. Returns 0, or
+ * -errno on an error that is neither transient nor a GSO refusal (the caller raises OSError). */
+static int send_slots(Run *r, int n)
+{
+    Stream *st = r->s;
+    int nrows = 0;
+    r->c.packets_sent += (uint64_t)n;
+    r->c.bytes_sent += (uint64_t)n * (uint64_t)st->plen;
+    for (int i = 0; i < n; i++) {
+        int copies = 1;
+        if (st->cfg.faults) {
+            if (rng_uniform(&st->rng) < st->cfg.send_loss) {
+                r->c.fault_drops++;
+                continue;
+            }
+            copies += rng_uniform(&st->rng) < st->cfg.send_dup;
+        }
+        while (copies--)
+            st->txrows[nrows++] = st->rows + (size_t)st->sendq[i] * (size_t)st->plen;
+    }
+    if (nrows == 0)
+        return 0;
+    return st->t->ops->send(st->t, st->txrows, nrows, &r->c);
+}
+
+/* --- building packets --------------------------------------------------------------------- */
+/* The wire layout (docs/protocol.md, p4app-switchML's: b5c74a0, dpdk_worker_thread_utils.inc
+ * lines 132-134): byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index
+ * (big-endian, bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32. */
+/* Packet p's first 8 header bytes: type/size, job number, tsi, pool index (with version). */
+static inline void header_of(const Run *r, int64_t p, uint8_t *h)
+{
+    const Stream *st = r->s;
+    int64_t s = p % r->w;
+    unsigned version = (r->versions[s] ^ (unsigned)((p / r->w) & 1)) & 1;
+    unsigned slot = (unsigned)(st->cfg.slot_base + s) & FP_POOL_SLOT_MASK;
+    uint16_t pool = (uint16_t)((version ? FP_POOL_VERSION_BIT : 0) | slot);
+    h[0] = st->cfg.type_size;
+    h[1] = r->jn;
+    store_be32(h + 2, (uint32_t)p);
+    h[6] = (uint8_t)(pool >> 8);
+    h[7] = (uint8_t)pool;
+}
+
+static void fill(Run *r, int64_t p, uint8_t *row)
+{
+    Stream *st = r->s;
+    int k = st->cfg.k;
+    uint8_t *vals = row + FP_VALUES_AT, *exp = row + FP_EXP_AT;
+    header_of(r, p, row);
+    exp[1] = 0;
+    if (!r->is_float) {
+        exp[0] = 0;
+        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+        bswap_copy(r->src + 4 * a, n, vals);
+        if (n < k)
+            memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
+        return;
+    }
+    exp[0] = (uint8_t)(p < r->Pd ? r->exps[p] : E_MIN);
+    if (p < r->w) { /* the first window carries exponents only */
+        memset(vals, 0, (size_t)k * 4);
+        return;
+    }
+    int64_t c = p - r->w;
+    fp_ssize a = (fp_ssize)c * k, n = r->L - a < k ? r->L - a : k;
+    int8_t E = r->agreed[c];
+    /* |x| < 2^E keeps |x f| below M, except for values whose exponent was clipped at E_MAX:
+     * the numpy engine clips once any agreed exponent reached E_MAX, which changes only
+     * those chunks' values, so clipping exactly those gives the same bytes. */
+    quantise((const float *)r->src + a, n, st->ftab[(uint8_t)E], E == E_MAX, st->M, vals);
+    if (n < k)
+        memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
+}
+
+static void accept_result(Run *r, int64_t p, const uint8_t *buf)
+{
+    Stream *st = r->s;
+    int k = st->cfg.k;
+    if (!r->is_float) {
+        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+        bswap_copy(buf + FP_VALUES_AT, n, r->dst + 4 * a);
+        return;
+    }
+    if (p < r->Pd)
+        r->agreed[p] = (int8_t)buf[FP_EXP_AT]; /* the max of the workers' e0 for chunk p */
+    if (p >= r->w) {
+        int64_t c = p - r->w;
+        fp_ssize a = (fp_ssize)c * k, n = r->L - a < k ? r->L - a : k;
+        dequantise(buf + FP_VALUES_AT, n, st->ftab[(uint8_t)r->agreed[c]], (float *)r->dst + a);
+    }
+}
+
+/* --- timers and the congestion window ----------------------------------------------------- */
+static double first_rto(const Stream *st)
+{
+    if (!st->cc.have_rtt)
+        return st->cfg.rto_min;
+    double t = st->cc.srtt + 4 * st->cc.rttvar;
+    t = t < st->cfg.rto_min ? st->cfg.rto_min : t;
+    return t > st->cfg.rto_max ? st->cfg.rto_max : t;
+}
+
+static void rtt_update(Stream *st, double sample)
+{
+    if (!st->cc.have_rtt) {
+        st->cc.srtt = sample;
+        st->cc.rttvar = sample / 2;
+        st->cc.have_rtt = 1;
+    } else {
+        st->cc.rttvar = 0.75 * st->cc.rttvar + 0.25 * fabs(st->cc.srtt - sample);
+        st->cc.srtt = 0.875 * st->cc.srtt + 0.125 * sample;
+    }
+}
+
+static inline int64_t window_now(const Run *r)
+{
+    int64_t c = (int64_t)r->s->cc.cwnd;
+    c = c < 1 ? 1 : c;
+    return c > r->w ? r->w : c;
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* First transmissions of ready packets, lowest packet number first, as far as the congestion
+ * window allows -- except the lowest packet without a result (`base`), which may always go.
+ *
+ * Why: a packet completes only once every rank sent it. If a full window let each rank pick
+ * its own subset of the ready packets (rank A holds p1 in flight with p0 waiting, rank B the
+ * other way round), every rank could wait for a packet that another rank is holding back:
+ * a deadlock. Every rank can always send its base packet (its slot is free: base - w is
+ * done), so the lowest packet any rank still lacks always completes, and the stream moves. */
+static int send_ready(Run *r, int *sent)
+{
+    Stream *st = r->s;
+    int n = 0;
+    *sent = 0;
+    int64_t room = window_now(r) - r->inflight;
+    if (r->nready == 0 || (room <= 0 && st->ready[r->base % r->w] != r->base))
+        return 0;
+    int64_t *cand = st->cand;
+    int64_t m = 0;
+    for (int64_t s = 0; s < r->w; s++)
+        if (st->ready[s] >= 0)
+            cand[m++] = st->ready[s];
+    if (m > 1 && room < m)
+        qsort(cand, (size_t)m, sizeof *cand, cmp_i64);
+    for (int64_t i = 0; i < m && (n < room || cand[i] == r->base); i++) {
+        int64_t p = cand[i], s = p % r->w;
+        fill(r, p, st->rows + (size_t)s * (size_t)st->plen);
+        st->sendq[n++] = (int32_t)s;
+        st->pkt[s] = p;
+        st->ready[s] = -1;
+        r->state[p] = 1;
+        if (p >= r->next_new)
+            r->next_new = p + 1;
+    }
+    r->nready -= n;
+    *sent = n;
+    if (n == 0)
+        return 0;
+    double t = now_s(), rto = first_rto(st);
+    for (int i = 0; i < n; i++) {
+        int s = st->sendq[i];
+        st->tries[s] = 0;
+        st->sent_at[s] = t;
+        st->rto[s] = rto;
+        st->deadline[s] = t + rto;
+    }
+    if (t + rto < r->next_deadline)
+        r->next_deadline = t + rto;
+    r->inflight += n;
+    return send_slots(r, n);
+}
+
+/* Resend every packet whose timer expired (the identical bytes of its slot row). */
+static int expire(Run *r, double now)
+{
+    Stream *st = r->s;
+    int n = 0, halve = 0;
+    double next = INFINITY;
+    for (int64_t s = 0; s < r->w; s++) {
+        if (st->deadline[s] <= now) {
+            if (st->tries[s] == 0)
+                r->c.timeouts++;
+            st->tries[s]++;
+            st->rto[s] = 2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
+            st->deadline[s] = now + st->rto[s];
+            st->sendq[n++] = (int32_t)s;
+            halve |= st->pkt[s] >= r->recover;
+        }
+        if (st->deadline[s] < next)
+            next = st->deadline[s];
+    }
+    r->next_deadline = next;
+    if (n == 0)
+        return 0;
+    r->c.retransmissions += (uint64_t)n;
+    if (halve && !st->cfg.cwnd_fixed) {
+        /* multiplicative decrease, once per window: packets sent before this point that
+         * expire later are the same loss event */
+        st->cc.cwnd = st->cc.cwnd / 2 < 1 ? 1 : st->cc.cwnd / 2;
+        st->cc.ssthresh = st->cc.cwnd;
+        r->recover = r->next_new;
+    }
+    return send_slots(r, n);
+}
+
+/* --- receiving ---------------------------------------------------------------------------- */
+static void on_datagram(Run *r, const uint8_t *buf, double now)
+{
+    Stream *st = r->s;
+    uint32_t tsi = load_be32(buf + 2);
+    if (tsi >= (uint64_t)r->P) {
+        r->c.stale++;
+        return;
+    }
+    int64_t p = tsi, s = p % r->w;
+    uint8_t h[8];
+    header_of(r, p, h);
+    if (memcmp(h, buf, 8) != 0) { /* another all-reduce, slot or version */
+        r->c.stale++;
+        return;
+    }
+    if (r->state[p] >= 2) {
+        r->c.duplicates++;
+        if (r->state[p] > 2) { /* the first copy's result came after a resend */
+            r->c.spurious++;
+            r->state[p]--;
+        }
+        return;
+    }
+    if (r->state[p] == 0) { /* echoes a packet not sent yet: not a result of ours */
+        r->c.stale++;
+        return;
+    }
+    int32_t tries = st->tries[s];
+    r->state[p] = (uint8_t)(2 + (tries > 253 ? 253 : tries));
+    r->c.results++;
+    r->ndone++;
+    r->results_here++;
+    r->last_progress = now;
+    accept_result(r, p, buf);
+    st->deadline[s] = INFINITY;
+    st->pkt[s] = -1;
+    r->inflight--;
+    if (tries == 0 && st->sent_at[s] > r->batch_sample_at) { /* Karn: not a resent one */
+        r->batch_sample_at = st->sent_at[s];
+        r->batch_sample = now - st->sent_at[s];
+    }
+    if (p + r->w < r->P) { /* its slot is free for the packet one window later */
+        st->ready[s] = p + r->w;
+        r->nready++;
+    }
+    while (r->base < r->P && r->state[r->base] >= 2)
+        r->base++;
+    if (!st->cfg.cwnd_fixed && st->cc.cwnd < st->cfg.window) {
+        /* slow start below ssthresh, then +1 per window of results */
+        st->cc.cwnd += st->cc.cwnd < st->cc.ssthresh ? 1.0 : 1.0 / st->cc.cwnd;
+        if (st->cc.cwnd > st->cfg.window)
+            st->cc.cwnd = st->cfg.window;
+    }
+}
+
+static void on_message(Run *r, const uint8_t *buf, size_t n, size_t seg, double now)
+{
+    Stream *st = r->s;
+    size_t plen = (size_t)st->plen;
+    r->c.bytes_received += n;
+    /* seg is the GRO segment size (n for one datagram); a coalesced buffer may end with one
+     * shorter datagram: keep the full rows, count the rest (as udp_io.RowReceiver) */
+    size_t full = seg == plen ? n / plen : 0;
+    if (full * plen != n)
+        r->c.malformed++;
+    for (size_t i = 0; i < full; i++) {
+        const uint8_t *d = buf + i * plen;
+        if (st->cfg.faults) {
+            if (rng_uniform(&st->rng) < st->cfg.recv_loss) {
+                r->c.fault_drops++;
+                continue;
+            }
+            if (rng_uniform(&st->rng) < st->cfg.recv_dup)
+                on_datagram(r, d, now);
+        }
+        on_datagram(r, d, now);
+    }
+}
+
+static void on_message_cb(void *ctx, const uint8_t *buf, size_t n, size_t seg, double now)
+{
+    on_message(ctx, buf, n, seg, now);
+}
+
+/* One batch of received messages. One RTT sample per batch, from its most recently sent
+ * packet: the results of one batch waited in the socket for different times, and the newest
+ * sent one waited least, so its sample is closest to the path's round trip. (The timers
+ * themselves are only checked after the socket was drained, so a late drain cannot fire
+ * them.) */
+static int receive_batch(Run *r)
+{
+    Stream *st = r->s;
+    r->batch_sample_at = -INFINITY;
+    int m = st->t->ops->receive(st->t, on_message_cb, r, &r->c);
+    if (m > 0 && r->batch_sample_at > -INFINITY)
+        rtt_update(st, r->batch_sample);
+    return m;
+}
+
+/* Wait for the transport until `until` (monotonic seconds), at most a second: the progress
+ * line and signals; EINTR returns early. */
+static int wait_until(Stream *st, double until)
+{
+    double dt = until - now_s();
+    return st->t->ops->wait(st->t, dt > 1.0 ? 1.0 : dt);
+}
+
+int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
+{
+    Stream *st = r->s;
+    double next_print = h->progress ? r->last_progress + h->every : INFINITY;
+    int deferred = 0;
+    while (r->ndone < r->P) {
+        int sent = 0, rc = send_ready(r, &sent);
+        if (rc < 0)
+            return rc;
+        /* drain: results already waiting count before any timer may fire */
+        int got = 0, empty = 0;
+        for (;;) {
+            int m = receive_batch(r);
+            if (m < 0)
+                return m;
+            if (m == 0) {
+                empty = 1;
+                break;
+            }
+            got += m;
+            if (r->nready >= SEND_READY_AT || r->ndone >= r->P)
+                break;
+        }
+        if (r->ndone >= r->P)
+            break;
+        double now = now_s();
+        if (now >= r->next_deadline) {
+            if (empty || deferred) {
+                deferred = 0;
+                if ((rc = expire(r, now)) < 0)
+                    return rc;
+            } else {
+                deferred = 1; /* drain the rest first; at the latest on the next turn */
+            }
+        }
+        if (now - r->last_progress > timeout)
+            return ST_STALLED;
+        if (now >= next_print) {
+            if (h->progress(h->ctx, r->ndone, r->c.retransmissions))
+                return -EINTR;
+            next_print = now + h->every;
+        }
+        if (got || sent || (r->nready > 0 && r->inflight < window_now(r)))
+            continue;
+        /* nothing to do until a result comes or a timer expires */
+        if (st->cfg.spin && r->P - r->ndone <= SPIN_OUTSTANDING) {
+            if (st->cc.spin_credit < 0) {
+                st->cc.spin_credit++; /* a probe again after |credit| skipped chances */
+            } else {
+                double end = now_s() + SPIN_TIME;
+                int m = 0;
+                while ((m = receive_batch(r)) == 0 && now_s() < end)
+                    ;
+                if (m < 0)
+                    return m;
+                if (m > 0) {
+                    st->cc.spin_credit = st->cc.spin_credit + 1 > SPIN_CREDIT_MAX
+                                             ? SPIN_CREDIT_MAX
+                                             : st->cc.spin_credit + 1;
+                    continue;
+                }
+                st->cc.spin_credit -= SPIN_PENALTY;
+                if (st->cc.spin_credit < 0)
+                    st->cc.spin_credit = -SPIN_BACKOFF;
+            }
+        }
+        double until = r->next_deadline;
+        if (r->last_progress + timeout < until)
+            until = r->last_progress + timeout + 1e-4;
+        if (next_print < until)
+            until = next_print;
+        rc = wait_until(st, until);
+        if (rc == -EINTR) {
+            if (h->interrupted(h->ctx))
+                return -EINTR;
+        } else if (rc < 0) {
+            return rc;
+        }
+    }
+    return ST_DONE;
+}
+int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
+{
+    memset(st, 0, sizeof *st);
+    st->cfg = *cfg;
+    st->t = t;
+    st->plen = t->plen;
+    st->rng = cfg->seed * 0x2545F4914F6CDD1Dull + 1;
+    /* slow start from a small window; ssthresh at the slot window until the first loss */
+    st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
+    st->cc.ssthresh = cfg->window;
+    st->M = (double)(2147483647 / cfg->scaling_workers);
+    for (int i = 0; i < 256; i++)
+        st->ftab[i] = ldexp(st->M, -(int)(int8_t)i);
+    size_t w = (size_t)cfg->window;
+    st->rows = calloc(w, (size_t)st->plen);
+    st->deadline = calloc(w, sizeof(double));
+    st->sent_at = calloc(w, sizeof(double));
+    st->rto = calloc(w, sizeof(double));
+    st->tries = calloc(w, sizeof(int32_t));
+    st->pkt = calloc(w, sizeof(int64_t));
+    st->ready = calloc(w, sizeof(int64_t));
+    st->cand = calloc(w, sizeof(int64_t));
+    st->sendq = calloc(2 * w, sizeof(int32_t));
+    st->txrows = calloc(2 * w, sizeof(*st->txrows));
+    if (!st->rows || !st->deadline || !st->sent_at || !st->rto || !st->tries || !st->pkt ||
+        !st->ready || !st->cand || !st->sendq || !st->txrows) {
+        fp_stream_free(st);
+        return -ENOMEM;
+    }
+    for (size_t i = 0; i < w; i++)
+        st->pkt[i] = -1;
+    return 0;
+}
+
+void fp_stream_free(Stream *st)
+{
+    free(st->rows);
+    free(st->deadline);
+    free(st->sent_at);
+    free(st->rto);
+    free(st->tries);
+    free(st->pkt);
+    free(st->ready);
+    free(st->cand);
+    free(st->sendq);
+    free((void *)st->txrows);
+    if (st->t)
+        st->t->ops->close(st->t);
+    memset(st, 0, sizeof *st);
+}
+
+void fp_run_start(Run *r, Stream *st)
+{
+    r->s = st;
+    r->recover = 0;
+    r->next_deadline = INFINITY;
+    for (int64_t s = 0; s < r->w; s++) {
+        st->deadline[s] = INFINITY;
+        st->tries[s] = 0;
+        st->pkt[s] = -1;
+    }
+    for (int64_t p = 0; p < r->w; p++)
+        st->ready[p] = p;
+    r->nready = r->w;
+    r->last_progress = now_s();
+}
+
+void fp_run_end(Run *r)
+{
+    for (int64_t s = 0; s < r->w; s++) /* no packet of this all-reduce is in flight any more */
+        r->s->pkt[s] = -1, r->s->deadline[s] = INFINITY;
+}

@@ -1,0 +1,205 @@
+"""A worker's options as data: HostOptions, and the one reader of the XDP_AGG_* environment.
+
+    opts = HostOptions(window=32, timeout=10.0)            # the defaults but these
+    opts = HostOptions.from_env(timeout=10.0)               # the environment's, then these
+    comm = hostlib.init(rank, world, "198.18.0.1:48800", "run-7", opts)
+
+hostlib.init without options takes HostOptions.from_env(). No other module of hostlib reads an
+XDP_AGG_* variable: the PyTorch backend and hook take theirs from here too (control_from_env,
+token_from_env, HostOptions.fallback), and the C extension's kernel choice (simd_from_env) is
+applied by hostlib.native_loop when it imports the extension.
+
+The environment (each one a field of HostOptions unless said otherwise):
+
+| variable | field | meaning |
+|---|---|---|
+| XDP_AGG_CONTROL | (control_from_env) | the control endpoint(s), host:port[,host:port...] |
+| XDP_AGG_JOB_TOKEN | (token_from_env) | the job's token, for a rank without the secret |
+| XDP_AGG_SECRET_FILE | secret_file | the deployment secret's file |
+| XDP_AGG_ELEMS | elems | int32 per packet, or "auto" |
+| XDP_AGG_WINDOW | window | slots per worker |
+| XDP_AGG_TIMEOUT | timeout | seconds an all-reduce may go without progress |
+| XDP_AGG_IP | ip | this rank's address towards the aggregator |
+| XDP_AGG_NATIVE | native | "0": the numpy loop instead of the C one |
+| XDP_AGG_SPIN | spin | "0": never busy-poll for an all-reduce's last results |
+| XDP_AGG_DATA_PATH | data_path | the C loop's data path: udp, auto, afxdp |
+| XDP_AGG_FALLBACK | fallback | hostlib.pt: "gloo" continues over gloo after a failure |
+| XDP_AGG_SIMD | (simd_from_env) | "scalar" turns the C loop's AVX2 kernels off |
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from aggproto import control, wire
+
+from .afxdp import DATA_PATHS
+from .stream_state import Faults
+
+# Slots per worker when nobody says: 64, measured 2026-12-03 on this 2-core machine, shared and
+# loaded (docs/design.md, "The host library", has the numbers): bench.allreduce's host row (XDP
+# testbed, 768 int32 per packet, 64 MiB) ran best or second best at 64 in two passes of windows
+# 32..256, without a retransmission; 256 retransmitted about 1% of its packets. 2 ranks on the
+# loopback soft aggregator agree (64: none; 32, 128 and 256: 163 to 797). The old defaults
+# were 64 (init), 128 (hostlib.pt) and 256 (the demo).
+DEFAULT_WINDOW = 64
+FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
+
+
+@dataclass(frozen=True)
+class HostOptions:
+    """How a worker joins and runs its all-reduces (hostlib.init's `options`).
+
+    elems: int32 per packet (a wire size: 32, 64, 128, 256, 512, 768, 1024, 2048), or "auto":
+        the most both the path MTU towards the control endpoint(s) and the aggregator allow
+        (an XDP aggregator without --frags 768, the P4 target 256); comm.stats["elems"] and
+        ["elems_reason"] say what it became and why. Rank 0's value makes the job, the other
+        ranks adopt it.
+    window: slots per worker (rank 0's makes the job).
+    timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
+    ip: the address the aggregator knows this worker by. By default the source address the
+        kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
+        also receives results sent to a group address. Give it to pin the source address when
+        one host runs several workers; the data socket then receives unicast results only.
+    port: UDP port of the data socket; rank 0 binds it (0: any free port) and the job fixes it
+        for every rank. Striped, aggregator j's socket gets port + j (or any free port).
+    mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
+    rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
+    retransmit: least retransmission timer in seconds (it follows the measured round trip
+        above it, and doubles at each expiry of the same packet, capped at 0.25 s).
+    progress: show a progress line on stderr for all-reduces that take over a second.
+    faults: test hook, seeded random loss/duplication inside the engine (hostlib.engine.Faults).
+    gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).
+    native: run all-reduces in the C loop; None: when it is built; False: the numpy loop.
+    cwnd: the C loop's congestion window: "aimd" (adapts to loss) or "fixed" (the window).
+    data_path: how the C loop's packets travel (hostlib.afxdp): "udp" (the kernel socket),
+        "auto" (AF_XDP where it can run, else the kernel socket; stats says which and why) or
+        "afxdp" (AF_XDP or an error).
+    spin: busy-poll briefly near an all-reduce's end (both loops; it backs off by itself).
+    secret_file: the deployment secret (the file `xdp-agg serve` uses, mode 0600). Rank 0
+        needs it to create the job; another rank needs it or the job's token.
+    fallback: hostlib.pt only: "gloo" continues over gloo after an aggregator failure; None
+        raises hostlib.pt.AggregatorLost.
+    """
+
+    elems: int | str = "auto"
+    window: int = DEFAULT_WINDOW
+    timeout: float = 30.0
+    ip: str | None = None
+    port: int = 0
+    mac: str | None = None
+    rendezvous_timeout: float = 120.0
+    retransmit: float = 0.015
+    progress: bool = False
+    faults: Faults | None = None
+    gso: bool = True
+    gro: bool = True
+    native: bool | None = None
+    cwnd: str = "aimd"
+    data_path: str = "udp"
+    spin: bool = True
+    secret_file: str | None = None
+    fallback: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.elems != "auto":
+            if isinstance(self.elems, bool) or not isinstance(self.elems, int):
+                raise ValueError(f"elems must be a wire size or 'auto', not {self.elems!r}")
+            wire.size_code_for(self.elems)  # ValueError naming the wire sizes
+        if self.window < 1:
+            raise ValueError("window must be at least 1")
+        if self.cwnd not in ("aimd", "fixed"):
+            raise ValueError(f"cwnd must be 'aimd' or 'fixed', not {self.cwnd!r}")
+        if self.data_path not in DATA_PATHS:
+            raise ValueError(
+                f"data_path must be one of {', '.join(DATA_PATHS)}, not {self.data_path!r}"
+            )
+        if self.fallback is not None and self.fallback not in FALLBACKS:
+            raise ValueError(f"fallback must be 'gloo' or None, not {self.fallback!r}")
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None, **given) -> HostOptions:
+        """The options the environment (`env`, default os.environ) sets, the defaults for the
+        rest, then `given` (fields by name; a value of None leaves the environment's)."""
+        env = os.environ if env is None else env
+        fields = {name: parse(env[var]) for var, (name, parse) in _ENV.items() if env.get(var)}
+        fields.update({k: v for k, v in given.items() if v is not None})
+        return cls(**fields)
+
+    @classmethod
+    def from_args(cls, args, **given) -> HostOptions:
+        """The options of a worker script: its parsed command line `args` (an argparse
+        namespace; attributes named like fields and not None count, --elems and --window for
+        example), over the environment's (from_env), then `given`."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        from_args = {k: v for k, v in vars(args).items() if k in names and v is not None}
+        return cls.from_env(**{**from_args, **given})
+
+    def replace(self, **changes) -> HostOptions:
+        """A copy with `changes` (fields by name)."""
+        return dataclasses.replace(self, **changes)
+
+
+def control_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """XDP_AGG_CONTROL: the control endpoint(s), "HOST:PORT[,HOST:PORT...]", or None."""
+    return (os.environ if env is None else env).get("XDP_AGG_CONTROL") or None
+
+
+def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """XDP_AGG_JOB_TOKEN: the job's token a launcher handed this rank, or None."""
+    return (os.environ if env is None else env).get(control.TOKEN_ENV) or None
+
+
+def simd_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """XDP_AGG_SIMD: the C loop's kernels ("scalar" or "avx2"), or None (what the CPU offers)."""
+    return (os.environ if env is None else env).get("XDP_AGG_SIMD") or None
+
+
+def _elems(value: str) -> int | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"XDP_AGG_ELEMS={value!r}: give int32 per packet or 'auto'") from None
+
+
+def _number(var: str, kind: Callable[[str], float]) -> Callable[[str], float]:
+    def parse(value: str):
+        try:
+            return kind(value)
+        except ValueError:
+            raise ValueError(f"{var}={value!r}: not a number") from None
+
+    return parse
+
+
+def _off_if_zero(value: str) -> bool | None:
+    """XDP_AGG_NATIVE: "0" -> False (the numpy loop); anything else -> None (when built)."""
+    return False if value.strip() == "0" else None
+
+
+def _fallback(value: str) -> str | None:
+    value = value.strip()
+    if value in ("none", "error"):
+        return None
+    if value not in FALLBACKS:
+        raise ValueError(f"XDP_AGG_FALLBACK must be 'gloo' or unset, not {value!r}")
+    return value
+
+
+# variable -> (field, parser of its text)
+_ENV: dict[str, tuple[str, Callable[[str], object]]] = {
+    "XDP_AGG_ELEMS": ("elems", _elems),
+    "XDP_AGG_WINDOW": ("window", _number("XDP_AGG_WINDOW", int)),
+    "XDP_AGG_TIMEOUT": ("timeout", _number("XDP_AGG_TIMEOUT", float)),
+    "XDP_AGG_IP": ("ip", str),
+    "XDP_AGG_NATIVE": ("native", _off_if_zero),
+    "XDP_AGG_SPIN": ("spin", lambda v: v.strip() != "0"),
+    "XDP_AGG_DATA_PATH": ("data_path", str),
+    control.SECRET_ENV: ("secret_file", str),
+    "XDP_AGG_FALLBACK": ("fallback", _fallback),
+}
