@@ -81,14 +81,7 @@ def attach(
     EnvironmentProblem, AggregatorError, LinkError, LoadError) with what to do.
     """
     _check_root("attaching the aggregator (BPF maps and XDP)")
-    if slot_cpus not in loader.SLOT_CPUS:
-        raise AggregatorError(f"slot CPUs must be one of {', '.join(loader.SLOT_CPUS)}")
-    if slot_cpus == "cpumap" and xdp_mode != "native":
-        # net/core/dev.c generic_xdp_install: no program using a cpumap with programs
-        raise AggregatorError("--slot-cpus cpumap needs native XDP (generic XDP refuses a cpumap)")
-    if slot_cpus == "cpumap" and frags:
-        # not tested: multi-buffer frames through the cpumap and back out by redirect
-        raise AggregatorError("--slot-cpus cpumap is not built for --frags (jumbo frames) yet")
+    _check_slot_cpus(slot_cpus, xdp_mode, frags)
     cpus = sorted(cpus) if cpus else cpu_table.default_cpus()
     if not ifaces:
         raise AggregatorError("name at least one interface to attach to")
@@ -169,6 +162,19 @@ def attach(
     finally:
         # The pins hold the program and maps now; drop this process's references.
         prog.close()
+
+
+def _check_slot_cpus(slot_cpus: str, xdp_mode: str, frags: bool) -> None:
+    """attach's `slot_cpus` with the other options (AggregatorError for a combination that
+    cannot work)."""
+    if slot_cpus not in loader.SLOT_CPUS:
+        raise AggregatorError(f"slot CPUs must be one of {', '.join(loader.SLOT_CPUS)}")
+    if slot_cpus == "cpumap" and xdp_mode != "native":
+        # net/core/dev.c generic_xdp_install: no program using a cpumap with programs
+        raise AggregatorError("--slot-cpus cpumap needs native XDP (generic XDP refuses a cpumap)")
+    if slot_cpus == "cpumap" and frags:
+        # not tested: multi-buffer frames through the cpumap and back out by redirect
+        raise AggregatorError("--slot-cpus cpumap is not built for --frags (jumbo frames) yet")
 
 
 def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
