@@ -27,9 +27,13 @@ from aggproto import limits, wire
 from aggproto.jobs import WorkerSpec
 from xdp_switch import backend as xdp_backend
 from xdp_switch import links, loader, pins
+from xdp_switch import slot_cpus as cpu_table
 from xdp_switch.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
 from . import options, service, serving
+
+# --slot-cpus of attach, chosen by measurement (docs/benchmarks.md "One CPU per slot")
+DEFAULT_SLOT_CPUS = "rss"
 
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -56,6 +60,15 @@ def _emit(obj, as_json: bool, text) -> None:
         click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
     else:
         text(obj)
+
+
+def _cpu_list(ctx, param, value: str | None) -> list[int] | None:
+    if value is None:
+        return None
+    try:
+        return cpu_table.parse_cpus(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _name(ctx, param, value: str) -> str:
@@ -150,10 +163,28 @@ def main(ctx, name, netns):
     help="Load as an XDP multi-buffer program: frames larger than a page (jobs of 1024 and "
     "2048 elements per packet; a veth whose peer's MTU is above about 3500 needs it).",
 )
+@click.option(
+    "--slot-cpus",
+    type=click.Choice(list(loader.SLOT_CPUS)),
+    default=DEFAULT_SLOT_CPUS,
+    show_default=True,
+    help="rss: each packet is aggregated on the CPU the NIC's receive hash chose, a slot's "
+    "partial sums on several CPUs merged when it completes; cpumap: each slot's packets are "
+    "redirected to the one CPU that owns it (a cpumap) and aggregated there (native XDP only).",
+)
+@click.option(
+    "--cpus",
+    callback=_cpu_list,
+    default=None,
+    help="With --slot-cpus cpumap: the CPUs that aggregate, as 0-3,6 (default: every CPU this "
+    "command may run on); a job's slots are cut into one contiguous range per CPU.",
+)
 @_json_option()
 @click.pass_context
-def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, as_json):
+def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, slot_cpus, cpus, as_json):
     """Compile, load and attach the aggregator to IFACES; it stays after this command exits.
+    Also reports what each interface's receive hash (RSS) for UDP/IPv4 is set to, and what to
+    change so that every packet of a slot reaches one CPU (docs/operations.md).
 
     \b
     Examples:
@@ -161,6 +192,7 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, as_json)
       sudo xdp-agg --netns agg attach p0 p1 --xdp-mode skb
       sudo xdp-agg --name lab attach eth1 --pool-slots 4096 --json
       sudo xdp-agg attach eth0 --frags       # MTU 9000: 2048 int32 per packet
+      sudo xdp-agg attach veth0 --slot-cpus cpumap --cpus 0-1
     """
     state = xdp_backend.attach(
         list(ifaces),
@@ -171,16 +203,22 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, as_json)
         netns=ctx.obj["netns"],
         variant=variant,
         frags=frags,
+        slot_cpus=slot_cpus,
+        cpus=cpus,
     )
-    _emit(
-        state.to_dict(),
-        as_json,
-        lambda s: click.echo(
-            f"attached {s['name']} ({s['topology']}, {s['xdp_mode']} XDP) to "
-            f"{', '.join(i['ifname'] for i in s['interfaces'])}; "
-            f"program id {s['prog_id']}, {s['pool_slots']} slots"
-        ),
+    out = {**state.to_dict(), "rss": [cpu_table.rss_report(i) for i in ifaces]}
+    _emit(out, as_json, _say_attached)
+
+
+def _say_attached(s: dict) -> None:
+    cpus = f", slots on CPUs {s['options']['cpus']}" if s["options"].get("cpus") else ""
+    click.echo(
+        f"attached {s['name']} ({s['topology']}, {s['xdp_mode']} XDP, slot CPUs "
+        f"{s['options']['slot_cpus']}{cpus}) to {', '.join(i['ifname'] for i in s['interfaces'])}"
+        f"; program id {s['prog_id']}, {s['pool_slots']} slots"
     )
+    for r in s["rss"]:
+        click.echo(f"  RSS: {r['advice']}")
 
 
 @main.command()
@@ -697,8 +735,14 @@ def bench(opts: options.BenchOptions, as_json):
     Examples:
       sudo xdp-agg bench
       sudo xdp-agg bench --workers 8 --repeats 3 --json
+      sudo xdp-agg bench --slot-cpus      # two CPUs: rss (merge) against cpumap
     """
-    from xdp_switch import microbench
+    from xdp_switch import microbench, slot_bench
+
+    if opts.slot_cpus:
+        rows = slot_bench.run(workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats)
+        _emit(rows, as_json, lambda r: click.echo(slot_bench.table(r)))
+        return
 
     def progress(k, i, n):
         if not as_json:

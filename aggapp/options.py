@@ -457,6 +457,12 @@ class BenchOptions:
     repeats: int = count(
         "--repeats", 1, 100, 5, "Repetitions per case (the table gives the median)."
     )
+    slot_cpus: bool = flag(
+        "--slot-cpus",
+        "Instead: on two CPUs at once, every slot's packets spread over both (rss on veth: the "
+        "completing CPU merges the other's partial) against each slot on the CPU that owns it "
+        "(--slot-cpus cpumap, its steering program included), at 256 and 768 elements.",
+    )
 
     def check(self) -> None:
         """Nothing beyond each option's range (click checks those)."""

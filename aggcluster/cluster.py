@@ -66,11 +66,14 @@ class Cluster:
         pool_slots: int = 1024,
         serve_args: tuple[str, ...] = (),
         frags: bool = False,
+        attach_args: tuple[str, ...] = (),
     ) -> None:
         """`serve_args`: more `xdp-agg serve` options, e.g. ("--results", "broadcast");
-        `frags`: attach as an XDP multi-buffer program (jumbo MTUs, 1024 and 2048 elements)."""
+        `frags`: attach as an XDP multi-buffer program (jumbo MTUs, 1024 and 2048 elements);
+        `attach_args`: more `xdp-agg attach` options, e.g. ("--slot-cpus", "cpumap")."""
         self.tb = tb
         self.frags = frags
+        self.attach_args = tuple(attach_args)
         self.serve_args = tuple(serve_args)
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
         self.xdp_mode = xdp_mode
@@ -119,6 +122,7 @@ class Cluster:
                     "--pool-slots",
                     str(self.pool_slots),
                     *(("--frags",) if self.frags else ()),
+                    *self.attach_args,
                     aggregator=j,
                 )
                 self._attached[j] = True

@@ -89,7 +89,12 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     profile = rate == "unshaped" and n == 4 and args.profile
     with (
         Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb,
-        Cluster(tb, frags=args.mtu > PLAIN_XDP_MAX_MTU) as cl,  # jumbo MTUs: multi-buffer XDP
+        # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus
+        Cluster(
+            tb,
+            frags=args.mtu > PLAIN_XDP_MAX_MTU,
+            attach_args=("--slot-cpus", getattr(args, "slot_cpus", "rss")),
+        ) as cl,
     ):
         layout = Layout.from_testbed(tb)
         procs = []

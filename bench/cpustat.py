@@ -162,12 +162,13 @@ class Meter:
 
 
 def aggregator_prog_fds(agg_name: str) -> list[int]:
-    """The attached aggregator's programs (ingress, and egress where pinned), by their pins."""
+    """The attached aggregator's programs (each of backend.PROGRAMS pinned), by their pins."""
     from xdp_switch import pins
+    from xdp_switch.backend import PROGRAMS
 
     inst = pins.Instance(agg_name)
     fds = []
-    for name in ("ingress", "egress"):
+    for name in PROGRAMS:
         if inst.prog_path(name).exists():
             fds.append(inst.open_prog(name))
     return fds

@@ -26,7 +26,7 @@ def _pass(prog, maps: AggMaps, k: int, frames, match: bool) -> float:
     for w in range(WORKERS):
         mac = mb._mac(w) if match else "00:00:00:00:00:00"
         maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=mac))
-    ns = mb._measure(prog.progs[loader.PROG_INGRESS], frames)
+    ns = mb.measure(prog.progs[loader.PROG_INGRESS], frames)
     if maps.counters(0)["completed"] != SLOTS * ROUNDS:
         raise RuntimeError("the stream did not complete every slot: the program misbehaves")
     return ns
@@ -38,7 +38,7 @@ def main() -> None:
     maps = AggMaps(prog.maps, prog.pool_slots)
     try:
         for k in (32, 256):
-            frames = mb._frames(k, WORKERS, SLOTS, ROUNDS)
+            frames = mb.stream(k, WORKERS, SLOTS, ROUNDS)
             runs = {True: [], False: []}
             for _ in range(PASSES):
                 for match in (True, False):

@@ -81,7 +81,7 @@ def compare(
     rows = []
     try:
         for k in sizes:
-            frames = mb._frames(k, workers, slots, rounds)
+            frames = mb.stream(k, workers, slots, rounds)
             runs = {key: [] for key in progs}
             for p in range(passes):
                 order = labels if p % 2 == 0 else labels[::-1]  # alternate who goes first

@@ -162,7 +162,7 @@ static __always_inline int resend_up(struct xdp_md *ctx, struct agg_pkt *pk, str
 		return XDP_DROP;
 	address_up(pk, job, rkey >> 1, vi);
 	count(w->job, AGG_RESENT_UP);
-	return XDP_TX;
+	return AGG_TX(ctx);
 }
 
 /* A retransmission or duplicate: answer the stored result if the round is published. */
@@ -195,7 +195,7 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 	reply_to_sender(pk);
 	count(w->job, AGG_RETX_ANSWERED);
 	count_worker(w, answered);
-	return XDP_TX;
+	return AGG_TX(ctx);
 }
 
 /* Fold one contribution into a partial sum (lane order): overwrite when the partial belongs to an
@@ -436,7 +436,7 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_PARENT_RESULT);
 	address_down(pk, job, g, vi);
-	return XDP_TX;
+	return AGG_TX(ctx);
 }
 
 /* The payload of a packet of K elements, where the element loops read it: in the packet (direct
@@ -531,7 +531,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		__sync_fetch_and_add(&st->up[vi], 1); /* barrier: partial and key before `up` */
 		count(w->job, AGG_FORWARDED_UP);
 		address_up(pk, job, g, vi);
-		return XDP_TX;
+		return AGG_TX(ctx);
 	}
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_COMPLETED);
@@ -542,7 +542,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
 	}
 	address_to_group(pk, job);
-	return XDP_TX;
+	return AGG_TX(ctx);
 }
 
 #endif

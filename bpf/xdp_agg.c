@@ -8,7 +8,9 @@
  * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. With
  * -DAGG_FRAGS the loader loads both programs as multi-buffer (frags) programs, which see frames
  * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
- * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h). */
+ * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h).
+ * With -DAGG_CPUMAP xdp_agg_steer (slot_cpus.h) is what the interfaces run, and xdp_agg_ingress
+ * runs on the cpumap's CPUs, the one that owns each slot. */
 #include <uapi/linux/bpf.h>
 #include <linux/if_ether.h>
 #include <linux/ip.h>
@@ -21,6 +23,7 @@
 #include "maps.h"
 #include "parse.h"
 #include "helpers.h"
+#include "slot_cpus.h"
 #include "aggregate.h"
 
 /* One case of the size-code switch in xdp_agg_ingress. */

@@ -30,6 +30,7 @@ PROG_TYPE_XDP = 6
 BPF_F_XDP_HAS_FRAGS = 1 << 5  # an XDP program that handles multi-buffer frames (kernel 5.18+)
 # expected attach types (enum bpf_attach_type)
 BPF_XDP_DEVMAP = 33  # a devmap egress program
+BPF_XDP_CPUMAP = 35  # a cpumap program (runs on the CPU a frame was redirected to)
 # XDP actions
 XDP_ABORTED, XDP_DROP, XDP_PASS, XDP_TX, XDP_REDIRECT = 0, 1, 2, 3, 4
 XDP_ACTIONS = {0: "aborted", 1: "drop", 2: "pass", 3: "tx", 4: "redirect"}

@@ -5,6 +5,7 @@ import os
 import shutil
 
 import pytest
+from harness.builds import AGG_BUILDS, load_agg_build
 
 # The harness as plugins, so that a test asks for a fixture by name (soft, two_cpus, xdp_agg,
 # p4_json, testbed) instead of importing it under a noqa; its functions are imported from
@@ -47,19 +48,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session", params=["percpu", "spinlock", "percpu-frags"])
+@pytest.fixture(scope="session", params=AGG_BUILDS)
 def agg_prog(request):
     """The XDP aggregator compiled and loaded once per variant (not attached), with typed map
     access. Every test using it runs against the per-CPU design, the spin-lock baseline and the
     per-CPU design loaded as a multi-buffer (frags) program, the one jumbo frames need; a test
     of jumbo frames skips the others (prog.options["frags"] says which it has)."""
-    from xdp_switch import loader
-    from xdp_switch.ctl_maps import AggMaps
-
-    variant, _, frags = request.param.partition("-")
-    prog = loader.load(pool_slots=256, variant=variant, frags=bool(frags))
-    yield prog, AggMaps(prog.maps, prog.pool_slots)
-    prog.close()
+    yield from load_agg_build(request.param)
 
 
 @pytest.fixture

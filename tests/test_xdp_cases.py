@@ -8,6 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
+from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
 from harness.packet_cases import (
     AGG_IP,
     AGG_MAC,
@@ -30,22 +31,37 @@ from aggproto import limits, wire
 from aggproto.jobs import Delivery
 from aggproto.model import Action
 from aggproto.reasons import Reason
+from xdp_switch import loader
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 
-def _xdp_action(step: Step, delivery: Delivery) -> int:
+@pytest.fixture(scope="module", params=AGG_BUILDS_CPUMAP)
+def agg_prog(request):
+    """conftest's builds and the one of --slot-cpus cpumap (its aggregator, as loaded for the
+    cpumap's entries, is what these cases run)."""
+    yield from load_agg_build(request.param)
+
+
+def _sent(prog) -> int:
+    """How the aggregator sends a frame back out of the interface it came in on: XDP_TX, or in
+    the cpumap build (a cpumap program cannot XDP_TX) a redirect to that interface."""
+    return bpfsys.XDP_REDIRECT if prog.options["slot_cpus"] == "cpumap" else bpfsys.XDP_TX
+
+
+def _xdp_action(step: Step, delivery: Delivery, sent: int) -> int:
     if step.action == Action.PASS:
         return bpfsys.XDP_PASS
     if step.action == Action.DROP:
         return bpfsys.XDP_DROP
     if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
         return bpfsys.XDP_REDIRECT
-    return bpfsys.XDP_TX  # TO_ALL one-arm, TO_SENDER, TO_PARENT
+    return sent  # TO_ALL one-arm, TO_SENDER, TO_PARENT
 
 
-def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes) -> None:
-    assert bpfsys.XDP_ACTIONS[action] == bpfsys.XDP_ACTIONS[_xdp_action(step, delivery)], step.what
+def _check_step(step: Step, delivery: Delivery, action: int, out_bytes: bytes, sent: int) -> None:
+    want = _xdp_action(step, delivery, sent)
+    assert bpfsys.XDP_ACTIONS[action] == bpfsys.XDP_ACTIONS[want], step.what
     if step.action == Action.PASS:
         assert out_bytes == step.frame, f"{step.what}: a packet that is not ours was modified"
         return
@@ -101,11 +117,30 @@ def test_packet_case(agg, case: Case):
     before = _all_counters(maps)
     for step in case.steps:
         action, out, _ = bpfsys.prog_test_run(fd, step.frame)
-        _check_step(step, delivery, action, out)
+        _check_step(step, delivery, action, out, _sent(prog))
         check_model(model, step, [out])
     delta = _all_counters(maps) - before
     want = Counter(s.reason.name.lower() for s in case.steps)
     assert delta == want
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
+def test_steering_of_each_case(agg, case: Case):
+    """The cpumap build's program on the interfaces: a frame that is not ours (the cases'
+    PASS steps: ARP, ICMP, TCP, other UDP ports, fragments) passes untouched and is counted as
+    passed; every other frame is redirected, untouched, to its slot's CPU."""
+    prog, maps = agg
+    if prog.options["slot_cpus"] != "cpumap":
+        pytest.skip("only the cpumap build steers")
+    fd = prog.progs[loader.PROG_STEER]
+    before = maps.counters(limits.NO_JOB)["pass"]
+    for step in case.steps:
+        action, out, _ = bpfsys.prog_test_run(fd, step.frame)
+        want = bpfsys.XDP_PASS if step.action == Action.PASS else bpfsys.XDP_REDIRECT
+        assert bpfsys.XDP_ACTIONS[action] == bpfsys.XDP_ACTIONS[want], step.what
+        assert out == step.frame, f"{step.what}: the steering program changed the frame"
+    passed = sum(s.action == Action.PASS for s in case.steps)
+    assert maps.counters(limits.NO_JOB)["pass"] - before == passed
 
 
 def test_worker_counters(agg):

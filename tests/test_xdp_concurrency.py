@@ -34,10 +34,9 @@ setting used) 149-179 (10 of 10, both variants); the real program: no problem in
 of each variant at 20 us.
 """
 
-import os
-
 import numpy as np
 import pytest
+from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
 from harness.packet_cases import frame, job, worker_ip, workers
 
 import bpfsys
@@ -121,6 +120,9 @@ def _overlapping(results):
     )
 
 
+SENT = (bpfsys.XDP_TX, bpfsys.XDP_REDIRECT)  # a result out: TX, or the cpumap build's redirect
+
+
 def _check(results, expected):
     """What went wrong, as messages (none for a correct aggregator): a completion twice or
     never, a sum (or exponent) that differs from the serial model's, a wrong retransmission
@@ -128,15 +130,15 @@ def _check(results, expected):
     problems, completions, answered = [], {}, 0
     for res in results:
         for (r, s, _, kind), act, payload, _ in res:
-            if act not in (bpfsys.XDP_TX, bpfsys.XDP_DROP):
+            if act not in (*SENT, bpfsys.XDP_DROP):
                 problems.append(f"slot {s} round {r}: action {act}")
-            elif kind == "new" and act == bpfsys.XDP_TX:
+            elif kind == "new" and act in SENT:
                 if (r, s) in completions:
                     problems.append(f"slot {s} round {r} completed twice")
                 completions[(r, s)] = payload
                 if payload != expected[(r, s)]:
                     problems.append(f"slot {s} round {r}: sum differs from the serial model")
-            elif kind == "dup" and act == bpfsys.XDP_TX:  # answered with the stored result
+            elif kind == "dup" and act in SENT:  # answered with the stored result
                 answered += 1
                 if payload != expected[(r, s)]:
                     problems.append(f"retransmission answer for slot {s} round {r} is wrong")
@@ -183,26 +185,37 @@ def test_two_cpus_same_slots(two_cpus, agg):
         assert len(tags) == 1 and 0 not in tags, "both CPUs should hold a partial of the last round"
 
 
-def _race_build(variant, mutant):
+def _race_build(build, mutant):
     """A test-only build with the widened race window (loader.race_test_cflags), and with
-    `mutant` the racy completion on the arrival count; (prog, maps), then cleaned up."""
+    `mutant` the racy completion on the arrival count; (prog, maps), then cleaned up. `build`:
+    a variant, or "percpu-cpumap", the aggregator of --slot-cpus cpumap (as its cpumap entries
+    run it), which must stay exact when a slot's packets still reach two CPUs."""
     from xdp_switch import loader
     from xdp_switch.ctl_maps import AggMaps
 
+    variant, _, cpumap = build.partition("-")
     cflags = loader.race_test_cflags(RACE_DELAY_NS, mutant=mutant)
-    prog = loader.load(pool_slots=16, variant=variant, cflags=cflags)
+    prog = loader.load(pool_slots=16, variant=variant, cflags=cflags, slot_cpus=cpumap or "rss")
     yield prog, AggMaps(prog.maps, prog.pool_slots)
-    os.close(prog.maps["partials"])
-    prog.bpf.cleanup()
+    prog.close()
 
 
-@pytest.fixture(scope="module", params=["percpu", "spinlock"])
+RACE_BUILDS = ["percpu", "spinlock", "percpu-cpumap"]
+
+
+@pytest.fixture(scope="module", params=AGG_BUILDS_CPUMAP)
+def agg_prog(request):
+    """conftest's builds and the one of --slot-cpus cpumap."""
+    yield from load_agg_build(request.param)
+
+
+@pytest.fixture(scope="module", params=RACE_BUILDS)
 def race_build(request):
     """The real program of each variant, built with the widened race window."""
     yield from _race_build(request.param, mutant=False)
 
 
-@pytest.fixture(scope="module", params=["percpu", "spinlock"])
+@pytest.fixture(scope="module", params=RACE_BUILDS)
 def mutant_build(request):
     """The mutant that completes a slot on the arrival count, with the same window."""
     yield from _race_build(request.param, mutant=True)

@@ -26,13 +26,16 @@ from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
+from . import slot_cpus as cpu_table
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
 from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES
 
-# The pinned programs of an attachment (pins.Instance.prog_path): the aggregator, and the egress
-# program that addresses a switch-topology result to the worker behind each port.
-PROGRAMS = ("ingress", "egress")
+# The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
+# interfaces ("ingress"), or with --slot-cpus cpumap the steering program there ("steer") and the
+# aggregator on the cpumap's CPUs ("cpumap"); and the egress program that addresses a
+# switch-topology result to the worker behind each port.
+PROGRAMS = ("ingress", "steer", "cpumap", "egress")
 
 # How a job's results leave in each topology (JobSpec.delivery).
 DELIVERY = {"one-arm": Delivery.GROUP_TX, "switch": Delivery.BROADCAST}
@@ -63,17 +66,23 @@ def attach(
     cflags: tuple[str, ...] = (),
     variant: str = "percpu",
     frags: bool = False,
+    slot_cpus: str = "rss",
+    cpus: list[int] | None = None,
 ) -> pins.State:
     """Load the program, pin it, and attach it to `ifaces` (in the current namespace).
 
     `topology` is one of TOPOLOGIES (default: one-arm for one interface, switch for several),
     `xdp_mode` one of XDP_MODES. `frags`: load it as an XDP multi-buffer program, which takes
     frames larger than a page (jumbo jobs, 1024 and 2048 int32 per packet) and attaches where
-    the link's MTU is above what one page holds (a veth whose peer has MTU 9000). Everything
+    the link's MTU is above what one page holds (a veth whose peer has MTU 9000). `slot_cpus`:
+    one of loader.SLOT_CPUS; "cpumap" aggregates each slot on the one CPU of `cpus` (default:
+    the CPUs this process may run on) that xdp_switch.slot_cpus assigns it. Everything
     made is rolled back if a step fails. Raises XdpAggError subclasses (NeedsRoot,
     EnvironmentProblem, AggregatorError, LinkError, LoadError) with what to do.
     """
     _check_root("attaching the aggregator (BPF maps and XDP)")
+    _check_slot_cpus(slot_cpus, xdp_mode, frags)
+    cpus = sorted(cpus) if cpus else cpu_table.default_cpus()
     if not ifaces:
         raise AggregatorError("name at least one interface to attach to")
     topology = topology or default_topology(ifaces)
@@ -104,20 +113,23 @@ def attach(
                 f"(`ip link set dev {ifname} xdp off`) if it is not needed"
             )
         infos.append(links.addresses(ifname))
-    prog = loader.load(pool_slots=pool_slots, cflags=cflags, variant=variant, frags=frags)
+    prog = loader.load(
+        pool_slots=pool_slots, cflags=cflags, variant=variant, frags=frags, slot_cpus=slot_cpus
+    )
     done: list[dict] = []
     try:
-        inst.pin(
-            prog.maps,
-            {"ingress": prog.progs[loader.PROG_INGRESS], "egress": prog.progs[loader.PROG_EGRESS]},
-        )
+        pinned = _pinned_programs(prog)
+        inst.pin(prog.maps, pinned)
         maps = AggMaps(prog.maps, pool_slots)
-        ingress_id = bpfsys.prog_info(prog.progs[loader.PROG_INGRESS]).id
+        if slot_cpus == "cpumap":
+            cpu_table.install(prog.maps, pinned["cpumap"], cpus, pool_slots)
+        on_links = pinned["steer" if slot_cpus == "cpumap" else "ingress"]
+        ingress_id = bpfsys.prog_info(on_links).id
         egress_id = bpfsys.prog_info(prog.progs[loader.PROG_EGRESS]).id
         for i, info in enumerate(infos):
             if topology == "switch":
                 maps.set_port(i, info["ifindex"], prog.progs[loader.PROG_EGRESS])
-            links.attach_xdp(info["ifname"], prog.progs[loader.PROG_INGRESS], xdp_mode)
+            links.attach_xdp(info["ifname"], on_links, xdp_mode)
             done.append(
                 {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
             )
@@ -136,6 +148,8 @@ def attach(
                 "nr_cpus": prog.nr_cpus,
                 "variant": variant,
                 "frags": frags,
+                "slot_cpus": slot_cpus,
+                **({"cpus": cpus} if slot_cpus == "cpumap" else {}),
             },
         )
         inst.save_state(state)
@@ -148,6 +162,31 @@ def attach(
     finally:
         # The pins hold the program and maps now; drop this process's references.
         prog.close()
+
+
+def _check_slot_cpus(slot_cpus: str, xdp_mode: str, frags: bool) -> None:
+    """attach's `slot_cpus` with the other options (AggregatorError for a combination that
+    cannot work)."""
+    if slot_cpus not in loader.SLOT_CPUS:
+        raise AggregatorError(f"slot CPUs must be one of {', '.join(loader.SLOT_CPUS)}")
+    if slot_cpus == "cpumap" and xdp_mode != "native":
+        # net/core/dev.c generic_xdp_install: no program using a cpumap with programs
+        raise AggregatorError("--slot-cpus cpumap needs native XDP (generic XDP refuses a cpumap)")
+    if slot_cpus == "cpumap" and frags:
+        # not tested: multi-buffer frames through the cpumap and back out by redirect
+        raise AggregatorError("--slot-cpus cpumap is not built for --frags (jumbo frames) yet")
+
+
+def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
+    """The programs to pin, by their PROGRAMS name."""
+    if prog.options["slot_cpus"] == "cpumap":
+        on_links = {
+            "steer": prog.progs[loader.PROG_STEER],
+            "cpumap": prog.progs[loader.PROG_CPUMAP],
+        }
+    else:
+        on_links = {"ingress": prog.progs[loader.PROG_INGRESS]}
+    return {**on_links, "egress": prog.progs[loader.PROG_EGRESS]}
 
 
 def _describe_attachment(inst: pins.Instance) -> str:
@@ -383,6 +422,8 @@ def slot_state(g: int, name: str = "default") -> dict:
         if job.slot_base <= g < job.slot_base + job.slot_count:
             owner = j
     out = {"slot": g, "job": owner, "versions": []}
+    if "slot_cpu" in maps.fds:  # --slot-cpus cpumap: the CPU its packets are steered to
+        out["cpu"] = cpu_table.slot_owner(maps.fds, g)
     for v in (0, 1):
         res = maps.result(g, v)
         out["versions"].append(
@@ -507,6 +548,10 @@ class XdpBackend:
             raise
         except ValueError as e:  # the contract's checks, or an address that does not parse
             raise Refused(f"job {spec.job_id}: {e}") from e
+        if self.state.options.get("slot_cpus") == "cpumap":
+            cpu_table.assign_job(
+                self.maps.fds, spec.slot_base, spec.slot_count, self.state.options["cpus"]
+            )
 
     def add_worker(self, worker: WorkerSpec) -> None:
         """Register a worker; in the switch topology also find the port it is behind and our

@@ -83,6 +83,17 @@ def race_test_cflags(delay_ns: int = 0, mutant: bool = False) -> tuple[str, ...]
 
 PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
+# How the packets of one slot reach a CPU (docs/design.md "One CPU per slot", bpf/slot_cpus.h).
+SLOT_CPUS = {
+    # on the CPU the NIC's receive hash chose; a slot spread over several CPUs has their partial
+    # sums merged by the completing one
+    "rss": (),
+    # steered by xdp_agg_steer through a cpumap to the CPU that owns the slot, aggregated there
+    "cpumap": ("-DAGG_CPUMAP",),
+}
+PROG_STEER = "xdp_agg_steer"  # cpumap: the program on the interfaces
+PROG_CPUMAP = "xdp_agg_cpumap"  # cpumap: xdp_agg_ingress loaded for the cpumap's entries
+CPUMAP_MAP_NAMES = ("slot_cpu", "cpu_map")  # cpumap: the maps the control plane fills
 
 
 class LoadError(XdpAggError):
@@ -185,20 +196,52 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
-def _load_frags(b, name: str, attach_type: int) -> int:
-    """Load bcc's compiled `name` (map fds patched in) as an XDP multi-buffer program, with
-    BPF_F_XDP_HAS_FRAGS, which bcc's load_func cannot pass (../shared/design/platform.md)."""
+def _load_own(b, name: str, attach_type: int, frags: bool, as_name: str | None = None) -> int:
+    """Load bcc's compiled `name` (map fds patched in) through bpfsys, for what bcc's load_func
+    cannot do: an XDP multi-buffer program (BPF_F_XDP_HAS_FRAGS, ../shared/design/platform.md),
+    or a second load of one function (`as_name`) with another expected attach type."""
+    what = as_name or name
     try:
         return bpfsys.prog_load(
             bpfsys.PROG_TYPE_XDP,
             b.dump_func(name.encode()),
-            name,
-            prog_flags=bpfsys.BPF_F_XDP_HAS_FRAGS,
+            what,
+            prog_flags=bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0,
             expected_attach_type=attach_type,
         )
     except bpfsys.ProgLoadError as e:
         tail = "\n".join(e.log.strip().splitlines()[-25:])
-        raise LoadError(f"the kernel verifier rejected {name} (frags):\n{tail}\n({e})") from e
+        kind = " (frags)" if frags else ""
+        raise LoadError(f"the kernel verifier rejected {what}{kind}:\n{tail}\n({e})") from e
+
+
+def _load_programs(b, bcc, frags: bool, cpumap: bool) -> tuple[dict[str, int], list[int]]:
+    """Load the compiled programs: {name: fd}, and the fds loaded here rather than by bcc (the
+    caller closes them). With `cpumap`, also the steering program and the aggregator loaded a
+    second time for the cpumap's entries (expected attach type BPF_XDP_CPUMAP, which the kernel
+    neither attaches to a device nor test-runs: PROG_INGRESS stays the plain XDP load of the same
+    code, which tests and the micro-benchmark run)."""
+    own: list[int] = []
+    progs: dict[str, int] = {}
+    wanted = [(PROG_INGRESS, 0), (PROG_EGRESS, bpfsys.BPF_XDP_DEVMAP)]
+    wanted += [(PROG_STEER, 0)] if cpumap else []
+    try:
+        for name, attach_type in wanted:
+            if frags:
+                progs[name] = _load_own(b, name, attach_type, True)
+                own.append(progs[name])
+            else:
+                kind = attach_type or -1  # bcc: -1 leaves it unset
+                progs[name] = b.load_func(name.encode(), bcc.BPF.XDP, attach_type=kind).fd
+        if cpumap:
+            fd = _load_own(b, PROG_INGRESS, bpfsys.BPF_XDP_CPUMAP, frags, PROG_CPUMAP)
+            progs[PROG_CPUMAP] = fd
+            own.append(fd)
+    except BaseException:
+        for fd in own:
+            os.close(fd)
+        raise
+    return progs, own
 
 
 def load(
@@ -207,20 +250,25 @@ def load(
     variant: str = "percpu",
     source: Path = SOURCE,
     frags: bool = False,
+    slot_cpus: str = "rss",
 ) -> Loaded:
-    """Compile bpf/xdp_agg.c and load both programs; returns their fds and the maps' fds.
+    """Compile bpf/xdp_agg.c and load its programs; returns their fds and the maps' fds.
 
     `variant` is one of VARIANTS: "percpu" (the design) or "spinlock" (the baseline). `source`:
     another copy of xdp_agg.c (bench/xdp_compare.py loads an older revision beside this one).
-    `frags`: load both programs as XDP multi-buffer programs (BPF_F_XDP_HAS_FRAGS), which take
+    `frags`: load the programs as XDP multi-buffer programs (BPF_F_XDP_HAS_FRAGS), which take
     frames larger than a page (the jumbo size codes) and attach to a veth whose peer's MTU is
     above about 3500; built with -DAGG_FRAGS and loaded through bpfsys, since bcc cannot.
+    `slot_cpus` is one of SLOT_CPUS: "cpumap" also loads PROG_STEER and PROG_CPUMAP and the
+    maps CPUMAP_MAP_NAMES (bpf/slot_cpus.h).
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
     (compiler error, verifier rejection with the tail of the verifier log), each with an
-    actionable message; ValueError for a variant or pool size out of range.
+    actionable message; ValueError for a variant, slot_cpus or pool size out of range.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
+    if slot_cpus not in SLOT_CPUS:
+        raise ValueError(f"slot_cpus must be one of {', '.join(SLOT_CPUS)}")
     if not 1 <= pool_slots <= 1 << 14:
         raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
     bcc = check_environment()
@@ -234,18 +282,16 @@ def load(
         f"-DAGG_NR_CPUS={nr_cpus}",
         *WARNING_FLAGS,
         *VARIANTS[variant],
+        *SLOT_CPUS[slot_cpus],
         *(("-DAGG_FRAGS",) if frags else ()),
         *cflags,
     ]
+    cpumap = slot_cpus == "cpumap"
     log = []
     try:
         with _capture_fd2() as log:
             b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
-            if not frags:
-                ingress = b.load_func(PROG_INGRESS.encode(), bcc.BPF.XDP).fd
-                egress = b.load_func(
-                    PROG_EGRESS.encode(), bcc.BPF.XDP, attach_type=BPF_XDP_DEVMAP
-                ).fd
+            progs, own = ({}, []) if frags else _load_programs(b, bcc, False, cpumap)
     except Exception as e:  # bcc raises plain Exceptions
         os.close(partials)
         text = "".join(log)
@@ -253,20 +299,16 @@ def load(
         if "Permission denied" in str(e) or "processed" in text:
             raise LoadError(f"the kernel verifier rejected the program:\n{tail}\n({e})") from e
         raise LoadError(f"could not compile bpf/xdp_agg.c:\n{tail}\n({e})") from e
-    own: list[int] = []
     if frags:
         try:
-            own.append(_load_frags(b, PROG_INGRESS, 0))
-            own.append(_load_frags(b, PROG_EGRESS, BPF_XDP_DEVMAP))
+            progs, own = _load_programs(b, bcc, True, cpumap)
         except LoadError:
-            for fd in own + [partials]:
-                os.close(fd)
+            os.close(partials)
             b.cleanup()
             raise
-        ingress, egress = own
-    maps = {name: b[name.encode()].map_fd for name in MAP_NAMES}
+    names = MAP_NAMES + (CPUMAP_MAP_NAMES if cpumap else ())
+    maps = {name: b[name.encode()].map_fd for name in names}
     maps["partials"] = partials
-    progs = {PROG_INGRESS: ingress, PROG_EGRESS: egress}
-    options = {"cflags": list(cflags), "variant": variant, "frags": frags}
+    options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}
     warnings = [line for line in "".join(log).splitlines() if "warning:" in line]
     return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own, warnings)

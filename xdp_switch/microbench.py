@@ -90,7 +90,8 @@ def _load_cases(variants, slots: int, checksum: bool, frags: bool) -> dict:
     return cases
 
 
-def _frames(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = False) -> list[bytes]:
+def stream(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = False) -> list[bytes]:
+    """The benchmark's frames: `rounds` rounds over `slots` slots, each slot's n workers in turn."""
     rng = np.random.default_rng(elems)
     vals = rng.integers(-(2**20), 2**20, size=(n, elems))
     return [
@@ -116,18 +117,14 @@ def _mac(w: int) -> str:
     return f"02:00:00:00:01:{10 + w:02x}"
 
 
-def _measure(fd: int, frames: list[bytes]) -> float:
+def measure(fd: int, frames: list[bytes]) -> float:
     """Mean kernel-measured ns per run over the frames, in order."""
     return sum(bpfsys.prog_test_run(fd, f)[2] for f in frames) / len(frames)
 
 
-def measure_pass(
-    prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], csum: bool = False
-) -> float:
-    """One pass of a stream of `_frames(k, workers, slots, rounds, csum)` through a loaded program,
-    on a freshly created job: the mean kernel-measured ns per packet. Raises RuntimeError when the
-    stream did not complete every slot (the program misbehaves)."""
-    maps = AggMaps(prog.maps, prog.pool_slots)
+def create_bench_job(maps: AggMaps, k: int, workers: int, slots: int, csum: bool = False) -> None:
+    """Job 0 of the benchmark's stream (a fresh one: creating it clears its slots), and its
+    workers."""
     maps.create_job(
         JobSpec(
             0,
@@ -142,7 +139,17 @@ def measure_pass(
     )
     for w in range(workers):
         maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w)))
-    ns = _measure(prog.progs[loader.PROG_INGRESS], frames)
+
+
+def measure_pass(
+    prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], csum: bool = False
+) -> float:
+    """One pass of a stream of `stream(k, workers, slots, rounds, csum)` through a loaded program,
+    on a freshly created job: the mean kernel-measured ns per packet. Raises RuntimeError when the
+    stream did not complete every slot (the program misbehaves)."""
+    maps = AggMaps(prog.maps, prog.pool_slots)
+    create_bench_job(maps, k, workers, slots, csum)
+    ns = measure(prog.progs[loader.PROG_INGRESS], frames)
     if maps.counters(0)["completed"] != slots * rounds:
         raise RuntimeError(
             f"{prog.options.get('variant')}: the bench stream did not complete every slot: "
@@ -175,9 +182,9 @@ def run(
     try:
         for k in sizes:
             here = {v: c for v, c in cases.items() if not _jumbo(k) or c[0].options["frags"]}
-            streams = {False: _frames(k, workers, slots, rounds)}
+            streams = {False: stream(k, workers, slots, rounds)}
             if any(csum for _, csum in here.values()):
-                streams[True] = _frames(k, workers, slots, rounds, udp_checksum=True)
+                streams[True] = stream(k, workers, slots, rounds, udp_checksum=True)
             frames = streams[False]
             runs = {v: [] for v in here}
             floors = []
@@ -186,7 +193,7 @@ def run(
                     runs[v].append(
                         measure_pass(prog, k, workers, slots, rounds, streams[csum], csum)
                     )
-                floors.append(_measure(floor_fd, frames))
+                floors.append(measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)
             for v in here:

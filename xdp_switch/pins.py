@@ -1,7 +1,9 @@
 """Where an attached aggregator lives between commands: pins under bpffs and a state file.
 
     /sys/fs/bpf/xdp-agg/<name>/maps/<map>     every map (jobs, workers, slots, ..., partials)
-    /sys/fs/bpf/xdp-agg/<name>/progs/ingress  the XDP program
+    /sys/fs/bpf/xdp-agg/<name>/progs/ingress  the XDP program (--slot-cpus rss)
+    /sys/fs/bpf/xdp-agg/<name>/progs/steer    --slot-cpus cpumap: the XDP program, which steers
+    /sys/fs/bpf/xdp-agg/<name>/progs/cpumap   ... to the aggregator on the cpumap's CPUs
     /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
     /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
                                               options (State below)

@@ -29,9 +29,9 @@ def _drive(cpu, fd, phases, barrier, conn):
             t0 = time.monotonic_ns()
             act, data, _ = bpfsys.prog_test_run(fd, f)
             span = (t0, time.monotonic_ns())
-            out.append(
-                (key, act, data[wire.SWITCHML_OFFSET :] if act == bpfsys.XDP_TX else None, span)
-            )
+            # a result leaves by XDP_TX, or by redirect (the cpumap build, a devmap broadcast)
+            sent = act in (bpfsys.XDP_TX, bpfsys.XDP_REDIRECT)
+            out.append((key, act, data[wire.SWITCHML_OFFSET :] if sent else None, span))
     conn.send(out)
     conn.close()
 

@@ -1,0 +1,58 @@
+/* One CPU per slot (attach --slot-cpus cpumap; docs/design.md "One CPU per slot").
+ *
+ * Where the NIC's receive hash cannot put every packet of a slot on one CPU (veth, NICs whose
+ * hash fields cannot be set), the packets of a slot land on several CPUs, each adds into its own
+ * partial, and the completing CPU gathers the others' (aggregate.h). Built with -DAGG_CPUMAP,
+ * the program is split in two instead:
+ *  - xdp_agg_steer, attached to the interfaces, parses a frame and redirects one of ours through
+ *    the cpumap `cpu_map` to the CPU that owns its slot (`slot_cpu`, filled by the control plane,
+ *    xdp_switch/slot_cpus.py); anything else passes, untouched, on the CPU it came in on;
+ *  - xdp_agg_ingress, loaded with expected attach type BPF_XDP_CPUMAP and put on every entry of
+ *    `cpu_map`, aggregates there, unchanged: every contribution of a slot is on one CPU, so the
+ *    completing packet finds all n in its own partial and gathers nothing.
+ * A cpumap program cannot XDP_TX (kernel/bpf/cpumap.c, cpu_map_bpf_prog_run_xdp: PASS, DROP and
+ * REDIRECT only), so what aggregate.h sends back out of the interface it came in on leaves by
+ * bpf_redirect to that interface (AGG_TX); the switch topology's devmap broadcast is a redirect
+ * already. Correctness does not rest on the steering: a slot whose packets still reach two CPUs
+ * (its table entry changed mid-round, a tree job's parent results, which carry the parent's slot
+ * numbers) is merged as before. */
+#ifndef XDP_AGG_SLOT_CPUS_H
+#define XDP_AGG_SLOT_CPUS_H
+
+#ifdef AGG_CPUMAP
+#define AGG_CPUMAP_SLOTS (SML_POOL_SLOT_MASK + 1) /* every slot number the wire can carry */
+/* clang-format off */
+BPF_ARRAY(slot_cpu, u32, AGG_CPUMAP_SLOTS);                                       /* wire slot -> CPU */
+BPF_XDP_REDIRECT_MAP("cpumap", struct bpf_cpumap_val, cpu_map, AGG_NR_CPUS);     /* CPU -> queue, program */
+/* clang-format on */
+
+/* A frame sent back out of the interface it came in on. */
+#define AGG_TX(ctx) bpf_redirect((ctx)->ingress_ifindex, 0)
+
+int xdp_agg_steer(struct xdp_md *ctx)
+{
+	struct agg_pkt pk;
+	u32 g = 0, *cpu;
+
+	switch (parse(ctx, &pk)) {
+	case AGG_PARSE_NOT_OURS:
+		count(AGG_NO_JOB, AGG_PASS);
+		return XDP_PASS;
+	case AGG_PARSE_OK:
+		g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
+		break;
+	default:
+		break; /* malformed or truncated: slot 0's CPU drops and counts it */
+	}
+	cpu = slot_cpu.lookup(&g);
+	if (!cpu)
+		return XDP_ABORTED;
+	/* the control plane names only CPUs it put in cpu_map; one it did not: the frame is
+	 * dropped (the flags' low bits are the action when the entry is missing) */
+	return cpu_map.redirect_map(*cpu, XDP_DROP);
+}
+#else
+#define AGG_TX(ctx) XDP_TX
+#endif
+
+#endif
