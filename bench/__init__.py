@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 from pathlib import Path
 
 
@@ -25,6 +26,23 @@ def run_line(meta: dict, what: str) -> str:
         f"{what}; {meta['cpus']} CPUs, load average {meta['load_before']} before, "
         f"{meta['load_after']} after."
     )
+
+
+def table_head(meta: dict, what: str, columns: list[str]) -> list[str]:
+    """The first lines of a results table in Markdown: run_line(meta, what), a blank line, the
+    header row of `columns` and its separator row."""
+    return [
+        run_line(meta, what),
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+
+
+def spread(times: list[float]) -> dict:
+    """The median, shortest and longest of `times` (seconds), as a summary's fields."""
+    t = sorted(times)
+    return {"median_s": statistics.median(t), "min_s": t[0], "max_s": t[-1]}
 
 
 def write_results(out: str | Path, name: str, doc: dict, md: str) -> Path:

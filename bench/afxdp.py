@@ -24,7 +24,7 @@ import statistics
 import time
 from pathlib import Path
 
-from bench import machine, run_line, write_results
+from bench import machine, spread, table_head, write_results
 
 PATHS = ("udp", "afxdp")
 
@@ -62,16 +62,14 @@ def summarize(runs: list[dict], args) -> dict:
     out = {}
     for path in PATHS:
         rs = [r for r in runs if r["path"] == path]
-        t = sorted(x for r in rs for x in r["times"])
-        med = statistics.median(t)
+        times = spread([x for r in rs for x in r["times"]])
+        med = times["median_s"]
         user = statistics.median(r["cpu_user_s"] for r in rs)
         sys_ = statistics.median(r["cpu_sys_s"] for r in rs)
         packets = sum(r["packets"] for r in rs)
         out[path] = {
             "data_path": sorted({p for r in rs for p in r["data_path"]}),
-            "median_s": med,
-            "min_s": t[0],
-            "max_s": t[-1],
+            **times,
             "gib_per_s": gib / med,
             "cpu_user_s_per_gib": user / gib,
             "cpu_sys_s_per_gib": sys_ / gib,
@@ -86,18 +84,22 @@ def summarize(runs: list[dict], args) -> dict:
 
 def markdown(summary: dict, meta: dict) -> str:
     """The table of bench/results/afxdp.md."""
-    L = [
-        run_line(
-            meta,
-            f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
-            f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
-            "alternating",
-        ),
-        "",
-        "| path | mode | ms (min-max) | GiB/s | CPU s/GiB per rank (user + sys) | send calls "
-        "/ packet | recv calls / packet | retx |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    L = table_head(
+        meta,
+        f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
+        f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
+        "alternating",
+        [
+            "path",
+            "mode",
+            "ms (min-max)",
+            "GiB/s",
+            "CPU s/GiB per rank (user + sys)",
+            "send calls / packet",
+            "recv calls / packet",
+            "retx",
+        ],
+    )
     for path in PATHS:
         s = summary[path]
         L.append(

@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import machine, run_line, write_results
+from bench import machine, spread, table_head, write_results
 
 
 def tbf_drops(tb) -> dict[str, int]:
@@ -83,13 +83,11 @@ def summarize(runs: list[dict], args) -> dict:
     S, n, R = args.bytes, args.workers, args.agg_rate_bits
     out = {"rounds": []}
     for k in (1, 2):
-        t = sorted(x for r in runs if r["k"] == k for x in r["times"])
-        med = statistics.median(t)
+        times = spread([x for r in runs if r["k"] == k for x in r["times"]])
+        med = times["median_s"]
         bound = n * S * 8 / (k * R)
         out[f"k{k}"] = {
-            "median_s": med,
-            "min_s": t[0],
-            "max_s": t[-1],
+            **times,
             "ate_per_s": (S / 4) / med,
             "bound_s": bound,
             "of_bound": bound / med,
@@ -108,18 +106,22 @@ def summarize(runs: list[dict], args) -> dict:
 
 
 def markdown(summary: dict, meta: dict) -> str:
-    L = [
-        run_line(
-            meta,
-            f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, MTU "
-            f"{meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
-            f"{meta['rounds']} rounds of {meta['reps']} all-reduces per k, alternating",
-        ),
-        "",
-        "| k | ms (min-max) | ATE/s | % of bound n*S*8/(k*R) | retx (% of sent) | of them "
-        "spurious | tbf drops on the aggregators' links | CPU s/rank |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    L = table_head(
+        meta,
+        f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, MTU "
+        f"{meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
+        f"{meta['rounds']} rounds of {meta['reps']} all-reduces per k, alternating",
+        [
+            "k",
+            "ms (min-max)",
+            "ATE/s",
+            "% of bound n*S*8/(k*R)",
+            "retx (% of sent)",
+            "of them spurious",
+            "tbf drops on the aggregators' links",
+            "CPU s/rank",
+        ],
+    )
     for k in (1, 2):
         s = summary[f"k{k}"]
         retx = 100.0 * s["retransmissions"] / max(s["packets"], 1)
