@@ -438,6 +438,77 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
     return Py_BuildValue("Nn", out, bad);
 }
 
+/* The arguments of the test entry points quantise and dequantise: v, int32 or float32 values
+ * (4 bytes each) in chunks of k (the last may be short); ex, one signed exponent byte per chunk;
+ * n, the scaling workers. */
+struct chunked_args {
+    Py_buffer v, ex;
+    int n, k;
+    Py_ssize_t len, chunks; /* values in v, chunks of k */
+};
+
+static void chunked_release(struct chunked_args *a)
+{
+    PyBuffer_Release(&a->v);
+    PyBuffer_Release(&a->ex);
+}
+
+/* Parse and check args into a, whose buffers are then held (chunked_release); 0, or -1 with a
+ * Python error set (a ValueError naming `what` for bad values). k is checked before it divides. */
+static int chunked_parse(PyObject *args, const char *what, struct chunked_args *a)
+{
+    if (!PyArg_ParseTuple(args, "y*y*ii", &a->v, &a->ex, &a->n, &a->k))
+        return -1;
+    a->len = a->v.len / 4;
+    a->chunks = a->k < 1 ? 0 : (a->len + a->k - 1) / a->k;
+    if (a->k < 1 || a->n < 1 || a->v.len % 4 || a->ex.len < a->chunks) {
+        PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
+        chunked_release(a);
+        return -1;
+    }
+    return 0;
+}
+
+/* Kernel of one chunk: values start..start+cnt-1 of a, exponent E, M = INT32_MAX / n, into out
+ * (the result bytes). */
+typedef void (*chunk_fn)(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt, int8_t E,
+                         double M, char *out);
+
+/* The body of quantise and dequantise: parse and check args, then fn on each chunk into a new
+ * bytes object of 4 bytes per value (padded: also the last chunk's padding, zeroed). */
+static PyObject *chunked_apply(PyObject *args, const char *what, int padded, chunk_fn fn)
+{
+    struct chunked_args a;
+    if (chunked_parse(args, what, &a) < 0)
+        return NULL;
+    Py_ssize_t size = (padded ? a.chunks * a.k : a.len) * 4;
+    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
+    if (out) {
+        double M = (double)(2147483647 / a.n);
+        if (padded)
+            memset(PyBytes_AS_STRING(out), 0, (size_t)size);
+        for (Py_ssize_t c = 0; c < a.chunks; c++) {
+            Py_ssize_t start = c * a.k, cnt = a.len - start < a.k ? a.len - start : a.k;
+            fn(&a, start, cnt, ((const int8_t *)a.ex.buf)[c], M, PyBytes_AS_STRING(out));
+        }
+    }
+    chunked_release(&a);
+    return out;
+}
+
+static void quantise_chunk(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt, int8_t E,
+                           double M, char *out)
+{
+    quantise((const float *)a->v.buf + start, cnt, ldexp(M, -(int)E), E == E_MAX, M,
+             (uint8_t *)out + 4 * start);
+}
+
+static void dequantise_chunk(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt,
+                             int8_t E, double M, char *out)
+{
+    dequantise((const uint8_t *)a->v.buf + 4 * start, cnt, ldexp(M, -(int)E), (float *)out + start);
+}
+
 PyDoc_STRVAR(
     quantise_doc,
     "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
@@ -446,32 +517,8 @@ PyDoc_STRVAR(
 
 static PyObject *py_quantise(PyObject *m, PyObject *args)
 {
-    Py_buffer x, ex;
-    int n, k;
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*y*ii", &x, &ex, &n, &k))
-        return NULL;
-    PyObject *out = NULL;
-    Py_ssize_t L = x.len / 4, chunks = (L + k - 1) / k;
-    if (k < 1 || n < 1 || x.len % 4 || ex.len < chunks) {
-        PyErr_SetString(PyExc_ValueError, "quantise: bad arguments");
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize(NULL, chunks * k * 4);
-    if (!out)
-        goto done;
-    double M = (double)(2147483647 / n);
-    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
-    memset(o, 0, (size_t)(chunks * k * 4));
-    for (Py_ssize_t c = 0; c < chunks; c++) {
-        int8_t E = ((const int8_t *)ex.buf)[c];
-        Py_ssize_t a = c * k, cnt = L - a < k ? L - a : k;
-        quantise((const float *)x.buf + a, cnt, ldexp(M, -(int)E), E == E_MAX, M, o + 4 * a);
-    }
-done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&ex);
-    return out;
+    return chunked_apply(args, "quantise", 1, quantise_chunk);
 }
 
 PyDoc_STRVAR(
@@ -482,31 +529,8 @@ PyDoc_STRVAR(
 
 static PyObject *py_dequantise(PyObject *m, PyObject *args)
 {
-    Py_buffer s, ex;
-    int n, k;
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*y*ii", &s, &ex, &n, &k))
-        return NULL;
-    PyObject *out = NULL;
-    Py_ssize_t L = s.len / 4, chunks = (L + k - 1) / k;
-    if (k < 1 || n < 1 || s.len % 4 || ex.len < chunks) {
-        PyErr_SetString(PyExc_ValueError, "dequantise: bad arguments");
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize(NULL, L * 4);
-    if (!out)
-        goto done;
-    double M = (double)(2147483647 / n);
-    for (Py_ssize_t c = 0; c < chunks; c++) {
-        int8_t E = ((const int8_t *)ex.buf)[c];
-        Py_ssize_t a = c * k, cnt = L - a < k ? L - a : k;
-        dequantise((const uint8_t *)s.buf + 4 * a, cnt, ldexp(M, -(int)E),
-                   (float *)PyBytes_AS_STRING(out) + a);
-    }
-done:
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&ex);
-    return out;
+    return chunked_apply(args, "dequantise", 0, dequantise_chunk);
 }
 
 PyDoc_STRVAR(
