@@ -18,13 +18,11 @@ bench.allreduce.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
-from bench import machine, spread, table_head, write_results
+from bench import alternating, alternating_parser, machine, spread, table_head, write_results
 
 PATHS = ("udp", "afxdp")
 
@@ -86,9 +84,7 @@ def markdown(summary: dict, meta: dict) -> str:
     """The table of bench/results/afxdp.md."""
     L = table_head(
         meta,
-        f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
-        f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
-        "alternating",
+        "links unshaped, " + alternating(meta, "path"),
         [
             "path",
             "mode",
@@ -114,17 +110,7 @@ def markdown(summary: dict, meta: dict) -> str:
 
 def main(argv=None) -> int:
     """Run the rounds, write the JSON and the table."""
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--bytes", type=int, default=32 << 20, help="tensor size (float32)")
-    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each path, alternating")
-    ap.add_argument("--elems", type=int, default=768)
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap = alternating_parser(__doc__, per="path", workers=2, nbytes=32 << 20, rounds=2, window=128)
     args = ap.parse_args(argv)
 
     from aggcluster.cluster import Cluster
