@@ -438,75 +438,45 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
     return Py_BuildValue("Nn", out, bad);
 }
 
-/* The arguments of the test entry points quantise and dequantise: v, int32 or float32 values
- * (4 bytes each) in chunks of k (the last may be short); ex, one signed exponent byte per chunk;
- * n, the scaling workers. */
-struct chunked_args {
-    Py_buffer v, ex;
-    int n, k;
-    Py_ssize_t len, chunks; /* values in v, chunks of k */
-};
+/* One chunk of a test entry point: values a..a+cnt-1 of in, exponent E, M = INT32_MAX / n. */
+typedef void (*chunk_fn)(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                         char *out);
 
-static void chunked_release(struct chunked_args *a)
-{
-    PyBuffer_Release(&a->v);
-    PyBuffer_Release(&a->ex);
-}
-
-/* Parse and check args into a, whose buffers are then held (chunked_release); 0, or -1 with a
- * Python error set (a ValueError naming `what` for bad values). k is checked before it divides. */
-static int chunked_parse(PyObject *args, const char *what, struct chunked_args *a)
-{
-    if (!PyArg_ParseTuple(args, "y*y*ii", &a->v, &a->ex, &a->n, &a->k))
-        return -1;
-    a->len = a->v.len / 4;
-    a->chunks = a->k < 1 ? 0 : (a->len + a->k - 1) / a->k;
-    if (a->k < 1 || a->n < 1 || a->v.len % 4 || a->ex.len < a->chunks) {
-        PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
-        chunked_release(a);
-        return -1;
-    }
-    return 0;
-}
-
-/* Kernel of one chunk: values start..start+cnt-1 of a, exponent E, M = INT32_MAX / n, into out
- * (the result bytes). */
-typedef void (*chunk_fn)(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt, int8_t E,
-                         double M, char *out);
-
-/* The body of quantise and dequantise: parse and check args, then fn on each chunk into a new
- * bytes object of 4 bytes per value (padded: also the last chunk's padding, zeroed). */
+/* quantise and dequantise: check (4-byte values in chunks of k, one exponent byte per chunk,
+ * n workers), then fn on each chunk into new bytes (4 a value; padded: the last chunk padded too). */
 static PyObject *chunked_apply(PyObject *args, const char *what, int padded, chunk_fn fn)
 {
-    struct chunked_args a;
-    if (chunked_parse(args, what, &a) < 0)
+    Py_buffer v, ex;
+    int n, k;
+    if (!PyArg_ParseTuple(args, "y*y*ii", &v, &ex, &n, &k))
         return NULL;
-    Py_ssize_t size = (padded ? a.chunks * a.k : a.len) * 4;
-    PyObject *out = PyBytes_FromStringAndSize(NULL, size);
-    if (out) {
-        double M = (double)(2147483647 / a.n);
-        if (padded)
-            memset(PyBytes_AS_STRING(out), 0, (size_t)size);
-        for (Py_ssize_t c = 0; c < a.chunks; c++) {
-            Py_ssize_t start = c * a.k, cnt = a.len - start < a.k ? a.len - start : a.k;
-            fn(&a, start, cnt, ((const int8_t *)a.ex.buf)[c], M, PyBytes_AS_STRING(out));
-        }
+    PyObject *out = NULL;
+    Py_ssize_t L = v.len / 4, chunks = k < 1 ? 0 : (L + k - 1) / k;
+    Py_ssize_t size = (padded ? chunks * k : L) * 4;
+    if (k < 1 || n < 1 || v.len % 4 || ex.len < chunks)
+        PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
+    else if ((out = PyBytes_FromStringAndSize(NULL, size))) {
+        double M = (double)(2147483647 / n);
+        memset(PyBytes_AS_STRING(out), 0, (size_t)size); /* quantise's padding */
+        for (Py_ssize_t c = 0, a = 0; c < chunks; c++, a += k)
+            fn(v.buf, a, L - a < k ? L - a : k, ((const int8_t *)ex.buf)[c], M,
+               PyBytes_AS_STRING(out));
     }
-    chunked_release(&a);
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&ex);
     return out;
 }
 
-static void quantise_chunk(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt, int8_t E,
-                           double M, char *out)
+static void quantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                           char *out)
 {
-    quantise((const float *)a->v.buf + start, cnt, ldexp(M, -(int)E), E == E_MAX, M,
-             (uint8_t *)out + 4 * start);
+    quantise((const float *)in + a, cnt, ldexp(M, -(int)E), E == E_MAX, M, (uint8_t *)out + 4 * a);
 }
 
-static void dequantise_chunk(const struct chunked_args *a, Py_ssize_t start, Py_ssize_t cnt,
-                             int8_t E, double M, char *out)
+static void dequantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                             char *out)
 {
-    dequantise((const uint8_t *)a->v.buf + 4 * start, cnt, ldexp(M, -(int)E), (float *)out + start);
+    dequantise((const uint8_t *)in + 4 * a, cnt, ldexp(M, -(int)E), (float *)out + a);
 }
 
 PyDoc_STRVAR(
