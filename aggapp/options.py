@@ -102,6 +102,11 @@ def count(decl: str, lo: int, hi: int, default: int, help: str):
     return opt(decl, default=default, type=click.IntRange(lo, hi), show_default=True, help=help)
 
 
+def real(decl: str, lo: float, hi: float | None, default: float, help: str):
+    """A float field, lo..hi (None: no upper bound), with `default` (shown in --help)."""
+    return opt(decl, default=default, type=click.FloatRange(lo, hi), show_default=True, help=help)
+
+
 def flag(decl: str, help: str):
     """A boolean field, False unless its flag is given."""
     return opt(decl, default=False, is_flag=True, help=help)
@@ -226,49 +231,49 @@ class ServeOptions:
         "Accept every request without credentials: anyone who reaches the endpoint can create, "
         "join and end jobs. Only for a trusted lab.",
     )
-    max_connections: int = opt(
+    max_connections: int = count(
         "--max-connections",
-        default=auth.Limits.max_connections,
-        type=click.IntRange(1, 100_000),
-        show_default=True,
-        help="Open control connections in all.",
+        1,
+        100_000,
+        auth.Limits.max_connections,
+        "Open control connections in all.",
     )
-    max_per_source: int = opt(
+    max_per_source: int = count(
         "--max-per-source",
-        default=auth.Limits.max_per_source,
-        type=click.IntRange(1, 100_000),
-        show_default=True,
-        help="Open control connections from one address.",
+        1,
+        100_000,
+        auth.Limits.max_per_source,
+        "Open control connections from one address.",
     )
-    idle_timeout: float = opt(
+    idle_timeout: float = real(
         "--idle-timeout",
-        default=auth.Limits.idle_timeout,
-        type=click.FloatRange(0.1, 86_400),
-        show_default=True,
-        help="Seconds a connection that holds no job may take to send a request before it is cut.",
+        0.1,
+        86_400,
+        auth.Limits.idle_timeout,
+        "Seconds a connection that holds no job may take to send a request before it is cut.",
     )
-    job_lease: float = opt(
+    job_lease: float = real(
         "--job-lease",
-        default=auth.Limits.job_lease,
-        type=click.FloatRange(0, 86_400),
-        show_default=True,
-        help="Seconds a job lives while none of its members sends a request (hostlib pings every "
+        0,
+        86_400,
+        auth.Limits.job_lease,
+        "Seconds a job lives while none of its members sends a request (hostlib pings every "
         "10 s) and the aggregator counts no traffic of it; then it is deleted, freeing its slots "
         "and port (a crashed run's stuck ranks). 0: never.",
     )
-    request_rate: float = opt(
+    request_rate: float = real(
         "--request-rate",
-        default=auth.Limits.rate,
-        type=click.FloatRange(0.1, 1e6),
-        show_default=True,
-        help="Requests per second per source address (bursts up to three times that).",
+        0.1,
+        1e6,
+        auth.Limits.rate,
+        "Requests per second per source address (bursts up to three times that).",
     )
-    rejoin_timeout: float = opt(
+    rejoin_timeout: float = real(
         "--rejoin-timeout",
-        default=60.0,
-        type=click.FloatRange(0.1),
-        show_default=True,
-        help="xdp: after a restart, how long a recovered job's ranks have to reconnect before "
+        0.1,
+        None,
+        60.0,
+        "xdp: after a restart, how long a recovered job's ranks have to reconnect before "
         "they count as gone (which frees the job).",
     )
     parent: str | None = opt(
@@ -312,12 +317,12 @@ class ServeOptions:
         "SwitchML's own hosts join jobs unchanged. Off unless given; it has no credentials "
         "(docs/operations.md, trust model).",
     )
-    switchml_window: int = opt(
+    switchml_window: int = count(
         "--switchml-window",
-        default=512,
-        type=click.IntRange(1, limits.DEFAULT_POOL_SLOTS),
-        show_default=True,
-        help="With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
+        1,
+        limits.DEFAULT_POOL_SLOTS,
+        512,
+        "With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
         "up to 2 x max_outstanding_packets, 2 x 256 by default).",
     )
 

@@ -92,6 +92,15 @@ def payload_p4() -> str:
     return header("aggcodegen/p4.py", "_XDP_AGG_PAYLOAD_P4_", L)
 
 
+def elements_control(params: str, n: int, apply: list[str]) -> list[str]:
+    """The lines of control Elements(params), both architectures: n Processors value00.. and an
+    apply block of the lines `apply` (already indented), then a blank line."""
+    L = [f"control Elements({params}) {{"]
+    L += [f"    Processor() value{i:02d};" for i in range(n)]
+    L += ["", "    apply {", *apply, "    }", "}", ""]
+    return L
+
+
 def elements_v1model() -> str:
     """p4/elements.p4: one Processor (register array) per element of a pass, v1model, and the
     rotation of the payload headers that brings the next 64 elements of a folded packet to the
@@ -120,31 +129,25 @@ def elements_v1model() -> str:
         "are left",
         " * alone otherwise, so a 32-element job never touches registers 32..63. */",
     ]
-    L.append("control Elements(inout headers_t hdr, in sml_metadata_t md) {")
-    for i in range(n):
-        L.append(f"    Processor() value{i:02d};")
-    L.append("")
-    L.append("    apply {")
+    apply: list[str] = []
     for h in range(PASS_HEADERS):
-        L.append(f"        if (hdr.d{h}.isValid()) {{")
+        apply.append(f"        if (hdr.d{h}.isValid()) {{")
         for i in range(h * ELEMS_PER_HEADER, (h + 1) * ELEMS_PER_HEADER):
-            L.append(f"            value{i:02d}.apply(hdr.d{h}.{field_name(i)}, md);")
-        L.append("        }")
-    L.append(f"        if (hdr.d{PAYLOAD_HEADERS - 1}.isValid()) {{")
-    L.append(
+            apply.append(f"            value{i:02d}.apply(hdr.d{h}.{field_name(i)}, md);")
+        apply.append("        }")
+    apply.append(f"        if (hdr.d{PAYLOAD_HEADERS - 1}.isValid()) {{")
+    apply.append(
         f"            // folded: d{PASS_HEADERS}.. move down by {PASS_HEADERS}, "
         f"d0..d{PASS_HEADERS - 1} to the end"
     )
     for h in range(PASS_HEADERS):
-        L.append(f"            payload_h t{h} = hdr.d{h};")
+        apply.append(f"            payload_h t{h} = hdr.d{h};")
     for h in range(PAYLOAD_HEADERS - PASS_HEADERS):
-        L.append(f"            hdr.d{h} = hdr.d{h + PASS_HEADERS};")
+        apply.append(f"            hdr.d{h} = hdr.d{h + PASS_HEADERS};")
     for h in range(PASS_HEADERS):
-        L.append(f"            hdr.d{PAYLOAD_HEADERS - PASS_HEADERS + h} = t{h};")
-    L.append("        }")
-    L.append("    }")
-    L.append("}")
-    L.append("")
+        apply.append(f"            hdr.d{PAYLOAD_HEADERS - PASS_HEADERS + h} = t{h};")
+    apply.append("        }")
+    L += elements_control("inout headers_t hdr, in sml_metadata_t md", n, apply)
     return header("aggcodegen/p4.py", "_XDP_AGG_ELEMENTS_P4_", L)
 
 
@@ -168,17 +171,11 @@ def elements_tna() -> str:
         "harvest, either)"
     )
     L.append(" * in a harvest pass (next_step_selector.p4). */")
-    L.append("control Elements(inout header_t hdr, in switchml_md_t md) {")
-    for i in range(ELEMS_PER_HEADER):
-        L.append(f"    Processor() value{i:02d};")
-    L.append("")
-    L.append("    apply {")
-    for i in range(ELEMS_PER_HEADER):
-        f = field_name(i)
-        L.append(f"        value{i:02d}.apply(hdr.d0.{f}, hdr.d1.{f}, md);")
-    L.append("    }")
-    L.append("}")
-    L.append("")
+    apply = [
+        f"        value{i:02d}.apply(hdr.d0.{field_name(i)}, hdr.d1.{field_name(i)}, md);"
+        for i in range(ELEMS_PER_HEADER)
+    ]
+    L += elements_control("inout header_t hdr, in switchml_md_t md", ELEMS_PER_HEADER, apply)
     return header("aggcodegen/p4.py", "_XDP_AGG_TNA_ELEMENTS_P4_", L)
 
 

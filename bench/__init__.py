@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import statistics
 from pathlib import Path
 
 
@@ -25,6 +27,51 @@ def run_line(meta: dict, what: str) -> str:
         f"{what}; {meta['cpus']} CPUs, load average {meta['load_before']} before, "
         f"{meta['load_after']} after."
     )
+
+
+def alternating_parser(
+    doc: str, *, per: str, workers: int, nbytes: int, rounds: int, window: int
+) -> argparse.ArgumentParser:
+    """The command line of a benchmark of alternating rounds (alternating()): the options both
+    such benchmarks take, with their defaults; `per` names what is compared (path, k)."""
+    ap = argparse.ArgumentParser(
+        description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--workers", type=int, default=workers)
+    ap.add_argument("--bytes", type=int, default=nbytes, help="tensor size (float32)")
+    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"runs of each {per}, alternating")
+    ap.add_argument("--elems", type=int, default=768)
+    ap.add_argument("--mtu", type=int, default=3500)
+    ap.add_argument("--window", type=int, default=window)
+    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    return ap
+
+
+def alternating(meta: dict, per: str) -> str:
+    """The setting of a run of alternating rounds, for run_line: MTU, packet size, window, and
+    the rounds of all-reduces per `per` (each variant compared)."""
+    return (
+        f"MTU {meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
+        f"{meta['rounds']} rounds of {meta['reps']} all-reduces per {per}, alternating"
+    )
+
+
+def table_head(meta: dict, what: str, columns: list[str]) -> list[str]:
+    """The first lines of a results table in Markdown: run_line(meta, what), a blank line, the
+    header row of `columns` and its separator row."""
+    return [
+        run_line(meta, what),
+        "",
+        "| " + " | ".join(columns) + " |",
+        "|" + "---|" * len(columns),
+    ]
+
+
+def spread(times: list[float]) -> dict:
+    """The median, shortest and longest of `times` (seconds), as a summary's fields."""
+    t = sorted(times)
+    return {"median_s": statistics.median(t), "min_s": t[0], "max_s": t[-1]}
 
 
 def write_results(out: str | Path, name: str, doc: dict, md: str) -> Path:

@@ -18,13 +18,11 @@ bench.allreduce.
 
 from __future__ import annotations
 
-import argparse
 import os
 import statistics
 import time
-from pathlib import Path
 
-from bench import machine, run_line, write_results
+from bench import alternating, alternating_parser, machine, spread, table_head, write_results
 
 PATHS = ("udp", "afxdp")
 
@@ -62,16 +60,14 @@ def summarize(runs: list[dict], args) -> dict:
     out = {}
     for path in PATHS:
         rs = [r for r in runs if r["path"] == path]
-        t = sorted(x for r in rs for x in r["times"])
-        med = statistics.median(t)
+        times = spread([x for r in rs for x in r["times"]])
+        med = times["median_s"]
         user = statistics.median(r["cpu_user_s"] for r in rs)
         sys_ = statistics.median(r["cpu_sys_s"] for r in rs)
         packets = sum(r["packets"] for r in rs)
         out[path] = {
             "data_path": sorted({p for r in rs for p in r["data_path"]}),
-            "median_s": med,
-            "min_s": t[0],
-            "max_s": t[-1],
+            **times,
             "gib_per_s": gib / med,
             "cpu_user_s_per_gib": user / gib,
             "cpu_sys_s_per_gib": sys_ / gib,
@@ -86,18 +82,20 @@ def summarize(runs: list[dict], args) -> dict:
 
 def markdown(summary: dict, meta: dict) -> str:
     """The table of bench/results/afxdp.md."""
-    L = [
-        run_line(
-            meta,
-            f"links unshaped, MTU {meta['mtu']}, {meta['elems']} int32 per packet, window "
-            f"{meta['window']}; {meta['rounds']} rounds of {meta['reps']} all-reduces per path, "
-            "alternating",
-        ),
-        "",
-        "| path | mode | ms (min-max) | GiB/s | CPU s/GiB per rank (user + sys) | send calls "
-        "/ packet | recv calls / packet | retx |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    L = table_head(
+        meta,
+        "links unshaped, " + alternating(meta, "path"),
+        [
+            "path",
+            "mode",
+            "ms (min-max)",
+            "GiB/s",
+            "CPU s/GiB per rank (user + sys)",
+            "send calls / packet",
+            "recv calls / packet",
+            "retx",
+        ],
+    )
     for path in PATHS:
         s = summary[path]
         L.append(
@@ -112,17 +110,7 @@ def markdown(summary: dict, meta: dict) -> str:
 
 def main(argv=None) -> int:
     """Run the rounds, write the JSON and the table."""
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--workers", type=int, default=2)
-    ap.add_argument("--bytes", type=int, default=32 << 20, help="tensor size (float32)")
-    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each path, alternating")
-    ap.add_argument("--elems", type=int, default=768)
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=128)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
+    ap = alternating_parser(__doc__, per="path", workers=2, nbytes=32 << 20, rounds=2, window=128)
     args = ap.parse_args(argv)
 
     from aggcluster.cluster import Cluster

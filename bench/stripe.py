@@ -22,15 +22,13 @@ Writes bench/results/stripe.{json,md} (or --out). Root, bcc and the XDP build, l
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-from bench import machine, run_line, write_results
+from bench import alternating, alternating_parser, machine, spread, table_head, write_results
 
 
 def tbf_drops(tb) -> dict[str, int]:
@@ -83,13 +81,11 @@ def summarize(runs: list[dict], args) -> dict:
     S, n, R = args.bytes, args.workers, args.agg_rate_bits
     out = {"rounds": []}
     for k in (1, 2):
-        t = sorted(x for r in runs if r["k"] == k for x in r["times"])
-        med = statistics.median(t)
+        times = spread([x for r in runs if r["k"] == k for x in r["times"]])
+        med = times["median_s"]
         bound = n * S * 8 / (k * R)
         out[f"k{k}"] = {
-            "median_s": med,
-            "min_s": t[0],
-            "max_s": t[-1],
+            **times,
             "ate_per_s": (S / 4) / med,
             "bound_s": bound,
             "of_bound": bound / med,
@@ -108,18 +104,21 @@ def summarize(runs: list[dict], args) -> dict:
 
 
 def markdown(summary: dict, meta: dict) -> str:
-    L = [
-        run_line(
-            meta,
-            f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, MTU "
-            f"{meta['mtu']}, {meta['elems']} int32 per packet, window {meta['window']}; "
-            f"{meta['rounds']} rounds of {meta['reps']} all-reduces per k, alternating",
-        ),
-        "",
-        "| k | ms (min-max) | ATE/s | % of bound n*S*8/(k*R) | retx (% of sent) | of them "
-        "spurious | tbf drops on the aggregators' links | CPU s/rank |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
+    L = table_head(
+        meta,
+        f"each aggregator's link {meta['agg_rate']} (tbf), workers' links unshaped, "
+        + alternating(meta, "k"),
+        [
+            "k",
+            "ms (min-max)",
+            "ATE/s",
+            "% of bound n*S*8/(k*R)",
+            "retx (% of sent)",
+            "of them spurious",
+            "tbf drops on the aggregators' links",
+            "CPU s/rank",
+        ],
+    )
     for k in (1, 2):
         s = summary[f"k{k}"]
         retx = 100.0 * s["retransmissions"] / max(s["packets"], 1)
@@ -137,19 +136,9 @@ def markdown(summary: dict, meta: dict) -> str:
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    ap.add_argument("--workers", type=int, default=4)
+    ap = alternating_parser(__doc__, per="k", workers=4, nbytes=16 << 20, rounds=3, window=64)
     ap.add_argument("--agg-rate", default="300mbit", help="each aggregator's link (tbf)")
-    ap.add_argument("--bytes", type=int, default=16 << 20, help="tensor size (float32)")
-    ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
-    ap.add_argument("--rounds", type=int, default=3, help="runs of each k, alternating")
-    ap.add_argument("--elems", type=int, default=768)
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=64)
     ap.add_argument("--deadline", type=float, default=600)
-    ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     args = ap.parse_args(argv)
 
     from aggcluster.cluster import Cluster

@@ -438,6 +438,47 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
     return Py_BuildValue("Nn", out, bad);
 }
 
+/* One chunk of a test entry point: values a..a+cnt-1 of in, exponent E, M = INT32_MAX / n. */
+typedef void (*chunk_fn)(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                         char *out);
+
+/* quantise and dequantise: check (4-byte values in chunks of k, one exponent byte per chunk,
+ * n workers), then fn on each chunk into new bytes (4 a value; padded: the last chunk padded too). */
+static PyObject *chunked_apply(PyObject *args, const char *what, int padded, chunk_fn fn)
+{
+    Py_buffer v, ex;
+    int n, k;
+    if (!PyArg_ParseTuple(args, "y*y*ii", &v, &ex, &n, &k))
+        return NULL;
+    PyObject *out = NULL;
+    Py_ssize_t L = v.len / 4, chunks = k < 1 ? 0 : (L + k - 1) / k;
+    Py_ssize_t size = (padded ? chunks * k : L) * 4;
+    if (k < 1 || n < 1 || v.len % 4 || ex.len < chunks)
+        PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
+    else if ((out = PyBytes_FromStringAndSize(NULL, size))) {
+        double M = (double)(2147483647 / n);
+        memset(PyBytes_AS_STRING(out), 0, (size_t)size); /* quantise's padding */
+        for (Py_ssize_t c = 0, a = 0; c < chunks; c++, a += k)
+            fn(v.buf, a, L - a < k ? L - a : k, ((const int8_t *)ex.buf)[c], M,
+               PyBytes_AS_STRING(out));
+    }
+    PyBuffer_Release(&v);
+    PyBuffer_Release(&ex);
+    return out;
+}
+
+static void quantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                           char *out)
+{
+    quantise((const float *)in + a, cnt, ldexp(M, -(int)E), E == E_MAX, M, (uint8_t *)out + 4 * a);
+}
+
+static void dequantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
+                             char *out)
+{
+    dequantise((const uint8_t *)in + 4 * a, cnt, ldexp(M, -(int)E), (float *)out + a);
+}
+
 PyDoc_STRVAR(
     quantise_doc,
     "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
@@ -446,32 +487,8 @@ PyDoc_STRVAR(
 
 static PyObject *py_quantise(PyObject *m, PyObject *args)
 {
-    Py_buffer x, ex;
-    int n, k;
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*y*ii", &x, &ex, &n, &k))
-        return NULL;
-    PyObject *out = NULL;
-    Py_ssize_t L = x.len / 4, chunks = (L + k - 1) / k;
-    if (k < 1 || n < 1 || x.len % 4 || ex.len < chunks) {
-        PyErr_SetString(PyExc_ValueError, "quantise: bad arguments");
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize(NULL, chunks * k * 4);
-    if (!out)
-        goto done;
-    double M = (double)(2147483647 / n);
-    uint8_t *o = (uint8_t *)PyBytes_AS_STRING(out);
-    memset(o, 0, (size_t)(chunks * k * 4));
-    for (Py_ssize_t c = 0; c < chunks; c++) {
-        int8_t E = ((const int8_t *)ex.buf)[c];
-        Py_ssize_t a = c * k, cnt = L - a < k ? L - a : k;
-        quantise((const float *)x.buf + a, cnt, ldexp(M, -(int)E), E == E_MAX, M, o + 4 * a);
-    }
-done:
-    PyBuffer_Release(&x);
-    PyBuffer_Release(&ex);
-    return out;
+    return chunked_apply(args, "quantise", 1, quantise_chunk);
 }
 
 PyDoc_STRVAR(
@@ -482,31 +499,8 @@ PyDoc_STRVAR(
 
 static PyObject *py_dequantise(PyObject *m, PyObject *args)
 {
-    Py_buffer s, ex;
-    int n, k;
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*y*ii", &s, &ex, &n, &k))
-        return NULL;
-    PyObject *out = NULL;
-    Py_ssize_t L = s.len / 4, chunks = (L + k - 1) / k;
-    if (k < 1 || n < 1 || s.len % 4 || ex.len < chunks) {
-        PyErr_SetString(PyExc_ValueError, "dequantise: bad arguments");
-        goto done;
-    }
-    out = PyBytes_FromStringAndSize(NULL, L * 4);
-    if (!out)
-        goto done;
-    double M = (double)(2147483647 / n);
-    for (Py_ssize_t c = 0; c < chunks; c++) {
-        int8_t E = ((const int8_t *)ex.buf)[c];
-        Py_ssize_t a = c * k, cnt = L - a < k ? L - a : k;
-        dequantise((const uint8_t *)s.buf + 4 * a, cnt, ldexp(M, -(int)E),
-                   (float *)PyBytes_AS_STRING(out) + a);
-    }
-done:
-    PyBuffer_Release(&s);
-    PyBuffer_Release(&ex);
-    return out;
+    return chunked_apply(args, "dequantise", 0, dequantise_chunk);
 }
 
 PyDoc_STRVAR(

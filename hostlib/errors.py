@@ -66,16 +66,24 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         self.stripe = stripe
         self.endpoint = endpoint
 
+    def copy(self, message: str, **changes) -> "AllreduceTimeout":
+        """A copy with a new message and the attributes named in changes replaced (like
+        dataclasses.replace); the others are kept."""
+        fields = {
+            "data_address": self.data_address,
+            "packets": self.packets,
+            "outstanding": self.outstanding,
+            "outstanding_slots": self.outstanding_slots,
+            "results": self.results,
+            "diagnosis": self.diagnosis,
+            "stripe": self.stripe,
+            "endpoint": self.endpoint,
+        }
+        unknown = set(changes) - set(fields)
+        if unknown:
+            raise TypeError(f"AllreduceTimeout has no attribute(s) {sorted(unknown)}")
+        return AllreduceTimeout(message, **{**fields, **changes})
+
     def with_diagnosis(self, text: str, diagnosis: dict | None) -> "AllreduceTimeout":
         """A copy whose message ends with the control endpoint's view of the job."""
-        return AllreduceTimeout(
-            f"{self.args[0]} {text}".rstrip(),
-            data_address=self.data_address,
-            packets=self.packets,
-            outstanding=self.outstanding,
-            outstanding_slots=self.outstanding_slots,
-            results=self.results,
-            diagnosis=diagnosis,
-            stripe=self.stripe,
-            endpoint=self.endpoint,
-        )
+        return self.copy(f"{self.args[0]} {text}".rstrip(), diagnosis=diagnosis)

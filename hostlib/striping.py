@@ -163,15 +163,9 @@ class StripedEngine:
         """e, its message prefixed with which aggregator stalled."""
         host, port = self.endpoints[j]
         data = self.engines[j].state.cfg.data_address
-        return AllreduceTimeout(
+        return e.copy(
             f"aggregator {j} of {len(self)} (control endpoint {host}:{port}, contributions to "
             f"{data[0]}:{data[1]}): {e.args[0]}",
-            data_address=e.data_address,
-            packets=e.packets,
-            outstanding=e.outstanding,
-            outstanding_slots=e.outstanding_slots,
-            results=e.results,
-            diagnosis=e.diagnosis,
             stripe=j,
             endpoint=(host, port),
         )

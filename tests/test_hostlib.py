@@ -561,3 +561,29 @@ def test_elems_auto_takes_what_the_path_and_the_aggregator_allow(monkeypatch):
     assert all(np.array_equal(out, 2 * x) for out, _ in got)
     assert [st["elems"] for _, st in got] == [256, 256]
     assert "the aggregator takes up to 256" in got[0][1]["elems_reason"]
+
+
+def test_allreduce_timeout_copy_keeps_the_facts_it_is_not_told_to_change():
+    e = hostlib.AllreduceTimeout(
+        "no answer",
+        data_address=("198.18.0.1", 48864),
+        packets=10,
+        outstanding=3,
+        outstanding_slots=(1, 2, 3),
+        results=7,
+    )
+    c = e.copy("aggregator 1 of 2: no answer", stripe=1, endpoint=("198.18.0.1", 4000))
+    assert c.args[0] == "aggregator 1 of 2: no answer"
+    assert (c.data_address, c.packets, c.outstanding, c.outstanding_slots, c.results) == (
+        ("198.18.0.1", 48864),
+        10,
+        3,
+        (1, 2, 3),
+        7,
+    )
+    assert (c.stripe, c.endpoint, c.diagnosis) == (1, ("198.18.0.1", 4000), None)
+    d = c.with_diagnosis("(rank 1 absent)", {"absent": [1]})
+    assert d.args[0] == "aggregator 1 of 2: no answer (rank 1 absent)"
+    assert (d.diagnosis, d.stripe, d.outstanding_slots) == ({"absent": [1]}, 1, (1, 2, 3))
+    with pytest.raises(TypeError, match="no attribute"):
+        e.copy("x", packet=1)
