@@ -82,17 +82,12 @@ def compare(
     try:
         for k in sizes:
             frames = mb.stream(k, workers, slots, rounds)
-            runs = {key: [] for key in progs}
-            for p in range(passes):
-                order = labels if p % 2 == 0 else labels[::-1]  # alternate who goes first
-                for v in variants:
-                    for lab in order:
-                        prog = progs[(lab, v)]
-                        runs[(lab, v)].append(
-                            mb.measure_pass(prog, k, workers, slots, rounds, frames)
-                        )
-                if progress:
-                    progress(k, p + 1, passes)
+            runs = mb.alternating(
+                progs,
+                passes,
+                lambda key: mb.measure_pass(progs[key], k, workers, slots, rounds, frames),
+                (lambda p: progress(k, p + 1, passes)) if progress else None,
+            )
             for v in variants:
                 row = {"variant": v, "elems_per_packet": k}
                 for lab in labels:

@@ -50,3 +50,13 @@ def test_veth_has_no_rss_hash():
         subprocess.run(["ip", "link", "del", "tcs0"], check=True)
     assert r["driver"] == "veth" and r["hash"] is None and not r["fits"]
     assert "--slot-cpus cpumap" in r["advice"]
+
+
+def test_alternating_runs_every_case_each_pass_and_swaps_who_goes_first():
+    """The side-by-side benchmarks' order: keys in order on even passes, reversed on odd ones."""
+    from xdp_switch.microbench import alternating
+
+    order, passes = [], []
+    runs = alternating(["a", "b", "c"], 3, lambda k: order.append(k) or len(order), passes.append)
+    assert order == ["a", "b", "c", "c", "b", "a", "a", "b", "c"]
+    assert runs == {"a": [1, 6, 7], "b": [2, 5, 8], "c": [3, 4, 9]} and passes == [0, 1, 2]

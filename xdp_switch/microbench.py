@@ -141,6 +141,20 @@ def create_bench_job(maps: AggMaps, k: int, workers: int, slots: int, csum: bool
         maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w)))
 
 
+def alternating(keys, passes: int, run_one, after_pass=None) -> dict:
+    """Side by side: each of `passes` runs `run_one(key)` once per key, in the keys' order on
+    even passes and reversed on odd ones, so that no case always runs first (warm caches, a
+    neighbour's load); {key: [its result per pass]}. after_pass(p) follows pass p (progress)."""
+    keys = list(keys)
+    runs = {key: [] for key in keys}
+    for p in range(passes):
+        for key in keys if p % 2 == 0 else keys[::-1]:
+            runs[key].append(run_one(key))
+        if after_pass:
+            after_pass(p)
+    return runs
+
+
 def measure_pass(
     prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], csum: bool = False
 ) -> float:

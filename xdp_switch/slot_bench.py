@@ -99,10 +99,9 @@ def run(sizes=(256, 768), workers: int = 4, slots: int = 64, rounds: int = 20, r
     try:
         for k in sizes:
             frames = microbench.stream(k, workers, slots, rounds)
-            runs = {m: [] for m in progs}
-            for rep in range(repeats):
-                for m in progs if rep % 2 == 0 else list(progs)[::-1]:
-                    runs[m].append(_pass(progs[m], m, k, workers, slots, rounds, frames))
+            runs = microbench.alternating(
+                progs, repeats, lambda m: _pass(progs[m], m, k, workers, slots, rounds, frames)
+            )
             steer = microbench.measure(cp.progs[loader.PROG_STEER], frames)
             for m, ns in runs.items():
                 extra = steer if m == "cpumap" else 0.0
