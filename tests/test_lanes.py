@@ -140,3 +140,18 @@ def test_the_lanes_sockets_are_closed():
         comms = run_ranks(st, 1, lambda c: c, lanes=2, elems=ELEMS, window=8)
     socks = [e.state.sock for e in comms[0]._engine.engines]
     assert all(s.sock.fileno() == -1 for s in socks)
+
+
+def test_torch_backend_with_lanes_through_the_environment():
+    """hostlib.pt's backend with XDP_AGG_LANES=2: its collectives as with one lane, each rank's
+    both ranks contributing."""
+    pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
+    from test_torch import _check_backend, _reports, _start_loopback
+
+    with soft_cluster(defaults=SWITCH) as st:
+        extra = {"XDP_AGG_LANES": "2", "XDP_AGG_WINDOW": "8"}
+        procs = _start_loopback(st, 2, "backend", "--backend-spec", "cpu:xdpagg", **extra)
+        _check_backend(_reports(procs), 2)
+        per_worker = st.aggregator.worker_counters(0)
+        assert sorted(per_worker) == [0, 1]
+        assert all(c["contributions"] > 0 for c in per_worker.values()), per_worker
