@@ -269,6 +269,8 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             mac=opts.mac or mac_of(my_ip),
             timeout=wait,
             reply_timeout=wait + 5,
+            # the endpoint refuses a rank whose lanes differ from the job's (absent: 1)
+            **({"lanes": opts.lanes} if opts.lanes > 1 else {}),
         )
     except BaseException:  # init closes the control connection
         if sock is not None:

@@ -14,6 +14,7 @@ import pytest
 from harness.ranks import ok, run_ranks, soft_cluster
 from test_hostlib import float_inputs, int_expected, int_inputs
 
+import hostlib
 from aggproto.jobs import Delivery
 from hostlib import HostOptions
 from hostlib.engine import Faults, _fastpath
@@ -155,3 +156,25 @@ def test_torch_backend_with_lanes_through_the_environment():
         per_worker = st.aggregator.worker_counters(0)
         assert sorted(per_worker) == [0, 1]
         assert all(c["contributions"] > 0 for c in per_worker.values()), per_worker
+
+
+def test_ranks_with_different_lanes_are_refused():
+    """A rank whose lanes differ from those of the ranks registered before it is refused by the
+    control endpoint, naming both numbers (its lanes would put other parts of the tensor into
+    the same slots); the others then time out at the barrier, naming it."""
+    with soft_cluster(defaults=SWITCH) as st:
+        res = run_ranks(
+            st,
+            2,
+            lambda c: None,
+            elems=ELEMS,
+            window=8,
+            rendezvous_timeout=5.0,
+            per_rank=lambda r: {"lanes": 1 + r},
+        )
+    assert all(isinstance(e, hostlib.RendezvousError) for e in res), res
+    refused = [str(e) for e in res if "every rank must give the same lanes" in str(e)]
+    assert len(refused) == 1
+    assert ("runs 1 lane(s)" in refused[0] and "before it 2" in refused[0]) or (
+        "runs 2 lane(s)" in refused[0] and "before it 1" in refused[0]
+    )
