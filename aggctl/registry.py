@@ -52,6 +52,9 @@ class _EndpointJob:
     # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
     # has no connection to renew it and lives until the next session or its end
     leased: bool = True
+    # the lanes (hostlib's HostOptions.lanes) of the first rank that registered: every rank must
+    # give the same, or the ranks would put other parts of the tensor into the same slots
+    lanes: int | None = None
 
     @property
     def gone(self) -> list[int]:
@@ -104,6 +107,17 @@ def _recovered_holder(rank: int) -> int:
     """The placeholder that holds a recovered job for `rank` until it rejoins (real connection
     ids are positive)."""
     return -(rank + 1)
+
+
+def _check_lanes(job: _EndpointJob, rank: int, lanes: int) -> None:
+    """A registering rank's lanes must be the job's (those of its first registered rank)."""
+    if job.lanes is None or not job.ranks:
+        job.lanes = lanes
+    elif lanes != job.lanes:
+        raise RequestError(
+            f"rank {rank} of job {job.key!r} runs {lanes} lane(s), the ranks registered before it "
+            f"{job.lanes}: every rank must give the same lanes (HostOptions.lanes, XDP_AGG_LANES)"
+        )
 
 
 def _first_fit(ranges: list[tuple[int, int]], count: int, pool: int) -> int | None:
@@ -391,6 +405,7 @@ class JobRegistry:
         port = int_field(req, "port", 1, 65535)
         mac = str(req.get("mac") or "00:00:00:00:00:00")
         ip = req.get("ip") or peer[0]
+        lanes = int_field(req, "lanes", 1, wire.MAX_SLOTS) if req.get("lanes") is not None else 1
         try:
             ipaddress.IPv4Address(ip)
         except ValueError:
@@ -399,6 +414,7 @@ class JobRegistry:
             self._check_running()
             job = self.live_job(key, reveal=req.proven)
             self.guard.need_job(req, key, job.token)
+            _check_lanes(job, rank, lanes)
             self._add_rank(job, conn, rank, ip, port, mac, local)
             # the barrier
             limit = self.defaults.barrier_timeout

@@ -21,11 +21,13 @@ A refusal is an error answer and changes nothing.
              Allocates a job id (0..63), `window` contiguous slots (first fit over the pool) and an
              aggregator port in 0xBEE0..0xBEEF that no live job uses, then backend.create_job.
              A live job with the same key is an error, never a merge.
-    register {job, rank, port, mac?, ip?, timeout?}                  (every rank)
+    register {job, rank, port, mac?, ip?, timeout?, lanes?}          (every rank)
              -> {ok, job: <description>}, answered to every rank once all world_size ranks
              registered (a barrier); after `timeout` (capped by the server's barrier_timeout) an
              error naming the ranks that did not register. The worker's address is the TCP peer
-             address unless `ip` is given.
+             address unless `ip` is given. `lanes` (hostlib's HostOptions.lanes, default 1): a
+             rank giving another number than the job's first registered rank is refused (its
+             lanes would cut the tensor over the slots otherwise, a wrong sum).
     leave    {job, rank} -> {ok, deleted}
              When every rank left, or the connection of every rank (and of the creator) closed,
              the job is deleted from the backend and its id, slots and port are freed.

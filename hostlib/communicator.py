@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from aggproto import wire
-from aggproto.jobs import JobDescription
+from aggproto.jobs import Delivery, JobDescription
 
 from .control_link import ControlLink
 from .diagnosis import explain_timeout
@@ -31,7 +31,7 @@ from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .options import HostOptions, token_from_env
 from .rendezvous import ControlClient, load_secret, parse_endpoint
-from .striping import StripedEngine
+from .striping import StripedEngine, lane_windows
 from .udp_io import DatagramSocket
 
 _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
@@ -87,9 +87,11 @@ def init(
             place = _Place(rank, world_size, job, size.elems if size else 0, where)
             port = opts.port + j if opts.port else 0
             joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None))
+            joined[-1].lane_socks = _lane_sockets(joined[-1], opts, where)
     except BaseException as e:
         for x in joined:
-            x.sock.close()
+            for sock in [x.sock, *x.lane_socks]:
+                sock.close()
         for ctl in ctls[len(joined) :]:
             ctl.close()
         for x in joined:
@@ -99,9 +101,12 @@ def init(
             host, port_ = endpoints[j]
             raise type(e)(f"aggregator {j} ({host}:{port_}): {e}") from None
         raise
-    engines = [_engine(x, opts, j) for j, x in enumerate(joined)]
+    k = opts.lanes
+    engines = [
+        _engine(x, opts, j * k + lane, lane) for j, x in enumerate(joined) for lane in range(k)
+    ]
     first = joined[0]
-    engine = engines[0] if len(joined) == 1 else StripedEngine(engines, endpoints)
+    engine = engines[0] if len(engines) == 1 else StripedEngine(engines, endpoints, k)
     size = size or PacketSize(first.desc.spec.elems, "the job's, as rank 0 made it")
     return Communicator(rank, job, engine, joined, size)
 
@@ -132,41 +137,64 @@ def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
     return PacketSize(fits[-1], reason)
 
 
-def _engine(x: "_Joined", opts: HostOptions, j: int) -> StreamEngine:
-    """The stream engine of stripe `j` (0 unless striped) at the aggregator `x` joined."""
+def _lane_sockets(x: "_Joined", opts: HostOptions, where: str) -> list[DatagramSocket]:
+    """The data sockets of lanes 1 .. lanes-1 at the aggregator `x` joined (lane 0 has the
+    registered one): each on a free port of the same address, from which it sends, and to which
+    the switch topology returns its slots' results."""
+    if opts.lanes == 1:
+        return []
+    lane_windows(x.desc.spec.slot_base, x.desc.window, opts.lanes)  # ValueError: too few slots
+    if x.desc.spec.delivery != Delivery.BROADCAST:
+        # one-arm: every result goes once to the group at the registered port, so the lanes'
+        # sockets would not get their slots' results (steering them by slot is a later step)
+        raise ValueError(
+            f"lanes={opts.lanes} needs the switch topology (results to the request's source "
+            f"port); the job{where} is one-arm (results to its group at the registered port): "
+            f"use lanes=1 there"
+        )
+    offload = dict(gso=opts.gso, gro=opts.gro)
+    return [DatagramSocket((x.sock.address[0], 0), **offload) for _ in range(opts.lanes - 1)]
+
+
+def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int) -> StreamEngine:
+    """The stream engine of stripe `i` (0 unless striped or in lanes), lane `lane` of those at
+    the aggregator `x` joined."""
     desc = x.desc
+    slot_base, window = lane_windows(desc.spec.slot_base, desc.window, opts.lanes)[lane]
     cfg = EngineConfig(
         job_id=desc.spec.job_id,
         # float scaling's n: every worker under the root of a two-level tree (JobSpec
         # total_workers), else the job's own ranks
         scaling_workers=desc.spec.total_workers or desc.world_size,
         elems=desc.spec.elems,
-        slot_base=desc.spec.slot_base,
-        window=desc.window,
+        slot_base=slot_base,
+        window=window,
         data_address=desc.send_to,
         rto=opts.retransmit,
         timeout=opts.timeout,
-        progress=opts.progress and j == 0,
+        progress=opts.progress and i == 0,
         native=opts.native,
         cwnd=opts.cwnd,
         data_path=opts.data_path,
         spin=opts.spin,
     )
     faults = opts.faults
-    if faults is not None and j:  # independent losses per stripe
-        faults = dataclasses.replace(faults, seed=faults.seed + j)
-    return StreamEngine(x.sock, cfg, faults)
+    if faults is not None and i:  # independent losses per stripe and lane
+        faults = dataclasses.replace(faults, seed=faults.seed + i)
+    return StreamEngine(x.lane_socks[lane - 1] if lane else x.sock, cfg, faults)
 
 
 @dataclasses.dataclass
 class _Joined:
-    """A rank's place at one aggregator: the job there, its control link, data socket and the
-    multicast membership of that socket (or None)."""
+    """A rank's place at one aggregator: the job there, its control link, data socket (lane
+    0's, the one registered), the multicast membership of that socket (or None) and the data
+    sockets of lanes 1 ...."""
 
     desc: JobDescription
     ctl: "ControlLink"
     sock: DatagramSocket
     membership: bytes | None
+    lane_socks: list[DatagramSocket] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +269,8 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             mac=opts.mac or mac_of(my_ip),
             timeout=wait,
             reply_timeout=wait + 5,
+            # the endpoint refuses a rank whose lanes differ from the job's (absent: 1)
+            **({"lanes": opts.lanes} if opts.lanes > 1 else {}),
         )
     except BaseException:  # init closes the control connection
         if sock is not None:
@@ -348,6 +378,7 @@ class Communicator:
         self.descriptions: tuple[JobDescription, ...] = tuple(x.desc for x in joined)
         self._ctls = [x.ctl for x in joined]
         self._socks = [x.sock for x in joined]
+        self._lane_socks = [s for x in joined for s in x.lane_socks]
         # the ip_mreq of each socket's multicast group, if it joined one (close leaves them)
         self._memberships = [x.membership for x in joined]
         self._ctl = self._ctls[0]
@@ -522,7 +553,7 @@ class Communicator:
                 except OSError:
                     pass  # the interface went away: the kernel dropped the membership with it
         self._memberships = [None] * len(self._socks)
-        for sock in self._socks:
+        for sock in self._socks + self._lane_socks:
             sock.close()
 
     def __enter__(self) -> "Communicator":

@@ -18,6 +18,7 @@ The environment (each one a field of HostOptions unless said otherwise):
 | XDP_AGG_SECRET_FILE | secret_file | the deployment secret's file |
 | XDP_AGG_ELEMS | elems | int32 per packet, or "auto" |
 | XDP_AGG_WINDOW | window | slots per worker |
+| XDP_AGG_LANES | lanes | threads (sockets, slot ranges) one all-reduce runs on |
 | XDP_AGG_TIMEOUT | timeout | seconds an all-reduce may go without progress |
 | XDP_AGG_IP | ip | this rank's address towards the aggregator |
 | XDP_AGG_NATIVE | native | "0": the numpy loop instead of the C one |
@@ -59,6 +60,11 @@ class HostOptions:
         ["elems_reason"] say what it became and why. Rank 0's value makes the job, the other
         ranks adopt it.
     window: slots per worker (rank 0's makes the job).
+    lanes: how many lanes one all-reduce runs on (hostlib.striping): each a thread of the C loop
+        with its own data socket and source port, its own contiguous part of the job's window
+        (at least one slot each) and its own congestion window and timers, over a contiguous
+        part of the tensor. Needs the switch topology (results to the request's source port);
+        every rank must give the same number. 1: one thread, as before.
     timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
     ip: the address the aggregator knows this worker by. By default the source address the
         kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
@@ -87,6 +93,7 @@ class HostOptions:
 
     elems: int | str = "auto"
     window: int = DEFAULT_WINDOW
+    lanes: int = 1
     timeout: float = 30.0
     ip: str | None = None
     port: int = 0
@@ -111,6 +118,7 @@ class HostOptions:
             wire.size_code_for(self.elems)  # ValueError naming the wire sizes
         if self.window < 1:
             raise ValueError("window must be at least 1")
+        _check_lanes(self.lanes, self.data_path)
         if self.cwnd not in ("aimd", "fixed"):
             raise ValueError(f"cwnd must be 'aimd' or 'fixed', not {self.cwnd!r}")
         if self.data_path not in DATA_PATHS:
@@ -141,6 +149,14 @@ class HostOptions:
     def replace(self, **changes) -> HostOptions:
         """A copy with `changes` (fields by name)."""
         return dataclasses.replace(self, **changes)
+
+
+def _check_lanes(lanes, data_path: str) -> None:
+    if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
+        raise ValueError(f"lanes must be an integer of at least 1, not {lanes!r}")
+    if lanes > 1 and data_path != "udp":
+        # one AF_XDP socket per queue is a later step: the lanes share nothing but the kernel's
+        raise ValueError(f"lanes > 1 runs over the kernel UDP socket only, not {data_path!r}")
 
 
 def control_from_env(env: Mapping[str, str] | None = None) -> str | None:
@@ -195,6 +211,7 @@ def _fallback(value: str) -> str | None:
 _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "XDP_AGG_ELEMS": ("elems", _elems),
     "XDP_AGG_WINDOW": ("window", _number("XDP_AGG_WINDOW", int)),
+    "XDP_AGG_LANES": ("lanes", _number("XDP_AGG_LANES", int)),
     "XDP_AGG_TIMEOUT": ("timeout", _number("XDP_AGG_TIMEOUT", float)),
     "XDP_AGG_IP": ("ip", str),
     "XDP_AGG_NATIVE": ("native", _off_if_zero),

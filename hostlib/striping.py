@@ -15,6 +15,13 @@ An all-reduce returns (or raises) only once every stripe has ended, so that no e
 when the next all-reduce or close() comes: a Ctrl-C stops the calling thread's stripe at once,
 but the others run on until they finish or stall (at most the stall timeout).
 
+Lanes: with HostOptions.lanes = k, each aggregator's part is run on k lanes, each a stripe of its
+own over the same aggregator: its own data socket (so its own UDP source port, to which the
+switch topology returns the results of its slots), its own contiguous part of the job's window
+(lane_windows) and its own StreamEngine, so its own congestion window and timers. A
+StripedEngine of a aggregators with k lanes each runs a * k stripes, aggregator j's being
+stripes j*k .. j*k + k - 1, a contiguous part of the tensor.
+
 Stripes are cut at multiples of the packet size, so every packet carries the same elements as
 without striping: int32 sums are identical, and float32 sums too (block scaling works per packet:
 the exponents agreed for a packet do not depend on which aggregator summed it).
@@ -57,6 +64,25 @@ def stripe_bounds(length: int, elems: int, k: int) -> list[tuple[int, int]]:
     return out
 
 
+def lane_windows(slot_base: int, window: int, k: int) -> list[tuple[int, int]]:
+    """The (slot_base, window) of each of k lanes sharing a worker's window of `window` slots
+    from `slot_base`: contiguous sub-ranges, as even as whole slots allow (the first
+    window mod k lanes get one more). ValueError if a lane would get no slot."""
+    if k < 1:
+        raise ValueError("lanes must be at least 1")
+    if window < k:
+        raise ValueError(
+            f"lanes={k} needs a window of at least {k} slots (one per lane), the job has {window}"
+        )
+    base, extra = divmod(window, k)
+    out, s = [], slot_base
+    for lane in range(k):
+        w = base + (1 if lane < extra else 0)
+        out.append((s, w))
+        s += w
+    return out
+
+
 class StripedEngine:
     """The engines of a job striped over several aggregators, run as one (see module doc).
 
@@ -64,14 +90,17 @@ class StripedEngine:
     StreamEngine: one all-reduce at a time.
     """
 
-    def __init__(self, engines: list[StreamEngine], endpoints: list[tuple[str, int]]) -> None:
-        if len(engines) < 2 or len(engines) != len(endpoints):
-            raise ValueError("a striped engine needs one endpoint per engine, two or more")
+    def __init__(
+        self, engines: list[StreamEngine], endpoints: list[tuple[str, int]], lanes: int = 1
+    ) -> None:
+        if len(engines) < 2 or len(engines) != len(endpoints) * lanes:
+            raise ValueError("a striped engine needs `lanes` engines per endpoint, two or more")
         elems = {e.state.cfg.elems for e in engines}
         if len(elems) != 1:
             raise ValueError(f"the aggregators' jobs disagree on elements per packet: {elems}")
         self.engines = engines
         self.endpoints = endpoints
+        self.lanes = lanes  # engine i is lane i % lanes at aggregator i // lanes
         self.native = engines[0].native  # every stripe's (one HostOptions made them)
         self.elems = engines[0].state.cfg.elems
         self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
@@ -114,8 +143,19 @@ class StripedEngine:
         return "; ".join(f"stripe {j}: {r}" for j, r in reasons if r)
 
     def stats_per_aggregator(self) -> list[dict]:
-        """Each stripe's own counters (StreamEngine.stats), in aggregator order."""
-        return [dict(e.stats) for e in self.engines]
+        """Each aggregator's own counters (its lanes' StreamEngine.stats added up as `stats`
+        adds them, allreduces its first lane's), in aggregator order."""
+        k = self.lanes
+        if k == 1:
+            return [dict(e.stats) for e in self.engines]
+        out = []
+        for j in range(len(self.endpoints)):
+            lanes = [e.stats for e in self.engines[j * k : (j + 1) * k]]
+            st = {name: sum(s[name] for s in lanes) for name in STAT_NAMES}
+            st["allreduces"] = lanes[0]["allreduces"]
+            st.update(rtt=max(s["rtt"] for s in lanes), elapsed=max(s["elapsed"] for s in lanes))
+            out.append(st)
+        return out
 
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
@@ -159,13 +199,15 @@ class StripedEngine:
         self._own["allreduces"] += 1
         self._own["elements"] += src.size
 
-    def _name_stripe(self, j: int, e: AllreduceTimeout) -> AllreduceTimeout:
-        """e, its message prefixed with which aggregator stalled."""
+    def _name_stripe(self, i: int, e: AllreduceTimeout) -> AllreduceTimeout:
+        """e (of engine i), its message prefixed with which aggregator (and lane) stalled."""
+        j, lane = divmod(i, self.lanes)
         host, port = self.endpoints[j]
-        data = self.engines[j].state.cfg.data_address
+        data = self.engines[i].state.cfg.data_address
+        which = f"lane {lane} of {self.lanes} at " if self.lanes > 1 else ""
         return e.copy(
-            f"aggregator {j} of {len(self)} (control endpoint {host}:{port}, contributions to "
-            f"{data[0]}:{data[1]}): {e.args[0]}",
+            f"{which}aggregator {j} of {len(self.endpoints)} (control endpoint {host}:{port}, "
+            f"contributions to {data[0]}:{data[1]}): {e.args[0]}",
             stripe=j,
             endpoint=(host, port),
         )

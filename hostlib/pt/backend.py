@@ -40,6 +40,8 @@ Settings (environment, read when the group is made, through hostlib.options.Host
 - XDP_AGG_ELEMS, XDP_AGG_WINDOW  int32 per packet and slots per worker (HostOptions' elems,
                              window; default "auto", the most the path MTU and the aggregator
                              allow, and hostlib.options.DEFAULT_WINDOW).
+- XDP_AGG_LANES=k            run each all-reduce on k lanes (HostOptions.lanes; default 1;
+                             the switch topology only).
 - XDP_AGG_SECRET_FILE=path   the deployment secret (a copy of `xdp-agg serve`'s, mode 0600);
                              rank 0 needs it to create the job. The other ranks use it too
                              when they have it; a rank without it takes the job's token, which

@@ -1,0 +1,180 @@
+"""Lanes (HostOptions.lanes): one all-reduce on k threads, each with its own socket, source port,
+slot range, congestion window and timers (hostlib.striping), on loopback soft aggregators in
+the switch topology (results to the request's source port).
+
+The numpy loop is the single-lane reference: k C lanes are compared byte for byte with k numpy
+lanes over the same slots, and with one lane (block scaling works per packet, and lanes cut the
+tensor at whole packets, so every packet carries the same elements whatever k is).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from harness.ranks import ok, run_ranks, soft_cluster
+from test_hostlib import float_inputs, int_expected, int_inputs
+
+import hostlib
+from aggproto.jobs import Delivery
+from hostlib import HostOptions
+from hostlib.engine import Faults, _fastpath
+from hostlib.striping import lane_windows
+
+SWITCH = {"delivery": Delivery.BROADCAST}
+ELEMS = 32
+LENGTHS = [ELEMS * 40 + 7, ELEMS * 2, 5, 0]  # a partial packet; fewer packets than lanes; empty
+
+needs_fastpath = pytest.mark.skipif(
+    _fastpath is None, reason="hostlib._fastpath is not built (python setup.py build_ext --inplace)"
+)
+
+
+def test_lane_windows():
+    assert lane_windows(100, 8, 1) == [(100, 8)]
+    assert lane_windows(100, 8, 2) == [(100, 4), (104, 4)]
+    assert lane_windows(0, 8, 3) == [(0, 3), (3, 3), (6, 2)]
+    assert lane_windows(5, 3, 3) == [(5, 1), (6, 1), (7, 1)]
+    with pytest.raises(ValueError, match="at least 3 slots"):
+        lane_windows(0, 2, 3)
+    with pytest.raises(ValueError):
+        lane_windows(0, 8, 0)
+
+
+@pytest.mark.parametrize("bad", [0, -1, "2", 1.5, True, None])
+def test_a_bad_lanes_value_is_refused(bad):
+    with pytest.raises(ValueError, match="lanes must be an integer of at least 1"):
+        HostOptions(lanes=bad)
+
+
+def test_lanes_from_the_environment():
+    assert HostOptions().lanes == 1
+    assert HostOptions.from_env({"XDP_AGG_LANES": "3"}).lanes == 3
+    with pytest.raises(ValueError, match="XDP_AGG_LANES='two'"):
+        HostOptions.from_env({"XDP_AGG_LANES": "two"})
+    with pytest.raises(ValueError, match="lanes must be"):
+        HostOptions.from_env({"XDP_AGG_LANES": "0"})
+    with pytest.raises(ValueError, match="kernel UDP socket only"):
+        HostOptions(lanes=2, data_path="afxdp")
+
+
+def _body(c):
+    out = [c.allreduce(int_inputs(c.rank, L, seed=L)) for L in LENGTHS]
+    out += [c.allreduce(float_inputs(c.rank, L, ELEMS)) for L in LENGTHS]
+    lanes = getattr(c._engine, "engines", [c._engine])
+    return out, [e.stats["results"] for e in lanes], {e.state.sock.address[1] for e in lanes}
+
+
+def _run(n, *, lanes, native, aggregators=1, **kw):
+    with soft_cluster(aggregators=aggregators, defaults=SWITCH) as st:
+        args = dict(elems=ELEMS, window=8, lanes=lanes, native=native, **kw)
+        return ok(run_ranks(st, n, _body, deadline=90.0, **args))
+
+
+@needs_fastpath
+@pytest.mark.parametrize("k", [2, 3])
+def test_k_c_lanes_equal_k_numpy_lanes_and_one_lane(k):
+    """int32 exact; float32 byte for byte against k numpy lanes and against one lane; every
+    lane carried results, each from its own source port."""
+    n = 3
+    single = _run(n, lanes=1, native=True)
+    ref = _run(n, lanes=k, native=False)
+    got = _run(n, lanes=k, native=True)
+    for r in range(n):
+        out, results, ports = got[r]
+        assert len(results) == k and all(x > 0 for x in results)
+        assert len(ports) == k
+        for i, L in enumerate(LENGTHS):
+            assert np.array_equal(out[i], int_expected(n, L, seed=L))
+        for i in range(2 * len(LENGTHS)):
+            assert out[i].tobytes() == ref[r][0][i].tobytes() == single[r][0][i].tobytes()
+
+
+@needs_fastpath
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_lanes_under_loss_and_duplication(k):
+    """Seeded loss and duplication both ways on every lane (its own seed): the C lanes still
+    equal the numpy lanes byte for byte, and they retransmitted."""
+
+    def faults(r):
+        return {"faults": Faults(0.05, 0.05, 0.05, 0.05, seed=10 * r + 1)}
+
+    n = 2
+    ref = _run(n, lanes=k, native=False, per_rank=faults)
+    got = _run(n, lanes=k, native=True, per_rank=faults)
+    for r in range(n):
+        for i, L in enumerate(LENGTHS):
+            assert np.array_equal(got[r][0][i], int_expected(n, L, seed=L))
+        for i in range(2 * len(LENGTHS)):
+            assert got[r][0][i].tobytes() == ref[r][0][i].tobytes()
+
+
+@needs_fastpath
+def test_lanes_within_stripes():
+    """Two aggregators, two lanes at each: four stripes, the same sums as one lane at one."""
+    n = 2
+    single = _run(n, lanes=1, native=True)
+    got = _run(n, lanes=2, native=True, aggregators=2)
+    for r in range(n):
+        out, results, ports = got[r]
+        assert len(results) == 4 and all(x > 0 for x in results)
+        for i in range(2 * len(LENGTHS)):
+            assert out[i].tobytes() == single[r][0][i].tobytes()
+
+
+def test_lanes_in_the_one_arm_topology_are_refused():
+    with soft_cluster() as st:  # GROUP_TX: results to the registered port only
+        res = run_ranks(st, 2, lambda c: None, lanes=2, elems=ELEMS, window=8)
+    for e in res:
+        assert isinstance(e, ValueError) and "switch topology" in str(e) and "one-arm" in str(e)
+
+
+def test_too_few_slots_for_the_lanes_are_refused():
+    with soft_cluster(defaults=SWITCH) as st:
+        res = run_ranks(st, 2, lambda c: None, lanes=3, elems=ELEMS, window=2)
+    for e in res:
+        assert isinstance(e, ValueError) and "at least 3 slots" in str(e)
+
+
+def test_the_lanes_sockets_are_closed():
+    """A communicator with lanes holds one socket per lane, and close() releases them all."""
+    with soft_cluster(defaults=SWITCH) as st:
+        comms = run_ranks(st, 1, lambda c: c, lanes=2, elems=ELEMS, window=8)
+    socks = [e.state.sock for e in comms[0]._engine.engines]
+    assert all(s.sock.fileno() == -1 for s in socks)
+
+
+def test_torch_backend_with_lanes_through_the_environment():
+    """hostlib.pt's backend with XDP_AGG_LANES=2: its collectives as with one lane, each rank's
+    both ranks contributing."""
+    pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
+    from test_torch import _check_backend, _reports, _start_loopback
+
+    with soft_cluster(defaults=SWITCH) as st:
+        extra = {"XDP_AGG_LANES": "2", "XDP_AGG_WINDOW": "8"}
+        procs = _start_loopback(st, 2, "backend", "--backend-spec", "cpu:xdpagg", **extra)
+        _check_backend(_reports(procs), 2)
+        per_worker = st.aggregator.worker_counters(0)
+        assert sorted(per_worker) == [0, 1]
+        assert all(c["contributions"] > 0 for c in per_worker.values()), per_worker
+
+
+def test_ranks_with_different_lanes_are_refused():
+    """A rank whose lanes differ from those of the ranks registered before it is refused by the
+    control endpoint, naming both numbers (its lanes would put other parts of the tensor into
+    the same slots); the others then time out at the barrier, naming it."""
+    with soft_cluster(defaults=SWITCH) as st:
+        res = run_ranks(
+            st,
+            2,
+            lambda c: None,
+            elems=ELEMS,
+            window=8,
+            rendezvous_timeout=5.0,
+            per_rank=lambda r: {"lanes": 1 + r},
+        )
+    assert all(isinstance(e, hostlib.RendezvousError) for e in res), res
+    refused = [str(e) for e in res if "every rank must give the same lanes" in str(e)]
+    assert len(refused) == 1
+    assert ("runs 1 lane(s)" in refused[0] and "before it 2" in refused[0]) or (
+        "runs 2 lane(s)" in refused[0] and "before it 1" in refused[0]
+    )
