@@ -51,16 +51,36 @@ def _run_suite(backend: str, world: int, tmp: Path, env: dict) -> dict:
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
     )
-    proc = subprocess.run(
-        [sys.executable, SUITE, "--backend", backend, "--json", str(out)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=1800,
+    log = tmp / f"{backend}-{world}.log"  # the ranks' own stderr too (a rank's traceback)
+    with open(log, "w") as f:
+        subprocess.run(
+            [sys.executable, SUITE, "--backend", backend, "--json", str(out)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            text=True,
+            timeout=1800,
+        )
+    text = log.read_text()
+    assert out.exists(), f"the suite did not finish on {backend}:\n{text[-3000:]}"
+    print(f"{backend} world {world}: {text.strip().splitlines()[-1]} (log: {log})")
+    outcomes = json.loads(out.read_text())
+    for v in outcomes.values():
+        v["log"] = text  # for the failure message: what the ranks printed
+    return outcomes
+
+
+def _ranks_said(outcome: dict, name: str) -> str:
+    """What the run printed while the test ran (the suite names each test as it starts; the
+    ranks' own tracebacks follow), for a failure message."""
+    lines = outcome["log"].splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith(name + " ")), None)
+    if start is None:
+        return ""
+    end = next(
+        (i for i in range(start + 1, len(lines)) if lines[i].startswith("test_")), len(lines)
     )
-    assert out.exists(), f"the suite did not finish on {backend}:\n{proc.stdout[-3000:]}"
-    print(f"{backend} world {world}: {proc.stdout.strip().splitlines()[-1]}")
-    return json.loads(out.read_text())
+    return "\nwhat the run printed meanwhile:\n" + "\n".join(lines[start:end][-80:])
 
 
 def _count(outcomes: dict) -> dict:
@@ -94,7 +114,7 @@ def test_pytorch_distributed_suite_on_xdpagg_as_on_gloo(world, tmp_path):
             if g["outcome"] == "passed" and DIFFERENT[name][1] not in x["detail"]:
                 wrong.append(f"{name}: expected to fail with {DIFFERENT[name][1]!r}: {x}")
         elif g["outcome"] == "passed" and x["outcome"] != "passed":
-            wrong.append(f"{name}: {x['outcome']} on xdpagg:\n{x['detail']}")
+            wrong.append(f"{name}: {x['outcome']} on xdpagg:\n{x['detail']}{_ranks_said(x, name)}")
         elif g["outcome"] == "skipped" and x["outcome"] == "failed":
             wrong.append(f"{name}: failed on xdpagg, skipped on gloo:\n{x['detail']}")
     assert not wrong, "\n\n".join(wrong)

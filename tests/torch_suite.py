@@ -117,7 +117,8 @@ def main() -> int:
     if args.k:
         loader.testNamePatterns = [f"*{k}*" for k in args.k]
     suite = loader.loadTestsFromTestCase(TestSuite)
-    runner = unittest.TextTestRunner(stream=sys.stdout, verbosity=1, resultclass=_Outcomes)
+    # verbosity 2 names each test as it starts: what its ranks print follows the name
+    runner = unittest.TextTestRunner(stream=sys.stdout, verbosity=2, resultclass=_Outcomes)
     result = runner.run(suite)
     with open(args.json, "w") as f:
         json.dump(result.outcomes, f, indent=1, sort_keys=True)
