@@ -95,10 +95,14 @@ control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
         } else if (md.reason == AGG_COMPLETED) {
             // The result to every worker of the job: one multicast copy per worker (rid = worker
             // index); UDPSender addresses each copy in egress. Results come from the port the
-            // workers sent to.
+            // workers sent to and go to the port the completing request came from, as
+            // p4app-switchML's switch answers (its udp_receiver.p4 lines 70-71): a host's
+            // thread t sends from worker_port + t, each thread its own slots.
             sm.mcast_grp = md.mgid;
             md.kind = KIND_RESULT;
+            bit<16> request_port = hdr.udp.src_port;
             hdr.udp.src_port = hdr.udp.dst_port;
+            hdr.udp.dst_port = request_port;
             hdr.udp.checksum = 0;
             md.rewrite_ipv4 = 1;
         } else if (md.reason == AGG_RETX_ANSWERED) {

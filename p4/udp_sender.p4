@@ -4,8 +4,9 @@
 
 control UDPSender(inout headers_t hdr, inout sml_metadata_t md, inout standard_metadata_t sm) {
 
-    // As the XDP program's switch mode: the worker's MAC, address and UDP port as destination,
-    // our MAC and address on the worker's side as source; UDP checksum 0 (legal for IPv4); the
+    // As the XDP program's switch mode: the worker's MAC and address as destination (and its
+    // registered UDP port for the parent's result; see apply), our MAC and address on the
+    // worker's side as source; UDP checksum 0 (legal for IPv4); the
     // IPv4 checksum is recomputed after egress (SmlComputeChecksum).
     @name(".to_worker")
     action to_worker(bit<48> mac, bit<32> ip, bit<16> port, bit<48> agg_mac, bit<32> agg_ip) {
@@ -39,7 +40,15 @@ control UDPSender(inout headers_t hdr, inout sml_metadata_t md, inout standard_m
     }
 
     apply {
+        // a completion keeps the port its request came from, which ingress made the copy's
+        // destination port (p4app-switchML's udp_sender.p4 line 80); the parent's result, which
+        // no worker of ours sent, goes to the port each worker registered
+        bool from_parent = md.reason == AGG_PARENT_RESULT;
+        bit<16> request_port = hdr.udp.dst_port;
         worker_addr.apply();
+        if (!from_parent) {
+            hdr.udp.dst_port = request_port;
+        }
     }
 }
 

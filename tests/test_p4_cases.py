@@ -3,7 +3,8 @@
 The same inputs as the XDP test, frame by frame, into a bmv2 switch on veths; what comes out of
 every port is captured and checked:
 - TO_ALL: one copy per worker of the job, out of that worker's port, addressed to it (the
-  switch-mode delivery of the XDP program: dst MAC/IP/port = worker, src = our address there,
+  switch-mode delivery of the XDP program: dst MAC/IP = worker, dst port = the completing
+  request's source port (the parent's result: the worker's port), src = our address there,
   UDP checksum 0, IPv4 checksum recomputed), with the expected sum, exponent and echoed fields;
 - TO_SENDER: one frame, back out of the sender's port, addresses swapped;
 - DROP: nothing out of any port;
@@ -142,14 +143,17 @@ def _check_outputs(case: Case, step: Step, in_port: int, outs) -> None:
         job, ws = _owner(case, req)
         copies = {(Ether(d).dst, Ether(d)[IP].dst): (p, Ether(d)) for p, d in outs}
         assert len(copies) == len(ws), f"{step.what}: not one copy per worker"
-        # a completion leaves from the port it came to; the parent's result from the rack
-        # job's own port (it came to the uplink port)
-        sport = job.agg_port if step.reason == Reason.PARENT_RESULT else req[UDP].dport
+        # a completion leaves from the port it came to, to the port the request came from (as
+        # p4app-switchML's switch answers); the parent's result from the rack job's own port
+        # (it came to the uplink port) to the port each worker registered
+        ports = (req[UDP].dport, req[UDP].sport)
         for w in ws:
+            if step.reason == Reason.PARENT_RESULT:
+                ports = (job.agg_port, w.port)
             port, out = copies[(w.mac, w.ip)]
             assert port == port_of_host(HOST_OF_IP[w.ip])
             assert (out.src, out[IP].src) == (job.agg_mac, job.agg_ip)
-            assert (out[UDP].sport, out[UDP].dport) == (sport, w.port), step.what
+            assert (out[UDP].sport, out[UDP].dport) == ports, step.what
 
 
 def _case_id(c: Case) -> str:

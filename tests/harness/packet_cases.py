@@ -725,8 +725,7 @@ def switch_results_to_request_source_port(rng) -> list[Case]:
     worker_port and the next); the workers registered 0xBEE0. The XDP program's devmap egress
     (which BPF_PROG_TEST_RUN cannot run) is checked in the testbed by
     tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
-    tests/test_switchml_grpc.py; the P4 twin still answers the registered port (docs/protocol.md
-    7.1), which bmv2's runner checks."""
+    tests/test_switchml_grpc.py; bmv2's runner checks every copy's ports."""
     c = Case(
         "switch_results_to_request_source_port",
         [job(n=2, delivery=Delivery.BROADCAST)],
