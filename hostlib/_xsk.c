@@ -1,5 +1,5 @@
 /*
- * The AF_XDP data path of hostlib._fastpath (issue 20 item 3), with plain system calls only:
+ * The AF_XDP data path of hostlib._fastpath, with plain system calls only:
  * socket(AF_XDP), setsockopt XDP_UMEM_REG and the ring sizes, mmap of the four rings, bind
  * (zero-copy where the driver has it, copy mode otherwise: veth has only copy mode), and bpf(2)
  * for the XSKMAP, the redirect program (a hand-written instruction array below) and a bpf_link

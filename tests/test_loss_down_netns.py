@@ -1,4 +1,4 @@
-"""The testbed's downstream loss reaches every kind of receiver (issue 33 item 4).
+"""The testbed's downstream loss reaches every kind of receiver.
 
 It used to be an nftables drop on the worker's ingress hook: a kernel UDP socket lost what it
 dropped, but an AF_PACKET socket (DPDK's net_af_packet, p4app-switchML's client) and an XDP

@@ -1,4 +1,4 @@
-"""A real Prometheus scrapes `xdp-agg serve --metrics` in the testbed during all-reduces (issue 31).
+"""A real Prometheus scrapes `xdp-agg serve --metrics` in the testbed during all-reduces.
 
 Two workers all-reduce through the XDP aggregator (bench.soak_worker: mixed sizes, every result
 checked) until the test is done; serve exports its metrics on the aggregator's address, and

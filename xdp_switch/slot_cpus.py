@@ -5,7 +5,7 @@ When the contributions of a slot land on several CPUs, each adds into its own pa
 completing CPU gathers the others' (bpf/aggregate.h): a cache line moved per contribution
 (docs/benchmarks.md). Two ways to keep a slot on one CPU (docs/design.md "One CPU per slot"):
 - a NIC whose receive hash (RSS) can be set: hash UDP/IPv4 on the ports alone, so that lane l of
-  every worker (the same source port, issue 30) lands on the same queue; rss_report() says what
+  every worker (the same source port) lands on the same queue; rss_report() says what
   the NIC does now and the command that changes it;
 - anywhere else (veth, NICs whose hash cannot be set): the cpumap, steered by the slot table.
 
