@@ -42,8 +42,11 @@ def _tools():
         subprocess.run(["apt-get", "install", "-y", "iputils-ping"], capture_output=True)
 
 
-# Receiver run inside a namespace: prints "ready", then collects datagrams
-# until `idle` seconds pass without one and prints them as JSON.
+# Receiver run inside a namespace: binds, prints "ready", and waits for a line on stdin, which
+# collect() writes once the test's senders have exited; only then does it drain the datagrams
+# (queued in its socket meanwhile) until `idle` seconds pass without one, and prints them as
+# JSON. The idle clock so starts after the sending, however slowly a loaded machine starts the
+# sender's Python: a receiver that timed out while the sender was still starting saw nothing.
 RECV = r"""
 import json, socket, sys
 port, idle = int(sys.argv[1]), float(sys.argv[2])
@@ -51,8 +54,9 @@ s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
 s.setsockopt(socket.SOL_SOCKET, 33, 8 << 20)  # SO_RCVBUFFORCE: no overflow drops
 s.bind(("0.0.0.0", port))
-s.settimeout(idle)
 print("ready", flush=True)
+sys.stdin.readline()  # the senders are done
+s.settimeout(idle)
 got = []
 try:
     while True:
@@ -78,14 +82,19 @@ for i in range(n):
 
 def start_receiver(tb, host, port, idle=0.5):
     p = tb.popen(
-        host, [sys.executable, "-c", RECV, str(port), str(idle)], stdout=subprocess.PIPE, text=True
+        host,
+        [sys.executable, "-c", RECV, str(port), str(idle)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     assert p.stdout.readline().strip() == "ready"
     return p
 
 
 def collect(p):
-    out, _ = p.communicate(timeout=10)
+    """The datagrams the receiver got, told once every send() before this call has returned."""
+    out, _ = p.communicate(input="done\n", timeout=30)
     return json.loads(out)
 
 
