@@ -220,3 +220,12 @@ _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     control.SECRET_ENV: ("secret_file", str),
     "XDP_AGG_FALLBACK": ("fallback", _fallback),
 }
+
+
+def env_var(field: str) -> str:
+    """The environment variable that sets HostOptions' `field` (for a launcher that passes
+    options to a worker process through its environment); KeyError for a field without one."""
+    for var, (name, _) in _ENV.items():
+        if name == field:
+            return var
+    raise KeyError(f"HostOptions has no environment variable for {field!r}")

@@ -15,7 +15,7 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from hostlib import afxdp
+from hostlib.options import env_var
 
 from .probes import count_namespaces, count_pins, progress_line, sample
 from .verdicts import Thresholds
@@ -141,8 +141,8 @@ def _start_ranks(cl, tb, opts, jobs: list[str], stop_at: float, ranks: list) -> 
             ]
             err = tempfile.TemporaryFile()
             env = cl.worker_env()
-            env[afxdp.ENV] = job_data_path(opts, j)
-            if env[afxdp.ENV] == "afxdp":
+            env[env_var("data_path")] = job_data_path(opts, j)
+            if env[env_var("data_path")] == "afxdp":
                 env["XDP_AGG_NATIVE"] = "1"  # AF_XDP is the C loop's
             p = tb.popen(w, cmd, env=env, stdout=subprocess.PIPE, stderr=err, text=True)
             ranks.append(Rank(job, r, p, err))
