@@ -64,7 +64,8 @@ class PathStats:
         with self._lock:
             self._counts[key + (path,)] += 1
             first = reason is not None and key not in self._warned
-            self._warned.add(key) if first else None
+            if first:
+                self._warned.add(key)
         if first:
             warnings.warn(
                 f"{self.name}: {collective} with {key[1]} of {key[2]} goes through gloo, not the "
