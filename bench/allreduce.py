@@ -67,8 +67,8 @@ GLOO_PORT = 29500
 
 
 def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> list[dict]:
-    """One testbed and one set of worker processes for (n, rate); every selected size, both
-    systems (or `plan`: the host rows)."""
+    """One testbed for (n, rate) and on it one set of worker processes per lanes value
+    (args.lanes), each running every selected size on both systems (or `plan`: the host rows)."""
     from aggcluster.cluster import Cluster
     from netns_testbed.counters import Layout
     from netns_testbed.testbed import PLAIN_XDP_MAX_MTU, Testbed
@@ -86,7 +86,6 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         ]
     if not plan:
         return []
-    profile = rate == "unshaped" and n == 4 and args.profile
     with (
         Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus
@@ -97,69 +96,71 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         ) as cl,
     ):
         layout = Layout.from_testbed(tb)
-        procs = []
-        for r, w in enumerate(tb.workers):
-            cmd = [
-                sys.executable,
-                "-m",
-                "bench.worker",
-                "--rank",
-                str(r),
-                "--world",
-                str(n),
-                "--control",
-                cl.control_address(w),
-                "--gloo",
-                f"{tb.workers[0].ip}:{GLOO_PORT}",
-                "--job",
-                f"bench-{n}-{rate}",
-                "--elems",
-                str(args.elems),
-                "--window",
-                str(args.window),
-                "--plan",
-                json.dumps(plan),
+        rows = []
+        for lanes in args.lanes:  # one testbed, a set of workers per lanes value
+            reports = _run_workers(tb, cl, layout, n, rate, lanes, plan, args)
+            rows += [
+                _row(n, rate, lanes, item, [pr[i] for pr in reports], layout, log, args)
+                for i, item in enumerate(plan)
             ]
-            if args.counters:
-                cmd += ["--counted"]
-                if r == 0:
-                    cmd += ["--layout", json.dumps(layout.to_dict())]
-            if args.syscpu:
-                cmd += ["--syscpu"]
-            if r == 0 and (args.counters or args.syscpu):
-                cmd += ["--agg-name", cl.name]
-            if profile:
-                cmd += [
-                    "--profile",
-                    str(64 << 20),
-                    "--profile-out",
-                    str(Path(args.out).resolve() / "profile.txt"),
-                ]
-            procs.append(
-                tb.popen(
-                    w,
-                    cmd,
-                    env=cl.worker_env(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        per_rank, failed = [], []
-        for r, p in enumerate(procs):
-            out, err = p.communicate(timeout=args.deadline)
-            if p.returncode != 0:
-                failed.append(f"rank {r}: {err.strip()[-1500:]}")
-            per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
-        if failed:  # every rank's: the first to fail is often not rank 0
-            raise RuntimeError(f"n={n} {rate}: " + "\n".join(failed))
-    return [
-        _row(n, rate, item, [pr[i] for pr in per_rank], layout, log, args)
-        for i, item in enumerate(plan)
-    ]
+    return rows
 
 
-def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log, args) -> dict:
+def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> list[list[dict]]:
+    """One set of n worker processes (hostlib with `lanes` lanes, and gloo) through the plan;
+    each rank's reports, in plan order."""
+    profile = rate == "unshaped" and n == 4 and args.profile and lanes == args.lanes[0]
+    procs = []
+    for r, w in enumerate(tb.workers):
+        cmd = [
+            sys.executable,
+            "-m",
+            "bench.worker",
+            "--rank",
+            str(r),
+            "--world",
+            str(n),
+            "--control",
+            cl.control_address(w),
+            "--gloo",
+            f"{tb.workers[0].ip}:{GLOO_PORT}",
+            "--job",
+            f"bench-{n}-{rate}-{lanes}",
+            "--elems",
+            str(args.elems),
+            "--window",
+            str(args.window),
+            "--plan",
+            json.dumps(plan),
+        ]
+        if args.counters:
+            cmd += ["--counted"]
+            if r == 0:
+                cmd += ["--layout", json.dumps(layout.to_dict())]
+        if args.syscpu:
+            cmd += ["--syscpu"]
+        if r == 0 and (args.counters or args.syscpu):
+            cmd += ["--agg-name", cl.name]
+        if profile:
+            out = str(Path(args.out).resolve() / "profile.txt")
+            cmd += ["--profile", str(64 << 20), "--profile-out", out]
+        # every set says its lanes, so hostlib's default never decides a row's
+        env = {**cl.worker_env(), "XDP_AGG_LANES": str(lanes)}
+        procs.append(
+            tb.popen(w, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        )
+    per_rank, failed = [], []
+    for r, p in enumerate(procs):
+        out, err = p.communicate(timeout=args.deadline)
+        if p.returncode != 0:
+            failed.append(f"rank {r}: {err.strip()[-1500:]}")
+        per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
+    if failed:  # every rank's: the first to fail is often not rank 0
+        raise RuntimeError(f"n={n} {rate} lanes={lanes}: " + "\n".join(failed))
+    return per_rank
+
+
+def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout, log, args) -> dict:
     """One plan item's row from every rank's report: the slowest rank's times, the mean CPU,
     rank 0's system-wide CPU spans, the retransmissions and their causes; logged as one line."""
     row = {
@@ -168,6 +169,7 @@ def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log, args) 
         "bytes": item["bytes"],
         "kind": item["kind"],
         "dtype": item.get("dtype", "float32"),
+        "lanes": lanes,
     }
     systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
     for system in systems:
@@ -187,7 +189,8 @@ def _row(n: int, rate: str, item: dict, reports: list[dict], layout, log, args) 
     if "counters" in reports[0]:
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
-    line = f"  n={n} {rate:8s} {item['kind']:10s} {row['dtype']:7s} {item['bytes']:>9d} B:"
+    line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:7s}"
+    line += f" {item['bytes']:>9d} B:"
     for system in systems:
         line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
     log(
@@ -226,6 +229,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "bytes": S,
             "kind": row["kind"],
             "dtype": row.get("dtype", "float32"),
+            "lanes": row.get("lanes", 1),
             "retransmissions": row["retransmissions"],
         }
         if row.get("packets"):
@@ -253,6 +257,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         if row["kind"] == "host":
             s["gbit_each_way"] = S * 8 / s["xdp-agg"]["median_s"] / 1e9
             s["cpu_s_per_gib"] = s["xdp-agg"]["cpu_s_per_rank"] / (S / 2**30)
+            s["cpu_per_wall"] = s["xdp-agg"]["cpu_s_per_rank"] / s["xdp-agg"]["median_s"]
             out.append(s)
             continue
         s["speedup"] = s["gloo"]["median_s"] / s["xdp-agg"]["median_s"]
@@ -262,7 +267,18 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["xdp-agg"]["of_bound"] = s["bound_ina_s"] / s["xdp-agg"]["median_s"]
             s["gloo"]["of_bound"] = s["bound_ring_s"] / s["gloo"]["median_s"]
         out.append(s)
+    _lane_ratios(out)
     return out
+
+
+def _lane_ratios(cells: list[dict]) -> None:
+    """Each cell's "vs_1_lane": xdp-agg's median time with 1 lane over its own, in the same
+    (n, link, size, kind, dtype) of the same run; absent where no 1-lane cell was run."""
+    key = lambda c: (c["n"], c["link"], c["bytes"], c["kind"], c["dtype"])  # noqa: E731
+    one = {key(c): c for c in cells if c["lanes"] == 1}
+    for c in cells:
+        if key(c) in one:
+            c["vs_1_lane"] = one[key(c)]["xdp-agg"]["median_s"] / c["xdp-agg"]["median_s"]
 
 
 def _size(b: int) -> str:
@@ -273,7 +289,8 @@ def markdown(summary: list[dict], meta: dict) -> str:
     L = [
         f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), "
         f"MTU {meta['mtu']}, "
-        f"{meta['elems']} int32 per packet, window {meta['window']}."
+        f"{meta['elems']} int32 per packet, window {meta['window']}, "
+        f"lanes {', '.join(map(str, meta.get('lanes', [1])))}."
         + (
             f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; "
             "load average "
@@ -282,20 +299,20 @@ def markdown(summary: list[dict], meta: dict) -> str:
             else ""
         ),
         "",
-        "| n | link | size | xdp-agg ms (spread) | gloo ms (spread) | speedup "
-        "| xdp-agg ATE/s | gloo ATE/s "
+        "| n | link | size | lanes | xdp-agg ms (spread) | gloo ms (spread) | speedup "
+        "| xdp-agg vs 1 lane | xdp-agg ATE/s | gloo ATE/s "
         "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) "
         "| CPU s/rank xdp-agg | CPU s/rank gloo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
     for s in (x for x in summary if x["kind"] == "throughput"):
         a, g = s["xdp-agg"], s["gloo"]
         L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
-            f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
+            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {s['lanes']} | "
+            f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
             f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | "
-            f"{s['speedup']:.2f}x | {a['ate_per_s']:.3g} | "
+            f"{s['speedup']:.2f}x | {_vs1(s)} | {a['ate_per_s']:.3g} | "
             f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
         )
     host = [x for x in summary if x["kind"] == "host"]
@@ -304,16 +321,17 @@ def markdown(summary: list[dict], meta: dict) -> str:
             "",
             "One worker's host library (n = 1, unshaped, xdp-agg alone):",
             "",
-            "| dtype | size | ms (spread) | Gbit/s each way | CPU s per GiB "
-            "| retx (% of sent; causes) |",
-            "|---|---|---|---|---|---|",
+            "| dtype | size | lanes | ms (spread) | Gbit/s each way | vs 1 lane | CPU s per GiB "
+            "| worker CPUs busy | retx (% of sent; causes) |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for s in host:
             a = s["xdp-agg"]
             L.append(
-                f"| {s['dtype']} | {_size(s['bytes'])} | {a['median_s'] * 1e3:.1f} "
-                f"({(a['max_s'] - a['min_s']) * 1e3:.1f}) | {s['gbit_each_way']:.2f} | "
-                f"{s['cpu_s_per_gib']:.2f} | {_retx_cell(s)} |"
+                f"| {s['dtype']} | {_size(s['bytes'])} | {s['lanes']} | "
+                f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
+                f"{s['gbit_each_way']:.2f} | {_vs1(s)} | {s['cpu_s_per_gib']:.2f} | "
+                f"{s['cpu_per_wall']:.2f} | {_retx_cell(s)} |"
             )
     L += _syscpu_table(summary)
     if not any(x["kind"] == "latency" for x in summary):
@@ -364,12 +382,17 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
+        kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
         L.append(
             f"| {s['n']} | {s['link']}{kind} | {_size(s['bytes'])} | {system} | "
             f"{c['sys_cpu_s']:.3f} | {c['sys_cpu_s_per_gib']:.2f} | {pct('host')} | "
             f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
         )
     return L
+
+
+def _vs1(s: dict) -> str:
+    return f"{s['vs_1_lane']:.2f}x" if "vs_1_lane" in s else "-"
 
 
 def _retx_cell(s: dict) -> str:
@@ -471,11 +494,26 @@ def _cpu_per_rank(system: dict) -> float:
 
 def _plot_systems(ax, thr: list[dict], size: int, link: str, colors: dict, value):
     """Both systems' `value` (of a cell's per-system dict) against n, for the throughput cells
-    of one size and link; returns those cells, by n, and their n."""
-    pts = sorted((s for s in thr if s["bytes"] == size and s["link"] == link), key=lambda s: s["n"])
+    of one size and link: xdp-agg once per lanes value, gloo from the fewest lanes' runs;
+    returns those cells (the fewest lanes'), by n, and their n."""
+    cells = [s for s in thr if s["bytes"] == size and s["link"] == link]
+    all_lanes = sorted({s["lanes"] for s in cells}) or [1]
+    by_lanes = {
+        k: sorted((s for s in cells if s["lanes"] == k), key=lambda s: s["n"]) for k in all_lanes
+    }
+    pts = by_lanes[all_lanes[0]]
     ns = [s["n"] for s in pts]
-    for system, style in (("xdp-agg", "o-"), ("gloo", "s-")):
-        ax.plot(ns, [value(s[system]) for s in pts], style, color=colors[system], label=system)
+    for k, style in zip(all_lanes, ("o-", "^--", "v-.", "d:")):
+        label = "xdp-agg" + (f" ({k} lanes)" if len(all_lanes) > 1 else "")
+        lane_ns = [s["n"] for s in by_lanes[k]]
+        ax.plot(
+            lane_ns,
+            [value(s["xdp-agg"]) for s in by_lanes[k]],
+            style,
+            color=colors["xdp-agg"],
+            label=label,
+        )
+    ax.plot(ns, [value(s["gloo"]) for s in pts], "s-", color=colors["gloo"], label="gloo")
     return pts, ns
 
 
@@ -498,6 +536,17 @@ def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None
                 )
         _style(ax, f"small all-reduces, {lk}: p50 latency", "ms (p50)", ns)
         ax.legend(fontsize=7)
+
+
+def _lanes_list(text: str) -> list[int]:
+    """--lanes: "1,2" -> [1, 2]."""
+    try:
+        lanes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, not {text!r}") from None
+    if any(k < 1 for k in lanes):
+        raise argparse.ArgumentTypeError("every value is at least 1")
+    return lanes
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -552,6 +601,14 @@ def _parser() -> argparse.ArgumentParser:
         default=64,
         help="slots per worker (hostlib's default; "
         "256 overflowed the veth ring into the aggregator at n = 8)",
+    )
+    ap.add_argument(
+        "--lanes",
+        type=_lanes_list,
+        default=[1],
+        help="comma-separated: the hostlib lanes (XDP_AGG_LANES) of each set of workers, every "
+        "set on the same testbed against gloo; e.g. --lanes 1,2 (each row says its lanes, and "
+        "'vs 1 lane' compares with the 1-lane row)",
     )
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
@@ -609,6 +666,7 @@ def main(argv=None) -> int:
         "mtu": args.mtu,
         "elems": args.elems,
         "window": args.window,
+        "lanes": args.lanes,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),
         "load_before": load_before,

@@ -22,7 +22,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from aggproto import wire
-from aggproto.jobs import Delivery, JobDescription
+from aggproto.jobs import JobDescription
 
 from .control_link import ControlLink
 from .diagnosis import explain_timeout
@@ -85,12 +85,12 @@ def init(
             host, port_ = ctl.endpoint
             where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
             place = _Place(rank, world_size, job, size.elems if size else 0, where)
-            port = opts.port + j if opts.port else 0
+            # lane l at aggregator j sends from (and gets results on) port + j * lanes + l
+            port = opts.port + j * opts.lanes if opts.port else 0
             joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None))
-            joined[-1].lane_socks = _lane_sockets(joined[-1], opts, where)
     except BaseException as e:
         for x in joined:
-            for sock in [x.sock, *x.lane_socks]:
+            for sock in x.socks:
                 sock.close()
         for ctl in ctls[len(joined) :]:
             ctl.close()
@@ -137,25 +137,6 @@ def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
     return PacketSize(fits[-1], reason)
 
 
-def _lane_sockets(x: "_Joined", opts: HostOptions, where: str) -> list[DatagramSocket]:
-    """The data sockets of lanes 1 .. lanes-1 at the aggregator `x` joined (lane 0 has the
-    registered one): each on a free port of the same address, from which it sends, and to which
-    the switch topology returns its slots' results."""
-    if opts.lanes == 1:
-        return []
-    lane_windows(x.desc.spec.slot_base, x.desc.window, opts.lanes)  # ValueError: too few slots
-    if x.desc.spec.delivery != Delivery.BROADCAST:
-        # one-arm: every result goes once to the group at the registered port, so the lanes'
-        # sockets would not get their slots' results (steering them by slot is a later step)
-        raise ValueError(
-            f"lanes={opts.lanes} needs the switch topology (results to the request's source "
-            f"port); the job{where} is one-arm (results to its group at the registered port): "
-            f"use lanes=1 there"
-        )
-    offload = dict(gso=opts.gso, gro=opts.gro)
-    return [DatagramSocket((x.sock.address[0], 0), **offload) for _ in range(opts.lanes - 1)]
-
-
 def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int) -> StreamEngine:
     """The stream engine of stripe `i` (0 unless striped or in lanes), lane `lane` of those at
     the aggregator `x` joined."""
@@ -181,20 +162,19 @@ def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int) -> StreamEngine:
     faults = opts.faults
     if faults is not None and i:  # independent losses per stripe and lane
         faults = dataclasses.replace(faults, seed=faults.seed + i)
-    return StreamEngine(x.lane_socks[lane - 1] if lane else x.sock, cfg, faults)
+    return StreamEngine(x.socks[lane], cfg, faults)
 
 
 @dataclasses.dataclass
 class _Joined:
-    """A rank's place at one aggregator: the job there, its control link, data socket (lane
-    0's, the one registered), the multicast membership of that socket (or None) and the data
-    sockets of lanes 1 ...."""
+    """A rank's place at one aggregator: the job there, its control link, the data socket of
+    each lane (lane 0's is the one registered, on the job's worker_port; lane l's is on
+    worker_port + l) and each socket's multicast membership (or None)."""
 
     desc: JobDescription
     ctl: "ControlLink"
-    sock: DatagramSocket
-    membership: bytes | None
-    lane_socks: list[DatagramSocket] = dataclasses.field(default_factory=list)
+    socks: list[DatagramSocket]
+    memberships: list[bytes | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,35 +216,36 @@ def _connect(endpoint, job: str, ip: str | None, secret, token: str | None) -> C
 def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, on_token):
     """Create (rank 0) or find the job at one control endpoint (`ctl`, connected) and register
     there; returns the job's description, the control link (kept open: closing it leaves),
-    the data socket and its group membership."""
+    the lanes' data sockets and their group memberships."""
     pinned = opts.ip is not None
     my_ip = opts.ip if pinned else source_ip_towards(*ctl.endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
     job, wait, offload = place.job, opts.rendezvous_timeout, dict(gso=opts.gso, gro=opts.gro)
-    sock = None
+    socks: list[DatagramSocket] = []
     try:
         if place.rank == 0:
-            sock = DatagramSocket((bind_ip, port), **offload)
+            socks = _bind_lanes(bind_ip, port, opts.lanes, offload)
             desc = ctl.job(
                 "create",
                 job=job,
                 world_size=place.world_size,
                 elems=place.elems,
                 window=opts.window,
-                worker_port=sock.address[1],
+                worker_port=socks[0].address[1],
             )
             if on_token is not None and job in ctl.tokens:
                 on_token(ctl.tokens[job])
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             _check_world(desc, place)
-            sock = _worker_socket(bind_ip, desc, place, offload)
-        membership = _join_group(sock, desc.group, my_ip, pinned)
+            socks = _worker_sockets(bind_ip, desc, place, opts.lanes, offload)
+        lane_windows(desc.spec.slot_base, desc.window, opts.lanes)  # ValueError: too few slots
+        memberships = [_join_group(s, desc.group, my_ip, pinned) for s in socks]
         desc = ctl.job(
             "register",
             job=job,
             rank=place.rank,
-            port=sock.address[1],
+            port=socks[0].address[1],
             ip=my_ip,
             mac=opts.mac or mac_of(my_ip),
             timeout=wait,
@@ -273,8 +254,8 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             **({"lanes": opts.lanes} if opts.lanes > 1 else {}),
         )
     except BaseException:  # init closes the control connection
-        if sock is not None:
-            sock.close()
+        for s in socks:
+            s.close()
         raise
     # from here on the control connection survives a restart of the endpoint (control_link)
     link = ControlLink(
@@ -282,10 +263,10 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
         job=job,
         rank=place.rank,
         ip=my_ip,
-        port=sock.address[1],
+        port=socks[0].address[1],
         source_ip=my_ip if pinned else None,
     )
-    return _Joined(desc, link, sock, membership)
+    return _Joined(desc, link, socks, memberships)
 
 
 def _check_world(desc: JobDescription, place: _Place) -> None:
@@ -296,16 +277,53 @@ def _check_world(desc: JobDescription, place: _Place) -> None:
         )
 
 
-def _worker_socket(bind_ip: str, desc: JobDescription, place: _Place, offload) -> DatagramSocket:
-    """A rank's data socket on the port rank 0 chose (the job's worker_port)."""
+# how many port bases rank 0 tries for its lanes' consecutive ports when none was given
+_LANE_PORT_TRIES = 32
+
+
+def _bind_lanes(bind_ip: str, port: int, lanes: int, offload) -> list[DatagramSocket]:
+    """Rank 0's data sockets, one per lane, on the consecutive ports port .. port + lanes - 1
+    (port 0: a free base the kernel picks, tried again while the ports after it are taken).
+    Every lane of every worker sends from, and gets its results on, the same port: the
+    one-arm topology sends a result once, to the group at the completing request's port."""
+    for _ in range(_LANE_PORT_TRIES if port == 0 else 1):
+        socks = [DatagramSocket((bind_ip, port), **offload)]
+        base = socks[0].address[1]
+        try:
+            socks += [DatagramSocket((bind_ip, base + lane), **offload) for lane in range(1, lanes)]
+            return socks
+        except OSError as e:
+            for s in socks:
+                s.close()
+            if port:
+                raise HostlibError(
+                    f"{e.strerror}: lanes={lanes} needs the UDP ports {port}..{port + lanes - 1} "
+                    f"free here; give port= a base whose next {lanes} ports are free"
+                ) from None
+    raise HostlibError(f"found no {lanes} consecutive free UDP ports in {_LANE_PORT_TRIES} tries")
+
+
+def _worker_sockets(bind_ip: str, desc: JobDescription, place: _Place, lanes: int, offload):
+    """A rank's data sockets on the ports rank 0 chose: the job's worker_port + lane."""
+    socks: list[DatagramSocket] = []
     try:
-        return DatagramSocket((bind_ip, desc.worker_port), **offload)
+        for lane in range(lanes):
+            socks.append(DatagramSocket((bind_ip, desc.worker_port + lane), **offload))
+        return socks
     except OSError as e:
+        for s in socks:
+            s.close()
+        taken = desc.worker_port + len(socks)
+        chose = (
+            f"ports rank 0 chose, {desc.worker_port}..{desc.worker_port + lanes - 1} (one per "
+            f"lane), and {taken} is taken here"
+            if lanes > 1
+            else f"port rank 0 chose, {taken}, and it is taken here"
+        )
         raise HostlibError(
             f"{e.strerror}: every worker of job {place.job!r}{place.where} listens on the UDP "
-            f"port rank 0 chose, {desc.worker_port}, and it is taken here; start rank 0 with "
-            f"port= set to a port free on every host (two workers on one host also need "
-            f"distinct ip= addresses)"
+            f"{chose}; start rank 0 with port= set to a port free on every host (two workers on "
+            f"one host also need distinct ip= addresses)"
         ) from None
 
 
@@ -377,10 +395,10 @@ class Communicator:
         self._size = size
         self.descriptions: tuple[JobDescription, ...] = tuple(x.desc for x in joined)
         self._ctls = [x.ctl for x in joined]
-        self._socks = [x.sock for x in joined]
-        self._lane_socks = [s for x in joined for s in x.lane_socks]
-        # the ip_mreq of each socket's multicast group, if it joined one (close leaves them)
-        self._memberships = [x.membership for x in joined]
+        # every lane's data socket at every aggregator, and the ip_mreq of each socket's
+        # multicast group if it joined one (close leaves them)
+        self._socks = [s for x in joined for s in x.socks]
+        self._memberships = [m for x in joined for m in x.memberships]
         self._ctl = self._ctls[0]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
         self._lock = threading.Lock()  # guards _closed, _queued, _inline
@@ -553,7 +571,7 @@ class Communicator:
                 except OSError:
                     pass  # the interface went away: the kernel dropped the membership with it
         self._memberships = [None] * len(self._socks)
-        for sock in self._socks + self._lane_socks:
+        for sock in self._socks:
             sock.close()
 
     def __enter__(self) -> "Communicator":

@@ -10,10 +10,13 @@ data path. Batching still helps it: workers' GSO bursts arrive as one GRO buffer
 results for one destination leave as one GSO send.
 
 Delivery: a completed slot (TO_ALL) is sent to every registered worker's address of the job by
-unicast (there is no group address on loopback), from the job's aggregator port, to the port it
-registered, or with Delivery.BROADCAST (the switch topology) to the completing request's source
-port, as the XDP and P4 switches do; a retransmission for a completed slot (TO_SENDER) is
-answered to the source address of the datagram.
+unicast (there is no group address on loopback), from the job's aggregator port: with
+Delivery.BROADCAST (the switch topology) to the completing request's source port, as the XDP
+and P4 switches do; else (one-arm, where the XDP aggregator sends one copy to the group at
+that port, on which lane l of every worker listens: worker_port + l) to the port w registered
+plus the request's lane offset (its source port less its sender's registered port), so that
+workers on one loopback may register ports of their own. A retransmission for a completed slot
+(TO_SENDER) is answered to the source address of the datagram.
 """
 
 from __future__ import annotations
@@ -218,22 +221,25 @@ class SoftAggregator:
                 if v.worker is not None:
                     self._count_worker(v.job_id, v.worker, v.reason)
                 if v.action is Action.TO_ALL:
-                    for w in self._workers.get(v.job_id, {}).values():
-                        out[(self._result_to(w, src), len(v.payload))].append(v.payload)
+                    workers = self._workers.get(v.job_id, {})
+                    sender = workers.get(v.worker)
+                    for w in workers.values():
+                        out[(self._result_to(w, src, sender), len(v.payload))].append(v.payload)
                 elif v.action is Action.TO_SENDER:
                     out[(src, len(v.payload))].append(v.payload)
         for (dest, plen), payloads in out.items():
             rows = np.frombuffer(b"".join(payloads), dtype=np.uint8).reshape(len(payloads), plen)
             sock.send_rows(rows, dest)
 
-    def _result_to(self, w: WorkerSpec, src: tuple[str, int]) -> tuple[str, int]:
-        """Where worker w's copy of a result completed by a request from `src` goes: in the
-        switch topology (Delivery.BROADCAST) to the request's source port, as p4app-switchML's
-        switch answers (docs/protocol.md 3.3), so that each thread of a host gets its own
-        slots' results; else to the port w registered."""
+    def _result_to(self, w: WorkerSpec, src: tuple[str, int], sender: WorkerSpec | None):
+        """Where worker w's copy of a result completed by `sender`'s request from `src` goes:
+        to the request's source port (switch) or w's port at the same lane offset (one-arm),
+        as the module's docstring says, so that each lane (thread) of a host gets its own
+        slots' results (docs/protocol.md 1.4)."""
         if self._specs[w.job_id].delivery == Delivery.BROADCAST:
             return (w.ip, src[1])
-        return (w.ip, w.port)
+        port = w.port + (src[1] - sender.port if sender is not None else 0)
+        return (w.ip, port if 0 < port < 65536 else w.port)
 
     def _count_worker(self, job_id: int, index: int, reason: Reason) -> None:
         c = self._worker_stats[(job_id, index)]

@@ -36,5 +36,27 @@ def test_markdown_has_the_new_columns():
         {"when": "now", "reps": 3, "mtu": 3500, "elems": 768, "window": 256},
     )
     assert "| 50 (0.50%; spurious 80%, tbf_qdisc 20%) | 0.500 | 0.100 |" in md
-    assert "| int32 | 64 MiB | 250.0 (100.0) | 2.15 | 4.80 | 0 (0.00%) |" in md
+    assert "| int32 | 64 MiB | 1 | 250.0 (100.0) | 2.15 | 1.00x | 4.80 | 1.20 | 0 (0.00%) |" in md
     assert "Small all-reduces" not in md  # no latency rows were run
+
+
+def test_lanes_rows_carry_their_lanes_and_the_ratio_to_one_lane():
+    """Rows of 2 lanes beside those of 1 lane (the same n, link, size, kind and dtype): each cell
+    says its lanes, and "vs 1 lane" is the 1-lane median over its own."""
+    thr1, host1 = _rows()
+    thr2, host2 = _rows()
+    thr2.update(lanes=2, **{"xdp-agg": [0.35, 0.3, 0.4]})
+    host2.update(lanes=2, **{"xdp-agg": [0.125, 0.1, 0.15]})
+    cells = allreduce.summarize([thr1, host1, thr2, host2])
+    assert [c["lanes"] for c in cells] == [1, 1, 2, 2]
+    assert cells[2]["vs_1_lane"] == 0.7 / 0.35 and cells[3]["vs_1_lane"] == 0.25 / 0.125
+    md = allreduce.markdown(cells, {"when": "now", "reps": 3, "mtu": 3500, "elems": 768,
+                                    "window": 64, "lanes": [1, 2]})  # fmt: skip
+    assert "lanes 1, 2." in md
+    assert "| 4 | 1gbit | 64 MiB | 2 | 350.0 (100.0) | 900.0 (0.0) | 2.57x | 2.00x |" in md
+    assert "| int32 | 64 MiB | 2 | 125.0 (50.0) | 4.29 | 2.00x |" in md
+
+
+def test_lanes_option():
+    assert allreduce._parser().parse_args(["--lanes", "1,2"]).lanes == [1, 2]
+    assert allreduce._parser().parse_args([]).lanes == [1]

@@ -1,6 +1,8 @@
 """Lanes (HostOptions.lanes): one all-reduce on k threads, each with its own socket, source port,
 slot range, congestion window and timers (hostlib.striping), on loopback soft aggregators in
-the switch topology (results to the request's source port).
+both topologies: results go to the completing request's source port (lane l of every worker
+sends from the job's worker_port + l, so in the one-arm topology the group's copy at that port
+reaches lane l everywhere).
 
 The numpy loop is the single-lane reference: k C lanes are compared byte for byte with k numpy
 lanes over the same slots, and with one lane (block scaling works per packet, and lanes cut the
@@ -64,25 +66,27 @@ def _body(c):
     return out, [e.stats["results"] for e in lanes], {e.state.sock.address[1] for e in lanes}
 
 
-def _run(n, *, lanes, native, aggregators=1, **kw):
-    with soft_cluster(aggregators=aggregators, defaults=SWITCH) as st:
+def _run(n, *, lanes, native, aggregators=1, topology="switch", **kw):
+    defaults = SWITCH if topology == "switch" else None  # None: the one-arm GROUP_TX
+    with soft_cluster(aggregators=aggregators, defaults=defaults) as st:
         args = dict(elems=ELEMS, window=8, lanes=lanes, native=native, **kw)
         return ok(run_ranks(st, n, _body, deadline=90.0, **args))
 
 
 @needs_fastpath
+@pytest.mark.parametrize("topology", ["switch", "one-arm"])
 @pytest.mark.parametrize("k", [2, 3])
-def test_k_c_lanes_equal_k_numpy_lanes_and_one_lane(k):
+def test_k_c_lanes_equal_k_numpy_lanes_and_one_lane(k, topology):
     """int32 exact; float32 byte for byte against k numpy lanes and against one lane; every
-    lane carried results, each from its own source port."""
+    lane carried results, each from its own source port: the job's worker_port + lane."""
     n = 3
-    single = _run(n, lanes=1, native=True)
-    ref = _run(n, lanes=k, native=False)
-    got = _run(n, lanes=k, native=True)
+    single = _run(n, lanes=1, native=True, topology=topology)
+    ref = _run(n, lanes=k, native=False, topology=topology)
+    got = _run(n, lanes=k, native=True, topology=topology)
     for r in range(n):
         out, results, ports = got[r]
         assert len(results) == k and all(x > 0 for x in results)
-        assert len(ports) == k
+        assert ports == set(range(min(ports), min(ports) + k))
         for i, L in enumerate(LENGTHS):
             assert np.array_equal(out[i], int_expected(n, L, seed=L))
         for i in range(2 * len(LENGTHS)):
@@ -90,8 +94,9 @@ def test_k_c_lanes_equal_k_numpy_lanes_and_one_lane(k):
 
 
 @needs_fastpath
+@pytest.mark.parametrize("topology", ["switch", "one-arm"])
 @pytest.mark.parametrize("k", [1, 2, 3])
-def test_lanes_under_loss_and_duplication(k):
+def test_lanes_under_loss_and_duplication(k, topology):
     """Seeded loss and duplication both ways on every lane (its own seed): the C lanes still
     equal the numpy lanes byte for byte, and they retransmitted."""
 
@@ -99,8 +104,8 @@ def test_lanes_under_loss_and_duplication(k):
         return {"faults": Faults(0.05, 0.05, 0.05, 0.05, seed=10 * r + 1)}
 
     n = 2
-    ref = _run(n, lanes=k, native=False, per_rank=faults)
-    got = _run(n, lanes=k, native=True, per_rank=faults)
+    ref = _run(n, lanes=k, native=False, per_rank=faults, topology=topology)
+    got = _run(n, lanes=k, native=True, per_rank=faults, topology=topology)
     for r in range(n):
         for i, L in enumerate(LENGTHS):
             assert np.array_equal(got[r][0][i], int_expected(n, L, seed=L))
@@ -121,11 +126,21 @@ def test_lanes_within_stripes():
             assert out[i].tobytes() == single[r][0][i].tobytes()
 
 
-def test_lanes_in_the_one_arm_topology_are_refused():
-    with soft_cluster() as st:  # GROUP_TX: results to the registered port only
-        res = run_ranks(st, 2, lambda c: None, lanes=2, elems=ELEMS, window=8)
-    for e in res:
-        assert isinstance(e, ValueError) and "switch topology" in str(e) and "one-arm" in str(e)
+def test_a_taken_lane_port_is_named():
+    """A rank that finds worker_port + 1 taken on its host says which port and what to do."""
+    import socket
+
+    with soft_cluster() as st:
+        blocker = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            blocker.bind((st.worker_ip(1), 0))  # where rank 1 binds its lanes' sockets
+            base = blocker.getsockname()[1] - 1
+            res = run_ranks(st, 2, lambda c: None, lanes=2, elems=ELEMS, window=8, port=base)
+        finally:
+            blocker.close()
+    assert isinstance(res[1], hostlib.HostlibError), res
+    msg = str(res[1])
+    assert f"{base}..{base + 1} (one per lane)" in msg and f"{base + 1} is taken" in msg
 
 
 def test_too_few_slots_for_the_lanes_are_refused():

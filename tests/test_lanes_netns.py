@@ -1,6 +1,7 @@
-"""Lanes through the XDP aggregator in the testbed's switch topology: each lane's results come
-back to its own source port (the switch's rule), so k lanes all-reduce exactly, also with loss
-on the links both ways. Each worker checks its results itself (int32 exact, floats within
+"""Lanes through the XDP aggregator in the testbed's two topologies: each lane's results come
+back to its own source port (switch: the devmap copy to each worker; one-arm: the group's one
+copy at that port, where lane l of every worker listens), so k lanes all-reduce exactly, also
+with loss on the links both ways. Each worker checks its results itself (int32 exact, floats within
 hostlib.scaling's bound: harness.workers)."""
 
 import pytest
@@ -11,10 +12,13 @@ from aggcluster.cluster import Cluster
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
 
-@pytest.mark.parametrize("lanes, loss", [(2, 0.0), (3, 0.01)])
-def test_lanes_in_the_switch_topology(testbed_factory, monkeypatch, lanes, loss):
+@pytest.mark.parametrize(
+    "topology, lanes, loss",
+    [("switch", 2, 0.0), ("switch", 3, 0.01), ("one-arm", 2, 0.0), ("one-arm", 3, 0.01)],
+)
+def test_lanes_through_the_xdp_aggregator(testbed_factory, monkeypatch, topology, lanes, loss):
     monkeypatch.setenv("XDP_AGG_LANES", str(lanes))  # the workers' environment (worker_env)
-    tb = testbed_factory(workers=2, topology="switch", loss_up=loss, loss_down=loss)
+    tb = testbed_factory(workers=3, topology=topology, loss_up=loss, loss_down=loss)
     plan = [*MIXED_PLAN, {"check": "counters"}]
     with Cluster(tb) as cl:
         reports = cl.run_workers(plan, job=f"lanes-{lanes}", window=16)
