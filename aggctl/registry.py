@@ -52,8 +52,9 @@ class _EndpointJob:
     # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
     # has no connection to renew it and lives until the next session or its end
     leased: bool = True
-    # the lanes (hostlib's HostOptions.lanes) of the first rank that registered: every rank must
-    # give the same, or the ranks would put other parts of the tensor into the same slots
+    # the lanes (hostlib's HostOptions.lanes) rank 0 created the job with, else those of the first
+    # rank that registered: every rank must give the same, or the ranks would put other parts of
+    # the tensor into the same slots
     lanes: int | None = None
 
     @property
@@ -86,6 +87,7 @@ def _job_record(job: _EndpointJob) -> dict:
         "world_size": job.world_size,
         "window": job.window,
         "worker_port": job.worker_port,
+        "lanes": job.lanes,
         "token": job.token,
         "complete": job.complete,
         "ranks": {
@@ -110,8 +112,9 @@ def _recovered_holder(rank: int) -> int:
 
 
 def _check_lanes(job: _EndpointJob, rank: int, lanes: int) -> None:
-    """A registering rank's lanes must be the job's (those of its first registered rank)."""
-    if job.lanes is None or not job.ranks:
+    """A registering rank's lanes must be the job's (from create, else its first registered
+    rank's)."""
+    if job.lanes is None:
         job.lanes = lanes
     elif lanes != job.lanes:
         raise RequestError(
@@ -227,6 +230,7 @@ class JobRegistry:
             log.warning("not restoring job %r: the aggregator has no such job any more", key)
             return None
         job = _EndpointJob(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
+        job.lanes = rec.get("lanes")
         # a table without a token restores a job no token matches (aggproto.control.same_token)
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
@@ -303,8 +307,14 @@ class JobRegistry:
             raise RequestError(str(e)) from None
         window = int_field(req, "window", 1, self.defaults.pool_slots)
         worker_port = int_field(req, "worker_port", 1, 65535)
+        lanes = int_field(req, "lanes", 1, window) if req.get("lanes") is not None else None
+        if lanes is not None and worker_port + lanes - 1 > 65535:
+            raise RequestError(
+                f"create: worker_port {worker_port} leaves no room for {lanes} lanes"
+            )
         with self.cond:
             job = self._new_job(conn, key, world, elems, window, worker_port)
+            job.lanes = lanes
             return {"job": self.describe(job, local), "token": job.token}
 
     def _new_job(self, holder, key, world, elems, window, worker_port, *, port=None, base=None):
@@ -654,4 +664,5 @@ class JobRegistry:
             workers=tuple(
                 {"rank": r, "ip": x.ip, "port": x.port} for r, x in sorted(job.ranks.items())
             ),
+            lanes=job.lanes or 1,
         ).to_dict()

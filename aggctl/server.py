@@ -16,18 +16,20 @@ time of a connection that holds no job (a connection that created or registered 
 it stays open all run and its close means "leave"), requests per second per source address.
 A refusal is an error answer and changes nothing.
 
-    create   {job, world_size, elems, window, worker_port}          (rank 0)
+    create   {job, world_size, elems, window, worker_port, lanes?}  (rank 0)
              -> {ok, job: <description>, token}
              Allocates a job id (0..63), `window` contiguous slots (first fit over the pool) and an
              aggregator port in 0xBEE0..0xBEEF that no live job uses, then backend.create_job.
-             A live job with the same key is an error, never a merge.
+             A live job with the same key is an error, never a merge. `lanes` (1..window): every
+             rank's lanes, in the description for ranks that let rank 0 choose (lanes="auto").
     register {job, rank, port, mac?, ip?, timeout?, lanes?}          (every rank)
              -> {ok, job: <description>}, answered to every rank once all world_size ranks
              registered (a barrier); after `timeout` (capped by the server's barrier_timeout) an
              error naming the ranks that did not register. The worker's address is the TCP peer
              address unless `ip` is given. `lanes` (hostlib's HostOptions.lanes, default 1): a
-             rank giving another number than the job's first registered rank is refused (its
-             lanes would cut the tensor over the slots otherwise, a wrong sum).
+             rank giving another number than the job's (from create, else its first registered
+             rank's) is refused (its lanes would cut the tensor over the slots otherwise, a
+             wrong sum).
     leave    {job, rank} -> {ok, deleted}
              When every rank left, or the connection of every rank (and of the creator) closed,
              the job is deleted from the backend and its id, slots and port are freed.

@@ -134,6 +134,9 @@ class JobDescription:
     send_to: tuple[str, int]  # where contributions go: the aggregator's address and port
     group: tuple[str, int] | None = None  # one-arm multicast group to join, if any
     workers: tuple[dict, ...] = ()  # registered ranks so far: {"rank", "ip", "port"}
+    # every rank's lanes (hostlib HostOptions.lanes: ports worker_port .. + lanes - 1), as rank 0
+    # created the job; 1 where it did not say (an older rank 0)
+    lanes: int = 1
 
     def to_dict(self) -> dict:
         """The JSON form: the spec's fields, flat, and the description's own."""
@@ -146,6 +149,7 @@ class JobDescription:
             send_to=list(self.send_to),
             group=list(self.group) if self.group else None,
             workers=list(self.workers),
+            lanes=self.lanes,
         )
         return d
 
@@ -166,6 +170,7 @@ class JobDescription:
                 send_to=(str(host), int(port)),
                 group=group,
                 workers=tuple(d.get("workers") or ()),
+                lanes=int(d.get("lanes") or 1),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"not a job description ({type(e).__name__}: {e}): {d!r}") from None

@@ -10,7 +10,11 @@ of four times, each a resource that every packet needs:
 - link: P frames each way on a worker's link of R bit/s, P * wire_bytes(k) * 8 / R (frame + FCS +
   preamble and gap: the bytes a line actually carries);
 - host: P packets through the worker's host library and kernel (send one, receive its result):
-  P * (host_packet + host_byte * 4k) on the worker's own CPU;
+  P * (host_packet + host_byte * 4k) of CPU, spread over the worker's `lanes` (hostlib's
+  HostOptions.lanes, each a thread on a core of its own), each lane beyond the first adding
+  `lane_extra` of the CPU per packet (contention: measured on this machine at 2 lanes, where
+  the worker's CPU per GiB grew by that share; extrapolated linearly beyond, since this machine
+  has two CPUs): P * (host_packet + host_byte * 4k) * (1 + lane_extra * (lanes - 1)) / lanes;
 - aggregator CPU: n * P contributions through the XDP program (xdp_packet + xdp_elem * k each)
   and n * P result copies sent (tx_copy each), spread over agg_cores;
 - aggregator link: n * P frames each way through the aggregator's ports (agg_link bit/s in all).
@@ -47,7 +51,9 @@ from aggproto import wire
 from bench.allreduce import RATES  # the link rates the testbed cells were shaped to
 
 RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
-HOST_SPLIT = Path(__file__).resolve().parent / "results" / "host-split"  # host rows, two sizes
+# the committed runs whose host rows (one worker, lanes 1 and 2) give the host costs: MTU 3500
+# (768 int32 per packet) and MTU 9000 (2048)
+HOST_RUNS = (RESULTS, RESULTS.parent / "mtu9000" / "results.json")
 INPLACE_ELEMS = 768  # the largest packet summed in place (bpf/consts.h AGG_DIRECT_MAX_ELEMS)
 ETH_WIRE_EXTRA = 4 + 8 + 12  # FCS, preamble + start delimiter, inter-frame gap
 
@@ -63,6 +69,7 @@ class Costs:
 
     host_packet: float = 4.0e-6  # host library + kernel UDP, per packet sent and result received
     host_byte: float = 0.93e-9  # more per payload byte (copy, quantise, checksum-free UDP)
+    lane_extra: float = 0.0  # more host CPU per packet per lane beyond the first (contention)
     xdp_packet: float = 280e-9  # the XDP program per contribution, zero elements
     xdp_elem: float = 0.36e-9  # the XDP program per int32 of a contribution
     xdp_elem_frags: float = 1.0e-9  # the same beyond one buffer (jumbo: copied through a map)
@@ -71,10 +78,13 @@ class Costs:
 
 
 SOURCES = {
-    "host_packet": "bench/results/host-split: the host row (one worker's process CPU per GiB) at "
-    "256 and 768 int32 per packet, fitted a + b * bytes (fit_host; a loaded machine: the quiet "
-    "run of docs/benchmarks.md gave 0.77 of the 768-element figure)",
+    "host_packet": "bench/results/results.json and mtu9000/results.json: the 1-lane host rows "
+    "(one worker's process CPU per GiB, float32 and int32) at 768 and 2048 int32 per packet, "
+    "fitted a + b * bytes (fit_host)",
     "host_byte": "the same fit's slope",
+    "lane_extra": "the same runs' host rows at 2 lanes: the worker's CPU per GiB over the 1-lane "
+    "row's, less 1, mean over both dtypes and both runs (fit_lanes); beyond 2 lanes an "
+    "extrapolation (two CPUs here)",
     "xdp_packet": "bench/results/xdp-compare/README.md: 301 ns at 64 int32 minus 64 x 0.36 ns",
     "xdp_elem": "bench/results/xdp-compare/README.md: (557 - 301) / (768 - 64) ns per int32",
     "xdp_elem_frags": "bench/results/frags: 1986-2143 ns per 2048-element packet in the "
@@ -95,7 +105,7 @@ class Deployment:
     agg_cores: int = 16
     agg_link: float = 400e9
     steered: bool = False  # slots steered to CPUs by the workers' source ports
-    host_cores: int = 1  # cores a worker's host path runs on (the C loop: one)
+    lanes: int = 1  # a worker's lanes (HostOptions.lanes): its host path on this many cores
 
     @property
     def k(self) -> int:
@@ -108,22 +118,50 @@ class Deployment:
         return max(fits)
 
 
-def fit_host(root: Path = HOST_SPLIT) -> tuple[float, float]:
+def _host_rows(files) -> list[tuple[int, dict]]:
+    """(bytes per packet, host row) of every host row in the bench.allreduce results `files`."""
+    out = []
+    for f in files:
+        r = json.loads(Path(f).read_text())
+        out += [(4 * r["meta"]["elems"], s) for s in r["summary"] if s["kind"] == "host"]
+    return out
+
+
+def fit_host(files=HOST_RUNS) -> tuple[float, float]:
     """(s per packet, s per payload byte) of one worker's host path: a least-squares line through
-    the host rows (CPU s per GiB, float32 and int32) of every results.json under `root`."""
-    pts = []
-    for f in sorted(root.glob("*/results.json")):
-        r = json.loads(f.read_text())
-        nbytes = 4 * r["meta"]["elems"]
-        for s in r["summary"]:
-            if s["kind"] == "host":
-                pts.append((nbytes, s["cpu_s_per_gib"] * nbytes / 2**30))
+    the 1-lane host rows (CPU s per GiB, float32 and int32) of the results `files`."""
+    pts = [
+        (nbytes, s["cpu_s_per_gib"] * nbytes / 2**30)
+        for nbytes, s in _host_rows(files)
+        if s.get("lanes", 1) == 1
+    ]
     if len({x for x, _ in pts}) < 2:
-        raise ValueError(f"{root}: host rows of at least two packet sizes are needed")
+        raise ValueError(f"{files}: host rows of at least two packet sizes are needed")
     mx = sum(x for x, _ in pts) / len(pts)
     my = sum(y for _, y in pts) / len(pts)
     b = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
     return my - b * mx, b
+
+
+def fit_lanes(files=HOST_RUNS) -> dict[int, float]:
+    """{lanes: the worker's CPU per GiB over the 1-lane row's} from the host rows of `files`
+    (mean over the rows of each packet size and dtype that have a 1-lane row)."""
+    rows = _host_rows(files)
+    one = {(b, s["dtype"]): s["cpu_s_per_gib"] for b, s in rows if s.get("lanes", 1) == 1}
+    ratios: dict[int, list[float]] = {}
+    for b, s in rows:
+        if (b, s["dtype"]) in one:
+            ratios.setdefault(s.get("lanes", 1), []).append(
+                s["cpu_s_per_gib"] / one[(b, s["dtype"])]
+            )
+    return {k: sum(v) / len(v) for k, v in sorted(ratios.items())}
+
+
+def measured_costs(files=HOST_RUNS) -> Costs:
+    """Costs with the host terms fitted from the committed runs (fit_host, fit_lanes)."""
+    a, b = fit_host(files)
+    extra = fit_lanes(files).get(2, 1.0) - 1.0
+    return replace(Costs(), host_packet=a, host_byte=b, lane_extra=max(0.0, extra))
 
 
 def predict(d: Deployment, size: int, c: Costs = Costs()) -> dict:
@@ -138,7 +176,7 @@ def predict(d: Deployment, size: int, c: Costs = Costs()) -> dict:
     gather = (spread - 1) * k * elem  # per completed slot round
     times = {
         "link": P * wire_bytes(k) * 8 / d.rate,
-        "host": P * (c.host_packet + c.host_byte * 4 * k) / d.host_cores,
+        "host": P * (c.host_packet + c.host_byte * 4 * k) * _lane_cost(d, c) / d.lanes,
         "agg_cpu": (d.n * P * (per_contribution + c.tx_copy) + P * gather) / d.agg_cores,
         "agg_link": d.n * P * wire_bytes(k) * 8 / d.agg_link,
     }
@@ -151,16 +189,25 @@ def predict(d: Deployment, size: int, c: Costs = Costs()) -> dict:
         "ring": ring,
         "speedup": ring / times[bound],
         # the host CPU per packet (per core) at which the host would keep up with the link
-        "host_budget": times["link"] / P * d.host_cores,
+        "host_budget": times["link"] / P * d.lanes,
     }
+
+
+def _lane_cost(d: Deployment, c: Costs) -> float:
+    """The host's CPU per packet on d.lanes lanes over its CPU per packet on one."""
+    return 1.0 + c.lane_extra * (d.lanes - 1)
 
 
 # --- the testbed ------------------------------------------------------------------------------
 def _cells(results: dict) -> list[dict]:
+    """The 1-lane throughput cells of 4 MiB and more (what the testbed model is fitted on)."""
     return [
         s
         for s in results["summary"]
-        if s["kind"] == "throughput" and s["bytes"] >= 4 << 20 and "gloo" in s
+        if s["kind"] == "throughput"
+        and s["bytes"] >= 4 << 20
+        and "gloo" in s
+        and s.get("lanes", 1) == 1
     ]
 
 
@@ -247,11 +294,12 @@ def _check_table(results: dict) -> str:
 
 def _deployments():
     """The deployments `predict` prints: 8-64 workers at 25 and 100 Gbit/s; MTU 1500 and 9000,
-    slots spread by RSS or steered, the host path on one core or four (e.g. one per queue)."""
+    slots spread by RSS or steered, the host path on 1, 2 or 4 lanes (a core each)."""
+    kinds = ((1500, 0, 1), (9000, 0, 1), (9000, 1, 1), (9000, 1, 2), (9000, 1, 4))
     for rate in (25e9, 100e9):
         for n in (8, 16, 32, 64):
-            for mtu, steered, cores in ((1500, 0, 1), (9000, 0, 1), (9000, 1, 1), (9000, 1, 4)):
-                yield Deployment(n, rate, mtu, steered=bool(steered), host_cores=cores)
+            for mtu, steered, lanes in kinds:
+                yield Deployment(n, rate, mtu, steered=bool(steered), lanes=lanes)
 
 
 def _predict_table(size: int, costs: Costs) -> str:
@@ -261,7 +309,7 @@ def _predict_table(size: int, costs: Costs) -> str:
         p = predict(d, size, costs)
         rows.append(
             [str(d.n), f"{d.rate / 1e9:g}", str(d.mtu), "steered" if d.steered else "RSS"]
-            + [str(d.host_cores), f"{p['host_budget'] * 1e6:.2f}"]
+            + [str(d.lanes), f"{p['host_budget'] * 1e6:.2f}"]
             + [f"{p[t] * 1e3:.1f}" for t in terms]
             + [
                 p["bound"],
@@ -270,7 +318,7 @@ def _predict_table(size: int, costs: Costs) -> str:
                 f"{p['speedup']:.2f}x",
             ]
         )
-    head = ["n", "Gbit/s", "MTU", "slots", "host cores", "host us/pkt budget", *terms]
+    head = ["n", "Gbit/s", "MTU", "slots", "lanes", "host us/pkt budget", *terms]
     head += ["bound", "ms", "ring ms", "speedup"]
     return "\n".join(
         [
@@ -290,7 +338,9 @@ def main(argv=None) -> int:
     ap.add_argument("--json", action="store_true", help="the check and predictions as JSON")
     args = ap.parse_args(argv)
     results = json.loads(Path(args.results).read_text())
-    costs = Costs() if args.host_us is None else replace(Costs(), host_packet=args.host_us * 1e-6)
+    costs = measured_costs()
+    if args.host_us is not None:
+        costs = replace(costs, host_packet=args.host_us * 1e-6)
     if args.json:
         preds = [{**asdict(d), **predict(d, args.size, costs)} for d in _deployments()]
         print(
@@ -301,8 +351,11 @@ def main(argv=None) -> int:
     print()
     print(_predict_table(args.size, costs))
     print()
+    lanes = ", ".join(f"{k} lane{'s' if k > 1 else ''} {v:.2f}" for k, v in fit_lanes().items())
+    print(f"Host CPU per GiB against 1 lane, measured (host rows): {lanes}")
     for name, src in SOURCES.items():
-        print(f"{name} = {getattr(costs, name):.3g} s: {src}")
+        unit = " (of the CPU per packet)" if name == "lane_extra" else " s"
+        print(f"{name} = {getattr(costs, name):.3g}{unit}: {src}")
     return 0
 
 

@@ -24,12 +24,13 @@ import numpy as np
 from aggproto import wire
 from aggproto.jobs import JobDescription
 
+from . import native_loop
 from .control_link import ControlLink
 from .diagnosis import explain_timeout
 from .engine import Engine, EngineConfig, StreamEngine
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
-from .options import HostOptions, token_from_env
+from .options import HostOptions, auto_lanes, token_from_env
 from .rendezvous import ControlClient, load_secret, parse_endpoint
 from .striping import StripedEngine, lane_windows
 from .udp_io import DatagramSocket
@@ -76,6 +77,7 @@ def init(
     token = token or token_from_env()
     joined: list[_Joined] = []
     ctls: list[ControlClient] = []
+    lanes = _rank_lanes(opts, rank)  # None: the job's, as rank 0 made it
     try:
         for j, endpoint in enumerate(endpoints):
             first = j == 0  # the token is the first aggregator's (above)
@@ -86,8 +88,9 @@ def init(
             where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
             place = _Place(rank, world_size, job, size.elems if size else 0, where)
             # lane l at aggregator j sends from (and gets results on) port + j * lanes + l
-            port = opts.port + j * opts.lanes if opts.port else 0
-            joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None))
+            port = opts.port + j * (lanes or 1) if opts.port else 0
+            joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None, lanes))
+            lanes = len(joined[-1].socks)  # the job's, at every aggregator
     except BaseException as e:
         for x in joined:
             for sock in x.socks:
@@ -101,9 +104,9 @@ def init(
             host, port_ = endpoints[j]
             raise type(e)(f"aggregator {j} ({host}:{port_}): {e}") from None
         raise
-    k = opts.lanes
+    k = len(joined[0].socks)
     engines = [
-        _engine(x, opts, j * k + lane, lane) for j, x in enumerate(joined) for lane in range(k)
+        _engine(x, opts, j * k + lane, lane, k) for j, x in enumerate(joined) for lane in range(k)
     ]
     first = joined[0]
     engine = engines[0] if len(engines) == 1 else StripedEngine(engines, endpoints, k)
@@ -137,11 +140,21 @@ def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
     return PacketSize(fits[-1], reason)
 
 
-def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int) -> StreamEngine:
-    """The stream engine of stripe `i` (0 unless striped or in lanes), lane `lane` of those at
-    the aggregator `x` joined."""
+def _rank_lanes(opts: HostOptions, rank: int) -> int | None:
+    """This rank's lanes: as given; for "auto" rank 0's choice (options.auto_lanes), and None
+    on the other ranks, which take the job's (JobDescription.lanes, rank 0's)."""
+    if opts.lanes != "auto":
+        return opts.lanes
+    if rank != 0:
+        return None
+    return auto_lanes(opts, native_loop.available() if opts.native is None else bool(opts.native))
+
+
+def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> StreamEngine:
+    """The stream engine of stripe `i` (0 unless striped or in lanes), lane `lane` of the
+    `lanes` at the aggregator `x` joined."""
     desc = x.desc
-    slot_base, window = lane_windows(desc.spec.slot_base, desc.window, opts.lanes)[lane]
+    slot_base, window = lane_windows(desc.spec.slot_base, desc.window, lanes)[lane]
     cfg = EngineConfig(
         job_id=desc.spec.job_id,
         # float scaling's n: every worker under the root of a two-level tree (JobSpec
@@ -213,10 +226,10 @@ def _connect(endpoint, job: str, ip: str | None, secret, token: str | None) -> C
     )
 
 
-def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, on_token):
+def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, on_token, lanes):
     """Create (rank 0) or find the job at one control endpoint (`ctl`, connected) and register
-    there; returns the job's description, the control link (kept open: closing it leaves),
-    the lanes' data sockets and their group memberships."""
+    there with `lanes` lanes (None: the job's); returns the job's description, the control link
+    (kept open: closing it leaves), the lanes' data sockets and their group memberships."""
     pinned = opts.ip is not None
     my_ip = opts.ip if pinned else source_ip_towards(*ctl.endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
@@ -224,7 +237,8 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
     socks: list[DatagramSocket] = []
     try:
         if place.rank == 0:
-            socks = _bind_lanes(bind_ip, port, opts.lanes, offload)
+            lane_windows(0, opts.window, lanes)  # ValueError: fewer slots than lanes
+            socks = _bind_lanes(bind_ip, port, lanes, offload)
             desc = ctl.job(
                 "create",
                 job=job,
@@ -232,14 +246,15 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
                 elems=place.elems,
                 window=opts.window,
                 worker_port=socks[0].address[1],
+                lanes=lanes,
             )
             if on_token is not None and job in ctl.tokens:
                 on_token(ctl.tokens[job])
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             _check_world(desc, place)
-            socks = _worker_sockets(bind_ip, desc, place, opts.lanes, offload)
-        lane_windows(desc.spec.slot_base, desc.window, opts.lanes)  # ValueError: too few slots
+            socks = _worker_sockets(bind_ip, desc, place, lanes or desc.lanes, offload)
+        lane_windows(desc.spec.slot_base, desc.window, len(socks))  # ValueError: too few slots
         memberships = [_join_group(s, desc.group, my_ip, pinned) for s in socks]
         desc = ctl.job(
             "register",
@@ -251,7 +266,7 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             timeout=wait,
             reply_timeout=wait + 5,
             # the endpoint refuses a rank whose lanes differ from the job's (absent: 1)
-            **({"lanes": opts.lanes} if opts.lanes > 1 else {}),
+            **({"lanes": len(socks)} if len(socks) > 1 else {}),
         )
     except BaseException:  # init closes the control connection
         for s in socks:
@@ -518,15 +533,21 @@ class Communicator:
     def stats(self) -> dict:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict, and
         "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32 per
-        packet) and "elems_reason" (why: given, the path MTU and the aggregator's sizes for
-        elems="auto", or rank 0's choice)."""
+        packet), "elems_reason" (why: given, the path MTU and the aggregator's sizes for
+        elems="auto", or rank 0's choice) and "lanes" (at each aggregator)."""
         return {
             **self._engine.stats,
             "data_path": self._engine.data_path,
             "data_path_reason": self._engine.data_path_reason,
             "elems": self._size.elems,
             "elems_reason": self._size.reason,
+            "lanes": self.lanes,
         }
+
+    @property
+    def lanes(self) -> int:
+        """The lanes each all-reduce runs on at each aggregator (HostOptions.lanes, resolved)."""
+        return getattr(self._engine, "lanes", 1)
 
     @property
     def controls(self) -> list[str]:

@@ -18,7 +18,7 @@ The environment (each one a field of HostOptions unless said otherwise):
 | XDP_AGG_SECRET_FILE | secret_file | the deployment secret's file |
 | XDP_AGG_ELEMS | elems | int32 per packet, or "auto" |
 | XDP_AGG_WINDOW | window | slots per worker |
-| XDP_AGG_LANES | lanes | threads (sockets, slot ranges) one all-reduce runs on |
+| XDP_AGG_LANES | lanes | threads (sockets, slot ranges) one all-reduce runs on, or "auto" |
 | XDP_AGG_TIMEOUT | timeout | seconds an all-reduce may go without progress |
 | XDP_AGG_IP | ip | this rank's address towards the aggregator |
 | XDP_AGG_NATIVE | native | "0": the numpy loop instead of the C one |
@@ -47,6 +47,11 @@ from .stream_state import Faults
 # loopback soft aggregator agree (64: none; 32, 128 and 256: 163 to 797). The old defaults
 # were 64 (init), 128 (hostlib.pt) and 256 (the demo).
 DEFAULT_WINDOW = 64
+# Lanes when nobody says ("auto"): one per CPU this process may run on, at most 2, measured
+# 2026-12-03 on this 2-core machine (docs/benchmarks.md, "Lanes"): 2 lanes were 1.1-1.4x one
+# lane in the host rows and no cell of n = 4 or 8 workers on the two CPUs got slower; more than
+# 2 could not be measured here, so they are not a default.
+AUTO_LANES_MAX = 2
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 
 
@@ -63,8 +68,12 @@ class HostOptions:
     lanes: how many lanes one all-reduce runs on (hostlib.striping): each a thread of the C loop
         with its own data socket and source port, its own contiguous part of the job's window
         (at least one slot each) and its own congestion window and timers, over a contiguous
-        part of the tensor. Needs the switch topology (results to the request's source port);
-        every rank must give the same number. 1: one thread, as before.
+        part of the tensor; lane l sends from and gets its results on the job's worker_port + l
+        (results go to the request's source port, in both topologies). Every rank must give the
+        same number (a rank with "auto" takes rank 0's). "auto" (the default): rank 0 runs one
+        per CPU it may run on (os.sched_getaffinity), at most AUTO_LANES_MAX and the window,
+        and 1 with the numpy loop or a data path other than "udp"; comm.stats["lanes"] says
+        what it became.
     timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
     ip: the address the aggregator knows this worker by. By default the source address the
         kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
@@ -93,7 +102,7 @@ class HostOptions:
 
     elems: int | str = "auto"
     window: int = DEFAULT_WINDOW
-    lanes: int = 1
+    lanes: int | str = "auto"
     timeout: float = 30.0
     ip: str | None = None
     port: int = 0
@@ -152,8 +161,10 @@ class HostOptions:
 
 
 def _check_lanes(lanes, data_path: str) -> None:
+    if lanes == "auto":
+        return
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
-        raise ValueError(f"lanes must be an integer of at least 1, not {lanes!r}")
+        raise ValueError(f"lanes must be an integer of at least 1 or 'auto', not {lanes!r}")
     if lanes > 1 and data_path != "udp":
         # one AF_XDP socket per queue is a later step: the lanes share nothing but the kernel's
         raise ValueError(f"lanes > 1 runs over the kernel UDP socket only, not {data_path!r}")
@@ -181,6 +192,26 @@ def _elems(value: str) -> int | str:
         return int(value)
     except ValueError:
         raise ValueError(f"XDP_AGG_ELEMS={value!r}: give int32 per packet or 'auto'") from None
+
+
+def _lanes(value: str) -> int | str:
+    if value.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"XDP_AGG_LANES={value!r}: give a number of lanes or 'auto'") from None
+
+
+def auto_lanes(opts: HostOptions, native: bool) -> int:
+    """The lanes rank 0 runs with lanes="auto" (`native`: whether the C loop runs)."""
+    if not native or opts.data_path != "udp":
+        return 1  # the numpy loop holds the GIL; AF_XDP runs one socket (one lane)
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return max(1, min(AUTO_LANES_MAX, cpus, opts.window))
 
 
 def _number(var: str, kind: Callable[[str], float]) -> Callable[[str], float]:
@@ -211,7 +242,7 @@ def _fallback(value: str) -> str | None:
 _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "XDP_AGG_ELEMS": ("elems", _elems),
     "XDP_AGG_WINDOW": ("window", _number("XDP_AGG_WINDOW", int)),
-    "XDP_AGG_LANES": ("lanes", _number("XDP_AGG_LANES", int)),
+    "XDP_AGG_LANES": ("lanes", _lanes),
     "XDP_AGG_TIMEOUT": ("timeout", _number("XDP_AGG_TIMEOUT", float)),
     "XDP_AGG_IP": ("ip", str),
     "XDP_AGG_NATIVE": ("native", _off_if_zero),

@@ -16,8 +16,9 @@ when the next all-reduce or close() comes: a Ctrl-C stops the calling thread's s
 but the others run on until they finish or stall (at most the stall timeout).
 
 Lanes: with HostOptions.lanes = k, each aggregator's part is run on k lanes, each a stripe of its
-own over the same aggregator: its own data socket (so its own UDP source port, to which the
-switch topology returns the results of its slots), its own contiguous part of the job's window
+own over the same aggregator: its own data socket on the job's worker_port + l (so its own UDP
+source port, to which every aggregator returns the results of its slots: to the worker in the
+switch topology, to the group in the one-arm topology), its own contiguous part of the job's window
 (lane_windows) and its own StreamEngine, so its own congestion window and timers. A
 StripedEngine of a aggregators with k lanes each runs a * k stripes, aggregator j's being
 stripes j*k .. j*k + k - 1, a contiguous part of the tensor.
@@ -133,8 +134,10 @@ class StripedEngine:
 
     @property
     def data_path(self) -> str:
-        """The stripes' data paths (StreamEngine.data_path), comma-separated in stripe order."""
-        return ",".join(e.data_path for e in self.engines)
+        """The stripes' data paths (StreamEngine.data_path), comma-separated in stripe order; the
+        one path when every stripe has it."""
+        paths = [e.data_path for e in self.engines]
+        return paths[0] if len(set(paths)) == 1 else ",".join(paths)
 
     @property
     def data_path_reason(self) -> str:

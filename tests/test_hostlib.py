@@ -411,8 +411,9 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    strings = {"data_path", "data_path_reason", "elems", "elems_reason"}
-    assert set(stats) == set(hostlib.STAT_NAMES) | strings
+    own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes"}
+    assert set(stats) == set(hostlib.STAT_NAMES) | own
+    assert stats["lanes"] == hostlib.options.auto_lanes(hostlib.HostOptions(), True)  # "auto"
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
     assert stats["allreduces"] == 1 and stats["elements"] == 1000

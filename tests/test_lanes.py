@@ -49,14 +49,52 @@ def test_a_bad_lanes_value_is_refused(bad):
 
 
 def test_lanes_from_the_environment():
-    assert HostOptions().lanes == 1
+    assert HostOptions().lanes == "auto"
     assert HostOptions.from_env({"XDP_AGG_LANES": "3"}).lanes == 3
+    assert HostOptions.from_env({"XDP_AGG_LANES": "Auto"}).lanes == "auto"
     with pytest.raises(ValueError, match="XDP_AGG_LANES='two'"):
         HostOptions.from_env({"XDP_AGG_LANES": "two"})
     with pytest.raises(ValueError, match="lanes must be"):
         HostOptions.from_env({"XDP_AGG_LANES": "0"})
     with pytest.raises(ValueError, match="kernel UDP socket only"):
         HostOptions(lanes=2, data_path="afxdp")
+
+
+@pytest.mark.parametrize(
+    "cpus, native, window, data_path, want",
+    [({0, 1, 2, 3}, True, 64, "udp", 2), ({0}, True, 64, "udp", 1), ({0, 1}, False, 64, "udp", 1),
+     ({0, 1}, True, 1, "udp", 1), ({0, 1}, True, 64, "auto", 1)],
+)  # fmt: skip
+def test_auto_lanes(monkeypatch, cpus, native, window, data_path, want):
+    """lanes="auto": a lane per CPU the process may run on, at most AUTO_LANES_MAX and the window;
+    one with the numpy loop (it holds the GIL) or another data path than the kernel socket."""
+    from hostlib import options
+
+    monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: cpus)
+    opts = HostOptions(window=window, data_path=data_path)
+    assert options.auto_lanes(opts, native) == want
+
+
+@needs_fastpath
+def test_auto_lanes_are_rank_0s_on_every_rank(monkeypatch):
+    """Rank 0 chooses (here 2: the process may run on 4 CPUs); the other ranks with "auto" take
+    the job's, whatever their own CPUs, and an explicit number must match it."""
+    from hostlib import options
+
+    monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    with soft_cluster() as st:
+        comms = ok(run_ranks(st, 2, lambda c: c.stats["lanes"], elems=ELEMS, window=8))
+        assert comms == [2, 2]
+        res = run_ranks(
+            st, 2, lambda c: c.stats["lanes"], job="three", elems=ELEMS, window=8,
+            per_rank=lambda r: {"lanes": 3 if r == 0 else "auto"},
+        )  # fmt: skip
+        assert res == [3, 3]
+        res = run_ranks(
+            st, 2, lambda c: None, job="other", elems=ELEMS, window=8, rendezvous_timeout=3,
+            per_rank=lambda r: {"lanes": "auto" if r == 0 else 1},
+        )  # fmt: skip
+    assert "runs 1 lane(s)" in str(res[1]) and "2: every rank must give the same" in str(res[1])
 
 
 def _body(c):
@@ -144,10 +182,16 @@ def test_a_taken_lane_port_is_named():
 
 
 def test_too_few_slots_for_the_lanes_are_refused():
+    """Rank 0 refuses before it creates the job; a rank that finds a job of fewer slots than its
+    lanes refuses too."""
     with soft_cluster(defaults=SWITCH) as st:
-        res = run_ranks(st, 2, lambda c: None, lanes=3, elems=ELEMS, window=2)
-    for e in res:
+        (e,) = run_ranks(st, 1, lambda c: None, lanes=3, elems=ELEMS, window=2)
         assert isinstance(e, ValueError) and "at least 3 slots" in str(e)
+        res = run_ranks(
+            st, 2, lambda c: None, job="two", elems=ELEMS, window=2, rendezvous_timeout=3,
+            per_rank=lambda r: {"lanes": 1 if r == 0 else 3},
+        )  # fmt: skip
+    assert isinstance(res[1], ValueError) and "at least 3 slots" in str(res[1])
 
 
 def test_the_lanes_sockets_are_closed():

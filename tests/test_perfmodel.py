@@ -79,6 +79,40 @@ def test_the_host_split_is_fitted_from_two_packet_sizes():
     assert 0 < a < 20e-6 and 0 < b < 5e-9  # seconds per packet, per byte
 
 
+def _host_run(tmp_path, elems, rows):
+    """A results.json of host rows: (dtype, lanes, CPU s per GiB)."""
+    import json
+
+    summary = [
+        {"kind": "host", "dtype": d, "lanes": k, "cpu_s_per_gib": c, "bytes": 64 << 20}
+        for d, k, c in rows
+    ]
+    f = tmp_path / f"k{elems}.json"
+    f.write_text(json.dumps({"meta": {"elems": elems}, "summary": summary}))
+    return f
+
+
+def test_lane_scaling_is_fitted_from_the_host_rows(tmp_path):
+    """fit_host takes the 1-lane rows only; fit_lanes the CPU per GiB of k lanes over 1 lane's,
+    and measured_costs turns the 2-lane ratio into lane_extra."""
+    a = _host_run(tmp_path, 768, [("float32", 1, 2.0), ("int32", 1, 1.6), ("float32", 2, 2.4)])
+    b = _host_run(tmp_path, 2048, [("float32", 1, 1.4), ("int32", 1, 1.2), ("int32", 2, 1.5)])
+    lanes = perfmodel.fit_lanes([a, b])
+    assert lanes[1] == 1.0 and lanes[2] == pytest.approx((2.4 / 2.0 + 1.5 / 1.2) / 2)
+    costs = perfmodel.measured_costs([a, b])
+    assert costs.lane_extra == pytest.approx(lanes[2] - 1)
+    assert (costs.host_packet, costs.host_byte) == pytest.approx(perfmodel.fit_host([a, b]))
+
+
+def test_lanes_divide_the_host_time_less_their_contention():
+    c = perfmodel.Costs(lane_extra=0.25)
+    one, four = (
+        perfmodel.predict(perfmodel.Deployment(n=8, rate=25e9, lanes=k), 64 << 20, c)
+        for k in (1, 4)
+    )
+    assert four["host"] == pytest.approx(one["host"] * (1 + 0.25 * 3) / 4)
+
+
 def test_main_prints_the_check_and_the_predictions(capsys):
     assert perfmodel.main([]) == 0
     out = capsys.readouterr().out
