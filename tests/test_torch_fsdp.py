@@ -187,8 +187,13 @@ def test_torchrun_restart_after_a_rank_is_killed(bed):
         )
         assert any("KILLED rank 2 at step 3" in o for o in outs)
         assert any("VANISHED control connection" in o for o in outs)
-        for rep in reports:  # TORCHELASTIC_RESTART_COUNT counts a node's own failures only
-            assert rep["steps"] == steps and rep["attempt"] == (1 if rep["rank"] == 2 else 0)
+        # TORCHELASTIC_RESTART_COUNT counts a node's own failures: rank 2's node failed; another
+        # node's worker may fail too before its agent sees the new round (gloo's connections to
+        # the killed rank reset at once), so it restarted with 0 or 1; every node trained all
+        # steps in its last round
+        for rep in reports:
+            assert rep["steps"] == steps, rep
+            assert rep["attempt"] in ((1,) if rep["rank"] == 2 else (0, 1)), rep
         # each node printed its job's name in both rounds: one job per round, not the same
         rounds = [[ln.split()[2] for ln in o.splitlines() if ln.startswith("JOB ")] for o in outs]
         assert all(len(r) == 2 for r in rounds), rounds
