@@ -21,7 +21,9 @@ source port, to which every aggregator returns the results of its slots: to the 
 switch topology, to the group in the one-arm topology), its own contiguous part of the job's window
 (lane_windows) and its own StreamEngine, so its own congestion window and timers. A
 StripedEngine of a aggregators with k lanes each runs a * k stripes, aggregator j's being
-stripes j*k .. j*k + k - 1, a contiguous part of the tensor.
+stripes j*k .. j*k + k - 1, a contiguous part of the tensor. A tensor too small to give every lane
+MIN_LANE_PACKETS packets runs on fewer of them (on lane 0 alone below 2 * MIN_LANE_PACKETS):
+handing a part to another thread costs more than it saves on a few packets (part_bounds).
 
 Stripes are cut at multiples of the packet size, so every packet carries the same elements as
 without striping: int32 sums are identical, and float32 sums too (block scaling works per packet:
@@ -37,6 +39,12 @@ import numpy as np
 
 from .engine import STAT_NAMES, StreamEngine
 from .errors import AllreduceTimeout
+
+# Packets a lane must get before an all-reduce is spread over it: measured 2026-12-03 on this
+# 2-core machine (bench/results, lanes 1 and 2): with 2 lanes, all-reduces of 2 to 86 packets
+# per worker (4 KiB to 256 KiB at 768 int32) took 5-50% longer than on one lane, 1366 (4 MiB)
+# mostly less; 128 keeps tensors under 2 x 128 packets on one lane.
+MIN_LANE_PACKETS = 128
 
 # stats that are not a sum over the stripes: the striped all-reduce's own (counted once), or
 # a property of each stream (rtt: the slowest stripe's; cwnd: the sum, packets in flight)
@@ -81,6 +89,20 @@ def lane_windows(slot_base: int, window: int, k: int) -> list[tuple[int, int]]:
         w = base + (1 if lane < extra else 0)
         out.append((s, w))
         s += w
+    return out
+
+
+def part_bounds(length: int, elems: int, aggregators: int, lanes: int):
+    """(engine, a, b) of each non-empty part of a flat tensor of `length` elements on
+    `aggregators` * `lanes` engines (engine j*lanes + l: lane l at aggregator j): one stripe per
+    aggregator (stripe_bounds), each cut over as many of its lanes as get MIN_LANE_PACKETS
+    packets each (at least one). Every rank cuts alike: it depends on the sizes only."""
+    out = []
+    for j, (a, b) in enumerate(stripe_bounds(length, elems, aggregators)):
+        used = max(1, min(lanes, -(-(b - a) // elems) // MIN_LANE_PACKETS))
+        for lane, (c, d) in enumerate(stripe_bounds(b - a, elems, used)):
+            if d > c:
+                out.append((j * lanes + lane, a + c, a + d))
     return out
 
 
@@ -170,10 +192,7 @@ class StripedEngine:
 
     def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
         t0 = time.monotonic()
-        parts = [
-            (j, a, b) for j, (a, b) in enumerate(stripe_bounds(src.size, self.elems, len(self)))
-        ]
-        parts = [p for p in parts if p[2] > p[1]]
+        parts = part_bounds(src.size, self.elems, len(self.endpoints), self.lanes)
         if not parts:
             return
 

@@ -20,11 +20,14 @@ import hostlib
 from aggproto.jobs import Delivery
 from hostlib import HostOptions
 from hostlib.engine import Faults, _fastpath
-from hostlib.striping import lane_windows
+from hostlib.striping import MIN_LANE_PACKETS, lane_windows, part_bounds
 
 SWITCH = {"delivery": Delivery.BROADCAST}
 ELEMS = 32
-LENGTHS = [ELEMS * 40 + 7, ELEMS * 2, 5, 0]  # a partial packet; fewer packets than lanes; empty
+# 601 packets, enough for 3 lanes (MIN_LANE_PACKETS each) or for 2 at each of two aggregators,
+# the last partial; 300, two lanes at most; a few packets, one lane; fewer packets than lanes;
+# empty
+LENGTHS = [ELEMS * 600 + 7, ELEMS * 300, ELEMS * 5, 5, 0]
 
 needs_fastpath = pytest.mark.skipif(
     _fastpath is None, reason="hostlib._fastpath is not built (python setup.py build_ext --inplace)"
@@ -40,6 +43,24 @@ def test_lane_windows():
         lane_windows(0, 2, 3)
     with pytest.raises(ValueError):
         lane_windows(0, 8, 0)
+
+
+def test_small_tensors_use_fewer_lanes():
+    """A lane gets MIN_LANE_PACKETS packets or none; the parts cover the tensor in order, whole
+    packets, lane 0 first, at every aggregator."""
+    m, e = MIN_LANE_PACKETS, 10
+    assert part_bounds(5, e, 1, 2) == [(0, 0, 5)]
+    assert part_bounds((2 * m - 1) * e, e, 1, 2) == [(0, 0, (2 * m - 1) * e)]
+    assert part_bounds(2 * m * e, e, 1, 2) == [(0, 0, m * e), (1, m * e, 2 * m * e)]
+    assert part_bounds(2 * m * e + 3, e, 1, 3) == [
+        (0, 0, (m + 1) * e),
+        (1, (m + 1) * e, 2 * m * e + 3),
+    ]
+    # two aggregators of 2 lanes: each stripe of 2m packets on both of its lanes
+    parts = part_bounds(4 * m * e, e, 2, 2)
+    assert [p[0] for p in parts] == [0, 1, 2, 3]
+    assert [p[1] for p in parts] == [0, m * e, 2 * m * e, 3 * m * e] and parts[-1][2] == 4 * m * e
+    assert part_bounds(0, e, 2, 2) == []
 
 
 @pytest.mark.parametrize("bad", [0, -1, "2", 1.5, True, None])

@@ -6,6 +6,7 @@ mid-run) are in test_stripe_netns.py.
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -179,7 +180,9 @@ def test_a_silent_aggregator_is_named_within_the_timeout():
     for err in res:
         assert isinstance(err, hostlib.AllreduceTimeout), err
         text = str(err)
-        assert text.startswith(f"aggregator 1 of 2 (control endpoint {bad}, contributions to ")
+        # "lane l of k at " first where the rank runs lanes (HostOptions.lanes)
+        where = f"aggregator 1 of 2 (control endpoint {bad}, contributions to "
+        assert re.match(rf"(lane \d+ of \d+ at )?{re.escape(where)}", text), text
         assert "no result at all" in text
         assert err.stripe == 1 and f"{err.endpoint[0]}:{err.endpoint[1]}" == bad
         assert good not in text
