@@ -482,8 +482,9 @@ def plot(summary: list[dict], path: Path) -> None:
                 ax, f"{_size(b)} float32, {lk}: CPU per rank", "CPU s per all-reduce and rank", ns
             )
             ax.legend(fontsize=7)
-    if lat:
-        _plot_latency(axes[rows - 1], lat, links, colors)
+    if lat:  # the fewest lanes' (small all-reduces run on one lane: MIN_LANE_PACKETS)
+        fewest = min(s["lanes"] for s in lat)
+        _plot_latency(axes[rows - 1], [s for s in lat if s["lanes"] == fewest], links, colors)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
 
@@ -504,7 +505,7 @@ def _plot_systems(ax, thr: list[dict], size: int, link: str, colors: dict, value
     pts = by_lanes[all_lanes[0]]
     ns = [s["n"] for s in pts]
     for k, style in zip(all_lanes, ("o-", "^--", "v-.", "d:")):
-        label = "xdp-agg" + (f" ({k} lanes)" if len(all_lanes) > 1 else "")
+        label = "xdp-agg" + (f" ({k} lane{'s' if k > 1 else ''})" if len(all_lanes) > 1 else "")
         lane_ns = [s["n"] for s in by_lanes[k]]
         ax.plot(
             lane_ns,

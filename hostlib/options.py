@@ -47,10 +47,13 @@ from .stream_state import Faults
 # loopback soft aggregator agree (64: none; 32, 128 and 256: 163 to 797). The old defaults
 # were 64 (init), 128 (hostlib.pt) and 256 (the demo).
 DEFAULT_WINDOW = 64
-# Lanes when nobody says ("auto"): one per CPU this process may run on, at most 2, measured
-# 2026-12-03 on this 2-core machine (docs/benchmarks.md, "Lanes"): 2 lanes were 1.1-1.4x one
-# lane in the host rows and no cell of n = 4 or 8 workers on the two CPUs got slower; more than
-# 2 could not be measured here, so they are not a default.
+# Lanes: 1 when nobody says. Measured 2026-12-03 on this 2-core machine, a fresh clone
+# (bench/results, docs/benchmarks.md "Lanes"): 2 lanes made one worker 1.12-1.38x faster and
+# n = 2 and 4 workers up to 1.35x, but n = 8 workers on the two CPUs 0.85x as fast at 64 MiB
+# (every rank's second thread competes for the same two CPUs), so 2 is no default: it would make
+# cells slower. "auto" (one lane per CPU the process may run on, at most AUTO_LANES_MAX; more
+# than 2 could not be measured here) is for a worker that has its cores to itself.
+DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 
@@ -70,10 +73,10 @@ class HostOptions:
         (at least one slot each) and its own congestion window and timers, over a contiguous
         part of the tensor; lane l sends from and gets its results on the job's worker_port + l
         (results go to the request's source port, in both topologies). Every rank must give the
-        same number (a rank with "auto" takes rank 0's). "auto" (the default): rank 0 runs one
-        per CPU it may run on (os.sched_getaffinity), at most AUTO_LANES_MAX and the window,
-        and 1 with the numpy loop or a data path other than "udp"; comm.stats["lanes"] says
-        what it became.
+        same number (a rank with "auto" takes rank 0's). Default 1 (DEFAULT_LANES says why).
+        "auto": rank 0 runs one per CPU it may run on (os.sched_getaffinity), at most
+        AUTO_LANES_MAX and the window, and 1 with the numpy loop or a data path other than
+        "udp"; comm.stats["lanes"] says what it became.
     timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
     ip: the address the aggregator knows this worker by. By default the source address the
         kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
@@ -102,7 +105,7 @@ class HostOptions:
 
     elems: int | str = "auto"
     window: int = DEFAULT_WINDOW
-    lanes: int | str = "auto"
+    lanes: int | str = DEFAULT_LANES
     timeout: float = 30.0
     ip: str | None = None
     port: int = 0

@@ -413,7 +413,7 @@ def test_stats_are_counted():
         )
     own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes"}
     assert set(stats) == set(hostlib.STAT_NAMES) | own
-    assert stats["lanes"] == hostlib.options.auto_lanes(hostlib.HostOptions(), True)  # "auto"
+    assert stats["lanes"] == hostlib.options.DEFAULT_LANES == 1
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
     assert stats["allreduces"] == 1 and stats["elements"] == 1000

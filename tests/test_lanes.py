@@ -70,7 +70,7 @@ def test_a_bad_lanes_value_is_refused(bad):
 
 
 def test_lanes_from_the_environment():
-    assert HostOptions().lanes == "auto"
+    assert HostOptions().lanes == 1
     assert HostOptions.from_env({"XDP_AGG_LANES": "3"}).lanes == 3
     assert HostOptions.from_env({"XDP_AGG_LANES": "Auto"}).lanes == "auto"
     with pytest.raises(ValueError, match="XDP_AGG_LANES='two'"):
@@ -104,8 +104,8 @@ def test_auto_lanes_are_rank_0s_on_every_rank(monkeypatch):
 
     monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
     with soft_cluster() as st:
-        comms = ok(run_ranks(st, 2, lambda c: c.stats["lanes"], elems=ELEMS, window=8))
-        assert comms == [2, 2]
+        auto = ok(run_ranks(st, 2, lambda c: c.stats["lanes"], elems=ELEMS, window=8, lanes="auto"))
+        assert auto == [2, 2]
         res = run_ranks(
             st, 2, lambda c: c.stats["lanes"], job="three", elems=ELEMS, window=8,
             per_rank=lambda r: {"lanes": 3 if r == 0 else "auto"},
