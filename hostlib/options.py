@@ -188,22 +188,18 @@ def simd_from_env(env: Mapping[str, str] | None = None) -> str | None:
     return (os.environ if env is None else env).get("XDP_AGG_SIMD") or None
 
 
-def _elems(value: str) -> int | str:
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"XDP_AGG_ELEMS={value!r}: give int32 per packet or 'auto'") from None
+def _int_or_auto(var: str, what: str) -> Callable[[str], int | str]:
+    """The parser of a variable that takes an integer or "auto" (XDP_AGG_ELEMS, _LANES)."""
 
+    def parse(value: str) -> int | str:
+        if value.strip().lower() == "auto":
+            return "auto"
+        try:
+            return int(value)
+        except ValueError:
+            raise ValueError(f"{var}={value!r}: give {what} or 'auto'") from None
 
-def _lanes(value: str) -> int | str:
-    if value.strip().lower() == "auto":
-        return "auto"
-    try:
-        return int(value)
-    except ValueError:
-        raise ValueError(f"XDP_AGG_LANES={value!r}: give a number of lanes or 'auto'") from None
+    return parse
 
 
 def auto_lanes(opts: HostOptions, native: bool) -> int:
@@ -243,9 +239,9 @@ def _fallback(value: str) -> str | None:
 
 # variable -> (field, parser of its text)
 _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
-    "XDP_AGG_ELEMS": ("elems", _elems),
+    "XDP_AGG_ELEMS": ("elems", _int_or_auto("XDP_AGG_ELEMS", "int32 per packet")),
     "XDP_AGG_WINDOW": ("window", _number("XDP_AGG_WINDOW", int)),
-    "XDP_AGG_LANES": ("lanes", _lanes),
+    "XDP_AGG_LANES": ("lanes", _int_or_auto("XDP_AGG_LANES", "a number of lanes")),
     "XDP_AGG_TIMEOUT": ("timeout", _number("XDP_AGG_TIMEOUT", float)),
     "XDP_AGG_IP": ("ip", str),
     "XDP_AGG_NATIVE": ("native", _off_if_zero),
