@@ -24,10 +24,9 @@ import numpy as np
 from aggproto import wire
 from aggproto.jobs import JobDescription
 
-from . import native_loop
 from .control_link import ControlLink
 from .diagnosis import explain_timeout
-from .engine import Engine, EngineConfig, StreamEngine
+from .engine import Engine, EngineConfig, StreamEngine, _use_native
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .options import HostOptions, auto_lanes, token_from_env
@@ -147,7 +146,7 @@ def _rank_lanes(opts: HostOptions, rank: int) -> int | None:
         return opts.lanes
     if rank != 0:
         return None
-    return auto_lanes(opts, native_loop.available() if opts.native is None else bool(opts.native))
+    return auto_lanes(opts, _use_native(opts.native))
 
 
 def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> StreamEngine:
@@ -253,8 +252,9 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             _check_world(desc, place)
-            socks = _worker_sockets(bind_ip, desc, place, lanes or desc.lanes, offload)
-        lane_windows(desc.spec.slot_base, desc.window, len(socks))  # ValueError: too few slots
+            lanes = lanes or desc.lanes
+            lane_windows(0, desc.window, lanes)  # ValueError: fewer slots than lanes
+            socks = _worker_sockets(bind_ip, desc, place, lanes, offload)
         memberships = [_join_group(s, desc.group, my_ip, pinned) for s in socks]
         desc = ctl.job(
             "register",
@@ -296,49 +296,65 @@ def _check_world(desc: JobDescription, place: _Place) -> None:
 _LANE_PORT_TRIES = 32
 
 
+class _PortTaken(Exception):
+    """A port of a run of lane ports could not be bound: which, and the OSError."""
+
+    def __init__(self, port: int, error: OSError) -> None:
+        super().__init__(port, error)
+        self.port, self.error = port, error
+
+
+def _bind_run(bind_ip: str, base: int, lanes: int, offload) -> list[DatagramSocket]:
+    """Sockets on the consecutive UDP ports base .. base + lanes - 1 (base 0: lane 0's on a port
+    the kernel picks, the others after it). On a port that cannot be bound, closes the sockets
+    it bound and raises _PortTaken."""
+    socks: list[DatagramSocket] = []
+    try:
+        for lane in range(lanes):
+            port = socks[0].address[1] + lane if socks else base
+            socks.append(DatagramSocket((bind_ip, port), **offload))
+        return socks
+    except OSError as e:
+        for s in socks:
+            s.close()
+        raise _PortTaken(port, e) from None
+
+
 def _bind_lanes(bind_ip: str, port: int, lanes: int, offload) -> list[DatagramSocket]:
     """Rank 0's data sockets, one per lane, on the consecutive ports port .. port + lanes - 1
     (port 0: a free base the kernel picks, tried again while the ports after it are taken).
     Every lane of every worker sends from, and gets its results on, the same port: the
     one-arm topology sends a result once, to the group at the completing request's port."""
     for _ in range(_LANE_PORT_TRIES if port == 0 else 1):
-        socks = [DatagramSocket((bind_ip, port), **offload)]
-        base = socks[0].address[1]
         try:
-            socks += [DatagramSocket((bind_ip, base + lane), **offload) for lane in range(1, lanes)]
-            return socks
-        except OSError as e:
-            for s in socks:
-                s.close()
+            return _bind_run(bind_ip, port, lanes, offload)
+        except _PortTaken as e:
+            if e.port == port:  # lane 0's own port: the socket's error as it is
+                raise e.error from None
             if port:
                 raise HostlibError(
-                    f"{e.strerror}: lanes={lanes} needs the UDP ports {port}..{port + lanes - 1} "
-                    f"free here; give port= a base whose next {lanes} ports are free"
+                    f"{e.error.strerror}: lanes={lanes} needs the UDP ports {port}.."
+                    f"{port + lanes - 1} free here; give port= a base whose next {lanes} ports "
+                    f"are free"
                 ) from None
     raise HostlibError(f"found no {lanes} consecutive free UDP ports in {_LANE_PORT_TRIES} tries")
 
 
 def _worker_sockets(bind_ip: str, desc: JobDescription, place: _Place, lanes: int, offload):
     """A rank's data sockets on the ports rank 0 chose: the job's worker_port + lane."""
-    socks: list[DatagramSocket] = []
     try:
-        for lane in range(lanes):
-            socks.append(DatagramSocket((bind_ip, desc.worker_port + lane), **offload))
-        return socks
-    except OSError as e:
-        for s in socks:
-            s.close()
-        taken = desc.worker_port + len(socks)
+        return _bind_run(bind_ip, desc.worker_port, lanes, offload)
+    except _PortTaken as e:
         chose = (
             f"ports rank 0 chose, {desc.worker_port}..{desc.worker_port + lanes - 1} (one per "
-            f"lane), and {taken} is taken here"
+            f"lane), and {e.port} is taken here"
             if lanes > 1
-            else f"port rank 0 chose, {taken}, and it is taken here"
+            else f"port rank 0 chose, {e.port}, and it is taken here"
         )
         raise HostlibError(
-            f"{e.strerror}: every worker of job {place.job!r}{place.where} listens on the UDP "
-            f"{chose}; start rank 0 with port= set to a port free on every host (two workers on "
-            f"one host also need distinct ip= addresses)"
+            f"{e.error.strerror}: every worker of job {place.job!r}{place.where} listens on the "
+            f"UDP {chose}; start rank 0 with port= set to a port free on every host (two workers "
+            f"on one host also need distinct ip= addresses)"
         ) from None
 
 
