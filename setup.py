@@ -19,9 +19,11 @@ setup(
                 "hostlib/fp_io.c",
                 "hostlib/fp_loop.c",
                 "hostlib/_xsk.c",
+                "hostlib/xsk_prog.c",
             ],
             depends=[
                 "hostlib/_xsk.h",
+                "hostlib/xsk_prog.h",
                 "hostlib/fp_counters.h",
                 "hostlib/fp_io.h",
                 "hostlib/fp_kernels.h",

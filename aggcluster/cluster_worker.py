@@ -66,6 +66,8 @@ def float_bound(
     return quant + out_ulp * np.abs(result.astype(np.float64)) + 1e-30
 
 
+# comm.stats entries that are not counters (besides the strings): reported as they are
+_PROPERTIES = ("elems", "lanes")
 # counters reported per aggregator of a striped job (hostlib's stats_per_aggregator)
 _PER_AGGREGATOR = ("packets_sent", "retransmissions", "results", "elements", "allreduces")
 
@@ -222,8 +224,11 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
         "group": list(comm.description.group) if comm.description.group else None,
     }
     now = comm.stats
-    # the counters' differences; the data path's two strings as they are
-    report["stats"] = {k: v if isinstance(v, str) else v - before.get(k, 0) for k, v in now.items()}
+    # the counters' differences; the data path's strings and the job's sizes as they are
+    report["stats"] = {
+        k: v if isinstance(v, str) or k in _PROPERTIES else v - before.get(k, 0)
+        for k, v in now.items()
+    }
     report["per_aggregator"] = [
         {"control": now["control"], **{k: now[k] - was[k] for k in _PER_AGGREGATOR}}
         for now, was in zip(comm.stats_per_aggregator(), before_per)

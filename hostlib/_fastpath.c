@@ -47,8 +47,8 @@ static void Engine_dealloc(Engine *e)
 }
 
 /* The AF_XDP transport over udp (*t) from spec = (ifindex, queue, src_mac, dst_mac, src_ip,
- * src_port, ttl, tos, zerocopy, mode "drv"/"skb"/""). -1 with a Python error on a bad spec; else
- * 0, *t the AF_XDP transport, or still udp with the reason in e->xsk_why. */
+ * src_port, ttl, tos, zerocopy, mode "drv"/"skb"/"", lane, lanes). -1 with a Python error on a
+ * bad spec; else 0, *t the AF_XDP transport, or still udp with the reason in e->xsk_why. */
 static int open_xsk(Engine *e, PyObject *spec, const struct sockaddr_in *dst, Transport **t)
 {
     XskConfig c;
@@ -56,8 +56,8 @@ static int open_xsk(Engine *e, PyObject *spec, const struct sockaddr_in *dst, Tr
     const char *smac, *dmac, *sip, *mode;
     Py_ssize_t slen, dlen;
     int sport;
-    if (!PyArg_ParseTuple(spec, "iiy#y#siiips", &c.ifindex, &c.queue, &smac, &slen, &dmac, &dlen,
-                          &sip, &sport, &c.ttl, &c.tos, &c.zerocopy, &mode))
+    if (!PyArg_ParseTuple(spec, "iiy#y#siiipsii", &c.ifindex, &c.queue, &smac, &slen, &dmac, &dlen,
+                          &sip, &sport, &c.ttl, &c.tos, &c.zerocopy, &mode, &c.lane, &c.lanes))
         return -1;
     struct in_addr a;
     if (slen != 6 || dlen != 6 || inet_pton(AF_INET, sip, &a) != 1 || sport < 1 || sport > 65535) {
@@ -391,8 +391,9 @@ PyDoc_STRVAR(
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
-    "xsk: None, or (ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode)\n"
-    "to send and receive through an AF_XDP socket on that interface queue (hostlib/_xsk.c);\n"
+    "xsk: None, or (ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode,\n"
+    "lane, lanes) to send and receive through an AF_XDP socket on that interface queue, lane\n"
+    "`lane` of `lanes` sharing one UMEM there (hostlib/_xsk.c);\n"
     "where it cannot run, the kernel socket stays and xsk_reason says why.");
 
 static PyTypeObject EngineType = {

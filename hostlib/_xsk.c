@@ -1,15 +1,24 @@
 /*
  * The AF_XDP data path of hostlib._fastpath, with plain system calls only:
- * socket(AF_XDP), setsockopt XDP_UMEM_REG and the ring sizes, mmap of the four rings, bind
+ * socket(AF_XDP), setsockopt XDP_UMEM_REG and the ring sizes, mmap of the rings, bind
  * (zero-copy where the driver has it, copy mode otherwise: veth has only copy mode), and bpf(2)
- * for the XSKMAP, the redirect program (a hand-written instruction array below) and a bpf_link
- * that attaches it to the interface. The link lives as long as its fd: when the process ends,
- * however it ends, the kernel detaches the program, so nothing is left on the interface.
+ * for the XSKMAP and the redirect program (hostlib/xsk_prog.c) with a bpf_link that attaches it
+ * to the interface. The link lives as long as its fd: when the process ends, however it ends,
+ * the kernel detaches the program, so nothing is left on the interface.
  *
  * No libbpf/libxdp: the extension is built by pip from source, where neither may be installed;
  * the uapi headers <linux/if_xdp.h> and <linux/bpf.h> are all it needs. The ring protocol is the
  * one of the kernel's Documentation/networking/af_xdp.rst: the producer index is published with
  * a release store after the descriptors are written, the peer's index read with an acquire load.
+ *
+ * Lanes: every lane of a job has its own socket, with its own RX and TX rings, on the one
+ * interface queue the results arrive on (veth cannot steer frames to a queue per lane). The
+ * kernel lets sockets share a queue only through one UMEM (XDP_SHARED_UMEM), and then they share
+ * its fill and completion rings too (af_xdp.rst, "XDP_SHARED_UMEM bind flag"). So the first lane
+ * to open makes a group: the UMEM, the fill and completion rings, the free transmit frames and
+ * the redirect program, keyed by interface, queue and the lanes' base port; the other lanes join
+ * it. The group's lock guards what the lanes' threads share: filling, reaping completions and the
+ * free stack, a few times per batch of frames; each lane's RX and TX rings are its thread's own.
  *
  * Frames: one UMEM of XSK_FRAMES chunks of XSK_FRAME bytes; the first half is lent to the kernel
  * through the fill ring for receiving, the second half is a stack of free transmit frames that
@@ -24,15 +33,17 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <linux/bpf.h>
-#include <linux/if_link.h>
 #include <linux/if_xdp.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
-#include <sys/syscall.h>
 #include <unistd.h>
+
+#include "fp_util.h"
+#include "xsk_prog.h"
 
 #ifndef AF_XDP
 #define AF_XDP 44
@@ -41,10 +52,12 @@
 #define SOL_XDP 283
 #endif
 
-#define XSK_FRAME  4096u /* a chunk: holds any packet of elems <= 768 with its headers */
-#define XSK_FRAMES 4096u /* 16 MiB of UMEM: half for receiving, half for sending */
-#define XSK_RING   2048u /* every ring holds half the frames */
-#define KICK_TRIES 64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
+#define XSK_FRAME     4096u /* a chunk: holds any packet of elems <= 768 with its headers */
+#define XSK_FRAMES    4096u /* 16 MiB of UMEM: half for receiving, half for sending */
+#define XSK_RING      2048u /* every ring holds half the frames */
+#define KICK_TRIES    64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
+#define XSK_MAX_LANES 64    /* the XSKMAP's entries, and the bits of Group.open */
+#define RX_BATCH      256   /* frames taken off an RX ring per receive */
 
 struct ring {
     uint32_t *producer, *consumer;
@@ -54,120 +67,42 @@ struct ring {
     size_t map_len;
 };
 
-struct Xsk {
-    int fd, map_fd, prog_fd, link_fd;
+/* What the lanes on one interface queue share: the UMEM, its fill and completion rings, the
+ * free transmit frames and the program. */
+typedef struct Group {
+    struct Group *next;        /* the registry's list (groups, under groups_lock) */
+    int ifindex, queue, lanes; /* the key, with base_port; lanes: the program's */
+    uint16_t base_port;        /* lane l's UDP port is base_port + l */
+    uint64_t open;             /* bit l: lane l has a socket */
+    int fd;                    /* the socket that registered the UMEM (the first lane's) */
+    int map_fd, prog_fd, link_fd;
+    int zerocopy;
+    const char *mode; /* the XDP attach mode: "drv" or "skb" */
     uint8_t *umem;
-    struct ring fill, comp, rx, tx;
+    pthread_mutex_t lock; /* fill, comp, free_tx and nfree: every lane's thread uses them */
+    struct ring fill, comp;
     uint64_t free_tx[XSK_FRAMES / 2];
     unsigned nfree;
+} Group;
+
+struct Xsk {
+    Group *g;
+    int fd; /* the lane's socket (the group's own for the lane that made the group) */
+    struct ring rx, tx;
     XskConfig cfg;
     uint8_t hdr[XSK_HDR_LEN]; /* the headers of every frame sent, but the IP id and checksum */
     uint16_t ip_id;
-    int zerocopy;
-    const char *mode; /* the XDP attach mode: "drv" or "skb" */
 };
 
-static long sys_bpf(int cmd, union bpf_attr *attr)
-{
-    return syscall(__NR_bpf, cmd, attr, sizeof *attr);
-}
+static Group *groups; /* the open groups of this process */
+static pthread_mutex_t groups_lock = PTHREAD_MUTEX_INITIALIZER;
 
-/* --- the redirect program ----------------------------------------------------------------- */
-#define INSN(c, d, s, o, i) \
-    ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
-#define LDX(size, d, s, o) INSN(BPF_LDX | (size) | BPF_MEM, d, s, o, 0)
-#define MOVR(d, s)         INSN(BPF_ALU64 | BPF_MOV | BPF_X, d, s, 0, 0)
-#define MOVI(d, i)         INSN(BPF_ALU64 | BPF_MOV | BPF_K, d, 0, 0, i)
-#define ALUI(op, d, i)     INSN(BPF_ALU64 | (op) | BPF_K, d, 0, 0, i)
-#define JNEI(d, i, o)      INSN(BPF_JMP | BPF_JNE | BPF_K, d, 0, o, i)
-#define PASS_AT            23 /* the index of the XDP_PASS exit below */
-#define TO_PASS(at)        (PASS_AT - (at)-1)
-
-/* The worker's program: a frame that is IPv4 without options, unfragmented UDP to the worker's
- * data port goes to the XSK of its receive queue (bpf_redirect_map's flags give XDP_PASS when
- * that queue has none); anything else (ARP, ICMP, the control TCP, other ports) is passed to the
- * kernel. Packet loads read the raw bytes, so constants are compared in network order. */
-static int load_program(int map_fd, uint16_t port, char *log, size_t log_len)
-{
-    struct bpf_insn p[] = {
-        MOVR(6, 1),                                           /* 0: r6 = ctx */
-        LDX(BPF_W, 2, 6, 0),                                  /* 1: r2 = data */
-        LDX(BPF_W, 3, 6, 4),                                  /* 2: r3 = data_end */
-        MOVR(4, 2),                                           /* 3 */
-        ALUI(BPF_ADD, 4, XSK_HDR_LEN),                        /* 4: r4 = data + 42 */
-        INSN(BPF_JMP | BPF_JGT | BPF_X, 4, 3, TO_PASS(5), 0), /* 5: short frame */
-        LDX(BPF_H, 5, 2, 12),                                 /* 6: ethertype */
-        JNEI(5, htons(0x0800), TO_PASS(7)),                   /* 7 */
-        LDX(BPF_B, 5, 2, 14),                                 /* 8: version, IHL */
-        JNEI(5, 0x45, TO_PASS(9)),                            /* 9 */
-        LDX(BPF_B, 5, 2, 23),                                 /* 10: protocol */
-        JNEI(5, IPPROTO_UDP, TO_PASS(11)),                    /* 11 */
-        LDX(BPF_H, 5, 2, 20),                                 /* 12: flags, fragment offset */
-        ALUI(BPF_AND, 5, htons(0x3FFF)),                      /* 13: MF and the offset */
-        JNEI(5, 0, TO_PASS(14)),                              /* 14: a fragment */
-        LDX(BPF_H, 5, 2, 36),                                 /* 15: UDP destination port */
-        JNEI(5, htons(port), TO_PASS(16)),                    /* 16 */
-        INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map_fd), /* 17-18: r1 = map */
-        INSN(0, 0, 0, 0, 0),
-        LDX(BPF_W, 2, 6, 16),                                     /* 19: r2 = rx_queue_index */
-        MOVI(3, XDP_PASS),                                        /* 20: no XSK there: pass */
-        INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect_map), /* 21 */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 22 */
-        MOVI(0, XDP_PASS),                                        /* 23: PASS_AT */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 24 */
-    };
-    union bpf_attr a;
-    memset(&a, 0, sizeof a);
-    a.prog_type = BPF_PROG_TYPE_XDP;
-    a.insns = (uint64_t)(uintptr_t)p;
-    a.insn_cnt = sizeof p / sizeof p[0];
-    a.license = (uint64_t)(uintptr_t) "GPL";
-    a.log_buf = (uint64_t)(uintptr_t)log;
-    a.log_size = (uint32_t)log_len;
-    a.log_level = log_len ? 1 : 0;
-    memcpy(a.prog_name, "xdp_agg_xsk", sizeof "xdp_agg_xsk");
-    return (int)sys_bpf(BPF_PROG_LOAD, &a);
-}
-
-/* Attach with a bpf_link in driver mode, else generic (skb) mode. EBUSY: the interface has a
- * program already (attached by netlink, or another worker's link), which we leave alone. */
-static int attach_program(Xsk *x, char *why, size_t why_len)
-{
-    static const struct {
-        int flags;
-        const char *name;
-    } modes[] = {{XDP_FLAGS_DRV_MODE, "drv"}, {XDP_FLAGS_SKB_MODE, "skb"}};
-    for (size_t i = 0; i < 2; i++) {
-        if (x->cfg.prog_flags && x->cfg.prog_flags != modes[i].flags)
-            continue;
-        union bpf_attr a;
-        memset(&a, 0, sizeof a);
-        a.link_create.prog_fd = (uint32_t)x->prog_fd;
-        a.link_create.target_ifindex = (uint32_t)x->cfg.ifindex;
-        a.link_create.attach_type = BPF_XDP;
-        a.link_create.flags = (uint32_t)modes[i].flags;
-        x->link_fd = (int)sys_bpf(BPF_LINK_CREATE, &a);
-        if (x->link_fd >= 0) {
-            x->mode = modes[i].name;
-            return 0;
-        }
-        if (errno == EBUSY || errno == EEXIST) {
-            snprintf(why, why_len, "the interface has an XDP program already (%s)",
-                     strerror(errno));
-            return -1;
-        }
-    }
-    snprintf(why, why_len, "attaching the XDP program failed: %s", strerror(errno));
-    return -1;
-}
-
-/* --- the socket and its rings ------------------------------------------------------------- */
-static int map_ring(Xsk *x, struct ring *r, const struct xdp_ring_offset *o, size_t desc_size,
+/* --- the rings ---------------------------------------------------------------------------- */
+static int map_ring(int fd, struct ring *r, const struct xdp_ring_offset *o, size_t desc_size,
                     off_t pgoff)
 {
     r->map_len = o->desc + XSK_RING * desc_size;
-    r->map =
-        mmap(NULL, r->map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, x->fd, pgoff);
+    r->map = mmap(NULL, r->map_len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, pgoff);
     if (r->map == MAP_FAILED) {
         r->map = NULL;
         return -1;
@@ -179,83 +114,213 @@ static int map_ring(Xsk *x, struct ring *r, const struct xdp_ring_offset *o, siz
     return 0;
 }
 
-static int setup_socket(Xsk *x, char *why, size_t why_len)
+static void unmap_ring(struct ring *r)
 {
-    x->fd = socket(AF_XDP, SOCK_RAW | SOCK_CLOEXEC, 0);
-    if (x->fd < 0) {
+    if (r->map)
+        munmap(r->map, r->map_len);
+    r->map = NULL;
+}
+
+/* A socket with RX and TX rings; with the UMEM's registration and its fill and completion rings
+ * when umem is not NULL (the group's first socket: a shared one may not have its own). */
+static int new_socket(uint8_t *umem, char *why, size_t why_len)
+{
+    int fd = socket(AF_XDP, SOCK_RAW | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
         snprintf(why, why_len, "socket(AF_XDP): %s", strerror(errno));
         return -1;
     }
-    x->umem = mmap(NULL, (size_t)XSK_FRAMES * XSK_FRAME, PROT_READ | PROT_WRITE,
-                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (x->umem == MAP_FAILED) {
-        x->umem = NULL;
-        snprintf(why, why_len, "UMEM mmap: %s", strerror(errno));
-        return -1;
-    }
-    struct xdp_umem_reg reg = {.addr = (uint64_t)(uintptr_t)x->umem,
+    struct xdp_umem_reg reg = {.addr = (uint64_t)(uintptr_t)umem,
                                .len = (uint64_t)XSK_FRAMES * XSK_FRAME,
                                .chunk_size = XSK_FRAME};
     unsigned ring = XSK_RING;
-    if (setsockopt(x->fd, SOL_XDP, XDP_UMEM_REG, &reg, sizeof reg) < 0 ||
-        setsockopt(x->fd, SOL_XDP, XDP_UMEM_FILL_RING, &ring, sizeof ring) < 0 ||
-        setsockopt(x->fd, SOL_XDP, XDP_UMEM_COMPLETION_RING, &ring, sizeof ring) < 0 ||
-        setsockopt(x->fd, SOL_XDP, XDP_RX_RING, &ring, sizeof ring) < 0 ||
-        setsockopt(x->fd, SOL_XDP, XDP_TX_RING, &ring, sizeof ring) < 0) {
+    if ((umem && (setsockopt(fd, SOL_XDP, XDP_UMEM_REG, &reg, sizeof reg) < 0 ||
+                  setsockopt(fd, SOL_XDP, XDP_UMEM_FILL_RING, &ring, sizeof ring) < 0 ||
+                  setsockopt(fd, SOL_XDP, XDP_UMEM_COMPLETION_RING, &ring, sizeof ring) < 0)) ||
+        setsockopt(fd, SOL_XDP, XDP_RX_RING, &ring, sizeof ring) < 0 ||
+        setsockopt(fd, SOL_XDP, XDP_TX_RING, &ring, sizeof ring) < 0) {
         snprintf(why, why_len, "AF_XDP UMEM and rings: %s", strerror(errno));
+        int err = errno;
+        close(fd);
+        errno = err;
         return -1;
     }
+    return fd;
+}
+
+/* mmap the RX and TX rings of fd into rx and tx, and the fill and completion rings too when
+ * fill is not NULL. */
+static int map_rings(int fd, struct ring *rx, struct ring *tx, struct ring *fill, struct ring *comp,
+                     char *why, size_t why_len)
+{
     struct xdp_mmap_offsets off;
     socklen_t optlen = sizeof off;
-    if (getsockopt(x->fd, SOL_XDP, XDP_MMAP_OFFSETS, &off, &optlen) < 0 ||
-        map_ring(x, &x->fill, &off.fr, sizeof(uint64_t), XDP_UMEM_PGOFF_FILL_RING) < 0 ||
-        map_ring(x, &x->comp, &off.cr, sizeof(uint64_t), XDP_UMEM_PGOFF_COMPLETION_RING) < 0 ||
-        map_ring(x, &x->rx, &off.rx, sizeof(struct xdp_desc), XDP_PGOFF_RX_RING) < 0 ||
-        map_ring(x, &x->tx, &off.tx, sizeof(struct xdp_desc), XDP_PGOFF_TX_RING) < 0) {
+    if (getsockopt(fd, SOL_XDP, XDP_MMAP_OFFSETS, &off, &optlen) < 0 ||
+        (fill &&
+         (map_ring(fd, fill, &off.fr, sizeof(uint64_t), XDP_UMEM_PGOFF_FILL_RING) < 0 ||
+          map_ring(fd, comp, &off.cr, sizeof(uint64_t), XDP_UMEM_PGOFF_COMPLETION_RING) < 0)) ||
+        map_ring(fd, rx, &off.rx, sizeof(struct xdp_desc), XDP_PGOFF_RX_RING) < 0 ||
+        map_ring(fd, tx, &off.tx, sizeof(struct xdp_desc), XDP_PGOFF_TX_RING) < 0) {
         snprintf(why, why_len, "AF_XDP ring mmap: %s", strerror(errno));
         return -1;
     }
-    /* lend the first half of the frames to the kernel for receiving */
-    uint64_t *fq = x->fill.desc;
-    for (uint32_t i = 0; i < XSK_RING; i++)
-        fq[i] = (uint64_t)i * XSK_FRAME;
-    __atomic_store_n(x->fill.producer, XSK_RING, __ATOMIC_RELEASE);
-    for (x->nfree = 0; x->nfree < XSK_FRAMES / 2; x->nfree++)
-        x->free_tx[x->nfree] = (uint64_t)(XSK_RING + x->nfree) * XSK_FRAME;
     return 0;
 }
 
-/* Bind to the interface queue, zero-copy first where asked: EOPNOTSUPP there (veth, generic
- * XDP) means copy mode, which every driver has. */
-static int bind_socket(Xsk *x, char *why, size_t why_len)
+/* Bind fd to the interface queue: the group's socket zero-copy first where asked (EOPNOTSUPP
+ * there, on veth and generic XDP, means copy mode, which every driver has); a lane joining a
+ * group with XDP_SHARED_UMEM and no other flag (the kernel refuses any: the group's mode holds). */
+static int bind_socket(int fd, const XskConfig *c, const Group *shared, int *zerocopy, char *why,
+                       size_t why_len)
 {
     struct sockaddr_xdp sa = {.sxdp_family = AF_XDP,
-                              .sxdp_ifindex = (uint32_t)x->cfg.ifindex,
-                              .sxdp_queue_id = (uint32_t)x->cfg.queue};
-    if (x->cfg.zerocopy) {
+                              .sxdp_ifindex = (uint32_t)c->ifindex,
+                              .sxdp_queue_id = (uint32_t)c->queue};
+    if (shared) {
+        sa.sxdp_flags = XDP_SHARED_UMEM;
+        sa.sxdp_shared_umem_fd = (uint32_t)shared->fd;
+    } else if (c->zerocopy) {
         sa.sxdp_flags = XDP_ZEROCOPY;
-        if (bind(x->fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
-            x->zerocopy = 1;
+        if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0) {
+            *zerocopy = 1;
             return 0;
         }
     }
-    sa.sxdp_flags = XDP_COPY;
-    if (bind(x->fd, (struct sockaddr *)&sa, sizeof sa) == 0)
+    if (!shared)
+        sa.sxdp_flags = XDP_COPY;
+    if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
         return 0;
-    snprintf(why, why_len, "bind(AF_XDP, queue %d): %s", x->cfg.queue, strerror(errno));
+    snprintf(why, why_len, "bind(AF_XDP, queue %d%s): %s", c->queue,
+             shared ? ", sharing the first lane's UMEM" : "", strerror(errno));
     return -1;
 }
 
-static void put_be16(uint8_t *p, uint16_t v)
+/* --- the group ---------------------------------------------------------------------------- */
+static void group_free(Group *g)
 {
-    p[0] = (uint8_t)(v >> 8);
-    p[1] = (uint8_t)v;
+    int fds[] = {g->link_fd, g->prog_fd, g->map_fd};
+    for (size_t i = 0; i < 3; i++) /* the link first: it detaches the program */
+        if (fds[i] >= 0)
+            close(fds[i]);
+    unmap_ring(&g->fill);
+    unmap_ring(&g->comp);
+    if (g->fd >= 0)
+        close(g->fd);
+    if (g->umem)
+        munmap(g->umem, (size_t)XSK_FRAMES * XSK_FRAME);
+    pthread_mutex_destroy(&g->lock);
+    free(g);
 }
 
-static void put_be32(uint8_t *p, uint32_t v)
+/* The XSKMAP and the program for the group's lanes, attached to its interface. */
+static int group_program(Group *g, const XskConfig *c, char *why, size_t why_len)
 {
-    put_be16(p, (uint16_t)(v >> 16));
-    put_be16(p + 2, (uint16_t)v);
+    g->map_fd = xsk_map_create(g->lanes);
+    if (g->map_fd < 0) {
+        snprintf(why, why_len, "bpf(XSKMAP): %s", strerror(errno));
+        return -1;
+    }
+    char log[1024] = "";
+    /* no log unless it fails: a successful verification's log can overflow the buffer (ENOSPC) */
+    g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, NULL, 0);
+    if (g->prog_fd < 0 && errno != EPERM)
+        g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, log, sizeof log);
+    if (g->prog_fd < 0) {
+        snprintf(why, why_len, "loading the XDP program: %s %.200s", strerror(errno), log);
+        return -1;
+    }
+    g->link_fd = xsk_prog_attach(g->prog_fd, c->ifindex, c->prog_flags, &g->mode, why, why_len);
+    return g->link_fd < 0 ? -1 : 0;
+}
+
+/* A new group for c's interface queue and lanes, with its first socket (x's), UMEM, the rings
+ * of both and the program. NULL with the reason in why. */
+static Group *group_open(Xsk *x, const XskConfig *c, char *why, size_t why_len)
+{
+    Group *g = calloc(1, sizeof *g);
+    if (!g) {
+        snprintf(why, why_len, "out of memory");
+        return NULL;
+    }
+    *g = (Group){.ifindex = c->ifindex,
+                 .queue = c->queue,
+                 .lanes = c->lanes,
+                 .base_port = (uint16_t)(c->src_port - c->lane),
+                 .fd = -1,
+                 .map_fd = -1,
+                 .prog_fd = -1,
+                 .link_fd = -1};
+    pthread_mutex_init(&g->lock, NULL);
+    g->umem = mmap(NULL, (size_t)XSK_FRAMES * XSK_FRAME, PROT_READ | PROT_WRITE,
+                   MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (g->umem == MAP_FAILED) {
+        g->umem = NULL;
+        snprintf(why, why_len, "UMEM mmap: %s", strerror(errno));
+        goto fail;
+    }
+    g->fd = x->fd = new_socket(g->umem, why, why_len);
+    if (g->fd < 0 || map_rings(g->fd, &x->rx, &x->tx, &g->fill, &g->comp, why, why_len) < 0 ||
+        bind_socket(g->fd, c, NULL, &g->zerocopy, why, why_len) < 0 ||
+        group_program(g, c, why, why_len) < 0)
+        goto fail;
+    /* lend the first half of the frames to the kernel for receiving */
+    uint64_t *fq = g->fill.desc;
+    for (uint32_t i = 0; i < XSK_RING; i++)
+        fq[i] = (uint64_t)i * XSK_FRAME;
+    __atomic_store_n(g->fill.producer, XSK_RING, __ATOMIC_RELEASE);
+    for (g->nfree = 0; g->nfree < XSK_FRAMES / 2; g->nfree++)
+        g->free_tx[g->nfree] = (uint64_t)(XSK_RING + g->nfree) * XSK_FRAME;
+    return g;
+fail : {
+    int err = errno;
+    unmap_ring(&x->rx);
+    unmap_ring(&x->tx);
+    x->fd = -1; /* g->fd: closed with the group */
+    group_free(g);
+    errno = err;
+    return NULL;
+}
+}
+
+/* The open group of c's interface queue and base port, or NULL (under groups_lock). */
+static Group *group_find(const XskConfig *c)
+{
+    for (Group *g = groups; g; g = g->next)
+        if (g->ifindex == c->ifindex && g->queue == c->queue &&
+            g->base_port == (uint16_t)(c->src_port - c->lane))
+            return g;
+    return NULL;
+}
+
+/* x's lane into group g: its own socket on g's UMEM, its rings (under groups_lock). */
+static int group_join(Group *g, Xsk *x, const XskConfig *c, char *why, size_t why_len)
+{
+    if (g->lanes != c->lanes) {
+        snprintf(why, why_len, "the AF_XDP sockets on this queue run %d lane(s), not %d", g->lanes,
+                 c->lanes);
+        errno = EINVAL;
+        return -1;
+    }
+    if (g->open & (1ull << c->lane)) {
+        snprintf(why, why_len, "lane %d has an AF_XDP socket already", c->lane);
+        errno = EBUSY;
+        return -1;
+    }
+    int zc = 0;
+    x->fd = new_socket(NULL, why, why_len);
+    if (x->fd < 0 || map_rings(x->fd, &x->rx, &x->tx, NULL, NULL, why, why_len) < 0 ||
+        bind_socket(x->fd, c, g, &zc, why, why_len) < 0)
+        return -1;
+    return 0;
+}
+
+/* Lane l's socket into the program's map (from now its results come to it), or out (fd -1). */
+static int map_lane(Group *g, int lane, int fd, char *why, size_t why_len)
+{
+    if (xsk_map_set(g->map_fd, lane, fd) == 0)
+        return 0;
+    snprintf(why, why_len, "XSKMAP update: %s", strerror(errno));
+    return -1;
 }
 
 static void build_header(Xsk *x)
@@ -264,27 +329,72 @@ static void build_header(Xsk *x)
     uint8_t *h = x->hdr;
     memcpy(h, c->dst_mac, 6);
     memcpy(h + 6, c->src_mac, 6);
-    put_be16(h + 12, 0x0800);
+    store_be16(h + 12, 0x0800);
     h[14] = 0x45;
     h[15] = (uint8_t)c->tos;
-    put_be16(h + 16, (uint16_t)(20 + 8 + c->plen));
-    put_be16(h + 20, 0x4000); /* DF, as the kernel sends UDP with path MTU discovery */
+    store_be16(h + 16, (uint16_t)(20 + 8 + c->plen));
+    store_be16(h + 20, 0x4000); /* DF, as the kernel sends UDP with path MTU discovery */
     h[22] = (uint8_t)c->ttl;
     h[23] = IPPROTO_UDP;
-    put_be32(h + 26, c->src_ip);
-    put_be32(h + 30, c->dst_ip);
-    put_be16(h + 34, c->src_port);
-    put_be16(h + 36, c->dst_port);
-    put_be16(h + 38, (uint16_t)(8 + c->plen));
-    put_be16(h + 40, 0); /* no UDP checksum (RFC 768 allows it over IPv4) */
+    store_be32(h + 26, c->src_ip);
+    store_be32(h + 30, c->dst_ip);
+    store_be16(h + 34, c->src_port);
+    store_be16(h + 36, c->dst_port);
+    store_be16(h + 38, (uint16_t)(8 + c->plen));
+    store_be16(h + 40, 0); /* no UDP checksum (RFC 768 allows it over IPv4) */
+}
+
+/* why the lane's configuration cannot be, or NULL */
+static const char *bad_config(const XskConfig *c)
+{
+    if (c->plen + XSK_HDR_LEN > (int)XSK_FRAME - 256) /* XDP_PACKET_HEADROOM */
+        return "the packet does not fit a UMEM frame";
+    if (c->lanes < 1 || c->lanes > XSK_MAX_LANES || c->lane < 0 || c->lane >= c->lanes)
+        return "lanes must be 1 to 64, and lane one of them";
+    if (c->src_port - c->lane < 1)
+        return "the lanes' base port (src_port - lane) is not a port";
+    return NULL;
+}
+
+static void ignore_frame(void *ctx, const uint8_t *payload, size_t len)
+{
+    (void)ctx, (void)payload, (void)len;
+}
+
+/* Close x's socket and rings (under groups_lock); its group's when it is the last lane. */
+static void lane_close(Xsk *x)
+{
+    Group *g = x->g;
+    char why[64];
+    uint64_t dropped = 0;
+    if (g) {
+        map_lane(g, x->cfg.lane, -1, why, sizeof why); /* from now the kernel socket's */
+        while (xsk_receive(x, RX_BATCH, ignore_frame, NULL, &dropped) > 0)
+            ; /* frames left on the RX ring: back to the fill ring */
+    }
+    unmap_ring(&x->rx);
+    unmap_ring(&x->tx);
+    if (x->fd >= 0 && (!g || x->fd != g->fd))
+        close(x->fd);
+    if (!g)
+        return;
+    g->open &= ~(1ull << x->cfg.lane);
+    if (g->open)
+        return;
+    for (Group **p = &groups; *p; p = &(*p)->next)
+        if (*p == g) {
+            *p = g->next;
+            break;
+        }
+    group_free(g);
 }
 
 Xsk *xsk_open(const XskConfig *cfg, char *why, size_t why_len)
 {
-    if (cfg->plen + XSK_HDR_LEN > (int)XSK_FRAME - 256) { /* XDP_PACKET_HEADROOM */
-        snprintf(why, why_len, "a %d-byte packet does not fit a %u-byte UMEM frame", cfg->plen,
-                 XSK_FRAME);
-        errno = EMSGSIZE;
+    const char *bad = bad_config(cfg);
+    if (bad) {
+        snprintf(why, why_len, "%s", bad);
+        errno = EINVAL;
         return NULL;
     }
     Xsk *x = calloc(1, sizeof *x);
@@ -292,47 +402,29 @@ Xsk *xsk_open(const XskConfig *cfg, char *why, size_t why_len)
         snprintf(why, why_len, "out of memory");
         return NULL;
     }
-    x->fd = x->map_fd = x->prog_fd = x->link_fd = -1;
+    x->fd = -1;
     x->cfg = *cfg;
-    char log[1024] = "";
     int err = 0;
-    if (setup_socket(x, why, why_len) < 0 || bind_socket(x, why, why_len) < 0)
+    pthread_mutex_lock(&groups_lock);
+    Group *g = group_find(cfg);
+    if (g ? group_join(g, x, cfg, why, why_len) < 0 : !(g = group_open(x, cfg, why, why_len)))
         goto fail;
-    union bpf_attr a;
-    memset(&a, 0, sizeof a);
-    a.map_type = BPF_MAP_TYPE_XSKMAP;
-    a.key_size = a.value_size = 4;
-    a.max_entries = 64; /* receive queues */
-    memcpy(a.map_name, "xdp_agg_xsks", sizeof "xdp_agg_xsks");
-    x->map_fd = (int)sys_bpf(BPF_MAP_CREATE, &a);
-    if (x->map_fd < 0) {
-        snprintf(why, why_len, "bpf(XSKMAP): %s", strerror(errno));
-        goto fail;
+    if (!(g->open)) { /* a new group: into the registry */
+        g->next = groups;
+        groups = g;
     }
-    uint32_t key = (uint32_t)cfg->queue, val = (uint32_t)x->fd;
-    memset(&a, 0, sizeof a);
-    a.map_fd = (uint32_t)x->map_fd;
-    a.key = (uint64_t)(uintptr_t)&key;
-    a.value = (uint64_t)(uintptr_t)&val;
-    if (sys_bpf(BPF_MAP_UPDATE_ELEM, &a) < 0) {
-        snprintf(why, why_len, "XSKMAP update: %s", strerror(errno));
+    x->g = g;
+    g->open |= 1ull << cfg->lane;
+    if (map_lane(g, cfg->lane, x->fd, why, why_len) < 0)
         goto fail;
-    }
-    /* no log unless it fails: a successful verification's log can overflow the buffer (ENOSPC) */
-    x->prog_fd = load_program(x->map_fd, cfg->src_port, NULL, 0);
-    if (x->prog_fd < 0 && errno != EPERM)
-        x->prog_fd = load_program(x->map_fd, cfg->src_port, log, sizeof log);
-    if (x->prog_fd < 0) {
-        snprintf(why, why_len, "loading the XDP program: %s %.200s", strerror(errno), log);
-        goto fail;
-    }
-    if (attach_program(x, why, why_len) < 0)
-        goto fail;
+    pthread_mutex_unlock(&groups_lock);
     build_header(x);
     return x;
 fail:
     err = errno;
-    xsk_close(x);
+    lane_close(x);
+    pthread_mutex_unlock(&groups_lock);
+    free(x);
     errno = err;
     return NULL;
 }
@@ -341,18 +433,9 @@ void xsk_close(Xsk *x)
 {
     if (!x)
         return;
-    int fds[] = {x->link_fd, x->prog_fd, x->map_fd};
-    for (size_t i = 0; i < 3; i++) /* the link first: it detaches the program */
-        if (fds[i] >= 0)
-            close(fds[i]);
-    struct ring *rings[] = {&x->fill, &x->comp, &x->rx, &x->tx};
-    for (size_t i = 0; i < 4; i++)
-        if (rings[i]->map)
-            munmap(rings[i]->map, rings[i]->map_len);
-    if (x->fd >= 0)
-        close(x->fd);
-    if (x->umem)
-        munmap(x->umem, (size_t)XSK_FRAMES * XSK_FRAME);
+    pthread_mutex_lock(&groups_lock);
+    lane_close(x);
+    pthread_mutex_unlock(&groups_lock);
     free(x);
 }
 
@@ -363,12 +446,12 @@ int xsk_fd(const Xsk *x)
 
 int xsk_zerocopy(const Xsk *x)
 {
-    return x->zerocopy;
+    return x->g->zerocopy;
 }
 
 const char *xsk_attach_mode(const Xsk *x)
 {
-    return x->mode;
+    return x->g->mode;
 }
 
 /* --- sending ------------------------------------------------------------------------------ */
@@ -389,15 +472,15 @@ static uint32_t csum_add(uint32_t s, const uint8_t *p, size_t n)
     return s;
 }
 
-/* completed transmit frames back onto the free stack */
-static void reap(Xsk *x)
+/* completed transmit frames back onto the free stack (under g->lock) */
+static void reap(Group *g)
 {
-    uint32_t cons = *x->comp.consumer;
-    uint32_t prod = __atomic_load_n(x->comp.producer, __ATOMIC_ACQUIRE);
-    const uint64_t *cq = x->comp.desc;
+    uint32_t cons = *g->comp.consumer;
+    uint32_t prod = __atomic_load_n(g->comp.producer, __ATOMIC_ACQUIRE);
+    const uint64_t *cq = g->comp.desc;
     for (; cons != prod; cons++)
-        x->free_tx[x->nfree++] = cq[cons & x->comp.mask];
-    __atomic_store_n(x->comp.consumer, cons, __ATOMIC_RELEASE);
+        g->free_tx[g->nfree++] = cq[cons & g->comp.mask];
+    __atomic_store_n(g->comp.consumer, cons, __ATOMIC_RELEASE);
 }
 
 /* sendto() makes the kernel transmit what the TX ring holds; copy mode does at most 32 frames
@@ -405,7 +488,7 @@ static void reap(Xsk *x)
  * consumes the ring by itself: one call. Returns 0 or -errno (not transient). */
 static int kick(Xsk *x, uint64_t *calls)
 {
-    for (int i = 0; i < (x->zerocopy ? 1 : KICK_TRIES); i++) {
+    for (int i = 0; i < (x->g->zerocopy ? 1 : KICK_TRIES); i++) {
         if (__atomic_load_n(x->tx.consumer, __ATOMIC_ACQUIRE) == *x->tx.producer)
             return 0;
         (*calls)++;
@@ -422,29 +505,36 @@ static int kick(Xsk *x, uint64_t *calls)
 
 int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
 {
-    reap(x);
+    Group *g = x->g;
     uint32_t prod = *x->tx.producer;
     uint32_t room = XSK_RING - (prod - __atomic_load_n(x->tx.consumer, __ATOMIC_ACQUIRE));
     int q = n;
     if ((uint32_t)q > room)
         q = (int)room;
-    if ((unsigned)q > x->nfree)
-        q = (int)x->nfree;
     struct xdp_desc *d = x->tx.desc;
+    pthread_mutex_lock(&g->lock); /* the lanes' free frames: take q at once */
+    reap(g);
+    if ((unsigned)q > g->nfree)
+        q = (int)g->nfree;
+    for (int i = 0; i < q; i++)
+        d[(prod + (uint32_t)i) & x->tx.mask].addr = g->free_tx[--g->nfree];
+    pthread_mutex_unlock(&g->lock);
     size_t plen = (size_t)x->cfg.plen;
     for (int i = 0; i < q; i++, prod++) {
-        uint64_t addr = x->free_tx[--x->nfree];
-        uint8_t *f = x->umem + addr;
+        struct xdp_desc *e = &d[prod & x->tx.mask];
+        uint8_t *f = g->umem + e->addr;
         memcpy(f, x->hdr, XSK_HDR_LEN);
-        put_be16(f + 18, x->ip_id++);
-        put_be16(f + 24, csum_fold(csum_add(0, f + 14, 20)));
+        store_be16(f + 18, x->ip_id++);
+        store_be16(f + 24, csum_fold(csum_add(0, f + 14, 20)));
         memcpy(f + XSK_HDR_LEN, rows[i], plen);
-        d[prod & x->tx.mask] =
-            (struct xdp_desc){.addr = addr, .len = (uint32_t)(XSK_HDR_LEN + plen)};
+        e->len = (uint32_t)(XSK_HDR_LEN + plen);
     }
     __atomic_store_n(x->tx.producer, prod, __ATOMIC_RELEASE);
     int rc = kick(x, calls);
-    reap(x);
+    if (pthread_mutex_trylock(&g->lock) == 0) { /* copy mode completed them in the kick */
+        reap(g);
+        pthread_mutex_unlock(&g->lock);
+    }
     return rc < 0 ? rc : q;
 }
 
@@ -469,28 +559,41 @@ static const uint8_t *udp_payload(const Xsk *x, const uint8_t *f, size_t len, si
     return f + XSK_HDR_LEN;
 }
 
+/* Frames taken off an RX ring back into the group's fill ring: it has room for all of them
+ * (it holds as many entries as there are receive frames). */
+static void return_frames(Group *g, const uint64_t *addrs, uint32_t n)
+{
+    pthread_mutex_lock(&g->lock);
+    uint64_t *fq = g->fill.desc;
+    uint32_t fprod = *g->fill.producer;
+    for (uint32_t i = 0; i < n; i++)
+        fq[fprod++ & g->fill.mask] = addrs[i];
+    __atomic_store_n(g->fill.producer, fprod, __ATOMIC_RELEASE);
+    pthread_mutex_unlock(&g->lock);
+}
+
 int xsk_receive(Xsk *x, int budget, xsk_datagram_fn fn, void *ctx, uint64_t *malformed)
 {
     uint32_t cons = *x->rx.consumer;
     uint32_t avail = __atomic_load_n(x->rx.producer, __ATOMIC_ACQUIRE) - cons;
     uint32_t n = avail < (uint32_t)budget ? avail : (uint32_t)budget;
+    if (n > RX_BATCH)
+        n = RX_BATCH;
     if (n == 0)
         return 0;
     const struct xdp_desc *d = x->rx.desc;
-    uint64_t *fq = x->fill.desc;
-    uint32_t fprod = *x->fill.producer;
+    uint64_t addrs[RX_BATCH];
     for (uint32_t i = 0; i < n; i++) {
         struct xdp_desc rd = d[(cons + i) & x->rx.mask];
         size_t plen;
-        const uint8_t *p = udp_payload(x, x->umem + rd.addr, rd.len, &plen);
+        const uint8_t *p = udp_payload(x, x->g->umem + rd.addr, rd.len, &plen);
         if (p)
             fn(ctx, p, plen);
         else
             (*malformed)++;
-        /* the frames are ours again: back into the fill ring (it has room for all of them) */
-        fq[fprod++ & x->fill.mask] = rd.addr & ~(uint64_t)(XSK_FRAME - 1);
+        addrs[i] = rd.addr & ~(uint64_t)(XSK_FRAME - 1); /* ours again */
     }
     __atomic_store_n(x->rx.consumer, cons + n, __ATOMIC_RELEASE);
-    __atomic_store_n(x->fill.producer, fprod, __ATOMIC_RELEASE);
+    return_frames(x->g, addrs, n);
     return (int)n;
 }

@@ -1,8 +1,9 @@
 /*
- * The AF_XDP data path of hostlib._fastpath: one AF_XDP socket on the worker's
- * interface queue, its UMEM and rings, and the worker's XDP program that redirects this job's
- * results (UDP to the worker's data port) to the socket and passes everything else. See
- * hostlib/_xsk.c; hostlib/afxdp.py finds the addresses.
+ * The AF_XDP data path of hostlib._fastpath: an AF_XDP socket per lane on the worker's
+ * interface queue, the lanes' shared UMEM and its fill and completion rings, and the worker's
+ * XDP program (hostlib/xsk_prog.c) that redirects this job's results (UDP to a lane's data port)
+ * to that lane's socket and passes everything else. See hostlib/_xsk.c; hostlib/afxdp.py finds
+ * the addresses.
  */
 #ifndef HOSTLIB_XSK_H
 #define HOSTLIB_XSK_H
@@ -19,7 +20,8 @@ typedef struct {
     int ifindex, queue;
     uint8_t src_mac[6], dst_mac[6];
     uint32_t src_ip, dst_ip;
-    uint16_t src_port, dst_port;
+    uint16_t src_port, dst_port; /* src_port: this lane's, the lanes' base port + lane */
+    int lane, lanes;             /* this socket's lane of the job's lanes (0 of 1 without lanes) */
     int ttl, tos;   /* of the IPv4 header: what the kernel would send (hostlib/afxdp.py) */
     int plen;       /* UDP payload length of every frame sent */
     int zerocopy;   /* 1: try XDP_ZEROCOPY first (falls back to copy mode) */
@@ -31,9 +33,14 @@ typedef struct Xsk Xsk;
 /* Called for each result datagram (its UDP payload) by xsk_receive. */
 typedef void (*xsk_datagram_fn)(void *ctx, const uint8_t *payload, size_t len);
 
-/* Open the socket, register the UMEM, attach the redirect program. Returns NULL with the reason
- * in why (and errno set) when AF_XDP cannot run here; the caller keeps the kernel socket. */
+/* Open the lane's socket. The first lane to open on an interface queue and base port registers
+ * the UMEM and attaches the redirect program for all the lanes; the others bind to its UMEM
+ * (XDP_SHARED_UMEM). Thread-safe; each lane's socket is then used by one thread. Returns NULL with
+ * the reason in why (and errno set) when AF_XDP cannot run here; the caller keeps the kernel
+ * socket. */
 Xsk *xsk_open(const XskConfig *cfg, char *why, size_t why_len);
+/* Close the lane's socket (its results go to the kernel socket from then); the last lane's
+ * close detaches the program and frees the UMEM. */
 void xsk_close(Xsk *x);
 int xsk_fd(const Xsk *x);
 int xsk_zerocopy(const Xsk *x);

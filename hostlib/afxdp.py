@@ -32,9 +32,17 @@ _RTN_UNICAST = 1
 _ARPHRD_ETHER = 1
 
 
-def spec(sock: socket.socket, data_address: tuple[str, int], zerocopy: bool = True, mode: str = ""):
-    """The xsk argument of _fastpath.Engine for the data socket `sock` sending to the
-    aggregator's `data_address`, or a str: why AF_XDP has nothing to run on here."""
+def spec(
+    sock: socket.socket,
+    data_address: tuple[str, int],
+    lane: int = 0,
+    lanes: int = 1,
+    zerocopy: bool = True,
+    mode: str = "",
+):
+    """The xsk argument of _fastpath.Engine for the data socket `sock` (of lane `lane` of
+    `lanes`: its port is the lanes' first port + lane) sending to the aggregator's
+    `data_address`, or a str: why AF_XDP has nothing to run on here."""
     agg_ip = data_address[0]
     if ipaddress.ip_address(agg_ip).is_loopback:
         return "the aggregator is on the loopback"
@@ -61,7 +69,8 @@ def spec(sock: socket.socket, data_address: tuple[str, int], zerocopy: bool = Tr
             src_ip = route.get_attr("RTA_PREFSRC")
     ttl = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
     tos = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
-    return (oif, 0, _mac(src_mac), _mac(dst_mac), src_ip, src_port, ttl, tos, zerocopy, mode)
+    mac = (_mac(src_mac), _mac(dst_mac))
+    return (oif, 0, *mac, src_ip, src_port, ttl, tos, zerocopy, mode, lane, lanes)
 
 
 def _mac(text: str) -> bytes:

@@ -170,6 +170,8 @@ def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> S
         cwnd=opts.cwnd,
         data_path=opts.data_path,
         spin=opts.spin,
+        lane=lane,
+        lanes=lanes,
     )
     faults = opts.faults
     if faults is not None and i:  # independent losses per stripe and lane

@@ -28,6 +28,12 @@ static inline uint32_t load_be32(const uint8_t *p)
     return ntohl(v);
 }
 
+static inline void store_be16(uint8_t *p, uint16_t v)
+{
+    v = htons(v);
+    memcpy(p, &v, 2);
+}
+
 static inline void store_be32(uint8_t *p, uint32_t v)
 {
     v = htonl(v);

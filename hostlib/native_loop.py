@@ -81,7 +81,7 @@ class NativeLoop:
         cfg, f = state.cfg, state.faults
         sock = state.sock
         path = cfg.data_path
-        xsk, self.data_path_reason = _xsk_spec(path, sock, cfg.data_address)
+        xsk, self.data_path_reason = _xsk_spec(path, sock, cfg)
         self._fast = _fastpath.Engine(
             fd=sock.fileno(),
             host=cfg.data_address[0],
@@ -165,15 +165,15 @@ class NativeLoop:
         st["cwnd"] = self._fast.cwnd
 
 
-def _xsk_spec(path: str, sock, data_address: tuple[str, int]) -> tuple[tuple | None, str]:
+def _xsk_spec(path: str, sock, cfg) -> tuple[tuple | None, str]:
     """The Engine's xsk argument for data path `path` (None: the kernel socket) and, when AF_XDP
     was asked for but has nothing to run on, why."""
     if path == "udp":
         return None, ""
     try:
-        found = afxdp.spec(sock.sock, data_address)
+        found = afxdp.spec(sock.sock, cfg.data_address, cfg.lane, cfg.lanes)
     except Exception as e:  # netlink refused, no route: the kernel socket, and why
-        return None, f"finding the interface towards {data_address[0]}: {e}"
+        return None, f"finding the interface towards {cfg.data_address[0]}: {e}"
     return (None, found) if isinstance(found, str) else (found, "")
 
 

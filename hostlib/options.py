@@ -55,6 +55,7 @@ DEFAULT_WINDOW = 64
 # than 2 could not be measured here) is for a worker that has its cores to itself.
 DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
+MAX_LANES = 64  # the AF_XDP sockets one interface queue's program can tell apart (hostlib/_xsk.c)
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 
 
@@ -75,8 +76,9 @@ class HostOptions:
         (results go to the request's source port, in both topologies). Every rank must give the
         same number (a rank with "auto" takes rank 0's). Default 1 (DEFAULT_LANES says why).
         "auto": rank 0 runs one per CPU it may run on (os.sched_getaffinity), at most
-        AUTO_LANES_MAX and the window, and 1 with the numpy loop or a data path other than
-        "udp"; comm.stats["lanes"] says what it became.
+        AUTO_LANES_MAX and the window, and 1 with the numpy loop; comm.stats["lanes"] says what
+        it became. With AF_XDP every lane has its own socket on the interface's queue, all
+        sharing one UMEM (hostlib/_xsk.c).
     timeout: seconds an all-reduce may go without progress before AllreduceTimeout.
     ip: the address the aggregator knows this worker by. By default the source address the
         kernel picks towards the control endpoint, with the data socket bound to 0.0.0.0 so it
@@ -130,7 +132,7 @@ class HostOptions:
             wire.size_code_for(self.elems)  # ValueError naming the wire sizes
         if self.window < 1:
             raise ValueError("window must be at least 1")
-        _check_lanes(self.lanes, self.data_path)
+        _check_lanes(self.lanes)
         if self.cwnd not in ("aimd", "fixed"):
             raise ValueError(f"cwnd must be 'aimd' or 'fixed', not {self.cwnd!r}")
         if self.data_path not in DATA_PATHS:
@@ -163,14 +165,13 @@ class HostOptions:
         return dataclasses.replace(self, **changes)
 
 
-def _check_lanes(lanes, data_path: str) -> None:
+def _check_lanes(lanes) -> None:
     if lanes == "auto":
         return
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
         raise ValueError(f"lanes must be an integer of at least 1 or 'auto', not {lanes!r}")
-    if lanes > 1 and data_path != "udp":
-        # one AF_XDP socket per queue is a later step: the lanes share nothing but the kernel's
-        raise ValueError(f"lanes > 1 runs over the kernel UDP socket only, not {data_path!r}")
+    if lanes > MAX_LANES:
+        raise ValueError(f"lanes must be at most {MAX_LANES}, not {lanes}")
 
 
 def control_from_env(env: Mapping[str, str] | None = None) -> str | None:
@@ -204,8 +205,8 @@ def _int_or_auto(var: str, what: str) -> Callable[[str], int | str]:
 
 def auto_lanes(opts: HostOptions, native: bool) -> int:
     """The lanes rank 0 runs with lanes="auto" (`native`: whether the C loop runs)."""
-    if not native or opts.data_path != "udp":
-        return 1  # the numpy loop holds the GIL; AF_XDP runs one socket (one lane)
+    if not native:
+        return 1  # the numpy loop holds the GIL
     try:
         cpus = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):

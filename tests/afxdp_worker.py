@@ -1,14 +1,18 @@
-"""One stream engine in a namespace for tests/test_afxdp.py: all-reduces an int32 and a float32
-tensor through the aggregator at --agg over the data path --path, prints one JSON line: the
-data path, the reason, a SHA-256 of each result's bytes and the engine's counters.
+"""One worker's stream engine(s) in a namespace for tests/test_afxdp.py: all-reduces an int32 and
+a float32 tensor through the aggregator at --agg over the data path --path, prints one JSON line:
+the data path, the reason, a SHA-256 of each result's bytes and the engine's counters.
 
     python tests/afxdp_worker.py --local 198.19.250.1:40000 --agg 198.19.250.2:48879 \
-        --path afxdp --faults 0.1,0.1,0.2,0.2,4
+        --path afxdp --faults 0.1,0.1,0.2,0.2,4 --lanes 3
+
+With --lanes k, lane l has its own socket on the --local port + l and its part of the 64 slots
+(hostlib.striping.lane_windows), as hostlib.init makes them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import os
@@ -19,6 +23,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from hostlib.engine import EngineConfig, Faults, StreamEngine  # noqa: E402
+from hostlib.striping import StripedEngine, lane_windows  # noqa: E402
 from hostlib.udp_io import DatagramSocket  # noqa: E402
 
 
@@ -37,26 +42,15 @@ def main() -> int:
     ap.add_argument("--gso", type=int, default=1)
     ap.add_argument("--count", type=int, default=200_000)
     ap.add_argument("--faults", default="", help="send_loss,recv_loss,send_dup,recv_dup,seed")
+    ap.add_argument("--lanes", type=int, default=1)
     args = ap.parse_args()
     faults = None
     if args.faults:
         *p, seed = args.faults.split(",")
         faults = Faults(*(float(x) for x in p), seed=int(seed))
-    sock = DatagramSocket(args.local, gso=bool(args.gso))
-    # job 1, one worker, 256 int32 per packet, slots 0..63
-    cfg = EngineConfig(
-        1,
-        1,
-        256,
-        0,
-        64,
-        args.agg,
-        rto=0.005,
-        timeout=10,
-        native=bool(args.native),
-        data_path=args.path,
-    )
-    eng = StreamEngine(sock, cfg, faults)
+    slots = lane_windows(0, 64, args.lanes)
+    engines = [_lane(args, lane, part, faults) for lane, part in enumerate(slots)]
+    eng = engines[0] if args.lanes == 1 else StripedEngine(engines, [args.agg], args.lanes)
     rng = np.random.default_rng(7)
     x = rng.integers(-(2**31), 2**31, size=args.count, dtype=np.int64).astype(np.int32)
     f = (rng.standard_normal(args.count) * 1e-3).astype(np.float32)
@@ -72,8 +66,33 @@ def main() -> int:
         "stats": eng.stats,
     }
     print(json.dumps(report), flush=True)
-    sock.close()
+    eng.close()
+    for e in engines:
+        e.state.sock.close()
     return 0
+
+
+def _lane(args, lane: int, slots: tuple[int, int], faults: Faults | None) -> StreamEngine:
+    """Lane `lane`'s engine: job 1, one worker, 256 int32 per packet, its `slots` (base,
+    window), its socket on the --local port + lane; independent losses per lane."""
+    host, port = args.local
+    sock = DatagramSocket((host, port + lane), gso=bool(args.gso))
+    cfg = EngineConfig(
+        1,
+        1,
+        256,
+        *slots,
+        args.agg,
+        rto=0.005,
+        timeout=10,
+        native=bool(args.native),
+        data_path=args.path,
+        lane=lane,
+        lanes=args.lanes,
+    )
+    if faults is not None and lane:
+        faults = dataclasses.replace(faults, seed=faults.seed + lane)
+    return StreamEngine(sock, cfg, faults)
 
 
 if __name__ == "__main__":

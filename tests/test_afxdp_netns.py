@@ -29,9 +29,14 @@ def _digests(reports) -> list[list[str]]:
     return [[r["sha256"] for r in reps if "sha256" in r] for reps in reports]
 
 
+@pytest.mark.parametrize("lanes", [1, 3])
 def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
-    testbed_factory, monkeypatch
+    testbed_factory, monkeypatch, lanes
 ):
+    """With lanes, every lane of a worker has its own AF_XDP socket on the one queue of its veth
+    (sharing one UMEM, hostlib/_xsk.c); the reference runs as many numpy lanes over the kernel
+    socket, on the same slots."""
+    monkeypatch.setenv("XDP_AGG_LANES", str(lanes))
     tb = testbed_factory(workers=3, topology="one-arm", dup_down=0.05)
     ports = [f"w{w.index}" for w in tb.workers]
     faults.apply(tb.switch_netns, faults.port_loss_script(ports, 0.02))
@@ -47,7 +52,9 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     assert _digests(got) == _digests(ref) and all(len(d) == len(PLAN) for d in _digests(ref))
     for reps in got:
         for r in reps:
-            assert r["stats"]["data_path"].startswith("afxdp-copy-"), r["stats"]
+            # one path for every lane (StripedEngine.data_path: comma-separated if they differ)
+            assert r["stats"]["data_path"] in ("afxdp-copy-drv", "afxdp-copy-skb"), r["stats"]
+            assert r["stats"]["lanes"] == lanes
     retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
     dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)
     assert retx > 0 and dups > 0, "loss and duplication were configured but none showed"

@@ -77,18 +77,19 @@ def test_lanes_from_the_environment():
         HostOptions.from_env({"XDP_AGG_LANES": "two"})
     with pytest.raises(ValueError, match="lanes must be"):
         HostOptions.from_env({"XDP_AGG_LANES": "0"})
-    with pytest.raises(ValueError, match="kernel UDP socket only"):
-        HostOptions(lanes=2, data_path="afxdp")
+    assert HostOptions(lanes=2, data_path="afxdp").lanes == 2  # a socket per lane, one UMEM
+    with pytest.raises(ValueError, match="at most 64"):
+        HostOptions(lanes=65)  # the AF_XDP program's map has a socket per lane
 
 
 @pytest.mark.parametrize(
     "cpus, native, window, data_path, want",
     [({0, 1, 2, 3}, True, 64, "udp", 2), ({0}, True, 64, "udp", 1), ({0, 1}, False, 64, "udp", 1),
-     ({0, 1}, True, 1, "udp", 1), ({0, 1}, True, 64, "auto", 1)],
+     ({0, 1}, True, 1, "udp", 1), ({0, 1}, True, 64, "auto", 2), ({0, 1}, True, 64, "afxdp", 2)],
 )  # fmt: skip
 def test_auto_lanes(monkeypatch, cpus, native, window, data_path, want):
-    """lanes="auto": a lane per CPU the process may run on, at most AUTO_LANES_MAX and the window;
-    one with the numpy loop (it holds the GIL) or another data path than the kernel socket."""
+    """lanes="auto": a lane per CPU the process may run on, at most AUTO_LANES_MAX and the window,
+    on either data path; one with the numpy loop (it holds the GIL)."""
     from hostlib import options
 
     monkeypatch.setattr(options.os, "sched_getaffinity", lambda pid: cpus)
