@@ -1,11 +1,14 @@
 """`python -m bench.afxdp`: the C loop's two data paths side by side, the kernel's UDP socket
-(sendmmsg + GSO, recvmmsg + GRO) and an AF_XDP socket (hostlib/_xsk.c, copy mode on veth).
+(sendmmsg + GSO, recvmmsg + GRO) and an AF_XDP socket (hostlib/_xsk.c, copy mode on veth), each
+with every number of lanes of `--lanes` (default 1; `--lanes 1,2`: an AF_XDP socket per lane,
+sharing one UMEM).
 
 One one-arm testbed, links unshaped, an XDP aggregator and a control endpoint
 (aggcluster.Cluster). Alternately (`--rounds` times, who goes first alternating too), n fresh
 worker processes all-reduce a float32 tensor `--reps` times over one path, then over the other
-(XDP_AGG_DATA_PATH=udp / afxdp). Each run's first all-reduce is a warm-up and not counted; an
-all-reduce's time is its slowest rank's, and every rank checks its result against the exact sum.
+(XDP_AGG_DATA_PATH=udp / afxdp), at each number of lanes (XDP_AGG_LANES). Each run's first
+all-reduce is a warm-up and not counted; an all-reduce's time is its slowest rank's, and every
+rank checks its result against the exact sum.
 
 Per path: the median time and the throughput (tensor bytes per second), each rank's CPU seconds
 (user, sys: the worker process, all its threads) per GiB of tensor, and the system calls per
@@ -27,10 +30,21 @@ from bench import alternating, alternating_parser, machine, spread, table_head, 
 PATHS = ("udp", "afxdp")
 
 
-def run_once(cl, path: str, args, tag: str) -> dict:
-    """n workers over data path `path`: per-rep times (slowest rank), CPU per rank and rep, and
-    the counters of the timed all-reduces."""
+def variants(lanes: list[int]) -> list[tuple[str, int]]:
+    """What the rounds compare: each data path at each number of lanes."""
+    return [(path, k) for k in lanes for path in PATHS]
+
+
+def name(path: str, lanes: int) -> str:
+    """A variant's key in the summary: "udp", "afxdp" (one lane), "afxdp/2"."""
+    return path if lanes == 1 else f"{path}/{lanes}"
+
+
+def run_once(cl, path: str, lanes: int, args, tag: str) -> dict:
+    """n workers over data path `path` on `lanes` lanes: per-rep times (slowest rank), CPU per
+    rank and rep, and the counters of the timed all-reduces."""
     os.environ["XDP_AGG_DATA_PATH"] = path
+    os.environ["XDP_AGG_LANES"] = str(lanes)
     plan = [{"dtype": "float32", "count": args.bytes // 4, "reps": 1, "seed": 7}]
     plan.append({**plan[0], "reps": args.reps})  # the first item is the warm-up
     reports = cl.run_workers(
@@ -43,6 +57,7 @@ def run_once(cl, path: str, args, tag: str) -> dict:
     st = [r["stats"] for r in timed]
     return {
         "path": path,
+        "lanes": lanes,
         "data_path": sorted({s["data_path"] for s in st}),
         "times": [max(r["times"][i] for r in timed) for i in range(args.reps)],
         "cpu_user_s": statistics.fmean(x for r in timed for x in r["cpu_user_s"]),
@@ -55,17 +70,19 @@ def run_once(cl, path: str, args, tag: str) -> dict:
 
 
 def summarize(runs: list[dict], args) -> dict:
-    """Per path: median time, throughput, CPU per GiB, system calls per packet."""
+    """Per path and lanes: median time, throughput, CPU per GiB, system calls per packet."""
     gib = args.bytes / 2**30
     out = {}
-    for path in PATHS:
-        rs = [r for r in runs if r["path"] == path]
+    for path, lanes in variants(args.lanes):
+        rs = [r for r in runs if (r["path"], r.get("lanes", 1)) == (path, lanes)]
         times = spread([x for r in rs for x in r["times"]])
         med = times["median_s"]
         user = statistics.median(r["cpu_user_s"] for r in rs)
         sys_ = statistics.median(r["cpu_sys_s"] for r in rs)
         packets = sum(r["packets"] for r in rs)
-        out[path] = {
+        out[name(path, lanes)] = {
+            "path": path,
+            "lanes": lanes,
             "data_path": sorted({p for r in rs for p in r["data_path"]}),
             **times,
             "gib_per_s": gib / med,
@@ -87,6 +104,7 @@ def markdown(summary: dict, meta: dict) -> str:
         "links unshaped, " + alternating(meta, "path"),
         [
             "path",
+            "lanes",
             "mode",
             "ms (min-max)",
             "GiB/s",
@@ -96,11 +114,11 @@ def markdown(summary: dict, meta: dict) -> str:
             "retx",
         ],
     )
-    for path in PATHS:
-        s = summary[path]
+    for key, s in summary.items():
         L.append(
-            f"| {path} | {', '.join(s['data_path'])} | {s['median_s'] * 1e3:.0f} "
-            f"({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}) | {s['gib_per_s']:.3f} | "
+            f"| {s.get('path', key)} | {s.get('lanes', 1)} | {', '.join(s['data_path'])} | "
+            f"{s['median_s'] * 1e3:.0f} ({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}) | "
+            f"{s['gib_per_s']:.3f} | "
             f"{s['cpu_s_per_gib']:.2f} ({s['cpu_user_s_per_gib']:.2f} + "
             f"{s['cpu_sys_s_per_gib']:.2f}) | {s['send_calls_per_packet']:.3f} | "
             f"{s['recv_calls_per_packet']:.3f} | {s['retransmissions']} |"
@@ -111,6 +129,12 @@ def markdown(summary: dict, meta: dict) -> str:
 def main(argv=None) -> int:
     """Run the rounds, write the JSON and the table."""
     ap = alternating_parser(__doc__, per="path", workers=2, nbytes=32 << 20, rounds=2, window=128)
+    ap.add_argument(
+        "--lanes",
+        type=lambda t: [int(x) for x in t.split(",")],
+        default=[1],
+        help="numbers of lanes to run each path with, comma-separated (e.g. 1,2)",
+    )
     args = ap.parse_args(argv)
 
     from aggcluster.cluster import Cluster
@@ -120,16 +144,17 @@ def main(argv=None) -> int:
     runs = []
     with Testbed(workers=args.workers, topology="one-arm", mtu=args.mtu) as tb, Cluster(tb) as cl:
         for rnd in range(args.rounds):
-            for path in PATHS if rnd % 2 == 0 else PATHS[::-1]:
-                r = run_once(cl, path, args, f"{rnd}-{path}")
+            order = variants(args.lanes)
+            for path, lanes in order if rnd % 2 == 0 else order[::-1]:
+                r = run_once(cl, path, lanes, args, f"{rnd}-{path}-{lanes}")
                 times = ", ".join(f"{x * 1e3:.0f}" for x in r["times"])
-                print(f"round {rnd} {path} {r['data_path']}: {times} ms", flush=True)
+                print(f"round {rnd} {name(path, lanes)} {r['data_path']}: {times} ms", flush=True)
                 runs.append(r)
     summary = summarize(runs, args)
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
         **{k: getattr(args, k) for k in ("workers", "bytes", "mtu", "elems", "window")},
-        **{k: getattr(args, k) for k in ("reps", "rounds")},
+        **{k: getattr(args, k) for k in ("reps", "rounds", "lanes")},
         **machine(load_before),
     }
     doc = {"meta": meta, "summary": summary, "runs": runs}
