@@ -47,11 +47,11 @@ from .stream_state import Faults
 # loopback soft aggregator agree (64: none; 32, 128 and 256: 163 to 797). The old defaults
 # were 64 (init), 128 (hostlib.pt) and 256 (the demo).
 DEFAULT_WINDOW = 64
-# Lanes: 1 when nobody says. Measured 2026-12-03 on this 2-core machine, a fresh clone
-# (bench/results, docs/benchmarks.md "Lanes"): 2 lanes made one worker 1.12-1.38x faster and
-# n = 2 and 4 workers up to 1.35x, but n = 8 workers on the two CPUs 0.85x as fast at 64 MiB
-# (every rank's second thread competes for the same two CPUs), so 2 is no default: it would make
-# cells slower. "auto" (one lane per CPU the process may run on, at most AUTO_LANES_MAX; more
+# Lanes: 1 when nobody says. Measured 2026-12-03 on this 2-core machine, two fresh-clone runs
+# (docs/benchmarks.md "Lanes"): 2 lanes made one worker up to 1.38x faster and n = 2 and 4
+# workers up to 1.35x, but n = 8 workers on the two CPUs 0.85x as fast at 64 MiB in the first
+# run and 0.95x in the second (every rank's second thread competes for the same two CPUs), so 2
+# is no default: it would make cells slower. "auto" (one lane per CPU the process may run on, at most AUTO_LANES_MAX; more
 # than 2 could not be measured here) is for a worker that has its cores to itself.
 DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
