@@ -51,8 +51,9 @@ DEFAULT_WINDOW = 64
 # (docs/benchmarks.md "Lanes"): 2 lanes made one worker up to 1.38x faster and n = 2 and 4
 # workers up to 1.35x, but n = 8 workers on the two CPUs 0.85x as fast at 64 MiB in the first
 # run and 0.95x in the second (every rank's second thread competes for the same two CPUs), so 2
-# is no default: it would make cells slower. "auto" (one lane per CPU the process may run on, at most AUTO_LANES_MAX; more
-# than 2 could not be measured here) is for a worker that has its cores to itself.
+# is no default: it would make cells slower. "auto" (one lane per CPU the process may run on, at
+# most AUTO_LANES_MAX; more than 2 could not be measured here) is for a worker that has its cores
+# to itself.
 DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
 MAX_LANES = 64  # the AF_XDP sockets one interface queue's program can tell apart (hostlib/_xsk.c)
