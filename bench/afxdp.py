@@ -74,7 +74,7 @@ def summarize(runs: list[dict], args) -> dict:
     gib = args.bytes / 2**30
     out = {}
     for path, lanes in variants(args.lanes):
-        rs = [r for r in runs if (r["path"], r.get("lanes", 1)) == (path, lanes)]
+        rs = [r for r in runs if (r["path"], r["lanes"]) == (path, lanes)]
         times = spread([x for r in rs for x in r["times"]])
         med = times["median_s"]
         user = statistics.median(r["cpu_user_s"] for r in rs)
@@ -114,9 +114,9 @@ def markdown(summary: dict, meta: dict) -> str:
             "retx",
         ],
     )
-    for key, s in summary.items():
+    for s in summary.values():
         L.append(
-            f"| {s.get('path', key)} | {s.get('lanes', 1)} | {', '.join(s['data_path'])} | "
+            f"| {s['path']} | {s['lanes']} | {', '.join(s['data_path'])} | "
             f"{s['median_s'] * 1e3:.0f} ({s['min_s'] * 1e3:.0f}-{s['max_s'] * 1e3:.0f}) | "
             f"{s['gib_per_s']:.3f} | "
             f"{s['cpu_s_per_gib']:.2f} ({s['cpu_user_s_per_gib']:.2f} + "

@@ -169,7 +169,8 @@ static int map_rings(int fd, struct ring *rx, struct ring *tx, struct ring *fill
 
 /* Bind fd to the interface queue: the group's socket zero-copy first where asked (EOPNOTSUPP
  * there, on veth and generic XDP, means copy mode, which every driver has); a lane joining a
- * group with XDP_SHARED_UMEM and no other flag (the kernel refuses any: the group's mode holds). */
+ * group with XDP_SHARED_UMEM and no other flag (the kernel refuses any: the group's mode holds).
+ * *zerocopy (the group's socket only; NULL for a lane) says whether it bound zero-copy. */
 static int bind_socket(int fd, const XskConfig *c, const Group *shared, int *zerocopy, char *why,
                        size_t why_len)
 {
@@ -306,10 +307,9 @@ static int group_join(Group *g, Xsk *x, const XskConfig *c, char *why, size_t wh
         errno = EBUSY;
         return -1;
     }
-    int zc = 0;
     x->fd = new_socket(NULL, why, why_len);
     if (x->fd < 0 || map_rings(x->fd, &x->rx, &x->tx, NULL, NULL, why, why_len) < 0 ||
-        bind_socket(x->fd, c, g, &zc, why, why_len) < 0)
+        bind_socket(x->fd, c, g, NULL, why, why_len) < 0)
         return -1;
     return 0;
 }

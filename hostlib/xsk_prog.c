@@ -84,8 +84,10 @@ int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, char *lo
         INSN(BPF_JMP | BPF_JGE | BPF_K, 5, 0, TO_PASS(18), lanes),
         LDX(BPF_W, 4, 6, 16),        /* 19: r4 = rx_queue_index */
         JNEI(4, queue, TO_PASS(20)), /* 20: the sockets' queue only (the kernel checks it too) */
-        INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0, map_fd), /* 21-22: r1 = map */
-        INSN(0, 0, 0, 0, 0), MOVR(2, 5),                                  /* 23: key: the lane */
+        INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0,
+             map_fd),                                             /* 21: r1 = map, 2 slots */
+        INSN(0, 0, 0, 0, 0),                                      /* 22: the map's upper half */
+        MOVR(2, 5),                                               /* 23: key: the lane */
         MOVI(3, XDP_PASS),                                        /* 24: no socket there: pass */
         INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect_map), /* 25 */
         INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 26 */

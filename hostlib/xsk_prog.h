@@ -1,7 +1,7 @@
 /*
  * The worker's XDP program of the AF_XDP data path (hostlib/_xsk.c) and its XSKMAP: a
- * hand-written instruction array loaded and attached with bpf(2) alone (no libbpf: pip builds the extension from source).
- * It sends the job's results on this receive queue to the lane's AF_XDP socket and passes
+ * hand-written instruction array loaded and attached with bpf(2) alone (no libbpf: pip builds
+ * the extension from source). It sends the job's results on this receive queue to the lane's AF_XDP socket and passes
  * everything else to the kernel.
  */
 #ifndef HOSTLIB_XSK_PROG_H
