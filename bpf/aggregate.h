@@ -275,48 +275,110 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 	return p;
 }
 
-/* Sum the partials of round `tag` over all CPUs into the packet and the stored result. `own` is
- * this CPU's, which holds the round's last addition: the other CPUs' partials are gathered into
- * r->data first, and own is added in the pass that publishes (one pass when no other CPU saw the
- * round). XDP does not nest on a CPU, so own stays as folded. When own holds all n contributions
- * of the round (its count, kept per CPU without atomics), no other CPU has any and none is read:
- * reading another CPU's partial only to find an old tag was a cache miss per CPU and completion
- * (6% of the program's samples under perf at 768 elements, all on one CPU). */
-static __always_inline void complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
-					  u32 pkey, u64 tag, struct agg_partial *own, u64 n,
-					  const u32 K)
+/* Note where this CPU folded worker `index`'s contribution (before the `added` count that
+ * publishes it: the completing CPU reads the entry after its own fetch_add on `added`). */
+static __always_inline int note_cpu(u32 pkey, u32 index)
 {
-	agg_lanes *rw = (agg_lanes *)r->data;
+	struct agg_contrib_cpus *c = contrib_cpus.lookup(&pkey);
+
+	if (!c)
+		return -1;
+	/* verifier: the mask bounds the index (ingress checked it is below AGG_MAX_WORKERS) */
+	c->cpu[index & (AGG_MAX_WORKERS - 1)] = bpf_get_smp_processor_id();
+	return 0;
+}
+
+/* One step of the gather, for worker i of the round being completed on this CPU: fold the
+ * partial of the CPU that took i's contribution into r->data (lane order), unless that CPU is
+ * this one (own is added last) or its partial was gathered already (for an earlier worker on
+ * the same CPU). Every addition of the round has finished (the `added` count) and no CPU can
+ * fold into these partials before the result is published, so the completing CPU has them to
+ * itself: it marks a gathered partial by zeroing its count, which the next round's first fold
+ * resets. Returns 0 to go on, 1 to stop (a map lookup that cannot fail did). */
+static __always_inline long gather_one(u32 i, const u32 K)
+{
+	u32 zero = 0, cpu;
+	struct agg_gather *gs = gather.lookup(&zero);
+	struct agg_contrib_cpus *c;
+	struct agg_partial *q;
+	struct agg_result *r;
+	agg_lanes *rw, *qw;
+
+	if (!gs)
+		return 1;
+	c = contrib_cpus.lookup(&gs->pkey);
+	r = results.lookup(&gs->pkey);
+	if (!c || !r)
+		return 1;
+	/* verifier: bpf_loop's index is unknown to it; the mask bounds it */
+	cpu = c->cpu[i & (AGG_MAX_WORKERS - 1)];
+	if (cpu == gs->me)
+		return 0;
+	q = lookup_percpu_elem(partials, &gs->pkey, cpu);
+	if (!q || q->tag != gs->tag || !q->count)
+		return 0;
+	rw = (agg_lanes *)r->data;
+	qw = (agg_lanes *)q->sum;
+	if (!gs->others) {
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < AGG_WORDS(K); j++)
+			rw[j] = qw[j];
+	} else {
+		AGG_NO_UNROLL
+		for (u32 j = 0; j < AGG_WORDS(K); j++)
+			rw[j] = add_lanes(rw[j], qw[j]);
+	}
+	gs->e0 = max_s32(gs->e0, q->e0);
+	gs->e1 = max_s32(gs->e1, q->e1);
+	gs->others = 1;
+	q->count = 0;
+	return 0;
+}
+
+/* The gather callbacks, one per packet size: bpf_loop(n, AGG_CALLBACK(K), ...) calls
+ * agg_gather_<K> for i = 0..n-1. verifier: a callback is verified once, whatever the number of
+ * calls, so the program's verification does not grow with the workers or the CPUs (a loop over
+ * CPUs walked every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit).
+ * Not static, so that bcc compiles each into a function of its own that the loader can link. */
+#define AGG_GATHER_FN(code, elems) \
+	long AGG_XCAT(agg_gather_, elems)(u32 i) { return gather_one(i, elems); }
+#define AGG_CAT(a, b)  a##b
+#define AGG_XCAT(a, b) AGG_CAT(a, b)
+SML_FOR_EACH_SIZE(AGG_GATHER_FN)
+
+/* Sum the round's partials into the packet and the stored result. `own` is this CPU's, which
+ * holds the round's last addition: the partials of the other CPUs that took contributions of
+ * the round (contrib_cpus) are gathered into r->data first, and own is added in the pass that
+ * publishes (one pass when no other CPU saw the round). XDP does not nest on a CPU, so own
+ * stays as folded. When own holds all n contributions (its count, kept per CPU without
+ * atomics), no other CPU has any and none is read. Returns -1 on a map error. */
+static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
+					 u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					 const u32 K)
+{
 	s32 e0 = own->e0, e1 = own->e1;
-	u32 me = bpf_get_smp_processor_id();
+	struct agg_gather *gs;
 	bool others = false;
+	u32 zero = 0;
 
-	/* Bounded by the possible CPUs known at load time: the verifier walks each iteration. */
-	AGG_NO_UNROLL
-	for (u32 cpu = 0; cpu < AGG_NR_CPUS && own->count != n; cpu++) {
-		struct agg_partial *q;
-		agg_lanes *qw;
-
-		if (cpu == me)
-			continue; /* own is added last */
-		q = lookup_percpu_elem(partials, &pkey, cpu);
-		if (!q || q->tag != tag)
-			continue; /* this CPU saw no contribution of this round */
-		qw = (agg_lanes *)q->sum;
-		e0 = max_s32(e0, q->e0);
-		e1 = max_s32(e1, q->e1);
-		if (!others) {
-			AGG_NO_UNROLL
-			for (u32 j = 0; j < AGG_WORDS(K); j++)
-				rw[j] = qw[j];
-		} else {
-			AGG_NO_UNROLL
-			for (u32 j = 0; j < AGG_WORDS(K); j++)
-				rw[j] = add_lanes(rw[j], qw[j]);
-		}
-		others = true;
+	if (own->count != n) {
+		gs = gather.lookup(&zero);
+		if (!gs)
+			return -1;
+		gs->tag = tag;
+		gs->pkey = pkey;
+		gs->me = bpf_get_smp_processor_id();
+		gs->e0 = e0;
+		gs->e1 = e1;
+		gs->others = 0;
+		if (bpf_loop(n, AGG_CALLBACK(K), NULL, 0) != n)
+			return -1;
+		e0 = gs->e0;
+		e1 = gs->e1;
+		others = gs->others;
 	}
 	publish_result(pk, pw, r, (agg_lanes *)own->sum, others, e0, e1, K);
+	return 0;
 }
 #else
 /* Spin-lock variant (build option, the baseline to measure against): one shared partial per
@@ -337,11 +399,17 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 
 /* Every addition of the round is finished (the `added` count says so) and no new round can
  * start before this result is sent, so the shared partial (`own`) is read without the lock. */
-static __always_inline void complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
-					  u32 pkey, u64 tag, struct agg_partial *own, u64 n,
-					  const u32 K)
+static __always_inline int note_cpu(u32 pkey, u32 index)
+{
+	return 0; /* one shared partial: nothing to gather */
+}
+
+static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
+					 u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					 const u32 K)
 {
 	publish_result(pk, pw, r, (agg_lanes *)own->sum, false, own->e0, own->e1, K);
+	return 0;
 }
 #endif
 
@@ -503,7 +571,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 
 	race_window(); /* nothing unless a test build asks for it */
 	own = accumulate(pkey, tag, pk, pw, K);
-	if (!own)
+	if (!own || note_cpu(pkey, w->index))
 		return XDP_ABORTED;
 	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
 #ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
@@ -520,7 +588,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	r = results.lookup(&pkey);
 	if (!r)
 		return XDP_ABORTED;
-	complete_slot(pk, pw, r, pkey, tag, own, n, K);
+	if (complete_slot(pk, pw, r, pkey, tag, own, n, K))
+		return XDP_ABORTED;
 	/* a jumbo sum was published into the scratch copy: one helper call writes every buffer */
 	if (!AGG_DIRECT(K) && agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, pl, K * 4))
 		return XDP_ABORTED;

@@ -7,8 +7,17 @@
 #define AGG_POOL_SLOTS 1024 /* slots in the pool; the loader passes -DAGG_POOL_SLOTS */
 #endif
 #ifndef AGG_NR_CPUS
-#define AGG_NR_CPUS 2 /* possible CPUs: bound of the gather loop; the loader passes it */
+#define AGG_NR_CPUS 2 /* possible CPUs: entries of the cpumap; the loader passes it */
 #endif
+#ifndef AGG_CALLBACK_MAGIC
+#error "AGG_CALLBACK_MAGIC: marks a bpf_loop callback's address for the loader to link"
+#endif
+/* A bpf_loop() callback's address as the program writes it: bcc cannot emit the relocation
+ * (BPF_PSEUDO_FUNC) of a function's address, so the program writes this 64-bit constant (one
+ * ld_imm64, the magic in its upper half, the callback's id in the lower), and the loader
+ * (xdp_switch/subprogs.py) appends the callback's code and rewrites the ld_imm64 into the
+ * kernel's reference to it. The id of agg_gather_<K> is K. */
+#define AGG_CALLBACK(id) ((void *)(((u64)AGG_CALLBACK_MAGIC << 32) | (id)))
 #ifndef AGG_PARTIALS_FD
 #error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
 #endif

@@ -44,6 +44,30 @@ struct agg_scratch {
 };
 BPF_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
 
+#ifndef AGG_SPINLOCK
+/* Where each worker's contribution of a round was folded: the CPU whose partial holds it. The
+ * completing CPU gathers those CPUs' partials and no others, so its work grows with the job's
+ * workers, never with the machine's CPUs (aggregate.h, complete_slot). */
+struct agg_contrib_cpus {
+	u16 cpu[AGG_MAX_WORKERS]; /* worker index -> CPU (NR_CPUS is at most 8192 in Linux) */
+};
+/* The completion in progress on this CPU, for the gather callbacks (bpf_loop passes them an
+ * index only: bcc compiles a callback as a program of its own, whose argument it must not see
+ * as a pointer). */
+struct agg_gather {
+	u64 tag;    /* the round's partial tag */
+	u32 pkey;   /* slot*2+v */
+	u32 me;	    /* the completing CPU: its own partial is added last */
+	s32 e0, e1; /* exponents' running max */
+	u32 others; /* whether another CPU's partial was gathered into the result */
+	u32 pad;
+};
+/* clang-format off */
+BPF_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each worker's contribution */
+BPF_PERCPU_ARRAY(gather, struct agg_gather, 1);                         /* 0 -> this CPU's completion in progress */
+/* clang-format on */
+#endif
+
 #ifdef AGG_SPINLOCK
 /* Spin-lock variant: one shared partial per (slot, version), folded into under its lock. */
 struct agg_locked_partial {

@@ -20,6 +20,7 @@ _NR_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, OBJ_PIN, OBJ_GET = 5, 6, 7
 PROG_TEST_RUN = 10
+BTF_LOAD = 18
 OBJ_GET_INFO_BY_FD = 15
 
 # map types
@@ -76,6 +77,10 @@ class _ProgLoad(ct.Structure):
         ("prog_name", ct.c_char * 16),
         ("prog_ifindex", ct.c_uint32),
         ("expected_attach_type", ct.c_uint32),
+        ("prog_btf_fd", ct.c_uint32),
+        ("func_info_rec_size", ct.c_uint32),
+        ("func_info", ct.c_uint64),
+        ("func_info_cnt", ct.c_uint32),
         ("pad", ct.c_uint8 * 64),
     ]
 
@@ -162,6 +167,8 @@ class ProgInfo(ct.Structure):
         ("prog_tags", ct.c_uint64),
         ("run_time_ns", ct.c_uint64),  # with kernel.bpf_stats_enabled = 1 only
         ("run_cnt", ct.c_uint64),
+        ("recursion_misses", ct.c_uint64),
+        ("verified_insns", ct.c_uint32),  # instructions the verifier processed (kernel 5.16+)
         ("pad", ct.c_uint8 * 64),
     ]
 
@@ -197,6 +204,12 @@ def possible_cpus() -> int:
     return n
 
 
+def kernel_max_cpus() -> int:
+    """The most CPUs this kernel was built for (NR_CPUS): a cpumap may have no more entries."""
+    with open("/sys/devices/system/cpu/kernel_max") as f:
+        return int(f.read()) + 1
+
+
 def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
     """Create a map; returns its fd."""
     a = _MapCreate(map_type, key_size, value_size, max_entries, 0, 0, 0, name.encode()[:15])
@@ -221,11 +234,15 @@ def prog_load(
     license: bytes = b"GPL",
     prog_flags: int = 0,
     expected_attach_type: int = 0,
+    btf_fd: int = 0,
+    func_info: tuple[tuple[int, int], ...] = (),
 ) -> int:
     """Load a program given as raw 64-bit instructions (a list of ints, or their bytes as bcc's
     dump_func returns them, map fds patched in); returns its fd. `prog_flags`: e.g.
-    BPF_F_XDP_HAS_FRAGS. A refusal raises ProgLoadError with the verifier log's tail: the load
-    is retried once with the log on (a log costs the verifier time, so the first try has none)."""
+    BPF_F_XDP_HAS_FRAGS. A program with subprograms passes the fd of its BTF (bpfsys.btf) and
+    `func_info`: (first instruction, FUNC type id) of each subprogram, the entry first.
+    A refusal raises ProgLoadError with the verifier log's tail: the load is retried once with
+    the log on (a log costs the verifier time, so the first try has none)."""
     raw = bytes(insns) if isinstance(insns, (bytes, bytearray)) else None
     if raw is not None:
         code = ct.create_string_buffer(raw, len(raw))
@@ -238,6 +255,10 @@ def prog_load(
     attr.prog_name = name.encode()[:15]
     attr.prog_flags = prog_flags
     attr.expected_attach_type = expected_attach_type
+    if func_info:
+        recs = (ct.c_uint32 * (2 * len(func_info)))(*(v for rec in func_info for v in rec))
+        attr.prog_btf_fd, attr.func_info_rec_size = btf_fd, 8
+        attr.func_info, attr.func_info_cnt = ct.addressof(recs), len(func_info)
     try:
         return _bpf(PROG_LOAD, attr)
     except BpfError as e:

@@ -26,6 +26,7 @@ import bpfsys
 from aggcodegen import abi
 from aggproto import limits
 
+from . import subprogs
 from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
 
@@ -111,8 +112,9 @@ class Loaded:
     pool_slots: int
     nr_cpus: int
     options: dict = field(default_factory=dict)
-    own_fds: list[int] = field(default_factory=list)  # loaded here, not by bcc (frags programs)
+    own_fds: list[int] = field(default_factory=list)  # program fds, loaded here (not by bcc)
     warnings: list[str] = field(default_factory=list)  # the compiler's warning lines
+    verified: dict[str, int] = field(default_factory=dict)  # program -> insns the verifier processed
 
     def close(self) -> None:
         """Close every fd of the loaded programs and maps (pins keep what they pin)."""
@@ -196,52 +198,44 @@ def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
     return "".join(out)
 
 
-def _load_own(b, name: str, attach_type: int, frags: bool, as_name: str | None = None) -> int:
-    """Load bcc's compiled `name` (map fds patched in) through bpfsys, for what bcc's load_func
-    cannot do: an XDP multi-buffer program (BPF_F_XDP_HAS_FRAGS, ../shared/design/platform.md),
-    or a second load of one function (`as_name`) with another expected attach type."""
+def _load_own(b, name: str, attach_type: int, frags: bool, as_name: str | None = None):
+    """Load bcc's compiled `name` (map fds patched in, bpf_loop callbacks linked) through
+    bpfsys: (fd, instructions the verifier processed). Every program is loaded so, since bcc's
+    load_func can neither link callbacks nor load an XDP multi-buffer program
+    (BPF_F_XDP_HAS_FRAGS, ../shared/design/platform.md); `as_name` loads one function a second
+    time under another name (with another expected attach type)."""
     what = as_name or name
+    flags = bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0
     try:
-        return bpfsys.prog_load(
-            bpfsys.PROG_TYPE_XDP,
-            b.dump_func(name.encode()),
-            what,
-            prog_flags=bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0,
-            expected_attach_type=attach_type,
-        )
+        return subprogs.load(b, name, what, flags, attach_type)
     except bpfsys.ProgLoadError as e:
         tail = "\n".join(e.log.strip().splitlines()[-25:])
         kind = " (frags)" if frags else ""
-        raise LoadError(f"the kernel verifier rejected {what}{kind}:\n{tail}\n({e})") from e
+        raise LoadError(
+            f"the kernel verifier rejected {what}{kind}: {subprogs.explain(e.log)}\n"
+            f"the verifier log's tail:\n{tail}\n({e})"
+        ) from e
 
 
-def _load_programs(b, bcc, frags: bool, cpumap: bool) -> tuple[dict[str, int], list[int]]:
-    """Load the compiled programs: {name: fd}, and the fds loaded here rather than by bcc (the
-    caller closes them). With `cpumap`, also the steering program and the aggregator loaded a
-    second time for the cpumap's entries (expected attach type BPF_XDP_CPUMAP, which the kernel
-    neither attaches to a device nor test-runs: PROG_INGRESS stays the plain XDP load of the same
-    code, which tests and the micro-benchmark run)."""
-    own: list[int] = []
+def _load_programs(b, frags: bool, cpumap: bool) -> tuple[dict[str, int], dict[str, int]]:
+    """Load the compiled programs: {name: fd} (the caller closes them) and {name: instructions
+    the verifier processed}. With `cpumap`, also the steering program and the aggregator loaded
+    a second time for the cpumap's entries (expected attach type BPF_XDP_CPUMAP, which the
+    kernel neither attaches to a device nor test-runs: PROG_INGRESS stays the plain XDP load of
+    the same code, which tests and the micro-benchmark run)."""
     progs: dict[str, int] = {}
-    wanted = [(PROG_INGRESS, 0), (PROG_EGRESS, bpfsys.BPF_XDP_DEVMAP)]
-    wanted += [(PROG_STEER, 0)] if cpumap else []
+    verified: dict[str, int] = {}
+    wanted = [(PROG_INGRESS, PROG_INGRESS, 0), (PROG_EGRESS, PROG_EGRESS, bpfsys.BPF_XDP_DEVMAP)]
+    if cpumap:
+        wanted += [(PROG_STEER, PROG_STEER, 0), (PROG_INGRESS, PROG_CPUMAP, bpfsys.BPF_XDP_CPUMAP)]
     try:
-        for name, attach_type in wanted:
-            if frags:
-                progs[name] = _load_own(b, name, attach_type, True)
-                own.append(progs[name])
-            else:
-                kind = attach_type or -1  # bcc: -1 leaves it unset
-                progs[name] = b.load_func(name.encode(), bcc.BPF.XDP, attach_type=kind).fd
-        if cpumap:
-            fd = _load_own(b, PROG_INGRESS, bpfsys.BPF_XDP_CPUMAP, frags, PROG_CPUMAP)
-            progs[PROG_CPUMAP] = fd
-            own.append(fd)
+        for name, as_name, attach_type in wanted:
+            progs[as_name], verified[as_name] = _load_own(b, name, attach_type, frags, as_name)
     except BaseException:
-        for fd in own:
+        for fd in progs.values():
             os.close(fd)
         raise
-    return progs, own
+    return progs, verified
 
 
 def load(
@@ -272,7 +266,9 @@ def load(
     if not 1 <= pool_slots <= 1 << 14:
         raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
     bcc = check_environment()
-    nr_cpus = bpfsys.possible_cpus()
+    # a cpumap has an entry per possible CPU; the kernel refuses more than it was built for
+    # (NR_CPUS), which only a test building for more CPUs than this machine has can ask
+    nr_cpus = min(bpfsys.possible_cpus(), bpfsys.kernel_max_cpus())
     partials = bpfsys.map_create(
         bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"
     )
@@ -280,6 +276,7 @@ def load(
         f"-DAGG_PARTIALS_FD={partials}",
         f"-DAGG_POOL_SLOTS={pool_slots}",
         f"-DAGG_NR_CPUS={nr_cpus}",
+        f"-DAGG_CALLBACK_MAGIC={subprogs.CALLBACK_MAGIC:#x}",
         *WARNING_FLAGS,
         *VARIANTS[variant],
         *SLOT_CPUS[slot_cpus],
@@ -291,24 +288,20 @@ def load(
     try:
         with _capture_fd2() as log:
             b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
-            progs, own = ({}, []) if frags else _load_programs(b, bcc, False, cpumap)
     except Exception as e:  # bcc raises plain Exceptions
         os.close(partials)
-        text = "".join(log)
-        tail = "\n".join(text.strip().splitlines()[-25:])
-        if "Permission denied" in str(e) or "processed" in text:
-            raise LoadError(f"the kernel verifier rejected the program:\n{tail}\n({e})") from e
+        tail = "\n".join("".join(log).strip().splitlines()[-25:])
         raise LoadError(f"could not compile bpf/xdp_agg.c:\n{tail}\n({e})") from e
-    if frags:
-        try:
-            progs, own = _load_programs(b, bcc, True, cpumap)
-        except LoadError:
-            os.close(partials)
-            b.cleanup()
-            raise
+    try:
+        progs, verified = _load_programs(b, frags, cpumap)
+    except LoadError:
+        os.close(partials)
+        b.cleanup()
+        raise
     names = MAP_NAMES + (CPUMAP_MAP_NAMES if cpumap else ())
     maps = {name: b[name.encode()].map_fd for name in names}
     maps["partials"] = partials
     options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}
     warnings = [line for line in "".join(log).splitlines() if "warning:" in line]
-    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own, warnings)
+    own = list(progs.values())
+    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own, warnings, verified)
