@@ -9,6 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
+from harness.cpus import on_each_cpu_in_turn
 from harness.packet_cases import (
     AGG_IP,
     AGG_MAC,
@@ -101,8 +102,12 @@ def _all_counters(maps) -> Counter:
     return total
 
 
+@pytest.mark.parametrize("spread", [0, 1], ids=["one-cpu", "cpus-in-turn"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
-def test_packet_case(agg, case: Case):
+def test_packet_case(agg, case: Case, spread: int):
+    """Each case's steps on one CPU, and on every CPU of the machine in turn (step i on CPU
+    i mod CPUs): then a slot's contributions are folded into different CPUs' partials and the
+    completing CPU gathers them (bpf/aggregate.h), which the results, counters and model check."""
     prog, maps = agg
     if any(wire.size_code_for(j.elems) in wire.JUMBO_SIZE_CODES for j in case.jobs):
         if not prog.options["frags"]:
@@ -115,10 +120,12 @@ def test_packet_case(agg, case: Case):
         maps.add_worker(w)
     delivery = case.jobs[0].delivery
     before = _all_counters(maps)
-    for step in case.steps:
-        action, out, _ = bpfsys.prog_test_run(fd, step.frame)
-        _check_step(step, delivery, action, out, _sent(prog))
-        check_model(model, step, [out])
+    with on_each_cpu_in_turn() as run:
+        for i, step in enumerate(case.steps):
+            cpu = i * spread  # 0: every step on the first CPU
+            action, out, _ = run(cpu, lambda: bpfsys.prog_test_run(fd, step.frame))
+            _check_step(step, delivery, action, out, _sent(prog))
+            check_model(model, step, [out])
     delta = _all_counters(maps) - before
     want = Counter(s.reason.name.lower() for s in case.steps)
     assert delta == want

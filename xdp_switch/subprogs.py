@@ -97,7 +97,8 @@ def explain(log: str) -> str:
     at = insns[-1]
     said = [line for line in lines[at + 1 :] if not line.startswith("processed ")]
     reason = said[0] if said else "(no message)"
-    return f"at instruction {lines[at].split(':')[0]} ({lines[at].strip()}): {reason}"
+    insn = lines[at].split(";")[0].strip()  # without the register states of a verbose log
+    return f"at instruction {insn.split(':')[0]} ({insn}): {reason}"
 
 
 def load(b, name: str, as_name: str, prog_flags: int, attach_type: int) -> tuple[int, int]:

@@ -6,6 +6,7 @@ paths (test_tree_concurrency) share it.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import time
@@ -61,3 +62,21 @@ def two_cpus():
     if len(os.sched_getaffinity(0)) < 2:
         pytest.skip("needs two CPUs")
     return run_on_two_cpus
+
+
+@contextlib.contextmanager
+def on_each_cpu_in_turn():
+    """A function run(step_index, fn) that runs fn() pinned to the CPUs this process may use,
+    in turn (step i on the (i + offset)-th), with the affinity restored afterwards: so that
+    BPF_PROG_TEST_RUN, which runs the program on the calling CPU, spreads the packets of one
+    slot over every CPU the machine has, as a NIC's receive queues would."""
+    cpus = sorted(os.sched_getaffinity(0))
+
+    def run(i: int, fn):
+        os.sched_setaffinity(0, {cpus[i % len(cpus)]})
+        return fn()
+
+    try:
+        yield run
+    finally:
+        os.sched_setaffinity(0, cpus)

@@ -1,0 +1,114 @@
+"""The XDP program loads on a machine of any size: every build, compiled for 1 to 1024 possible
+CPUs, passes the verifier, and the instructions the verifier processes do not grow with them.
+
+CI runs on 2 CPUs, an aggregator box has 8 to 128 and a cloud VM may report more possible CPUs
+than it has. Built for N CPUs (bpfsys.possible_cpus replaced in a child process, the way the
+loader asks), the gather used to be a loop over CPUs that the verifier walked once per CPU: the
+program passed the verifier's limit of 1,000,000 processed instructions from 5 CPUs on
+(../shared/design/platform.md). Each build's count (bpf_prog_info.verified_insns) is checked
+against its budget in tests/data/verifier_budget.json: a change that makes verification grow
+fails here and has to say why, by raising the budget in the same commit.
+"""
+
+import json
+import multiprocessing as mp
+import re
+import struct
+from pathlib import Path
+
+import pytest
+
+import bpfsys
+from xdp_switch import subprogs
+
+CPU_COUNTS = (1, 2, 3, 4, 5, 8, 16, 64, 256, 1024)
+# (variant, slot_cpus, frags): every build attach can make
+BUILDS = {
+    "percpu": ("percpu", "rss", False),
+    "percpu-frags": ("percpu", "rss", True),
+    "percpu-cpumap": ("percpu", "cpumap", False),
+    "percpu-cpumap-frags": ("percpu", "cpumap", True),
+    "spinlock": ("spinlock", "rss", False),
+    "spinlock-frags": ("spinlock", "rss", True),
+}
+BUDGET_FILE = Path(__file__).parent / "data" / "verifier_budget.json"
+
+
+def _verify(args):
+    """In a child: load one build as if the machine had `cpus` possible CPUs; its programs'
+    verified-instruction counts, or the LoadError's text."""
+    build, cpus = args
+    from xdp_switch import loader
+
+    bpfsys.possible_cpus = lambda: cpus  # what the loader sizes the program for
+    variant, slot_cpus, frags = BUILDS[build]
+    try:
+        prog = loader.load(pool_slots=256, variant=variant, slot_cpus=slot_cpus, frags=frags)
+    except loader.LoadError as e:
+        return build, cpus, str(e)
+    prog.close()
+    return build, cpus, prog.verified
+
+
+@pytest.fixture(scope="module")
+def verified():
+    """{build: {cpus: {program: count}}}, two builds compiled at a time (bcc takes seconds)."""
+    jobs = [(b, n) for b in BUILDS for n in CPU_COUNTS]
+    with mp.get_context("fork").Pool(2) as pool:
+        out = pool.map(_verify, jobs, chunksize=1)
+    table: dict = {}
+    for build, cpus, counts in out:
+        table.setdefault(build, {})[cpus] = counts
+    return table
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+@pytest.mark.slow
+@pytest.mark.parametrize("build", BUILDS)
+def test_loads_for_every_cpu_count_within_budget(verified, build):
+    budget = json.loads(BUDGET_FILE.read_text())[build]
+    by_cpus = verified[build]
+    refused = {n: c for n, c in by_cpus.items() if isinstance(c, str)}
+    assert not refused, f"{build} refused for {sorted(refused)} CPUs: {next(iter(refused.values()))}"
+    counts = {n: c for n, c in by_cpus.items()}
+    first = counts[CPU_COUNTS[0]]
+    grew = {n: c for n, c in counts.items() if c != first}
+    assert not grew, f"{build}: verification depends on the CPUs: {first} at 1 CPU, {grew}"
+    over = {p: (c, budget[p]) for p, c in first.items() if c > budget[p]}
+    assert not over, (
+        f"{build}: the verifier processed more instructions than budgeted {over} "
+        f"(count, budget): find why, then raise the budget in {BUDGET_FILE.name}"
+    )
+    assert set(first) == set(budget), f"{build}: programs {sorted(first)}, budget {sorted(budget)}"
+
+
+def _insn(code, regs=0, off=0, imm=0) -> bytes:
+    return struct.pack("<BBhi", code, regs, off, imm)
+
+
+@pytest.mark.root
+def test_a_refusal_names_the_processed_instruction_limit():
+    """A loop the verifier walks two million times: the message says it was the limit."""
+    loop = (
+        _insn(0xB7, 0x01, 0, 0)  # r1 = 0
+        + _insn(0x07, 0x01, 0, 1)  # r1 += 1
+        + _insn(0xA5, 0x01, -2, 2_000_000)  # if r1 < 2000000 goto -2
+        + _insn(0xB7, 0x00, 0, 2)  # r0 = XDP_PASS
+        + _insn(0x95)  # exit
+    )
+    with pytest.raises(bpfsys.ProgLoadError) as e:
+        bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, loop, "too_long")
+    why = subprogs.explain(e.value.log)
+    assert "1,000,000" in why and "processed instructions" in why, why
+
+
+@pytest.mark.root
+def test_a_refusal_names_the_failing_instruction():
+    """A read past the context: the message names that instruction and the verifier's word."""
+    bad = _insn(0x79, 0x01 << 4 | 0x00, 4000, 0) + _insn(0x95)  # r0 = *(u64 *)(r1 + 4000); exit
+    with pytest.raises(bpfsys.ProgLoadError) as e:
+        bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, bad, "bad_ctx")
+    why = subprogs.explain(e.value.log)
+    assert re.match(r"at instruction 0 \(0: \(79\) r0 = \*\(u64 \*\)\(r1 \+4000\)\): ", why), why
+    assert "invalid bpf_context access" in why, why
