@@ -340,8 +340,11 @@ static __always_inline long gather_one(u32 i, const u32 K)
  * calls, so the program's verification does not grow with the workers or the CPUs (a loop over
  * CPUs walked every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit).
  * Not static, so that bcc compiles each into a function of its own that the loader can link. */
-#define AGG_GATHER_FN(code, elems) \
-	long AGG_XCAT(agg_gather_, elems)(u32 i) { return gather_one(i, elems); }
+#define AGG_GATHER_FN(code, elems)               \
+	long AGG_XCAT(agg_gather_, elems)(u32 i) \
+	{                                        \
+		return gather_one(i, elems);     \
+	}
 #define AGG_CAT(a, b)  a##b
 #define AGG_XCAT(a, b) AGG_CAT(a, b)
 SML_FOR_EACH_SIZE(AGG_GATHER_FN)

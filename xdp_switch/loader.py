@@ -114,7 +114,7 @@ class Loaded:
     options: dict = field(default_factory=dict)
     own_fds: list[int] = field(default_factory=list)  # program fds, loaded here (not by bcc)
     warnings: list[str] = field(default_factory=list)  # the compiler's warning lines
-    verified: dict[str, int] = field(default_factory=dict)  # program -> insns the verifier processed
+    verified: dict[str, int] = field(default_factory=dict)  # program -> insns verified
 
     def close(self) -> None:
         """Close every fd of the loaded programs and maps (pins keep what they pin)."""
