@@ -736,18 +736,31 @@ def bench(opts: options.BenchOptions, as_json):
       sudo xdp-agg bench
       sudo xdp-agg bench --workers 8 --repeats 3 --json
       sudo xdp-agg bench --slot-cpus      # two CPUs: rss (merge) against cpumap
+      sudo xdp-agg bench --cpus 1,2,4,8   # scaling over CPUs, one job's shared slots
     """
-    from xdp_switch import microbench, slot_bench
-
-    if opts.slot_cpus:
-        rows = slot_bench.run(workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats)
-        _emit(rows, as_json, lambda r: click.echo(slot_bench.table(r)))
-        return
+    from xdp_switch import cpu_bench, microbench, slot_bench
 
     def progress(k, i, n):
         if not as_json:
             click.echo(f"  {k} elems/packet: pass {i}/{n}", err=True)
 
+    if opts.cpus is not None:
+        counts = opts.cpu_counts()
+        rows = cpu_bench.run(
+            counts,
+            sizes=(256, 768),
+            workers=opts.workers,
+            rounds=opts.rounds,
+            repeats=opts.repeats,
+            progress=progress,
+        )
+        rep = {"rows": rows, "not_run": cpu_bench.skipped(counts)}
+        _emit(rep, as_json, lambda r: click.echo(cpu_bench.table(r["rows"], r["not_run"])))
+        return
+    if opts.slot_cpus:
+        rows = slot_bench.run(workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats)
+        _emit(rows, as_json, lambda r: click.echo(slot_bench.table(r)))
+        return
     res = microbench.run(
         workers=opts.workers, rounds=opts.rounds, repeats=opts.repeats, progress=progress
     )

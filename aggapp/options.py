@@ -469,5 +469,27 @@ class BenchOptions:
         "(--slot-cpus cpumap, its steering program included), at 256 and 768 elements.",
     )
 
+    cpus: str | None = opt(
+        "--cpus",
+        help="Instead: the program on each of these numbers of CPUs at once (as 1,2,4,8) over "
+        "one job's slots, a slot's flows hashed as most NICs do (sdfn: spread over the CPUs) "
+        "and on the UDP ports alone (fn: a lane per CPU); aggregate packets and elements per "
+        "second and the scaling against one CPU, at 256 and 768 elements.",
+    )
+
+    def cpu_counts(self) -> list[int]:
+        """--cpus as numbers (ValueError for a bad list)."""
+        try:
+            counts = [int(part) for part in (self.cpus or "").split(",")]
+        except ValueError:
+            counts = []
+        if not counts or min(counts) < 1 or max(counts) > 8192:
+            raise ValueError(f"--cpus takes numbers of CPUs as 1,2,4,8, not {self.cpus!r}")
+        return counts
+
     def check(self) -> None:
-        """Nothing beyond each option's range (click checks those)."""
+        """ValueError for a bad --cpus, or --cpus with --slot-cpus."""
+        if self.cpus is not None:
+            self.cpu_counts()
+            if self.slot_cpus:
+                raise ValueError("--cpus and --slot-cpus are two benchmarks: choose one")
