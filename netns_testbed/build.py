@@ -144,6 +144,11 @@ class TestbedBuild:
                 if v.mac_b:
                     peer["address"] = v.mac_b
                 kw = {"ifname": v.if_a, "kind": "veth", "peer": peer, "mtu": self.mtu}
+                if self._into_aggregator(v):
+                    # both ends: the sending end's transmit queue (its flow hash) is the
+                    # receiving end's receive queue on veth
+                    for attrs in (kw, peer):
+                        attrs["num_tx_queues"] = attrs["num_rx_queues"] = self.agg_queues
                 if v.mac_a:
                     kw["address"] = v.mac_a
                 ipr(v.ns_a).link("add", **kw)
@@ -170,6 +175,11 @@ class TestbedBuild:
             for r in iprs.values():
                 r.close()  # an open netlink socket would keep a namespace alive
         return veth_ends, querier_since
+
+    def _into_aggregator(self, v) -> bool:
+        """Whether veth `v` is a link of an aggregator (which agg_queues applies to)."""
+        aggs = {a.netns for a in self._plan.aggregators}
+        return v.ns_a in aggs or v.ns_b in aggs
 
     def _finish_links(self, veth_ends: dict[str, list[str]], querier_since: float | None) -> None:
         """GRO, rates and faults, operstate, the XDP_PASS programs the XDP_TX'd frames need, and

@@ -155,6 +155,14 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
     default=0,
     help="One-arm: hosts in no job on the bridge (o0.., 198.18.0.200..).",
 )
+@_count_option(
+    "--agg-queues",
+    lo=1,
+    hi=plan.MAX_AGG_QUEUES,
+    default=1,
+    help="Receive and transmit queues of the aggregator's links (flows hashed over them, "
+    "each queue's XDP on its own CPU).",
+)
 @click.option(
     "--mcast-snooping/--no-mcast-snooping",
     default=True,

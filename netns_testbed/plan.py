@@ -40,6 +40,7 @@ MAX_TESTBED_WORKERS = 32
 MAX_OBSERVERS = 16  # one-arm: hosts on the bridge that are in no job, 198.18.0.200..215
 OBSERVER_IP_BASE = 200
 MAX_AGGREGATORS = 9  # one-arm: aggregators at 198.18.0.1..9, workers from 198.18.0.10
+MAX_AGG_QUEUES = 64  # receive/transmit queues of an aggregator's veths (a NIC's queues)
 PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"

@@ -61,7 +61,7 @@ from . import faults, nsexec, registry, shaping
 from .build import TestbedBuild
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
-from .plan import MAX_MTU, MIN_MTU, PLAIN_XDP_MAX_MTU, make_plan, new_prefix
+from .plan import MAX_AGG_QUEUES, MAX_MTU, MIN_MTU, PLAIN_XDP_MAX_MTU, make_plan, new_prefix
 
 _KEEP = object()  # "leave this setting as it is"
 STATE_VERSION = 1
@@ -92,6 +92,9 @@ class Testbed(TestbedBuild):
         observers: one-arm: hosts in no job on the bridge (``o0``.., 198.18.0.200..), 0..16.
         mcast_snooping: one-arm: the bridge snoops IGMP and runs a querier (default), so a
             multicast group reaches only its members' ports; False: it floods every group.
+        agg_queues: receive and transmit queues of every veth into an aggregator, 1..64, as a
+            NIC's: the flows toward it are hashed over them (addresses and ports), and each
+            queue's XDP runs apart, so that several CPUs aggregate one job at once.
         cleanup_at_exit: tear down at interpreter exit if still up (the CLI
             turns this off to leave the testbed running).
 
@@ -119,6 +122,7 @@ class Testbed(TestbedBuild):
         observers: int = 0,
         mcast_snooping: bool = True,
         aggregators: int = 1,
+        agg_queues: int = 1,
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology, observers, aggregators)
@@ -129,6 +133,11 @@ class Testbed(TestbedBuild):
                 f"(above {PLAIN_XDP_MAX_MTU} the XDP programs on its veths are multi-buffer ones)"
             )
         self.mtu = mtu
+        if not isinstance(agg_queues, int) or not 1 <= agg_queues <= MAX_AGG_QUEUES:
+            raise ValueError(
+                f"agg_queues must be an integer in 1..{MAX_AGG_QUEUES}: {agg_queues!r}"
+            )
+        self.agg_queues = agg_queues
         self.topology = topology
         self.rate_bits = shaping.parse_rate(rate)
         self.agg_rate_bits = shaping.parse_rate(agg_rate)
@@ -375,6 +384,7 @@ class Testbed(TestbedBuild):
             "mcast_snooping": self.mcast_snooping,
             "n_aggregators": len(self.aggregators),
             "mtu": self.mtu,
+            "agg_queues": self.agg_queues,
             "rate": shaping.format_rate(self.rate_bits),
             "agg_rate": shaping.format_rate(self.agg_rate_bits),
             "loss_up": self.loss_up,
@@ -424,6 +434,7 @@ class Testbed(TestbedBuild):
             observers=st.get("n_observers", 0),
             mcast_snooping=st.get("mcast_snooping", False),
             aggregators=st.get("n_aggregators", 1),
+            agg_queues=st.get("agg_queues", 1),
         )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
         tb._is_up = st.get("status") == "up"

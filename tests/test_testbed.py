@@ -479,3 +479,29 @@ def test_cli_not_root_message():
     assert cp.returncode == 1, cp.stderr
     assert "not root: run with sudo" in cp.stderr
     assert "Traceback" not in cp.stderr
+
+
+@netns_marks
+@pytest.mark.parametrize("topology", ["one-arm", "switch"])
+def test_agg_queues_spread_flows_over_the_aggregators_queues(testbed_factory, topology):
+    """agg_queues=4: the aggregator's link has 4 receive queues, and flows from 16 source ports
+    land on more than one of them (each counted by the XDP program on it)."""
+    from netns_testbed import counters, xdp_pass
+
+    tb = testbed_factory(workers=1, topology=topology, agg_queues=4)
+    w = tb.workers[0]
+    xdp_pass.attach_pass({tb.aggregator.netns: [w.agg_ifname]})
+    for sport in range(40000, 40016):
+        send(tb, w, w.agg_ip, AGG_PORT, n=4, sport=sport)
+    out = tb.run("agg", ["ethtool", "-S", w.agg_ifname], check=True).stdout
+    stats = counters.parse_ethtool(out)
+    per_queue = [stats.get(f"rx_queue_{q}_xdp_packets", 0) for q in range(4)]
+    assert sum(per_queue) >= 64 and sum(n > 0 for n in per_queue) >= 2, per_queue
+    assert f"rx_queue_{4}_xdp_packets" not in stats  # exactly 4
+    assert tb.state()["agg_queues"] == 4
+
+
+def test_agg_queues_bounds():
+    for bad in (0, 65, "2"):
+        with pytest.raises(ValueError, match="agg_queues"):
+            Testbed(agg_queues=bad)
