@@ -87,7 +87,13 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     if not plan:
         return []
     with (
-        Testbed(workers=n, topology="one-arm", mtu=args.mtu, rate=RATES[rate] and rate) as tb,
+        Testbed(
+            workers=n,
+            topology="one-arm",
+            mtu=args.mtu,
+            rate=RATES[rate] and rate,
+            agg_queues=getattr(args, "agg_queues", 1),
+        ) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus
         Cluster(
             tb,
@@ -611,6 +617,13 @@ def _parser() -> argparse.ArgumentParser:
         "set on the same testbed against gloo; e.g. --lanes 1,2 (each row says its lanes, and "
         "'vs 1 lane' compares with the 1-lane row)",
     )
+    ap.add_argument(
+        "--agg-queues",
+        type=int,
+        default=1,
+        help="receive queues of the aggregator's link (netns-testbed --agg-queues): flows hashed "
+        "over them, each queue's XDP apart (several CPUs aggregate at once)",
+    )
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
@@ -668,6 +681,7 @@ def main(argv=None) -> int:
         "elems": args.elems,
         "window": args.window,
         "lanes": args.lanes,
+        "agg_queues": args.agg_queues,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),
         "load_before": load_before,
