@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import json
+import os
 import time
 from pathlib import Path
 
@@ -754,7 +755,12 @@ def bench(opts: options.BenchOptions, as_json):
             repeats=opts.repeats,
             progress=progress,
         )
-        rep = {"rows": rows, "not_run": cpu_bench.skipped(counts)}
+        rep = {
+            "when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "cpus_available": len(os.sched_getaffinity(0)),
+            "rows": rows,
+            "not_run": cpu_bench.skipped(counts),
+        }
         _emit(rep, as_json, lambda r: click.echo(cpu_bench.table(r["rows"], r["not_run"])))
         return
     if opts.slot_cpus:

@@ -54,6 +54,8 @@ RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 # the committed runs whose host rows (one worker, lanes 1 and 2) give the host costs: MTU 3500
 # (768 int32 per packet) and MTU 9000 (2048)
 HOST_RUNS = (RESULTS, RESULTS.parent / "mtu9000" / "results.json")
+# `xdp-agg bench --cpus 1,2 --json`: 2 CPUs, a slot's flows spread or a lane per CPU
+CPU_SCALING = RESULTS.parent / "cpu-scaling.json"
 INPLACE_ELEMS = 768  # the largest packet summed in place (bpf/consts.h AGG_DIRECT_MAX_ELEMS)
 ETH_WIRE_EXTRA = 4 + 8 + 12  # FCS, preamble + start delimiter, inter-frame gap
 
@@ -74,7 +76,7 @@ class Costs:
     xdp_elem: float = 0.36e-9  # the XDP program per int32 of a contribution
     xdp_elem_frags: float = 1.0e-9  # the same beyond one buffer (jumbo: copied through a map)
     tx_copy: float = 100e-9  # sending one copy of a result from XDP (estimate)
-    bounce: float = 100e-9  # a cache line moving between CPUs, per contribution (estimate)
+    bounce: float = 100e-9  # a slot's cache lines moving between CPUs, per contribution
 
 
 SOURCES = {
@@ -90,7 +92,9 @@ SOURCES = {
     "xdp_elem_frags": "bench/results/frags: 1986-2143 ns per 2048-element packet in the "
     "multi-buffer program (0.97-1.05 ns per element, the per-packet part included)",
     "tx_copy": "estimate: one XDP_TX or devmap copy on a real NIC driver (not measured here)",
-    "bounce": "estimate: one cache-line transfer between cores (not measured here)",
+    "bounce": "bench/results/cpu-scaling.json (xdp-agg bench --cpus 1,2): the CPU per packet with "
+    "a slot's flows on both CPUs over that with each lane on one, less the model's gather share, "
+    "mean over 256 and 768 int32 (fit_bounce; 2 CPUs of one VM: a box's sockets may cost more)",
 }
 
 
@@ -157,11 +161,31 @@ def fit_lanes(files=HOST_RUNS) -> dict[int, float]:
     return {k: sum(v) / len(v) for k, v in sorted(ratios.items())}
 
 
-def measured_costs(files=HOST_RUNS) -> Costs:
-    """Costs with the host terms fitted from the committed runs (fit_host, fit_lanes)."""
+def fit_bounce(path=CPU_SCALING, c: Costs = Costs()) -> float:
+    """Seconds per contribution that spreading a slot over CPUs adds beyond the gather's element
+    additions: from `xdp-agg bench --cpus` rows at 2 CPUs, sdfn's CPU per packet over fn's, less
+    (spread - 1) * k element additions per round shared by the round's n packets."""
+    rep = json.loads(Path(path).read_text())
+    rows = {(r["placement"], r["elems_per_packet"]): r for r in rep["rows"] if r["cpus"] == 2}
+    extra = []
+    for (placement, k), r in rows.items():
+        if placement == "sdfn" and ("fn", k) in rows:
+            spread = min(r["workers"], 2)
+            gather = (spread - 1) * k * c.xdp_elem / r["workers"]
+            extra.append((r["cpu_ns_per_packet"] - rows[("fn", k)]["cpu_ns_per_packet"]) * 1e-9)
+            extra[-1] -= gather
+    if not extra:
+        raise ValueError(f"{path}: no 2-CPU rows of both placements")
+    return max(0.0, sum(extra) / len(extra))
+
+
+def measured_costs(files=HOST_RUNS, scaling=CPU_SCALING) -> Costs:
+    """Costs with the host terms and the cost of a spread slot fitted from the committed runs
+    (fit_host, fit_lanes, fit_bounce)."""
     a, b = fit_host(files)
     extra = fit_lanes(files).get(2, 1.0) - 1.0
-    return replace(Costs(), host_packet=a, host_byte=b, lane_extra=max(0.0, extra))
+    c = replace(Costs(), host_packet=a, host_byte=b, lane_extra=max(0.0, extra))
+    return replace(c, bounce=fit_bounce(scaling, c))
 
 
 def predict(d: Deployment, size: int, c: Costs = Costs()) -> dict:

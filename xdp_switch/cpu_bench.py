@@ -95,13 +95,15 @@ def _pass(prog, case, cpus, elems: int, workers: int, slots: int, rounds: int, f
     return max(spent), sum(spent)
 
 
-def _row(case, elems: int, packets: int, runs: list[tuple[int, int]], base_pps: float) -> dict:
+def _row(case, elems: int, workers: int, packets: int, runs, base_pps: float) -> dict:
+    """A result row of case (placement, k): runs are (busiest CPU's ns, all CPUs' ns)."""
     placement, k = case
     busiest = statistics.median(b for b, _ in runs)
     pps = packets / busiest * 1e9
     return {
         "placement": placement,
         "cpus": k,
+        "workers": workers,
         "elems_per_packet": elems,
         "packets_per_sec": round(pps),
         "elems_per_sec": round(pps * elems),
@@ -140,7 +142,7 @@ def run(
                 after_pass=(lambda p: progress(elems, p + 1, repeats)) if progress else None,
             )
             base = len(frames) / statistics.median(b for b, _ in runs[cases[0]]) * 1e9
-            out += [_row(c, elems, len(frames), runs[c], base) for c in cases]
+            out += [_row(c, elems, workers, len(frames), runs[c], base) for c in cases]
     finally:
         prog.close()
     return out
