@@ -17,46 +17,20 @@ spends per packet) and the spread over repetitions.
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 
 import bpfsys
 
-from . import loader, microbench, slot_cpus
+from . import cpu_bench, loader, microbench, slot_cpus
 from .ctl_maps import AggMaps
 
 CPUS = (0, 1)
-BARRIER_TIMEOUT = 120.0
-
-
-def _drive(cpu, fd, rounds, barrier, conn):
-    """One CPU's side: each round's frames once both CPUs reached it; the kernel ns summed."""
-    os.sched_setaffinity(0, {cpu})
-    ns = 0
-    for frames in rounds:
-        barrier.wait(timeout=BARRIER_TIMEOUT)
-        for f in frames:
-            ns += bpfsys.prog_test_run(fd, f)[2]
-    conn.send(ns)
-    conn.close()
 
 
 def _on_two_cpus(fd: int, per_cpu: list[list[list[bytes]]]) -> int:
     """per_cpu[c]: CPU c's rounds, each a list of frames. Both at once; total kernel ns."""
-    ctx = mp.get_context("fork")
-    barrier = ctx.Barrier(len(CPUS))
-    procs, pipes = [], []
-    for c in CPUS:
-        rd, wr = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_drive, args=(c, fd, per_cpu[c], barrier, wr))
-        p.start()
-        procs.append(p)
-        pipes.append(rd)
-    total = sum(pipe.recv() for pipe in pipes)
-    for p in procs:
-        p.join(timeout=BARRIER_TIMEOUT)
-    return total
+    return sum(cpu_bench.on_cpus(fd, list(CPUS), per_cpu))
 
 
 def _split(frames: list[bytes], k_workers: int, slots: int, rounds: int, mode: str):
