@@ -1,8 +1,10 @@
-"""Compile and load the XDP aggregator with bcc.
+"""Compile the XDP aggregator with bcc and load it.
 
-bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s). The per-CPU
-partials map is created here first, because the program reaches it by fd (see bpf/maps.h).
-Everything afterwards works on file descriptors, which xdp_switch.pins pins under bpffs.
+bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s) and creates
+its maps; the programs are loaded through bpfsys (xdp_switch/subprogs.py links their bpf_loop
+callbacks, which bcc cannot). The per-CPU partials map is created here first, because the
+program reaches it by fd (see bpf/maps.h). Everything afterwards works on file descriptors,
+which xdp_switch.pins pins under bpffs.
 
 The C sources are package data: `xdp_switch/bpf` is a link to the repository's top-level `bpf/`
 in a checkout (and so in an editable install), and a copy of it in a wheel; either way
@@ -252,12 +254,12 @@ def load(
     another copy of xdp_agg.c (bench/xdp_compare.py loads an older revision beside this one).
     `frags`: load the programs as XDP multi-buffer programs (BPF_F_XDP_HAS_FRAGS), which take
     frames larger than a page (the jumbo size codes) and attach to a veth whose peer's MTU is
-    above about 3500; built with -DAGG_FRAGS and loaded through bpfsys, since bcc cannot.
+    above about 3500; built with -DAGG_FRAGS.
     `slot_cpus` is one of SLOT_CPUS: "cpumap" also loads PROG_STEER and PROG_CPUMAP and the
     maps CPUMAP_MAP_NAMES (bpf/slot_cpus.h).
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
-    (compiler error, verifier rejection with the tail of the verifier log), each with an
-    actionable message; ValueError for a variant, slot_cpus or pool size out of range.
+    (compiler error, or a verifier rejection: its real cause, subprogs.explain, and the tail of
+    the verifier log), each with an actionable message; ValueError for a variant, slot_cpus or pool size out of range.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
