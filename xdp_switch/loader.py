@@ -259,7 +259,8 @@ def load(
     maps CPUMAP_MAP_NAMES (bpf/slot_cpus.h).
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
     (compiler error, or a verifier rejection: its real cause, subprogs.explain, and the tail of
-    the verifier log), each with an actionable message; ValueError for a variant, slot_cpus or pool size out of range.
+    the verifier log), each with an actionable message; ValueError for a variant, slot_cpus or
+    pool size out of range.
     """
     if variant not in VARIANTS:
         raise ValueError(f"variant must be one of {', '.join(VARIANTS)}")
