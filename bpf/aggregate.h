@@ -275,23 +275,25 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 	return p;
 }
 
-/* Note where this CPU folded worker `index`'s contribution (before the `added` count that
- * publishes it: the completing CPU reads the entry after its own fetch_add on `added`). */
-static __always_inline int note_cpu(u32 pkey, u32 index)
+/* Note where this CPU folded the contribution that arrived `pos`-th in its round (a mod n of
+ * its arrival count a: the n arrivals of a round take the n positions once each, even when a
+ * worker whose seen bit the other version cleared contributes twice). Before the `added` count
+ * that publishes it: the completing CPU reads the entry after its own fetch_add on `added`. */
+static __always_inline int note_cpu(u32 pkey, u32 pos)
 {
 	struct agg_contrib_cpus *c = contrib_cpus.lookup(&pkey);
 
 	if (!c)
 		return -1;
-	/* verifier: the mask bounds the index (ingress checked it is below AGG_MAX_WORKERS) */
-	c->cpu[index & (AGG_MAX_WORKERS - 1)] = bpf_get_smp_processor_id();
+	/* verifier: the mask bounds the position (below n <= AGG_MAX_WORKERS) */
+	c->cpu[pos & (AGG_MAX_WORKERS - 1)] = bpf_get_smp_processor_id();
 	return 0;
 }
 
-/* One step of the gather, for worker i of the round being completed on this CPU: fold the
- * partial of the CPU that took i's contribution into r->data (lane order), unless that CPU is
- * this one (own is added last) or its partial was gathered already (for an earlier worker on
- * the same CPU). Every addition of the round has finished (the `added` count) and no CPU can
+/* One step of the gather, for arrival position i of the round being completed on this CPU:
+ * fold the partial of the CPU that took that contribution into r->data (lane order), unless
+ * that CPU is this one (own is added last) or its partial was gathered already (for an earlier
+ * position on the same CPU). Every addition of the round has finished (the `added` count) and no CPU can
  * fold into these partials before the result is published, so the completing CPU has them to
  * itself: it marks a gathered partial by zeroing its count, which the next round's first fold
  * resets. Returns 0 to go on, 1 to stop (a map lookup that cannot fail did). */
@@ -402,7 +404,7 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 
 /* Every addition of the round is finished (the `added` count says so) and no new round can
  * start before this result is sent, so the shared partial (`own`) is read without the lock. */
-static __always_inline int note_cpu(u32 pkey, u32 index)
+static __always_inline int note_cpu(u32 pkey, u32 pos)
 {
 	return 0; /* one shared partial: nothing to gather */
 }
@@ -574,7 +576,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 
 	race_window(); /* nothing unless a test build asks for it */
 	own = accumulate(pkey, tag, pk, pw, K);
-	if (!own || note_cpu(pkey, w->index))
+	if (!own || note_cpu(pkey, a - round * n))
 		return XDP_ABORTED;
 	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
 #ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL

@@ -45,11 +45,11 @@ struct agg_scratch {
 BPF_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
 
 #ifndef AGG_SPINLOCK
-/* Where each worker's contribution of a round was folded: the CPU whose partial holds it. The
- * completing CPU gathers those CPUs' partials and no others, so its work grows with the job's
- * workers, never with the machine's CPUs (aggregate.h, complete_slot). */
+/* Where each contribution of a round was folded, by its arrival position in the round: the CPU
+ * whose partial holds it. The completing CPU gathers those CPUs' partials and no others, so its
+ * work grows with the job's workers, never with the machine's CPUs (aggregate.h, note_cpu). */
 struct agg_contrib_cpus {
-	u16 cpu[AGG_MAX_WORKERS]; /* worker index -> CPU (NR_CPUS is at most 8192 in Linux) */
+	u16 cpu[AGG_MAX_WORKERS]; /* arrival position -> CPU (NR_CPUS is at most 8192 in Linux) */
 };
 /* The completion in progress on this CPU, for the gather callbacks (bpf_loop passes them an
  * index only: bcc compiles a callback as a program of its own, whose argument it must not see
@@ -63,7 +63,7 @@ struct agg_gather {
 	u32 pad;
 };
 /* clang-format off */
-BPF_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each worker's contribution */
+BPF_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each arrival of the round */
 BPF_PERCPU_ARRAY(gather, struct agg_gather, 1);                         /* 0 -> this CPU's completion in progress */
 /* clang-format on */
 #endif

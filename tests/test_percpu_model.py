@@ -23,8 +23,9 @@ def _placements(rng, n: int) -> list[list[int]]:
 
 
 def _run_round(sv: SlotVersion, rng, cpus: list[int], values: np.ndarray) -> list[np.ndarray]:
-    """One round: each worker's contribution in three steps (arrive, fold, finish), the steps of
-    different CPUs interleaved at random, a CPU's own contributions one after the other."""
+    """One round: each contribution (row of values, on cpus[i]) in three steps (arrive, fold,
+    finish), the steps of different CPUs interleaved at random, a CPU's own contributions one
+    after the other."""
     pending = {c: [w for w in range(sv.n) if cpus[w] == c] for c in set(cpus)}
     running: dict[int, tuple] = {}  # CPU -> (worker, round, next step)
     results = []
@@ -36,12 +37,12 @@ def _run_round(sv: SlotVersion, rng, cpus: list[int], values: np.ndarray) -> lis
             w = pending[c].pop(0)
             if not pending[c]:
                 del pending[c]
-            running[c] = (w, sv.arrive(), "fold")
+            running[c] = (w, *sv.arrive(), "fold")
             continue
-        w, rnd, step = running[c]
+        w, rnd, pos, step = running[c]
         if step == "fold":
-            sv.fold(c, w, rnd, values[w])
-            running[c] = (w, rnd, "finish")
+            sv.fold(c, w if sv.by_worker else pos, rnd, values[w])
+            running[c] = (w, rnd, pos, "finish")
             continue
         del running[c]
         out = sv.finish(c, rnd)
@@ -74,3 +75,26 @@ def test_the_check_catches_a_partial_gathered_twice():
     """Without the count marker a CPU holding two workers' contributions is added twice."""
     rng = np.random.default_rng(7)
     assert sum(_check(rng, 8, dedupe=False) for _ in range(5)) > 0
+
+
+@pytest.mark.parametrize("by_worker", [False, True])
+def test_a_worker_counted_twice_in_a_round_on_two_cpus(by_worker):
+    """A worker whose seen bit the other version cleared (a late duplicate of its old round)
+    contributes twice to one round, here from two CPUs, and another worker not at all: the
+    round's n arrivals are still gathered exactly when CPUs are noted by arrival position, and
+    not when noted by worker index (the first design, which tests/test_xdp_fuzz.py caught)."""
+    rng = np.random.default_rng(3)
+    wrong = 0
+    for _ in range(50):
+        sv = SlotVersion(3, by_worker=by_worker)
+        values = rng.integers(-1000, 1000, size=(3, K))
+        # contributions: worker 0 on CPU 5, worker 0 again on CPU 9, worker 2 on CPU 9
+        order = [(5, 0, values[0]), (9, 0, values[1]), (9, 2, values[2])]
+        results = []
+        for cpu, worker, v in order:
+            rnd, pos = sv.arrive()
+            sv.fold(cpu, worker if by_worker else pos, rnd, v)
+            out = sv.finish(cpu, rnd)
+            results += [] if out is None else [out]
+        wrong += not np.array_equal(results[0], values.sum(axis=0))
+    assert (wrong > 0) == by_worker
