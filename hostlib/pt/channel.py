@@ -51,6 +51,7 @@ class _Staged:
 
     def __init__(self, tensor: torch.Tensor, keep_input: bool) -> None:
         self.tensor = tensor
+        self.keep_input = keep_input
         self.event = None
         t = tensor.detach()
         if t.is_cuda:
@@ -85,7 +86,9 @@ class _Staged:
         if divide > 1:
             if res.dtype == torch.int32:
                 raise TypeError("AVG of int32 tensors is not supported (use SUM)")
-            res.div_(divide)
+            # a result kept for the fallback (keep_input) is divided apart: the fallback may
+            # send it, as the sum, to ranks that lack it
+            res = res.div(divide) if self.keep_input else res.div_(divide)
         t = self.tensor.detach()
         if t.is_cuda:
             # synchronous from pinned memory, on the tensor's device's current stream of this
