@@ -150,7 +150,7 @@ class DeviceJob:
         self.device = device
         self.contiguous = t.is_contiguous()
         self.flat = (t if self.contiguous else t.contiguous()).view(-1)
-        self.ready = device.record(t)
+        self.ready = device.record(self.flat)
 
 
 def chunk_elems(chunk_bytes: int, packet_elems: int) -> int:
