@@ -32,7 +32,7 @@ from harness.fake_device import CheckingComm, FakeDevice, ScalingComm  # noqa: E
 
 from hostlib.errors import HostlibError  # noqa: E402
 from hostlib.pt.channel import AggregatorLost, AllreduceChannel  # noqa: E402
-from hostlib.pt.staging import DeviceJob, StagingRing  # noqa: E402
+from hostlib.pt.staging import DeviceJob, StagingRing, chunk_elems  # noqa: E402
 
 ELEMS = 256  # int32 per packet of the test communicators
 CHUNK = 3 * ELEMS  # elements per chunk in these tests
@@ -350,6 +350,22 @@ def test_staged_equals_the_cpu_path_through_hostlib_on_loopback():
     with soft_cluster() as cl:
         for wrong, violations, overlapped, elems in ok(run_ranks(cl, 2, body)):
             assert not wrong and not violations and overlapped > 0 and elems == ELEMS
+
+
+def test_the_bench_sweep_cuts_as_the_staging_does(monkeypatch):
+    """bench/cuda_staging.py's host sweep all-reduces the tensor whole, then in the chunks the
+    staging would make (whole packets), each size once per repetition."""
+    import bench.cuda_staging as bench
+
+    monkeypatch.setattr(bench.dist, "barrier", lambda: None)
+    comm = ScalingComm(elems=768)
+    rows = bench.chunk_sweep(comm, 1, [0.25, 1.0], reps=2)
+    assert [r["chunks"] for r in rows] == [1, 5, 2]  # 1 MiB is not whole packets of 768
+    n, quarter, whole = (1 << 20) // 4, chunk_elems(1 << 18, 768), chunk_elems(1 << 20, 768)
+    assert (quarter, whole) == (85 * 768, 341 * 768)
+    assert rows[1]["chunk_mib"] == quarter * 4 / (1 << 20)
+    assert set(comm.lengths) == {n, quarter, n - 4 * quarter, whole, n - whole}
+    assert all(len(r["all_s"]) == 2 for r in rows) and rows[0]["vs_whole"] == 1.0
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
