@@ -149,7 +149,7 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--chunks-mib",
         default="1,2,4,8,16,32",
-        help="chunk sizes, MiB, comma-separated (the staging's default: 4); the whole tensor "
+        help="chunk sizes, MiB, comma-separated (the staging's default: 16); the whole tensor "
         "as one chunk is measured too",
     )
     ap.add_argument("--out", default=None, help="JSON results (rank 0)")

@@ -3,7 +3,7 @@ copies down, the aggregation on the host and the copies up overlapped.
 
 The aggregator sums host memory (hostlib's numpy arrays), so a CUDA tensor must come down to the
 host and its sum go back up. Done whole, the two copies and the aggregation run one after the
-other; here the tensor is cut into chunks of `chunk_bytes` (CHUNK_BYTES, 4 MiB of 4-byte wire
+other; here the tensor is cut into chunks of `chunk_bytes` (CHUNK_BYTES, 16 MiB of 4-byte wire
 elements, rounded down to whole packets) that take turns in a ring of SLOTS = 3 pinned slots,
 reused by every call of the channel. The channel's thread runs, for chunk i in slot i mod 3:
 
@@ -28,8 +28,12 @@ the host result in the same dtype before it goes up. Every rank must stage the s
 its tensors on CUDA, or all on the CPU): a chunk is an all-reduce of its own, and the ranks'
 all-reduces must have the same lengths.
 
-Why 4 MiB: see docs/pytorch.md "CUDA tensors" (each chunk is an all-reduce of its own, whose
-start and drain cost about a round trip; the first copy down and the last copy up are exposed).
+Why 16 MiB (docs/pytorch.md, "CUDA tensors"): each chunk is an all-reduce of its own, whose
+start and drain cost the aggregation about 0.9 ms on this project's 2-core testbed (bench/
+cuda_staging.py's host sweep: 64 MiB in 1 MiB chunks +26-29%, 2 MiB +13-16%, 4 MiB +4-10%, from
+8 MiB within the noise of the whole), while the first chunk's copy down and the last one's copy
+up, which nothing hides, grow with the chunk (2 x 16 MiB over PCIe: not measured, no GPU here).
+The ring pins 3 x 16 MiB per device.
 """
 
 from __future__ import annotations
@@ -43,7 +47,7 @@ import torch
 
 from aggproto.wire import SIZE_CODE_ELEMS
 
-CHUNK_BYTES = 4 << 20  # of wire elements (4 bytes each): 1 Mi elements, whole packets
+CHUNK_BYTES = 16 << 20  # of wire elements (4 bytes each): 4 Mi, rounded down to whole packets
 SLOTS = 3  # chunk i+1 coming down, chunk i summed, chunk i-1 going up
 WIRE_ITEMSIZE = 4  # int32 and float32: the largest element a slot holds
 # a chunk of a multiple of this is a multiple of every packet size the wire has
