@@ -134,6 +134,7 @@ def test_empty_non_contiguous_and_several_tensors_in_flight(fake):
         assert _same_bytes(t, want), (x.dtype, x.numel())
     assert fake.pinned_calls == 1  # one ring, reused by every call
     staged.close()
+    assert not staged._rings  # its pinned memory let go
     cpu.close()
 
 

@@ -232,13 +232,14 @@ class AllreduceChannel:
         return out
 
     def close(self) -> None:
-        """Finish submitted all-reduces, stop the thread (and close the communicator if the
-        channel owns it). Idempotent."""
+        """Finish submitted all-reduces, stop the thread, release the staging rings' pinned
+        memory (and close the communicator if the channel owns it). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._executor.shutdown(wait=True)
+        self._rings.clear()
         if self._own_comm:
             self.comm.close()
 
