@@ -423,6 +423,27 @@ def test_channel_orders_all_reduces_and_skips_empty_tensors():
     ch.close()
 
 
+def test_an_average_leaves_the_sum_the_fallback_keeps_undivided():
+    """With a fallback, the channel keeps each all-reduce's result for ranks that lack it after
+    a failure (_Fallback.recover broadcasts it, and they divide it themselves): AVG must divide
+    the tensor, not that kept sum."""
+    from hostlib.pt.channel import AllreduceChannel
+
+    class Comm:  # a world of 2 whose "sum" doubles
+        rank, world_size = 0, 2
+
+        def allreduce(self, src, out):
+            np.multiply(src, 2, out=out)
+
+    ch = AllreduceChannel(Comm(), fallback=object())  # never called: nothing fails
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        t = torch.full((6,), 3.0, dtype=dtype)
+        ch.submit(t, average=True).wait()
+        assert torch.equal(t, torch.full((6,), 3.0, dtype=dtype))  # (3 + 3) / 2
+        np.testing.assert_array_equal(ch._fallback._last, np.full(6, 6.0))  # the sum
+    ch.close()
+
+
 def test_elems_from_the_environment_take_auto_and_refuse_junk():
     from hostlib.options import HostOptions
 

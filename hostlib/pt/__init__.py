@@ -18,8 +18,9 @@ Installing the package registers the backend when torch is imported (a `torch.ba
 point), so an unmodified script finds it; `hostlib.pt.register_backend()` does the same by hand.
 
 Modules: channel (the ordered all-reduce stream of tensors, its staging and its gloo fallback),
-hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend), paths (which
-path each collective took: PathStats, FallbackWarning).
+staging (CUDA tensors in chunks through pinned host buffers, copies overlapped with the
+aggregation), hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend),
+paths (which path each collective took: PathStats, FallbackWarning).
 """
 
 from __future__ import annotations

@@ -5,14 +5,15 @@ autograd thread never waits); the thread runs the all-reduces one at a time, in 
 order, which is the same order on every rank (as any collective requires), through the hostlib
 Communicator, and completes each future with the tensor, summed (or averaged) in place.
 
-Staging, per tensor (`_Staged`):
-- CPU float32, float16, int32, contiguous: a zero-copy numpy view is sent, and the sum is
-  written back into the tensor's own memory (float16 goes through float32 inside hostlib).
+Staging, per tensor:
+- CPU float32, float16, int32, contiguous (`_Staged`): a zero-copy numpy view is sent, and the
+  sum is written back into the tensor's own memory (float16 goes through float32 inside hostlib).
 - CPU bfloat16 (numpy has no bfloat16): converted by torch to a float32 staging tensor, summed
   there, converted back. Non-contiguous tensors are staged through a contiguous copy.
-- CUDA: copied into pinned host memory on the current stream (non-blocking); the channel's
-  thread waits for that copy's event, so neither the autograd thread nor the stream blocks, then
-  copies the sum back to the device.
+- CUDA (`staging`): in chunks through a ring of pinned host buffers that the channel keeps, the
+  copies down and up overlapped with the aggregation of the chunk between them (CUDA streams and
+  events), with the CPU path's results bit for bit. The autograd thread only records an event;
+  the channel's thread does the rest, and the future completes once the sum is on the device.
 
 Failure (the aggregator gone, a rank lost): hostlib raises after its stall timeout, the future
 fails with AggregatorLost (a HostlibError saying what happened and how to opt into the fallback),
@@ -33,6 +34,14 @@ import numpy as np
 import torch
 
 from ..errors import HostlibError
+from .staging import (
+    CHUNK_BYTES,
+    PACKET_LCM,
+    CudaStaging,
+    DeviceJob,
+    StagingRing,
+    chunk_elems,
+)
 
 log = logging.getLogger("hostlib.pt")
 
@@ -46,22 +55,14 @@ class AggregatorLost(HostlibError):
 
 
 class _Staged:
-    """One tensor's way to the wire and back: the numpy array sent, where the sum lands, and
-    how it gets back into the tensor."""
+    """One CPU tensor's way to the wire and back: the numpy array sent, where the sum lands, and
+    how it gets back into the tensor. (Device tensors: staging.DeviceJob.)"""
 
     def __init__(self, tensor: torch.Tensor, keep_input: bool) -> None:
         self.tensor = tensor
-        self.event = None
+        self.keep_input = keep_input
         t = tensor.detach()
-        if t.is_cuda:
-            # pinned memory: the device-to-host copy is a DMA that needs no staging of its own
-            wire_dtype = torch.float32 if t.dtype == torch.bfloat16 else t.dtype
-            host = torch.empty(t.shape, dtype=wire_dtype, pin_memory=True)
-            host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-            self.host = host
-        elif t.dtype == torch.bfloat16 or not t.is_contiguous():
+        if t.dtype == torch.bfloat16 or not t.is_contiguous():
             self.host = t.to(
                 torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
                 memory_format=torch.contiguous_format,
@@ -74,25 +75,17 @@ class _Staged:
         # all-reduce (the fallback redoes it); otherwise it is summed in place
         self.out = np.empty_like(self.src) if keep_input else self.src
 
-    def ready(self) -> None:
-        """Wait (in the channel's thread) until a CUDA tensor's copy to the host is done."""
-        if self.event is not None:
-            self.event.synchronize()
-
     def finish(self, result: np.ndarray, divide: int) -> torch.Tensor:
         """Write `result` (the sum, flat) into the tensor, divided by `divide` if > 1."""
         res = torch.from_numpy(result).view(self.host.shape)
         if divide > 1:
             if res.dtype == torch.int32:
                 raise TypeError("AVG of int32 tensors is not supported (use SUM)")
-            res.div_(divide)
+            # a result kept for the fallback (keep_input) is divided apart: the fallback may
+            # send it, as the sum, to ranks that lack it
+            res = res.div(divide) if self.keep_input else res.div_(divide)
         t = self.tensor.detach()
-        if t.is_cuda:
-            # synchronous from pinned memory, on the tensor's device's current stream of this
-            # thread: the data is on the device when the future completes
-            with torch.cuda.device(t.device):
-                t.copy_(res)
-        elif res.data_ptr() != t.data_ptr():
+        if res.data_ptr() != t.data_ptr():
             t.copy_(res)  # staging buffer -> the tensor; converts bfloat16 back
         return self.tensor
 
@@ -105,9 +98,24 @@ class AllreduceChannel:
     fallback: None (a failure raises AggregatorLost), or a gloo process group (a ProcessGroup or
         a c10d Backend of all the job's ranks, used by nothing else) over which the ranks agree on
         the failure and continue. It must be made on every rank at the same point, like any group.
+    stage_on: tensor -> staging.StagingDevice or None: which tensors go through a device's
+        pinned ring in chunks (staging.py), and on which device. Default staging.CudaStaging():
+        CUDA tensors through torch.cuda; every other tensor takes the CPU path.
+    chunk_bytes: the chunk of a staged tensor, in 4-byte wire elements (rounded down to whole
+        packets); default staging.CHUNK_BYTES. Every rank must use the same. Changing it between
+        all-reduces makes a new ring.
     """
 
-    def __init__(self, comm, *, fallback=None, own_comm: bool = False, name: str = "xdp-agg"):
+    def __init__(
+        self,
+        comm,
+        *,
+        fallback=None,
+        own_comm: bool = False,
+        name: str = "xdp-agg",
+        stage_on=None,
+        chunk_bytes: int = CHUNK_BYTES,
+    ):
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
@@ -118,9 +126,19 @@ class AllreduceChannel:
             max_workers=1, thread_name_prefix=f"xdpagg-r{comm.rank}"
         )
         self._lock = threading.Lock()
-        self._seq = 0  # all-reduces submitted so far
+        self._seq = 0  # wire all-reduces begun so far (the channel's thread only)
         self._closed = False
-        self.stats = {"allreduces": 0, "bytes": 0, "gloo_allreduces": 0, "seconds": 0.0}
+        self._stage_on = stage_on if stage_on is not None else CudaStaging()
+        self.chunk_bytes = chunk_bytes
+        self._packet_elems = _packet_elems(comm)
+        self._rings: dict[int, StagingRing] = {}
+        self.stats = {
+            "allreduces": 0,  # tensors summed (a device tensor once, whatever its chunks)
+            "bytes": 0,
+            "gloo_allreduces": 0,  # wire all-reduces done over the fallback (chunks included)
+            "seconds": 0.0,
+            "staged": 0,  # of the tensors summed, those staged through a device's ring
+        }
 
     @property
     def on_fallback(self) -> bool:
@@ -145,61 +163,94 @@ class AllreduceChannel:
         if tensor.numel() == 0:  # nothing to sum, on any rank (all pass the same length)
             fut.set_result(tensor if value is None else value)
             return fut
-        staged = _Staged(tensor, keep_input=self._fallback is not None)
+        device = self._stage_on(tensor)
+        if device is not None:
+            job = DeviceJob(tensor, device)  # records the event the copies down wait for
+        elif tensor.device.type != "cpu":
+            raise TypeError(f"no staging device for a tensor on {tensor.device} (stage_on)")
+        else:
+            job = _Staged(tensor, keep_input=self._fallback is not None)
         with self._lock:
             if self._closed:
                 raise HostlibError("the xdp-agg channel is closed")
-            seq = self._seq
-            self._seq += 1
-            self._executor.submit(self._run, seq, staged, average, fut, value)
+            self._executor.submit(self._run, job, average, fut, value)
         return fut
 
-    def _run(
-        self, seq: int, staged: _Staged, average: bool, fut: torch.futures.Future, value
-    ) -> None:
+    def _run(self, job, average: bool, fut: torch.futures.Future, value) -> None:
         t0 = time.perf_counter()
         try:
-            staged.ready()
             divide = self.world_size if average else 1
-            fb = self._fallback
-            if fb is not None and fb.active:
-                result = fb.gloo_sum(staged.src)
-                self.stats["gloo_allreduces"] += 1
+            if isinstance(job, DeviceJob):
+                sent = self._ring(job.device).run(
+                    job, divide, self._sum, keep_input=self._fallback is not None
+                )
+                out = job.tensor
+                self.stats["staged"] += 1
             else:
-                try:
-                    self.comm.allreduce(staged.src, out=staged.out)
-                    result = staged.out
-                    if fb is not None:
-                        fb.completed(seq, result)
-                except (ValueError, TypeError):
-                    raise  # the input (NaN, Inf, a bad dtype): no fallback would help
-                except HostlibError as e:
-                    if fb is None:
-                        raise AggregatorLost(
-                            f"{self.name}: all-reduce #{seq} of {staged.src.nbytes} bytes on rank "
-                            f"{self.rank} failed: {e} (set XDP_AGG_FALLBACK=gloo, or give the "
-                            f"hook state a fallback group, to continue on gloo instead)"
-                        ) from e
-                    result = fb.recover(seq, staged.src, e, self.name)
-                    self.stats["gloo_allreduces"] += 1
-            out = staged.finish(result, divide)
+                out = job.finish(self._sum(job.src, job.out), divide)
+                sent = job.src.nbytes
             self.stats["allreduces"] += 1
-            self.stats["bytes"] += staged.src.nbytes
+            self.stats["bytes"] += sent
             self.stats["seconds"] += time.perf_counter() - t0
             fut.set_result(out if value is None else value)
         except BaseException as e:  # noqa: BLE001 - every failure goes to the future
             fut.set_exception(e)
 
+    def _ring(self, device) -> StagingRing:
+        """The pinned ring of `device` (made on its first tensor, remade if chunk_bytes changed)."""
+        chunk = chunk_elems(self.chunk_bytes, self._packet_elems)
+        ring = self._rings.get(id(device))
+        if ring is None or ring.chunk != chunk or ring.device is not device:
+            ring = self._rings[id(device)] = StagingRing(device, chunk)
+        return ring
+
+    def _sum(self, src: np.ndarray, out: np.ndarray) -> np.ndarray:
+        """One wire all-reduce (a CPU tensor, or a chunk of a device tensor): `src` summed over
+        the ranks, into `out` (or, on the fallback, a new array), which it returns. Runs on the
+        channel's thread only; every rank makes the same calls in the same order."""
+        seq = self._seq
+        self._seq += 1
+        fb = self._fallback
+        if fb is not None and fb.active:
+            self.stats["gloo_allreduces"] += 1
+            return fb.gloo_sum(src)
+        try:
+            self.comm.allreduce(src, out=out)
+        except (ValueError, TypeError):
+            raise  # the input (NaN, Inf, a bad dtype): no fallback would help
+        except HostlibError as e:
+            if fb is None:
+                raise AggregatorLost(
+                    f"{self.name}: all-reduce #{seq} of {src.nbytes} bytes on rank "
+                    f"{self.rank} failed: {e} (set XDP_AGG_FALLBACK=gloo, or give the "
+                    f"hook state a fallback group, to continue on gloo instead)"
+                ) from e
+            self.stats["gloo_allreduces"] += 1
+            return fb.recover(seq, src, e, self.name)
+        if fb is not None:
+            fb.completed(seq, out)
+        return out
+
     def close(self) -> None:
-        """Finish submitted all-reduces, stop the thread (and close the communicator if the
-        channel owns it). Idempotent."""
+        """Finish submitted all-reduces, stop the thread, release the staging rings' pinned
+        memory (and close the communicator if the channel owns it). Idempotent."""
         with self._lock:
             if self._closed:
                 return
             self._closed = True
         self._executor.shutdown(wait=True)
+        self._rings.clear()
         if self._own_comm:
             self.comm.close()
+
+
+def _packet_elems(comm) -> int:
+    """The job's int32 per packet, which chunks must be whole multiples of (the block scaling is
+    per packet); PACKET_LCM, a multiple of every packet size, for a stand-in without stats."""
+    try:
+        return int(comm.stats["elems"])
+    except (AttributeError, KeyError, TypeError):
+        return PACKET_LCM
 
 
 class _Fallback:
@@ -229,7 +280,9 @@ class _Fallback:
         self._last: np.ndarray | None = None
 
     def completed(self, seq: int, result: np.ndarray) -> None:
-        """Keep the last completed all-reduce's result (its array is not reused)."""
+        """Keep the last completed all-reduce's result. The channel leaves its array alone until
+        the next all-reduce has completed: a CPU tensor's is new each time, and a staged chunk's
+        lies in a slot that the next chunk, rotating through the ring, does not take."""
         self._last_seq, self._last = seq, result
 
     def _allreduce(self, t: torch.Tensor, op) -> None:
