@@ -22,11 +22,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import generate_latest, start_http_server
+from prometheus_client import generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -274,22 +279,47 @@ def exposition(sources: Sources) -> str:
     return generate_latest(registry(sources)).decode()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # no line per scrape on stderr
+        pass
+
+
+def _http_server(host: str, port: int, reg: CollectorRegistry) -> WSGIServer:
+    """A threading WSGI server of the metrics of `reg` bound to host:port, not yet serving.
+
+    Ours, not prometheus_client's start_http_server: that one returns (server, thread) only
+    since 0.20 and None before (0.17, which pyproject allows), so a serve could neither stop it
+    nor learn its port; make_wsgi_app, which it wraps, is the same in every version."""
+    try:
+        six = ipaddress.ip_address(host).version == 6
+    except ValueError:  # a host name: IPv4, as start_http_server binds one by default
+        six = False
+
+    class Server(ThreadingMixIn, WSGIServer):
+        address_family = socket.AF_INET6 if six else socket.AF_INET
+        daemon_threads = True  # a scrape in progress does not hold the exit
+
+    return make_server(host, port, make_wsgi_app(reg), Server, handler_class=_QuietHandler)
+
+
 @contextlib.contextmanager
 def exporting(address: tuple[str, int] | None, sources: Sources) -> Iterator[str | None]:
     """Serve the metrics of `sources` at http://HOST:PORT/metrics (any path answers) while in
-    the block; yields the URL (None and nothing served when `address` is None). OSError when
-    the address cannot be bound."""
+    the block; yields the URL (None and nothing served when `address` is None). XdpAggError
+    when the address cannot be bound."""
     if address is None:
         yield None
         return
     host, port = address
     try:
-        httpd, thread = start_http_server(port, host, registry(sources))
+        httpd = _http_server(host, port, registry(sources))
     except OSError as e:
         raise XdpAggError(
             f"cannot serve metrics on {host}:{port}: {e.strerror or e}; stop what listens there "
             "(`ss -ltnp`) or choose another --metrics"
         ) from e
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     try:
         yield f"http://{host}:{httpd.server_port}/metrics"
     finally:
