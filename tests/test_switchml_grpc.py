@@ -234,10 +234,12 @@ def test_refused_when_the_aggregator_port_is_taken(stack):
     assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == ["other"]
 
 
-def test_registry_refuses_slots_in_use(stack):
+def test_registry_refuses_slots_in_use_naming_each_range_once(stack):
+    """F7: the refusal listed each used range twice (the registry's job and the backend's)."""
     stack.endpoint.registry.open_job(-1, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
-    with pytest.raises(RequestError, match=r"slots 4..11 are not free"):
+    with pytest.raises(RequestError, match=r"slots 4..11 are not free") as err:
         stack.endpoint.registry.open_job(-1, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
+    assert "(used: [(0, 8)])" in str(err.value)
 
 
 def test_rdma_session_is_unimplemented(stack):
