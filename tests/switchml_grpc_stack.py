@@ -7,8 +7,10 @@ port that sent it).
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 import threading
+import time
 from concurrent import futures
 
 import numpy as np
@@ -28,23 +30,40 @@ THREADS = 2
 WORKER_PORT = 4000  # p4app's default backend.dpdk.worker_port
 
 
+class FakeClock:
+    """A clock that stands still until the test moves it (`advance`)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class Stack:
     """A soft aggregator, a control endpoint (switch topology) and the gRPC API before it;
-    `settings`: SwitchmlSettings' fields beside the barrier timeout."""
+    `settings`: SwitchmlSettings' fields beside the barrier timeout; `clock`: the API's clock is
+    a FakeClock (self.clock), which only the test moves."""
 
-    def __init__(self, barrier_timeout: float = 30.0, **settings) -> None:
+    def __init__(self, barrier_timeout: float = 30.0, *, clock: bool = False, **settings) -> None:
         self.prefix = loopback_prefix()
         self.agg_ip = f"{self.prefix}.1"
         self.agg = SoftAggregator(self.agg_ip).start()
         defaults = {"delivery": Delivery.BROADCAST, "agg_ip": self.agg_ip}
         self.endpoint, _ = stand_up(self.agg, self.agg_ip, 0, defaults, secret=None)
         self.endpoint.start()
+        # the workers' subnet may call, as serve allows the subnets of its interfaces
+        settings.setdefault("allow", (ipaddress.ip_network(f"{self.prefix}.0/24"),))
         settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout, **settings)
+        self.clock = FakeClock() if clock else time.monotonic
         self.api = SwitchmlApi(
-            self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC)
+            self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC), self.clock
         )
-        self.server, port = start_server(self.api, "127.0.0.1", 0)
-        self.target = f"127.0.0.1:{port}"
+        self.server = start_server(self.api, "127.0.0.1", 0)
+        self.target = f"127.0.0.1:{self.server.port}"
 
     def worker(self, rank: int) -> tuple[str, str]:
         """Worker `rank`'s (IPv4, MAC)."""

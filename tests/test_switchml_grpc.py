@@ -1,9 +1,10 @@
 """p4app-switchML's controller API (aggctl.switchml_grpc) in front of a soft aggregator, no root:
-p4app's call sequence replayed (tests/switchml_grpc_client.py) for 2 and 4 workers, then each
-worker's two threads send requests built as p4app's BuildPacket builds them from their own
-source ports; every result exact and at the port that sent its request. Sessions replacing
-each other, a worker that never calls UdpSession, the port taken, RdmaSession refused, and the
-.proto file read by protoc into the descriptor aggctl.switchml_proto builds.
+p4app's call sequence replayed (tests/switchml_grpc_client.py) for 1, 2 and 4 workers, each from
+its own address (tests/switchml_grpc_stack.py), then each worker's two threads send requests
+built as p4app's BuildPacket builds them from their own source ports; every result exact and at
+the port that sent its request. Sessions replacing each other, a worker that never calls
+UdpSession, the port taken, RdmaSession refused, and the .proto file read by protoc into the
+descriptor aggctl.switchml_proto builds. What strangers can do: test_switchml_grpc_strangers.py.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ def stack():
     s.close()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
     switches = stack.setup_all(world)
     assert len({s.session_id for s in switches}) == 1
@@ -59,7 +60,7 @@ def test_a_second_session_replaces_the_first(stack):
     assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == [stack.api.session_key]
     assert stack.api.session_key == f"switchml-{second.session_id:#x}"
     stack_mod.exchange(stack, 2, second, seed=7)
-    assert stack.api.events["sessions_replaced"] == 1
+    assert stack.api.ended == {"replaced": 1}  # rank 0 called from a host of the first
     assert stack.api.events["sessions_opened"] == 2
 
 
@@ -103,21 +104,32 @@ def _both_fail(stack: Stack, rank1) -> tuple:
     return err0.value, err1.value
 
 
-def test_ranks_that_pass_the_barriers_without_udp_session_fail_the_last_one(stack):
-    def rank1_without_session():
-        with client.channel(stack.target, stack.worker(1)[0]) as ch:
-            client.call(ch, "Sync", "Broadcast")(
-                pb.BroadcastRequest(value=0, rank=1, num_workers=2, root=0), timeout=30
-            )
-            barrier = client.call(ch, "Sync", "Barrier")
-            barrier(pb.BarrierRequest(num_workers=2), timeout=30)
-            barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+def test_a_rank_past_the_first_barrier_without_udp_session_is_refused_at_its_second():
+    """Rank 1 calls Broadcast, Barrier, Barrier and no UdpSession: its second Barrier is refused
+    at once; rank 0 waits in the last barrier until the timeout (5 s), which ends the job. (A
+    stranger can make the same calls: they must not end a session, so they fail only the
+    caller.)"""
+    stack = Stack(barrier_timeout=5.0)
+    try:
 
-    for e in _both_fail(stack, rank1_without_session):
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "rank(s) [1] passed the barriers without calling UdpSession" in e.details()
-    assert stack.agg.jobs() == []
-    assert stack.api.events["sessions_ended"] == 1
+        def rank1_without_session():
+            with client.channel(stack.target, stack.worker(1)[0]) as ch:
+                client.call(ch, "Sync", "Broadcast")(
+                    pb.BroadcastRequest(value=0, rank=1, num_workers=2, root=0), timeout=30
+                )
+                barrier = client.call(ch, "Sync", "Barrier")
+                barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+                barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+
+        err0, err1 = _both_fail(stack, rank1_without_session)
+        assert err1.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "first barrier and has not called UdpSession" in err1.details()
+        assert err0.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "rank(s) [1] have not called UdpSession, its job is ended" in err0.details()
+        assert stack.agg.jobs() == []
+        assert stack.api.ended == {"failed": 1}
+    finally:
+        stack.close()
 
 
 def test_refused_when_the_aggregator_port_is_taken(stack):

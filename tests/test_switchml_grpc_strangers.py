@@ -45,7 +45,6 @@ def _session_keys(stack: Stack) -> list[str]:
     return [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]]
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F1: any rank-0 UdpSession ends the session")
 def test_f1_a_strangers_rank0_udp_session_does_not_end_the_running_session(stack):
     switch = stack.setup_all(2)[0]
     key = stack.api.session_key
@@ -66,7 +65,6 @@ def _stranger_barrier(stack: Stack, world: int):
     return None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F2: a foreign Barrier closes one too early")
 @pytest.mark.parametrize("world", [1, 2])
 def test_f2_a_strangers_barrier_during_setup_does_not_fail_the_session(stack, world):
     """Rank 0 has opened the session (its UdpSession) when the stranger's Barrier comes; rank 1
@@ -85,7 +83,6 @@ def test_f2_a_strangers_barrier_during_setup_does_not_fail_the_session(stack, wo
         assert stranger is None
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F3: a foreign Broadcast is the next one's")
 @pytest.mark.parametrize("world", [2, 3])
 def test_f3_a_strangers_broadcast_never_reaches_the_next_session(stack, world):
     with client.channel(stack.target, stack.host(STRANGER)) as ch:
@@ -96,7 +93,6 @@ def test_f3_a_strangers_broadcast_never_reaches_the_next_session(stack, world):
     exchange(stack, 2, switches[0], seed=3)
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F4: never-completing Barriers hold the pool")
 def test_f4_a_flood_of_barriers_does_not_block_a_session():
     """More never-completing Barriers (num_workers beyond any session) than the server has
     threads, from the stranger: a session of two must still set up."""
@@ -118,7 +114,6 @@ def test_f4_a_flood_of_barriers_does_not_block_a_session():
         stack.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F5: a half-registered session never expires")
 def test_f5_a_rank0_udp_session_without_barrier_expires_and_frees_the_port():
     stack = Stack(barrier_timeout=0.5)
     try:
@@ -132,7 +127,6 @@ def test_f5_a_rank0_udp_session_without_barrier_expires_and_frees_the_port():
         stack.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 39 F6: any 64-bit MAC is registered")
 @pytest.mark.parametrize(
     "mac",
     [2**64 - 1, 2**48, 0x01005E000001, 0xFFFFFFFFFFFF, 0],
@@ -144,3 +138,173 @@ def test_f6_a_mac_that_is_no_hosts_is_refused(stack, mac):
     assert err.value.code() == CODE.INVALID_ARGUMENT
     assert "MAC" in err.value.details()
     assert stack.agg.jobs() == []
+
+
+# --- F1: who may replace a session, who may call at all --------------------------------------
+def test_f1_another_hosts_session_replaces_a_running_one_only_once_it_is_idle():
+    """A stranger's rank 0 is refused while the session has traffic; once the aggregator has
+    counted none of it for idle_takeover (60 s by the fake clock), it may take over."""
+    stack = Stack(clock=True, idle_takeover=60.0)
+    try:
+        switch = stack.setup_all(2)[0]
+        exchange(stack, 2, switch, seed=6)
+        stack.api.sweep()  # notes the traffic, now
+        stack.clock.advance(59)
+        with pytest.raises(grpc.RpcError) as err:
+            _udp_session(stack, stack.host(STRANGER), 0x5EED)
+        assert err.value.code() == CODE.FAILED_PRECONDITION
+        assert "no traffic for 60 s" in err.value.details()
+        stack.clock.advance(2)
+        _udp_session(stack, stack.host(STRANGER), 0x5EED)
+        assert stack.api.session_key == "switchml-0x5eed"
+        assert stack.api.ended == {"idle": 1}
+        assert stack.api.refusals == {"session_busy": 1}
+    finally:
+        stack.close()
+
+
+def test_callers_outside_the_allowed_networks_are_refused_every_call(stack):
+    """127.0.0.1 is outside the Stack's --switchml-allow (the workers' /24)."""
+    requests = {
+        ("Session", "UdpSession"): client.udp_session_request(
+            1, rank=0, world=1, mac=STRANGER_MAC, ip=stack.worker(0)[0], packet_numel=K
+        ),
+        ("Session", "RdmaSession"): pb.RdmaSessionRequest(rank=0),
+        ("Sync", "Barrier"): pb.BarrierRequest(num_workers=2),
+        ("Sync", "Broadcast"): pb.BroadcastRequest(value=1, rank=0, num_workers=2, root=0),
+    }
+    with client.channel(stack.target) as ch:  # no relay: from 127.0.0.1
+        for (service, method), request in requests.items():
+            with pytest.raises(grpc.RpcError) as err:
+                client.call(ch, service, method)(request, timeout=30)
+            assert err.value.code() == CODE.PERMISSION_DENIED, method
+            assert "127.0.0.1 may not call this controller" in err.value.details()
+    assert stack.api.refusals == {"not_allowed": 4}
+    assert stack.agg.jobs() == [] and stack.api.open_broadcasts == 0
+
+
+# --- F3: Broadcast values kept, bounded, expired -----------------------------------------------
+def _root_broadcast(stack: Stack, source: str, value: int, world: int = 2) -> int:
+    with client.channel(stack.target, source) as ch:
+        request = pb.BroadcastRequest(value=value, rank=0, num_workers=world, root=0)
+        return client.call(ch, "Sync", "Broadcast")(request, timeout=30).value
+
+
+def test_f3_open_broadcasts_are_one_per_host_bounded_and_expire():
+    stack = Stack(clock=True, open_broadcasts=3)
+    try:
+        for value in range(10):  # one host's: the newest replaces the one before
+            assert _root_broadcast(stack, stack.host(STRANGER), value) == value
+        assert stack.api.open_broadcasts == 1
+        _root_broadcast(stack, stack.host(70), 70)
+        _root_broadcast(stack, stack.host(71), 71)
+        with pytest.raises(grpc.RpcError) as err:
+            _root_broadcast(stack, stack.host(72), 72)
+        assert err.value.code() == CODE.RESOURCE_EXHAUSTED
+        assert "3 Broadcast values of other hosts wait" in err.value.details()
+        stack.clock.advance(29)  # the barrier timeout is 30 s
+        stack.api.sweep()
+        assert stack.api.open_broadcasts == 3
+        stack.clock.advance(2)
+        stack.api.sweep()
+        assert stack.api.open_broadcasts == 0
+        assert stack.api.events["broadcasts_expired"] == 3
+        assert stack.api.refusals == {"broadcasts": 1}
+        switches = stack.setup_all(2)  # none of them reached this session
+        assert len({s.session_id for s in switches}) == 1
+        exchange(stack, 2, switches[0], seed=7)
+    finally:
+        stack.close()
+
+
+# --- F4: calls in progress bounded per address and in all; threads return ----------------------
+def _barriers(ch, n: int, world: int = MAX_WORKERS) -> list:
+    """n Barriers of `world` on one connection, in flight together (futures)."""
+    barrier = client.call(ch, "Sync", "Barrier")
+    return [barrier.future(pb.BarrierRequest(num_workers=world), timeout=60) for _ in range(n)]
+
+
+def _refused(calls: list) -> list[grpc.StatusCode]:
+    """The codes of the calls that ended (refused); those still waiting are left."""
+    return [f.code() for f in calls if f.done()]
+
+
+def test_f4_waiting_barriers_are_bounded_per_address_and_in_all_and_their_threads_return():
+    """Barriers of 64 workers that no session will fill (valid ones: each waits for a session
+    of 64): 3 may wait per address and 8 calls may be in progress in all; the rest are refused
+    at once. A session of two sets up beside them, and once they are cancelled every thread of
+    the server ends."""
+    stack = Stack(calls=8, calls_per_peer=3, thread_idle=0.05)
+    try:
+        with (
+            client.channel(stack.target, stack.host(STRANGER)) as a,
+            client.channel(stack.target, stack.host(67)) as b,
+            client.channel(stack.target, stack.host(68)) as c,
+        ):
+            flood = _barriers(a, 5) + _barriers(b, 5)
+            wait_for("6 waiting, 4 refused", lambda: len(_refused(flood)) == 4)
+            wait_for("6 waiting", lambda: stack.api.waiting == 6)
+            assert _refused(flood) == [CODE.RESOURCE_EXHAUSTED] * 4
+            switches = stack.setup_all(2)  # 2 more calls at most: within the 8
+            exchange(stack, 2, switches[0], seed=8)
+            more = _barriers(c, 3)  # 6 + 3 > 8: one of them is refused
+            wait_for("1 of 3 refused", lambda: len(_refused(more)) == 1)
+            assert stack.api.refusals == {"peer_calls": 4, "calls": 1}
+            assert "the most it takes" in next(f for f in more if f.done()).details()
+            for f in flood + more:
+                f.cancel()
+            wait_for("nobody waits", lambda: stack.api.waiting == 0)
+        assert stack.server.pool.wait_threads(0, timeout=30), stack.server.pool.threads
+        assert stack.server.admission.active == 0
+    finally:
+        stack.close()
+
+
+# --- F5: a half-registered session expires with the barrier timeout ----------------------------
+def test_f5_a_stalled_setup_expires_after_the_barrier_timeout_but_not_while_a_rank_waits():
+    stack = Stack(clock=True)  # barrier timeout 30 s, by the fake clock
+    try:
+        _udp_session(stack, stack.worker(0)[0], 0x5EED)
+        stack.clock.advance(29)
+        stack.api.sweep()
+        assert stack.api.session_key == "switchml-0x5eed"
+        stack.clock.advance(2)
+        stack.api.sweep()
+        assert stack.api.session_key is None and stack.agg.jobs() == []
+        assert stack.api.ended == {"expired": 1}
+        # rank 0 of the next waits in its first barrier: no expiry while it does
+        ip = stack.worker(0)[0]
+        request = client.udp_session_request(
+            0x5EEE, rank=0, world=2, mac=stack.worker(0)[1], ip=ip, packet_numel=K
+        )
+        with client.channel(stack.target, ip) as ch:
+            client.call(ch, "Session", "UdpSession")(request, timeout=30)
+            (waiting,) = _barriers(ch, 1, world=2)
+            wait_for("rank 0 waits", lambda: stack.api.waiting == 1)
+            stack.clock.advance(31)
+            stack.api.sweep()
+            assert stack.api.session_key == "switchml-0x5eee"
+            waiting.cancel()
+            wait_for("rank 0 gone", lambda: stack.api.waiting == 0)
+        stack.api.sweep()
+        assert stack.api.session_key is None and stack.agg.jobs() == []
+        assert stack.api.ended == {"expired": 2}
+    finally:
+        stack.close()
+
+
+def test_a_callers_address_and_connection_from_grpcs_peer_string():
+    import ipaddress
+
+    from aggctl.switchml_grpc import allowed, caller_of
+
+    c = caller_of("ipv4:198.18.0.2:40112")
+    assert (c.host, c.conn) == ("198.18.0.2", "198.18.0.2:40112")
+    c = caller_of("ipv6:%5B::1%5D:40112")  # grpc 1.85's form
+    assert (c.host, c.conn) == ("::1", "[::1]:40112")
+    assert caller_of("ipv6:[::ffff:198.18.0.2]:7").host == "198.18.0.2"
+    with pytest.raises(ValueError):
+        caller_of("unix:/run/x.sock")
+    nets = (ipaddress.ip_network("198.18.0.0/24"), ipaddress.ip_network("fd00::/64"))
+    assert allowed("198.18.0.9", nets) and allowed("fd00::5", nets)
+    assert not allowed("198.18.1.9", nets) and not allowed("::1", nets)
