@@ -518,8 +518,8 @@ def serve_xdp(
         sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
         port_address = port_address_of(aggregator_interfaces(name))
         with (
-            metrics_exporting(metrics, sources) as url,
-            switchml_serving(switchml, server, port_address),
+            switchml_serving(switchml, server, port_address) as sml,
+            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
         ):
             announce(
                 f"control endpoint listening on {host}:{port} (aggregator {name}, "
@@ -587,8 +587,8 @@ def serve_bmv2(
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
         with (
-            metrics_exporting(metrics, sources) as url,
-            switchml_serving(switchml, server, bmv2_port_address(backend)),
+            switchml_serving(switchml, server, bmv2_port_address(backend)) as sml,
+            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
         ):
             announce(
                 f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"

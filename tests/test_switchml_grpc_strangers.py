@@ -293,6 +293,40 @@ def test_f5_a_stalled_setup_expires_after_the_barrier_timeout_but_not_while_a_ra
         stack.close()
 
 
+# --- the metrics ------------------------------------------------------------------------------
+def test_the_sessions_and_refusals_are_in_the_metrics(stack):
+    pytest.importorskip("prometheus_client")
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from aggapp import metrics
+
+    stack.setup_all(2)
+    stack.setup_all(2)  # replaces the first
+    with pytest.raises(grpc.RpcError):
+        _udp_session(stack, stack.host(STRANGER), 0x5EED)  # session_busy
+    with pytest.raises(grpc.RpcError):
+        _udp_session(stack, stack.host(STRANGER), 0x5EED, mac=2**64 - 1)  # invalid
+    src = metrics.Sources(
+        backend=stack.agg, target="soft", endpoint=stack.endpoint, switchml=stack.server
+    )
+    got = {
+        (s.name, tuple(s.labels.values())): s.value
+        for fam in text_string_to_metric_families(metrics.exposition(src))
+        for s in fam.samples
+    }
+    assert got[("xdpagg_switchml_sessions_opened_total", ())] == 2
+    assert got[("xdpagg_switchml_sessions_complete_total", ())] == 2
+    assert got[("xdpagg_switchml_sessions_ended_total", ("replaced",))] == 1
+    assert got[("xdpagg_switchml_sessions_ended_total", ("expired",))] == 0
+    assert got[("xdpagg_switchml_refusals_total", ("session_busy",))] == 1
+    assert got[("xdpagg_switchml_refusals_total", ("invalid",))] == 1
+    assert got[("xdpagg_switchml_refusals_total", ("not_allowed",))] == 0
+    assert got[("xdpagg_switchml_broadcasts_expired_total", ())] == 0
+    assert got[("xdpagg_switchml_threads", ())] >= 1
+    names = {name for name, _ in got}
+    assert {n for n in metrics.metric_names() if "switchml" in n} <= names
+
+
 def test_a_callers_address_and_connection_from_grpcs_peer_string():
     import ipaddress
 
