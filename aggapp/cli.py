@@ -539,7 +539,9 @@ def serve(ctx, opts: options.ServeOptions, as_json):
 
     With --switchml-grpc, p4app-switchML's own hosts (its client library, dpdk backend) join
     too, through its controller's gRPC API: each session is a job on aggregator port 0xBEE0,
-    slots from 0. That API has no credentials: give it an address only they reach.
+    slots from 0. That API has no credentials: it takes calls from --switchml-allow's networks
+    only (by default the subnets of the aggregator's interfaces); give it an address only the
+    SwitchML hosts reach.
 
     A job striped over several aggregators needs one control endpoint per aggregator, each in
     front of its own attached program (give each its own --group-base, so that their jobs'

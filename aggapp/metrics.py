@@ -12,7 +12,8 @@ scrape costs.
 Labels and their bounds: `target` (xdp, bmv2, soft), `job_id` (the aggregator's job id, 0..63,
 or "none" for packets of no job), `worker` (a worker's index in its job, 0..63), `reason` (the
 reasons of aggproto.reasons), `program` and `map` (the XDP program's), `state` (a job's state
-at the endpoint) and `kind` (aggctl.server.REFUSAL_KINDS). A job's name is a label of one
+at the endpoint), `kind` (aggctl.server.REFUSAL_KINDS) and, for the SwitchML controller API,
+`reason` (aggctl.switchml_sessions' REFUSALS and ENDINGS). A job's name is a label of one
 series only (xdpagg_endpoint_job_info), present while the job lives. The job label is `job_id`,
 not `job`: Prometheus gives every scraped series a `job` label of its own (the scrape job), and
 a `job` of ours would be renamed `exported_job`.
@@ -22,11 +23,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import ipaddress
 import logging
+import socket
+import threading
 import time
 from collections.abc import Iterator
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import generate_latest, start_http_server
+from prometheus_client import generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
@@ -66,12 +72,15 @@ class Sources:
     (JobCounters, WorkerCounters); target: its name, the `target` label ("xdp", "bmv2", "soft");
     xdp: an XDP target's XdpBackend (the program's statistics, program_stats, and every job's
     per-worker counters in one read, all_worker_counters), None for the others; endpoint: the
-    control endpoint in front of it (aggctl.server.ControlEndpoint), None without one."""
+    control endpoint in front of it (aggctl.server.ControlEndpoint), None without one; switchml:
+    the SwitchML controller API served beside it (aggctl.switchml_grpc.SwitchmlServer), None
+    without `serve --switchml-grpc`."""
 
     backend: object
     target: str
     xdp: object | None = None
     endpoint: object | None = None
+    switchml: object | None = None
 
 
 def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
@@ -91,7 +100,7 @@ class AggregatorCollector(Collector):
     def collect(self) -> Iterator[Metric]:
         """Every metric family, read now; then how long reading them took."""
         t0 = time.perf_counter()
-        families = [*self._data_plane(), *self._programs(), *self._endpoint()]
+        families = [*self._data_plane(), *self._programs(), *self._endpoint(), *self._switchml()]
         took = _scrape_family()
         took.add_metric([], time.perf_counter() - t0)
         yield from families
@@ -160,6 +169,55 @@ class AggregatorCollector(Collector):
         fams["lease_expiries"].add_metric([], ov["lease_expiries"])
         return list(fams.values())
 
+    # --- the SwitchML controller API ----------------------------------------------------------
+    def _switchml(self) -> list[Metric]:
+        if self.sources.switchml is None:
+            return []
+        st = self.sources.switchml.stats()
+        fams = _switchml_families()
+        for key, fam in fams.items():
+            if key not in ("ended", "refusals"):
+                fam.add_metric([], st[key])
+        for key in ("ended", "refusals"):
+            for reason, n in st[key].items():
+                fams[key].add_metric([reason], n)
+        return list(fams.values())
+
+
+def _switchml_families() -> dict[str, Metric]:
+    """The SwitchML controller API's families (aggctl.switchml_grpc), empty."""
+    why = ["reason"]
+    return {
+        "opened": _counter("switchml_sessions_opened", "SwitchML sessions opened.", []),
+        "complete": _counter(
+            "switchml_sessions_complete",
+            "SwitchML sessions set up: every rank registered and passed the last barrier.",
+            [],
+        ),
+        "ended": _counter(
+            "switchml_sessions_ended",
+            "SwitchML sessions ended, by reason: replaced (by its hosts' next), idle (by another "
+            "host's after no traffic), failed (setup), expired (setup not done in time).",
+            why,
+        ),
+        "refusals": _counter(
+            "switchml_refusals", "Calls of the SwitchML controller API refused, by reason.", why
+        ),
+        "broadcasts_expired": _counter(
+            "switchml_broadcasts_expired",
+            "Root Broadcast values that no session took within the barrier timeout.",
+            [],
+        ),
+        "open_broadcasts": _gauge(
+            "switchml_open_broadcasts", "Root Broadcast values waiting for their session."
+        ),
+        "waiting": _gauge("switchml_waiting_calls", "Barrier and Broadcast calls waiting now."),
+        "calls": _gauge("switchml_calls", "Calls of the SwitchML controller API in progress."),
+        "threads": _gauge(
+            "switchml_threads", "Threads of the SwitchML controller API's server (one per call)."
+        ),
+    }
+
 
 def _job_families() -> dict[str, Metric]:
     """The data plane's families, empty."""
@@ -217,6 +275,7 @@ def metric_names() -> dict[str, str]:
         *_job_families().values(),
         *_program_families().values(),
         *_endpoint_families().values(),
+        *_switchml_families().values(),
         _scrape_family(),
     ]
     return {f.name + ("_total" if f.type == "counter" else ""): f.type for f in fams}
@@ -274,22 +333,47 @@ def exposition(sources: Sources) -> str:
     return generate_latest(registry(sources)).decode()
 
 
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args) -> None:  # no line per scrape on stderr
+        pass
+
+
+def _http_server(host: str, port: int, reg: CollectorRegistry) -> WSGIServer:
+    """A threading WSGI server of the metrics of `reg` bound to host:port, not yet serving.
+
+    Ours, not prometheus_client's start_http_server: that one returns (server, thread) only
+    since 0.20 and None before (0.17, which pyproject allows), so a serve could neither stop it
+    nor learn its port; make_wsgi_app, which it wraps, is the same in every version."""
+    try:
+        six = ipaddress.ip_address(host).version == 6
+    except ValueError:  # a host name: IPv4, as start_http_server binds one by default
+        six = False
+
+    class Server(ThreadingMixIn, WSGIServer):
+        address_family = socket.AF_INET6 if six else socket.AF_INET
+        daemon_threads = True  # a scrape in progress does not hold the exit
+
+    return make_server(host, port, make_wsgi_app(reg), Server, handler_class=_QuietHandler)
+
+
 @contextlib.contextmanager
 def exporting(address: tuple[str, int] | None, sources: Sources) -> Iterator[str | None]:
     """Serve the metrics of `sources` at http://HOST:PORT/metrics (any path answers) while in
-    the block; yields the URL (None and nothing served when `address` is None). OSError when
-    the address cannot be bound."""
+    the block; yields the URL (None and nothing served when `address` is None). XdpAggError
+    when the address cannot be bound."""
     if address is None:
         yield None
         return
     host, port = address
     try:
-        httpd, thread = start_http_server(port, host, registry(sources))
+        httpd = _http_server(host, port, registry(sources))
     except OSError as e:
         raise XdpAggError(
             f"cannot serve metrics on {host}:{port}: {e.strerror or e}; stop what listens there "
             "(`ss -ltnp`) or choose another --metrics"
         ) from e
+    thread = threading.Thread(target=httpd.serve_forever, name="metrics-http", daemon=True)
+    thread.start()
     try:
         yield f"http://{host}:{httpd.server_port}/metrics"
     finally:

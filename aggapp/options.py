@@ -81,6 +81,19 @@ def switchml_address(ctx, param, value: str | None) -> tuple[str, int] | None:
         ) from None
 
 
+def network_list(ctx, param, value: str | None) -> tuple | None:
+    """click callback: CIDR[,CIDR] -> a tuple of ipaddress networks (host bits ignored); None
+    when not given."""
+    if value is None:
+        return None
+    try:
+        return tuple(ipaddress.ip_network(v.strip(), strict=False) for v in value.split(","))
+    except ValueError:
+        raise click.BadParameter(
+            f"{value!r}: use CIDR[,CIDR], e.g. 198.18.0.0/24 or 198.18.0.0/24,10.1.2.0/24"
+        ) from None
+
+
 def slot_range(ctx, param, text: str) -> tuple[int, int]:
     """click callback: BASE:COUNT -> (base, count)."""
     try:
@@ -325,6 +338,14 @@ class ServeOptions:
         "With --switchml-grpc: slots of a SwitchML session's job, from 0 (p4app's hosts use "
         "up to 2 x max_outstanding_packets, 2 x 256 by default).",
     )
+    switchml_allow: tuple | None = opt(
+        "--switchml-allow",
+        callback=network_list,
+        metavar="CIDR[,CIDR]",
+        help="With --switchml-grpc: the networks whose hosts may call it; a call from any other "
+        "address is refused (PERMISSION_DENIED). Default: the IPv4 subnets of the aggregator's "
+        "interfaces (bmv2: of --ports), where p4app's hosts are.",
+    )
 
     def check(self) -> None:
         """ValueError when the options do not go together."""
@@ -333,6 +354,8 @@ class ServeOptions:
             raise ValueError("--target bmv2 needs --ports IFACE,IFACE,...")
         if self.parent is not None and (self.rack_rank is None or self.racks is None):
             raise ValueError("--parent-endpoint needs --rack-rank and --racks")
+        if self.switchml_allow is not None and self.switchml_grpc is None:
+            raise ValueError("--switchml-allow needs --switchml-grpc")
 
     def limits(self) -> auth.Limits:
         """The endpoint's bounds these options give."""

@@ -28,6 +28,7 @@ import contextlib
 import dataclasses
 import errno
 import fcntl
+import functools
 import ipaddress
 import logging
 import os
@@ -324,6 +325,29 @@ class SwitchmlServe:
     port: int
     window: int = 512  # slots of a session's job, from 0
     barrier_timeout: float = 120.0  # longest a Barrier or Broadcast waits
+    allow: tuple = ()  # the networks whose hosts may call (--switchml-allow, interface_networks)
+    idle_takeover: float = 60.0  # s without traffic before another host's session may replace
+
+
+def interface_networks(ifnames: list[str]) -> tuple:
+    """The IPv4 subnets of interfaces `ifnames` (the default --switchml-allow); XdpAggError
+    when they have none."""
+    nets = []
+    for ifname in ifnames:
+        try:
+            found = links.addresses(ifname)["ipv4_nets"]
+        except XdpAggError:
+            continue  # an interface gone since attach: it has no subnet to offer
+        for n in found:
+            net = ipaddress.IPv4Interface(n).network
+            if net not in nets:
+                nets.append(net)
+    if not nets:
+        raise XdpAggError(
+            f"--switchml-grpc: {', '.join(ifnames)} have no IPv4 subnet whose hosts could be "
+            "allowed to call it: give --switchml-allow CIDR[,CIDR] (the SwitchML hosts' networks)"
+        )
+    return tuple(nets)
 
 
 def port_address_of(ifnames: list[str]) -> Callable[[str], tuple[str, str]]:
@@ -365,8 +389,9 @@ def bmv2_port_address(backend) -> Callable[[str], tuple[str, str]]:
 @contextlib.contextmanager
 def switchml_serving(sml: SwitchmlServe | None, server, port_address):
     """A context serving the SwitchML API (aggctl.switchml_grpc) before control endpoint
-    `server` (nothing without --switchml-grpc), stopped on exit. EnvironmentProblem without
-    grpcio, XdpAggError when it cannot bind."""
+    `server` (nothing without --switchml-grpc), stopped on exit; yields the served API
+    (SwitchmlServer, for the metrics) or None. EnvironmentProblem without grpcio, XdpAggError
+    when it cannot bind."""
     if sml is None:
         yield None
         return
@@ -376,18 +401,20 @@ def switchml_serving(sml: SwitchmlServe | None, server, port_address):
         raise EnvironmentProblem(
             f"--switchml-grpc needs grpcio and protobuf ({e}): pip install 'xdp-agg[switchml]'"
         ) from e
-    settings = switchml_grpc.SwitchmlSettings(sml.window, sml.barrier_timeout)
+    settings = switchml_grpc.SwitchmlSettings(
+        sml.window, sml.barrier_timeout, allow=sml.allow, idle_takeover=sml.idle_takeover
+    )
     api = switchml_grpc.SwitchmlApi(server.registry, settings, port_address)
     try:
-        grpc_server, _ = switchml_grpc.start_server(api, sml.host, sml.port)
+        served = switchml_grpc.start_server(api, sml.host, sml.port)
     except OSError as e:
         raise XdpAggError(
             f"--switchml-grpc: {e}; stop what listens there (`ss -ltnp`) or choose another port"
         ) from e
     try:
-        yield grpc_server
+        yield served
     finally:
-        grpc_server.stop(None)
+        served.stop(None)
 
 
 def metrics_exporting(address: tuple[str, int] | None, sources: dict):
@@ -491,8 +518,8 @@ def serve_xdp(
         sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
         port_address = port_address_of(aggregator_interfaces(name))
         with (
-            metrics_exporting(metrics, sources) as url,
-            switchml_serving(switchml, server, port_address),
+            switchml_serving(switchml, server, port_address) as sml,
+            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
         ):
             announce(
                 f"control endpoint listening on {host}:{port} (aggregator {name}, "
@@ -560,8 +587,8 @@ def serve_bmv2(
         rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
         sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
         with (
-            metrics_exporting(metrics, sources) as url,
-            switchml_serving(switchml, server, bmv2_port_address(backend)),
+            switchml_serving(switchml, server, bmv2_port_address(backend)) as sml,
+            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
         ):
             announce(
                 f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
@@ -591,9 +618,12 @@ def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
     of the aggregator's interfaces, or of the bmv2 ports, unless --listen says), its secret
     (loaded or created) and its parent link. ValueError for parent options that make no link."""
     host, port = opts.listen or ("", DEFAULT_CONTROL_PORT)
+    bmv2 = opts.target == "bmv2"
+    ifnames = functools.cache(
+        lambda: opts.ports.split(",") if bmv2 else aggregator_interfaces(name)
+    )
     if not host:
-        bmv2 = opts.target == "bmv2"
-        host = listen_address(opts.ports.split(",") if bmv2 else aggregator_interfaces(name))
+        host = listen_address(ifnames())
     notes, secret = [], None
     if opts.insecure_no_auth:
         notes.append(
@@ -606,16 +636,33 @@ def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
         notes.append(f"deployment secret: {path} (workers: {control.SECRET_ENV}=<a copy of it>)")
     if host == "0.0.0.0":
         notes.append("WARNING: listening on every address (0.0.0.0), as --listen asked")
-    sml = None
-    if opts.switchml_grpc is not None:
-        sml_host, sml_port = opts.switchml_grpc
-        sml = SwitchmlServe(sml_host, sml_port, opts.switchml_window, opts.barrier_timeout)
-        notes.append(
-            f"SwitchML controller API (gRPC) on {sml_host}:{sml_port}, without credentials: "
-            "whoever reaches it can open a session (docs/operations.md)"
-        )
+    sml = _switchml_serve(opts, ifnames, notes)
     link = _parent_link(opts, secret)
     return Endpoint(host, port, secret, opts.limits(), link, notes, sml)
+
+
+def _switchml_serve(opts: options.ServeOptions, ifnames, notes: list[str]):
+    """The SwitchML API's serving (None without --switchml-grpc): its callers' networks are
+    --switchml-allow, else the subnets of `ifnames()`; another host's session may replace an
+    idle one after the job lease (the barrier timeout when leases are off)."""
+    if opts.switchml_grpc is None:
+        return None
+    host, port = opts.switchml_grpc
+    allow = opts.switchml_allow or interface_networks(ifnames())
+    sml = SwitchmlServe(
+        host,
+        port,
+        opts.switchml_window,
+        opts.barrier_timeout,
+        allow=allow,
+        idle_takeover=opts.job_lease or opts.barrier_timeout,
+    )
+    notes.append(
+        f"SwitchML controller API (gRPC) on {host}:{port} for callers in "
+        f"{', '.join(map(str, allow))}, without credentials: a host there can open a session "
+        "when none is running (docs/operations.md, trust model)"
+    )
+    return sml
 
 
 def _parent_link(opts: options.ServeOptions, secret: bytes | None):

@@ -603,7 +603,8 @@ class JobRegistry:
         return job
 
     def _in_use(self):
-        """Job ids, ports and slot ranges taken by our jobs and any the backend already has."""
+        """Job ids, ports and slot ranges taken by our jobs and any the backend already has;
+        each range once (our jobs are the backend's too, and a refusal lists the ranges)."""
         specs = [j.spec.to_dict() for j in self.jobs.values()]
         try:
             specs += self.backend.jobs()
@@ -611,7 +612,7 @@ class JobRegistry:
             log.exception("backend.jobs() failed")
         ids = {s["job_id"] for s in specs}
         ports = {s["agg_port"] for s in specs}
-        ranges = sorted((s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs)
+        ranges = sorted({(s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs})
         return ids, ports, ranges
 
     def _release(self, job: _EndpointJob, conn: int) -> None:

@@ -1,330 +1,209 @@
 """p4app-switchML's controller API (gRPC services Session and Sync, aggctl/switchml.proto) in
 front of a control endpoint's job registry, so that SwitchML's own hosts join jobs through
-`xdp-agg serve --switchml-grpc HOST:PORT` unchanged. A thin adapter: jobs and workers are made
-with the registry's calls (aggctl.registry), as the JSON control protocol makes them.
+`xdp-agg serve --switchml-grpc HOST:PORT` unchanged. What the calls do is
+aggctl.switchml_sessions'; this module serves them, bounded:
 
-What p4app's DPDK host does once at start (dev_root/client_lib/src/backends/dpdk/
-dpdk_backend.cc lines 70-140 at b5c74a0): Broadcast of a session id from rank 0; rank 0 calls
-UdpSession then Barrier, every other rank Barrier then UdpSession; then all call Barrier. Here:
+- who may call: every call's gRPC peer address must be in `SwitchmlSettings.allow` (serve's
+  `--switchml-allow`, by default the subnets of the aggregator's interfaces, where p4app's hosts
+  are), else PERMISSION_DENIED;
+- how many calls at once: `calls` in all and `calls_per_peer` from one address; a call past
+  either is refused at once (RESOURCE_EXHAUSTED) instead of waiting for a thread. The server's
+  threads (each call holds one, a Barrier for as long as it waits) are at most `calls` plus a
+  few for those refusals (RESERVE), which is also gRPC's own limit of calls in progress (past
+  it gRPC refuses with RESOURCE_EXHAUSTED itself, uncounted); a thread with no call for
+  `thread_idle` seconds ends, so the threads of a burst return;
+- a caller that goes away (its connection closes, its call is cancelled) stops waiting at once;
+- every refusal is counted by reason (SwitchmlApi.refusals, aggapp.metrics).
 
-- Broadcast and Barrier are generation counters in memory, as in p4app's controller
-  (dev_root/controller/grpc_server.py lines 109-196), with a timeout: a barrier that does not
-  fill within it fails for every rank waiting in it (DEADLINE_EXCEEDED) and ends the session's
-  job if not every rank has registered;
-- rank 0's UdpSession ends the previous session's job and creates the new one: aggregator port
-  0xBEE0 and slots from 0 (p4app's hosts assume both; FAILED_PRECONDITION when another job has
-  them), the size code from packet_size, the window from the serve options; every UdpSession
-  registers its rank by the MAC and IPv4 it gives and returns at once (rank 0 calls it before
-  the others pass the first barrier); the answer is our MAC and IPv4 on the worker's side;
-- the barrier after the session's first is its last: there every rank must have registered,
-  else it fails for all (FAILED_PRECONDITION, naming the ranks) and the job is ended;
-- RdmaSession: UNIMPLEMENTED (the XDP aggregator speaks UDP only).
+RdmaSession answers UNIMPLEMENTED (the XDP aggregator speaks UDP only).
 """
 
 from __future__ import annotations
 
+import collections
 import ipaddress
 import logging
 import threading
-import time
-from collections import Counter
-from collections.abc import Callable
+import urllib.parse
 from concurrent import futures
-from dataclasses import dataclass
 
 import grpc
 
-from aggproto import wire
-from aggproto.limits import MAX_WORKERS
-
 from . import switchml_proto as pb
-from .fields import RequestError
+from .switchml_sessions import (  # noqa: F401  (this module's API too)
+    AGG_PORT,
+    DEFAULT_PORT,
+    DEFAULT_WINDOW,
+    ApiError,
+    Caller,
+    SwitchmlApi,
+    SwitchmlSettings,
+    mac_text,
+    mac_value,
+)
 
 log = logging.getLogger(__name__)
 
-DEFAULT_PORT = 50099  # p4app-switchML's controller listens here (grpc_server.py line 33)
-AGG_PORT = 0xBEE0  # p4app's hosts send to it, hard-coded (dpdk_backend.cc line 136)
-# p4app's hosts' default `backend.dpdk.worker_port` (client_lib/src/config.cc line 78): their
-# thread t sends from it + t. Results go to each request's source port (docs/protocol.md), so
-# this is only what the job table records for them.
-P4APP_WORKER_PORT = 4000
-# p4app's default max_outstanding_packets is 256 (config.cc line 50); thread t of T uses slots
-# 2 * (256 / T) * t .. + 256 / T - 1, all below 512
-DEFAULT_WINDOW = 512
-HOLDER = -1_000_000  # who holds a session's job in the registry: no connection, the session
+RESERVE = 4  # threads beyond `calls`, for answering the calls refused past the bounds
 
 
-class ApiError(Exception):
-    """A refusal, answered with a gRPC status code and a message that says what to do."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-@dataclass
-class SwitchmlSettings:
-    """What the serve options give the API (p4app's requests carry none of it)."""
-
-    window: int = DEFAULT_WINDOW  # slots of a session's job, from 0
-    barrier_timeout: float = 120.0  # longest a Barrier or Broadcast waits for the others
-
-
-def mac_text(value: int) -> str:
-    """A 48-bit MAC as p4app sends it (most significant octet first) -> aa:bb:cc:dd:ee:ff."""
-    return ":".join(f"{(value >> s) & 0xFF:02x}" for s in range(40, -8, -8))
+def caller_of(peer: str, active=lambda: True) -> Caller:
+    """The Caller of gRPC peer address `peer` ("ipv4:198.18.0.2:40112", "ipv6:%5B::1%5D:40112"
+    as grpc 1.85 writes it, or with plain brackets; an IPv4 address mapped into IPv6 is its
+    IPv4 address). ValueError for another kind (a Unix socket: the API listens on TCP only)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        raise ValueError(f"peer {peer!r} has no IP address")
+    host, _, port = urllib.parse.unquote(rest).rpartition(":")
+    ip = ipaddress.ip_address(host.strip("[]"))
+    if ip.version == 6 and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    conn = f"[{ip}]:{int(port)}" if ip.version == 6 else f"{ip}:{int(port)}"
+    return Caller(str(ip), conn, active)
 
 
-def mac_value(text: str) -> int:
-    """aa:bb:cc:dd:ee:ff -> the 48-bit integer p4app reads (dpdk_utils.cc lines 79-82)."""
-    return int(text.replace(":", ""), 16)
+def allowed(host: str, networks) -> bool:
+    """Whether address `host` is in one of `networks` (ipaddress networks)."""
+    ip = ipaddress.ip_address(host)
+    return any(ip.version == net.version and ip in net for net in networks)
 
 
-@dataclass
-class _Session:
-    session_id: int
-    key: str  # the job's name in the registry
-    world: int
-    size_code: int  # its packet_size
-    first_barrier: int  # the Sync generation of the session's first barrier
+class Admission:
+    """Calls in progress, in all and per address, within `calls` and `per_peer`."""
 
-
-@dataclass
-class _Broadcast:
-    world: int
-    value: int | None = None
-    seen: set[int] | None = None
-
-
-class Sync:
-    """Barrier and Broadcast: generation counters, as p4app's controller keeps them."""
-
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self.generation = 0  # the barrier now filling
-        self._arrived = 0
-        self._outcome: dict[int, ApiError | None] = {}
-        self._ops: list[_Broadcast] = []
-
-    def barrier(self, world: int, timeout: float, on_complete, on_timeout) -> None:
-        """Wait until `world` callers are in the barrier. The last runs on_complete(generation)
-        (its ApiError or None is every caller's outcome); after `timeout` s the generation
-        fails for every caller with on_timeout(generation, arrived), and open Broadcasts are
-        dropped."""
-        with self._cond:
-            gen = self.generation
-            self._arrived += 1
-            if self._arrived >= world:
-                self._close(gen, on_complete(gen))
-            else:
-                deadline = time.monotonic() + timeout
-                while gen == self.generation and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
-                if gen == self.generation:
-                    self._close(gen, on_timeout(gen, self._arrived))
-                    # the run failed: a Broadcast a rank left open must not hand its value to
-                    # the next run's ranks (p4app's controller resets both the same way)
-                    self._ops.clear()
-            err = self._outcome.get(gen)
-        if err is not None:
-            raise err
-
-    def _close(self, gen: int, outcome: ApiError | None) -> None:
-        self._outcome[gen] = outcome
-        self._outcome.pop(gen - 64, None)  # every waiter of that one has long read it
-        self.generation, self._arrived = gen + 1, 0
-        self._cond.notify_all()
-
-    def broadcast(self, value: int, rank: int, world: int, root: int, timeout: float) -> int:
-        """The root's value, to every rank of the operation (each rank's first one it has not
-        taken part in); DEADLINE_EXCEEDED when the root does not come within `timeout` s."""
-        with self._cond:
-            op = next((o for o in self._ops if rank not in o.seen), None)
-            if op is None:
-                op = _Broadcast(world, seen=set())
-                self._ops.append(op)
-            op.seen.add(rank)
-            if rank == root:
-                op.value = value
-                self._cond.notify_all()
-            deadline = time.monotonic() + timeout
-            while op.value is None and (left := deadline - time.monotonic()) > 0:
-                self._cond.wait(left)
-            if len(op.seen) >= op.world or op.value is None:
-                self._ops = [o for o in self._ops if o is not op]
-            if op.value is None:
-                raise ApiError(
-                    grpc.StatusCode.DEADLINE_EXCEEDED,
-                    f"Broadcast: root rank {root} did not broadcast within {timeout:g} s "
-                    f"(ranks here: {sorted(op.seen)} of {world}); start every worker",
-                )
-            return op.value
-
-
-class SwitchmlApi:
-    """The services' logic over a job registry (a ControlEndpoint's, aggctl.registry).
-    `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side (ValueError when no port
-    of ours leads there)."""
-
-    def __init__(
-        self, registry, settings: SwitchmlSettings, port_address: Callable[[str], tuple[str, str]]
-    ) -> None:
-        self.registry = registry
-        self.settings = settings
-        self.port_address = port_address
-        self.sync = Sync()
-        self.events: Counter = Counter()  # what happened, by name (tests count these)
+    def __init__(self, calls: int, per_peer: int) -> None:
+        self.calls, self.per_peer = calls, per_peer
         self._lock = threading.Lock()
-        self._session: _Session | None = None
+        self._by_peer: collections.Counter = collections.Counter()
+        self.active = 0
 
-    @property
-    def session_key(self) -> str | None:
-        """The registry's name of the current session's job (None: no session)."""
-        s = self._session
-        return s.key if s else None
-
-    def udp_session(self, req) -> tuple[int, int, int]:
-        """UdpSession: (session_id, our MAC, our IPv4) for the worker `req` describes."""
-        world, rank = req.num_workers, req.rank
-        if not 1 <= world <= MAX_WORKERS or rank >= world:
-            raise ApiError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"rank {rank} of {world} workers: a session has 1..{MAX_WORKERS} workers, "
-                "ranks 0..num_workers-1",
-            )
-        if req.packet_size not in pb.PACKET_SIZES.values():
-            raise ApiError(grpc.StatusCode.INVALID_ARGUMENT, f"packet_size {req.packet_size}")
-        ip = str(ipaddress.IPv4Address(req.ipv4))
-        try:
-            our_ip, our_mac = self.port_address(ip)
-        except ValueError as e:
-            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
+    def enter(self, host: str) -> None:
+        """Count a call of `host` in; ApiError (peer_calls, calls) past a bound."""
         with self._lock:
-            session = self._open(req) if rank == 0 else self._current(req)
-            try:
-                self.registry.join_job(
-                    HOLDER, session.key, rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), (our_ip, 0)
+            if self._by_peer[host] >= self.per_peer:
+                raise ApiError(
+                    "peer_calls",
+                    f"{host} has {self._by_peer[host]} calls in progress, the most one address "
+                    "may: a SwitchML rank makes one call at a time; end the others first",
                 )
-            except RequestError as e:
-                if rank == 0:  # the session it just opened has no use without it
-                    self._end(session)
-                raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-            self.events["ranks_registered"] += 1
-        log.info("session %#x: rank %d of %d at %s", req.session_id, rank, world, ip)
-        return req.session_id, mac_value(our_mac), int(ipaddress.IPv4Address(our_ip))
+            if self.active >= self.calls:
+                raise ApiError(
+                    "calls",
+                    f"the controller has {self.active} calls in progress, the most it takes: "
+                    "try again when the waiting Barriers have ended",
+                )
+            self._by_peer[host] += 1
+            self.active += 1
 
-    def _open(self, req) -> _Session:
-        """Rank 0: end the previous session's job, create this one's (lock held)."""
-        if self._session is not None:
-            if self.registry.end_job(self._session.key):
-                self.events["sessions_replaced"] += 1
-            self._session = None
-        key = f"switchml-{req.session_id:#x}"
-        elems = wire.elems_for(req.packet_size)
-        try:
-            self.registry.open_job(
-                HOLDER,
-                key,
-                req.num_workers,
-                elems,
-                self.settings.window,
-                P4APP_WORKER_PORT,
-                port=AGG_PORT,
-                base=0,
-            )
-        except RequestError as e:
-            raise ApiError(grpc.StatusCode.FAILED_PRECONDITION, str(e)) from None
-        self._session = _Session(
-            req.session_id, key, req.num_workers, req.packet_size, self.sync.generation
-        )
-        self.events["sessions_opened"] += 1
-        return self._session
-
-    def _current(self, req) -> _Session:
-        s = self._session
-        if s is None or s.session_id != req.session_id:
-            now = f"the current one is {s.session_id:#x}" if s else "there is none"
-            raise ApiError(
-                grpc.StatusCode.FAILED_PRECONDITION,
-                f"no session {req.session_id:#x} ({now}): rank 0 opens it with its UdpSession "
-                "before the first Barrier; start rank 0 with the same controller",
-            )
-        if (req.num_workers, req.packet_size) != (s.world, s.size_code):
-            raise ApiError(
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"num_workers {req.num_workers}, packet_size {req.packet_size}, but session "
-                f"{s.session_id:#x} has {s.world} workers, packet_size {s.size_code}: start every "
-                "worker with the same configuration",
-            )
-        return s
-
-    def barrier(self, world: int) -> None:
-        """Barrier of `world` callers; the session's last one checks that its job is whole."""
-        self.sync.barrier(
-            world, self.settings.barrier_timeout, self._barrier_done, self._barrier_timed_out
-        )
-
-    def _barrier_done(self, gen: int) -> ApiError | None:
+    def leave(self, host: str) -> None:
         with self._lock:
-            return self._check_last(gen)
-
-    def _check_last(self, gen: int) -> ApiError | None:
-        s = self._session
-        if s is None or gen != s.first_barrier + 1:
-            return None
-        missing = self.registry.missing_ranks(s.key)
-        if not missing:
-            self.events["sessions_complete"] += 1
-            return None
-        self._end(s)
-        return ApiError(
-            grpc.StatusCode.FAILED_PRECONDITION,
-            f"session {s.session_id:#x}: rank(s) {missing} passed the barriers without calling "
-            "UdpSession; its job is ended: start the run again",
-        )
-
-    def _barrier_timed_out(self, gen: int, arrived: int) -> ApiError:
-        with self._lock:
-            return self._timed_out(arrived)
-
-    def _timed_out(self, arrived: int) -> ApiError:
-        self.events["barrier_timeouts"] += 1
-        s = self._session
-        what = ""
-        if s is not None:
-            missing = self.registry.missing_ranks(s.key)
-            what = f"; session {s.session_id:#x}: rank(s) {missing} have not called UdpSession"
-            if missing:
-                self._end(s)
-                what += ", its job is ended"
-        return ApiError(
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            f"Barrier: {arrived} worker(s) arrived within {self.settings.barrier_timeout:g} s, "
-            f"not all{what}; start every worker with the same controller",
-        )
-
-    def _end(self, s: _Session) -> None:
-        self.registry.end_job(s.key)
-        if self._session is s:
-            self._session = None
-        self.events["sessions_ended"] += 1
-
-    def broadcast(self, req) -> int:
-        """Broadcast: the root's value."""
-        return self.sync.broadcast(
-            req.value, req.rank, req.num_workers, req.root, self.settings.barrier_timeout
-        )
+            self._by_peer[host] -= 1
+            if not self._by_peer[host]:
+                del self._by_peer[host]
+            self.active -= 1
 
 
-def _handler(fn, request_name: str, response_name: str):
-    """A unary-unary gRPC handler calling fn(request) -> response fields (dict); an ApiError
-    becomes its status."""
+class IdlePool(futures.Executor):
+    """A thread pool for the gRPC server: at most `size` threads, made as calls come, and a
+    thread that has had no work for `idle` seconds ends (concurrent.futures' pool keeps every
+    thread it made until shut down)."""
+
+    def __init__(self, size: int, idle: float, name: str = "sml") -> None:
+        self.size, self.idle, self.name = size, idle, name
+        self._cond = threading.Condition()
+        self._queue: collections.deque = collections.deque()
+        self._waiting = 0  # threads waiting for work
+        self._shutdown = False
+        self.threads = 0
+        self._made = 0
+
+    def submit(self, fn, /, *args, **kwargs) -> futures.Future:
+        future: futures.Future = futures.Future()
+        with self._cond:
+            if self._shutdown:
+                raise RuntimeError("cannot schedule new futures after shutdown")
+            self._queue.append((future, fn, args, kwargs))
+            if self._waiting >= len(self._queue):
+                self._cond.notify()
+            elif self.threads < self.size:
+                self.threads += 1
+                self._made += 1
+                name = f"{self.name}-{self._made}"
+                threading.Thread(target=self._work, name=name, daemon=True).start()
+        return future
+
+    def _next(self):
+        """The next work item, or None when this thread is to end (idle, or shut down)."""
+        with self._cond:
+            self._waiting += 1
+            try:
+                while not self._queue and not self._shutdown:
+                    if not self._cond.wait(self.idle) and not self._queue:
+                        break
+                if self._queue:
+                    return self._queue.popleft()
+                self.threads -= 1
+                self._cond.notify_all()
+                return None
+            finally:
+                self._waiting -= 1
+
+    def _work(self) -> None:
+        while (item := self._next()) is not None:
+            future, fn, args, kwargs = item
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args, **kwargs)
+            except BaseException as e:
+                future.set_exception(e)
+            else:
+                future.set_result(result)
+            del item, future, fn, args, kwargs  # nothing of a call outlives it here
+
+    def wait_threads(self, at_most: int, timeout: float) -> bool:
+        """Wait until at most `at_most` threads are left (within `timeout` s); whether so."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self.threads <= at_most, timeout)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        with self._cond:
+            self._shutdown = True
+            if cancel_futures:
+                while self._queue:
+                    self._queue.popleft()[0].cancel()
+            self._cond.notify_all()
+            if wait:
+                self._cond.wait_for(lambda: self.threads == 0)
+
+
+def _handler(api: SwitchmlApi, admission: Admission, fn, request_name: str, response_name: str):
+    """A unary-unary gRPC handler calling fn(request, caller) -> response fields (dict), for a
+    caller in the allowed networks and within the bounds of calls; an ApiError becomes its
+    status, counted."""
     response_class = pb.message_class(response_name)
 
     def call(request, context):
         try:
-            return response_class(**fn(request))
+            try:
+                caller = caller_of(context.peer(), context.is_active)
+            except ValueError as e:
+                raise ApiError("not_allowed", str(e)) from None
+            if not allowed(caller.host, api.settings.allow):
+                nets = ", ".join(map(str, api.settings.allow)) or "none"
+                raise ApiError(
+                    "not_allowed",
+                    f"{caller.host} may not call this controller (--switchml-allow: {nets}): "
+                    "call from a SwitchML host's network, or ask for it to be allowed",
+                )
+            admission.enter(caller.host)
+            try:
+                context.add_callback(api.wake)  # a caller gone stops waiting at once
+                return response_class(**fn(request, caller))
+            finally:
+                admission.leave(caller.host)
         except ApiError as e:
+            api.refused(e)
             context.abort(e.code, str(e))
 
     return grpc.unary_unary_rpc_method_handler(
@@ -334,45 +213,87 @@ def _handler(fn, request_name: str, response_name: str):
     )
 
 
-def _rdma_session(request):
+def _rdma_session(request, caller):
     raise ApiError(
-        grpc.StatusCode.UNIMPLEMENTED,
+        "unimplemented",
         "RdmaSession is not supported: xdp-agg aggregates SwitchML's UDP protocol only; "
         "run the hosts with the dpdk backend (UdpSession)",
     )
 
 
-def handlers(api: SwitchmlApi) -> list:
+def handlers(api: SwitchmlApi, admission: Admission) -> list:
     """The generic handlers of services Session and Sync for a server."""
 
-    def udp(req):
-        sid, mac, ipv4 = api.udp_session(req)
+    def udp(req, caller):
+        sid, mac, ipv4 = api.udp_session(req, caller)
         return {"session_id": sid, "mac": mac, "ipv4": ipv4}
 
-    def barrier(req):
-        api.barrier(req.num_workers)
+    def barrier(req, caller):
+        api.barrier(req.num_workers, caller)
         return {}
+
+    def broadcast(req, caller):
+        return {"value": api.broadcast(req, caller)}
 
     calls = {
         "Session": {"RdmaSession": _rdma_session, "UdpSession": udp},
-        "Sync": {"Barrier": barrier, "Broadcast": lambda req: {"value": api.broadcast(req)}},
+        "Sync": {"Barrier": barrier, "Broadcast": broadcast},
     }
     return [
         grpc.method_handlers_generic_handler(
             f"{pb.PACKAGE}.{svc}",
-            {m: _handler(fn, *pb.SERVICES[svc][m]) for m, fn in methods.items()},
+            {m: _handler(api, admission, fn, *pb.SERVICES[svc][m]) for m, fn in methods.items()},
         )
         for svc, methods in calls.items()
     ]
 
 
-def start_server(api: SwitchmlApi, host: str, port: int) -> tuple[grpc.Server, int]:
-    """The API served on host:port (port 0: any free one), started; the server and its port.
+class SwitchmlServer:
+    """The API served (start_server's): the gRPC server, its pool and bounds, and the thread
+    that expires what outlives the barrier timeout (SwitchmlApi.sweep)."""
+
+    def __init__(self, api: SwitchmlApi, server: grpc.Server, pool: IdlePool, admission) -> None:
+        self.api, self.server, self.pool, self.admission = api, server, pool, admission
+        self.port = 0
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep, name="sml-sweep", daemon=True)
+
+    def start(self) -> None:
+        self.server.start()
+        self._sweeper.start()
+
+    def _sweep(self) -> None:
+        while not self._stop.wait(self.api.sweep_interval()):
+            try:
+                self.api.sweep()
+            except Exception:  # a failed sweep must not end expiry for good
+                log.exception("expiring SwitchML sessions failed")
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop serving (calls in progress cancelled), the sweeper and the pool's threads."""
+        self._stop.set()
+        self.server.stop(grace).wait()
+        self.api.wake()
+        self.pool.shutdown(wait=False)
+
+    def stats(self) -> dict:
+        """SwitchmlApi.stats and the calls and threads in use now (aggapp.metrics)."""
+        return {**self.api.stats(), "calls": self.admission.active, "threads": self.pool.threads}
+
+
+def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
+    """The API served on host:port (port 0: any free one), started (its port in .port).
     OSError when the address cannot be bound."""
-    # every rank of a session may block in a Barrier at once, and rank 0 in another call
-    pool = futures.ThreadPoolExecutor(max_workers=2 * MAX_WORKERS + 4, thread_name_prefix="sml")
-    # no SO_REUSEPORT (grpc's default): a second server on the same port must fail, not share it
-    server = grpc.server(pool, handlers=handlers(api), options=[("grpc.so_reuseport", 0)])
+    s = api.settings
+    admission = Admission(s.calls, s.calls_per_peer)
+    pool = IdlePool(s.calls + RESERVE, s.thread_idle)
+    server = grpc.server(
+        pool,
+        handlers=handlers(api, admission),
+        # no SO_REUSEPORT (grpc's default): a second server on the same port must fail
+        options=[("grpc.so_reuseport", 0)],
+        maximum_concurrent_rpcs=s.calls + RESERVE,
+    )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:
         bound = server.add_insecure_port(address)
@@ -380,5 +301,7 @@ def start_server(api: SwitchmlApi, host: str, port: int) -> tuple[grpc.Server, i
         raise OSError(f"cannot listen on {address}: {e}") from None
     if bound == 0:
         raise OSError(f"cannot listen on {address}: the address is taken or not ours")
-    server.start()
-    return server, bound
+    served = SwitchmlServer(api, server, pool, admission)
+    served.port = bound
+    served.start()
+    return served

@@ -18,7 +18,10 @@ Sources, p4lang/p4app-switchML at b5c74a04fa66faa82acab154a4e21c8f76d913f2 (2022
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import socket
+import threading
 import time
 from dataclasses import dataclass
 
@@ -30,13 +33,73 @@ from aggctl import switchml_proto as pb
 from aggctl.switchml_grpc import mac_text, mac_value
 
 
-def _call(channel: grpc.Channel, service: str, method: str):
+def call(channel: grpc.Channel, service: str, method: str):
     req, resp = pb.SERVICES[service][method]
     return channel.unary_unary(
         pb.method_path(service, method),
         request_serializer=pb.message_class(req).SerializeToString,
         response_deserializer=pb.message_class(resp).FromString,
     )
+
+
+class Relay:
+    """A TCP relay on 127.0.0.1 that connects to `target` (HOST, PORT) from `source`, an address
+    of this host (any 127.x.y.z on loopback, no root needed): the controller sees the caller's
+    gRPC peer address as `source`, as it would see a p4app host on its own address. One
+    upstream connection per accepted connection, bytes copied both ways."""
+
+    def __init__(self, target: tuple[str, int], source: str) -> None:
+        self.target, self.source = target, source
+        self._listener = socket.create_server(("127.0.0.1", 0))
+        self.address = "127.0.0.1:%d" % self._listener.getsockname()[1]
+        self._socks: list[socket.socket] = [self._listener]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                down, _ = self._listener.accept()
+                up = socket.create_connection(self.target, source_address=(self.source, 0))
+            except OSError:  # closed
+                return
+            self._socks += [down, up]
+            for a, b in ((down, up), (up, down)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        for s in self._socks:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+
+def _pump(a: socket.socket, b: socket.socket) -> None:
+    """Copy a's bytes to b until a ends; then end b's sending side."""
+    try:
+        while data := a.recv(65536):
+            b.sendall(data)
+        b.shutdown(socket.SHUT_WR)
+    except OSError:
+        pass
+
+
+@contextlib.contextmanager
+def channel(target: str, source: str | None = None):
+    """A channel to the controller at `target` (HOST:PORT) with its own connection, as each p4app
+    process has (one GrpcClient per rank: grpc_client.cc lines 99-107), from `source` (through a
+    Relay) when given; no proxy from the environment: the controller is on the test's network."""
+    relay = None
+    if source is not None:
+        host, port = target.rsplit(":", 1)
+        relay = Relay((host, int(port)), source)
+        target = relay.address
+    options = [("grpc.enable_http_proxy", 0), ("grpc.use_local_subchannel_pool", 1)]
+    try:
+        with grpc.insecure_channel(target, options=options) as ch:
+            yield ch
+    finally:
+        if relay is not None:
+            relay.close()
 
 
 @dataclass
@@ -54,28 +117,46 @@ def packet_size(packet_numel: int) -> int:
     return p4app_host.size_code(packet_numel)
 
 
+def udp_session_request(
+    session_id: int, *, rank: int, world: int, mac: str | int, ip: str, packet_numel: int
+):
+    """The UdpSessionRequest of dpdk_backend.cc lines 97-116 (`mac` as text, or the integer a
+    caller puts there)."""
+    return pb.UdpSessionRequest(
+        session_id=session_id,
+        rank=rank,
+        num_workers=world,
+        mac=mac if isinstance(mac, int) else mac_value(mac),
+        ipv4=int(ipaddress.IPv4Address(ip)),
+        packet_size=packet_size(packet_numel),
+    )
+
+
 def setup_switch(
-    target: str, *, rank: int, world: int, mac: str, ip: str, packet_numel: int, timeout=60.0
+    target: str,
+    *,
+    rank: int,
+    world: int,
+    mac: str,
+    ip: str,
+    packet_numel: int,
+    timeout=60.0,
+    source: str | None = None,
 ) -> Switch:
-    """DpdkBackend::SetupSwitch against the controller at `target` (HOST:PORT), in its order."""
-    # no proxy from the environment: the controller is on the test's own network
-    with grpc.insecure_channel(target, options=[("grpc.enable_http_proxy", 0)]) as ch:
+    """DpdkBackend::SetupSwitch against the controller at `target` (HOST:PORT), in its order,
+    on one connection (from `source` when given: channel)."""
+    with channel(target, source) as ch:
         session_id = time.time_ns() if rank == 0 else 0
-        bcast = _call(ch, "Sync", "Broadcast")(
+        bcast = call(ch, "Sync", "Broadcast")(
             pb.BroadcastRequest(value=session_id, rank=rank, num_workers=world, root=0),
             timeout=timeout,
         )
         session_id = bcast.value
-        request = pb.UdpSessionRequest(
-            session_id=session_id,
-            rank=rank,
-            num_workers=world,
-            mac=mac_value(mac),
-            ipv4=int(ipaddress.IPv4Address(ip)),
-            packet_size=packet_size(packet_numel),
+        request = udp_session_request(
+            session_id, rank=rank, world=world, mac=mac, ip=ip, packet_numel=packet_numel
         )
         barrier = pb.BarrierRequest(num_workers=world)
-        udp_session, sync = _call(ch, "Session", "UdpSession"), _call(ch, "Sync", "Barrier")
+        udp_session, sync = call(ch, "Session", "UdpSession"), call(ch, "Sync", "Barrier")
         if rank == 0:
             response = udp_session(request, timeout=timeout)
             sync(barrier, timeout=timeout)

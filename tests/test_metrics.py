@@ -295,3 +295,28 @@ def test_the_soft_endpoint_serves_metrics_too():
     assert value(got, "xdpagg_drops_total", target="soft", job_id="none",
                  reason="drop_unknown_source") == 0  # fmt: skip
     assert value(got, "xdpagg_endpoint_jobs", state="ready") == 0
+
+
+def test_served_and_stopped_whatever_start_http_server_returns(monkeypatch):
+    """prometheus_client's start_http_server returns (server, thread) only since 0.20; before,
+    None (0.17, which pyproject allows). `exporting` must serve, and free its port on exit,
+    with a prometheus_client whose start_http_server has the old shape."""
+    import prometheus_client
+
+    def old_shape(port, addr="0.0.0.0", registry=None):  # 0.17-0.19: serves, returns nothing
+        return None
+
+    monkeypatch.setattr(prometheus_client, "start_http_server", old_shape)
+    monkeypatch.setattr(metrics, "start_http_server", old_shape, raising=False)
+    with soft_cluster() as cl:
+        src = metrics.Sources(backend=cl.aggregator, target="soft", endpoint=cl.server)
+        with metrics.exporting((cl.agg_ip, 0), src) as url:
+            with urllib.request.urlopen(url, timeout=10) as r:
+                got = samples(r.read().decode())
+            port = int(url.rsplit(":", 1)[1].split("/")[0])
+        assert value(got, "xdpagg_endpoint_jobs", state="ready") == 0
+        with socket.socket() as s:  # nothing listens there any more: the server was shut down
+            # (SO_REUSEADDR: the scrape's closed connection may leave the port in TIME_WAIT)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((cl.agg_ip, port))
+            s.listen()

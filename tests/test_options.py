@@ -9,8 +9,11 @@ from aggapp import cli, options, serving
 
 
 def _parsed(command, args: list[str]) -> dict:
-    """The parameters click parses for `command ARGS` (the command does not run)."""
-    with command.make_context(command.name, args) as ctx:
+    """The parameters click parses for `command ARGS` (the command does not run). With the
+    group's context settings, as under `xdp-agg`: click keeps the help option a command's first
+    context makes, and tests/test_docs.py renders the help after this."""
+    settings = cli.main.context_settings
+    with command.make_context(command.name, args, **settings) as ctx:
         return dict(ctx.params)
 
 
@@ -87,6 +90,45 @@ def test_the_library_takes_the_options(monkeypatch, tmp_path):
     serving.serve("lab", opts, ep)
     assert (seen["udp_checksum"], seen["rejoin_timeout"], seen["secret"]) == (True, 5.0, ep.secret)
     assert seen["limits"] == opts.limits()
+
+
+def test_switchml_callers_are_the_allowed_networks_else_the_interfaces_subnets(
+    monkeypatch, tmp_path
+):
+    """--switchml-allow CIDR[,CIDR] parses to networks (host bits dropped) and is the API's
+    allow list; without it, the IPv4 subnets of the aggregator's interfaces are; with none,
+    serve says to give it. An idle session may be taken over after the job lease."""
+    import ipaddress
+
+    import click
+
+    from xdp_switch.errors import XdpAggError
+
+    monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path))
+    params = _parsed(cli.serve, ["--switchml-grpc", "127.0.0.1", "--switchml-allow", "10.1.2.3/24"])
+    assert params["switchml_allow"] == (ipaddress.ip_network("10.1.2.0/24"),)
+    with pytest.raises(click.BadParameter, match="CIDR"):
+        _parsed(cli.serve, ["--switchml-grpc", "127.0.0.1", "--switchml-allow", "10.1.2.0/33"])
+    with pytest.raises(ValueError, match="--switchml-allow needs --switchml-grpc"):
+        options.ServeOptions(switchml_allow=params["switchml_allow"]).check()
+    base = dict(listen=("127.0.0.1", 1), switchml_grpc=("127.0.0.1", 50099))
+    ep = serving.resolve(
+        "lab", options.ServeOptions(**base, switchml_allow=params["switchml_allow"])
+    )
+    assert ep.switchml.allow == params["switchml_allow"]
+    assert ep.switchml.idle_takeover == options.ServeOptions().job_lease
+    assert any("for callers in 10.1.2.0/24" in n for n in ep.notes)
+    nets = {"p0": ["198.18.0.1/24", "198.18.0.9/24"], "p1": ["198.18.1.1/24"], "p2": []}
+    monkeypatch.setattr(serving, "aggregator_interfaces", lambda name: list(nets))
+    monkeypatch.setattr(serving.links, "addresses", lambda i: {"ipv4_nets": nets[i]})
+    ep = serving.resolve("lab", options.ServeOptions(**base, job_lease=0))
+    assert ep.switchml.allow == tuple(
+        ipaddress.ip_network(n) for n in ("198.18.0.0/24", "198.18.1.0/24")
+    )
+    assert ep.switchml.idle_takeover == options.ServeOptions().barrier_timeout  # no leases
+    nets.update(p0=[], p1=[])
+    with pytest.raises(XdpAggError, match="give --switchml-allow"):
+        serving.resolve("lab", options.ServeOptions(**base))
 
 
 # --- hostlib's options ---------------------------------------------------------------------------

@@ -1,76 +1,29 @@
 """p4app-switchML's controller API (aggctl.switchml_grpc) in front of a soft aggregator, no root:
-p4app's call sequence replayed (tests/switchml_grpc_client.py) for 2 and 4 workers, then each
-worker's two threads send requests built as p4app's BuildPacket builds them from their own
-source ports; every result exact and at the port that sent its request. Sessions replacing
-each other, a worker that never calls UdpSession, the port taken, RdmaSession refused, and the
-.proto file read by protoc into the descriptor aggctl.switchml_proto builds.
+p4app's call sequence replayed (tests/switchml_grpc_client.py) for 1, 2 and 4 workers, each from
+its own address (tests/switchml_grpc_stack.py), then each worker's two threads send requests
+built as p4app's BuildPacket builds them from their own source ports; every result exact and at
+the port that sent its request. Sessions replacing each other, a worker that never calls
+UdpSession, the port taken, RdmaSession refused, and the .proto file read by protoc into the
+descriptor aggctl.switchml_proto builds. What strangers can do: test_switchml_grpc_strangers.py.
 """
 
 from __future__ import annotations
 
-import socket
 from concurrent import futures
 
-import numpy as np
 import pytest
-from harness import p4app_host
-from harness.ranks import loopback_prefix
 
 grpc = pytest.importorskip("grpc")
 
 import switchml_grpc_client as client  # noqa: E402  (needs grpc)
+import switchml_grpc_stack as stack_mod  # noqa: E402
+from switchml_grpc_stack import PER_THREAD, SWITCH_MAC, THREADS, K, Stack  # noqa: E402
 
 from aggctl import switchml_proto as pb  # noqa: E402
-from aggctl.endpoint import stand_up  # noqa: E402
 from aggctl.fields import RequestError  # noqa: E402
-from aggctl.switchml_grpc import AGG_PORT, SwitchmlApi, SwitchmlSettings, start_server  # noqa: E402
-from aggproto.jobs import Delivery  # noqa: E402
-from soft_switch import SoftAggregator  # noqa: E402
+from aggctl.switchml_grpc import AGG_PORT, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
-
-SWITCH_MAC = "02:5e:00:00:00:01"
-K = 64  # elements per packet: p4app's default packet_numel
-PER_THREAD = 4  # max_outstanding_packets / threads
-THREADS = 2
-WORKER_PORT = 4000  # p4app's default backend.dpdk.worker_port
-
-
-class Stack:
-    """A soft aggregator, a control endpoint (switch topology) and the gRPC API before it."""
-
-    def __init__(self, barrier_timeout: float = 30.0) -> None:
-        self.prefix = loopback_prefix()
-        self.agg_ip = f"{self.prefix}.1"
-        self.agg = SoftAggregator(self.agg_ip).start()
-        defaults = {"delivery": Delivery.BROADCAST, "agg_ip": self.agg_ip}
-        self.endpoint, _ = stand_up(self.agg, self.agg_ip, 0, defaults, secret=None)
-        self.endpoint.start()
-        settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout)
-        self.api = SwitchmlApi(
-            self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC)
-        )
-        self.server, port = start_server(self.api, "127.0.0.1", 0)
-        self.target = f"127.0.0.1:{port}"
-
-    def worker(self, rank: int) -> tuple[str, str]:
-        """Worker `rank`'s (IPv4, MAC)."""
-        return f"{self.prefix}.{10 + rank}", f"02:00:00:00:01:{rank:02x}"
-
-    def setup(self, rank: int, world: int) -> client.Switch:
-        ip, mac = self.worker(rank)
-        return client.setup_switch(
-            self.target, rank=rank, world=world, mac=mac, ip=ip, packet_numel=K
-        )
-
-    def setup_all(self, world: int) -> list[client.Switch]:
-        with futures.ThreadPoolExecutor(world) as pool:
-            return list(pool.map(lambda r: self.setup(r, world), range(world)))
-
-    def close(self) -> None:
-        self.server.stop(None)
-        self.endpoint.stop()
-        self.agg.stop()
 
 
 @pytest.fixture
@@ -80,64 +33,7 @@ def stack():
     s.close()
 
 
-def _bound(ip: str, port: int) -> socket.socket:
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    s.bind((ip, port))
-    s.settimeout(10.0)  # bounds a failure only: every datagram expected is counted
-    return s
-
-
-def _exchange(stack: Stack, world: int, switch: client.Switch, seed: int) -> None:
-    """Every worker's two threads send their first PER_THREAD requests (values of
-    client.thread_values) from their own ports; each port must get exactly its thread's
-    results, exact."""
-    socks = {
-        (r, t): _bound(stack.worker(r)[0], WORKER_PORT + t)
-        for r in range(world)
-        for t in range(THREADS)
-    }
-    try:
-        for (r, t), s in socks.items():
-            ip, mac = stack.worker(r)
-            values, exponent = client.thread_values(seed, r, t, PER_THREAD, K)
-            reqs = client.requests(
-                mac=mac,
-                ip=ip,
-                switch=switch,
-                thread=t,
-                worker_port=WORKER_PORT,
-                per_thread=PER_THREAD,
-                values=values,
-                exponent=exponent,
-            )
-            for _, frame in reqs:
-                s.sendto(frame[p4app_host.SML_AT :], (switch.ip, AGG_PORT))
-        got = {key: [_read(s.recv(65536)) for _ in range(PER_THREAD)] for key, s in socks.items()}
-    finally:
-        for s in socks.values():
-            s.close()
-    for (r, t), results in got.items():
-        check_thread(results, seed, world, t, what=f"rank {r} thread {t}")
-
-
-def check_thread(results, seed: int, world: int, t: int, *, what: str) -> None:
-    """A thread's results [(pool index, entries, exponent)]: its own slots, each sum exact."""
-    want_slots = client.thread_slots(t, PER_THREAD)
-    assert sorted(x[0] for x in results) == want_slots, f"{what}: its slots"
-    sums, exponent = client.expected(seed, world, t, PER_THREAD, K)
-    for slot, values, e in results:
-        np.testing.assert_array_equal(values, sums[want_slots.index(slot)], err_msg=what)
-        assert e == exponent, what
-
-
-def _read(payload: bytes) -> tuple[int, np.ndarray, int]:
-    """(pool index, entries, exponent) of a result as p4app's receive path reads it."""
-    got = p4app_host.read_result(bytes(p4app_host.SML_AT) + payload, K)
-    pool_index = int.from_bytes(payload[6:8], "big")
-    return pool_index, got.entries, got.exponent
-
-
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [1, 2, 4])
 def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
     switches = stack.setup_all(world)
     assert len({s.session_id for s in switches}) == 1
@@ -147,7 +43,7 @@ def test_replay_p4app_setup_then_two_threads_per_worker(stack, world):
     assert sorted((w["index"], w["ip"]) for w in job["workers"]) == [
         (r, stack.worker(r)[0]) for r in range(world)
     ]
-    _exchange(stack, world, switches[0], seed=world)
+    stack_mod.exchange(stack, world, switches[0], seed=world)
     assert stack.agg.counters(job["job_id"])["completed"] == THREADS * PER_THREAD
     assert stack.api.events == {
         "sessions_opened": 1,
@@ -163,8 +59,8 @@ def test_a_second_session_replaces_the_first(stack):
     (job,) = stack.agg.jobs()  # the first session's job is gone
     assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == [stack.api.session_key]
     assert stack.api.session_key == f"switchml-{second.session_id:#x}"
-    _exchange(stack, 2, second, seed=7)
-    assert stack.api.events["sessions_replaced"] == 1
+    stack_mod.exchange(stack, 2, second, seed=7)
+    assert stack.api.ended == {"replaced": 1}  # rank 0 called from a host of the first
     assert stack.api.events["sessions_opened"] == 2
 
 
@@ -208,21 +104,32 @@ def _both_fail(stack: Stack, rank1) -> tuple:
     return err0.value, err1.value
 
 
-def test_ranks_that_pass_the_barriers_without_udp_session_fail_the_last_one(stack):
-    def rank1_without_session():
-        with grpc.insecure_channel(stack.target) as ch:
-            client._call(ch, "Sync", "Broadcast")(
-                pb.BroadcastRequest(value=0, rank=1, num_workers=2, root=0), timeout=30
-            )
-            barrier = client._call(ch, "Sync", "Barrier")
-            barrier(pb.BarrierRequest(num_workers=2), timeout=30)
-            barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+def test_a_rank_past_the_first_barrier_without_udp_session_is_refused_at_its_second():
+    """Rank 1 calls Broadcast, Barrier, Barrier and no UdpSession: its second Barrier is refused
+    at once; rank 0 waits in the last barrier until the timeout (5 s), which ends the job. (A
+    stranger can make the same calls: they must not end a session, so they fail only the
+    caller.)"""
+    stack = Stack(barrier_timeout=5.0)
+    try:
 
-    for e in _both_fail(stack, rank1_without_session):
-        assert e.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "rank(s) [1] passed the barriers without calling UdpSession" in e.details()
-    assert stack.agg.jobs() == []
-    assert stack.api.events["sessions_ended"] == 1
+        def rank1_without_session():
+            with client.channel(stack.target, stack.worker(1)[0]) as ch:
+                client.call(ch, "Sync", "Broadcast")(
+                    pb.BroadcastRequest(value=0, rank=1, num_workers=2, root=0), timeout=30
+                )
+                barrier = client.call(ch, "Sync", "Barrier")
+                barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+                barrier(pb.BarrierRequest(num_workers=2), timeout=30)
+
+        err0, err1 = _both_fail(stack, rank1_without_session)
+        assert err1.code() == grpc.StatusCode.FAILED_PRECONDITION
+        assert "first barrier and has not called UdpSession" in err1.details()
+        assert err0.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        assert "rank(s) [1] have not called UdpSession, its job is ended" in err0.details()
+        assert stack.agg.jobs() == []
+        assert stack.api.ended == {"failed": 1}
+    finally:
+        stack.close()
 
 
 def test_refused_when_the_aggregator_port_is_taken(stack):
@@ -234,16 +141,18 @@ def test_refused_when_the_aggregator_port_is_taken(stack):
     assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == ["other"]
 
 
-def test_registry_refuses_slots_in_use(stack):
+def test_registry_refuses_slots_in_use_naming_each_range_once(stack):
+    """F7: the refusal listed each used range twice (the registry's job and the backend's)."""
     stack.endpoint.registry.open_job(-1, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
-    with pytest.raises(RequestError, match=r"slots 4..11 are not free"):
+    with pytest.raises(RequestError, match=r"slots 4..11 are not free") as err:
         stack.endpoint.registry.open_job(-1, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
+    assert "(used: [(0, 8)])" in str(err.value)
 
 
 def test_rdma_session_is_unimplemented(stack):
-    with grpc.insecure_channel(stack.target) as ch:
+    with client.channel(stack.target, stack.worker(0)[0]) as ch:
         with pytest.raises(grpc.RpcError) as err:
-            client._call(ch, "Session", "RdmaSession")(pb.RdmaSessionRequest(rank=0), timeout=30)
+            client.call(ch, "Session", "RdmaSession")(pb.RdmaSessionRequest(rank=0), timeout=30)
     assert err.value.code() == grpc.StatusCode.UNIMPLEMENTED
     assert "RdmaSession is not supported" in err.value.details()
 
@@ -315,7 +224,7 @@ def _other_size_refused(stack: Stack) -> None:
     def rank1_other_size():
         ip, mac = stack.worker(1)
         return client.setup_switch(
-            stack.target, rank=1, world=2, mac=mac, ip=ip, packet_numel=256, timeout=30
+            stack.target, rank=1, world=2, mac=mac, ip=ip, packet_numel=256, timeout=30, source=ip
         )
 
     err0, err1 = _both_fail(stack, rank1_other_size)
