@@ -6,6 +6,7 @@
 #   sudo make bench-training   DDP training (examples/train.py) through xdp-agg and gloo
 #   sudo make soak     two jobs x 4 workers, 1% loss, SOAK_MINUTES (30): exact, flat, no leak
 #   make docs          the API reference of hostlib and hostlib.pt (Sphinx, -W) in build/docs
+#   make bundle        an offline install bundle in build/bundle (docs/install-offline.md)
 #
 # Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
 # bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
@@ -28,10 +29,10 @@ PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
 .PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
-	soak codegen cli-doc docs clean help
+	soak codegen cli-doc docs bundle clean help
 
 help:
-	@sed -n '1,15p' Makefile
+	@sed -n '1,16p' Makefile
 
 setup: deps headers bpffs venv
 
@@ -113,6 +114,15 @@ bench-training: setup
 # every result checked, RSS/fds/map memory sampled; report in bench/results/soak/.
 soak: setup
 	$(PY) -m bench.soak --minutes $(SOAK_MINUTES) --report bench/results/soak
+
+# The offline install bundle (docs/install-offline.md): Debian 12's debs (apt-get download) and the
+# wheels for Python 3.11 and 3.12 (pip download), the project's sdist and its wheel for every
+# target Python found here (BUNDLE_PYTHONS, default: this venv's and any python3.12 on PATH),
+# and tools/bundle/install.py, in build/bundle/xdp-agg-bundle-<version>.tar. Needs the network.
+BUNDLE_PYTHONS ?=
+bundle: venv
+	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq; fi
+	$(PY) tools/bundle/build.py $(foreach p,$(BUNDLE_PYTHONS),--python $(p))
 
 codegen: venv
 	$(PY) -m aggcodegen
