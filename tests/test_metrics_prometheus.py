@@ -20,10 +20,12 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
+from harness.workers import finish_soak_workers, start_soak_workers
 
 from aggcluster.cluster import Cluster
 from bench.cpustat import BpfStats
@@ -81,33 +83,11 @@ def _config(tmp_path: Path, target: str) -> Path:
     return cfg
 
 
-def _start_workers(tb, cl, stop: Path):
-    return [
-        (
-            rank,
-            tb.popen(
-                tb.workers[rank],
-                [
-                    *(sys.executable, "-m", "bench.soak_worker", "--rank", str(rank)),
-                    *("--world", "2", "--control", cl.control_address(tb.workers[rank])),
-                    *("--job", "scraped", "--elems", "64", "--stop-file", str(stop)),
-                    *("--stop-at", str(time.time() + 600), "--max-bytes", str(1 << 20)),
-                ],
-                env=cl.worker_env(),
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            ),
-        )
-        for rank in range(2)
-    ]
-
-
 class Prom:
     """Queries to the Prometheus in the aggregator's namespace."""
 
-    def __init__(self, tb, url: str) -> None:
-        self.tb, self.url = tb, url
+    def __init__(self, tb, url: str, log) -> None:
+        self.tb, self.url, self.log = tb, url, log  # log: prometheus's stderr, a file
 
     def query(self, expr: str) -> dict:
         """The API's answer to an instant query (JSON)."""
@@ -128,7 +108,9 @@ class Prom:
 
     def ready(self, proc) -> None:
         for _ in range(POLLS):
-            assert proc.poll() is None, f"prometheus exited: {proc.stderr.read()}"
+            if proc.poll() is not None:
+                self.log.seek(0)
+                raise AssertionError(f"prometheus exited: {self.log.read().decode()[-2000:]}")
             r = self.tb.run(
                 self.tb.aggregator, [sys.executable, "-c", FETCH, self.url + "/-/ready"]
             )
@@ -148,7 +130,11 @@ def test_prometheus_scrapes_serve_during_allreduces(testbed_factory, tmp_path):
     agg, w0 = tb.aggregator, tb.workers[0]
     metrics_at = f"{agg.ips[0]}:{METRICS_PORT}"
     stop = tmp_path / "stop"
-    with BpfStats() as bpf_stats, Cluster(tb, serve_args=("--metrics", metrics_at)) as cl:
+    with (
+        BpfStats() as bpf_stats,
+        Cluster(tb, serve_args=("--metrics", metrics_at)) as cl,
+        tempfile.TemporaryFile() as prom_log,
+    ):
         assert f"Prometheus metrics at http://{metrics_at}/metrics" in cl.serve_line
         prom = tb.popen(
             agg,
@@ -159,19 +145,21 @@ def test_prometheus_scrapes_serve_during_allreduces(testbed_factory, tmp_path):
                 f"--web.listen-address={agg.ips[0]}:{PROM_PORT}",
             ],
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=prom_log,  # a file: its log would fill a pipe nobody reads
             text=True,
         )
-        procs = _start_workers(tb, cl, stop)
+        ranks = start_soak_workers(
+            tb, cl, world=2, job="scraped", stop=stop, args=("--elems", "64", "--max-bytes",
+                                                             str(1 << 20)))  # fmt: skip
         try:
-            api = Prom(tb, f"http://{agg.ips[0]}:{PROM_PORT}")
+            api = Prom(tb, f"http://{agg.ips[0]}:{PROM_PORT}", prom_log)
             api.ready(prom)
             found = _query_while_running(tb, cl, api, w0, promtool, bpf_stats.enabled)
         finally:
             stop.touch()
             prom.terminate()
             prom.wait(timeout=60)
-        reports = cl.collect(procs, deadline=300)
+        reports = finish_soak_workers(ranks, deadline=300)
     for rank, reps in enumerate(reports):
         assert reps[-1].get("done") and reps[-1]["wrong"] == 0, f"rank {rank}: {reps[-1]}"
     print(json.dumps(found, indent=1))  # the PromQL answers, for the record (pytest -s)

@@ -27,6 +27,7 @@ import time
 
 import pytest
 from harness import junk
+from harness.workers import finish_soak_workers, start_soak_workers
 
 from aggcluster.cluster import Cluster
 from aggproto.model import Action, ReferenceAggregator
@@ -71,38 +72,9 @@ def test_junk_from_an_intruder_and_a_worker_changes_no_sum_and_is_counted(
     with Cluster(tb) as cl:
         # workers that all-reduce (mixed sizes up to 4 MiB, int32 and float32, every result
         # checked) until told to stop, so the job outlives the junk and its counting
-        procs = [
-            (
-                rank,
-                tb.popen(
-                    tb.workers[rank],
-                    [
-                        sys.executable,
-                        "-m",
-                        "bench.soak_worker",
-                        "--rank",
-                        str(rank),
-                        "--world",
-                        "3",
-                        "--control",
-                        cl.control_address(tb.workers[rank]),
-                        "--job",
-                        "junked",
-                        "--stop-at",
-                        str(time.time() + 600),
-                        "--stop-file",
-                        str(stop),
-                        "--max-bytes",
-                        str(4 << 20),
-                    ],
-                    env=cl.worker_env(),
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.PIPE,
-                    text=True,
-                ),
-            )
-            for rank in range(3)
-        ]
+        ranks = start_soak_workers(
+            tb, cl, world=3, job="junked", stop=stop, args=("--max-bytes", str(4 << 20))
+        )
         try:
             job = _wait_for_job(cl, 3)
             jid = job["job_id"]
@@ -165,7 +137,7 @@ def test_junk_from_an_intruder_and_a_worker_changes_no_sum_and_is_counted(
             after = counters.snapshot(layout, cl.stats)
         finally:
             stop.touch()
-        reports = cl.collect(procs, deadline=300)
+        reports = finish_soak_workers(ranks, deadline=300)
 
     # Every all-reduce exact (each rank checks its own), the same number on every rank, and
     # some of them ran while the junk arrived.
