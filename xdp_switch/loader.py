@@ -210,6 +210,8 @@ def _load_own(b, name: str, attach_type: int, frags: bool, as_name: str | None =
     flags = bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0
     try:
         return subprogs.load(b, name, what, flags, attach_type)
+    except subprogs.LinkError as e:  # a callback the program names but the compile lacks
+        raise LoadError(f"could not link {what}: {e}") from e
     except bpfsys.ProgLoadError as e:
         tail = "\n".join(e.log.strip().splitlines()[-25:])
         kind = " (frags)" if frags else ""
