@@ -30,6 +30,7 @@ class Delivery(IntEnum):
 
     GROUP_TX = 0  # one-arm: the result once to the job's group address
     BROADCAST = 1  # switch: one copy per port, each addressed to that port's worker
+    UNICAST = 2  # one-arm: one copy per worker, to its own MAC and address (no group to join)
 
 
 @dataclass

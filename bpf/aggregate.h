@@ -466,6 +466,22 @@ static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, cons
 	return sum == 0xffff;
 }
 
+/* A result, addressed to the job's group, on its way to the job's workers: once with XDP_TX
+ * (group delivery), or (unicast delivery) broadcast through the job's devmap of n entries, where
+ * xdp_agg_copy addresses copy k to worker k. */
+static __always_inline int deliver(struct xdp_md *ctx, struct agg_job *job, u32 jid)
+{
+	void *copies;
+
+	if (job->delivery != AGG_DELIVERY_UNICAST)
+		return AGG_TX(ctx);
+	copies = bpf_map_lookup_elem(job_copies, &jid);
+	if (!copies)
+		return XDP_ABORTED; /* the control plane makes the devmap before the job is active */
+	/* verifier: an inner map of job_copies is a devmap, which redirect_map takes */
+	return bpf_redirect_map(copies, 0, BPF_F_BROADCAST);
+}
+
 /* Tree jobs: the parent's result for our slot g, version vi (docs/protocol.md section 3.7). */
 static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 				       struct agg_worker *w, struct agg_slot *st, u32 g, u32 vi,
@@ -509,7 +525,7 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_PARENT_RESULT);
 	address_down(pk, job, g, vi);
-	return AGG_TX(ctx);
+	return deliver(ctx, job, w->job);
 }
 
 /* The payload of a packet of K elements, where the element loops read it: in the packet (direct
@@ -616,7 +632,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
 	}
 	address_to_group(pk, job);
-	return AGG_TX(ctx);
+	return deliver(ctx, job, w->job);
 }
 
 #endif

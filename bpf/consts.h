@@ -21,6 +21,12 @@
 #ifndef AGG_PARTIALS_FD
 #error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
 #endif
+#ifndef AGG_JOB_COPIES_FD
+#error "AGG_JOB_COPIES_FD: fd of the map of unicast jobs' devmaps, created by the loader"
+#endif
+#if defined(AGG_CPUMAP) && !defined(AGG_TX_SELF_FD)
+#error "AGG_TX_SELF_FD: fd of the cpumap build's devmap back out (slot_cpus.h), by the loader"
+#endif
 
 /* Packet sizes up to this many int32 are read and written in place (direct packet access: a frame
  * of 768 is 3124 bytes, inside the first buffer of every driver here, and veth and the test run

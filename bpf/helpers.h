@@ -172,4 +172,21 @@ static __always_inline void address_to_worker(struct agg_pkt *pk, struct agg_por
 	ipv4_csum(pk->ip); /* the ingress program set the result's other fields */
 }
 
+/* Address a unicast copy of a result (one-arm, unicast delivery) to one worker: its MAC (or
+ * its next hop's) and its IPv4 address. The ingress program addressed the result as for the
+ * job's group: our MAC and address, both UDP ports, the result fields. */
+static __always_inline void address_copy(struct agg_pkt *pk, struct agg_port_worker *to)
+{
+	__builtin_memcpy(pk->eth->h_dest, to->mac, ETH_ALEN);
+	pk->ip->daddr = to->ip;
+	ipv4_csum(pk->ip);
+}
+
+/* What tells one result from the next in a run of copies: its pool index (slot and version),
+ * job_number and tsi, which the result echoes from the request that completed it. */
+static __always_inline u64 copy_identity(struct agg_pkt *pk)
+{
+	return ((u64)pk->sml->pool_index << 48) | ((u64)pk->sml->job_number << 32) | pk->sml->tsi;
+}
+
 #endif

@@ -14,7 +14,27 @@ BPF_PERCPU_ARRAY(stats, u64, AGG_STATS_ROWS);                                   
 BPF_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       /* job*workers+index -> counters */
 BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, tx_ports, AGG_MAX_PORTS); /* switch mode: ports to broadcast to */
 BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
+BPF_ARRAY(copy_dests, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_WORKERS); /* unicast: job*workers+k -> where copy k goes */
 /* clang-format on */
+
+/* Unicast delivery (one-arm, docs/protocol.md 3.5): job -> a devmap of the job's n copies, every
+ * entry the aggregator's interface with xdp_agg_copy as its egress program. A broadcast reaches
+ * every entry of a devmap, so each job has a devmap of its own; bcc cannot declare a map of
+ * devmaps, so the loader creates it and passes its fd, as for `partials` below. */
+#define job_copies ((void *)bpf_pseudo_fd(1, AGG_JOB_COPIES_FD))
+
+/* Which copy of a unicast result xdp_agg_copy addresses next, on this CPU. The kernel gives a
+ * devmap egress program no entry index, but a broadcast enqueues a frame's copies one after
+ * another, in entry order, on the CPU that broadcast it, and the egress program runs over them
+ * in that order (kernel 6.18 kernel/bpf/devmap.c dev_map_enqueue_multi, bq_enqueue,
+ * bq_xmit_all): copy k of a result is the k-th frame with its identity in a row. A clone that
+ * fails ends the broadcast, so the copies that leave are always the first ones. */
+struct agg_copy_cursor {
+	u64 result; /* the identity of the result being copied (copy_identity) */
+	u32 job;    /* its job */
+	u32 k;	    /* the copy addressed last */
+};
+BPF_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's copy in progress */
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
  * headers, the partials created by the loader) into the program's BTF, where

@@ -69,4 +69,31 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 	return AGG_PARSE_OK;
 }
 
+/* A result on its way out, as a devmap egress program sees it: IPv4 without options, not a
+ * fragment, UDP from 0xBEE0..0xBEEF (addressed by the ingress program: to a worker's port,
+ * which may be any), both our headers present. Fills pk as parse() does. */
+static __always_inline bool parse_result(struct xdp_md *ctx, struct agg_pkt *pk)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+	struct udphdr *udp = (void *)(ip + 1);
+
+	if ((void *)(udp + 1) > data_end || eth->h_proto != bpf_htons(ETH_P_IP))
+		return false;
+	if (ip->version != 4 || ip->ihl != 5 || ip->protocol != IPPROTO_UDP ||
+	    (ip->frag_off & bpf_htons(AGG_IP_MF | AGG_IP_OFFSET_MASK)))
+		return false;
+	if ((udp->source & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
+		return false;
+	pk->eth = eth;
+	pk->ip = ip;
+	pk->udp = udp;
+	pk->sml = (void *)(udp + 1);
+	pk->exp = (void *)(pk->sml + 1);
+	pk->data_end = data_end;
+	return (void *)(pk->exp + 1) <= data_end;
+}
+
 #endif

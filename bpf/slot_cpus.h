@@ -12,7 +12,7 @@
  *    completing packet finds all n in its own partial and gathers nothing.
  * A cpumap program cannot XDP_TX (kernel/bpf/cpumap.c, cpu_map_bpf_prog_run_xdp: PASS, DROP and
  * REDIRECT only), so what aggregate.h sends back out of the interface it came in on leaves by
- * bpf_redirect to that interface (AGG_TX); the switch topology's devmap broadcast is a redirect
+ * a redirect to that interface (AGG_TX); the switch topology's devmap broadcast is a redirect
  * already. Correctness does not rest on the steering: a slot whose packets still reach two CPUs
  * (its table entry changed mid-round, a tree job's parent results, which carry the parent's slot
  * numbers) is merged as before. */
@@ -26,8 +26,17 @@ BPF_ARRAY(slot_cpu, u32, AGG_CPUMAP_SLOTS);                                     
 BPF_XDP_REDIRECT_MAP("cpumap", struct bpf_cpumap_val, cpu_map, AGG_NR_CPUS);     /* CPU -> queue, program */
 /* clang-format on */
 
-/* A frame sent back out of the interface it came in on. */
-#define AGG_TX(ctx) bpf_redirect((ctx)->ingress_ifindex, 0)
+/* ifindex -> the interface, with the attachment's devmap egress program (xdp_agg_copy one-arm,
+ * xdp_agg_egress in the switch topology): created by the loader, filled by attach. */
+#define tx_self ((void *)bpf_pseudo_fd(1, AGG_TX_SELF_FD))
+
+/* A frame sent back out of the interface it came in on, through tx_self, so that it carries the
+ * same egress program as the broadcasts out of that interface: a CPU's redirected frames to one
+ * device wait in one bulk queue, which runs the program of its first frame on all of them
+ * (kernel 6.18 kernel/bpf/devmap.c bq_enqueue), so a frame without one (bpf_redirect) ahead of
+ * a broadcast's copies would send them unaddressed. The egress programs pass what is not theirs
+ * to address unchanged. A missing entry: the low bits of the flags, XDP_ABORTED. */
+#define AGG_TX(ctx) bpf_redirect_map(tx_self, (ctx)->ingress_ifindex, XDP_ABORTED)
 
 int xdp_agg_steer(struct xdp_md *ctx)
 {

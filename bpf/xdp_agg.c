@@ -4,7 +4,9 @@
  * of a packet from its (source address, destination port), sums its int32 payload into the slot,
  * and sends the finished sum to every worker; anything that is not IPv4 UDP to ports
  * 0xBEE0-0xBEEF passes untouched. xdp_agg_egress is the devmap egress program of switch mode: it
- * addresses each broadcast copy of a result to the job's worker behind that port.
+ * addresses each broadcast copy of a result to the job's worker behind that port. xdp_agg_copy is
+ * the devmap egress program of unicast delivery (one-arm): it addresses copy k of a result to
+ * the job's worker k.
  * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. With
  * -DAGG_FRAGS the loader loads both programs as multi-buffer (frags) programs, which see frames
  * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
@@ -124,7 +126,7 @@ int xdp_agg_egress(struct xdp_md *ctx)
 	u32 g, *owner;
 
 	if (parse(ctx, &pk) != AGG_PARSE_OK)
-		return XDP_DROP; /* only our results are broadcast to the devmap */
+		return XDP_PASS; /* not a result: another frame sent out of this port (slot_cpus.h) */
 	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
 	owner = slot_owner.lookup(&g);
 	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)
@@ -136,7 +138,52 @@ int xdp_agg_egress(struct xdp_md *ctx)
 		count(pkey.job, AGG_EGRESS_NO_WORKER); /* a port without a worker of this job */
 		return XDP_DROP;
 	}
+	if (pk.ip->saddr == pw->agg_ip)
+		return XDP_PASS; /* from us: an answer to its sender, addressed (slot_cpus.h AGG_TX) */
 	address_to_worker(&pk, pw);
 	count(pkey.job, AGG_EGRESS_SENT);
+	return XDP_PASS; /* in a devmap program, PASS transmits */
+}
+
+int xdp_agg_copy(struct xdp_md *ctx)
+{
+	struct agg_copy_cursor *cur;
+	struct agg_port_worker *to;
+	struct agg_job *job;
+	struct agg_pkt pk;
+	u32 zero = 0, g, jid, key, *owner;
+	u64 id;
+
+	if (!parse_result(ctx, &pk))
+		return XDP_PASS; /* not a result: another frame sent out of this port (slot_cpus.h) */
+	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
+	owner = slot_owner.lookup(&g);
+	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)
+		return XDP_PASS;
+	jid = *owner - 1;
+	job = jobs.lookup(&jid);
+	cur = copy_cursor.lookup(&zero);
+	if (!job || !cur)
+		return XDP_ABORTED;
+	if (job->delivery != AGG_DELIVERY_UNICAST || pk.ip->daddr != job->group_ip)
+		return XDP_PASS; /* addressed already: an answer, a group's result (slot_cpus.h) */
+	id = copy_identity(&pk);
+	if (cur->result != id || cur->job != jid) { /* the first copy of another result */
+		cur->result = id;
+		cur->job = jid;
+		cur->k = 0;
+	} else if (++cur->k >= job->num_workers) {
+		cur->k = 0; /* the same result broadcast once more: its first copy again */
+	}
+	if (cur->k >= AGG_MAX_WORKERS)
+		return XDP_ABORTED; /* verifier: bounds the key below; num_workers <= AGG_MAX_WORKERS */
+	key = AGG_WORKER_KEY(jid, cur->k);
+	to = copy_dests.lookup(&key);
+	if (!to || !to->ip) {
+		count(jid, AGG_EGRESS_NO_WORKER); /* worker k has not registered (yet) */
+		return XDP_DROP;
+	}
+	address_copy(&pk, to);
+	count(jid, AGG_EGRESS_SENT);
 	return XDP_PASS; /* in a devmap program, PASS transmits */
 }

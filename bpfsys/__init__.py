@@ -25,6 +25,9 @@ OBJ_GET_INFO_BY_FD = 15
 
 # map types
 MAP_TYPE_PERCPU_ARRAY = 6
+MAP_TYPE_ARRAY_OF_MAPS = 12
+MAP_TYPE_DEVMAP = 14
+MAP_TYPE_DEVMAP_HASH = 25
 # program types
 PROG_TYPE_XDP = 6
 # program load flags
@@ -210,9 +213,18 @@ def kernel_max_cpus() -> int:
         return int(f.read()) + 1
 
 
-def map_create(map_type: int, key_size: int, value_size: int, max_entries: int, name: str) -> int:
-    """Create a map; returns its fd."""
-    a = _MapCreate(map_type, key_size, value_size, max_entries, 0, 0, 0, name.encode()[:15])
+def map_create(
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    name: str,
+    inner_map_fd: int = 0,
+) -> int:
+    """Create a map; returns its fd. `inner_map_fd`: for a map of maps, a map like its values."""
+    a = _MapCreate(
+        map_type, key_size, value_size, max_entries, 0, inner_map_fd, 0, name.encode()[:15]
+    )
     return _bpf(MAP_CREATE, a)
 
 

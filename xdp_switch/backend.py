@@ -22,7 +22,7 @@ import time
 import bpfsys
 from aggcodegen import abi
 from aggproto import limits, wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from aggproto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
@@ -34,8 +34,9 @@ from .pins import TOPOLOGIES, XDP_MODES
 # The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
 # interfaces ("ingress"), or with --slot-cpus cpumap the steering program there ("steer") and the
 # aggregator on the cpumap's CPUs ("cpumap"); and the egress program that addresses a
-# switch-topology result to the worker behind each port.
-PROGRAMS = ("ingress", "steer", "cpumap", "egress")
+# switch-topology result to the worker behind each port ("egress"), and the one that addresses
+# each copy of a unicast result to its worker ("copy").
+PROGRAMS = ("ingress", "steer", "cpumap", "egress", "copy")
 
 # How a job's results leave in each topology (JobSpec.delivery).
 DELIVERY = {"one-arm": Delivery.GROUP_TX, "switch": Delivery.BROADCAST}
@@ -126,9 +127,12 @@ def attach(
         on_links = pinned["steer" if slot_cpus == "cpumap" else "ingress"]
         ingress_id = bpfsys.prog_info(on_links).id
         egress_id = bpfsys.prog_info(prog.progs[loader.PROG_EGRESS]).id
+        egress = prog.progs[loader.PROG_EGRESS if topology == "switch" else loader.PROG_COPY]
         for i, info in enumerate(infos):
             if topology == "switch":
-                maps.set_port(i, info["ifindex"], prog.progs[loader.PROG_EGRESS])
+                maps.set_port(i, info["ifindex"], egress)
+            if slot_cpus == "cpumap":
+                cpu_table.send_back(prog.maps, info["ifindex"], egress)
             links.attach_xdp(info["ifname"], on_links, xdp_mode)
             done.append(
                 {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
@@ -186,7 +190,11 @@ def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
         }
     else:
         on_links = {"ingress": prog.progs[loader.PROG_INGRESS]}
-    return {**on_links, "egress": prog.progs[loader.PROG_EGRESS]}
+    return {
+        **on_links,
+        "egress": prog.progs[loader.PROG_EGRESS],
+        "copy": prog.progs[loader.PROG_COPY],
+    }
 
 
 def _describe_attachment(inst: pins.Instance) -> str:
@@ -327,6 +335,24 @@ def _route_to(ip: str) -> _Route:
         gateway=route.get_attr("RTA_GATEWAY"),
         port_mac=link.get_attr("IFLA_ADDRESS"),
     )
+
+
+def _copy_mac(worker: WorkerSpec, route: _Route) -> str:
+    """Where a unicast copy for `worker` goes first: its own MAC on the link (the one it
+    registered, else the neighbour table's), or its gateway's. Refused when neither is known."""
+    if route.error is not None:
+        raise Refused(f"no route to worker {worker.ip}: {route.error}")
+    if route.on_link and any(mac_bytes(worker.mac)):
+        return worker.mac
+    hop = worker.ip if route.on_link else route.gateway
+    mac = links.neighbour_mac(hop, route.oif)
+    if mac is None:
+        raise Refused(
+            f"worker {worker.index} of job {worker.job_id}: unicast results need the MAC of "
+            f"{hop}, which the neighbour table does not have: register the worker's MAC, or "
+            f"reach {hop} once (`ping -c1 {hop}`) so that the kernel resolves it"
+        )
+    return mac
 
 
 def job_dict(job_id: int, job: abi.Job, maps: AggMaps, registered=None) -> dict:
@@ -532,22 +558,29 @@ class XdpBackend:
                 f"page, which aggregator {self.name!r} cannot see: attach it with --frags "
                 "(an XDP multi-buffer program)"
             )
-        if spec.elems in jumbo and self.state.topology == "switch":
+        if spec.elems in jumbo and spec.delivery != Delivery.GROUP_TX:
             # measured on 6.18 veth: no devmap broadcast of a multi-buffer result reached a port
             # (every packet of a 2048-element job needed a retransmission, answered by XDP_TX);
             # redirecting multi-buffer frames was refused outright when frags came in (kernel
             # 5.18, net/core/filter.c xdp_do_redirect: "not fully supported yet")
             raise Refused(
-                f"job {spec.job_id}: {spec.elems} elements per packet need the one-arm topology: "
-                "a switch-topology aggregator broadcasts results through a devmap, which does "
-                "not carry multi-buffer frames"
+                f"job {spec.job_id}: {spec.elems} elements per packet need group delivery in "
+                f"the one-arm topology: {spec.delivery.name.lower()} delivery broadcasts results "
+                "through a devmap, which does not carry multi-buffer frames"
             )
+        copies = None
+        if spec.delivery == Delivery.UNICAST:
+            ifindex = self.state.interfaces[0]["ifindex"]  # one-arm: the one interface
+            copies = (ifindex, pins.Instance(self.name).open_prog("copy"))
         try:
-            self.maps.create_job(spec)
+            self.maps.create_job(spec, copies)
         except Refused:
             raise
         except ValueError as e:  # the contract's checks, or an address that does not parse
             raise Refused(f"job {spec.job_id}: {e}") from e
+        finally:
+            if copies is not None:
+                os.close(copies[1])
         if self.state.options.get("slot_cpus") == "cpumap":
             cpu_table.assign_job(
                 self.maps.fds, spec.slot_base, spec.slot_count, self.state.options["cpus"]
@@ -563,11 +596,17 @@ class XdpBackend:
         route = _route_to(worker.ip)
         if self.state.topology == "switch":
             ifindex, agg_ip, agg_mac = self._port_of(worker, route)
+        job = self.maps.get_job(worker.job_id)
+        copy_mac = None
+        if job is not None and job.delivery == Delivery.UNICAST:
+            copy_mac = _copy_mac(worker, route)
         if not route.on_link:
             # behind a router its frames carry the router's MAC: match its address and port only
             worker = dataclasses.replace(worker, mac="00:00:00:00:00:00")
         try:
-            self.maps.add_worker(worker, ifindex=ifindex or 0, agg_ip=agg_ip, agg_mac=agg_mac)
+            self.maps.add_worker(
+                worker, ifindex=ifindex or 0, agg_ip=agg_ip, agg_mac=agg_mac, copy_mac=copy_mac
+            )
         except Refused:
             raise
         except ValueError as e:

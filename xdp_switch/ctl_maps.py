@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import ipaddress
+import os
 import socket
 import time
 
@@ -17,6 +18,8 @@ from aggctl.backend import check_job, check_worker
 from aggproto import keys, limits, wire
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from aggproto.reasons import Reason
+
+from . import loader
 
 
 def ip_be(addr: str) -> int:
@@ -65,15 +68,18 @@ class AggMaps:
             return None
         return job
 
-    def create_job(self, spec: JobSpec) -> None:
+    def create_job(self, spec: JobSpec, copies: tuple[int, int] | None = None) -> None:
         """Write a job and clear its slots; refuses specs the program cannot serve (the checks
-        every backend makes, aggctl.backend.check_job; re-creating a job replaces it)."""
+        every backend makes, aggctl.backend.check_job; re-creating a job replaces it). A job of
+        unicast delivery needs `copies`: (the interface's ifindex, the copy program's fd)."""
         check_job(
             spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots
         )
-        if spec.has_parent and spec.delivery != Delivery.GROUP_TX:
-            # up, down and answers all leave with XDP_TX through the one interface
-            raise ValueError("a job with a parent needs the one-arm topology (group delivery)")
+        if spec.has_parent and spec.delivery == Delivery.BROADCAST:
+            # up and answers leave with XDP_TX through the one interface
+            raise ValueError("a job with a parent needs the one-arm topology")
+        if spec.delivery == Delivery.UNICAST and copies is None:
+            raise ValueError("a job of unicast delivery needs its interface and copy program")
         end = spec.slot_base + spec.slot_count
         if self.get_job(spec.job_id) is not None:
             self.delete_job(spec.job_id)
@@ -109,6 +115,9 @@ class AggMaps:
             job.down_port = port_be(spec.worker_port)
             job.parent_slot_base = spec.parent_slot_base
         self._clear_counters(spec.job_id)
+        if spec.delivery == Delivery.UNICAST:
+            assert copies is not None
+            self._set_copies(spec.job_id, spec.num_workers, *copies)
         if spec.has_parent:
             # The parent's results are recognised like a worker's packets, by (its address, the
             # port they come to): the job's worker PARENT_INDEX.
@@ -134,6 +143,7 @@ class AggMaps:
         for key in bpfsys.map_keys(self.fds["port_workers"], abi.PortKey):
             if key.job == job_id:
                 bpfsys.map_delete(self.fds["port_workers"], key)
+        self._clear_copies(job_id)
         if job is not None:
             for g in range(job.slot_base, job.slot_base + job.slot_count):
                 bpfsys.map_update(self.fds["slot_owner"], ct.c_uint32(g), ct.c_uint32(0))
@@ -162,9 +172,16 @@ class AggMaps:
         }
 
     def add_worker(
-        self, w: WorkerSpec, ifindex: int = 0, agg_ip: str | None = None, agg_mac: str | None = None
+        self,
+        w: WorkerSpec,
+        ifindex: int = 0,
+        agg_ip: str | None = None,
+        agg_mac: str | None = None,
+        copy_mac: str | None = None,
     ) -> None:
-        """Register a worker; with ifindex (the switch topology) also how to address it there."""
+        """Register a worker; with ifindex (the switch topology) also how to address it there;
+        with copy_mac (a job of unicast delivery) where its copy of each result goes: that MAC
+        (its own, or its next hop's) and its address."""
         owners = {
             (ip_str(k.addr), port_ntoh(k.port)): (o.job, o.index)
             for k, o in self.workers()
@@ -190,6 +207,10 @@ class AggMaps:
             bpfsys.map_update(
                 self.fds["port_workers"], abi.PortKey(ifindex=ifindex, job=w.job_id), pw
             )
+        if copy_mac:
+            dest = abi.PortWorker(ip=ip_be(w.ip), port=port_be(w.port), index=w.index)
+            dest.mac[:] = mac_bytes(copy_mac)
+            bpfsys.map_update(self.fds["copy_dests"], self._copy_key(w.job_id, w.index), dest)
 
     def remove_worker(self, job_id: int, index: int) -> bool:
         found = False
@@ -205,6 +226,10 @@ class AggMaps:
                 and pw.index == index
             ):
                 bpfsys.map_delete(self.fds["port_workers"], key)
+        if 0 <= index < limits.MAX_WORKERS:
+            bpfsys.map_update(
+                self.fds["copy_dests"], self._copy_key(job_id, index), abi.PortWorker()
+            )
         return found
 
     def workers(self) -> list[tuple[abi.WorkerKey, abi.Worker]]:
@@ -220,6 +245,38 @@ class AggMaps:
         """Put an interface in the broadcast devmap, with the egress program on its entry."""
         val = (ct.c_uint32 * 2)(ifindex, egress_prog_fd)  # struct bpf_devmap_val {ifindex, prog fd}
         bpfsys.map_update(self.fds["tx_ports"], ct.c_uint32(index), val)
+
+    # --- unicast delivery -------------------------------------------------------------------
+    @staticmethod
+    def _copy_key(job_id: int, index: int) -> ct.c_uint32:
+        return ct.c_uint32(keys.worker_key(job_id, index))
+
+    def _set_copies(self, job_id: int, n: int, ifindex: int, copy_prog_fd: int) -> None:
+        """Give job `job_id` its devmap of n copies (bpf/maps.h job_copies): n entries, each the
+        interface `ifindex` with the copy program, which addresses copy k to worker k."""
+        self._clear_copies(job_id)
+        devmap = loader.job_copies_devmap(f"copies{job_id}")
+        try:
+            for k in range(n):
+                val = (ct.c_uint32 * 2)(ifindex, copy_prog_fd)  # struct bpf_devmap_val
+                bpfsys.map_update(devmap, ct.c_uint32(k), val)
+            bpfsys.map_update(self.fds["job_copies"], ct.c_uint32(job_id), ct.c_uint32(devmap))
+        finally:
+            os.close(devmap)  # job_copies holds it now
+
+    def copy_dest(self, job_id: int, index: int) -> abi.PortWorker:
+        """Where job `job_id`'s copy for worker `index` goes (all zero: nowhere)."""
+        dest = abi.PortWorker()
+        bpfsys.map_lookup(self.fds["copy_dests"], self._copy_key(job_id, index), dest)
+        return dest
+
+    def _clear_copies(self, job_id: int) -> None:
+        """Remove job `job_id`'s devmap of copies and where they went (nothing if it had none)."""
+        if "copy_dests" not in self.fds:
+            return  # an aggregator (or a source, bench/xdp_compare.py) before unicast delivery
+        bpfsys.map_delete(self.fds["job_copies"], ct.c_uint32(job_id))  # False: it had none
+        for k in range(limits.MAX_WORKERS):
+            bpfsys.map_update(self.fds["copy_dests"], self._copy_key(job_id, k), abi.PortWorker())
 
     # --- state and counters -----------------------------------------------------------------
     def slot(self, g: int) -> abi.Slot:

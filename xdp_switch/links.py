@@ -139,3 +139,17 @@ def detach_xdp(ifname: str, expected_prog_id: int) -> bool:
                 raise NeedsRoot(f"detaching XDP from {ifname}") from e
             raise LinkError(f"detaching XDP from {ifname} failed: {e}") from e
     return True
+
+
+# linux/neighbour.h NUD_*: entries whose link-layer address can be used
+_NUD_VALID = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80  # REACHABLE STALE DELAY PROBE NOARP PERMANENT
+
+
+def neighbour_mac(ip: str, oif: int) -> str | None:
+    """The link-layer address the neighbour table holds for `ip` on interface `oif`, or None."""
+    with IPRoute() as ipr:
+        for n in ipr.get_neighbours(ifindex=oif, dst=ip):
+            mac = n.get_attr("NDA_LLADDR")
+            if mac and n["state"] & _NUD_VALID:
+                return mac
+    return None

@@ -58,6 +58,7 @@ MAP_NAMES = (
     "worker_stats",
     "tx_ports",
     "port_workers",
+    "copy_dests",
 )
 VARIANTS = {  # how slots are summed when several CPUs hit one slot
     "percpu": (),  # per-CPU partial sums, atomic completion count, gather by the completing CPU
@@ -86,6 +87,7 @@ def race_test_cflags(delay_ns: int = 0, mutant: bool = False) -> tuple[str, ...]
 
 PROG_INGRESS = "xdp_agg_ingress"
 PROG_EGRESS = "xdp_agg_egress"
+PROG_COPY = "xdp_agg_copy"  # unicast delivery: the egress program of every job's devmap
 # How the packets of one slot reach a CPU (docs/design.md "One CPU per slot", bpf/slot_cpus.h).
 SLOT_CPUS = {
     # on the CPU the NIC's receive hash chose; a slot spread over several CPUs has their partial
@@ -120,7 +122,7 @@ class Loaded:
 
     def close(self) -> None:
         """Close every fd of the loaded programs and maps (pins keep what they pin)."""
-        for fd in self.own_fds + [self.maps["partials"]]:
+        for fd in self.own_fds + [self.maps[n] for n in OWN_MAPS if n in self.maps]:
             os.close(fd)
         self.own_fds.clear()
         self.bpf.cleanup()
@@ -221,6 +223,25 @@ def _load_own(b, name: str, attach_type: int, frags: bool, as_name: str | None =
         ) from e
 
 
+TEST_RUN_IFINDEX = 1  # loopback: where BPF_PROG_TEST_RUN's frames come in
+
+
+def prepare_test_runs(prog: Loaded) -> None:
+    """What BPF_PROG_TEST_RUN needs of a loaded build beyond what attach gives it: in the cpumap
+    build, a way back out of loopback (bpf/slot_cpus.h tx_self), where an answer goes (a test
+    run returns the XDP_REDIRECT; nothing is sent)."""
+    if "tx_self" in prog.maps:
+        val = (ct.c_uint32 * 2)(TEST_RUN_IFINDEX, prog.progs[PROG_COPY])  # bpf_devmap_val
+        bpfsys.map_update(prog.maps["tx_self"], ct.c_uint32(TEST_RUN_IFINDEX), val)
+
+
+def test_runnable(prog: Loaded, name: str) -> int:
+    """Program `name` of loaded build `prog` loaded once more as a plain XDP program, which
+    BPF_PROG_TEST_RUN runs (it refuses a devmap or cpumap program); its fd, the caller's."""
+    fd, _ = _load_own(prog.bpf, name, 0, prog.options["frags"], f"{name[:9]}_run")
+    return fd
+
+
 def _load_programs(b, frags: bool, cpumap: bool) -> tuple[dict[str, int], dict[str, int]]:
     """Load the compiled programs: {name: fd} (the caller closes them) and {name: instructions
     the verifier processed}. With `cpumap`, also the steering program and the aggregator loaded
@@ -229,17 +250,80 @@ def _load_programs(b, frags: bool, cpumap: bool) -> tuple[dict[str, int], dict[s
     the same code, which tests and the micro-benchmark run)."""
     progs: dict[str, int] = {}
     verified: dict[str, int] = {}
-    wanted = [(PROG_INGRESS, PROG_INGRESS, 0), (PROG_EGRESS, PROG_EGRESS, bpfsys.BPF_XDP_DEVMAP)]
+    devmap = bpfsys.BPF_XDP_DEVMAP
+    wanted = [
+        (PROG_INGRESS, PROG_INGRESS, 0),
+        (PROG_EGRESS, PROG_EGRESS, devmap),
+        (PROG_COPY, PROG_COPY, devmap),
+    ]
     if cpumap:
         wanted += [(PROG_STEER, PROG_STEER, 0), (PROG_INGRESS, PROG_CPUMAP, bpfsys.BPF_XDP_CPUMAP)]
     try:
         for name, as_name, attach_type in wanted:
+            if name == PROG_COPY and not _has(b, PROG_COPY):
+                continue  # an older xdp_agg.c (bench/xdp_compare.py), before unicast delivery
             progs[as_name], verified[as_name] = _load_own(b, name, attach_type, frags, as_name)
     except BaseException:
         for fd in progs.values():
             os.close(fd)
         raise
     return progs, verified
+
+
+def _has(b, name: str) -> bool:
+    """Whether bcc's compile `b` holds function or map `name` (an older source may lack the
+    newer ones: bench/xdp_compare.py)."""
+    try:
+        b[name.encode()]  # a map (bcc raises KeyError for a name it has not)
+        return True
+    except KeyError:
+        pass
+    try:
+        b.dump_func(name.encode())  # a function (bcc raises Exception for one it has not)
+        return True
+    except Exception:
+        return False
+
+
+def job_copies_devmap(name: str = "copies") -> int:
+    """A new devmap of the shape job_copies holds (one entry per worker: struct bpf_devmap_val,
+    the interface and the egress program); returns its fd."""
+    return bpfsys.map_create(bpfsys.MAP_TYPE_DEVMAP, 4, 8, limits.MAX_WORKERS, name)
+
+
+def _create_job_copies() -> int:
+    """The map of job -> that job's devmap of copies (bpf/maps.h job_copies); returns its fd."""
+    template = job_copies_devmap("copies_tmpl")
+    try:
+        return bpfsys.map_create(
+            bpfsys.MAP_TYPE_ARRAY_OF_MAPS, 4, 4, limits.MAX_JOBS, "job_copies", template
+        )
+    finally:
+        os.close(template)  # the outer map keeps what it needs of it
+
+
+# The maps created here, not by bcc (the program names them by fd: -DAGG_<NAME>_FD), which
+# Loaded.close closes: bcc cannot declare them (a per-CPU array sized at load, a map of maps,
+# a devmap hash).
+OWN_MAPS = ("partials", "job_copies", "tx_self")
+
+
+def _create_own_maps(pool_slots: int, cpumap: bool) -> dict[str, int]:
+    """OWN_MAPS, created: {name: fd}; tx_self (bpf/slot_cpus.h) in the cpumap build only."""
+    fds: dict[str, int] = {}
+    try:
+        fds["partials"] = bpfsys.map_create(
+            bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"
+        )
+        fds["job_copies"] = _create_job_copies()
+        if cpumap:  # ifindex -> struct bpf_devmap_val
+            fds["tx_self"] = bpfsys.map_create(
+                bpfsys.MAP_TYPE_DEVMAP_HASH, 4, 8, limits.MAX_PORTS, "tx_self"
+            )
+    except BaseException:
+        _close_all(fds.values())
+        raise
+    return fds
 
 
 def load(
@@ -274,11 +358,10 @@ def load(
     # a cpumap has an entry per possible CPU; the kernel refuses more than it was built for
     # (NR_CPUS), which only a test building for more CPUs than this machine has can ask
     nr_cpus = min(bpfsys.possible_cpus(), bpfsys.kernel_max_cpus())
-    partials = bpfsys.map_create(
-        bpfsys.MAP_TYPE_PERCPU_ARRAY, 4, ct.sizeof(abi.Partial), pool_slots * 2, "partials"
-    )
+    cpumap = slot_cpus == "cpumap"
+    own = _create_own_maps(pool_slots, cpumap)
     flags = [
-        f"-DAGG_PARTIALS_FD={partials}",
+        *(f"-DAGG_{name.upper()}_FD={fd}" for name, fd in own.items()),
         f"-DAGG_POOL_SLOTS={pool_slots}",
         f"-DAGG_NR_CPUS={nr_cpus}",
         f"-DAGG_CALLBACK_MAGIC={subprogs.CALLBACK_MAGIC:#x}",
@@ -288,25 +371,30 @@ def load(
         *(("-DAGG_FRAGS",) if frags else ()),
         *cflags,
     ]
-    cpumap = slot_cpus == "cpumap"
     log = []
     try:
         with _capture_fd2() as log:
             b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
     except Exception as e:  # bcc raises plain Exceptions
-        os.close(partials)
+        _close_all(own.values())
         tail = "\n".join("".join(log).strip().splitlines()[-25:])
         raise LoadError(f"could not compile bpf/xdp_agg.c:\n{tail}\n({e})") from e
     try:
         progs, verified = _load_programs(b, frags, cpumap)
     except LoadError:
-        os.close(partials)
+        _close_all(own.values())
         b.cleanup()
         raise
     names = MAP_NAMES + (CPUMAP_MAP_NAMES if cpumap else ())
-    maps = {name: b[name.encode()].map_fd for name in names}
-    maps["partials"] = partials
+    maps = {name: b[name.encode()].map_fd for name in names if _has(b, name)}
+    maps.update(own)
     options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}
     warnings = [line for line in "".join(log).splitlines() if "warning:" in line]
-    own = list(progs.values())
-    return Loaded(b, progs, maps, pool_slots, nr_cpus, options, own, warnings, verified)
+    return Loaded(
+        b, progs, maps, pool_slots, nr_cpus, options, list(progs.values()), warnings, verified
+    )
+
+
+def _close_all(fds) -> None:
+    for fd in fds:
+        os.close(fd)

@@ -69,6 +69,15 @@ def install(fds: dict[str, int], cpumap_prog_fd: int, cpus: list[int], pool_slot
     _write_table(fds["slot_cpu"], pool_slots, wire.MAX_SLOTS - pool_slots, cpus[:1])
 
 
+def send_back(fds: dict[str, int], ifindex: int, egress_prog_fd: int) -> None:
+    """The way back out of interface `ifindex` (bpf/slot_cpus.h tx_self): a frame the cpumap's
+    aggregator sends out of the interface it came in on, with the egress program of the
+    broadcasts out of it (loader.PROG_COPY one-arm, loader.PROG_EGRESS in the switch
+    topology), so that both kinds can share the kernel's bulk queue."""
+    val = (ct.c_uint32 * 2)(ifindex, egress_prog_fd)  # struct bpf_devmap_val
+    bpfsys.map_update(fds["tx_self"], ct.c_uint32(ifindex), val)
+
+
 def assign_job(fds: dict[str, int], slot_base: int, slot_count: int, cpus: list[int]) -> None:
     """Give a job's slots their CPUs (lane_cpu over the job's own range)."""
     _write_table(fds["slot_cpu"], slot_base, slot_count, cpus)

@@ -47,6 +47,7 @@ enum agg_reason {
 enum agg_delivery {
 	AGG_DELIVERY_GROUP_TX = 0,
 	AGG_DELIVERY_BROADCAST = 1,
+	AGG_DELIVERY_UNICAST = 2,
 };
 
 /* a job: value of map `jobs`, key = job id */
