@@ -730,9 +730,10 @@ def bench(opts: options.BenchOptions, as_json):
 
     Prints ns per packet and aggregated elements per second per core for 64, 256, 768 and
     2048 elements per packet, for both variants (per-CPU partial sums, and the spin-lock
-    baseline) and the per-CPU program loaded as a multi-buffer (frags) program, the only one
-    measured at 2048 (a jumbo frame), beside a program that only parses and drops (the floor),
-    all in one run. Needs root; attaches nothing.
+    baseline), the per-CPU program loaded as a multi-buffer (frags) program, the only one
+    measured at 2048 (a jumbo frame), and the per-CPU program with unicast delivery (its copy
+    program's n runs per result added: one copy per packet), beside a program that only parses
+    and drops (the floor), all in one run. Needs root; attaches nothing.
 
     \b
     Examples:

@@ -22,7 +22,7 @@ from aggproto import control, groups, limits, wire
 from aggproto.jobs import DEFAULT_CONTROL_PORT
 
 DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
-RESULTS = ("multicast", "broadcast")
+RESULTS = ("multicast", "broadcast", "unicast")
 MAX_TREE_TOTAL = 64 * 64  # workers under a root: 64 racks of 64
 
 
@@ -142,8 +142,9 @@ def _results_field():
         help="One-arm: where results go when --group is not given. multicast (the default): "
         "a group per job, joined by its workers (a switch needs IGMP snooping and a querier to "
         "keep it from other hosts); broadcast: the subnet broadcast, to every host on the "
-        "segment. Without the interface's multicast flag the default falls back to broadcast "
-        "with a warning.",
+        "segment; unicast: one copy per worker, to its own MAC and address (hosts that join no "
+        "group, as p4app-switchML's). Without the interface's multicast flag the default falls "
+        "back to broadcast with a warning.",
     )
 
 

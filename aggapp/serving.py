@@ -9,6 +9,9 @@ address and MAC (Delivery.GROUP_TX). How that address is chosen is the *results*
   (aggproto.groups, default 239.18.0.0/24); its workers join it, and a switch with IGMP snooping
   and a querier delivers the results to their ports only;
 - "broadcast": the interface's subnet broadcast, which every host on the segment receives;
+- "unicast": one copy of each result per worker, to its own MAC and address (Delivery.UNICAST),
+  for hosts that join no group (p4app-switchML's; a NIC without promiscuous mode drops what is
+  not to its MAC); the n copies cost the aggregator more than one (docs/benchmarks.md);
 - or one fixed group address for every job (`--group`).
 
 An interface without the multicast flag cannot carry per-job groups: by default the results
@@ -36,7 +39,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from aggproto import control, groups
-from aggproto.jobs import DEFAULT_CONTROL_PORT, JobSpec, WorkerSpec
+from aggproto.jobs import DEFAULT_CONTROL_PORT, Delivery, JobSpec, WorkerSpec
 from xdp_switch import backend as xdp_backend
 from xdp_switch import links, pins
 from xdp_switch.errors import Busy, EnvironmentProblem, NeedsRoot, XdpAggError
@@ -98,7 +101,7 @@ def aggregator_interfaces(name: str) -> list[str]:
     return [i["ifname"] for i in state.interfaces]
 
 
-# how one-arm results reach a job's workers: multicast or broadcast (module docstring)
+# how one-arm results reach a job's workers: multicast, broadcast or unicast (module docstring)
 RESULTS = options.RESULTS
 DEFAULT_GROUP_BASE = options.DEFAULT_GROUP_BASE
 
@@ -110,11 +113,12 @@ def group_mac_for(ip: str) -> str:
 
 
 def _results_mode(first: dict, results: str | None, warn: Callable[[str], None] | None) -> str:
-    """The results mode, multicast or broadcast, for interface `first` (links.addresses);
-    `results` None: multicast where the interface supports it, else broadcast with a warning."""
+    """The results mode, multicast, broadcast or unicast, for interface `first`
+    (links.addresses); `results` None: multicast where the interface supports it, else
+    broadcast with a warning."""
     if results not in (None, *RESULTS):
         raise XdpAggError(f"results {results!r}: use one of {', '.join(RESULTS)}")
-    if first.get("multicast", True) or results == "broadcast":
+    if first.get("multicast", True) or results in ("broadcast", "unicast"):
         return results or "multicast"
     if results == "multicast":
         raise XdpAggError(
@@ -163,6 +167,22 @@ def _tree_fields(opts: options.JobOptions) -> dict:
     )
 
 
+def _job_results(topology: str, first: dict, job_id: int, opts, warn) -> tuple[str, Delivery]:
+    """(group address, delivery) of job `job_id` when no --group is given: none in the switch
+    topology and for unicast; else the job's group in the block or the subnet broadcast."""
+    if topology == "switch":
+        return "0.0.0.0", xdp_backend.DELIVERY["switch"]
+    mode = _results_mode(first, opts.results, warn)
+    if mode == "unicast":
+        return "0.0.0.0", Delivery.UNICAST
+    if mode == "broadcast":
+        return _subnet_broadcast(first), Delivery.GROUP_TX
+    try:
+        return groups.job_group(opts.group_base, job_id), Delivery.GROUP_TX
+    except ValueError as e:
+        raise XdpAggError(str(e)) from None
+
+
 def create_job(
     name: str,
     job_id: int,
@@ -181,16 +201,9 @@ def create_job(
     group_ip, group_mac = opts.group_ip, opts.group_mac
     backend = xdp_backend.XdpBackend(name)
     first = _first_interface(backend.state)
+    delivery = xdp_backend.DELIVERY[backend.state.topology]
     if group_ip is None:
-        group_ip = "0.0.0.0"  # the switch topology: no group
-        if backend.state.topology != "switch":
-            if _results_mode(first, opts.results, warn) == "multicast":
-                try:
-                    group_ip = groups.job_group(opts.group_base, job_id)
-                except ValueError as e:
-                    raise XdpAggError(str(e)) from None
-            else:
-                group_ip = _subnet_broadcast(first)
+        group_ip, delivery = _job_results(backend.state.topology, first, job_id, opts, warn)
     spec = JobSpec(
         job_id=job_id,
         num_workers=opts.num_workers,
@@ -202,6 +215,7 @@ def create_job(
         agg_mac=first["mac"],
         group_ip=group_ip,
         group_mac=group_mac or group_mac_for(group_ip),
+        delivery=delivery,
         udp_checksum=opts.udp_checksum,
         **tree,
     )
@@ -240,7 +254,11 @@ def serve_defaults(
         )
     net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
     d.update(agg_ip=str(net.ip), agg_mac=first["mac"])
-    if group_ip is None and _results_mode(first, results, warn) == "multicast":
+    mode = None if group_ip is not None else _results_mode(first, results, warn)
+    if mode == "unicast":
+        d["delivery"] = Delivery.UNICAST
+        return d
+    if mode == "multicast":
         try:
             d["group_base"] = str(groups.check_group_base(group_base))
         except ValueError as e:
@@ -257,6 +275,8 @@ def describe_results(defaults: dict) -> str:
         return f"results to a multicast group per job in {defaults['group_base']}"
     if defaults.get("group_ip"):
         return f"results of every job to {defaults['group_ip']}"
+    if defaults.get("delivery") == Delivery.UNICAST:
+        return "results to each worker by unicast"
     return "results per port (switch topology)"
 
 
@@ -554,7 +574,6 @@ def serve_bmv2(
     (HOST, PORT): serve Prometheus metrics there too (aggapp.metrics). `switchml`: also serve
     p4app-switchML's controller API (aggctl.switchml_grpc)."""
     import bmv2_switch as bm
-    from aggproto.jobs import Delivery
 
     missing = bm.missing_tools()
     if missing:

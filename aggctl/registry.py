@@ -261,13 +261,24 @@ class JobRegistry:
             self.changed()
 
     # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
-    def open_job(self, holder, key, world, elems, window, worker_port, *, port, base) -> JobSpec:
+    def open_job(
+        self, holder, key, world, elems, window, worker_port, *, port, base, unicast=False
+    ) -> JobSpec:
         """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
-        until end_job (no lease ends it); its spec. RequestError when it cannot be (the port or
-        slots taken)."""
+        until end_job (no lease ends it); its spec. `unicast`: its results to each worker by
+        unicast where they would go to a group (hosts that join none). RequestError when it
+        cannot be (the port or slots taken)."""
         with self.cond:
             job = self._new_job(
-                holder, key, world, elems, window, worker_port, port=port, base=base
+                holder,
+                key,
+                world,
+                elems,
+                window,
+                worker_port,
+                port=port,
+                base=base,
+                unicast=unicast,
             )
             job.leased = False
             return job.spec
@@ -317,7 +328,9 @@ class JobRegistry:
             job.lanes = lanes
             return {"job": self.describe(job, local), "token": job.token}
 
-    def _new_job(self, holder, key, world, elems, window, worker_port, *, port=None, base=None):
+    def _new_job(
+        self, holder, key, world, elems, window, worker_port, *, port=None, base=None, unicast=False
+    ):
         """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
         and first slot `base` given, else the first free port and the first fit of `window`
         slots; RequestError saying why not."""
@@ -334,7 +347,7 @@ class JobRegistry:
         if job_id is None:
             raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
         port, base = self._place(ports, ranges, window, port, base)
-        spec = self._job_spec(key, job_id, world, elems, base, window, port)
+        spec = self._job_spec(key, job_id, world, elems, base, window, port, unicast)
         try:
             if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
                 spec = self.backend.join_parent(key, spec, window=window, worker_port=worker_port)
@@ -383,11 +396,15 @@ class JobRegistry:
             )
         return port, base
 
-    def _job_spec(self, key, job_id, world, elems, base, window, port) -> JobSpec:
-        """A new job's spec with the endpoint's defaults (its group, addresses, checksum)."""
+    def _job_spec(self, key, job_id, world, elems, base, window, port, unicast) -> JobSpec:
+        """A new job's spec with the endpoint's defaults (its group, addresses, checksum);
+        `unicast`: unicast delivery instead of a group (the switch topology has none)."""
         d = self.defaults
         group_ip, group_mac = d.group_ip, d.group_mac
-        if d.group_base and d.delivery == Delivery.GROUP_TX:
+        delivery = d.delivery
+        if unicast and delivery == Delivery.GROUP_TX:
+            delivery, group_ip = Delivery.UNICAST, "0.0.0.0"
+        if d.group_base and delivery == Delivery.GROUP_TX:
             group_ip = groups.job_group(d.group_base, job_id)
             group_mac = groups.group_mac(group_ip)
         try:
@@ -398,7 +415,7 @@ class JobRegistry:
                 slot_base=base,
                 slot_count=window,
                 agg_port=port,
-                delivery=d.delivery,
+                delivery=delivery,
                 agg_ip=d.agg_ip,
                 agg_mac=d.agg_mac,
                 group_ip=group_ip,
@@ -484,6 +501,11 @@ class JobRegistry:
             raise RequestError(
                 f"port {port} differs from the job's worker port {job.worker_port}: results "
                 f"go once to the group {job.spec.group_ip}:{job.worker_port}"
+            )
+        if job.spec.delivery == Delivery.UNICAST and port != job.worker_port:
+            raise RequestError(
+                f"port {port} differs from the job's worker port {job.worker_port}: each "
+                "worker's copy of a result goes to the port the completing request came from"
             )
         ws = WorkerSpec(job.spec.job_id, rank, ip, port, agg_port=job.spec.agg_port, mac=mac)
         if self.fill_worker is not None:

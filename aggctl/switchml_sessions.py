@@ -318,6 +318,8 @@ class SwitchmlApi:
                 P4APP_WORKER_PORT,
                 port=AGG_PORT,
                 base=0,
+                # p4app's hosts join no group (docs/protocol.md 7.3): a copy to each
+                unicast=True,
             )
         except RequestError as e:
             raise ApiError("precondition", str(e)) from None

@@ -11,11 +11,12 @@ results for one destination leave as one GSO send.
 
 Delivery: a completed slot (TO_ALL) is sent to every registered worker's address of the job by
 unicast (there is no group address on loopback), from the job's aggregator port: with
-Delivery.BROADCAST (the switch topology) to the completing request's source port, as the XDP
-and P4 switches do; else (one-arm, where the XDP aggregator sends one copy to the group at
-that port, on which lane l of every worker listens: worker_port + l) to the port w registered
-plus the request's lane offset (its source port less its sender's registered port), so that
-workers on one loopback may register ports of their own. A retransmission for a completed slot
+Delivery.BROADCAST (the switch topology) and Delivery.UNICAST (one-arm, a copy per worker) to
+the completing request's source port, as the XDP and P4 switches do; else (one-arm, where the
+XDP aggregator sends one copy to the group at that port, on which lane l of every worker
+listens: worker_port + l) to the port w registered plus the request's lane offset (its source
+port less its sender's registered port), so that workers on one loopback may register ports of
+their own. A retransmission for a completed slot
 (TO_SENDER) is answered to the source address of the datagram.
 """
 
@@ -236,7 +237,7 @@ class SoftAggregator:
         to the request's source port (switch) or w's port at the same lane offset (one-arm),
         as the module's docstring says, so that each lane (thread) of a host gets its own
         slots' results (docs/protocol.md 1.4)."""
-        if self._specs[w.job_id].delivery == Delivery.BROADCAST:
+        if self._specs[w.job_id].delivery in (Delivery.BROADCAST, Delivery.UNICAST):
             return (w.ip, src[1])
         port = w.port + (src[1] - sender.port if sender is not None else 0)
         return (w.ip, port if 0 < port < 65536 else w.port)
