@@ -2,6 +2,7 @@
 a bridge port) actually receives, below every socket.
 
     python -m netns_testbed.sniff eth0        # in a namespace; stops when stdin closes
+    python -m netns_testbed.sniff --sent w0   # a bridge port: the results it sends its host
 
 A raw AF_PACKET socket sees every frame the interface receives or sends, whatever the sockets
 above it joined, so a count of zero on a host in no job means that no result reached its link,
@@ -40,11 +41,12 @@ V3_JOIN = (2, 4)
 V3_LEAVE = 3
 
 
-def records(frame: bytes, outgoing: bool = False) -> list[tuple[str, str]]:
+def records(frame: bytes, outgoing: bool = False, sent: bool = False) -> list[tuple[str, str]]:
     """What `frame` (Ethernet) counts as: [("result", dst)] for a result the interface received,
     one ("report" | "leave", group) per IGMP record either way, or []. A frame the interface
-    sent is never a result: a worker whose port happens to lie in 0xBEE0..0xBEEF sends its
-    contributions from there."""
+    sent is never a result (a worker whose port happens to lie in 0xBEE0..0xBEEF sends its
+    contributions from there), unless `sent`: then only what it sent is (a bridge port, whose
+    sent frames are what goes to its host)."""
     if len(frame) < 14:
         return []
     ethertype = struct.unpack_from("!H", frame, 12)[0]
@@ -59,7 +61,7 @@ def records(frame: bytes, outgoing: bool = False) -> list[tuple[str, str]]:
     l4 = off + ihl
     if proto == socket.IPPROTO_UDP and len(frame) >= l4 + 8:
         sport = struct.unpack_from("!H", frame, l4)[0]
-        if sport & AGG_PORT_MASK == AGG_PORT and not outgoing:
+        if sport & AGG_PORT_MASK == AGG_PORT and outgoing == sent:
             return [("result", dst)]
         return []
     if proto != IGMP or len(frame) < l4 + 8:
@@ -89,14 +91,15 @@ def records(frame: bytes, outgoing: bool = False) -> list[tuple[str, str]]:
 class Tally:
     """The counts `main` prints, fed one frame at a time."""
 
-    def __init__(self) -> None:
+    def __init__(self, sent: bool = False) -> None:
+        self.sent = sent  # count the results the interface sends, not those it receives
         self.started = time.monotonic()
         self.results: dict[str, dict] = {}
         self.igmp: dict[str, dict] = {}
 
     def add(self, frame: bytes, outgoing: bool = False, now: float | None = None) -> None:
         t = round((time.monotonic() if now is None else now) - self.started, 6)
-        for what, addr in records(frame, outgoing):
+        for what, addr in records(frame, outgoing, self.sent):
             if what == "result":
                 r = self.results.setdefault(addr, {"frames": 0, "first": t, "last": t})
                 r["frames"] += 1
@@ -125,18 +128,21 @@ def _take(sock: socket.socket, tally: Tally) -> bool:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Sniff on the interface named by the one argument until stdin closes; print the tally."""
+    """Sniff on the interface named by the last argument until stdin closes; print the tally.
+    `--sent` first: count the results the interface sends instead of those it receives."""
     args = sys.argv[1:] if argv is None else argv
+    sent = args[:1] == ["--sent"]
+    args = args[1:] if sent else args
     if len(args) != 1:
         print(
-            "usage: python -m netns_testbed.sniff IFNAME  (stops when stdin closes)",
+            "usage: python -m netns_testbed.sniff [--sent] IFNAME  (stops when stdin closes)",
             file=sys.stderr,
         )
         return 2
     sock = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(ETH_P_ALL))
     sock.bind((args[0], 0))
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 22)
-    tally = Tally()
+    tally = Tally(sent)
     stop = []
     signal.signal(signal.SIGTERM, lambda *_: stop.append(1))
     print("ready", file=sys.stderr, flush=True)

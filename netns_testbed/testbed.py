@@ -57,7 +57,7 @@ import sys
 import time
 from subprocess import CompletedProcess, Popen
 
-from . import faults, nsexec, registry, shaping
+from . import faults, nsexec, registry, shaping, xdp_pass
 from .build import TestbedBuild
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
@@ -251,11 +251,12 @@ class Testbed(TestbedBuild):
             self._save()
         return p
 
-    def sniff(self, host, ifname: str | None = None) -> "Sniffer":
+    def sniff(self, host, ifname: str | None = None, sent: bool = False) -> "Sniffer":
         """Start counting the result frames and IGMP reports on ``host``'s interface (default
         its ``eth0``; the bridge namespace needs ``ifname``, a port such as ``"w0"``) with a
         raw socket (:mod:`netns_testbed.sniff`); ``stop()`` on the answer returns the counts.
-        Killed by :meth:`down` if still running."""
+        `sent`: count the results the interface sends (a bridge port's, toward its host), not
+        those it receives. Killed by :meth:`down` if still running."""
         ns = self.netns_of(host)
         h = self.host(host)
         ifname = ifname or (h.ifname if not isinstance(h, (str, AggregatorHost)) else None)
@@ -263,7 +264,7 @@ class Testbed(TestbedBuild):
             raise ValueError(f"sniff({host!r}) needs ifname= (e.g. 'eth0' or a bridge port)")
         p = self.popen(
             ns,
-            [sys.executable, "-m", "netns_testbed.sniff", ifname],
+            [sys.executable, "-m", "netns_testbed.sniff", *(["--sent"] if sent else []), ifname],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -371,6 +372,20 @@ class Testbed(TestbedBuild):
         if self._is_up:  # not up yet: applied by up()
             self._apply_rates(with_agg=agg_rate is not _KEEP)
             self._save()
+
+    def own_mac_only(self, workers: list[int] | None = None) -> None:
+        """Make the ``eth0`` of workers `workers` (default: all) receive as a NIC without
+        promiscuous mode that joined no multicast group does: frames to its own MAC or to the
+        broadcast, nothing else (:func:`netns_testbed.xdp_pass.mac_filter_insns`; its drops are
+        the veth's ``rx_queue_N_xdp_drops``). In the switch topology the filter replaces the
+        worker's end's own program, so it cannot go with loss down there."""
+        if self.topology != "one-arm" and self.loss_down > 0:
+            raise ValueError("own_mac_only replaces the switch topology's loss-down program")
+        chosen = self.workers if workers is None else [self.workers[i] for i in workers]
+        ends: dict[str, list[str]] = {}
+        for w in chosen:
+            ends.setdefault(w.netns, []).append(w.ifname)
+        xdp_pass.attach_mac_filter(ends, frags=self.mtu > PLAIN_XDP_MAX_MTU)
 
     # ---------------------------------------------------------------- state
     def state(self) -> dict:

@@ -5,6 +5,8 @@ it has an XDP program of its own (toggling GRO did not enable it on this kernel)
 puts a program on exactly the ends that face an aggregator interface, and nowhere else (an XDP
 program on a veth costs its peer TSO, which would slow TCP baselines): a two-instruction
 XDP_PASS, or, on a worker's end when the testbed has downstream loss, the loss program below.
+A test may also give a host's end the MAC filter below (:meth:`Testbed.own_mac_only`), which
+receives as a NIC without promiscuous mode does.
 
 Why downstream loss lives here in the switch topology: the aggregator's XDP_TX'd and redirected
 results skip every hook of its own interface (qdisc, nftables egress), and on the worker's end
@@ -71,17 +73,92 @@ def loss_insns(p: float) -> list[int]:
         _insn(0xB7, 0, imm=bpfsys.XDP_DROP),
         _insn(0x95),
     ]
-    pass_at = len(body)  # the pass exit follows the body: mov64 r0, XDP_PASS ; exit
-    code = [
-        x if isinstance(x, int) else _insn(x[0], x[1], x[2], pass_at - i - 1, x[3])
-        for i, x in enumerate(body)
-    ]
-    return code + bpfsys.XDP_PASS_INSNS
+    return _assemble([*body, "pass", *bpfsys.XDP_PASS_INSNS])
 
 
 def _to_pass(code: int, dst: int, src: int = 0, imm: int = 0) -> tuple:
-    """A conditional jump to the program's pass exit (its offset is known once the body is)."""
-    return (code, dst, src, imm)
+    """A conditional jump to the program's pass exit (:func:`_assemble` counts its offset)."""
+    return (code, dst, src, "pass", imm)
+
+
+def mac_filter_insns(mac: str) -> list[int]:
+    """An XDP program for a host's end that receives as a NIC without promiscuous mode which
+    joined no multicast group does: a frame to ``mac`` or to the broadcast passes, every other
+    frame (another host's unicast, any multicast) is dropped. Its drops are the veth's
+    ``rx_queue_N_xdp_drops``; a raw socket on the interface sees only what passed."""
+    b = bytes.fromhex(mac.replace(":", ""))
+    lo, hi = int.from_bytes(b[:4], "little"), int.from_bytes(b[4:], "little")  # as loaded
+    ldxw, ldxh = 0x61, 0x69  # BPF_LDX | BPF_MEM | size
+    jgt_x, jne32, jeq32 = 0x2D, 0x56, 0x16  # 32-bit compares: the immediates are not extended
+    return _assemble(
+        [
+            _insn(ldxw, 2, 1, 0),  # r2 = ctx->data
+            _insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
+            _insn(0xBF, 4, 2),  # r4 = r2
+            _insn(0x07, 4, imm=6),  # r4 += 6: the destination MAC
+            (jgt_x, 4, 3, "drop", 0),  # a runt frame: drop
+            _insn(ldxw, 5, 2, 0),  # w5 = its first four bytes
+            _insn(ldxh, 6, 2, 4),  # w6 = its last two
+            (jne32, 5, 0, "broadcast?", lo),
+            (jeq32, 6, 0, "pass", hi),  # our own MAC
+            "broadcast?",
+            (jne32, 5, 0, "drop", 0xFFFFFFFF),
+            (jne32, 6, 0, "drop", 0xFFFF),
+            (0x05, 0, 0, "pass", 0),  # ff:ff:ff:ff:ff:ff
+            "drop",
+            _insn(0xB7, 0, imm=bpfsys.XDP_DROP),
+            _insn(0x95),
+            "pass",
+            *bpfsys.XDP_PASS_INSNS,
+        ]
+    )
+
+
+def _assemble(body: list) -> list[int]:
+    """Raw instructions from a list of instructions, label names (where the next instruction
+    is) and jumps (code, dst, src, label, imm), whose offsets are counted here."""
+    labels, at = {}, 0
+    for x in body:
+        if isinstance(x, str):
+            labels[x] = at
+        else:
+            at += 1
+    code: list[int] = []
+    for x in body:
+        if isinstance(x, str):
+            continue
+        if isinstance(x, tuple):
+            op, dst, src, label, imm = x
+            x = _insn(op, dst, src, labels[label] - len(code) - 1, imm)
+        code.append(x)
+    return code
+
+
+def attach_mac_filter(ends: dict[str, list[str]], frags: bool = False) -> None:
+    """Attach :func:`mac_filter_insns` to each named interface, per namespace, each with its
+    own MAC, replacing whatever program is there."""
+    flags = bpfsys.BPF_F_XDP_HAS_FRAGS if frags else 0
+    for ns, ifnames in ends.items():
+        with IPRoute(netns=ns) as ipr:
+            for ifname in ifnames:
+                link = ipr.get_links(ifname=ifname)[0]
+                insns = mac_filter_insns(link.get_attr("IFLA_ADDRESS"))
+                fd = bpfsys.prog_load(
+                    bpfsys.PROG_TYPE_XDP, insns, "tb_mac_filter", prog_flags=flags
+                )
+                try:
+                    _set_xdp(ipr, link["index"], fd)
+                finally:
+                    os.close(fd)  # the interface holds the program now
+
+
+def _set_xdp(ipr: IPRoute, index: int, fd: int) -> None:
+    """Attach XDP program `fd` to interface `index` in native (driver) mode."""
+    ipr.link(
+        "set",
+        index=index,
+        xdp={"attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", _XDP_FLAGS_DRV_MODE)]},
+    )
 
 
 def attach_pass(ends: dict[str, list[str]], frags: bool = False, loss_down: float = 0.0) -> None:
@@ -104,13 +181,6 @@ def attach_pass(ends: dict[str, list[str]], frags: bool = False, loss_down: floa
         for ns, ifnames in ends.items():
             with IPRoute(netns=ns) as ipr:
                 for ifname in ifnames:
-                    idx = ipr.link_lookup(ifname=ifname)[0]
-                    ipr.link(
-                        "set",
-                        index=idx,
-                        xdp={
-                            "attrs": [("IFLA_XDP_FD", fd), ("IFLA_XDP_FLAGS", _XDP_FLAGS_DRV_MODE)]
-                        },
-                    )
+                    _set_xdp(ipr, ipr.link_lookup(ifname=ifname)[0], fd)
     finally:
         os.close(fd)  # the interfaces hold the program now
