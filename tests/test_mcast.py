@@ -176,7 +176,7 @@ def test_group_and_results_are_one_choice(command):
 
 def test_serve_help_names_the_results_options():
     out = xdp_agg_cli("serve", "--help").output
-    assert "--results [multicast|broadcast]" in out and "--group-base" in out
+    assert "--results [multicast|broadcast|unicast]" in out and "--group-base" in out
     assert "IGMP snooping" in out
 
 

@@ -1,9 +1,10 @@
 """p4app-switchML hosts join through `xdp-agg serve --switchml-grpc` with nothing made by hand:
-the XDP aggregator attached in the switch topology of the testbed, each worker namespace runs
-p4app's setup calls (tests/switchml_grpc_worker.py), then two threads per worker send frames
-built as p4app's BuildPacket builds them, each from its own UDP port, to the switch MAC and
-address the controller answered. Every result exact, each at the port that sent its request;
-the egress program addressed one copy per worker and thread.
+the XDP aggregator attached in the switch or one-arm topology of the testbed, each worker
+namespace runs p4app's setup calls (tests/switchml_grpc_worker.py), then two threads per worker
+send frames built as p4app's BuildPacket builds them, each from its own UDP port, to the switch
+MAC and address the controller answered. Every result exact, each at the port that sent its request;
+the egress program (switch) or the copy program (one-arm, unicast delivery) addressed one copy
+per worker and thread.
 """
 
 from __future__ import annotations
@@ -63,9 +64,18 @@ def _run_workers(tb, world: int, seed: int) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_p4app_hosts_join_through_grpc_and_get_each_result_at_its_port(testbed_factory, world):
-    tb = testbed_factory(workers=world, topology="switch")
+@pytest.mark.parametrize(
+    "world, topology", [(2, "switch"), (4, "switch"), (3, "one-arm")], ids=lambda x: str(x)
+)
+def test_p4app_hosts_join_through_grpc_and_get_each_result_at_its_port(
+    testbed_factory, world, topology
+):
+    """One-arm: each worker's interface takes only frames to its own MAC or the broadcast, as
+    the NIC of p4app's DPDK host (promiscuous mode off, no group joined) does; the session's
+    unicast delivery gets every result to it on the first try (the worker never retransmits)."""
+    tb = testbed_factory(workers=world, topology=topology)
+    if topology == "one-arm":
+        tb.own_mac_only()
     serve = ("--switchml-grpc", f"0.0.0.0:{GRPC_PORT}", "--barrier-timeout", "60")
     with Cluster(tb, serve_args=serve) as cl:
         runs = _run_workers(tb, world, seed=world)

@@ -8,7 +8,7 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
+from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build, unicast_copies
 from harness.cpus import on_each_cpu_in_turn
 from harness.packet_cases import (
     AGG_IP,
@@ -55,8 +55,8 @@ def _xdp_action(step: Step, delivery: Delivery, sent: int) -> int:
         return bpfsys.XDP_PASS
     if step.action == Action.DROP:
         return bpfsys.XDP_DROP
-    if step.action == Action.TO_ALL and delivery == Delivery.BROADCAST:
-        return bpfsys.XDP_REDIRECT
+    if step.action == Action.TO_ALL and delivery != Delivery.GROUP_TX:
+        return bpfsys.XDP_REDIRECT  # a devmap broadcast: to the switch's ports or the copies
     return sent  # TO_ALL one-arm, TO_SENDER, TO_PARENT
 
 
@@ -115,7 +115,7 @@ def test_packet_case(agg, case: Case, spread: int):
     fd = prog.progs["xdp_agg_ingress"]
     model = model_for(case)
     for j in case.jobs:
-        maps.create_job(j)
+        maps.create_job(j, unicast_copies(prog, j))
     for w in case.workers:
         maps.add_worker(w)
     delivery = case.jobs[0].delivery
@@ -217,6 +217,7 @@ def test_bench_measures_jumbo_sizes_with_the_frags_program_only():
     )
     assert {(r.variant, r.elems) for r in res} == {
         ("percpu", 768),
+        (microbench.UNICAST_CASE, 768),
         (microbench.FRAGS_CASE, 768),
         (microbench.FRAGS_CASE, 2048),
     }

@@ -196,6 +196,7 @@ def _race_build(build, mutant):
     variant, _, cpumap = build.partition("-")
     cflags = loader.race_test_cflags(RACE_DELAY_NS, mutant=mutant)
     prog = loader.load(pool_slots=16, variant=variant, cflags=cflags, slot_cpus=cpumap or "rss")
+    loader.prepare_test_runs(prog)
     yield prog, AggMaps(prog.maps, prog.pool_slots)
     prog.close()
 

@@ -23,5 +23,19 @@ def load_agg_build(param: str):
 
         cpus = slot_cpus.default_cpus()
         slot_cpus.install(prog.maps, prog.progs[loader.PROG_CPUMAP], cpus, prog.pool_slots)
+        loader.prepare_test_runs(prog)
     yield prog, AggMaps(prog.maps, prog.pool_slots)
     prog.close()
+
+
+def unicast_copies(prog, spec) -> tuple[int, int] | None:
+    """What AggMaps.create_job needs for a job of unicast delivery (its devmap of copies: an
+    interface and the copy program), as the backend gives it; None for other jobs. Tests that
+    only test-run the programs give loopback: BPF_PROG_TEST_RUN returns the broadcast's
+    XDP_REDIRECT without sending it anywhere."""
+    from aggproto.jobs import Delivery
+    from xdp_switch import loader
+
+    if spec.delivery != Delivery.UNICAST:
+        return None
+    return loader.TEST_RUN_IFINDEX, prog.progs[loader.PROG_COPY]

@@ -738,6 +738,26 @@ def switch_results_to_request_source_port(rng) -> list[Case]:
 
 
 @case
+def unicast_results_redirected_to_copies(rng) -> list[Case]:
+    """One-arm unicast delivery (hosts that join no group, docs/protocol.md 3.5): a result
+    leaves addressed as for the group, by a devmap broadcast to the job's n copies, where the
+    copy program (tests/test_unicast.py) gives copy k worker k's MAC and address. Rounds from
+    two lanes' ports, and a retransmission answered to its sender alone (XDP_TX)."""
+    c = Case(
+        "unicast_results_redirected_to_copies",
+        [job(n=3, delivery=Delivery.UNICAST)],
+        workers(0, 3),
+    )
+    for t, slot in ((0, 2), (1, 10)):
+        steps, _, _ = complete_round(rng, 3, 32, slot=slot, sport=WORKER_PORT + t, tag=f"{t} ")
+        c.steps += steps
+    c.steps.append(
+        answered("w0 retransmits", steps[0].frame, steps[-1].values, steps[-1].e0, sender=0)
+    )
+    return [c]
+
+
+@case
 def worker_moves_on_before_the_round_completes(rng) -> list[Case]:
     """A faulty worker: w0 contributes to (slot 3, version 0), then to version 1 without
     waiting for version 0's result, which clears its bit in version 0's bitmap (every target, as
