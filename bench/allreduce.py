@@ -94,11 +94,12 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             rate=RATES[rate] and rate,
             agg_queues=getattr(args, "agg_queues", 1),
         ) as tb,
-        # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus
+        # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
         Cluster(
             tb,
             frags=args.mtu > PLAIN_XDP_MAX_MTU,
             attach_args=("--slot-cpus", getattr(args, "slot_cpus", "rss")),
+            serve_args=getattr(args, "serve_args", ()),
         ) as cl,
     ):
         layout = Layout.from_testbed(tb)

@@ -29,7 +29,6 @@ import statistics
 import bpfsys
 
 from . import loader, microbench
-from .ctl_maps import AggMaps
 
 BARRIER_TIMEOUT = 120.0
 
@@ -86,8 +85,7 @@ def _pass(prog, case, cpus, elems: int, workers: int, slots: int, rounds: int, f
     """One pass of case (placement, k) on a fresh job over the first k CPUs: (ns of the
     busiest CPU, ns of all). RuntimeError when the stream did not complete every slot."""
     placement, k = case
-    maps = AggMaps(prog.maps, prog.pool_slots)
-    microbench.create_bench_job(maps, elems, workers, slots)
+    maps = microbench.create_bench_job(prog, elems, workers, slots)
     fd = prog.progs[loader.PROG_INGRESS]
     spent = on_cpus(fd, cpus[:k], split(frames, workers, slots, rounds, k, placement))
     if maps.counters(0)["completed"] != slots * rounds:

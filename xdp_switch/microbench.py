@@ -9,6 +9,13 @@ program (FRAGS_CASE), the only one that takes the jumbo sizes (1024 and 2048 int
 page: copied through a scratch map with bpf_xdp_load_bytes/store_bytes). Reported: ns per
 packet, aggregated int32 elements per second per core (elements / ns), and the ratio to the
 floor. The duration includes the test-run timer (tens of ns), the same for every program.
+
+UNICAST_CASE is the per-CPU program with the job's results delivered by unicast (one copy per
+worker, docs/protocol.md 3.5): the ingress program's run (which ends in the devmap broadcast's
+XDP_REDIRECT, not sent by a test run) plus, for each result, the copy program's n runs (loaded
+as a plain XDP program to be test-run), per packet: with n packets and n copies to a round, one
+copy per packet. What the kernel adds per copy (the frame's clone, the queue, the transmit) is
+not in it; `python -m bench.unicast` measures that in an all-reduce.
 """
 
 from __future__ import annotations
@@ -21,7 +28,7 @@ import numpy as np
 
 import bpfsys
 from aggproto import wire
-from aggproto.jobs import JobSpec, WorkerSpec
+from aggproto.jobs import Delivery, JobSpec, WorkerSpec
 from aggproto.scapy_layer import sml_frame
 
 from . import loader
@@ -71,6 +78,7 @@ def _load_floor():
 # A measured case beside the program variants: the per-CPU program with a job that verifies UDP
 # checksums, on the same stream with checksums filled in (docs/design.md, "UDP checksums").
 CHECKSUM_CASE = "percpu+udp-csum"
+UNICAST_CASE = "percpu-unicast"  # its results by unicast: the copy program's runs added
 FRAGS_CASE = "percpu-frags"  # the per-CPU program as a multi-buffer (frags) program
 
 
@@ -79,15 +87,22 @@ def _jumbo(k: int) -> bool:
     return wire.size_code_for(k) in wire.JUMBO_SIZE_CODES
 
 
-def _load_cases(variants, slots: int, checksum: bool, frags: bool) -> dict:
-    """The measured cases: name -> (loaded program, whether its job verifies UDP checksums)."""
+def _load_cases(variants, slots: int, checksum: bool, frags: bool, unicast: bool) -> dict:
+    """The measured cases: name -> (loaded program, its job's kind: JOB_KINDS)."""
     progs = {v: loader.load(pool_slots=max(slots, 64), variant=v) for v in variants}
     if frags:
         progs[FRAGS_CASE] = loader.load(pool_slots=max(slots, 64), variant="percpu", frags=True)
-    cases = {v: (prog, False) for v, prog in progs.items()}
+    cases = {v: (prog, "group") for v, prog in progs.items()}
     if checksum and "percpu" in progs:
-        cases[CHECKSUM_CASE] = (progs["percpu"], True)
+        cases[CHECKSUM_CASE] = (progs["percpu"], "csum")
+    if unicast and "percpu" in progs:
+        cases[UNICAST_CASE] = (progs["percpu"], "unicast")
     return cases
+
+
+# the benchmark job's kinds: results to the group, the same verifying UDP checksums, results
+# by unicast
+JOB_KINDS = ("group", "csum", "unicast")
 
 
 def stream(elems: int, n: int, slots: int, rounds: int, udp_checksum: bool = False) -> list[bytes]:
@@ -122,23 +137,46 @@ def measure(fd: int, frames: list[bytes]) -> float:
     return sum(bpfsys.prog_test_run(fd, f)[2] for f in frames) / len(frames)
 
 
-def create_bench_job(maps: AggMaps, k: int, workers: int, slots: int, csum: bool = False) -> None:
-    """Job 0 of the benchmark's stream (a fresh one: creating it clears its slots), and its
-    workers."""
+def create_bench_job(prog, k: int, workers: int, slots: int, kind: str = "group") -> AggMaps:
+    """Job 0 of the benchmark's stream (a fresh one: creating it clears its slots) of `kind`
+    (JOB_KINDS) in loaded program `prog`, and its workers; the maps."""
+    maps = AggMaps(prog.maps, prog.pool_slots)
+    unicast = kind == "unicast"
+    spec = JobSpec(
+        0,
+        workers,
+        k,
+        0,
+        slots,
+        delivery=Delivery.UNICAST if unicast else Delivery.GROUP_TX,
+        agg_ip="198.18.0.1",
+        group_ip="0.0.0.0" if unicast else "198.18.0.255",
+        udp_checksum=kind == "csum",
+    )
+    # a test run returns the broadcast's XDP_REDIRECT without sending: any interface will do
     maps.create_job(
-        JobSpec(
-            0,
-            workers,
-            k,
-            0,
-            slots,
-            agg_ip="198.18.0.1",
-            group_ip="198.18.0.255",
-            udp_checksum=csum,
-        )
+        spec, (loader.TEST_RUN_IFINDEX, prog.progs[loader.PROG_COPY]) if unicast else None
     )
     for w in range(workers):
-        maps.add_worker(WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w)))
+        ws = WorkerSpec(0, w, f"198.18.0.{10 + w}", wire.UDP_PORT, mac=_mac(w))
+        maps.add_worker(ws, copy_mac=ws.mac if unicast else None)
+    return maps
+
+
+def _measure_with_copies(prog, frames: list[bytes], n: int) -> float:
+    """Mean ns per packet of the ingress program's runs and, for each result it broadcast, the
+    copy program's n runs on it (on one CPU: the copies' cursor is per CPU)."""
+    copy_fd = loader.test_runnable(prog, loader.PROG_COPY)
+    try:
+        total = 0
+        for f in frames:
+            action, out, ns = bpfsys.prog_test_run(prog.progs[loader.PROG_INGRESS], f)
+            total += ns
+            if action == bpfsys.XDP_REDIRECT:
+                total += sum(bpfsys.prog_test_run(copy_fd, out)[2] for _ in range(n))
+    finally:
+        os.close(copy_fd)
+    return total / len(frames)
 
 
 def alternating(keys, passes: int, run_one, after_pass=None) -> dict:
@@ -156,14 +194,17 @@ def alternating(keys, passes: int, run_one, after_pass=None) -> dict:
 
 
 def measure_pass(
-    prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], csum: bool = False
+    prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], kind: str = "group"
 ) -> float:
-    """One pass of a stream of `stream(k, workers, slots, rounds, csum)` through a loaded program,
-    on a freshly created job: the mean kernel-measured ns per packet. Raises RuntimeError when the
-    stream did not complete every slot (the program misbehaves)."""
-    maps = AggMaps(prog.maps, prog.pool_slots)
-    create_bench_job(maps, k, workers, slots, csum)
-    ns = measure(prog.progs[loader.PROG_INGRESS], frames)
+    """One pass of a stream of `stream(k, workers, slots, rounds, kind == "csum")` through a
+    loaded program, on a freshly created job of `kind`: the mean kernel-measured ns per packet
+    (with unicast, the copies' too). Raises RuntimeError when the stream did not complete every
+    slot (the program misbehaves)."""
+    maps = create_bench_job(prog, k, workers, slots, kind)
+    if kind == "unicast":
+        ns = _measure_with_copies(prog, frames, workers)
+    else:
+        ns = measure(prog.progs[loader.PROG_INGRESS], frames)
     if maps.counters(0)["completed"] != slots * rounds:
         raise RuntimeError(
             f"{prog.options.get('variant')}: the bench stream did not complete every slot: "
@@ -183,30 +224,30 @@ def run(
     progress=None,
     checksum: bool = True,
     frags: bool = True,
+    unicast: bool = True,
 ) -> list[BenchResult]:
     """Measure each variant and packet size; `repeats` passes over the same stream, median
     reported; the floor is measured on the same frames in each pass. `checksum` adds
     CHECKSUM_CASE: the per-CPU program verifying UDP checksums; `frags` adds FRAGS_CASE, the
-    only case measured at the jumbo sizes."""
+    only case measured at the jumbo sizes; `unicast` adds UNICAST_CASE."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
     floor_bpf, floor_fd = _load_floor()
-    cases = _load_cases(variants, slots, checksum, frags)
+    cases = _load_cases(variants, slots, checksum, frags, unicast)
     out = []
     try:
         for k in sizes:
             here = {v: c for v, c in cases.items() if not _jumbo(k) or c[0].options["frags"]}
             streams = {False: stream(k, workers, slots, rounds)}
-            if any(csum for _, csum in here.values()):
+            if any(kind == "csum" for _, kind in here.values()):
                 streams[True] = stream(k, workers, slots, rounds, udp_checksum=True)
             frames = streams[False]
             runs = {v: [] for v in here}
             floors = []
             for rep in range(repeats):
-                for v, (prog, csum) in here.items():
-                    runs[v].append(
-                        measure_pass(prog, k, workers, slots, rounds, streams[csum], csum)
-                    )
+                for v, (prog, kind) in here.items():
+                    frames_v = streams[kind == "csum"]
+                    runs[v].append(measure_pass(prog, k, workers, slots, rounds, frames_v, kind))
                 floors.append(measure(floor_fd, frames))
                 if progress:
                     progress(k, rep + 1, repeats)

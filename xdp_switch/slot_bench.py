@@ -23,7 +23,6 @@ import statistics
 import bpfsys
 
 from . import cpu_bench, loader, microbench, slot_cpus
-from .ctl_maps import AggMaps
 
 CPUS = (0, 1)
 
@@ -50,8 +49,7 @@ def _split(frames: list[bytes], k_workers: int, slots: int, rounds: int, mode: s
 def _pass(prog, mode: str, k: int, workers: int, slots: int, rounds: int, frames) -> float:
     """One pass on a fresh job: ns per packet over both CPUs. RuntimeError when the stream did
     not complete every slot."""
-    maps = AggMaps(prog.maps, prog.pool_slots)
-    microbench.create_bench_job(maps, k, workers, slots)
+    maps = microbench.create_bench_job(prog, k, workers, slots)
     ns = _on_two_cpus(prog.progs[loader.PROG_INGRESS], _split(frames, workers, slots, rounds, mode))
     if maps.counters(0)["completed"] != slots * rounds:
         raise RuntimeError(f"{mode}: the two-CPU stream did not complete every slot")
@@ -69,6 +67,7 @@ def run(sizes=(256, 768), workers: int = 4, slots: int = 64, rounds: int = 20, r
     }
     cp = progs["cpumap"]
     slot_cpus.install(cp.maps, cp.progs[loader.PROG_CPUMAP], list(CPUS), cp.pool_slots)
+    loader.prepare_test_runs(cp)
     out = []
     try:
         for k in sizes:
