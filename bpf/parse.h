@@ -28,6 +28,19 @@ enum agg_parse {
 	AGG_PARSE_TRUNCATED,	 /* ours, shorter than our two headers */
 };
 
+/* Fill pk with a frame's headers; false when our two headers do not fit before data_end. */
+static __always_inline bool fill_pkt(struct agg_pkt *pk, struct ethhdr *eth, struct iphdr *ip,
+				     struct udphdr *udp, void *data_end)
+{
+	pk->eth = eth;
+	pk->ip = ip;
+	pk->udp = udp;
+	pk->sml = (void *)(udp + 1);
+	pk->exp = (void *)(pk->sml + 1);
+	pk->data_end = data_end;
+	return (void *)(pk->exp + 1) <= data_end;
+}
+
 static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 {
 	void *data = (void *)(long)ctx->data;
@@ -58,13 +71,7 @@ static __always_inline int parse(struct xdp_md *ctx, struct agg_pkt *pk)
 		return AGG_PARSE_NOT_OURS;
 	if (ip->frag_off & bpf_htons(AGG_IP_MF))
 		return AGG_PARSE_MALFORMED; /* ours, but fragmented */
-	pk->eth = eth;
-	pk->ip = ip;
-	pk->udp = udp;
-	pk->sml = (void *)(udp + 1);
-	pk->exp = (void *)(pk->sml + 1);
-	pk->data_end = data_end;
-	if ((void *)(pk->exp + 1) > data_end)
+	if (!fill_pkt(pk, eth, ip, udp, data_end))
 		return AGG_PARSE_TRUNCATED;
 	return AGG_PARSE_OK;
 }
@@ -87,13 +94,7 @@ static __always_inline bool parse_result(struct xdp_md *ctx, struct agg_pkt *pk)
 		return false;
 	if ((udp->source & bpf_htons(SML_UDP_PORT_MASK)) != bpf_htons(SML_UDP_PORT))
 		return false;
-	pk->eth = eth;
-	pk->ip = ip;
-	pk->udp = udp;
-	pk->sml = (void *)(udp + 1);
-	pk->exp = (void *)(pk->sml + 1);
-	pk->data_end = data_end;
-	return (void *)(pk->exp + 1) <= data_end;
+	return fill_pkt(pk, eth, ip, udp, data_end);
 }
 
 #endif
