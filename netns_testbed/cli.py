@@ -6,6 +6,7 @@ Testbeds built here stay up after the command exits; they are recorded in
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import json
 import os
@@ -77,6 +78,24 @@ def _count_option(*names: str, lo: int, hi: int, default: int, help: str):
 
 def _fail(e: Exception) -> click.ClickException:
     return click.ClickException(str(e))
+
+
+@contextlib.contextmanager
+def _as_click_errors():
+    """A bad value (ValueError) as a usage error (exit 2), a testbed failure as exit 1."""
+    try:
+        yield
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except TestbedError as e:
+        raise _fail(e) from None
+
+
+def _print_state(tb: Testbed, as_json: bool) -> None:
+    if as_json:
+        click.echo(json.dumps(tb.state(), indent=1, sort_keys=True))
+    else:
+        click.echo(_describe(tb.state()))
 
 
 def _version() -> str:
@@ -172,20 +191,14 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 @click.option("--prefix", callback=_prefix, help="Name prefix (default: xt + 4 random hex digits).")
 @click.option("--json", "as_json", is_flag=True, help="Print the state as JSON.")
 def up(as_json, **params):
-    try:
+    with _as_click_errors():
         # options first: a usage error is worth knowing before asking for sudo
         tb = Testbed(**params, cleanup_at_exit=False)  # the options are its arguments
         require_root()
         tb.up()
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    except TestbedError as e:
-        raise _fail(e) from None
-    if as_json:
-        click.echo(json.dumps(tb.state(), indent=1, sort_keys=True))
-        return
-    click.echo(_describe(tb.state()))
-    click.echo(f"remove with: netns-testbed down --prefix {tb.prefix}")
+    _print_state(tb, as_json)
+    if not as_json:
+        click.echo(f"remove with: netns-testbed down --prefix {tb.prefix}")
 
 
 @main.command(
@@ -364,7 +377,7 @@ Examples: netns-testbed set --prefix demo --rate 100mbit
 @click.option("--dup-down", type=PROB, help="New duplication probability aggregator -> worker.")
 @click.option("--json", "as_json", is_flag=True, help="Print the new state as JSON.")
 def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json):
-    try:
+    with _as_click_errors():
         require_root()
         tb = Testbed.attach(prefix)
         if rate is not None or agg_rate is not None:
@@ -380,14 +393,7 @@ def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json):
                 dup_up=dup_up,
                 dup_down=dup_down,
             )
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
-    except TestbedError as e:
-        raise _fail(e) from None
-    if as_json:
-        click.echo(json.dumps(tb.state(), indent=1, sort_keys=True))
-        return
-    click.echo(_describe(tb.state()))
+    _print_state(tb, as_json)
 
 
 def _describe(st: dict) -> str:
