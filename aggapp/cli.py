@@ -545,7 +545,7 @@ def serve(ctx, opts: options.ServeOptions, as_json):
 
     A job striped over several aggregators needs one control endpoint per aggregator, each in
     front of its own attached program (give each its own --group-base, so that their jobs'
-    groups differ); the workers list all of them (hostlib.init(aggregator=[...]),
+    groups differ); the workers list all of them (hostlib.init(rank, n, [CONTROL, ...], job),
     docs/striping-and-trees.md).
 
     \b

@@ -135,7 +135,8 @@ class Guard:
         if not request.proven:
             raise Denied(
                 f"{what} needs proof of the deployment secret: give the worker the secret file "
-                f"of `xdp-agg serve` (${control.SECRET_ENV}, or secret_file= in hostlib.init)"
+                f"of `xdp-agg serve` (${control.SECRET_ENV}, or HostOptions(secret_file=...) "
+                "given to hostlib.init)"
             )
 
     def need_job(self, request: Checked, key: str, token: str) -> None:
