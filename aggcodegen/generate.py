@@ -172,6 +172,7 @@ FASTPATH_WIRE = (
     ("POOL_VERSION_BIT", "FP_POOL_VERSION_BIT", "pool_index: version"),
     ("POOL_SLOT_MASK", "FP_POOL_SLOT_MASK", "pool_index: slot"),
     ("SWITCHML_OFFSET", "FP_FRAME_HLEN", "Ethernet + IPv4 + UDP headers before the payload"),
+    ("MAX_LANES", "FP_MAX_LANES", "a host's lanes: XSKMAP entries, bits of a group's mask"),
 )
 
 

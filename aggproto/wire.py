@@ -23,6 +23,10 @@ import numpy as np
 UDP_PORT = 0xBEE0  # the aggregator's base port (48864)
 UDP_PORT_MASK = 0xFFF0  # it accepts 0xBEE0..0xBEEF
 UDP_PORT_COUNT = 16
+# A host's lanes: lane l sends from and listens on worker_port + l; on AF_XDP one socket per lane,
+# which the queue's redirect program tells apart by that port (an XSKMAP entry each, and a bit
+# each in the group's mask: hostlib/_xsk.c)
+MAX_LANES = 64
 
 # --- message types (4 bits) -------------------------------------------------------------------
 MSG_TYPE_DATA = 1  # a contribution, and a result (SwitchML does not distinguish them)

@@ -29,6 +29,7 @@
  */
 #define _GNU_SOURCE
 #include "_xsk.h"
+#include "fp_wire.h"
 
 #include <arpa/inet.h>
 #include <errno.h>
@@ -42,6 +43,8 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
+_Static_assert(FP_MAX_LANES <= 64, "a group's mask of open lanes has 64 bits");
+
 #include "fp_util.h"
 #include "xsk_prog.h"
 
@@ -52,12 +55,11 @@
 #define SOL_XDP 283
 #endif
 
-#define XSK_FRAME     4096u /* a chunk: holds any packet of elems <= 768 with its headers */
-#define XSK_FRAMES    4096u /* 16 MiB of UMEM: half for receiving, half for sending */
-#define XSK_RING      2048u /* every ring holds half the frames */
-#define KICK_TRIES    64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
-#define XSK_MAX_LANES 64    /* the XSKMAP's entries, and the bits of Group.open */
-#define RX_BATCH      256   /* frames taken off an RX ring per receive */
+#define XSK_FRAME  4096u /* a chunk: holds any packet of elems <= 768 with its headers */
+#define XSK_FRAMES 4096u /* 16 MiB of UMEM: half for receiving, half for sending */
+#define XSK_RING   2048u /* every ring holds half the frames */
+#define KICK_TRIES 64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
+#define RX_BATCH   256   /* frames taken off an RX ring per receive */
 
 struct ring {
     uint32_t *producer, *consumer;
@@ -349,7 +351,7 @@ static const char *bad_config(const XskConfig *c)
 {
     if (c->plen + XSK_HDR_LEN > (int)XSK_FRAME - 256) /* XDP_PACKET_HEADROOM */
         return "the packet does not fit a UMEM frame";
-    if (c->lanes < 1 || c->lanes > XSK_MAX_LANES || c->lane < 0 || c->lane >= c->lanes)
+    if (c->lanes < 1 || c->lanes > FP_MAX_LANES || c->lane < 0 || c->lane >= c->lanes)
         return "lanes must be 1 to 64, and lane one of them";
     if (c->src_port - c->lane < 1)
         return "the lanes' base port (src_port - lane) is not a port";

@@ -8,7 +8,8 @@
 #define FP_POOL_VERSION_BIT 0x8000 /* pool_index: version */
 #define FP_POOL_SLOT_MASK 0x3fff /* pool_index: slot */
 #define FP_FRAME_HLEN 42 /* Ethernet + IPv4 + UDP headers before the payload */
+#define FP_MAX_LANES 64 /* a host's lanes: XSKMAP entries, bits of a group's mask */
 
 /* X(name in aggproto.wire, value) of each constant above */
-#define FP_WIRE_CONSTANTS(X) X(EXPONENTS_AT, FP_EXP_AT) X(EXP_HLEN, FP_EXP_LEN) X(VALUES_AT, FP_VALUES_AT) X(POOL_VERSION_BIT, FP_POOL_VERSION_BIT) X(POOL_SLOT_MASK, FP_POOL_SLOT_MASK) X(SWITCHML_OFFSET, FP_FRAME_HLEN)
+#define FP_WIRE_CONSTANTS(X) X(EXPONENTS_AT, FP_EXP_AT) X(EXP_HLEN, FP_EXP_LEN) X(VALUES_AT, FP_VALUES_AT) X(POOL_VERSION_BIT, FP_POOL_VERSION_BIT) X(POOL_SLOT_MASK, FP_POOL_SLOT_MASK) X(SWITCHML_OFFSET, FP_FRAME_HLEN) X(MAX_LANES, FP_MAX_LANES)
 #endif

@@ -56,7 +56,7 @@ DEFAULT_WINDOW = 64
 # to itself.
 DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
-MAX_LANES = 64  # the AF_XDP sockets one interface queue's program can tell apart (hostlib/_xsk.c)
+MAX_LANES = wire.MAX_LANES  # the AF_XDP sockets one queue's program tells apart (hostlib/_xsk.c)
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 
 
