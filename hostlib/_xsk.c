@@ -43,8 +43,6 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-_Static_assert(FP_MAX_LANES <= 64, "a group's mask of open lanes has 64 bits");
-
 #include "fp_util.h"
 #include "xsk_prog.h"
 
@@ -59,7 +57,8 @@ _Static_assert(FP_MAX_LANES <= 64, "a group's mask of open lanes has 64 bits");
 #define XSK_FRAMES 4096u /* 16 MiB of UMEM: half for receiving, half for sending */
 #define XSK_RING   2048u /* every ring holds half the frames */
 #define KICK_TRIES 64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
-#define RX_BATCH   256   /* frames taken off an RX ring per receive */
+_Static_assert(FP_MAX_LANES <= 64, "a group's mask of open lanes has 64 bits"); /* Group.open */
+#define RX_BATCH 256 /* frames taken off an RX ring per receive */
 
 struct ring {
     uint32_t *producer, *consumer;
