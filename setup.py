@@ -24,6 +24,7 @@ setup(
             depends=[
                 "hostlib/_xsk.h",
                 "hostlib/xsk_prog.h",
+                "hostlib/bpf_insn.h",
                 "hostlib/fp_counters.h",
                 "hostlib/fp_io.h",
                 "hostlib/fp_kernels.h",

@@ -26,12 +26,14 @@
 #include <linux/if_link.h>
 #include <math.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "fp_counters.h"
 #include "fp_io.h"
 #include "fp_kernels.h"
 #include "fp_loop.h"
 #include "fp_wire.h"
+#include "xsk_prog.h"
 
 typedef struct {
     PyObject_HEAD Stream stream; /* all of the loop's state: one per Engine, no globals */
@@ -539,7 +541,35 @@ static PyObject *py_simd(PyObject *m, PyObject *noargs)
     return PyUnicode_FromString(fp_simd_avx2() ? "avx2" : "scalar");
 }
 
+PyDoc_STRVAR(xsk_test_program_doc,
+             "xsk_test_program(base_port, lanes, queue) -> fd\n\n"
+             "The AF_XDP data path's redirect program (hostlib/xsk_prog.c) for these lanes and "
+             "queue, loaded with an empty XSKMAP and XDP_DROP where a lane has no socket, so "
+             "that BPF_PROG_TEST_RUN tells a frame for a lane (drop) from one for the kernel "
+             "(pass). The caller closes the fd.");
+
+static PyObject *py_xsk_test_program(PyObject *m, PyObject *args)
+{
+    int base_port, lanes, queue, map_fd, fd;
+    char log[4096] = "";
+    (void)m;
+    if (!PyArg_ParseTuple(args, "iii", &base_port, &lanes, &queue))
+        return NULL;
+    if (base_port < 1 || base_port > 65535 || lanes < 1 || lanes > FP_MAX_LANES || queue < 0)
+        return PyErr_Format(PyExc_ValueError, "bad port %d, lanes %d or queue %d", base_port, lanes,
+                            queue);
+    map_fd = xsk_map_create(lanes);
+    if (map_fd < 0)
+        return PyErr_SetFromErrno(PyExc_OSError);
+    fd = xsk_prog_load(map_fd, (uint16_t)base_port, lanes, queue, XDP_DROP, log, sizeof log);
+    close(map_fd); /* the program holds the map */
+    if (fd < 0)
+        return PyErr_Format(PyExc_OSError, "the redirect program did not load: %s", log);
+    return PyLong_FromLong(fd);
+}
+
 static PyMethodDef module_methods[] = {
+    {"xsk_test_program", py_xsk_test_program, METH_VARARGS, xsk_test_program_doc},
     {"chunk_exponents", py_chunk_exponents, METH_VARARGS, chunk_exponents_doc},
     {"quantise", py_quantise, METH_VARARGS, quantise_doc},
     {"dequantise", py_dequantise, METH_VARARGS, dequantise_doc},

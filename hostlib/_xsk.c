@@ -224,9 +224,10 @@ static int group_program(Group *g, const XskConfig *c, char *why, size_t why_len
     }
     char log[1024] = "";
     /* no log unless it fails: a successful verification's log can overflow the buffer (ENOSPC) */
-    g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, NULL, 0);
+    g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, XDP_PASS, NULL, 0);
     if (g->prog_fd < 0 && errno != EPERM)
-        g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, log, sizeof log);
+        g->prog_fd =
+            xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, XDP_PASS, log, sizeof log);
     if (g->prog_fd < 0) {
         snprintf(why, why_len, "loading the XDP program: %s %.200s", strerror(errno), log);
         return -1;

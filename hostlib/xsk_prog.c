@@ -20,6 +20,7 @@
 #include <unistd.h>
 
 #include "_xsk.h"
+#include "bpf_insn.h"
 
 long xsk_sys_bpf(int cmd, union bpf_attr *attr)
 {
@@ -48,57 +49,52 @@ int xsk_map_set(int map_fd, int lane, int fd)
     return (int)xsk_sys_bpf(fd >= 0 ? BPF_MAP_UPDATE_ELEM : BPF_MAP_DELETE_ELEM, &a);
 }
 
-#define INSN(c, d, s, o, i) \
-    ((struct bpf_insn){.code = (c), .dst_reg = (d), .src_reg = (s), .off = (o), .imm = (i)})
-#define LDX(size, d, s, o) INSN(BPF_LDX | (size) | BPF_MEM, d, s, o, 0)
-#define MOVR(d, s)         INSN(BPF_ALU64 | BPF_MOV | BPF_X, d, s, 0, 0)
-#define MOVI(d, i)         INSN(BPF_ALU64 | BPF_MOV | BPF_K, d, 0, 0, i)
-#define ALUI(op, d, i)     INSN(BPF_ALU64 | (op) | BPF_K, d, 0, 0, i)
-#define JNEI(d, i, o)      INSN(BPF_JMP | BPF_JNE | BPF_K, d, 0, o, i)
-#define PASS_AT            27 /* the index of the XDP_PASS exit below */
-#define TO_PASS(at)        (PASS_AT - (at)-1)
+enum { PASS }; /* the labels of the program */
 
-int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, char *log, size_t log_len)
+int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, int no_socket, char *log,
+                  size_t log_len)
 {
     struct bpf_insn p[] = {
-        MOVR(6, 1),                    /* 0: r6 = ctx */
-        LDX(BPF_W, 2, 6, 0),           /* 1: r2 = data */
-        LDX(BPF_W, 3, 6, 4),           /* 2: r3 = data_end */
-        MOVR(4, 2),                    /* 3 */
-        ALUI(BPF_ADD, 4, XSK_HDR_LEN), /* 4: r4 = data + 42 */
-        /* 5: a short frame (verifier: proves the loads below within data_end) */
-        INSN(BPF_JMP | BPF_JGT | BPF_X, 4, 3, TO_PASS(5), 0),
-        LDX(BPF_H, 5, 2, 12),                             /* 6: ethertype */
-        JNEI(5, htons(0x0800), TO_PASS(7)),               /* 7 */
-        LDX(BPF_B, 5, 2, 14),                             /* 8: version, IHL */
-        JNEI(5, 0x45, TO_PASS(9)),                        /* 9 */
-        LDX(BPF_B, 5, 2, 23),                             /* 10: protocol */
-        JNEI(5, IPPROTO_UDP, TO_PASS(11)),                /* 11 */
-        LDX(BPF_H, 5, 2, 20),                             /* 12: flags, fragment offset */
-        ALUI(BPF_AND, 5, htons(0x3FFF)),                  /* 13: MF and the offset */
-        JNEI(5, 0, TO_PASS(14)),                          /* 14: a fragment */
-        LDX(BPF_H, 5, 2, 36),                             /* 15: UDP destination port */
-        INSN(BPF_ALU | BPF_END | BPF_TO_BE, 5, 0, 0, 16), /* 16: in host order */
-        ALUI(BPF_SUB, 5, base_port),                      /* 17: r5 = the lane */
-        /* 18: unsigned: a port below base_port wrapped round to a huge lane */
-        INSN(BPF_JMP | BPF_JGE | BPF_K, 5, 0, TO_PASS(18), lanes),
-        LDX(BPF_W, 4, 6, 16),        /* 19: r4 = rx_queue_index */
-        JNEI(4, queue, TO_PASS(20)), /* 20: the sockets' queue only (the kernel checks it too) */
-        INSN(BPF_LD | BPF_DW | BPF_IMM, 1, BPF_PSEUDO_MAP_FD, 0,
-             map_fd),                                             /* 21: r1 = map, 2 slots */
-        INSN(0, 0, 0, 0, 0),                                      /* 22: the map's upper half */
-        MOVR(2, 5),                                               /* 23: key: the lane */
-        MOVI(3, XDP_PASS),                                        /* 24: no socket there: pass */
-        INSN(BPF_JMP | BPF_CALL, 0, 0, 0, BPF_FUNC_redirect_map), /* 25 */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 26 */
-        MOVI(0, XDP_PASS),                                        /* 27: PASS_AT */
-        INSN(BPF_JMP | BPF_EXIT, 0, 0, 0, 0),                     /* 28 */
+        BPF_MOV64_REG(BPF_REG_6, BPF_REG_1),            /* r6 = ctx */
+        BPF_LDX_MEM(BPF_W, BPF_REG_2, BPF_REG_6, 0),    /* r2 = data */
+        BPF_LDX_MEM(BPF_W, BPF_REG_3, BPF_REG_6, 4),    /* r3 = data_end */
+        BPF_MOV64_REG(BPF_REG_4, BPF_REG_2),            /* */
+        BPF_ALU64_IMM(BPF_ADD, BPF_REG_4, XSK_HDR_LEN), /* r4 = data + 42 */
+        /* a short frame (verifier: proves the loads below within data_end) */
+        BPF_JMP_REG(BPF_JGT, BPF_REG_4, BPF_REG_3, BPF_LABEL(PASS)),
+        BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 12), /* ethertype */
+        BPF_JMP_IMM(BPF_JNE, BPF_REG_5, htons(0x0800), BPF_LABEL(PASS)),
+        BPF_LDX_MEM(BPF_B, BPF_REG_5, BPF_REG_2, 14), /* version, IHL */
+        BPF_JMP_IMM(BPF_JNE, BPF_REG_5, 0x45, BPF_LABEL(PASS)),
+        BPF_LDX_MEM(BPF_B, BPF_REG_5, BPF_REG_2, 23), /* protocol */
+        BPF_JMP_IMM(BPF_JNE, BPF_REG_5, IPPROTO_UDP, BPF_LABEL(PASS)),
+        BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 20),        /* flags, fragment offset */
+        BPF_ALU64_IMM(BPF_AND, BPF_REG_5, htons(0x3FFF)),    /* MF and the offset */
+        BPF_JMP_IMM(BPF_JNE, BPF_REG_5, 0, BPF_LABEL(PASS)), /* a fragment */
+        BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 36),        /* UDP destination port */
+        BPF_ENDIAN(BPF_TO_BE, BPF_REG_5, 16),                /* in host order */
+        BPF_ALU64_IMM(BPF_SUB, BPF_REG_5, base_port),        /* r5 = the lane */
+        /* unsigned: a port below base_port wrapped round to a huge lane */
+        BPF_JMP_IMM(BPF_JGE, BPF_REG_5, lanes, BPF_LABEL(PASS)),
+        BPF_LDX_MEM(BPF_W, BPF_REG_4, BPF_REG_6, 16), /* r4 = rx_queue_index */
+        /* the sockets' queue only (the kernel checks it too) */
+        BPF_JMP_IMM(BPF_JNE, BPF_REG_4, queue, BPF_LABEL(PASS)),
+        BPF_LD_MAP_FD(BPF_REG_1, map_fd),    /* r1 = map */
+        BPF_MOV64_REG(BPF_REG_2, BPF_REG_5), /* key: the lane */
+        BPF_MOV64_IMM(BPF_REG_3, no_socket), /* no socket there: this action */
+        BPF_EMIT_CALL(BPF_FUNC_redirect_map),
+        BPF_EXIT_INSN(),
+        /* PASS: */
+        BPF_MOV64_IMM(BPF_REG_0, XDP_PASS),
+        BPF_EXIT_INSN(),
     };
+    size_t n = sizeof p / sizeof p[0];
+    bpf_fix_label(p, n, PASS, n - 2);
     union bpf_attr a;
     memset(&a, 0, sizeof a);
     a.prog_type = BPF_PROG_TYPE_XDP;
     a.insns = (uint64_t)(uintptr_t)p;
-    a.insn_cnt = sizeof p / sizeof p[0];
+    a.insn_cnt = (uint32_t)n;
     a.license = (uint64_t)(uintptr_t) "GPL";
     a.log_buf = (uint64_t)(uintptr_t)log;
     a.log_size = (uint32_t)log_len;
