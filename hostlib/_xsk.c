@@ -68,6 +68,33 @@ struct ring {
     size_t map_len;
 };
 
+/* The ring operations, as libxdp's xsk.h names them (xsk_ring_cons__peek, __release,
+ * xsk_ring_prod__submit, xsk_prod_nb_free): the side that owns an index reads it plainly and
+ * publishes it with release; the other side's index is read with acquire. Every ring holds
+ * XSK_RING entries. */
+static inline uint32_t ring_cons_peek(const struct ring *r, uint32_t max, uint32_t *idx)
+{
+    uint32_t cons = *r->consumer;
+    uint32_t avail = __atomic_load_n(r->producer, __ATOMIC_ACQUIRE) - cons;
+    *idx = cons;
+    return avail < max ? avail : max;
+}
+
+static inline void ring_cons_release(struct ring *r, uint32_t n)
+{
+    __atomic_store_n(r->consumer, *r->consumer + n, __ATOMIC_RELEASE);
+}
+
+static inline uint32_t ring_prod_free(const struct ring *r)
+{
+    return XSK_RING - (*r->producer - __atomic_load_n(r->consumer, __ATOMIC_ACQUIRE));
+}
+
+static inline void ring_prod_submit(struct ring *r, uint32_t n)
+{
+    __atomic_store_n(r->producer, *r->producer + n, __ATOMIC_RELEASE);
+}
+
 /* What the lanes on one interface queue share: the UMEM, its fill and completion rings, the
  * free transmit frames and the program. */
 typedef struct Group {
@@ -270,7 +297,7 @@ static Group *group_open(Xsk *x, const XskConfig *c, char *why, size_t why_len)
     uint64_t *fq = g->fill.desc;
     for (uint32_t i = 0; i < XSK_RING; i++)
         fq[i] = (uint64_t)i * XSK_FRAME;
-    __atomic_store_n(g->fill.producer, XSK_RING, __ATOMIC_RELEASE);
+    ring_prod_submit(&g->fill, XSK_RING);
     for (g->nfree = 0; g->nfree < XSK_FRAMES / 2; g->nfree++)
         g->free_tx[g->nfree] = (uint64_t)(XSK_RING + g->nfree) * XSK_FRAME;
     return g;
@@ -477,12 +504,11 @@ static uint32_t csum_add(uint32_t s, const uint8_t *p, size_t n)
 /* completed transmit frames back onto the free stack (under g->lock) */
 static void reap(Group *g)
 {
-    uint32_t cons = *g->comp.consumer;
-    uint32_t prod = __atomic_load_n(g->comp.producer, __ATOMIC_ACQUIRE);
+    uint32_t cons, n = ring_cons_peek(&g->comp, XSK_RING, &cons);
     const uint64_t *cq = g->comp.desc;
-    for (; cons != prod; cons++)
-        g->free_tx[g->nfree++] = cq[cons & g->comp.mask];
-    __atomic_store_n(g->comp.consumer, cons, __ATOMIC_RELEASE);
+    for (uint32_t i = 0; i < n; i++)
+        g->free_tx[g->nfree++] = cq[(cons + i) & g->comp.mask];
+    ring_cons_release(&g->comp, n);
 }
 
 /* sendto() makes the kernel transmit what the TX ring holds; copy mode does at most 32 frames
@@ -491,8 +517,8 @@ static void reap(Group *g)
 static int kick(Xsk *x, uint64_t *calls)
 {
     for (int i = 0; i < (x->g->zerocopy ? 1 : KICK_TRIES); i++) {
-        if (__atomic_load_n(x->tx.consumer, __ATOMIC_ACQUIRE) == *x->tx.producer)
-            return 0;
+        if (ring_prod_free(&x->tx) == XSK_RING)
+            return 0; /* the kernel took every frame */
         (*calls)++;
         if (sendto(x->fd, NULL, 0, MSG_DONTWAIT, NULL, 0) >= 0)
             continue;
@@ -509,7 +535,7 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
 {
     Group *g = x->g;
     uint32_t prod = *x->tx.producer;
-    uint32_t room = XSK_RING - (prod - __atomic_load_n(x->tx.consumer, __ATOMIC_ACQUIRE));
+    uint32_t room = ring_prod_free(&x->tx);
     int q = n;
     if ((uint32_t)q > room)
         q = (int)room;
@@ -522,7 +548,7 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
         d[(prod + (uint32_t)i) & x->tx.mask].addr = g->free_tx[--g->nfree];
     pthread_mutex_unlock(&g->lock);
     size_t plen = (size_t)x->cfg.plen;
-    for (int i = 0; i < q; i++, prod++) {
+    for (int i = 0; i < q; i++, prod++) { /* prod: the frame's entry, submitted below */
         struct xdp_desc *e = &d[prod & x->tx.mask];
         uint8_t *f = g->umem + e->addr;
         memcpy(f, x->hdr, XSK_HDR_LEN);
@@ -531,7 +557,7 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
         memcpy(f + XSK_HDR_LEN, rows[i], plen);
         e->len = (uint32_t)(XSK_HDR_LEN + plen);
     }
-    __atomic_store_n(x->tx.producer, prod, __ATOMIC_RELEASE);
+    ring_prod_submit(&x->tx, (uint32_t)q);
     int rc = kick(x, calls);
     if (pthread_mutex_trylock(&g->lock) == 0) { /* copy mode completed them in the kick */
         reap(g);
@@ -569,18 +595,15 @@ static void return_frames(Group *g, const uint64_t *addrs, uint32_t n)
     uint64_t *fq = g->fill.desc;
     uint32_t fprod = *g->fill.producer;
     for (uint32_t i = 0; i < n; i++)
-        fq[fprod++ & g->fill.mask] = addrs[i];
-    __atomic_store_n(g->fill.producer, fprod, __ATOMIC_RELEASE);
+        fq[(fprod + i) & g->fill.mask] = addrs[i];
+    ring_prod_submit(&g->fill, n);
     pthread_mutex_unlock(&g->lock);
 }
 
 int xsk_receive(Xsk *x, int budget, xsk_datagram_fn fn, void *ctx, uint64_t *malformed)
 {
-    uint32_t cons = *x->rx.consumer;
-    uint32_t avail = __atomic_load_n(x->rx.producer, __ATOMIC_ACQUIRE) - cons;
-    uint32_t n = avail < (uint32_t)budget ? avail : (uint32_t)budget;
-    if (n > RX_BATCH)
-        n = RX_BATCH;
+    uint32_t cons, n;
+    n = ring_cons_peek(&x->rx, (uint32_t)budget < RX_BATCH ? (uint32_t)budget : RX_BATCH, &cons);
     if (n == 0)
         return 0;
     const struct xdp_desc *d = x->rx.desc;
@@ -595,7 +618,7 @@ int xsk_receive(Xsk *x, int budget, xsk_datagram_fn fn, void *ctx, uint64_t *mal
             (*malformed)++;
         addrs[i] = rd.addr & ~(uint64_t)(XSK_FRAME - 1); /* ours again */
     }
-    __atomic_store_n(x->rx.consumer, cons + n, __ATOMIC_RELEASE);
+    ring_cons_release(&x->rx, n);
     return_frames(x->g, addrs, n);
     return (int)n;
 }
