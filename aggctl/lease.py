@@ -25,6 +25,7 @@ import threading
 import time
 
 from .auth import Limits
+from .registry import Holder
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +66,10 @@ class JobLease:
         if not self.enabled:
             return
         now = time.monotonic()
+        me = Holder.connection(conn)
         with self.registry.cond:
             for job in self.registry.jobs.values():
-                if conn in job.holders:
+                if me in job.holders:
                     self._renewed[job.token] = now
 
     def _run(self) -> None:
