@@ -33,6 +33,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from socketserver import ThreadingMixIn
+from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import generate_latest, make_wsgi_app
@@ -78,6 +79,15 @@ WORKER_METRICS = {
 }
 
 
+class SwitchmlStats(Protocol):
+    """What the metrics read of the SwitchML controller API (aggctl.switchml_grpc's
+    SwitchmlServer; not imported here: it needs grpc, an optional dependency)."""
+
+    def stats(self) -> dict:
+        """Its counters and gauges by the keys of _switchml_families; `ended` and `refusals`
+        {reason: count}."""
+
+
 @dataclasses.dataclass
 class Sources:
     """What a scrape reads.
@@ -92,7 +102,7 @@ class Sources:
     backend: Backend
     target: str
     endpoint: ControlEndpoint | None = None
-    switchml: object | None = None  # not typed here: aggctl.switchml_grpc needs grpc
+    switchml: SwitchmlStats | None = None
 
 
 def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
