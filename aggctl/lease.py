@@ -25,6 +25,7 @@ import threading
 import time
 
 from .auth import Limits
+from .backend import WorkerCounters
 from .registry import Holder
 
 log = logging.getLogger(__name__)
@@ -122,11 +123,11 @@ class JobLease:
 
     def _contributions(self, job) -> int | None:
         """The aggregator's count of the job's contributions, all workers; None if unknown."""
-        counters = getattr(self.registry.backend, "worker_counters", None)
-        if counters is None:
+        backend = self.registry.backend
+        if not isinstance(backend, WorkerCounters):
             return None
         try:
-            per = counters(job.spec.job_id)
+            per = backend.worker_counters(job.spec.job_id)
         except Exception:  # the job just went, or the backend cannot tell: no renewal
             return None
         return sum(int(c.get("contributions", 0)) for c in per.values())
