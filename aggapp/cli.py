@@ -16,7 +16,6 @@ control endpoint) and service.py (the systemd unit and its config).
 from __future__ import annotations
 
 import dataclasses
-import importlib.metadata
 import json
 import os
 import time
@@ -31,7 +30,7 @@ from xdp_switch import links, loader, pins
 from xdp_switch import slot_cpus as cpu_table
 from xdp_switch.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE, XdpAggError
 
-from . import options, service, serving
+from . import build, options, service, serving
 
 # --slot-cpus of attach, chosen by measurement (docs/benchmarks.md "One CPU per slot")
 DEFAULT_SLOT_CPUS = "rss"
@@ -81,10 +80,7 @@ def _name(ctx, param, value: str) -> str:
 
 def _version() -> str:
     """The installed distribution's version (pyproject.toml); a bare checkout has none."""
-    try:
-        return importlib.metadata.version("xdp-agg")
-    except importlib.metadata.PackageNotFoundError:
-        return "unknown (not installed: pip install .)"
+    return build.version() or "unknown (not installed: pip install .)"
 
 
 @click.group(

@@ -5,18 +5,20 @@ and memory, and the control endpoint's jobs, ranks and refusals, as Prometheus m
 `xdp-agg stats --prometheus` prints them once (`exposition`), for node_exporter's textfile
 collector. Nothing polls in the background: the collector reads the maps (or asks bmv2, or the
 soft aggregator) when Prometheus scrapes, through the same interfaces `xdp-agg stats` and the
-endpoint's `status` use (aggctl.backend's capabilities, XdpBackend.program_stats,
-ControlEndpoint.overview). docs/operations.md ("Metrics") lists every metric, with what a
-scrape costs.
+endpoint's `status` use (aggctl.backend's capabilities, ControlEndpoint.overview). Each
+source (the data plane, the kernel programs, the endpoint, the SwitchML API) is read apart, as
+node_exporter's collectors are: one that fails leaves the others' metrics in the scrape, and
+xdpagg_scrape_success{source} says which failed. docs/operations.md ("Metrics") lists every
+metric, with what a scrape costs.
 
 Labels and their bounds: `target` (xdp, bmv2, soft), `job_id` (the aggregator's job id, 0..63,
 or "none" for packets of no job), `worker` (a worker's index in its job, 0..63), `reason` (the
-reasons of aggproto.reasons), `program` and `map` (the XDP program's), `state` (a job's state
-at the endpoint), `kind` (aggctl.server.REFUSAL_KINDS) and, for the SwitchML controller API,
-`reason` (aggctl.switchml_sessions' REFUSALS and ENDINGS). A job's name is a label of one
-series only (xdpagg_endpoint_job_info), present while the job lives. The job label is `job_id`,
-not `job`: Prometheus gives every scraped series a `job` label of its own (the scrape job), and
-a `job` of ours would be renamed `exported_job`.
+reasons of aggproto.reasons), `program`, `id`, `tag` and `map` (the XDP program's), `state` (a
+job's state at the endpoint), `kind` (aggctl.server.REFUSAL_KINDS), `source` (SOURCES) and, for
+the SwitchML controller API, `reason` (aggctl.switchml_sessions' REFUSALS and ENDINGS). A job's
+name is a label of one series only (xdpagg_endpoint_job_info), present while the job lives. The
+job label is `job_id`, not `job`: Prometheus gives every scraped series a `job` label of its own
+(the scrape job), and a `job` of ours would be renamed `exported_job`.
 """
 
 from __future__ import annotations
@@ -25,27 +27,40 @@ import contextlib
 import dataclasses
 import ipaddress
 import logging
+import platform
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from socketserver import ThreadingMixIn
+from typing import Protocol
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from prometheus_client import generate_latest, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 
-from aggctl.backend import JobCounters, WorkerCounters
+from aggctl.backend import (
+    AllWorkerCounters,
+    Backend,
+    CounterRows,
+    JobCounters,
+    ProgramStats,
+    WorkerCounters,
+)
+from aggctl.server import ControlEndpoint
 from aggproto import limits
-from aggproto.reasons import Reason
+from aggproto.reasons import Reason, is_drop
 from xdp_switch.errors import XdpAggError
+
+from . import build
 
 log = logging.getLogger(__name__)
 
 PREFIX = "xdpagg_"
 NO_JOB_LABEL = "none"  # the job_id label of packets that belong to no job
-DROP_PREFIX = "drop_"  # reasons that drop a packet as bad (aggproto.reasons): xdpagg_drops_total
+# What a scrape reads, each apart (the `source` label of xdpagg_scrape_success and _duration)
+SOURCES = ("data_plane", "programs", "endpoint", "switchml")
 
 # Per-worker counters (aggcodegen.abi.WORKER_STATS's fields, the soft aggregator's alike):
 # field -> (metric name, help).
@@ -64,23 +79,30 @@ WORKER_METRICS = {
 }
 
 
+class SwitchmlStats(Protocol):
+    """What the metrics read of the SwitchML controller API (aggctl.switchml_grpc's
+    SwitchmlServer; not imported here: it needs grpc, an optional dependency)."""
+
+    def stats(self) -> dict:
+        """Its counters and gauges by the keys of _switchml_families; `ended` and `refusals`
+        {reason: count}."""
+
+
 @dataclasses.dataclass
 class Sources:
     """What a scrape reads.
 
-    backend: the aggregator target (aggctl.backend.Backend), with the capabilities it has
-    (JobCounters, WorkerCounters); target: its name, the `target` label ("xdp", "bmv2", "soft");
-    xdp: an XDP target's XdpBackend (the program's statistics, program_stats, and every job's
-    per-worker counters in one read, all_worker_counters), None for the others; endpoint: the
-    control endpoint in front of it (aggctl.server.ControlEndpoint), None without one; switchml:
-    the SwitchML controller API served beside it (aggctl.switchml_grpc.SwitchmlServer), None
-    without `serve --switchml-grpc`."""
+    backend: the aggregator target (aggctl.backend.Backend) the endpoint serves, with the
+    capabilities it has (JobCounters, CounterRows, WorkerCounters, AllWorkerCounters,
+    ProgramStats); target: its name, the `target` label ("xdp", "bmv2", "soft"); endpoint: the
+    control endpoint in front of it, None without one; switchml: the SwitchML controller API
+    served beside it (aggctl.switchml_grpc.SwitchmlServer: its stats()), None without
+    `serve --switchml-grpc`."""
 
-    backend: object
+    backend: Backend
     target: str
-    xdp: object | None = None
-    endpoint: object | None = None
-    switchml: object | None = None
+    endpoint: ControlEndpoint | None = None
+    switchml: SwitchmlStats | None = None
 
 
 def _counter(name: str, doc: str, labels: list[str]) -> CounterMetricFamily:
@@ -98,13 +120,33 @@ class AggregatorCollector(Collector):
         self.sources = sources
 
     def collect(self) -> Iterator[Metric]:
-        """Every metric family, read now; then how long reading them took."""
-        t0 = time.perf_counter()
-        families = [*self._data_plane(), *self._programs(), *self._endpoint(), *self._switchml()]
-        took = _scrape_family()
-        took.add_metric([], time.perf_counter() - t0)
-        yield from families
-        yield took
+        """Every source's metric families, read now, each source apart: one that raises is
+        logged and left out, the others stay; then each source's success and duration, and
+        the build."""
+        fams = _scrape_families()
+        for name, read in self._readers():
+            t0 = time.perf_counter()
+            try:
+                got, ok = read(), 1
+            except Exception:  # any failure of a source: the scrape goes on without it
+                log.exception("metrics: reading the %s failed", name.replace("_", " "))
+                got, ok = [], 0
+            fams["duration"].add_metric([name], time.perf_counter() - t0)
+            fams["success"].add_metric([name], ok)
+            yield from got
+        fams["build"].add_metric([build.version() or "unknown", platform.python_version()], 1)
+        yield from fams.values()
+
+    def _readers(self) -> list[tuple[str, Callable[[], list[Metric]]]]:
+        """(source, its reader) of each source `sources` has (SOURCES)."""
+        src = self.sources
+        readers = {
+            "data_plane": self._data_plane,
+            "programs": self._programs if isinstance(src.backend, ProgramStats) else None,
+            "endpoint": self._endpoint if src.endpoint is not None else None,
+            "switchml": self._switchml if src.switchml is not None else None,
+        }
+        return [(name, read) for name, read in readers.items() if read is not None]
 
     # --- the data plane: per job by reason, per worker ------------------------------------------
     def _data_plane(self) -> list[Metric]:
@@ -115,19 +157,14 @@ class AggregatorCollector(Collector):
         counted = _reason_rows(src.backend, [row for _, row in rows])
         for label, row in rows:
             for reason, n in counted.get(row, {}).items():
-                fam = fams["drops"] if reason.startswith(DROP_PREFIX) else fams["verdicts"]
+                fam = fams["drops"] if is_drop(reason) else fams["verdicts"]
                 fam.add_metric([src.target, label, reason], n)
-        # per-worker counters: of every job in one read where the target can (XDP)
-        every = src.xdp.all_worker_counters() if src.xdp is not None else None
+        every = _every_worker_counters(src.backend, [j["job_id"] for j in jobs])
         for j in jobs:
             jid = str(j["job_id"])
             fams["workers"].add_metric([src.target, jid], j["num_workers"])
             fams["payload"].add_metric([src.target, jid], 4 * j["elems"])
-            if every is not None:
-                per_worker = every.get(j["job_id"], {})
-            else:
-                per_worker = _worker_counters(src.backend, j["job_id"])
-            for index, c in per_worker.items():
+            for index, c in every.get(j["job_id"], {}).items():
                 for field, value in c.items():
                     if field in WORKER_METRICS:
                         fams[field].add_metric([src.target, jid, str(index)], value)
@@ -135,16 +172,17 @@ class AggregatorCollector(Collector):
 
     # --- the XDP program ----------------------------------------------------------------------
     def _programs(self) -> list[Metric]:
-        if self.sources.xdp is None:
+        st = self.sources.backend.program_stats()  # a ProgramStats: _readers asked
+        if st is None:
             return []
-        st = self.sources.xdp.program_stats()
         fams = _program_families()
-        fams["enabled"].add_metric([], int(st["bpf_stats_enabled"]))
-        for name, p in st["programs"].items():
-            fams["run"].add_metric([name], p["run_time_ns"] / 1e9)
-            fams["runs"].add_metric([name], p["run_cnt"])
-            fams["program_memory"].add_metric([name], p["memlock"])
-        for name, nbytes in st["maps"].items():
+        fams["enabled"].add_metric([], int(st.bpf_stats_enabled))
+        for name, p in st.programs.items():
+            fams["run"].add_metric([name], p.run_time_ns / 1e9)
+            fams["runs"].add_metric([name], p.run_cnt)
+            fams["program_memory"].add_metric([name], p.memlock)
+            fams["info"].add_metric([name, str(p.id), p.tag], 1)
+        for name, nbytes in st.maps.items():
             fams["map_memory"].add_metric([name], nbytes)
         return list(fams.values())
 
@@ -155,18 +193,20 @@ class AggregatorCollector(Collector):
         ov = self.sources.endpoint.overview()
         fams = _endpoint_families()
         states = {"registering": 0, "ready": 0, "closing": 0}
-        for j in ov["jobs"]:
-            states[j["state"]] = states.get(j["state"], 0) + 1
-            jid = str(j["job_id"])
-            fams["info"].add_metric([jid, j["key"]], 1)
-            for key in ("world_size", "registered", "missing", "gone"):
-                fams[key].add_metric([jid], j[key])
+        for j in ov.jobs:
+            states[j.state] = states.get(j.state, 0) + 1
+            jid = str(j.job_id)
+            fams["info"].add_metric([jid, j.key], 1)
+            fams["world_size"].add_metric([jid], j.world_size)
+            fams["registered"].add_metric([jid], j.registered)
+            fams["missing"].add_metric([jid], j.missing)
+            fams["gone"].add_metric([jid], j.gone)
         for state, n in states.items():
             fams["jobs"].add_metric([state], n)
-        for kind, n in ov["refusals"].items():
+        for kind, n in ov.refusals.items():
             fams["refusals"].add_metric([kind], n)
-        fams["connections"].add_metric([], ov["connections"])
-        fams["lease_expiries"].add_metric([], ov["lease_expiries"])
+        fams["connections"].add_metric([], ov.connections)
+        fams["lease_expiries"].add_metric([], ov.lease_expiries)
         return list(fams.values())
 
     # --- the SwitchML controller API ----------------------------------------------------------
@@ -258,14 +298,30 @@ def _program_families() -> dict[str, Metric]:
         "map_memory": _gauge(
             "xdp_map_memory_bytes", "Kernel memory of the program's map.", ["map"]
         ),
+        "info": _gauge(
+            "program_info",
+            "An attached XDP program (value 1): its kernel id and tag (bpftool prog show).",
+            [*prog, "id", "tag"],
+        ),
     }
 
 
-def _scrape_family() -> Metric:
-    return _gauge(
-        "scrape_duration_seconds",
-        "Seconds this scrape took to read the aggregator and the endpoint.",
-    )
+def _scrape_families() -> dict[str, Metric]:
+    """The scrape's own families, empty: each source's success and duration, the build."""
+    source = ["source"]
+    return {
+        "success": _gauge(
+            "scrape_success", "1 when this scrape read the source, 0 when it failed.", source
+        ),
+        "duration": _gauge(
+            "scrape_duration_seconds", "Seconds this scrape took to read the source.", source
+        ),
+        "build": _gauge(
+            "build_info",
+            "The xdp-agg serving these metrics (value 1): its version and Python's.",
+            ["version", "python"],
+        ),
+    }
 
 
 def metric_names() -> dict[str, str]:
@@ -276,7 +332,7 @@ def metric_names() -> dict[str, str]:
         *_program_families().values(),
         *_endpoint_families().values(),
         *_switchml_families().values(),
-        _scrape_family(),
+        *_scrape_families().values(),
     ]
     return {f.name + ("_total" if f.type == "counter" else ""): f.type for f in fams}
 
@@ -304,20 +360,26 @@ def _endpoint_families() -> dict[str, Metric]:
 def _reason_rows(backend, rows: list[int]) -> dict[int, dict[str, int]]:
     """{row: {reason: packets}} for the rows (job ids, limits.NO_JOB), every reason present (0
     where the target counted none: the soft aggregator lists only the reasons it saw); {} for a
-    target without the counters. One call for all rows where the target has one (bmv2's
-    counter_rows: one simple_switch_CLI run instead of one per row)."""
-    if not isinstance(backend, JobCounters):
+    target without the counters. One call for all rows where the target has one (CounterRows,
+    bmv2's: one simple_switch_CLI run instead of one per row)."""
+    if isinstance(backend, CounterRows):
+        got = backend.counter_rows(rows)
+    elif isinstance(backend, JobCounters):
+        got = {row: backend.counters(row) for row in rows}
+    else:
         return {}
-    batch = getattr(backend, "counter_rows", None)
-    got = batch(rows) if batch is not None else {row: backend.counters(row) for row in rows}
     names = [r.name.lower() for r in Reason]
     return {row: {r: int(got[row].get(r, 0)) for r in names} for row in rows}
 
 
-def _worker_counters(backend, job_id: int) -> dict[int, dict]:
-    if not isinstance(backend, WorkerCounters):
-        return {}
-    return backend.worker_counters(job_id)
+def _every_worker_counters(backend, job_ids: list[int]) -> dict[int, dict[int, dict]]:
+    """{job id: {worker index: counters}}: in one read where the target can (XDP), else job by
+    job; {} for a target without per-worker counters."""
+    if isinstance(backend, AllWorkerCounters):
+        return backend.all_worker_counters()
+    if isinstance(backend, WorkerCounters):
+        return {j: backend.worker_counters(j) for j in job_ids}
+    return {}
 
 
 def registry(sources: Sources) -> CollectorRegistry:

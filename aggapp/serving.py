@@ -465,7 +465,7 @@ def xdp_exposition(name: str) -> str:
     """The metrics of the attached XDP aggregator `name` (aggapp.metrics, without a control
     endpoint's), once, in Prometheus's text format: `xdp-agg stats --prometheus`."""
     backend = xdp_backend.XdpBackend(name)
-    sources = dict(backend=backend, target="xdp", xdp=backend)
+    sources = dict(backend=backend, target="xdp")
     metrics = _metrics_module()
     return metrics.exposition(metrics.Sources(**sources))
 
@@ -518,7 +518,7 @@ def serve_xdp(
     )
     lock = hold_serve_lock(name)
     try:
-        backend = xdp = xdp_backend.XdpBackend(name)
+        backend = xdp_backend.XdpBackend(name)
         if parent is not None:
             from aggctl.tree import TreeBackend
 
@@ -535,7 +535,7 @@ def serve_xdp(
             generation=backend.generation(),
             grace=rejoin_timeout,
         )
-        sources = dict(backend=backend, target="xdp", xdp=xdp, endpoint=server)
+        sources = dict(backend=backend, target="xdp", endpoint=server)
         port_address = port_address_of(aggregator_interfaces(name))
         with (
             switchml_serving(switchml, server, port_address) as sml,

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 
+from aggproto.reasons import drop_total
 from hostlib.options import DEFAULT_WINDOW
 
 
@@ -43,11 +44,7 @@ def _print_results(args, count: int, reports: list, agg: dict) -> bool:
         f"rank 0, {loop} loop)"
     )
     print(f"  packets sent       {sent:,}, retransmissions {retx:,}")
-    print(
-        "  aggregator         "
-        f"{sum(v for k, v in agg['unattributed'].items() if k.startswith('drop'))} "
-        "unattributed drops"
-    )
+    print(f"  aggregator         {drop_total(agg['unattributed'])} unattributed drops")
     if args.dtype == "int32":
         print(
             "  verified           "

@@ -3,17 +3,21 @@
 The control endpoint (`xdp-agg serve`), the CLI and the tests talk to an aggregator only through
 this interface, so the host library drives each target the same way. Backend is what every
 target has; the capabilities below it are what some have, each a protocol of its own that the
-endpoint tests with isinstance (they are runtime_checkable) before it uses it:
+endpoint and the metrics (aggapp.metrics) test with isinstance (they are runtime_checkable)
+before they use it:
 
-| capability | what the endpoint does with it | targets |
+| capability | who uses it, for what | targets |
 |---|---|---|
-| JobCounters | `diagnose` answers the job's counters by reason | xdp, soft, bmv2 |
-| WorkerCounters | `status` and `diagnose` say how far each rank got | xdp, soft |
+| JobCounters | `diagnose` answers the job's counters by reason; metrics too | xdp, soft, bmv2 |
+| WorkerCounters | `status` and `diagnose` say how far each rank got; metrics | xdp, soft |
 | JobLoss | `diagnose` says why the aggregator no longer has a job | xdp |
 | Generation | the saved job table names the attachment it was made on | xdp |
-| ParentStatus | `status` shows a rack job's parent link and its counters | xdp |
+| ParentStatus | `status` shows a rack job's parent link and its counters | xdp, bmv2 |
 | ParentJoin | `create` joins the parent's job first (a rack of a two-level tree) | tree |
 | ElemSizes | `ping` says which packet sizes the target takes (elems="auto") | xdp, bmv2 |
+| CounterRows | metrics read every job's counters in one call | bmv2 |
+| AllWorkerCounters | metrics read every job's per-worker counters in one call | xdp |
+| ProgramStats | metrics show the kernel programs' run time, memory, id and tag | xdp |
 
 tests/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.
@@ -22,6 +26,7 @@ it claims those of the table.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import asdict, dataclass
 from typing import Protocol, runtime_checkable
 
 from aggproto import wire
@@ -117,6 +122,56 @@ class ElemSizes(Protocol):
         """The sizes of aggproto.wire.SIZE_CODE_ELEMS this target takes now, ascending."""
 
 
+@runtime_checkable
+class CounterRows(Protocol):
+    """JobCounters of several rows in one call (bmv2: one simple_switch_CLI run, not one per
+    row)."""
+
+    def counter_rows(self, rows: list[int]) -> dict[int, dict[str, int]]:
+        """{row: counters(row)} for each of `rows` (job ids, limits.NO_JOB)."""
+
+
+@runtime_checkable
+class AllWorkerCounters(Protocol):
+    """WorkerCounters of every job in one call (XDP: the workers map read once)."""
+
+    def all_worker_counters(self) -> dict[int, dict[int, dict]]:
+        """{job id: worker_counters(job id)} of every job that has workers."""
+
+
+@dataclass(frozen=True)
+class KernelProgram:
+    """One attached BPF program as the kernel reports it (bpf_prog_info, /proc fdinfo)."""
+
+    run_time_ns: int  # counted only while kernel.bpf_stats_enabled = 1
+    run_cnt: int  # the same
+    memlock: int  # bytes of kernel memory
+    id: int  # the kernel's program id (bpftool prog show id ID)
+    tag: str  # the hash of its instructions, 16 hex digits (bpftool's tag)
+
+
+@dataclass(frozen=True)
+class KernelStats:
+    """What ProgramStats reads: whether the kernel counts run time, each attached program by
+    name, and each map's kernel memory in bytes by name."""
+
+    bpf_stats_enabled: bool
+    programs: dict[str, KernelProgram]
+    maps: dict[str, int]
+
+    def to_dict(self) -> dict:
+        """As JSON: {"bpf_stats_enabled", "programs": {name: {field: value}}, "maps"}."""
+        return asdict(self)
+
+
+@runtime_checkable
+class ProgramStats(Protocol):
+    """A target whose aggregator is kernel BPF programs: their statistics."""
+
+    def program_stats(self) -> KernelStats | None:
+        """The attached programs and maps now; None where the target has no BPF programs."""
+
+
 CAPABILITIES = (
     JobCounters,
     WorkerCounters,
@@ -125,6 +180,9 @@ CAPABILITIES = (
     ParentStatus,
     ParentJoin,
     ElemSizes,
+    CounterRows,
+    AllWorkerCounters,
+    ProgramStats,
 )
 
 

@@ -25,6 +25,8 @@ import threading
 import time
 
 from .auth import Limits
+from .backend import WorkerCounters
+from .registry import Holder
 
 log = logging.getLogger(__name__)
 
@@ -65,9 +67,10 @@ class JobLease:
         if not self.enabled:
             return
         now = time.monotonic()
+        me = Holder.connection(conn)
         with self.registry.cond:
             for job in self.registry.jobs.values():
-                if conn in job.holders:
+                if me in job.holders:
                     self._renewed[job.token] = now
 
     def _run(self) -> None:
@@ -120,11 +123,11 @@ class JobLease:
 
     def _contributions(self, job) -> int | None:
         """The aggregator's count of the job's contributions, all workers; None if unknown."""
-        counters = getattr(self.registry.backend, "worker_counters", None)
-        if counters is None:
+        backend = self.registry.backend
+        if not isinstance(backend, WorkerCounters):
             return None
         try:
-            per = counters(job.spec.job_id)
+            per = backend.worker_counters(job.spec.job_id)
         except Exception:  # the job just went, or the backend cannot tell: no renewal
             return None
         return sum(int(c.get("contributions", 0)) for c in per.values())

@@ -26,12 +26,37 @@ from .fields import RequestError, float_field, int_field, request_key
 log = logging.getLogger("aggctl.server")
 
 
+@dataclass(frozen=True)
+class Holder:
+    """Who keeps a job alive: a control connection (`number`: the endpoint's id of it), a rank
+    recovered after a restart that has not rejoined yet (`number`: the rank), or a SwitchML
+    session (aggctl.switchml_sessions; no connection holds its job). A job is deleted when its
+    last holder lets go. Each kind apart, so no connection id can pass for a rank or a session.
+    """
+
+    kind: str  # "connection", "recovered" or "session"
+    number: int = 0
+
+    @classmethod
+    def connection(cls, conn: int) -> Holder:
+        """The control connection `conn`."""
+        return cls("connection", conn)
+
+    @classmethod
+    def recovered(cls, rank: int) -> Holder:
+        """Recovered rank `rank`, until it rejoins or its grace ends."""
+        return cls("recovered", rank)
+
+
+SESSION = Holder("session")  # what holds a SwitchML session's job
+
+
 @dataclass
 class _Rank:
     ip: str
     port: int
     mac: str
-    conn: int | None  # None: recovered after a restart, not re-identified (rejoin) yet
+    holder: Holder | None  # None: recovered after a restart, not re-identified (rejoin) yet
     state: str = "registered"  # then "left" or "disconnected"
     gone_at: float | None = None  # wall-clock time it left or its connection closed
     contributions: int | None = None  # what the aggregator had counted from it by then
@@ -46,7 +71,7 @@ class _EndpointJob:
     worker_port: int
     token: str = ""  # the job's token (aggproto.control.new_token), given to its creator
     ranks: dict[int, _Rank] = field(default_factory=dict)
-    holders: set[int] = field(default_factory=set)  # connections keeping the job alive
+    holders: set[Holder] = field(default_factory=set)  # what keeps the job alive
     complete: bool = False  # every rank has registered: the barrier is open
     deleted: bool = False
     # whether aggctl.lease may end it when quiet; a SwitchML session's job (aggctl.switchml_grpc)
@@ -103,12 +128,6 @@ def _same_job(spec: JobSpec, have: dict) -> bool:
         have.get(k) == getattr(spec, k)
         for k in ("job_id", "num_workers", "elems", "slot_base", "slot_count", "agg_port")
     )
-
-
-def _recovered_holder(rank: int) -> int:
-    """The placeholder that holds a recovered job for `rank` until it rejoins (real connection
-    ids are positive)."""
-    return -(rank + 1)
 
 
 def _check_lanes(job: _EndpointJob, rank: int, lanes: int) -> None:
@@ -234,7 +253,7 @@ class JobRegistry:
         # a table without a token restores a job no token matches (aggproto.control.same_token)
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
-        job.holders = {_recovered_holder(r) for r, x in ranks.items() if x.state == "registered"}
+        job.holders = {Holder.recovered(r) for r, x in ranks.items() if x.state == "registered"}
         self.jobs[key] = job
         if not job.holders:  # nobody can come back for it: free it now
             self.delete(job)
@@ -249,7 +268,7 @@ class JobRegistry:
                 return
             for job in list(self.jobs.values()):
                 for r, x in job.ranks.items():
-                    if x.state == "registered" and x.conn is None:
+                    if x.state == "registered" and x.holder is None:
                         log.warning(
                             "rank %d of job %r did not rejoin within %g s: disconnected",
                             r,
@@ -257,12 +276,22 @@ class JobRegistry:
                             grace,
                         )
                         self._mark_gone(job, r, "disconnected")
-                        self._release(job, _recovered_holder(r))
+                        self._release(job, Holder.recovered(r))
             self.changed()
 
     # --- for other front ends of the same registry (aggctl.switchml_grpc) -----------------
     def open_job(
-        self, holder, key, world, elems, window, worker_port, *, port, base, unicast=False
+        self,
+        holder: Holder,
+        key,
+        world,
+        elems,
+        window,
+        worker_port,
+        *,
+        port,
+        base,
+        unicast=False,
     ) -> JobSpec:
         """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
         until end_job (no lease ends it); its spec. `unicast`: its results to each worker by
@@ -283,7 +312,7 @@ class JobRegistry:
             job.leased = False
             return job.spec
 
-    def join_job(self, holder, key, rank, ip, port, mac, local) -> None:
+    def join_job(self, holder: Holder, key, rank, ip, port, mac, local) -> None:
         """Register rank `rank` of job `key` without waiting for the others (their barrier is
         the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
         it. RequestError when it cannot be."""
@@ -324,12 +353,22 @@ class JobRegistry:
                 f"create: worker_port {worker_port} leaves no room for {lanes} lanes"
             )
         with self.cond:
-            job = self._new_job(conn, key, world, elems, window, worker_port)
+            job = self._new_job(Holder.connection(conn), key, world, elems, window, worker_port)
             job.lanes = lanes
             return {"job": self.describe(job, local), "token": job.token}
 
     def _new_job(
-        self, holder, key, world, elems, window, worker_port, *, port=None, base=None, unicast=False
+        self,
+        holder: Holder,
+        key,
+        world,
+        elems,
+        window,
+        worker_port,
+        *,
+        port=None,
+        base=None,
+        unicast=False,
     ):
         """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
         and first slot `base` given, else the first free port and the first fit of `window`
@@ -442,7 +481,7 @@ class JobRegistry:
             job = self.live_job(key, reveal=req.proven)
             self.guard.need_job(req, key, job.token)
             _check_lanes(job, rank, lanes)
-            self._add_rank(job, conn, rank, ip, port, mac, local)
+            self._add_rank(job, Holder.connection(conn), rank, ip, port, mac, local)
             # the barrier
             limit = self.defaults.barrier_timeout
             if req.get("timeout") is not None:
@@ -477,7 +516,7 @@ class JobRegistry:
                 f"job name and control endpoint, or check their logs"
             )
 
-    def _add_rank(self, job, conn, rank, ip, port, mac, local) -> None:
+    def _add_rank(self, job, holder: Holder, rank, ip, port, mac, local) -> None:
         """Register rank `rank` of `job` (lock held) from `ip`, results to `port`, held by
         `conn`; `local` is our address as the worker reached us (fill_worker's). RequestError
         when it cannot be."""
@@ -514,8 +553,8 @@ class JobRegistry:
             self.backend.add_worker(ws)
         except ValueError as e:
             raise RequestError(f"the aggregator refused rank {rank}: {e}") from None
-        job.ranks[rank] = _Rank(ip, port, ws.mac, conn)
-        job.holders.add(conn)
+        job.ranks[rank] = _Rank(ip, port, ws.mac, holder)
+        job.holders.add(holder)
         if len(job.ranks) == job.world_size:
             # a flag, not a count: a rank may leave right after its answer, before the
             # others' threads wake up, and they must still pass
@@ -534,8 +573,8 @@ class JobRegistry:
             x = job.ranks.get(rank)
             if x is not None and x.state == "registered":
                 self._mark_gone(job, rank, "left")
-            job.holders.discard(_recovered_holder(rank))  # left before it rejoined
-            self._release(job, conn)
+            job.holders.discard(Holder.recovered(rank))  # left before it rejoined
+            self._release(job, Holder.connection(conn))
             self.changed()
             return {"deleted": job.deleted}
 
@@ -558,28 +597,31 @@ class JobRegistry:
                     f"rank {rank} of job {key!r} is registered from {x.ip}:{x.port}, not "
                     f"{req.get('ip') or peer[0]}:{port}"
                 )
-            if x.conn is not None and x.conn != conn:
-                job.holders.discard(x.conn)
-            x.conn = conn
-            job.holders.discard(_recovered_holder(rank))
-            job.holders.add(conn)
+            me = Holder.connection(conn)
+            if x.holder is not None and x.holder != me:
+                job.holders.discard(x.holder)
+            x.holder = me
+            job.holders.discard(Holder.recovered(rank))
+            job.holders.add(me)
             self.changed()
             return {"job": self.describe(job, local)}
 
     def holds_job(self, conn: int) -> bool:
         """True when connection `conn` created or registered in a live job: such a connection
         stays open for a whole run, idle, and its close means "leave", so it is never cut."""
+        me = Holder.connection(conn)
         with self.cond:
-            return any(conn in j.holders for j in self.jobs.values())
+            return any(me in j.holders for j in self.jobs.values())
 
     def connection_closed(self, conn: int) -> None:
         """Connection `conn` closed: its ranks are gone, its hold on each job released."""
+        me = Holder.connection(conn)
         with self.cond:
             for job in list(self.jobs.values()):
                 for r, x in job.ranks.items():
-                    if x.conn == conn and x.state == "registered":
+                    if x.holder == me and x.state == "registered":
                         self._mark_gone(job, r, "disconnected")
-                self._release(job, conn)
+                self._release(job, me)
             self.changed()
 
     def stop(self) -> bool:
@@ -637,8 +679,8 @@ class JobRegistry:
         ranges = sorted({(s["slot_base"], s["slot_base"] + s["slot_count"]) for s in specs})
         return ids, ports, ranges
 
-    def _release(self, job: _EndpointJob, conn: int) -> None:
-        job.holders.discard(conn)
+    def _release(self, job: _EndpointJob, holder: Holder) -> None:
+        job.holders.discard(holder)
         if not job.holders and not job.deleted:
             self.delete(job)
 

@@ -69,7 +69,7 @@ import socketserver
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
 from aggproto import groups, wire
@@ -125,6 +125,34 @@ class ServerDefaults:
         if unknown:
             raise ValueError(f"unknown server defaults: {sorted(unknown)}")
         return cls(**value)
+
+
+@dataclass(frozen=True)
+class JobOverview:
+    """A live job as the endpoint's metrics show it: its ranks by where they are."""
+
+    key: str  # the job's name
+    job_id: int
+    state: str  # registering, ready, closing (aggctl.registry)
+    world_size: int
+    registered: int  # registered and present
+    missing: int  # not registered yet
+    gone: int  # left, or their connection closed
+
+
+@dataclass(frozen=True)
+class EndpointOverview:
+    """ControlEndpoint.overview: every live job, the open connections, the refusals by kind
+    (REFUSAL_KINDS) and the jobs removed for a lapsed lease."""
+
+    jobs: list[JobOverview]
+    connections: int
+    refusals: dict[str, int]
+    lease_expiries: int
+
+    def to_dict(self) -> dict:
+        """As JSON: {"jobs": [{field: value}], "connections", "refusals", "lease_expiries"}."""
+        return asdict(self)
 
 
 class ControlEndpoint:
@@ -298,31 +326,29 @@ class ControlEndpoint:
         with self._refusals_lock:
             return {k: self._refusals[k] for k in REFUSAL_KINDS}
 
-    def overview(self) -> dict:
-        """What an operator's metrics show of the endpoint (aggapp.metrics), read at once:
-        per live job its key, job id, state, world size and registered, missing and gone ranks;
-        the open connections, refusals by kind and jobs removed for a lapsed lease."""
+    def overview(self) -> EndpointOverview:
+        """What an operator's metrics show of the endpoint (aggapp.metrics), read at once."""
         with self.registry.cond:
             jobs = [
-                {
-                    "key": j.key,
-                    "job_id": j.spec.job_id,
-                    "state": j.state,
-                    "world_size": j.world_size,
-                    "registered": len(j.ranks) - len(j.gone),
-                    "missing": len(j.missing()),
-                    "gone": len(j.gone),
-                }
+                JobOverview(
+                    key=j.key,
+                    job_id=j.spec.job_id,
+                    state=j.state,
+                    world_size=j.world_size,
+                    registered=len(j.ranks) - len(j.gone),
+                    missing=len(j.missing()),
+                    gone=len(j.gone),
+                )
                 for j in self.registry.jobs.values()
                 if not j.deleted
             ]
             connections = len(self._conns)
-        return {
-            "jobs": jobs,
-            "connections": connections,
-            "refusals": self.refusals(),
-            "lease_expiries": self.lease.expiries,
-        }
+        return EndpointOverview(
+            jobs=jobs,
+            connections=connections,
+            refusals=self.refusals(),
+            lease_expiries=self.lease.expiries,
+        )
 
     def handle(self, conn: int, request: dict, local: tuple[str, int], peer: tuple[str, int]):
         """Answer one request (a dict) from connection `conn`; never raises."""

@@ -102,6 +102,6 @@ class JobStatus:
             "left": job.gone,
             # ranks holding the job through a live control connection (not recovered-only)
             "connected": sorted(
-                r for r, x in job.ranks.items() if x.state == "registered" and x.conn is not None
+                r for r, x in job.ranks.items() if x.state == "registered" and x.holder is not None
             ),
         }

@@ -62,6 +62,7 @@ from aggproto.limits import MAX_WORKERS
 from . import switchml_proto as pb
 from .backend import JobCounters, WorkerCounters
 from .fields import RequestError
+from .registry import SESSION
 
 log = logging.getLogger("aggctl.switchml_grpc")
 
@@ -74,7 +75,6 @@ P4APP_WORKER_PORT = 4000
 # p4app's default max_outstanding_packets is 256 (config.cc line 50); thread t of T uses slots
 # 2 * (256 / T) * t .. + 256 / T - 1, all below 512
 DEFAULT_WINDOW = 512
-HOLDER = -1_000_000  # who holds a session's job in the registry: no connection, the session
 
 # why a call is refused (the `reason` label of xdpagg_switchml_refusals_total) -> its status
 REFUSALS = {
@@ -286,7 +286,7 @@ class SwitchmlApi:
         """Rank req.rank of session `s` at `ip`, tied to the caller's connection (lock held)."""
         try:
             self.registry.join_job(
-                HOLDER, s.key, req.rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), local
+                SESSION, s.key, req.rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), local
             )
         except RequestError as e:
             if req.rank == 0:  # the session it just opened has no use without it
@@ -310,7 +310,7 @@ class SwitchmlApi:
         elems = wire.elems_for(req.packet_size)
         try:
             self.registry.open_job(
-                HOLDER,
+                SESSION,
                 key,
                 req.num_workers,
                 elems,

@@ -32,10 +32,14 @@ from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
 
 from .backend import (
+    AllWorkerCounters,
+    CounterRows,
     Generation,
     JobCounters,
     JobLoss,
+    KernelStats,
     ParentStatus,
+    ProgramStats,
     UplinkAddress,
     WorkerCounters,
     elem_sizes,
@@ -210,6 +214,25 @@ class TreeBackend:
     def generation(self):
         """The inner backend's generation (None where it has none)."""
         return self.inner.generation() if isinstance(self.inner, Generation) else None
+
+    def counter_rows(self, rows: list[int]) -> dict[int, dict[str, int]]:
+        """The inner backend's counters of `rows` in one call where it has one, else row by
+        row."""
+        if isinstance(self.inner, CounterRows):
+            return self.inner.counter_rows(rows)
+        return {row: self.counters(row) for row in rows}
+
+    def all_worker_counters(self) -> dict[int, dict[int, dict]]:
+        """The inner backend's per-worker counters of every job, in one call where it has
+        one."""
+        if isinstance(self.inner, AllWorkerCounters):
+            return self.inner.all_worker_counters()
+        every = {j["job_id"]: self.worker_counters(j["job_id"]) for j in self.jobs()}
+        return {j: ws for j, ws in every.items() if ws}
+
+    def program_stats(self) -> KernelStats | None:
+        """The inner backend's BPF programs (None where it has none)."""
+        return self.inner.program_stats() if isinstance(self.inner, ProgramStats) else None
 
     def _leave(self, job_id: int) -> None:
         with self._lock:

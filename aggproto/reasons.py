@@ -6,6 +6,7 @@ and columns given by aggproto.keys.counter_key; the reference model returns one 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from enum import IntEnum
 
 
@@ -48,3 +49,20 @@ PARENT_REASONS = tuple(
         Reason.STALE_PARENT_RESULT,
     )
 )
+
+# The reasons that drop a packet as bad (the DROP_ ones): what xdpagg_drops_total counts, what
+# a test or a benchmark sums as the aggregator's drops. DUP_PENDING and STALE_PARENT_RESULT drop
+# a packet too, but as expected traffic (a retry, a late answer), not as bad; EGRESS_NO_WORKER
+# is a result copy with nobody to take it, a verdict of switch mode.
+DROPS = frozenset(r for r in Reason if r.name.startswith("DROP_"))
+DROP_NAMES = frozenset(r.name.lower() for r in DROPS)
+
+
+def is_drop(name: str) -> bool:
+    """Whether the reason called `name` (lower case, as counters name it) is one of DROPS."""
+    return name in DROP_NAMES
+
+
+def drop_total(counted: Mapping[str, int]) -> int:
+    """The packets of `counted` ({reason name: packets}) dropped as bad (DROPS)."""
+    return sum(n for name, n in counted.items() if name in DROP_NAMES)

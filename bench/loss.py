@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from aggproto.reasons import drop_total
 from netns_testbed.counters import Layout, down_loss, drop_counters
 
 # --- attribution ----------------------------------------------------------------------------
@@ -124,7 +125,7 @@ def _agg_drops(delta: dict) -> int:
     rows = [agg.get("unattributed") or {}] + [
         j.get("reasons") or {} for j in (agg.get("jobs") or {}).values()
     ]
-    return sum(v for row in rows for k, v in row.items() if k.startswith("drop_"))
+    return sum(drop_total(row) for row in rows)
 
 
 def _counted(delta: dict, layout: Layout, engine: list[dict], datagram_bytes):

@@ -9,9 +9,9 @@ On a one-arm testbed of two workers, with the XDP aggregator served with --metri
    the Gbit/s that makes (S*8/time, S the tensor's bytes);
 2. time per scrape: the wall time of an HTTP GET of /metrics from the aggregator's namespace
    (what Prometheus waits for) and the collector's own reading of the maps and the endpoint
-   (xdpagg_scrape_duration_seconds), median and 99th percentile, over the back-to-back phases
-   (one job of two workers), then again with 64 jobs of 4 workers each in the aggregator (the
-   most jobs it has), each counter row read per scrape.
+   (xdpagg_scrape_duration_seconds, summed over its sources), median and 99th percentile, over
+   the back-to-back phases (one job of two workers), then again with 64 jobs of 4 workers each
+   in the aggregator (the most jobs it has), each counter row read per scrape.
 
 Prints one JSON object (docs/operations.md, "Metrics", quotes it). Needs root.
 """
@@ -42,8 +42,8 @@ while not os.path.exists(stop) and len(lat) < limit:
     text = urllib.request.urlopen(url, timeout=30).read().decode()
     lat.append(time.perf_counter() - t0)
     size = len(text)
-    reads += [float(x.split()[1]) for x in text.splitlines()
-              if x.startswith("xdpagg_scrape_duration_seconds ")]
+    reads.append(sum(float(x.split()[-1]) for x in text.splitlines()
+                     if x.startswith("xdpagg_scrape_duration_seconds{")))
     if interval:
         time.sleep(interval)
 print(json.dumps({"latency_s": lat, "read_s": reads, "bytes": size}))

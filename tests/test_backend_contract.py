@@ -106,10 +106,22 @@ def _xdp_backend_class():
 
 CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
-    "bmv2": (lambda: bmv2_switch.Bmv2Backend, {"JobCounters", "ParentStatus", "ElemSizes"}),
+    "bmv2": (
+        lambda: bmv2_switch.Bmv2Backend,
+        {"JobCounters", "ParentStatus", "ElemSizes", "CounterRows"},
+    ),
     "xdp": (
         _xdp_backend_class,
-        {"JobCounters", "WorkerCounters", "JobLoss", "Generation", "ParentStatus", "ElemSizes"},
+        {
+            "JobCounters",
+            "WorkerCounters",
+            "JobLoss",
+            "Generation",
+            "ParentStatus",
+            "ElemSizes",
+            "AllWorkerCounters",
+            "ProgramStats",
+        },
     ),
     "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),
 }
@@ -144,6 +156,13 @@ def _check_capabilities(backend, job_id: int) -> set[str]:
     if "ElemSizes" in checked:
         sizes = backend.elem_sizes()
         assert sizes and set(sizes) <= set(wire.SIZE_CODE_ELEMS.values()), sizes
+    if "CounterRows" in checked:
+        assert backend.counter_rows([job_id]) == {job_id: backend.counters(job_id)}
+    if "AllWorkerCounters" in checked:
+        assert backend.all_worker_counters().get(job_id, {}) == backend.worker_counters(job_id)
+    if "ProgramStats" in checked:
+        st = backend.program_stats()
+        assert st is None or json.loads(json.dumps(st.to_dict())) == st.to_dict()
     return checked
 
 
@@ -196,6 +215,9 @@ def test_tree_backend_answers_as_its_inner_backend_or_neutrally():
         assert tree.counters(5) == agg.counters(5)
         assert tree.worker_counters(5) == agg.worker_counters(5)
         assert tree.jobs() == agg.jobs()
+        assert tree.counter_rows([5]) == {5: agg.counters(5)}  # row by row: soft has no batch
+        assert tree.all_worker_counters() == {5: agg.worker_counters(5)}
+        assert tree.program_stats() is None
     finally:
         agg.stop()
     bare = TreeBackend(_Bare(), link)
@@ -203,6 +225,7 @@ def test_tree_backend_answers_as_its_inner_backend_or_neutrally():
     bare.create_job(spec())
     assert (bare.counters(5), bare.worker_counters(5)) == ({}, {})
     assert (bare.job_lost(5), bare.generation(), bare.parent_status(5)) == (None, None, None)
+    assert (bare.counter_rows([5]), bare.all_worker_counters()) == ({5: {}}, {})
     assert [j["job_id"] for j in bare.jobs()] == [5]
 
 
@@ -242,3 +265,37 @@ def test_the_checks_alone():
     with pytest.raises(ValueError, match="overlap job 4"):
         check_job(spec(), {4: (13, 1)}, 1024)
     check_worker(worker(1, "a"), spec(), {("a", PORT): (5, 1)})
+
+
+def test_the_table_names_every_capability():
+    """The module's table (its docstring) has a row for each of CAPABILITIES, and no other."""
+    rows = {
+        line.split("|")[1].strip()
+        for line in contract.__doc__.splitlines()
+        if line.startswith("| ") and not line.startswith("| capability")
+    }
+    assert rows == {c.__name__ for c in contract.CAPABILITIES}
+
+
+def test_typed_results_keep_their_json():
+    """KernelStats and the endpoint's overview are dataclasses; to_dict is the JSON they were."""
+    from aggctl.server import EndpointOverview, JobOverview
+
+    prog = contract.KernelProgram(run_time_ns=5, run_cnt=2, memlock=4096, id=7, tag="00ff" * 4)
+    st = contract.KernelStats(bpf_stats_enabled=True, programs={"ingress": prog}, maps={"m": 1})
+    assert st.to_dict() == {
+        "bpf_stats_enabled": True,
+        "programs": {
+            "ingress": {
+                "run_time_ns": 5, "run_cnt": 2, "memlock": 4096, "id": 7, "tag": "00ff" * 4
+            }
+        },
+        "maps": {"m": 1},
+    }  # fmt: skip
+    job = JobOverview("a", 3, "ready", 2, 2, 0, 0)
+    ov = EndpointOverview(jobs=[job], connections=1, refusals={"auth": 0}, lease_expiries=0)
+    assert json.dumps(ov.to_dict()) == (
+        '{"jobs": [{"key": "a", "job_id": 3, "state": "ready", "world_size": 2, '
+        '"registered": 2, "missing": 0, "gone": 0}], "connections": 1, '
+        '"refusals": {"auth": 0}, "lease_expiries": 0}'
+    )

@@ -53,7 +53,7 @@ def test_a_quiet_job_expires_after_its_lease_and_frees_its_slots():
             time.sleep(0.2)
         assert time.monotonic() - t0 >= 1.0
         assert "talking" in cl.server.registry.jobs and cl.server.lease.expired == ["quiet"]
-        assert cl.server.overview()["lease_expiries"] == 1  # the metrics' counter
+        assert cl.server.overview().lease_expiries == 1  # the metrics' counter
         assert job_id not in {j["job_id"] for j in cl.aggregator.jobs()}  # gone from the backend
         with pytest.raises(RendezvousError, match="no job 'quiet'"):
             quiet.request("status", job="quiet")

@@ -197,6 +197,71 @@ def test_series_go_with_their_job_and_other_targets_shapes_are_read():
     assert value(got, "xdpagg_packets_total", target="bmv2", job_id="3", reason="completed") == 0
 
 
+class _OneJob:
+    """A target with the Backend contract's jobs() and one job, nothing else."""
+
+    def jobs(self):
+        return [{"job_id": 3, "num_workers": 2, "elems": 256, "workers": []}]
+
+
+class _Programs(_OneJob):
+    """A ProgramStats target (aggctl.backend) whose kernel statistics are `stats`, or raise."""
+
+    def __init__(self, stats):
+        self.stats = stats
+
+    def program_stats(self):
+        if isinstance(self.stats, Exception):
+            raise self.stats
+        return self.stats
+
+
+def _kernel_stats():
+    from aggctl.backend import KernelProgram, KernelStats
+
+    prog = KernelProgram(run_time_ns=2_000_000_000, run_cnt=4, memlock=8192, id=41, tag="ab" * 8)
+    return KernelStats(bpf_stats_enabled=True, programs={"ingress": prog}, maps={"slots": 4096})
+
+
+def test_program_info_and_build_info():
+    got = samples(metrics.exposition(metrics.Sources(_Programs(_kernel_stats()), "xdp")))
+    assert value(got, "xdpagg_program_info", program="ingress", id="41", tag="ab" * 8) == 1
+    assert value(got, "xdpagg_xdp_program_run_seconds_total", program="ingress") == 2.0
+    assert value(got, "xdpagg_xdp_map_memory_bytes", map="slots") == 4096
+    (build,) = [k for k in got if k[0] == "xdpagg_build_info"]
+    assert dict(build[1])["version"] and got[build] == 1
+    for source in ("data_plane", "programs"):
+        assert value(got, "xdpagg_scrape_success", source=source) == 1
+        assert value(got, "xdpagg_scrape_duration_seconds", source=source) >= 0
+    # a source the target does not have is not scraped, so it has no success to report
+    assert not [k for k in got if dict(k[1]).get("source") in ("endpoint", "switchml")]
+
+
+def test_a_failing_source_leaves_the_others_in_the_scrape(caplog):
+    class Broken:
+        """An endpoint whose overview fails."""
+
+        def overview(self):
+            raise RuntimeError("overview broke")
+
+    backend = _Programs(OSError(9, "Bad file descriptor"))
+    src = metrics.Sources(backend=backend, target="xdp", endpoint=Broken())
+    got = samples(metrics.exposition(src))
+    assert value(got, "xdpagg_scrape_success", source="data_plane") == 1
+    assert value(got, "xdpagg_scrape_success", source="programs") == 0
+    assert value(got, "xdpagg_scrape_success", source="endpoint") == 0
+    assert value(got, "xdpagg_job_workers", target="xdp", job_id="3") == 2  # still there
+    assert not [k for k in got if k[0].startswith(("xdpagg_xdp_", "xdpagg_endpoint_"))]
+    assert "reading the programs failed" in caplog.text
+    assert "reading the endpoint failed" in caplog.text
+    # and the data plane failing leaves the programs
+    backend = _Programs(_kernel_stats())
+    backend.jobs = lambda: (_ for _ in ()).throw(OSError("map gone"))
+    got = samples(metrics.exposition(metrics.Sources(backend=backend, target="xdp")))
+    assert value(got, "xdpagg_scrape_success", source="data_plane") == 0
+    assert value(got, "xdpagg_program_info", program="ingress", id="41", tag="ab" * 8) == 1
+
+
 def test_served_over_http_while_the_job_runs_and_promtool_accepts_it(tmp_path):
     with soft_cluster() as cl:
         src = metrics.Sources(backend=cl.aggregator, target="soft", endpoint=cl.server)

@@ -7,7 +7,10 @@ in a temporary directory, ended by its PID) scrapes them with docs/prometheus/al
 Worker 0's address sends contributions of the wrong size. Through Prometheus's HTTP API, PromQL
 must then give the job's contribution rate (above zero), the bad-size drops of the job and of
 worker 0 (as many as the aggregator counted: `xdp-agg stats`), the XDP program's runs (the
-kernel's BPF statistics, on for the test), and the alert XdpAggDropsRising pending. `promtool
+kernel's BPF statistics, on for the test), every source of the scrape read
+(xdpagg_scrape_success 1 for the data plane, the programs and the endpoint), the ingress program
+named by its kernel id and tag (xdpagg_program_info, as bpfsys reads them), and the alert
+XdpAggDropsRising pending. `promtool
 check metrics` passes on what serve exposes and on `xdp-agg stats --prometheus`. The test waits
 for events (samples present, counts equal), each wait bounded by a generous number of polls.
 
@@ -17,6 +20,7 @@ Skipped, with the reason, where Debian's prometheus package (prometheus, promtoo
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -188,12 +192,36 @@ def _query_while_running(tb, cl, api: Prom, w0, promtool: str, bpf_stats: bool) 
     if bpf_stats:  # the kernel counts the program's runs only with the sysctl on
         runs = 'rate(xdpagg_xdp_program_runs_total{program="ingress"}[5s])'
         found[runs] = api.wait(runs, lambda res: res and _values(res)[0] > 0)
+    found.update(_sources_and_programs(api))
     # what a scrape cost: our reading of the maps and the endpoint, and the whole scrape as
     # Prometheus timed it (HTTP and parsing too), for the record
     for cost in ("xdpagg_scrape_duration_seconds", "scrape_duration_seconds"):
         found[cost] = api.query(f"max_over_time({cost}[1m])")
     _promtool_checks(tb, cl, promtool)
     return found
+
+
+def _sources_and_programs(api: Prom) -> dict:
+    """Every source of serve's scrape read (scrape_success 1 each), and the ingress program
+    named by its id and tag (16 hex digits)."""
+    ok = "xdpagg_scrape_success"
+    sources = {"data_plane", "programs", "endpoint"}
+    got = {
+        ok: api.wait(
+            ok,
+            lambda res: {s["metric"]["source"] for s in res} == sources and min(_values(res)) == 1,
+        )
+    }
+    info = 'xdpagg_program_info{program="ingress"}'
+    got[info] = api.wait(
+        info,
+        lambda res: (
+            len(res) == 1
+            and int(res[0]["metric"]["id"]) > 0
+            and re.fullmatch("[0-9a-f]{16}", res[0]["metric"]["tag"]) is not None
+        ),
+    )
+    return got
 
 
 def _counted_bad_size(cl, jid: str) -> int:
@@ -215,6 +243,7 @@ def _promtool_checks(tb, cl, promtool: str) -> None:
     assert served.returncode == 0, served.stderr
     once = cl.cli("stats", "--prometheus").stdout
     assert "xdpagg_xdp_map_memory_bytes" in once and "xdpagg_endpoint" not in once
+    assert 'xdpagg_scrape_success{source="programs"} 1.0' in once
     for text in (served.stdout, once):
         assert "xdpagg_contributions_total" in text
         r = subprocess.run(

@@ -21,6 +21,7 @@ from switchml_grpc_stack import PER_THREAD, SWITCH_MAC, THREADS, K, Stack  # noq
 
 from aggctl import switchml_proto as pb  # noqa: E402
 from aggctl.fields import RequestError  # noqa: E402
+from aggctl.registry import SESSION, Holder  # noqa: E402
 from aggctl.switchml_grpc import AGG_PORT, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
@@ -69,8 +70,9 @@ def test_no_lease_ends_a_session_job(stack):
 
     stack.setup_all(2)
     # a job of the JSON protocol beside it, whose ranks went quiet
-    with stack.endpoint.registry.cond:
-        stack.endpoint.registry._new_job(-7, "plain", 2, 32, 8, 5000).complete = True
+    reg = stack.endpoint.registry
+    with reg.cond:
+        reg._new_job(Holder.connection(7), "plain", 2, 32, 8, 5000).complete = True
     lease = JobLease(stack.endpoint.registry, seconds=1e-9)
     lease.sweep()
     assert lease.sweep() == ["plain"]
@@ -133,7 +135,7 @@ def test_a_rank_past_the_first_barrier_without_udp_session_is_refused_at_its_sec
 
 
 def test_refused_when_the_aggregator_port_is_taken(stack):
-    stack.endpoint.registry.open_job(-1, "other", 2, 32, 8, 5000, port=AGG_PORT, base=100)
+    stack.endpoint.registry.open_job(SESSION, "other", 2, 32, 8, 5000, port=AGG_PORT, base=100)
     with pytest.raises(grpc.RpcError) as err:
         stack.setup(0, 1)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -143,10 +145,25 @@ def test_refused_when_the_aggregator_port_is_taken(stack):
 
 def test_registry_refuses_slots_in_use_naming_each_range_once(stack):
     """F7: the refusal listed each used range twice (the registry's job and the backend's)."""
-    stack.endpoint.registry.open_job(-1, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
+    stack.endpoint.registry.open_job(SESSION, "a", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
     with pytest.raises(RequestError, match=r"slots 4..11 are not free") as err:
-        stack.endpoint.registry.open_job(-1, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
+        stack.endpoint.registry.open_job(SESSION, "b", 2, 32, 8, 5000, port=AGG_PORT + 2, base=4)
     assert "(used: [(0, 8)])" in str(err.value)
+
+
+def test_who_holds_a_job_is_a_holder_of_its_kind(stack):
+    """A session's job and a recovered rank are held by holders of their own kind: no
+    connection, whatever its number, lets go of them (they were ints that could collide)."""
+    reg = stack.endpoint.registry
+    reg.open_job(SESSION, "s", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
+    with reg.cond:
+        reg._new_job(Holder.recovered(1), "r", 2, 32, 8, 5000)
+    for conn in (-1_000_000, -2, -1, 0, 1, 2):  # the old session and recovered-rank numbers
+        assert not reg.holds_job(conn)
+        reg.connection_closed(conn)
+    assert sorted(j["key"] for j in reg.snapshot()["jobs"]) == ["r", "s"]
+    assert reg.jobs["s"].holders == {SESSION}
+    assert len({Holder.connection(1), Holder.recovered(1), SESSION}) == 3
 
 
 def test_rdma_session_is_unimplemented(stack):

@@ -31,7 +31,7 @@ from harness.workers import finish_soak_workers, start_soak_workers
 
 from aggcluster.cluster import Cluster
 from aggproto.model import Action, ReferenceAggregator
-from aggproto.reasons import Reason
+from aggproto.reasons import Reason, is_drop
 from netns_testbed import counters
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
@@ -164,14 +164,14 @@ def test_junk_from_an_intruder_and_a_worker_changes_no_sum_and_is_counted(
             expected = want.get((row, reason), 0)
             if reason == Reason.PASS.name.lower():
                 assert n >= expected - slack, f"{row}/{reason}: {n} < {expected}; {detail}"
-            elif reason.startswith("drop"):
+            elif is_drop(reason):
                 assert expected - slack <= n <= expected, (
                     f"{row}/{reason}: counted {n}, sent {expected} (path drops {slack}); {detail}"
                 )
     # and per worker: worker 0's frames that reached the job are its drops; the others have none
     ws_a = before["aggregator"]["jobs"][str(jid)]["workers"]
     ws_b = after["aggregator"]["jobs"][str(jid)]["workers"]
-    mine = sum(n for (row, r), n in want.items() if row == jid and r.startswith("drop"))
+    mine = sum(n for (row, r), n in want.items() if row == jid and is_drop(r))
     w0_index = next(w["index"] for w in job["workers"] if w["ip"] == w0.ip)
     for idx in ws_b:
         d = ws_b[idx]["dropped"] - ws_a.get(idx, {}).get("dropped", 0)

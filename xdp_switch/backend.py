@@ -21,6 +21,7 @@ import time
 
 import bpfsys
 from aggcodegen import abi
+from aggctl.backend import KernelProgram, KernelStats
 from aggproto import limits, wire
 from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from aggproto.reasons import PARENT_REASONS
@@ -662,12 +663,10 @@ class XdpBackend:
                 out.setdefault(w.job, {})[w.index] = self.maps.worker_counters(w.job, w.index)
         return {j: dict(sorted(ws.items())) for j, ws in sorted(out.items())}
 
-    def program_stats(self) -> dict:
+    def program_stats(self) -> KernelStats:
         """The attached programs' run time and runs (the kernel counts them only while
-        kernel.bpf_stats_enabled = 1: `bpf_stats_enabled` says whether it does) and the kernel
-        memory of each program and map, in bytes:
-        {"bpf_stats_enabled", "programs": {name: {"run_time_ns", "run_cnt", "memlock"}},
-        "maps": {name: memlock}}."""
+        kernel.bpf_stats_enabled = 1: `bpf_stats_enabled` says whether it does), each one's id
+        and tag, and the kernel memory of each program and map, in bytes."""
         self._follow()
         inst = pins.Instance(self.name)
         programs = {}
@@ -677,18 +676,20 @@ class XdpBackend:
             fd = inst.open_prog(prog)
             try:
                 info = bpfsys.prog_info(fd)
-                programs[prog] = {
-                    "run_time_ns": info.run_time_ns,
-                    "run_cnt": info.run_cnt,
-                    "memlock": bpfsys.memlock(fd),
-                }
+                programs[prog] = KernelProgram(
+                    run_time_ns=info.run_time_ns,
+                    run_cnt=info.run_cnt,
+                    memlock=bpfsys.memlock(fd),
+                    id=info.id,
+                    tag=bytes(info.tag).hex(),
+                )
             finally:
                 os.close(fd)
-        return {
-            "bpf_stats_enabled": bpfsys.bpf_stats_enabled(),
-            "programs": programs,
-            "maps": {m: bpfsys.memlock(fd) for m, fd in sorted(self.maps.fds.items())},
-        }
+        return KernelStats(
+            bpf_stats_enabled=bpfsys.bpf_stats_enabled(),
+            programs=programs,
+            maps={m: bpfsys.memlock(fd) for m, fd in sorted(self.maps.fds.items())},
+        )
 
     def worker_counters(self, job_id: int) -> dict[int, dict]:
         """Per-worker counters of a job, by worker index (none for a lost job)."""

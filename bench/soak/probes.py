@@ -9,6 +9,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from aggproto import reasons
+
 
 def proc_usage(pid: int) -> dict | None:
     """RSS (KiB) and open file descriptors of a live process, or None if it is gone."""
@@ -59,14 +61,11 @@ def count_namespaces(prefix: str) -> int:
 
 
 def drop_total(stats: dict) -> int:
-    """Every counter whose reason is a drop, over unattributed and all jobs."""
-
-    def drops(reasons: dict) -> int:
-        return sum(v for k, v in reasons.items() if k.startswith("drop") or k == "dropped")
-
-    total = drops(stats.get("unattributed") or {})
+    """Every counter whose reason is a drop (aggproto.reasons.DROPS), over unattributed and
+    all jobs."""
+    total = reasons.drop_total(stats.get("unattributed") or {})
     for j in (stats.get("jobs") or {}).values():
-        total += drops(j.get("reasons") or {})
+        total += reasons.drop_total(j.get("reasons") or {})
     return total
 
 
