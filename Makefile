@@ -95,13 +95,13 @@ test-unit: venv
 	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
 
 demo: setup
-	$(PY) -m aggcluster.demo
+	$(PY) -m xdp_agg.cluster.demo
 
 bench-micro: setup
-	$(PY) -m aggapp.cli bench
+	$(PY) -m xdp_agg.app.cli bench
 
 bench: setup
-	$(PY) -m aggapp.cli bench
+	$(PY) -m xdp_agg.app.cli bench
 	$(PY) -m pip install -q -e '.[bench]'
 	$(PY) -m bench.allreduce
 
@@ -125,7 +125,7 @@ bundle: venv
 	$(PY) tools/bundle/build.py $(foreach p,$(BUNDLE_PYTHONS),--python $(p))
 
 codegen: venv
-	$(PY) -m aggcodegen
+	$(PY) -m xdp_agg.codegen
 
 clean:
 	rm -rf .venv .pytest_cache *.egg-info

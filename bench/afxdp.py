@@ -4,7 +4,7 @@ with every number of lanes of `--lanes` (default 1; `--lanes 1,2`: an AF_XDP soc
 sharing one UMEM).
 
 One one-arm testbed, links unshaped, an XDP aggregator and a control endpoint
-(aggcluster.Cluster). Alternately (`--rounds` times, who goes first alternating too), n fresh
+(xdp_agg.cluster.Cluster). Alternately (`--rounds` times, who goes first alternating too), n fresh
 worker processes all-reduce a float32 tensor `--reps` times over one path, then over the other
 (XDP_AGG_DATA_PATH=udp / afxdp), at each number of lanes (XDP_AGG_LANES). Each run's first
 all-reduce is a warm-up and not counted; an all-reduce's time is its slowest rank's, and every
@@ -137,8 +137,8 @@ def main(argv=None) -> int:
     )
     args = ap.parse_args(argv)
 
-    from aggcluster.cluster import Cluster
     from netns_testbed.testbed import Testbed
+    from xdp_agg.cluster.cluster import Cluster
 
     load_before = [round(x, 2) for x in os.getloadavg()]
     runs = []

@@ -69,9 +69,9 @@ GLOO_PORT = 29500
 def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> list[dict]:
     """One testbed for (n, rate) and on it one set of worker processes per lanes value
     (args.lanes), each running every selected size on both systems (or `plan`: the host rows)."""
-    from aggcluster.cluster import Cluster
     from netns_testbed.counters import Layout
     from netns_testbed.testbed import PLAIN_XDP_MAX_MTU, Testbed
+    from xdp_agg.cluster.cluster import Cluster
 
     if plan is None:
         plan = [

@@ -30,7 +30,7 @@ import os
 import time
 from pathlib import Path
 
-import bpfsys
+from xdp_agg import bpfsys
 
 PROC_STAT = Path("/proc/stat")
 BPF_STATS_SYSCTL = Path(bpfsys.BPF_STATS_SYSCTL)
@@ -132,7 +132,7 @@ class Meter:
         self.fds = list(prog_fds or [])
 
     def _bpf(self) -> tuple[int, int]:
-        import bpfsys
+        from xdp_agg import bpfsys
 
         ns = cnt = 0
         for fd in self.fds:

@@ -1,10 +1,10 @@
 """CUDA tensors through the xdpagg backend against CPU tensors, side by side: a torchrun script.
 
-    sudo .venv/bin/python -m aggcluster.torchrun --workers 2 --mtu 3500 -- \\
+    sudo .venv/bin/python -m xdp_agg.cluster.torchrun --workers 2 --mtu 3500 -- \\
         bench/cuda_staging.py --mib 64 --out bench-results/cuda-staging.json
 
 or under any torchrun with XDP_AGG_CONTROL set (a soft aggregator, `python -m
-aggapp.soft_endpoint`, works too, but its Python aggregation is so slow that it hides the
+xdp_agg.app.soft_endpoint`, works too, but its Python aggregation is so slow that it hides the
 copies). Each rank joins the group "xdpagg" and measures, timed on rank 0 behind a barrier,
 median of --reps:
 

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from aggproto.reasons import drop_total
 from netns_testbed.counters import Layout, down_loss, drop_counters
+from xdp_agg.proto.reasons import drop_total
 
 # --- attribution ----------------------------------------------------------------------------
 CAUSES = (

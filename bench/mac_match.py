@@ -12,8 +12,8 @@ from __future__ import annotations
 import os
 import statistics
 
-from aggproto import wire
-from aggproto.jobs import JobSpec, WorkerSpec
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import JobSpec, WorkerSpec
 from xdp_switch import loader
 from xdp_switch import microbench as mb
 from xdp_switch.ctl_maps import AggMaps

@@ -26,8 +26,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from aggcluster.cluster import Cluster
 from netns_testbed.testbed import Testbed
+from xdp_agg.cluster.cluster import Cluster
 
 METRICS_PORT = 9464
 MODES = {"none": None, "every_1s": 1.0, "back_to_back": 0.0}
@@ -52,7 +52,7 @@ print(json.dumps({"latency_s": lat, "read_s": reads, "bytes": size}))
 # 63 more jobs of 4 workers (ids 1..63, 16 slots each) straight into the aggregator's maps
 MANY_JOBS = """
 import sys
-from aggproto.jobs import JobSpec, WorkerSpec
+from xdp_agg.proto.jobs import JobSpec, WorkerSpec
 from xdp_switch.backend import XdpBackend
 b = XdpBackend(sys.argv[1])
 for j in range(1, 64):

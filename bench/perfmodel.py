@@ -47,8 +47,8 @@ import math
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
-from aggproto import wire
 from bench.allreduce import RATES  # the link rates the testbed cells were shaped to
+from xdp_agg.proto import wire
 
 RESULTS = Path(__file__).resolve().parent / "results" / "results.json"
 # the committed runs whose host rows (one worker, lanes 1 and 2) give the host costs: MTU 3500

@@ -7,7 +7,7 @@ Started by bench.soak inside a worker's namespace, one process per rank, for the
 
 All-reduce k uses size SIZES[k % len(SIZES)] (capped at --max-bytes), int32 for even k and
 float32 for odd k, and inputs made from (seed * 1000003 + k, rank) by
-aggcluster.cluster_worker.make_input, so every rank rebuilds the exact sum locally: int32 must
+xdp_agg.cluster.cluster_worker.make_input, so every rank rebuilds the exact sum locally: int32 must
 match bit for bit (wrapping), float32 must lie within the block-scaling bound around the float64
 sum of the float32 inputs.
 
@@ -32,7 +32,7 @@ import time
 
 import numpy as np
 
-from aggcluster.cluster_worker import expected_sum, float_bound, join, make_input
+from xdp_agg.cluster.cluster_worker import expected_sum, float_bound, join, make_input
 
 # Tensor sizes in bytes, cycled through: mostly small and medium, a few tens of MiB.
 SIZES = (

@@ -3,7 +3,7 @@ limit.
 
 One one-arm testbed with two aggregator namespaces (Testbed(aggregators=2)), each aggregator's
 link shaped with tbf (`--agg-rate`, both directions of it) and the workers' links unshaped, an XDP
-aggregator and a control endpoint in each (aggcluster.Cluster). Then, alternately (`--rounds`
+aggregator and a control endpoint in each (xdp_agg.cluster.Cluster). Then, alternately (`--rounds`
 times, who goes first alternating too), n worker processes all-reduce a float32 tensor `--reps`
 times through the first aggregator alone (k = 1), and n fresh ones through both, striped (k = 2).
 Each run's first all-reduce is a warm-up (slot versions, ARP, congestion windows) and not
@@ -141,9 +141,9 @@ def main(argv=None) -> int:
     ap.add_argument("--deadline", type=float, default=600)
     args = ap.parse_args(argv)
 
-    from aggcluster.cluster import Cluster
     from netns_testbed import shaping
     from netns_testbed.testbed import Testbed
+    from xdp_agg.cluster.cluster import Cluster
 
     args.agg_rate_bits = shaping.parse_rate(args.agg_rate)
     log = lambda m: print(m, flush=True)  # noqa: E731

@@ -1,7 +1,7 @@
 """`python -m bench.training`: DDP training through xdp-agg and through gloo, in one run.
 
 Two cases, each on its own one-arm netns testbed of --workers namespaces with the XDP aggregator,
-each system launched by torchrun, one node per namespace (aggcluster.torchrun), running the
+each system launched by torchrun, one node per namespace (xdp_agg.cluster.torchrun), running the
 unmodified examples/train.py with --backend xdpagg, then --backend gloo:
 - digits: the MLP on scikit-learn's digits (real data shipped in the package), unshaped links,
   MTU 3500 and 768 int32 per packet, --digits-steps steps: loss per step, test accuracy, final
@@ -47,9 +47,9 @@ def run_case(
 ) -> dict:
     """One testbed, both systems in turn (for each --parallel of `variants`, "" meaning the
     script's default); {system: rank 0's report}, or {"PARALLEL-system": ...} per variant."""
-    from aggcluster.cluster import Cluster
-    from aggcluster.torchrun import start_torchrun, wait_all
     from netns_testbed.testbed import Testbed
+    from xdp_agg.cluster.cluster import Cluster
+    from xdp_agg.cluster.torchrun import start_torchrun, wait_all
 
     reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
     with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, Cluster(tb) as cl:

@@ -1,9 +1,9 @@
 """`python -m bench.tree`: the latency a second aggregation level adds to a 4 KiB all-reduce.
 
 Side by side in one run, on this machine's netns testbeds (unshaped veths, one bridge):
-- one level: 6 workers on one XDP aggregator (aggcluster.cluster.Cluster);
+- one level: 6 workers on one XDP aggregator (xdp_agg.cluster.cluster.Cluster);
 - two levels: 2 racks x 3 workers, each rack aggregator forwarding to one root
-  (aggcluster.tree.TreeCluster).
+  (xdp_agg.cluster.tree.TreeCluster).
 Each worker process all-reduces a 4 KiB float32 tensor (1024 elements, 4 packets of 256) `--reps`
 times, each behind a barrier; an all-reduce's time is its slowest worker's (the per-repetition
 maximum over the 6 workers). A warm-up of 20 all-reduces comes first and is not counted. The
@@ -52,16 +52,16 @@ def _latencies(reports: list[list[dict]]) -> tuple[np.ndarray, bool, int]:
 
 
 def run_one_level(reps: int) -> tuple[np.ndarray, bool, int]:
-    from aggcluster.cluster import Cluster
     from netns_testbed import Testbed
+    from xdp_agg.cluster.cluster import Cluster
 
     with Testbed(workers=RACKS * PER_RACK, topology="one-arm") as tb, Cluster(tb) as cl:
         return _latencies(cl.run_workers(_plan(reps), job="bench-one-level"))
 
 
 def run_two_levels(reps: int) -> tuple[np.ndarray, bool, int]:
-    from aggcluster.tree import TreeCluster, tree_hosts
     from netns_testbed import Testbed
+    from xdp_agg.cluster.tree import TreeCluster, tree_hosts
 
     with (
         Testbed(workers=tree_hosts(RACKS, PER_RACK), topology="one-arm") as tb,
@@ -74,10 +74,10 @@ def xdp_path_costs(rounds: int) -> dict:
     """Median ns per packet of the completing paths, one level and a rack's (PROG_TEST_RUN)."""
     import os
 
-    import bpfsys
-    from aggproto import wire
-    from aggproto.jobs import JobSpec, WorkerSpec
-    from aggproto.scapy_layer import sml_frame
+    from xdp_agg import bpfsys
+    from xdp_agg.proto import wire
+    from xdp_agg.proto.jobs import JobSpec, WorkerSpec
+    from xdp_agg.proto.scapy_layer import sml_frame
     from xdp_switch import loader
     from xdp_switch.ctl_maps import AggMaps
 

@@ -35,7 +35,7 @@ from datetime import timedelta
 
 import numpy as np
 
-from aggcluster.cluster_worker import join
+from xdp_agg.cluster.cluster_worker import join
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -213,7 +213,7 @@ class _Counters:
 
     def _aggregator(self) -> dict:
         """What xdp_backend.stats reports (reasons per job, counters per worker)."""
-        from aggproto.limits import NO_JOB
+        from xdp_agg.proto.limits import NO_JOB
 
         m = self.maps
         out = {"unattributed": m.counters(NO_JOB), "jobs": {}}

@@ -3,7 +3,7 @@
     torchrun --nnodes 4 --nproc-per-node 1 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
         examples/train.py --backend xdpagg          # XDP_AGG_CONTROL=host:port in the env
 
-In the netns testbed: `sudo .venv/bin/python -m aggcluster.torchrun --workers 4 --
+In the netns testbed: `sudo .venv/bin/python -m xdp_agg.cluster.torchrun --workers 4 --
 examples/train.py --backend xdpagg`, or both systems side by side: `python -m bench.training`.
 
 The script is what a user writes: init_process_group(--backend), DistributedDataParallel, an

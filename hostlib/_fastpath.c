@@ -13,9 +13,9 @@
  *
  * The units, each with its header: fp_kernels (payload conversion, AVX2 or scalar), fp_io (the
  * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_loop (the stream loop), and this file,
- * the Python type and module. fp_wire.h is generated from aggproto/wire.py (python -m
- * aggcodegen); the module exports its constants and their names (WIRE), and
- * hostlib.native_loop refuses to import a build whose constants differ from aggproto.wire's.
+ * the Python type and module. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
+ * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
+ * hostlib.native_loop refuses to import a build whose constants differ from xdp_agg.proto.wire's.
  * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_loop.c header_of and fill.)
  */
 #define PY_SSIZE_T_CLEAN
@@ -590,7 +590,7 @@ static struct PyModuleDef module_def = {
     NULL,
 };
 
-/* The wire constants (fp_wire.h) as module attributes, and WIRE, their names in aggproto.wire:
+/* The wire constants (fp_wire.h) as module attributes, and WIRE, their names in xdp_agg.proto.wire:
  * hostlib.native_loop checks them and refuses a build made from another layout. */
 static int add_wire_constants(PyObject *mod)
 {

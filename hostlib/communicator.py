@@ -21,8 +21,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 
-from aggproto import wire
-from aggproto.jobs import JobDescription
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import JobDescription
 
 from .control_link import ControlLink
 from .diagnosis import explain_timeout

@@ -6,7 +6,7 @@ connection as the worker leaving. So a training job must not fail for that: Cont
 watches its connection in the background and, once it has closed, reconnects (with back-off,
 for as long as the communicator lives) and re-identifies itself with `rejoin {job, rank, ip,
 port}` (with the job's token, like every request about the job), which the restarted
-endpoint (having recovered its job table, aggctl.jobtable) answers by letting the new
+endpoint (having recovered its job table, xdp_agg.ctl.jobtable) answers by letting the new
 connection hold the job. A request that finds the connection broken does
 the same at once, then retries once.
 
@@ -16,8 +16,8 @@ the link stops trying; all-reduces still run as long as the data plane has the j
 timeout's diagnosis then says what the endpoint answered.
 
 While open, the link sends a `ping` every RENEW_INTERVAL seconds: the endpoint removes a job
-whose members all went quiet (no request, no traffic) for its lease (aggctl.lease, default 60 s),
-and a live rank that does not all-reduce for a while (evaluation, a checkpoint) must not look
+whose members all went quiet (no request, no traffic) for its lease (xdp_agg.ctl.lease, default 60
+s), and a live rank that does not all-reduce for a while (evaluation, a checkpoint) must not look
 like one that hangs.
 """
 
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 
 WATCH_INTERVAL = 0.25  # s between looks at an idle connection
 BACKOFF = (0.1, 2.0)  # s: first and longest wait between reconnection attempts
-RENEW_INTERVAL = 10.0  # s between pings that renew the job's lease (aggctl.lease)
+RENEW_INTERVAL = 10.0  # s between pings that renew the job's lease (xdp_agg.ctl.lease)
 
 
 class ControlLink:
@@ -123,7 +123,7 @@ class ControlLink:
                 if self._client is not broken:
                     return True  # another thread did it
                 try:
-                    # the same credentials: rejoin needs the job's token (aggctl.auth)
+                    # the same credentials: rejoin needs the job's token (xdp_agg.ctl.auth)
                     fresh = ControlClient(
                         self.endpoint,
                         timeout=5.0,

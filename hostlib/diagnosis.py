@@ -4,7 +4,7 @@ Communicator adds explain_timeout's text to an AllreduceTimeout: the cause first
 lost the job, ranks that never registered or are gone), then ranks lagging in contributions, and
 whether the aggregator counted anything from this rank at all.
 
-A rank that died shows in the answer's `gone` (aggctl.server: when its control connection
+A rank that died shows in the answer's `gone` (xdp_agg.ctl.server: when its control connection
 closed or it left, and how many contributions the aggregator had from it then); the survivors'
 AllreduceTimeout names it with both, so the user knows which rank to look at and that it, not
 the network, stopped the job.

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from aggproto import wire
+from xdp_agg.proto import wire
 
 from . import afxdp, scaling
 from .errors import HostlibError
@@ -28,12 +28,14 @@ except ImportError:  # not built (a source checkout without build_ext): the nump
 
 def _check_wire(fast) -> None:
     """ImportError unless the extension's wire constants (from its generated header,
-    hostlib/fastpath/wire.h) are aggproto.wire's: a stale build would send other bytes."""
+    hostlib/fastpath/wire.h) are xdp_agg.proto.wire's: a stale build would send other bytes."""
     want = {name: getattr(wire, name) for name in fast.WIRE}
     got = {name: getattr(fast, name) for name in fast.WIRE}
     wrong = {name: (got[name], want[name]) for name in want if got[name] != want[name]}
     if wrong:
-        text = ", ".join(f"{n} {g} (aggproto.wire: {w})" for n, (g, w) in sorted(wrong.items()))
+        text = ", ".join(
+            f"{n} {g} (xdp_agg.proto.wire: {w})" for n, (g, w) in sorted(wrong.items())
+        )
         raise ImportError(
             f"hostlib._fastpath was built from another wire layout: {text}; rebuild it "
             "(`python setup.py build_ext --inplace`, or pip install)"

@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from aggproto import wire
+from xdp_agg.proto import wire
 
 from . import scaling
 from .stream_state import Allreduce, StreamState

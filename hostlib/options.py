@@ -35,7 +35,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
-from aggproto import control, wire
+from xdp_agg.proto import control, wire
 
 from .afxdp import DATA_PATHS
 from .stream_state import Faults

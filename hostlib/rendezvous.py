@@ -1,9 +1,9 @@
-"""Client of the control endpoint (aggctl.server): JSON lines over one TCP connection.
+"""Client of the control endpoint (xdp_agg.ctl.server): JSON lines over one TCP connection.
 
 The connection stays open for the life of a communicator: the endpoint treats its close as the
 worker leaving, which is how a crashed worker's job is cleaned up.
 
-Credentials (aggproto.control): with the deployment secret, every request carries a fresh proof
+Credentials (xdp_agg.proto.control): with the deployment secret, every request carries a fresh proof
 of it; with a job's token (learned from create, from status when the secret was proven, or
 given), every request about that job carries it.
 """
@@ -15,8 +15,8 @@ import select
 import socket
 import threading
 
-from aggproto import control
-from aggproto.jobs import DEFAULT_CONTROL_PORT, JobDescription
+from xdp_agg.proto import control
+from xdp_agg.proto.jobs import DEFAULT_CONTROL_PORT, JobDescription
 
 from .errors import AuthError, ControlConnectionLost, LimitError, RendezvousError
 
@@ -71,7 +71,7 @@ class ControlClient:
         except OSError as e:
             raise ControlConnectionLost(
                 f"cannot reach the control endpoint {endpoint[0]}:{endpoint[1]}: {e}; is "
-                f"`xdp-agg serve` (or python -m aggapp.soft_endpoint) running there?"
+                f"`xdp-agg serve` (or python -m xdp_agg.app.soft_endpoint) running there?"
             ) from None
         self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._rfile = self._sock.makefile("rb")

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from aggproto import wire
+from xdp_agg.proto import wire
 
 from .errors import AllreduceTimeout
 from .udp_io import DatagramSocket

@@ -35,7 +35,7 @@ from .hosts import AggregatorHost, ObserverHost, WorkerHost
 
 TOPOLOGIES = ("one-arm", "switch")
 # The testbed's own bound (namespaces, veths and processes on one machine), below the protocol's
-# aggproto.limits.MAX_WORKERS (64 per job): a different quantity, so a different name.
+# xdp_agg.proto.limits.MAX_WORKERS (64 per job): a different quantity, so a different name.
 MAX_TESTBED_WORKERS = 32
 MAX_OBSERVERS = 16  # one-arm: hosts on the bridge that are in no job, 198.18.0.200..215
 OBSERVER_IP_BASE = 200

@@ -32,7 +32,7 @@ import time
 ETH_P_ALL = 0x0003
 ETH_P_IP = 0x0800
 ETH_P_8021Q = 0x8100
-AGG_PORT, AGG_PORT_MASK = 0xBEE0, 0xFFF0  # aggproto.wire's range, restated: no import upward
+AGG_PORT, AGG_PORT_MASK = 0xBEE0, 0xFFF0  # xdp_agg.proto.wire's range, restated: no import upward
 IGMP = 2
 IGMPV2_REPORT, IGMPV2_LEAVE, IGMPV3_REPORT = 0x16, 0x17, 0x22
 # IGMPv3 group record types (RFC 3376 4.2.12): a join is EXCLUDE mode / CHANGE_TO_EXCLUDE,

@@ -26,7 +26,7 @@ import os
 
 from pyroute2 import IPRoute
 
-import bpfsys
+from xdp_agg import bpfsys
 
 from .faults import AGG_PORT_HI, AGG_PORT_LO
 

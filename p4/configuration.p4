@@ -4,7 +4,7 @@
 
 // Slots in the pool shared by all jobs; each slot has two versions (shadow copies), so every
 // per-slot register has 2 * POOL_SLOTS entries, indexed slot * 2 + version. The control plane
-// (bmv2_switch/backend.py) refuses job ranges past it. Override with -DPOOL_SLOTS=N.
+// (xdp_agg/targets/bmv2/backend.py) refuses job ranges past it. Override with -DPOOL_SLOTS=N.
 #ifndef POOL_SLOTS
 #define POOL_SLOTS 1024
 #endif

@@ -1,7 +1,7 @@
 /* switchml.p4: the xdp-agg aggregator for bmv2 (v1model), the P4 twin of bpf/xdp_agg.c.
  *
  * Implements docs/protocol.md sections 1-3 packet for packet like the reference state machine
- * (aggproto/model.py): workers are found by (IPv4 source, UDP destination port); per slot and
+ * (xdp_agg/proto/model.py): workers are found by (IPv4 source, UDP destination port); per slot and
  * version, registers hold the workers seen, the contributions counted, the maximum exponents and
  * one accumulator array per payload element of a pass (32 or 64 elements per packet, 256 in four
  * recirculated passes of 64); the first

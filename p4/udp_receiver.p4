@@ -1,5 +1,5 @@
 /* udp_receiver.p4: is this packet ours, from whom, for which job and slot; every check of
- * docs/protocol.md section 2.2, in the order of the reference model (aggproto/model.py). */
+ * docs/protocol.md section 2.2, in the order of the reference model (xdp_agg/proto/model.py). */
 #ifndef _XDP_AGG_UDP_RECEIVER_P4_
 #define _XDP_AGG_UDP_RECEIVER_P4_
 

@@ -60,7 +60,7 @@ def agg_prog(request):
 @pytest.fixture
 def agg(agg_prog):
     """The loaded aggregator with every job and worker removed before the test."""
-    import bpfsys
+    from xdp_agg import bpfsys
 
     prog, maps = agg_prog
     for j in list(maps.jobs()):

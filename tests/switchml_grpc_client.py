@@ -29,8 +29,8 @@ import grpc
 import numpy as np
 from harness import p4app_host
 
-from aggctl import switchml_proto as pb
-from aggctl.switchml_grpc import mac_text, mac_value
+from xdp_agg.ctl import switchml_proto as pb
+from xdp_agg.ctl.switchml_grpc import mac_text, mac_value
 
 
 def call(channel: grpc.Channel, service: str, method: str):

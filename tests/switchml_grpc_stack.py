@@ -18,10 +18,10 @@ import switchml_grpc_client as client
 from harness import p4app_host
 from harness.ranks import loopback_prefix
 
-from aggctl.endpoint import stand_up
-from aggctl.switchml_grpc import AGG_PORT, SwitchmlApi, SwitchmlSettings, start_server
-from aggproto.jobs import Delivery
-from soft_switch import SoftAggregator
+from xdp_agg.ctl.endpoint import stand_up
+from xdp_agg.ctl.switchml_grpc import AGG_PORT, SwitchmlApi, SwitchmlSettings, start_server
+from xdp_agg.proto.jobs import Delivery
+from xdp_agg.targets.soft import SoftAggregator
 
 SWITCH_MAC = "02:5e:00:00:00:01"
 K = 64  # elements per packet: p4app's default packet_numel

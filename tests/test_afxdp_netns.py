@@ -4,7 +4,7 @@ kernel's UDP stack).
 The same jobs run twice on one one-arm testbed, under loss both ways and duplicated results:
 first every rank on the numpy loop over the kernel socket (the reference), then every rank on
 the C loop over an AF_XDP socket. Each rank's results must be byte for byte the reference's,
-and each must check against the exact sum (aggcluster.cluster_worker). The loss sits on the
+and each must check against the exact sum (xdp_agg.cluster.cluster_worker). The loss sits on the
 bridge ports (netns_testbed.faults.port_loss_script) and the duplication on their egress: the
 worker's own netdev hooks, where the testbed puts loss_up and loss_down, are skipped by AF_XDP
 frames (transmit goes straight to the driver; the redirect comes before the ingress hook).
@@ -13,8 +13,8 @@ frames (transmit goes straight to the driver; the redirect comes before the ingr
 import pytest
 from harness.workers import assert_reports_ok
 
-from aggcluster.cluster import Cluster
 from netns_testbed import faults, nsexec, shaping
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

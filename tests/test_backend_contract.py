@@ -1,10 +1,11 @@
-"""One backend contract: the job and worker checks of aggctl.backend, seen through each target,
-and each optional capability (aggctl.backend's protocols) checked on every target that claims it.
+"""One backend contract: the job and worker checks of xdp_agg.ctl.backend, seen through each target,
+and each optional capability (xdp_agg.ctl.backend's protocols) checked on every target that claims
+it.
 
 The same sequence runs against the software aggregator and the bmv2 backend over a fake CLI (no
 root) and the XDP program's maps (root, bcc). Every refusal is a ValueError naming what is
 wrong, and re-creating a job replaces it. Each target claims exactly the capabilities of the
-table in aggctl/backend.py; a TreeBackend claims every one and answers each as the backend
+table in xdp_agg/ctl/backend.py; a TreeBackend claims every one and answers each as the backend
 behind it does, or neutrally where that one has none.
 """
 
@@ -15,15 +16,15 @@ import pytest
 from harness.p4 import PORTS, FakeCLI
 from harness.ranks import loopback_prefix
 
-import bmv2_switch
-from aggctl import backend as contract
-from aggctl.backend import check_job, check_worker
-from aggctl.tree import ParentLink, TreeBackend
-from aggproto import wire
-from aggproto.jobs import JobSpec, WorkerSpec
-from aggproto.limits import MAX_JOBS, MAX_WORKERS
-from aggproto.reasons import Reason
-from soft_switch import SoftAggregator
+from xdp_agg.ctl import backend as contract
+from xdp_agg.ctl.backend import check_job, check_worker
+from xdp_agg.ctl.tree import ParentLink, TreeBackend
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import JobSpec, WorkerSpec
+from xdp_agg.proto.limits import MAX_JOBS, MAX_WORKERS
+from xdp_agg.proto.reasons import Reason
+from xdp_agg.targets import bmv2
+from xdp_agg.targets.soft import SoftAggregator
 
 PORT = wire.UDP_PORT + 2
 REASON_NAMES = {r.name.lower() for r in Reason}
@@ -93,7 +94,7 @@ def test_soft_aggregator_keeps_the_contract():
 
 
 def test_bmv2_backend_keeps_the_contract():
-    b = bmv2_switch.Bmv2Backend(FakeCLI(), PORTS)
+    b = bmv2.Bmv2Backend(FakeCLI(), PORTS)
     run_contract(b, b.pool_slots, extra={"port": 0})
 
 
@@ -107,7 +108,7 @@ def _xdp_backend_class():
 CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
     "bmv2": (
-        lambda: bmv2_switch.Bmv2Backend,
+        lambda: bmv2.Bmv2Backend,
         {"JobCounters", "ParentStatus", "ElemSizes", "CounterRows"},
     ),
     "xdp": (
@@ -181,7 +182,7 @@ def test_soft_aggregator_capabilities():
 
 
 def test_bmv2_backend_capabilities():
-    b = _with_a_job(bmv2_switch.Bmv2Backend(FakeCLI(), PORTS), extra={"port": 0})
+    b = _with_a_job(bmv2.Bmv2Backend(FakeCLI(), PORTS), extra={"port": 0})
     assert _check_capabilities(b, 5) == CLAIMS["bmv2"][1]
 
 
@@ -279,7 +280,7 @@ def test_the_table_names_every_capability():
 
 def test_typed_results_keep_their_json():
     """KernelStats and the endpoint's overview are dataclasses; to_dict is the JSON they were."""
-    from aggctl.server import EndpointOverview, JobOverview
+    from xdp_agg.ctl.server import EndpointOverview, JobOverview
 
     prog = contract.KernelProgram(run_time_ns=5, run_cnt=2, memlock=4096, id=7, tag="00ff" * 4)
     st = contract.KernelStats(bpf_stats_enabled=True, programs={"ingress": prog}, maps={"m": 1})

@@ -12,9 +12,9 @@ import pytest
 from harness import packet_cases
 from harness.p4 import PORTS, FakeCLI
 
-from aggproto import keys, reasons
-from aggproto.jobs import WorkerSpec
-from bmv2_switch import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
+from xdp_agg.proto import keys, reasons
+from xdp_agg.proto.jobs import WorkerSpec
+from xdp_agg.targets.bmv2 import Bmv2Backend, Bmv2Error, PortSpec, SwitchCLI, job_mgid
 
 
 def spec(job_id=3, n=2, elems=64, base=10, count=4):
@@ -230,9 +230,9 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     """`xdp-agg serve --target bmv2` wires the bmv2 backend into a listening control endpoint
     with the deployment secret and limits (a fake switch: this runs without p4c and bmv2, so CI
     sees it; `pytest -m p4` runs the real one)."""
-    import bmv2_switch as bm
-    from aggapp import serving
-    from aggctl import server as srv
+    import xdp_agg.targets.bmv2 as bm
+    from xdp_agg.app import serving
+    from xdp_agg.ctl import server as srv
 
     stopped, seen = [], {}
 
@@ -258,7 +258,7 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
     assert stopped == [True] and "control endpoint listening" in lines[0]
     # with a parent (serve --parent-endpoint): every job a rack, through TreeBackend
-    from aggctl.tree import ParentLink, TreeBackend
+    from xdp_agg.ctl.tree import ParentLink, TreeBackend
 
     link = ParentLink(("198.18.2.9", 48800), 1, 2)
     serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, parent=link)

@@ -9,10 +9,10 @@ import pytest
 import unprivileged
 from harness.cli import invoke
 
-from aggapp import cli, serving
+from xdp_agg.app import cli, serving
+from xdp_agg.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
 from xdp_switch import backend as xdp_backend
 from xdp_switch import loader, pins
-from xdp_switch.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -45,8 +45,8 @@ def test_not_root_message_as_nobody():
     """`xdp-agg attach` started by uid 65534 (a real non-root process, not a faked uid) exits with
     the environment code and the hint, not a traceback; the child imports from a readable copy
     (tests/unprivileged.py), so this works wherever the checkout is."""
-    with unprivileged.readable_copy("aggapp.cli") as copy:
-        cp = unprivileged.run_as_nobody(copy, "aggapp.cli", "attach", "eth0")
+    with unprivileged.readable_copy("xdp_agg.app.cli") as copy:
+        cp = unprivileged.run_as_nobody(copy, "xdp_agg.app.cli", "attach", "eth0")
     assert cp.returncode == cli.EXIT_ENV, cp.stderr
     assert "run with sudo" in cp.stderr
     assert "Traceback" not in cp.stderr
@@ -156,7 +156,7 @@ def test_unexpected_exception_shows_a_traceback(run, monkeypatch):
     assert isinstance(r.exception, KeyError)  # not SystemExit: click did not swallow it
     code = (
         "import xdp_switch.backend as a; a.status = lambda name: 1 / 0\n"
-        "from aggapp.cli import main; main(['status'])"
+        "from xdp_agg.app.cli import main; main(['status'])"
     )
     cp = subprocess.run(
         [sys.executable, "-c", code],

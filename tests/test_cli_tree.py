@@ -9,8 +9,8 @@ from pathlib import Path
 import click
 import pytest
 
-from aggapp import cli as agg_cli
 from netns_testbed.cli import main as netns_main
+from xdp_agg.app import cli as agg_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 PROGRAMS = {"xdp-agg": agg_cli.main, "netns-testbed": netns_main}
@@ -87,7 +87,7 @@ def _continued_strings(path: Path) -> list[int]:
     return bad
 
 
-@pytest.mark.parametrize("module", ["aggapp/cli.py", "netns_testbed/cli.py"])
+@pytest.mark.parametrize("module", ["xdp_agg/app/cli.py", "netns_testbed/cli.py"])
 def test_no_help_text_is_glued_by_a_backslash(module):
     assert not _continued_strings(ROOT / module), f"{module}: use r-strings there"
 

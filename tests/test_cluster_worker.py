@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from aggcluster.cluster_worker import _timed
+from xdp_agg.cluster.cluster_worker import _timed
 
 
 class _Rank0:

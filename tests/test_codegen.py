@@ -9,13 +9,13 @@ import subprocess
 import numpy as np
 import pytest
 
-from aggcodegen import abi
-from aggcodegen import generate as codegen
-from aggproto import wire
+from xdp_agg.codegen import abi
+from xdp_agg.codegen import generate as codegen
+from xdp_agg.proto import wire
 
 
 def test_generated_files_are_current():
-    assert codegen.drift() == [], "run `python -m aggcodegen` and commit the result"
+    assert codegen.drift() == [], "run `python -m xdp_agg.codegen` and commit the result"
 
 
 def test_codegen_check_mode_reports_drift(tmp_path, monkeypatch):
@@ -39,7 +39,7 @@ def test_header_members_are_byte_aligned_and_sized():
 
 
 def test_scapy_layer_matches_numpy_packing():
-    from aggproto.scapy_layer import Exponents, SwitchML
+    from xdp_agg.proto.scapy_layer import Exponents, SwitchML
 
     vals = np.arange(-16, 16)
     ours = wire.build_payloads(
@@ -82,7 +82,7 @@ def test_p4_header_lists_every_field():
 @pytest.mark.bpf
 def test_btf_layout_matches_python(agg_prog):
     """Sizes and member offsets in the loaded program's BTF equal wire.py's and abi.py's."""
-    import bpfsys
+    from xdp_agg import bpfsys
 
     prog, _ = agg_prog
     if not shutil.which("bpftool"):
@@ -119,8 +119,9 @@ def test_btf_layout_matches_python(agg_prog):
 
 
 def test_key_formulas_agree_between_python_and_the_generated_c():
-    """aggproto.keys is compiled for Python and written into abi.h: both from one expression."""
-    from aggproto import keys, limits, reasons
+    """xdp_agg.proto.keys is compiled for Python and written into abi.h: both from one
+    expression."""
+    from xdp_agg.proto import keys, limits, reasons
 
     text = (codegen.ROOT / "bpf/generated/abi.h").read_text()
     for k in keys.KEYS:

@@ -20,11 +20,11 @@ import pytest
 from harness.cli import xdp_agg_cli
 from harness.ranks import in_threads, init, ok, run_ranks, soft_cluster
 
-from aggapp import cli, serving
-from aggctl.auth import Limits
-from aggproto import control
 from hostlib.errors import AuthError, LimitError, RendezvousError
 from hostlib.rendezvous import ControlClient
+from xdp_agg.app import cli, serving
+from xdp_agg.ctl.auth import Limits
+from xdp_agg.proto import control
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -22,10 +22,10 @@ import time
 import pytest
 from harness.ranks import soft_cluster
 
-from aggctl.auth import Limits
-from aggctl.server import MAX_LINE
-from aggproto import control
 from hostlib.rendezvous import ControlClient
+from xdp_agg.ctl.auth import Limits
+from xdp_agg.ctl.server import MAX_LINE
+from xdp_agg.proto import control
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -337,7 +337,7 @@ def test_injected_loss_is_attributed(testbed_factory, direction, topology):
     """2 workers through the XDP aggregator with 3% loss one way: the retransmissions are
     attributed to the testbed's loss, and the account closes (nothing unexplained). Down in the
     switch topology the results are XDP_TX'd/redirected: the workers' XDP program drops them."""
-    from aggcluster.cluster import Cluster
+    from xdp_agg.cluster.cluster import Cluster
 
     loss = {"loss_up": 0.03} if direction == "up" else {"loss_down": 0.03}
     tb = testbed_factory(workers=2, topology=topology, mtu=3500, **loss)

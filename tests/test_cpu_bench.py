@@ -5,7 +5,7 @@ import os
 
 import pytest
 
-from aggapp.options import BenchOptions
+from xdp_agg.app.options import BenchOptions
 from xdp_switch import cpu_bench
 
 WORKERS, SLOTS, ROUNDS = 4, 16, 2

@@ -12,7 +12,7 @@ import pytest
 from harness import junk
 from harness.workers import MIXED_PLAN, ODD, assert_reports_ok
 
-from aggcluster.cluster import Cluster
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -80,7 +80,7 @@ def test_two_jobs_at_once_stay_isolated(testbed_factory):
 INTRUDER = r"""
 import socket, sys, time
 import numpy as np
-from aggproto import wire
+from xdp_agg.proto import wire
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
 vals = np.full((1, 256), 12345)
 sent, end = 0, time.monotonic() + float(sys.argv[2])

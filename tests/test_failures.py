@@ -25,7 +25,7 @@ import time
 
 import pytest
 
-from aggcluster.cluster import Cluster
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -191,7 +191,7 @@ def test_aggregator_state_lost_mid_allreduce(testbed_factory):
         lost = cl.start_workers(LONG_PLAN, hosts=[0, 1], job="L", timeout=TIMEOUT)
         for rank, p in lost:
             _wait_line(p, f"rank {rank}")
-        r = cl.tb.run("agg", [sys.executable, "-m", "aggapp.cli", "--name", cl.name, "detach"])
+        r = cl.tb.run("agg", [sys.executable, "-m", "xdp_agg.app.cli", "--name", cl.name, "detach"])
         assert r.returncode == 1, r.stderr
         assert "1 live job(s): job 0 'L' (2/2 workers)" in r.stderr and "--force" in r.stderr
         t0 = time.monotonic()
@@ -218,7 +218,7 @@ def test_aggregator_state_lost_mid_allreduce(testbed_factory):
 
 
 def _xdp_agg(tb, *args, timeout: float = 120) -> subprocess.CompletedProcess:
-    return tb.run("agg", [sys.executable, "-m", "aggapp.cli", *args], timeout=timeout)
+    return tb.run("agg", [sys.executable, "-m", "xdp_agg.app.cli", *args], timeout=timeout)
 
 
 def test_attach_twice_detach_with_jobs_two_serves(testbed_factory):

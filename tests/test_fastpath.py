@@ -20,11 +20,11 @@ import pytest
 from harness.ranks import loopback_prefix, ok, run_ranks, soft_cluster
 
 import hostlib
-from aggproto import wire
 from hostlib import scaling
 from hostlib.engine import STAT_NAMES, EngineConfig, Faults, StreamEngine, _fastpath
 from hostlib.options import HostOptions
 from hostlib.udp_io import DatagramSocket
+from xdp_agg.proto import wire
 
 pytestmark = [
     pytest.mark.timeout(120),
@@ -658,7 +658,7 @@ def test_the_engine_takes_keyword_arguments_only():
 
 def test_a_build_with_other_wire_constants_refuses_to_import():
     """hostlib.native_loop checks the constants the extension was built with (fp_wire.h,
-    generated from aggproto.wire) with an if, not an assert that python -O would strip."""
+    generated from xdp_agg.proto.wire) with an if, not an assert that python -O would strip."""
     import types
 
     from hostlib import native_loop
@@ -667,5 +667,5 @@ def test_a_build_with_other_wire_constants_refuses_to_import():
     native_loop._check_wire(_fastpath)  # the build under test is current
     stale = types.SimpleNamespace(**{n: getattr(_fastpath, n) for n in _fastpath.WIRE})
     stale.WIRE, stale.VALUES_AT = _fastpath.WIRE, wire.VALUES_AT + 2
-    with pytest.raises(ImportError, match=r"VALUES_AT 12 \(aggproto.wire: 10\)"):
+    with pytest.raises(ImportError, match=r"VALUES_AT 12 \(xdp_agg.proto.wire: 10\)"):
         native_loop._check_wire(stale)

@@ -10,10 +10,10 @@ import pytest
 from harness.ranks import init, join_rank, ok, run_ranks, soft_cluster, start_rank
 
 import hostlib
-from aggproto import wire
 from hostlib import netinfo, scaling
 from hostlib.engine import Faults
 from hostlib.stream_state import _ranges
+from xdp_agg.proto import wire
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -542,7 +542,7 @@ def test_elems_auto_takes_what_the_path_and_the_aggregator_allow(monkeypatch):
     """elems="auto" (HostOptions' default): rank 0 takes the most the path MTU towards the
     control endpoint (the loopback: 2048) and the aggregator (its `ping` answer) allow;
     comm.stats says what and why on every rank."""
-    from soft_switch import SoftAggregator
+    from xdp_agg.targets.soft import SoftAggregator
 
     x = np.arange(5000, dtype=np.int32)
 

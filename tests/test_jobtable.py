@@ -1,4 +1,4 @@
-"""The control endpoint's job table across a restart (aggctl.jobtable, hostlib.control_link),
+"""The control endpoint's job table across a restart (xdp_agg.ctl.jobtable, hostlib.control_link),
 on loopback with the software aggregator: no root needed.
 
 The endpoint is stopped with keep_jobs (the jobs stay in the aggregator, whose data plane runs
@@ -15,10 +15,10 @@ import time
 import numpy as np
 from harness.ranks import Cluster, loopback_prefix, ok, run_ranks
 
-from aggctl import jobtable
-from aggctl.endpoint import stand_up
-from aggproto import control
-from soft_switch import SoftAggregator
+from xdp_agg.ctl import jobtable
+from xdp_agg.ctl.endpoint import stand_up
+from xdp_agg.proto import control
+from xdp_agg.targets.soft import SoftAggregator
 
 
 def _secret(tmp_path) -> tuple[bytes, str]:

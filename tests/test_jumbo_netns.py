@@ -15,7 +15,7 @@ import sys
 import pytest
 from harness.workers import assert_reports_ok
 
-from aggcluster.cluster import Cluster
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -25,7 +25,7 @@ MTU = 9000
 def test_plain_program_refused_frags_attaches(testbed_factory):
     tb = testbed_factory(workers=1, topology="one-arm", mtu=MTU)
     agg = tb.aggregator
-    cli = [sys.executable, "-m", "aggapp.cli", "--name", "jumbo"]
+    cli = [sys.executable, "-m", "xdp_agg.app.cli", "--name", "jumbo"]
     r = tb.run(agg, [*cli, "attach", *agg.ifnames], timeout=120)
     assert r.returncode != 0 and "--frags" in r.stderr, r.stderr
     r = tb.run(agg, [*cli, "attach", "--frags", *agg.ifnames], timeout=120)
@@ -38,7 +38,7 @@ def _jumbo_job_refused(tb, name: str, attach: list[str], workers: int, why: str)
     """Attach aggregator `name` with `attach` options: a job of 2048 elements per packet is
     refused with a message containing `why`, one of 768 is created."""
     agg = tb.aggregator
-    cli = [sys.executable, "-m", "aggapp.cli", "--name", name]
+    cli = [sys.executable, "-m", "xdp_agg.app.cli", "--name", name]
     r = tb.run(agg, [*cli, "attach", *attach, *agg.ifnames], timeout=120)
     assert r.returncode == 0, r.stderr
     try:

@@ -17,10 +17,10 @@ from harness.ranks import ok, run_ranks, soft_cluster
 from test_hostlib import float_inputs, int_expected, int_inputs
 
 import hostlib
-from aggproto.jobs import Delivery
 from hostlib import HostOptions
 from hostlib.engine import Faults, _fastpath
 from hostlib.striping import MIN_LANE_PACKETS, lane_windows, part_bounds
+from xdp_agg.proto.jobs import Delivery
 
 SWITCH = {"delivery": Delivery.BROADCAST}
 ELEMS = 32

@@ -7,7 +7,7 @@ hostlib.scaling's bound: harness.workers)."""
 import pytest
 from harness.workers import MIXED_PLAN, assert_reports_ok
 
-from aggcluster.cluster import Cluster
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

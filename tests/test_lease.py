@@ -1,4 +1,4 @@
-"""Job leases (aggctl.lease) on loopback with the soft aggregator (no root).
+"""Job leases (xdp_agg.ctl.lease) on loopback with the soft aggregator (no root).
 
 A job whose members all went quiet (no request on their control connections, no traffic the
 aggregator counts) for the lease is deleted, its slots, port and id freed; a request of a
@@ -16,9 +16,9 @@ import pytest
 from harness.ranks import ok, run_ranks, soft_cluster
 
 import hostlib.control_link
-from aggctl.auth import Limits
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
+from xdp_agg.ctl.auth import Limits
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -19,10 +19,10 @@ import sys
 
 import pytest
 
-import bpfsys
 from netns_testbed import counters, nsexec, xdp_pass
 from netns_testbed.counters import Layout
 from netns_testbed.faults import AGG_PORT_HI, AGG_PORT_LO
+from xdp_agg import bpfsys
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 

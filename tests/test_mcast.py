@@ -1,12 +1,12 @@
 """Results only to a job's members (no other job's hosts, nor a stranger, get them).
 
-Without root: the allocation of a group per job (aggproto.groups), the control endpoint's use of
-it, the choice between multicast and broadcast (aggapp.serving), the CLI's vocabulary, the
+Without root: the allocation of a group per job (xdp_agg.proto.groups), the control endpoint's use
+of it, the choice between multicast and broadcast (xdp_agg.app.serving), the CLI's vocabulary, the
 testbed's observers, and the frame counter's parsing (netns_testbed.sniff).
 
 As root, in the one-arm testbed with the bridge snooping IGMP and a host in no job (an
-observer), with the XDP aggregator and its control endpoint (aggcluster.Cluster): a raw socket on
-every host counts the result frames its link carries. Each member receives its own job's results
+observer), with the XDP aggregator and its control endpoint (xdp_agg.cluster.Cluster): a raw socket
+on every host counts the result frames its link carries. Each member receives its own job's results
 and no other job's, the observer none, and its membership report reaches the bridge before the
 first result; with `--results broadcast` every host receives every job's results. An interface
 without the multicast flag falls back to the broadcast with a warning, or is refused when
@@ -27,13 +27,13 @@ import pytest
 from harness.cli import xdp_agg_cli
 from harness.ranks import soft_cluster
 
-from aggapp import cli, serving
-from aggctl.server import ControlEndpoint
-from aggproto import groups
-from aggproto.jobs import Delivery
 from hostlib.rendezvous import ControlClient
 from netns_testbed import plan, sniff
-from xdp_switch.errors import XdpAggError
+from xdp_agg.app import cli, serving
+from xdp_agg.ctl.server import ControlEndpoint
+from xdp_agg.errors import XdpAggError
+from xdp_agg.proto import groups
+from xdp_agg.proto.jobs import Delivery
 
 # --- the allocation ---------------------------------------------------------------------------
 
@@ -249,7 +249,7 @@ PLAN = [{"dtype": "int32", "count": 1 << 17, "reps": 2}]
 
 
 def _cluster(tb, *serve_args):
-    from aggcluster.cluster import Cluster
+    from xdp_agg.cluster.cluster import Cluster
 
     return Cluster(tb, name=f"m{uuid.uuid4().hex[:8]}", serve_args=serve_args)
 
@@ -351,7 +351,7 @@ def test_without_the_multicast_flag_results_fall_back_to_the_broadcast(testbed_f
         assert len(cl.warnings) == 1 and "eth0 has no multicast flag" in cl.warnings[0]
         assert "results of every job to 198.18.0.255" in cl.serve_line
         # asked for explicitly, multicast is refused (exit 1) rather than silently downgraded
-        cmd = [sys.executable, "-m", "aggapp.cli", "--name", cl.name]
+        cmd = [sys.executable, "-m", "xdp_agg.app.cli", "--name", cl.name]
         r = tb.run("agg", [*cmd, "serve", "--listen", "0.0.0.0:48801", "--results", "multicast"])
         assert r.returncode == 1 and "multicast on" in r.stderr, r.stderr
         # `job create` follows the same rule, and with the flag back gets the job's own group

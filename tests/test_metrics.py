@@ -1,4 +1,4 @@
-"""Prometheus metrics (aggapp.metrics) on loopback with the soft aggregator, without root.
+"""Prometheus metrics (xdp_agg.app.metrics) on loopback with the soft aggregator, without root.
 
 A job of two ranks all-reduces through a soft aggregator behind its control endpoint; while the
 job lives, a scrape must show each worker's contributions (one per packet it sent: the count
@@ -28,11 +28,11 @@ from harness.cli import xdp_agg_cli
 from harness.ranks import ok, run_ranks, soft_cluster
 from prometheus_client.parser import text_string_to_metric_families
 
-from aggapp import metrics
-from aggproto import limits, wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
-from xdp_switch.errors import XdpAggError
+from xdp_agg.app import metrics
+from xdp_agg.errors import XdpAggError
+from xdp_agg.proto import limits, wire
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -205,7 +205,7 @@ class _OneJob:
 
 
 class _Programs(_OneJob):
-    """A ProgramStats target (aggctl.backend) whose kernel statistics are `stats`, or raise."""
+    """A ProgramStats target (xdp_agg.ctl.backend) whose kernel statistics are `stats`, or raise."""
 
     def __init__(self, stats):
         self.stats = stats
@@ -217,7 +217,7 @@ class _Programs(_OneJob):
 
 
 def _kernel_stats():
-    from aggctl.backend import KernelProgram, KernelStats
+    from xdp_agg.ctl.backend import KernelProgram, KernelStats
 
     prog = KernelProgram(run_time_ns=2_000_000_000, run_cnt=4, memlock=8192, id=41, tag="ab" * 8)
     return KernelStats(bpf_stats_enabled=True, programs={"ingress": prog}, maps={"slots": 4096})
@@ -336,11 +336,12 @@ def test_the_dashboard_parses_and_its_queries_use_metrics_that_exist():
 
 
 def test_the_soft_endpoint_serves_metrics_too():
-    """`python -m aggapp.soft_endpoint --metrics`: the soft target's counters and the endpoint's."""
+    """`python -m xdp_agg.app.soft_endpoint --metrics`: the soft target's counters and the
+    endpoint's."""
     from harness.ranks import loopback_prefix
 
     ip = f"{loopback_prefix()}.1"
-    argv = [sys.executable, "-m", "aggapp.soft_endpoint", "--soft", ip, "--insecure-no-auth"]
+    argv = [sys.executable, "-m", "xdp_agg.app.soft_endpoint", "--soft", ip, "--insecure-no-auth"]
     proc = subprocess.Popen(
         [*argv, "--metrics", f"{ip}:9464"], stderr=subprocess.PIPE, text=True, cwd=ROOT
     )

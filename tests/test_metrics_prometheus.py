@@ -31,8 +31,8 @@ from pathlib import Path
 import pytest
 from harness.workers import finish_soak_workers, start_soak_workers
 
-from aggcluster.cluster import Cluster
 from bench.cpustat import BpfStats
+from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
@@ -54,7 +54,7 @@ FETCH = "import sys, urllib.request; print(urllib.request.urlopen(sys.argv[1], t
 BAD_SIZE = """
 import socket, sys
 import numpy as np
-from aggproto import wire
+from xdp_agg.proto import wire
 src, dst, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 p = wire.build_payloads(job_number=0, size_code=2, tsi=0, slot=0, version=0,
                         values=np.zeros((1, 128), dtype=np.int32))[0].tobytes()

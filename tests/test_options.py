@@ -1,11 +1,11 @@
-"""Options as data (aggapp.options): the dataclasses the library takes are what the CLI parses,
+"""Options as data (xdp_agg.app.options): the dataclasses the library takes are what the CLI parses,
 their defaults are the options' defaults, and check() refuses what does not go together."""
 
 import dataclasses
 
 import pytest
 
-from aggapp import cli, options, serving
+from xdp_agg.app import cli, options, serving
 
 
 def _parsed(command, args: list[str]) -> dict:
@@ -102,7 +102,7 @@ def test_switchml_callers_are_the_allowed_networks_else_the_interfaces_subnets(
 
     import click
 
-    from xdp_switch.errors import XdpAggError
+    from xdp_agg.errors import XdpAggError
 
     monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path))
     params = _parsed(cli.serve, ["--switchml-grpc", "127.0.0.1", "--switchml-allow", "10.1.2.3/24"])

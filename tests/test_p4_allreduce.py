@@ -22,11 +22,11 @@ import numpy as np
 import pytest
 from harness.p4 import _InNetns, p4_skip_reason
 
-import bmv2_switch as bm
-from aggproto import control
-from aggproto.jobs import Delivery
-from aggproto.reasons import is_drop
+import xdp_agg.targets.bmv2 as bm
 from netns_testbed import faults
+from xdp_agg.proto import control
+from xdp_agg.proto.jobs import Delivery
+from xdp_agg.proto.reasons import is_drop
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -113,7 +113,7 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64
 def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems, loss):
     """64 elements per packet (one pass) and 256 (four passes, recirculated), and 256 under
     5% loss each way between the workers and the switch (retransmissions, answers)."""
-    from aggctl.endpoint import stand_up
+    from xdp_agg.ctl.endpoint import stand_up
 
     reason = p4_skip_reason()
     if reason:
@@ -177,7 +177,7 @@ def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
         [
             sys.executable,
             "-m",
-            "aggapp.cli",
+            "xdp_agg.app.cli",
             "--netns",
             tb.aggregator.netns,
             "serve",

@@ -44,10 +44,10 @@ from harness.packet_cases import (
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-from aggcodegen.p4 import P4_ELEMS
-from aggproto import limits, wire
-from aggproto.model import Action
-from aggproto.reasons import Reason
+from xdp_agg.codegen.p4 import P4_ELEMS
+from xdp_agg.proto import limits, wire
+from xdp_agg.proto.model import Action
+from xdp_agg.proto.reasons import Reason
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
@@ -80,7 +80,7 @@ def lab(p4_json, tmp_path_factory):
 
 
 def lab_backend(lab):
-    from bmv2_switch import Bmv2Backend
+    from xdp_agg.targets.bmv2 import Bmv2Backend
 
     return Bmv2Backend(lab.switch.cli(), lab.ports)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import bmv2_switch as bm
+import xdp_agg.targets.bmv2 as bm
 
 pytestmark = [pytest.mark.p4]
 

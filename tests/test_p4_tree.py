@@ -1,6 +1,6 @@
 """Two levels with the P4 program: a bmv2 rack beside an XDP rack, under an XDP root.
 
-aggcluster.tree.TreeCluster on a one-arm testbed, 2 racks x 3 workers: rack 0 runs
+xdp_agg.cluster.tree.TreeCluster on a one-arm testbed, 2 racks x 3 workers: rack 0 runs
 p4/switchml.p4 in simple_switch on its host's one interface (`xdp-agg serve --target bmv2
 --parent-endpoint ...`), rack 1 the XDP program, the root the XDP program. Rack 0 creates the
 root's job, and both racks' partial sums meet there: a bmv2 rack's contributions must be the
@@ -15,7 +15,7 @@ import pytest
 from harness.p4 import p4_skip_reason
 from harness.trees import count_ok, parent_counters, retransmissions
 
-from aggcluster.tree import TreeCluster, tree_hosts
+from xdp_agg.cluster.tree import TreeCluster, tree_hosts
 
 pytestmark = [
     pytest.mark.root,

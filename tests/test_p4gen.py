@@ -1,10 +1,11 @@
-"""The generated P4 parts (aggcodegen/p4.py) say what the Python side says (drift: test_codegen)."""
+"""The generated P4 parts (xdp_agg/codegen/p4.py) say what the Python side says (drift:
+test_codegen)."""
 
 import re
 from pathlib import Path
 
-from aggcodegen import p4 as p4gen
-from aggproto import limits, reasons
+from xdp_agg.codegen import p4 as p4gen
+from xdp_agg.proto import limits, reasons
 
 
 def test_abi_p4_has_every_reason_with_its_value():

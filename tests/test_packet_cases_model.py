@@ -1,5 +1,5 @@
 """The packet table (tests/harness/packet_cases.py) through the serial reference model
-(aggproto/model.py) alone: no root, no BPF, no bmv2, so `make test-unit` runs every case.
+(xdp_agg/proto/model.py) alone: no root, no BPF, no bmv2, so `make test-unit` runs every case.
 
 For every step of every case, the model's action and reason must be the step's, and a result's
 UDP payload (echoed header fields, the int32 sum, both exponents, what p4app-switchML's host
@@ -10,8 +10,8 @@ test_p4_cases.py) hold each target to the same model, frame by frame.
 import pytest
 from harness.packet_cases import CASES, Case, check_model, check_payload, model_for
 
-from aggproto import wire
-from aggproto.model import Action
+from xdp_agg.proto import wire
+from xdp_agg.proto.model import Action
 
 # The actions that put a frame out: the model must give their payload, and only theirs.
 RESULTS = (Action.TO_ALL, Action.TO_SENDER, Action.TO_PARENT)

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from aggproto import wire
 from bench import perfmodel
+from xdp_agg.proto import wire
 
 
 @pytest.fixture(scope="module")

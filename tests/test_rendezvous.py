@@ -10,11 +10,11 @@ import time
 import pytest
 from harness.ranks import soft_cluster
 
-from aggctl.registry import _first_fit
-from aggctl.server import ControlEndpoint
-from aggproto import control, wire
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient, parse_endpoint
+from xdp_agg.ctl.registry import _first_fit
+from xdp_agg.ctl.server import ControlEndpoint
+from xdp_agg.proto import control, wire
 
 pytestmark = pytest.mark.timeout(60)
 

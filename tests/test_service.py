@@ -1,4 +1,4 @@
-"""The systemd service (aggapp/service.py): its config file, `service-install`, the unit
+"""The systemd service (xdp_agg/app/service.py): its config file, `service-install`, the unit
 (checked with systemd-analyze verify where it is installed), and the commands the unit runs,
 tested directly, since systemd is not PID 1 here: `service-start` attaches and serves, then a
 small all-reduce goes through it, and `service-stop` leaves nothing behind."""
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 from harness.cli import xdp_agg_cli as run_cli
 
-from aggapp import cli, service
-from aggcluster import cluster_worker
+from xdp_agg.app import cli, service
+from xdp_agg.cluster import cluster_worker
 from xdp_switch import pins
 
 REPO = Path(__file__).resolve().parent.parent
@@ -149,7 +149,7 @@ def test_service_start_exit_codes(tmp_path, monkeypatch):
 
 def _xdp_agg(*args, **kw):
     return subprocess.run(
-        [sys.executable, "-m", "aggapp.cli", *args],
+        [sys.executable, "-m", "xdp_agg.app.cli", *args],
         capture_output=True,
         text=True,
         timeout=120,
@@ -188,7 +188,7 @@ def _serve_and_stop(tb, name, tmp_path):
     assert first.returncode == 0, first.stderr
     old_prog = json.loads(first.stdout)["prog_id"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "aggapp.cli", "service-start", name, "--config", str(conf)],
+        [sys.executable, "-m", "xdp_agg.app.cli", "service-start", name, "--config", str(conf)],
         cwd=REPO,
         stderr=subprocess.PIPE,
         text=True,

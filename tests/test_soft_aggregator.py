@@ -8,10 +8,10 @@ import numpy as np
 import pytest
 from harness.ranks import loopback_prefix
 
-from aggproto import wire
-from aggproto.jobs import JobSpec, WorkerSpec
-from aggproto.limits import NO_JOB
-from soft_switch import SoftAggregator
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import JobSpec, WorkerSpec
+from xdp_agg.proto.limits import NO_JOB
+from xdp_agg.targets.soft import SoftAggregator
 
 pytestmark = pytest.mark.timeout(30)
 

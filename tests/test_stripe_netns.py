@@ -13,9 +13,9 @@ import time
 import pytest
 from harness.workers import MIXED_PLAN, ODD, assert_reports_ok
 
-from aggcluster.cluster import Cluster, ClusterError
 from netns_testbed import plan
 from netns_testbed.fixtures import SKIP_REASON
+from xdp_agg.cluster.cluster import Cluster, ClusterError
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)
 

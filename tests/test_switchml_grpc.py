@@ -1,10 +1,11 @@
-"""p4app-switchML's controller API (aggctl.switchml_grpc) in front of a soft aggregator, no root:
-p4app's call sequence replayed (tests/switchml_grpc_client.py) for 1, 2 and 4 workers, each from
-its own address (tests/switchml_grpc_stack.py), then each worker's two threads send requests
+"""p4app-switchML's controller API (xdp_agg.ctl.switchml_grpc) in front of a soft aggregator, no
+root: p4app's call sequence replayed (tests/switchml_grpc_client.py) for 1, 2 and 4 workers, each
+from its own address (tests/switchml_grpc_stack.py), then each worker's two threads send requests
 built as p4app's BuildPacket builds them from their own source ports; every result exact and at
 the port that sent its request. Sessions replacing each other, a worker that never calls
 UdpSession, the port taken, RdmaSession refused, and the .proto file read by protoc into the
-descriptor aggctl.switchml_proto builds. What strangers can do: test_switchml_grpc_strangers.py.
+descriptor xdp_agg.ctl.switchml_proto builds. What strangers can do:
+test_switchml_grpc_strangers.py.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import switchml_grpc_client as client  # noqa: E402  (needs grpc)
 import switchml_grpc_stack as stack_mod  # noqa: E402
 from switchml_grpc_stack import PER_THREAD, SWITCH_MAC, THREADS, K, Stack  # noqa: E402
 
-from aggctl import switchml_proto as pb  # noqa: E402
-from aggctl.fields import RequestError  # noqa: E402
-from aggctl.registry import SESSION, Holder  # noqa: E402
-from aggctl.switchml_grpc import AGG_PORT, start_server  # noqa: E402
+from xdp_agg.ctl import switchml_proto as pb  # noqa: E402
+from xdp_agg.ctl.fields import RequestError  # noqa: E402
+from xdp_agg.ctl.registry import SESSION, Holder  # noqa: E402
+from xdp_agg.ctl.switchml_grpc import AGG_PORT, start_server  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -66,7 +67,7 @@ def test_a_second_session_replaces_the_first(stack):
 
 
 def test_no_lease_ends_a_session_job(stack):
-    from aggctl.lease import JobLease
+    from xdp_agg.ctl.lease import JobLease
 
     stack.setup_all(2)
     # a job of the JSON protocol beside it, whose ranks went quiet
@@ -186,9 +187,9 @@ def test_the_proto_file_is_the_descriptor_built_in_code(tmp_path):
 
     from google.protobuf import descriptor_pb2
 
-    import aggctl
+    import xdp_agg.ctl
 
-    src = Path(aggctl.__file__).parent
+    src = Path(xdp_agg.ctl.__file__).parent
     out = tmp_path / "switchml.pb"
     assert protoc.main(["protoc", f"-I{src}", f"--descriptor_set_out={out}", "switchml.proto"]) == 0
     (fd,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
@@ -201,7 +202,7 @@ def test_the_proto_file_is_the_descriptor_built_in_code(tmp_path):
 def test_the_serve_option_takes_an_address_and_defaults_the_port():
     import click
 
-    from aggapp.options import switchml_address
+    from xdp_agg.app.options import switchml_address
 
     assert switchml_address(None, None, "198.18.0.1") == ("198.18.0.1", 50099)
     assert switchml_address(None, None, "198.18.0.1:7000") == ("198.18.0.1", 7000)
@@ -253,7 +254,7 @@ def _other_size_refused(stack: Stack) -> None:
 
 
 def test_bmv2_answers_the_port_a_worker_is_behind_or_says_why_not():
-    from aggapp.serving import bmv2_port_address
+    from xdp_agg.app.serving import bmv2_port_address
 
     class Ports:  # Bmv2Backend.uplink_address's contract
         def uplink_address(self, ip):

@@ -21,7 +21,7 @@ pytest.importorskip("grpc")
 
 import switchml_grpc_client as client  # noqa: E402
 
-from aggcluster.cluster import Cluster  # noqa: E402
+from xdp_agg.cluster.cluster import Cluster  # noqa: E402
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.timeout(300)]
 

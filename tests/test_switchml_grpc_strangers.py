@@ -15,8 +15,8 @@ grpc = pytest.importorskip("grpc")
 import switchml_grpc_client as client  # noqa: E402  (needs grpc)
 from switchml_grpc_stack import K, Stack, exchange, wait_for  # noqa: E402
 
-from aggctl import switchml_proto as pb  # noqa: E402
-from aggproto.limits import MAX_WORKERS  # noqa: E402
+from xdp_agg.ctl import switchml_proto as pb  # noqa: E402
+from xdp_agg.proto.limits import MAX_WORKERS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -299,7 +299,7 @@ def test_the_sessions_and_refusals_are_in_the_metrics(stack):
     pytest.importorskip("prometheus_client")
     from prometheus_client.parser import text_string_to_metric_families
 
-    from aggapp import metrics
+    from xdp_agg.app import metrics
 
     stack.setup_all(2)
     stack.setup_all(2)  # replaces the first
@@ -331,7 +331,7 @@ def test_the_sessions_and_refusals_are_in_the_metrics(stack):
 def test_a_callers_address_and_connection_from_grpcs_peer_string():
     import ipaddress
 
-    from aggctl.switchml_grpc import allowed, caller_of
+    from xdp_agg.ctl.switchml_grpc import allowed, caller_of
 
     c = caller_of("ipv4:198.18.0.2:40112")
     assert (c.host, c.conn) == ("198.18.0.2", "198.18.0.2:40112")

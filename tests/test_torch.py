@@ -33,7 +33,7 @@ torch = pytest.importorskip(
 
 import numpy as np  # noqa: E402
 
-from aggcluster.cluster import Cluster  # noqa: E402
+from xdp_agg.cluster.cluster import Cluster  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "torch_worker.py")
@@ -145,7 +145,7 @@ def _start_testbed(tb, cl, scenario, *args, stdin=None, **extra):
 @pytest.mark.slow
 def test_ddp_hook_and_backend_in_testbed(testbed_factory, n):
     """DDP with the hook matches DDP with gloo; the backend's collectives, n ranks."""
-    from aggcluster.cluster import Cluster
+    from xdp_agg.cluster.cluster import Cluster
 
     tb = testbed_factory(workers=n, topology="one-arm")
     with Cluster(tb) as cl:
@@ -172,7 +172,7 @@ def _lost(tb, cl, fallback: bool, timeout: float = 2.0):
 @pytest.mark.slow
 def test_aggregator_lost_in_testbed(testbed_factory, fallback, n):
     """The aggregator detached mid-run: AggregatorLost within the timeout, or gloo's sums."""
-    from aggcluster.cluster import Cluster
+    from xdp_agg.cluster.cluster import Cluster
 
     tb = testbed_factory(workers=n, topology="one-arm")
     with Cluster(tb) as cl:

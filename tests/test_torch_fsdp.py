@@ -2,7 +2,7 @@
 
 In a 4-worker one-arm netns testbed with the XDP aggregator, each scenario of
 tests/torch_fsdp_worker.py runs as a user would run it: a real torchrun per worker namespace
-(aggcluster.torchrun, c10d rendezvous over the testbed), `init_process_group("xdpagg")`.
+(xdp_agg.cluster.torchrun, c10d rendezvous over the testbed), `init_process_group("xdpagg")`.
 - fsdp: init_device_mesh + fully_shard on 4 ranks, 5 steps, losses equal to DDP on gloo
   within 1e-4; functional all_reduce and DTensor Partial->Replicate through the aggregator;
   PREMUL_SUM all_reduce (number and tensor factors) and reduce_scatter_tensor.
@@ -28,8 +28,8 @@ import pytest
 
 pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
 
-from aggcluster.cluster import Cluster  # noqa: E402
-from aggcluster.torchrun import start_torchrun, wait_all  # noqa: E402
+from xdp_agg.cluster.cluster import Cluster  # noqa: E402
+from xdp_agg.cluster.torchrun import start_torchrun, wait_all  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = str(ROOT / "tests" / "torch_fsdp_worker.py")

@@ -12,7 +12,7 @@ import json
 import pytest
 from harness.trees import count_ok, parent_counters, retransmissions
 
-from aggcluster.tree import TreeCluster, tree_hosts
+from xdp_agg.cluster.tree import TreeCluster, tree_hosts
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 from harness.packet_cases import PARENT_SLOT_BASE, frame, job, parent_frame, workers
 
-import bpfsys
-from aggproto import wire
-from aggproto.model import Action, ReferenceAggregator
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
+from xdp_agg.proto.model import Action, ReferenceAggregator
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 

@@ -1,5 +1,5 @@
 """Two-level trees, control side (no root needed): the rack job's spec, and rack endpoints that
-join the parent's job (aggctl.tree.TreeBackend in front of each rack's backend)."""
+join the parent's job (xdp_agg.ctl.tree.TreeBackend in front of each rack's backend)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import time
 import pytest
 from harness.ranks import in_threads, loopback_prefix
 
-from aggctl.endpoint import stand_up
-from aggctl.tree import ParentLink, TreeBackend
-from aggproto import wire
-from aggproto.jobs import Delivery, JobSpec
 from hostlib.errors import RendezvousError
 from hostlib.rendezvous import ControlClient
+from xdp_agg.ctl.endpoint import stand_up
+from xdp_agg.ctl.tree import ParentLink, TreeBackend
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import Delivery, JobSpec
 
 # one deployment secret for the tree: the racks' endpoints prove it to the parent's
 SECRET = secrets.token_bytes(32)
@@ -72,7 +72,7 @@ def test_rack_job_spec_checks():
 
 
 def test_backends_without_two_levels_refuse_rack_jobs():
-    from soft_switch import SoftAggregator
+    from xdp_agg.targets.soft import SoftAggregator
 
     tree = dict(parent_ip="198.18.0.1", parent_port=wire.UDP_PORT, worker_port=40000)
     with pytest.raises(ValueError, match="two-level"):

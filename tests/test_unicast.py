@@ -36,12 +36,12 @@ from harness.packet_cases import (
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
-import bpfsys
-from aggapp import serving
-from aggapp.options import JobOptions
-from aggproto import wire
-from aggproto.jobs import Delivery
-from aggproto.reasons import Reason
+from xdp_agg import bpfsys
+from xdp_agg.app import serving
+from xdp_agg.app.options import JobOptions
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import Delivery
+from xdp_agg.proto.reasons import Reason
 from xdp_switch import loader
 
 N = 3
@@ -248,7 +248,7 @@ def test_unicast_needs_no_multicast_flag_and_says_what_it_does():
 def test_a_unicast_endpoint_gives_jobs_no_group_and_their_ranks_one_port():
     from harness.ranks import soft_cluster
 
-    from aggctl.fields import RequestError
+    from xdp_agg.ctl.fields import RequestError
 
     with soft_cluster(defaults={"delivery": Delivery.UNICAST}) as cl:
         reg = cl.server.registry
@@ -276,7 +276,7 @@ PLAN = [{"dtype": "int32", "count": 1 << 16, "reps": 2}, {"check": "counters"}]
 
 
 def _cluster(tb, *serve_args, attach_args=(), frags=False):
-    from aggcluster.cluster import Cluster
+    from xdp_agg.cluster.cluster import Cluster
 
     name = f"u{uuid.uuid4().hex[:8]}"
     return Cluster(tb, name=name, serve_args=serve_args, attach_args=attach_args, frags=frags)

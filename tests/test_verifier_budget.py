@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-import bpfsys
+from xdp_agg import bpfsys
 from xdp_switch import subprogs
 
 CPU_COUNTS = (1, 2, 3, 4, 5, 8, 16, 64, 256, 1024)

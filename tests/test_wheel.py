@@ -10,15 +10,18 @@ import shutil
 import subprocess
 import sys
 import uuid
+import zipfile
 from pathlib import Path
 
 import pytest
 
-from aggcluster import cluster_worker
-from aggproto import control
+from xdp_agg.cluster import cluster_worker
+from xdp_agg.proto import control
 from xdp_switch import pins
 
 REPO = Path(__file__).resolve().parent.parent
+# the four top-level import names of the wheel (docs/design.md, "One namespace")
+TOP_LEVEL = {"xdp_agg", "xdp_switch", "hostlib", "netns_testbed"}
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
 
@@ -59,6 +62,9 @@ def _build_wheel(tmp: Path) -> Path:
     assert "is absent from the `packages` configuration" not in cp.stdout + cp.stderr
     (wheel,) = (tmp / "dist").glob("xdp_agg-*.whl")
     assert list((tmp / "dist").glob("xdp_agg-*.tar.gz"))
+    with zipfile.ZipFile(wheel) as z:  # the names the wheel claims in every user's site-packages
+        top = {n.split("/")[0] for n in z.namelist()}
+    assert {t for t in top if not t.endswith((".dist-info", ".data"))} == TOP_LEVEL
     return wheel
 
 
@@ -104,7 +110,7 @@ def test_wheel_installs_and_runs_outside_the_repository(tmp_path, testbed_factor
         [
             py,
             "-c",
-            "import json, bmv2_switch as b, hostlib, xdp_switch.loader as l; "
+            "import json, xdp_agg.targets.bmv2 as b, hostlib, xdp_switch.loader as l; "
             "print(json.dumps([hostlib.__file__, str(l.SOURCE), str(b.P4_MAIN), "
             "l.SOURCE.is_symlink() or l.BPF_DIR.is_symlink(), b.P4_MAIN.exists()]))",
         ]

@@ -27,11 +27,11 @@ from harness.packet_cases import (
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
-import bpfsys
-from aggproto import limits, wire
-from aggproto.jobs import Delivery
-from aggproto.model import Action
-from aggproto.reasons import Reason
+from xdp_agg import bpfsys
+from xdp_agg.proto import limits, wire
+from xdp_agg.proto.jobs import Delivery
+from xdp_agg.proto.model import Action
+from xdp_agg.proto.reasons import Reason
 from xdp_switch import loader
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]

@@ -39,9 +39,9 @@ import pytest
 from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build
 from harness.packet_cases import frame, job, worker_ip, workers
 
-import bpfsys
-from aggproto import wire
-from aggproto.model import Action, ReferenceAggregator
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
+from xdp_agg.proto.model import Action, ReferenceAggregator
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 

@@ -30,11 +30,11 @@ from harness.packet_cases import (
     workers,
 )
 
-import bpfsys
-from aggproto import wire
-from aggproto.jobs import Delivery
-from aggproto.limits import MAX_JOBS, NO_JOB
-from aggproto.model import Action, ReferenceAggregator
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import Delivery
+from xdp_agg.proto.limits import MAX_JOBS, NO_JOB
+from xdp_agg.proto.model import Action, ReferenceAggregator
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.slow]
 

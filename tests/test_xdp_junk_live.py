@@ -9,7 +9,7 @@ kinds (tests/harness/junk.py: bad size codes, other message types, truncated hea
 lying lengths, slots outside the job's range and the reserved bit, another port, IPv4 options,
 fragments, IP version 6, random payloads). Every result must stay exact, and the aggregator's
 counters by reason must rise by the numbers sent of each kind, as the serial reference model
-(aggproto.model) classifies each frame.
+(xdp_agg.proto.model) classifies each frame.
 
 Exactness of the counts: every drop reason, in the job's row and in the row of packets without
 a job, rises by exactly what was sent of it, give or take the frames the path itself dropped
@@ -29,10 +29,10 @@ import pytest
 from harness import junk
 from harness.workers import finish_soak_workers, start_soak_workers
 
-from aggcluster.cluster import Cluster
-from aggproto.model import Action, ReferenceAggregator
-from aggproto.reasons import Reason, is_drop
 from netns_testbed import counters
+from xdp_agg.cluster.cluster import Cluster
+from xdp_agg.proto.model import Action, ReferenceAggregator
+from xdp_agg.proto.reasons import Reason, is_drop
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 

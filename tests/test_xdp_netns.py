@@ -17,8 +17,8 @@ import uuid
 import numpy as np
 import pytest
 
-import bpfsys
-from aggproto import wire
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
 from xdp_switch import pins
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 WORKER = r"""
 import json, socket, sys
 import numpy as np
-from aggproto import wire
+from xdp_agg.proto import wire
 agg, w, k = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 slot = int(sys.argv[4]) if len(sys.argv) > 4 else 1
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -54,7 +54,7 @@ else:
 
 def xdp_agg(tb, *args, check=True):
     """Run the CLI in the aggregator's namespace (it enters it itself: bpffs stays visible)."""
-    cmd = [sys.executable, "-m", "aggapp.cli", "--netns", tb.aggregator.netns, *args]
+    cmd = [sys.executable, "-m", "xdp_agg.app.cli", "--netns", tb.aggregator.netns, *args]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     if check and r.returncode != 0:
         raise AssertionError(f"{' '.join(args)} failed ({r.returncode}): {r.stderr}")
@@ -74,7 +74,7 @@ def instance():
                 [
                     sys.executable,
                     "-m",
-                    "aggapp.cli",
+                    "xdp_agg.app.cli",
                     "--netns",
                     state.netns,
                     "--name",

@@ -12,7 +12,7 @@ import pytest
 from scapy.layers.inet import ICMP, IP, UDP
 from scapy.layers.l2 import ARP, Ether
 
-import bpfsys
+from xdp_agg import bpfsys
 
 pytestmark = [pytest.mark.root]
 

@@ -1,6 +1,6 @@
-"""One rank of tests/test_torch_fsdp.py, started by torchrun (aggcluster.torchrun) on the testbed:
-FSDP2, DeviceMesh, DTensor, functional collectives, HSDP and PREMUL_SUM on the xdpagg backend,
-and a rank killed mid-training under --max-restarts 1. Prints `REPORT <json>` when done.
+"""One rank of tests/test_torch_fsdp.py, started by torchrun (xdp_agg.cluster.torchrun) on the
+testbed: FSDP2, DeviceMesh, DTensor, functional collectives, HSDP and PREMUL_SUM on the xdpagg
+backend, and a rank killed mid-training under --max-restarts 1. Prints `REPORT <json>` when done.
 
     torchrun ... tests/torch_fsdp_worker.py fsdp|hsdp|restart [--steps N]
 

@@ -17,8 +17,8 @@ WIDTH = 100
 
 def _programs():
     """(program name, root click group) for both console scripts."""
-    from aggapp.cli import main as agg_main
     from netns_testbed.cli import main as testbed_main
+    from xdp_agg.app.cli import main as agg_main
 
     return [("xdp-agg", agg_main), ("netns-testbed", testbed_main)]
 

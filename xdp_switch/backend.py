@@ -19,17 +19,17 @@ import json
 import os
 import time
 
-import bpfsys
-from aggcodegen import abi
-from aggctl.backend import KernelProgram, KernelStats
-from aggproto import limits, wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
-from aggproto.reasons import PARENT_REASONS
+from xdp_agg import bpfsys
+from xdp_agg.codegen import abi
+from xdp_agg.ctl.backend import KernelProgram, KernelStats
+from xdp_agg.errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
+from xdp_agg.proto import limits, wire
+from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
+from xdp_agg.proto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
 from . import slot_cpus as cpu_table
 from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
-from .errors import EnvironmentProblem, LiveJobs, NeedsRoot, Refused, XdpAggError
 from .pins import TOPOLOGIES, XDP_MODES
 
 # The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
@@ -497,7 +497,8 @@ class XdpBackend:
     # reserved until its ranks are gone, so no new job can take that port and adopt the stale
     # packets.
     def generation(self) -> int:
-        """Which attachment this is (its program id): aggctl.jobtable keeps it with the table."""
+        """Which attachment this is (its program id): xdp_agg.ctl.jobtable keeps it with the
+        table."""
         return self.state.prog_id
 
     def _follow(self) -> None:

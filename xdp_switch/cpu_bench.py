@@ -26,7 +26,7 @@ import multiprocessing as mp
 import os
 import statistics
 
-import bpfsys
+from xdp_agg import bpfsys
 
 from . import loader, microbench
 

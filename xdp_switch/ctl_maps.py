@@ -1,7 +1,7 @@
 """Typed access to the aggregator's maps: jobs, workers, ports, slots and counters.
 
 Everything the control plane writes or reads goes through here, with the ctypes structures of
-aggcodegen.abi, so the Python side and bpf/generated/abi.h share one definition.
+xdp_agg.codegen.abi, so the Python side and bpf/generated/abi.h share one definition.
 """
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ import os
 import socket
 import time
 
-import bpfsys
-from aggcodegen import abi
-from aggctl.backend import check_job, check_worker
-from aggproto import keys, limits, wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
-from aggproto.reasons import Reason
+from xdp_agg import bpfsys
+from xdp_agg.codegen import abi
+from xdp_agg.ctl.backend import check_job, check_worker
+from xdp_agg.proto import keys, limits, wire
+from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
+from xdp_agg.proto.reasons import Reason
 
 from . import loader
 
@@ -70,7 +70,7 @@ class AggMaps:
 
     def create_job(self, spec: JobSpec, copies: tuple[int, int] | None = None) -> None:
         """Write a job and clear its slots; refuses specs the program cannot serve (the checks
-        every backend makes, aggctl.backend.check_job; re-creating a job replaces it). A job of
+        every backend makes, xdp_agg.ctl.backend.check_job; re-creating a job replaces it). A job of
         unicast delivery needs `copies`: (the interface's ifindex, the copy program's fd)."""
         check_job(
             spec, {j: (o.slot_base, o.slot_count) for j, o in self.jobs().items()}, self.pool_slots

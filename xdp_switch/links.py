@@ -8,7 +8,7 @@ import os
 
 from pyroute2 import IPRoute, NetlinkError
 
-from .errors import NeedsRoot, XdpAggError
+from xdp_agg.errors import NeedsRoot, XdpAggError
 
 XDP_FLAGS_UPDATE_IF_NOEXIST = 1 << 0  # refuse to replace a program already attached
 XDP_FLAGS_SKB_MODE = 1 << 1  # generic XDP

@@ -24,12 +24,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import bpfsys
-from aggcodegen import abi
-from aggproto import limits
+from xdp_agg import bpfsys
+from xdp_agg.codegen import abi
+from xdp_agg.errors import EnvironmentProblem, NeedsRoot, XdpAggError
+from xdp_agg.proto import limits
 
 from . import subprogs
-from .errors import EnvironmentProblem, NeedsRoot, XdpAggError
 
 
 def _package_dir(package: str, name: str) -> Path:

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import bpfsys
-from aggproto import wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec
-from aggproto.scapy_layer import sml_frame
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec
+from xdp_agg.proto.scapy_layer import sml_frame
 
 from . import loader
 from .ctl_maps import AggMaps

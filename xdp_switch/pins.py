@@ -7,7 +7,7 @@
     /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
     /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
                                               options (State below)
-    /run/xdp-agg/<name>.jobs                  `serve`'s job table (aggctl.jobtable)
+    /run/xdp-agg/<name>.jobs                  `serve`'s job table (xdp_agg.ctl.jobtable)
     /run/xdp-agg/<name>.lock                  held (flock) by the one `serve` of <name>
 
 `detach` removes exactly these, nothing else. XDP_AGG_PIN_ROOT and XDP_AGG_STATE_DIR move them
@@ -23,9 +23,8 @@ import shutil
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-import bpfsys
-
-from .errors import NeedsRoot, XdpAggError
+from xdp_agg import bpfsys
+from xdp_agg.errors import NeedsRoot, XdpAggError
 
 TOPOLOGIES = ("one-arm", "switch")  # the words netns_testbed uses for the same two layouts
 XDP_MODES = ("native", "skb")  # how XDP is attached: in the driver, or generic (skb)
@@ -173,7 +172,7 @@ class Instance:
             # unlinking a pin drops the reference; bpffs directories are removed like any other
             shutil.rmtree(self.dir)
         self.state_path.unlink(missing_ok=True)
-        # serve's job table (aggapp.serving.jobs_path) describes jobs of this attachment
+        # serve's job table (xdp_agg.app.serving.jobs_path) describes jobs of this attachment
         # only; its lock file stays (removing a held flock's file would let a second serve in)
         (state_dir() / f"{self.name}.jobs").unlink(missing_ok=True)
         parent = self.dir.parent

@@ -20,7 +20,7 @@ from __future__ import annotations
 import os
 import statistics
 
-import bpfsys
+from xdp_agg import bpfsys
 
 from . import cpu_bench, loader, microbench, slot_cpus
 

@@ -22,8 +22,8 @@ import ctypes as ct
 import os
 import subprocess
 
-import bpfsys
-from aggproto import wire
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
 
 CPUMAP_QSIZE = 2048  # frames queued per CPU: a window of slots from every worker, with room
 

@@ -19,8 +19,8 @@ import re
 import struct
 from dataclasses import dataclass
 
-import bpfsys
-from bpfsys import btf
+from xdp_agg import bpfsys
+from xdp_agg.bpfsys import btf
 
 CALLBACK_MAGIC = 0x58414743  # "XAGC": passed to the C as -DAGG_CALLBACK_MAGIC
 CALLBACK_NAME = "agg_gather_{}"  # the function of callback id K (bpf/aggregate.h)

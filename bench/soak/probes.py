@@ -9,7 +9,7 @@ import os
 import subprocess
 from pathlib import Path
 
-from aggproto import reasons
+from xdp_agg.proto import reasons
 
 
 def proc_usage(pid: int) -> dict | None:
@@ -61,7 +61,7 @@ def count_namespaces(prefix: str) -> int:
 
 
 def drop_total(stats: dict) -> int:
-    """Every counter whose reason is a drop (aggproto.reasons.DROPS), over unattributed and
+    """Every counter whose reason is a drop (xdp_agg.proto.reasons.DROPS), over unattributed and
     all jobs."""
     total = reasons.drop_total(stats.get("unattributed") or {})
     for j in (stats.get("jobs") or {}).values():

@@ -1,5 +1,5 @@
-"""The soak's run: the testbed, the aggregator and its control endpoint (aggcluster.Cluster), one
-bench.soak_worker per worker namespace, a sample every interval until the workers are done, and
+"""The soak's run: the testbed, the aggregator and its control endpoint (xdp_agg.cluster.Cluster),
+one bench.soak_worker per worker namespace, a sample every interval until the workers are done, and
 what is left after the workers and after the teardown."""
 
 from __future__ import annotations
@@ -202,9 +202,9 @@ def _after_workers(cl, ranks, result: dict) -> None:
 
 def run(opts, log) -> dict:
     """The soak; returns everything the report needs (raises on set-up failure)."""
-    from aggcluster.cluster import Cluster
     from netns_testbed import faults, nsexec
     from netns_testbed.testbed import Testbed
+    from xdp_agg.cluster.cluster import Cluster
     from xdp_switch import pins
 
     duration = opts.minutes * 60.0

@@ -45,7 +45,7 @@ from typing import Any, Protocol, Sequence
 import numpy as np
 import torch
 
-from aggproto.wire import SIZE_CODE_ELEMS
+from xdp_agg.proto.wire import SIZE_CODE_ELEMS
 
 CHUNK_BYTES = 16 << 20  # of wire elements (4 bytes each): 4 Mi, rounded down to whole packets
 SLOTS = 3  # chunk i+1 coming down, chunk i summed, chunk i-1 going up

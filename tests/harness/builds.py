@@ -33,7 +33,7 @@ def unicast_copies(prog, spec) -> tuple[int, int] | None:
     interface and the copy program), as the backend gives it; None for other jobs. Tests that
     only test-run the programs give loopback: BPF_PROG_TEST_RUN returns the broadcast's
     XDP_REDIRECT without sending it anywhere."""
-    from aggproto.jobs import Delivery
+    from xdp_agg.proto.jobs import Delivery
     from xdp_switch import loader
 
     if spec.delivery != Delivery.UNICAST:

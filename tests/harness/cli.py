@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from click.testing import CliRunner, Result
 
-from aggapp import cli as agg_cli
 from netns_testbed import cli as testbed_cli
+from xdp_agg.app import cli as agg_cli
 
 PROGRAMS = {"xdp-agg": agg_cli.main, "netns-testbed": testbed_cli.main}
 

@@ -13,8 +13,8 @@ import time
 
 import pytest
 
-import bpfsys
-from aggproto import wire
+from xdp_agg import bpfsys
+from xdp_agg.proto import wire
 
 BARRIER_TIMEOUT = 60.0
 

@@ -2,7 +2,7 @@
 send to a running aggregator, and a sender that puts frames on a namespace's eth0.
 
 Frames are built here, in the test process, so that the test can ask the serial reference model
-(aggproto.model) what the aggregator must do with each one; the sender (SENDER, run with
+(xdp_agg.proto.model) what the aggregator must do with each one; the sender (SENDER, run with
 `python -c SENDER FILE ...` in a worker's namespace) only reads them from a file (one hex frame
 a line) and sends them through an AF_PACKET socket, bypassing the kernel's own checks (lengths,
 options, fragments), paced so that the path's queues do not overflow.
@@ -14,8 +14,8 @@ import numpy as np
 from scapy.layers.inet import IP, UDP, IPOption_NOP
 from scapy.layers.l2 import Ether
 
-from aggproto import wire
-from aggproto.scapy_layer import sml_frame
+from xdp_agg.proto import wire
+from xdp_agg.proto.scapy_layer import sml_frame
 
 TYPE_SIZE = wire.SML_DTYPE.fields["msg_type_size"][1]  # offset of the type/size byte
 POISON = 7777777  # the value every hostile contribution carries: a sum it enters is visibly wrong

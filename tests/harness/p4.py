@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-import bmv2_switch as bm
+import xdp_agg.targets.bmv2 as bm
 
 ETH_P_ALL = 0x0003
 PACKET_OUTGOING = 4  # sll_pkttype of frames we sent ourselves

@@ -16,12 +16,12 @@ from scapy.layers.inet import ICMP, IP, TCP, UDP
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
 
-from aggproto import wire
-from aggproto.jobs import Delivery, JobSpec, WorkerSpec
-from aggproto.model import Action, ReferenceAggregator, Verdict
-from aggproto.reasons import Reason
-from aggproto.scapy_layer import Exponents, SwitchML, sml_frame
 from harness import p4app_host
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec
+from xdp_agg.proto.model import Action, ReferenceAggregator, Verdict
+from xdp_agg.proto.reasons import Reason
+from xdp_agg.proto.scapy_layer import Exponents, SwitchML, sml_frame
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -253,7 +253,7 @@ def check_result(step: Step, req, out) -> None:
 
 
 def model_for(case: Case) -> ReferenceAggregator:
-    """The serial reference model (aggproto.model) with the case's jobs and workers."""
+    """The serial reference model (xdp_agg.proto.model) with the case's jobs and workers."""
     model = ReferenceAggregator()
     for j in case.jobs:
         model.create_job_spec(j)

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import pytest
 
 import hostlib
-from aggctl.endpoint import stand_up
-from aggctl.server import ControlEndpoint
-from aggproto import control
-from soft_switch import SoftAggregator
+from xdp_agg.ctl.endpoint import stand_up
+from xdp_agg.ctl.server import ControlEndpoint
+from xdp_agg.proto import control
+from xdp_agg.targets.soft import SoftAggregator
 
 
 def loopback_prefix() -> str:
@@ -85,7 +85,7 @@ def soft_cluster(
 
     auth: the servers check a fresh deployment secret, written (0600) to a temporary file that
     run_ranks gives every rank; False: the trusted-lab mode, no credentials. limits: their
-    aggctl.auth.Limits."""
+    xdp_agg.ctl.auth.Limits."""
     prefix = loopback_prefix()
     given = backends if backends is not None else [backend] + [None] * (aggregators - 1)
     cluster = Cluster(prefix)

@@ -1,4 +1,4 @@
-"""Reading the reports of a two-level tree's workers (aggcluster.tree.TreeCluster.run_workers):
+"""Reading the reports of a two-level tree's workers (xdp_agg.cluster.tree.TreeCluster.run_workers):
 the XDP tree tests and the bmv2 one share them."""
 
 from __future__ import annotations

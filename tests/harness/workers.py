@@ -1,4 +1,4 @@
-"""What the testbed tests give aggcluster's worker processes: a plan of mixed all-reduces, and
+"""What the testbed tests give xdp_agg.cluster's worker processes: a plan of mixed all-reduces, and
 the check of their reports, and bench.soak_worker's processes for tests that all-reduce while
 something else happens."""
 
@@ -20,7 +20,7 @@ MIXED_PLAN = [
 
 
 def assert_reports_ok(reports) -> None:
-    """Every result every rank checked was right (aggcluster.cluster_worker's reports)."""
+    """Every result every rank checked was right (xdp_agg.cluster.cluster_worker's reports)."""
     for rank, reps in enumerate(reports):
         for r in reps:
             if "ok" in r:
@@ -51,7 +51,7 @@ def start_soak_workers(tb, cl, *, world: int, job: str, stop, args: tuple[str, .
 
 def finish_soak_workers(ranks, deadline: float = 300.0) -> list[list[dict]]:
     """Wait for start_soak_workers' processes: per rank, its reports with its final "done"
-    line last (as aggcluster's Cluster.collect gives them); AssertionError with the stderr of
+    line last (as xdp_agg.cluster's Cluster.collect gives them); AssertionError with the stderr of
     every worker that failed or outlived the deadline."""
     end = time.monotonic() + deadline
     errors = []

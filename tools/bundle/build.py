@@ -60,7 +60,16 @@ TARGETS = {
 GLIBC_MAX = 36
 DEFAULT_EXTRAS = ("metrics",)
 # What the smoke test imports in the venv (bcc from the prefix, the rest from the wheels).
-SMOKE_IMPORTS = ["bcc", "numpy", "pyroute2", "scapy", "click", "hostlib", "xdp_switch", "aggapp"]
+SMOKE_IMPORTS = [
+    "bcc",
+    "numpy",
+    "pyroute2",
+    "scapy",
+    "click",
+    "hostlib",
+    "xdp_switch",
+    "xdp_agg.app",
+]
 
 
 # --- Debian's package records and the closure -----------------------------------------------

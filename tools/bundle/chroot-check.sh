@@ -4,7 +4,7 @@
 # archive; the root file system is kept in WORK and reused), then, in a mount and network
 # namespace of their own (`unshare -m -n`: only a loopback that is down), a chroot into a fresh
 # copy of it, install.py --prefix /opt/xdp-agg with OPTIONS, and with --demo the 4-worker demo
-# (python -m aggcluster.demo) in the same chroot, with a bpffs and a /run of its own.
+# (python -m xdp_agg.cluster.demo) in the same chroot, with a bpffs and a /run of its own.
 #
 #   sudo tools/bundle/chroot-check.sh build/bundle/xdp-agg-bundle-0.1.0.tar [--demo] [OPTIONS]
 #
@@ -34,7 +34,7 @@ echo "the chroot lacks: $(for t in ip tc nft ethtool sysctl; do
 	"cd /tmp/$NAME && python3 install.py --prefix /opt/xdp-agg $*"
 if [ "$DEMO" = 1 ]; then
 	mount -t bpf bpf "$R/sys/fs/bpf"; mount -t tmpfs tmpfs "$R/run"
-	chroot "$R" /bin/sh -c "cd /tmp && /opt/xdp-agg/bin/xdp-agg-python -m aggcluster.demo"
+	chroot "$R" /bin/sh -c "cd /tmp && /opt/xdp-agg/bin/xdp-agg-python -m xdp_agg.cluster.demo"
 fi
 chroot "$R" /opt/xdp-agg/uninstall.sh && echo "uninstalled: $(chroot "$R" /sbin/ldconfig -p |
 	grep -c /opt/xdp-agg || true) libraries of the prefix left in ld.so'"'"'s cache"

@@ -1,7 +1,0 @@
-"""`python -m aggcodegen [--check]`: write the generated C and P4 files (or report drift)."""
-
-import sys
-
-from .generate import main
-
-sys.exit(main())

@@ -1,0 +1,293 @@
+"""The aggregator as a systemd service on a middle box: a template unit per aggregator name, its
+config file, and the two commands the unit runs.
+
+    /etc/systemd/system/xdp-agg@.service   the template unit (install_files writes it)
+    /etc/xdp-agg/NAME.conf                 what aggregator NAME attaches to and serves (below)
+
+    systemctl enable --now xdp-agg@NAME    ExecStart:    xdp-agg service-start NAME
+                                           ExecStopPost: xdp-agg service-stop NAME
+
+`service-start` reads the config, attaches the XDP program to its interfaces (replacing what an
+earlier run of the same name left), and runs the control endpoint in the foreground until
+SIGTERM. `service-stop` detaches, and is an ExecStopPost rather than an ExecStop so that it runs
+however the service ended (stopped, crashed, or failed to start): the next start, a restart on
+failure included, begins from nothing attached. After a reboot the pins are gone and the unit
+attaches again.
+
+The config file is KEY=VALUE lines (the syntax of a systemd EnvironmentFile: `#` comments,
+values optionally in double quotes); lists are separated by spaces.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xdp_agg.errors import XdpAggError
+from xdp_agg.proto import limits, wire
+from xdp_switch import backend as xdp_backend
+from xdp_switch import pins
+
+UNIT_NAME = "xdp-agg@.service"
+CONFIG_DIR = Path("/etc/xdp-agg")
+UNIT_DIR = Path("/etc/systemd/system")
+
+
+class ConfigError(XdpAggError):
+    """The service's config file is missing or says something we cannot use."""
+
+
+@dataclass
+class ServiceConfig:
+    """One aggregator's service settings (the keys of NAME.conf)."""
+
+    interfaces: list[str]  # INTERFACES: one (one-arm) or one per worker port (switch)
+    topology: str | None = None  # TOPOLOGY: one-arm | switch (default: from the count)
+    xdp_mode: str = "native"  # XDP_MODE: native | skb
+    pool_slots: int = limits.DEFAULT_POOL_SLOTS  # POOL_SLOTS
+    variant: str = "percpu"  # VARIANT: percpu | spinlock
+    listen: str = ""  # LISTEN: HOST:PORT of the control endpoint ("": serve's default address)
+    secret_file: str = ""  # SECRET_FILE: the deployment secret ("": serve's default place)
+    netns: str | None = None  # NETNS: a network namespace to run in (rarely on a middle box)
+    serve_options: list[str] = field(default_factory=list)  # SERVE_OPTIONS: more `serve` options
+
+    def attach_args(self) -> list[str]:
+        """The `xdp-agg attach` arguments this config means."""
+        args = [
+            *self.interfaces,
+            "--xdp-mode",
+            self.xdp_mode,
+            "--pool-slots",
+            str(self.pool_slots),
+            "--variant",
+            self.variant,
+        ]
+        return args + (["--topology", self.topology] if self.topology else [])
+
+    def serve_args(self) -> list[str]:
+        """The `xdp-agg serve` arguments this config means."""
+        args = ["--listen", self.listen] if self.listen else []
+        if self.secret_file:
+            args += ["--secret-file", self.secret_file]
+        return args + self.serve_options
+
+
+_KEYS = {
+    "INTERFACES",
+    "TOPOLOGY",
+    "XDP_MODE",
+    "POOL_SLOTS",
+    "VARIANT",
+    "LISTEN",
+    "SECRET_FILE",
+    "NETNS",
+    "SERVE_OPTIONS",
+}
+
+
+def config_path(name: str, config_dir: Path | None = None) -> Path:
+    """Where aggregator `name`'s config lives."""
+    return (config_dir or CONFIG_DIR) / f"{pins.check_name(name)}.conf"
+
+
+def parse_config(text: str, source: str = "config") -> ServiceConfig:
+    """A ServiceConfig from NAME.conf's text; ConfigError naming the line for what is wrong."""
+    raw: dict[str, str] = {}
+    for no, line in enumerate(text.splitlines(), 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        key, sep, value = line.partition("=")
+        key = key.strip()
+        if not sep or key not in _KEYS:
+            raise ConfigError(
+                f"{source}:{no}: expected one of {', '.join(sorted(_KEYS))}=VALUE, got {line!r}"
+            )
+        try:  # strips the quotes an EnvironmentFile allows; lists are then split on spaces
+            raw[key] = " ".join(shlex.split(value))
+        except ValueError as e:
+            raise ConfigError(f"{source}:{no}: {key}: {e}") from None
+    ifaces = raw.get("INTERFACES", "").split()
+    if not ifaces:
+        raise ConfigError(
+            f"{source}: INTERFACES is empty: name the interface(s) to attach to, "
+            'e.g. INTERFACES=eth1 (one-arm) or INTERFACES="p0 p1 p2 p3" (switch)'
+        )
+    cfg = ServiceConfig(interfaces=ifaces)
+    if raw.get("TOPOLOGY"):
+        cfg.topology = _choice(raw["TOPOLOGY"], pins.TOPOLOGIES, "TOPOLOGY", source)
+    if raw.get("XDP_MODE"):
+        cfg.xdp_mode = _choice(raw["XDP_MODE"], pins.XDP_MODES, "XDP_MODE", source)
+    if raw.get("VARIANT"):
+        from xdp_switch import loader
+
+        cfg.variant = _choice(raw["VARIANT"], tuple(loader.VARIANTS), "VARIANT", source)
+    if raw.get("POOL_SLOTS"):
+        slots = raw["POOL_SLOTS"]
+        if not slots.isdigit() or not 1 <= int(slots) <= wire.MAX_SLOTS:
+            raise ConfigError(f"{source}: POOL_SLOTS must be 1..{wire.MAX_SLOTS}, not {slots!r}")
+        cfg.pool_slots = int(slots)
+    if raw.get("LISTEN"):
+        cfg.listen = raw["LISTEN"]
+    cfg.secret_file = raw.get("SECRET_FILE", "")
+    cfg.netns = raw.get("NETNS") or None
+    try:
+        cfg.serve_options = shlex.split(raw.get("SERVE_OPTIONS", ""))
+    except ValueError as e:
+        raise ConfigError(f"{source}: SERVE_OPTIONS: {e}") from None
+    return cfg
+
+
+def _choice(value: str, allowed: tuple[str, ...], key: str, source: str) -> str:
+    if value not in allowed:
+        raise ConfigError(f"{source}: {key} must be one of {', '.join(allowed)}, not {value!r}")
+    return value
+
+
+def read_config(name: str, path: Path | None = None) -> ServiceConfig:
+    """Aggregator `name`'s config, from `path` or /etc/xdp-agg/NAME.conf."""
+    path = path or config_path(name)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(
+            f"no config {path}: `xdp-agg service-install {name}` writes a sample to edit"
+        ) from None
+    return parse_config(text, str(path))
+
+
+def clear_leftover(name: str) -> dict | None:
+    """Detach an aggregator `name` that is still attached (an earlier run of the service that
+    could not clean up): the service owns that name, so its jobs go too (force). The detach
+    report, or None."""
+    if not pins.Instance(name).exists():
+        return None
+    return xdp_backend.detach(name, force=True)
+
+
+def stop(name: str) -> dict | None:
+    """What ExecStopPost runs: detach `name` if it is attached (nothing to do is no error)."""
+    return clear_leftover(name)
+
+
+# --- installing ---------------------------------------------------------------------------------
+UNIT_TEMPLATE = """\
+# xdp-agg: the XDP aggregator NAME (%i) and its control endpoint, configured by
+# /etc/xdp-agg/%i.conf. Written by `xdp-agg service-install`; see docs/operations.md, "Install on a
+# middle box".
+[Unit]
+Description=xdp-agg in-network aggregator %i (XDP program and control endpoint)
+Documentation=man:systemd.service(5)
+After=network-online.target
+Wants=network-online.target
+ConditionPathExists={config_dir}/%i.conf
+
+[Service]
+Type=simple
+# The program and its maps are pinned in bpffs; systemd mounts it on most systems, not on all.
+ExecStartPre=/bin/sh -c 'mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf'
+ExecStart={exe} service-start %i --config {config_dir}/%i.conf
+# ExecStopPost, not ExecStop: it also runs after a crash or a failed start, so every start
+# (a restart on failure too) begins with nothing attached.
+ExecStopPost={exe} service-stop %i
+Restart=on-failure
+RestartSec=5
+# 2: a usage error in SERVE_OPTIONS; 3: not root, no bpffs, bcc or kernel headers. Restarting
+# cannot fix either; `journalctl -u xdp-agg@%i` says what to do.
+RestartPreventExitStatus=2 3
+TimeoutStopSec=30
+
+[Install]
+WantedBy=multi-user.target
+"""
+
+SAMPLE_CONFIG = """\
+# xdp-agg service config for aggregator {name}: `systemctl restart xdp-agg@{name}` applies it.
+# KEY=VALUE lines; lists are separated by spaces (quote them).
+
+# The interface(s) the XDP program attaches to: one for the one-arm topology (every worker
+# behind it), or one per worker port for the switch topology.
+INTERFACES="{interfaces}"
+
+# one-arm | switch; empty: one-arm for one interface, switch for several.
+TOPOLOGY=
+
+# native (in the driver) | skb (generic XDP: any interface, slower).
+XDP_MODE=native
+
+# Aggregation slots shared by all jobs (1..16384).
+POOL_SLOTS={pool_slots}
+
+# percpu (the design) | spinlock (the baseline).
+VARIANT=percpu
+
+# HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
+# IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
+LISTEN={listen}
+
+# The deployment secret workers must prove (created with mode 0600 when absent). Give each
+# worker a copy (mode 0600) and XDP_AGG_SECRET_FILE=<its path>. Here, it survives reboots.
+SECRET_FILE={secret_file}
+
+# More `xdp-agg serve` options, e.g. "--udp-checksum --barrier-timeout 300". One-arm results go
+# to a multicast group per job (the switch needs IGMP snooping and a querier, docs/design.md); add
+# "--results broadcast" for the subnet broadcast, or "--group-base 239.77.0.0/24".
+SERVE_OPTIONS=
+"""
+
+
+def default_exe() -> str:
+    """How the unit runs xdp-agg: the script beside this interpreter (a venv's or pip's), or
+    the interpreter with -m when there is none (an uninstalled checkout)."""
+    script = Path(sys.executable).parent / "xdp-agg"
+    if script.exists():
+        return str(script)
+    return f"{sys.executable} -m xdp_agg.app.cli"
+
+
+def install_files(
+    root: Path,
+    name: str,
+    interfaces: list[str],
+    *,
+    exe: str | None = None,
+    listen: str = "",
+    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
+    force: bool = False,
+) -> dict:
+    """Write the template unit and a sample config for `name` under `root` (/ for real).
+    An existing config is kept unless `force`; the unit is always rewritten (it holds no
+    settings). Returns what was written and kept."""
+    config_dir = root / CONFIG_DIR.relative_to("/")
+    unit_dir = root / UNIT_DIR.relative_to("/")
+    unit = unit_dir / UNIT_NAME
+    conf = config_dir / f"{pins.check_name(name)}.conf"
+    unit_dir.mkdir(parents=True, exist_ok=True)
+    config_dir.mkdir(parents=True, exist_ok=True)
+    unit.write_text(UNIT_TEMPLATE.format(exe=exe or default_exe(), config_dir=CONFIG_DIR))
+    written, kept = [str(unit)], []
+    if conf.exists() and not force:
+        kept.append(str(conf))
+    else:
+        conf.write_text(
+            SAMPLE_CONFIG.format(
+                name=name,
+                interfaces=" ".join(interfaces),
+                pool_slots=pool_slots,
+                listen=listen,
+                secret_file=CONFIG_DIR / f"{name}.secret",
+            )
+        )
+        os.chmod(conf, 0o644)
+        written.append(str(conf))
+    return {
+        "name": name,
+        "unit": str(unit),
+        "config": str(conf),
+        "written": written,
+        "kept": kept,
+        "instance": f"xdp-agg@{name}.service",
+    }

@@ -1,0 +1,104 @@
+"""A scapy layer for the SwitchML headers, built from the field tables in xdp_agg.proto.wire.
+
+    from xdp_agg.proto.scapy_layer import SwitchML, Exponents, sml_frame
+    pkt = sml_frame(src_ip="198.18.0.10", values=[1, 2, 3, ...], slot=3)
+
+UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents, in wire order:
+the SwitchML header, then the exponent header, whose layer also holds the k int32 of the payload
+that follow it (`values`, k from the SwitchML layer's size code).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from scapy.fields import BitField, FieldListField, SignedByteField, SignedIntField
+from scapy.layers.inet import IP, UDP
+from scapy.layers.l2 import Ether
+from scapy.packet import Packet, bind_layers
+
+from . import wire
+
+
+def _fields(header: wire.Header):
+    out = []
+    for f in header.fields:
+        if f.signed and f.bits == 8:
+            out.append(SignedByteField(f.name, 0))
+        else:
+            out.append(BitField(f.name, 0, f.bits))
+    return out
+
+
+def _payload_elems(pkt) -> int:
+    """k of the SwitchML layer below (0 without one, or for an unknown size code)."""
+    under = pkt.underlayer
+    return wire.SIZE_CODE_ELEMS.get(under.size, 0) if isinstance(under, SwitchML) else 0
+
+
+class SwitchML(Packet):
+    """SwitchML header (8 bytes), fields from wire.SWITCHML."""
+
+    name = "SwitchML"
+    fields_desc = _fields(wire.SWITCHML)
+
+
+class Exponents(Packet):
+    """Exponent header (2 bytes, fields from wire.EXPONENTS) and the payload's int32 after it."""
+
+    name = "SwitchMLExponents"
+    fields_desc = _fields(wire.EXPONENTS) + [
+        FieldListField(
+            "values",
+            [],
+            SignedIntField("value", 0),
+            count_from=_payload_elems,
+            max_count=wire.MAX_ELEMS,
+        )
+    ]
+
+
+bind_layers(SwitchML, Exponents)
+for _port in range(wire.UDP_PORT, wire.UDP_PORT + wire.UDP_PORT_COUNT):
+    bind_layers(UDP, SwitchML, dport=_port)
+    bind_layers(UDP, SwitchML, sport=_port)
+
+
+def sml_frame(
+    *,
+    src_ip: str,
+    dst_ip: str = "198.18.0.1",
+    src_mac: str = "02:00:00:00:00:0a",
+    dst_mac: str = "02:00:00:00:00:01",
+    sport: int = wire.UDP_PORT,
+    dport: int = wire.UDP_PORT,
+    values=(),
+    size: int | None = None,
+    slot: int = 0,
+    version: int = 0,
+    job_number: int = 0,
+    tsi: int = 0,
+    e0: int = 0,
+    e1: int = 0,
+    msg_type: int = wire.MSG_TYPE_DATA,
+    pool_index: int | None = None,
+    udp_checksum: bool = False,
+) -> Packet:
+    """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian).
+    The UDP checksum is 0 (none, as results carry) unless `udp_checksum`."""
+    vals = np.asarray(values, dtype=np.int64).astype(np.int32)
+    if size is None:
+        size = wire.size_code_for(len(vals))
+    pidx = pool_index if pool_index is not None else int(wire.pool_index(slot, version))
+    return (
+        Ether(src=src_mac, dst=dst_mac)
+        / IP(src=src_ip, dst=dst_ip, ttl=64)
+        / UDP(sport=sport, dport=dport, chksum=None if udp_checksum else 0)
+        / SwitchML(
+            msg_type=msg_type,
+            size=size,
+            job_number=job_number,
+            tsi=tsi,
+            pool_index=pidx,
+        )
+        / Exponents(e0=e0, e1=e1, values=[int(v) for v in vals])
+    )

@@ -1,0 +1,332 @@
+"""The SwitchML wire format: the one definition every implementation derives from.
+
+This module is the single source of truth for the bytes on the wire (docs/protocol.md section 1).
+The BPF C header (bpf/generated/wire.h), the P4 header (p4/include/wire.p4) and the scapy layer
+(xdp_agg.proto.scapy_layer) are generated or built from the tables below; tests fail when a
+generated file drifts or when the compiled BPF object's BTF disagrees with the offsets here.
+
+Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | exponents (2) | payload,
+payload being k big-endian int32, k given by the size code. This is p4app-switchML's order at its
+newest commit b5c74a0 (docs/protocol.md section 1 cites the lines): its parser extracts the
+SwitchML header, then the exponents, then the data; its DPDK host writes the exponents right after
+the SwitchML header and the values after them. (Revisions before September 2021 had one 16-bit
+exponent behind the data; they are not the protocol.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+# --- addressing -------------------------------------------------------------------------------
+UDP_PORT = 0xBEE0  # the aggregator's base port (48864)
+UDP_PORT_MASK = 0xFFF0  # it accepts 0xBEE0..0xBEEF
+UDP_PORT_COUNT = 16
+# A host's lanes: lane l sends from and listens on worker_port + l; on AF_XDP one socket per lane,
+# which the queue's redirect program tells apart by that port (an XSKMAP entry each, and a bit
+# each in the group's mask: hostlib/_xsk.c)
+MAX_LANES = 64
+
+# --- message types (4 bits) -------------------------------------------------------------------
+MSG_TYPE_DATA = 1  # a contribution, and a result (SwitchML does not distinguish them)
+
+# --- size codes (3 bits): elements per packet -------------------------------------------------
+# 4 and 5 are our extension; 6 and 7 (the last free values) are jumbo frames: 1024 and 2048 int32
+# (4148- and 8244-byte frames) need more than a page, so an XDP program sees them only through
+# multi-buffer (frags, docs/protocol.md section 1.1), and a 9000-byte MTU carries 2048.
+SIZE_CODE_ELEMS = {0: 32, 1: 64, 2: 128, 3: 256, 4: 512, 5: 768, 6: 1024, 7: 2048}
+SWITCHML_SIZE_CODES = (0, 1, 2, 3)
+JUMBO_SIZE_CODES = (6, 7)  # frames larger than one XDP buffer (a page) on veth
+MAX_ELEMS = max(SIZE_CODE_ELEMS.values())
+
+# --- pool index (16 bits) ---------------------------------------------------------------------
+POOL_VERSION_BIT = 0x8000  # bit 15: which of the two shadow copies
+POOL_RESERVED_BIT = 0x4000  # bit 14: reserved, must be 0
+POOL_SLOT_MASK = 0x3FFF  # bits 13..0: slot index
+MAX_SLOTS = POOL_SLOT_MASK + 1
+
+# --- lengths and offsets ----------------------------------------------------------------------
+ETH_HLEN = 14
+IPV4_HLEN = 20
+UDP_HLEN = 8
+SWITCHML_HLEN = 8
+EXP_HLEN = 2
+ELEM_BYTES = 4
+SWITCHML_OFFSET = ETH_HLEN + IPV4_HLEN + UDP_HLEN  # 42: from the start of the Ethernet frame
+EXPONENTS_AT = SWITCHML_HLEN  # the exponent header, from the start of the UDP payload
+VALUES_AT = SWITCHML_HLEN + EXP_HLEN  # the first int32, from the start of the UDP payload: 10
+UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our two headers in a UDP payload, together
+PAYLOAD_OFFSET = SWITCHML_OFFSET + VALUES_AT  # 52: the first int32, from the frame's start
+
+# --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
+RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
+RESULT_IP_ID = 0  # IPv4 identification of every result
+RESULT_TOS = 0  # IPv4 DSCP and ECN (the ToS byte) of every result
+RESULT_IP_FLAGS = 0  # IPv4 flags of every result: DF (and MF) clear
+
+
+@dataclass(frozen=True)
+class Field:
+    """One header field, in wire order, big-endian, `bits` wide."""
+
+    name: str
+    bits: int
+    doc: str
+    signed: bool = False
+
+
+@dataclass(frozen=True)
+class Header:
+    """A header: its fields in wire order. C, P4 and scapy are generated from this."""
+
+    name: str
+    fields: tuple[Field, ...]
+    doc: str
+
+    @property
+    def length(self) -> int:
+        return sum(f.bits for f in self.fields) // 8
+
+
+SWITCHML = Header(
+    "switchml",
+    (
+        Field("msg_type", 4, "1 = data (contribution or result); other values reserved"),
+        Field("reserved", 1, "0"),
+        Field("size", 3, "payload size code, see SIZE_CODE_ELEMS"),
+        Field("job_number", 8, "low 8 bits of the host's job counter, echoed"),
+        Field("tsi", 32, "packet id chosen by the host, echoed, never interpreted"),
+        Field("pool_index", 16, "bit 15 version, bit 14 reserved, bits 13..0 slot"),
+    ),
+    "SwitchML header (p4app-switchML UDP format)",
+)
+
+EXPONENTS = Header(
+    "exponents",
+    (
+        Field("e0", 8, "block exponent of a future chunk; max over workers in a result", True),
+        Field("e1", 8, "second exponent (SwitchML's); max over workers in a result", True),
+    ),
+    "exponent header",
+)
+
+HEADERS = (SWITCHML, EXPONENTS)
+
+assert SWITCHML.length == SWITCHML_HLEN and EXPONENTS.length == EXP_HLEN
+
+
+@dataclass(frozen=True)
+class Member:
+    """A byte-aligned member of a header as C and numpy see it.
+
+    Fields narrower than a byte are grouped into one u8 member named after them (reserved bits
+    left out of the name); `parts` gives each such field's (name, shift, width).
+    """
+
+    name: str
+    nbytes: int
+    offset: int
+    signed: bool
+    parts: tuple[tuple[str, int, int], ...]
+
+
+def members(header: Header) -> tuple[Member, ...]:
+    """Group a header's fields into byte-aligned members, in wire order."""
+    out, group, group_bits, offset = [], [], 0, 0
+    for f in header.fields:
+        if f.bits % 8 == 0 and not group:
+            out.append(Member(f.name, f.bits // 8, offset, f.signed, ((f.name, 0, f.bits),)))
+            offset += f.bits // 8
+            continue
+        group.append(f)
+        group_bits += f.bits
+        if group_bits == 8:
+            shift, parts = 8, []
+            for g in group:
+                shift -= g.bits
+                parts.append((g.name, shift, g.bits))
+            name = "_".join(g.name for g in group if g.name != "reserved")
+            out.append(Member(name, 1, offset, False, tuple(parts)))
+            offset, group, group_bits = offset + 1, [], 0
+        elif group_bits > 8:
+            raise ValueError(f"{header.name}: fields do not group into bytes")
+    return tuple(out)
+
+
+def _np_type(m: Member) -> str:
+    return (
+        ("i" if m.signed else "u") + str(m.nbytes)
+        if m.nbytes == 1
+        else ((">i" if m.signed else ">u") + str(m.nbytes))
+    )
+
+
+# numpy views of our headers: the SwitchML header opens the UDP payload and the exponent header
+# follows it (EXPONENTS_AT); HDR_DTYPE is both together, the 10 bytes before the values.
+SML_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SWITCHML)])
+EXP_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(EXPONENTS)])
+HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
+assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
+assert HDR_DTYPE.itemsize == UDP_HDRS_LEN == VALUES_AT
+assert HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
+
+
+def reserved_mask(m: Member) -> int:
+    """The bits of a grouped member that are reserved (0 on every packet the aggregator sends)."""
+    return sum(((1 << w) - 1) << shift for n, shift, w in m.parts if n == "reserved")
+
+
+# byte 0 of the SwitchML header (msg_type, reserved, size): its reserved bit, cleared in results
+TYPE_SIZE_RESERVED_MASK = reserved_mask(members(SWITCHML)[0])
+assert TYPE_SIZE_RESERVED_MASK == 0x08
+
+
+def size_code_for(elems: int) -> int:
+    """The size code for `elems` elements per packet; ValueError if there is none."""
+    for code, n in SIZE_CODE_ELEMS.items():
+        if n == elems:
+            return code
+    raise ValueError(
+        f"{elems} elements per packet is not a wire size; use one of "
+        f"{sorted(SIZE_CODE_ELEMS.values())}"
+    )
+
+
+def elems_for_mtu(mtu: int) -> int:
+    """The most elements per packet whose IPv4 datagram fits an MTU of `mtu` bytes (1500: 256,
+    3500: 768, 9000: 2048); ValueError when not even the smallest size fits."""
+    fits = [n for n in SIZE_CODE_ELEMS.values() if IPV4_HLEN + UDP_HLEN + udp_payload_len(n) <= mtu]
+    if not fits:
+        raise ValueError(
+            f"MTU {mtu} holds no packet of ours (the smallest needs {frame_len(32) - ETH_HLEN})"
+        )
+    return max(fits)
+
+
+def elems_for(size_code: int) -> int:
+    """Elements per packet for a size code; ValueError for an unknown code."""
+    try:
+        return SIZE_CODE_ELEMS[size_code]
+    except KeyError:
+        raise ValueError(f"unknown size code {size_code}") from None
+
+
+def type_size(msg_type: int, size_code: int) -> int:
+    """The first byte of the SwitchML header."""
+    if not 0 <= msg_type <= 15 or not 0 <= size_code <= 7:
+        raise ValueError("msg_type is 4 bits and size code 3 bits")
+    return (msg_type << 4) | size_code
+
+
+def pool_index(slot, version):
+    """Pool index field from slot and version (scalars or numpy arrays)."""
+    return (np.asarray(version, dtype=np.uint16) << 15) | (
+        np.asarray(slot, dtype=np.uint16) & POOL_SLOT_MASK
+    )
+
+
+def split_pool_index(pidx):
+    """(slot, version) from a pool index field."""
+    pidx = np.asarray(pidx, dtype=np.uint16)
+    return pidx & POOL_SLOT_MASK, (pidx >> 15) & 1
+
+
+def udp_payload_len(elems: int) -> int:
+    """Bytes of UDP payload for a packet of `elems` elements."""
+    return UDP_HDRS_LEN + elems * ELEM_BYTES
+
+
+def frame_len(elems: int) -> int:
+    """Bytes of a whole Ethernet frame for a packet of `elems` elements."""
+    return SWITCHML_OFFSET + udp_payload_len(elems)
+
+
+def build_payloads(
+    *,
+    job_number: int,
+    size_code: int,
+    tsi,
+    slot,
+    version,
+    values: np.ndarray,
+    e0=0,
+    e1=0,
+    msg_type: int = MSG_TYPE_DATA,
+) -> np.ndarray:
+    """UDP payloads for m packets at once, as an (m, 8 + 2 + 4k) uint8 array.
+
+    `values` is an (m, k) integer array (k = elems of size_code); tsi, slot, version, e0, e1 are
+    scalars or length-m arrays. Vectorised: no per-packet Python.
+    """
+    k = elems_for(size_code)
+    values = np.asarray(values)
+    if values.ndim != 2 or values.shape[1] != k:
+        raise ValueError(f"values must have shape (m, {k}) for size code {size_code}")
+    m = values.shape[0]
+    out = np.empty((m, udp_payload_len(k)), dtype=np.uint8)
+    hdr = out[:, :VALUES_AT].view(HDR_DTYPE).reshape(m)
+    hdr["msg_type_size"] = type_size(msg_type, size_code)
+    hdr["job_number"] = job_number & 0xFF
+    hdr["tsi"] = tsi
+    hdr["pool_index"] = pool_index(slot, version)
+    hdr["e0"] = e0
+    hdr["e1"] = e1
+    out[:, VALUES_AT:].view(">i4")[:] = values
+    return out
+
+
+@dataclass(frozen=True)
+class Message:
+    """One decoded SwitchML message (header fields and payload), for tests and tools."""
+
+    msg_type: int
+    size: int
+    job_number: int
+    tsi: int
+    slot: int
+    version: int
+    e0: int
+    e1: int
+    values: np.ndarray
+    reserved: int = 0
+
+    def to_bytes(self) -> bytes:
+        """The UDP payload."""
+        return build_payloads(
+            job_number=self.job_number,
+            size_code=self.size,
+            tsi=self.tsi,
+            slot=self.slot,
+            version=self.version,
+            values=np.asarray(self.values).reshape(1, -1),
+            e0=self.e0,
+            e1=self.e1,
+            msg_type=self.msg_type,
+        ).tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> "Message":
+        """Decode a UDP payload; ValueError when it is truncated or the size code is unknown."""
+        if len(data) < SWITCHML_HLEN:
+            raise ValueError(f"truncated: {len(data)} bytes, the header needs {SWITCHML_HLEN}")
+        hdr = np.frombuffer(data[:EXPONENTS_AT], dtype=SML_DTYPE)[0]
+        ts = int(hdr["msg_type_size"])
+        k = elems_for(ts & 7)
+        if len(data) < udp_payload_len(k):
+            raise ValueError(f"truncated: {len(data)} bytes, size code needs {udp_payload_len(k)}")
+        pidx = int(hdr["pool_index"])
+        exp = np.frombuffer(data[EXPONENTS_AT:VALUES_AT], dtype=EXP_DTYPE)[0]
+        vals = np.frombuffer(data[VALUES_AT : udp_payload_len(k)], dtype=">i4").astype(np.int32)
+        return cls(
+            msg_type=ts >> 4,
+            reserved=(ts >> 3) & 1,
+            size=ts & 7,
+            job_number=int(hdr["job_number"]),
+            tsi=int(hdr["tsi"]),
+            slot=pidx & POOL_SLOT_MASK,
+            version=pidx >> 15,
+            e0=int(exp["e0"]),
+            e1=int(exp["e1"]),
+            values=vals,
+        )
