@@ -48,19 +48,30 @@ static void Engine_dealloc(Engine *e)
     Py_TYPE(e)->tp_free((PyObject *)e);
 }
 
-/* The AF_XDP transport over udp (*t) from spec = (ifindex, queue, src_mac, dst_mac, src_ip,
- * src_port, ttl, tos, zerocopy, mode "drv"/"skb"/"", lane, lanes). -1 with a Python error on a
- * bad spec; else 0, *t the AF_XDP transport, or still udp with the reason in e->xsk_why. */
+/* The AF_XDP transport over udp (*t) from spec, a dict of XskConfig's fields by name
+ * (hostlib.afxdp.spec; mode "drv", "skb" or ""). -1 with a Python error on a bad spec; else 0,
+ * *t the AF_XDP transport, or still udp with the reason in e->xsk_why. */
 static int open_xsk(Engine *e, PyObject *spec, const struct sockaddr_in *dst, Transport **t)
 {
+    static char *kwlist[] = {"ifindex",  "queue", "src_mac", "dst_mac",  "src_ip",
+                             "src_port", "ttl",   "tos",     "zerocopy", "mode",
+                             "lane",     "lanes", NULL};
     XskConfig c;
     memset(&c, 0, sizeof c);
     const char *smac, *dmac, *sip, *mode;
     Py_ssize_t slen, dlen;
     int sport;
-    if (!PyArg_ParseTuple(spec, "iiy#y#siiipsii", &c.ifindex, &c.queue, &smac, &slen, &dmac, &dlen,
-                          &sip, &sport, &c.ttl, &c.tos, &c.zerocopy, &mode, &c.lane, &c.lanes))
+    PyObject *none = PyTuple_New(0);
+    int ok = none && PyDict_Check(spec) &&
+             PyArg_ParseTupleAndKeywords(none, spec, "$iiy#y#siiipsii", kwlist, &c.ifindex,
+                                         &c.queue, &smac, &slen, &dmac, &dlen, &sip, &sport, &c.ttl,
+                                         &c.tos, &c.zerocopy, &mode, &c.lane, &c.lanes);
+    Py_XDECREF(none);
+    if (!ok) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_TypeError, "xsk: a dict of XskConfig's fields by name");
         return -1;
+    }
     struct in_addr a;
     if (slen != 6 || dlen != 6 || inet_pton(AF_INET, sip, &a) != 1 || sport < 1 || sport > 65535) {
         PyErr_SetString(PyExc_ValueError, "xsk: bad MAC, address or port");
@@ -393,9 +404,9 @@ PyDoc_STRVAR(
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
-    "xsk: None, or (ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode,\n"
-    "lane, lanes) to send and receive through an AF_XDP socket on that interface queue, lane\n"
-    "`lane` of `lanes` sharing one UMEM there (hostlib/_xsk.c);\n"
+    "xsk: None, or {ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode,\n"
+    "lane, lanes} (a dict, hostlib.afxdp.spec) to send and receive through an AF_XDP socket on\n"
+    "that interface queue, lane `lane` of `lanes` sharing one UMEM there (hostlib/_xsk.c);\n"
     "where it cannot run, the kernel socket stays and xsk_reason says why.");
 
 static PyTypeObject EngineType = {

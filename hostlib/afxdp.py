@@ -43,7 +43,8 @@ def spec(
 ):
     """The xsk argument of _fastpath.Engine for the data socket `sock` (of lane `lane` of
     `lanes`: its port is the lanes' first port + lane) sending to the aggregator's
-    `data_address`, or a str: why AF_XDP has nothing to run on here."""
+    `data_address`: the fields of the C side's XskConfig by name (hostlib/_xsk.h), or a str:
+    why AF_XDP has nothing to run on here."""
     agg_ip = data_address[0]
     if ipaddress.ip_address(agg_ip).is_loopback:
         return "the aggregator is on the loopback"
@@ -70,8 +71,20 @@ def spec(
             src_ip = route.get_attr("RTA_PREFSRC")
     ttl = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TTL)
     tos = sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS)
-    mac = (_mac(src_mac), _mac(dst_mac))
-    return (oif, 0, *mac, src_ip, src_port, ttl, tos, zerocopy, mode, lane, lanes)
+    return {
+        "ifindex": oif,
+        "queue": 0,
+        "src_mac": _mac(src_mac),
+        "dst_mac": _mac(dst_mac),
+        "src_ip": src_ip,
+        "src_port": src_port,
+        "ttl": ttl,
+        "tos": tos,
+        "zerocopy": zerocopy,
+        "mode": mode,
+        "lane": lane,
+        "lanes": lanes,
+    }
 
 
 def _mac(text: str) -> bytes:

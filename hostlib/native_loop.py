@@ -167,7 +167,7 @@ class NativeLoop:
         st["cwnd"] = self._fast.cwnd
 
 
-def _xsk_spec(path: str, sock, cfg) -> tuple[tuple | None, str]:
+def _xsk_spec(path: str, sock, cfg) -> tuple[dict | None, str]:
     """The Engine's xsk argument for data path `path` (None: the kernel socket) and, when AF_XDP
     was asked for but has nothing to run on, why."""
     if path == "udp":
