@@ -12,6 +12,7 @@ registers, and all return together once every rank is there.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import ipaddress
 import socket
@@ -31,7 +32,7 @@ from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .options import HostOptions, auto_lanes, token_from_env
 from .rendezvous import ControlClient, load_secret, parse_endpoint
-from .striping import StripedEngine, lane_windows
+from .striping import LaneGrid, StripedEngine, lane_windows
 from .udp_io import DatagramSocket
 
 _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
@@ -78,37 +79,36 @@ def init(
     ctls: list[ControlClient] = []
     lanes = _rank_lanes(opts, rank)  # None: the job's, as rank 0 made it
     try:
-        for j, endpoint in enumerate(endpoints):
-            first = j == 0  # the token is the first aggregator's (above)
-            ctls.append(_connect(endpoint, job, opts.ip, secret, token if first else None))
-        size = _packet_size(opts, ctls) if rank == 0 else None
-        for j, ctl in enumerate(ctls):
-            host, port_ = ctl.endpoint
-            where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
-            place = _Place(rank, world_size, job, size.elems if size else 0, where)
-            # lane l at aggregator j sends from (and gets results on) port + j * lanes + l
-            port = opts.port + j * (lanes or 1) if opts.port else 0
-            joined.append(_join_one(place, opts, ctl, port, on_token if j == 0 else None, lanes))
-            lanes = len(joined[-1].socks)  # the job's, at every aggregator
-    except BaseException as e:
-        for x in joined:
-            for sock in x.socks:
-                sock.close()
-        for ctl in ctls[len(joined) :]:
-            ctl.close()
-        for x in joined:
-            x.ctl.close()
-        if isinstance(e, RendezvousError) and len(endpoints) > 1:  # say which aggregator refused
+        with contextlib.ExitStack() as undo:  # on an error: what was opened, closed
+            for j, endpoint in enumerate(endpoints):
+                first = j == 0  # the token is the first aggregator's (above)
+                ctls.append(_connect(endpoint, job, opts.ip, secret, token if first else None))
+                undo.callback(ctls[-1].close)
+            size = _packet_size(opts, ctls) if rank == 0 else None
+            for j, ctl in enumerate(ctls):
+                host, port_ = ctl.endpoint
+                where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
+                place = _Place(rank, world_size, job, size.elems if size else 0, where)
+                # every lane at every aggregator sends from (and gets results on) its own port
+                port = LaneGrid(len(ctls), lanes or 1).port(opts.port, j) if opts.port else 0
+                token_to = on_token if j == 0 else None
+                joined.append(_join_one(place, opts, ctl, port, token_to, lanes))
+                undo.callback(joined[-1].ctl.close)
+                undo.callback(_close_all, joined[-1].socks)
+                lanes = len(joined[-1].socks)  # the job's, at every aggregator
+            undo.pop_all()
+    except RendezvousError as e:
+        if len(endpoints) > 1:  # say which aggregator refused
             j = len(joined) if len(ctls) == len(endpoints) else len(ctls)
             host, port_ = endpoints[j]
             raise type(e)(f"aggregator {j} ({host}:{port_}): {e}") from None
         raise
-    k = len(joined[0].socks)
+    grid = LaneGrid(len(joined), len(joined[0].socks))
     engines = [
-        _engine(x, opts, j * k + lane, lane, k) for j, x in enumerate(joined) for lane in range(k)
+        _engine(joined[j], opts, grid.index(j, lane), lane, grid.lanes) for j, lane in grid.cells()
     ]
     first = joined[0]
-    engine = engines[0] if len(engines) == 1 else StripedEngine(engines, endpoints, k)
+    engine = engines[0] if len(engines) == 1 else StripedEngine(engines, endpoints, grid.lanes)
     size = size or PacketSize(first.desc.spec.elems, "the job's, as rank 0 made it")
     return Communicator(rank, job, engine, joined, size)
 
@@ -150,8 +150,8 @@ def _rank_lanes(opts: HostOptions, rank: int) -> int | None:
 
 
 def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> StreamEngine:
-    """The stream engine of stripe `i` (0 unless striped or in lanes), lane `lane` of the
-    `lanes` at the aggregator `x` joined."""
+    """The stream engine number `i` (LaneGrid.index; 0 unless striped or in lanes), lane `lane`
+    of the `lanes` at the aggregator `x` joined."""
     desc = x.desc
     slot_base, window = lane_windows(desc.spec.slot_base, desc.window, lanes)[lane]
     cfg = EngineConfig(
@@ -174,7 +174,7 @@ def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> S
         lanes=lanes,
     )
     faults = opts.faults
-    if faults is not None and i:  # independent losses per stripe and lane
+    if faults is not None and i:  # independent losses per engine
         faults = dataclasses.replace(faults, seed=faults.seed + i)
     return StreamEngine(x.socks[lane], cfg, faults)
 
@@ -235,11 +235,11 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
     my_ip = opts.ip if pinned else source_ip_towards(*ctl.endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
     job, wait, offload = place.job, opts.rendezvous_timeout, dict(gso=opts.gso, gro=opts.gro)
-    socks: list[DatagramSocket] = []
-    try:
+    with contextlib.ExitStack() as undo:  # on an error, the sockets closed (init closes ctl)
         if place.rank == 0:
             lane_windows(0, opts.window, lanes)  # ValueError: fewer slots than lanes
             socks = _bind_lanes(bind_ip, port, lanes, offload)
+            undo.callback(_close_all, socks)
             desc = ctl.job(
                 "create",
                 job=job,
@@ -257,6 +257,7 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             lanes = lanes or desc.lanes
             lane_windows(0, desc.window, lanes)  # ValueError: fewer slots than lanes
             socks = _worker_sockets(bind_ip, desc, place, lanes, offload)
+            undo.callback(_close_all, socks)
         memberships = [_join_group(s, desc.group, my_ip, pinned) for s in socks]
         desc = ctl.job(
             "register",
@@ -270,10 +271,7 @@ def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, o
             # the endpoint refuses a rank whose lanes differ from the job's (absent: 1)
             **({"lanes": len(socks)} if len(socks) > 1 else {}),
         )
-    except BaseException:  # init closes the control connection
-        for s in socks:
-            s.close()
-        raise
+        undo.pop_all()
     # from here on the control connection survives a restart of the endpoint (control_link)
     link = ControlLink(
         ctl,
@@ -311,15 +309,22 @@ def _bind_run(bind_ip: str, base: int, lanes: int, offload) -> list[DatagramSock
     the kernel picks, the others after it). On a port that cannot be bound, closes the sockets
     it bound and raises _PortTaken."""
     socks: list[DatagramSocket] = []
-    try:
+    with contextlib.ExitStack() as undo:  # on an error, the sockets bound so far closed
         for lane in range(lanes):
             port = socks[0].address[1] + lane if socks else base
-            socks.append(DatagramSocket((bind_ip, port), **offload))
-        return socks
-    except OSError as e:
-        for s in socks:
-            s.close()
-        raise _PortTaken(port, e) from None
+            try:
+                socks.append(DatagramSocket((bind_ip, port), **offload))
+            except OSError as e:
+                raise _PortTaken(port, e) from None
+            undo.callback(socks[-1].close)
+        undo.pop_all()
+    return socks
+
+
+def _close_all(socks: list[DatagramSocket]) -> None:
+    """Close each of `socks` (an error's rollback)."""
+    for s in socks:
+        s.close()
 
 
 def _bind_lanes(bind_ip: str, port: int, lanes: int, offload) -> list[DatagramSocket]:
@@ -565,7 +570,7 @@ class Communicator:
     @property
     def lanes(self) -> int:
         """The lanes each all-reduce runs on at each aggregator (HostOptions.lanes, resolved)."""
-        return getattr(self._engine, "lanes", 1)
+        return self._engine.lanes
 
     @property
     def controls(self) -> list[str]:
@@ -578,6 +583,12 @@ class Communicator:
         "control": its control endpoint. One entry, equal to `stats`, unless striped."""
         per = self._engine.stats_per_aggregator()
         return [{"control": a, **st} for a, st in zip(self.controls, per)]
+
+    def stats_per_lane(self) -> list[dict]:
+        """Per lane, in engine order (hostlib.striping.LaneGrid: aggregator by aggregator), its
+        own counters (hostlib.engine.STAT_NAMES) and "aggregator", "lane" and "port" (its data
+        socket's UDP port). One entry without lanes and striping."""
+        return self._engine.stats_per_lane()
 
     def status(self, stripe: int = 0) -> dict:
         """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);

@@ -33,6 +33,10 @@ class Engine(Protocol):
     native: bool  # whether the C loop runs the all-reduces
 
     @property
+    def lanes(self) -> int:
+        """The lanes at each aggregator (1: one engine per aggregator)."""
+
+    @property
     def counter(self) -> int:
         """All-reduces started; changes when one starts (a failure after it is not a rejected
         input)."""
@@ -55,6 +59,10 @@ class Engine(Protocol):
 
     def stats_per_aggregator(self) -> list[dict]:
         """Each aggregator's own counters, in stripe order (one entry unless striped)."""
+
+    def stats_per_lane(self) -> list[dict]:
+        """Each lane's own counters (STAT_NAMES) and where it runs: "aggregator" and "lane"
+        (hostlib.striping.LaneGrid) and "port", its data socket's UDP port; in engine order."""
 
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
@@ -82,6 +90,7 @@ class StreamEngine:
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
         self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
+        self._port = sock.address[1]  # for stats_per_lane, after close too
 
     @property
     def data_path(self) -> str:
@@ -113,9 +122,21 @@ class StreamEngine:
         """The configured stall timeout (EngineConfig.timeout)."""
         return self.state.cfg.timeout
 
+    @property
+    def lanes(self) -> int:
+        """1: a StreamEngine is one lane (hostlib.striping.StripedEngine runs several)."""
+        return 1
+
     def stats_per_aggregator(self) -> list[dict]:
         """One aggregator: a copy of `stats`."""
         return [dict(self.state.stats)]
+
+    def stats_per_lane(self) -> list[dict]:
+        """One lane: a copy of `stats` with "aggregator" 0, "lane" (its lane of the job's,
+        EngineConfig.lane) and "port" (its data socket's)."""
+        return [
+            {**self.state.stats, "aggregator": 0, "lane": self.state.cfg.lane, "port": self._port}
+        ]
 
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""

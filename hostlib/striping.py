@@ -15,13 +15,14 @@ An all-reduce returns (or raises) only once every stripe has ended, so that no e
 when the next all-reduce or close() comes: a Ctrl-C stops the calling thread's stripe at once,
 but the others run on until they finish or stall (at most the stall timeout).
 
-Lanes: with HostOptions.lanes = k, each aggregator's part is run on k lanes, each a stripe of its
-own over the same aggregator: its own data socket on the job's worker_port + l (so its own UDP
+Lanes: with HostOptions.lanes = k, each aggregator's stripe is run on k lanes, each a part of the
+stripe over the same aggregator: its own data socket on the job's worker_port + l (so its own UDP
 source port, to which every aggregator returns the results of its slots: to the worker in the
 switch topology, to the group in the one-arm topology), its own contiguous part of the job's window
 (lane_windows) and its own StreamEngine, so its own congestion window and timers. A
-StripedEngine of a aggregators with k lanes each runs a * k stripes, aggregator j's being
-stripes j*k .. j*k + k - 1, a contiguous part of the tensor. A tensor too small to give every lane
+StripedEngine of a aggregators with k lanes each runs a * k engines, a grid (LaneGrid, the one
+place that numbers them): aggregator j's lanes are engines j*k .. j*k + k - 1, together its
+stripe, a contiguous part of the tensor. A tensor too small to give every lane
 MIN_LANE_PACKETS packets runs on fewer of them (on lane 0 alone below 2 * MIN_LANE_PACKETS):
 handing a part to another thread costs more than it saves on a few packets (part_bounds).
 
@@ -33,7 +34,9 @@ the exponents agreed for a packet do not depend on which aggregator summed it).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -46,8 +49,8 @@ from .errors import AllreduceTimeout
 # mostly less; 128 keeps tensors under 2 x 128 packets on one lane.
 MIN_LANE_PACKETS = 128
 
-# stats that are not a sum over the stripes: the striped all-reduce's own (counted once), or
-# a property of each stream (rtt: the slowest stripe's; cwnd: the sum, packets in flight)
+# stats that are not a sum over the lanes: the striped all-reduce's own (counted once), or
+# a property of each stream (rtt: the slowest lane's; cwnd: the sum, packets in flight)
 _OWN = ("allreduces", "elements", "elapsed")
 
 
@@ -92,17 +95,51 @@ def lane_windows(slot_base: int, window: int, k: int) -> list[tuple[int, int]]:
     return out
 
 
+@dataclass(frozen=True)
+class LaneGrid:
+    """A job's engines as a grid of `aggregators` rows of `lanes` lanes (after xdp-tools'
+    xsk_socket_config, one socket per queue and lane): engine index(j, l) is lane l at
+    aggregator j, and its data socket is on port(base, j, l). Rows follow the tensor: aggregator
+    j's lanes are consecutive engines, together its stripe."""
+
+    aggregators: int
+    lanes: int = 1
+
+    def __len__(self) -> int:
+        return self.aggregators * self.lanes
+
+    def index(self, aggregator: int, lane: int = 0) -> int:
+        """The engine of lane `lane` at aggregator `aggregator`."""
+        return aggregator * self.lanes + lane
+
+    def place(self, index: int) -> tuple[int, int]:
+        """(aggregator, lane) of engine `index`."""
+        return divmod(index, self.lanes)
+
+    def cells(self) -> Iterator[tuple[int, int]]:
+        """(aggregator, lane) of every engine, in engine order."""
+        return (self.place(i) for i in range(len(self)))
+
+    def row(self, aggregator: int) -> range:
+        """The engines of aggregator `aggregator`'s lanes."""
+        return range(self.index(aggregator), self.index(aggregator + 1))
+
+    def port(self, base: int, aggregator: int, lane: int = 0) -> int:
+        """The UDP port of that lane's data socket: every engine has its own, from `base` on."""
+        return base + self.index(aggregator, lane)
+
+
 def part_bounds(length: int, elems: int, aggregators: int, lanes: int):
-    """(engine, a, b) of each non-empty part of a flat tensor of `length` elements on
-    `aggregators` * `lanes` engines (engine j*lanes + l: lane l at aggregator j): one stripe per
-    aggregator (stripe_bounds), each cut over as many of its lanes as get MIN_LANE_PACKETS
-    packets each (at least one). Every rank cuts alike: it depends on the sizes only."""
-    out = []
+    """(engine, a, b) of each non-empty part of a flat tensor of `length` elements on the
+    LaneGrid(aggregators, lanes): one stripe per aggregator (stripe_bounds), each cut over as
+    many of its lanes as get MIN_LANE_PACKETS packets each (at least one). Every rank cuts
+    alike: it depends on the sizes only."""
+    grid, out = LaneGrid(aggregators, lanes), []
     for j, (a, b) in enumerate(stripe_bounds(length, elems, aggregators)):
         used = max(1, min(lanes, -(-(b - a) // elems) // MIN_LANE_PACKETS))
-        for lane, (c, d) in enumerate(stripe_bounds(b - a, elems, used)):
+        for lane, (c, d) in enumerate(stripe_bounds(b - a, elems, used)):  # the same cut again
             if d > c:
-                out.append((j * lanes + lane, a + c, a + d))
+                out.append((grid.index(j, lane), a + c, a + d))
     return out
 
 
@@ -123,28 +160,33 @@ class StripedEngine:
             raise ValueError(f"the aggregators' jobs disagree on elements per packet: {elems}")
         self.engines = engines
         self.endpoints = endpoints
-        self.lanes = lanes  # engine i is lane i % lanes at aggregator i // lanes
-        self.native = engines[0].native  # every stripe's (one HostOptions made them)
+        self.grid = LaneGrid(len(endpoints), lanes)
+        self.native = engines[0].native  # every lane's (one HostOptions made them)
         self.elems = engines[0].state.cfg.elems
         self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
         self._pool = ThreadPoolExecutor(
-            max_workers=len(engines) - 1, thread_name_prefix="hostlib-stripe"
+            max_workers=len(engines) - 1, thread_name_prefix="hostlib-lane"
         )
 
     @property
+    def lanes(self) -> int:
+        """The lanes at each aggregator."""
+        return self.grid.lanes
+
+    @property
     def timeout(self) -> float:
-        """The stall timeout (every stripe's)."""
+        """The stall timeout (every lane's)."""
         return self.engines[0].timeout
 
     @property
     def counter(self) -> int:
-        """All-reduces started on any stripe (changes when one starts, as StreamEngine's)."""
+        """All-reduces started on any lane (changes when one starts, as StreamEngine's)."""
         return sum(e.counter for e in self.engines)
 
     @property
     def stats(self) -> dict:
-        """The stripes' counters added up; allreduces, elements and elapsed (wall time) are the
-        striped all-reduces' own, rtt the slowest stripe's, cwnd the sum."""
+        """The lanes' counters added up; allreduces, elements and elapsed (wall time) are the
+        striped all-reduces' own, rtt the slowest lane's, cwnd the sum."""
         out = {name: 0 for name in STAT_NAMES}
         for e in self.engines:
             for name in STAT_NAMES:
@@ -156,30 +198,43 @@ class StripedEngine:
 
     @property
     def data_path(self) -> str:
-        """The stripes' data paths (StreamEngine.data_path), comma-separated in stripe order; the
-        one path when every stripe has it."""
+        """The lanes' data paths (StreamEngine.data_path), comma-separated in engine order; the
+        one path when every lane has it."""
         paths = [e.data_path for e in self.engines]
         return paths[0] if len(set(paths)) == 1 else ",".join(paths)
 
     @property
     def data_path_reason(self) -> str:
-        """The stripes' reasons for not using AF_XDP, "; "-separated ("" when none has one)."""
-        reasons = [(j, e.data_path_reason) for j, e in enumerate(self.engines)]
-        return "; ".join(f"stripe {j}: {r}" for j, r in reasons if r)
+        """The lanes' reasons for not using AF_XDP, "; "-separated ("" when none has one)."""
+        reasons = [(self._name(i), e.data_path_reason) for i, e in enumerate(self.engines)]
+        return "; ".join(f"{where}: {r}" for where, r in reasons if r)
+
+    def _name(self, i: int) -> str:
+        """Engine i for a message: "aggregator j", or "lane l at aggregator j" with lanes."""
+        j, lane = self.grid.place(i)
+        return f"lane {lane} at aggregator {j}" if self.lanes > 1 else f"aggregator {j}"
 
     def stats_per_aggregator(self) -> list[dict]:
         """Each aggregator's own counters (its lanes' StreamEngine.stats added up as `stats`
         adds them, allreduces its first lane's), in aggregator order."""
-        k = self.lanes
-        if k == 1:
+        if self.lanes == 1:
             return [dict(e.stats) for e in self.engines]
         out = []
-        for j in range(len(self.endpoints)):
-            lanes = [e.stats for e in self.engines[j * k : (j + 1) * k]]
+        for j in range(self.grid.aggregators):
+            lanes = [self.engines[i].stats for i in self.grid.row(j)]
             st = {name: sum(s[name] for s in lanes) for name in STAT_NAMES}
             st["allreduces"] = lanes[0]["allreduces"]
             st.update(rtt=max(s["rtt"] for s in lanes), elapsed=max(s["elapsed"] for s in lanes))
             out.append(st)
+        return out
+
+    def stats_per_lane(self) -> list[dict]:
+        """Each lane's StreamEngine.stats_per_lane entry, "aggregator" its row, in engine
+        order."""
+        out = []
+        for i, e in enumerate(self.engines):
+            (st,) = e.stats_per_lane()
+            out.append({**st, "aggregator": self.grid.place(i)[0]})
         return out
 
     def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
@@ -205,7 +260,7 @@ class StripedEngine:
             run(*parts[0])
         except BaseException as e:  # noqa: BLE001 - raised below, once the others finished
             errors.append((parts[0][0], e))
-        for j, f in futures:  # every stripe ends (done or its own timeout) before we return
+        for j, f in futures:  # every lane ends (done or its own timeout) before we return
             try:
                 f.result()
             except BaseException as e:  # noqa: BLE001
@@ -216,14 +271,14 @@ class StripedEngine:
             errors.sort(key=lambda je: not isinstance(je[1], AllreduceTimeout))
             j, e = errors[0]
             if isinstance(e, AllreduceTimeout):
-                raise self._name_stripe(j, e) from None
+                raise self._name_stalled(j, e) from None
             raise e
         self._own["allreduces"] += 1
         self._own["elements"] += src.size
 
-    def _name_stripe(self, i: int, e: AllreduceTimeout) -> AllreduceTimeout:
+    def _name_stalled(self, i: int, e: AllreduceTimeout) -> AllreduceTimeout:
         """e (of engine i), its message prefixed with which aggregator (and lane) stalled."""
-        j, lane = divmod(i, self.lanes)
+        j, lane = self.grid.place(i)
         host, port = self.endpoints[j]
         data = self.engines[i].state.cfg.data_address
         which = f"lane {lane} of {self.lanes} at " if self.lanes > 1 else ""
@@ -238,5 +293,5 @@ class StripedEngine:
         return len(self.engines)
 
     def close(self) -> None:
-        """Stop the stripes' threads (after an all-reduce has returned)."""
+        """Stop the lanes' threads (after an all-reduce has returned)."""
         self._pool.shutdown(wait=True)

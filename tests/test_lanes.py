@@ -11,6 +11,8 @@ tensor at whole packets, so every packet carries the same elements whatever k is
 
 from __future__ import annotations
 
+import socket
+
 import numpy as np
 import pytest
 from harness.ranks import ok, run_ranks, soft_cluster
@@ -19,7 +21,7 @@ from test_hostlib import float_inputs, int_expected, int_inputs
 import hostlib
 from hostlib import HostOptions
 from hostlib.engine import Faults, _fastpath
-from hostlib.striping import MIN_LANE_PACKETS, lane_windows, part_bounds
+from hostlib.striping import MIN_LANE_PACKETS, LaneGrid, lane_windows, part_bounds
 from xdp_agg.proto.jobs import Delivery
 
 SWITCH = {"delivery": Delivery.BROADCAST}
@@ -217,11 +219,26 @@ def test_too_few_slots_for_the_lanes_are_refused():
 
 
 def test_the_lanes_sockets_are_closed():
-    """A communicator with lanes holds one socket per lane, and close() releases them all."""
+    """A communicator with lanes holds one socket per lane, each on its own port (its
+    stats_per_lane says which), and close() releases them all: each port binds again."""
     with soft_cluster(defaults=SWITCH) as st:
         comms = run_ranks(st, 1, lambda c: c, lanes=2, elems=ELEMS, window=8)
-    socks = [e.state.sock for e in comms[0]._engine.engines]
-    assert all(s.sock.fileno() == -1 for s in socks)
+    lanes = comms[0].stats_per_lane()
+    assert [(x["aggregator"], x["lane"]) for x in lanes] == [(0, 0), (0, 1)]
+    assert lanes[1]["port"] == lanes[0]["port"] + 1
+    for x in lanes:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.bind(("0.0.0.0", x["port"]))
+
+
+def test_the_lane_grid_numbers_engines_aggregator_by_aggregator():
+    grid = LaneGrid(aggregators=2, lanes=3)
+    assert len(grid) == 6
+    assert list(grid.cells()) == [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+    assert [grid.index(j, lane) for j, lane in grid.cells()] == list(range(6))
+    assert grid.place(4) == (1, 1) and grid.row(1) == range(3, 6)
+    assert grid.port(40000, 1, 2) == 40005 and grid.port(40000, 1) == 40003
+    assert LaneGrid(3).place(2) == (2, 0)
 
 
 def test_torch_backend_with_lanes_through_the_environment():
