@@ -238,6 +238,30 @@ PyDoc_STRVAR(
     "a packet in flight), 'counters' (this call's), 'gso_refused', 'last_errno'}; raises OSError\n"
     "on a socket error that is neither transient nor a GSO refusal.");
 
+/* allreduce's answer for run r, which fp_run_loop ended with rc (ST_DONE, or stalled). */
+static PyObject *run_result(const Stream *st, const Run *r, int rc)
+{
+    PyObject *result = NULL, *busy = PyList_New(0);
+    for (int64_t s = 0; busy && s < r->w; s++) {
+        if (st->deadline[s] < INFINITY) {
+            PyObject *x = PyLong_FromLongLong(s);
+            if (!x || PyList_Append(busy, x) < 0)
+                Py_CLEAR(busy);
+            Py_XDECREF(x);
+        }
+    }
+    PyObject *cd = counters_dict(&r->c);
+    if (busy && cd)
+        result = Py_BuildValue("{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status",
+                               rc == ST_DONE ? "done" : "stalled", "ndone", (long long)r->ndone,
+                               "results_here", (long long)r->results_here, "busy", busy, "counters",
+                               cd, "gso_refused", st->t->gso_refused ? Py_True : Py_False,
+                               "last_errno", st->t->last_errno);
+    Py_XDECREF(busy);
+    Py_XDECREF(cd);
+    return result;
+}
+
 static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {"is_float",       "src",      "dst",       "P",       "w",
@@ -246,22 +270,17 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     int is_float, jn;
     long long P, w;
     PyObject *src_o, *dst_o, *exps_o, *progress = Py_None;
-    Py_buffer src, dst, vers, exps = {0};
+    Py_buffer src = {0}, dst = {0}, vers, exps = {0}; /* released whether got (.obj) or not */
     double timeout, progress_every = 1.0;
     if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLLiy*Od|Od", kwlist, &is_float, &src_o, &dst_o,
                                      &P, &w, &jn, &vers, &exps_o, &timeout, &progress,
                                      &progress_every))
         return NULL;
     PyObject *result = NULL;
-    int have_src = 0, have_dst = 0, have_exps = 0;
     uint8_t *done = NULL;
     int8_t *agreed = NULL;
-    if (get_buffer(src_o, &src, 0) < 0)
+    if (get_buffer(src_o, &src, 0) < 0 || get_buffer(dst_o, &dst, 1) < 0)
         goto out;
-    have_src = 1;
-    if (get_buffer(dst_o, &dst, 1) < 0)
-        goto out;
-    have_dst = 1;
     Stream *st = &e->stream;
     Py_ssize_t L = src.len / 4, k = st->cfg.k;
     int64_t Pd = (L + k - 1) / k;
@@ -273,7 +292,6 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
     if (is_float) {
         if (PyObject_GetBuffer(exps_o, &exps, PyBUF_C_CONTIGUOUS) < 0)
             goto out;
-        have_exps = 1;
         if (exps.len < Pd) {
             PyErr_SetString(PyExc_ValueError, "allreduce: fewer exponents than chunks");
             goto out;
@@ -285,20 +303,18 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         goto out;
     }
-    Run r;
-    memset(&r, 0, sizeof r);
-    r.is_float = is_float;
-    r.src = src.buf;
-    r.dst = dst.buf;
-    r.L = L;
-    r.P = P;
-    r.Pd = Pd;
-    r.w = w;
-    r.jn = (uint8_t)jn;
-    r.versions = vers.buf;
-    r.exps = is_float ? exps.buf : NULL;
-    r.agreed = agreed;
-    r.state = done;
+    Run r = {.is_float = is_float,
+             .src = src.buf,
+             .dst = dst.buf,
+             .L = L,
+             .P = P,
+             .Pd = Pd,
+             .w = w,
+             .jn = (uint8_t)jn,
+             .versions = vers.buf,
+             .exps = is_float ? exps.buf : NULL,
+             .agreed = agreed,
+             .state = done};
     fp_run_start(&r, st);
     st->t->gso_refused = 0;
 
@@ -314,34 +330,14 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         PyErr_SetFromErrno(PyExc_OSError);
         goto out;
     }
-    PyObject *busy = PyList_New(0);
-    for (int64_t s = 0; busy && s < w; s++) {
-        if (st->deadline[s] < INFINITY) {
-            PyObject *x = PyLong_FromLongLong(s);
-            if (!x || PyList_Append(busy, x) < 0)
-                Py_CLEAR(busy);
-            Py_XDECREF(x);
-        }
-    }
-    PyObject *cd = counters_dict(&r.c);
-    if (busy && cd)
-        result = Py_BuildValue("{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status",
-                               rc == ST_DONE ? "done" : "stalled", "ndone", (long long)r.ndone,
-                               "results_here", (long long)r.results_here, "busy", busy, "counters",
-                               cd, "gso_refused", st->t->gso_refused ? Py_True : Py_False,
-                               "last_errno", st->t->last_errno);
-    Py_XDECREF(busy);
-    Py_XDECREF(cd);
+    result = run_result(st, &r, rc);
     fp_run_end(&r);
 out:
     PyMem_RawFree(done);
     PyMem_RawFree(agreed);
-    if (have_exps)
-        PyBuffer_Release(&exps);
-    if (have_dst)
-        PyBuffer_Release(&dst);
-    if (have_src)
-        PyBuffer_Release(&src);
+    PyBuffer_Release(&exps); /* nothing for a buffer not got: its obj is NULL */
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
     PyBuffer_Release(&vers);
     return result;
 }
