@@ -42,6 +42,7 @@ BPF_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's cop
 struct agg_btf_anchor {
 	struct switchml_hdr sml;
 	struct exponents_hdr exp;
+	struct sparse_hdr sparse;
 	struct agg_partial partial;
 };
 BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);

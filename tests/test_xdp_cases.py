@@ -102,6 +102,10 @@ def _all_counters(maps) -> Counter:
     return total
 
 
+# issue 41: the model and the table have sparse jobs; the XDP program does not yet
+SPARSE_NOT_YET = "sparse jobs (docs/protocol.md section 8) are not in the XDP program yet"
+
+
 @pytest.mark.parametrize("spread", [0, 1], ids=["one-cpu", "cpus-in-turn"])
 @pytest.mark.parametrize("case", CASES, ids=lambda c: c.name)
 def test_packet_case(agg, case: Case, spread: int):
@@ -109,6 +113,8 @@ def test_packet_case(agg, case: Case, spread: int):
     i mod CPUs): then a slot's contributions are folded into different CPUs' partials and the
     completing CPU gathers them (bpf/aggregate.h), which the results, counters and model check."""
     prog, maps = agg
+    if case.sparse:
+        pytest.skip(SPARSE_NOT_YET)
     if any(wire.size_code_for(j.elems) in wire.JUMBO_SIZE_CODES for j in case.jobs):
         if not prog.options["frags"]:
             pytest.skip("jumbo frames (more than a page) reach a multi-buffer (frags) program only")

@@ -400,6 +400,7 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps, registered=None) -> dict:
         "group_mac": mac_str(job.group_mac),
         "job_number": 0,  # not kept by the data path
         "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
+        "sparse": bool(job.flags & abi.JobFlag.SPARSE),
         **tree,
         "workers": workers,
         "parent": parent_status(maps, job_id, link),

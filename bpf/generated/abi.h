@@ -7,7 +7,7 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 2048 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 20 /* counters per job */
+#define AGG_NUM_REASONS 23 /* counters per job */
 #define AGG_PARENT_INDEX 4294967295 /* worker index of a tree job's parent aggregator */
 
 /* counter index within a job's row: why a packet took its path */
@@ -32,6 +32,9 @@ enum agg_reason {
 	AGG_RESENT_UP = 17,
 	AGG_PARENT_RESULT = 18,
 	AGG_STALE_PARENT_RESULT = 19,
+	AGG_DROP_SPARSE_RANGE = 20,
+	AGG_DROP_SPARSE_BACKWARDS = 21,
+	AGG_DROP_SPARSE_MISMATCH = 22,
 };
 
 /* table keys (xdp_agg/proto/keys.py) */
@@ -42,6 +45,7 @@ enum agg_reason {
 /* per-job options: bits of agg_job.flags */
 #define AGG_JOB_VERIFY_UDP_CSUM 1
 #define AGG_JOB_TREE 2
+#define AGG_JOB_SPARSE 4
 
 /* how a job's results reach its workers */
 enum agg_delivery {

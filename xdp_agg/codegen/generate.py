@@ -38,6 +38,8 @@ def wire_h() -> str:
         ("SML_UDP_PORT", hex(wire.UDP_PORT), "aggregator base UDP port"),
         ("SML_UDP_PORT_MASK", hex(wire.UDP_PORT_MASK), "ports accepted: (port & mask) == base"),
         ("SML_MSG_TYPE_DATA", wire.MSG_TYPE_DATA, "contribution or result"),
+        ("SML_MSG_TYPE_SPARSE", wire.MSG_TYPE_SPARSE, "sparse: a block of data"),
+        ("SML_MSG_TYPE_SPARSE_EMPTY", wire.MSG_TYPE_SPARSE_EMPTY, "sparse: header only"),
         ("SML_POOL_VERSION_BIT", hex(wire.POOL_VERSION_BIT), "pool_index: version"),
         ("SML_POOL_RESERVED_BIT", hex(wire.POOL_RESERVED_BIT), "pool_index: reserved"),
         ("SML_POOL_SLOT_MASK", hex(wire.POOL_SLOT_MASK), "pool_index: slot"),
@@ -50,6 +52,12 @@ def wire_h() -> str:
             "payload offset in the frame, after the SwitchML and exponent headers",
         ),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
+        ("SML_SPARSE_HLEN", wire.SPARSE_HLEN, "sparse header bytes (sparse packets only)"),
+        (
+            "SML_SPARSE_PAYLOAD_OFFSET",
+            wire.SWITCHML_OFFSET + wire.SPARSE_VALUES_AT,
+            "a sparse packet's payload offset in the frame, after the sparse header",
+        ),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
         ("SML_RESULT_TOS", wire.RESULT_TOS, "IPv4 ToS byte (DSCP, ECN) of every result"),
@@ -139,6 +147,8 @@ def wire_p4() -> str:
     L.append(f"const bit<16> SML_UDP_PORT = {hex(wire.UDP_PORT)};")
     L.append(f"const bit<16> SML_UDP_PORT_MASK = {hex(wire.UDP_PORT_MASK)};")
     L.append(f"const bit<4> SML_MSG_TYPE_DATA = {wire.MSG_TYPE_DATA};")
+    L.append(f"const bit<4> SML_MSG_TYPE_SPARSE = {wire.MSG_TYPE_SPARSE};")
+    L.append(f"const bit<4> SML_MSG_TYPE_SPARSE_EMPTY = {wire.MSG_TYPE_SPARSE_EMPTY};")
     L.append(f"const bit<16> SML_POOL_SLOT_MASK = {hex(wire.POOL_SLOT_MASK)};")
     L.append(f"const bit<8> SML_RESULT_TTL = {wire.RESULT_TTL};")
     L.append(f"const bit<16> SML_RESULT_IP_ID = {wire.RESULT_IP_ID};")
