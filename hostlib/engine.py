@@ -20,6 +20,7 @@ import numpy as np
 from . import native_loop
 from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
 from .numpy_loop import NumpyLoop
+from .sparse_loop import SparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
 from .udp_io import DatagramSocket
 
@@ -64,11 +65,17 @@ class Engine(Protocol):
         """Each lane's own counters (STAT_NAMES) and where it runs: "aggregator" and "lane"
         (hostlib.striping.LaneGrid) and "port", its data socket's UDP port; in engine order."""
 
-    def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
+    def allreduce_int32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
+        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
+        `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
 
-    def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+    def allreduce_float32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
+        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src);
+        with `sparse`, as a sparse all-reduce."""
 
     def close(self) -> None:
         """Release what the engine holds besides the sockets (threads); after the last one."""
@@ -90,6 +97,7 @@ class StreamEngine:
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
         self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
+        self.sparse_loop = SparseLoop(self.state)
         self._port = sock.address[1]  # for stats_per_lane, after close too
 
     @property
@@ -138,13 +146,17 @@ class StreamEngine:
             {**self.state.stats, "aggregator": 0, "lane": self.state.cfg.lane, "port": self._port}
         ]
 
-    def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+    def allreduce_int32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        self.loop.run(False, src, dst, timeout)
+        (self.sparse_loop if sparse else self.loop).run(False, src, dst, timeout)
 
-    def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+    def allreduce_float32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self.loop.run(True, src, dst, timeout)
+        (self.sparse_loop if sparse else self.loop).run(True, src, dst, timeout)
 
     def close(self) -> None:
         """Nothing to release: the communicator closes the socket."""

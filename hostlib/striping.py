@@ -237,22 +237,27 @@ class StripedEngine:
             out.append({**st, "aggregator": self.grid.place(i)[0]})
         return out
 
-    def allreduce_int32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        self._run("allreduce_int32", src, dst, timeout)
+    def allreduce_int32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
+        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
+        `sparse`, every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
+        self._run("allreduce_int32", src, dst, timeout, sparse)
 
-    def allreduce_float32(self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None):
+    def allreduce_float32(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
+    ):
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self._run("allreduce_float32", src, dst, timeout)
+        self._run("allreduce_float32", src, dst, timeout, sparse)
 
-    def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+    def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout, sparse: bool) -> None:
         t0 = time.monotonic()
         parts = part_bounds(src.size, self.elems, len(self.endpoints), self.lanes)
         if not parts:
             return
 
         def run(j: int, a: int, b: int) -> None:
-            getattr(self.engines[j], method)(src[a:b], dst[a:b], timeout)
+            getattr(self.engines[j], method)(src[a:b], dst[a:b], timeout, sparse)
 
         futures = [(j, self._pool.submit(run, j, a, b)) for j, a, b in parts[1:]]
         errors: list[tuple[int, BaseException]] = []

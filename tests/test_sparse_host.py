@@ -1,0 +1,248 @@
+"""Sparse all-reduces of the host library (hostlib.sparse_loop, docs/protocol.md section 8)
+against the reference model behind real sockets (SoftAggregator): no root, no BPF.
+
+Each test runs n StreamEngines in threads, one per worker, on a sparse job, and checks the sums
+against numpy (int32: exact, wrapping) and against the same engines' dense all-reduce of the
+same tensors (int32 and float32: byte for byte, since a block's agreed exponent is the same
+maximum either way: zero blocks send the neutral exponent in a dense all-reduce), clean and
+under loss and duplication, and that the zero blocks did not travel.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from harness.ranks import loopback_prefix
+
+from hostlib.engine import EngineConfig, Faults, StreamEngine
+from hostlib.udp_io import DatagramSocket
+from xdp_agg.proto import wire
+from xdp_agg.proto.jobs import JobSpec, WorkerSpec
+from xdp_agg.targets.soft import SoftAggregator
+
+pytestmark = pytest.mark.timeout(120)
+
+K = 32  # elements per packet (block)
+JOB = 3
+
+
+class Workers:
+    """n engines on a sparse job of a SoftAggregator, all-reducing together in threads."""
+
+    def __init__(self, agg: SoftAggregator, prefix: str, n: int, window: int, faults=None):
+        port = wire.UDP_PORT + 1
+        agg.create_job(
+            JobSpec(JOB, n, K, slot_base=4, slot_count=window, agg_port=port, sparse=True)
+        )
+        self.engines = []
+        for i in range(n):
+            sock = DatagramSocket((f"{prefix}.{10 + i}", 0))
+            ip, p = sock.address
+            agg.add_worker(WorkerSpec(JOB, i, ip, p, agg_port=port))
+            cfg = EngineConfig(JOB, n, K, 4, window, (f"{prefix}.1", port), native=False, rto=0.005)
+            f = Faults(**faults, seed=i) if faults else None
+            self.engines.append(StreamEngine(sock, cfg, f))
+
+    def allreduce(self, tensors: list[np.ndarray], sparse: bool, inplace=False) -> list:
+        outs = [t if inplace else np.empty_like(t) for t in tensors]
+        errors: list = []
+
+        def run(i: int) -> None:
+            e, t = self.engines[i], tensors[i]
+            fn = e.allreduce_int32 if t.dtype == np.int32 else e.allreduce_float32
+            try:
+                fn(t, outs[i], timeout=20.0, sparse=sparse)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(tensors))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors, errors
+        assert not any(t.is_alive() for t in threads), "an all-reduce hangs"
+        return outs
+
+    def close(self) -> None:
+        for e in self.engines:
+            e.state.sock.close()
+
+
+@pytest.fixture
+def cluster():
+    prefix = loopback_prefix()
+    agg = SoftAggregator(f"{prefix}.1").start()
+    made: list[Workers] = []
+
+    def make(n: int, window: int = 8, faults=None) -> Workers:
+        w = Workers(agg, prefix, n, window, faults)
+        made.append(w)
+        return w
+
+    yield make, agg
+    for w in made:
+        w.close()
+    agg.stop()
+
+
+def blocky(rng, n: int, blocks: int, density: float, same: bool, dtype, tail: int = 0):
+    """n tensors of `blocks` blocks of K (plus `tail` elements), a `density` share of the blocks
+    non-zero: the same blocks on every worker, or drawn for each."""
+    L = blocks * K + tail
+    shared = rng.random(-(-L // K)) < density
+    out = []
+    for _ in range(n):
+        keep = shared if same else rng.random(-(-L // K)) < density
+        if dtype == np.int32:
+            x = rng.integers(-(2**31), 2**31, size=L, dtype=np.int64).astype(np.int32)
+        else:
+            x = (rng.standard_normal(L) * 10.0 ** rng.integers(-3, 4, size=L)).astype(np.float32)
+        x[~np.repeat(keep, K)[:L]] = 0
+        out.append(x)
+    return out
+
+
+def wrapped_sum(tensors):
+    return (
+        (np.sum([t.astype(np.int64) for t in tensors], axis=0) & 0xFFFFFFFF)
+        .astype(np.uint32)
+        .view(np.int32)
+    )
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-blocks", "independent"])
+@pytest.mark.parametrize("density", [0.0, 0.1, 0.5, 1.0])
+def test_int32_exact_and_equal_to_dense(cluster, density, same):
+    make, agg = cluster
+    rng = np.random.default_rng(int(density * 10) + same)
+    w = make(3)
+    xs = blocky(rng, 3, 40, density, same, np.int32, tail=5)
+    sparse = w.allreduce(xs, sparse=True)
+    dense = w.allreduce(xs, sparse=False)
+    want = wrapped_sum(xs)
+    for s, d in zip(sparse, dense):
+        np.testing.assert_array_equal(s, want)
+        assert s.tobytes() == d.tobytes()
+    st = [e.stats for e in w.engines]
+    zero = [
+        int(np.count_nonzero(~np.any(np.pad(x, (0, -len(x) % K)).reshape(-1, K), 1))) for x in xs
+    ]
+    assert density == 1.0 or same is False or zero[0] > 0  # the tensors do have zero blocks
+    assert [s["blocks_skipped"] for s in st] == zero
+    assert all(s["sparse_allreduces"] == 1 for s in st)
+    counts = agg.counters(JOB)
+    assert not any(v for name, v in counts.items() if name.startswith("drop_")), counts
+
+
+@pytest.mark.parametrize("same", [True, False], ids=["same-blocks", "independent"])
+@pytest.mark.parametrize("density", [0.0, 0.1, 1.0])
+def test_float32_equal_to_dense_byte_for_byte(cluster, density, same):
+    make, _ = cluster
+    rng = np.random.default_rng(100 + int(density * 10) + same)
+    w = make(4, window=6)
+    xs = blocky(rng, 4, 30, density, same, np.float32, tail=7)
+    sparse = w.allreduce(xs, sparse=True)
+    dense = w.allreduce(xs, sparse=False)
+    exact = np.sum([x.astype(np.float64) for x in xs], axis=0)
+    for s, d in zip(sparse, dense):
+        assert s.tobytes() == d.tobytes()
+        assert np.all(np.abs(s - exact) <= 1e-3 * np.abs(exact).max() + 1e-30)
+
+
+def test_zero_blocks_do_not_travel(cluster):
+    """At 10% density on the same blocks, every worker sends a payload only for its non-zero
+    blocks, and the other rounds' packets are headers: bytes fall with the density."""
+    make, agg = cluster
+    rng = np.random.default_rng(7)
+    w = make(2, window=4)
+    xs = blocky(rng, 2, 200, 0.1, True, np.int32)
+    nonzero = int(np.count_nonzero(np.any(xs[0].reshape(-1, K) != 0, axis=1)))
+    w.allreduce(xs, sparse=True)
+    st = w.engines[0].stats
+    data_len = wire.sparse_payload_len(K, False)
+    # every packet is a header or a block; only the non-zero blocks carry data
+    payloads = (st["bytes_sent"] - st["packets_sent"] * wire.SPARSE_VALUES_AT) // (4 * K)
+    assert payloads == nonzero
+    assert st["bytes_sent"] < 0.2 * 200 * data_len
+
+
+@pytest.mark.parametrize("kind", [np.int32, np.float32])
+def test_in_place_and_under_loss_and_duplication(cluster, kind):
+    make, agg = cluster
+    rng = np.random.default_rng(11)
+    faults = dict(send_loss=0.1, recv_loss=0.1, send_duplicate=0.1, recv_duplicate=0.1)
+    w = make(3, window=5, faults=faults)
+    xs = blocky(rng, 3, 60, 0.2, False, kind, tail=3)
+    want = [x.copy() for x in xs]
+    outs = w.allreduce([x.copy() for x in xs], sparse=True, inplace=True)
+    assert sum(e.stats["retransmissions"] for e in w.engines) > 0
+    assert sum(e.stats["fault_drops"] for e in w.engines) > 0
+    if kind == np.int32:
+        for o in outs:
+            np.testing.assert_array_equal(o, wrapped_sum(want))
+    dense = w.allreduce([x.copy() for x in want], sparse=False)
+    for o, d in zip(outs, dense):
+        assert o.tobytes() == d.tobytes()
+
+
+def test_sparse_and_dense_all_reduces_alternate_on_the_slots(cluster):
+    """Slot versions stay lined up when sparse all-reduces (a slot's rounds depend on the data)
+    and dense ones follow each other on the same engines."""
+    make, _ = cluster
+    rng = np.random.default_rng(3)
+    w = make(2, window=4)
+    for i in range(6):
+        xs = blocky(rng, 2, 13, [0.0, 0.3, 1.0][i % 3], i % 2 == 0, np.int32)
+        outs = w.allreduce(xs, sparse=i % 2 == 1)
+        for o in outs:
+            np.testing.assert_array_equal(o, wrapped_sum(xs))
+
+
+def test_a_result_that_skips_this_workers_data_is_refused():
+    """The aggregator (here a socket of the test's) answers block 0 by sending the slot past
+    block 2, where this worker has data: the all-reduce raises, naming the blocks."""
+    import socket
+
+    from hostlib.sparse_loop import SparseProtocolError
+
+    prefix = loopback_prefix()
+    agg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    agg.bind((f"{prefix}.1", 0))
+    agg.settimeout(5)
+    sock = DatagramSocket((f"{prefix}.10", 0))
+    cfg = EngineConfig(JOB, 1, K, 0, 2, agg.getsockname(), native=False, timeout=5.0)
+    eng = StreamEngine(sock, cfg)
+    x = np.zeros(6 * K, dtype=np.int32)
+    x[0] = x[2 * K] = 1  # blocks 0 and 2, both in column 0 of 2
+    errors: list = []
+    t = threading.Thread(target=lambda: _catch(errors, eng.allreduce_int32, x, x.copy(), 5.0))
+    t.start()
+    try:
+        for _ in range(2):  # the first round of each slot
+            data, addr = agg.recvfrom(65536)
+            m = wire.Message.from_bytes(data)
+            if m.slot == 0:
+                bad = data
+        m = wire.Message.from_bytes(bad)
+        assert m.sparse == wire.Sparse(0, 2, 6)
+        answer = wire.build_sparse_payload(
+            job_number=m.job_number, size_code=m.size, tsi=m.tsi, slot=m.slot,
+            version=m.version, block=0, next=4, blocks=6, values=m.values,
+        )  # fmt: skip
+        agg.sendto(answer, addr)
+        t.join(10)
+    finally:
+        agg.close()
+        sock.close()
+    assert len(errors) == 1 and isinstance(errors[0], SparseProtocolError), errors
+    assert "from block 0 to block 4" in str(errors[0]) and "is 2" in str(errors[0])
+
+
+def _catch(errors: list, fn, *args) -> None:
+    try:
+        fn(*args, sparse=True)
+    except BaseException as e:  # noqa: BLE001 - the test asserts on it
+        errors.append(e)
