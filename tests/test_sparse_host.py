@@ -246,3 +246,61 @@ def _catch(errors: list, fn, *args) -> None:
         fn(*args, sparse=True)
     except BaseException as e:  # noqa: BLE001 - the test asserts on it
         errors.append(e)
+
+
+# --- through the communicator ---------------------------------------------------------------------
+def _column(comm, n_blocks: int, rank: int, dtype=np.int32) -> np.ndarray:
+    """A tensor whose blocks 3r and 3r + 1 (mod n_blocks) are non-zero on rank r."""
+    k = comm.description.spec.elems
+    x = np.zeros(n_blocks * k, dtype=dtype)
+    for b in (3 * rank % n_blocks, (3 * rank + 1) % n_blocks):
+        x[b * k : (b + 1) * k] = np.arange(k) + rank + 1
+    return x
+
+
+def test_communicator_sparse_auto_and_explicit():
+    """A sparse job (the endpoint's default): "auto" runs the first all-reduce of a length
+    sparse, keeps it sparse while the results stay sparse and goes dense after a dense result;
+    every sum is exact; sparse=True on a dense job is refused before anything is sent."""
+    from harness.ranks import ok, run_ranks, soft_cluster
+
+    n, blocks = 3, 40
+
+    def body(comm):
+        k = comm.description.spec.elems
+        assert comm.description.spec.sparse
+        x = _column(comm, blocks, comm.rank)
+        want = sum(_column(comm, blocks, r) for r in range(n))
+        runs = []
+        for i in range(3):
+            np.testing.assert_array_equal(comm.allreduce(x), want)
+            runs.append(comm.stats["sparse_allreduces"])
+        full = np.ones(blocks * k, dtype=np.int32)
+        np.testing.assert_array_equal(comm.allreduce(full), n * full)  # sparse: first of it
+        np.testing.assert_array_equal(comm.allreduce(full), n * full)  # dense: it came back full
+        runs.append(comm.stats["sparse_allreduces"])
+        np.testing.assert_array_equal(comm.allreduce(full, sparse=True), n * full)
+        f = _column(comm, blocks, comm.rank, np.float32) / 7
+        got = comm.allreduce(f, sparse=True)
+        dense = comm.allreduce(f, sparse=False)
+        assert got.tobytes() == dense.tobytes()
+        return runs, comm.stats["blocks_skipped"]
+
+    with soft_cluster(defaults={"sparse": True}) as cl:
+        results = ok(run_ranks(cl, n, body, job="sparse", elems=32, window=8))
+    for runs, skipped in results:
+        assert runs == [1, 2, 3, 4]  # the three sparse, the first full one sparse, then dense
+        assert skipped >= 3 * (blocks - 2)
+
+    with soft_cluster() as cl:  # a dense job
+
+        def refused(comm):
+            assert not comm.description.spec.sparse
+            with pytest.raises(ValueError, match="sparse=True on a dense job"):
+                comm.allreduce(np.ones(8, np.int32), sparse=True)
+            with pytest.raises(ValueError, match="True, False or 'auto'"):
+                comm.allreduce(np.ones(8, np.int32), sparse="yes")
+            return comm.allreduce(np.ones(8, np.int32))  # "auto": dense, and fine
+
+        for r in ok(run_ranks(cl, 2, refused, job="dense", elems=32, window=8)):
+            np.testing.assert_array_equal(r, 2)

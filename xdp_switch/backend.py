@@ -554,6 +554,11 @@ class XdpBackend:
         self._created.add(spec.job_id)
         if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
             spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
+        if spec.sparse:  # issue 41: the model and the soft aggregator have them, XDP not yet
+            raise Refused(
+                f"job {spec.job_id}: the XDP program has no sparse rounds yet "
+                "(docs/protocol.md section 8): create the job dense"
+            )
         jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
         if spec.elems in jumbo and not self.state.options.get("frags"):
             raise Refused(

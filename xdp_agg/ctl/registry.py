@@ -461,6 +461,7 @@ class JobRegistry:
                 group_ip=group_ip,
                 group_mac=group_mac,
                 udp_checksum=d.udp_checksum,
+                sparse=d.sparse,
             )
         except ValueError as e:
             raise RequestError(f"the aggregator refused job {key!r}: {e}") from None

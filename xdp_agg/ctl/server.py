@@ -114,6 +114,7 @@ class ServerDefaults:
     pool_slots: int = DEFAULT_POOL_SLOTS  # slots this server may hand out: 0..pool_slots-1
     barrier_timeout: float = 120.0  # longest a register may wait for the other ranks
     udp_checksum: bool = False  # jobs verify their contributions' UDP checksums (JobSpec)
+    sparse: bool = False  # jobs take sparse all-reduces too (JobSpec.sparse, protocol.md 8)
 
     @classmethod
     def from_any(cls, value) -> "ServerDefaults":
