@@ -304,3 +304,78 @@ def test_communicator_sparse_auto_and_explicit():
 
         for r in ok(run_ranks(cl, 2, refused, job="dense", elems=32, window=8)):
             np.testing.assert_array_equal(r, 2)
+
+
+def test_bad_sparse_contributions_are_counted_in_the_metrics(cluster):
+    """A block outside the tensor, a next going backwards, another block than its round's:
+    each dropped under its own reason, which the Prometheus exposition shows as a drop; the
+    slot's round still completes with the right sum."""
+    import socket
+
+    from xdp_agg.app import metrics
+
+    make, agg = cluster
+    w = make(2, window=2)
+    ip, port = w.engines[0].state.sock.address
+    w.engines[0].state.sock.close()  # its address now sends the test's own datagrams
+    raw = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    raw.bind((ip, port))
+    dest = w.engines[0].state.cfg.data_address
+
+    def send(block, nxt, blocks=10, data=True, version=0):
+        vals = np.full(K, 5, np.int32) if data else None
+        raw.sendto(
+            wire.build_sparse_payload(
+                job_number=0,
+                size_code=wire.size_code_for(K),
+                tsi=0,
+                slot=4,
+                version=version,
+                block=block,
+                next=nxt,
+                blocks=blocks,
+                values=vals,
+            ),  # fmt: skip
+            dest,
+        )
+
+    try:
+        send(10, 10)  # block = blocks: outside the tensor
+        send(0, 11)  # next beyond it
+        send(4, 2)  # next backwards
+        send(4, 6)  # a good one: the round of slot 4 is at block 4
+        other = w.engines[1].state.sock
+        for block in (6, 4):  # the other worker: another block, then the right one
+            other.send_rows(
+                np.frombuffer(
+                    wire.build_sparse_payload(
+                        job_number=0,
+                        size_code=wire.size_code_for(K),
+                        tsi=0,
+                        slot=4,
+                        version=0,
+                        block=block,
+                        next=8,
+                        blocks=10,
+                        values=np.full(K, 7, np.int32),
+                    ),  # fmt: skip
+                    np.uint8,
+                ).reshape(1, -1),
+                dest,
+            )
+        raw.settimeout(5)
+        result = wire.Message.from_bytes(raw.recv(65536))
+    finally:
+        raw.close()
+    assert result.sparse == wire.Sparse(4, 6, 10)
+    np.testing.assert_array_equal(result.values, np.full(K, 12))
+    c = agg.counters(JOB)
+    assert (c["drop_sparse_range"], c["drop_sparse_backwards"], c["drop_sparse_mismatch"]) == (
+        2,
+        1,
+        1,
+    )
+    text = metrics.exposition(metrics.Sources(backend=agg, target="soft"))
+    for reason, n in (("drop_sparse_range", 2), ("drop_sparse_mismatch", 1)):
+        line = f'xdpagg_drops_total{{job_id="{JOB}",reason="{reason}",target="soft"}} {n}.0'
+        assert line in text, [t for t in text.splitlines() if "sparse" in t]
