@@ -6,7 +6,7 @@ their buffer protocol only for Python 3.12 and later.
 """
 
 from collections.abc import Callable
-from typing import Literal, TypedDict
+from typing import Literal, TypedDict, final
 
 import numpy as np
 from _typeshed import ReadableBuffer, WriteableBuffer
@@ -14,14 +14,19 @@ from _typeshed import ReadableBuffer, WriteableBuffer
 _In = ReadableBuffer | np.ndarray
 _Out = WriteableBuffer | np.ndarray
 
-# the names of the wire constants the module carries (an int attribute each), as
-# xdp_agg.proto.wire names them; hostlib.native_loop compares the two
+# the wire constants the extension was built with (hostlib/fp_wire.h, generated from
+# xdp_agg.proto.wire), and WIRE, their names; hostlib.native_loop compares them with wire's
 WIRE: tuple[str, ...]
+EXPONENTS_AT: int
+EXP_HLEN: int
+VALUES_AT: int
+POOL_VERSION_BIT: int
+POOL_SLOT_MASK: int
+SWITCHML_OFFSET: int
+MAX_LANES: int
 
-def __getattr__(name: str) -> int: ...  # the constants WIRE names, generated into fp_wire.h
-
-class AllreduceResult(TypedDict):
-    """Engine.allreduce's answer."""
+class _AllreduceResult(TypedDict):
+    """Engine.allreduce's answer (a dict at run time; this name exists for type checkers only)."""
 
     status: Literal["done", "stalled"]
     ndone: int  # packets with their result
@@ -31,6 +36,7 @@ class AllreduceResult(TypedDict):
     gso_refused: bool
     last_errno: int
 
+@final  # not subclassable (no Py_TPFLAGS_BASETYPE)
 class Engine:
     """The native stream of one worker over its non-blocking UDP socket `fd`."""
 
@@ -67,7 +73,7 @@ class Engine:
         timeout: float,
         progress: Callable[[int, int], object] | None = None,
         progress_every: float = 1.0,
-    ) -> AllreduceResult: ...
+    ) -> _AllreduceResult: ...
     @property
     def srtt(self) -> float: ...
     @property

@@ -133,7 +133,7 @@ class NativeLoop:
         if P == 0:
             return
         with state.allreduce(P, w, timeout, elements=L) as ar:
-            res: _fastpath.AllreduceResult | None = None
+            res: _fastpath._AllreduceResult | None = None
             try:
                 res = self._fast.allreduce(
                     is_float,
@@ -153,7 +153,7 @@ class NativeLoop:
             finally:
                 self._account(res, ar)
 
-    def _account(self, res: _fastpath.AllreduceResult | None, ar: Allreduce) -> None:
+    def _account(self, res: _fastpath._AllreduceResult | None, ar: Allreduce) -> None:
         """The C loop's counters of one all-reduce into the state's (and the socket's)."""
         st, sock = self.state.stats, self.state.sock
         if res is not None:
