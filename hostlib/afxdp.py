@@ -24,6 +24,10 @@ from __future__ import annotations
 import ipaddress
 import socket
 import time
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pyroute2 import IPRoute
 
 DATA_PATHS = ("udp", "auto", "afxdp")  # HostOptions.data_path
 
@@ -40,7 +44,7 @@ def spec(
     lanes: int = 1,
     zerocopy: bool = True,
     mode: str = "",
-):
+) -> dict[str, object] | str:
     """The xsk argument of _fastpath.Engine for the data socket `sock` (of lane `lane` of
     `lanes`: its port is the lanes' first port + lane) sending to the aggregator's
     `data_address`: the fields of the C side's XskConfig by name (hostlib/_xsk.h), or a str:
@@ -91,7 +95,7 @@ def _mac(text: str) -> bytes:
     return bytes(int(b, 16) for b in text.split(":"))
 
 
-def _neighbour(ipr, oif: int, ip: str, wait: float = 1.0) -> str | None:
+def _neighbour(ipr: IPRoute, oif: int, ip: str, wait: float = 1.0) -> str | None:
     """The link-layer address of `ip` on interface `oif`; when the table has none, one empty
     datagram to its discard port makes the kernel resolve it (for up to `wait` s)."""
     deadline = time.monotonic() + wait

@@ -17,10 +17,12 @@ import dataclasses
 import ipaddress
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from xdp_agg.proto import wire
 from xdp_agg.proto.jobs import JobDescription
@@ -42,13 +44,13 @@ _FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
 def init(
     rank: int,
     world_size: int,
-    control,
+    control: str | Sequence[str],
     job: str = "default",
     options: HostOptions | None = None,
     *,
     token: str | None = None,
     on_token: Callable[[str], None] | None = None,
-) -> "Communicator":
+) -> Communicator:
     """Join job `job` as `rank` of `world_size` through the control endpoint `control`.
 
     control: "HOST:PORT" of the control endpoint (xdp-agg serve); or, to stripe the job over
@@ -82,8 +84,8 @@ def init(
     try:
         with contextlib.ExitStack() as undo:  # on an error: what was opened, closed
             for j, endpoint in enumerate(endpoints):
-                first = j == 0  # the token is the first aggregator's (above)
-                ctls.append(_connect(endpoint, job, opts.ip, secret, token if first else None))
+                # the token is the first aggregator's (above)
+                ctls.append(_connect(endpoint, job, opts.ip, secret, None if j else token))
                 undo.callback(ctls[-1].close)
             size = _packet_size(opts, ctls) if rank == 0 else None
             for j, ctl in enumerate(ctls):
@@ -125,7 +127,7 @@ class PacketSize:
 def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
     """Rank 0's packet size: the one given, or for elems="auto" the most that both the path
     MTU towards every endpoint and every aggregator allow (its `ping` answer's sizes)."""
-    if opts.elems != "auto":
+    if isinstance(opts.elems, int):  # else "auto" (HostOptions checks)
         return PacketSize(opts.elems, "given")
     mtu = min(path_mtu_towards(*c.endpoint) for c in ctls)
     fits = [n for n in sorted(wire.SIZE_CODE_ELEMS.values()) if n <= wire.elems_for_mtu(mtu)]
@@ -143,14 +145,14 @@ def _packet_size(opts: HostOptions, ctls: list[ControlClient]) -> PacketSize:
 def _rank_lanes(opts: HostOptions, rank: int) -> int | None:
     """This rank's lanes: as given; for "auto" rank 0's choice (options.auto_lanes), and None
     on the other ranks, which take the job's (JobDescription.lanes, rank 0's)."""
-    if opts.lanes != "auto":
+    if isinstance(opts.lanes, int):  # else "auto" (HostOptions checks)
         return opts.lanes
     if rank != 0:
         return None
     return auto_lanes(opts, _use_native(opts.native))
 
 
-def _engine(x: "_Joined", opts: HostOptions, i: int, lane: int, lanes: int) -> StreamEngine:
+def _engine(x: _Joined, opts: HostOptions, i: int, lane: int, lanes: int) -> StreamEngine:
     """The stream engine number `i` (LaneGrid.index; 0 unless striped or in lanes), lane `lane`
     of the `lanes` at the aggregator `x` joined."""
     desc = x.desc
@@ -187,7 +189,7 @@ class _Joined:
     worker_port + l) and each socket's multicast membership (or None)."""
 
     desc: JobDescription
-    ctl: "ControlLink"
+    ctl: ControlLink
     socks: list[DatagramSocket]
     memberships: list[bytes | None]
 
@@ -205,7 +207,7 @@ class _Place:
     where: str
 
 
-def parse_controls(control) -> list[tuple[str, int]]:
+def parse_controls(control: str | Sequence[str]) -> list[tuple[str, int]]:
     """init's `control`: "HOST:PORT", "HOST:PORT,HOST:PORT,..." or a sequence of "HOST:PORT"
     -> the control endpoints, in stripe order. Raises ValueError on an empty or repeated one."""
     items = control.split(",") if isinstance(control, str) else list(control)
@@ -217,7 +219,9 @@ def parse_controls(control) -> list[tuple[str, int]]:
     return endpoints
 
 
-def _connect(endpoint, job: str, ip: str | None, secret, token: str | None) -> ControlClient:
+def _connect(
+    endpoint: tuple[str, int], job: str, ip: str | None, secret: bytes | None, token: str | None
+) -> ControlClient:
     """The control connection to `endpoint`, from `ip` when pinned, with the credentials."""
     return ControlClient(
         endpoint,
@@ -228,16 +232,25 @@ def _connect(endpoint, job: str, ip: str | None, secret, token: str | None) -> C
     )
 
 
-def _join_one(place: _Place, opts: HostOptions, ctl: ControlClient, port: int, on_token, lanes):
+def _join_one(
+    place: _Place,
+    opts: HostOptions,
+    ctl: ControlClient,
+    port: int,
+    on_token: Callable[[str], None] | None,
+    lanes: int | None,
+) -> _Joined:
     """Create (rank 0) or find the job at one control endpoint (`ctl`, connected) and register
     there with `lanes` lanes (None: the job's); returns the job's description, the control link
     (kept open: closing it leaves), the lanes' data sockets and their group memberships."""
     pinned = opts.ip is not None
-    my_ip = opts.ip if pinned else source_ip_towards(*ctl.endpoint)
+    my_ip = opts.ip if opts.ip is not None else source_ip_towards(*ctl.endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
     job, wait, offload = place.job, opts.rendezvous_timeout, dict(gso=opts.gso, gro=opts.gro)
     with contextlib.ExitStack() as undo:  # on an error, the sockets closed (init closes ctl)
         if place.rank == 0:
+            if lanes is None:  # _rank_lanes decides rank 0's; only the others adopt the job's
+                raise ValueError("rank 0 must know its lanes to create the job")
             lane_windows(0, opts.window, lanes)  # ValueError: fewer slots than lanes
             socks = _bind_lanes(bind_ip, port, lanes, offload)
             undo.callback(_close_all, socks)
@@ -305,7 +318,9 @@ class _PortTaken(Exception):
         self.port, self.error = port, error
 
 
-def _bind_run(bind_ip: str, base: int, lanes: int, offload) -> list[DatagramSocket]:
+def _bind_run(
+    bind_ip: str, base: int, lanes: int, offload: dict[str, bool]
+) -> list[DatagramSocket]:
     """Sockets on the consecutive UDP ports base .. base + lanes - 1 (base 0: lane 0's on a port
     the kernel picks, the others after it). On a port that cannot be bound, closes the sockets
     it bound and raises _PortTaken."""
@@ -328,7 +343,9 @@ def _close_all(socks: list[DatagramSocket]) -> None:
         s.close()
 
 
-def _bind_lanes(bind_ip: str, port: int, lanes: int, offload) -> list[DatagramSocket]:
+def _bind_lanes(
+    bind_ip: str, port: int, lanes: int, offload: dict[str, bool]
+) -> list[DatagramSocket]:
     """Rank 0's data sockets, one per lane, on the consecutive ports port .. port + lanes - 1
     (port 0: a free base the kernel picks, tried again while the ports after it are taken).
     Every lane of every worker sends from, and gets its results on, the same port: the
@@ -348,7 +365,9 @@ def _bind_lanes(bind_ip: str, port: int, lanes: int, offload) -> list[DatagramSo
     raise HostlibError(f"found no {lanes} consecutive free UDP ports in {_LANE_PORT_TRIES} tries")
 
 
-def _worker_sockets(bind_ip: str, desc: JobDescription, place: _Place, lanes: int, offload):
+def _worker_sockets(
+    bind_ip: str, desc: JobDescription, place: _Place, lanes: int, offload: dict[str, bool]
+) -> list[DatagramSocket]:
     """A rank's data sockets on the ports rank 0 chose: the job's worker_port + lane."""
     try:
         return _bind_run(bind_ip, desc.worker_port, lanes, offload)
@@ -370,7 +389,9 @@ def _worker_sockets(bind_ip: str, desc: JobDescription, place: _Place, lanes: in
 _IP_MULTICAST_ALL = getattr(socket, "IP_MULTICAST_ALL", 49)
 
 
-def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> bytes | None:
+def _join_group(
+    sock: DatagramSocket, group: tuple[str, int] | None, my_ip: str, pinned: bool
+) -> bytes | None:
     """Make the data socket receive results sent to the job's group address, if it has one.
     Returns the ip_mreq of a multicast group joined (Communicator.close leaves it), or None."""
     if not group:
@@ -399,7 +420,7 @@ def _join_group(sock: DatagramSocket, group, my_ip: str, pinned: bool) -> bytes 
 class AllreduceHandle:
     """An all-reduce in progress (from Communicator.allreduce_async)."""
 
-    def __init__(self, future: Future) -> None:
+    def __init__(self, future: Future[np.ndarray]) -> None:
         self._future = future
 
     def done(self) -> bool:
@@ -422,7 +443,9 @@ class Communicator:
     one background thread, in order.
     """
 
-    def __init__(self, rank: int, job: str, engine: Engine, joined, size: PacketSize) -> None:
+    def __init__(
+        self, rank: int, job: str, engine: Engine, joined: list[_Joined], size: PacketSize
+    ) -> None:
         """(hostlib.init makes it) `joined`: this rank's place at each aggregator (_Joined), in
         stripe order; `engine` runs the all-reduces over their data sockets."""
         first = joined[0]
@@ -441,7 +464,7 @@ class Communicator:
         # every lane's data socket at every aggregator, and the ip_mreq of each socket's
         # multicast group if it joined one (close leaves them)
         self._socks = [s for x in joined for s in x.socks]
-        self._memberships = [m for x in joined for m in x.memberships]
+        self._memberships: list[bytes | None] = [m for x in joined for m in x.memberships]
         self._ctl = self._ctls[0]
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"hostlib-r{rank}")
         self._lock = threading.Lock()  # guards _closed, _queued, _inline
@@ -460,13 +483,13 @@ class Communicator:
     # --- all-reduce -------------------------------------------------------------------------
     def allreduce(
         self,
-        array,
-        out=None,
+        array: npt.ArrayLike,
+        out: np.ndarray | None = None,
         *,
         inplace: bool = False,
         timeout: float | None = None,
         sparse: bool | str = "auto",
-    ):
+    ) -> np.ndarray:
         """Sum `array` over all ranks; returns the sum (a new array, `out`, or `array` itself).
 
         int32 sums are exact and wrap modulo 2^32 like the aggregator's; float32 sums are block
@@ -502,8 +525,8 @@ class Communicator:
 
     def allreduce_async(
         self,
-        array,
-        out=None,
+        array: npt.ArrayLike,
+        out: np.ndarray | None = None,
         *,
         inplace: bool = False,
         timeout: float | None = None,
@@ -521,12 +544,12 @@ class Communicator:
                 raise HostlibError("the communicator is closed")
             return self._submit(arrays, timeout)
 
-    def _submit(self, arrays: "_AllreduceArrays", timeout: float | None) -> AllreduceHandle:
+    def _submit(self, arrays: _AllreduceArrays, timeout: float | None) -> AllreduceHandle:
         """Queue an all-reduce on the executor (with self._lock held)."""
         self._queued += 1
         return AllreduceHandle(self._executor.submit(self._run_queued, arrays, timeout))
 
-    def _run_queued(self, arrays: "_AllreduceArrays", timeout: float | None):
+    def _run_queued(self, arrays: _AllreduceArrays, timeout: float | None) -> np.ndarray:
         try:
             with self._engine_lock:  # after an all-reduce running inline, if any
                 return self._run(arrays, timeout)
@@ -538,7 +561,7 @@ class Communicator:
         """Return once every rank has reached its barrier (an all-reduce of one int32)."""
         self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
 
-    def _run(self, arrays: "_AllreduceArrays", timeout: float | None):
+    def _run(self, arrays: _AllreduceArrays, timeout: float | None) -> np.ndarray:
         if self._broken:
             raise HostlibError(
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
@@ -586,7 +609,7 @@ class Communicator:
         return self._engine.timeout
 
     @property
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, Any]:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict, and
         "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32 per
         packet), "elems_reason" (why: given, the path MTU and the aggregator's sizes for
@@ -611,19 +634,19 @@ class Communicator:
         unless the job is striped)."""
         return [f"{c.endpoint[0]}:{c.endpoint[1]}" for c in self._ctls]
 
-    def stats_per_aggregator(self) -> list[dict]:
+    def stats_per_aggregator(self) -> list[dict[str, Any]]:
         """Per aggregator (in stripe order) its stripe's counters, as `stats` has them, plus
         "control": its control endpoint. One entry, equal to `stats`, unless striped."""
         per = self._engine.stats_per_aggregator()
         return [{"control": a, **st} for a, st in zip(self.controls, per)]
 
-    def stats_per_lane(self) -> list[dict]:
+    def stats_per_lane(self) -> list[dict[str, Any]]:
         """Per lane, in engine order (hostlib.striping.LaneGrid: aggregator by aggregator), its
         own counters (hostlib.engine.STAT_NAMES) and "aggregator", "lane" and "port" (its data
         socket's UDP port). One entry without lanes and striping."""
         return self._engine.stats_per_lane()
 
-    def status(self, stripe: int = 0) -> dict:
+    def status(self, stripe: int = 0) -> dict[str, Any]:
         """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);
         striped, that of aggregator number `stripe`."""
         return self._ctls[stripe].request("diagnose", job=self.job, reply_timeout=5.0)
@@ -657,30 +680,46 @@ class Communicator:
         for sock in self._socks:
             sock.close()
 
-    def __enter__(self) -> "Communicator":
+    def __enter__(self) -> Communicator:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
 
 class _AllreduceArrays:
     """One all-reduce's arrays: validated, flattened, float types up-converted."""
 
-    def __init__(self, kind, src, dst_flat, result, convert_back, sparse="auto"):
+    def __init__(
+        self,
+        kind: str,
+        src: np.ndarray,
+        dst_flat: np.ndarray,
+        result: np.ndarray,
+        convert_back: np.ndarray | None,
+        sparse: bool | str = "auto",
+    ) -> None:
         self.kind, self.src, self.dst_flat = kind, src, dst_flat
         self.result, self.convert_back = result, convert_back
         self.sparse = sparse  # as the caller gave it: True, False, "auto"
 
     @classmethod
-    def prepare(cls, array, out, inplace: bool, sparse="auto") -> "_AllreduceArrays":
+    def prepare(
+        cls,
+        array: npt.ArrayLike,
+        out: np.ndarray | None,
+        inplace: bool,
+        sparse: bool | str = "auto",
+    ) -> _AllreduceArrays:
         check_sparse_arg(sparse)
         arrays = cls._prepare(array, out, inplace)
         arrays.sparse = sparse
         return arrays
 
     @classmethod
-    def _prepare(cls, array, out, inplace: bool) -> "_AllreduceArrays":
+    def _prepare(
+        cls, array: npt.ArrayLike, out: np.ndarray | None, inplace: bool
+    ) -> _AllreduceArrays:
         if inplace:
             if out is not None:
                 raise ValueError("give either out= or inplace=True, not both")
@@ -689,6 +728,7 @@ class _AllreduceArrays:
             out = array
         a = np.asarray(array)
         name = a.dtype.name
+        work: type[np.int32] | type[np.float32]
         if name == "int32":
             kind, work = "int32", np.int32
         elif name == "float32" or name in _FLOAT_16:

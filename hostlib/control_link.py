@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 from .errors import ControlConnectionLost, RendezvousError
 from .rendezvous import ControlClient
@@ -71,7 +72,7 @@ class ControlLink:
         """The job tokens the connection holds (ControlClient.tokens; a reconnect keeps them)."""
         return self._client.tokens
 
-    def request(self, op: str, *, reply_timeout: float = 30.0, **fields) -> dict:
+    def request(self, op: str, *, reply_timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
         """ControlClient.request; a broken connection is re-established (and the rank rejoined)
         once, then the request is sent again."""
         client = self._client

@@ -13,9 +13,11 @@ the network, stopped the job.
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
+from typing import Any
 
 
-def gone_notes(diagnosis: dict, now: float | None = None) -> list[str]:
+def gone_notes(diagnosis: dict[str, Any], now: float | None = None) -> list[str]:
     """One sentence per rank that left or lost its control connection, oldest first."""
     now = time.time() if now is None else now
     top = diagnosis.get("most_contributions") or 0
@@ -45,7 +47,7 @@ def gone_notes(diagnosis: dict, now: float | None = None) -> list[str]:
     return notes
 
 
-def explain_timeout(d: dict, rank: int, my_address: str, packets: int) -> str:
+def explain_timeout(d: dict[str, Any], rank: int, my_address: str, packets: int) -> str:
     """What the control endpoint's `diagnose` answer `d` says about a timed-out all-reduce of
     rank `rank` (data address `my_address`, `packets` packets): "Control endpoint: ..."."""
     if d.get("lost"):  # the cause: what the ranks did afterwards says nothing more
@@ -83,5 +85,5 @@ def explain_timeout(d: dict, rank: int, my_address: str, packets: int) -> str:
     return "Control endpoint: " + "; ".join(notes) + "."
 
 
-def _join(ranks) -> str:
+def _join(ranks: Iterable[object]) -> str:
     return ", ".join(str(r) for r in ranks)

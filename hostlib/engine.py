@@ -13,7 +13,7 @@ extension is built (EngineConfig.native; HostOptions.native=False forces numpy).
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -58,24 +58,31 @@ class Engine(Protocol):
     def data_path_reason(self) -> str:
         """Why AF_XDP was asked for and is not used; "" otherwise."""
 
-    def stats_per_aggregator(self) -> list[dict]:
+    def stats_per_aggregator(self) -> list[dict[str, float]]:
         """Each aggregator's own counters, in stripe order (one entry unless striped)."""
 
-    def stats_per_lane(self) -> list[dict]:
+    def stats_per_lane(self) -> list[dict[str, Any]]:
         """Each lane's own counters (STAT_NAMES) and where it runs: "aggregator" and "lane"
         (hostlib.striping.LaneGrid) and "port", its data socket's UDP port; in engine order."""
 
     def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
         `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
 
     def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src);
-        with `sparse`, as a sparse all-reduce."""
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
+        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
 
     def close(self) -> None:
         """Release what the engine holds besides the sockets (threads); after the last one."""
@@ -104,12 +111,12 @@ class StreamEngine:
     def data_path(self) -> str:
         """How packets leave and arrive: "udp" (the kernel socket) or "afxdp-..." (the AF_XDP
         socket's mode, hostlib.afxdp)."""
-        return self.loop.data_path if self.native else "udp"
+        return self.loop.data_path if isinstance(self.loop, NativeLoop) else "udp"
 
     @property
     def data_path_reason(self) -> str:
         """Why AF_XDP was asked for ("auto") and is not used; "" otherwise."""
-        if self.native:
+        if isinstance(self.loop, NativeLoop):
             return self.loop.data_path_reason
         if self.state.cfg.data_path == "auto":
             return "the numpy loop sends through the kernel socket"
@@ -135,11 +142,11 @@ class StreamEngine:
         """1: a StreamEngine is one lane (hostlib.striping.StripedEngine runs several)."""
         return 1
 
-    def stats_per_aggregator(self) -> list[dict]:
+    def stats_per_aggregator(self) -> list[dict[str, float]]:
         """One aggregator: a copy of `stats`."""
         return [dict(self.state.stats)]
 
-    def stats_per_lane(self) -> list[dict]:
+    def stats_per_lane(self) -> list[dict[str, Any]]:
         """One lane: a copy of `stats` with "aggregator" 0, "lane" (its lane of the job's,
         EngineConfig.lane) and "port" (its data socket's)."""
         return [
@@ -147,14 +154,22 @@ class StreamEngine:
         ]
 
     def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
         (self.sparse_loop if sparse else self.loop).run(False, src, dst, timeout)
 
     def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
         (self.sparse_loop if sparse else self.loop).run(True, src, dst, timeout)
 

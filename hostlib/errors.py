@@ -6,6 +6,8 @@ all of them; the subclasses say which side failed.
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class HostlibError(Exception):
     """Base class of the host library's errors."""
@@ -51,7 +53,7 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         outstanding: int = 0,
         outstanding_slots: tuple[int, ...] = (),
         results: int = 0,
-        diagnosis: dict | None = None,
+        diagnosis: dict[str, Any] | None = None,
         stripe: int | None = None,
         endpoint: tuple[str, int] | None = None,
     ) -> None:
@@ -66,7 +68,7 @@ class AllreduceTimeout(HostlibError, TimeoutError):
         self.stripe = stripe
         self.endpoint = endpoint
 
-    def copy(self, message: str, **changes) -> "AllreduceTimeout":
+    def copy(self, message: str, **changes: Any) -> AllreduceTimeout:
         """A copy with a new message and the attributes named in changes replaced (like
         dataclasses.replace); the others are kept."""
         fields = {
@@ -84,6 +86,6 @@ class AllreduceTimeout(HostlibError, TimeoutError):
             raise TypeError(f"AllreduceTimeout has no attribute(s) {sorted(unknown)}")
         return AllreduceTimeout(message, **{**fields, **changes})
 
-    def with_diagnosis(self, text: str, diagnosis: dict | None) -> "AllreduceTimeout":
+    def with_diagnosis(self, text: str, diagnosis: dict[str, Any] | None) -> AllreduceTimeout:
         """A copy whose message ends with the control endpoint's view of the job."""
         return self.copy(f"{self.args[0]} {text}".rstrip(), diagnosis=diagnosis)

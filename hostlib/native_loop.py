@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
+from types import ModuleType
 
 import numpy as np
 
@@ -18,15 +20,17 @@ from xdp_agg.proto import wire
 from . import afxdp, scaling
 from .errors import HostlibError
 from .options import simd_from_env
-from .stream_state import Allreduce, StreamState
+from .stream_state import Allreduce, EngineConfig, StreamState
+from .udp_io import DatagramSocket
 
 try:
     from . import _fastpath
 except ImportError:  # not built (a source checkout without build_ext): the numpy loop only
-    _fastpath = None
+    # mypy cannot spell "this module or None"; every use below checks `_fastpath is None` first
+    _fastpath = None  # type: ignore[assignment]
 
 
-def _check_wire(fast) -> None:
+def _check_wire(fast: ModuleType) -> None:
     """ImportError unless the extension's wire constants (from its generated header,
     hostlib/fastpath/wire.h) are xdp_agg.proto.wire's: a stale build would send other bytes."""
     want = {name: getattr(wire, name) for name in fast.WIRE}
@@ -42,10 +46,11 @@ def _check_wire(fast) -> None:
         )
 
 
+_SIMD = simd_from_env()  # XDP_AGG_SIMD: the kernels chosen by the environment
 if _fastpath is not None:
     _check_wire(_fastpath)
-    if simd_from_env():  # XDP_AGG_SIMD: the kernels chosen by the environment
-        _fastpath.set_simd(simd_from_env())
+    if _SIMD:
+        _fastpath.set_simd(_SIMD)
 
 # the counters the C loop reports per all-reduce that add up in StreamState.stats as they are
 # (the socket's system calls and errors go through the DatagramSocket's own counters)
@@ -128,7 +133,7 @@ class NativeLoop:
         if P == 0:
             return
         with state.allreduce(P, w, timeout, elements=L) as ar:
-            res = None
+            res: _fastpath._AllreduceResult | None = None
             try:
                 res = self._fast.allreduce(
                     is_float,
@@ -148,7 +153,7 @@ class NativeLoop:
             finally:
                 self._account(res, ar)
 
-    def _account(self, res: dict | None, ar: Allreduce) -> None:
+    def _account(self, res: _fastpath._AllreduceResult | None, ar: Allreduce) -> None:
         """The C loop's counters of one all-reduce into the state's (and the socket's)."""
         st, sock = self.state.stats, self.state.sock
         if res is not None:
@@ -167,7 +172,9 @@ class NativeLoop:
         st["cwnd"] = self._fast.cwnd
 
 
-def _xsk_spec(path: str, sock, cfg) -> tuple[dict | None, str]:
+def _xsk_spec(
+    path: str, sock: DatagramSocket, cfg: EngineConfig
+) -> tuple[dict[str, object] | None, str]:
     """The Engine's xsk argument for data path `path` (None: the kernel socket) and, when AF_XDP
     was asked for but has nothing to run on, why."""
     if path == "udp":
@@ -179,7 +186,7 @@ def _xsk_spec(path: str, sock, cfg) -> tuple[dict | None, str]:
     return (None, found) if isinstance(found, str) else (found, "")
 
 
-def _shower(ar: Allreduce):
+def _shower(ar: Allreduce) -> Callable[[int, int], None] | None:
     """The C loop's progress callback for `ar`'s progress line (None without one)."""
     printer = ar.printer
     if printer is None:

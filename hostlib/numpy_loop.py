@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Callable
+from typing import Protocol
 
 import numpy as np
 
@@ -51,11 +53,20 @@ _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("p
 # _SPIN_CREDIT_MAX), and below 0 the next _SPIN_BACKOFF chances are skipped.
 _SPIN_OUTSTANDING, _SPIN_TIME = 64, 60e-6
 _SPIN_PENALTY, _SPIN_CREDIT_MAX, _SPIN_BACKOFF = 2, 8, 200
+
+
+def _offset(dtype: np.dtype, name: str) -> int:
+    """The byte offset of field `name` of the structured dtype `dtype`."""
+    if dtype.fields is None:
+        raise TypeError(f"{dtype} is not a structured dtype")
+    return dtype.fields[name][1]
+
+
 assert wire.SML_DTYPE.names == ("msg_type_size", "job_number", "tsi", "pool_index")
 assert _HDR8.itemsize == wire.SWITCHML_HLEN == wire.EXPONENTS_AT
 _H = wire.SWITCHML_HLEN
-_TSI = slice(wire.SML_DTYPE.fields["tsi"][1], wire.SML_DTYPE.fields["tsi"][1] + 4)  # in a row
-assert wire.EXP_DTYPE.names == ("e0", "e1") and wire.EXP_DTYPE.fields["e0"][1] == 0
+_TSI = slice(_offset(wire.SML_DTYPE, "tsi"), _offset(wire.SML_DTYPE, "tsi") + 4)  # in a row
+assert wire.EXP_DTYPE.names == ("e0", "e1") and _offset(wire.EXP_DTYPE, "e0") == 0
 _NO_DUPS = np.zeros(0, dtype=np.int64)
 
 
@@ -70,7 +81,7 @@ class _Chunks:
         self.flat, self.k = flat, k
         self.full = flat.size // k
         self.rows = flat[: self.full * k].reshape(self.full, k)
-        self.tail = None
+        self.tail: np.ndarray | None = None
         if self.full * k != flat.size:
             self.tail = np.zeros((1, k), dtype=flat.dtype)
             if source:
@@ -80,16 +91,23 @@ class _Chunks:
         """Rows a..b-1 (a view unless they include the padded row)."""
         if b <= self.full:
             return self.rows[a:b]
-        return np.concatenate((self.rows[a : self.full], self.tail))
+        return np.concatenate((self.rows[a : self.full], self._padded(b)))
 
-    def put(self, a: int, b: int, fn, *args) -> None:
+    def put(self, a: int, b: int, fn: Callable[..., None], *args: np.ndarray) -> None:
         """fn(out_rows, *args_rows) for rows a..b-1: writes straight into the tensor."""
         if b <= self.full:
             fn(self.rows[a:b], *args)
             return
+        tail = self._padded(b)
         m = self.full - a
         fn(self.rows[a : self.full], *(x[:m] for x in args))
-        fn(self.tail, *(x[m:] for x in args))
+        fn(tail, *(x[m:] for x in args))
+
+    def _padded(self, b: int) -> np.ndarray:
+        """The padded last row, for a range that ends at `b` past the full rows."""
+        if self.tail is None or b > self.full + 1:
+            raise IndexError(f"rows up to {b} of a tensor of {self.full} rows of {self.k}")
+        return self.tail
 
     def finish(self) -> None:
         if self.tail is not None:
@@ -102,6 +120,24 @@ def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
 
 def _dequantise_into(out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
     scaling.dequantise_scaled(sums, f, out)
+
+
+class _Transfer(Protocol):
+    """What NumpyLoop runs: packets and window of one all-reduce, and its payloads both ways
+    (_IntTransfer, _FloatTransfer)."""
+
+    L: int  # elements
+    P: int  # packets
+    w: int  # window
+
+    def fill(self, a: int, b: int, values: np.ndarray, e0: np.ndarray) -> None:
+        """Write packets a..b-1 (payload rows `values`, exponent fields `e0`)."""
+
+    def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
+        """Results of packets a..b-1 (a run): e0 fields and big-endian payload rows."""
+
+    def finish(self) -> None:
+        """After the last result: what is left to write into the output."""
 
 
 class _IntTransfer:
@@ -146,7 +182,7 @@ class _FloatTransfer:
         self.e0[self.Pd :] = scaling.ZERO_EXPONENT
         self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
         self._f_of = _scale_table(n)  # scale factor of int8 exponent E at index uint8(E)
-        self.limit = None  # M, once some agreed exponent was clipped (values >= 2^127)
+        self.limit: int | None = None  # M, once some agreed exponent was clipped (>= 2^127)
         self.out = _Chunks(dst, k, source=False)
         self._tmp = work  # float64 work rows (at least w), the engine's
 
@@ -229,7 +265,7 @@ class NumpyLoop:
         cfg, plen = state.cfg, state.plen
         self.plen = plen
         f = state.faults
-        self._rng = np.random.default_rng(f.seed) if f else None
+        self._rng = np.random.default_rng(f.seed if f else None)  # used with faults only
         self._rx = RowReceiver(state.sock, plen, max_rows=2 * cfg.window + 64)
         self._rtt = _RttEstimator()  # kept across all-reduces
         # The packet in flight in each slot, built in place: packets are written straight into
@@ -247,7 +283,8 @@ class NumpyLoop:
         self._tries = np.empty(cfg.window, dtype=np.int32)
         self._sent_at = np.empty(cfg.window)
         self._rto = np.empty(cfg.window)
-        self._plans: dict[tuple[int, int], tuple] = {}  # (P, w) -> header template, see _expect
+        # (P, w) -> header template, packet slots, version parities, pool bits: see _expect
+        self._plans: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._spins = cfg.spin  # busy-poll at all
         self._spin_credit = 0  # see _spin
         self._dups = _NO_DUPS  # packet numbers of the duplicate results of the last _accept
@@ -255,6 +292,7 @@ class NumpyLoop:
     def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
         """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
         cfg = self.state.cfg
+        tr: _Transfer
         if is_float:
             tr = _FloatTransfer(src, dst, cfg.elems, cfg.window, cfg.scaling_workers, self._work)
         else:
@@ -272,7 +310,7 @@ class NumpyLoop:
                 st["rtt"] = self._rtt.srtt or 0.0
                 st["cwnd"] = float(tr.w)  # the whole slot window is kept in flight
 
-    def _stream(self, tr, ar: Allreduce) -> None:
+    def _stream(self, tr: _Transfer, ar: Allreduce) -> None:
         """Send, receive and retransmit until every packet of `ar` has its result."""
         fl = _Flight(self, ar, self._expect(ar.packets, ar.window, ar.job_number))
         printer, P = ar.printer, ar.packets
@@ -291,7 +329,7 @@ class NumpyLoop:
             if printer and now >= printer.next:
                 printer.show(now, ar.ndone, self.state.stats["retransmissions"])
 
-    def _send_ready(self, tr, fl: _Flight) -> None:
+    def _send_ready(self, tr: _Transfer, fl: _Flight) -> None:
         """Build the ready packets in their slots' rows, send them, start their timers."""
         cfg = self.state.cfg
         now = time.monotonic()
@@ -323,7 +361,9 @@ class NumpyLoop:
             rows = self._receive()
         return rows
 
-    def _take(self, rows: np.ndarray, tr, fl: _Flight, ar: Allreduce, now: float) -> None:
+    def _take(
+        self, rows: np.ndarray, tr: _Transfer, fl: _Flight, ar: Allreduce, now: float
+    ) -> None:
         """Accept a batch of results: into the output, their packets done, their slots'
         timers stopped and the packets one window later ready."""
         runs, sel, fresh = self._accept(rows, fl.P, fl.expect, fl.done)
@@ -435,7 +475,9 @@ class NumpyLoop:
         copies = keep.astype(np.int64) + (keep & (self._rng.random(m) < dup))
         return np.repeat(rows, copies, axis=0)
 
-    def _accept(self, rows, P, expect, done):
+    def _accept(
+        self, rows: np.ndarray, P: int, expect: np.ndarray, done: np.ndarray
+    ) -> tuple[list[tuple[int, int]], slice | np.ndarray, int]:
         """Validate a batch of results: (runs [a, b) of new results, sorted; which rows they
         are, in that order: a slice or indices; how many).
 
@@ -461,13 +503,14 @@ class NumpyLoop:
         tsi = rows[:, _TSI].view(">u4")[:, 0].astype(np.int64)
         at = np.minimum(tsi, P)
         ok = head == expect[at]
-        sel = np.nonzero(ok & ~done[at])[0]
-        new = tsi[sel]
+        idx = np.nonzero(ok & ~done[at])[0]
+        new = tsi[idx]
+        sel: slice | np.ndarray = idx
         if new.size > 1 and np.count_nonzero(new[1:] <= new[:-1]):  # out of order or repeated
             new, first = np.unique(new, return_index=True)  # sorted, first of repeats
-            sel = sel[first]
-        elif new.size and sel[-1] - sel[0] == new.size - 1:
-            sel = slice(int(sel[0]), int(sel[-1]) + 1)  # in order without gaps: views, no copies
+            sel = idx[first]
+        elif new.size and idx[-1] - idx[0] == new.size - 1:
+            sel = slice(int(idx[0]), int(idx[-1]) + 1)  # in order without gaps: views, no copies
         st["results"] += new.size
         if new.size < m:  # what the others were
             valid = int(np.count_nonzero(ok))
@@ -480,7 +523,7 @@ class NumpyLoop:
         return _runs(new), sel, int(new.size)
 
 
-def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict) -> None:
+def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict[str, float]) -> None:
     """Count the duplicate results `dups` (packet numbers) that answer a retransmission whose
     packet had its result already: each retransmission of a packet is spurious at most once."""
     u, counts = np.unique(dups, return_counts=True)
@@ -489,7 +532,7 @@ def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict) -> None:
     retx_left[u] -= spurious.astype(np.uint8)
 
 
-def _slot_runs(a: int, b: int, w: int):
+def _slot_runs(a: int, b: int, w: int) -> tuple[tuple[int, int, int], ...]:
     """Packets a..b-1 (at most w) as (s0, s1, first packet) runs of consecutive slots p % w."""
     s0 = a % w
     if s0 + (b - a) <= w:

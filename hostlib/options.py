@@ -30,10 +30,12 @@ The environment (each one a field of HostOptions unless said otherwise):
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from xdp_agg.proto import control, wire
 
@@ -144,16 +146,19 @@ class HostOptions:
             raise ValueError(f"fallback must be 'gloo' or None, not {self.fallback!r}")
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **given) -> HostOptions:
+    def from_env(cls, env: Mapping[str, str] | None = None, **given: Any) -> HostOptions:
         """The options the environment (`env`, default os.environ) sets, the defaults for the
         rest, then `given` (fields by name; a value of None leaves the environment's)."""
         env = os.environ if env is None else env
-        fields = {name: parse(env[var]) for var, (name, parse) in _ENV.items() if env.get(var)}
+        # field name -> value: of each field's own type (the parsers and `given` say which)
+        fields: dict[str, Any] = {
+            name: parse(env[var]) for var, (name, parse) in _ENV.items() if env.get(var)
+        }
         fields.update({k: v for k, v in given.items() if v is not None})
         return cls(**fields)
 
     @classmethod
-    def from_args(cls, args, **given) -> HostOptions:
+    def from_args(cls, args: argparse.Namespace, **given: Any) -> HostOptions:
         """The options of a worker script: its parsed command line `args` (an argparse
         namespace; attributes named like fields and not None count, --elems and --window for
         example), over the environment's (from_env), then `given`."""
@@ -161,12 +166,12 @@ class HostOptions:
         from_args = {k: v for k, v in vars(args).items() if k in names and v is not None}
         return cls.from_env(**{**from_args, **given})
 
-    def replace(self, **changes) -> HostOptions:
+    def replace(self, **changes: Any) -> HostOptions:
         """A copy with `changes` (fields by name)."""
         return dataclasses.replace(self, **changes)
 
 
-def _check_lanes(lanes) -> None:
+def _check_lanes(lanes: object) -> None:
     if lanes == "auto":
         return
     if isinstance(lanes, bool) or not isinstance(lanes, int) or lanes < 1:
@@ -216,7 +221,7 @@ def auto_lanes(opts: HostOptions, native: bool) -> int:
 
 
 def _number(var: str, kind: Callable[[str], float]) -> Callable[[str], float]:
-    def parse(value: str):
+    def parse(value: str) -> float:
         try:
             return kind(value)
         except ValueError:

@@ -14,6 +14,7 @@ import json
 import select
 import socket
 import threading
+from typing import Any
 
 from xdp_agg.proto import control
 from xdp_agg.proto.jobs import DEFAULT_CONTROL_PORT, JobDescription
@@ -80,14 +81,15 @@ class ControlClient:
     def local_address(self) -> tuple[str, int]:
         return self._sock.getsockname()[:2]
 
-    def request(self, op: str, *, reply_timeout: float = 30.0, **fields) -> dict:
+    def request(self, op: str, *, reply_timeout: float = 30.0, **fields: Any) -> dict[str, Any]:
         """Send one request (op and fields) and wait up to `reply_timeout` s for its answer.
 
         Returns the answer (a dict with ok=True); raises RendezvousError with the endpoint's
         explanation when it says ok=False, or when the connection fails.
         """
         req = {"op": op, **fields}
-        token = self.tokens.get(fields.get("job")) if isinstance(fields.get("job"), str) else None
+        job = fields.get("job")
+        token = self.tokens.get(job) if isinstance(job, str) else None
         if token is not None:
             req["token"] = token
         with self._lock:
@@ -115,11 +117,11 @@ class ControlClient:
         if not answer.get("ok"):
             cls = _ERRORS.get(answer.get("kind"), RendezvousError)
             raise cls(answer.get("error") or f"{op!r} failed without a reason")
-        if isinstance(answer.get("token"), str) and isinstance(fields.get("job"), str):
-            self.tokens[fields["job"]] = answer["token"]
+        if isinstance(answer.get("token"), str) and isinstance(job, str):
+            self.tokens[job] = answer["token"]
         return answer
 
-    def job(self, op: str, **fields) -> JobDescription:
+    def job(self, op: str, **fields: Any) -> JobDescription:
         """request(), for the ops whose answer describes the job (create, status, register)."""
         answer = self.request(op, **fields)
         try:

@@ -64,7 +64,7 @@ def chunk_exponents(chunks: np.ndarray, offset: int = 0) -> np.ndarray:
     return e.astype(np.int8)
 
 
-def nonfinite_error(value, index: int) -> ValueError:
+def nonfinite_error(value: object, index: int) -> ValueError:
     """The error for a NaN or Inf `value` at element `index` of an all-reduce input."""
     return ValueError(
         f"all-reduce input contains {value} at element {index}: "
@@ -96,7 +96,13 @@ def quantise(
     return quantise_scaled(chunks, scale_factors(exponents, n), limit, out, work)
 
 
-def quantise_scaled(chunks, f, limit, out=None, work=None) -> np.ndarray:
+def quantise_scaled(
+    chunks: np.ndarray,
+    f: np.ndarray,
+    limit: int | None,
+    out: np.ndarray | None = None,
+    work: np.ndarray | None = None,
+) -> np.ndarray:
     """quantise() given the scale factors f (m,); `limit`: M to clip at, or None if no chunk's
     exponent was clipped."""
     # the product in float64 (the ufunc converts as it goes: no float64 copy of x)
@@ -110,12 +116,14 @@ def quantise_scaled(chunks, f, limit, out=None, work=None) -> np.ndarray:
     return out
 
 
-def dequantise(sums: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None):
+def dequantise(
+    sums: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None
+) -> np.ndarray:
     """float32 sums / f of (m, k) int32 aggregated chunks (into `out` if given)."""
     return dequantise_scaled(sums, scale_factors(exponents, n), out)
 
 
-def dequantise_scaled(sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = None):
+def dequantise_scaled(sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
     """dequantise() given the scale factors f (m,)."""
     if out is None:
         out = np.empty(np.shape(sums), np.float32)

@@ -294,16 +294,16 @@ class SparseLoop:
 
     def _perturbed(self, data: bytes, way: str) -> list[bytes]:
         """The Faults test hook: `data` lost (no copy), kept, or duplicated."""
-        f = self.state.faults
-        if f is None:
+        f, rng = self.state.faults, self._rng
+        if f is None or rng is None:
             return [data]
         loss, dup = f.send_loss, f.send_duplicate
         if way == "recv":
             loss, dup = f.recv_loss, f.recv_duplicate
-        if self._rng.random() < loss:
+        if rng.random() < loss:
             self.state.stats["fault_drops"] += 1
             return []
-        return [data, data] if self._rng.random() < dup else [data]
+        return [data, data] if rng.random() < dup else [data]
 
 
 def _copy_row(out: np.ndarray, values: np.ndarray) -> None:

@@ -25,7 +25,7 @@ SAMPLE_STRIDE = 8
 MEMORY = 256
 
 
-def check_sparse_arg(sparse) -> None:
+def check_sparse_arg(sparse: object) -> None:
     """ValueError unless `sparse` is True, False or "auto"."""
     if not (sparse is True or sparse is False or (isinstance(sparse, str) and sparse == "auto")):
         raise ValueError(f"sparse must be True, False or 'auto', not {sparse!r}")
@@ -42,7 +42,7 @@ class SparseChooser:
         self.job_sparse, self.elems = job_sparse, elems
         self._density: dict[tuple[str, int], float] = {}
 
-    def check(self, sparse) -> None:
+    def check(self, sparse: object) -> None:
         """ValueError for a `sparse` this job cannot run (or that is no choice at all)."""
         check_sparse_arg(sparse)
         if sparse is True and not self.job_sparse:
@@ -51,7 +51,7 @@ class SparseChooser:
                 "jobs created sparse (xdp-agg serve --sparse; docs/protocol.md section 8)"
             )
 
-    def choose(self, sparse, kind: str, size: int) -> bool:
+    def choose(self, sparse: object, kind: str, size: int) -> bool:
         """True when this all-reduce (of `kind` "int32" or "float32", `size` elements) runs
         sparse; `sparse` as the caller gave it (True, False, "auto")."""
         self.check(sparse)

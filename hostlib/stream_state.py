@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -143,7 +144,9 @@ class StreamState:
         )
 
     @contextlib.contextmanager
-    def allreduce(self, packets: int, window: int, timeout: float | None, elements: int):
+    def allreduce(
+        self, packets: int, window: int, timeout: float | None, elements: int
+    ) -> Iterator[Allreduce]:
         """Run one all-reduce of `packets` packets over `window` slots (yields its Allreduce);
         counted as completed when the block ends without an exception."""
         number = self.counter
@@ -172,7 +175,9 @@ class StreamState:
             if printer:
                 printer.close(time.monotonic(), ar.ndone, st["retransmissions"])
 
-    def stalled(self, ar: Allreduce, results_here: int, busy) -> AllreduceTimeout:
+    def stalled(
+        self, ar: Allreduce, results_here: int, busy: Sequence[int] | np.ndarray
+    ) -> AllreduceTimeout:
         """The AllreduceTimeout of a stalled all-reduce; `busy`: the slot offsets (0..w-1)
         with a packet in flight."""
         cfg, P, timeout = self.cfg, ar.packets, ar.timeout

@@ -37,6 +37,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -129,12 +130,15 @@ class LaneGrid:
         return base + self.index(aggregator, lane)
 
 
-def part_bounds(length: int, elems: int, aggregators: int, lanes: int):
+def part_bounds(
+    length: int, elems: int, aggregators: int, lanes: int
+) -> list[tuple[int, int, int]]:
     """(engine, a, b) of each non-empty part of a flat tensor of `length` elements on the
     LaneGrid(aggregators, lanes): one stripe per aggregator (stripe_bounds), each cut over as
     many of its lanes as get MIN_LANE_PACKETS packets each (at least one). Every rank cuts
     alike: it depends on the sizes only."""
-    grid, out = LaneGrid(aggregators, lanes), []
+    grid = LaneGrid(aggregators, lanes)
+    out: list[tuple[int, int, int]] = []
     for j, (a, b) in enumerate(stripe_bounds(length, elems, aggregators)):
         used = max(1, min(lanes, -(-(b - a) // elems) // MIN_LANE_PACKETS))
         for lane, (c, d) in enumerate(stripe_bounds(b - a, elems, used)):  # the same cut again
@@ -184,10 +188,10 @@ class StripedEngine:
         return sum(e.counter for e in self.engines)
 
     @property
-    def stats(self) -> dict:
+    def stats(self) -> dict[str, float]:
         """The lanes' counters added up; allreduces, elements and elapsed (wall time) are the
         striped all-reduces' own, rtt the slowest lane's, cwnd the sum."""
-        out = {name: 0 for name in STAT_NAMES}
+        out: dict[str, float] = {name: 0 for name in STAT_NAMES}
         for e in self.engines:
             for name in STAT_NAMES:
                 if name not in _OWN:
@@ -214,7 +218,7 @@ class StripedEngine:
         j, lane = self.grid.place(i)
         return f"lane {lane} at aggregator {j}" if self.lanes > 1 else f"aggregator {j}"
 
-    def stats_per_aggregator(self) -> list[dict]:
+    def stats_per_aggregator(self) -> list[dict[str, float]]:
         """Each aggregator's own counters (its lanes' StreamEngine.stats added up as `stats`
         adds them, allreduces its first lane's), in aggregator order."""
         if self.lanes == 1:
@@ -228,7 +232,7 @@ class StripedEngine:
             out.append(st)
         return out
 
-    def stats_per_lane(self) -> list[dict]:
+    def stats_per_lane(self) -> list[dict[str, Any]]:
         """Each lane's StreamEngine.stats_per_lane entry, "aggregator" its row, in engine
         order."""
         out = []
@@ -238,19 +242,29 @@ class StripedEngine:
         return out
 
     def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
         `sparse`, every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
         self._run("allreduce_int32", src, dst, timeout, sparse)
 
     def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
-    ):
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        timeout: float | None = None,
+        sparse: bool = False,
+    ) -> None:
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
         self._run("allreduce_float32", src, dst, timeout, sparse)
 
-    def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout, sparse: bool) -> None:
+    def _run(
+        self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
+    ) -> None:
         t0 = time.monotonic()
         parts = part_bounds(src.size, self.elems, len(self.endpoints), self.lanes)
         if not parts:
@@ -274,10 +288,10 @@ class StripedEngine:
         if errors:
             # a stalled aggregator first: it is the cause; the others' errors follow from it
             errors.sort(key=lambda je: not isinstance(je[1], AllreduceTimeout))
-            j, e = errors[0]
-            if isinstance(e, AllreduceTimeout):
-                raise self._name_stalled(j, e) from None
-            raise e
+            j, first = errors[0]
+            if isinstance(first, AllreduceTimeout):
+                raise self._name_stalled(j, first) from None
+            raise first
         self._own["allreduces"] += 1
         self._own["elements"] += src.size
 

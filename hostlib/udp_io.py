@@ -27,6 +27,7 @@ import select
 import socket
 import struct
 import sys
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
@@ -150,11 +151,11 @@ class DatagramSocket:
         sent = 0
         for i in range(0, m, per_call):
             block = rows[i : i + per_call]
-            if self._send_block(memoryview(block).cast("B"), len(block), plen, addr):
+            if self._send_block(block.data.cast("B"), len(block), plen, addr):
                 sent += len(block)
         return sent
 
-    def _send_block(self, buf: memoryview, count: int, plen: int, addr) -> bool:
+    def _send_block(self, buf: memoryview, count: int, plen: int, addr: tuple[str, int]) -> bool:
         if count == 1:
             return self._send_plain(buf, addr)
         if not self.gso:
@@ -168,10 +169,12 @@ class DatagramSocket:
             gso_refused=lambda: self._send_block(buf, count, plen, addr),
         )
 
-    def _send_plain(self, data, addr) -> bool:
+    def _send_plain(self, data: memoryview, addr: tuple[str, int]) -> bool:
         return self._one_send(lambda: self.sock.sendto(data, addr))
 
-    def _one_send(self, send, gso_refused=None) -> bool:
+    def _one_send(
+        self, send: Callable[[], object], gso_refused: Callable[[], bool] | None = None
+    ) -> bool:
         """One send system call; on a full buffer wait once for room and retry; transient errors
         count as refused (the packet's timer resends it). `gso_refused`, for a GSO send: what to do
         once the kernel or the path refuses GSO (it is turned off for good)."""
@@ -225,7 +228,7 @@ class DatagramSocket:
                 seg = struct.unpack("=i", data[:4])[0]
         return n, seg, addr
 
-    def recv_datagrams(self, max_calls: int = 64):
+    def recv_datagrams(self, max_calls: int = 64) -> Iterator[tuple[bytes, tuple[str, int]]]:
         """Drain up to `max_calls` recvmsg calls; yields (datagram bytes, source address)."""
         buf = bytearray(RECV_CHUNK)
         mv = memoryview(buf)
@@ -257,17 +260,17 @@ class RowReceiver:
         self.rows = max(max_rows, 1)
         self.malformed = 0
         self.bytes = 0
-        self._mm = _MMsg.make(sock, plen, self.rows, batch) if _HAVE_MMSG else None
+        self._mm = _MMsg(sock, plen, self.rows, batch) if _HAVE_MMSG else None
         if self._mm is None:
             # room for max_rows rows plus one whole recv chunk past the last full row
             self._buf = np.empty(self.rows * plen + RECV_CHUNK, dtype=np.uint8)
-            self._mv = memoryview(self._buf)
+            self._mv = self._buf.data
         self.empty = np.empty((0, plen), dtype=np.uint8)
 
     def drain(self, max_calls: int = 256) -> np.ndarray:
         """What is waiting now (non-blocking), as an (m, plen) view valid until the next call."""
         if self._mm is not None:
-            return self._drain_mmsg()
+            return self._drain_mmsg(self._mm)
         plen, pos = self.plen, 0
         for _ in range(max_calls):
             if pos >= self.rows:
@@ -285,8 +288,8 @@ class RowReceiver:
             pos += full
         return self._buf[: pos * plen].reshape(pos, plen)
 
-    def _drain_mmsg(self) -> np.ndarray:
-        mm, plen = self._mm, self.plen
+    def _drain_mmsg(self, mm: _MMsg) -> np.ndarray:
+        plen = self.plen
         m = mm.receive(self.sock)
         if m <= 0:
             return mm.empty
@@ -341,7 +344,7 @@ _IOVEC = np.dtype([("base", "<u8"), ("len", "<u8")])
 _CTRL_WORDS = _GRO_CMSG_SPACE // 4  # per message: cmsg_len (8), level (4), type (4), data (4+pad)
 
 
-def _load_recvmmsg():
+def _load_recvmmsg() -> Callable[..., int] | None:
     if not sys.platform.startswith("linux") or struct.calcsize("P") != 8:
         return None
     try:
@@ -361,9 +364,10 @@ _HAVE_MMSG = _recvmmsg is not None and _MMSGHDR.itemsize == 64 and _CTRL_WORDS =
 class _MMsg:
     """The buffers and headers of one recvmmsg receiver (kept alive as long as it is)."""
 
-    @classmethod
-    def make(cls, sock: DatagramSocket, plen: int, max_rows: int, batch: int):
-        self = cls()
+    def __init__(self, sock: DatagramSocket, plen: int, max_rows: int, batch: int) -> None:
+        if _recvmmsg is None:
+            raise OSError(errno.ENOSYS, "recvmmsg is not available from libc here")
+        self._recvmmsg = _recvmmsg
         self.gro = sock.gro
         self.slot = RECV_CHUNK if self.gro else plen
         # without GRO every message is one row: take as many as the caller wants at once
@@ -372,7 +376,8 @@ class _MMsg:
         self.slots = self.buf.reshape(self.count, self.slot)
         self.rows = self.slots[:, :plen]  # one row per message (strided when slot > plen)
         self.empty = self.rows[:0]
-        self.scratch = np.empty((max_rows, plen), dtype=np.uint8) if self.gro else None
+        # where coalesced messages are gathered (GRO only: without it a message is one row)
+        self.scratch = np.empty((max_rows if self.gro else 0, plen), dtype=np.uint8)
         self.iov = np.zeros(self.count, dtype=_IOVEC)
         self.iov["base"] = self.buf.ctypes.data + self.slot * np.arange(self.count, dtype=np.uint64)
         self.iov["len"] = self.slot
@@ -387,15 +392,14 @@ class _MMsg:
                 self.count, dtype=np.uint64
             )
         self.ctrl_len = self.hdr["controllen"]
-        self.hdr_addr = self.hdr.ctypes.data
-        return self
+        self.hdr_addr: int = self.hdr.ctypes.data
 
     def receive(self, sock: DatagramSocket) -> int:
         """One recvmmsg: the number of messages received (0 when none was waiting)."""
         if self.gro:
             self.ctrl_len[:] = _GRO_CMSG_SPACE  # the kernel writes back what it used
         sock.recv_calls += 1
-        m = _recvmmsg(sock.fileno(), self.hdr_addr, self.count, _MSG_DONTWAIT, None)
+        m = self._recvmmsg(sock.fileno(), self.hdr_addr, self.count, _MSG_DONTWAIT, None)
         if m < 0:
             e = ctypes.get_errno()
             if e in (errno.EAGAIN, errno.EINTR) or e in _TRANSIENT:  # nothing, or an ICMP error

@@ -63,8 +63,11 @@ def _build_wheel(tmp: Path) -> Path:
     (wheel,) = (tmp / "dist").glob("xdp_agg-*.whl")
     assert list((tmp / "dist").glob("xdp_agg-*.tar.gz"))
     with zipfile.ZipFile(wheel) as z:  # the names the wheel claims in every user's site-packages
-        top = {n.split("/")[0] for n in z.namelist()}
+        names = set(z.namelist())
+    top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith((".dist-info", ".data"))} == TOP_LEVEL
+    # hostlib is typed (PEP 561), its C extension through its stub (tests/test_typing.py)
+    assert {"hostlib/py.typed", "hostlib/_fastpath.pyi"} <= names
     return wheel
 
 

@@ -27,6 +27,17 @@ from __future__ import annotations
 
 import importlib
 import warnings
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers ("as": exported)
+    from .backend import BACKEND_NAME as BACKEND_NAME
+    from .backend import ProcessGroupXdpAgg as ProcessGroupXdpAgg
+    from .backend import register_backend as register_backend
+    from .channel import AggregatorLost as AggregatorLost
+    from .channel import AllreduceChannel as AllreduceChannel
+    from .hook import HookState as HookState
+    from .hook import allreduce_hook as allreduce_hook
+    from .paths import FallbackWarning as FallbackWarning
 
 # name -> submodule; imported on first use, so that the entry point below (run inside
 # `import torch`) imports nothing that could fail before its own try
@@ -43,13 +54,13 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
         return getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def __dir__():
+def __dir__() -> list[str]:
     return sorted(list(globals()) + __all__)
 
 

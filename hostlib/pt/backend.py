@@ -60,33 +60,35 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any, TypeAlias, TypeGuard, TypeVar
 
 import torch
 import torch.distributed as dist
-from torch._C._distributed_c10d import AllgatherOptions, PrefixStore, ProcessGroupGloo, Work
+from torch._C._distributed_c10d import (
+    AllgatherOptions,
+    PrefixStore,
+    ProcessGroupGloo,
+    Store,
+    Work,
+)
 
 from ..options import HostOptions, control_from_env
 from .channel import WIRE_DTYPES, AllreduceChannel
 from .paths import AGGREGATOR, GLOO, PathStats, op_name
 
-BACKEND_NAME = "xdpagg"
+if TYPE_CHECKING:
+    from torch._C._distributed_c10d import _DistributedBackendOptions
 
-_DELEGATED = (
-    "broadcast",
-    "allgather",
-    "_allgather_base",
-    "allgather_coalesced",
-    "reduce",
-    "gather",
-    "scatter",
-    "alltoall",
-    "alltoall_base",
-    "barrier",
-    "monitored_barrier",
-    "send",
-    "recv",
-    "recv_anysource",
+    from ..communicator import Communicator
+
+BACKEND_NAME = "xdpagg"
+# a reduction as c10d passes it: a ReduceOp, or one of its members (ReduceOp.SUM, ...)
+_Op: TypeAlias = "dist.ReduceOp | dist.ReduceOp.RedOpType"
+# the options of the reductions handed to gloo (all_reduce's, reduce_scatter's)
+_Options = TypeVar(
+    "_Options", dist.AllreduceOptions, dist.AllreduceCoalescedOptions, dist.ReduceScatterOptions
 )
 
 
@@ -98,7 +100,7 @@ def register_backend() -> None:
     dist.Backend.register_backend(BACKEND_NAME, _create, extended_api=True, devices=["cpu", "cuda"])
 
 
-def _create(opts, _backend_options) -> ProcessGroupXdpAgg:
+def _create(opts: _DistributedBackendOptions, _backend_options: object) -> ProcessGroupXdpAgg:
     """Creator called by init_process_group / new_group (the extended API: it gives the group's
     name, used in the job name)."""
     return ProcessGroupXdpAgg(
@@ -114,7 +116,9 @@ class _FutureWork(Work):
     made with then() would wrap them in a RuntimeError).
     """
 
-    def __init__(self, fut: torch.futures.Future, sources=()) -> None:
+    def __init__(
+        self, fut: torch.futures.Future[Any], sources: Iterable[torch.futures.Future[Any]] = ()
+    ) -> None:
         super().__init__()
         self._fut = fut
         self._sources = list(sources)
@@ -126,7 +130,7 @@ class _FutureWork(Work):
         self._fut.wait()
         return True
 
-    def get_future(self) -> torch.futures.Future:
+    def get_future(self) -> torch.futures.Future[Any]:
         return self._fut
 
     def is_completed(self) -> bool:
@@ -151,7 +155,7 @@ class _AllWork(Work):
     (Work::getFuture raises "not implemented"), so none is built from theirs; _coalescing_manager
     only calls wait()."""
 
-    def __init__(self, works: list, value) -> None:
+    def __init__(self, works: list[Work], value: list[torch.Tensor]) -> None:
         super().__init__()
         self._works = works
         self._value = value
@@ -167,25 +171,8 @@ class _AllWork(Work):
     def is_success(self) -> bool:
         return all(w.is_success() for w in self._works)
 
-    def result(self):
+    def result(self) -> list[torch.Tensor]:
         return self._value
-
-
-def _counted(collective: str):
-    """Decorator: count each call of a collective that gloo carries (path_stats()); its op is
-    that of the options argument, if it has one."""
-
-    def wrap(fn):
-        @functools.wraps(fn)
-        def method(self, *args, **kwargs):
-            opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "reduceOp")]
-            op = opts[0].reduceOp if opts else None
-            self.paths.record(collective, op, args, GLOO)
-            return fn(self, *args, **kwargs)
-
-        return method
-
-    return wrap
 
 
 class ProcessGroupXdpAgg(dist.ProcessGroup):
@@ -193,9 +180,11 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
     docstring for what is delegated to gloo). Made by init_process_group("xdpagg")."""
 
     def __init__(
-        self, store, rank: int, size: int, timeout: timedelta, *, group_name: str = "0"
+        self, store: Store, rank: int, size: int, timeout: timedelta, *, group_name: str = "0"
     ) -> None:
-        super().__init__(rank, size)
+        # torch's stub declares ProcessGroup(store, rank, size) only; the binding also has
+        # ProcessGroup(rank, size), the constructor of a Python subclass (torch 2.13)
+        super().__init__(rank, size)  # type: ignore[call-arg]
         import hostlib
 
         control = control_from_env()
@@ -206,7 +195,10 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             )
         # the environment's options (hostlib.options), with the group's rendezvous timeout
         opts = HostOptions.from_env(rendezvous_timeout=max(timeout.total_seconds(), 10.0))
-        self._gloo = ProcessGroupGloo(PrefixStore("xdpagg/gloo/", store), rank, size, timeout)
+        gloo = ProcessGroupGloo(PrefixStore("xdpagg/gloo/", store), rank, size, timeout)
+        # torch's stub of Backend, ProcessGroupGloo's base, declares none of the collectives
+        # the binding has (torch 2.13): the calls to the delegate are checked at run time only
+        self._gloo: Any = gloo
         # torch keeps a group's name and description on its registered backends, not on the
         # ProcessGroup: ProcessGroup::getGroupName raises "ProcessGroup name not set" while there
         # is none. For a ProcessGroup subclass, distributed_c10d._new_process_group_helper
@@ -218,9 +210,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         # registry c10d._register_process_group fills) find this group. Collectives still
         # come here: dist.* and the functional collectives' dispatcher ops call this
         # subclass's overrides (PyProcessGroup), not the registered backend.
-        self._register_backend(
-            torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, self._gloo
-        )
+        self._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.CUSTOM, gloo)
         stall = opts.timeout
         fallback = None
         if opts.fallback == "gloo":
@@ -236,6 +226,10 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         token = None
         if rank > 0 and not opts.secret_file:
             token = store.get(token_key).decode()  # waits for rank 0's create
+
+        def share_token(t: str) -> None:  # rank 0: for the ranks without the secret
+            store.set(token_key, t)
+
         comm = hostlib.init(
             rank,
             size,
@@ -243,7 +237,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             self.job,
             opts,
             token=token,
-            on_token=(lambda t: store.set(token_key, t)) if rank == 0 else None,
+            on_token=share_token if rank == 0 else None,
         )
         self.channel = AllreduceChannel(
             comm, fallback=fallback, own_comm=True, name=f"xdpagg (job {self.job})"
@@ -251,33 +245,43 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
     # --- identity ---------------------------------------------------------------------------
     def getBackendName(self) -> str:  # noqa: N802 - the c10d name
+        """ "xdpagg", the backend's name (BACKEND_NAME)."""
         return BACKEND_NAME
 
     def name(self) -> str:
+        """ "xdpagg", the backend's name (BACKEND_NAME)."""
         return BACKEND_NAME
 
     @property
-    def comm(self):
+    def comm(self) -> Communicator:
         """The hostlib Communicator (stats, status)."""
         return self.channel.comm
 
     # --- all-reduce -------------------------------------------------------------------------
-    def allreduce(self, tensors, opts=None):
+    # c10d calls both with a list and options; the overloads of torch's stub that take one
+    # tensor or an op and a timeout are ProcessGroup's own conveniences, not what it calls
+    def allreduce(  # type: ignore[override]
+        self, tensors: Sequence[torch.Tensor], opts: dist.AllreduceOptions | None = None
+    ) -> Work:
         """all_reduce: SUM/AVG of wire dtypes through the aggregator, the rest through gloo."""
         opts = opts if opts is not None else dist.AllreduceOptions()
         return self._reduce("all_reduce", list(tensors), opts.reduceOp, coalesced=False)
 
-    def allreduce_coalesced(self, tensors, opts=None):
+    def allreduce_coalesced(
+        self, tensors: Sequence[torch.Tensor], opts: dist.AllreduceCoalescedOptions | None = None
+    ) -> Work:
         """all_reduce_coalesced (and _coalescing_manager's all_reduce): each tensor summed on its
         own, the list through the aggregator as one stream per wire dtype, or through gloo."""
         op = opts.reduceOp if opts is not None else dist.ReduceOp.SUM
         return self._reduce("all_reduce_coalesced", list(tensors), op, coalesced=True)
 
-    def path_stats(self) -> list[dict]:
+    def path_stats(self) -> list[dict[str, object]]:
         """Calls per collective, op, dtype and path ("aggregator" or "gloo"): see paths.py."""
         return self.paths.rows()
 
-    def _reduce(self, collective: str, tensors: list[torch.Tensor], op, coalesced: bool) -> Work:
+    def _reduce(
+        self, collective: str, tensors: list[torch.Tensor], op: _Op, coalesced: bool
+    ) -> Work:
         """The one entry of every all-reduce: picks the path, counts it, runs it."""
         asked = op
         if _is_premul(op):
@@ -308,10 +312,11 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             flat = torch.cat([t.detach().reshape(-1).to(_wire_dtype(t)) for t in group])
             fut = self.channel.submit(flat, average=avg)
             raw.append(fut)
-            done.append(fut.then(lambda f, g=group: _scatter_back(f.value(), g)))
-        return _FutureWork(torch.futures.collect_all(done).then(lambda _: tensors), raw)
+            done.append(fut.then(functools.partial(_scatter_back_done, group)))
+        everything = torch.futures.collect_all(done).then(lambda _: tensors)
+        return _FutureWork(everything, raw)
 
-    def _gloo_reduce(self, tensors: list[torch.Tensor], op, coalesced: bool) -> Work:
+    def _gloo_reduce(self, tensors: list[torch.Tensor], op: _Op, coalesced: bool) -> Work:
         """The all-reduce on gloo, with gloo's meaning of the list: all_reduce's list is one
         tensor per device (gloo reduces its entries into each other), all_reduce_coalesced's
         is independent tensors (gloo's coalesced call when they share a dtype, else one call
@@ -329,7 +334,7 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             works = [self._gloo.allreduce([t], _opts(dist.AllreduceOptions, red)) for t in tensors]
         n = self.size()
 
-        def finish(_):
+        def finish(_: object) -> list[torch.Tensor]:
             for t in tensors if avg else ():
                 t.div_(n)
             return tensors
@@ -338,23 +343,109 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         return _FutureWork(torch.futures.collect_all(futs).then(finish), futs)
 
     # --- everything else: gloo --------------------------------------------------------------
+    def _count(self, collective: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        """Count a call of a collective that gloo carries (path_stats()): the tensors of its
+        positional arguments, and the op of its options argument, if it has one."""
+        opts = [a for a in (*args, *kwargs.values()) if hasattr(a, "reduceOp")]
+        op = opts[0].reduceOp if opts else None
+        self.paths.record(collective, op, args, GLOO)
+
+    def _delegate(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Work:
+        """Count a call of gloo's collective `name` and make it on the gloo delegate, with the
+        caller's arguments as they are (every form torch's ProcessGroup has for it)."""
+        self._count(name, args, kwargs)
+        return getattr(self._gloo, name)(*args, **kwargs)
+
+    def broadcast(self, *args: Any, **kwargs: Any) -> Work:
+        """broadcast: delegated to the gloo group built on the same store."""
+        return self._delegate("broadcast", args, kwargs)
+
+    def allgather(self, *args: Any, **kwargs: Any) -> Work:
+        """allgather: delegated to the gloo group built on the same store."""
+        return self._delegate("allgather", args, kwargs)
+
+    def _allgather_base(self, *args: Any, **kwargs: Any) -> Work:
+        """_allgather_base: delegated to the gloo group built on the same store."""
+        return self._delegate("_allgather_base", args, kwargs)
+
+    def allgather_coalesced(self, *args: Any, **kwargs: Any) -> Work:
+        """allgather_coalesced: delegated to the gloo group built on the same store."""
+        return self._delegate("allgather_coalesced", args, kwargs)
+
+    def reduce(self, *args: Any, **kwargs: Any) -> Work:
+        """reduce: delegated to the gloo group built on the same store."""
+        return self._delegate("reduce", args, kwargs)
+
+    def gather(self, *args: Any, **kwargs: Any) -> Work:
+        """gather: delegated to the gloo group built on the same store."""
+        return self._delegate("gather", args, kwargs)
+
+    def scatter(self, *args: Any, **kwargs: Any) -> Work:
+        """scatter: delegated to the gloo group built on the same store."""
+        return self._delegate("scatter", args, kwargs)
+
+    def alltoall(self, *args: Any, **kwargs: Any) -> Work:
+        """alltoall: delegated to the gloo group built on the same store."""
+        return self._delegate("alltoall", args, kwargs)
+
+    def alltoall_base(self, *args: Any, **kwargs: Any) -> Work:
+        """alltoall_base: delegated to the gloo group built on the same store."""
+        return self._delegate("alltoall_base", args, kwargs)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> Work:
+        """barrier: delegated to the gloo group built on the same store."""
+        return self._delegate("barrier", args, kwargs)
+
+    def monitored_barrier(self, *args: Any, **kwargs: Any) -> Work:
+        """monitored_barrier: delegated to the gloo group built on the same store."""
+        return self._delegate("monitored_barrier", args, kwargs)
+
+    def send(self, *args: Any, **kwargs: Any) -> Work:
+        """send: delegated to the gloo group built on the same store."""
+        return self._delegate("send", args, kwargs)
+
+    def recv(self, *args: Any, **kwargs: Any) -> Work:
+        """recv: delegated to the gloo group built on the same store."""
+        return self._delegate("recv", args, kwargs)
+
+    def recv_anysource(self, *args: Any, **kwargs: Any) -> Work:
+        """recv_anysource: delegated to the gloo group built on the same store."""
+        return self._delegate("recv_anysource", args, kwargs)
+
     # torch 2.13's names of the tensor-to-tensor collectives, on gloo's older names
-    @_counted("all_gather_into_tensor")
-    def all_gather_single(self, output, input, opts=None):
+    def all_gather_single(
+        self, output: torch.Tensor, input: torch.Tensor, opts: AllgatherOptions | None = None
+    ) -> Work:
         """all_gather_into_tensor: gloo's _allgather_base."""
+        self._count("all_gather_into_tensor", (output, input, opts), {})
         return self._gloo._allgather_base(output, input, opts or AllgatherOptions())
 
-    @_counted("reduce_scatter_tensor")
-    def reduce_scatter_single(self, output, input, opts=None):
+    def reduce_scatter_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> Work:
         """reduce_scatter_tensor: gloo's _reduce_scatter_base (PREMUL_SUM as scale + SUM)."""
+        self._count("reduce_scatter_tensor", (output, input, opts), {})
         return self._gloo_reduce_scatter(output, input, opts)
 
-    @_counted("reduce_scatter_tensor")
-    def _reduce_scatter_base(self, output, input, opts=None):
+    def _reduce_scatter_base(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> Work:
         """reduce_scatter_tensor by torch's older name."""
+        self._count("reduce_scatter_tensor", (output, input, opts), {})
         return self._gloo_reduce_scatter(output, input, opts)
 
-    def _gloo_reduce_scatter(self, output, input, opts=None):
+    def _gloo_reduce_scatter(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> Work:
         """reduce_scatter_tensor on gloo; PREMUL_SUM(f) becomes SUM of f * input (a copy: the
         caller's input stays as it was)."""
         if opts is not None and _is_premul(opts.reduceOp):
@@ -362,29 +453,46 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         input, o = _premul_to_sum(input, opts, dist.ReduceScatterOptions)
         return self._gloo._reduce_scatter_base(output, input, o)
 
-    @_counted("reduce_scatter")
-    def reduce_scatter(self, outputs, inputs, opts=None):
+    def reduce_scatter(  # type: ignore[override]  # c10d's form: lists and options
+        self,
+        outputs: list[torch.Tensor],
+        inputs: list[list[torch.Tensor]],
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> Work:
         """reduce_scatter of tensor lists on gloo; PREMUL_SUM as in _reduce_scatter_base."""
+        self._count("reduce_scatter", (outputs, inputs, opts), {})
         o = opts
         if opts is not None and _is_premul(opts.reduceOp):
             self.premul_sums += 1
             inputs = [
                 [_premul_to_sum(t, opts, dist.ReduceScatterOptions)[0] for t in ts] for ts in inputs
             ]
-            o = dist.ReduceScatterOptions()
-            o.reduceOp = dist.ReduceOp.SUM
+            o = _opts(dist.ReduceScatterOptions, dist.ReduceOp.SUM)
         return self._gloo.reduce_scatter(outputs, inputs, o or dist.ReduceScatterOptions())
 
-    @_counted("all_to_all_single")
-    def all_to_all_single(self, output, input, output_splits, input_splits, opts=None):
+    def all_to_all_single(  # type: ignore[override]  # c10d's form: with options
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_splits: list[int],
+        input_splits: list[int],
+        opts: dist.AllToAllOptions | None = None,
+    ) -> Work:
         """all_to_all_single: gloo's alltoall_base."""
+        self._count("all_to_all_single", (output, input, output_splits, input_splits, opts), {})
         return self._gloo.alltoall_base(
             output, input, output_splits, input_splits, opts or dist.AllToAllOptions()
         )
 
-    @_counted("all_gather_into_tensor_coalesced")
-    def allgather_into_tensor_coalesced(self, outputs, inputs, opts=None):
+    def allgather_into_tensor_coalesced(
+        self,
+        output_lists: list[torch.Tensor],
+        input_list: list[torch.Tensor],
+        opts: AllgatherOptions | None = None,
+    ) -> Work:
         """all_gather_into_tensor of several tensors (one gloo _allgather_base each)."""
+        outputs, inputs = output_lists, input_list  # torch's names: a tensor each, not lists
+        self._count("all_gather_into_tensor_coalesced", (outputs, inputs, opts), {})
         works = [
             self._gloo._allgather_base(o, i, AllgatherOptions()) for o, i in zip(outputs, inputs)
         ]
@@ -392,9 +500,15 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
 
     all_gather_single_coalesced = allgather_into_tensor_coalesced
 
-    @_counted("reduce_scatter_tensor_coalesced")
-    def reduce_scatter_tensor_coalesced(self, outputs, inputs, opts=None):
+    def reduce_scatter_tensor_coalesced(
+        self,
+        outputTensors: list[torch.Tensor],  # noqa: N803 - torch's names
+        inputTensors: list[torch.Tensor],  # noqa: N803
+        opts: dist.ReduceScatterOptions | None = None,
+    ) -> Work:
         """reduce_scatter_tensor of several tensors (one gloo _reduce_scatter_base each)."""
+        outputs, inputs = outputTensors, inputTensors
+        self._count("reduce_scatter_tensor_coalesced", (outputs, inputs, opts), {})
         works = [self._gloo_reduce_scatter(o, i, opts) for o, i in zip(outputs, inputs)]
         return _AllWork(works, list(outputs))
 
@@ -409,40 +523,27 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             pass  # an older or already shut down gloo group
 
 
-def _delegate(name: str):
-    @_counted(name)
-    def method(self, *args, **kwargs):
-        return getattr(self._gloo, name)(*args, **kwargs)
-
-    method.__name__ = name
-    method.__doc__ = f"{name}: delegated to the gloo group built on the same store."
-    return method
+def _is_premul(op: _Op) -> TypeGuard[dist.ReduceOp]:
+    # ReduceOp's `op` (its RedOpType) is bound in torch but missing from its stub (torch 2.13)
+    return isinstance(op, dist.ReduceOp) and op.op == dist.ReduceOp.PREMUL_SUM  # type: ignore[attr-defined]
 
 
-for _name in _DELEGATED:
-    setattr(ProcessGroupXdpAgg, _name, _delegate(_name))
-
-
-def _is_premul(op) -> bool:
-    return isinstance(op, dist.ReduceOp) and op.op == dist.ReduceOp.PREMUL_SUM
-
-
-def _premul_factor(op, t: torch.Tensor):
+def _premul_factor(op: dist.ReduceOp, t: torch.Tensor) -> float | torch.Tensor:
     """PREMUL_SUM's factor (a Python number, or a tensor, as ReduceOp.PREMUL_SUM allows)."""
     f = op.factor
     return f.to(t.device) if isinstance(f, torch.Tensor) else f
 
 
-def _premul_to_sum(t: torch.Tensor, opts, options_type):
+def _premul_to_sum(
+    t: torch.Tensor, opts: _Options | None, options_type: type[_Options]
+) -> tuple[torch.Tensor, _Options]:
     """(input, options) for gloo: PREMUL_SUM(f) as (f * t, SUM); anything else unchanged."""
     if opts is None or not _is_premul(opts.reduceOp):
         return t, opts if opts is not None else options_type()
-    o = options_type()
-    o.reduceOp = dist.ReduceOp.SUM
-    return t * _premul_factor(opts.reduceOp, t), o
+    return t * _premul_factor(opts.reduceOp, t), _opts(options_type, dist.ReduceOp.SUM)
 
 
-def _why_not_on_wire(tensors: list[torch.Tensor], op, coalesced: bool) -> str | None:
+def _why_not_on_wire(tensors: list[torch.Tensor], op: _Op, coalesced: bool) -> str | None:
     """None when the aggregator carries this all-reduce; else why it goes to gloo."""
     if op != dist.ReduceOp.SUM and op != dist.ReduceOp.AVG:
         return f"ReduceOp.{op_name(op)} (the aggregator sums: SUM, AVG and PREMUL_SUM only)"
@@ -468,10 +569,15 @@ def _wire_dtype(t: torch.Tensor) -> torch.dtype:
 def _wire_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     """The tensors grouped by (wire dtype, device), in order of first appearance (the same on
     every rank, as the ranks pass the same list)."""
-    groups: dict = {}
+    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
     for t in tensors:
         groups.setdefault((_wire_dtype(t), t.device), []).append(t)
     return list(groups.values())
+
+
+def _scatter_back_done(group: list[torch.Tensor], fut: torch.futures.Future[torch.Tensor]) -> None:
+    """_scatter_back of the summed stream `fut` completed with."""
+    _scatter_back(fut.value(), group)
 
 
 def _scatter_back(flat: torch.Tensor, group: list[torch.Tensor]) -> None:
@@ -490,19 +596,21 @@ def _one_gloo_call(tensors: list[torch.Tensor]) -> bool:
     )
 
 
-def _opts(options_type, op):
+def _opts(options_type: type[_Options], op: _Op) -> _Options:
+    """New options of `options_type` with the reduction `op`."""
     o = options_type()
-    o.reduceOp = op
+    # a RedOpType (ReduceOp.SUM) as the ReduceOp the field holds (the binding converts it too)
+    o.reduceOp = op if isinstance(op, dist.ReduceOp) else dist.ReduceOp(op)
     return o
 
 
-def _done(value) -> torch.futures.Future:
-    fut: torch.futures.Future = torch.futures.Future()
+def _done(value: list[torch.Tensor]) -> torch.futures.Future[list[torch.Tensor]]:
+    fut: torch.futures.Future[list[torch.Tensor]] = torch.futures.Future()
     fut.set_result(value)
     return fut
 
 
-def _job_name(store, rank: int, group_name: str) -> str:
+def _job_name(store: Store, rank: int, group_name: str) -> str:
     """The job's name: run id, group and a token of rank 0's, agreed through the store."""
     key = "xdpagg/job"
     if rank == 0:

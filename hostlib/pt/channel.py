@@ -28,10 +28,13 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 import numpy as np
 import torch
+from torch._C._distributed_c10d import Backend, ProcessGroup, ReduceOp
 
 from ..errors import HostlibError
 from .staging import (
@@ -39,9 +42,16 @@ from .staging import (
     PACKET_LCM,
     CudaStaging,
     DeviceJob,
+    StagingDevice,
     StagingRing,
     chunk_elems,
 )
+
+if TYPE_CHECKING:
+    from ..communicator import Communicator
+
+# a fallback group: a ProcessGroup, or a c10d Backend such as ProcessGroupGloo
+FallbackGroup: TypeAlias = ProcessGroup | Backend
 
 log = logging.getLogger("hostlib.pt")
 
@@ -108,14 +118,14 @@ class AllreduceChannel:
 
     def __init__(
         self,
-        comm,
+        comm: Communicator,
         *,
-        fallback=None,
+        fallback: FallbackGroup | None = None,
         own_comm: bool = False,
         name: str = "xdp-agg",
-        stage_on=None,
+        stage_on: Callable[[torch.Tensor], StagingDevice | None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
-    ):
+    ) -> None:
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
@@ -128,11 +138,13 @@ class AllreduceChannel:
         self._lock = threading.Lock()
         self._seq = 0  # wire all-reduces begun so far (the channel's thread only)
         self._closed = False
-        self._stage_on = stage_on if stage_on is not None else CudaStaging()
+        self._stage_on: Callable[[torch.Tensor], StagingDevice | None] = (
+            stage_on if stage_on is not None else CudaStaging()
+        )
         self.chunk_bytes = chunk_bytes
         self._packet_elems = _packet_elems(comm)
         self._rings: dict[int, StagingRing] = {}
-        self.stats = {
+        self.stats: dict[str, float] = {
             "allreduces": 0,  # tensors summed (a device tensor once, whatever its chunks)
             "bytes": 0,
             "gloo_allreduces": 0,  # wire all-reduces done over the fallback (chunks included)
@@ -146,8 +158,8 @@ class AllreduceChannel:
         return self._fallback is not None and self._fallback.active
 
     def submit(
-        self, tensor: torch.Tensor, *, average: bool = False, value=None
-    ) -> torch.futures.Future:
+        self, tensor: torch.Tensor, *, average: bool = False, value: object = None
+    ) -> torch.futures.Future[Any]:
         """Start summing `tensor` over all ranks (in place; divided by the world size if
         `average`). Returns a Future whose value is `tensor` (or `value` if given) once done; do
         not touch the tensor until then. Its error, if it fails, is the original exception
@@ -159,11 +171,12 @@ class AllreduceChannel:
             )
         if average and tensor.dtype == torch.int32:
             raise TypeError("AVG of int32 tensors is not supported (use SUM)")
-        fut: torch.futures.Future = torch.futures.Future()
+        fut: torch.futures.Future[Any] = torch.futures.Future()
         if tensor.numel() == 0:  # nothing to sum, on any rank (all pass the same length)
             fut.set_result(tensor if value is None else value)
             return fut
         device = self._stage_on(tensor)
+        job: DeviceJob | _Staged
         if device is not None:
             job = DeviceJob(tensor, device)  # records the event the copies down wait for
         elif tensor.device.type != "cpu":
@@ -176,10 +189,13 @@ class AllreduceChannel:
             self._executor.submit(self._run, job, average, fut, value)
         return fut
 
-    def _run(self, job, average: bool, fut: torch.futures.Future, value) -> None:
+    def _run(
+        self, job: DeviceJob | _Staged, average: bool, fut: torch.futures.Future[Any], value: object
+    ) -> None:
         t0 = time.perf_counter()
         try:
             divide = self.world_size if average else 1
+            out: torch.Tensor
             if isinstance(job, DeviceJob):
                 sent = self._ring(job.device).run(
                     job, divide, self._sum, keep_input=self._fallback is not None
@@ -196,7 +212,7 @@ class AllreduceChannel:
         except BaseException as e:  # noqa: BLE001 - every failure goes to the future
             fut.set_exception(e)
 
-    def _ring(self, device) -> StagingRing:
+    def _ring(self, device: StagingDevice) -> StagingRing:
         """The pinned ring of `device` (made on its first tensor, remade if chunk_bytes changed)."""
         chunk = chunk_elems(self.chunk_bytes, self._packet_elems)
         ring = self._rings.get(id(device))
@@ -244,7 +260,7 @@ class AllreduceChannel:
             self.comm.close()
 
 
-def _packet_elems(comm) -> int:
+def _packet_elems(comm: Communicator) -> int:
     """The job's int32 per packet, which chunks must be whole multiples of (the block scaling is
     per packet); PACKET_LCM, a multiple of every packet size, for a stand-in without stats."""
     try:
@@ -272,8 +288,10 @@ class _Fallback:
     timeout: an error, never a hang.
     """
 
-    def __init__(self, group, rank: int, world: int) -> None:
-        self.group = group
+    def __init__(self, group: FallbackGroup, rank: int, world: int) -> None:
+        # torch's stub of Backend declares none of the collectives its binding has (torch
+        # 2.13), so the group's calls below are checked at run time only
+        self.group: Any = group
         self.rank, self.world = rank, world
         self.active = False
         self._last_seq = -1
@@ -285,11 +303,11 @@ class _Fallback:
         lies in a slot that the next chunk, rotating through the ring, does not take."""
         self._last_seq, self._last = seq, result
 
-    def _allreduce(self, t: torch.Tensor, op) -> None:
+    def _allreduce(self, t: torch.Tensor, op: ReduceOp.RedOpType) -> None:
         import torch.distributed as dist
 
         opts = dist.AllreduceOptions()
-        opts.reduceOp = op
+        opts.reduceOp = dist.ReduceOp(op)
         self.group.allreduce([t], opts).wait()
 
     def gloo_sum(self, src: np.ndarray) -> np.ndarray:

@@ -17,8 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..communicator import Communicator
 from ..options import HostOptions
-from .channel import AllreduceChannel
+from .channel import AllreduceChannel, FallbackGroup
 
 
 class HookState:
@@ -35,16 +36,27 @@ class HookState:
         default the communicator's own stall timeout plus 30.
     """
 
-    def __init__(self, comm, *, fallback=None, timeout: float | None = None) -> None:
+    def __init__(
+        self,
+        comm: Communicator,
+        *,
+        fallback: str | FallbackGroup | None = None,
+        timeout: float | None = None,
+    ) -> None:
         if fallback is None:
             fallback = HostOptions.from_env().fallback
-        if fallback == "gloo":
+        group: FallbackGroup | None
+        if isinstance(fallback, str):
+            if fallback != "gloo":
+                raise ValueError(
+                    f"fallback must be None, 'gloo' or a process group, not {fallback!r}"
+                )
             wait = timeout if timeout is not None else comm.timeout + 30
-            fallback = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
-        elif isinstance(fallback, str):
-            raise ValueError(f"fallback must be None, 'gloo' or a process group, not {fallback!r}")
+            group = dist.new_group(backend="gloo", timeout=timedelta(seconds=wait))
+        else:
+            group = fallback
         self.comm = comm
-        self.channel = AllreduceChannel(comm, fallback=fallback, name="xdp-agg DDP hook")
+        self.channel = AllreduceChannel(comm, fallback=group, name="xdp-agg DDP hook")
 
     @property
     def on_fallback(self) -> bool:

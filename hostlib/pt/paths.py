@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import Counter
+from collections.abc import Iterator
 
 import torch
 
@@ -25,7 +26,7 @@ class FallbackWarning(UserWarning):
     warnings.filterwarnings("ignore", category=hostlib.pt.FallbackWarning)."""
 
 
-def op_name(op) -> str:
+def op_name(op: object) -> str:
     """A ReduceOp's name: "SUM", "MAX", "PREMUL_SUM", ... (None: a collective without an op)."""
     if op is None:
         return "-"
@@ -33,13 +34,13 @@ def op_name(op) -> str:
     return getattr(inner, "name", str(inner))
 
 
-def dtype_name(tensors) -> str:
+def dtype_name(tensors: object) -> str:
     """The dtype of a call's tensors ("float32"; "float32+int64" for a mixed list)."""
     names = sorted({str(t.dtype).removeprefix("torch.") for t in _flat(tensors)})
     return "+".join(names) if names else "-"
 
 
-def _flat(x):
+def _flat(x: object) -> Iterator[torch.Tensor]:
     """The tensors in a collective's arguments (nested lists of them; other arguments skipped)."""
     if isinstance(x, torch.Tensor):
         yield x
@@ -53,11 +54,13 @@ class PathStats:
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._counts: Counter = Counter()
-        self._warned: set = set()
+        self._counts: Counter[tuple[str, str, str, str]] = Counter()
+        self._warned: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()  # async collectives may complete on other threads
 
-    def record(self, collective: str, op, tensors, path: str, reason: str | None = None) -> None:
+    def record(
+        self, collective: str, op: object, tensors: object, path: str, reason: str | None = None
+    ) -> None:
         """Count one call; warn (once per collective, op, dtype) when `reason` says why an
         all-reduce went to gloo."""
         key = (collective, op_name(op), dtype_name(tensors))
@@ -74,7 +77,7 @@ class PathStats:
                 stacklevel=4,
             )
 
-    def rows(self) -> list[dict]:
+    def rows(self) -> list[dict[str, object]]:
         """[{collective, op, dtype, path, calls}], sorted."""
         with self._lock:
             items = sorted(self._counts.items())

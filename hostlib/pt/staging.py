@@ -40,9 +40,11 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Protocol, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 import numpy as np
+import numpy.typing as npt
 import torch
 
 from xdp_agg.proto.wire import SIZE_CODE_ELEMS
@@ -103,7 +105,13 @@ class CudaDevice:
     def pinned(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
 
-    def _copy(self, stream, src: torch.Tensor, dst: torch.Tensor, after) -> torch.cuda.Event:
+    def _copy(
+        self,
+        stream: torch.cuda.Stream,
+        src: torch.Tensor,
+        dst: torch.Tensor,
+        after: Sequence[torch.cuda.Event],
+    ) -> torch.cuda.Event:
         with torch.cuda.device(self.device), torch.cuda.stream(stream):
             for e in after:
                 stream.wait_event(e)
@@ -112,13 +120,19 @@ class CudaDevice:
             event.record(stream)
         return event
 
-    def copy_down(self, src, dst, after) -> torch.cuda.Event:
+    def copy_down(
+        self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[torch.cuda.Event]
+    ) -> torch.cuda.Event:
         return self._copy(self._down, src, dst, after)
 
-    def copy_up(self, src, dst, after) -> torch.cuda.Event:
+    def copy_up(
+        self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[torch.cuda.Event]
+    ) -> torch.cuda.Event:
         return self._copy(self._up, src, dst, after)
 
-    def copy_within(self, src, dst, after) -> torch.cuda.Event:
+    def copy_within(
+        self, src: torch.Tensor, dst: torch.Tensor, after: Sequence[torch.cuda.Event]
+    ) -> torch.cuda.Event:
         return self._copy(self._up, src, dst, after)
 
     def wait(self, event: torch.cuda.Event) -> None:
@@ -187,7 +201,13 @@ class StagingRing:
         self._stage: list[np.ndarray | None] = [None] * slots
         self._kept: list[np.ndarray | None] = [None] * slots
 
-    def run(self, job: DeviceJob, divide: int, reduce, keep_input: bool) -> int:
+    def run(
+        self,
+        job: DeviceJob,
+        divide: int,
+        reduce: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        keep_input: bool,
+    ) -> int:
         """Sum `job`'s tensor over the ranks, chunk by chunk, into the tensor (divided by
         `divide` when > 1); the bytes handed to `reduce`.
 
@@ -238,13 +258,23 @@ class StagingRing:
         at = slot * self.slot_bytes
         return self.pinned[at : at + n * dtype.itemsize].view(dtype)
 
-    def _host(self, arrays: list, slot: int, dtype: np.dtype, n: int) -> np.ndarray:
+    def _host(
+        self, arrays: list[np.ndarray | None], slot: int, dtype: npt.DTypeLike, n: int
+    ) -> np.ndarray:
         """A slot's host array (made once, chunk * 4 bytes) as `n` elements of `dtype`."""
-        if arrays[slot] is None:
-            arrays[slot] = np.empty(self.slot_bytes, dtype=np.uint8)
-        return arrays[slot][: n * np.dtype(dtype).itemsize].view(dtype)
+        host = arrays[slot]
+        if host is None:
+            host = arrays[slot] = np.empty(self.slot_bytes, dtype=np.uint8)
+        return host[: n * np.dtype(dtype).itemsize].view(dtype)
 
-    def _reduce(self, image: torch.Tensor, slot: int, divide: int, reduce, keep: bool) -> int:
+    def _reduce(
+        self,
+        image: torch.Tensor,
+        slot: int,
+        divide: int,
+        reduce: Callable[[np.ndarray, np.ndarray], np.ndarray],
+        keep: bool,
+    ) -> int:
         """Sum one chunk that has come down into `image`, leaving the result there: what the CPU
         path (channel._Staged) does with a tensor, on the chunk."""
         n = image.numel()

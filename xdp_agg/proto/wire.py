@@ -154,7 +154,9 @@ class Member:
 
 def members(header: Header) -> tuple[Member, ...]:
     """Group a header's fields into byte-aligned members, in wire order."""
-    out, group, group_bits, offset = [], [], 0, 0
+    out: list[Member] = []
+    group: list[Field] = []  # sub-byte fields not yet a whole byte
+    group_bits, offset = 0, 0
     for f in header.fields:
         if f.bits % 8 == 0 and not group:
             out.append(Member(f.name, f.bits // 8, offset, f.signed, ((f.name, 0, f.bits),)))
@@ -193,9 +195,9 @@ SPARSE_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SPARSE)])
 SPARSE_HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
 assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
 assert HDR_DTYPE.itemsize == UDP_HDRS_LEN == VALUES_AT
-assert HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
+assert HDR_DTYPE.fields is not None and HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
 assert SPARSE_HDR_DTYPE.itemsize == SPARSE_VALUES_AT
-assert SPARSE_HDR_DTYPE.fields["block"][1] == SPARSE_AT
+assert SPARSE_HDR_DTYPE.fields is not None and SPARSE_HDR_DTYPE.fields["block"][1] == SPARSE_AT
 
 
 def reserved_mask(m: Member) -> int:

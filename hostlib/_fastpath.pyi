@@ -1,0 +1,93 @@
+"""Type stub of the C extension hostlib._fastpath (hostlib/_fastpath.c), as Python calls it.
+
+Kept by hand: each signature is the extension's PyArg_Parse format and docstring. Buffers are
+anything with the buffer protocol; numpy arrays are named as well, since numpy's stubs declare
+their buffer protocol only for Python 3.12 and later.
+"""
+
+from collections.abc import Callable
+from typing import Literal, TypedDict, final
+
+import numpy as np
+from _typeshed import ReadableBuffer, WriteableBuffer
+
+_In = ReadableBuffer | np.ndarray
+_Out = WriteableBuffer | np.ndarray
+
+# the wire constants the extension was built with (hostlib/fp_wire.h, generated from
+# xdp_agg.proto.wire), and WIRE, their names; hostlib.native_loop compares them with wire's
+WIRE: tuple[str, ...]
+EXPONENTS_AT: int
+EXP_HLEN: int
+VALUES_AT: int
+POOL_VERSION_BIT: int
+POOL_SLOT_MASK: int
+SWITCHML_OFFSET: int
+MAX_LANES: int
+
+class _AllreduceResult(TypedDict):
+    """Engine.allreduce's answer (a dict at run time; this name exists for type checkers only)."""
+
+    status: Literal["done", "stalled"]
+    ndone: int  # packets with their result
+    results_here: int  # results this call received
+    busy: list[int]  # slot offsets with a packet in flight
+    counters: dict[str, int]  # this call's, by the names of fp_counters.h
+    gso_refused: bool
+    last_errno: int
+
+@final  # not subclassable (no Py_TPFLAGS_BASETYPE)
+class Engine:
+    """The native stream of one worker over its non-blocking UDP socket `fd`."""
+
+    def __init__(
+        self,
+        *,
+        fd: int,
+        host: str,
+        port: int,
+        elems: int,
+        window: int,
+        scaling_workers: int,
+        type_size: int,
+        slot_base: int,
+        rto: float,
+        rto_max: float,
+        gso: bool = True,
+        gro: bool = True,
+        cwnd: str = "aimd",
+        faults: tuple[float, float, float, float, int] | None = None,
+        xsk: dict[str, object] | None = None,
+        spin: bool = True,
+    ) -> None: ...
+    def allreduce(
+        self,
+        is_float: bool,
+        src: _In,
+        dst: _Out,
+        P: int,
+        w: int,
+        job_number: int,
+        versions: ReadableBuffer,
+        exponents: _In | None,
+        timeout: float,
+        progress: Callable[[int, int], object] | None = None,
+        progress_every: float = 1.0,
+    ) -> _AllreduceResult: ...
+    @property
+    def srtt(self) -> float: ...
+    @property
+    def cwnd(self) -> float: ...
+    @property
+    def gso(self) -> bool: ...
+    @property
+    def data_path(self) -> str: ...
+    @property
+    def xsk_reason(self) -> str: ...
+
+def chunk_exponents(x: _In, k: int, /) -> tuple[bytes, int]: ...
+def quantise(x: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
+def dequantise(sums: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
+def set_simd(name: str, /) -> str: ...
+def simd() -> str: ...
+def xsk_test_program(base_port: int, lanes: int, queue: int, /) -> int: ...
