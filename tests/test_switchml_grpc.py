@@ -72,8 +72,8 @@ def test_no_lease_ends_a_session_job(stack):
     stack.setup_all(2)
     # a job of the JSON protocol beside it, whose ranks went quiet
     reg = stack.endpoint.registry
-    with reg.cond:
-        reg._new_job(Holder.connection(7), "plain", 2, 32, 8, 5000).complete = True
+    reg.open_job(Holder.connection(7), "plain", 2, 32, 8, 5000, leased=True)
+    reg.jobs["plain"].complete = True
     lease = JobLease(stack.endpoint.registry, seconds=1e-9)
     lease.sweep()
     assert lease.sweep() == ["plain"]
@@ -157,8 +157,7 @@ def test_who_holds_a_job_is_a_holder_of_its_kind(stack):
     connection, whatever its number, lets go of them (they were ints that could collide)."""
     reg = stack.endpoint.registry
     reg.open_job(SESSION, "s", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
-    with reg.cond:
-        reg._new_job(Holder.recovered(1), "r", 2, 32, 8, 5000)
+    reg.open_job(Holder.recovered(1), "r", 2, 32, 8, 5000, leased=True)
     for conn in (-1_000_000, -2, -1, 0, 1, 2):  # the old session and recovered-rank numbers
         assert not reg.holds_job(conn)
         reg.connection_closed(conn)
