@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat
+from bench import cpustat, lanes_option, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -546,17 +546,6 @@ def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None
         ax.legend(fontsize=7)
 
 
-def _lanes_list(text: str) -> list[int]:
-    """--lanes: "1,2" -> [1, 2]."""
-    try:
-        lanes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated integers, not {text!r}") from None
-    if any(k < 1 for k in lanes):
-        raise argparse.ArgumentTypeError("every value is at least 1")
-    return lanes
-
-
 def _parser() -> argparse.ArgumentParser:
     """The command line's options."""
     ap = argparse.ArgumentParser(
@@ -580,43 +569,25 @@ def _parser() -> argparse.ArgumentParser:
         help="one cell in about a minute: --workers 4 --links 1gbit --sizes 64MiB "
         "--rows throughput --reps 3 --no-profile (explicit options still win)",
     )
-    ap.add_argument(
-        "--no-counters",
-        dest="counters",
-        action="store_false",
-        help="no drop counters, so no retransmission causes (saves a snapshot per run)",
-    )
-    ap.add_argument(
-        "--no-syscpu",
-        dest="syscpu",
-        action="store_false",
-        help="no system-wide CPU accounting (/proc/stat and BPF run time around each all-reduce)",
-    )
+    for off, what in (
+        ("counters", "drop counters, so no retransmission causes (saves a snapshot per run)"),
+        (
+            "syscpu",
+            "system-wide CPU accounting (/proc/stat and BPF run time around each all-reduce)",
+        ),
+        ("profile", "profile.txt (a cProfile and perf sample of one more all-reduce)"),
+    ):
+        ap.add_argument(f"--no-{off}", dest=off, action="store_false", help=f"no {what}")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument(
-        "--elems",
-        type=int,
-        default=768,
-        help="int32 per packet (768 needs --mtu >= 3110, 2048 --mtu >= 8230; above MTU 3506 the "
-        "aggregator is attached as a multi-buffer (frags) program)",
-    )
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument(
-        "--window",
-        type=int,
-        default=64,
-        help="slots per worker (hostlib's default; "
-        "256 overflowed the veth ring into the aggregator at n = 8)",
-    )
-    ap.add_argument(
-        "--lanes",
-        type=_lanes_list,
-        default=[1],
-        help="comma-separated: the hostlib lanes (XDP_AGG_LANES) of each set of workers, every "
-        "set on the same testbed against gloo; e.g. --lanes 1,2 (each row says its lanes, and "
-        "'vs 1 lane' compares with the 1-lane row)",
+    # 64: hostlib's default (256 overflowed the veth ring into the aggregator at n = 8)
+    packet_options(ap, window=64)
+    lanes_option(
+        ap,
+        "the hostlib lanes (XDP_AGG_LANES) of each set of workers, every set on the same testbed "
+        "against gloo; e.g. --lanes 1,2 (each row says its lanes, and 'vs 1 lane' compares with "
+        "the 1-lane row)",
     )
     ap.add_argument(
         "--agg-queues",
@@ -626,7 +597,6 @@ def _parser() -> argparse.ArgumentParser:
         "over them, each queue's XDP apart (several CPUs aggregate at once)",
     )
     ap.add_argument("--deadline", type=float, default=1800)
-    ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
     return ap
 
