@@ -453,20 +453,11 @@ def plot(summary: list[dict], path: Path) -> None:
             ax = axes[i][j]
             pts, ns = _plot_systems(ax, thr, b, lk, colors, lambda x: x["median_s"] * 1e3)
             if pts and "bound_ina_s" in pts[0]:
-                ax.plot(
-                    ns,
-                    [s["bound_ina_s"] * 1e3 for s in pts],
-                    "k--",
-                    lw=1,
-                    label="bound S/R (in-network)",
-                )
-                ax.plot(
-                    ns,
-                    [s["bound_ring_s"] * 1e3 for s in pts],
-                    "k:",
-                    lw=1,
-                    label="bound 2(n-1)/n S/R (ring)",
-                )
+                for key, style, label in (
+                    ("bound_ina_s", "k--", "bound S/R (in-network)"),
+                    ("bound_ring_s", "k:", "bound 2(n-1)/n S/R (ring)"),
+                ):
+                    ax.plot(ns, [s[key] * 1e3 for s in pts], style, lw=1, label=label)
             _style(ax, f"{_size(b)} float32, {lk}", "ms per all-reduce (median)", ns)
             if i == 0:
                 ax.legend(fontsize=7)
