@@ -316,10 +316,8 @@ def markdown(summary: list[dict], meta: dict) -> str:
     for s in (x for x in summary if x["kind"] == "throughput"):
         a, g = s["xdp-agg"], s["gloo"]
         L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {s['lanes']} | "
-            f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
-            f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | "
-            f"{s['speedup']:.2f}x | {_vs1(s)} | {a['ate_per_s']:.3g} | "
+            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {s['lanes']} | {_ms(a)} | "
+            f"{_ms(g)} | {s['speedup']:.2f}x | {_vs1(s)} | {a['ate_per_s']:.3g} | "
             f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
         )
     host = [x for x in summary if x["kind"] == "host"]
@@ -335,8 +333,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
         for s in host:
             a = s["xdp-agg"]
             L.append(
-                f"| {s['dtype']} | {_size(s['bytes'])} | {s['lanes']} | "
-                f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
+                f"| {s['dtype']} | {_size(s['bytes'])} | {s['lanes']} | {_ms(a)} | "
                 f"{s['gbit_each_way']:.2f} | {_vs1(s)} | {s['cpu_s_per_gib']:.2f} | "
                 f"{s['cpu_per_wall']:.2f} | {_retx_cell(s)} |"
             )
@@ -396,6 +393,11 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
             f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
         )
     return L
+
+
+def _ms(d: dict) -> str:
+    """A system's time cell: its median ms and in brackets the spread (max - min), '12.3 (0.4)'."""
+    return f"{d['median_s'] * 1e3:.1f} ({(d['max_s'] - d['min_s']) * 1e3:.1f})"
 
 
 def _vs1(s: dict) -> str:
