@@ -88,12 +88,17 @@ def alternating(meta: dict, per: str) -> str:
 def table_head(meta: dict, what: str, columns: list[str]) -> list[str]:
     """The first lines of a results table in Markdown: run_line(meta, what), a blank line, the
     header row of `columns` and its separator row."""
-    return [
-        run_line(meta, what),
-        "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-    ]
+    return [run_line(meta, what), "", *md_table(columns)]
+
+
+def md_table(columns: list[str], rows=()) -> list[str]:
+    """A table in Markdown: the header row of `columns`, its separator row, then a line per row
+    of `rows` (its cells, one per column; str() of each)."""
+    return [_md_row(columns), "|" + "---|" * len(columns), *(_md_row(r) for r in rows)]
+
+
+def _md_row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def spread(times: list[float]) -> dict:

@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat, lanes_option, packet_options
+from bench import cpustat, lanes_option, md_table, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -306,55 +306,74 @@ def markdown(summary: list[dict], meta: dict) -> str:
             else ""
         ),
         "",
-        "| n | link | size | lanes | xdp-agg ms (spread) | gloo ms (spread) | speedup "
-        "| xdp-agg vs 1 lane | xdp-agg ATE/s | gloo ATE/s "
-        "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) "
-        "| CPU s/rank xdp-agg | CPU s/rank gloo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
-    for s in (x for x in summary if x["kind"] == "throughput"):
-        a, g = s["xdp-agg"], s["gloo"]
-        L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {s['lanes']} | {_ms(a)} | "
-            f"{_ms(g)} | {s['speedup']:.2f}x | {_vs1(s)} | {a['ate_per_s']:.3g} | "
-            f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
-        )
-    host = [x for x in summary if x["kind"] == "host"]
-    if host:
-        L += [
-            "",
-            "One worker's host library (n = 1, unshaped, xdp-agg alone):",
-            "",
-            "| dtype | size | lanes | ms (spread) | Gbit/s each way | vs 1 lane | CPU s per GiB "
-            "| worker CPUs busy | retx (% of sent; causes) |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for s in host:
-            a = s["xdp-agg"]
-            L.append(
-                f"| {s['dtype']} | {_size(s['bytes'])} | {s['lanes']} | {_ms(a)} | "
-                f"{s['gbit_each_way']:.2f} | {_vs1(s)} | {s['cpu_s_per_gib']:.2f} | "
-                f"{s['cpu_per_wall']:.2f} | {_retx_cell(s)} |"
-            )
+    L += md_table(
+        [
+            "n",
+            "link",
+            "size",
+            "lanes",
+            "xdp-agg ms (spread)",
+            "gloo ms (spread)",
+            "speedup",
+            "xdp-agg vs 1 lane",
+            "xdp-agg ATE/s",
+            "gloo ATE/s",
+            "xdp-agg % of S/R",
+            "gloo % of 2(n-1)/n S/R",
+            "retx (% of sent; causes)",
+            "CPU s/rank xdp-agg",
+            "CPU s/rank gloo",
+        ],
+        [
+            [s["n"], s["link"], _size(s["bytes"]), s["lanes"], _ms(a), _ms(g)]
+            + [f"{s['speedup']:.2f}x", _vs1(s), f"{a['ate_per_s']:.3g}", f"{g['ate_per_s']:.3g}"]
+            + [fb(a), fb(g), _retx_cell(s), _cpu(a), _cpu(g)]
+            for s, a, g in _of_kind(summary, "throughput")
+        ],
+    )
+    L += _host_table(summary)
     L += _syscpu_table(summary)
-    if not any(x["kind"] == "latency" for x in summary):
-        return "\n".join(L) + "\n"
-    L += [
-        "",
-        "Small all-reduces (latency, ms):",
-        "",
-        "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s in (x for x in summary if x["kind"] == "latency"):
-        a, g = s["xdp-agg"], s["gloo"]
-        L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | "
-            f"{a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | "
-            f"{g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |"
+    latency = _of_kind(summary, "latency")
+    if latency:
+        L += ["", "Small all-reduces (latency, ms):", ""]
+        L += md_table(
+            ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
+            [
+                [s["n"], s["link"], _size(s["bytes"])]
+                + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
+                for s, a, g in latency
+            ],
         )
     return "\n".join(L) + "\n"
+
+
+def _of_kind(summary: list[dict], kind: str) -> list[tuple[dict, dict, dict]]:
+    """(cell, xdp-agg's figures, gloo's) of each cell of `kind` (throughput, latency)."""
+    return [(s, s["xdp-agg"], s["gloo"]) for s in summary if s["kind"] == kind]
+
+
+def _host_table(summary: list[dict]) -> list[str]:
+    """The host rows (n = 1, xdp-agg alone), when there are any."""
+    host = [s for s in summary if s["kind"] == "host"]
+    if not host:
+        return []
+    return [
+        "",
+        "One worker's host library (n = 1, unshaped, xdp-agg alone):",
+        "",
+        *md_table(
+            ["dtype", "size", "lanes", "ms (spread)", "Gbit/s each way", "vs 1 lane"]
+            + ["CPU s per GiB", "worker CPUs busy", "retx (% of sent; causes)"],
+            [
+                [s["dtype"], _size(s["bytes"]), s["lanes"], _ms(s["xdp-agg"])]
+                + [f"{s['gbit_each_way']:.2f}", _vs1(s), f"{s['cpu_s_per_gib']:.2f}"]
+                + [f"{s['cpu_per_wall']:.2f}", _retx_cell(s)]
+                for s in host
+            ],
+        ),
+    ]
 
 
 def _syscpu_table(summary: list[dict]) -> list[str]:
@@ -376,10 +395,8 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         "XDP programs' BPF run time; background = the rest of the machine's rate before the set "
         "times the span (included in the total and in host):",
         "",
-        "| n | link | size | system | CPU s | CPU s/GiB | host s | fabric s | aggregator s "
-        "| mostly | aggregator ns/run | background s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for s, system, c in cells:
         pct = lambda p: f"{c[p + '_s']:.3f} ({c[p + '_share']:.0%})"  # noqa: E731
         ns = f"{c['bpf_ns_per_run']:.0f}" if c.get("bpf_ns_per_run") else "-"
@@ -387,12 +404,14 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
-        L.append(
-            f"| {s['n']} | {s['link']}{kind} | {_size(s['bytes'])} | {system} | "
-            f"{c['sys_cpu_s']:.3f} | {c['sys_cpu_s_per_gib']:.2f} | {pct('host')} | "
-            f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
+        rows.append(
+            [s["n"], f"{s['link']}{kind}", _size(s["bytes"]), system, f"{c['sys_cpu_s']:.3f}"]
+            + [f"{c['sys_cpu_s_per_gib']:.2f}", pct("host"), pct("fabric"), agg, c["mostly"]]
+            + [ns, bg]
         )
-    return L
+    columns = ["n", "link", "size", "system", "CPU s", "CPU s/GiB", "host s", "fabric s"]
+    columns += ["aggregator s", "mostly", "aggregator ns/run", "background s"]
+    return L + md_table(columns, rows)
 
 
 def _ms(d: dict) -> str:
