@@ -41,11 +41,39 @@ def alternating_parser(
     ap.add_argument("--bytes", type=int, default=nbytes, help="tensor size (float32)")
     ap.add_argument("--reps", type=int, default=3, help="timed all-reduces per run")
     ap.add_argument("--rounds", type=int, default=rounds, help=f"runs of each {per}, alternating")
-    ap.add_argument("--elems", type=int, default=768)
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument("--window", type=int, default=window)
+    packet_options(ap, window=window)
     ap.add_argument("--out", default=str(Path(__file__).resolve().parent / "results"))
     return ap
+
+
+def packet_options(ap: argparse.ArgumentParser, *, window: int) -> None:
+    """--elems, --mtu and --window of a benchmark on the testbed: its packets (768 int32 in
+    frames of MTU 3500 by default) and the hosts' slots per worker (default `window`)."""
+    ap.add_argument(
+        "--elems",
+        type=int,
+        default=768,
+        help="int32 per packet (768 needs --mtu >= 3110, 2048 --mtu >= 8230; above MTU 3506 the "
+        "aggregator is attached as a multi-buffer (frags) program)",
+    )
+    ap.add_argument("--mtu", type=int, default=3500)
+    ap.add_argument("--window", type=int, default=window, help="slots per worker")
+
+
+def lanes_list(text: str) -> list[int]:
+    """--lanes: "1,2" -> [1, 2]."""
+    try:
+        lanes = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers, not {text!r}") from None
+    if any(k < 1 for k in lanes):
+        raise argparse.ArgumentTypeError("every value is at least 1")
+    return lanes
+
+
+def lanes_option(ap: argparse.ArgumentParser, what: str) -> None:
+    """--lanes L[,L...] (lanes_list; default [1]), whose help says `what` they are."""
+    ap.add_argument("--lanes", type=lanes_list, default=[1], help=f"comma-separated: {what}")
 
 
 def alternating(meta: dict, per: str) -> str:
@@ -60,12 +88,17 @@ def alternating(meta: dict, per: str) -> str:
 def table_head(meta: dict, what: str, columns: list[str]) -> list[str]:
     """The first lines of a results table in Markdown: run_line(meta, what), a blank line, the
     header row of `columns` and its separator row."""
-    return [
-        run_line(meta, what),
-        "",
-        "| " + " | ".join(columns) + " |",
-        "|" + "---|" * len(columns),
-    ]
+    return [run_line(meta, what), "", *md_table(columns)]
+
+
+def md_table(columns: list[str], rows=()) -> list[str]:
+    """A table in Markdown: the header row of `columns`, its separator row, then a line per row
+    of `rows` (its cells, one per column; str() of each)."""
+    return [_md_row(columns), "|" + "---|" * len(columns), *(_md_row(r) for r in rows)]
+
+
+def _md_row(cells) -> str:
+    return "| " + " | ".join(map(str, cells)) + " |"
 
 
 def spread(times: list[float]) -> dict:

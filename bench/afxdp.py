@@ -25,7 +25,15 @@ import os
 import statistics
 import time
 
-from bench import alternating, alternating_parser, machine, spread, table_head, write_results
+from bench import (
+    alternating,
+    alternating_parser,
+    lanes_option,
+    machine,
+    spread,
+    table_head,
+    write_results,
+)
 
 PATHS = ("udp", "afxdp")
 
@@ -129,12 +137,7 @@ def markdown(summary: dict, meta: dict) -> str:
 def main(argv=None) -> int:
     """Run the rounds, write the JSON and the table."""
     ap = alternating_parser(__doc__, per="path", workers=2, nbytes=32 << 20, rounds=2, window=128)
-    ap.add_argument(
-        "--lanes",
-        type=lambda t: [int(x) for x in t.split(",")],
-        default=[1],
-        help="numbers of lanes to run each path with, comma-separated (e.g. 1,2)",
-    )
+    lanes_option(ap, "the numbers of lanes to run each path with (e.g. 1,2)")
     args = ap.parse_args(argv)
 
     from netns_testbed.testbed import Testbed

@@ -58,7 +58,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat
+from bench import cpustat, lanes_option, md_table, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
@@ -306,58 +306,74 @@ def markdown(summary: list[dict], meta: dict) -> str:
             else ""
         ),
         "",
-        "| n | link | size | lanes | xdp-agg ms (spread) | gloo ms (spread) | speedup "
-        "| xdp-agg vs 1 lane | xdp-agg ATE/s | gloo ATE/s "
-        "| xdp-agg % of S/R | gloo % of 2(n-1)/n S/R | retx (% of sent; causes) "
-        "| CPU s/rank xdp-agg | CPU s/rank gloo |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
-    for s in (x for x in summary if x["kind"] == "throughput"):
-        a, g = s["xdp-agg"], s["gloo"]
-        L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | {s['lanes']} | "
-            f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
-            f"{g['median_s'] * 1e3:.1f} ({(g['max_s'] - g['min_s']) * 1e3:.1f}) | "
-            f"{s['speedup']:.2f}x | {_vs1(s)} | {a['ate_per_s']:.3g} | "
-            f"{g['ate_per_s']:.3g} | {fb(a)} | {fb(g)} | {_retx_cell(s)} | {_cpu(a)} | {_cpu(g)} |"
-        )
-    host = [x for x in summary if x["kind"] == "host"]
-    if host:
-        L += [
-            "",
-            "One worker's host library (n = 1, unshaped, xdp-agg alone):",
-            "",
-            "| dtype | size | lanes | ms (spread) | Gbit/s each way | vs 1 lane | CPU s per GiB "
-            "| worker CPUs busy | retx (% of sent; causes) |",
-            "|---|---|---|---|---|---|---|---|---|",
-        ]
-        for s in host:
-            a = s["xdp-agg"]
-            L.append(
-                f"| {s['dtype']} | {_size(s['bytes'])} | {s['lanes']} | "
-                f"{a['median_s'] * 1e3:.1f} ({(a['max_s'] - a['min_s']) * 1e3:.1f}) | "
-                f"{s['gbit_each_way']:.2f} | {_vs1(s)} | {s['cpu_s_per_gib']:.2f} | "
-                f"{s['cpu_per_wall']:.2f} | {_retx_cell(s)} |"
-            )
+    L += md_table(
+        [
+            "n",
+            "link",
+            "size",
+            "lanes",
+            "xdp-agg ms (spread)",
+            "gloo ms (spread)",
+            "speedup",
+            "xdp-agg vs 1 lane",
+            "xdp-agg ATE/s",
+            "gloo ATE/s",
+            "xdp-agg % of S/R",
+            "gloo % of 2(n-1)/n S/R",
+            "retx (% of sent; causes)",
+            "CPU s/rank xdp-agg",
+            "CPU s/rank gloo",
+        ],
+        [
+            [s["n"], s["link"], _size(s["bytes"]), s["lanes"], _ms(a), _ms(g)]
+            + [f"{s['speedup']:.2f}x", _vs1(s), f"{a['ate_per_s']:.3g}", f"{g['ate_per_s']:.3g}"]
+            + [fb(a), fb(g), _retx_cell(s), _cpu(a), _cpu(g)]
+            for s, a, g in _of_kind(summary, "throughput")
+        ],
+    )
+    L += _host_table(summary)
     L += _syscpu_table(summary)
-    if not any(x["kind"] == "latency" for x in summary):
-        return "\n".join(L) + "\n"
-    L += [
-        "",
-        "Small all-reduces (latency, ms):",
-        "",
-        "| n | link | size | xdp-agg p50 | xdp-agg p99 | gloo p50 | gloo p99 |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for s in (x for x in summary if x["kind"] == "latency"):
-        a, g = s["xdp-agg"], s["gloo"]
-        L.append(
-            f"| {s['n']} | {s['link']} | {_size(s['bytes'])} | "
-            f"{a['p50_s'] * 1e3:.3f} | {a['p99_s'] * 1e3:.3f} | "
-            f"{g['p50_s'] * 1e3:.3f} | {g['p99_s'] * 1e3:.3f} |"
+    latency = _of_kind(summary, "latency")
+    if latency:
+        L += ["", "Small all-reduces (latency, ms):", ""]
+        L += md_table(
+            ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
+            [
+                [s["n"], s["link"], _size(s["bytes"])]
+                + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
+                for s, a, g in latency
+            ],
         )
     return "\n".join(L) + "\n"
+
+
+def _of_kind(summary: list[dict], kind: str) -> list[tuple[dict, dict, dict]]:
+    """(cell, xdp-agg's figures, gloo's) of each cell of `kind` (throughput, latency)."""
+    return [(s, s["xdp-agg"], s["gloo"]) for s in summary if s["kind"] == kind]
+
+
+def _host_table(summary: list[dict]) -> list[str]:
+    """The host rows (n = 1, xdp-agg alone), when there are any."""
+    host = [s for s in summary if s["kind"] == "host"]
+    if not host:
+        return []
+    return [
+        "",
+        "One worker's host library (n = 1, unshaped, xdp-agg alone):",
+        "",
+        *md_table(
+            ["dtype", "size", "lanes", "ms (spread)", "Gbit/s each way", "vs 1 lane"]
+            + ["CPU s per GiB", "worker CPUs busy", "retx (% of sent; causes)"],
+            [
+                [s["dtype"], _size(s["bytes"]), s["lanes"], _ms(s["xdp-agg"])]
+                + [f"{s['gbit_each_way']:.2f}", _vs1(s), f"{s['cpu_s_per_gib']:.2f}"]
+                + [f"{s['cpu_per_wall']:.2f}", _retx_cell(s)]
+                for s in host
+            ],
+        ),
+    ]
 
 
 def _syscpu_table(summary: list[dict]) -> list[str]:
@@ -379,10 +395,8 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         "XDP programs' BPF run time; background = the rest of the machine's rate before the set "
         "times the span (included in the total and in host):",
         "",
-        "| n | link | size | system | CPU s | CPU s/GiB | host s | fabric s | aggregator s "
-        "| mostly | aggregator ns/run | background s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    rows = []
     for s, system, c in cells:
         pct = lambda p: f"{c[p + '_s']:.3f} ({c[p + '_share']:.0%})"  # noqa: E731
         ns = f"{c['bpf_ns_per_run']:.0f}" if c.get("bpf_ns_per_run") else "-"
@@ -390,12 +404,19 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
-        L.append(
-            f"| {s['n']} | {s['link']}{kind} | {_size(s['bytes'])} | {system} | "
-            f"{c['sys_cpu_s']:.3f} | {c['sys_cpu_s_per_gib']:.2f} | {pct('host')} | "
-            f"{pct('fabric')} | {agg} | {c['mostly']} | {ns} | {bg} |"
+        rows.append(
+            [s["n"], f"{s['link']}{kind}", _size(s["bytes"]), system, f"{c['sys_cpu_s']:.3f}"]
+            + [f"{c['sys_cpu_s_per_gib']:.2f}", pct("host"), pct("fabric"), agg, c["mostly"]]
+            + [ns, bg]
         )
-    return L
+    columns = ["n", "link", "size", "system", "CPU s", "CPU s/GiB", "host s", "fabric s"]
+    columns += ["aggregator s", "mostly", "aggregator ns/run", "background s"]
+    return L + md_table(columns, rows)
+
+
+def _ms(d: dict) -> str:
+    """A system's time cell: its median ms and in brackets the spread (max - min), '12.3 (0.4)'."""
+    return f"{d['median_s'] * 1e3:.1f} ({(d['max_s'] - d['min_s']) * 1e3:.1f})"
 
 
 def _vs1(s: dict) -> str:
@@ -453,20 +474,11 @@ def plot(summary: list[dict], path: Path) -> None:
             ax = axes[i][j]
             pts, ns = _plot_systems(ax, thr, b, lk, colors, lambda x: x["median_s"] * 1e3)
             if pts and "bound_ina_s" in pts[0]:
-                ax.plot(
-                    ns,
-                    [s["bound_ina_s"] * 1e3 for s in pts],
-                    "k--",
-                    lw=1,
-                    label="bound S/R (in-network)",
-                )
-                ax.plot(
-                    ns,
-                    [s["bound_ring_s"] * 1e3 for s in pts],
-                    "k:",
-                    lw=1,
-                    label="bound 2(n-1)/n S/R (ring)",
-                )
+                for key, style, label in (
+                    ("bound_ina_s", "k--", "bound S/R (in-network)"),
+                    ("bound_ring_s", "k:", "bound 2(n-1)/n S/R (ring)"),
+                ):
+                    ax.plot(ns, [s[key] * 1e3 for s in pts], style, lw=1, label=label)
             _style(ax, f"{_size(b)} float32, {lk}", "ms per all-reduce (median)", ns)
             if i == 0:
                 ax.legend(fontsize=7)
@@ -546,17 +558,6 @@ def _plot_latency(axes, lat: list[dict], links: list[str], colors: dict) -> None
         ax.legend(fontsize=7)
 
 
-def _lanes_list(text: str) -> list[int]:
-    """--lanes: "1,2" -> [1, 2]."""
-    try:
-        lanes = [int(x) for x in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"comma-separated integers, not {text!r}") from None
-    if any(k < 1 for k in lanes):
-        raise argparse.ArgumentTypeError("every value is at least 1")
-    return lanes
-
-
 def _parser() -> argparse.ArgumentParser:
     """The command line's options."""
     ap = argparse.ArgumentParser(
@@ -580,43 +581,25 @@ def _parser() -> argparse.ArgumentParser:
         help="one cell in about a minute: --workers 4 --links 1gbit --sizes 64MiB "
         "--rows throughput --reps 3 --no-profile (explicit options still win)",
     )
-    ap.add_argument(
-        "--no-counters",
-        dest="counters",
-        action="store_false",
-        help="no drop counters, so no retransmission causes (saves a snapshot per run)",
-    )
-    ap.add_argument(
-        "--no-syscpu",
-        dest="syscpu",
-        action="store_false",
-        help="no system-wide CPU accounting (/proc/stat and BPF run time around each all-reduce)",
-    )
+    for off, what in (
+        ("counters", "drop counters, so no retransmission causes (saves a snapshot per run)"),
+        (
+            "syscpu",
+            "system-wide CPU accounting (/proc/stat and BPF run time around each all-reduce)",
+        ),
+        ("profile", "profile.txt (a cProfile and perf sample of one more all-reduce)"),
+    ):
+        ap.add_argument(f"--no-{off}", dest=off, action="store_false", help=f"no {what}")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
-    ap.add_argument(
-        "--elems",
-        type=int,
-        default=768,
-        help="int32 per packet (768 needs --mtu >= 3110, 2048 --mtu >= 8230; above MTU 3506 the "
-        "aggregator is attached as a multi-buffer (frags) program)",
-    )
-    ap.add_argument("--mtu", type=int, default=3500)
-    ap.add_argument(
-        "--window",
-        type=int,
-        default=64,
-        help="slots per worker (hostlib's default; "
-        "256 overflowed the veth ring into the aggregator at n = 8)",
-    )
-    ap.add_argument(
-        "--lanes",
-        type=_lanes_list,
-        default=[1],
-        help="comma-separated: the hostlib lanes (XDP_AGG_LANES) of each set of workers, every "
-        "set on the same testbed against gloo; e.g. --lanes 1,2 (each row says its lanes, and "
-        "'vs 1 lane' compares with the 1-lane row)",
+    # 64: hostlib's default (256 overflowed the veth ring into the aggregator at n = 8)
+    packet_options(ap, window=64)
+    lanes_option(
+        ap,
+        "the hostlib lanes (XDP_AGG_LANES) of each set of workers, every set on the same testbed "
+        "against gloo; e.g. --lanes 1,2 (each row says its lanes, and 'vs 1 lane' compares with "
+        "the 1-lane row)",
     )
     ap.add_argument(
         "--agg-queues",
@@ -626,7 +609,6 @@ def _parser() -> argparse.ArgumentParser:
         "over them, each queue's XDP apart (several CPUs aggregate at once)",
     )
     ap.add_argument("--deadline", type=float, default=1800)
-    ap.add_argument("--no-profile", dest="profile", action="store_false")
     ap.add_argument("--out", default="bench-results")
     return ap
 

@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import md_table
+
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 
@@ -160,12 +162,8 @@ def markdown(res: dict) -> str:
 def _systems_table(case: dict, columns: list[str], cells) -> list[str]:
     """A case's run time and a table of both systems: `columns` and their `cells(result)`, then
     the communication share."""
-    head = ["system", *columns, "communication share"]
-    lines = ["", _when(case), "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for s in ("xdpagg", "gloo"):
-        r = case[s]
-        lines.append("| " + " | ".join([s, *cells(r), f"{r['comm_share']:.0%}"]) + " |")
-    return lines
+    rows = [[s, *cells(case[s]), f"{case[s]['comm_share']:.0%}"] for s in ("xdpagg", "gloo")]
+    return ["", _when(case), "", *md_table(["system", *columns, "communication share"], rows)]
 
 
 SHARDED = ("ddp", "fsdp", "hsdp")

@@ -80,14 +80,16 @@ def compare(
     }
     rows = []
     try:
-        for k in sizes:
-            frames = mb.stream(k, workers, slots, rounds)
-            runs = mb.alternating(
-                progs,
-                passes,
-                lambda key: mb.measure_pass(progs[key], k, workers, slots, rounds, frames),
-                (lambda p: progress(k, p + 1, passes)) if progress else None,
-            )
+        for k, _, runs in mb.alternating_per_size(
+            sizes,
+            progs,
+            passes,
+            lambda key, k, frames: mb.measure_pass(progs[key], k, workers, slots, rounds, frames),
+            workers,
+            slots,
+            rounds,
+            progress,
+        ):
             for v in variants:
                 row = {"variant": v, "elems_per_packet": k}
                 for lab in labels:

@@ -489,29 +489,26 @@ static void dequantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_
     dequantise((const uint8_t *)in + 4 * a, cnt, ldexp(M, -(int)E), (float *)out + a);
 }
 
-PyDoc_STRVAR(
-    quantise_doc,
-    "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
-    "Test entry point: the big-endian int32 payload rows of the float32 chunks of x (k each, the\n"
-    "last zero-padded) quantised with their agreed exponents, as the loop builds them.");
+/* The test entry point NAME(...) -> bytes, documented by DOC: chunked_apply of NAME_chunk,
+ * PADDED as quantise's rows are. */
+#define CHUNKED_ENTRY(NAME, PADDED, DOC)                         \
+    PyDoc_STRVAR(NAME##_doc, DOC);                               \
+    static PyObject *py_##NAME(PyObject *m, PyObject *args)      \
+    {                                                            \
+        (void)m;                                                 \
+        return chunked_apply(args, #NAME, PADDED, NAME##_chunk); \
+    }
 
-static PyObject *py_quantise(PyObject *m, PyObject *args)
-{
-    (void)m;
-    return chunked_apply(args, "quantise", 1, quantise_chunk);
-}
-
-PyDoc_STRVAR(
-    dequantise_doc,
-    "dequantise(sums, exponents, scaling_workers, k) -> bytes\n\n"
-    "Test entry point: float32 (native order) of the big-endian int32 sums (rows of k) with\n"
-    "their agreed exponents, as the loop writes them into the output.");
-
-static PyObject *py_dequantise(PyObject *m, PyObject *args)
-{
-    (void)m;
-    return chunked_apply(args, "dequantise", 0, dequantise_chunk);
-}
+CHUNKED_ENTRY(quantise, 1,
+              "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
+              "Test entry point: the big-endian int32 payload rows of the float32 chunks of x\n"
+              "(k each, the last zero-padded) quantised with their agreed exponents, as the\n"
+              "loop builds them.")
+CHUNKED_ENTRY(dequantise, 0,
+              "dequantise(sums, exponents, scaling_workers, k) -> bytes\n\n"
+              "Test entry point: float32 (native order) of the big-endian int32 sums (rows of\n"
+              "k) with their agreed exponents, as the loop writes them into the output.")
+#undef CHUNKED_ENTRY
 
 PyDoc_STRVAR(
     set_simd_doc,

@@ -47,6 +47,17 @@ typedef struct {
     int rcount, rslot;
 } Udp;
 
+/* The arrays of a Udp: X(member, count, size of one), `rows` the most rows of a send. Allocated
+ * together by fp_udp_open (after rcount and rslot), freed together by udp_close. */
+#define UDP_ARRAYS(X)                                  \
+    X(siov, rows, sizeof(struct iovec))                \
+    X(smsg, rows, sizeof(struct mmsghdr))              \
+    X(sctrl, rows, SEG_CMSG_SPACE)                     \
+    X(rbuf, (size_t)u->rcount, (size_t)u->rslot)       \
+    X(riov, (size_t)u->rcount, sizeof(struct iovec))   \
+    X(rmsg, (size_t)u->rcount, sizeof(struct mmsghdr)) \
+    X(rctrl, (size_t)u->rcount, GRO_CMSG_SPACE)
+
 static int gso_refused_errno(int err)
 {
     return err == EINVAL || err == EIO || err == ENOPROTOOPT || err == EOPNOTSUPP ||
@@ -215,13 +226,9 @@ static void udp_close(Transport *t)
     Udp *u = (Udp *)t;
     if (!u)
         return;
-    free(u->siov);
-    free(u->smsg);
-    free(u->sctrl);
-    free(u->rbuf);
-    free(u->riov);
-    free(u->rmsg);
-    free(u->rctrl);
+#define UDP_FREE(member, count, size) free(u->member);
+    UDP_ARRAYS(UDP_FREE)
+#undef UDP_FREE
     free(u);
 }
 
@@ -238,16 +245,13 @@ Transport *fp_udp_open(int fd, const struct sockaddr_in *dst, int plen, int max_
     u->gro = gro;
     u->dst = *dst;
     size_t rows = (size_t)max_rows;
-    u->siov = calloc(rows, sizeof(struct iovec));
-    u->smsg = calloc(rows, sizeof(struct mmsghdr));
-    u->sctrl = calloc(rows, SEG_CMSG_SPACE);
     u->rslot = gro ? RECV_SLOT : plen + 64; /* longer datagrams show as MSG_TRUNC */
     u->rcount = gro ? RECV_MSGS_GRO : RECV_MSGS_PLAIN;
-    u->rbuf = malloc((size_t)u->rcount * (size_t)u->rslot);
-    u->riov = calloc((size_t)u->rcount, sizeof(struct iovec));
-    u->rmsg = calloc((size_t)u->rcount, sizeof(struct mmsghdr));
-    u->rctrl = calloc((size_t)u->rcount, GRO_CMSG_SPACE);
-    if (!u->siov || !u->smsg || !u->sctrl || !u->rbuf || !u->riov || !u->rmsg || !u->rctrl) {
+    int ok = 1;
+#define UDP_ALLOC(member, count, size) ok &= (u->member = calloc(count, size)) != NULL;
+    UDP_ARRAYS(UDP_ALLOC)
+#undef UDP_ALLOC
+    if (!ok) {
         udp_close(&u->base);
         return NULL;
     }

@@ -426,6 +426,21 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
     }
     return ST_DONE;
 }
+
+/* The per-slot arrays of a Stream: X(member, count, size of one), `w` the window. Allocated
+ * together by fp_stream_init, freed together by fp_stream_free. */
+#define STREAM_ARRAYS(X)             \
+    X(rows, w, (size_t)st->plen)     \
+    X(deadline, w, sizeof(double))   \
+    X(sent_at, w, sizeof(double))    \
+    X(rto, w, sizeof(double))        \
+    X(tries, w, sizeof(int32_t))     \
+    X(pkt, w, sizeof(int64_t))       \
+    X(ready, w, sizeof(int64_t))     \
+    X(cand, w, sizeof(int64_t))      \
+    X(sendq, 2 * w, sizeof(int32_t)) \
+    X(txrows, 2 * w, sizeof(*st->txrows))
+
 int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
 {
     memset(st, 0, sizeof *st);
@@ -440,18 +455,11 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     for (int i = 0; i < 256; i++)
         st->ftab[i] = ldexp(st->M, -(int)(int8_t)i);
     size_t w = (size_t)cfg->window;
-    st->rows = calloc(w, (size_t)st->plen);
-    st->deadline = calloc(w, sizeof(double));
-    st->sent_at = calloc(w, sizeof(double));
-    st->rto = calloc(w, sizeof(double));
-    st->tries = calloc(w, sizeof(int32_t));
-    st->pkt = calloc(w, sizeof(int64_t));
-    st->ready = calloc(w, sizeof(int64_t));
-    st->cand = calloc(w, sizeof(int64_t));
-    st->sendq = calloc(2 * w, sizeof(int32_t));
-    st->txrows = calloc(2 * w, sizeof(*st->txrows));
-    if (!st->rows || !st->deadline || !st->sent_at || !st->rto || !st->tries || !st->pkt ||
-        !st->ready || !st->cand || !st->sendq || !st->txrows) {
+    int ok = 1;
+#define STREAM_ALLOC(member, count, size) ok &= (st->member = calloc(count, size)) != NULL;
+    STREAM_ARRAYS(STREAM_ALLOC)
+#undef STREAM_ALLOC
+    if (!ok) {
         fp_stream_free(st);
         return -ENOMEM;
     }
@@ -462,16 +470,9 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
 
 void fp_stream_free(Stream *st)
 {
-    free(st->rows);
-    free(st->deadline);
-    free(st->sent_at);
-    free(st->rto);
-    free(st->tries);
-    free(st->pkt);
-    free(st->ready);
-    free(st->cand);
-    free(st->sendq);
-    free((void *)st->txrows);
+#define STREAM_FREE(member, count, size) free((void *)st->member);
+    STREAM_ARRAYS(STREAM_FREE)
+#undef STREAM_FREE
     if (st->t)
         st->t->ops->close(st->t);
     memset(st, 0, sizeof *st);

@@ -72,8 +72,8 @@ def test_no_lease_ends_a_session_job(stack):
     stack.setup_all(2)
     # a job of the JSON protocol beside it, whose ranks went quiet
     reg = stack.endpoint.registry
-    with reg.cond:
-        reg._new_job(Holder.connection(7), "plain", 2, 32, 8, 5000).complete = True
+    reg.open_job(Holder.connection(7), "plain", 2, 32, 8, 5000, leased=True)
+    reg.jobs["plain"].complete = True
     lease = JobLease(stack.endpoint.registry, seconds=1e-9)
     lease.sweep()
     assert lease.sweep() == ["plain"]
@@ -95,16 +95,20 @@ def test_a_worker_that_never_calls_udp_session_times_the_barrier_out():
         stack.close()
 
 
-def _both_fail(stack: Stack, rank1) -> tuple:
-    """Rank 0's p4app setup beside `rank1` (a function) in a thread: both must fail; their
-    grpc.RpcErrors (rank 0's, rank 1's)."""
+def _rank1_refused(stack: Stack, rank1, code: grpc.StatusCode, why: str) -> None:
+    """Rank 0's p4app setup beside `rank1` (a function) in a thread: rank 1 is refused with
+    `code`, saying `why`; rank 0 waits in vain for rank 1's UdpSession, and no job is left."""
     with futures.ThreadPoolExecutor(1) as pool:
         other = pool.submit(rank1)
         with pytest.raises(grpc.RpcError) as err0:
             stack.setup(0, 2)
         with pytest.raises(grpc.RpcError) as err1:
             other.result()
-    return err0.value, err1.value
+    assert err1.value.code() == code
+    assert why in err1.value.details()
+    assert err0.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert "rank(s) [1] have not called UdpSession, its job is ended" in err0.value.details()
+    assert stack.agg.jobs() == []
 
 
 def test_a_rank_past_the_first_barrier_without_udp_session_is_refused_at_its_second():
@@ -124,12 +128,12 @@ def test_a_rank_past_the_first_barrier_without_udp_session_is_refused_at_its_sec
                 barrier(pb.BarrierRequest(num_workers=2), timeout=30)
                 barrier(pb.BarrierRequest(num_workers=2), timeout=30)
 
-        err0, err1 = _both_fail(stack, rank1_without_session)
-        assert err1.code() == grpc.StatusCode.FAILED_PRECONDITION
-        assert "first barrier and has not called UdpSession" in err1.details()
-        assert err0.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-        assert "rank(s) [1] have not called UdpSession, its job is ended" in err0.details()
-        assert stack.agg.jobs() == []
+        _rank1_refused(
+            stack,
+            rank1_without_session,
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "first barrier and has not called UdpSession",
+        )
         assert stack.api.ended == {"failed": 1}
     finally:
         stack.close()
@@ -157,8 +161,7 @@ def test_who_holds_a_job_is_a_holder_of_its_kind(stack):
     connection, whatever its number, lets go of them (they were ints that could collide)."""
     reg = stack.endpoint.registry
     reg.open_job(SESSION, "s", 2, 32, 8, 5000, port=AGG_PORT + 1, base=0)
-    with reg.cond:
-        reg._new_job(Holder.recovered(1), "r", 2, 32, 8, 5000)
+    reg.open_job(Holder.recovered(1), "r", 2, 32, 8, 5000, leased=True)
     for conn in (-1_000_000, -2, -1, 0, 1, 2):  # the old session and recovered-rank numbers
         assert not reg.holds_job(conn)
         reg.connection_closed(conn)
@@ -245,12 +248,9 @@ def _other_size_refused(stack: Stack) -> None:
             stack.target, rank=1, world=2, mac=mac, ip=ip, packet_numel=256, timeout=30, source=ip
         )
 
-    err0, err1 = _both_fail(stack, rank1_other_size)
-    assert err1.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert "packet_size 3, but session" in err1.details()
-    assert err0.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    assert "rank(s) [1] have not called UdpSession" in err0.details()
-    assert stack.agg.jobs() == []
+    _rank1_refused(
+        stack, rank1_other_size, grpc.StatusCode.INVALID_ARGUMENT, "packet_size 3, but session"
+    )
 
 
 def test_bmv2_answers_the_port_a_worker_is_behind_or_says_why_not():

@@ -131,14 +131,16 @@ def run(
     prog = loader.load(pool_slots=max(slots, 64), frags=any(microbench._jumbo(e) for e in sizes))
     out = []
     try:
-        for elems in sizes:
-            frames = microbench.stream(elems, workers, slots, rounds)
-            runs = microbench.alternating(
-                cases,
-                repeats,
-                lambda c: _pass(prog, c, cpus, elems, workers, slots, rounds, frames),
-                after_pass=(lambda p: progress(elems, p + 1, repeats)) if progress else None,
-            )
+        for elems, frames, runs in microbench.alternating_per_size(
+            sizes,
+            cases,
+            repeats,
+            lambda c, elems, frames: _pass(prog, c, cpus, elems, workers, slots, rounds, frames),
+            workers,
+            slots,
+            rounds,
+            progress,
+        ):
             base = len(frames) / statistics.median(b for b, _ in runs[cases[0]]) * 1e9
             out += [_row(c, elems, workers, len(frames), runs[c], base) for c in cases]
     finally:

@@ -193,6 +193,16 @@ def alternating(keys, passes: int, run_one, after_pass=None) -> dict:
     return runs
 
 
+def alternating_per_size(sizes, keys, passes: int, run_one, workers, slots, rounds, progress=None):
+    """For each size k of `sizes`, the bench stream of k (stream(k, workers, slots, rounds))
+    and alternating() of `passes` over `keys` on it, each run run_one(key, k, frames);
+    progress(k, pass, passes) after each pass. Yields (k, frames, {key: [result per pass]})."""
+    for k in sizes:
+        frames = stream(k, workers, slots, rounds)
+        after = (lambda p: progress(k, p + 1, passes)) if progress else None
+        yield k, frames, alternating(keys, passes, lambda key: run_one(key, k, frames), after)
+
+
 def measure_pass(
     prog, k: int, workers: int, slots: int, rounds: int, frames: list[bytes], kind: str = "group"
 ) -> float:

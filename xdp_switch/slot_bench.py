@@ -70,11 +70,15 @@ def run(sizes=(256, 768), workers: int = 4, slots: int = 64, rounds: int = 20, r
     loader.prepare_test_runs(cp)
     out = []
     try:
-        for k in sizes:
-            frames = microbench.stream(k, workers, slots, rounds)
-            runs = microbench.alternating(
-                progs, repeats, lambda m: _pass(progs[m], m, k, workers, slots, rounds, frames)
-            )
+        for k, frames, runs in microbench.alternating_per_size(
+            sizes,
+            progs,
+            repeats,
+            lambda m, k, frames: _pass(progs[m], m, k, workers, slots, rounds, frames),
+            workers,
+            slots,
+            rounds,
+        ):
             steer = microbench.measure(cp.progs[loader.PROG_STEER], frames)
             for m, ns in runs.items():
                 extra = steer if m == "cpumap" else 0.0

@@ -430,15 +430,9 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
         self._count("reduce_scatter_tensor", (output, input, opts), {})
         return self._gloo_reduce_scatter(output, input, opts)
 
-    def _reduce_scatter_base(
-        self,
-        output: torch.Tensor,
-        input: torch.Tensor,
-        opts: dist.ReduceScatterOptions | None = None,
-    ) -> Work:
-        """reduce_scatter_tensor by torch's older name."""
-        self._count("reduce_scatter_tensor", (output, input, opts), {})
-        return self._gloo_reduce_scatter(output, input, opts)
+    # reduce_scatter_tensor by torch's older name. torch's stub names that entry's parameters
+    # outputTensor and inputTensor; c10d calls it with positional arguments only
+    _reduce_scatter_base = reduce_scatter_single  # type: ignore[assignment]
 
     def _gloo_reduce_scatter(
         self,

@@ -78,6 +78,15 @@ WORKER_METRICS = {
     "dropped": ("worker_drops", "Packets of the worker dropped as malformed (any drop reason)."),
 }
 
+# Per-job gauges of the control endpoint (xdp_agg.ctl.server.JobOverview's fields):
+# field -> (metric name, help).
+ENDPOINT_JOB_METRICS = {
+    "world_size": ("endpoint_world_size", "Ranks the job was created for."),
+    "registered": ("endpoint_registered_ranks", "Ranks registered and present."),
+    "missing": ("endpoint_missing_ranks", "Ranks not registered yet."),
+    "gone": ("endpoint_gone_ranks", "Ranks that left or whose connection closed."),
+}
+
 
 class SwitchmlStats(Protocol):
     """What the metrics read of the SwitchML controller API (xdp_agg.ctl.switchml_grpc's
@@ -188,19 +197,15 @@ class AggregatorCollector(Collector):
 
     # --- the control endpoint -------------------------------------------------------------------
     def _endpoint(self) -> list[Metric]:
-        if self.sources.endpoint is None:
-            return []
-        ov = self.sources.endpoint.overview()
+        ov = self.sources.endpoint.overview()  # not None: _readers asked
         fams = _endpoint_families()
         states = {"registering": 0, "ready": 0, "closing": 0}
         for j in ov.jobs:
             states[j.state] = states.get(j.state, 0) + 1
             jid = str(j.job_id)
             fams["info"].add_metric([jid, j.key], 1)
-            fams["world_size"].add_metric([jid], j.world_size)
-            fams["registered"].add_metric([jid], j.registered)
-            fams["missing"].add_metric([jid], j.missing)
-            fams["gone"].add_metric([jid], j.gone)
+            for field in ENDPOINT_JOB_METRICS:
+                fams[field].add_metric([jid], getattr(j, field))
         for state, n in states.items():
             fams["jobs"].add_metric([state], n)
         for kind, n in ov.refusals.items():
@@ -211,9 +216,7 @@ class AggregatorCollector(Collector):
 
     # --- the SwitchML controller API ----------------------------------------------------------
     def _switchml(self) -> list[Metric]:
-        if self.sources.switchml is None:
-            return []
-        st = self.sources.switchml.stats()
+        st = self.sources.switchml.stats()  # not None: _readers asked
         fams = _switchml_families()
         for key, fam in fams.items():
             if key not in ("ended", "refusals"):
@@ -343,10 +346,7 @@ def _endpoint_families() -> dict[str, Metric]:
     return {
         "jobs": _gauge("endpoint_jobs", "Jobs at the control endpoint, by state.", ["state"]),
         "info": _gauge("endpoint_job_info", "A live job's name (value 1).", [*job, "name"]),
-        "world_size": _gauge("endpoint_world_size", "Ranks the job was created for.", job),
-        "registered": _gauge("endpoint_registered_ranks", "Ranks registered and present.", job),
-        "missing": _gauge("endpoint_missing_ranks", "Ranks not registered yet.", job),
-        "gone": _gauge("endpoint_gone_ranks", "Ranks that left or whose connection closed.", job),
+        **{f: _gauge(name, doc, job) for f, (name, doc) in ENDPOINT_JOB_METRICS.items()},
         "refusals": _counter(
             "endpoint_refusals", "Requests and connections refused, by kind.", ["kind"]
         ),

@@ -148,6 +148,17 @@ def _results_field():
     )
 
 
+def _tree_workers_field(help: str):
+    """--tree-workers of a rack (serve and job create): all workers under the root aggregator,
+    by which the hosts scale floats; `help` says what the command does with it."""
+    return opt("--tree-workers", type=click.IntRange(1, MAX_TREE_TOTAL), help=help)
+
+
+def _parent_mac_field(help: str):
+    """--parent-mac of a rack (serve and job create): the next hop toward the parent."""
+    return opt("--parent-mac", help=help)
+
+
 def _check_group_choice(group_ip, results) -> None:
     if group_ip is not None and results is not None:
         raise ValueError("give either --group (one address for every job) or --results")
@@ -305,16 +316,12 @@ class ServeOptions:
         type=click.IntRange(1, limits.MAX_WORKERS),
         help="With --parent-endpoint: racks under the parent (its jobs' world size).",
     )
-    tree_workers: int | None = opt(
-        "--tree-workers",
-        type=click.IntRange(1, MAX_TREE_TOTAL),
-        help="With --parent-endpoint: workers under the root, for float scaling "
-        "(default: racks x this job's workers).",
+    tree_workers: int | None = _tree_workers_field(
+        "With --parent-endpoint: workers under the root, for float scaling (default: racks x "
+        "this job's workers)."
     )
-    parent_mac: str | None = opt(
-        "--parent-mac",
-        help="With --parent-endpoint: the next hop toward the parent (default: the parent's own "
-        "MAC).",
+    parent_mac: str | None = _parent_mac_field(
+        "With --parent-endpoint: the next hop toward the parent (default: the parent's own MAC)."
     )
     parent_secret_file: str | None = opt(
         "--parent-secret-file",
@@ -433,8 +440,8 @@ class JobOptions:
         help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "
         "slots go there as this aggregator's contribution.",
     )
-    parent_mac: str | None = opt(
-        "--parent-mac", help="With --parent-address: MAC of the parent (next hop)."
+    parent_mac: str | None = _parent_mac_field(
+        "With --parent-address: MAC of the parent (next hop)."
     )
     parent_slot_base: int | None = opt(
         "--parent-slots",
@@ -452,10 +459,8 @@ class JobOptions:
         type=click.IntRange(1, 65535),
         help="With --parent-address: our workers' UDP port, where the parent's results go down.",
     )
-    total_workers: int | None = opt(
-        "--tree-workers",
-        type=click.IntRange(1, MAX_TREE_TOTAL),
-        help="With --parent-address: workers under the root (the hosts' float scaling).",
+    total_workers: int | None = _tree_workers_field(
+        "With --parent-address: workers under the root (the hosts' float scaling)."
     )
 
     def check(self) -> None:

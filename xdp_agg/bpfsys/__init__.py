@@ -52,148 +52,98 @@ def _bpf(cmd: int, attr: ct.Structure) -> int:
     return ret
 
 
+_U8, _U32, _U64 = ct.c_uint8, ct.c_uint32, ct.c_uint64
+
+
+def _fields(*runs: tuple[type, str]) -> list[tuple[str, type]]:
+    """A ctypes _fields_ list from runs of members of one type, in the kernel header's order:
+    (_U32, "map_fd pad0") is two __u32 members, as the header's `__u32 map_fd; __u32 pad0;`."""
+    return [(name, ctype) for ctype, names in runs for name in names.split()]
+
+
 class _MapCreate(ct.Structure):
-    _fields_ = [
-        ("map_type", ct.c_uint32),
-        ("key_size", ct.c_uint32),
-        ("value_size", ct.c_uint32),
-        ("max_entries", ct.c_uint32),
-        ("map_flags", ct.c_uint32),
-        ("inner_map_fd", ct.c_uint32),
-        ("numa_node", ct.c_uint32),
-        ("map_name", ct.c_char * 16),
-        ("pad", ct.c_uint8 * 48),
-    ]
+    _fields_ = _fields(
+        (_U32, "map_type key_size value_size max_entries map_flags inner_map_fd numa_node"),
+        (ct.c_char * 16, "map_name"),
+        (_U8 * 48, "pad"),
+    )
 
 
 class _ProgLoad(ct.Structure):
-    _fields_ = [
-        ("prog_type", ct.c_uint32),
-        ("insn_cnt", ct.c_uint32),
-        ("insns", ct.c_uint64),
-        ("license", ct.c_uint64),
-        ("log_level", ct.c_uint32),
-        ("log_size", ct.c_uint32),
-        ("log_buf", ct.c_uint64),
-        ("kern_version", ct.c_uint32),
-        ("prog_flags", ct.c_uint32),
-        ("prog_name", ct.c_char * 16),
-        ("prog_ifindex", ct.c_uint32),
-        ("expected_attach_type", ct.c_uint32),
-        ("prog_btf_fd", ct.c_uint32),
-        ("func_info_rec_size", ct.c_uint32),
-        ("func_info", ct.c_uint64),
-        ("func_info_cnt", ct.c_uint32),
-        ("pad", ct.c_uint8 * 64),
-    ]
+    _fields_ = _fields(
+        (_U32, "prog_type insn_cnt"),
+        (_U64, "insns license"),
+        (_U32, "log_level log_size"),
+        (_U64, "log_buf"),
+        (_U32, "kern_version prog_flags"),
+        (ct.c_char * 16, "prog_name"),
+        (_U32, "prog_ifindex expected_attach_type prog_btf_fd func_info_rec_size"),
+        (_U64, "func_info"),
+        (_U32, "func_info_cnt"),
+        (_U8 * 64, "pad"),
+    )
 
 
 class _MapElem(ct.Structure):
-    _fields_ = [
-        ("map_fd", ct.c_uint32),
-        ("pad0", ct.c_uint32),
-        ("key", ct.c_uint64),
-        ("value", ct.c_uint64),
-        ("flags", ct.c_uint64),
-    ]
+    _fields_ = _fields((_U32, "map_fd pad0"), (_U64, "key value flags"))
 
 
 class _ObjPin(ct.Structure):
-    _fields_ = [
-        ("pathname", ct.c_uint64),
-        ("bpf_fd", ct.c_uint32),
-        ("file_flags", ct.c_uint32),
-        ("pad", ct.c_uint8 * 8),
-    ]
+    _fields_ = _fields((_U64, "pathname"), (_U32, "bpf_fd file_flags"), (_U8 * 8, "pad"))
 
 
 class _TestRun(ct.Structure):
-    _fields_ = [
-        ("prog_fd", ct.c_uint32),
-        ("retval", ct.c_uint32),
-        ("data_size_in", ct.c_uint32),
-        ("data_size_out", ct.c_uint32),
-        ("data_in", ct.c_uint64),
-        ("data_out", ct.c_uint64),
-        ("repeat", ct.c_uint32),
-        ("duration", ct.c_uint32),
-        ("ctx_size_in", ct.c_uint32),
-        ("ctx_size_out", ct.c_uint32),
-        ("ctx_in", ct.c_uint64),
-        ("ctx_out", ct.c_uint64),
-        ("flags", ct.c_uint32),
-        ("cpu", ct.c_uint32),
-        ("batch_size", ct.c_uint32),
-        ("pad", ct.c_uint32),
-    ]
+    _fields_ = _fields(
+        (_U32, "prog_fd retval data_size_in data_size_out"),
+        (_U64, "data_in data_out"),
+        (_U32, "repeat duration ctx_size_in ctx_size_out"),
+        (_U64, "ctx_in ctx_out"),
+        (_U32, "flags cpu batch_size pad"),
+    )
 
 
 class _InfoByFd(ct.Structure):
-    _fields_ = [("bpf_fd", ct.c_uint32), ("info_len", ct.c_uint32), ("info", ct.c_uint64)]
+    _fields_ = _fields((_U32, "bpf_fd info_len"), (_U64, "info"))
 
 
 class ProgInfo(ct.Structure):
     """struct bpf_prog_info, the leading fields we read."""
 
-    _fields_ = [
-        ("type", ct.c_uint32),
-        ("id", ct.c_uint32),
-        ("tag", ct.c_uint8 * 8),
-        ("jited_prog_len", ct.c_uint32),
-        ("xlated_prog_len", ct.c_uint32),
-        ("jited_prog_insns", ct.c_uint64),
-        ("xlated_prog_insns", ct.c_uint64),
-        ("load_time", ct.c_uint64),
-        ("created_by_uid", ct.c_uint32),
-        ("nr_map_ids", ct.c_uint32),
-        ("map_ids", ct.c_uint64),
-        ("name", ct.c_char * 16),
-        ("ifindex", ct.c_uint32),
-        ("gpl_compatible", ct.c_uint32),
-        ("netns_dev", ct.c_uint64),
-        ("netns_ino", ct.c_uint64),
-        ("nr_jited_ksyms", ct.c_uint32),
-        ("nr_jited_func_lens", ct.c_uint32),
-        ("jited_ksyms", ct.c_uint64),
-        ("jited_func_lens", ct.c_uint64),
-        ("btf_id", ct.c_uint32),
-        ("func_info_rec_size", ct.c_uint32),
-        ("func_info", ct.c_uint64),
-        ("nr_func_info", ct.c_uint32),
-        ("nr_line_info", ct.c_uint32),
-        ("line_info", ct.c_uint64),
-        ("jited_line_info", ct.c_uint64),
-        ("nr_jited_line_info", ct.c_uint32),
-        ("line_info_rec_size", ct.c_uint32),
-        ("jited_line_info_rec_size", ct.c_uint32),
-        ("nr_prog_tags", ct.c_uint32),
-        ("prog_tags", ct.c_uint64),
-        ("run_time_ns", ct.c_uint64),  # with kernel.bpf_stats_enabled = 1 only
-        ("run_cnt", ct.c_uint64),
-        ("recursion_misses", ct.c_uint64),
-        ("verified_insns", ct.c_uint32),  # instructions the verifier processed (kernel 5.16+)
-        ("pad", ct.c_uint8 * 64),
-    ]
+    _fields_ = _fields(
+        (_U32, "type id"),
+        (_U8 * 8, "tag"),
+        (_U32, "jited_prog_len xlated_prog_len"),
+        (_U64, "jited_prog_insns xlated_prog_insns load_time"),
+        (_U32, "created_by_uid nr_map_ids"),
+        (_U64, "map_ids"),
+        (ct.c_char * 16, "name"),
+        (_U32, "ifindex gpl_compatible"),
+        (_U64, "netns_dev netns_ino"),
+        (_U32, "nr_jited_ksyms nr_jited_func_lens"),
+        (_U64, "jited_ksyms jited_func_lens"),
+        (_U32, "btf_id func_info_rec_size"),
+        (_U64, "func_info"),
+        (_U32, "nr_func_info nr_line_info"),
+        (_U64, "line_info jited_line_info"),
+        (_U32, "nr_jited_line_info line_info_rec_size jited_line_info_rec_size nr_prog_tags"),
+        # run_time_ns and run_cnt: counted with kernel.bpf_stats_enabled = 1 only
+        (_U64, "prog_tags run_time_ns run_cnt recursion_misses"),
+        (_U32, "verified_insns"),  # instructions the verifier processed (kernel 5.16+)
+        (_U8 * 64, "pad"),
+    )
 
 
 class MapInfo(ct.Structure):
     """struct bpf_map_info, the leading fields we read."""
 
-    _fields_ = [
-        ("type", ct.c_uint32),
-        ("id", ct.c_uint32),
-        ("key_size", ct.c_uint32),
-        ("value_size", ct.c_uint32),
-        ("max_entries", ct.c_uint32),
-        ("map_flags", ct.c_uint32),
-        ("name", ct.c_char * 16),
-        ("ifindex", ct.c_uint32),
-        ("btf_vmlinux_value_type_id", ct.c_uint32),
-        ("netns_dev", ct.c_uint64),
-        ("netns_ino", ct.c_uint64),
-        ("btf_id", ct.c_uint32),
-        ("pad", ct.c_uint8 * 64),
-    ]
+    _fields_ = _fields(
+        (_U32, "type id key_size value_size max_entries map_flags"),
+        (ct.c_char * 16, "name"),
+        (_U32, "ifindex btf_vmlinux_value_type_id"),
+        (_U64, "netns_dev netns_ino"),
+        (_U32, "btf_id"),
+        (_U8 * 64, "pad"),
+    )
 
 
 def possible_cpus() -> int:
@@ -386,14 +336,9 @@ def bpf_stats_enabled() -> bool:
 class XdpMd(ct.Structure):
     """struct xdp_md, as the test-run context."""
 
-    _fields_ = [
-        ("data", ct.c_uint32),
-        ("data_end", ct.c_uint32),
-        ("data_meta", ct.c_uint32),
-        ("ingress_ifindex", ct.c_uint32),
-        ("rx_queue_index", ct.c_uint32),
-        ("egress_ifindex", ct.c_uint32),
-    ]
+    _fields_ = _fields(
+        (_U32, "data data_end data_meta ingress_ifindex rx_queue_index egress_ifindex")
+    )
 
 
 def prog_test_run(

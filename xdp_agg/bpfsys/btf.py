@@ -15,6 +15,8 @@ import ctypes as ct
 import struct
 from dataclasses import dataclass
 
+from . import _U8, _U32, _U64, _fields
+
 BTF_MAGIC = 0xEB9F
 BTF_KIND_INT, BTF_KIND_FUNC, BTF_KIND_FUNC_PROTO = 1, 12, 13
 BTF_FUNC_STATIC, BTF_FUNC_GLOBAL = 0, 1
@@ -64,14 +66,9 @@ def encode(funcs: list[Func]) -> tuple[bytes, list[int]]:
 
 
 class _BtfLoad(ct.Structure):
-    _fields_ = [
-        ("btf", ct.c_uint64),
-        ("btf_log_buf", ct.c_uint64),
-        ("btf_size", ct.c_uint32),
-        ("btf_log_size", ct.c_uint32),
-        ("btf_log_level", ct.c_uint32),
-        ("pad", ct.c_uint8 * 36),
-    ]
+    _fields_ = _fields(
+        (_U64, "btf btf_log_buf"), (_U32, "btf_size btf_log_size btf_log_level"), (_U8 * 36, "pad")
+    )
 
 
 def load(blob: bytes) -> int:

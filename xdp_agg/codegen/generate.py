@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from xdp_agg.proto import keys, reasons, wire
@@ -19,10 +20,12 @@ from xdp_agg.proto.jobs import Delivery
 
 from . import abi
 from . import p4 as p4gen
-from .headers import header
+from .headers import generates
 
 ROOT = Path(__file__).resolve().parents[2]  # the repository: xdp_agg/codegen/ is two below
 
+# generated file -> its text (the functions below, as @generates registers them; then p4's)
+GENERATED: dict[str, Callable[[], str]] = {}
 _C_UINT = {1: "__u8", 2: "__be16", 4: "__be32"}
 _C_SINT = {1: "__s8"}
 
@@ -31,8 +34,9 @@ def _c_member_type(m: wire.Member) -> str:
     return (_C_SINT if m.signed else _C_UINT)[m.nbytes]
 
 
-def wire_h() -> str:
-    """bpf/generated/wire.h: constants, packed header structs and sub-byte field accessors."""
+@generates(GENERATED, "bpf/generated/wire.h", "xdp_agg/proto/wire.py", "XDP_AGG_WIRE_H")
+def wire_h() -> list[str]:
+    """Constants, packed header structs and sub-byte field accessors."""
     L: list[str] = []
     consts = [
         ("SML_UDP_PORT", hex(wire.UDP_PORT), "aggregator base UDP port"),
@@ -101,11 +105,14 @@ def wire_h() -> str:
                     f"((((h)->{m.name}) >> {shift}) & {hex((1 << width) - 1)})"
                 )
         L.append("")
-    return header("xdp_agg/proto/wire.py", "XDP_AGG_WIRE_H", L)
+    return L
 
 
-def abi_h() -> str:
-    """bpf/generated/abi.h: limits, reasons, and the structures of the maps."""
+@generates(
+    GENERATED, "bpf/generated/abi.h", "xdp_agg/codegen/abi.py and xdp_agg.proto", "XDP_AGG_ABI_H"
+)
+def abi_h() -> list[str]:
+    """limits, reasons, and the structures of the maps."""
     L: list[str] = []
     for name, (value, doc) in abi.CONSTANTS.items():
         L.append(f"#define {name} {value} /* {doc} */")
@@ -138,11 +145,12 @@ def abi_h() -> str:
             L.append(f"\t{f.ctype} {f.name}{arr}; /* {f.doc} */")
         L.append("};")
         L.append("")
-    return header("xdp_agg/codegen/abi.py and xdp_agg.proto", "XDP_AGG_ABI_H", L)
+    return L
 
 
-def wire_p4() -> str:
-    """p4/include/wire.p4: the same headers and constants for P4_16."""
+@generates(GENERATED, "p4/include/wire.p4", "xdp_agg/proto/wire.py", "_XDP_AGG_WIRE_P4_")
+def wire_p4() -> list[str]:
+    """The same headers and constants for P4_16."""
     L: list[str] = []
     L.append(f"const bit<16> SML_UDP_PORT = {hex(wire.UDP_PORT)};")
     L.append(f"const bit<16> SML_UDP_PORT_MASK = {hex(wire.UDP_PORT_MASK)};")
@@ -171,7 +179,7 @@ def wire_p4() -> str:
             L.append(f"    bit<{f.bits}> {f.name}; // {f.doc}")
         L.append("}")
         L.append("")
-    return header("xdp_agg/proto/wire.py", "_XDP_AGG_WIRE_P4_", L)
+    return L
 
 
 # the wire constants the C fast path uses: (name in xdp_agg.proto.wire, C macro, what it is)
@@ -186,8 +194,9 @@ FASTPATH_WIRE = (
 )
 
 
-def fastpath_wire_h() -> str:
-    """hostlib/fp_wire.h: the wire constants of the C fast path, and FP_WIRE_CONSTANTS(X), the
+@generates(GENERATED, "hostlib/fp_wire.h", "xdp_agg/proto/wire.py", "HOSTLIB_FP_WIRE_H")
+def fastpath_wire_h() -> list[str]:
+    """The wire constants of the C fast path, and FP_WIRE_CONSTANTS(X), the
     list the extension exports for hostlib.native_loop to check against xdp_agg.proto.wire."""
     L = []
     for name, macro, doc in FASTPATH_WIRE:
@@ -200,16 +209,10 @@ def fastpath_wire_h() -> str:
         "#define FP_WIRE_CONSTANTS(X) "
         + " ".join(f"X({name}, {macro})" for name, macro, _ in FASTPATH_WIRE)
     )
-    return header("xdp_agg/proto/wire.py", "HOSTLIB_FP_WIRE_H", L)
+    return L
 
 
-GENERATED = {
-    "bpf/generated/wire.h": wire_h,
-    "hostlib/fp_wire.h": fastpath_wire_h,
-    "bpf/generated/abi.h": abi_h,
-    "p4/include/wire.p4": wire_p4,
-    **p4gen.GENERATED,  # the P4 program's per-element parts and reasons
-}
+GENERATED.update(p4gen.GENERATED)  # the P4 program's per-element parts and reasons
 
 
 def drift() -> list[str]:

@@ -26,9 +26,11 @@ tests/test_codegen.py fails when they drift.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from xdp_agg.proto import limits, reasons, wire
 
-from .headers import header
+from .headers import generates
 
 ELEMS_PER_HEADER = 32  # int32 fields in one payload header
 # Elements per packet the v1model program aggregates (size codes 0, 1 and 3); 256 in four passes.
@@ -39,14 +41,18 @@ PAYLOAD_HEADERS = max(P4_ELEMS) // ELEMS_PER_HEADER  # d0..d7: elements 32*h .. 
 PASSES = max(P4_ELEMS) // PASS_ELEMS  # passes of a 256-element packet (3 recirculations)
 TNA_MAX_WORKERS = 32  # workers per job on Tofino: a version's bitmap is one half of a pair
 
+# generated file -> its text (the functions below, as @generates registers them)
+GENERATED: dict[str, Callable[[], str]] = {}
+
 
 def field_name(i: int) -> str:
     """The field of element i within its payload header (d00..d31)."""
     return f"d{i % ELEMS_PER_HEADER:02d}"
 
 
-def abi_p4() -> str:
-    """p4/include/abi.p4: reasons and limits from abi.py."""
+@generates(GENERATED, "p4/include/abi.p4", "xdp_agg/codegen/abi.py", "_XDP_AGG_ABI_P4_")
+def abi_p4() -> list[str]:
+    """Reasons and limits from abi.py."""
     L: list[str] = []
     L.append(f"const bit<32> AGG_MAX_JOBS = {limits.MAX_JOBS}; // job ids 0..AGG_MAX_JOBS-1")
     L.append(
@@ -66,11 +72,12 @@ def abi_p4() -> str:
     for r in reasons.Reason:
         L.append(f"const bit<8> AGG_{r.name} = {int(r)};")
     L.append("")
-    return header("xdp_agg/codegen/abi.py", "_XDP_AGG_ABI_P4_", L)
+    return L
 
 
-def payload_p4() -> str:
-    """p4/include/payload.p4: the payload header and the element counts the program supports."""
+@generates(GENERATED, "p4/include/payload.p4", "xdp_agg/codegen/p4.py", "_XDP_AGG_PAYLOAD_P4_")
+def payload_p4() -> list[str]:
+    """The payload header and the element counts the program supports."""
     L: list[str] = []
     for n in P4_ELEMS:
         code = wire.size_code_for(n)
@@ -89,7 +96,7 @@ def payload_p4() -> str:
         L.append(f"    bit<32> {field_name(i)};")
     L.append("}")
     L.append("")
-    return header("xdp_agg/codegen/p4.py", "_XDP_AGG_PAYLOAD_P4_", L)
+    return L
 
 
 def elements_control(params: str, n: int, apply: list[str]) -> list[str]:
@@ -101,8 +108,9 @@ def elements_control(params: str, n: int, apply: list[str]) -> list[str]:
     return L
 
 
-def elements_v1model() -> str:
-    """p4/elements.p4: one Processor (register array) per element of a pass, v1model, and the
+@generates(GENERATED, "p4/elements.p4", "xdp_agg/codegen/p4.py", "_XDP_AGG_ELEMENTS_P4_")
+def elements_v1model() -> list[str]:
+    """One Processor (register array) per element of a pass, v1model, and the
     rotation of the payload headers that brings the next 64 elements of a folded packet to the
     Processors (d0, d1) for its next pass."""
     n = PASS_ELEMS
@@ -148,11 +156,12 @@ def elements_v1model() -> str:
         apply.append(f"            hdr.d{PAYLOAD_HEADERS - PASS_HEADERS + h} = t{h};")
     apply.append("        }")
     L += elements_control("inout headers_t hdr, in sml_metadata_t md", n, apply)
-    return header("xdp_agg/codegen/p4.py", "_XDP_AGG_ELEMENTS_P4_", L)
+    return L
 
 
-def elements_tna() -> str:
-    """p4/tna/elements.p4: one Processor per element pair (Tofino): Processor i keeps element i
+@generates(GENERATED, "p4/tna/elements.p4", "xdp_agg/codegen/p4.py", "_XDP_AGG_TNA_ELEMENTS_P4_")
+def elements_tna() -> list[str]:
+    """One Processor per element pair (Tofino): Processor i keeps element i
     of both payload headers of a pass in one register pair (one stateful ALU), as p4app-switchML's
     value00..value31, so a pass aggregates 64 elements."""
     L: list[str] = []
@@ -176,11 +185,17 @@ def elements_tna() -> str:
         for i in range(ELEMS_PER_HEADER)
     ]
     L += elements_control("inout header_t hdr, in switchml_md_t md", ELEMS_PER_HEADER, apply)
-    return header("xdp_agg/codegen/p4.py", "_XDP_AGG_TNA_ELEMENTS_P4_", L)
+    return L
 
 
-def worker_seen_entries_tna() -> str:
-    """p4/tna/worker_seen_entries.p4: the const entries of WorkersCounter.count (Tofino): one
+@generates(
+    GENERATED,
+    "p4/tna/worker_seen_entries.p4",
+    "xdp_agg/codegen/p4.py",
+    "_XDP_AGG_TNA_WORKER_SEEN_ENTRIES_P4_",
+)
+def worker_seen_entries_tna() -> list[str]:
+    """the const entries of WorkersCounter.count (Tofino): one
     per worker index w < TNA_MAX_WORKERS, matching a bitmap_before with bit w set (a
     retransmission). Included inside the table's `const entries` block."""
     L = [
@@ -190,11 +205,17 @@ def worker_seen_entries_tna() -> str:
         bit = f"32w{1 << w:#010x}"
         L.append(f"({w}, {bit} &&& {bit}): count_retransmission();")
     L.append("")
-    return header("xdp_agg/codegen/p4.py", "_XDP_AGG_TNA_WORKER_SEEN_ENTRIES_P4_", L)
+    return L
 
 
-def next_step_entries_tna() -> str:
-    """p4/tna/next_step_entries.p4: the const entries of NextStepSelector.next_step (Tofino),
+@generates(
+    GENERATED,
+    "p4/tna/next_step_entries.p4",
+    "xdp_agg/codegen/p4.py",
+    "_XDP_AGG_TNA_NEXT_STEP_ENTRIES_P4_",
+)
+def next_step_entries_tna() -> list[str]:
+    """the const entries of NextStepSelector.next_step (Tofino),
     keyed (size code, step, reason): the passes of next_step_selector.p4's table, one entry per
     pass that goes on or ends in a result; every other packet is dropped by the default."""
     done = ("AGG_COMPLETED", "AGG_RETX_ANSWERED")
@@ -221,14 +242,4 @@ def next_step_entries_tna() -> str:
     for r in done:
         L.append(f"(SML_SIZE_256, 15, {r}): {ending[r]}_harvested();")
     L.append("")
-    return header("xdp_agg/codegen/p4.py", "_XDP_AGG_TNA_NEXT_STEP_ENTRIES_P4_", L)
-
-
-GENERATED = {
-    "p4/include/abi.p4": abi_p4,
-    "p4/include/payload.p4": payload_p4,
-    "p4/elements.p4": elements_v1model,
-    "p4/tna/elements.p4": elements_tna,
-    "p4/tna/worker_seen_entries.p4": worker_seen_entries_tna,
-    "p4/tna/next_step_entries.p4": next_step_entries_tna,
-}
+    return L

@@ -281,38 +281,6 @@ class JobRegistry:
             self.changed()
 
     # --- for other front ends of the same registry (xdp_agg.ctl.switchml_grpc) -----------------
-    def open_job(
-        self,
-        holder: Holder,
-        key,
-        world,
-        elems,
-        window,
-        worker_port,
-        *,
-        port,
-        base,
-        unicast=False,
-    ) -> JobSpec:
-        """Create job `key` at aggregator port `port` and slots from `base`, held by `holder`
-        until end_job (no lease ends it); its spec. `unicast`: its results to each worker by
-        unicast where they would go to a group (hosts that join none). RequestError when it
-        cannot be (the port or slots taken)."""
-        with self.cond:
-            job = self._new_job(
-                holder,
-                key,
-                world,
-                elems,
-                window,
-                worker_port,
-                port=port,
-                base=base,
-                unicast=unicast,
-            )
-            job.leased = False
-            return job.spec
-
     def join_job(self, holder: Holder, key, rank, ip, port, mac, local) -> None:
         """Register rank `rank` of job `key` without waiting for the others (their barrier is
         the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
@@ -354,11 +322,13 @@ class JobRegistry:
                 f"create: worker_port {worker_port} leaves no room for {lanes} lanes"
             )
         with self.cond:
-            job = self._new_job(Holder.connection(conn), key, world, elems, window, worker_port)
+            holder = Holder.connection(conn)
+            self.open_job(holder, key, world, elems, window, worker_port, leased=True)
+            job = self.jobs[key]
             job.lanes = lanes
             return {"job": self.describe(job, local), "token": job.token}
 
-    def _new_job(
+    def open_job(
         self,
         holder: Holder,
         key,
@@ -370,36 +340,45 @@ class JobRegistry:
         port=None,
         base=None,
         unicast=False,
-    ):
-        """Create job `key` (lock held) held by `holder`: a free job id, the aggregator `port`
-        and first slot `base` given, else the first free port and the first fit of `window`
-        slots; RequestError saying why not."""
-        self._check_running()
-        if key in self.jobs:
-            old = self.jobs[key]
-            raise RequestError(
-                f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
-                f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
-                f"run at a time: pick another name or wait until the old run has left"
+        leased=False,
+    ) -> JobSpec:
+        """Create job `key` held by `holder`: a free job id, the aggregator `port` and first slot
+        `base` given, else the first free port and the first fit of `window` slots; its spec.
+        `unicast`: its results to each worker by unicast where they would go to a group (hosts
+        that join none). `leased`: xdp_agg.ctl.lease ends it when it is quiet (a job of op
+        create); else it lives until end_job. RequestError saying why it cannot be (the name,
+        the port or the slots taken)."""
+        with self.cond:
+            self._check_running()
+            if key in self.jobs:
+                old = self.jobs[key]
+                raise RequestError(
+                    f"job {key!r} already exists (job id {old.spec.job_id}, state {old.state}, "
+                    f"ranks registered: {sorted(old.ranks)}); a job name can be used by one "
+                    f"run at a time: pick another name or wait until the old run has left"
+                )
+            ids, ports, ranges = self._in_use()
+            job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
+            if job_id is None:
+                raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
+            port, base = self._place(ports, ranges, window, port, base)
+            spec = self._job_spec(key, job_id, world, elems, base, window, port, unicast)
+            try:
+                if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
+                    spec = self.backend.join_parent(
+                        key, spec, window=window, worker_port=worker_port
+                    )
+                self.backend.create_job(spec)
+            except ValueError as e:
+                raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
+            token = control.new_token()
+            job = _EndpointJob(
+                key, spec, world, window, worker_port, token=token, holders={holder}, leased=leased
             )
-        ids, ports, ranges = self._in_use()
-        job_id = next((i for i in range(MAX_JOBS) if i not in ids), None)
-        if job_id is None:
-            raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
-        port, base = self._place(ports, ranges, window, port, base)
-        spec = self._job_spec(key, job_id, world, elems, base, window, port, unicast)
-        try:
-            if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
-                spec = self.backend.join_parent(key, spec, window=window, worker_port=worker_port)
-            self.backend.create_job(spec)
-        except ValueError as e:
-            raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
-        token = control.new_token()
-        job = _EndpointJob(key, spec, world, window, worker_port, token=token, holders={holder})
-        self.jobs[key] = job
-        self.changed()
-        log.info("created job %r: %s", key, spec)
-        return job
+            self.jobs[key] = job
+            self.changed()
+            log.info("created job %r: %s", key, spec)
+            return job.spec
 
     def _place(self, ports, ranges, window, port, base) -> tuple[int, int]:
         """The aggregator port and first slot of a new job: `port`/`base` if given and free,

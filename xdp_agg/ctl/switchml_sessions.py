@@ -461,26 +461,15 @@ class SwitchmlApi:
                 "Barrier of 1 worker from a connection that has not called UdpSession: the one "
                 "rank of such a session calls UdpSession first (dpdk_backend.cc lines 122-125)",
             )
-        timeout = self.settings.barrier_timeout
-        deadline = time.monotonic() + timeout
-        self.waiting += 1
-        try:
-            while True:
-                s = self._session
-                if s is not None and not s.running and s.world == world:
-                    break
-                left = deadline - time.monotonic()
-                if left <= 0 or not caller.active():
-                    raise self._gone(caller) or ApiError(
-                        "timeout",
-                        f"Barrier of {world} workers before UdpSession: no session of {world} "
-                        f"workers was being set up within {timeout:g} s (rank 0 opens it with "
-                        "UdpSession before its first Barrier); start rank 0 with the same "
-                        "controller",
-                    )
-                self._cond.wait(left)
-        finally:
-            self.waiting -= 1
+        s = self._wait_for_session(
+            lambda s: s if s.world == world else None,
+            caller,
+            lambda timeout: (
+                f"Barrier of {world} workers before UdpSession: no session of "
+                f"{world} workers was being set up within {timeout:g} s (rank 0 opens it with "
+                "UdpSession before its first Barrier); start rank 0 with the same controller"
+            ),
+        )
         if caller.conn in s.passed_first:
             raise ApiError(
                 "precondition",
@@ -615,23 +604,33 @@ class SwitchmlApi:
     def _wait_for_root(self, world: int, root: int, caller: Caller) -> int:
         """A rank other than the root: the value of the session being set up with `world`
         workers whose root broadcast it, waited for (lock held)."""
+        return self._wait_for_session(
+            lambda s: s.broadcast[2] if s.broadcast and s.broadcast[:2] == (world, root) else None,
+            caller,
+            lambda timeout: (
+                f"Broadcast: no session of {world} workers was opened within "
+                f"{timeout:g} s by a root rank {root} that broadcast its id (rank 0's Broadcast, "
+                "then UdpSession); start rank 0 with the same controller"
+            ),
+        )
+
+    def _wait_for_session(self, found: Callable, caller: Caller, why: Callable[[float], str]):
+        """What found(s) gives for the session being set up (not running yet) once it gives
+        anything but None, waited for up to the barrier timeout (lock held; counted in
+        `waiting`). When the caller goes away: CANCELLED; when the time is up: "timeout",
+        saying why(timeout)."""
         timeout = self.settings.barrier_timeout
         deadline = time.monotonic() + timeout
         self.waiting += 1
         try:
             while True:
                 s = self._session
-                if s is not None and not s.running and s.broadcast is not None:
-                    if s.broadcast[:2] == (world, root):
-                        return s.broadcast[2]
+                got = found(s) if s is not None and not s.running else None
+                if got is not None:
+                    return got
                 left = deadline - time.monotonic()
                 if left <= 0 or not caller.active():
-                    raise self._gone(caller) or ApiError(
-                        "timeout",
-                        f"Broadcast: no session of {world} workers was opened within "
-                        f"{timeout:g} s by a root rank {root} that broadcast its id (rank 0's "
-                        "Broadcast, then UdpSession); start rank 0 with the same controller",
-                    )
+                    raise self._gone(caller) or ApiError("timeout", why(timeout))
                 self._cond.wait(left)
         finally:
             self.waiting -= 1
