@@ -526,16 +526,30 @@ static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, stru
  * then finish its addition after one that arrived later, which is the interleaving a completion
  * decided on the arrival count gets wrong (a fixed delay would keep arrival order). */
 #define AGG_TEST_RACE_SPINS 2048 /* ktime reads, each tens of ns: covers the delays the test uses */
+BPF_PERCPU_ARRAY(race_end, u64, 1); /* 0 -> when this CPU's race window ends (ktime ns) */
+
+/* The spin's callback (id AGG_CALLBACK_RACE_SPIN): 1, which ends bpf_loop, once the window's end
+ * has passed. Not static: the loader links it as it links the gather callbacks. */
+long agg_race_spin(u32 i)
+{
+	u32 zero = 0;
+	u64 *end = race_end.lookup(&zero);
+
+	return !end || bpf_ktime_get_ns() >= *end;
+}
+
 static __always_inline void race_window(void)
 {
-	u64 end = bpf_ktime_get_ns() + bpf_get_prandom_u32() % (AGG_TEST_RACE_DELAY + 1);
+	u32 zero = 0;
+	u64 *end = race_end.lookup(&zero);
 
-	/* verifier: a constant bound on the iterations (it walks each one); the clock ends the
-	 * loop earlier */
-	AGG_NO_UNROLL
-	for (u32 i = 0; i < AGG_TEST_RACE_SPINS; i++)
-		if (bpf_ktime_get_ns() >= end)
-			break;
+	if (!end)
+		return;
+	*end = bpf_ktime_get_ns() + bpf_get_prandom_u32() % (AGG_TEST_RACE_DELAY + 1);
+	/* verifier: a callback, verified as a whole at each call; a bounded loop of ktime reads
+	 * was walked iteration by iteration at every one, which took the sparse build past the
+	 * verifier's limit */
+	bpf_loop(AGG_TEST_RACE_SPINS, AGG_CALLBACK(AGG_CALLBACK_RACE_SPIN), NULL, 0);
 }
 #else
 #define race_window() \
