@@ -150,7 +150,7 @@ struct agg_worker_stats {
 	__u64 contributions; /* new contributions */
 	__u64 duplicates; /* retransmissions and duplicates */
 	__u64 answered; /* retransmissions answered with the stored result */
-	__u64 dropped; /* dropped as malformed (size, slot, type, length) */
+	__u64 dropped; /* dropped by a check (type, size, length, slot, checksum, sparse) */
 };
 
 #endif

@@ -198,7 +198,7 @@ WORKER_STATS = Struct(
         F("contributions", "__u64", "new contributions"),
         F("duplicates", "__u64", "retransmissions and duplicates"),
         F("answered", "__u64", "retransmissions answered with the stored result"),
-        F("dropped", "__u64", "dropped as malformed (size, slot, type, length)"),
+        F("dropped", "__u64", "dropped by a check (type, size, length, slot, checksum, sparse)"),
     ),
 )
 
