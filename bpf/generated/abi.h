@@ -102,6 +102,7 @@ struct agg_slot {
 	__u64 published[2]; /* per version: rounds whose result is stored */
 	__u64 up[2]; /* tree, per version: rounds complete here and sent up */
 	__u64 up_round[2]; /* tree, per version: tsi << 8 | job_number of the last sent up */
+	__u64 round_key[2]; /* sparse, per version: kind, block, blocks of the round in progress; 0 between rounds */
 };
 
 /* one CPU's partial sum: value of per-CPU map `partials`, key = slot * 2 + version */
@@ -110,6 +111,8 @@ struct agg_partial {
 	__s32 e0; /* max e0 of the contributions added here */
 	__s32 e1; /* max e1 of the contributions added here */
 	__u32 count; /* contributions of this round added here */
+	__u32 next; /* sparse: the smallest next added here (e0: the max of those naming it) */
+	__u32 has_data; /* sparse: 1 when a contribution with data was added here (sum) */
 	__u32 pad; /* 0 */
 	__s32 sum[2048]; /* partial sums, host order, each pair swapped (bpf/aggregate.h) */
 };
@@ -118,6 +121,9 @@ struct agg_partial {
 struct agg_result {
 	__s32 e0; /* max e0 */
 	__s32 e1; /* max e1 */
+	__u64 key; /* sparse: the round's kind, block and blocks (bpf/aggregate.h) */
+	__u32 next; /* sparse: the smallest next of the round */
+	__u32 has_data; /* sparse: 1 when a contribution carried data (else no payload) */
 	__be32 data[2048]; /* the sum, network order */
 };
 
@@ -144,7 +150,7 @@ struct agg_worker_stats {
 	__u64 contributions; /* new contributions */
 	__u64 duplicates; /* retransmissions and duplicates */
 	__u64 answered; /* retransmissions answered with the stored result */
-	__u64 dropped; /* dropped as malformed (size, slot, type, length) */
+	__u64 dropped; /* dropped by a check (type, size, length, slot, checksum, sparse) */
 };
 
 #endif

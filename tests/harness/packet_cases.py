@@ -1467,6 +1467,32 @@ def sparse_lengths(rng) -> list[Case]:
 
 
 @case
+def sparse_udp_checksum(rng) -> list[Case]:
+    """A sparse job that verifies UDP checksums: over the sparse header and the block (none for
+    an empty contribution); a wrong one is dropped before the sparse checks (row 10 before 11)."""
+    c = Case("sparse_udp_checksum", [sparse_job(n=3, udp_checksum=True)], workers(0, 3))
+    a, d = _vals(rng, 32), _vals(rng, 32)
+    w0 = sframe(0, 6, 10, a, slot=6, e0=3, udp_checksum=True)
+    w1 = sframe(1, 6, 8, slot=6, e0=5, udp_checksum=True)
+    w2 = sframe(2, 6, 12, d, slot=6, udp_checksum=True)
+    bad_next = bytearray(w1)  # next 8 -> 8 + 2^31: outside the tensor, and the checksum wrong
+    bad_next[wire.SWITCHML_OFFSET + wire.SPARSE_AT + 4] ^= 0x80
+    bad_block = bytearray(w2)
+    bad_block[wire.SWITCHML_OFFSET + wire.SPARSE_VALUES_AT + 3] ^= 0x01
+    no_sum = bytearray(w2)
+    no_sum[wire.SWITCHML_OFFSET - 2 : wire.SWITCHML_OFFSET] = b"\0\0"  # none sent: taken
+    c.steps = [
+        dropped("w0 data, right checksum", w0, Reason.AGGREGATED),
+        dropped("w1 empty, a bit of next flipped", bytes(bad_next), Reason.DROP_BAD_CHECKSUM),
+        dropped("w1 empty, right checksum", w1, Reason.AGGREGATED),
+        dropped("w2 data, a bit of the block flipped", bytes(bad_block), Reason.DROP_BAD_CHECKSUM),
+        sresult("w2 data, no checksum (0)", bytes(no_sum), _wrap(a + d), 6, 8, 5),
+        sanswer("w1 retransmits its empty", w1, _wrap(a + d), 6, 8, 5, sender=1),
+    ]
+    return [c]
+
+
+@case
 def sparse_sizes(rng) -> list[Case]:
     """Sparse rounds at 256 elements (p4app's size, folded in P4), with 40 workers, and at a
     jumbo size (multi-buffer in XDP)."""
