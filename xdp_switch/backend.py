@@ -29,7 +29,7 @@ from xdp_agg.proto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
 from . import slot_cpus as cpu_table
-from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
+from .ctl_maps import SPARSE_MAX_ELEMS, AggMaps, ip_str, mac_str, port_ntoh
 from .pins import TOPOLOGIES, XDP_MODES
 
 # The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
@@ -547,6 +547,11 @@ class XdpBackend:
         frags = self.state.options.get("frags") and self.state.topology != "switch"
         return tuple(sorted(n for n in wire.SIZE_CODE_ELEMS.values() if frags or n not in jumbo))
 
+    def sparse_elems(self) -> tuple[int, ...]:
+        """The sizes of elem_sizes() a sparse job may have: not the jumbo ones, whose results an
+        empty contribution's frame cannot grow into (xdp_switch/ctl_maps.py)."""
+        return tuple(n for n in self.elem_sizes() if n <= SPARSE_MAX_ELEMS)
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""
         self._follow()
@@ -554,11 +559,6 @@ class XdpBackend:
         self._created.add(spec.job_id)
         if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
             spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
-        if spec.sparse:  # issue 41: the model and the soft aggregator have them, XDP not yet
-            raise Refused(
-                f"job {spec.job_id}: the XDP program has no sparse rounds yet "
-                "(docs/protocol.md section 8): create the job dense"
-            )
         jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
         if spec.elems in jumbo and not self.state.options.get("frags"):
             raise Refused(

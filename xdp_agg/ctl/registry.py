@@ -20,7 +20,7 @@ from xdp_agg.proto import control, groups, wire
 from xdp_agg.proto.jobs import Delivery, JobDescription, JobSpec, WorkerSpec
 from xdp_agg.proto.limits import MAX_JOBS, MAX_WORKERS
 
-from .backend import ParentJoin, WorkerCounters
+from .backend import ParentJoin, WorkerCounters, sparse_elems
 from .fields import RequestError, float_field, int_field, request_key
 
 log = logging.getLogger("xdp_agg.ctl.server")
@@ -440,7 +440,9 @@ class JobRegistry:
                 group_ip=group_ip,
                 group_mac=group_mac,
                 udp_checksum=d.udp_checksum,
-                sparse=d.sparse,
+                # where the target runs sparse rounds at this size (XDP: not the jumbo ones);
+                # else dense, which the hosts read in the job description
+                sparse=d.sparse and elems in sparse_elems(self.backend),
             )
         except ValueError as e:
             raise RequestError(f"the aggregator refused job {key!r}: {e}") from None
