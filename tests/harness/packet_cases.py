@@ -1279,10 +1279,15 @@ def jumbo_cases(rng) -> list[Case]:
 BLOCKS = 40  # the tensor's blocks in the sparse cases
 
 
-def sframe(w: int, block: int, nxt: int, values=None, *, blocks=BLOCKS, k=32, **kw) -> bytes:
+def sframe(
+    w: int, block: int, nxt: int, values=None, *, blocks=BLOCKS, k=32, padded=False, **kw
+) -> bytes:
     """A sparse contribution of worker host `w` about `block`, naming its next non-zero block
-    `nxt`: with `values` (msg_type 2), or header-only (3) when they are None."""
+    `nxt`: with `values` (msg_type 2), or empty (3) when they are None: header only, or
+    `padded` with k zero int32 (room for a result, docs/protocol.md section 8.1)."""
     vals = () if values is None else values
+    if padded:
+        vals, kw["msg_type"] = np.zeros(k, dtype=np.int64), wire.MSG_TYPE_SPARSE_EMPTY
     sp = wire.Sparse(block, nxt, blocks)
     return frame(w, vals, size=wire.size_code_for(k), sparse=sp, **kw)
 
@@ -1447,17 +1452,19 @@ def sparse_bad_input(rng) -> list[Case]:
 
 @case
 def sparse_lengths(rng) -> list[Case]:
-    """A sparse packet's length follows its kind: 22 bytes for an empty one, 22 + 4k for one
-    with data; anything else is dropped as a dense packet's would be."""
+    """A sparse packet's length follows its kind: 22 bytes for an empty one (or 22 + 4k,
+    padded: sparse_padded_empties), 22 + 4k for one with data; anything else is dropped as a
+    dense packet's would be."""
     c = Case("sparse_lengths", [sparse_job(n=2, base=0, count=4)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
-    data, empty = sframe(0, 1, 5, a, slot=1), sframe(0, 1, 5, slot=1)
-    as_empty = bytearray(data)  # the type says empty, the frame carries a block
-    as_empty[wire.SWITCHML_OFFSET] = (wire.MSG_TYPE_SPARSE_EMPTY << 4) | 0
+    empty = sframe(0, 1, 5, slot=1)
+    # the type says empty, the frame carries 4 bytes more: neither header-only nor padded
+    ip, udp = wire.IPV4_HLEN + wire.UDP_HLEN, wire.UDP_HLEN
+    as_empty = relength(empty + bytes(4), ip_len=ip + 26, udp_len=udp + 26)
     as_data = bytearray(empty)  # the type says data, the frame ends after the sparse header
     as_data[wire.SWITCHML_OFFSET] = (wire.MSG_TYPE_SPARSE << 4) | 0
     c.steps = [
-        dropped("empty type, frame with data", bytes(as_empty), Reason.DROP_BAD_LENGTH),
+        dropped("empty type, 4 bytes more", as_empty, Reason.DROP_BAD_LENGTH),
         dropped("data type, header only", bytes(as_data), Reason.DROP_TRUNCATED),
         dropped("header cut", empty[:-2], Reason.DROP_TRUNCATED),
         dropped("w0 empty", empty, Reason.AGGREGATED),
@@ -1518,6 +1525,51 @@ def sparse_sizes(rng) -> list[Case]:
         sanswer("w0 re-requests", sframe(0, 2, 6, k=k, slot=2), _wrap(a), 2, 6, 0, sender=0),
     ]
     cases.append(c)
+    return cases
+
+
+@case
+def sparse_padded_empties(rng) -> list[Case]:
+    """Empty contributions padded to a block's length (docs/protocol.md 8.1: room for a result
+    with data, which XDP writes in place): their payload is not added, they complete a round
+    and are answered like header-only ones, the result as long as its kind says; any other
+    length of an empty contribution is a bad length."""
+    cases = []
+    for k in (32, 256, 768):
+        c = Case(f"sparse_padded_empties_k{k}", [sparse_job(n=3, elems=k)], workers(0, 3))
+        a = _vals(rng, k)
+        p0 = sframe(0, 2, 6, k=k, slot=2, padded=True, e0=4)
+        p2 = sframe(2, 2, 10, k=k, slot=2, padded=True, e0=9)
+        ones = bytearray(p2)  # padding that is not zero: still not added
+        ones[-4 * k :] = b"\x01" * (4 * k)
+        c.steps = [
+            dropped("w0 padded empty", p0, Reason.AGGREGATED),
+            dropped("w1 data", sframe(1, 2, 6, a, k=k, slot=2, e0=-2), Reason.AGGREGATED),
+            sresult("w2 padded empty completes", bytes(ones), _wrap(a), 2, 6, 4),
+            sanswer("w0 retransmits its padded empty", p0, _wrap(a), 2, 6, 4, sender=0),
+            dropped(
+                "w0 padded, 4 bytes short",
+                sframe(0, 6, 10, k=k, slot=2, version=1, padded=True)[:-4],
+                Reason.DROP_TRUNCATED,
+            ),
+            dropped(
+                "w0 padded empty",
+                sframe(0, 6, 10, k=k, slot=2, version=1, padded=True),
+                Reason.AGGREGATED,
+            ),  # fmt: skip
+            dropped(
+                "w1 header-only empty", sframe(1, 6, 8, k=k, slot=2, version=1), Reason.AGGREGATED
+            ),  # fmt: skip
+            sresult(
+                "w2 padded empty: an empty result",
+                sframe(2, 6, 10, k=k, slot=2, version=1, padded=True),
+                None,
+                6,
+                8,
+                0,
+            ),
+        ]
+        cases.append(c)
     return cases
 
 

@@ -243,6 +243,11 @@ class ServeOptions:
     udp_checksum: bool = flag(
         "--udp-checksum", "xdp: every job created verifies its contributions' UDP checksums."
     )
+    sparse: bool = flag(
+        "--sparse",
+        "xdp: every job created takes sparse all-reduces too, where the zero blocks stay home "
+        "(docs/protocol.md section 8; up to 768 elements per packet).",
+    )
     secret_file: str | None = opt(
         "--secret-file",
         type=click.Path(dir_okay=False),
@@ -434,6 +439,11 @@ class JobOptions:
         "--udp-checksum",
         "Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
         "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
+    )
+    sparse: bool = flag(
+        "--sparse",
+        "A sparse job: it takes sparse all-reduces too, where the zero blocks stay home "
+        "(docs/protocol.md section 8; up to 768 elements per packet).",
     )
     parent: str | None = opt(
         "--parent-address",

@@ -270,6 +270,8 @@ class ReferenceAggregator:
         need = wire.udp_payload_len(job.elems)
         if sparse:
             need = wire.sparse_payload_len(job.elems, ts >> 4 == wire.MSG_TYPE_SPARSE_EMPTY)
+            if udp_len == wire.UDP_HLEN + wire.sparse_payload_len(job.elems, False):
+                need = udp_len - wire.UDP_HLEN  # an empty one padded to a block's room (8.1)
         if len(payload) < need:
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED, job_id=job_id, worker=w)
         want_udp = wire.UDP_HLEN + need

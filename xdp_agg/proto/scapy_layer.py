@@ -16,7 +16,7 @@ import numpy as np
 from scapy.fields import BitField, FieldListField, SignedByteField, SignedIntField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
-from scapy.packet import Packet, bind_layers
+from scapy.packet import Packet, Raw, bind_layers
 
 from . import wire
 
@@ -111,7 +111,8 @@ def sml_frame(
     """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian).
     The UDP checksum is 0 (none, as results carry) unless `udp_checksum`. With `sparse`, a
     sparse message: msg_type 2 with `values`, or 3 (header only) without; `size` then gives the
-    size code (the job's) since an empty message has no values to count."""
+    size code (the job's) since an empty message has no values to count. msg_type 3 with
+    `values`: an empty message padded with them (docs/protocol.md section 8.1)."""
     vals = np.asarray(values, dtype=np.int64).astype(np.int32)
     if size is None:
         size = wire.size_code_for(len(vals))
@@ -123,7 +124,11 @@ def sml_frame(
     ints = [int(v) for v in vals]
     if sparse is not None:
         fields = dict(block=sparse.block, next=sparse.next, blocks=sparse.blocks)
-        exps = Exponents(e0=e0, e1=e1) / Sparse(**fields, values=ints)
+        if msg_type == wire.MSG_TYPE_SPARSE_EMPTY and ints:  # an empty one padded: raw bytes
+            pad = Raw(vals.astype(">i4").tobytes())
+            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields) / pad
+        else:
+            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields, values=ints)
     else:
         exps = Exponents(e0=e0, e1=e1, values=ints)
     return (

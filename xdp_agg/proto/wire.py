@@ -322,12 +322,14 @@ def build_sparse_payload(
     values=None,
     e0: int = 0,
     e1: int = 0,
+    padded: bool = False,
 ) -> bytes:
     """One sparse UDP payload (docs/protocol.md section 8): MSG_TYPE_SPARSE with the k int32 of
-    `values`, or the header-only MSG_TYPE_SPARSE_EMPTY when `values` is None."""
+    `values`, or MSG_TYPE_SPARSE_EMPTY when `values` is None: header only, or `padded` with k
+    zero int32 (room for a result with data, for an aggregator that cannot grow a frame)."""
     k = elems_for(size_code)
     empty = values is None
-    out = np.zeros(sparse_payload_len(k, empty), dtype=np.uint8)
+    out = np.zeros(sparse_payload_len(k, empty and not padded), dtype=np.uint8)
     hdr = out[:SPARSE_VALUES_AT].view(SPARSE_HDR_DTYPE)
     hdr["msg_type_size"] = type_size(MSG_TYPE_SPARSE_EMPTY if empty else MSG_TYPE_SPARSE, size_code)
     hdr["job_number"] = job_number & 0xFF
