@@ -175,6 +175,7 @@ def _engine(x: _Joined, opts: HostOptions, i: int, lane: int, lanes: int) -> Str
         spin=opts.spin,
         lane=lane,
         lanes=lanes,
+        pad_empty=desc.spec.pad_empty,
     )
     faults = opts.faults
     if faults is not None and i:  # independent losses per engine

@@ -172,6 +172,7 @@ class SparseLoop:
             blocks=t.B,
             values=values,
             e0=t.exponent(nxt),
+            padded=self.state.cfg.pad_empty,
         )
         assert values is None or len(row) == wire.sparse_payload_len(k, False)
         sl.rows[s] = row

@@ -98,6 +98,8 @@ class EngineConfig:
     # lanes' sockets share one UMEM on the interface queue (hostlib/_xsk.c)
     lane: int = 0
     lanes: int = 1
+    # a sparse job's empty contributions carry a block's room of zeros (JobSpec.pad_empty)
+    pad_empty: bool = False
 
 
 @dataclass

@@ -165,6 +165,7 @@ def _check_capabilities(backend, job_id: int) -> set[str]:
     if "SparseJobs" in checked:
         sizes = backend.sparse_elems()
         assert set(sizes) <= set(contract.elem_sizes(backend)), sizes
+        assert backend.pads_empty() in (True, False)
     if "ProgramStats" in checked:
         st = backend.program_stats()
         assert st is None or json.loads(json.dumps(st.to_dict())) == st.to_dict()

@@ -31,7 +31,9 @@ JOB = 3
 class Workers:
     """n engines on a sparse job of a SoftAggregator, all-reducing together in threads."""
 
-    def __init__(self, agg: SoftAggregator, prefix: str, n: int, window: int, faults=None):
+    def __init__(
+        self, agg: SoftAggregator, prefix: str, n: int, window: int, faults=None, pad=False
+    ):
         port = wire.UDP_PORT + 1
         agg.create_job(
             JobSpec(JOB, n, K, slot_base=4, slot_count=window, agg_port=port, sparse=True)
@@ -41,7 +43,10 @@ class Workers:
             sock = DatagramSocket((f"{prefix}.{10 + i}", 0))
             ip, p = sock.address
             agg.add_worker(WorkerSpec(JOB, i, ip, p, agg_port=port))
-            cfg = EngineConfig(JOB, n, K, 4, window, (f"{prefix}.1", port), native=False, rto=0.005)
+            cfg = EngineConfig(
+                JOB, n, K, 4, window, (f"{prefix}.1", port), native=False, rto=0.005,
+                pad_empty=pad,
+            )  # fmt: skip
             f = Faults(**faults, seed=i) if faults else None
             self.engines.append(StreamEngine(sock, cfg, f))
 
@@ -77,8 +82,8 @@ def cluster():
     agg = SoftAggregator(f"{prefix}.1").start()
     made: list[Workers] = []
 
-    def make(n: int, window: int = 8, faults=None) -> Workers:
-        w = Workers(agg, prefix, n, window, faults)
+    def make(n: int, window: int = 8, faults=None, pad=False) -> Workers:
+        w = Workers(agg, prefix, n, window, faults, pad)
         made.append(w)
         return w
 
@@ -379,3 +384,17 @@ def test_bad_sparse_contributions_are_counted_in_the_metrics(cluster):
     for reason, n in (("drop_sparse_range", 2), ("drop_sparse_mismatch", 1)):
         line = f'xdpagg_drops_total{{job_id="{JOB}",reason="{reason}",target="soft"}} {n}.0'
         assert line in text, [t for t in text.splitlines() if "sparse" in t]
+
+
+def test_padded_empties(cluster):
+    """A job whose hosts pad their empty contributions (JobSpec.pad_empty, for XDP): the same
+    sums, and every contribution is a block long."""
+    make, agg = cluster
+    rng = np.random.default_rng(21)
+    w = make(3, window=4, pad=True)
+    xs = blocky(rng, 3, 30, 0.2, False, np.int32)
+    for o in w.allreduce(xs, sparse=True):
+        np.testing.assert_array_equal(o, wrapped_sum(xs))
+    st = w.engines[0].stats
+    assert st["empty_sent"] > 0
+    assert st["bytes_sent"] == st["packets_sent"] * wire.sparse_payload_len(K, False)

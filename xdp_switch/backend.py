@@ -552,6 +552,11 @@ class XdpBackend:
         empty contribution's frame cannot grow into (xdp_switch/ctl_maps.py)."""
         return tuple(n for n in self.elem_sizes() if n <= SPARSE_MAX_ELEMS)
 
+    def pads_empty(self) -> bool:
+        """Yes: a result is written into the frame that completes or asks, which
+        bpf_xdp_adjust_tail grows within its buffer only (on veth: not at all)."""
+        return True
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""
         self._follow()

@@ -180,6 +180,10 @@ class SparseJobs(Protocol):
     def sparse_elems(self) -> tuple[int, ...]:
         """The packet sizes (int32 per packet) at which it runs sparse jobs, ascending."""
 
+    def pads_empty(self) -> bool:
+        """Whether its sparse jobs need empty contributions padded to a block's length (it
+        writes a result into the packet that completes or asks, and cannot grow one)."""
+
 
 CAPABILITIES = (
     JobCounters,

@@ -215,6 +215,10 @@ class TreeBackend:
         """None: a rack job has a parent, and two levels are dense only (JobSpec)."""
         return ()
 
+    def pads_empty(self) -> bool:
+        """No sparse jobs (sparse_elems): nothing to pad."""
+        return False
+
     def generation(self):
         """The inner backend's generation (None where it has none)."""
         return self.inner.generation() if isinstance(self.inner, Generation) else None

@@ -67,6 +67,9 @@ class JobSpec:
     # A sparse job (docs/protocol.md section 8) takes sparse contributions (msg_type 2 and 3) as
     # well as dense ones, a round's first contribution deciding which; a dense job drops them.
     sparse: bool = False
+    # A sparse job whose hosts pad their empty contributions to a block's length (8.1): room
+    # for a result with data, for a target that cannot grow a frame in place (XDP).
+    pad_empty: bool = False
 
     def __post_init__(self) -> None:
         wire.size_code_for(self.elems)  # raises on a size that is not on the wire
