@@ -327,47 +327,22 @@ def test_bad_sparse_contributions_are_counted_in_the_metrics(cluster):
     raw.bind((ip, port))
     dest = w.engines[0].state.cfg.data_address
 
-    def send(block, nxt, blocks=10, data=True, version=0):
-        vals = np.full(K, 5, np.int32) if data else None
-        raw.sendto(
-            wire.build_sparse_payload(
-                job_number=0,
-                size_code=wire.size_code_for(K),
-                tsi=0,
-                slot=4,
-                version=version,
-                block=block,
-                next=nxt,
-                blocks=blocks,
-                values=vals,
-            ),  # fmt: skip
-            dest,
-        )
+    def payload(block: int, nxt: int, value: int, blocks: int = 10) -> bytes:
+        """A data contribution to slot 4 (the job's first), version 0, every element `value`."""
+        return wire.Message(
+            wire.MSG_TYPE_SPARSE, wire.size_code_for(K), 0, 0, 4, 0, 0, 0,
+            np.full(K, value, np.int32), sparse=wire.Sparse(block, nxt, blocks),
+        ).to_bytes()  # fmt: skip
 
     try:
-        send(10, 10)  # block = blocks: outside the tensor
-        send(0, 11)  # next beyond it
-        send(4, 2)  # next backwards
-        send(4, 6)  # a good one: the round of slot 4 is at block 4
+        raw.sendto(payload(10, 10, 5), dest)  # block = blocks: outside the tensor
+        raw.sendto(payload(0, 11, 5), dest)  # next beyond it
+        raw.sendto(payload(4, 2, 5), dest)  # next backwards
+        raw.sendto(payload(4, 6, 5), dest)  # a good one: the round of slot 4 is at block 4
         other = w.engines[1].state.sock
         for block in (6, 4):  # the other worker: another block, then the right one
-            other.send_rows(
-                np.frombuffer(
-                    wire.build_sparse_payload(
-                        job_number=0,
-                        size_code=wire.size_code_for(K),
-                        tsi=0,
-                        slot=4,
-                        version=0,
-                        block=block,
-                        next=8,
-                        blocks=10,
-                        values=np.full(K, 7, np.int32),
-                    ),  # fmt: skip
-                    np.uint8,
-                ).reshape(1, -1),
-                dest,
-            )
+            row = np.frombuffer(payload(block, 8, 7), np.uint8).reshape(1, -1)
+            other.send_rows(row, dest)
         raw.settimeout(5)
         result = wire.Message.from_bytes(raw.recv(65536))
     finally:

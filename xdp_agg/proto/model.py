@@ -10,6 +10,7 @@ as (source address, destination port), which is how the aggregator identifies jo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -438,20 +439,16 @@ def _sparse_result(request: wire.Message, st: _Slot, v: int) -> bytes:
     """A sparse round's result: the request's job number, tsi, size and pool index; the round's
     block and blocks, the smallest next and its exponent; the sum, or nothing when no
     contribution carried data."""
-    sp = st.sparse[v]
-    return wire.build_sparse_payload(
-        job_number=request.job_number,
-        size_code=request.size,
-        tsi=request.tsi,
-        slot=request.slot,
-        version=request.version,
-        block=sp.block,
-        next=st.next_min[v],
-        blocks=sp.blocks,
-        values=(st.acc[v] & 0xFFFFFFFF).astype(np.uint32) if st.has_data[v] else None,
+    sp, data = st.sparse[v], st.has_data[v]
+    result = dataclasses.replace(
+        request,
+        msg_type=wire.MSG_TYPE_SPARSE if data else wire.MSG_TYPE_SPARSE_EMPTY,
         e0=st.e0[v],
         e1=st.e1[v],
+        values=(st.acc[v] & 0xFFFFFFFF).astype(np.uint32) if data else np.zeros(0, np.int32),
+        sparse=wire.Sparse(sp.block, st.next_min[v], sp.blocks),
     )
+    return result.to_bytes()
 
 
 def _round_key(payload: bytes) -> bytes:

@@ -372,34 +372,22 @@ class Message:
 
     def to_bytes(self) -> bytes:
         """The UDP payload."""
-        if self.sparse is not None:
-            return self._sparse_bytes(self.sparse)
-        return build_payloads(
+        header = dict(
             job_number=self.job_number,
             size_code=self.size,
             tsi=self.tsi,
             slot=self.slot,
             version=self.version,
-            values=np.asarray(self.values).reshape(1, -1),
             e0=self.e0,
             e1=self.e1,
-            msg_type=self.msg_type,
-        ).tobytes()
-
-    def _sparse_bytes(self, sp: Sparse) -> bytes:
-        empty = self.msg_type == MSG_TYPE_SPARSE_EMPTY
+        )
+        sp = self.sparse
+        if sp is None:
+            values = np.asarray(self.values).reshape(1, -1)
+            return build_payloads(**header, values=values, msg_type=self.msg_type).tobytes()
+        data = None if self.msg_type == MSG_TYPE_SPARSE_EMPTY else self.values
         return build_sparse_payload(
-            job_number=self.job_number,
-            size_code=self.size,
-            tsi=self.tsi,
-            slot=self.slot,
-            version=self.version,
-            block=sp.block,
-            next=sp.next,
-            blocks=sp.blocks,
-            values=None if empty else self.values,
-            e0=self.e0,
-            e1=self.e1,
+            **header, block=sp.block, next=sp.next, blocks=sp.blocks, values=data
         )
 
     @classmethod
