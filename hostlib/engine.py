@@ -18,7 +18,7 @@ from typing import Protocol
 import numpy as np
 
 from . import native_loop
-from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
+from .native_loop import NativeLoop, NativeSparseLoop, _fastpath  # noqa: F401  (_fastpath: tests)
 from .numpy_loop import NumpyLoop
 from .sparse_loop import SparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
@@ -96,8 +96,14 @@ class StreamEngine:
         self.native = _use_native(config.native)
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
-        self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
-        self.sparse_loop = SparseLoop(self.state)
+        self.loop: NativeLoop | NumpyLoop
+        # sparse all-reduces: in the C loop when it runs the dense ones, else the numpy reference
+        self.sparse_loop: NativeSparseLoop | SparseLoop
+        if self.native:
+            self.loop = NativeLoop(self.state)
+            self.sparse_loop = NativeSparseLoop(self.loop)
+        else:
+            self.loop, self.sparse_loop = NumpyLoop(self.state), SparseLoop(self.state)
         self._port = sock.address[1]  # for stats_per_lane, after close too
 
     @property
