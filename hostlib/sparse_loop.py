@@ -129,6 +129,7 @@ class SparseLoop:
         self._rng = np.random.default_rng(f.seed + 1) if f else None
         self._rtt = _RttEstimator()
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
+        self.blocks = 0  # and its blocks
 
     def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
         """One sparse all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
@@ -137,7 +138,7 @@ class SparseLoop:
             return
         t = _tensor(src, dst, cfg.elems, cfg.window, is_float)
         sl = _Slots(t.w, self.state.plen)
-        self.union_blocks = 0
+        self.union_blocks, self.blocks = 0, t.B
         with self.state.allreduce(t.B, t.w, timeout, elements=src.size) as ar:
             ar.uses = sl.rounds  # versions advance by the rounds each slot ran (8.2)
             self._stream(t, sl, ar, is_float)
