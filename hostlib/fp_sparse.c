@@ -54,17 +54,21 @@ int64_t fp_sparse_packets(int64_t B, int64_t w, int is_float)
 }
 
 /* next[b] = the first non-zero block after b in b's column (b + w, b + 2w, ...), B if none:
- * one pass from the end, keeping each column's lowest non-zero block so far in last[]. */
-static void find_columns(SparseRun *sp, int64_t w, int64_t *last)
+ * one pass from the end, keeping each column's lowest non-zero block so far in last[]. Returns
+ * the non-zero blocks. */
+static int64_t find_columns(SparseRun *sp, int64_t w, int64_t *last)
 {
-    int64_t B = sp->B;
+    int64_t B = sp->B, n = 0;
     for (int64_t s = 0; s < w; s++)
         last[s] = B;
     for (int64_t b = B - 1, s = (B - 1) % w; b >= 0; b--, s = s ? s - 1 : w - 1) {
         sp->next[b] = (uint32_t)last[s];
-        if (sp->nonzero[b])
+        if (sp->nonzero[b]) {
             last[s] = b;
+            n++;
+        }
     }
+    return n;
 }
 
 void fp_sparse_start(Run *r)
@@ -72,10 +76,11 @@ void fp_sparse_start(Run *r)
     SparseRun *sp = r->sp;
     size_t bytes = (size_t)r->L * 4;
     /* blocks no round visits, and rounds whose result is empty, are zero on every worker: the
-     * output holds zeros there (when the output is the input, they already are) */
-    if (r->dst + bytes <= r->src || r->src + bytes <= r->dst)
-        memset(r->dst, 0, bytes);
-    find_columns(sp, r->w, sp->block); /* block[]: scratch until the slots start below */
+     * output gets zeros there as the slots pass them (take), unless the output is the input
+     * (then they are zeros already: this worker's non-zero blocks are all visited, with data) */
+    sp->zero = r->dst + bytes <= r->src || r->src + bytes <= r->dst;
+    /* block[]: scratch until the slots start below */
+    sp->left = find_columns(sp, r->w, sp->block) + r->w;
     for (int64_t s = 0; s < r->w; s++) {
         sp->block[s] = s;
         sp->rounds[s] = 1; /* the first round is ready (fp_run_start) */
@@ -132,6 +137,19 @@ int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
     return FP_SPARSE_VALUES_AT + 4 * r->s->cfg.k;
 }
 
+/* Zeros into the output's blocks from, from + w, ... below `to` (of slot from % w's column):
+ * blocks that the slot passed without data. Here rather than one memset of the whole output
+ * before the all-reduce: each block is written once, data or zeros, and while the loop would
+ * otherwise wait for results rather than before the first packet goes. */
+static void zero_blocks(Run *r, int64_t from, int64_t to)
+{
+    int k = r->s->cfg.k;
+    for (int64_t b = from; b < to; b += r->w) {
+        fp_ssize a = (fp_ssize)b * k, n = r->L - a < k ? r->L - a : k;
+        memset(r->dst + 4 * a, 0, (size_t)n * 4);
+    }
+}
+
 /* Whether the result's next block q for slot s at block p is one the rules can produce
  * (docs/protocol.md 8.4): in the column, forward (or at p, after an announce round), and not
  * past this worker's own next non-zero block, which would skip its data. */
@@ -157,6 +175,7 @@ static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
     int64_t s = pk % r->w, p = sp->block[s], q = load_be32(d + FP_SPARSE_AT + 4);
     int k = r->s->cfg.k;
     fp_run_took(r, pk, now);
+    sp->left -= !sp->announce[s] && sp->nonzero[p]; /* this worker's block p went */
     if (data) {
         fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
         const uint8_t *vals = d + FP_SPARSE_VALUES_AT;
@@ -168,10 +187,13 @@ static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
     }
     if (!next_ok(r, s, p, q))
         return;
+    if (sp->zero) /* block p unless it got data (an announce round has none), up to q */
+        zero_blocks(r, data ? p + r->w : p, q);
     sp->announce[s] = 0;
     if (q >= sp->B) {
         sp->done[s] = 1;
         r->todo--;
+        sp->left--;
         return;
     }
     if (sp->exps) /* the exponent agreed for block q, among the workers with data there */

@@ -26,6 +26,10 @@ typedef struct SparseRun {
     int8_t *agreed;    /* float: the exponent agreed for its block */
     uint8_t *announce; /* its round is the float announce round */
     uint8_t *done;
+    int zero; /* the output is not the input: the blocks without data get zeros (take) */
+    /* rounds still to come, at least: this worker's non-zero blocks not sent yet and the slots
+     * not done (the rounds at blocks only other workers have are not known in advance) */
+    int64_t left;
     /* outputs */
     int64_t union_blocks; /* results with data: the blocks some worker had data in */
     int64_t bad_slot, bad_from, bad_to, bad_mine; /* ST_SPARSE_BAD: the result refused */

@@ -76,7 +76,8 @@ class Workers:
             assert isinstance(self.engines[-1].sparse_loop, loop)
 
     def allreduce(self, tensors: list[np.ndarray], sparse: bool, inplace=False) -> list:
-        outs = [t if inplace else np.empty_like(t) for t in tensors]
+        # outputs not zeroed: the zero blocks of the result must be written
+        outs = [t if inplace else np.full_like(t, 77) for t in tensors]
         errors: list = []
 
         def run(i: int) -> None:
@@ -361,7 +362,7 @@ def run_echo(native: bool, sequence, *, agg_kw=None, faults=None, rto=0.02, wind
     try:
         outs, unions = [], []
         for x, sparse in sequence:
-            out = np.empty_like(x)
+            out = np.full_like(x, -5)  # not zeroed: the result's zero blocks must be written
             run = eng.allreduce_int32 if x.dtype == np.int32 else eng.allreduce_float32
             run(x, out, sparse=sparse)
             outs.append(out)
