@@ -476,13 +476,20 @@ def _column(comm, n_blocks: int, rank: int, dtype=np.int32) -> np.ndarray:
     return x
 
 
-def test_communicator_sparse_auto_and_explicit():
+@pytest.mark.parametrize(
+    "native,lanes",
+    [(False, 1), pytest.param(True, 1, marks=needs_c), pytest.param(True, 2, marks=needs_c)],
+    ids=["numpy", "c", "c-2-lanes"],
+)
+def test_communicator_sparse_auto_and_explicit(native, lanes):
     """A sparse job (the endpoint's default): "auto" runs the first all-reduce of a length
     sparse, keeps it sparse while the results stay sparse and goes dense after a dense result;
-    every sum is exact; sparse=True on a dense job is refused before anything is sent."""
+    every sum is exact; sparse=True on a dense job is refused before anything is sent. After a
+    sparse all-reduce "auto" goes by the union of blocks the loop counted (exact: 6 of 40,
+    where sampling every 8th block of the result would say 1 of 5), lanes' parts added up."""
     from harness.ranks import ok, run_ranks, soft_cluster
 
-    n, blocks = 3, 40
+    n, blocks = 3, 40 * lanes**3  # with 2 lanes, both get a part (MIN_LANE_PACKETS)
 
     def body(comm):
         k = comm.description.spec.elems
@@ -492,11 +499,14 @@ def test_communicator_sparse_auto_and_explicit():
         runs = []
         for i in range(3):
             np.testing.assert_array_equal(comm.allreduce(x), want)
-            runs.append(comm.stats["sparse_allreduces"])
+            runs.append(comm.stats["sparse_allreduces"] // lanes)
+        assert comm._engine.last_union == (6, blocks)
+        assert comm._chooser.density("int32", blocks * k) == 6 / blocks
         full = np.ones(blocks * k, dtype=np.int32)
         np.testing.assert_array_equal(comm.allreduce(full), n * full)  # sparse: first of it
         np.testing.assert_array_equal(comm.allreduce(full), n * full)  # dense: it came back full
-        runs.append(comm.stats["sparse_allreduces"])
+        runs.append(comm.stats["sparse_allreduces"] // lanes)
+        assert comm._engine.last_union is None
         np.testing.assert_array_equal(comm.allreduce(full, sparse=True), n * full)
         f = _column(comm, blocks, comm.rank, np.float32) / 7
         got = comm.allreduce(f, sparse=True)
@@ -505,7 +515,8 @@ def test_communicator_sparse_auto_and_explicit():
         return runs, comm.stats["blocks_skipped"]
 
     with soft_cluster(defaults={"sparse": True}) as cl:
-        results = ok(run_ranks(cl, n, body, job="sparse", elems=32, window=8))
+        kw = {"native": native, "lanes": lanes}
+        results = ok(run_ranks(cl, n, body, job="sparse", elems=32, window=8, **kw))
     for runs, skipped in results:
         assert runs == [1, 2, 3, 4]  # the three sparse, the first full one sparse, then dense
         assert skipped >= 3 * (blocks - 2)
