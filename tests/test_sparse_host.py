@@ -426,6 +426,19 @@ def test_same_datagrams_under_engine_faults():
 
 
 @needs_c
+def test_gro_buffers_of_mixed_lengths_are_cut_into_their_results():
+    """Results coalesced by UDP GRO (the echo sends runs of one length as GSO messages, a
+    header-only result ending a run of full ones): the C loop cuts each buffer at the segment
+    size, the last datagram shorter, and gets the numpy loop's results."""
+    seq = sparse_sequence()
+    ref_out, ref_pk, _, _ = run_echo(False, seq)
+    nat_out, nat_pk, nat_st, _ = run_echo(True, seq, agg_kw={"gso": True})
+    assert ref_pk == nat_pk
+    assert all(a.tobytes() == b.tobytes() for a, b in zip(ref_out, nat_out))
+    assert nat_st["malformed"] == 0 and nat_st["retransmissions"] == 0
+
+
+@needs_c
 def test_block_scan_matches_numpy():
     """_fastpath.block_scan: the non-zero blocks and float exponents of the numpy loop's
     _tensor (scaling.chunk_exponents), and the first NaN or Inf."""

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import select
 import socket
+import struct
 import threading
 import time
 
@@ -14,6 +15,8 @@ import numpy as np
 
 from harness.ranks import loopback_prefix
 from xdp_agg.proto import wire
+
+SOL_UDP, UDP_SEGMENT = 17, 103  # <linux/udp.h>
 
 
 class EchoAggregator:
@@ -25,7 +28,9 @@ class EchoAggregator:
     script the path: `drop` (tsi -> how many first copies get no answer), `dup` (tsi answered
     twice), `late` (tsi whose first answer is held back `late_s` seconds, so that the engine's
     resend is answered first), `reverse` (each batch answered in reverse order), `answer_limit`
-    (answer only that many datagrams, then go silent).
+    (answer only that many datagrams, then go silent), `gso` (send a batch's answers as UDP GSO
+    messages: runs of one length to one address, a shorter answer ending a run; an engine's
+    GRO socket gets each run as one buffer to cut).
     """
 
     def __init__(
@@ -39,6 +44,7 @@ class EchoAggregator:
         late_s: float = 0.08,
         reverse: bool = False,
         answer_limit: int | None = None,
+        gso: bool = False,
     ):
         self.prefix = loopback_prefix()
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -52,6 +58,7 @@ class EchoAggregator:
         self.dup, self.late, self.late_s = set(dup), set(late), late_s
         self.reverse = reverse
         self.answer_limit = answer_limit
+        self.gso = gso
         self.received: list[bytes] = []
         self._held: list[tuple[float, bytes, tuple]] = []
         self._stop = False
@@ -107,11 +114,29 @@ class EchoAggregator:
             out += [(res, src) for _, res, src in due]
             if self.reverse:
                 out.reverse()
+            if self.gso:
+                self._send_gso(out)
+                continue
             for res, src in out:
                 if self.answer_limit is not None and answered >= self.answer_limit:
                     break
                 self.sock.sendto(res, src)
                 answered += 1
+
+    def _send_gso(self, out: list[tuple[bytes, tuple]]) -> None:
+        """The answers in order, as GSO messages of runs of one length to one address (the
+        kernel cuts a message at its segment size; only its last datagram may be shorter)."""
+        i = 0
+        while i < len(out):
+            seg, src = len(out[i][0]), out[i][1]
+            j = i + 1
+            while j < len(out) and j - i < 32 and out[j][1] == src and len(out[j][0]) <= seg:
+                j += 1
+                if len(out[j - 1][0]) < seg:
+                    break
+            msg = b"".join(res for res, _ in out[i:j])
+            self.sock.sendmsg([msg], [(SOL_UDP, UDP_SEGMENT, struct.pack("H", seg))], 0, src)
+            i = j
 
     def packets(self) -> dict[tuple[int, int], bytes]:
         """What was received, by (job number, tsi); every copy of a packet is identical."""
