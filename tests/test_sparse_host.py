@@ -439,6 +439,33 @@ def test_gro_buffers_of_mixed_lengths_are_cut_into_their_results():
 
 
 @needs_c
+def test_after_a_stall_both_loops_line_up_alike():
+    """A sparse all-reduce that stalls (the echo goes silent after 5 answers) raises
+    AllreduceTimeout in both loops, and advances the slots' versions by the rounds they ran:
+    the next all-reduce sends the same datagrams from either loop."""
+    import hostlib
+
+    x = sparse_sequence()[0][0]
+    sent = {}
+    for native in (False, True):
+        agg = SparseEcho(4, answer_limit=5)
+        sock = DatagramSocket((agg.worker_ip(), 0))
+        cfg = EngineConfig(0, 2, K, 5, 4, agg.address, rto=0.05, native=native, timeout=0.3)
+        eng = StreamEngine(sock, cfg)
+        try:
+            with pytest.raises(hostlib.AllreduceTimeout):
+                eng.allreduce_int32(x, np.empty_like(x), sparse=True)
+            agg.answer_limit = None
+            eng.allreduce_int32(x, np.empty_like(x), sparse=True)
+            time.sleep(0.05)
+            sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
+        finally:
+            sock.close()
+            agg.close()
+    assert sent[False] and sent[False] == sent[True]
+
+
+@needs_c
 def test_block_scan_matches_numpy():
     """_fastpath.block_scan: the non-zero blocks and float exponents of the numpy loop's
     _tensor (scaling.chunk_exponents), and the first NaN or Inf."""
