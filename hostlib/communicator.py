@@ -577,7 +577,7 @@ class Communicator:
             else:
                 self._engine.allreduce_float32(arrays.src, arrays.dst_flat, timeout, sparse)
             if arrays.sparse == "auto" and self._chooser.job_sparse:
-                self._chooser.observe(kind, size, arrays.dst_flat)
+                self._chooser.observe(kind, size, arrays.dst_flat, self._engine.last_union)
         except AllreduceTimeout as e:
             # The ranks' slot states now differ: another all-reduce would only time out again.
             self._broken = "an all-reduce timed out"

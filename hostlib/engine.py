@@ -18,7 +18,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import native_loop
-from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
+from .native_loop import NativeLoop, NativeSparseLoop, _fastpath  # noqa: F401  (_fastpath: tests)
 from .numpy_loop import NumpyLoop
 from .sparse_loop import SparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
@@ -65,6 +65,12 @@ class Engine(Protocol):
         """Each lane's own counters (STAT_NAMES) and where it runs: "aggregator" and "lane"
         (hostlib.striping.LaneGrid) and "port", its data socket's UDP port; in engine order."""
 
+    @property
+    def last_union(self) -> tuple[int, int] | None:
+        """(blocks, of the tensor's blocks) that some worker had data in, in the last
+        all-reduce, counted by the loop when it ran sparse: its results with data, the same on
+        every rank; None after a dense one (or before any)."""
+
     def allreduce_int32(
         self,
         src: np.ndarray,
@@ -103,9 +109,16 @@ class StreamEngine:
         self.native = _use_native(config.native)
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
-        self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
-        self.sparse_loop = SparseLoop(self.state)
+        self.loop: NativeLoop | NumpyLoop
+        # sparse all-reduces: in the C loop when it runs the dense ones, else the numpy reference
+        self.sparse_loop: NativeSparseLoop | SparseLoop
+        if self.native:
+            self.loop = NativeLoop(self.state)
+            self.sparse_loop = NativeSparseLoop(self.loop)
+        else:
+            self.loop, self.sparse_loop = NumpyLoop(self.state), SparseLoop(self.state)
         self._port = sock.address[1]  # for stats_per_lane, after close too
+        self._last_union: tuple[int, int] | None = None
 
     @property
     def data_path(self) -> str:
@@ -153,6 +166,12 @@ class StreamEngine:
             {**self.state.stats, "aggregator": 0, "lane": self.state.cfg.lane, "port": self._port}
         ]
 
+    @property
+    def last_union(self) -> tuple[int, int] | None:
+        """(blocks some worker had data in, blocks) of the last all-reduce if it ran sparse
+        (Engine.last_union)."""
+        return self._last_union
+
     def allreduce_int32(
         self,
         src: np.ndarray,
@@ -161,7 +180,7 @@ class StreamEngine:
         sparse: bool = False,
     ) -> None:
         """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        (self.sparse_loop if sparse else self.loop).run(False, src, dst, timeout)
+        self._run(False, src, dst, timeout, sparse)
 
     def allreduce_float32(
         self,
@@ -171,7 +190,18 @@ class StreamEngine:
         sparse: bool = False,
     ) -> None:
         """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        (self.sparse_loop if sparse else self.loop).run(True, src, dst, timeout)
+        self._run(True, src, dst, timeout, sparse)
+
+    def _run(
+        self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
+    ) -> None:
+        self._last_union = None
+        if not sparse:
+            self.loop.run(is_float, src, dst, timeout)
+            return
+        sl = self.sparse_loop
+        sl.run(is_float, src, dst, timeout)
+        self._last_union = (sl.union_blocks, sl.blocks) if src.size else None
 
     def close(self) -> None:
         """Nothing to release: the communicator closes the socket."""

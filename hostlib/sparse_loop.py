@@ -44,6 +44,18 @@ class SparseProtocolError(HostlibError):
     send a slot past a block this worker holds data in, or backwards."""
 
 
+def bad_next_error(
+    slot: int, p: int, q: int, mine: int, column: int, B: int, w: int
+) -> SparseProtocolError:
+    """The SparseProtocolError of a result sending `slot` (column `column` of w) from block p to
+    q of B, where this worker's next non-zero block is `mine` (both loops raise it)."""
+    return SparseProtocolError(
+        f"the aggregator sent slot {slot} from block {p} to block {q} of {B}, but this "
+        f"worker's next non-zero block there is {mine} (column {column} of {w}): a result the "
+        f"sparse rules cannot produce"
+    )
+
+
 @dataclass
 class _Tensor:
     """The tensor as blocks: which are non-zero, their exponents (floats), each column's
@@ -119,6 +131,7 @@ class SparseLoop:
         self._rng = np.random.default_rng(f.seed + 1) if f else None
         self._rtt = _RttEstimator()
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
+        self.blocks = 0  # and its blocks
 
     def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
         """One sparse all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
@@ -127,7 +140,7 @@ class SparseLoop:
             return
         t = _tensor(src, dst, cfg.elems, cfg.window, is_float)
         sl = _Slots(t.w, self.state.plen)
-        self.union_blocks = 0
+        self.union_blocks, self.blocks = 0, t.B
         with self.state.allreduce(t.B, t.w, timeout, elements=src.size) as ar:
             ar.uses = sl.rounds  # versions advance by the rounds each slot ran (8.2)
             self._stream(t, sl, ar, is_float)
@@ -212,7 +225,12 @@ class SparseLoop:
             st["malformed"] += 1
             return False
         sp = msg.sparse
-        if sp is None or len(data) != wire.sparse_payload_len(k, msg.values.size == 0):
+        empty = msg.msg_type == wire.MSG_TYPE_SPARSE_EMPTY
+        if (
+            sp is None
+            or msg.size != self.state.size_code
+            or len(data) != wire.sparse_payload_len(k, empty)
+        ):
             st["malformed"] += 1
             return False
         s = msg.tsi % t.w if t.w else 0
@@ -259,11 +277,7 @@ class SparseLoop:
         in_column = q == t.B or q % t.w == s
         forward = q > p or (q == p and sl.announce[s])
         if not (in_column and forward and q <= mine):
-            raise SparseProtocolError(
-                f"the aggregator sent slot {self.state.cfg.slot_base + s} from block {p} to "
-                f"block {q} of {t.B}, but this worker's next non-zero block there is {mine} "
-                f"(column {s} of {t.w}): a result the sparse rules cannot produce"
-            )
+            raise bad_next_error(self.state.cfg.slot_base + s, p, q, mine, s, t.B, t.w)
         return q
 
     def _write(self, t: _Tensor, sl: _Slots, s: int, p: int, values: np.ndarray) -> None:

@@ -7,7 +7,9 @@ differs from rank to rank (one rank's embedding rows are another's zeros). It fo
 rank holds identically: the result of the previous all-reduce of the same kind and length, whose
 *union* block density (the share of blocks some rank had data in) is what a sparse all-reduce
 must move. The first all-reduce of a kind and length runs sparse, which costs at most the
-22-byte headers where every block turns out non-zero.
+22-byte headers where every block turns out non-zero. After a sparse all-reduce the loop has
+counted the union itself (Engine.last_union: the results that carried data); after a dense one
+it is sampled on the result.
 """
 
 from __future__ import annotations
@@ -62,9 +64,13 @@ class SparseChooser:
         density = self._density.get((kind, size))
         return density is None or density < AUTO_DENSITY
 
-    def observe(self, kind: str, size: int, result: np.ndarray) -> float:
-        """Remember the union block density of a finished all-reduce's flat `result`."""
-        d = union_density(result, self.elems)
+    def observe(
+        self, kind: str, size: int, result: np.ndarray, union: tuple[int, int] | None = None
+    ) -> float:
+        """Remember the union block density of a finished all-reduce: `union`, (blocks some
+        rank had data in, blocks), where its loop counted them (a sparse all-reduce's results
+        with data: exact, and free), else sampled on its flat `result` (union_density)."""
+        d = union[0] / union[1] if union and union[1] else union_density(result, self.elems)
         if len(self._density) >= MEMORY:
             self._density.pop(next(iter(self._density)))
         self._density[(kind, size)] = d

@@ -191,6 +191,12 @@ FASTPATH_WIRE = (
     ("POOL_SLOT_MASK", "FP_POOL_SLOT_MASK", "pool_index: slot"),
     ("SWITCHML_OFFSET", "FP_FRAME_HLEN", "Ethernet + IPv4 + UDP headers before the payload"),
     ("MAX_LANES", "FP_MAX_LANES", "a host's lanes: XSKMAP entries, bits of a group's mask"),
+    # sparse all-reduces (docs/protocol.md section 8; hostlib/fp_sparse.c)
+    ("MSG_TYPE_SPARSE", "FP_MSG_TYPE_SPARSE", "msg_type of a sparse packet with a block of data"),
+    ("MSG_TYPE_SPARSE_EMPTY", "FP_MSG_TYPE_SPARSE_EMPTY", "msg_type of a header-only one"),
+    ("SPARSE_AT", "FP_SPARSE_AT", "the sparse header (block, next, blocks), in the UDP payload"),
+    ("SPARSE_HLEN", "FP_SPARSE_HLEN", "sparse header bytes"),
+    ("SPARSE_VALUES_AT", "FP_SPARSE_VALUES_AT", "a sparse packet's first int32 (an empty's end)"),
 )
 
 

@@ -16,6 +16,7 @@ exponent behind the data; they are not the protocol.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -372,7 +373,7 @@ class Message:
 
     def to_bytes(self) -> bytes:
         """The UDP payload."""
-        header = dict(
+        header: dict[str, Any] = dict(
             job_number=self.job_number,
             size_code=self.size,
             tsi=self.tsi,
