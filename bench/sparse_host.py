@@ -105,7 +105,7 @@ def tensor(dtype, length: int, k: int, density: float, rng) -> np.ndarray:
 def timed(eng: StreamEngine, x: np.ndarray, sparse: bool, reps: int) -> list[dict]:
     """One warm-up, then `reps` timed all-reduces of x: wall and thread CPU seconds, packets."""
     out = np.empty_like(x)
-    run = eng.allreduce_int32 if x.dtype == np.int32 else eng.allreduce_float32
+    run = eng.allreduce
     run(x, out, sparse=sparse)
     got = []
     for _ in range(reps):

@@ -572,10 +572,7 @@ class Communicator:
         kind, size = arrays.kind, arrays.src.size
         sparse = self._chooser.choose(arrays.sparse, kind, size)
         try:
-            if kind == "int32":
-                self._engine.allreduce_int32(arrays.src, arrays.dst_flat, timeout, sparse)
-            else:
-                self._engine.allreduce_float32(arrays.src, arrays.dst_flat, timeout, sparse)
+            self._engine.allreduce(arrays.src, arrays.dst_flat, timeout, sparse)
             if arrays.sparse == "auto" and self._chooser.job_sparse:
                 self._chooser.observe(kind, size, arrays.dst_flat, self._engine.last_union)
         except AllreduceTimeout as e:

@@ -71,24 +71,11 @@ class Engine(Protocol):
         all-reduce, counted by the loop when it ran sparse: its results with data, the same on
         every rank; None after a dense one (or before any)."""
 
-    def allreduce_int32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
-        `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
-
-    def allreduce_float32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
-    ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+        """Sum the flat `src` (int32, or float32) over the job into `dst` of its dtype (may be
+        src); with `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
 
     def close(self) -> None:
         """Release what the engine holds besides the sockets (threads); after the last one."""
@@ -172,25 +159,11 @@ class StreamEngine:
         (Engine.last_union)."""
         return self._last_union
 
-    def allreduce_int32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        self._run(False, src, dst, timeout, sparse)
-
-    def allreduce_float32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
-    ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self._run(True, src, dst, timeout, sparse)
+        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src)."""
+        self._run(_is_float(src), src, dst, timeout, sparse)
 
     def _run(
         self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
@@ -205,6 +178,15 @@ class StreamEngine:
 
     def close(self) -> None:
         """Nothing to release: the communicator closes the socket."""
+
+
+def _is_float(src: np.ndarray) -> bool:
+    """True for a float32 tensor, False for int32; TypeError for anything else."""
+    if src.dtype == np.float32:
+        return True
+    if src.dtype == np.int32:
+        return False
+    raise TypeError(f"an engine all-reduces int32 and float32 tensors, not {src.dtype}")
 
 
 def _use_native(native: bool | None) -> bool:

@@ -25,6 +25,20 @@
  * burst of results does not let the pipe run dry. */
 #define SEND_READY_AT 64
 
+/* The Faults test hook on one datagram (a packet or a result): how many copies go on, 0 (lost,
+ * counted), 1 or 2 (duplicated), as `loss` and `dup` say; 1 without Faults. */
+static int fault_copies(Run *r, double loss, double dup)
+{
+    Stream *st = r->s;
+    if (!st->cfg.faults)
+        return 1;
+    if (rng_uniform(&st->rng) < loss) {
+        r->c.fault_drops++;
+        return 0;
+    }
+    return 1 + (rng_uniform(&st->rng) < dup);
+}
+
 /* --- sending ------------------------------------------------------------------------------ */
 /* Send the rows of slots sendq[0..n) (Faults applied) through the transport. Returns 0, or
  * -errno on an error that is neither transient nor a GSO refusal (the caller raises OSError). */
@@ -34,15 +48,8 @@ static int send_slots(Run *r, int n)
     int nrows = 0;
     r->c.packets_sent += (uint64_t)n;
     for (int i = 0; i < n; i++) {
-        int copies = 1;
         r->c.bytes_sent += (uint64_t)st->lens[st->sendq[i]];
-        if (st->cfg.faults) {
-            if (rng_uniform(&st->rng) < st->cfg.send_loss) {
-                r->c.fault_drops++;
-                continue;
-            }
-            copies += rng_uniform(&st->rng) < st->cfg.send_dup;
-        }
+        int copies = fault_copies(r, st->cfg.send_loss, st->cfg.send_dup);
         while (copies--) {
             st->txlens[nrows] = st->lens[st->sendq[i]];
             st->txrows[nrows++] = st->rows + (size_t)st->sendq[i] * (size_t)st->stride;
@@ -312,14 +319,7 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
 static void deliver(Run *r, const uint8_t *d, size_t len, double now)
 {
     Stream *st = r->s;
-    int copies = 1;
-    if (st->cfg.faults) {
-        if (rng_uniform(&st->rng) < st->cfg.recv_loss) {
-            r->c.fault_drops++;
-            return;
-        }
-        copies += rng_uniform(&st->rng) < st->cfg.recv_dup;
-    }
+    int copies = fault_copies(r, st->cfg.recv_loss, st->cfg.recv_dup);
     while (copies--) {
         if (r->sp)
             fp_sparse_datagram(r, d, len, now);

@@ -242,26 +242,12 @@ class StripedEngine:
             out.append({**st, "aggregator": self.grid.place(i)[0]})
         return out
 
-    def allreduce_int32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src); with
+        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src); with
         `sparse`, every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
-        self._run("allreduce_int32", src, dst, timeout, sparse)
-
-    def allreduce_float32(
-        self,
-        src: np.ndarray,
-        dst: np.ndarray,
-        timeout: float | None = None,
-        sparse: bool = False,
-    ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self._run("allreduce_float32", src, dst, timeout, sparse)
+        self._run(src, dst, timeout, sparse)
 
     @property
     def last_union(self) -> tuple[int, int] | None:
@@ -269,9 +255,7 @@ class StripedEngine:
         its parts' added up (Engine.last_union)."""
         return self._last_union
 
-    def _run(
-        self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
-    ) -> None:
+    def _run(self, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool) -> None:
         t0 = time.monotonic()
         self._last_union = None
         parts = part_bounds(src.size, self.elems, len(self.endpoints), self.lanes)
@@ -279,7 +263,7 @@ class StripedEngine:
             return
 
         def run(j: int, a: int, b: int) -> None:
-            getattr(self.engines[j], method)(src[a:b], dst[a:b], timeout, sparse)
+            self.engines[j].allreduce(src[a:b], dst[a:b], timeout, sparse)
 
         futures = [(j, self._pool.submit(run, j, a, b)) for j, a, b in parts[1:]]
         errors: list[tuple[int, BaseException]] = []

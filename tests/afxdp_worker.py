@@ -61,8 +61,8 @@ def main() -> int:
         zero = np.repeat(rng.random(-(-args.count // 256)) >= args.sparse, 256)[: args.count]
         x[zero], f[zero] = 0, 0
     out_i, out_f = np.empty_like(x), np.empty_like(f)
-    eng.allreduce_int32(x, out_i, sparse=sparse)
-    eng.allreduce_float32(f, out_f, sparse=sparse)
+    eng.allreduce(x, out_i, sparse=sparse)
+    eng.allreduce(f, out_f, sparse=sparse)
     report = {
         "data_path": eng.data_path,
         "reason": eng.data_path_reason,

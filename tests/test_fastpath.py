@@ -72,9 +72,9 @@ def run_sequence(native: bool, tensors, *, agg_kw=None, **engine_kw):
         for x in tensors:
             out = np.empty_like(x)
             if x.dtype == np.int32:
-                eng.allreduce_int32(x, out)
+                eng.allreduce(x, out)
             else:
-                eng.allreduce_float32(x, out)
+                eng.allreduce(x, out)
             outs.append(out)
         time.sleep(0.05)  # late answers and duplicates still on their way
         return outs, agg.packets(), dict(eng.stats)
@@ -286,7 +286,7 @@ def test_no_answer_at_all_times_out_with_the_diagnosis(native):
     try:
         t0 = time.monotonic()
         with pytest.raises(hostlib.AllreduceTimeout) as ei:
-            eng.allreduce_float32(np.ones(100, np.float32), np.empty(100, np.float32))
+            eng.allreduce(np.ones(100, np.float32), np.empty(100, np.float32))
         assert 0.35 < time.monotonic() - t0 < 3
         err = ei.value
         assert "got no result at all from the aggregator at" in str(err)
@@ -308,7 +308,7 @@ def test_a_stall_half_way_gives_the_same_timeout_in_both_loops():
         eng = make_engine(agg, native, elems=32, window=8, timeout=0.4, rto=0.05)
         try:
             with pytest.raises(hostlib.AllreduceTimeout) as ei:
-                eng.allreduce_int32(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
+                eng.allreduce(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
             errors.append(ei.value)
             assert eng.state.versions.tolist() == [0] * 8  # 64 packets: every slot used 8 times
         finally:
@@ -327,7 +327,7 @@ def test_nan_is_rejected_before_anything_is_sent():
         x = np.ones(100, np.float32)
         x[77] = np.inf
         with pytest.raises(ValueError, match="contains inf at element 77: NaN and Inf"):
-            eng.allreduce_float32(x, np.empty_like(x))
+            eng.allreduce(x, np.empty_like(x))
         assert eng.counter == 0 and eng.stats["packets_sent"] == 0
     finally:
         eng.state.sock.close()
@@ -456,14 +456,14 @@ def test_stale_and_malformed_datagrams_are_counted():
     eng = make_engine(agg, True, window=4)
     try:
         x = np.ones(32 * 10, np.int32)
-        eng.allreduce_int32(x, np.empty_like(x))
+        eng.allreduce(x, np.empty_like(x))
         # a result of that finished all-reduce, and a short datagram, before the next one
         old = agg.result(agg.received[0])
         agg.sock.sendto(old, eng.state.sock.address)
         agg.sock.sendto(b"short", eng.state.sock.address)
         time.sleep(0.05)
         out = np.empty_like(x)
-        eng.allreduce_int32(x, out)
+        eng.allreduce(x, out)
         assert eng.stats["stale"] == 1 and eng.stats["malformed"] == 1
         assert eng.stats["results"] == 20
     finally:
@@ -476,7 +476,7 @@ def test_progress_callback_runs_during_a_long_allreduce(capsys):
     eng = make_engine(agg, True, rto=1.2, progress=True)  # stuck on packet 5 for 1.2 s
     try:
         x = np.ones(32 * 20, np.int32)
-        eng.allreduce_int32(x, np.empty_like(x))
+        eng.allreduce(x, np.empty_like(x))
     finally:
         eng.state.sock.close()
         agg.close()
@@ -493,10 +493,10 @@ def test_packets_and_counters_per_allreduce_are_independent_of_earlier_failures(
         eng = make_engine(agg, native, window=4, timeout=0.3, rto=0.05)
         try:
             with pytest.raises(hostlib.AllreduceTimeout):
-                eng.allreduce_int32(np.ones(32 * 9, np.int32), np.empty(32 * 9, np.int32))
+                eng.allreduce(np.ones(32 * 9, np.int32), np.empty(32 * 9, np.int32))
             agg.answer_limit = None
             x = np.arange(32 * 6, dtype=np.int32)
-            eng.allreduce_int32(x, np.empty_like(x))
+            eng.allreduce(x, np.empty_like(x))
             time.sleep(0.05)
             sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
         finally:

@@ -90,7 +90,7 @@ class Workers:
 
         def run(i: int) -> None:
             e, t = self.engines[i], tensors[i]
-            fn = e.allreduce_int32 if t.dtype == np.int32 else e.allreduce_float32
+            fn = e.allreduce
             try:
                 fn(t, outs[i], timeout=20.0, sparse=sparse)
             except BaseException as exc:  # noqa: BLE001 - reported below
@@ -264,7 +264,7 @@ def test_a_result_that_skips_this_workers_data_is_refused(native):
     x = np.zeros(6 * K, dtype=np.int32)
     x[0] = x[2 * K] = 1  # blocks 0 and 2, both in column 0 of 2
     errors: list = []
-    t = threading.Thread(target=lambda: _catch(errors, eng.allreduce_int32, x, x.copy(), 5.0))
+    t = threading.Thread(target=lambda: _catch(errors, eng.allreduce, x, x.copy(), 5.0))
     t.start()
     try:
         for _ in range(2):  # the first round of each slot
@@ -371,7 +371,7 @@ def run_echo(native: bool, sequence, *, agg_kw=None, faults=None, rto=0.02, wind
         outs, unions = [], []
         for x, sparse in sequence:
             out = np.full_like(x, -5)  # not zeroed: the result's zero blocks must be written
-            run = eng.allreduce_int32 if x.dtype == np.int32 else eng.allreduce_float32
+            run = eng.allreduce
             run(x, out, sparse=sparse)
             outs.append(out)
             unions.append(eng.sparse_loop.union_blocks)
@@ -462,9 +462,9 @@ def test_after_a_stall_both_loops_line_up_alike():
         eng = StreamEngine(sock, cfg)
         try:
             with pytest.raises(hostlib.AllreduceTimeout):
-                eng.allreduce_int32(x, np.empty_like(x), sparse=True)
+                eng.allreduce(x, np.empty_like(x), sparse=True)
             agg.answer_limit = None
-            eng.allreduce_int32(x, np.empty_like(x), sparse=True)
+            eng.allreduce(x, np.empty_like(x), sparse=True)
             time.sleep(0.05)
             sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
         finally:
@@ -506,7 +506,7 @@ def test_nan_is_refused_before_anything_is_sent(native):
         x = np.ones(10 * K, np.float32)
         x[7 * K + 2] = np.nan
         with pytest.raises(ValueError, match="contains nan at element 226"):
-            eng.allreduce_float32(x, np.empty_like(x), sparse=True)
+            eng.allreduce(x, np.empty_like(x), sparse=True)
         time.sleep(0.05)
         assert agg.received == [] and eng.counter == 0
     finally:

@@ -103,7 +103,7 @@ def sml_frame(
     tsi: int = 0,
     e0: int = 0,
     e1: int = 0,
-    msg_type: int | None = None,
+    msg_type: int = wire.MSG_TYPE_DATA,
     pool_index: int | None = None,
     udp_checksum: bool = False,
     sparse: wire.Sparse | None = None,
@@ -116,10 +116,8 @@ def sml_frame(
     vals = np.asarray(values, dtype=np.int64).astype(np.int32)
     if size is None:
         size = wire.size_code_for(len(vals))
-    if msg_type is None:
-        msg_type = wire.MSG_TYPE_DATA
-        if sparse is not None:
-            msg_type = wire.MSG_TYPE_SPARSE if len(vals) else wire.MSG_TYPE_SPARSE_EMPTY
+    if sparse is not None and msg_type == wire.MSG_TYPE_DATA:  # the sparse kind its values say
+        msg_type = wire.MSG_TYPE_SPARSE if len(vals) else wire.MSG_TYPE_SPARSE_EMPTY
     pidx = pool_index if pool_index is not None else int(wire.pool_index(slot, version))
     ints = [int(v) for v in vals]
     if sparse is not None:

@@ -373,15 +373,9 @@ class Message:
 
     def to_bytes(self) -> bytes:
         """The UDP payload."""
-        header: dict[str, Any] = dict(
-            job_number=self.job_number,
-            size_code=self.size,
-            tsi=self.tsi,
-            slot=self.slot,
-            version=self.version,
-            e0=self.e0,
-            e1=self.e1,
-        )
+        names = ("job_number", "tsi", "slot", "version", "e0", "e1")
+        header: dict[str, Any] = {n: getattr(self, n) for n in names}
+        header["size_code"] = self.size
         sp = self.sparse
         if sp is None:
             values = np.asarray(self.values).reshape(1, -1)
