@@ -71,7 +71,7 @@ struct agg_contrib {
 	u64 key;    /* the round it belongs to: kind, block and blocks (sparse.h) */
 	u32 next;   /* the sender's next non-zero block (docs/protocol.md 8.1) */
 	s32 e0, e1; /* its exponents */
-	u32 pad;
+	u32 empty;  /* an empty contribution (msg_type 3), header-only or padded: nothing added */
 };
 /* In a map value, not on the stack: the verifier does not track what a map value holds, so the
  * state machine after sparse.h read_contrib is one state for every kind of packet. */

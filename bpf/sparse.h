@@ -19,8 +19,9 @@
  *    means the round completed in between, and its key is in the result already;
  *  - each CPU's partial keeps its contributions' smallest next, the max e0 of those naming it and
  *    whether any carried data (aggregate.h fold_sparse); the completing CPU folds them in too
- *    (gather_exponents) and writes the result from the stored state, whose length is not the
- *    request's: the frame is resized (bpf_xdp_adjust_tail). */
+ *    (gather_exponents) and writes the result from the stored state, whose length need not be
+ *    the request's: the frame is resized (bpf_xdp_adjust_tail) unless the request was as long
+ *    (a padded empty contribution, docs/protocol.md 8.1, has a block's room for it). */
 #ifndef XDP_AGG_SPARSE_H
 #define XDP_AGG_SPARSE_H
 
@@ -85,7 +86,8 @@ static __always_inline bool contrib_checksum_ok(struct agg_pkt *pk, bool sparse,
  * where its payload is (*pl, in scratch; NULL: an empty contribution), and the reason to drop
  * it before it changes anything, else 0: rows 7 and 10-12 of docs/protocol.md 8.3 (its payload
  * where it must be, its UDP checksum, read_sparse: in this order, though read_sparse looks
- * first). */
+ * first). A padded empty contribution's padding (8.1) is read only for its checksum, which
+ * covers it, and never added. */
 static __always_inline u32 read_contrib(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 					struct agg_contrib *c, __be32 **pl, const u32 K)
 {
@@ -102,8 +104,11 @@ static __always_inline u32 read_contrib(struct xdp_md *ctx, struct agg_pkt *pk, 
 	c->e1 = pk->exp->e1;
 	c->key = type == SML_MSG_TYPE_DATA ? AGG_DENSE_KEY : 0; /* a sparse one's: read_sparse */
 	c->next = 0;
+	c->empty = type == SML_MSG_TYPE_SPARSE_EMPTY;
 	*pl = NULL;
-	if (type != SML_MSG_TYPE_SPARSE_EMPTY) {
+	/* the ingress checked the lengths: an empty one longer than its headers is padded */
+	if (type != SML_MSG_TYPE_SPARSE_EMPTY ||
+	    (csum && agg_ntohs(pk->udp->len) != sizeof(struct udphdr) + AGG_SPARSE_HDRS)) {
 		*pl = scratch_payload(ctx, off, K);
 		if (!*pl)
 			return AGG_DROP_TRUNCATED;
@@ -114,6 +119,8 @@ static __always_inline u32 read_contrib(struct xdp_md *ctx, struct agg_pkt *pk, 
 		return AGG_DROP_BAD_CHECKSUM;
 	if (c->key == AGG_DENSE_KEY)
 		return 0;
+	if (c->empty)
+		*pl = NULL; /* a padded one's padding: summed by the checksum, never added */
 	return read_sparse(sh, *pl != NULL, c);
 }
 
@@ -178,10 +185,11 @@ static __always_inline bool repoint(struct xdp_md *ctx, struct agg_pkt *pk)
 }
 
 /* Write a sparse round's stored result into the packet, whatever kind of packet it is: resized
- * to the result's length (an empty request answered with data grows, a data request completing
- * an empty round shrinks), its IPv4 and UDP lengths, kind, exponents, sparse header and payload;
- * the SwitchML header's other fields stay the request's. -1: the frame's buffer cannot hold the
- * result (bpf_xdp_adjust_tail grows a frame within its buffer only). */
+ * to the result's length (a padded empty request answered with data keeps its length, a
+ * header-only one grows; a data or padded request with an empty result shrinks), its IPv4 and
+ * UDP lengths, kind, exponents, sparse header and payload; the SwitchML header's other fields
+ * stay the request's. -1: the frame's buffer cannot hold the result (bpf_xdp_adjust_tail grows a
+ * frame within its buffer only, on veth not at all: why hosts pad, docs/protocol.md 8.1). */
 static __always_inline int write_sparse(struct xdp_md *ctx, struct agg_pkt *pk,
 					struct agg_result *r, const u32 K)
 {

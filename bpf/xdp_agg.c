@@ -40,9 +40,10 @@
 /* Why a packet of a known worker is dropped for its type or its lengths (rows 5-8 of
  * docs/protocol.md 2.2, and of 8.3 for a sparse job), else 0. The frame must hold the packet's
  * UDP payload (the SwitchML and exponent headers, a sparse packet's sparse header, and k int32
- * unless it is an empty sparse contribution), and the IPv4 total length and the UDP length must
- * say exactly that much and match the frame: a lying length would otherwise be summed, and echoed
- * in the result, whose receivers would take it at its word. */
+ * unless it is an empty sparse contribution, which carries them only as padding: 8.1), and the
+ * IPv4 total length and the UDP length must say exactly that much and match the frame: a lying
+ * length would otherwise be summed, and echoed in the result, whose receivers would take it at
+ * its word. */
 static __always_inline u32 type_and_lengths(struct xdp_md *ctx, struct agg_pkt *pk,
 					    struct agg_job *job, bool sparse)
 {
@@ -56,7 +57,10 @@ static __always_inline u32 type_and_lengths(struct xdp_md *ctx, struct agg_pkt *
 		return AGG_DROP_BAD_SIZE;
 	if (type != SML_MSG_TYPE_DATA)
 		need += SML_SPARSE_HLEN;
-	if (type != SML_MSG_TYPE_SPARSE_EMPTY)
+	/* an empty contribution is header-only or padded to a block's room for the result, which
+	 * XDP writes in place (a frame cannot grow past its buffer): its UDP length says which */
+	if (type != SML_MSG_TYPE_SPARSE_EMPTY ||
+	    agg_ntohs(pk->udp->len) == sizeof(struct udphdr) + need + job->elems * 4)
 		need += job->elems * 4;
 	len = frame_len(ctx);
 	if (len < SML_OFFSET + need)

@@ -102,7 +102,8 @@ def _sparse_rounds(n, k, slots, rounds, rng):
     """The contributions of a sparse job (docs/protocol.md section 8): one round in five dense,
     the others at block r * slots + s, each worker with data (60%) or empty, naming a next
     block just after (so that the smallest next, and the e0 that travels with it, often come
-    from an empty contribution folded on the other CPU)."""
+    from an empty contribution folded on the other CPU). Half the empty ones are padded (8.1)
+    with the values they would have had: room for the result, never added."""
     blocks = rounds * slots + 8
 
     def frames(r, s):
@@ -118,7 +119,10 @@ def _sparse_rounds(n, k, slots, rounds, rng):
             has = rng.random() < 0.6
             nxt = block + int(rng.integers(1 if has else 0, 4))
             sp = wire.Sparse(block, nxt, blocks)
-            vals = vals if has else ()
+            if not has and rng.random() < 0.5:
+                kw["msg_type"] = wire.MSG_TYPE_SPARSE_EMPTY  # padded with vals
+            elif not has:
+                vals = ()
             out.append(frame(w, vals, size=wire.size_code_for(k), sparse=sp, **kw))
         return out
 

@@ -1573,6 +1573,45 @@ def sparse_padded_empties(rng) -> list[Case]:
     return cases
 
 
+def _refilled(f: bytes, fill: bytes) -> bytes:
+    """`f`, a padded empty contribution, with `fill` as its padding (its last bytes) and its UDP
+    checksum made right over it."""
+    pkt = Ether(f[: len(f) - len(fill)] + fill)
+    del pkt[UDP].chksum
+    return bytes(pkt)
+
+
+@case
+def sparse_padded_checksum(rng) -> list[Case]:
+    """A sparse job that verifies UDP checksums: a padded empty contribution's checksum covers
+    its padding, as any UDP checksum covers the datagram (docs/protocol.md 8.1); the padding is
+    still not added, and the result is written in place, checksum included."""
+    c = Case("sparse_padded_checksum", [sparse_job(n=2, udp_checksum=True)], workers(0, 2))
+    a = _vals(rng, 32)
+    p0 = sframe(0, 3, 9, k=32, slot=3, padded=True, udp_checksum=True, e0=2)
+    p0 = _refilled(p0, bytes(range(1, 129)))
+    flipped = bytearray(p0)
+    flipped[-1] ^= 0x01
+    c.steps = [
+        dropped(
+            "w0 padded empty, a bit of its padding flipped",
+            bytes(flipped),
+            Reason.DROP_BAD_CHECKSUM,
+        ),
+        dropped("w0 padded empty, padding not zero", p0, Reason.AGGREGATED),
+        sresult(
+            "w1 data completes",
+            sframe(1, 3, 9, a, slot=3, udp_checksum=True, e0=1),
+            _wrap(a),
+            3,
+            9,
+            2,
+        ),
+        sanswer("w0 retransmits its padded empty", p0, _wrap(a), 3, 9, 2, sender=0),
+    ]
+    return [c]
+
+
 def build_cases() -> list[Case]:
     """The table: every registered case function's cases, in order. Deterministic (seeded)."""
     rng = np.random.default_rng(2021)
