@@ -559,8 +559,8 @@ class Communicator:
                 self._queued -= 1
 
     def barrier(self, timeout: float | None = None) -> None:
-        """Return once every rank has reached its barrier (an all-reduce of one int32)."""
-        self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
+        """Return once every rank has reached its barrier (a dense all-reduce of one int32)."""
+        self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout, sparse=False)
 
     def _run(self, arrays: _AllreduceArrays, timeout: float | None) -> np.ndarray:
         if self._broken:
