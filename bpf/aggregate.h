@@ -167,6 +167,15 @@ static __always_inline int resend_up(struct xdp_md *ctx, struct agg_pkt *pk, str
 	return AGG_TX(ctx);
 }
 
+/* A retransmission answered: the stored result, now in the packet, back to its sender. */
+static __always_inline int send_answer(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_worker *w)
+{
+	reply_to_sender(pk);
+	count(w->job, AGG_RETX_ANSWERED);
+	count_worker(w, answered);
+	return AGG_TX(ctx);
+}
+
 /* A retransmission or duplicate: answer the stored result if the round is published. */
 static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *pk,
 					    struct agg_job *job, struct agg_worker *w,
@@ -194,35 +203,26 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 		return XDP_ABORTED;
 	if (copy_result(ctx, pk, r, K))
 		return XDP_DROP;
-	reply_to_sender(pk);
-	count(w->job, AGG_RETX_ANSWERED);
-	count_worker(w, answered);
-	return AGG_TX(ctx);
+	return send_answer(ctx, pk, w);
 }
 
-/* A contribution's payload (wire order) into a partial's sums (lane order), the first of its
- * round there: s = p. */
+/* op(s, p) over the blocks of a partial's sums s (lane order) and a payload p (wire order).
+ * verifier: a constant trip count, walked block by block. */
+#define AGG_FOR_BLOCKS(op, sw, pw, K)                                                         \
+	AGG_BLOCK_LOOP                                                                        \
+	for (u32 b = 0; b < AGG_BLOCKS(K); b++, sw += AGG_BLOCK_WORDS, pw += AGG_BLOCK_WORDS) \
+	op(sw, pw)
+
+/* A contribution's payload into a partial's sums, the first of its round there: s = p. */
 static __always_inline void set_sums(agg_lanes *sw, agg_lanes *pw, const u32 K)
 {
-	/* verifier: a constant trip count, walked block by block */
-	AGG_BLOCK_LOOP
-	for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-		set_block(sw, pw);
-		sw += AGG_BLOCK_WORDS;
-		pw += AGG_BLOCK_WORDS;
-	}
+	AGG_FOR_BLOCKS(set_block, sw, pw, K);
 }
 
-/* A contribution's payload (wire order) added into a partial's sums (lane order): s += p. */
+/* A contribution's payload added into a partial's sums: s += p. */
 static __always_inline void add_sums(agg_lanes *sw, agg_lanes *pw, const u32 K)
 {
-	/* verifier: a constant trip count, walked block by block */
-	AGG_BLOCK_LOOP
-	for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-		add_block(sw, pw);
-		sw += AGG_BLOCK_WORDS;
-		pw += AGG_BLOCK_WORDS;
-	}
+	AGG_FOR_BLOCKS(add_block, sw, pw, K);
 }
 
 /* Fold a sparse job's contribution into a partial (docs/protocol.md 8.3): the payload, where

@@ -264,10 +264,7 @@ static __always_inline int sparse_duplicate(struct xdp_md *ctx, struct agg_pkt *
 	}
 	if (write_result(ctx, pk, r, K))
 		return XDP_ABORTED;
-	reply_to_sender(pk);
-	count(w->job, AGG_RETX_ANSWERED);
-	count_worker(w, answered);
-	return AGG_TX(ctx);
+	return send_answer(ctx, pk, w);
 }
 
 /* The last addition of a sparse job's round: this CPU alone completes it (aggregate.h). The
