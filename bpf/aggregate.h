@@ -557,6 +557,40 @@ static __always_inline void race_window(void)
 	} while (0)
 #endif
 
+/* A new contribution's arrival, its bit just won in `seen` (dense, or a sparse job's: c):
+ * counted into this CPU's partial of its round. 1: it is the round's last addition, this CPU
+ * completes the round (the round's tag and the partial in *tag, *own); 0: counted, not the
+ * last; -1: an internal error. */
+static __always_inline int arrive(struct agg_pkt *pk, struct agg_job *job, struct agg_worker *w,
+				  struct agg_slot *st, u32 vi, u32 pkey, u64 bit, agg_lanes *pw,
+				  const struct agg_contrib *c, u64 *tag, struct agg_partial **own,
+				  const u32 K)
+{
+	u64 n = job->num_workers, a, round, done;
+
+	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
+	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
+	round = a / n;
+	*tag = ((u64)job->epoch << 32) | (u32)round;
+	count_worker(w, contributions);
+
+	race_window(); /* nothing unless a test build asks for it */
+	*own = accumulate(pkey, *tag, pk, pw, c, K);
+	if (!*own || note_cpu(pkey, a - round * n))
+		return -1;
+	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
+#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
+	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
+	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
+	done = a + 1;
+#endif
+	if (done != (round + 1) * n) {
+		count(w->job, AGG_AGGREGATED);
+		return 0;
+	}
+	return 1;
+}
+
 /* The UDP checksum, in three steps (checksum_ok): the one's complement sum of the pseudo-header
  * and H bytes of headers from the UDP header on (bounds-checked by the caller; even), ... */
 static __always_inline u64 csum_start(struct agg_pkt *pk, const u32 H)
@@ -724,7 +758,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	struct agg_partial *own;
 	struct agg_result *r;
 	struct agg_slot *st;
-	u64 old, a, round, tag, done, bit;
+	u64 old, tag, bit;
+	int last;
 
 	if (!pl) {
 		count(w->job, AGG_DROP_TRUNCATED);
@@ -746,26 +781,9 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	old = __sync_fetch_and_or(&st->seen[vi], bit);
 	if (old & bit)
 		return answer_duplicate(ctx, pk, job, w, st, vi, pkey, K);
-	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
-	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
-	round = a / n;
-	tag = ((u64)job->epoch << 32) | (u32)round;
-	count_worker(w, contributions);
-
-	race_window(); /* nothing unless a test build asks for it */
-	own = accumulate(pkey, tag, pk, pw, NULL, K);
-	if (!own || note_cpu(pkey, a - round * n))
-		return XDP_ABORTED;
-	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
-#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
-	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
-	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
-	done = a + 1;
-#endif
-	if (done != (round + 1) * n) {
-		count(w->job, AGG_AGGREGATED);
-		return XDP_DROP;
-	}
+	last = arrive(pk, job, w, st, vi, pkey, bit, pw, NULL, &tag, &own, K);
+	if (last <= 0)
+		return last ? XDP_ABORTED : XDP_DROP;
 
 	/* The last addition of the round: this CPU alone completes the slot. */
 	r = results.lookup(&pkey);

@@ -299,7 +299,8 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 					    u32 vi, const u32 K)
 {
 	u32 pkey = AGG_POOL_ENTRY(g, vi), why, zero = 0;
-	u64 n = job->num_workers, bit, a, round, tag, done;
+	u64 bit, tag;
+	int last;
 	struct agg_contrib *c = contrib.lookup(&zero);
 	struct agg_partial *own;
 	struct agg_slot *st;
@@ -321,24 +322,9 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 		return drop(w, AGG_DROP_SPARSE_MISMATCH);
 	if (__sync_fetch_and_or(&st->seen[vi], bit) & bit) /* a copy won on another CPU */
 		return sparse_duplicate(ctx, pk, job, w, st, vi, pkey, c->key, K);
-	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
-	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
-	round = a / n;
-	tag = ((u64)job->epoch << 32) | (u32)round;
-	count_worker(w, contributions);
-
-	race_window(); /* nothing unless a test build asks for it */
-	own = accumulate(pkey, tag, pk, (agg_lanes *)pl, c, K);
-	if (!own || note_cpu(pkey, a - round * n))
-		return XDP_ABORTED;
-	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
-#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
-	done = a + 1; /* test-only, deliberately wrong: as in aggregate() */
-#endif
-	if (done != (round + 1) * n) {
-		count(w->job, AGG_AGGREGATED);
-		return XDP_DROP;
-	}
+	last = arrive(pk, job, w, st, vi, pkey, bit, (agg_lanes *)pl, c, &tag, &own, K);
+	if (last <= 0)
+		return last ? XDP_ABORTED : XDP_DROP;
 	return sparse_complete(ctx, pk, job, w, st, vi, pkey, tag, own, c->key, K);
 }
 
