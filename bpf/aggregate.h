@@ -10,6 +10,8 @@
  *    (round + 1) * n is the only one that completes the slot, and sees every addition finished);
  *  - the completing CPU gathers all CPUs' partials of that round, stores the big-endian result,
  *    then bumps `published`: a retransmission only reads a result published for its round.
+ * A sparse job's packets (docs/protocol.md section 8) run the same machine through sparse.h,
+ * which adds the round's key and reuses the fold, gather and delivery below.
  * Test-only builds (tests/test_xdp_concurrency.py) may define AGG_TEST_RACE_DELAY (see
  * race_window()) and AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL (a racy completion); production
  * never does.
@@ -165,6 +167,15 @@ static __always_inline int resend_up(struct xdp_md *ctx, struct agg_pkt *pk, str
 	return AGG_TX(ctx);
 }
 
+/* A retransmission answered: the stored result, now in the packet, back to its sender. */
+static __always_inline int send_answer(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_worker *w)
+{
+	reply_to_sender(pk);
+	count(w->job, AGG_RETX_ANSWERED);
+	count_worker(w, answered);
+	return AGG_TX(ctx);
+}
+
 /* A retransmission or duplicate: answer the stored result if the round is published. */
 static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *pk,
 					    struct agg_job *job, struct agg_worker *w,
@@ -192,39 +203,82 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 		return XDP_ABORTED;
 	if (copy_result(ctx, pk, r, K))
 		return XDP_DROP;
-	reply_to_sender(pk);
-	count(w->job, AGG_RETX_ANSWERED);
-	count_worker(w, answered);
-	return AGG_TX(ctx);
+	return send_answer(ctx, pk, w);
+}
+
+/* op(s, p) over the blocks of a partial's sums s (lane order) and a payload p (wire order).
+ * verifier: a constant trip count, walked block by block. */
+#define AGG_FOR_BLOCKS(op, sw, pw, K)                                                         \
+	AGG_BLOCK_LOOP                                                                        \
+	for (u32 b = 0; b < AGG_BLOCKS(K); b++, sw += AGG_BLOCK_WORDS, pw += AGG_BLOCK_WORDS) \
+	op(sw, pw)
+
+/* A contribution's payload into a partial's sums, the first of its round there: s = p. */
+static __always_inline void set_sums(agg_lanes *sw, agg_lanes *pw, const u32 K)
+{
+	AGG_FOR_BLOCKS(set_block, sw, pw, K);
+}
+
+/* A contribution's payload added into a partial's sums: s += p. */
+static __always_inline void add_sums(agg_lanes *sw, agg_lanes *pw, const u32 K)
+{
+	AGG_FOR_BLOCKS(add_block, sw, pw, K);
+}
+
+/* Fold a sparse job's contribution into a partial (docs/protocol.md 8.3): the payload, where
+ * there is one (pw; NULL: an empty contribution), set or added as a dense one is, the first
+ * payload of the round here being set (has_data); the smallest next with the maximum e0 of the
+ * contributions naming it; e1 maxed. */
+static __always_inline void fold_sparse(struct agg_partial *p, u64 tag, const struct agg_contrib *c,
+					agg_lanes *pw, const u32 K)
+{
+	bool fresh = p->tag != tag;
+
+	/* verifier: the pointer itself says whether there is a payload (no flag beside it that
+	 * the verifier could not tie to it) */
+	if (pw) {
+		if (fresh || !p->has_data)
+			set_sums((agg_lanes *)p->sum, pw, K);
+		else
+			add_sums((agg_lanes *)p->sum, pw, K);
+	}
+	if (fresh) {
+		p->next = c->next;
+		p->e0 = c->e0;
+		p->e1 = c->e1;
+		p->count = 1;
+		p->has_data = pw != NULL;
+		p->tag = tag;
+		return;
+	}
+	if (c->next < p->next) {
+		p->next = c->next;
+		p->e0 = c->e0;
+	} else if (c->next == p->next) {
+		p->e0 = max_s32(p->e0, c->e0);
+	}
+	p->e1 = max_s32(p->e1, c->e1);
+	if (pw)
+		p->has_data = 1;
+	p->count += 1;
 }
 
 /* Fold one contribution into a partial sum (lane order): overwrite when the partial belongs to an
- * earlier round (no separate reset is needed), add otherwise. */
+ * earlier round (no separate reset is needed), add otherwise. `c`: a sparse job's contribution
+ * (fold_sparse), NULL for a dense job's (a constant: the dense code is what it was). */
 static __always_inline void fold(struct agg_partial *p, u64 tag, struct agg_pkt *pk, agg_lanes *pw,
-				 const u32 K)
+				 const struct agg_contrib *c, const u32 K)
 {
-	agg_lanes *sw = (agg_lanes *)p->sum;
-
-	if (p->tag != tag) {
-		/* verifier: a constant trip count, walked block by block */
-		AGG_BLOCK_LOOP
-		for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-			set_block(sw, pw);
-			sw += AGG_BLOCK_WORDS;
-			pw += AGG_BLOCK_WORDS;
-		}
+	if (c) {
+		fold_sparse(p, tag, c, pw, K);
+	} else if (p->tag != tag) {
+		set_sums((agg_lanes *)p->sum, pw, K);
 		p->e0 = pk->exp->e0;
 		p->e1 = pk->exp->e1;
 		p->count = 1;
 		p->tag = tag;
 	} else {
-		/* verifier: a constant trip count, walked block by block */
-		AGG_BLOCK_LOOP
-		for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-			add_block(sw, pw);
-			sw += AGG_BLOCK_WORDS;
-			pw += AGG_BLOCK_WORDS;
-		}
+		add_sums((agg_lanes *)p->sum, pw, K);
 		p->e0 = max_s32(p->e0, pk->exp->e0);
 		p->e1 = max_s32(p->e1, pk->exp->e1);
 		p->count += 1;
@@ -262,16 +316,26 @@ static __always_inline void publish_result(struct agg_pkt *pk, agg_lanes *pw, st
 	pk->exp->e1 = e1;
 }
 
+#define AGG_GATHER_ALL 0xffffffff /* gather: no CPU is left out (no CPU has this number) */
+
+/* What a round's partials add up to besides the sum, as the completing CPU gathers them. */
+struct agg_round {
+	s32 e0, e1; /* the exponents: max e1; max e0 (sparse: of those naming the smallest next) */
+	u32 next;   /* sparse: the smallest next */
+	u32 others; /* whether r->data holds gathered sums (lane order; sparse: own's too) */
+};
+
 #ifndef AGG_SPINLOCK
 /* Per-CPU variant (the default): each CPU folds into its own partial of the slot, which it
- * returns (NULL: no partial, a map error). */
+ * returns (NULL: no partial, a map error). `c`: as fold() takes it. */
 static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct agg_pkt *pk,
-						      agg_lanes *pw, const u32 K)
+						      agg_lanes *pw, const struct agg_contrib *c,
+						      const u32 K)
 {
 	struct agg_partial *p = bpf_map_lookup_elem(partials, &pkey);
 
 	if (p)
-		fold(p, tag, pk, pw, K);
+		fold(p, tag, pk, pw, c, K);
 	return p;
 }
 
@@ -290,13 +354,27 @@ static __always_inline int note_cpu(u32 pkey, u32 pos)
 	return 0;
 }
 
+/* One partial's exponents and next into the gather (a sparse round's e0 travels with the
+ * smallest next, docs/protocol.md 8.3; a dense round's is the max over all). */
+static __always_inline void gather_exponents(struct agg_gather *gs, struct agg_partial *q)
+{
+	if (!gs->sparse || q->next == gs->next) {
+		gs->e0 = max_s32(gs->e0, q->e0);
+	} else if (q->next < gs->next) {
+		gs->next = q->next;
+		gs->e0 = q->e0;
+	}
+	gs->e1 = max_s32(gs->e1, q->e1);
+}
+
 /* One step of the gather, for arrival position i of the round being completed on this CPU:
  * fold the partial of the CPU that took that contribution into r->data (lane order), unless
  * that CPU is this one (own is added last) or its partial was gathered already (for an earlier
  * position on the same CPU). Every addition of the round has finished (the `added` count) and no CPU can
  * fold into these partials before the result is published, so the completing CPU has them to
  * itself: it marks a gathered partial by zeroing its count, which the next round's first fold
- * resets. Returns 0 to go on, 1 to stop (a map lookup that cannot fail did). */
+ * resets. A sparse round's partial without data adds its exponents and next only. Returns 0
+ * to go on, 1 to stop (a map lookup that cannot fail did). */
 static __always_inline long gather_one(u32 i, const u32 K)
 {
 	u32 zero = 0, cpu;
@@ -321,18 +399,19 @@ static __always_inline long gather_one(u32 i, const u32 K)
 		return 0;
 	rw = (agg_lanes *)r->data;
 	qw = (agg_lanes *)q->sum;
-	if (!gs->others) {
+	if (gs->sparse && !q->has_data) {
+		/* nothing to add */
+	} else if (!gs->others) {
 		AGG_NO_UNROLL
 		for (u32 j = 0; j < AGG_WORDS(K); j++)
 			rw[j] = qw[j];
+		gs->others = 1;
 	} else {
 		AGG_NO_UNROLL
 		for (u32 j = 0; j < AGG_WORDS(K); j++)
 			rw[j] = add_lanes(rw[j], qw[j]);
 	}
-	gs->e0 = max_s32(gs->e0, q->e0);
-	gs->e1 = max_s32(gs->e1, q->e1);
-	gs->others = 1;
+	gather_exponents(gs, q);
 	q->count = 0;
 	return 0;
 }
@@ -351,45 +430,50 @@ static __always_inline long gather_one(u32 i, const u32 K)
 #define AGG_XCAT(a, b) AGG_CAT(a, b)
 SML_FOR_EACH_SIZE(AGG_GATHER_FN)
 
-/* Sum the round's partials into the packet and the stored result. `own` is this CPU's, which
- * holds the round's last addition: the partials of the other CPUs that took contributions of
- * the round (contrib_cpus) are gathered into r->data first, and own is added in the pass that
- * publishes (one pass when no other CPU saw the round). XDP does not nest on a CPU, so own
- * stays as folded. When own holds all n contributions (its count, kept per CPU without
- * atomics), no other CPU has any and none is read. Returns -1 on a map error. */
-static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
-					 u32 pkey, u64 tag, struct agg_partial *own, u64 n,
-					 const u32 K)
+/* Gather the round's partials other than `own` (this CPU's, which holds the round's last
+ * addition) into r->data, and everything's exponents (and next, for a `sparse` job's round)
+ * into `out`: the partials of the other CPUs that took contributions of the round
+ * (contrib_cpus). XDP does not nest on a CPU, so own stays as folded. When own holds all n
+ * contributions (its count, kept per CPU without atomics), no other CPU has any and none is
+ * read. A sparse round gathers own too (AGG_GATHER_ALL): r->data then holds the whole sum and
+ * its publication is one pass (sparse.h store_round). Returns -1 on a map error. */
+static __always_inline int gather_round(u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					bool sparse, struct agg_round *out, const u32 K)
 {
-	s32 e0 = own->e0, e1 = own->e1;
 	struct agg_gather *gs;
-	bool others = false;
 	u32 zero = 0;
 
-	if (own->count != n) {
-		gs = gather.lookup(&zero);
-		if (!gs)
-			return -1;
-		gs->tag = tag;
-		gs->pkey = pkey;
-		gs->me = bpf_get_smp_processor_id();
-		gs->e0 = e0;
-		gs->e1 = e1;
-		gs->others = 0;
-		if (bpf_loop(n, AGG_CALLBACK(K), NULL, 0) != n)
-			return -1;
-		e0 = gs->e0;
-		e1 = gs->e1;
-		others = gs->others;
-	}
-	publish_result(pk, pw, r, (agg_lanes *)own->sum, others, e0, e1, K);
+	out->e0 = own->e0;
+	out->e1 = own->e1;
+	out->next = own->next;
+	out->others = 0;
+	if (own->count == n)
+		return 0;
+	gs = gather.lookup(&zero);
+	if (!gs)
+		return -1;
+	gs->tag = tag;
+	gs->pkey = pkey;
+	gs->me = sparse ? AGG_GATHER_ALL : bpf_get_smp_processor_id();
+	gs->e0 = out->e0;
+	gs->e1 = out->e1;
+	gs->next = out->next;
+	gs->sparse = sparse;
+	gs->others = 0;
+	if (bpf_loop(n, AGG_CALLBACK(K), NULL, 0) != n)
+		return -1;
+	out->e0 = gs->e0;
+	out->e1 = gs->e1;
+	out->next = gs->next;
+	out->others = gs->others;
 	return 0;
 }
 #else
 /* Spin-lock variant (build option, the baseline to measure against): one shared partial per
  * (slot, version), folded into under its bpf_spin_lock; returns it (NULL: a map error). */
 static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct agg_pkt *pk,
-						      agg_lanes *pw, const u32 K)
+						      agg_lanes *pw, const struct agg_contrib *c,
+						      const u32 K)
 {
 	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
 
@@ -397,7 +481,7 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 		return NULL;
 	/* verifier: no helper calls between lock and unlock; fold() makes none */
 	bpf_spin_lock(&lp->lock);
-	fold(&lp->p, tag, pk, pw, K);
+	fold(&lp->p, tag, pk, pw, c, K);
 	bpf_spin_unlock(&lp->lock);
 	return &lp->p;
 }
@@ -409,14 +493,31 @@ static __always_inline int note_cpu(u32 pkey, u32 pos)
 	return 0; /* one shared partial: nothing to gather */
 }
 
+static __always_inline int gather_round(u32 pkey, u64 tag, struct agg_partial *own, u64 n,
+					bool sparse, struct agg_round *out, const u32 K)
+{
+	out->e0 = own->e0;
+	out->e1 = own->e1;
+	out->next = own->next;
+	out->others = 0; /* one shared partial holds the whole round */
+	return 0;
+}
+#endif
+
+/* Sum the round's partials into the packet and the stored result: the other CPUs' gathered
+ * into r->data first (gather_round), and own added in the pass that publishes (one pass when
+ * no other CPU saw the round). Returns -1 on a map error. */
 static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, struct agg_result *r,
 					 u32 pkey, u64 tag, struct agg_partial *own, u64 n,
 					 const u32 K)
 {
-	publish_result(pk, pw, r, (agg_lanes *)own->sum, false, own->e0, own->e1, K);
+	struct agg_round rs;
+
+	if (gather_round(pkey, tag, own, n, false, &rs, K))
+		return -1;
+	publish_result(pk, pw, r, (agg_lanes *)own->sum, rs.others, rs.e0, rs.e1, K);
 	return 0;
 }
-#endif
 
 #ifdef AGG_TEST_RACE_DELAY
 /* Test-only (tests/test_xdp_concurrency.py; never in a production build): widen the window
@@ -425,16 +526,30 @@ static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, stru
  * then finish its addition after one that arrived later, which is the interleaving a completion
  * decided on the arrival count gets wrong (a fixed delay would keep arrival order). */
 #define AGG_TEST_RACE_SPINS 2048 /* ktime reads, each tens of ns: covers the delays the test uses */
+BPF_PERCPU_ARRAY(race_end, u64, 1); /* 0 -> when this CPU's race window ends (ktime ns) */
+
+/* The spin's callback (id AGG_CALLBACK_RACE_SPIN): 1, which ends bpf_loop, once the window's end
+ * has passed. Not static: the loader links it as it links the gather callbacks. */
+long agg_race_spin(u32 i)
+{
+	u32 zero = 0;
+	u64 *end = race_end.lookup(&zero);
+
+	return !end || bpf_ktime_get_ns() >= *end;
+}
+
 static __always_inline void race_window(void)
 {
-	u64 end = bpf_ktime_get_ns() + bpf_get_prandom_u32() % (AGG_TEST_RACE_DELAY + 1);
+	u32 zero = 0;
+	u64 *end = race_end.lookup(&zero);
 
-	/* verifier: a constant bound on the iterations (it walks each one); the clock ends the
-	 * loop earlier */
-	AGG_NO_UNROLL
-	for (u32 i = 0; i < AGG_TEST_RACE_SPINS; i++)
-		if (bpf_ktime_get_ns() >= end)
-			break;
+	if (!end)
+		return;
+	*end = bpf_ktime_get_ns() + bpf_get_prandom_u32() % (AGG_TEST_RACE_DELAY + 1);
+	/* verifier: a callback, verified as a whole at each call; a bounded loop of ktime reads
+	 * was walked iteration by iteration at every one, which took the sparse build past the
+	 * verifier's limit */
+	bpf_loop(AGG_TEST_RACE_SPINS, AGG_CALLBACK(AGG_CALLBACK_RACE_SPIN), NULL, 0);
 }
 #else
 #define race_window() \
@@ -442,28 +557,87 @@ static __always_inline void race_window(void)
 	} while (0)
 #endif
 
-/* True when the UDP checksum of a packet of K elements is right (the caller skips a zero
- * checksum: none was sent). One's complement sum of the pseudo-header, the UDP header, the
- * SwitchML and exponent headers and the payload; the sum of 16-bit words does not depend on
- * their byte order (RFC 1071), so the words are added as they lie in memory, the payload 32
- * bits at a time. */
-static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, const u32 K)
+/* A new contribution's arrival, its bit just won in `seen` (dense, or a sparse job's: c):
+ * counted into this CPU's partial of its round. 1: it is the round's last addition, this CPU
+ * completes the round (the round's tag and the partial in *tag, *own); 0: counted, not the
+ * last; -1: an internal error. */
+static __always_inline int arrive(struct agg_pkt *pk, struct agg_job *job, struct agg_worker *w,
+				  struct agg_slot *st, u32 vi, u32 pkey, u64 bit, agg_lanes *pw,
+				  const struct agg_contrib *c, u64 *tag, struct agg_partial **own,
+				  const u32 K)
+{
+	u64 n = job->num_workers, a, round, done;
+
+	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
+	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
+	round = a / n;
+	*tag = ((u64)job->epoch << 32) | (u32)round;
+	count_worker(w, contributions);
+
+	race_window(); /* nothing unless a test build asks for it */
+	*own = accumulate(pkey, *tag, pk, pw, c, K);
+	if (!*own || note_cpu(pkey, a - round * n))
+		return -1;
+	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
+#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
+	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
+	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
+	done = a + 1;
+#endif
+	if (done != (round + 1) * n) {
+		count(w->job, AGG_AGGREGATED);
+		return 0;
+	}
+	return 1;
+}
+
+/* The UDP checksum, in three steps (checksum_ok): the one's complement sum of the pseudo-header
+ * and H bytes of headers from the UDP header on (bounds-checked by the caller; even), ... */
+static __always_inline u64 csum_start(struct agg_pkt *pk, const u32 H)
 {
 	u16 *h = (u16 *)pk->udp;
 	u64 sum = (u64)pk->ip->saddr + pk->ip->daddr + bpf_htons(IPPROTO_UDP) + pk->udp->len;
 
-	/* UDP, SwitchML and exponent headers: 18 bytes, bounds-checked by the parser */
 #pragma unroll
-	for (int i = 0; i < (sizeof(struct udphdr) + SML_HLEN + SML_EXP_HLEN) / 2; i++)
+	for (int i = 0; i < H / 2; i++)
 		sum += h[i];
+	return sum;
+}
+
+/* ... K int32 of payload at pl added, 32 bits at a time ... */
+static __always_inline u64 csum_add_payload(u64 sum, __be32 *pl, const u32 K)
+{
 	AGG_NO_UNROLL
 	for (u32 j = 0; j < K; j++)
 		sum += pl[j];
+	return sum;
+}
+
+/* ... and the sum folded to 16 bits: right when all ones. */
+static __always_inline bool csum_folds_to_ok(u64 sum)
+{
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffffffff) + (sum >> 32);
 	sum = (sum & 0xffff) + (sum >> 16);
 	sum = (sum & 0xffff) + (sum >> 16);
 	return sum == 0xffff;
+}
+
+/* True when the UDP checksum of a packet is right (the caller skips a zero checksum: none was
+ * sent): its H bytes of headers from the UDP header on, then K int32 of payload at pl. One's
+ * complement sum of the pseudo-header, the headers and the payload; the sum of 16-bit words does
+ * not depend on their byte order (RFC 1071), so the words are added as they lie in memory, the
+ * payload 32 bits at a time. */
+static __always_inline bool checksum_ok(struct agg_pkt *pk, const u32 H, __be32 *pl, const u32 K)
+{
+	return csum_folds_to_ok(csum_add_payload(csum_start(pk, H), pl, K));
+}
+
+/* The UDP checksum of a dense packet of K elements (checksum_ok): the UDP, SwitchML and
+ * exponent headers (18 bytes, bounds-checked by the parser) and the payload. */
+static __always_inline bool udp_checksum_ok(struct agg_pkt *pk, __be32 *pl, const u32 K)
+{
+	return checksum_ok(pk, sizeof(struct udphdr) + SML_HLEN + SML_EXP_HLEN, pl, K);
 }
 
 /* A result, addressed to the job's group, on its way to the job's workers: once with XDP_TX
@@ -528,13 +702,14 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 	return deliver(ctx, job, w->job);
 }
 
-/* The payload of a packet of K elements, where the element loops read it: in the packet (direct
- * access) when K is a size that fits the first buffer, else copied into this CPU's scratch.
- * NULL: the payload is not where it must be (counted as truncated by the caller). */
-static __always_inline __be32 *payload(struct xdp_md *ctx, struct agg_pkt *pk, const u32 K)
+/* The payload of a packet of K elements that starts at `pl` in the packet, frame offset `off`,
+ * where the element loops read it: in the packet (direct access) when K is a size that fits the
+ * first buffer, else copied into this CPU's scratch. NULL: the payload is not where it must be
+ * (counted as truncated by the caller). */
+static __always_inline __be32 *payload_at(struct xdp_md *ctx, struct agg_pkt *pk, __be32 *pl,
+					  const u32 off, const u32 K)
 {
 	void *data_end = pk->data_end;
-	__be32 *pl = (__be32 *)(pk->exp + 1);
 	u32 zero = 0;
 	struct agg_scratch *s;
 
@@ -546,9 +721,30 @@ static __always_inline __be32 *payload(struct xdp_md *ctx, struct agg_pkt *pk, c
 	}
 	s = scratch.lookup(&zero);
 	/* verifier: K * 4 is a constant no larger than the scratch value (AGG_MAX_ELEMS) */
-	if (!s || agg_xdp_load_bytes(ctx, SML_PAYLOAD_OFFSET, s->data, K * 4))
+	if (!s || agg_xdp_load_bytes(ctx, off, s->data, K * 4))
 		return NULL;
 	return s->data;
+}
+
+/* The payload of a dense packet of K elements (payload_at), after the exponent header. */
+static __always_inline __be32 *payload(struct xdp_md *ctx, struct agg_pkt *pk, const u32 K)
+{
+	return payload_at(ctx, pk, (__be32 *)(pk->exp + 1), SML_PAYLOAD_OFFSET, K);
+}
+
+/* A completed result, its payload and exponents written, on its way to every worker of the
+ * job: by the switch's devmap broadcast, or addressed to the job's group (deliver). */
+static __always_inline int send_result(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
+				       struct agg_worker *w)
+{
+	if (job->delivery == AGG_DELIVERY_BROADCAST) {
+		/* every copy carries the result's fields; the egress program only addresses it */
+		result_fields(pk);
+		ipv4_csum(pk->ip);
+		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
+	}
+	address_to_group(pk, job);
+	return deliver(ctx, job, w->job);
 }
 
 /* A packet of ours with K elements from worker w for slot g, version vi. */
@@ -562,7 +758,8 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	struct agg_partial *own;
 	struct agg_result *r;
 	struct agg_slot *st;
-	u64 old, a, round, tag, done, bit;
+	u64 old, tag, bit;
+	int last;
 
 	if (!pl) {
 		count(w->job, AGG_DROP_TRUNCATED);
@@ -584,26 +781,9 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	old = __sync_fetch_and_or(&st->seen[vi], bit);
 	if (old & bit)
 		return answer_duplicate(ctx, pk, job, w, st, vi, pkey, K);
-	__sync_fetch_and_and(&st->seen[vi ^ 1], ~bit); /* w has moved on from the other version */
-	a = __sync_fetch_and_add(&st->arrivals[vi], 1);
-	round = a / n;
-	tag = ((u64)job->epoch << 32) | (u32)round;
-	count_worker(w, contributions);
-
-	race_window(); /* nothing unless a test build asks for it */
-	own = accumulate(pkey, tag, pk, pw, K);
-	if (!own || note_cpu(pkey, a - round * n))
-		return XDP_ABORTED;
-	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
-#ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
-	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
-	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
-	done = a + 1;
-#endif
-	if (done != (round + 1) * n) {
-		count(w->job, AGG_AGGREGATED);
-		return XDP_DROP;
-	}
+	last = arrive(pk, job, w, st, vi, pkey, bit, pw, NULL, &tag, &own, K);
+	if (last <= 0)
+		return last ? XDP_ABORTED : XDP_DROP;
 
 	/* The last addition of the round: this CPU alone completes the slot. */
 	r = results.lookup(&pkey);
@@ -625,14 +805,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 	}
 	__sync_fetch_and_add(&st->published[vi], 1);
 	count(w->job, AGG_COMPLETED);
-	if (job->delivery == AGG_DELIVERY_BROADCAST) {
-		/* every copy carries the result's fields; the egress program only addresses it */
-		result_fields(pk);
-		ipv4_csum(pk->ip);
-		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
-	}
-	address_to_group(pk, job);
-	return deliver(ctx, job, w->job);
+	return send_result(ctx, pk, job, w);
 }
 
 #endif

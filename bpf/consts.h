@@ -17,7 +17,8 @@
  * ld_imm64, the magic in its upper half, the callback's id in the lower), and the loader
  * (xdp_switch/subprogs.py) appends the callback's code and rewrites the ld_imm64 into the
  * kernel's reference to it. The id of agg_gather_<K> is K. */
-#define AGG_CALLBACK(id) ((void *)(((u64)AGG_CALLBACK_MAGIC << 32) | (id)))
+#define AGG_CALLBACK(id)       ((void *)(((u64)AGG_CALLBACK_MAGIC << 32) | (id)))
+#define AGG_CALLBACK_RACE_SPIN 1 /* test builds' agg_race_spin (subprogs.py CALLBACK_NAMES) */
 #ifndef AGG_PARTIALS_FD
 #error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
 #endif

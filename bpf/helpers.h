@@ -55,6 +55,14 @@ static __always_inline struct agg_worker_stats *worker_counters(struct agg_worke
 			_s->field += 1;                           \
 	} while (0)
 
+/* A dropped packet of a known worker: count it for the job and the worker. */
+static __always_inline int drop(struct agg_worker *w, u32 reason)
+{
+	count(w->job, reason);
+	count_worker(w, dropped);
+	return XDP_DROP;
+}
+
 /* Recompute the IPv4 header checksum (20 bytes, no options: the parser guarantees it). */
 static __always_inline void ipv4_csum(struct iphdr *ip)
 {

@@ -42,6 +42,7 @@ BPF_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's cop
 struct agg_btf_anchor {
 	struct switchml_hdr sml;
 	struct exponents_hdr exp;
+	struct sparse_hdr sparse;
 	struct agg_partial partial;
 };
 BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
@@ -63,6 +64,18 @@ struct agg_scratch {
 	__be32 data[AGG_MAX_ELEMS];
 };
 BPF_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
+/* A contribution to a sparse job (sparse.h), as its packet says: what a partial keeps of it
+ * besides the payload (aggregate.h fold_sparse). A dense packet of a sparse job names next 0, as
+ * every other dense one of its round, so that its e0 is maxed in as a dense round's is. */
+struct agg_contrib {
+	u64 key;    /* the round it belongs to: kind, block and blocks (sparse.h) */
+	u32 next;   /* the sender's next non-zero block (docs/protocol.md 8.1) */
+	s32 e0, e1; /* its exponents */
+	u32 empty;  /* an empty contribution (msg_type 3), header-only or padded: nothing added */
+};
+/* In a map value, not on the stack: the verifier does not track what a map value holds, so the
+ * state machine after sparse.h read_contrib is one state for every kind of packet. */
+BPF_PERCPU_ARRAY(contrib, struct agg_contrib, 1); /* 0 -> this CPU's sparse contribution */
 
 #ifndef AGG_SPINLOCK
 /* Where each contribution of a round was folded, by its arrival position in the round: the CPU
@@ -78,8 +91,10 @@ struct agg_gather {
 	u64 tag;    /* the round's partial tag */
 	u32 pkey;   /* slot*2+v */
 	u32 me;	    /* the completing CPU: its own partial is added last */
-	s32 e0, e1; /* exponents' running max */
+	s32 e0, e1; /* exponents' running max (sparse: e0 of those naming the smallest next) */
 	u32 others; /* whether another CPU's partial was gathered into the result */
+	u32 sparse; /* a sparse job's round: next and has_data count (gather_exponents) */
+	u32 next;   /* sparse: the smallest next so far */
 	u32 pad;
 };
 /* clang-format off */

@@ -6,7 +6,7 @@
  * 0xBEE0-0xBEEF passes untouched. xdp_agg_egress is the devmap egress program of switch mode: it
  * addresses each broadcast copy of a result to the job's worker behind that port. xdp_agg_copy is
  * the devmap egress program of unicast delivery (one-arm): it addresses copy k of a result to
- * the job's worker k.
+ * the job's worker k. A sparse job's packets (docs/protocol.md section 8) go through sparse.h.
  * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. With
  * -DAGG_FRAGS the loader loads both programs as multi-buffer (frags) programs, which see frames
  * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
@@ -27,18 +27,49 @@
 #include "helpers.h"
 #include "slot_cpus.h"
 #include "aggregate.h"
+#include "sparse.h"
 
-/* One case of the size-code switch in xdp_agg_ingress. */
-#define AGG_SIZE_CASE(code, elems) \
-	case code:                 \
+/* One case of the size-code switch in xdp_agg_ingress: a sparse job's packets (of any kind) to
+ * sparse.h, a dense job's to aggregate.h. */
+#define AGG_SIZE_CASE(code, elems)                                               \
+	case code:                                                               \
+		if (sparse)                                                      \
+			return sparse_aggregate(ctx, &pk, job, w, g, vi, elems); \
 		return aggregate(ctx, &pk, job, w, g, vi, elems);
 
-/* A dropped packet of a known worker: count it for the job and the worker. */
-static __always_inline int drop(struct agg_worker *w, u32 reason)
+/* Why a packet of a known worker is dropped for its type or its lengths (rows 5-8 of
+ * docs/protocol.md 2.2, and of 8.3 for a sparse job), else 0. The frame must hold the packet's
+ * UDP payload (the SwitchML and exponent headers, a sparse packet's sparse header, and k int32
+ * unless it is an empty sparse contribution, which carries them only as padding: 8.1), and the
+ * IPv4 total length and the UDP length must say exactly that much and match the frame: a lying
+ * length would otherwise be summed, and echoed in the result, whose receivers would take it at
+ * its word. */
+static __always_inline u32 type_and_lengths(struct xdp_md *ctx, struct agg_pkt *pk,
+					    struct agg_job *job, bool sparse)
 {
-	count(w->job, reason);
-	count_worker(w, dropped);
-	return XDP_DROP;
+	u32 type = SML_MSG_TYPE(pk->sml), len, need = SML_HLEN + SML_EXP_HLEN;
+
+	/* a sparse job takes msg_type 2 and 3 too (docs/protocol.md 8.1); a dense job only 1 */
+	if (type != SML_MSG_TYPE_DATA &&
+	    !(sparse && (type == SML_MSG_TYPE_SPARSE || type == SML_MSG_TYPE_SPARSE_EMPTY)))
+		return AGG_DROP_BAD_TYPE;
+	if (SML_SIZE(pk->sml) != job->size_code)
+		return AGG_DROP_BAD_SIZE;
+	if (type != SML_MSG_TYPE_DATA)
+		need += SML_SPARSE_HLEN;
+	/* an empty contribution is header-only or padded to a block's room for the result, which
+	 * XDP writes in place (a frame cannot grow past its buffer): its UDP length says which */
+	if (type != SML_MSG_TYPE_SPARSE_EMPTY ||
+	    agg_ntohs(pk->udp->len) == sizeof(struct udphdr) + need + job->elems * 4)
+		need += job->elems * 4;
+	len = frame_len(ctx);
+	if (len < SML_OFFSET + need)
+		return AGG_DROP_TRUNCATED;
+	if (agg_ntohs(pk->udp->len) != sizeof(struct udphdr) + need ||
+	    agg_ntohs(pk->ip->tot_len) != sizeof(struct iphdr) + sizeof(struct udphdr) + need ||
+	    len != SML_OFFSET + need)
+		return AGG_DROP_BAD_LENGTH;
+	return 0;
 }
 
 int xdp_agg_ingress(struct xdp_md *ctx)
@@ -47,8 +78,8 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	struct agg_worker *w;
 	struct agg_job *job;
 	struct agg_pkt pk;
-	u32 pidx, g, vi, len, need;
-	bool from_parent;
+	u32 pidx, g, vi, why;
+	bool from_parent, sparse;
 	switch (parse(ctx, &pk)) {
 	case AGG_PARSE_OK:
 		break;
@@ -82,22 +113,10 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 		return XDP_DROP;
 	}
 	count_worker(w, packets);
-	if (SML_MSG_TYPE(pk.sml) != SML_MSG_TYPE_DATA)
-		return drop(w, AGG_DROP_BAD_TYPE);
-	if (SML_SIZE(pk.sml) != job->size_code)
-		return drop(w, AGG_DROP_BAD_SIZE);
-	/* Lengths, before any state changes: the frame must hold the job's payload, and the IPv4
-	 * total length and the UDP length must say exactly that much (SwitchML header + exponents
-	 * + k int32) and match the frame. A lying length would otherwise be summed, and echoed in the result,
-	 * whose receivers would take it at its word. */
-	len = frame_len(ctx);
-	need = SML_HLEN + SML_EXP_HLEN + job->elems * 4; /* UDP payload bytes */
-	if (len < SML_OFFSET + need)
-		return drop(w, AGG_DROP_TRUNCATED);
-	if (agg_ntohs(pk.udp->len) != sizeof(struct udphdr) + need ||
-	    agg_ntohs(pk.ip->tot_len) != sizeof(struct iphdr) + sizeof(struct udphdr) + need ||
-	    len != SML_OFFSET + need)
-		return drop(w, AGG_DROP_BAD_LENGTH);
+	sparse = (job->flags & AGG_JOB_SPARSE) && !from_parent; /* a sparse job has no parent */
+	why = type_and_lengths(ctx, &pk, job, sparse);
+	if (why)
+		return drop(w, why);
 	pidx = agg_ntohs(pk.sml->pool_index);
 	/* the reserved bit set puts g out of every range */
 	g = pidx & (SML_POOL_SLOT_MASK | SML_POOL_RESERVED_BIT);

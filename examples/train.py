@@ -20,6 +20,11 @@ Models:
   batch. Loss per step (mean over ranks) and test accuracy every --eval-every steps.
 - wide: an MLP of 25.2 M parameters (4096-4096-2048-10) on synthetic inputs: every step
   all-reduces 100 MB of gradients, the communication-bound case.
+- recsys: an embedding-heavy recommender (an nn.EmbeddingBag of 262,144 items x 32, 8.4 M
+  parameters, then a small MLP) on synthetic sessions of 8 items drawn from a power law, the
+  label a hidden linear score of the items: each step's embedding gradient (33.5 MB, dense) is
+  zero outside the rows of the items seen, most of its blocks all zero, which a sparse job of
+  xdp-agg leaves at home (docs/protocol.md section 8).
 
 Rank 0 prints a summary and writes --out (JSON): time per iteration (median after --warmup
 steps), the compute-only time per iteration (the same steps on a local copy of the model, with
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import json
 import os
 import statistics
@@ -55,8 +61,41 @@ def load_digits_split(seed: int = 0):
     return x[tr], y[tr], x[te], y[te]
 
 
+RECSYS_ITEMS, RECSYS_DIM, RECSYS_SESSION = 1 << 18, 32, 8
+
+
+class Recommender(torch.nn.Module):
+    """Mean of a session's item embeddings, then an MLP to click / no click."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.items = torch.nn.EmbeddingBag(RECSYS_ITEMS, RECSYS_DIM, mode="mean")
+        self.head = torch.nn.Sequential(
+            torch.nn.Linear(RECSYS_DIM, 64), torch.nn.ReLU(), torch.nn.Linear(64, 2)
+        )
+
+    def forward(self, sessions: torch.Tensor) -> torch.Tensor:
+        return self.head(self.items(sessions))
+
+
+def recsys_batch(step: int, rank: int, b: int):
+    """b sessions of RECSYS_SESSION items (a power law over the items: a few are popular) and
+    their labels, from a hidden score per item that is the same on every rank."""
+    g = torch.Generator().manual_seed(step * 1000 + rank)
+    u = torch.rand(b, RECSYS_SESSION, generator=g)
+    sessions = (RECSYS_ITEMS * u**3).long().clamp_(max=RECSYS_ITEMS - 1)
+    return sessions, (_item_scores()[sessions].sum(1) > 0).long()
+
+
+@functools.lru_cache(maxsize=1)
+def _item_scores() -> torch.Tensor:
+    return torch.randn(RECSYS_ITEMS, generator=torch.Generator().manual_seed(1))
+
+
 def make_model(kind: str) -> torch.nn.Module:
     torch.manual_seed(0)  # every rank starts from the same parameters (DDP checks it too)
+    if kind == "recsys":
+        return Recommender()
     if kind == "digits":
         layers = [64, 256, 256, 10]
     else:
@@ -77,6 +116,8 @@ class Batches:
         self._pos, self._epoch = 0, 0
 
     def get(self, step: int):
+        if self.kind == "recsys":
+            return recsys_batch(step, self.rank, self.b)
         if self.kind == "wide":
             g = torch.Generator().manual_seed(step * 1000 + self.rank)
             return torch.randn(self.b, 4096, generator=g), torch.randint(
@@ -104,7 +145,7 @@ def wrap(net: torch.nn.Module, parallel: str, n: int) -> torch.nn.Module:
         mesh = init_device_mesh("cpu", (n,))
     else:
         mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
-    for layer in net:
+    for layer in net.modules():
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, mesh=mesh)
     return fully_shard(net, mesh=mesh)
@@ -121,7 +162,7 @@ def main(argv=None) -> int:
     )
     ap.add_argument("--backend", default="xdpagg", help="xdpagg, cpu:xdpagg or gloo")
     ap.add_argument("--parallel", choices=["ddp", "fsdp", "hsdp"], default="ddp")
-    ap.add_argument("--model", choices=["digits", "wide"], default="digits")
+    ap.add_argument("--model", choices=["digits", "wide", "recsys"], default="digits")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32, help="samples per rank per step")
     ap.add_argument("--lr", type=float, default=0.05)
@@ -179,7 +220,7 @@ def main(argv=None) -> int:
         loss.backward()  # DDP all-reduces the gradient buckets, overlapping the backward pass
         opt.step()
         times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
+        losses.append(loss.item())
         if args.model == "digits" and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
             if args.parallel != "ddp":  # a sharded forward is collective: every rank runs it
                 accs.append((step + 1, accuracy(model, xte, yte)))

@@ -12,11 +12,13 @@
  * exactly the bytes the numpy engine sends (tests/test_fastpath.py compares them).
  *
  * The units, each with its header: fp_kernels (payload conversion, AVX2 or scalar), fp_io (the
- * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_loop (the stream loop), and this file,
- * the Python type and module. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
+ * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_loop (the stream loop), fp_sparse (a
+ * sparse all-reduce's rounds in that loop, docs/protocol.md section 8), and this file, the
+ * Python type and module. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
  * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
  * hostlib.native_loop refuses to import a build whose constants differ from xdp_agg.proto.wire's.
- * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_loop.c header_of and fill.)
+ * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_loop.h fp_header, fp_loop.c
+ * fill, fp_sparse.c fp_sparse_fill.)
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -32,6 +34,7 @@
 #include "fp_io.h"
 #include "fp_kernels.h"
 #include "fp_loop.h"
+#include "fp_sparse.h"
 #include "fp_wire.h"
 #include "xsk_prog.h"
 
@@ -251,14 +254,39 @@ static PyObject *run_result(const Stream *st, const Run *r, int rc)
         }
     }
     PyObject *cd = counters_dict(&r->c);
+    const char *status = rc == ST_DONE ? "done" : rc == ST_STALLED ? "stalled" : "bad_next";
     if (busy && cd)
-        result = Py_BuildValue("{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status",
-                               rc == ST_DONE ? "done" : "stalled", "ndone", (long long)r->ndone,
-                               "results_here", (long long)r->results_here, "busy", busy, "counters",
-                               cd, "gso_refused", st->t->gso_refused ? Py_True : Py_False,
-                               "last_errno", st->t->last_errno);
+        result = Py_BuildValue(
+            "{s:s,s:L,s:L,s:O,s:O,s:O,s:i}", "status", status, "ndone", (long long)r->ndone,
+            "results_here", (long long)r->results_here, "busy", busy, "counters", cd, "gso_refused",
+            st->t->gso_refused ? Py_True : Py_False, "last_errno", st->t->last_errno);
     Py_XDECREF(busy);
     Py_XDECREF(cd);
+    return result;
+}
+
+/* Run r on e's stream with the GIL released: fp_run_start (which, for a sparse run, also
+ * zeroes the output and finds the columns: O(L), so without the GIL too) and the loop. The
+ * result dict, or NULL with an exception (OSError for -errno). */
+static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progress, double every)
+{
+    Stream *st = &e->stream;
+    Hooks hk = {.progress = progress, .ts = PyEval_SaveThread()};
+    LoopHooks h = {progress != Py_None ? call_progress : NULL, check_signals, &hk, every};
+    fp_run_start(r, st);
+    st->t->gso_refused = 0;
+    int rc = fp_run_loop(r, timeout, &h);
+    PyEval_RestoreThread(hk.ts);
+    PyObject *result = NULL;
+    if (rc == -EINTR && PyErr_Occurred()) {
+        /* the hook's exception */
+    } else if (rc < 0) {
+        errno = -rc;
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else {
+        result = run_result(st, r, rc);
+    }
+    fp_run_end(r);
     return result;
 }
 
@@ -315,27 +343,110 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
              .exps = is_float ? exps.buf : NULL,
              .agreed = agreed,
              .state = done};
-    fp_run_start(&r, st);
-    st->t->gso_refused = 0;
-
-    Hooks hk = {.progress = progress, .ts = PyEval_SaveThread()};
-    LoopHooks h = {progress != Py_None ? call_progress : NULL, check_signals, &hk, progress_every};
-    int rc = fp_run_loop(&r, timeout, &h);
-    PyEval_RestoreThread(hk.ts);
-
-    if (rc == -EINTR && PyErr_Occurred())
-        goto out;
-    if (rc < 0) {
-        errno = -rc;
-        PyErr_SetFromErrno(PyExc_OSError);
-        goto out;
-    }
-    result = run_result(st, &r, rc);
-    fp_run_end(&r);
+    result = run_released(e, &r, timeout, progress, progress_every);
 out:
     PyMem_RawFree(done);
     PyMem_RawFree(agreed);
     PyBuffer_Release(&exps); /* nothing for a buffer not got: its obj is NULL */
+    PyBuffer_Release(&dst);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&vers);
+    return result;
+}
+
+PyDoc_STRVAR(
+    Engine_allreduce_sparse_doc,
+    "allreduce_sparse(is_float, src, dst, w, job_number, versions, nonzero, exponents, rounds,\n"
+    "                 timeout, progress=None, progress_every=1.0, pad_empty=False) -> dict\n\n"
+    "Run one sparse all-reduce (docs/protocol.md section 8) with the GIL released: src and dst\n"
+    "as for allreduce, B = ceil(L / k) blocks over w slots; nonzero and exponents: block_scan's\n"
+    "(exponents None for int32); rounds: a writable buffer of w int64, set to the rounds each\n"
+    "slot ran (also when it fails: the versions advance by them). Returns allreduce's dict, with\n"
+    "status 'bad_next' when a result would skip this worker's data, and 'union_blocks' (results\n"
+    "with data) and 'bad' (None, or (slot offset, block, its result's next, this worker's next)).\n"
+    "pad_empty: empty contributions carry k zero int32 (JobSpec.pad_empty).");
+
+/* The sparse parts of allreduce_sparse's answer: union_blocks, bad. */
+static PyObject *sparse_result(PyObject *result, const SparseRun *sp, int failed)
+{
+    PyObject *bad = failed
+                        ? Py_BuildValue("(LLLL)", (long long)sp->bad_slot, (long long)sp->bad_from,
+                                        (long long)sp->bad_to, (long long)sp->bad_mine)
+                        : Py_NewRef(Py_None);
+    PyObject *u = PyLong_FromLongLong(sp->union_blocks);
+    if (!bad || !u || PyDict_SetItemString(result, "bad", bad) < 0 ||
+        PyDict_SetItemString(result, "union_blocks", u) < 0)
+        Py_CLEAR(result);
+    Py_XDECREF(bad);
+    Py_XDECREF(u);
+    return result;
+}
+
+/* allreduce_sparse's buffers consistent with B blocks of the stream's k and w slots? */
+static int sparse_args_ok(const Stream *st, const Py_buffer *src, const Py_buffer *dst,
+                          const Py_buffer *vers, const Py_buffer *nz, const Py_buffer *exps,
+                          const Py_buffer *rounds, long long w, int is_float)
+{
+    Py_ssize_t L = src->len / 4, B = (L + st->cfg.k - 1) / st->cfg.k;
+    return dst->len == src->len && src->len % 4 == 0 && L > 0 && (int64_t)B < 0xFFFFFFFFll &&
+           w >= 1 && w <= st->cfg.window && w <= B && vers->len >= w && nz->len == B &&
+           (!is_float || exps->len >= B) && rounds->len >= (Py_ssize_t)(8 * w);
+}
+
+static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw)
+{
+    static char *kwlist[] = {
+        "is_float",  "src",    "dst",     "w",        "job_number",     "versions",  "nonzero",
+        "exponents", "rounds", "timeout", "progress", "progress_every", "pad_empty", NULL};
+    int is_float, jn, pad = 0;
+    long long w;
+    PyObject *src_o, *dst_o, *nz_o, *exps_o, *rounds_o, *progress = Py_None;
+    Py_buffer src = {0}, dst = {0}, vers, nz = {0}, exps = {0}, rounds = {0};
+    double timeout, progress_every = 1.0;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLiy*OOOd|Odp", kwlist, &is_float, &src_o, &dst_o,
+                                     &w, &jn, &vers, &nz_o, &exps_o, &rounds_o, &timeout, &progress,
+                                     &progress_every, &pad))
+        return NULL;
+    PyObject *result = NULL;
+    SparseRun sp = {0};
+    Stream *st = &e->stream;
+    Run r = {0};
+    if (get_buffer(src_o, &src, 0) < 0 || get_buffer(dst_o, &dst, 1) < 0 ||
+        get_buffer(nz_o, &nz, 0) < 0 || get_buffer(rounds_o, &rounds, 1) < 0 ||
+        (is_float && get_buffer(exps_o, &exps, 0) < 0))
+        goto out;
+    if (!sparse_args_ok(st, &src, &dst, &vers, &nz, &exps, &rounds, w, is_float)) {
+        PyErr_SetString(PyExc_ValueError, "allreduce_sparse: inconsistent w, buffers or versions");
+        goto out;
+    }
+    int64_t B = nz.len, P = fp_sparse_packets(B, w, is_float);
+    sp.nonzero = nz.buf;
+    sp.exps = is_float ? exps.buf : NULL;
+    sp.rounds = rounds.buf;
+    sp.pad = pad;
+    r = (Run){.sp = &sp,
+              .is_float = is_float,
+              .src = src.buf,
+              .dst = dst.buf,
+              .L = src.len / 4,
+              .P = P,
+              .Pd = B,
+              .w = w,
+              .jn = (uint8_t)jn,
+              .versions = vers.buf};
+    if (fp_sparse_alloc(&sp, B, w) < 0 || !(r.state = PyMem_RawCalloc((size_t)P, 1))) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    result = run_released(e, &r, timeout, progress, progress_every);
+    if (result)
+        result = sparse_result(result, &sp, r.fail == ST_SPARSE_BAD);
+out:
+    fp_sparse_free(&sp);
+    PyMem_RawFree(r.state);
+    PyBuffer_Release(&rounds);
+    PyBuffer_Release(&exps);
+    PyBuffer_Release(&nz);
     PyBuffer_Release(&dst);
     PyBuffer_Release(&src);
     PyBuffer_Release(&vers);
@@ -390,6 +501,8 @@ static PyGetSetDef Engine_getset[] = {
 static PyMethodDef Engine_methods[] = {
     {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_VARARGS | METH_KEYWORDS,
      Engine_allreduce_doc},
+    {"allreduce_sparse", (PyCFunction)(void (*)(void))Engine_allreduce_sparse,
+     METH_VARARGS | METH_KEYWORDS, Engine_allreduce_sparse_doc},
     {NULL, NULL, 0, NULL},
 };
 
@@ -446,6 +559,43 @@ static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
     Py_BEGIN_ALLOW_THREADS bad = chunk_exponents(x.buf, L, k, (int8_t *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS PyBuffer_Release(&x);
     return Py_BuildValue("Nn", out, bad);
+}
+
+PyDoc_STRVAR(
+    block_scan_doc,
+    "block_scan(x, k, is_float) -> (nonzero, exponents, bad, count)\n\n"
+    "A sparse all-reduce's look at its input x (int32 or float32) in blocks of k (the last one\n"
+    "may be short): nonzero, one byte per block, 1 where it has a non-zero element; exponents,\n"
+    "float only (else None), one int8 per block as chunk_exponents; bad is -1 or the index of the\n"
+    "first NaN/Inf element; count, the non-zero blocks. One pass, without the GIL.");
+
+static PyObject *py_block_scan(PyObject *m, PyObject *args)
+{
+    Py_buffer x;
+    int k, is_float;
+    (void)m;
+    if (!PyArg_ParseTuple(args, "y*ip", &x, &k, &is_float))
+        return NULL;
+    PyObject *nz = NULL, *ex = NULL;
+    Py_ssize_t L = x.len / 4, B = k < 1 ? 0 : (L + k - 1) / k, count = 0;
+    fp_ssize bad = -1;
+    if (k < 1 || x.len % 4) {
+        PyErr_SetString(PyExc_ValueError, "block_scan: k >= 1 and 4-byte elements");
+    } else if ((nz = PyBytes_FromStringAndSize(NULL, B)) &&
+               (ex = is_float ? PyBytes_FromStringAndSize(NULL, B) : Py_NewRef(Py_None))) {
+        uint8_t *n = (uint8_t *)PyBytes_AS_STRING(nz);
+        int8_t *e = is_float ? (int8_t *)PyBytes_AS_STRING(ex) : NULL;
+        Py_BEGIN_ALLOW_THREADS bad = block_scan(x.buf, L, k, is_float, n, e);
+        for (Py_ssize_t b = 0; b < B; b++)
+            count += n[b];
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&x);
+    if (!nz || !ex) {
+        Py_XDECREF(nz);
+        return NULL;
+    }
+    return Py_BuildValue("NNnn", nz, ex, (Py_ssize_t)bad, count);
 }
 
 /* One chunk of a test entry point: values a..a+cnt-1 of in, exponent E, M = INT32_MAX / n. */
@@ -575,6 +725,7 @@ static PyObject *py_xsk_test_program(PyObject *m, PyObject *args)
 static PyMethodDef module_methods[] = {
     {"xsk_test_program", py_xsk_test_program, METH_VARARGS, xsk_test_program_doc},
     {"chunk_exponents", py_chunk_exponents, METH_VARARGS, chunk_exponents_doc},
+    {"block_scan", py_block_scan, METH_VARARGS, block_scan_doc},
     {"quantise", py_quantise, METH_VARARGS, quantise_doc},
     {"dequantise", py_dequantise, METH_VARARGS, dequantise_doc},
     {"set_simd", py_set_simd, METH_VARARGS, set_simd_doc},

@@ -24,17 +24,28 @@ POOL_VERSION_BIT: int
 POOL_SLOT_MASK: int
 SWITCHML_OFFSET: int
 MAX_LANES: int
+MSG_TYPE_SPARSE: int
+MSG_TYPE_SPARSE_EMPTY: int
+SPARSE_AT: int
+SPARSE_HLEN: int
+SPARSE_VALUES_AT: int
 
 class _AllreduceResult(TypedDict):
     """Engine.allreduce's answer (a dict at run time; this name exists for type checkers only)."""
 
-    status: Literal["done", "stalled"]
+    status: Literal["done", "stalled", "bad_next"]
     ndone: int  # packets with their result
     results_here: int  # results this call received
     busy: list[int]  # slot offsets with a packet in flight
     counters: dict[str, int]  # this call's, by the names of fp_counters.h
     gso_refused: bool
     last_errno: int
+
+class _SparseResult(_AllreduceResult):
+    """Engine.allreduce_sparse's answer: allreduce's, and the sparse parts."""
+
+    union_blocks: int  # results with data
+    bad: tuple[int, int, int, int] | None  # status bad_next: slot offset, block, next, mine
 
 @final  # not subclassable (no Py_TPFLAGS_BASETYPE)
 class Engine:
@@ -74,6 +85,22 @@ class Engine:
         progress: Callable[[int, int], object] | None = None,
         progress_every: float = 1.0,
     ) -> _AllreduceResult: ...
+    def allreduce_sparse(
+        self,
+        is_float: bool,
+        src: _In,
+        dst: _Out,
+        w: int,
+        job_number: int,
+        versions: ReadableBuffer,
+        nonzero: _In,
+        exponents: _In | None,
+        rounds: _Out,
+        timeout: float,
+        progress: Callable[[int, int], object] | None = None,
+        progress_every: float = 1.0,
+        pad_empty: bool = False,
+    ) -> _SparseResult: ...
     @property
     def srtt(self) -> float: ...
     @property
@@ -86,6 +113,7 @@ class Engine:
     def xsk_reason(self) -> str: ...
 
 def chunk_exponents(x: _In, k: int, /) -> tuple[bytes, int]: ...
+def block_scan(x: _In, k: int, is_float: bool, /) -> tuple[bytes, bytes | None, int, int]: ...
 def quantise(x: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
 def dequantise(sums: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
 def set_simd(name: str, /) -> str: ...

@@ -118,7 +118,7 @@ struct Xsk {
     int fd; /* the lane's socket (the group's own for the lane that made the group) */
     struct ring rx, tx;
     XskConfig cfg;
-    uint8_t hdr[XSK_HDR_LEN]; /* the headers of every frame sent, but the IP id and checksum */
+    uint8_t hdr[XSK_HDR_LEN]; /* every frame's headers, but the IP id, checksum, lengths */
     uint16_t ip_id;
 };
 
@@ -376,7 +376,8 @@ static void build_header(Xsk *x)
 /* why the lane's configuration cannot be, or NULL */
 static const char *bad_config(const XskConfig *c)
 {
-    if (c->plen + XSK_HDR_LEN > (int)XSK_FRAME - 256) /* XDP_PACKET_HEADROOM */
+    /* XDP_PACKET_HEADROOM; a sparse packet has 12 more header bytes than a dense one */
+    if (c->plen + FP_SPARSE_HLEN + XSK_HDR_LEN > (int)XSK_FRAME - 256)
         return "the packet does not fit a UMEM frame";
     if (c->lanes < 1 || c->lanes > FP_MAX_LANES || c->lane < 0 || c->lane >= c->lanes)
         return "lanes must be 1 to 64, and lane one of them";
@@ -531,7 +532,7 @@ static int kick(Xsk *x, uint64_t *calls)
     return 0;
 }
 
-int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
+int xsk_send(Xsk *x, const uint8_t *const *rows, const int *lens, int n, uint64_t *calls)
 {
     Group *g = x->g;
     uint32_t prod = *x->tx.producer;
@@ -547,11 +548,15 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls)
     for (int i = 0; i < q; i++)
         d[(prod + (uint32_t)i) & x->tx.mask].addr = g->free_tx[--g->nfree];
     pthread_mutex_unlock(&g->lock);
-    size_t plen = (size_t)x->cfg.plen;
     for (int i = 0; i < q; i++, prod++) { /* prod: the frame's entry, submitted below */
         struct xdp_desc *e = &d[prod & x->tx.mask];
         uint8_t *f = g->umem + e->addr;
+        size_t plen = (size_t)(lens ? lens[i] : x->cfg.plen);
         memcpy(f, x->hdr, XSK_HDR_LEN);
+        if (lens) { /* a sparse packet's own lengths (the template has a dense one's) */
+            store_be16(f + 16, (uint16_t)(20 + 8 + plen));
+            store_be16(f + 38, (uint16_t)(8 + plen));
+        }
         store_be16(f + 18, x->ip_id++);
         store_be16(f + 24, csum_fold(csum_add(0, f + 14, 20)));
         memcpy(f + XSK_HDR_LEN, rows[i], plen);

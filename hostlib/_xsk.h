@@ -23,7 +23,7 @@ typedef struct {
     uint16_t src_port, dst_port; /* src_port: this lane's, the lanes' base port + lane */
     int lane, lanes;             /* this socket's lane of the job's lanes (0 of 1 without lanes) */
     int ttl, tos;   /* of the IPv4 header: what the kernel would send (hostlib/afxdp.py) */
-    int plen;       /* UDP payload length of every frame sent */
+    int plen;       /* UDP payload length of a dense frame (a sparse one: 22 or plen + 12) */
     int zerocopy;   /* 1: try XDP_ZEROCOPY first (falls back to copy mode) */
     int prog_flags; /* XDP attach mode: XDP_FLAGS_DRV_MODE or XDP_FLAGS_SKB_MODE, 0: try both */
 } XskConfig;
@@ -46,11 +46,12 @@ int xsk_fd(const Xsk *x);
 int xsk_zerocopy(const Xsk *x);
 const char *xsk_attach_mode(const Xsk *x);
 
-/* Queue n frames with the payloads rows[i] (cfg.plen bytes each) and kick the kernel.
+/* Queue n frames with the payloads rows[i] (lens[i] bytes each, at most cfg.plen + 12; lens
+ * NULL: cfg.plen each) and kick the kernel.
  * Returns the frames queued (the rest found no free frame or ring entry: lost, as datagrams a
  * full socket buffer refused), or -errno on an error that is not transient. *calls counts the
  * system calls made. */
-int xsk_send(Xsk *x, const uint8_t *const *rows, int n, uint64_t *calls);
+int xsk_send(Xsk *x, const uint8_t *const *rows, const int *lens, int n, uint64_t *calls);
 
 /* Take up to `budget` received frames off the RX ring; fn gets each valid result's payload.
  * Returns the frames taken (valid or not); *malformed counts those that were not results. */

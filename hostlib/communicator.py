@@ -34,6 +34,7 @@ from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .options import HostOptions, auto_lanes, token_from_env
 from .rendezvous import ControlClient, load_secret, parse_endpoint
+from .sparsity import SparseChooser, check_sparse_arg
 from .striping import LaneGrid, StripedEngine, lane_windows
 from .udp_io import DatagramSocket
 
@@ -174,6 +175,7 @@ def _engine(x: _Joined, opts: HostOptions, i: int, lane: int, lanes: int) -> Str
         spin=opts.spin,
         lane=lane,
         lanes=lanes,
+        pad_empty=desc.spec.pad_empty,
     )
     faults = opts.faults
     if faults is not None and i:  # independent losses per engine
@@ -455,6 +457,10 @@ class Communicator:
         self._engine = engine
         self._size = size
         self.descriptions: tuple[JobDescription, ...] = tuple(x.desc for x in joined)
+        # dense or sparse, per all-reduce, the same on every rank (docs/protocol.md 8.5)
+        self._chooser = SparseChooser(
+            all(d.spec.sparse for d in self.descriptions), first.desc.spec.elems
+        )
         self._ctls = [x.ctl for x in joined]
         # every lane's data socket at every aggregator, and the ip_mreq of each socket's
         # multicast group if it joined one (close leaves them)
@@ -483,6 +489,7 @@ class Communicator:
         *,
         inplace: bool = False,
         timeout: float | None = None,
+        sparse: bool | str = "auto",
     ) -> np.ndarray:
         """Sum `array` over all ranks; returns the sum (a new array, `out`, or `array` itself).
 
@@ -490,8 +497,16 @@ class Communicator:
         scaled (error bound in hostlib.scaling); float16 and bfloat16 go through float32. Any
         shape and length; every rank must pass the same length. `timeout` overrides the
         communicator's stall timeout for this call.
+
+        `sparse`: True sends only the blocks (packets' worth of elements) that are non-zero on
+        this rank, and the blocks zero on every rank do not travel at all (a sparse job only:
+        docs/protocol.md section 8); False sends every block; "auto" (the default) runs sparse
+        on a sparse job unless the previous all-reduce of this dtype and length came back
+        mostly non-zero (hostlib.sparsity). The sums are the same either way, byte for byte.
+        Every rank must pass the same `sparse`.
         """
-        arrays = _AllreduceArrays.prepare(array, out, inplace)
+        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse)
+        self._chooser.check(sparse)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
@@ -516,12 +531,15 @@ class Communicator:
         *,
         inplace: bool = False,
         timeout: float | None = None,
+        sparse: bool | str = "auto",
     ) -> AllreduceHandle:
-        """Start an all-reduce; returns a handle with wait(timeout) and done().
+        """Start an all-reduce (arguments as allreduce()); returns a handle with wait(timeout)
+        and done().
 
         Do not modify `array` (or read `out`) until the handle is done.
         """
-        arrays = _AllreduceArrays.prepare(array, out, inplace)
+        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse)
+        self._chooser.check(sparse)
         with self._lock:
             if self._closed:
                 raise HostlibError("the communicator is closed")
@@ -541,8 +559,8 @@ class Communicator:
                 self._queued -= 1
 
     def barrier(self, timeout: float | None = None) -> None:
-        """Return once every rank has reached its barrier (an all-reduce of one int32)."""
-        self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout)
+        """Return once every rank has reached its barrier (a dense all-reduce of one int32)."""
+        self.allreduce(np.zeros(1, dtype=np.int32), timeout=timeout, sparse=False)
 
     def _run(self, arrays: _AllreduceArrays, timeout: float | None) -> np.ndarray:
         if self._broken:
@@ -551,11 +569,12 @@ class Communicator:
                 f"close it, and init again on every rank"
             )
         started = self._engine.counter
+        kind, size = arrays.kind, arrays.src.size
+        sparse = self._chooser.choose(arrays.sparse, kind, size)
         try:
-            if arrays.kind == "int32":
-                self._engine.allreduce_int32(arrays.src, arrays.dst_flat, timeout)
-            else:
-                self._engine.allreduce_float32(arrays.src, arrays.dst_flat, timeout)
+            self._engine.allreduce(arrays.src, arrays.dst_flat, timeout, sparse)
+            if arrays.sparse == "auto" and self._chooser.job_sparse:
+                self._chooser.observe(kind, size, arrays.dst_flat, self._engine.last_union)
         except AllreduceTimeout as e:
             # The ranks' slot states now differ: another all-reduce would only time out again.
             self._broken = "an all-reduce timed out"
@@ -676,12 +695,27 @@ class _AllreduceArrays:
         dst_flat: np.ndarray,
         result: np.ndarray,
         convert_back: np.ndarray | None,
+        sparse: bool | str = "auto",
     ) -> None:
         self.kind, self.src, self.dst_flat = kind, src, dst_flat
         self.result, self.convert_back = result, convert_back
+        self.sparse = sparse  # as the caller gave it: True, False, "auto"
 
     @classmethod
     def prepare(
+        cls,
+        array: npt.ArrayLike,
+        out: np.ndarray | None,
+        inplace: bool,
+        sparse: bool | str = "auto",
+    ) -> _AllreduceArrays:
+        check_sparse_arg(sparse)
+        arrays = cls._prepare(array, out, inplace)
+        arrays.sparse = sparse
+        return arrays
+
+    @classmethod
+    def _prepare(
         cls, array: npt.ArrayLike, out: np.ndarray | None, inplace: bool
     ) -> _AllreduceArrays:
         if inplace:

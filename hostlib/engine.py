@@ -18,8 +18,9 @@ from typing import Any, Protocol
 import numpy as np
 
 from . import native_loop
-from .native_loop import NativeLoop, _fastpath  # noqa: F401  (_fastpath: for the tests)
+from .native_loop import NativeLoop, NativeSparseLoop, _fastpath  # noqa: F401  (_fastpath: tests)
 from .numpy_loop import NumpyLoop
+from .sparse_loop import SparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
 from .udp_io import DatagramSocket
 
@@ -64,15 +65,17 @@ class Engine(Protocol):
         """Each lane's own counters (STAT_NAMES) and where it runs: "aggregator" and "lane"
         (hostlib.striping.LaneGrid) and "port", its data socket's UDP port; in engine order."""
 
-    def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
-    ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
+    @property
+    def last_union(self) -> tuple[int, int] | None:
+        """(blocks, of the tensor's blocks) that some worker had data in, in the last
+        all-reduce, counted by the loop when it ran sparse: its results with data, the same on
+        every rank; None after a dense one (or before any)."""
 
-    def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
+        """Sum the flat `src` (int32, or float32) over the job into `dst` of its dtype (may be
+        src); with `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
 
     def close(self) -> None:
         """Release what the engine holds besides the sockets (threads); after the last one."""
@@ -93,8 +96,16 @@ class StreamEngine:
         self.native = _use_native(config.native)
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
-        self.loop: NativeLoop | NumpyLoop = (NativeLoop if self.native else NumpyLoop)(self.state)
+        self.loop: NativeLoop | NumpyLoop
+        # sparse all-reduces: in the C loop when it runs the dense ones, else the numpy reference
+        self.sparse_loop: NativeSparseLoop | SparseLoop
+        if self.native:
+            self.loop = NativeLoop(self.state)
+            self.sparse_loop = NativeSparseLoop(self.loop)
+        else:
+            self.loop, self.sparse_loop = NumpyLoop(self.state), SparseLoop(self.state)
         self._port = sock.address[1]  # for stats_per_lane, after close too
+        self._last_union: tuple[int, int] | None = None
 
     @property
     def data_path(self) -> str:
@@ -142,20 +153,40 @@ class StreamEngine:
             {**self.state.stats, "aggregator": 0, "lane": self.state.cfg.lane, "port": self._port}
         ]
 
-    def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
-    ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        self.loop.run(False, src, dst, timeout)
+    @property
+    def last_union(self) -> tuple[int, int] | None:
+        """(blocks some worker had data in, blocks) of the last all-reduce if it ran sparse
+        (Engine.last_union)."""
+        return self._last_union
 
-    def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self.loop.run(True, src, dst, timeout)
+        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src)."""
+        self._run(_is_float(src), src, dst, timeout, sparse)
+
+    def _run(
+        self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
+    ) -> None:
+        self._last_union = None
+        if not sparse:
+            self.loop.run(is_float, src, dst, timeout)
+            return
+        sl = self.sparse_loop
+        sl.run(is_float, src, dst, timeout)
+        self._last_union = (sl.union_blocks, sl.blocks) if src.size else None
 
     def close(self) -> None:
         """Nothing to release: the communicator closes the socket."""
+
+
+def _is_float(src: np.ndarray) -> bool:
+    """True for a float32 tensor, False for int32; TypeError for anything else."""
+    if src.dtype == np.float32:
+        return True
+    if src.dtype == np.int32:
+        return False
+    raise TypeError(f"an engine all-reduces int32 and float32 tensors, not {src.dtype}")
 
 
 def _use_native(native: bool | None) -> bool:

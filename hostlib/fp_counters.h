@@ -24,7 +24,8 @@
     X(recv_calls)      \
     X(send_errors)     \
     X(fault_drops)     \
-    X(spurious)
+    X(spurious)        \
+    X(empty_sent)
 
 #define FP_COUNTER_FIELD(name) uint64_t name;
 typedef struct {

@@ -71,25 +71,32 @@ static int transient_errno(int err)
            err == EHOSTUNREACH || err == ECONNREFUSED || err == EPERM;
 }
 
-/* Group iovecs [first_iov, first_iov + n) into messages: GSO messages of up to per_call
- * segments, or one datagram each. Returns the number of messages. */
+/* Group iovecs [first_iov, first_iov + n) into messages: with GSO, runs of datagrams of one
+ * length, up to per_call of them (the kernel cuts a GSO buffer at its segment size, and only
+ * the last segment may be shorter: a shorter datagram ends a run); else one datagram each.
+ * Returns the number of messages. */
 static int build_msgs(Udp *u, int first_iov, int n)
 {
-    int plen = u->base.plen, per_call = 1;
-    if (u->base.gso) {
-        per_call = MAX_GSO_BYTES / plen;
-        per_call = per_call > MAX_GSO_SEGMENTS ? MAX_GSO_SEGMENTS : (per_call < 1 ? 1 : per_call);
-    }
-    int m = 0;
-    for (int i = first_iov; i < first_iov + n; i += per_call, m++) {
-        int segs = first_iov + n - i < per_call ? first_iov + n - i : per_call;
+    int m = 0, end = first_iov + n;
+    for (int i = first_iov; i < end; m++) {
+        size_t seg = u->siov[i].iov_len;
+        int segs = 1;
+        if (u->base.gso) {
+            int per_call = MAX_GSO_BYTES / (int)seg;
+            per_call =
+                per_call > MAX_GSO_SEGMENTS ? MAX_GSO_SEGMENTS : (per_call < 1 ? 1 : per_call);
+            while (segs < per_call && i + segs < end && u->siov[i + segs].iov_len <= seg)
+                if (u->siov[i + segs++].iov_len < seg)
+                    break;
+        }
         struct msghdr *h = &u->smsg[m].msg_hdr;
         memset(h, 0, sizeof *h);
         h->msg_name = &u->dst;
         h->msg_namelen = sizeof u->dst;
         h->msg_iov = &u->siov[i];
         h->msg_iovlen = (size_t)segs;
-        if (segs > 1) { /* one buffer of segs datagrams, cut by the kernel at plen */
+        i += segs;
+        if (segs > 1) { /* one buffer of segs datagrams, cut by the kernel at seg */
             char *ctl = u->sctrl + (size_t)m * SEG_CMSG_SPACE;
             memset(ctl, 0, SEG_CMSG_SPACE);
             h->msg_control = ctl;
@@ -98,19 +105,20 @@ static int build_msgs(Udp *u, int first_iov, int n)
             cm->cmsg_level = SOL_UDP;
             cm->cmsg_type = UDP_SEGMENT;
             cm->cmsg_len = CMSG_LEN(sizeof(uint16_t));
-            uint16_t seg = (uint16_t)plen;
-            memcpy(CMSG_DATA(cm), &seg, sizeof seg);
+            uint16_t gso_size = (uint16_t)seg;
+            memcpy(CMSG_DATA(cm), &gso_size, sizeof gso_size);
         }
     }
     return m;
 }
 
-static int udp_send(Transport *t, const uint8_t *const *rows, int niov, Counters *c)
+static int udp_send(Transport *t, const uint8_t *const *rows, const int *lens, int niov,
+                    Counters *c)
 {
     Udp *u = (Udp *)t;
     for (int i = 0; i < niov; i++) {
         u->siov[i].iov_base = (void *)rows[i];
-        u->siov[i].iov_len = (size_t)t->plen;
+        u->siov[i].iov_len = (size_t)(lens ? lens[i] : t->plen);
     }
     int nmsg = build_msgs(u, 0, niov), i = 0, waited = 0;
     while (i < nmsg) {
@@ -245,7 +253,8 @@ Transport *fp_udp_open(int fd, const struct sockaddr_in *dst, int plen, int max_
     u->gro = gro;
     u->dst = *dst;
     size_t rows = (size_t)max_rows;
-    u->rslot = gro ? RECV_SLOT : plen + 64; /* longer datagrams show as MSG_TRUNC */
+    /* longer datagrams show as MSG_TRUNC; a sparse result is 12 bytes over plen */
+    u->rslot = gro ? RECV_SLOT : plen + 64;
     u->rcount = gro ? RECV_MSGS_GRO : RECV_MSGS_PLAIN;
     int ok = 1;
 #define UDP_ALLOC(member, count, size) ok &= (u->member = calloc(count, size)) != NULL;
@@ -275,11 +284,11 @@ typedef struct {
     double rx_now; /* when the frames being taken arrived */
 } XdpSock;
 
-static int xsk_t_send(Transport *t, const uint8_t *const *rows, int n, Counters *c)
+static int xsk_t_send(Transport *t, const uint8_t *const *rows, const int *lens, int n, Counters *c)
 {
     XdpSock *x = (XdpSock *)t;
     uint64_t calls = 0;
-    int q = xsk_send(x->xsk, rows, n, &calls);
+    int q = xsk_send(x->xsk, rows, lens, n, &calls);
     c->send_calls += calls;
     if (q < 0)
         return q;

@@ -22,10 +22,11 @@ typedef void (*fp_message_fn)(void *ctx, const uint8_t *buf, size_t n, size_t se
 typedef struct Transport Transport;
 
 typedef struct {
-    /* Send the n rows (plen bytes each). Returns 0 (rows the kernel or the rings refused are
+    /* Send the n rows, lens[i] bytes each (lens NULL: plen each; a sparse all-reduce mixes
+     * header-only packets with full ones). Returns 0 (rows the kernel or the rings refused are
      * lost and counted in send_errors: the timers resend them), or -errno on an error that is
      * neither transient nor a GSO refusal. */
-    int (*send)(Transport *t, const uint8_t *const *rows, int n, Counters *c);
+    int (*send)(Transport *t, const uint8_t *const *rows, const int *lens, int n, Counters *c);
     /* Take one batch of received messages (fn for each). Returns the messages taken (0: none
      * waiting) or -errno. */
     int (*receive)(Transport *t, fp_message_fn fn, void *ctx, Counters *c);
@@ -39,7 +40,7 @@ typedef struct {
 
 struct Transport {
     const TransportOps *ops;
-    int plen;        /* UDP payload bytes of every datagram */
+    int plen;        /* UDP payload bytes of a dense datagram (the longest: plen + 12) */
     int gso;         /* sends still use UDP GSO (a refusal turns it off for good) */
     int gso_refused; /* set when GSO was refused: the caller reads and clears it */
     int last_errno;  /* of the last refused send, 0 if none yet */

@@ -208,9 +208,11 @@ static int8_t exponent_of_bits(uint32_t b)
     return (int8_t)(e < E_MIN ? E_MIN : (e > E_MAX ? E_MAX : e));
 }
 
-/* Exponents of the chunks of x (k elements each, the last one possibly short) into e.
- * Returns -1, or the index of the first NaN/Inf element (then e is incomplete). */
-fp_ssize chunk_exponents(const float *x, fp_ssize L, int k, int8_t *e)
+/* The chunks of x (k elements each, the last one possibly short): the exponent of each into e,
+ * and into nz (unless NULL) whether it has a non-zero element (max|x| > 0: -0.0 is zero, as
+ * numpy's x != 0 says). Returns -1, or the index of the first NaN/Inf element (then e and nz
+ * are incomplete). */
+static fp_ssize scan_floats(const float *x, fp_ssize L, int k, int8_t *e, uint8_t *nz)
 {
     fp_ssize chunks = (L + k - 1) / k;
     for (fp_ssize c = 0; c < chunks; c++) {
@@ -225,7 +227,43 @@ fp_ssize chunk_exponents(const float *x, fp_ssize L, int k, int8_t *e)
             }
         }
         e[c] = exponent_of_bits(b);
+        if (nz)
+            nz[c] = b != 0;
     }
+    return -1;
+}
+
+fp_ssize chunk_exponents(const float *x, fp_ssize L, int k, int8_t *e)
+{
+    return scan_floats(x, L, k, e, NULL);
+}
+
+/* Whether any of n int32 is non-zero: eight at a time, stopping at the first (a block of
+ * data usually shows it in its first bytes; a zero block is read once, at memory speed). */
+static int any_nonzero(const uint8_t *x, fp_ssize n)
+{
+    fp_ssize i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v[4];
+        memcpy(v, x + 4 * i, sizeof v);
+        if (v[0] | v[1] | v[2] | v[3])
+            return 1;
+    }
+    for (; i < n; i++) {
+        uint32_t v;
+        memcpy(&v, x + 4 * i, 4);
+        if (v)
+            return 1;
+    }
+    return 0;
+}
+
+fp_ssize block_scan(const void *x, fp_ssize L, int k, int is_float, uint8_t *nz, int8_t *e)
+{
+    if (is_float)
+        return scan_floats(x, L, k, e, nz);
+    for (fp_ssize c = 0, a = 0; a < L; c++, a += k)
+        nz[c] = (uint8_t)any_nonzero((const uint8_t *)x + 4 * a, L - a < k ? L - a : k);
     return -1;
 }
 

@@ -21,6 +21,11 @@ void bswap_copy(const uint8_t *in, fp_ssize count, uint8_t *out);
 /* Exponents of the chunks of x (k elements each, the last one possibly short) into e.
  * Returns -1, or the index of the first NaN/Inf element (then e is incomplete). */
 fp_ssize chunk_exponents(const float *x, fp_ssize L, int k, int8_t *e);
+/* The blocks of k elements of x (int32 or float32, L elements, the last block possibly short)
+ * for a sparse all-reduce: nz[b] = 1 where block b has a non-zero element, else 0; for floats
+ * also e[b], its exponent (as chunk_exponents). Returns -1, or the index of the first NaN/Inf
+ * element of a float x. */
+fp_ssize block_scan(const void *x, fp_ssize L, int k, int is_float, uint8_t *nz, int8_t *e);
 
 int fp_cpu_has_avx2(void);
 int fp_simd_avx2(void); /* 1: the AVX2 kernels are in use */

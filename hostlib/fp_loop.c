@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "fp_kernels.h"
+#include "fp_sparse.h"
 #include "fp_wire.h"
 
 /* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING
@@ -24,6 +25,20 @@
  * burst of results does not let the pipe run dry. */
 #define SEND_READY_AT 64
 
+/* The Faults test hook on one datagram (a packet or a result): how many copies go on, 0 (lost,
+ * counted), 1 or 2 (duplicated), as `loss` and `dup` say; 1 without Faults. */
+static int fault_copies(Run *r, double loss, double dup)
+{
+    Stream *st = r->s;
+    if (!st->cfg.faults)
+        return 1;
+    if (rng_uniform(&st->rng) < loss) {
+        r->c.fault_drops++;
+        return 0;
+    }
+    return 1 + (rng_uniform(&st->rng) < dup);
+}
+
 /* --- sending ------------------------------------------------------------------------------ */
 /* Send the rows of slots sendq[0..n) (Faults applied) through the transport. Returns 0, or
  * -errno on an error that is neither transient nor a GSO refusal (the caller raises OSError). */
@@ -32,49 +47,27 @@ static int send_slots(Run *r, int n)
     Stream *st = r->s;
     int nrows = 0;
     r->c.packets_sent += (uint64_t)n;
-    r->c.bytes_sent += (uint64_t)n * (uint64_t)st->plen;
     for (int i = 0; i < n; i++) {
-        int copies = 1;
-        if (st->cfg.faults) {
-            if (rng_uniform(&st->rng) < st->cfg.send_loss) {
-                r->c.fault_drops++;
-                continue;
-            }
-            copies += rng_uniform(&st->rng) < st->cfg.send_dup;
+        r->c.bytes_sent += (uint64_t)st->lens[st->sendq[i]];
+        int copies = fault_copies(r, st->cfg.send_loss, st->cfg.send_dup);
+        while (copies--) {
+            st->txlens[nrows] = st->lens[st->sendq[i]];
+            st->txrows[nrows++] = st->rows + (size_t)st->sendq[i] * (size_t)st->stride;
         }
-        while (copies--)
-            st->txrows[nrows++] = st->rows + (size_t)st->sendq[i] * (size_t)st->plen;
     }
     if (nrows == 0)
         return 0;
-    return st->t->ops->send(st->t, st->txrows, nrows, &r->c);
+    return st->t->ops->send(st->t, st->txrows, st->txlens, nrows, &r->c);
 }
 
 /* --- building packets --------------------------------------------------------------------- */
-/* The wire layout (docs/protocol.md, p4app-switchML's: b5c74a0, dpdk_worker_thread_utils.inc
- * lines 132-134): byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index
- * (big-endian, bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32. */
-/* Packet p's first 8 header bytes: type/size, job number, tsi, pool index (with version). */
-static inline void header_of(const Run *r, int64_t p, uint8_t *h)
-{
-    const Stream *st = r->s;
-    int64_t s = p % r->w;
-    unsigned version = (r->versions[s] ^ (unsigned)((p / r->w) & 1)) & 1;
-    unsigned slot = (unsigned)(st->cfg.slot_base + s) & FP_POOL_SLOT_MASK;
-    uint16_t pool = (uint16_t)((version ? FP_POOL_VERSION_BIT : 0) | slot);
-    h[0] = st->cfg.type_size;
-    h[1] = r->jn;
-    store_be32(h + 2, (uint32_t)p);
-    h[6] = (uint8_t)(pool >> 8);
-    h[7] = (uint8_t)pool;
-}
-
+/* The wire layout: fp_loop.h fp_header. */
 static void fill(Run *r, int64_t p, uint8_t *row)
 {
     Stream *st = r->s;
     int k = st->cfg.k;
     uint8_t *vals = row + FP_VALUES_AT, *exp = row + FP_EXP_AT;
-    header_of(r, p, row);
+    fp_header(r, p, row);
     exp[1] = 0;
     if (!r->is_float) {
         exp[0] = 0;
@@ -178,7 +171,13 @@ static int send_ready(Run *r, int *sent)
         qsort(cand, (size_t)m, sizeof *cand, cmp_i64);
     for (int64_t i = 0; i < m && (n < room || cand[i] == r->base); i++) {
         int64_t p = cand[i], s = p % r->w;
-        fill(r, p, st->rows + (size_t)s * (size_t)st->plen);
+        uint8_t *row = st->rows + (size_t)s * (size_t)st->stride;
+        if (r->sp) {
+            st->lens[s] = fp_sparse_fill(r, p, row);
+        } else {
+            fill(r, p, row);
+            st->lens[s] = st->plen;
+        }
         st->sendq[n++] = (int32_t)s;
         st->pkt[s] = p;
         st->ready[s] = -1;
@@ -238,40 +237,33 @@ static int expire(Run *r, double now)
 }
 
 /* --- receiving ---------------------------------------------------------------------------- */
-static void on_datagram(Run *r, const uint8_t *buf, double now)
+int fp_run_seen(Run *r, int64_t p)
 {
-    Stream *st = r->s;
-    uint32_t tsi = load_be32(buf + 2);
-    if (tsi >= (uint64_t)r->P) {
-        r->c.stale++;
-        return;
-    }
-    int64_t p = tsi, s = p % r->w;
-    uint8_t h[8];
-    header_of(r, p, h);
-    if (memcmp(h, buf, 8) != 0) { /* another all-reduce, slot or version */
-        r->c.stale++;
-        return;
-    }
     if (r->state[p] >= 2) {
         r->c.duplicates++;
         if (r->state[p] > 2) { /* the first copy's result came after a resend */
             r->c.spurious++;
             r->state[p]--;
         }
-        return;
+        return 1;
     }
     if (r->state[p] == 0) { /* echoes a packet not sent yet: not a result of ours */
         r->c.stale++;
-        return;
+        return 1;
     }
+    return 0;
+}
+
+void fp_run_took(Run *r, int64_t p, double now)
+{
+    Stream *st = r->s;
+    int64_t s = p % r->w;
     int32_t tries = st->tries[s];
     r->state[p] = (uint8_t)(2 + (tries > 253 ? 253 : tries));
     r->c.results++;
     r->ndone++;
     r->results_here++;
     r->last_progress = now;
-    accept_result(r, p, buf);
     st->deadline[s] = INFINITY;
     st->pkt[s] = -1;
     r->inflight--;
@@ -279,12 +271,6 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
         r->batch_sample_at = st->sent_at[s];
         r->batch_sample = now - st->sent_at[s];
     }
-    if (p + r->w < r->P) { /* its slot is free for the packet one window later */
-        st->ready[s] = p + r->w;
-        r->nready++;
-    }
-    while (r->base < r->P && r->state[r->base] >= 2)
-        r->base++;
     if (!st->cfg.cwnd_fixed && st->cc.cwnd < st->cfg.window) {
         /* slow start below ssthresh, then +1 per window of results */
         st->cc.cwnd += st->cc.cwnd < st->cc.ssthresh ? 1.0 : 1.0 / st->cc.cwnd;
@@ -293,28 +279,77 @@ static void on_datagram(Run *r, const uint8_t *buf, double now)
     }
 }
 
+void fp_run_ready(Run *r, int64_t p)
+{
+    r->s->ready[p % r->w] = p;
+    r->nready++;
+}
+
+void fp_run_advance(Run *r)
+{
+    while (r->base < r->P && (r->state[r->base] >= 2 || (r->sp && fp_sparse_done(r, r->base))))
+        r->base++;
+}
+
+static void on_datagram(Run *r, const uint8_t *buf, double now)
+{
+    uint32_t tsi = load_be32(buf + 2);
+    if (tsi >= (uint64_t)r->P) {
+        r->c.stale++;
+        return;
+    }
+    int64_t p = tsi;
+    uint8_t h[8];
+    fp_header(r, p, h);
+    if (memcmp(h, buf, 8) != 0) { /* another all-reduce, slot or version */
+        r->c.stale++;
+        return;
+    }
+    if (fp_run_seen(r, p))
+        return;
+    fp_run_took(r, p, now);
+    r->todo--;
+    accept_result(r, p, buf);
+    if (p + r->w < r->P) /* its slot is free for the packet one window later */
+        fp_run_ready(r, p + r->w);
+    fp_run_advance(r);
+}
+
+/* One datagram through the Faults hook: lost, taken, or taken twice. */
+static void deliver(Run *r, const uint8_t *d, size_t len, double now)
+{
+    Stream *st = r->s;
+    int copies = fault_copies(r, st->cfg.recv_loss, st->cfg.recv_dup);
+    while (copies--) {
+        if (r->sp)
+            fp_sparse_datagram(r, d, len, now);
+        else
+            on_datagram(r, d, now);
+    }
+}
+
 static void on_message(Run *r, const uint8_t *buf, size_t n, size_t seg, double now)
 {
     Stream *st = r->s;
     size_t plen = (size_t)st->plen;
     r->c.bytes_received += n;
+    if (r->sp) { /* sparse results differ in length: GRO's last datagram may be shorter */
+        seg = seg ? seg : n;
+        size_t off = 0;
+        do {
+            size_t len = n - off < seg ? n - off : seg;
+            deliver(r, buf + off, len, now);
+            off += len;
+        } while (off < n);
+        return;
+    }
     /* seg is the GRO segment size (n for one datagram); a coalesced buffer may end with one
      * shorter datagram: keep the full rows, count the rest (as udp_io.RowReceiver) */
     size_t full = seg == plen ? n / plen : 0;
     if (full * plen != n)
         r->c.malformed++;
-    for (size_t i = 0; i < full; i++) {
-        const uint8_t *d = buf + i * plen;
-        if (st->cfg.faults) {
-            if (rng_uniform(&st->rng) < st->cfg.recv_loss) {
-                r->c.fault_drops++;
-                continue;
-            }
-            if (rng_uniform(&st->rng) < st->cfg.recv_dup)
-                on_datagram(r, d, now);
-        }
-        on_datagram(r, d, now);
-    }
+    for (size_t i = 0; i < full; i++)
+        deliver(r, buf + i * plen, plen, now);
 }
 
 static void on_message_cb(void *ctx, const uint8_t *buf, size_t n, size_t seg, double now)
@@ -345,30 +380,71 @@ static int wait_until(Stream *st, double until)
     return st->t->ops->wait(st->t, dt > 1.0 ? 1.0 : dt);
 }
 
+/* Busy-poll the transport for a while near the end of an all-reduce, if the credit allows:
+ * > 0 something came, 0 nothing (or no spinning now), < 0 -errno. */
+static int spin(Run *r)
+{
+    Stream *st = r->s;
+    /* near the end: a sparse all-reduce knows a lower bound of its rounds still to come only */
+    if (!st->cfg.spin || (r->sp ? r->sp->left : r->todo) > SPIN_OUTSTANDING)
+        return 0;
+    if (st->cc.spin_credit < 0) {
+        st->cc.spin_credit++; /* a probe again after |credit| skipped chances */
+        return 0;
+    }
+    double end = now_s() + SPIN_TIME;
+    int m = 0;
+    while ((m = receive_batch(r)) == 0 && now_s() < end)
+        ;
+    if (m < 0)
+        return m;
+    if (m > 0) {
+        st->cc.spin_credit =
+            st->cc.spin_credit + 1 > SPIN_CREDIT_MAX ? SPIN_CREDIT_MAX : st->cc.spin_credit + 1;
+        return m;
+    }
+    st->cc.spin_credit -= SPIN_PENALTY;
+    if (st->cc.spin_credit < 0)
+        st->cc.spin_credit = -SPIN_BACKOFF;
+    return 0;
+}
+
+/* Take what waits, until the socket is empty (*empty set), enough is ready to send or the run
+ * is over. Returns the messages taken, or -errno (r->fail says whether a result ended it). */
+static int drain(Run *r, int *empty)
+{
+    int got = 0;
+    *empty = 0;
+    for (;;) {
+        int m = receive_batch(r);
+        if (m < 0)
+            return m;
+        if (m == 0) {
+            *empty = 1;
+            return got;
+        }
+        got += m;
+        if (r->nready >= SEND_READY_AT || r->todo <= 0 || r->fail)
+            return got;
+    }
+}
+
 int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
 {
     Stream *st = r->s;
     double next_print = h->progress ? r->last_progress + h->every : INFINITY;
     int deferred = 0;
-    while (r->ndone < r->P) {
+    while (r->todo > 0) {
         int sent = 0, rc = send_ready(r, &sent);
         if (rc < 0)
             return rc;
         /* drain: results already waiting count before any timer may fire */
-        int got = 0, empty = 0;
-        for (;;) {
-            int m = receive_batch(r);
-            if (m < 0)
-                return m;
-            if (m == 0) {
-                empty = 1;
-                break;
-            }
-            got += m;
-            if (r->nready >= SEND_READY_AT || r->ndone >= r->P)
-                break;
-        }
-        if (r->ndone >= r->P)
+        int empty, got = drain(r, &empty);
+        if (got < 0)
+            return got;
+        if (r->fail)
+            return r->fail;
+        if (r->todo <= 0)
             break;
         double now = now_s();
         if (now >= r->next_deadline) {
@@ -390,26 +466,10 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
         if (got || sent || (r->nready > 0 && r->inflight < window_now(r)))
             continue;
         /* nothing to do until a result comes or a timer expires */
-        if (st->cfg.spin && r->P - r->ndone <= SPIN_OUTSTANDING) {
-            if (st->cc.spin_credit < 0) {
-                st->cc.spin_credit++; /* a probe again after |credit| skipped chances */
-            } else {
-                double end = now_s() + SPIN_TIME;
-                int m = 0;
-                while ((m = receive_batch(r)) == 0 && now_s() < end)
-                    ;
-                if (m < 0)
-                    return m;
-                if (m > 0) {
-                    st->cc.spin_credit = st->cc.spin_credit + 1 > SPIN_CREDIT_MAX
-                                             ? SPIN_CREDIT_MAX
-                                             : st->cc.spin_credit + 1;
-                    continue;
-                }
-                st->cc.spin_credit -= SPIN_PENALTY;
-                if (st->cc.spin_credit < 0)
-                    st->cc.spin_credit = -SPIN_BACKOFF;
-            }
+        if ((rc = spin(r)) != 0) {
+            if (rc < 0 || r->fail)
+                return rc < 0 ? rc : r->fail;
+            continue;
         }
         double until = r->next_deadline;
         if (r->last_progress + timeout < until)
@@ -429,17 +489,19 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
 
 /* The per-slot arrays of a Stream: X(member, count, size of one), `w` the window. Allocated
  * together by fp_stream_init, freed together by fp_stream_free. */
-#define STREAM_ARRAYS(X)             \
-    X(rows, w, (size_t)st->plen)     \
-    X(deadline, w, sizeof(double))   \
-    X(sent_at, w, sizeof(double))    \
-    X(rto, w, sizeof(double))        \
-    X(tries, w, sizeof(int32_t))     \
-    X(pkt, w, sizeof(int64_t))       \
-    X(ready, w, sizeof(int64_t))     \
-    X(cand, w, sizeof(int64_t))      \
-    X(sendq, 2 * w, sizeof(int32_t)) \
-    X(txrows, 2 * w, sizeof(*st->txrows))
+#define STREAM_ARRAYS(X)                  \
+    X(rows, w, (size_t)st->stride)        \
+    X(lens, w, sizeof(int))               \
+    X(deadline, w, sizeof(double))        \
+    X(sent_at, w, sizeof(double))         \
+    X(rto, w, sizeof(double))             \
+    X(tries, w, sizeof(int32_t))          \
+    X(pkt, w, sizeof(int64_t))            \
+    X(ready, w, sizeof(int64_t))          \
+    X(cand, w, sizeof(int64_t))           \
+    X(sendq, 2 * w, sizeof(int32_t))      \
+    X(txrows, 2 * w, sizeof(*st->txrows)) \
+    X(txlens, 2 * w, sizeof(int))
 
 int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
 {
@@ -447,6 +509,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     st->cfg = *cfg;
     st->t = t;
     st->plen = t->plen;
+    st->stride = t->plen + FP_SPARSE_HLEN;
     st->rng = cfg->seed * 0x2545F4914F6CDD1Dull + 1;
     /* slow start from a small window; ssthresh at the slot window until the first loss */
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
@@ -482,6 +545,10 @@ void fp_run_start(Run *r, Stream *st)
 {
     r->s = st;
     r->recover = 0;
+    r->fail = 0;
+    r->todo = r->sp ? r->w : r->P;
+    if (r->sp)
+        fp_sparse_start(r);
     r->next_deadline = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
         st->deadline[s] = INFINITY;

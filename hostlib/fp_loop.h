@@ -14,6 +14,7 @@
 #include "fp_counters.h"
 #include "fp_io.h"
 #include "fp_util.h"
+#include "fp_wire.h"
 
 /* What the stream is (fixed for its life). */
 typedef struct {
@@ -39,13 +40,15 @@ typedef struct {
 typedef struct {
     StreamConfig cfg;
     Congestion cc;
-    Transport *t; /* owned: closed with the stream */
-    int plen;
+    Transport *t;     /* owned: closed with the stream */
+    int plen;         /* a dense packet's UDP payload */
+    int stride;       /* of rows: the longest packet, a sparse one with data (plen + 12) */
     uint64_t rng;     /* the Faults generator */
     double ftab[256]; /* scale factor of exponent E at index uint8(E) */
     double M;
     /* per slot, sized for the window */
-    uint8_t *rows; /* window x plen: the packet in flight per slot */
+    uint8_t *rows; /* window x stride: the packet in flight per slot */
+    int *lens;     /* per slot: its packet's length */
     double *deadline, *sent_at, *rto;
     int32_t *tries;
     int64_t *pkt;           /* packet in each slot, -1 when none in flight */
@@ -53,6 +56,7 @@ typedef struct {
     int64_t *cand;          /* scratch: the ready packets of one send */
     int32_t *sendq;         /* slots to send in one call (2x for duplicates) */
     const uint8_t **txrows; /* the rows of one send (2x window) */
+    int *txlens;            /* and their lengths */
 } Stream;
 
 /* What the loop calls back (with the stream's thread; the Python type takes the GIL there):
@@ -65,9 +69,15 @@ typedef struct {
     double every;
 } LoopHooks;
 
-/* One all-reduce: its inputs, and the state of its packets. */
-typedef struct {
+struct SparseRun; /* a sparse all-reduce's blocks and slots (fp_sparse.h) */
+
+/* One all-reduce: its inputs, and the state of its packets. A dense one sends P packets,
+ * packet p in slot p % w; a sparse one (sp not NULL) numbers its rounds the same way, round r
+ * of slot s being "packet" r w + s, but which block a round is about comes from the previous
+ * result, and a slot ends when a result says its column has no block left (fp_sparse.c). */
+typedef struct Run {
     Stream *s;
+    struct SparseRun *sp; /* NULL: dense */
     int is_float;
     const uint8_t *src; /* int32 or float32, L elements */
     uint8_t *dst;
@@ -81,6 +91,8 @@ typedef struct {
      * prove spurious) */
     uint8_t *state;
     int64_t ndone, results_here, inflight, next_new;
+    int64_t todo;    /* until 0: dense, packets without a result; sparse, slots not done */
+    int fail;        /* a status that ends the loop at once (ST_SPARSE_BAD), 0 while none */
     int64_t nready;  /* packets whose slot is free, not sent yet */
     int64_t base;    /* the lowest packet without its result */
     int64_t recover; /* AIMD: no second halving before this packet */
@@ -90,18 +102,48 @@ typedef struct {
     Counters c;
 } Run;
 
-enum { ST_DONE = 0, ST_STALLED = 1 };
+/* how fp_run_loop ends (or -errno); ST_SPARSE_BAD: a result the sparse rules cannot produce */
+enum { ST_DONE = 0, ST_STALLED = 1, ST_SPARSE_BAD = 2 };
 
 /* Set up `s` over transport `t` (taken over). Returns 0, or -ENOMEM (t closed). */
 int fp_stream_init(Stream *s, const StreamConfig *cfg, Transport *t);
 void fp_stream_free(Stream *s);
 /* Start run r of P packets over w slots (the caller filled the inputs: is_float, src, dst,
- * L, P, Pd, w, jn, versions, exps, agreed, state). */
+ * L, P, Pd, w, jn, versions, exps, agreed, state; sp and its inputs for a sparse one). */
 void fp_run_start(Run *r, Stream *s);
 /* Run it: ST_DONE, ST_STALLED (no result for `timeout` s), or -errno (-EINTR: a hook said
  * stop). */
 int fp_run_loop(Run *r, double timeout, const LoopHooks *h);
 /* After the loop (and after reading which slots are busy): no packet of it is in flight. */
 void fp_run_end(Run *r);
+
+/* For the sparse rounds (fp_sparse.c), the dense loop's bookkeeping of a packet p: */
+/* whether a result for p is a duplicate (counted, a spurious resend too) or echoes a packet
+ * not sent yet (counted stale): 1 when it is either, 0 for a result to take */
+int fp_run_seen(Run *r, int64_t p);
+/* p's result taken at `now`: counters, its timer, the RTT sample and the congestion window */
+void fp_run_took(Run *r, int64_t p, double now);
+/* packet p is ready to go in its slot (after fp_run_took freed it) */
+void fp_run_ready(Run *r, int64_t p);
+/* base on to the lowest packet without its result (a sparse slot that is done has none) */
+void fp_run_advance(Run *r);
+
+/* Packet p's first 8 header bytes: type/size, job number, tsi, pool index (with version). The
+ * wire layout (docs/protocol.md, p4app-switchML's: b5c74a0, dpdk_worker_thread_utils.inc
+ * lines 132-134): byte 0 type/size, 1 job number, 2..5 tsi (big-endian), 6..7 pool index
+ * (big-endian, bit 15 version), 8 e0 (int8), 9 e1 (0), then k big-endian int32. */
+static inline void fp_header(const Run *r, int64_t p, uint8_t *h)
+{
+    const Stream *st = r->s;
+    int64_t s = p % r->w;
+    unsigned version = (r->versions[s] ^ (unsigned)((p / r->w) & 1)) & 1;
+    unsigned slot = (unsigned)(st->cfg.slot_base + s) & FP_POOL_SLOT_MASK;
+    uint16_t pool = (uint16_t)((version ? FP_POOL_VERSION_BIT : 0) | slot);
+    h[0] = st->cfg.type_size;
+    h[1] = r->jn;
+    store_be32(h + 2, (uint32_t)p);
+    h[6] = (uint8_t)(pool >> 8);
+    h[7] = (uint8_t)pool;
+}
 
 #endif

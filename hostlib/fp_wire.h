@@ -9,7 +9,12 @@
 #define FP_POOL_SLOT_MASK 0x3fff /* pool_index: slot */
 #define FP_FRAME_HLEN 42 /* Ethernet + IPv4 + UDP headers before the payload */
 #define FP_MAX_LANES 64 /* a host's lanes: XSKMAP entries, bits of a group's mask */
+#define FP_MSG_TYPE_SPARSE 2 /* msg_type of a sparse packet with a block of data */
+#define FP_MSG_TYPE_SPARSE_EMPTY 3 /* msg_type of a header-only one */
+#define FP_SPARSE_AT 10 /* the sparse header (block, next, blocks), in the UDP payload */
+#define FP_SPARSE_HLEN 12 /* sparse header bytes */
+#define FP_SPARSE_VALUES_AT 22 /* a sparse packet's first int32 (an empty's end) */
 
 /* X(name in xdp_agg.proto.wire, value) of each constant above */
-#define FP_WIRE_CONSTANTS(X) X(EXPONENTS_AT, FP_EXP_AT) X(EXP_HLEN, FP_EXP_LEN) X(VALUES_AT, FP_VALUES_AT) X(POOL_VERSION_BIT, FP_POOL_VERSION_BIT) X(POOL_SLOT_MASK, FP_POOL_SLOT_MASK) X(SWITCHML_OFFSET, FP_FRAME_HLEN) X(MAX_LANES, FP_MAX_LANES)
+#define FP_WIRE_CONSTANTS(X) X(EXPONENTS_AT, FP_EXP_AT) X(EXP_HLEN, FP_EXP_LEN) X(VALUES_AT, FP_VALUES_AT) X(POOL_VERSION_BIT, FP_POOL_VERSION_BIT) X(POOL_SLOT_MASK, FP_POOL_SLOT_MASK) X(SWITCHML_OFFSET, FP_FRAME_HLEN) X(MAX_LANES, FP_MAX_LANES) X(MSG_TYPE_SPARSE, FP_MSG_TYPE_SPARSE) X(MSG_TYPE_SPARSE_EMPTY, FP_MSG_TYPE_SPARSE_EMPTY) X(SPARSE_AT, FP_SPARSE_AT) X(SPARSE_HLEN, FP_SPARSE_HLEN) X(SPARSE_VALUES_AT, FP_SPARSE_VALUES_AT)
 #endif

@@ -4,6 +4,10 @@ It sends the same packets as the numpy loop (hostlib.numpy_loop; tests/test_fast
 compares them byte for byte): P, w and the exponents as its transfers make them. Only the C
 loop has a congestion window (EngineConfig.cwnd): AIMD, starting at 16 packets, slow start up
 to the slot window, halved once per loss event (a timer expiry).
+
+Sparse all-reduces (docs/protocol.md section 8) run in the same C loop (hostlib/fp_sparse.c),
+with the same timers and window, and send the bytes of the numpy reference
+hostlib.sparse_loop (tests/test_sparse_host.py compares them): NativeSparseLoop.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from xdp_agg.proto import wire
 from . import afxdp, scaling
 from .errors import HostlibError
 from .options import simd_from_env
+from .sparse_loop import bad_next_error
 from .stream_state import Allreduce, EngineConfig, StreamState
 from .udp_io import DatagramSocket
 
@@ -66,6 +71,7 @@ _COUNTED = (
     "bytes_received",
     "fault_drops",
     "spurious",
+    "empty_sent",
 )
 
 
@@ -198,3 +204,58 @@ def _shower(ar: Allreduce) -> Callable[[int, int], None] | None:
             printer.show(now, ndone, retx)
 
     return show
+
+
+class NativeSparseLoop:
+    """Runs a StreamState's sparse all-reduces (docs/protocol.md section 8) in the C loop of
+    its NativeLoop, sharing its _fastpath.Engine (the RTT estimate and congestion window of the
+    dense all-reduces). The blocks are found in C too (_fastpath.block_scan: one pass over the
+    tensor, before the all-reduce starts); hostlib.sparse_loop.SparseLoop is the reference."""
+
+    def __init__(self, native: NativeLoop) -> None:
+        self.native = native
+        self.state = native.state
+        self.union_blocks = 0  # blocks of the last all-reduce whose result had data
+        self.blocks = 0  # and its blocks
+
+    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One sparse all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
+        state = self.state
+        if src.size == 0:
+            return
+        nonzero, exps, bad, count = _fastpath.block_scan(src, state.cfg.elems, is_float)
+        if bad >= 0:  # before anything is sent
+            raise scaling.nonfinite_error(src[bad], bad)
+        B = len(nonzero)
+        w = min(state.cfg.window, B)
+        rounds = np.ones(w, dtype=np.int64)  # the C loop counts each slot's rounds in here
+        self.union_blocks, self.blocks = 0, B
+        with state.allreduce(B, w, timeout, elements=src.size) as ar:
+            ar.uses = rounds  # versions advance by the rounds each slot ran (8.2), also on failure
+            state.stats["sparse_allreduces"] += 1
+            res = None
+            try:
+                res = self.native._fast.allreduce_sparse(
+                    is_float,
+                    src,
+                    dst,
+                    w,
+                    ar.job_number,
+                    state.versions[:w].tobytes(),
+                    nonzero,
+                    exps,
+                    rounds,
+                    ar.timeout,
+                    progress=_shower(ar),
+                    progress_every=0.25,
+                    pad_empty=state.cfg.pad_empty,
+                )
+                self.union_blocks = res["union_blocks"]
+                if res["status"] == "stalled":
+                    raise state.stalled(ar, res["results_here"], res["busy"])
+                if res["status"] == "bad_next" and res["bad"] is not None:
+                    s, p, q, mine = res["bad"]
+                    raise bad_next_error(state.cfg.slot_base + s, p, q, mine, s, B, w)
+            finally:
+                self.native._account(res, ar)
+            state.stats["blocks_skipped"] += B - count

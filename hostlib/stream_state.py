@@ -45,6 +45,10 @@ STAT_NAMES = (
     "rtt",  # smoothed round trip of a packet (send to result), seconds
     "spurious",  # retransmissions that were not needed: the first copy's result came after it
     "cwnd",  # congestion window at the end of the last all-reduce, packets
+    # sparse all-reduces (docs/protocol.md section 8, hostlib.sparse_loop)
+    "sparse_allreduces",  # all-reduces run sparse
+    "blocks_skipped",  # blocks of this worker's tensors it sent no payload for (all zero)
+    "empty_sent",  # header-only contributions (first transmissions)
 )
 
 
@@ -94,6 +98,8 @@ class EngineConfig:
     # lanes' sockets share one UMEM on the interface queue (hostlib/_xsk.c)
     lane: int = 0
     lanes: int = 1
+    # a sparse job's empty contributions carry a block's room of zeros (JobSpec.pad_empty)
+    pad_empty: bool = False
 
 
 @dataclass
@@ -108,6 +114,8 @@ class Allreduce:
     t0: float
     printer: _Progress | None
     ndone: int = 0  # packets with their result
+    # rounds each slot ran, when not the dense ceil((packets - s) / window) (a sparse all-reduce)
+    uses: np.ndarray | None = None
 
     @property
     def job_number(self) -> int:
@@ -158,6 +166,8 @@ class StreamState:
             # Advance every slot's version by its uses in this all-reduce, even on failure, so
             # that the next all-reduce of this worker lines up with the ranks that completed.
             uses = (packets - np.arange(window) + window - 1) // window
+            if ar.uses is not None:
+                uses = ar.uses
             self.versions[:window] = (self.versions[:window] + uses) & 1
             st["elapsed"] += time.monotonic() - t0
             st["send_calls"] = self.sock.send_calls

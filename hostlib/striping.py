@@ -168,6 +168,7 @@ class StripedEngine:
         self.native = engines[0].native  # every lane's (one HostOptions made them)
         self.elems = engines[0].state.cfg.elems
         self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
+        self._last_union: tuple[int, int] | None = None
         self._pool = ThreadPoolExecutor(
             max_workers=len(engines) - 1, thread_name_prefix="hostlib-lane"
         )
@@ -241,26 +242,28 @@ class StripedEngine:
             out.append({**st, "aggregator": self.grid.place(i)[0]})
         return out
 
-    def allreduce_int32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
+    def allreduce(
+        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat int32 `src` over the job into the flat int32 `dst` (may be src)."""
-        self._run("allreduce_int32", src, dst, timeout)
+        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src); with
+        `sparse`, every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
+        self._run(src, dst, timeout, sparse)
 
-    def allreduce_float32(
-        self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None
-    ) -> None:
-        """Sum the flat float32 `src` over the job into the flat float32 `dst` (may be src)."""
-        self._run("allreduce_float32", src, dst, timeout)
+    @property
+    def last_union(self) -> tuple[int, int] | None:
+        """(blocks some worker had data in, blocks) of the last all-reduce if it ran sparse:
+        its parts' added up (Engine.last_union)."""
+        return self._last_union
 
-    def _run(self, method: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+    def _run(self, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool) -> None:
         t0 = time.monotonic()
+        self._last_union = None
         parts = part_bounds(src.size, self.elems, len(self.endpoints), self.lanes)
         if not parts:
             return
 
         def run(j: int, a: int, b: int) -> None:
-            getattr(self.engines[j], method)(src[a:b], dst[a:b], timeout)
+            self.engines[j].allreduce(src[a:b], dst[a:b], timeout, sparse)
 
         futures = [(j, self._pool.submit(run, j, a, b)) for j, a, b in parts[1:]]
         errors: list[tuple[int, BaseException]] = []
@@ -283,6 +286,9 @@ class StripedEngine:
             raise first
         self._own["allreduces"] += 1
         self._own["elements"] += src.size
+        unions = [u for j, _, _ in parts if (u := self.engines[j].last_union) is not None]
+        if sparse and len(unions) == len(parts):
+            self._last_union = (sum(u[0] for u in unions), sum(u[1] for u in unions))
 
     def _name_stalled(self, i: int, e: AllreduceTimeout) -> AllreduceTimeout:
         """e (of engine i), its message prefixed with which aggregator (and lane) stalled."""

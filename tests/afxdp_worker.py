@@ -6,7 +6,8 @@ the data path, the reason, a SHA-256 of each result's bytes and the engine's cou
         --path afxdp --faults 0.1,0.1,0.2,0.2,4 --lanes 3
 
 With --lanes k, lane l has its own socket on the --local port + l and its part of the 64 slots
-(hostlib.striping.lane_windows), as hostlib.init makes them.
+(hostlib.striping.lane_windows), as hostlib.init makes them. With --sparse D, a share D of the
+tensors' blocks (256 elements) is non-zero and the all-reduces run sparse (docs/protocol.md 8).
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ def main() -> int:
     ap.add_argument("--count", type=int, default=200_000)
     ap.add_argument("--faults", default="", help="send_loss,recv_loss,send_dup,recv_dup,seed")
     ap.add_argument("--lanes", type=int, default=1)
+    ap.add_argument("--sparse", type=float, default=None, help="density of non-zero blocks")
     args = ap.parse_args()
     faults = None
     if args.faults:
@@ -54,9 +56,13 @@ def main() -> int:
     rng = np.random.default_rng(7)
     x = rng.integers(-(2**31), 2**31, size=args.count, dtype=np.int64).astype(np.int32)
     f = (rng.standard_normal(args.count) * 1e-3).astype(np.float32)
+    sparse = args.sparse is not None
+    if sparse:  # the same blocks of both zero: each block's last elements may be a tail's
+        zero = np.repeat(rng.random(-(-args.count // 256)) >= args.sparse, 256)[: args.count]
+        x[zero], f[zero] = 0, 0
     out_i, out_f = np.empty_like(x), np.empty_like(f)
-    eng.allreduce_int32(x, out_i)
-    eng.allreduce_float32(f, out_f)
+    eng.allreduce(x, out_i, sparse=sparse)
+    eng.allreduce(f, out_f, sparse=sparse)
     report = {
         "data_path": eng.data_path,
         "reason": eng.data_path_reason,

@@ -112,6 +112,32 @@ def test_results_are_the_numpy_engines_byte_for_byte_also_under_loss_and_duplica
     assert st["fault_drops"] > 0 and st["retransmissions"] > 0 and st["duplicates"] > 0
 
 
+@pytest.mark.root
+@netns
+@pytest.mark.parametrize("lanes", [1, 3])
+def test_sparse_results_are_the_numpy_engines_byte_for_byte(pair, lanes):
+    """Sparse all-reduces (a fifth of the blocks non-zero): the C loop over AF_XDP sends
+    header-only frames (22 bytes of UDP payload) beside full ones and gets the numpy sparse
+    loop's results over the kernel socket, clean and under loss and duplication."""
+    faults = "0.05,0.05,0.1,0.1,3"
+    k = ("--lanes", str(lanes), "--sparse", "0.2", "--count", "100000")
+    with Peer(pair[1]):
+        ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
+        clean = run_worker(pair[0], "--path", "afxdp", *k)
+        lossy = run_worker(pair[0], "--path", "afxdp", "--faults", faults, *k)
+    assert ref["data_path"] == "udp" and ref["int32_equal"]
+    for rep in (ref, clean, lossy):
+        # with lanes, each lane all-reduces its part, sparse too
+        assert rep["stats"]["sparse_allreduces"] == 2 * lanes and rep["stats"]["empty_sent"] > 0
+    for rep in (clean, lossy):
+        assert rep["data_path"] in ("afxdp-copy-drv", "afxdp-copy-skb"), rep
+        assert (rep["int32"], rep["float32"]) == (ref["int32"], ref["float32"])
+        assert rep["stats"]["recv_calls"] == 0, rep["stats"]
+        assert rep["stats"]["blocks_skipped"] == ref["stats"]["blocks_skipped"]
+    st = lossy["stats"]
+    assert st["fault_drops"] > 0 and st["retransmissions"] > 0 and st["duplicates"] > 0
+
+
 def _masked(frame: bytes) -> bytes:
     """A frame without the IPv4 id and header checksum (bytes 18-19, 24-25) and the UDP
     checksum (40-41): the kernel numbers its datagrams by socket from a random start, and
@@ -128,10 +154,12 @@ def _ipv4_checksum_ok(frame: bytes) -> bool:
 
 @pytest.mark.root
 @netns
-def test_frames_on_the_wire_are_the_kernel_paths(pair):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_frames_on_the_wire_are_the_kernel_paths(pair, sparse):
     """The peer receives the same frames from both paths (the kernel's without GSO: a veth
-    carries a GSO send as one super-frame, which a NIC would cut into these very datagrams)."""
-    small = ("--count", "20000")
+    carries a GSO send as one super-frame, which a NIC would cut into these very datagrams);
+    sparse ones too, whose IPv4 and UDP lengths differ from frame to frame."""
+    small = ("--count", "20000") + (("--sparse", "0.3") if sparse else ())
     with Peer(pair[1], capture=True) as peer:
         run_worker(pair[0], "--path", "udp", "--gso", "0", *small)
         kernel = peer.frames()
@@ -140,7 +168,10 @@ def test_frames_on_the_wire_are_the_kernel_paths(pair):
         xdp = peer.frames()
     # resends are copies, and the window's timing orders a batch: compare the distinct frames
     distinct = [sorted({_masked(f) for f in got}) for got in (kernel, xdp)]
-    assert len(distinct[0]) == 79 + 79 + 64  # int32: 79 packets; float32: 79 + one window
+    if sparse:  # header-only frames and full ones
+        assert {len(f) for f in xdp} == {42 + 22, 42 + 22 + 4 * 256}
+    else:
+        assert len(distinct[0]) == 79 + 79 + 64  # int32: 79 packets; float32: 79 + one window
     assert distinct[0] == distinct[1]
     assert all(_ipv4_checksum_ok(f) and f[40:42] == b"\0\0" for f in xdp)
     assert kernel[0][20:22] == xdp[0][20:22] == b"\x40\x00"  # DF, as the kernel sends UDP

@@ -106,7 +106,7 @@ def _xdp_backend_class():
 
 
 CLAIMS = {
-    "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters"}),
+    "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters", "SparseJobs"}),
     "bmv2": (
         lambda: bmv2.Bmv2Backend,
         {"JobCounters", "ParentStatus", "ElemSizes", "CounterRows"},
@@ -122,6 +122,7 @@ CLAIMS = {
             "ElemSizes",
             "AllWorkerCounters",
             "ProgramStats",
+            "SparseJobs",
         },
     ),
     "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),
@@ -161,6 +162,10 @@ def _check_capabilities(backend, job_id: int) -> set[str]:
         assert backend.counter_rows([job_id]) == {job_id: backend.counters(job_id)}
     if "AllWorkerCounters" in checked:
         assert backend.all_worker_counters().get(job_id, {}) == backend.worker_counters(job_id)
+    if "SparseJobs" in checked:
+        sizes = backend.sparse_elems()
+        assert set(sizes) <= set(contract.elem_sizes(backend)), sizes
+        assert backend.pads_empty() in (True, False)
     if "ProgramStats" in checked:
         st = backend.program_stats()
         assert st is None or json.loads(json.dumps(st.to_dict())) == st.to_dict()

@@ -18,7 +18,7 @@ class _Rank0:
     def barrier(self):
         pass
 
-    def allreduce(self, x):
+    def allreduce(self, x, sparse="auto"):
         if x.size == 1:  # the round's flag
             self.flags.append(int(x[0]))
         else:
@@ -37,7 +37,7 @@ class _Other:
     def barrier(self):
         pass
 
-    def allreduce(self, x):
+    def allreduce(self, x, sparse="auto"):
         return np.array([next(self.flags)], dtype=np.int32) if x.size == 1 else 2 * x
 
 

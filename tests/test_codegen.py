@@ -107,7 +107,11 @@ def test_btf_layout_matches_python(agg_prog):
             (m.name, m.offset) for m in wire.members(h)
         ]
     anchor = structs["agg_btf_anchor"]
-    assert [m["bits_offset"] // 8 for m in anchor["members"]][:2] == [0, wire.SWITCHML_HLEN]
+    assert [m["bits_offset"] // 8 for m in anchor["members"]][:3] == [
+        0,
+        wire.SWITCHML_HLEN,
+        wire.SPARSE_AT,
+    ]
 
     for s in abi.STRUCTS:
         t = structs[s.name]

@@ -157,3 +157,30 @@ def test_no_aggregator_gives_a_clear_error(testbed_factory):
     msg = str(ei.value)
     assert "rank 0 exited" in msg
     assert "AllreduceTimeout" in msg or "timed out" in msg or "no answer" in msg
+
+
+def test_sparse_allreduces_through_xdp(testbed_factory):
+    """`xdp-agg serve --sparse`: the job is sparse, and "auto" runs sparse all-reduces of
+    tensors whose blocks are mostly zero (the same blocks on every rank, or drawn per rank),
+    int32 exact and floats within the bound, with the zero blocks left home; forced dense
+    and forced sparse all-reduces of the same job agree with them."""
+    tb = testbed_factory(workers=4, topology="one-arm")
+    base = {"count": 200_000, "density": 0.1}
+    plan = [
+        {**base, "dtype": "int32", "same": True},
+        {**base, "dtype": "int32", "seed": 3},
+        {**base, "dtype": "float32", "seed": 4},
+        {**base, "dtype": "int32", "seed": 5, "sparse": False},
+        {**base, "dtype": "float32", "seed": 6, "density": 1.0, "sparse": True},
+        {"check": "counters"},
+    ]
+    with Cluster(tb, serve_args=("--sparse",)) as cl:
+        reports = cl.run_workers(plan, job="sparse")
+    assert_reports_ok(reports)
+    for reps in reports:
+        runs = [r["stats"]["sparse_allreduces"] for r in reps if "stats" in r]
+        assert runs == [1, 1, 1, 0, 1], runs
+        skipped = [r["stats"]["blocks_skipped"] for r in reps if "stats" in r]
+        assert all(s > 0 for s in skipped[:3]) and skipped[3:] == [0, 0], skipped
+        c = next(r for r in reps if r.get("check") == "counters")
+        assert c["aggregator"]["dropped"] == 0, c

@@ -2,21 +2,21 @@
 byte, the same results (also under loss, duplication and reordering), the same timeouts, and
 AVX2 kernels identical to the scalar ones. Loopback only, no root.
 
-Most tests drive a StreamEngine directly against EchoAggregator, a scripted aggregator that
-records every datagram and answers each with a deterministic function of it (as if the other
-workers had contributed), so that the two loops can be compared on exactly what they send.
+Most tests drive a StreamEngine directly against EchoAggregator (tests/harness/echo.py), a
+scripted aggregator that records every datagram and answers each with a deterministic function
+of it (as if the other workers had contributed), so that the two loops can be compared on
+exactly what they send.
 """
 
 from __future__ import annotations
 
-import select
 import socket
-import threading
 import time
 from collections import defaultdict
 
 import numpy as np
 import pytest
+from harness.echo import EchoAggregator
 from harness.ranks import loopback_prefix, ok, run_ranks, soft_cluster
 
 import hostlib
@@ -35,118 +35,6 @@ pytestmark = [
 ]
 
 HAVE_AVX2 = _fastpath is not None and _fastpath.simd() == "avx2"
-
-
-# --- a scripted aggregator ------------------------------------------------------------------
-class EchoAggregator:
-    """Answers every datagram at once with a result derived from it alone.
-
-    The result keeps the first 8 header bytes; e0 becomes max(e0, bump[tsi % 64]) (another
-    worker with larger values, so floats are quantised with an exponent above their own) and
-    each value gets `add * (tsi + i)` added (modulo 2^32, as the aggregator's sums). Options
-    script the path: `drop` (tsi -> how many first copies get no answer), `dup` (tsi answered
-    twice), `late` (tsi whose first answer is held back `late_s` seconds, so that the engine's
-    resend is answered first), `reverse` (each batch answered in reverse order), `answer_limit`
-    (answer only that many datagrams, then go silent).
-    """
-
-    def __init__(
-        self,
-        *,
-        bump: bool = True,
-        add: int = 3,
-        drop=None,
-        dup=(),
-        late=(),
-        late_s: float = 0.08,
-        reverse: bool = False,
-        answer_limit: int | None = None,
-    ):
-        self.prefix = loopback_prefix()
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        self.sock.bind((f"{self.prefix}.1", 0))
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 16 << 20)
-        self.address = self.sock.getsockname()
-        rng = np.random.default_rng(5)
-        self.bump = rng.integers(-128, 128, 64).astype(np.int8) if bump else None
-        self.add = add
-        self.drop = dict(drop or {})
-        self.dup, self.late, self.late_s = set(dup), set(late), late_s
-        self.reverse = reverse
-        self.answer_limit = answer_limit
-        self.received: list[bytes] = []
-        self._held: list[tuple[float, bytes, tuple]] = []
-        self._stop = False
-        self._thread = threading.Thread(target=self._loop, daemon=True)
-        self._thread.start()
-
-    def worker_ip(self, i: int = 0) -> str:
-        return f"{self.prefix}.{2 + i}"
-
-    def result(self, data: bytes) -> bytes:
-        out = bytearray(data)
-        tsi = int.from_bytes(data[2:6], "big")
-        at = wire.EXPONENTS_AT  # the exponent header follows the SwitchML header
-        if self.bump is not None:
-            e0 = data[at] - 256 if data[at] >= 128 else data[at]  # int8
-            out[at] = max(e0, int(self.bump[tsi % 64])) & 0xFF
-        vals = np.frombuffer(data[wire.VALUES_AT :], ">i4").astype(np.int64)
-        vals += self.add * (tsi + np.arange(vals.size))
-        out[wire.VALUES_AT :] = vals.astype(np.uint32).astype(">u4").tobytes()  # mod 2^32
-        return bytes(out)
-
-    def _loop(self) -> None:
-        answered = 0
-        while not self._stop:
-            wait = 0.02 if not self._held else max(0.0, min(self._held)[0] - time.monotonic())
-            if select.select([self.sock], [], [], wait)[0]:
-                batch = []
-                while True:
-                    try:
-                        batch.append(self.sock.recvfrom(70000, socket.MSG_DONTWAIT))
-                    except BlockingIOError:
-                        break
-            else:
-                batch = []
-            out = []
-            now = time.monotonic()
-            for data, src in batch:
-                self.received.append(data)
-                tsi = int.from_bytes(data[2:6], "big")
-                if self.drop.get(tsi, 0) > 0:
-                    self.drop[tsi] -= 1
-                    continue
-                res = self.result(data)
-                if tsi in self.late:
-                    self.late.discard(tsi)
-                    self._held.append((now + self.late_s, res, src))
-                    continue
-                out.append((res, src))
-                if tsi in self.dup:
-                    out.append((res, src))
-            due = [h for h in self._held if h[0] <= now]
-            self._held = [h for h in self._held if h[0] > now]
-            out += [(res, src) for _, res, src in due]
-            if self.reverse:
-                out.reverse()
-            for res, src in out:
-                if self.answer_limit is not None and answered >= self.answer_limit:
-                    break
-                self.sock.sendto(res, src)
-                answered += 1
-
-    def packets(self) -> dict[tuple[int, int], bytes]:
-        """What was received, by (job number, tsi); every copy of a packet is identical."""
-        out: dict[tuple[int, int], bytes] = {}
-        for data in self.received:
-            key = (data[1], int.from_bytes(data[2:6], "big"))
-            assert out.setdefault(key, data) == data, f"a resend of {key} differs"
-        return out
-
-    def close(self) -> None:
-        self._stop = True
-        self._thread.join(5)
-        self.sock.close()
 
 
 def make_engine(
@@ -184,9 +72,9 @@ def run_sequence(native: bool, tensors, *, agg_kw=None, **engine_kw):
         for x in tensors:
             out = np.empty_like(x)
             if x.dtype == np.int32:
-                eng.allreduce_int32(x, out)
+                eng.allreduce(x, out)
             else:
-                eng.allreduce_float32(x, out)
+                eng.allreduce(x, out)
             outs.append(out)
         time.sleep(0.05)  # late answers and duplicates still on their way
         return outs, agg.packets(), dict(eng.stats)
@@ -398,7 +286,7 @@ def test_no_answer_at_all_times_out_with_the_diagnosis(native):
     try:
         t0 = time.monotonic()
         with pytest.raises(hostlib.AllreduceTimeout) as ei:
-            eng.allreduce_float32(np.ones(100, np.float32), np.empty(100, np.float32))
+            eng.allreduce(np.ones(100, np.float32), np.empty(100, np.float32))
         assert 0.35 < time.monotonic() - t0 < 3
         err = ei.value
         assert "got no result at all from the aggregator at" in str(err)
@@ -420,7 +308,7 @@ def test_a_stall_half_way_gives_the_same_timeout_in_both_loops():
         eng = make_engine(agg, native, elems=32, window=8, timeout=0.4, rto=0.05)
         try:
             with pytest.raises(hostlib.AllreduceTimeout) as ei:
-                eng.allreduce_int32(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
+                eng.allreduce(np.ones(64 * 32, np.int32), np.empty(64 * 32, np.int32))
             errors.append(ei.value)
             assert eng.state.versions.tolist() == [0] * 8  # 64 packets: every slot used 8 times
         finally:
@@ -439,7 +327,7 @@ def test_nan_is_rejected_before_anything_is_sent():
         x = np.ones(100, np.float32)
         x[77] = np.inf
         with pytest.raises(ValueError, match="contains inf at element 77: NaN and Inf"):
-            eng.allreduce_float32(x, np.empty_like(x))
+            eng.allreduce(x, np.empty_like(x))
         assert eng.counter == 0 and eng.stats["packets_sent"] == 0
     finally:
         eng.state.sock.close()
@@ -568,14 +456,14 @@ def test_stale_and_malformed_datagrams_are_counted():
     eng = make_engine(agg, True, window=4)
     try:
         x = np.ones(32 * 10, np.int32)
-        eng.allreduce_int32(x, np.empty_like(x))
+        eng.allreduce(x, np.empty_like(x))
         # a result of that finished all-reduce, and a short datagram, before the next one
         old = agg.result(agg.received[0])
         agg.sock.sendto(old, eng.state.sock.address)
         agg.sock.sendto(b"short", eng.state.sock.address)
         time.sleep(0.05)
         out = np.empty_like(x)
-        eng.allreduce_int32(x, out)
+        eng.allreduce(x, out)
         assert eng.stats["stale"] == 1 and eng.stats["malformed"] == 1
         assert eng.stats["results"] == 20
     finally:
@@ -588,7 +476,7 @@ def test_progress_callback_runs_during_a_long_allreduce(capsys):
     eng = make_engine(agg, True, rto=1.2, progress=True)  # stuck on packet 5 for 1.2 s
     try:
         x = np.ones(32 * 20, np.int32)
-        eng.allreduce_int32(x, np.empty_like(x))
+        eng.allreduce(x, np.empty_like(x))
     finally:
         eng.state.sock.close()
         agg.close()
@@ -605,10 +493,10 @@ def test_packets_and_counters_per_allreduce_are_independent_of_earlier_failures(
         eng = make_engine(agg, native, window=4, timeout=0.3, rto=0.05)
         try:
             with pytest.raises(hostlib.AllreduceTimeout):
-                eng.allreduce_int32(np.ones(32 * 9, np.int32), np.empty(32 * 9, np.int32))
+                eng.allreduce(np.ones(32 * 9, np.int32), np.empty(32 * 9, np.int32))
             agg.answer_limit = None
             x = np.arange(32 * 6, dtype=np.int32)
-            eng.allreduce_int32(x, np.empty_like(x))
+            eng.allreduce(x, np.empty_like(x))
             time.sleep(0.05)
             sent[native] = {key: v for key, v in agg.packets().items() if key[0] == 1}
         finally:

@@ -162,6 +162,8 @@ def _case_id(c: Case) -> str:
 
 @pytest.mark.parametrize("case", CASES, ids=_case_id)
 def test_packet_case(lab, case: Case):
+    if case.sparse:  # issue 41: the model and the table have them, the P4 programs not yet
+        pytest.skip("sparse jobs (docs/protocol.md section 8) are not in the P4 programs yet")
     unsupported = sorted({j.elems for j in case.jobs} - set(P4_ELEMS))
     if unsupported:
         pytest.skip(

@@ -57,12 +57,13 @@ _ERROR = re.compile(r"^(?P<path>[\w./-]+\.pyi?):\d+: error: ", re.MULTILINE)
 
 
 @pytest.fixture(scope="module")
-def mypy(request):
+def mypy(request, tmp_path_factory):
     """A runner of `python -m mypy` (or another mypy module) in the checkout, with a cache
-    kept between test runs (under .pytest_cache)."""
+    kept between test runs (under .pytest_cache; a fresh one with -p no:cacheprovider)."""
     if importlib.util.find_spec("mypy") is None:
         pytest.skip("mypy is not installed (it is in the test extra: pip install -e '.[test]')")
-    cache = request.config.cache.mkdir("mypy")
+    store = getattr(request.config, "cache", None)
+    cache = store.mkdir("mypy") if store is not None else tmp_path_factory.mktemp("mypy")
     # mypy takes the directories on the interpreter's sys.path, PYTHONPATH included, for
     # installed packages and hides the errors of modules it follows into them: the checkout
     # must not be one, or an error that `mypy hostlib` shows elsewhere would pass here

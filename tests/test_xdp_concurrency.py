@@ -32,6 +32,13 @@ Measured on 2 CPUs, wrong sums of the mutant per run of 800 slot rounds (runs ca
 0 (0 of 5), 1 us 2-13 (10 of 10), 2 us 11-18 (10 of 10), 5 us 28-45 (5 of 5), 20 us (the
 setting used) 149-179 (10 of 10, both variants); the real program: no problem in 10 of 10 runs
 of each variant at 20 us.
+
+Sparse jobs (docs/protocol.md section 8, bpf/sparse.h) run the same tests on rounds of data,
+empty and dense contributions: each round's first two contributions race to install its key
+(compare-and-swap), and the completing CPU gathers the other's sums, smallest next and the e0
+that travels with it. A build whose gather maxed e0 over every partial, whatever its next, failed
+test_two_cpus_sparse_rounds (wrong results in most rounds); the mutant is caught on sparse rounds
+too (122-158 problems per run of 800 slot rounds, one run of each variant).
 """
 
 import numpy as np
@@ -46,6 +53,7 @@ from xdp_agg.proto.model import Action, ReferenceAggregator
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 N, K, SLOTS, ROUNDS, DUP_P = 8, 256, 16, 24, 0.05
+SPARSE_K = 64  # the sparse run's packets (frames built one by one with scapy)
 # The widened-window runs: one worker per CPU, few slots, many rounds (see the docstring).
 RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P = 2, 64, 2, 400, 0.02
 RACE_DELAY_NS = 20_000
@@ -74,13 +82,61 @@ def _frames(n, k):
     return make
 
 
-def _plan(n, k, slots, rounds, dup_p, seed):
-    """Every round's frames per CPU (even workers on CPU 0, odd on CPU 1), the serial model's
-    result of each (round, slot) and the number of duplicates sent."""
-    rng = np.random.default_rng(seed)
+def _dense_rounds(n, k, slots, rounds, rng):
+    """The contributions of a dense job: frames(r, s) -> every worker's frame of slot s in
+    round r, random values and exponents."""
     make = _frames(n, k)
+
+    def frames(r, s):
+        out = []
+        for w in range(n):
+            vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
+            e0 = int(rng.integers(-50, 50))
+            out.append(make(w, vals, slot=s, version=r % 2, e0=e0, tsi=r * slots + s))
+        return out
+
+    return frames
+
+
+def _sparse_rounds(n, k, slots, rounds, rng):
+    """The contributions of a sparse job (docs/protocol.md section 8): one round in five dense,
+    the others at block r * slots + s, each worker with data (60%) or empty, naming a next
+    block just after (so that the smallest next, and the e0 that travels with it, often come
+    from an empty contribution folded on the other CPU). Half the empty ones are padded (8.1)
+    with the values they would have had: room for the result, never added."""
+    blocks = rounds * slots + 8
+
+    def frames(r, s):
+        block, out = r * slots + s, []
+        dense = rng.random() < 0.2
+        for w in range(n):
+            e0 = int(rng.integers(-50, 50))
+            kw = dict(slot=s, version=r % 2, e0=e0, tsi=r * slots + s)
+            vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
+            if dense:
+                out.append(frame(w, vals, size=wire.size_code_for(k), **kw))
+                continue
+            has = rng.random() < 0.6
+            nxt = block + int(rng.integers(1 if has else 0, 4))
+            sp = wire.Sparse(block, nxt, blocks)
+            if not has and rng.random() < 0.5:
+                kw["msg_type"] = wire.MSG_TYPE_SPARSE_EMPTY  # padded with vals
+            elif not has:
+                vals = ()
+            out.append(frame(w, vals, size=wire.size_code_for(k), sparse=sp, **kw))
+        return out
+
+    return frames
+
+
+def _plan(n, k, slots, rounds, dup_p, seed, sparse=False):
+    """Every round's frames per CPU (even workers on CPU 0, odd on CPU 1), the serial model's
+    result of each (round, slot) and the number of duplicates sent; a `sparse` job's rounds
+    are _sparse_rounds'."""
+    rng = np.random.default_rng(seed)
+    contributions = (_sparse_rounds if sparse else _dense_rounds)(n, k, slots, rounds, rng)
     model = ReferenceAggregator()
-    model.create_job(0, n, k, 0, slots)
+    model.create_job(0, n, k, 0, slots, sparse=sparse)
     for w in workers(0, n):
         model.add_worker(0, w.index, w.ip, w.agg_port, w.mac)
     per_cpu = ([], [])  # per CPU: list of phases (one per slot round), each a list of (key, frame)
@@ -88,10 +144,7 @@ def _plan(n, k, slots, rounds, dup_p, seed):
     for r in range(rounds):
         for s in range(slots):
             rnd = ([], [])
-            for w in range(n):
-                vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
-                e0 = int(rng.integers(-50, 50))
-                f = make(w, vals, slot=s, version=r % 2, e0=e0, tsi=r * slots + s)
+            for w, f in enumerate(contributions(r, s)):
                 rnd[w % 2].append(((r, s, w, "new"), f))
                 v = model.process(worker_ip(w), wire.UDP_PORT, f[wire.SWITCHML_OFFSET :])
                 if v.action == Action.TO_ALL:
@@ -146,15 +199,15 @@ def _check(results, expected):
     return problems, answered
 
 
-def _two_cpus(run, prog, maps, n, k, slots, rounds, dup_p, seed):
-    """One run of the plan on a fresh job through `run` (the harness's two-CPU driver);
-    (problems, answered, duplicates sent, overlapping)."""
+def _two_cpus(run, prog, maps, n, k, slots, rounds, dup_p, seed, sparse=False):
+    """One run of the plan on a fresh job (`sparse` or not) through `run` (the harness's
+    two-CPU driver); (problems, answered, duplicates sent, overlapping)."""
     for j in list(maps.jobs()):
         maps.delete_job(j)
-    maps.create_job(job(n=n, elems=k, count=slots))
+    maps.create_job(job(n=n, elems=k, count=slots, sparse=sparse))
     for w in workers(0, n):
         maps.add_worker(w)
-    per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed)
+    per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed, sparse)
     results = run(prog.progs["xdp_agg_ingress"], per_cpu)
     problems, answered = _check(results, expected)
     return problems, answered, dups, _overlapping(results)
@@ -183,6 +236,24 @@ def test_two_cpus_same_slots(two_cpus, agg):
         # the last round's completion gathered partial sums from both CPUs
         tags = {p.tag for p in maps.partials(0, (ROUNDS - 1) % 2)}
         assert len(tags) == 1 and 0 not in tags, "both CPUs should hold a partial of the last round"
+
+
+def test_two_cpus_sparse_rounds(two_cpus, agg):
+    """The same on a sparse job (docs/protocol.md section 8): contributions with data, empty
+    ones and dense rounds of the same slots on both CPUs at once. Each round's first two
+    contributions race to install its key (bpf/sparse.h claim_round); the completing CPU gathers
+    the other CPU's sums, smallest next and its e0; every result and answer is the model's,
+    bytes and length."""
+    prog, maps = agg
+    problems, answered, dups, overlapping = _two_cpus(
+        two_cpus, prog, maps, N, SPARSE_K, SLOTS, ROUNDS, DUP_P, 8, sparse=True
+    )
+    print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
+    assert overlapping >= ROUNDS * SLOTS // 10, (
+        f"only {overlapping} slot rounds ran on both CPUs at once"
+    )
+    assert not problems, "\n".join(problems[:20])
+    _assert_counters(maps, ROUNDS * SLOTS, N, answered, dups)
 
 
 def _race_build(build, mutant):
@@ -222,31 +293,34 @@ def mutant_build(request):
     yield from _race_build(request.param, mutant=True)
 
 
-def _race_run(run, prog, maps):
+def _race_run(run, prog, maps, sparse=False):
     slot_rounds = RACE_ROUNDS * RACE_SLOTS
     problems, answered, dups, overlapping = _two_cpus(
-        run, prog, maps, RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P, 12
+        run, prog, maps, RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P, 12, sparse
     )
     print(f"{overlapping} of {slot_rounds} slot rounds overlapped, {len(problems)} problems")
     assert overlapping >= slot_rounds // 4, f"only {overlapping} slot rounds ran on both at once"
     return problems, answered, dups
 
 
-def test_race_window_exact(two_cpus, race_build):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_race_window_exact(two_cpus, race_build, sparse):
     """Many rounds on two slots, one worker per CPU, the widened window: the real program of
-    both variants is exact in every slot round, and the counters add up."""
+    both variants is exact in every slot round, and the counters add up; on a sparse job too,
+    where every round's two contributions also race to install its key."""
     prog, maps = race_build
-    problems, answered, dups = _race_run(two_cpus, prog, maps)
+    problems, answered, dups = _race_run(two_cpus, prog, maps, sparse)
     assert not problems, "\n".join(problems[:20])
     _assert_counters(maps, RACE_ROUNDS * RACE_SLOTS, RACE_N, answered, dups)
 
 
-def test_race_window_catches_the_mutant(two_cpus, mutant_build):
+@pytest.mark.parametrize("sparse", [False, True], ids=["dense", "sparse"])
+def test_race_window_catches_the_mutant(two_cpus, mutant_build, sparse):
     """The same run on the mutant that completes on the arrival count: the checks above find
     its lost additions (a sum that differs from the serial model's, a completion twice or never).
     Measured: 115-189 problems (wrong sums, wrong retransmission answers) per run of 800 slot
     rounds, in 10 of 10 runs of this file (see the module docstring)."""
     prog, maps = mutant_build
-    problems, _, _ = _race_run(two_cpus, prog, maps)
+    problems, _, _ = _race_run(two_cpus, prog, maps, sparse)
     caught = [p for p in problems if "differs" in p or "completed twice" in p or "never" in p]
     assert caught, "the mutant completing on the arrival count was not caught"

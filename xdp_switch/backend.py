@@ -29,7 +29,7 @@ from xdp_agg.proto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
 from . import slot_cpus as cpu_table
-from .ctl_maps import AggMaps, ip_str, mac_str, port_ntoh
+from .ctl_maps import SPARSE_MAX_ELEMS, AggMaps, ip_str, mac_str, port_ntoh
 from .pins import TOPOLOGIES, XDP_MODES
 
 # The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
@@ -400,6 +400,9 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps, registered=None) -> dict:
         "group_mac": mac_str(job.group_mac),
         "job_number": 0,  # not kept by the data path
         "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
+        "sparse": bool(job.flags & abi.JobFlag.SPARSE),
+        # not kept by the data path: what this target asks of every sparse job (pads_empty)
+        "pad_empty": bool(job.flags & abi.JobFlag.SPARSE),
         **tree,
         "workers": workers,
         "parent": parent_status(maps, job_id, link),
@@ -545,6 +548,16 @@ class XdpBackend:
         jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
         frags = self.state.options.get("frags") and self.state.topology != "switch"
         return tuple(sorted(n for n in wire.SIZE_CODE_ELEMS.values() if frags or n not in jumbo))
+
+    def sparse_elems(self) -> tuple[int, ...]:
+        """The sizes of elem_sizes() a sparse job may have: not the jumbo ones, whose results an
+        empty contribution's frame cannot grow into (xdp_switch/ctl_maps.py)."""
+        return tuple(n for n in self.elem_sizes() if n <= SPARSE_MAX_ELEMS)
+
+    def pads_empty(self) -> bool:
+        """Yes: a result is written into the frame that completes or asks, which
+        bpf_xdp_adjust_tail grows within its buffer only (on veth: not at all)."""
+        return True
 
     def create_job(self, spec: JobSpec) -> None:
         """Create (or replace) a job; in the switch topology its delivery is always BROADCAST."""

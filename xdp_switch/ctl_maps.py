@@ -21,6 +21,10 @@ from xdp_agg.proto.reasons import Reason
 
 from . import loader
 
+# The largest packet of a sparse job: its result, written into whatever packet completes or asks
+# for it, must fit the buffer of an empty contribution (docs/protocol.md 8.3).
+SPARSE_MAX_ELEMS = max(n for c, n in wire.SIZE_CODE_ELEMS.items() if c not in wire.JUMBO_SIZE_CODES)
+
 
 def ip_be(addr: str) -> int:
     """An IPv4 address as the u32 a __be32 field holds on this host."""
@@ -78,6 +82,15 @@ class AggMaps:
         if spec.has_parent and spec.delivery == Delivery.BROADCAST:
             # up and answers leave with XDP_TX through the one interface
             raise ValueError("a job with a parent needs the one-arm topology")
+        if spec.sparse and wire.size_code_for(spec.elems) in wire.JUMBO_SIZE_CODES:
+            # an empty contribution (a 64-byte frame, in one buffer) answered with a block of
+            # data must grow past a page, and bpf_xdp_adjust_tail grows a frame within its
+            # buffer only (bpf/sparse.h write_sparse)
+            raise ValueError(
+                f"a sparse job of {spec.elems} elements per packet: an empty contribution cannot "
+                "grow into a result larger than a page in XDP (sparse jobs take at most "
+                f"{SPARSE_MAX_ELEMS} elements here)"
+            )
         if spec.delivery == Delivery.UNICAST and copies is None:
             raise ValueError("a job of unicast delivery needs its interface and copy program")
         end = spec.slot_base + spec.slot_count
@@ -101,7 +114,8 @@ class AggMaps:
             epoch=(time.monotonic_ns() >> 10) & 0xFFFFFFFF or 1,
             agg_port=spec.agg_port,
             flags=(int(abi.JobFlag.VERIFY_UDP_CSUM) if spec.udp_checksum else 0)
-            | (int(abi.JobFlag.TREE) if spec.has_parent else 0),
+            | (int(abi.JobFlag.TREE) if spec.has_parent else 0)
+            | (int(abi.JobFlag.SPARSE) if spec.sparse else 0),
             agg_ip=ip_be(spec.agg_ip),
             group_ip=ip_be(spec.group_ip),
         )

@@ -24,6 +24,8 @@ from xdp_agg.bpfsys import btf
 
 CALLBACK_MAGIC = 0x58414743  # "XAGC": passed to the C as -DAGG_CALLBACK_MAGIC
 CALLBACK_NAME = "agg_gather_{}"  # the function of callback id K (bpf/aggregate.h)
+# callbacks of other ids (bpf/consts.h): the test builds' race-window spin
+CALLBACK_NAMES = {1: "agg_race_spin"}
 _INSN = struct.Struct("<BBhi")  # struct bpf_insn: code, dst/src registers, off, imm
 LD_IMM64 = 0x18  # BPF_LD | BPF_IMM | BPF_DW: two instruction slots
 BPF_PSEUDO_FUNC = 4  # ld_imm64 src_reg: imm is a subprogram's offset
@@ -64,7 +66,7 @@ def link(b, name: str) -> Linked:
     start: dict[int, int] = {}
     for slot, cb in list(_callbacks(bytes(code))):
         if cb not in start:
-            cb_name = CALLBACK_NAME.format(cb)
+            cb_name = CALLBACK_NAMES.get(cb) or CALLBACK_NAME.format(cb)
             try:
                 cb_code = b.dump_func(cb_name.encode())
             except Exception as e:  # bcc: "Unknown program"

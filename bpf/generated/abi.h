@@ -7,7 +7,7 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 2048 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 20 /* counters per job */
+#define AGG_NUM_REASONS 23 /* counters per job */
 #define AGG_PARENT_INDEX 4294967295 /* worker index of a tree job's parent aggregator */
 
 /* counter index within a job's row: why a packet took its path */
@@ -32,6 +32,9 @@ enum agg_reason {
 	AGG_RESENT_UP = 17,
 	AGG_PARENT_RESULT = 18,
 	AGG_STALE_PARENT_RESULT = 19,
+	AGG_DROP_SPARSE_RANGE = 20,
+	AGG_DROP_SPARSE_BACKWARDS = 21,
+	AGG_DROP_SPARSE_MISMATCH = 22,
 };
 
 /* table keys (xdp_agg/proto/keys.py) */
@@ -42,6 +45,7 @@ enum agg_reason {
 /* per-job options: bits of agg_job.flags */
 #define AGG_JOB_VERIFY_UDP_CSUM 1
 #define AGG_JOB_TREE 2
+#define AGG_JOB_SPARSE 4
 
 /* how a job's results reach its workers */
 enum agg_delivery {
@@ -98,6 +102,7 @@ struct agg_slot {
 	__u64 published[2]; /* per version: rounds whose result is stored */
 	__u64 up[2]; /* tree, per version: rounds complete here and sent up */
 	__u64 up_round[2]; /* tree, per version: tsi << 8 | job_number of the last sent up */
+	__u64 round_key[2]; /* sparse, per version: kind, block, blocks of the round in progress; 0 between rounds */
 };
 
 /* one CPU's partial sum: value of per-CPU map `partials`, key = slot * 2 + version */
@@ -106,6 +111,8 @@ struct agg_partial {
 	__s32 e0; /* max e0 of the contributions added here */
 	__s32 e1; /* max e1 of the contributions added here */
 	__u32 count; /* contributions of this round added here */
+	__u32 next; /* sparse: the smallest next added here (e0: the max of those naming it) */
+	__u32 has_data; /* sparse: 1 when a contribution with data was added here (sum) */
 	__u32 pad; /* 0 */
 	__s32 sum[2048]; /* partial sums, host order, each pair swapped (bpf/aggregate.h) */
 };
@@ -114,6 +121,9 @@ struct agg_partial {
 struct agg_result {
 	__s32 e0; /* max e0 */
 	__s32 e1; /* max e1 */
+	__u64 key; /* sparse: the round's kind, block and blocks (bpf/aggregate.h) */
+	__u32 next; /* sparse: the smallest next of the round */
+	__u32 has_data; /* sparse: 1 when a contribution carried data (else no payload) */
 	__be32 data[2048]; /* the sum, network order */
 };
 
@@ -140,7 +150,7 @@ struct agg_worker_stats {
 	__u64 contributions; /* new contributions */
 	__u64 duplicates; /* retransmissions and duplicates */
 	__u64 answered; /* retransmissions answered with the stored result */
-	__u64 dropped; /* dropped as malformed (size, slot, type, length) */
+	__u64 dropped; /* dropped by a check (type, size, length, slot, checksum, sparse) */
 };
 
 #endif

@@ -5,6 +5,8 @@
 #define SML_UDP_PORT 0xbee0 /* aggregator base UDP port */
 #define SML_UDP_PORT_MASK 0xfff0 /* ports accepted: (port & mask) == base */
 #define SML_MSG_TYPE_DATA 1 /* contribution or result */
+#define SML_MSG_TYPE_SPARSE 2 /* sparse: a block of data */
+#define SML_MSG_TYPE_SPARSE_EMPTY 3 /* sparse: header only */
 #define SML_POOL_VERSION_BIT 0x8000 /* pool_index: version */
 #define SML_POOL_RESERVED_BIT 0x4000 /* pool_index: reserved */
 #define SML_POOL_SLOT_MASK 0x3fff /* pool_index: slot */
@@ -13,6 +15,8 @@
 #define SML_OFFSET 42 /* SwitchML header offset in the frame */
 #define SML_PAYLOAD_OFFSET 52 /* payload offset in the frame, after the SwitchML and exponent headers */
 #define SML_MAX_ELEMS 2048 /* largest elements per packet */
+#define SML_SPARSE_HLEN 12 /* sparse header bytes (sparse packets only) */
+#define SML_SPARSE_PAYLOAD_OFFSET 64 /* a sparse packet's payload offset in the frame, after the sparse header */
 #define SML_RESULT_TTL 64 /* IPv4 TTL of every result */
 #define SML_RESULT_IP_ID 0 /* IPv4 identification of every result */
 #define SML_RESULT_TOS 0 /* IPv4 ToS byte (DSCP, ECN) of every result */
@@ -45,6 +49,13 @@ struct switchml_hdr {
 struct exponents_hdr {
 	__s8 e0; /* block exponent of a future chunk; max over workers in a result */
 	__s8 e1; /* second exponent (SwitchML's); max over workers in a result */
+} __attribute__((packed));
+
+/* sparse header (ours, msg_type 2 and 3 only), after the exponents */
+struct sparse_hdr {
+	__be32 block; /* the block (packet-sized chunk) of the tensor this packet is about */
+	__be32 next; /* the sender's next non-zero block after it; result: the minimum */
+	__be32 blocks; /* the tensor's blocks; next = blocks: none left in this column */
 } __attribute__((packed));
 
 #endif

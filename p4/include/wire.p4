@@ -5,6 +5,8 @@
 const bit<16> SML_UDP_PORT = 0xbee0;
 const bit<16> SML_UDP_PORT_MASK = 0xfff0;
 const bit<4> SML_MSG_TYPE_DATA = 1;
+const bit<4> SML_MSG_TYPE_SPARSE = 2;
+const bit<4> SML_MSG_TYPE_SPARSE_EMPTY = 3;
 const bit<16> SML_POOL_SLOT_MASK = 0x3fff;
 const bit<8> SML_RESULT_TTL = 64;
 const bit<16> SML_RESULT_IP_ID = 0;
@@ -31,7 +33,7 @@ const bit<16> SML_UDP_LEN_2048 = 8210; // UDP length, 2048 elements
 
 /* SwitchML header (p4app-switchML UDP format) */
 header switchml_h {
-    bit<4> msg_type; // 1 = data (contribution or result); other values reserved
+    bit<4> msg_type; // 1 = data; 2 = sparse data, 3 = sparse empty (ours); others reserved
     bit<1> reserved; // 0
     bit<3> size; // payload size code, see SIZE_CODE_ELEMS
     bit<8> job_number; // low 8 bits of the host's job counter, echoed
@@ -43,6 +45,13 @@ header switchml_h {
 header exponents_h {
     bit<8> e0; // block exponent of a future chunk; max over workers in a result
     bit<8> e1; // second exponent (SwitchML's); max over workers in a result
+}
+
+/* sparse header (ours, msg_type 2 and 3 only), after the exponents */
+header sparse_h {
+    bit<32> block; // the block (packet-sized chunk) of the tensor this packet is about
+    bit<32> next; // the sender's next non-zero block after it; result: the minimum
+    bit<32> blocks; // the tensor's blocks; next = blocks: none left in this column
 }
 
 #endif

@@ -21,7 +21,7 @@ from xdp_agg.proto import wire
 from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec
 from xdp_agg.proto.model import Action, ReferenceAggregator, Verdict
 from xdp_agg.proto.reasons import Reason
-from xdp_agg.proto.scapy_layer import Exponents, SwitchML, sml_frame
+from xdp_agg.proto.scapy_layer import Exponents, Sparse, SwitchML, sml_frame
 
 AGG_IP = "198.18.0.1"
 AGG_MAC = "02:00:00:00:00:01"
@@ -56,6 +56,7 @@ def job(
     udp_checksum=False,
     tree=False,
     parent_base=PARENT_SLOT_BASE,
+    sparse=False,
 ) -> JobSpec:
     parent = {}
     if tree:
@@ -80,6 +81,7 @@ def job(
         group_ip=GROUP_IP,
         group_mac=GROUP_MAC,
         udp_checksum=udp_checksum,
+        sparse=sparse,
         **parent,
     )
 
@@ -179,6 +181,8 @@ class Step:
     pool_index: int | None = None  # the output's pool index when not the request's (two levels)
     # reads the output frame as another implementation would (the p4app-switchML host cases)
     raw_check: Callable[[bytes], None] | None = None
+    # a sparse result's header (block, next, blocks); its values None: an empty result
+    sparse: wire.Sparse | None = None
 
 
 @dataclass
@@ -187,6 +191,11 @@ class Case:
     jobs: list[JobSpec]
     workers: list[WorkerSpec]
     steps: list[Step] = field(default_factory=list)
+
+    @property
+    def sparse(self) -> bool:
+        """A case with a sparse job (docs/protocol.md section 8)."""
+        return any(j.sparse for j in self.jobs)
 
 
 def dropped(what: str, f: bytes, reason: Reason) -> Step:
@@ -213,11 +222,39 @@ def ip_checksum_ok(pkt) -> bool:
     return IP(bytes(ip))[IP].chksum == want
 
 
+def result_udp_len(step: Step, k: int) -> int:
+    """The UDP length of the result a step expects (k elements per packet)."""
+    if step.sparse is not None:
+        return wire.UDP_HLEN + wire.sparse_payload_len(k, step.values is None)
+    return wire.UDP_HLEN + wire.udp_payload_len(k)
+
+
+def check_sparse_payload(step: Step, request: bytes, out: bytes) -> None:
+    """A sparse result (docs/protocol.md section 8): the request's job number, tsi, pool index
+    and size; the kind, sparse header, exponents and values the step expects; nothing after."""
+    req, sml = SwitchML(request[wire.SWITCHML_OFFSET :]), SwitchML(out[wire.SWITCHML_OFFSET :])
+    for f in ("tsi", "job_number", "pool_index", "size"):
+        assert getattr(sml, f) == getattr(req, f), f"{step.what}: {f} not echoed"
+    empty = step.values is None
+    kind = wire.MSG_TYPE_SPARSE_EMPTY if empty else wire.MSG_TYPE_SPARSE
+    assert (sml.msg_type, sml.reserved) == (kind, 0), f"{step.what}: msg_type, reserved"
+    assert (sml[Exponents].e0, sml[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
+    sp = sml[Sparse]
+    got = wire.Sparse(sp.block, sp.next, sp.blocks)
+    assert got == step.sparse, f"{step.what}: sparse header {got}"
+    k = 0 if empty else wire.elems_for(req.size)
+    assert len(out) - wire.SWITCHML_OFFSET == wire.SPARSE_VALUES_AT + 4 * k, step.what
+    if not empty:
+        np.testing.assert_array_equal(sp.values, step.values, err_msg=step.what)
+
+
 def check_payload(step: Step, request: bytes, out: bytes) -> None:
     """The SwitchML part of a result frame `out` answering the frame `request`: header fields
     echoed (the pool index as the step says when it says one), reserved bit 0, exponents and
     int32 values as the step expects, and what p4app-switchML's host reads there (raw_check).
     Every target's runner and the model's check use this."""
+    if step.sparse is not None:
+        return check_sparse_payload(step, request, out)
     req, sml = SwitchML(request[wire.SWITCHML_OFFSET :]), SwitchML(out[wire.SWITCHML_OFFSET :])
     for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
         if f == "pool_index" and step.pool_index is not None:
@@ -248,7 +285,7 @@ def check_result(step: Step, req, out) -> None:
         wire.RESULT_TOS,
         wire.RESULT_IP_FLAGS,
     ), f"{step.what}: IPv4 fields of a result"
-    assert out[UDP].len == wire.UDP_HLEN + wire.udp_payload_len(k), f"{step.what}: UDP length"
+    assert out[UDP].len == result_udp_len(step, k), f"{step.what}: UDP length"
     assert out[IP].len == wire.IPV4_HLEN + out[UDP].len, f"{step.what}: IPv4 length"
 
 
@@ -1236,6 +1273,343 @@ def jumbo_cases(rng) -> list[Case]:
     c.steps.append(completes("the frame itself", frame(0, a, slot=1), _wrap(a), 0))
     cases.append(c)
     return cases
+
+
+# --- sparse jobs (docs/protocol.md section 8) ----------------------------------------------------
+BLOCKS = 40  # the tensor's blocks in the sparse cases
+
+
+def sframe(
+    w: int, block: int, nxt: int, values=None, *, blocks=BLOCKS, k=32, padded=False, **kw
+) -> bytes:
+    """A sparse contribution of worker host `w` about `block`, naming its next non-zero block
+    `nxt`: with `values` (msg_type 2), or empty (3) when they are None: header only, or
+    `padded` with k zero int32 (room for a result, docs/protocol.md section 8.1)."""
+    vals = () if values is None else values
+    if padded:
+        vals, kw["msg_type"] = np.zeros(k, dtype=np.int64), wire.MSG_TYPE_SPARSE_EMPTY
+    sp = wire.Sparse(block, nxt, blocks)
+    return frame(w, vals, size=wire.size_code_for(k), sparse=sp, **kw)
+
+
+def sresult(what: str, f: bytes, total, block: int, nxt: int, e0=0, *, blocks=BLOCKS, **kw):
+    """The step whose sparse contribution completes its round: `total` (None: an empty result),
+    the round's block, the smallest next `nxt` and its exponent `e0`, to every worker."""
+    return Step(
+        what, f, Action.TO_ALL, Reason.COMPLETED, total, e0, sparse=wire.Sparse(block, nxt, blocks)
+    )
+
+
+def sanswer(what: str, f: bytes, total, block: int, nxt: int, e0=0, *, blocks=BLOCKS, **kw):
+    """The step whose sparse retransmission is answered with the stored result, to its sender."""
+    sp = wire.Sparse(block, nxt, blocks)
+    return Step(what, f, Action.TO_SENDER, Reason.RETX_ANSWERED, total, e0, sparse=sp, **kw)
+
+
+def sparse_job(job_id=0, **kw) -> JobSpec:
+    return job(job_id, sparse=True, **kw)
+
+
+@case
+def sparse_rounds(rng) -> list[Case]:
+    """A block present on one worker only, on all, on none; next indices that differ (the
+    exponent is the maximum over the contributions naming the smallest next); int32 wraps."""
+    c = Case("sparse_rounds_n3", [sparse_job(n=3)], workers(0, 3))
+    a, b, d = _vals(rng, 32), _vals(rng, 32), _vals(rng, 32)
+    big = np.full(32, 2**31 - 1, dtype=np.int64)
+    c.steps = [
+        # round 1 on slot 2 (block 2): only w1 has data; w0 next 10 (e 5), w1 6 (e 3), w2 6 (e 4)
+        dropped("w0 empty", sframe(0, 2, 10, slot=2, e0=5), Reason.AGGREGATED),
+        dropped("w1 data", sframe(1, 2, 6, a, slot=2, e0=3), Reason.AGGREGATED),
+        sresult("w2 empty completes", sframe(2, 2, 6, slot=2, e0=4), _wrap(a), 2, 6, 4),
+        # round 2 (block 6, version 1): every worker has data
+        dropped("w0 data", sframe(0, 6, 10, a, slot=2, version=1, e0=-1), Reason.AGGREGATED),
+        dropped("w1 data", sframe(1, 6, 14, b, slot=2, version=1, e0=9), Reason.AGGREGATED),
+        sresult(
+            "w2 data completes",
+            sframe(2, 6, 10, d, slot=2, version=1, e0=2),
+            _wrap(a + b + d),
+            6,
+            10,
+            2,
+        ),
+        # round 3 (block 10, version 0): nobody has data there any more (w0 said 10 and changed
+        # its mind? no: w0 has data; here all three are empty, as after a block that cancelled)
+        dropped("w0 empty", sframe(0, 10, BLOCKS, slot=2, e0=-128), Reason.AGGREGATED),
+        dropped("w1 empty", sframe(1, 10, 14, slot=2, e0=7), Reason.AGGREGATED),
+        sresult("w2 empty: empty result", sframe(2, 10, 18, slot=2, e0=1), None, 10, 14, 7),
+        # round 4 (block 14, version 1): two workers wrap int32; then the column ends
+        dropped("w0 wraps", sframe(0, 14, BLOCKS, big, slot=2, version=1), Reason.AGGREGATED),
+        dropped("w1 wraps", sframe(1, 14, BLOCKS, big, slot=2, version=1), Reason.AGGREGATED),
+        sresult(
+            "w2 ends: next = blocks",
+            sframe(2, 14, BLOCKS, slot=2, version=1),
+            _wrap(2 * big),
+            14,
+            BLOCKS,
+            0,
+        ),
+    ]
+    one = Case("sparse_one_worker", [sparse_job(n=1)], workers(0, 1))
+    one.steps = [
+        sresult("announce: empty, next = block", sframe(0, 3, 3, slot=3, e0=6), None, 3, 3, 6),
+        sresult("its data", sframe(0, 3, 7, a, slot=3, version=1, e0=2), _wrap(a), 3, 7, 2),
+    ]
+    return [c, one]
+
+
+@case
+def sparse_loss_and_duplication(rng) -> list[Case]:
+    """Each kind of packet duplicated or retransmitted, before and after completion; a result
+    lost and re-requested by an empty contribution (the answer carries the data)."""
+    c = Case("sparse_loss_and_duplication", [sparse_job(n=2)], workers(0, 2))
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    data, empty = sframe(0, 1, 5, a, slot=1, tsi=3, e0=2), sframe(1, 1, 9, slot=1, tsi=3, e0=8)
+    c.steps = [
+        dropped("w0 data", data, Reason.AGGREGATED),
+        dropped("w0 data again", data, Reason.DUP_PENDING),
+        dropped("w0 data again (3rd)", data, Reason.DUP_PENDING),
+        sresult("w1 empty completes", empty, _wrap(a), 1, 5, 2),
+        sanswer("w1's result lost: it retransmits", empty, _wrap(a), 1, 5, 2, sender=1),
+        sanswer("w0's result lost: it retransmits", data, _wrap(a), 1, 5, 2, sender=0),
+    ]
+    e0f, e1f = sframe(0, 5, 9, slot=1, version=1), sframe(1, 5, 9, b, slot=1, version=1)
+    c.steps += [
+        dropped("w0 empty", e0f, Reason.AGGREGATED),
+        dropped("w0 empty again", e0f, Reason.DUP_PENDING),
+        sresult("w1 data completes", e1f, _wrap(b), 5, 9, 0),
+        sanswer("w0 re-requests with its empty", e0f, _wrap(b), 5, 9, 0, sender=0),
+    ]
+    n0, n1 = sframe(0, 9, BLOCKS, slot=1), sframe(1, 9, BLOCKS, slot=1)
+    c.steps += [
+        dropped("w0 empty", n0, Reason.AGGREGATED),
+        sresult("w1 empty: nobody had data", n1, None, 9, BLOCKS, 0),
+        sanswer("w0 re-requests: the empty result", n0, None, 9, BLOCKS, 0, sender=0),
+        # a retransmission whose next disagrees with its first copy: the first counted stands
+        sanswer(
+            "w1 retransmits with another next",
+            sframe(1, 9, 13, slot=1),
+            None,
+            9,
+            BLOCKS,
+            0,
+            sender=1,
+        ),
+    ]
+    return [c]
+
+
+@case
+def sparse_bad_input(rng) -> list[Case]:
+    """Bad sparse contributions are dropped under their own reasons and change nothing: the
+    round still completes with the right sum after each of them."""
+    c = Case(
+        "sparse_bad_input",
+        [sparse_job(0, n=2, base=0, count=8), job(1, n=1, base=8, count=8, port=wire.UDP_PORT + 1)],
+        workers(0, 2) + workers(1, 1, first=2, port=wire.UDP_PORT + 1),
+    )
+    a, b = _vals(rng, 32), _vals(rng, 32)
+    good0 = sframe(0, 4, 8, a, slot=4)
+    full = bytes(sframe(1, 4, 8, b, slot=4))
+    c.steps = [
+        dropped("block = blocks", sframe(0, BLOCKS, BLOCKS, a, slot=4), Reason.DROP_SPARSE_RANGE),
+        dropped("next > blocks", sframe(0, 4, BLOCKS + 1, a, slot=4), Reason.DROP_SPARSE_RANGE),
+        dropped("blocks = 0", sframe(0, 0, 0, slot=4, blocks=0), Reason.DROP_SPARSE_RANGE),
+        dropped("next < block", sframe(0, 4, 3, a, slot=4), Reason.DROP_SPARSE_BACKWARDS),
+        dropped("data, next = block", sframe(0, 4, 4, a, slot=4), Reason.DROP_SPARSE_BACKWARDS),
+        dropped("empty, next < block", sframe(0, 4, 0, slot=4), Reason.DROP_SPARSE_BACKWARDS),
+        dropped("w0 good", good0, Reason.AGGREGATED),
+        dropped("w1 another block", sframe(1, 12, 16, b, slot=4), Reason.DROP_SPARSE_MISMATCH),
+        dropped(
+            "w1 another tensor", sframe(1, 4, 8, b, slot=4, blocks=50), Reason.DROP_SPARSE_MISMATCH
+        ),
+        dropped("w1 dense to a sparse round", frame(1, b, slot=4), Reason.DROP_SPARSE_MISMATCH),
+        dropped("w0 dup, other block", sframe(0, 12, 16, a, slot=4), Reason.DROP_SPARSE_MISMATCH),
+        dropped("w1 truncated", full[:-4], Reason.DROP_TRUNCATED),
+        dropped(
+            "sparse to a dense job",
+            sframe(2, 0, 4, b, slot=8, port=wire.UDP_PORT + 1),
+            Reason.DROP_BAD_TYPE,
+        ),
+        sresult("w1 good completes", full, _wrap(a + b), 4, 8, 0),
+        dropped(
+            "retransmission, other block",
+            sframe(1, 8, 12, b, slot=4),
+            Reason.DROP_SPARSE_MISMATCH,
+        ),
+    ]
+    # a dense round in progress on a sparse job: a sparse contribution mismatches it
+    d0 = frame(0, a, slot=5)
+    c.steps += [
+        dropped("w0 dense", d0, Reason.AGGREGATED),
+        dropped(
+            "w1 sparse to a dense round", sframe(1, 5, 9, b, slot=5), Reason.DROP_SPARSE_MISMATCH
+        ),
+        completes("w1 dense completes", frame(1, b, slot=5), _wrap(a + b), 0),
+    ]
+    return [c]
+
+
+@case
+def sparse_lengths(rng) -> list[Case]:
+    """A sparse packet's length follows its kind: 22 bytes for an empty one (or 22 + 4k,
+    padded: sparse_padded_empties), 22 + 4k for one with data; anything else is dropped as a
+    dense packet's would be."""
+    c = Case("sparse_lengths", [sparse_job(n=2, base=0, count=4)], workers(0, 2))
+    _, b = _vals(rng, 32), _vals(rng, 32)  # the first keeps the later cases' draws
+    empty = sframe(0, 1, 5, slot=1)
+    # the type says empty, the frame carries 4 bytes more: neither header-only nor padded
+    ip, udp = wire.IPV4_HLEN + wire.UDP_HLEN, wire.UDP_HLEN
+    as_empty = relength(empty + bytes(4), ip_len=ip + 26, udp_len=udp + 26)
+    as_data = bytearray(empty)  # the type says data, the frame ends after the sparse header
+    as_data[wire.SWITCHML_OFFSET] = (wire.MSG_TYPE_SPARSE << 4) | 0
+    c.steps = [
+        dropped("empty type, 4 bytes more", as_empty, Reason.DROP_BAD_LENGTH),
+        dropped("data type, header only", bytes(as_data), Reason.DROP_TRUNCATED),
+        dropped("header cut", empty[:-2], Reason.DROP_TRUNCATED),
+        dropped("w0 empty", empty, Reason.AGGREGATED),
+        sresult("w1 data completes", sframe(1, 1, 9, b, slot=1), _wrap(b), 1, 5, 0),
+    ]
+    return [c]
+
+
+@case
+def sparse_udp_checksum(rng) -> list[Case]:
+    """A sparse job that verifies UDP checksums: over the sparse header and the block (none for
+    an empty contribution); a wrong one is dropped before the sparse checks (row 10 before 11)."""
+    c = Case("sparse_udp_checksum", [sparse_job(n=3, udp_checksum=True)], workers(0, 3))
+    a, d = _vals(rng, 32), _vals(rng, 32)
+    w0 = sframe(0, 6, 10, a, slot=6, e0=3, udp_checksum=True)
+    w1 = sframe(1, 6, 8, slot=6, e0=5, udp_checksum=True)
+    w2 = sframe(2, 6, 12, d, slot=6, udp_checksum=True)
+    bad_next = bytearray(w1)  # next 8 -> 8 + 2^31: outside the tensor, and the checksum wrong
+    bad_next[wire.SWITCHML_OFFSET + wire.SPARSE_AT + 4] ^= 0x80
+    bad_block = bytearray(w2)
+    bad_block[wire.SWITCHML_OFFSET + wire.SPARSE_VALUES_AT + 3] ^= 0x01
+    no_sum = bytearray(w2)
+    no_sum[wire.SWITCHML_OFFSET - 2 : wire.SWITCHML_OFFSET] = b"\0\0"  # none sent: taken
+    c.steps = [
+        dropped("w0 data, right checksum", w0, Reason.AGGREGATED),
+        dropped("w1 empty, a bit of next flipped", bytes(bad_next), Reason.DROP_BAD_CHECKSUM),
+        dropped("w1 empty, right checksum", w1, Reason.AGGREGATED),
+        dropped("w2 data, a bit of the block flipped", bytes(bad_block), Reason.DROP_BAD_CHECKSUM),
+        sresult("w2 data, no checksum (0)", bytes(no_sum), _wrap(a + d), 6, 8, 5),
+        sanswer("w1 retransmits its empty", w1, _wrap(a + d), 6, 8, 5, sender=1),
+    ]
+    return [c]
+
+
+@case
+def sparse_sizes(rng) -> list[Case]:
+    """Sparse rounds at 256 elements (p4app's size, folded in P4), with 40 workers, and at a
+    jumbo size (multi-buffer in XDP)."""
+    cases = []
+    for name, k, n in (("sparse_k256", 256, 3), ("sparse_many_workers_40", 64, 40)):
+        c = Case(name, [sparse_job(n=n, elems=k)], workers(0, n))
+        vals = {i: _vals(rng, k) for i in range(0, n, 3)}  # every third worker has data
+        for i in range(n):
+            f = sframe(i, 7, 11 + i % 5, vals.get(i), k=k, slot=7, e0=i % 9)
+            if i < n - 1:
+                c.steps.append(dropped(f"w{i}", f, Reason.AGGREGATED))
+            else:
+                total = _wrap(sum(vals.values()))
+                e0 = max(j % 9 for j in range(n) if j % 5 == 0)
+                c.steps.append(sresult(f"w{i} completes", f, total, 7, 11, e0))
+        cases.append(c)
+    k = 1024
+    c = Case("sparse_jumbo_k1024", [sparse_job(n=2, elems=k)], workers(0, 2))
+    a = _vals(rng, k)
+    c.steps = [
+        dropped("w0 empty", sframe(0, 2, 6, k=k, slot=2), Reason.AGGREGATED),
+        sresult("w1 data", sframe(1, 2, 10, a, k=k, slot=2), _wrap(a), 2, 6, 0),
+        sanswer("w0 re-requests", sframe(0, 2, 6, k=k, slot=2), _wrap(a), 2, 6, 0, sender=0),
+    ]
+    cases.append(c)
+    return cases
+
+
+@case
+def sparse_padded_empties(rng) -> list[Case]:
+    """Empty contributions padded to a block's length (docs/protocol.md 8.1: room for a result
+    with data, which XDP writes in place): their payload is not added, they complete a round
+    and are answered like header-only ones, the result as long as its kind says; any other
+    length of an empty contribution is a bad length."""
+    cases = []
+    for k in (32, 256, 768):
+        c = Case(f"sparse_padded_empties_k{k}", [sparse_job(n=3, elems=k)], workers(0, 3))
+        a = _vals(rng, k)
+        p0 = sframe(0, 2, 6, k=k, slot=2, padded=True, e0=4)
+        p2 = sframe(2, 2, 10, k=k, slot=2, padded=True, e0=9)
+        ones = bytearray(p2)  # padding that is not zero: still not added
+        ones[-4 * k :] = b"\x01" * (4 * k)
+        c.steps = [
+            dropped("w0 padded empty", p0, Reason.AGGREGATED),
+            dropped("w1 data", sframe(1, 2, 6, a, k=k, slot=2, e0=-2), Reason.AGGREGATED),
+            sresult("w2 padded empty completes", bytes(ones), _wrap(a), 2, 6, 4),
+            sanswer("w0 retransmits its padded empty", p0, _wrap(a), 2, 6, 4, sender=0),
+            dropped(
+                "w0 padded, 4 bytes short",
+                sframe(0, 6, 10, k=k, slot=2, version=1, padded=True)[:-4],
+                Reason.DROP_TRUNCATED,
+            ),
+            dropped(
+                "w0 padded empty",
+                sframe(0, 6, 10, k=k, slot=2, version=1, padded=True),
+                Reason.AGGREGATED,
+            ),  # fmt: skip
+            dropped(
+                "w1 header-only empty", sframe(1, 6, 8, k=k, slot=2, version=1), Reason.AGGREGATED
+            ),  # fmt: skip
+            sresult(
+                "w2 padded empty: an empty result",
+                sframe(2, 6, 10, k=k, slot=2, version=1, padded=True),
+                None,
+                6,
+                8,
+                0,
+            ),
+        ]
+        cases.append(c)
+    return cases
+
+
+def _refilled(f: bytes, fill: bytes) -> bytes:
+    """`f`, a padded empty contribution, with `fill` as its padding (its last bytes) and its UDP
+    checksum made right over it."""
+    pkt = Ether(f[: len(f) - len(fill)] + fill)
+    del pkt[UDP].chksum
+    return bytes(pkt)
+
+
+@case
+def sparse_padded_checksum(rng) -> list[Case]:
+    """A sparse job that verifies UDP checksums: a padded empty contribution's checksum covers
+    its padding, as any UDP checksum covers the datagram (docs/protocol.md 8.1); the padding is
+    still not added, and the result is written in place, checksum included."""
+    c = Case("sparse_padded_checksum", [sparse_job(n=2, udp_checksum=True)], workers(0, 2))
+    a = _vals(rng, 32)
+    p0 = sframe(0, 3, 9, k=32, slot=3, padded=True, udp_checksum=True, e0=2)
+    p0 = _refilled(p0, bytes(range(1, 129)))
+    flipped = bytearray(p0)
+    flipped[-1] ^= 0x01
+    c.steps = [
+        dropped(
+            "w0 padded empty, a bit of its padding flipped",
+            bytes(flipped),
+            Reason.DROP_BAD_CHECKSUM,
+        ),
+        dropped("w0 padded empty, padding not zero", p0, Reason.AGGREGATED),
+        sresult(
+            "w1 data completes",
+            sframe(1, 3, 9, a, slot=3, udp_checksum=True, e0=1),
+            _wrap(a),
+            3,
+            9,
+            2,
+        ),
+        sanswer("w0 retransmits its padded empty", p0, _wrap(a), 3, 9, 2, sender=0),
+    ]
+    return [c]
 
 
 def build_cases() -> list[Case]:

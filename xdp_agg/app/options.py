@@ -135,6 +135,15 @@ def _group_base_field():
     )
 
 
+def _sparse_field(which: str):
+    """--sparse, of `serve` (which: "every job created") and `job create` ("the job")."""
+    return flag(
+        "--sparse",
+        f"xdp: {which} takes sparse all-reduces too, where the zero blocks stay home "
+        "(docs/protocol.md section 8; up to 768 elements per packet).",
+    )
+
+
 def _results_field():
     return opt(
         "--results",
@@ -243,6 +252,7 @@ class ServeOptions:
     udp_checksum: bool = flag(
         "--udp-checksum", "xdp: every job created verifies its contributions' UDP checksums."
     )
+    sparse: bool = _sparse_field("every job created")
     secret_file: str | None = opt(
         "--secret-file",
         type=click.Path(dir_okay=False),
@@ -435,6 +445,7 @@ class JobOptions:
         "Verify each contribution's UDP checksum (0 = none sent) and drop wrong ones; "
         "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
     )
+    sparse: bool = _sparse_field("the job")
     parent: str | None = opt(
         "--parent-address",
         help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "

@@ -217,6 +217,7 @@ def create_job(
         group_mac=group_mac or group_mac_for(group_ip),
         delivery=delivery,
         udp_checksum=opts.udp_checksum,
+        sparse=opts.sparse,
         **tree,
     )
     backend.create_job(spec)
@@ -232,6 +233,7 @@ def serve_defaults(
     results: str | None = None,
     group_base: str = DEFAULT_GROUP_BASE,
     warn: Callable[[str], None] | None = None,
+    sparse: bool = False,
 ) -> dict:
     """What the control endpoint puts into the jobs it creates, from the attached aggregator
     `name` (xdp_agg.ctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
@@ -242,6 +244,7 @@ def serve_defaults(
         "pool_slots": state.pool_slots,
         "barrier_timeout": barrier_timeout,
         "udp_checksum": udp_checksum,
+        "sparse": sparse,
         "delivery": xdp_backend.DELIVERY[state.topology],
     }
     if state.topology == "switch":
@@ -483,6 +486,7 @@ def serve_xdp(
     group_ip: str | None = None,
     barrier_timeout: float = 120.0,
     udp_checksum: bool = False,
+    sparse: bool = False,
     results: str | None = None,
     group_base: str = DEFAULT_GROUP_BASE,
     secret: bytes | None,
@@ -515,6 +519,7 @@ def serve_xdp(
         results=results,
         group_base=group_base,
         warn=warn or announce,
+        sparse=sparse,
     )
     lock = hold_serve_lock(name)
     try:
@@ -725,5 +730,10 @@ def serve(
         serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, netns=netns, parent=ep.parent, **common)
         return
     results = dict(group_ip=opts.group_ip, results=opts.results, group_base=opts.group_base)
-    xdp = dict(udp_checksum=opts.udp_checksum, rejoin_timeout=opts.rejoin_timeout, parent=ep.parent)
+    xdp = dict(
+        udp_checksum=opts.udp_checksum,
+        sparse=opts.sparse,
+        rejoin_timeout=opts.rejoin_timeout,
+        parent=ep.parent,
+    )
     serve_xdp(name, ep.host, ep.port, warn=warn, **results, **xdp, **common)

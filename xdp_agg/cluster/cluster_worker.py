@@ -23,31 +23,50 @@ import time
 import numpy as np
 
 
-def make_input(dtype: str, count: int, seed: int, rank: int) -> np.ndarray:
-    """The tensor rank `rank` contributes (deterministic, so every rank can rebuild it)."""
+def make_input(
+    dtype: str,
+    count: int,
+    seed: int,
+    rank: int,
+    *,
+    density: float = 1.0,
+    same: bool = False,
+    block: int = 256,
+) -> np.ndarray:
+    """The tensor rank `rank` contributes (deterministic, so every rank can rebuild it). With
+    `density` below 1, only that share of its blocks of `block` elements is non-zero, the same
+    blocks on every rank (`same`) or drawn for each (a sparse gradient, docs/protocol.md 8)."""
     rng = np.random.default_rng([seed, rank])
     if dtype == "int32":
-        return rng.integers(-(2**31), 2**31, size=count, dtype=np.int64).astype(np.int32)
-    # gradients: mostly small, a few larger, so block scaling is exercised
-    x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
-    x[::97] *= 100
-    return x.astype(dtype)
+        x = rng.integers(-(2**31), 2**31, size=count, dtype=np.int64).astype(np.int32)
+    else:
+        # gradients: mostly small, a few larger, so block scaling is exercised
+        x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
+        x[::97] *= 100
+        x = x.astype(dtype)
+    if density < 1.0:
+        pick = np.random.default_rng([seed, 0 if same else rank, 7])
+        keep = pick.random(-(-count // block)) < density
+        x[~np.repeat(keep, block)[:count]] = 0
+    return x
 
 
-def expected_sum(dtype: str, count: int, seed: int, world: int) -> np.ndarray:
+def expected_sum(dtype: str, count: int, seed: int, world: int, **shape) -> np.ndarray:
+    """The exact sum of every rank's make_input (int32 wrapping; floats in float64); `shape`:
+    make_input's density, same and block."""
     if dtype == "int32":
         acc = np.zeros(count, dtype=np.int32)
         for r in range(world):
-            acc += make_input(dtype, count, seed, r)  # wraps like the aggregator
+            acc += make_input(dtype, count, seed, r, **shape)  # wraps like the aggregator
         return acc
     acc = np.zeros(count, dtype=np.float64)
     for r in range(world):
-        acc += make_input(dtype, count, seed, r).astype(np.float64)
+        acc += make_input(dtype, count, seed, r, **shape).astype(np.float64)
     return acc
 
 
 def float_bound(
-    dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray
+    dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray, **shape
 ) -> np.ndarray:
     """Per-element bound n/(2f) + 2^-24 |r| (hostlib.scaling), with E the chunk's max exponent."""
     from hostlib import scaling
@@ -56,7 +75,10 @@ def float_bound(
     e = None
     for r in range(world):
         x = np.concatenate(
-            [make_input(dtype, count, seed, r).astype(np.float32), np.zeros(pad, np.float32)]
+            [
+                make_input(dtype, count, seed, r, **shape).astype(np.float32),
+                np.zeros(pad, np.float32),
+            ]
         )
         er = scaling.chunk_exponents(x.reshape(-1, elems)).astype(np.int32)
         e = er if e is None else np.maximum(e, er)
@@ -172,30 +194,32 @@ def _go_on(comm, until: str | None, done: int, reps: int, rank: int) -> bool:
     return bool(comm.allreduce(np.array([flag], dtype=np.int32))[0])
 
 
-def _timed(comm, x, reps: int, until: str | None = None, rank: int = 0):
-    """`reps` all-reduces of x in step with the other ranks (with `until`, see _go_on); the last
-    result, the times and the (user, sys) CPU seconds of each."""
+def _timed(comm, x, reps: int, until: str | None = None, rank: int = 0, sparse="auto"):
+    """`reps` all-reduces of x in step with the other ranks (with `until`, see _go_on), dense
+    or sparse as `sparse` says (Communicator.allreduce); the last result, the times and the
+    (user, sys) CPU seconds of each."""
     times, cpu = [], []
     while _go_on(comm, until, len(times), reps, rank):
         comm.barrier()
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        out = comm.allreduce(x)
+        out = comm.allreduce(x, sparse=sparse)
         times.append(time.perf_counter() - t0)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     return out, times, cpu
 
 
-def _verify(report: dict, out, dtype: str, count: int, seed: int, world: int, elems: int):
-    """The result against the exact sum: bit-exact for int32, within the bound for floats."""
-    want = expected_sum(dtype, count, seed, world)
+def _verify(report: dict, out, dtype: str, count: int, seed: int, world: int, elems: int, shape):
+    """The result against the exact sum: bit-exact for int32, within the bound for floats;
+    `shape`: the inputs' density, same and block (make_input)."""
+    want = expected_sum(dtype, count, seed, world, **shape)
     if dtype == "int32":
         report["ok"] = bool(np.array_equal(out, want))
         report["mismatches"] = int(np.count_nonzero(out != want))
         return
     err = np.abs(out.astype(np.float64) - want)
-    bound = float_bound(dtype, count, seed, world, elems, out)
+    bound = float_bound(dtype, count, seed, world, elems, out, **shape)
     report["ok"] = bool(np.all(err <= bound))
     report["max_abs_err"] = float(err.max())
     report["max_err_over_bound"] = float((err / bound).max())
@@ -205,10 +229,17 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     """One plan item: its all-reduces timed, their counters, and the result checked."""
     dtype, count = item["dtype"], int(item["count"])
     seed, reps = int(item.get("seed", 1)), int(item.get("reps", 1))
-    x = make_input(dtype, count, seed, data_rank)
+    # a sparse input: "density" of its blocks (the job's packets) non-zero, on the "same" ones
+    shape = dict(
+        density=float(item.get("density", 1.0)),
+        same=bool(item.get("same", False)),
+        block=comm.description.spec.elems,
+    )
+    x = make_input(dtype, count, seed, data_rank, **shape)
     before = dict(comm.stats)
     before_per = comm.stats_per_aggregator()
-    out, times, cpu = _timed(comm, x, reps, item.get("until"), args.rank)
+    sparse = item.get("sparse", "auto")
+    out, times, cpu = _timed(comm, x, reps, item.get("until"), args.rank, sparse)
     # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
     # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
     # XDP program) that runs in the sending system call
@@ -236,7 +267,7 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     if item.get("verify", True):
         # the job's size (rank 0's; with --elems auto, what its path MTU allowed)
         report["elems"] = comm.description.spec.elems
-        _verify(report, out, dtype, count, seed, data_world, report["elems"])
+        _verify(report, out, dtype, count, seed, data_world, report["elems"], shape)
     if item.get("digest"):  # to compare two runs' results byte for byte
         report["sha256"] = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
     return report

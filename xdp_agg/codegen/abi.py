@@ -22,6 +22,7 @@ class JobFlag(IntFlag):
 
     VERIFY_UDP_CSUM = 1  # drop contributions whose (nonzero) UDP checksum is wrong
     TREE = 2  # a rack job: completed slots go to the parent aggregator (the parent_* fields)
+    SPARSE = 4  # a sparse job: takes sparse contributions too (docs/protocol.md section 8)
 
 
 # --- structures --------------------------------------------------------------------------------
@@ -127,6 +128,12 @@ SLOT = Struct(
         F("published", "__u64", "per version: rounds whose result is stored", 2),
         F("up", "__u64", "tree, per version: rounds complete here and sent up", 2),
         F("up_round", "__u64", "tree, per version: tsi << 8 | job_number of the last sent up", 2),
+        F(
+            "round_key",
+            "__u64",
+            "sparse, per version: kind, block, blocks of the round in progress; 0 between rounds",
+            2,
+        ),
     ),
 )
 
@@ -138,6 +145,8 @@ PARTIAL = Struct(
         F("e0", "__s32", "max e0 of the contributions added here"),
         F("e1", "__s32", "max e1 of the contributions added here"),
         F("count", "__u32", "contributions of this round added here"),
+        F("next", "__u32", "sparse: the smallest next added here (e0: the max of those naming it)"),
+        F("has_data", "__u32", "sparse: 1 when a contribution with data was added here (sum)"),
         F("pad", "__u32", "0"),
         F(
             "sum",
@@ -154,6 +163,9 @@ RESULT = Struct(
     (
         F("e0", "__s32", "max e0"),
         F("e1", "__s32", "max e1"),
+        F("key", "__u64", "sparse: the round's kind, block and blocks (bpf/aggregate.h)"),
+        F("next", "__u32", "sparse: the smallest next of the round"),
+        F("has_data", "__u32", "sparse: 1 when a contribution carried data (else no payload)"),
         F("data", "__be32", "the sum, network order", MAX_ELEMS),
     ),
 )
@@ -186,7 +198,7 @@ WORKER_STATS = Struct(
         F("contributions", "__u64", "new contributions"),
         F("duplicates", "__u64", "retransmissions and duplicates"),
         F("answered", "__u64", "retransmissions answered with the stored result"),
-        F("dropped", "__u64", "dropped as malformed (size, slot, type, length)"),
+        F("dropped", "__u64", "dropped by a check (type, size, length, slot, checksum, sparse)"),
     ),
 )
 

@@ -42,6 +42,8 @@ def wire_h() -> list[str]:
         ("SML_UDP_PORT", hex(wire.UDP_PORT), "aggregator base UDP port"),
         ("SML_UDP_PORT_MASK", hex(wire.UDP_PORT_MASK), "ports accepted: (port & mask) == base"),
         ("SML_MSG_TYPE_DATA", wire.MSG_TYPE_DATA, "contribution or result"),
+        ("SML_MSG_TYPE_SPARSE", wire.MSG_TYPE_SPARSE, "sparse: a block of data"),
+        ("SML_MSG_TYPE_SPARSE_EMPTY", wire.MSG_TYPE_SPARSE_EMPTY, "sparse: header only"),
         ("SML_POOL_VERSION_BIT", hex(wire.POOL_VERSION_BIT), "pool_index: version"),
         ("SML_POOL_RESERVED_BIT", hex(wire.POOL_RESERVED_BIT), "pool_index: reserved"),
         ("SML_POOL_SLOT_MASK", hex(wire.POOL_SLOT_MASK), "pool_index: slot"),
@@ -54,6 +56,12 @@ def wire_h() -> list[str]:
             "payload offset in the frame, after the SwitchML and exponent headers",
         ),
         ("SML_MAX_ELEMS", wire.MAX_ELEMS, "largest elements per packet"),
+        ("SML_SPARSE_HLEN", wire.SPARSE_HLEN, "sparse header bytes (sparse packets only)"),
+        (
+            "SML_SPARSE_PAYLOAD_OFFSET",
+            wire.SWITCHML_OFFSET + wire.SPARSE_VALUES_AT,
+            "a sparse packet's payload offset in the frame, after the sparse header",
+        ),
         ("SML_RESULT_TTL", wire.RESULT_TTL, "IPv4 TTL of every result"),
         ("SML_RESULT_IP_ID", wire.RESULT_IP_ID, "IPv4 identification of every result"),
         ("SML_RESULT_TOS", wire.RESULT_TOS, "IPv4 ToS byte (DSCP, ECN) of every result"),
@@ -147,6 +155,8 @@ def wire_p4() -> list[str]:
     L.append(f"const bit<16> SML_UDP_PORT = {hex(wire.UDP_PORT)};")
     L.append(f"const bit<16> SML_UDP_PORT_MASK = {hex(wire.UDP_PORT_MASK)};")
     L.append(f"const bit<4> SML_MSG_TYPE_DATA = {wire.MSG_TYPE_DATA};")
+    L.append(f"const bit<4> SML_MSG_TYPE_SPARSE = {wire.MSG_TYPE_SPARSE};")
+    L.append(f"const bit<4> SML_MSG_TYPE_SPARSE_EMPTY = {wire.MSG_TYPE_SPARSE_EMPTY};")
     L.append(f"const bit<16> SML_POOL_SLOT_MASK = {hex(wire.POOL_SLOT_MASK)};")
     L.append(f"const bit<8> SML_RESULT_TTL = {wire.RESULT_TTL};")
     L.append(f"const bit<16> SML_RESULT_IP_ID = {wire.RESULT_IP_ID};")
@@ -181,6 +191,12 @@ FASTPATH_WIRE = (
     ("POOL_SLOT_MASK", "FP_POOL_SLOT_MASK", "pool_index: slot"),
     ("SWITCHML_OFFSET", "FP_FRAME_HLEN", "Ethernet + IPv4 + UDP headers before the payload"),
     ("MAX_LANES", "FP_MAX_LANES", "a host's lanes: XSKMAP entries, bits of a group's mask"),
+    # sparse all-reduces (docs/protocol.md section 8; hostlib/fp_sparse.c)
+    ("MSG_TYPE_SPARSE", "FP_MSG_TYPE_SPARSE", "msg_type of a sparse packet with a block of data"),
+    ("MSG_TYPE_SPARSE_EMPTY", "FP_MSG_TYPE_SPARSE_EMPTY", "msg_type of a header-only one"),
+    ("SPARSE_AT", "FP_SPARSE_AT", "the sparse header (block, next, blocks), in the UDP payload"),
+    ("SPARSE_HLEN", "FP_SPARSE_HLEN", "sparse header bytes"),
+    ("SPARSE_VALUES_AT", "FP_SPARSE_VALUES_AT", "a sparse packet's first int32 (an empty's end)"),
 )
 
 

@@ -18,6 +18,7 @@ before they use it:
 | CounterRows | metrics read every job's counters in one call | bmv2 |
 | AllWorkerCounters | metrics read every job's per-worker counters in one call | xdp |
 | ProgramStats | metrics show the kernel programs' run time, memory, id and tag | xdp |
+| SparseJobs | `create` makes jobs sparse (ServerDefaults.sparse) at its sizes | xdp, soft |
 
 tests/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.
@@ -172,6 +173,18 @@ class ProgramStats(Protocol):
         """The attached programs and maps now; None where the target has no BPF programs."""
 
 
+@runtime_checkable
+class SparseJobs(Protocol):
+    """A target that runs sparse rounds (docs/protocol.md section 8)."""
+
+    def sparse_elems(self) -> tuple[int, ...]:
+        """The packet sizes (int32 per packet) at which it runs sparse jobs, ascending."""
+
+    def pads_empty(self) -> bool:
+        """Whether its sparse jobs need empty contributions padded to a block's length (it
+        writes a result into the packet that completes or asks, and cannot grow one)."""
+
+
 CAPABILITIES = (
     JobCounters,
     WorkerCounters,
@@ -183,7 +196,13 @@ CAPABILITIES = (
     CounterRows,
     AllWorkerCounters,
     ProgramStats,
+    SparseJobs,
 )
+
+
+def sparse_elems(backend) -> list[int]:
+    """The packet sizes at which `backend` runs sparse jobs (SparseJobs); none without it."""
+    return sorted(backend.sparse_elems()) if isinstance(backend, SparseJobs) else []
 
 
 def elem_sizes(backend) -> list[int]:

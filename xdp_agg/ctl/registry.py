@@ -20,7 +20,7 @@ from xdp_agg.proto import control, groups, wire
 from xdp_agg.proto.jobs import Delivery, JobDescription, JobSpec, WorkerSpec
 from xdp_agg.proto.limits import MAX_JOBS, MAX_WORKERS
 
-from .backend import ParentJoin, WorkerCounters
+from .backend import ParentJoin, SparseJobs, WorkerCounters, sparse_elems
 from .fields import RequestError, float_field, int_field, request_key
 
 log = logging.getLogger("xdp_agg.ctl.server")
@@ -426,6 +426,10 @@ class JobRegistry:
         if d.group_base and delivery == Delivery.GROUP_TX:
             group_ip = groups.job_group(d.group_base, job_id)
             group_mac = groups.group_mac(group_ip)
+        # sparse where the target runs sparse rounds at this size (XDP: not the jumbo ones);
+        # else dense, which the hosts read in the job description
+        sparse = d.sparse and elems in sparse_elems(self.backend)
+        pad = sparse and isinstance(self.backend, SparseJobs) and self.backend.pads_empty()
         try:
             return JobSpec(
                 job_id=job_id,
@@ -440,6 +444,8 @@ class JobRegistry:
                 group_ip=group_ip,
                 group_mac=group_mac,
                 udp_checksum=d.udp_checksum,
+                sparse=sparse,
+                pad_empty=pad,
             )
         except ValueError as e:
             raise RequestError(f"the aggregator refused job {key!r}: {e}") from None

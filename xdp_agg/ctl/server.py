@@ -114,6 +114,9 @@ class ServerDefaults:
     pool_slots: int = DEFAULT_POOL_SLOTS  # slots this server may hand out: 0..pool_slots-1
     barrier_timeout: float = 120.0  # longest a register may wait for the other ranks
     udp_checksum: bool = False  # jobs verify their contributions' UDP checksums (JobSpec)
+    # jobs take sparse all-reduces too (JobSpec.sparse, docs/protocol.md section 8), where the
+    # target runs them at the job's packet size (SparseJobs); dense elsewhere
+    sparse: bool = False
 
     @classmethod
     def from_any(cls, value) -> "ServerDefaults":

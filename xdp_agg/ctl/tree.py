@@ -211,6 +211,14 @@ class TreeBackend:
         """The inner backend's packet sizes (every wire size where it does not say)."""
         return tuple(elem_sizes(self.inner))
 
+    def sparse_elems(self) -> tuple[int, ...]:
+        """None: a rack job has a parent, and two levels are dense only (JobSpec)."""
+        return ()
+
+    def pads_empty(self) -> bool:
+        """No sparse jobs (sparse_elems): nothing to pad."""
+        return False
+
     def generation(self):
         """The inner backend's generation (None where it has none)."""
         return self.inner.generation() if isinstance(self.inner, Generation) else None

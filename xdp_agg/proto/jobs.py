@@ -64,6 +64,12 @@ class JobSpec:
     uplink_port: int = 0  # our UDP port toward the parent (0xBEE0..0xBEEF; 0: agg_port)
     worker_port: int = 0  # the UDP port of our workers, where the parent's results go down
     total_workers: int = 0  # workers under the root (float scaling's n); 0: num_workers
+    # A sparse job (docs/protocol.md section 8) takes sparse contributions (msg_type 2 and 3) as
+    # well as dense ones, a round's first contribution deciding which; a dense job drops them.
+    sparse: bool = False
+    # A sparse job whose hosts pad their empty contributions to a block's length (8.1): room
+    # for a result with data, for a target that cannot grow a frame in place (XDP).
+    pad_empty: bool = False
 
     def __post_init__(self) -> None:
         wire.size_code_for(self.elems)  # raises on a size that is not on the wire
@@ -74,6 +80,8 @@ class JobSpec:
         self.delivery = Delivery(self.delivery)
         if self.has_parent:
             self._check_parent()
+        if self.sparse and self.has_parent:
+            raise ValueError("a sparse job cannot have a parent (two levels are dense only)")
 
     @property
     def has_parent(self) -> bool:

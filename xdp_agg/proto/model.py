@@ -10,6 +10,7 @@ as (source address, destination port), which is how the aggregator identifies jo
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -79,6 +80,12 @@ class _Slot:
     # tree jobs: the (job_number, tsi) forwarded up, and whether the parent's result is stored
     up_hdr: list = field(default_factory=lambda: [None, None])
     parent_done: list = field(default_factory=lambda: [False, False])
+    # sparse jobs (docs/protocol.md section 8): the round's kind and block, set by its first
+    # contribution (None: dense), the smallest next over its contributions and the exponent
+    # maximum over those naming it, and whether any contribution carried data
+    sparse: list = field(default_factory=lambda: [None, None])
+    next_min: list = field(default_factory=lambda: [0, 0])
+    has_data: list = field(default_factory=lambda: [False, False])
 
 
 @dataclass
@@ -101,6 +108,7 @@ class ModelJob:
     slot_count: int
     udp_checksum: bool = False  # verify contributions' (nonzero) UDP checksums
     parent: ModelParent | None = None  # a rack job of a two-level tree
+    sparse: bool = False  # takes sparse contributions as well (docs/protocol.md section 8)
 
     @property
     def size_code(self) -> int:
@@ -125,10 +133,14 @@ class ReferenceAggregator:
         slot_count,
         udp_checksum: bool = False,
         parent: ModelParent | None = None,
+        sparse: bool = False,
     ) -> ModelJob:
         """Create (or re-create) a job; its slot state starts cleared. With `parent`, a rack
-        job: its parent is registered as the job's worker PARENT_INDEX."""
-        job = ModelJob(job_id, num_workers, elems, slot_base, slot_count, udp_checksum, parent)
+        job: its parent is registered as the job's worker PARENT_INDEX. With `sparse`, a job that
+        takes sparse contributions too."""
+        job = ModelJob(
+            job_id, num_workers, elems, slot_base, slot_count, udp_checksum, parent, sparse
+        )
         self.jobs[job_id] = job
         for g in range(slot_base, slot_base + slot_count):
             self.slots[(job_id, g)] = _Slot()
@@ -149,6 +161,7 @@ class ReferenceAggregator:
             spec.slot_count,
             spec.udp_checksum,
             parent,
+            spec.sparse,
         )
 
     def delete_job(self, job_id: int) -> None:
@@ -250,11 +263,16 @@ class ReferenceAggregator:
         if job is None or (job.parent is None if up else w >= job.num_workers):
             return Verdict(Action.DROP, Reason.DROP_NO_JOB, job_id=job_id, worker=w)
         ts = payload[_TYPE_SIZE]
-        if ts >> 4 != wire.MSG_TYPE_DATA:
+        sparse = job.sparse and ts >> 4 in wire.SPARSE_TYPES
+        if ts >> 4 != wire.MSG_TYPE_DATA and not sparse:
             return Verdict(Action.DROP, Reason.DROP_BAD_TYPE, job_id=job_id, worker=w)
         if ts & 7 != job.size_code:
             return Verdict(Action.DROP, Reason.DROP_BAD_SIZE, job_id=job_id, worker=w)
         need = wire.udp_payload_len(job.elems)
+        if sparse:
+            need = wire.sparse_payload_len(job.elems, ts >> 4 == wire.MSG_TYPE_SPARSE_EMPTY)
+            if udp_len == wire.UDP_HLEN + wire.sparse_payload_len(job.elems, False):
+                need = udp_len - wire.UDP_HLEN  # an empty one padded to a block's room (8.1)
         if len(payload) < need:
             return Verdict(Action.DROP, Reason.DROP_TRUNCATED, job_id=job_id, worker=w)
         want_udp = wire.UDP_HLEN + need
@@ -280,6 +298,17 @@ class ReferenceAggregator:
         st = self.slots[(job_id, g)]
         if up:
             return self._from_parent(job, payload[:need], msg, st, g, v)
+        if job.sparse:
+            bad = _sparse_check(msg, st, v, 1 << w)
+            if bad is not None:
+                return Verdict(Action.DROP, bad, job_id=job_id, worker=w)
+        if msg.sparse is not None:
+            return self._sparse(job, msg, st, v, w)
+        return self._dense(job, payload, msg, st, g, v, w)
+
+    def _dense(self, job: ModelJob, payload, msg: wire.Message, st: _Slot, g, v, w) -> Verdict:
+        """A dense contribution that passed every check (docs/protocol.md section 3.2)."""
+        job_id = job.job_id
         bit = 1 << w
         if not st.seen[v] & bit:
             st.seen[v] |= bit
@@ -287,6 +316,7 @@ class ReferenceAggregator:
             if st.count[v] == 0 or st.complete[v]:  # first contribution of a new round
                 st.count[v] = 0
                 st.complete[v] = False
+                st.sparse[v] = None
                 st.acc[v] = msg.values.astype(np.int64)
                 st.e0[v], st.e1[v] = msg.e0, msg.e1
             else:
@@ -317,6 +347,36 @@ class ReferenceAggregator:
                 Action.TO_SENDER, Reason.RETX_ANSWERED, self._result(payload, st, v), job_id, w
             )
         return Verdict(Action.DROP, Reason.DUP_PENDING, job_id=job_id, worker=w)
+
+    def _sparse(self, job: ModelJob, msg: wire.Message, st: _Slot, v: int, w: int) -> Verdict:
+        """A sparse contribution that passed every check (docs/protocol.md section 8.3)."""
+        bit, sp = 1 << w, msg.sparse
+        assert sp is not None
+        if st.seen[v] & bit:  # a duplicate: as for dense, the first copy counted stands
+            if st.complete[v]:
+                result = _sparse_result(msg, st, v)
+                return Verdict(Action.TO_SENDER, Reason.RETX_ANSWERED, result, job.job_id, w)
+            return Verdict(Action.DROP, Reason.DUP_PENDING, job_id=job.job_id, worker=w)
+        st.seen[v] |= bit
+        st.seen[1 - v] &= ~bit
+        if st.count[v] == 0 or st.complete[v]:  # first contribution of a new round
+            st.count[v], st.complete[v] = 0, False
+            st.sparse[v] = wire.Sparse(sp.block, 0, sp.blocks)
+            st.acc[v] = np.zeros(job.elems, dtype=np.int64)
+            st.has_data[v], st.next_min[v], st.e0[v], st.e1[v] = False, sp.next, msg.e0, msg.e1
+        if msg.msg_type == wire.MSG_TYPE_SPARSE:
+            st.acc[v] = st.acc[v] + msg.values
+            st.has_data[v] = True
+        if sp.next < st.next_min[v]:  # the exponent travels with the smallest next (8.4)
+            st.next_min[v], st.e0[v] = sp.next, msg.e0
+        elif sp.next == st.next_min[v]:
+            st.e0[v] = max(st.e0[v], msg.e0)
+        st.e1[v] = max(st.e1[v], msg.e1)
+        st.count[v] += 1
+        if st.count[v] < job.num_workers:
+            return Verdict(Action.DROP, Reason.AGGREGATED, job_id=job.job_id, worker=w)
+        st.complete[v] = True
+        return Verdict(Action.TO_ALL, Reason.COMPLETED, _sparse_result(msg, st, v), job.job_id, w)
 
     def _from_parent(self, job, payload, msg, st: _Slot, g: int, v: int) -> Verdict:
         """A result from a rack job's parent for our slot g, version v: stored and sent to every
@@ -352,6 +412,43 @@ class ReferenceAggregator:
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()
         out[wire.VALUES_AT : wire.VALUES_AT + n * wire.ELEM_BYTES] = wrapped
         return bytes(out)
+
+
+def _sparse_check(msg: wire.Message, st: _Slot, v: int, bit: int) -> Reason | None:
+    """Why a sparse job drops this contribution before it changes anything (docs/protocol.md
+    section 8.3), or None: the sparse fields inside the tensor and not going backwards, and
+    a contribution to a round in progress (or a duplicate) of the round's kind and block."""
+    sp = msg.sparse
+    if sp is not None:
+        if sp.block >= sp.blocks or sp.next > sp.blocks:
+            return Reason.DROP_SPARSE_RANGE
+        if sp.next < sp.block or (sp.next == sp.block and msg.msg_type == wire.MSG_TYPE_SPARSE):
+            return Reason.DROP_SPARSE_BACKWARDS
+    in_round = st.seen[v] & bit or (st.count[v] and not st.complete[v])
+    if not in_round:
+        return None
+    have = st.sparse[v]
+    if (have is None) != (sp is None):
+        return Reason.DROP_SPARSE_MISMATCH
+    if have is not None and (have.block, have.blocks) != (sp.block, sp.blocks):
+        return Reason.DROP_SPARSE_MISMATCH
+    return None
+
+
+def _sparse_result(request: wire.Message, st: _Slot, v: int) -> bytes:
+    """A sparse round's result: the request's job number, tsi, size and pool index; the round's
+    block and blocks, the smallest next and its exponent; the sum, or nothing when no
+    contribution carried data."""
+    sp, data = st.sparse[v], st.has_data[v]
+    result = dataclasses.replace(
+        request,
+        msg_type=wire.MSG_TYPE_SPARSE if data else wire.MSG_TYPE_SPARSE_EMPTY,
+        e0=st.e0[v],
+        e1=st.e1[v],
+        values=(st.acc[v] & 0xFFFFFFFF).astype(np.uint32) if data else np.zeros(0, np.int32),
+        sparse=wire.Sparse(sp.block, st.next_min[v], sp.blocks),
+    )
+    return result.to_bytes()
 
 
 def _round_key(payload: bytes) -> bytes:

@@ -34,6 +34,10 @@ class Reason(IntEnum):
     RESENT_UP = 17  # a retransmission while the parent has not answered: partial sum re-sent up
     PARENT_RESULT = 18  # the parent's result for a slot waiting on it: stored, sent to the workers
     STALE_PARENT_RESULT = 19  # a parent result for no waiting round (old, duplicate): dropped
+    # Sparse jobs (docs/protocol.md section 8): a bad contribution changes no slot state.
+    DROP_SPARSE_RANGE = 20  # block not below blocks, or next beyond blocks: outside the tensor
+    DROP_SPARSE_BACKWARDS = 21  # next below block (or equal to it, with data): goes backwards
+    DROP_SPARSE_MISMATCH = 22  # kind (dense, sparse), block or blocks other than its round's
 
 
 NUM_REASONS = len(Reason)

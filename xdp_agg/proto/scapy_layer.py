@@ -5,7 +5,9 @@
 
 UDP packets to or from ports 0xBEE0..0xBEEF decode as UDP / SwitchML / Exponents, in wire order:
 the SwitchML header, then the exponent header, whose layer also holds the k int32 of the payload
-that follow it (`values`, k from the SwitchML layer's size code).
+that follow it (`values`, k from the SwitchML layer's size code). A sparse packet (msg_type 2 or
+3) decodes as UDP / SwitchML / Exponents / Sparse: the sparse header's layer holds the values
+(k of them for msg_type 2, none for the header-only 3).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import numpy as np
 from scapy.fields import BitField, FieldListField, SignedByteField, SignedIntField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
-from scapy.packet import Packet, bind_layers
+from scapy.packet import Packet, Raw, bind_layers
 
 from . import wire
 
@@ -30,9 +32,26 @@ def _fields(header: wire.Header):
 
 
 def _payload_elems(pkt) -> int:
-    """k of the SwitchML layer below (0 without one, or for an unknown size code)."""
+    """k of the SwitchML layer below (0 without one, for an unknown size code, or for a sparse
+    packet, whose values follow the sparse header)."""
     under = pkt.underlayer
-    return wire.SIZE_CODE_ELEMS.get(under.size, 0) if isinstance(under, SwitchML) else 0
+    if not isinstance(under, SwitchML) or under.msg_type in wire.SPARSE_TYPES:
+        return 0
+    return wire.SIZE_CODE_ELEMS.get(under.size, 0)
+
+
+def _sparse_elems(pkt) -> int:
+    """k of the SwitchML layer two below for a sparse packet with data; 0 for an empty one."""
+    sml = pkt.underlayer.underlayer if isinstance(pkt.underlayer, Exponents) else None
+    if not isinstance(sml, SwitchML) or sml.msg_type != wire.MSG_TYPE_SPARSE:
+        return 0
+    return wire.SIZE_CODE_ELEMS.get(sml.size, 0)
+
+
+def _values(count_from) -> FieldListField:
+    return FieldListField(
+        "values", [], SignedIntField("value", 0), count_from=count_from, max_count=wire.MAX_ELEMS
+    )
 
 
 class SwitchML(Packet):
@@ -46,15 +65,20 @@ class Exponents(Packet):
     """Exponent header (2 bytes, fields from wire.EXPONENTS) and the payload's int32 after it."""
 
     name = "SwitchMLExponents"
-    fields_desc = _fields(wire.EXPONENTS) + [
-        FieldListField(
-            "values",
-            [],
-            SignedIntField("value", 0),
-            count_from=_payload_elems,
-            max_count=wire.MAX_ELEMS,
-        )
-    ]
+    fields_desc = _fields(wire.EXPONENTS) + [_values(_payload_elems)]
+
+    def guess_payload_class(self, payload):
+        under = self.underlayer
+        if isinstance(under, SwitchML) and under.msg_type in wire.SPARSE_TYPES:
+            return Sparse
+        return super().guess_payload_class(payload)
+
+
+class Sparse(Packet):
+    """Sparse header (12 bytes, fields from wire.SPARSE) and, for msg_type 2, the int32 after it."""
+
+    name = "SwitchMLSparse"
+    fields_desc = _fields(wire.SPARSE) + [_values(_sparse_elems)]
 
 
 bind_layers(SwitchML, Exponents)
@@ -82,13 +106,29 @@ def sml_frame(
     msg_type: int = wire.MSG_TYPE_DATA,
     pool_index: int | None = None,
     udp_checksum: bool = False,
+    sparse: wire.Sparse | None = None,
 ) -> Packet:
     """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian).
-    The UDP checksum is 0 (none, as results carry) unless `udp_checksum`."""
+    The UDP checksum is 0 (none, as results carry) unless `udp_checksum`. With `sparse`, a
+    sparse message: msg_type 2 with `values`, or 3 (header only) without; `size` then gives the
+    size code (the job's) since an empty message has no values to count. msg_type 3 with
+    `values`: an empty message padded with them (docs/protocol.md section 8.1)."""
     vals = np.asarray(values, dtype=np.int64).astype(np.int32)
     if size is None:
         size = wire.size_code_for(len(vals))
+    if sparse is not None and msg_type == wire.MSG_TYPE_DATA:  # the sparse kind its values say
+        msg_type = wire.MSG_TYPE_SPARSE if len(vals) else wire.MSG_TYPE_SPARSE_EMPTY
     pidx = pool_index if pool_index is not None else int(wire.pool_index(slot, version))
+    ints = [int(v) for v in vals]
+    if sparse is not None:
+        fields = dict(block=sparse.block, next=sparse.next, blocks=sparse.blocks)
+        if msg_type == wire.MSG_TYPE_SPARSE_EMPTY and ints:  # an empty one padded: raw bytes
+            pad = Raw(vals.astype(">i4").tobytes())
+            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields) / pad
+        else:
+            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields, values=ints)
+    else:
+        exps = Exponents(e0=e0, e1=e1, values=ints)
     return (
         Ether(src=src_mac, dst=dst_mac)
         / IP(src=src_ip, dst=dst_ip, ttl=64)
@@ -100,5 +140,5 @@ def sml_frame(
             tsi=tsi,
             pool_index=pidx,
         )
-        / Exponents(e0=e0, e1=e1, values=[int(v) for v in vals])
+        / exps
     )

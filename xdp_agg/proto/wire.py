@@ -16,6 +16,7 @@ exponent behind the data; they are not the protocol.)
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -30,6 +31,12 @@ MAX_LANES = 64
 
 # --- message types (4 bits) -------------------------------------------------------------------
 MSG_TYPE_DATA = 1  # a contribution, and a result (SwitchML does not distinguish them)
+# A sparse job's two kinds (docs/protocol.md section 8): the sparse header follows the exponents,
+# then the payload (SPARSE) or nothing (SPARSE_EMPTY: the sender has no data at this block; as a
+# result, no worker had). Ours: p4app-switchML's hosts send only MSG_TYPE_DATA.
+MSG_TYPE_SPARSE = 2  # a sparse contribution or result with a block of data
+MSG_TYPE_SPARSE_EMPTY = 3  # the empty-contribution marker: header only, no payload
+SPARSE_TYPES = (MSG_TYPE_SPARSE, MSG_TYPE_SPARSE_EMPTY)
 
 # --- size codes (3 bits): elements per packet -------------------------------------------------
 # 4 and 5 are our extension; 6 and 7 (the last free values) are jumbo frames: 1024 and 2048 int32
@@ -52,12 +59,15 @@ IPV4_HLEN = 20
 UDP_HLEN = 8
 SWITCHML_HLEN = 8
 EXP_HLEN = 2
+SPARSE_HLEN = 12  # block, next, blocks (sparse jobs only)
 ELEM_BYTES = 4
 SWITCHML_OFFSET = ETH_HLEN + IPV4_HLEN + UDP_HLEN  # 42: from the start of the Ethernet frame
 EXPONENTS_AT = SWITCHML_HLEN  # the exponent header, from the start of the UDP payload
 VALUES_AT = SWITCHML_HLEN + EXP_HLEN  # the first int32, from the start of the UDP payload: 10
 UDP_HDRS_LEN = SWITCHML_HLEN + EXP_HLEN  # bytes of our two headers in a UDP payload, together
 PAYLOAD_OFFSET = SWITCHML_OFFSET + VALUES_AT  # 52: the first int32, from the frame's start
+SPARSE_AT = VALUES_AT  # a sparse packet's sparse header, from the UDP payload's start: 10
+SPARSE_VALUES_AT = SPARSE_AT + SPARSE_HLEN  # its first int32 (an empty one's length): 22
 
 # --- how a result leaves the aggregator (as p4app-switchML's sender writes it) ----------------
 RESULT_TTL = 64  # IPv4 TTL of every result, whatever the request carried
@@ -92,7 +102,7 @@ class Header:
 SWITCHML = Header(
     "switchml",
     (
-        Field("msg_type", 4, "1 = data (contribution or result); other values reserved"),
+        Field("msg_type", 4, "1 = data; 2 = sparse data, 3 = sparse empty (ours); others reserved"),
         Field("reserved", 1, "0"),
         Field("size", 3, "payload size code, see SIZE_CODE_ELEMS"),
         Field("job_number", 8, "low 8 bits of the host's job counter, echoed"),
@@ -111,9 +121,21 @@ EXPONENTS = Header(
     "exponent header",
 )
 
-HEADERS = (SWITCHML, EXPONENTS)
+SPARSE = Header(
+    "sparse",
+    (
+        Field("block", 32, "the block (packet-sized chunk) of the tensor this packet is about"),
+        Field("next", 32, "the sender's next non-zero block after it; result: the minimum"),
+        Field("blocks", 32, "the tensor's blocks; next = blocks: none left in this column"),
+    ),
+    "sparse header (ours, msg_type 2 and 3 only), after the exponents",
+)
+
+HEADERS = (SWITCHML, EXPONENTS, SPARSE)
+DENSE_HEADERS = (SWITCHML, EXPONENTS)  # a dense packet's headers, p4app-switchML's
 
 assert SWITCHML.length == SWITCHML_HLEN and EXPONENTS.length == EXP_HLEN
+assert SPARSE.length == SPARSE_HLEN
 
 
 @dataclass(frozen=True)
@@ -168,10 +190,15 @@ def _np_type(m: Member) -> str:
 # follows it (EXPONENTS_AT); HDR_DTYPE is both together, the 10 bytes before the values.
 SML_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SWITCHML)])
 EXP_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(EXPONENTS)])
-HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
+HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in DENSE_HEADERS for m in members(h)])
+SPARSE_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SPARSE)])
+# a sparse packet's 22 header bytes: the dense ones, then block, next, blocks
+SPARSE_HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
 assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
 assert HDR_DTYPE.itemsize == UDP_HDRS_LEN == VALUES_AT
 assert HDR_DTYPE.fields is not None and HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
+assert SPARSE_HDR_DTYPE.itemsize == SPARSE_VALUES_AT
+assert SPARSE_HDR_DTYPE.fields is not None and SPARSE_HDR_DTYPE.fields["block"][1] == SPARSE_AT
 
 
 def reserved_mask(m: Member) -> int:
@@ -278,6 +305,56 @@ def build_payloads(
     return out
 
 
+def sparse_payload_len(elems: int, empty: bool) -> int:
+    """Bytes of UDP payload of a sparse packet: the 22 header bytes, plus the block unless empty."""
+    return SPARSE_VALUES_AT + (0 if empty else elems * ELEM_BYTES)
+
+
+def build_sparse_payload(
+    *,
+    job_number: int,
+    size_code: int,
+    tsi: int,
+    slot: int,
+    version: int,
+    block: int,
+    next: int,
+    blocks: int,
+    values=None,
+    e0: int = 0,
+    e1: int = 0,
+    padded: bool = False,
+) -> bytes:
+    """One sparse UDP payload (docs/protocol.md section 8): MSG_TYPE_SPARSE with the k int32 of
+    `values`, or MSG_TYPE_SPARSE_EMPTY when `values` is None: header only, or `padded` with k
+    zero int32 (room for a result with data, for an aggregator that cannot grow a frame)."""
+    k = elems_for(size_code)
+    empty = values is None
+    out = np.zeros(sparse_payload_len(k, empty and not padded), dtype=np.uint8)
+    hdr = out[:SPARSE_VALUES_AT].view(SPARSE_HDR_DTYPE)
+    hdr["msg_type_size"] = type_size(MSG_TYPE_SPARSE_EMPTY if empty else MSG_TYPE_SPARSE, size_code)
+    hdr["job_number"] = job_number & 0xFF
+    hdr["tsi"] = tsi
+    hdr["pool_index"] = pool_index(slot, version)
+    hdr["e0"], hdr["e1"] = e0, e1
+    hdr["block"], hdr["next"], hdr["blocks"] = block, next, blocks
+    if not empty:
+        vals = np.asarray(values).reshape(-1)
+        if vals.shape != (k,):
+            raise ValueError(f"values must have {k} elements for size code {size_code}")
+        out[SPARSE_VALUES_AT:].view(">i4")[:] = vals
+    return out.tobytes()
+
+
+@dataclass(frozen=True)
+class Sparse:
+    """A sparse packet's own fields (the SPARSE header)."""
+
+    block: int
+    next: int
+    blocks: int
+
+
 @dataclass(frozen=True)
 class Message:
     """One decoded SwitchML message (header fields and payload), for tests and tools."""
@@ -290,36 +367,44 @@ class Message:
     version: int
     e0: int
     e1: int
-    values: np.ndarray
+    values: np.ndarray  # empty for a SPARSE_EMPTY message
     reserved: int = 0
+    sparse: Sparse | None = None  # the sparse header, for msg_type SPARSE and SPARSE_EMPTY
 
     def to_bytes(self) -> bytes:
         """The UDP payload."""
-        return build_payloads(
-            job_number=self.job_number,
-            size_code=self.size,
-            tsi=self.tsi,
-            slot=self.slot,
-            version=self.version,
-            values=np.asarray(self.values).reshape(1, -1),
-            e0=self.e0,
-            e1=self.e1,
-            msg_type=self.msg_type,
-        ).tobytes()
+        names = ("job_number", "tsi", "slot", "version", "e0", "e1")
+        header: dict[str, Any] = {n: getattr(self, n) for n in names}
+        header["size_code"] = self.size
+        sp = self.sparse
+        if sp is None:
+            values = np.asarray(self.values).reshape(1, -1)
+            return build_payloads(**header, values=values, msg_type=self.msg_type).tobytes()
+        data = None if self.msg_type == MSG_TYPE_SPARSE_EMPTY else self.values
+        return build_sparse_payload(
+            **header, block=sp.block, next=sp.next, blocks=sp.blocks, values=data
+        )
 
     @classmethod
     def from_bytes(cls, data: bytes) -> "Message":
-        """Decode a UDP payload; ValueError when it is truncated or the size code is unknown."""
+        """Decode a UDP payload, dense or sparse; ValueError when it is truncated or the size code
+        is unknown."""
         if len(data) < SWITCHML_HLEN:
             raise ValueError(f"truncated: {len(data)} bytes, the header needs {SWITCHML_HLEN}")
         hdr = np.frombuffer(data[:EXPONENTS_AT], dtype=SML_DTYPE)[0]
         ts = int(hdr["msg_type_size"])
         k = elems_for(ts & 7)
-        if len(data) < udp_payload_len(k):
-            raise ValueError(f"truncated: {len(data)} bytes, size code needs {udp_payload_len(k)}")
+        sparse, at, need = None, VALUES_AT, udp_payload_len(k)
+        if ts >> 4 in SPARSE_TYPES:
+            at, need = SPARSE_VALUES_AT, sparse_payload_len(k, ts >> 4 == MSG_TYPE_SPARSE_EMPTY)
+        if len(data) < need:
+            raise ValueError(f"truncated: {len(data)} bytes, its type and size need {need}")
+        if ts >> 4 in SPARSE_TYPES:
+            sp = np.frombuffer(data[SPARSE_AT:SPARSE_VALUES_AT], dtype=SPARSE_DTYPE)[0]
+            sparse = Sparse(int(sp["block"]), int(sp["next"]), int(sp["blocks"]))
         pidx = int(hdr["pool_index"])
         exp = np.frombuffer(data[EXPONENTS_AT:VALUES_AT], dtype=EXP_DTYPE)[0]
-        vals = np.frombuffer(data[VALUES_AT : udp_payload_len(k)], dtype=">i4").astype(np.int32)
+        vals = np.frombuffer(data[at:need], dtype=">i4").astype(np.int32)
         return cls(
             msg_type=ts >> 4,
             reserved=(ts >> 3) & 1,
@@ -331,4 +416,5 @@ class Message:
             e0=int(exp["e0"]),
             e1=int(exp["e1"]),
             values=vals,
+            sparse=sparse,
         )

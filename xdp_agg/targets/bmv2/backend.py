@@ -234,6 +234,11 @@ class Bmv2Backend:
             raise ValueError(
                 "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
             )
+        if spec.sparse:
+            raise ValueError(
+                "the bmv2 program has no sparse rounds yet (docs/protocol.md section 8): "
+                "create the job dense"
+            )
         uplink = self._check_parent(spec) if spec.has_parent else None
         end = spec.slot_base + spec.slot_count
         if spec.job_id in self._jobs:

@@ -102,6 +102,14 @@ class SoftAggregator:
         self.stop()
 
     # --- Backend protocol -------------------------------------------------------------------
+    def sparse_elems(self) -> tuple[int, ...]:
+        """Every wire size: the model runs sparse rounds of any (docs/protocol.md section 8)."""
+        return tuple(sorted(wire.SIZE_CODE_ELEMS.values()))
+
+    def pads_empty(self) -> bool:
+        """No: its results are new datagrams, of any length."""
+        return False
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job; its slot state starts cleared. ValueError on a bad or
         clashing spec (xdp_agg.ctl.backend.check_job: the model keys slots by job, but a real

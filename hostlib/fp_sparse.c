@@ -1,0 +1,252 @@
+/*
+ * Sparse all-reduces in the C fast path (hostlib/fp_sparse.h): the packets of a slot's rounds
+ * and what a result does to its slot, as hostlib/sparse_loop.py (the numpy reference; the
+ * tests compare the bytes) and docs/protocol.md section 8.2 say:
+ *
+ * - the first round of slot s is at block s; for floats it is an announce round instead: an
+ *   empty packet at s naming this worker's first non-zero block at or after s, and its
+ *   exponent (section 8.2: a block's scale must be agreed before the block is sent);
+ * - at block p a worker sends its block p (msg_type 2) when it is non-zero, else the empty
+ *   msg_type 3; either way `next` is its first non-zero block of the column after p (B: none)
+ *   and e0 the exponent of that block;
+ * - the result carries the sum of the blocks sent (or nothing) and the smallest `next`, with
+ *   the exponent agreed for it: the slot's next round is there, and at B the slot is done.
+ */
+#include "fp_sparse.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fp_kernels.h"
+#include "fp_wire.h"
+
+int fp_sparse_alloc(SparseRun *sp, int64_t B, int64_t w)
+{
+    sp->B = B;
+    sp->next = malloc((size_t)B * sizeof *sp->next);
+    sp->block = calloc((size_t)w, sizeof *sp->block);
+    sp->agreed = calloc((size_t)w, 1);
+    sp->announce = calloc((size_t)w, 1);
+    sp->done = calloc((size_t)w, 1);
+    if (!sp->next || !sp->block || !sp->agreed || !sp->announce || !sp->done) {
+        fp_sparse_free(sp);
+        return -ENOMEM;
+    }
+    return 0;
+}
+
+void fp_sparse_free(SparseRun *sp)
+{
+    free(sp->next);
+    free(sp->block);
+    free(sp->agreed);
+    free(sp->announce);
+    free(sp->done);
+    sp->next = NULL, sp->block = NULL, sp->agreed = NULL, sp->announce = NULL, sp->done = NULL;
+}
+
+int64_t fp_sparse_packets(int64_t B, int64_t w, int is_float)
+{
+    /* slot s visits at most its column's ceil((B - s) / w) blocks, after one announce round
+     * for floats: round j is packet j w + s */
+    return ((B + w - 1) / w + (is_float ? 1 : 0)) * w;
+}
+
+/* next[b] = the first non-zero block after b in b's column (b + w, b + 2w, ...), B if none:
+ * one pass from the end, keeping each column's lowest non-zero block so far in last[]. Returns
+ * the non-zero blocks. */
+static int64_t find_columns(SparseRun *sp, int64_t w, int64_t *last)
+{
+    int64_t B = sp->B, n = 0;
+    for (int64_t s = 0; s < w; s++)
+        last[s] = B;
+    for (int64_t b = B - 1, s = (B - 1) % w; b >= 0; b--, s = s ? s - 1 : w - 1) {
+        sp->next[b] = (uint32_t)last[s];
+        if (sp->nonzero[b]) {
+            last[s] = b;
+            n++;
+        }
+    }
+    return n;
+}
+
+void fp_sparse_start(Run *r)
+{
+    SparseRun *sp = r->sp;
+    size_t bytes = (size_t)r->L * 4;
+    /* blocks no round visits, and rounds whose result is empty, are zero on every worker: the
+     * output gets zeros there as the slots pass them (take), unless the output is the input
+     * (then they are zeros already: this worker's non-zero blocks are all visited, with data) */
+    sp->zero = r->dst + bytes <= r->src || r->src + bytes <= r->dst;
+    /* block[]: scratch until the slots start below */
+    sp->left = find_columns(sp, r->w, sp->block) + r->w;
+    for (int64_t s = 0; s < r->w; s++) {
+        sp->block[s] = s;
+        sp->rounds[s] = 1; /* the first round is ready (fp_run_start) */
+        sp->agreed[s] = 0;
+        sp->announce[s] = (uint8_t)r->is_float;
+        sp->done[s] = 0;
+    }
+    sp->union_blocks = 0;
+    sp->bad_slot = sp->bad_from = sp->bad_to = sp->bad_mine = -1;
+}
+
+/* This worker's first non-zero block of p's column after p (at p or after it, with `at`). */
+static inline int64_t next_nonzero(const SparseRun *sp, int64_t p, int at)
+{
+    return at && sp->nonzero[p] ? p : (int64_t)sp->next[p];
+}
+
+/* Block p's k big-endian int32 into vals: its elements (the last block zero-padded), float
+ * ones quantised with the exponent agreed for it (clipped at M where that was E_MAX, as the
+ * dense loop's fill explains). */
+static void block_payload(const Run *r, int64_t p, int8_t E, uint8_t *vals)
+{
+    const Stream *st = r->s;
+    int k = st->cfg.k;
+    fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+    if (r->is_float)
+        quantise((const float *)r->src + a, n, st->ftab[(uint8_t)E], E == E_MAX, st->M, vals);
+    else
+        bswap_copy(r->src + 4 * a, n, vals);
+    if (n < k)
+        memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
+}
+
+int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
+{
+    SparseRun *sp = r->sp;
+    int64_t s = pk % r->w, p = sp->block[s];
+    int announce = sp->announce[s], data = !announce && sp->nonzero[p];
+    int64_t q = next_nonzero(sp, p, announce);
+    int type = data ? FP_MSG_TYPE_SPARSE : FP_MSG_TYPE_SPARSE_EMPTY;
+    fp_header(r, pk, row);
+    row[0] = (uint8_t)(type << 4 | (r->s->cfg.type_size & 0x07)); /* the job's size code */
+    /* e0 names the exponent of the block the sender goes to next (-128 past the last one) */
+    row[FP_EXP_AT] = (uint8_t)(!sp->exps ? 0 : q < sp->B ? sp->exps[q] : E_MIN);
+    row[FP_EXP_AT + 1] = 0;
+    store_be32(row + FP_SPARSE_AT, (uint32_t)p);
+    store_be32(row + FP_SPARSE_AT + 4, (uint32_t)q);
+    store_be32(row + FP_SPARSE_AT + 8, (uint32_t)sp->B);
+    if (!data) {
+        r->c.empty_sent++;
+        if (!sp->pad)
+            return FP_SPARSE_VALUES_AT;
+        memset(row + FP_SPARSE_VALUES_AT, 0, (size_t)(4 * r->s->cfg.k)); /* never added */
+        return FP_SPARSE_VALUES_AT + 4 * r->s->cfg.k;
+    }
+    block_payload(r, p, sp->agreed[s], row + FP_SPARSE_VALUES_AT);
+    return FP_SPARSE_VALUES_AT + 4 * r->s->cfg.k;
+}
+
+/* Zeros into the output's blocks from, from + w, ... below `to` (of slot from % w's column):
+ * blocks that the slot passed without data. Here rather than one memset of the whole output
+ * before the all-reduce: each block is written once, data or zeros, and while the loop would
+ * otherwise wait for results rather than before the first packet goes. */
+static void zero_blocks(Run *r, int64_t from, int64_t to)
+{
+    int k = r->s->cfg.k;
+    for (int64_t b = from; b < to; b += r->w) {
+        fp_ssize a = (fp_ssize)b * k, n = r->L - a < k ? r->L - a : k;
+        memset(r->dst + 4 * a, 0, (size_t)n * 4);
+    }
+}
+
+/* Whether the result's next block q for slot s at block p is one the rules can produce
+ * (docs/protocol.md 8.4): in the column, forward (or at p, after an announce round), and not
+ * past this worker's own next non-zero block, which would skip its data. */
+static int next_ok(Run *r, int64_t s, int64_t p, int64_t q)
+{
+    SparseRun *sp = r->sp;
+    int announce = sp->announce[s];
+    int64_t mine = next_nonzero(sp, p, announce);
+    int in_column = q == sp->B || q % r->w == s;
+    int forward = q > p || (q == p && announce);
+    if (in_column && forward && q <= mine)
+        return 1;
+    sp->bad_slot = s, sp->bad_from = p, sp->bad_to = q, sp->bad_mine = mine;
+    r->fail = ST_SPARSE_BAD;
+    return 0;
+}
+
+/* A result for packet pk (slot s at block p) taken: its sum into the output, and the slot on
+ * to the result's next block, or done. */
+static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
+{
+    SparseRun *sp = r->sp;
+    int64_t s = pk % r->w, p = sp->block[s], q = load_be32(d + FP_SPARSE_AT + 4);
+    int k = r->s->cfg.k;
+    fp_run_took(r, pk, now);
+    sp->left -= !sp->announce[s] && sp->nonzero[p]; /* this worker's block p went */
+    if (data) {
+        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+        const uint8_t *vals = d + FP_SPARSE_VALUES_AT;
+        sp->union_blocks++;
+        if (r->is_float)
+            dequantise(vals, n, r->s->ftab[(uint8_t)sp->agreed[s]], (float *)r->dst + a);
+        else
+            bswap_copy(vals, n, r->dst + 4 * a);
+    }
+    if (!next_ok(r, s, p, q))
+        return;
+    if (sp->zero) /* block p unless it got data (an announce round has none), up to q */
+        zero_blocks(r, data ? p + r->w : p, q);
+    sp->announce[s] = 0;
+    if (q >= sp->B) {
+        sp->done[s] = 1;
+        r->todo--;
+        sp->left--;
+        return;
+    }
+    if (sp->exps) /* the exponent agreed for block q, among the workers with data there */
+        sp->agreed[s] = (int8_t)d[FP_EXP_AT];
+    sp->block[s] = q;
+    sp->rounds[s]++;
+    fp_run_ready(r, pk + r->w);
+}
+
+/* The packet a datagram answers, or -1 (counted: malformed, stale or a duplicate): the checks
+ * of hostlib/sparse_loop.py _take, in its order. */
+static int64_t answered(Run *r, const uint8_t *d, size_t len, int *data)
+{
+    SparseRun *sp = r->sp;
+    int type = len ? d[0] >> 4 : 0, empty = type == FP_MSG_TYPE_SPARSE_EMPTY;
+    size_t want = FP_SPARSE_VALUES_AT + (empty ? 0 : 4 * (size_t)r->s->cfg.k);
+    if ((type != FP_MSG_TYPE_SPARSE && !empty) || len != want ||
+        (d[0] & 0x07) != (r->s->cfg.type_size & 0x07)) {
+        r->c.malformed++;
+        return -1;
+    }
+    uint32_t pk = load_be32(d + 2);
+    if (d[1] != r->jn || pk >= (uint64_t)r->P) {
+        r->c.stale++;
+        return -1;
+    }
+    if (fp_run_seen(r, pk)) /* a duplicate, or a round not started */
+        return -1;
+    uint8_t h[8];
+    fp_header(r, pk, h);
+    /* slot and version (bit 14 of the pool index is reserved: not compared, as numpy's), the
+     * round's block, the tensor's */
+    if (((d[6] ^ h[6]) & 0xBF) || d[7] != h[7] ||
+        load_be32(d + FP_SPARSE_AT) != sp->block[pk % r->w] ||
+        load_be32(d + FP_SPARSE_AT + 8) != (uint64_t)sp->B) {
+        r->c.stale++;
+        return -1;
+    }
+    *data = !empty;
+    return pk;
+}
+
+void fp_sparse_datagram(Run *r, const uint8_t *d, size_t len, double now)
+{
+    int data = 0;
+    if (r->fail) /* the run is over: a result was refused */
+        return;
+    int64_t pk = answered(r, d, len, &data);
+    if (pk < 0)
+        return;
+    take(r, pk, d, data, now);
+    fp_run_advance(r);
+}
