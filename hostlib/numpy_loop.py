@@ -299,14 +299,17 @@ class NumpyLoop:
             tr = _IntTransfer(src, dst, cfg.elems, cfg.window)
         if tr.P == 0:
             return
+        # the receiver's totals count this loop's datagrams only: the counters take the
+        # differences, so that the sparse loop's, on the same stream, add up with them
+        malformed, received = self._rx.malformed, self._rx.bytes
         with self.state.allreduce(tr.P, tr.w, timeout, elements=tr.L) as ar:
             try:
                 self._stream(tr, ar)
                 tr.finish()
             finally:
                 st = self.state.stats
-                st["malformed"] = self._rx.malformed
-                st["bytes_received"] = self._rx.bytes
+                st["malformed"] += self._rx.malformed - malformed
+                st["bytes_received"] += self._rx.bytes - received
                 st["rtt"] = self._rtt.srtt or 0.0
                 st["cwnd"] = float(tr.w)  # the whole slot window is kept in flight
 
