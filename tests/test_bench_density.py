@@ -122,3 +122,26 @@ def test_serve_is_sparse_only_for_sparse_rows():
 
     assert allreduce._serve_args(A(), [{"kind": "sparse"}]) == ("--results", "unicast", "--sparse")
     assert allreduce._serve_args(A(), [{"kind": "throughput"}]) == ("--results", "unicast")
+
+
+def test_recsys_table_compares_the_three_systems():
+    from bench import training
+
+    def rep(t, loss, eng=None):
+        r = {"params": 8_400_000, "steps": 40, "batch_per_rank": 64, "time_per_iter_s": t,
+             "compute_per_iter_s": 0.05, "comm_share": 1 - 0.05 / t, "loss": loss,
+             "final_accuracy": 0.6}  # fmt: skip
+        if eng:
+            r["xdpagg"] = {"engine": eng}
+        return r
+
+    eng = {"bytes_sent": 40 * 5e6, "allreduces": 40, "sparse_allreduces": 40}
+    case = {"date": "now", "load": [1.0, 1.0],
+            "xdpagg-sparse": rep(0.1, [0.7, 0.6], eng),
+            "xdpagg": rep(0.4, [0.7, 0.6], {**eng, "sparse_allreduces": 0}),
+            "gloo": rep(0.5, [0.7, 0.6000001])}  # fmt: skip
+    md = "\n".join(training.recsys_markdown(case, 4))
+    row = "| xdpagg-sparse | 100.0 ms | 50.0 ms | 50% | 0.6000 | 0.6000 | 0 | 40 of 40 | 5.00 |"
+    assert row in md
+    assert "| xdpagg | 400.0 ms |" in md and "| 0 of 40 |" in md
+    assert "xdpagg / xdpagg-sparse 4.00x, gloo / xdpagg-sparse 5.00x (n = 4)" in md
