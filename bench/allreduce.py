@@ -58,12 +58,13 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat, lanes_option, md_table, packet_options
+from bench import cpustat, density, lanes_option, md_table, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 LATENCY_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10}
 GLOO_PORT = 29500
+SYSTEMS = ("xdp-agg", "gloo", density.SPARSE)  # a sparse row has all three, a host row one
 
 
 def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> list[dict]:
@@ -84,6 +85,9 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             for k in args.sizes
             if k in LATENCY_SIZES and "latency" in args.rows
         ]
+        if "sparse" in args.rows:
+            sizes = [SIZES[k] for k in args.sizes if k in SIZES and SIZES[k] <= args.max_bytes]
+            plan += density.plan(sizes, args.density, args.patterns, args.reps)
     if not plan:
         return []
     with (
@@ -99,7 +103,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             tb,
             frags=args.mtu > PLAIN_XDP_MAX_MTU,
             attach_args=("--slot-cpus", getattr(args, "slot_cpus", "rss")),
-            serve_args=getattr(args, "serve_args", ()),
+            serve_args=_serve_args(args, plan),
         ) as cl,
     ):
         layout = Layout.from_testbed(tb)
@@ -111,6 +115,13 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
                 for i, item in enumerate(plan)
             ]
     return rows
+
+
+def _serve_args(args, plan: list[dict]) -> tuple[str, ...]:
+    """`xdp-agg serve`'s options: the benchmark's (bench.unicast), and --sparse for the sparse
+    rows (a sparse job runs dense all-reduces too: the dense rows' sparse=False)."""
+    extra = ("--sparse",) if any(item["kind"] == "sparse" for item in plan) else ()
+    return (*getattr(args, "serve_args", ()), *extra)
 
 
 def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> list[list[dict]]:
@@ -178,7 +189,7 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
         "dtype": item.get("dtype", "float32"),
         "lanes": lanes,
     }
-    systems = [s for s in ("xdp-agg", "gloo") if s in reports[0]["times"]]
+    systems = [s for s in SYSTEMS if s in reports[0]["times"]]
     for system in systems:
         # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
         reps = range(item["reps"])
@@ -193,10 +204,14 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
         row["syscpu"] = reports[0]["syscpu"]
         row["background_cpu_per_s"] = reports[0].get("background_cpu_per_s")
         row["bpf_stats"] = getattr(args, "bpf_stats", False)
+    if item["kind"] == "sparse":
+        row["sparse"] = density.row_fields(reports)
     if "counters" in reports[0]:
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
     line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:7s}"
+    if item["kind"] == "sparse":
+        line += f" {item['pattern']:5s} {item['density']:5.0%}"
     line += f" {item['bytes']:>9d} B:"
     for system in systems:
         line += f" {system} {statistics.median(row[system]) * 1e3:8.2f} ms"
@@ -243,7 +258,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["retx_pct"] = 100.0 * row["retransmissions"] / row["packets"]
         if "retx_causes" in row:
             s["retx_causes"] = row["retx_causes"]
-        for system in (x for x in ("xdp-agg", "gloo") if x in row):
+        for system in (x for x in SYSTEMS if x in row):
             t = sorted(row[system])
             s[system] = {
                 "median_s": statistics.median(t),
@@ -268,6 +283,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             out.append(s)
             continue
         s["speedup"] = s["gloo"]["median_s"] / s["xdp-agg"]["median_s"]
+        if row["kind"] == "sparse":
+            density.summarize(s, row, rate_bps)
         if rate_bps:
             s["bound_ina_s"] = S * 8 / rate_bps
             s["bound_ring_s"] = 2 * (n - 1) / n * S * 8 / rate_bps
@@ -307,8 +324,31 @@ def markdown(summary: list[dict], meta: dict) -> str:
         ),
         "",
     ]
+    L += _throughput_table(summary)
+    L += density.markdown(summary)
+    L += _host_table(summary)
+    L += _syscpu_table(summary)
+    latency = _of_kind(summary, "latency")
+    if latency:
+        L += ["", "Small all-reduces (latency, ms):", ""]
+        L += md_table(
+            ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
+            [
+                [s["n"], s["link"], _size(s["bytes"])]
+                + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
+                for s, a, g in latency
+            ],
+        )
+    return "\n".join(L) + "\n"
+
+
+def _throughput_table(summary: list[dict]) -> list[str]:
+    """The throughput rows: both systems' times, bounds, retransmissions and CPU (none without
+    throughput rows)."""
+    if not _of_kind(summary, "throughput"):
+        return []
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
-    L += md_table(
+    return md_table(
         [
             "n",
             "link",
@@ -333,20 +373,6 @@ def markdown(summary: list[dict], meta: dict) -> str:
             for s, a, g in _of_kind(summary, "throughput")
         ],
     )
-    L += _host_table(summary)
-    L += _syscpu_table(summary)
-    latency = _of_kind(summary, "latency")
-    if latency:
-        L += ["", "Small all-reduces (latency, ms):", ""]
-        L += md_table(
-            ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
-            [
-                [s["n"], s["link"], _size(s["bytes"])]
-                + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
-                for s, a, g in latency
-            ],
-        )
-    return "\n".join(L) + "\n"
 
 
 def _of_kind(summary: list[dict], kind: str) -> list[tuple[dict, dict, dict]]:
@@ -382,7 +408,7 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
     cells = [
         (s, system, s[system]["syscpu"])
         for s in summary
-        for system in ("xdp-agg", "gloo")
+        for system in SYSTEMS
         if system in s and s[system].get("syscpu")
     ]
     if not cells:
@@ -403,6 +429,8 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
+        if s["kind"] == "sparse":
+            kind = f" (sparse {s['sparse']['pattern']} {s['sparse']['density']:.0%})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
         rows.append(
             [s["n"], f"{s['link']}{kind}", _size(s["bytes"]), system, f"{c['sys_cpu_s']:.3f}"]
@@ -459,6 +487,8 @@ def plot(summary: list[dict], path: Path) -> None:
 
     thr = [s for s in summary if s["kind"] == "throughput"]
     lat = [s for s in summary if s["kind"] == "latency"]
+    if not thr and not lat:
+        return
     sizes = sorted({s["bytes"] for s in thr})
     links = [lk for lk in RATES if any(s["link"] == lk and s["kind"] != "host" for s in summary)]
     if not links:
@@ -573,7 +603,22 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--rows",
         default="throughput,latency,host",
-        help="row kinds, comma-separated: throughput, latency, host",
+        help="row kinds, comma-separated: throughput, latency, host, sparse (sparse: at the "
+        f"--density densities, {density.DEFAULT_DENSITIES} unless given)",
+    )
+    ap.add_argument(
+        "--density",
+        type=density.densities,
+        default=None,
+        help="the sparse rows' union block densities in percent, comma-separated, e.g. "
+        f"{density.DEFAULT_DENSITIES}: sparse xdp-agg against dense xdp-agg and gloo "
+        "(bench/density.py); alone, it runs only those rows, at 64 MiB",
+    )
+    ap.add_argument(
+        "--patterns",
+        default=",".join(density.PATTERNS),
+        help="the sparse rows' non-zero blocks: the same on every worker (same), drawn per "
+        "worker (indep), or both (default)",
     )
     ap.add_argument(
         "--quick",
@@ -613,6 +658,24 @@ def _parser() -> argparse.ArgumentParser:
     return ap
 
 
+def _given(given: set[str], opt: str) -> bool:
+    """Whether the command line spelled out `opt` (--opt V or --opt=V)."""
+    return any(g == opt or g.startswith(opt + "=") for g in given)
+
+
+def _density_defaults(args, given: set[str]) -> None:
+    """--density alone runs only the sparse rows, at 64 MiB; the sparse row kind alone, at the
+    default densities. Explicit --rows and --sizes win."""
+    if args.density is not None:
+        if not _given(given, "--rows"):
+            args.rows = "sparse"
+        if not _given(given, "--sizes"):
+            args.sizes = "64MiB"
+    if args.density is None:
+        args.density = density.densities(density.DEFAULT_DENSITIES)
+    args.patterns = args.patterns.split(",")
+
+
 def main(argv=None) -> int:
     ap = _parser()
     args = ap.parse_args(argv)
@@ -625,13 +688,15 @@ def main(argv=None) -> int:
             ("--rows", "throughput"),
             ("--reps", 3),
         ):
-            if not any(g == opt or g.startswith(opt + "=") for g in given):
+            if not _given(given, opt):
                 setattr(args, opt[2:], val)
         args.profile = False
+    _density_defaults(args, set(argv if argv is not None else sys.argv[1:]))
     args.sizes = args.sizes.split(",")
     args.rows = args.rows.split(",")
     unknown = [x for x in args.sizes if x not in SIZES and x not in LATENCY_SIZES]
-    unknown += [x for x in args.rows if x not in ("throughput", "latency", "host")]
+    unknown += [x for x in args.rows if x not in ("throughput", "latency", "host", "sparse")]
+    unknown += [x for x in args.patterns if x not in density.PATTERNS]
     unknown += [x for x in args.links.split(",") if x not in RATES]
     if unknown:
         ap.error(f"unknown: {', '.join(unknown)}")
@@ -651,7 +716,7 @@ def main(argv=None) -> int:
                 for d in ("float32", "int32")
             ]
             rows += run_config(1, "unshaped", args, log, plan=host_plan)
-        if "throughput" in args.rows or "latency" in args.rows:
+        if {"throughput", "latency", "sparse"} & set(args.rows):
             for n in (int(x) for x in args.workers.split(",")):
                 for rate in args.links.split(","):
                     log(f"n={n}, {rate}:")
@@ -680,6 +745,7 @@ def main(argv=None) -> int:
     (out / "results.md").write_text(md)
     try:
         plot(summary, out / "plot.png")
+        density.plot(summary, out / "sparse-plot.png")
     except ImportError:
         log("matplotlib is missing: no plot (pip install '.[bench]')")
     print(md)

@@ -13,6 +13,11 @@ unmodified examples/train.py with --backend xdpagg, then --backend gloo:
   a 1-D mesh) and HSDP (a replicate 2 x shard 2 mesh), each on both systems: time per
   iteration and communication share (under xdpagg, FSDP2's reduce-scatter and all-gather go
   to gloo and only HSDP's replicate all-reduce through the aggregator; docs/pytorch.md).
+- recsys: the EmbeddingBag recommender (8.4 M parameters, its embedding gradient mostly zero
+  blocks) at 1 Gbit/s, --recsys-steps steps, three systems: xdp-agg on a sparse job (`serve
+  --sparse`: the backend's all-reduces choose sparse by themselves), xdp-agg on a dense job,
+  and gloo: time per iteration, losses (sparse and dense xdp-agg sum byte for byte alike),
+  held-out accuracy, sparse all-reduces and bytes sent.
 
 Writes --out (default bench/results/training): results.json (both systems' reports), results.md
 (the tables), digits.png (loss and accuracy per step), wide.png (time per iteration).
@@ -35,6 +40,13 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 
 
+# (report key, --backend, `xdp-agg serve` options): each system a case runs
+SYSTEMS = (("xdpagg", "xdpagg", ()), ("gloo", "gloo", ()))
+# the recommender's: xdp-agg on a sparse job (the backend's all-reduces "auto": sparse while
+# the union block density stays low), on a dense job, and gloo
+RECSYS_SYSTEMS = (("xdpagg-sparse", "xdpagg", ("--sparse",)), *SYSTEMS)
+
+
 def run_case(
     name: str,
     *,
@@ -46,41 +58,53 @@ def run_case(
     out: Path,
     log,
     variants: tuple[str, ...] = ("",),
+    systems: tuple[tuple[str, str, tuple[str, ...]], ...] = SYSTEMS,
 ) -> dict:
-    """One testbed, both systems in turn (for each --parallel of `variants`, "" meaning the
-    script's default); {system: rank 0's report}, or {"PARALLEL-system": ...} per variant."""
+    """One testbed, each of `systems` in turn (for each --parallel of `variants`, "" meaning
+    the script's default), the aggregator served once per set of serve options; {system: rank
+    0's report}, or {"PARALLEL-system": ...} per variant."""
     from netns_testbed.testbed import Testbed
     from xdp_agg.cluster.cluster import Cluster
-    from xdp_agg.cluster.torchrun import start_torchrun, wait_all
 
     reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
-    with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb, Cluster(tb) as cl:
-        for variant, system in ((v, s) for v in variants for s in ("xdpagg", "gloo")):
-            key = f"{variant}-{system}" if variant else system
-            path = out / f".{name}-{key}.json"
-            t0 = time.monotonic()
-            extra = ["--parallel", variant] if variant else []
-            procs = start_torchrun(
-                tb,
-                cl,
-                TRAIN,
-                ["--backend", system, *extra, *train_args, "--out", str(path)],
-                env=env,
-                run_id=f"{name}-{key}-{os.getpid()}",
-            )
-            results = wait_all(procs, 900)
-            bad = [
-                f"node {i} exited {rc}: {se[-2500:]}"
-                for i, (rc, _, se) in enumerate(results)
-                if rc != 0
-            ]
-            if bad:
-                raise RuntimeError(f"{name} {key}: " + "\n".join(bad))
-            reports[key] = json.loads(path.read_text())
-            path.unlink()
-            log(f"  {results[0][1].strip()}  ({time.monotonic() - t0:.0f} s with start-up)")
+    with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb:
+        for serve_args in dict.fromkeys(s for _, _, s in systems):
+            with Cluster(tb, serve_args=serve_args) as cl:
+                for variant in variants:
+                    for key, backend, s in systems:
+                        if s != serve_args:
+                            continue
+                        key = f"{variant}-{key}" if variant else key
+                        run = _run_one(tb, cl, name, key, backend, variant, train_args, env, out)
+                        reports[key] = run.pop("report")
+                        log(f"  {run['line']}  ({run['seconds']:.0f} s with start-up)")
     reports["load"].append(os.getloadavg()[0])
     return reports
+
+
+def _run_one(tb, cl, name, key, backend, variant, train_args, env, out: Path) -> dict:
+    """examples/train.py on every worker through torchrun with `backend`; rank 0's report, its
+    summary line and the seconds the run took."""
+    from xdp_agg.cluster.torchrun import start_torchrun, wait_all
+
+    path = out / f".{name}-{key}.json"
+    t0 = time.monotonic()
+    extra = ["--parallel", variant] if variant else []
+    procs = start_torchrun(
+        tb,
+        cl,
+        TRAIN,
+        ["--backend", backend, *extra, *train_args, "--out", str(path)],
+        env=env,
+        run_id=f"{name}-{key}-{os.getpid()}",
+    )
+    results = wait_all(procs, 900)
+    bad = [f"node {i} exited {rc}: {se[-2500:]}" for i, (rc, _, se) in enumerate(results) if rc]
+    if bad:
+        raise RuntimeError(f"{name} {key}: " + "\n".join(bad))
+    report = json.loads(path.read_text())
+    path.unlink()
+    return {"report": report, "line": results[0][1].strip(), "seconds": time.monotonic() - t0}
 
 
 def markdown(res: dict) -> str:
@@ -156,6 +180,8 @@ def markdown(res: dict) -> str:
     ]
     if "sharded" in res:
         lines += sharded_markdown(res["sharded"], meta["workers"])
+    if "recsys" in res:
+        lines += recsys_markdown(res["recsys"], meta["workers"])
     return "\n".join(lines)
 
 
@@ -200,6 +226,50 @@ def sharded_markdown(case: dict, n: int) -> list[str]:
                 f"{r['compute_per_iter_s'] * 1e3:.1f} ms | {r['comm_share']:.0%} | "
                 f"{r['loss'][-1]:.4f} | {agg} |"
             )
+    return [*lines, ""]
+
+
+def recsys_markdown(case: dict, n: int) -> list[str]:
+    """The recommender's table: xdp-agg sparse, xdp-agg dense and gloo; the losses compared."""
+    keys = [k for k, _, _ in RECSYS_SYSTEMS if k in case]
+    r0 = case[keys[0]]
+    lines = [
+        f"## recsys: EmbeddingBag recommender ({r0['params'] / 1e6:.1f} M parameters, "
+        f"{r0['params'] * 4 / 1e6:.1f} MB of float32 gradients per step, the embedding's mostly "
+        f"zero) on synthetic sessions, 1 Gbit/s worker links, MTU 3500, 768 int32 per packet, "
+        f"{r0['steps']} steps of {r0['batch_per_rank']} sessions per rank",
+        "",
+        _when(case),
+        "",
+        "xdpagg-sparse: the job is sparse (`xdp-agg serve --sparse`) and the backend's "
+        'all-reduces choose for themselves (sparse="auto": sparse while the union block '
+        "density stays below hostlib.sparsity.AUTO_DENSITY); xdpagg: a dense job.",
+        "",
+        "| system | time per iteration | compute | communication share | final loss | "
+        "final test accuracy | largest loss difference from xdpagg | sparse all-reduces "
+        "(rank 0) | MB sent per step (rank 0) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    ref = case.get("xdpagg", r0)["loss"]
+    for k in keys:
+        r = case[k]
+        eng = r.get("xdpagg", {}).get("engine", {})
+        diff = max(abs(a - b) for a, b in zip(r["loss"], ref))
+        sent = f"{eng['bytes_sent'] / r['steps'] / 1e6:.2f}" if eng else "-"
+        acc = f"{r['final_accuracy']:.4f}" if r.get("final_accuracy") is not None else "-"
+        lines.append(
+            f"| {k} | {r['time_per_iter_s'] * 1e3:.1f} ms | {r['compute_per_iter_s'] * 1e3:.1f} "
+            f"ms | {r['comm_share']:.0%} | {r['loss'][-1]:.4f} | {acc} | {diff:.3g} | "
+            f"{eng.get('sparse_allreduces', '-') if eng else '-'} of "
+            f"{eng.get('allreduces', '-') if eng else '-'} | {sent} |"
+        )
+    t = {k: case[k]["time_per_iter_s"] for k in keys}
+    if {"xdpagg-sparse", "xdpagg", "gloo"} <= set(t):
+        lines += [
+            "",
+            f"Time per iteration: xdpagg / xdpagg-sparse {t['xdpagg'] / t['xdpagg-sparse']:.2f}x,"
+            f" gloo / xdpagg-sparse {t['gloo'] / t['xdpagg-sparse']:.2f}x (n = {n}).",
+        ]
     return [*lines, ""]
 
 
@@ -268,7 +338,8 @@ def main(argv=None) -> int:
     ap.add_argument("--wide-warmup", type=int, default=2)
     ap.add_argument("--sharded-steps", type=int, default=40)
     ap.add_argument("--out", default=str(ROOT / "bench" / "results" / "training"))
-    ap.add_argument("--only", choices=["digits", "wide", "sharded"], default=None)
+    ap.add_argument("--recsys-steps", type=int, default=40)
+    ap.add_argument("--only", choices=["digits", "wide", "sharded", "recsys"], default=None)
     ap.add_argument("--window", type=int, default=256, help="xdp-agg slots per worker")
     ap.add_argument(
         "--replot",
@@ -335,10 +406,20 @@ def main(argv=None) -> int:
             train_args=["--model", "digits", "--steps", str(args.sharded_steps)],
             variants=SHARDED,
         )
+    if args.only in (None, "recsys"):
+        log(f"recsys (xdp-agg sparse, dense, gloo), n={args.workers}, 1 Gbit/s:")
+        res["recsys"] = case(
+            "recsys",
+            rate="1gbit",
+            env={"XDP_AGG_ELEMS": "768", "XDP_AGG_WINDOW": str(args.window)},
+            train_args=["--model", "recsys", "--steps", str(args.recsys_steps), "--batch", "64"]
+            + ["--warmup", "3", "--calib", "10", "--eval-every", "10"],
+            systems=RECSYS_SYSTEMS,
+        )
     (out / "results.json").write_text(json.dumps(res, indent=1))
     if "digits" in res and "wide" in res:
         (out / "results.md").write_text(markdown(res))
-        if args.only != "sharded":  # its table only: the plots are the other cases'
+        if args.only not in ("sharded", "recsys"):  # their tables only: the plots are the others'
             plots(res, out)
         log((out / "results.md").read_text())
     return 0

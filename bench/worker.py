@@ -35,7 +35,8 @@ from datetime import timedelta
 
 import numpy as np
 
-from xdp_agg.cluster.cluster_worker import join
+from bench.density import SPARSE
+from xdp_agg.cluster.cluster_worker import join, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,8 +52,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--plan",
         required=True,
-        help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host", '
-        '"dtype": "float32"|"int32"}] (host: xdp-agg alone)',
+        help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host"|"sparse", '
+        '"dtype": "float32"|"int32"}] (host: xdp-agg alone; sparse: also "density", the '
+        'union block density, and "pattern", "same" or "indep")',
     )
     ap.add_argument(
         "--counted",
@@ -109,26 +111,52 @@ def main(argv=None) -> int:
     return 0
 
 
-def _inputs(item: dict, rank: int):
-    """This rank's tensor of a plan item (int32 or float32), seeded by rank and size."""
+def _inputs(item: dict, rank: int, world: int, block: int):
+    """This rank's tensor of a plan item (int32 or float32), seeded by rank and size. A sparse
+    item's (kind "sparse") has its blocks of `block` elements zero but for a share: the same
+    blocks on every rank ("same": that share is the union density), or drawn for each rank
+    with the probability that makes the union density the item's ("indep")."""
     count = max(1, int(item["bytes"]) // 4)
+    if item.get("kind") == "sparse":
+        same = item["pattern"] == "same"
+        density = per_worker_density(float(item["density"]), world, same)
+        return make_input(
+            item.get("dtype", "float32"),
+            count,
+            count,
+            rank,
+            density=density,
+            same=same,
+            block=block,
+        )
     rng = np.random.default_rng([rank, count])
     if item.get("dtype", "float32") == "int32":
         return rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
     return rng.standard_normal(count).astype(np.float32)
 
 
+def per_worker_density(union: float, world: int, same: bool) -> float:
+    """The share of its blocks each worker has data in for a union density `union`: the same,
+    when every worker has the same blocks; 1 - (1 - union)^(1/n) when each draws its own."""
+    return union if same or union >= 1.0 else 1.0 - (1.0 - union) ** (1.0 / world)
+
+
+def union_of(result: np.ndarray, block: int) -> int:
+    """The blocks of `block` elements of a result with a non-zero element (the union: the
+    blocks some worker had data in, unless their sum cancels to exactly zero)."""
+    full = result.size // block
+    rows = np.any(result[: full * block].reshape(full, block) != 0, axis=1)
+    return int(np.count_nonzero(rows)) + int(bool(np.any(result[full * block :] != 0)))
+
+
 def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
-    """One plan item on every system: warm-up, then the timed, alternating repetitions; this
-    rank's report."""
+    """One plan item on every system: warm-up, then the timed repetitions, the systems' order
+    rotated every repetition; this rank's report."""
     nbytes, reps = int(item["bytes"]), int(item["reps"])
     kind, dtype = item.get("kind", "throughput"), item.get("dtype", "float32")
-    x = _inputs(item, args.rank)
-    y = np.empty_like(x)  # xdp-agg's sum goes here (gloo sums t in place: no allocation)
-    t = torch.from_numpy(x.copy())
-    runs = {"xdp-agg": lambda: comm.allreduce(x, out=y)}
-    if kind != "host":
-        runs["gloo"] = lambda: dist.all_reduce(t)
+    block = int(comm.stats["elems"])
+    x = _inputs(item, args.rank, args.world, block)
+    runs, sparse = _systems(kind, comm, dist, torch, x)
     for fn in runs.values():  # warm-up: connections, buffers, page faults
         dist.barrier()
         fn()
@@ -144,8 +172,9 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
             background = meter.background(1.0)
         dist.barrier()
     before = comm.stats
+    names = list(runs)
     for rep in range(reps):
-        order = list(runs) if rep % 2 == 0 else list(runs)[::-1]  # alternate who goes first
+        order = names[rep % len(names) :] + names[: rep % len(names)]  # who goes first rotates
         for name in order:
             snap = count_drops and name == "xdp-agg"
             dist.barrier()
@@ -156,16 +185,21 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
                 m0 = meter.start() if meter else None
                 dist.barrier()
             c0 = _cpu_seconds()
+            s_before = comm.stats if name == SPARSE else None
             t0 = time.perf_counter()
             runs[name]()
             times[name].append(time.perf_counter() - t0)
             cpu[name].append(_cpu_seconds() - c0)
+            if s_before is not None:
+                sparse.count(s_before, comm.stats)
             if snap or args.syscpu:
                 dist.barrier()  # every rank is done: its socket's counters are final
             if meter:
                 spans[name].append(meter.span(m0))
             if snap and counters:
                 deltas.append(counters.diff(s0, counters.snapshot()))
+        if sparse:
+            sparse.check()  # outside the timed spans
     after = comm.stats
     # the counters' differences (data_path and its reason are strings: as they are)
     engine = {
@@ -183,14 +217,78 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
         "retransmissions": engine["retransmissions"],
         "packets": engine["packets_sent"],
     }
+    if sparse:
+        out["sparse"] = sparse.report(item, args.world, block)
     if deltas:
         out["counters"] = counters.sum(deltas)
     if meter:
         out["syscpu"] = spans
         out["background_cpu_per_s"] = background
     if args.profile and int(args.profile) == nbytes:
-        profile_one(comm, dist, x, y, args)
+        profile_one(comm, dist, x, runs["xdp-agg"].y, args)
     return out
+
+
+class _Run:
+    """One system's all-reduce of x, as a call: xdp-agg's into a preallocated y (dense, or
+    sparse), gloo's in place on its own tensor (so neither pays for allocating and faulting in
+    an output)."""
+
+    def __init__(self, comm, x, sparse: bool) -> None:
+        self.comm, self.x, self.y, self.sparse = comm, x, np.empty_like(x), sparse
+
+    def __call__(self) -> None:
+        self.comm.allreduce(self.x, out=self.y, sparse=self.sparse)
+
+
+def _systems(kind: str, comm, dist, torch, x):
+    """The all-reduces a plan item times, by name, and for a sparse item its _SparseCheck:
+    xdp-agg dense; gloo but in host rows; xdp-agg sparse in sparse rows."""
+    runs = {"xdp-agg": _Run(comm, x, sparse=False)}
+    if kind != "host":
+        t = torch.from_numpy(x.copy())
+        runs["gloo"] = lambda: dist.all_reduce(t)
+    if kind != "sparse":
+        return runs, None
+    runs[SPARSE] = _Run(comm, x, sparse=True)
+    return runs, _SparseCheck(runs["xdp-agg"].y, runs[SPARSE].y)
+
+
+class _SparseCheck:
+    """A sparse item's evidence: after every repetition, the sparse result must equal the dense
+    one byte for byte (docs/protocol.md 8: the agreed exponents are the same maxima); the
+    sparse all-reduces' own packets, bytes and skipped blocks."""
+
+    COUNTS = ("packets_sent", "bytes_sent", "empty_sent", "blocks_skipped", "retransmissions")
+
+    def __init__(self, dense_y: np.ndarray, sparse_y: np.ndarray) -> None:
+        self.dense_y, self.sparse_y = dense_y, sparse_y
+        self.checked = self.equal = 0
+        self.counts = dict.fromkeys(self.COUNTS, 0)
+        self.runs = 0
+
+    def count(self, before: dict, after: dict) -> None:
+        self.runs += 1
+        for k in self.COUNTS:
+            self.counts[k] += after[k] - before[k]
+
+    def check(self) -> None:
+        self.checked += 1
+        self.equal += self.dense_y.tobytes() == self.sparse_y.tobytes()
+
+    def report(self, item: dict, world: int, block: int) -> dict:
+        blocks = -(-self.sparse_y.size // block)
+        same = item["pattern"] == "same"
+        return {
+            "density": item["density"],
+            "pattern": item["pattern"],
+            "per_worker_density": per_worker_density(float(item["density"]), world, same),
+            "blocks": blocks,
+            "union_blocks": union_of(self.sparse_y, block),
+            "checked": self.checked,
+            "equal_to_dense": self.equal,
+            **{k: v / max(1, self.runs) for k, v in self.counts.items()},  # per all-reduce
+        }
 
 
 def _cpu_seconds() -> float:
