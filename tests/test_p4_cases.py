@@ -18,7 +18,10 @@ Differences from the XDP test, by design:
   sizes); a jumbo size code on a frame to one of its jobs is a counted bad size;
 - the P4 program always delivers results as switch mode does (one copy per worker through the
   job's multicast group), whatever the job's `delivery` says: a P4 switch has no "one-arm" port;
-- plain traffic is switched (MAC table, flooding) instead of passed to a kernel.
+- plain traffic is switched (MAC table, flooding) instead of passed to a kernel;
+- sparse cases of 256 elements and more are skipped: the bmv2 program runs sparse jobs of 32
+  and 64 elements (Bmv2Backend.sparse_elems says why); its sparse results are as long as their
+  kind, not as the request.
 """
 
 from __future__ import annotations
@@ -45,14 +48,14 @@ from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
 from xdp_agg.codegen.p4 import P4_ELEMS
-from xdp_agg.targets.bmv2.backend import SPARSE_MAX_ELEMS
-
-SPARSE_ELEMS = [k for k in P4_ELEMS if k <= SPARSE_MAX_ELEMS]
 from xdp_agg.proto import limits, wire
 from xdp_agg.proto.model import Action
 from xdp_agg.proto.reasons import Reason
+from xdp_agg.targets.bmv2.backend import SPARSE_MAX_ELEMS
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
+
+SPARSE_ELEMS = [k for k in P4_ELEMS if k <= SPARSE_MAX_ELEMS]  # the bmv2 program's sparse sizes
 
 WORKER_PORTS = 4  # worker host h is behind switch port h % 4
 HOST_PORT = 4  # where AGG_MAC (the aggregator's own host) is: plain traffic to it goes here,
