@@ -51,6 +51,7 @@ struct headers_t {
     udp_h udp;
     switchml_h switchml;
     exponents_h exponents;
+    sparse_h sparse; // msg_type 2 and 3 only (docs/protocol.md section 8)
     payload_h d0; // elements 0..31
     payload_h d1; // elements 32..63 (64- and 256-element packets)
     payload_h d2; // d2..d7: elements 64..255 (256-element packets only); rotated down to d0, d1

@@ -45,6 +45,22 @@ parser SmlParser(packet_in pkt, out headers_t hdr, inout sml_metadata_t md,
     state parse_switchml {
         pkt.extract(hdr.switchml);
         pkt.extract(hdr.exponents);
+        transition select(hdr.switchml.msg_type) {
+            SML_MSG_TYPE_SPARSE: parse_sparse;
+            SML_MSG_TYPE_SPARSE_EMPTY: parse_sparse;
+            default: parse_payload;
+        }
+    }
+
+    // A sparse packet's header, then its payload: always for data (msg_type 2); for an empty
+    // one (3) only when padded, else the payload's extract fails at the end of the packet and
+    // the payload headers stay invalid (UDPReceiver tells the two apart by the UDP length).
+    state parse_sparse {
+        pkt.extract(hdr.sparse);
+        transition parse_payload;
+    }
+
+    state parse_payload {
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d0;
             SML_SIZE_64: parse_d0;
@@ -129,6 +145,7 @@ control SmlDeparser(packet_out pkt, in headers_t hdr) {
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
         pkt.emit(hdr.exponents);
+        pkt.emit(hdr.sparse);
         pkt.emit(hdr.d0);
         pkt.emit(hdr.d1);
         pkt.emit(hdr.d2);

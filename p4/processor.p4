@@ -12,11 +12,12 @@ control Processor(inout bit<32> value, in sml_metadata_t md) {
     apply {
         bit<32> i = (bit<32>)md.pass * POOL_ENTRIES + md.pool_entry;
         if (md.add == 1) {
-            bit<32> sum = value;
+            // an empty sparse contribution adds zeros, whatever its padding holds
+            bit<32> sum = md.zero == 1 ? 32w0 : value;
             if (md.first == 0) {
                 bit<32> old;
                 acc.read(old, i);
-                sum = old + value;
+                sum = old + sum;
             }
             acc.write(i, sum);
             value = sum; // the packet leaves with the sum only if it completed the slot

@@ -28,6 +28,7 @@
 #include "bitmap_checker.p4"
 #include "workers_counter.p4"
 #include "tree_link.p4"
+#include "sparse_round.p4"
 #include "exponents.p4"
 #include "elements.p4"
 #include "next_step_selector.p4"
@@ -43,6 +44,9 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
     BitmapChecker() bitmap_checker;
     WorkersCounter() workers_counter;
     TreeLink() tree_link;
+    SparseCheck() sparse_check;
+    SparseCommit() sparse_commit;
+    SparseResult() sparse_result;
     Exponents() exponents;
     Elements() elements;
     NextStepSelector() next_step_selector;
@@ -63,12 +67,20 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
             md.read = 0;
             md.ingress_port = sm.ingress_port;
             udp_receiver.apply(hdr, md, sm.packet_length);
+            if (md.accepted == 1 && md.job_sparse == 1) {
+                // a contribution to a round in progress of another kind or block: refused
+                // before it changes anything (docs/protocol.md 8.3 row 13)
+                sparse_check.apply(hdr, md);
+            }
             if (md.accepted == 1) {
                 md.is_new = 0;
                 if (md.from_parent == 0) {
                     bitmap_checker.apply(md); // the parent has no bit: its results are keyed
                 }
                 workers_counter.apply(md);
+                if (md.job_sparse == 1) {
+                    sparse_commit.apply(hdr, md);
+                }
                 if (md.tree == 1) {
                     tree_link.apply(hdr, md); // a rack job: up, down, or re-sent up
                 }
@@ -84,6 +96,9 @@ control SmlIngress(inout headers_t hdr, inout sml_metadata_t md, inout standard_
             md.kind = KIND_FOLD;
         } else {
             if (md.ours == 1) {
+                if (md.sparse_pkt == 1) {
+                    sparse_result.apply(hdr, md); // a sparse round's result
+                }
                 next_step_selector.apply(hdr, md, sm);
             } else {
                 forwarder.apply(hdr, md, sm);

@@ -40,10 +40,16 @@ struct sml_metadata_t {
     bit<16> slot_end; // exclusive
     bit<1> tree; // a rack job of a two-level tree (docs/protocol.md section 3.7)
     bit<16> parent_slot_base; // tree: the parent job's first slot (ours slot_base maps to it)
+    bit<1> job_sparse; // the job takes sparse contributions too (docs/protocol.md section 8)
     @field_list(FOLD_FIELDS) bit<16> mgid; // the job's multicast group
     // the slot this packet addresses
     @field_list(FOLD_FIELDS) pool_entry_t pool_entry; // slot * 2 + version
     pool_entry_t other_entry; // slot * 2 + (1 - version)
+    // a sparse packet (msg_type 2 or 3) of a sparse job: its result is written from the round's
+    // stored state (sparse_round.p4), in the last pass of a folded packet
+    @field_list(FOLD_FIELDS) bit<1> sparse_pkt;
+    // an empty contribution (msg_type 3): adds zeros, whatever a padded one carries
+    @field_list(FOLD_FIELDS) bit<1> zero;
     // state machine outcome
     bit<1> is_new; // the worker's bit was not yet set in this version's bitmap
     bit<1> complete; // from the parent: this round is complete here (all n contributions)

@@ -47,7 +47,7 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
 
     @name(".set_job")
     action set_job(bit<8> num_workers, bit<3> size_code, bit<16> slot_base, bit<16> slot_end,
-                   bit<16> mgid, bit<1> tree, bit<16> parent_slot_base) {
+                   bit<16> mgid, bit<1> tree, bit<16> parent_slot_base, bit<1> sparse) {
         md.num_workers = num_workers;
         md.size_code = size_code;
         md.slot_base = slot_base;
@@ -55,6 +55,7 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         md.mgid = mgid;
         md.tree = tree;
         md.parent_slot_base = parent_slot_base;
+        md.job_sparse = sparse;
     }
 
     action no_job() {
@@ -78,6 +79,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         md.ours = 0;
         md.accepted = 0;
         md.from_parent = 0;
+        md.sparse_pkt = 0;
+        md.zero = 0;
         md.counter_row = AGG_NO_JOB;
         md.reason = AGG_PASS;
         if (hdr.udp.isValid() && (hdr.udp.dst_port & SML_UDP_PORT_MASK) == SML_UDP_PORT) {
@@ -91,6 +94,19 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
             } else if (hdr.switchml.size == SML_SIZE_256) {
                 udp_len = SML_UDP_LEN_256;
             }
+            // A sparse packet (section 8.1): 12 bytes of sparse header more; an empty one ends
+            // after it unless padded to a data packet's length.
+            bool sparse = hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE
+                          || hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE_EMPTY;
+            bool empty = hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE_EMPTY;
+            bool needs_payload = true;
+            if (sparse) {
+                udp_len = udp_len + SML_SPARSE_HLEN;
+                if (empty && hdr.udp.length != udp_len) {
+                    udp_len = SML_UDP_LEN_SPARSE_EMPTY; // not padded: no payload
+                    needs_payload = false;
+                }
+            }
             if (hdr.ipv4_options.isValid() || hdr.ipv4.flags[0:0] == 1) {
                 md.reason = AGG_DROP_MALFORMED; // options or a first fragment
             } else if (!hdr.exponents.isValid()) {
@@ -103,12 +119,14 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 md.reason = AGG_DROP_NO_JOB; // a parent entry of a job that has no parent
             } else if (md.from_parent == 0 && md.worker_id >= md.num_workers) {
                 md.reason = AGG_DROP_NO_JOB; // a stale worker entry of a job re-created smaller
-            } else if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
+            } else if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA
+                       && !(sparse && md.job_sparse == 1)) {
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
-            } else if (!hdr.d0.isValid() || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())
-                       || (md.size_code == SML_SIZE_256 && !hdr.d7.isValid())) {
+            } else if ((sparse && !hdr.sparse.isValid()) || (needs_payload && (!hdr.d0.isValid()
+                       || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())
+                       || (md.size_code == SML_SIZE_256 && !hdr.d7.isValid())))) {
                 md.reason = AGG_DROP_TRUNCATED; // shorter than the job's payload
             } else if (hdr.udp.length != udp_len || hdr.ipv4.total_len != SML_IPV4_HLEN + udp_len
                        || packet_length != (bit<32>)(SML_ETH_HLEN + SML_IPV4_HLEN + udp_len)) {
@@ -118,8 +136,18 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
             } else if (md.from_parent == 1 && (g < md.parent_slot_base
                        || g - md.parent_slot_base >= md.slot_end - md.slot_base)) {
                 md.reason = AGG_DROP_SLOT_RANGE; // the parent's results: the parent job's slots
+            } else if (sparse && (hdr.sparse.block >= hdr.sparse.blocks
+                                  || hdr.sparse.next > hdr.sparse.blocks)) {
+                md.reason = AGG_DROP_SPARSE_RANGE; // outside the tensor
+            } else if (sparse && (hdr.sparse.next < hdr.sparse.block
+                                  || (hdr.sparse.next == hdr.sparse.block && !empty))) {
+                md.reason = AGG_DROP_SPARSE_BACKWARDS; // only an empty one may name its own
             } else {
                 md.accepted = 1;
+                if (sparse) {
+                    md.sparse_pkt = 1;
+                    md.zero = empty ? 1w1 : 1w0;
+                }
                 if (md.from_parent == 1) {
                     g = g - md.parent_slot_base + md.slot_base; // the parent's slot -> ours
                 }

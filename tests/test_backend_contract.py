@@ -109,7 +109,7 @@ CLAIMS = {
     "soft": (lambda: SoftAggregator, {"JobCounters", "WorkerCounters", "SparseJobs"}),
     "bmv2": (
         lambda: bmv2.Bmv2Backend,
-        {"JobCounters", "ParentStatus", "ElemSizes", "CounterRows"},
+        {"JobCounters", "ParentStatus", "ElemSizes", "CounterRows", "SparseJobs"},
     ),
     "xdp": (
         _xdp_backend_class,

@@ -32,7 +32,7 @@ def test_job_and_worker_become_entries_group_and_node():
             int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")
         ] == list(range(20, 28))
     assert f"mc_mgrp_create {job_mgid(3)}" in cli.log
-    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0" in cli.log  # no parent
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 0" in cli.log  # no parent, dense
     cli.log.clear()
     b.add_worker(
         WorkerSpec(
@@ -102,6 +102,22 @@ def test_refusals():
     b.add_worker(WorkerSpec(1, 0, "198.18.1.2", 2, extra={"port": 1}))  # same address: updated
 
 
+def test_sparse_jobs_of_32_and_64_elements():
+    """A sparse job's entry says so, and its slots' open rounds are cleared with the bitmaps;
+    256 elements are refused sparse (Bmv2Backend.sparse_elems: the switch cannot grow an empty
+    request into such a result), not dense."""
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, PORTS)
+    assert b.sparse_elems() == (32, 64) and b.pads_empty() is False
+    b.create_job(dataclasses.replace(spec(), sparse=True))
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 1" in cli.log
+    opened = [int(c.split()[2]) for c in cli.log if c.startswith("register_write slot_round_open ")]
+    assert opened == list(range(20, 28))
+    with pytest.raises(ValueError, match="sparse jobs of 32 or 64 elements per packet, not 256"):
+        b.create_job(dataclasses.replace(spec(job_id=4, base=20, elems=256), sparse=True))
+    b.create_job(spec(job_id=4, base=20, elems=256))  # dense: fine
+
+
 def _rack(job_id=3, parent_ip="198.18.2.9", uplink=0xBEE7, **kw):
     """A rack job of a two-level tree (docs/protocol.md section 3.7)."""
     return dataclasses.replace(
@@ -129,7 +145,7 @@ def test_rack_job_becomes_its_parent_link():
     )
     # its results are recognised by (its address, our uplink port), from any MAC
     parent = "table_add workers set_parent 198.18.2.9 48871 0&&&0 => 3 1"
-    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100"
+    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100 0"
     # the link first: no packet finds the job without it
     assert cli.log.index(link) < cli.log.index(job) and cli.log.index(parent) < cli.log.index(job)
     st = b.parent_status(3)

@@ -166,6 +166,11 @@ def wire_p4() -> list[str]:
         L.append(f"const bit<3> SML_SIZE_{n} = {code};")
     L.append(f"const bit<16> SML_ETH_HLEN = {wire.ETH_HLEN};")
     L.append(f"const bit<16> SML_IPV4_HLEN = {wire.IPV4_HLEN}; // no options")
+    L.append(f"const bit<16> SML_SPARSE_HLEN = {wire.SPARSE_HLEN}; // sparse header bytes")
+    L.append(
+        f"const bit<16> SML_UDP_LEN_SPARSE_EMPTY = "
+        f"{wire.UDP_HLEN + wire.sparse_payload_len(32, True)}; // UDP length, empty, not padded"
+    )
     for n in wire.SIZE_CODE_ELEMS.values():
         L.append(
             f"const bit<16> SML_UDP_LEN_{n} = {wire.UDP_HLEN + wire.udp_payload_len(n)}; "

@@ -18,7 +18,7 @@ before they use it:
 | CounterRows | metrics read every job's counters in one call | bmv2 |
 | AllWorkerCounters | metrics read every job's per-worker counters in one call | xdp |
 | ProgramStats | metrics show the kernel programs' run time, memory, id and tag | xdp |
-| SparseJobs | `create` makes jobs sparse (ServerDefaults.sparse) at its sizes | xdp, soft |
+| SparseJobs | `create` makes jobs sparse (ServerDefaults.sparse) at its sizes | xdp, soft, bmv2 |
 
 tests/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.

@@ -38,6 +38,8 @@ FOLD_QUEUE_DEPTH = 1024
 T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_forward"
 T_PARENT_LINK = "parent_link"  # a rack job's link to its parent (next_step_selector.p4)
 R_SEEN, R_COUNT = "slot_seen", "slot_count"
+R_OPEN = "slot_round_open"  # a sparse job's round in progress (p4/sparse_round.p4)
+SPARSE_MAX_ELEMS = 64  # the largest sparse job (Bmv2Backend.sparse_elems says why)
 C_INGRESS, C_EGRESS = "ingress_reasons", "egress_reasons"
 
 
@@ -216,6 +218,18 @@ class Bmv2Backend:
         """The packet sizes the P4 program aggregates (xdp_agg.codegen.p4.P4_ELEMS)."""
         return tuple(P4_ELEMS)
 
+    def sparse_elems(self) -> tuple[int, ...]:
+        """The sizes whose sparse rounds it runs (p4/sparse_round.p4): 32 and 64. Not 256:
+        simple_switch cannot grow a 64-byte empty contribution into a result of 1,094 bytes
+        (its packet buffer has a fixed room: bm::PacketBuffer::push asserts and the switch
+        stops), so 256-element jobs stay dense."""
+        return tuple(k for k in P4_ELEMS if k <= SPARSE_MAX_ELEMS)
+
+    def pads_empty(self) -> bool:
+        """No: a result makes its payload headers valid, whatever the request's length
+        (it takes padded empty contributions all the same)."""
+        return False
+
     def create_job(self, spec: JobSpec) -> None:
         """Create (or re-create) a job: its jobs entry and multicast group; its slots cleared.
         A rack job (spec.has_parent) also gets its parent link and the parent's workers entry
@@ -234,10 +248,10 @@ class Bmv2Backend:
             raise ValueError(
                 "the bmv2 program does not verify UDP checksums (the XDP program does, per job)"
             )
-        if spec.sparse:
+        if spec.sparse and spec.elems not in self.sparse_elems():
             raise ValueError(
-                "the bmv2 program has no sparse rounds yet (docs/protocol.md section 8): "
-                "create the job dense"
+                f"the bmv2 program runs sparse jobs of {' or '.join(map(str, self.sparse_elems()))}"
+                f" elements per packet, not {spec.elems} (Bmv2Backend.sparse_elems says why)"
             )
         uplink = self._check_parent(spec) if spec.has_parent else None
         end = spec.slot_base + spec.slot_count
@@ -245,12 +259,13 @@ class Bmv2Backend:
             self.delete_job(spec.job_id)
         mgid = job_mgid(spec.job_id)
         # Clear the job's slots first, so that no packet finds the job with stale state: the
-        # seen bitmaps and counts of both versions (the accumulators need no clearing: the first
-        # contribution of a round overwrites them).
+        # seen bitmaps, counts and open rounds of both versions (the accumulators and the rest
+        # of a sparse round need no clearing: the first contribution of a round overwrites them).
         clear = []
         for entry in range(2 * spec.slot_base, 2 * end):
             clear.append(f"register_write {R_SEEN} {entry} 0")
             clear.append(f"register_write {R_COUNT} {entry} 0")
+            clear.append(f"register_write {R_OPEN} {entry} 0")
         self.cli.run(clear + [f"mc_mgrp_create {mgid}"])
         # A rack job's parent link goes in before its jobs entry: no packet finds the job
         # without it.
@@ -260,7 +275,8 @@ class Bmv2Backend:
             link
             + [
                 f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
-                f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid} {tree}"
+                f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid} {tree} "
+                f"{int(spec.sparse)}"
             ]
         )
         job = _SwitchJob(spec=spec, handle=_handle(out[-1]))
