@@ -260,6 +260,7 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
 
     def run_once(self):  # what Ctrl-C would end: check the endpoint, then stop it
         seen.update(backend=self.backend, address=self.address, secret=self._guard.secret)
+        seen["sparse"] = self.defaults.sparse
         self.stop()
 
     monkeypatch.setattr(bm, "missing_tools", lambda: [])
@@ -273,10 +274,15 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
     assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
     assert stopped == [True] and "control endpoint listening" in lines[0]
+    assert seen["sparse"] is False
+    # serve --sparse: the jobs take sparse all-reduces where the program runs them
+    serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, sparse=True)
+    assert seen["sparse"] is True
+    stopped.clear()
     # with a parent (serve --parent-endpoint): every job a rack, through TreeBackend
     from xdp_agg.ctl.tree import ParentLink, TreeBackend
 
     link = ParentLink(("198.18.2.9", 48800), 1, 2)
     serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, parent=link)
     assert isinstance(seen["backend"], TreeBackend) and seen["backend"].inner is backend
-    assert seen["backend"].link is link and stopped == [True, True]
+    assert seen["backend"].link is link and stopped == [True]

@@ -139,8 +139,8 @@ def _sparse_field(which: str):
     """--sparse, of `serve` (which: "every job created") and `job create` ("the job")."""
     return flag(
         "--sparse",
-        f"xdp: {which} takes sparse all-reduces too, where the zero blocks stay home "
-        "(docs/protocol.md section 8; up to 768 elements per packet).",
+        f"xdp, bmv2: {which} takes sparse all-reduces too, where the zero blocks stay home "
+        "(docs/protocol.md section 8; up to 768 elements per packet, bmv2 32 and 64).",
     )
 
 

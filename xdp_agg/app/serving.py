@@ -565,6 +565,7 @@ def serve_bmv2(
     *,
     netns: str | None = None,
     barrier_timeout: float = 120.0,
+    sparse: bool = False,
     secret: bytes | None,
     limits=None,
     announce: Callable[[str], None] = print,
@@ -574,8 +575,10 @@ def serve_bmv2(
 ) -> None:
     """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
     run the control endpoint in front of it until interrupted; the switch stops on exit.
-    `parent` (a tree.ParentLink): every job created here is a rack of the parent's job of the
-    same name, its partial sums sent up from the port whose subnet holds the parent. `metrics`
+    `sparse`: the jobs created take sparse all-reduces too where the program runs them (32 and
+    64 elements per packet). `parent` (a tree.ParentLink): every job created here is a rack of
+    the parent's job of the same name, its partial sums sent up from the port whose subnet
+    holds the parent. `metrics`
     (HOST, PORT): serve Prometheus metrics there too (xdp_agg.app.metrics). `switchml`: also serve
     p4app-switchML's controller API (xdp_agg.ctl.switchml_grpc)."""
     import xdp_agg.targets.bmv2 as bm
@@ -603,7 +606,7 @@ def serve_bmv2(
             endpoint_backend,
             host,
             port,
-            {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout},
+            {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout, "sparse": sparse},
             fill_worker=backend.fill_worker,
             secret=secret,
             limits=limits,
@@ -727,7 +730,8 @@ def serve(
     common["metrics"] = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
     if opts.target == "bmv2":
         ifnames = opts.ports.split(",")
-        serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, netns=netns, parent=ep.parent, **common)
+        bmv2 = dict(netns=netns, parent=ep.parent, sparse=opts.sparse)
+        serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, **bmv2, **common)
         return
     results = dict(group_ip=opts.group_ip, results=opts.results, group_base=opts.group_base)
     xdp = dict(
