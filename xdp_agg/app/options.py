@@ -135,12 +135,14 @@ def _group_base_field():
     )
 
 
-def _sparse_field(which: str):
-    """--sparse, of `serve` (which: "every job created") and `job create` ("the job")."""
+def _sparse_field(which: str, targets: str = "xdp"):
+    """--sparse, of `serve` (which: "every job created", on both targets) and `job create`
+    ("the job", of the attached XDP aggregator)."""
+    bmv2 = ", bmv2 32 and 64" if "bmv2" in targets else ""
     return flag(
         "--sparse",
-        f"xdp, bmv2: {which} takes sparse all-reduces too, where the zero blocks stay home "
-        "(docs/protocol.md section 8; up to 768 elements per packet, bmv2 32 and 64).",
+        f"{targets}: {which} takes sparse all-reduces too, where the zero blocks stay home "
+        f"(docs/protocol.md section 8; xdp up to 768 elements per packet{bmv2}).",
     )
 
 
@@ -252,7 +254,7 @@ class ServeOptions:
     udp_checksum: bool = flag(
         "--udp-checksum", "xdp: every job created verifies its contributions' UDP checksums."
     )
-    sparse: bool = _sparse_field("every job created")
+    sparse: bool = _sparse_field("every job created", "xdp, bmv2")
     secret_file: str | None = opt(
         "--secret-file",
         type=click.Path(dir_okay=False),
