@@ -68,7 +68,8 @@ def row_fields(reports: list[dict]) -> dict:
         "checked": sum(s["checked"] for s in sp),
         "equal_to_dense": sum(s["equal_to_dense"] for s in sp),
         **{k: mean(k) for k in ("packets_sent", "bytes_sent", "empty_sent", "blocks_skipped")},
-        "sparse_retransmissions": round(sum(s["retransmissions"] for s in sp) * 1.0),
+        # per sparse all-reduce (each rank's mean), summed over the ranks
+        "sparse_retransmissions": round(sum(s["retransmissions"] for s in sp)),
     }
 
 
@@ -126,7 +127,7 @@ def markdown(summary: list[dict]) -> list[str]:
         "Sparse all-reduces (float32; union = the share of blocks some worker has data in; "
         "\"vs\" = the other's median time over sparse's; packets and MiB per worker and sparse "
         "all-reduce; exact = every sparse result equal to the dense one, byte for byte, on "
-        "every rank; retx = the sparse all-reduces' retransmissions, all ranks):",
+        "every rank; retx = retransmissions per sparse all-reduce, all ranks together):",
         "",
     ]
     return head + md_table(columns, rows)

@@ -36,6 +36,7 @@ from datetime import timedelta
 import numpy as np
 
 from bench.density import SPARSE
+from hostlib.sparsity import nonzero_blocks
 from xdp_agg.cluster.cluster_worker import join, make_input
 
 
@@ -139,14 +140,6 @@ def per_worker_density(union: float, world: int, same: bool) -> float:
     """The share of its blocks each worker has data in for a union density `union`: the same,
     when every worker has the same blocks; 1 - (1 - union)^(1/n) when each draws its own."""
     return union if same or union >= 1.0 else 1.0 - (1.0 - union) ** (1.0 / world)
-
-
-def union_of(result: np.ndarray, block: int) -> int:
-    """The blocks of `block` elements of a result with a non-zero element (the union: the
-    blocks some worker had data in, unless their sum cancels to exactly zero)."""
-    full = result.size // block
-    rows = np.any(result[: full * block].reshape(full, block) != 0, axis=1)
-    return int(np.count_nonzero(rows)) + int(bool(np.any(result[full * block :] != 0)))
 
 
 def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
@@ -274,7 +267,8 @@ class _SparseCheck:
 
     def check(self) -> None:
         self.checked += 1
-        self.equal += self.dense_y.tobytes() == self.sparse_y.tobytes()
+        # byte for byte, without copying either (a view of the bits, not a float compare)
+        self.equal += np.array_equal(self.dense_y.view(np.uint8), self.sparse_y.view(np.uint8))
 
     def report(self, item: dict, world: int, block: int) -> dict:
         blocks = -(-self.sparse_y.size // block)
@@ -284,7 +278,7 @@ class _SparseCheck:
             "pattern": item["pattern"],
             "per_worker_density": per_worker_density(float(item["density"]), world, same),
             "blocks": blocks,
-            "union_blocks": union_of(self.sparse_y, block),
+            "union_blocks": nonzero_blocks(self.sparse_y, block)[0],
             "checked": self.checked,
             "equal_to_dense": self.equal,
             **{k: v / max(1, self.runs) for k, v in self.counts.items()},  # per all-reduce

@@ -87,14 +87,19 @@ class SparseChooser:
 def union_density(result: np.ndarray, elems: int) -> float:
     """The share of non-zero blocks of `elems` elements among every SAMPLE_STRIDE-th block of
     the flat `result` (the last, padded block counted like the others)."""
+    nonzero, sampled = nonzero_blocks(result, elems, SAMPLE_STRIDE)
+    return nonzero / sampled if sampled else 0.0
+
+
+def nonzero_blocks(result: np.ndarray, elems: int, stride: int = 1) -> tuple[int, int]:
+    """(blocks with a non-zero element, blocks looked at) among every `stride`-th block of
+    `elems` elements of the flat `result`, the last, padded block counted like the others."""
     blocks = -(-result.size // elems)
-    if blocks == 0:
-        return 0.0
     full = result.size // elems
-    rows = result[: full * elems].reshape(full, elems)[::SAMPLE_STRIDE]
+    rows = result[: full * elems].reshape(full, elems)[::stride]
     nonzero = int(np.count_nonzero(np.any(rows != 0, axis=1)))
     sampled = len(rows)
-    if full < blocks and full % SAMPLE_STRIDE == 0:  # the padded block is a sampled one
+    if full < blocks and full % stride == 0:  # the padded block is a sampled one
         nonzero += int(np.any(result[full * elems :] != 0))
         sampled += 1
-    return nonzero / sampled
+    return nonzero, sampled

@@ -49,11 +49,13 @@ def test_same_blocks_on_every_rank():
     assert all((z == nz[0]).all() for z in nz) and 0.05 < nz[0].mean() < 0.15
 
 
-def test_union_of_counts_blocks_with_data_and_the_short_tail():
+def test_nonzero_blocks_counts_blocks_with_data_and_the_short_tail():
+    from hostlib.sparsity import nonzero_blocks
+
     y = np.zeros(10 * 8 + 3, dtype=np.float32)
     y[0] = y[17] = y[81] = 1.0
-    assert worker.union_of(y, 8) == 3
-    assert worker.union_of(np.zeros(16, dtype=np.float32), 8) == 0
+    assert nonzero_blocks(y, 8) == (3, 11)
+    assert nonzero_blocks(np.zeros(16, dtype=np.float32), 8) == (0, 2)
 
 
 def test_sparse_check_counts_equal_results_and_per_allreduce_counts():
