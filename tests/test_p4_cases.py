@@ -51,11 +51,10 @@ from xdp_agg.codegen.p4 import P4_ELEMS
 from xdp_agg.proto import limits, wire
 from xdp_agg.proto.model import Action
 from xdp_agg.proto.reasons import Reason
-from xdp_agg.targets.bmv2.backend import SPARSE_MAX_ELEMS
+from xdp_agg.targets.bmv2.backend import SPARSE_ELEMS
 
 pytestmark = [pytest.mark.root, pytest.mark.netns, pytest.mark.p4]
 
-SPARSE_ELEMS = [k for k in P4_ELEMS if k <= SPARSE_MAX_ELEMS]  # the bmv2 program's sparse sizes
 
 WORKER_PORTS = 4  # worker host h is behind switch port h % 4
 HOST_PORT = 4  # where AGG_MAC (the aggregator's own host) is: plain traffic to it goes here,

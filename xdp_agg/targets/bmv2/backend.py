@@ -39,7 +39,8 @@ T_WORKERS, T_JOBS, T_WORKER_ADDR, T_L2 = "workers", "jobs", "worker_addr", "l2_f
 T_PARENT_LINK = "parent_link"  # a rack job's link to its parent (next_step_selector.p4)
 R_SEEN, R_COUNT = "slot_seen", "slot_count"
 R_OPEN = "slot_round_open"  # a sparse job's round in progress (p4/sparse_round.p4)
-SPARSE_MAX_ELEMS = 64  # the largest sparse job (Bmv2Backend.sparse_elems says why)
+# the sizes of its sparse jobs (Bmv2Backend.sparse_elems says why not 256)
+SPARSE_ELEMS = tuple(k for k in P4_ELEMS if k <= 64)
 C_INGRESS, C_EGRESS = "ingress_reasons", "egress_reasons"
 
 
@@ -223,7 +224,7 @@ class Bmv2Backend:
         simple_switch cannot grow a 64-byte empty contribution into a result of 1,094 bytes
         (its packet buffer has a fixed room: bm::PacketBuffer::push asserts and the switch
         stops), so 256-element jobs stay dense."""
-        return tuple(k for k in P4_ELEMS if k <= SPARSE_MAX_ELEMS)
+        return SPARSE_ELEMS
 
     def pads_empty(self) -> bool:
         """No: a result makes its payload headers valid, whatever the request's length
