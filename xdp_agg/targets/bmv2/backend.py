@@ -221,9 +221,11 @@ class Bmv2Backend:
 
     def sparse_elems(self) -> tuple[int, ...]:
         """The sizes whose sparse rounds it runs (p4/sparse_round.p4): 32 and 64. Not 256:
-        simple_switch cannot grow a 64-byte empty contribution into a result of 1,094 bytes
-        (its packet buffer has a fixed room: bm::PacketBuffer::push asserts and the switch
-        stops), so 256-element jobs stay dense."""
+        simple_switch grows a packet by at most 512 bytes (behavioral-model 9674187,
+        targets/simple_switch/simple_switch.cpp lines 233-237: a buffer of the frame's length
+        + 512), and a 64-byte empty contribution answered with a 256-element result grows by
+        1,030 (bm::PacketBuffer::push asserts, include/bm/bm_sim/packet_buffer.h line 82, and
+        the switch stops); 64 elements grow it by 256. So 256-element jobs stay dense."""
         return SPARSE_ELEMS
 
     def pads_empty(self) -> bool:
