@@ -165,6 +165,125 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems,
         switch.stop()
 
 
+# A rank's int32 and float32 tensors: a fifth of the blocks of `elems` non-zero, drawn per rank
+# (most blocks zero on every rank, some on a few). Source text: the workers run it too.
+SPARSE_TENSORS = r"""
+import numpy as np
+def tensors(rank, n, elems):
+    rng = np.random.default_rng(1000 + rank)
+    keep = np.repeat(rng.random(-(-n // elems)) < 0.2, elems)[:n]
+    ints = rng.integers(-(2**31), 2**31, size=n, dtype=np.int64).astype(np.int32) * keep
+    floats = (rng.standard_normal(n) * 2.0 ** rng.integers(-8, 8, size=n)).astype(np.float32)
+    return ints.astype(np.int32), floats * keep
+"""
+
+SPARSE_WORKER = (
+    SPARSE_TENSORS
+    + r"""
+import json, sys
+import hostlib
+rank, world, endpoint, n = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+elems = int(sys.argv[5])
+ints, floats = tensors(rank, n, elems)
+opts = hostlib.HostOptions.from_env(elems=elems, window=16, timeout=60, gso=False, gro=False)
+with hostlib.init(rank, world, endpoint, "p4-sparse", opts) as comm:
+    out_i = comm.allreduce(ints, sparse=True)
+    out_f = comm.allreduce(floats, sparse=True)
+    stats = comm.stats
+print(json.dumps({"rank": rank, "ints": out_i.astype(np.int64).tolist(),
+                  "floats": out_f.astype(np.float64).tolist(),
+                  "stats": {k: int(v) for k, v in stats.items()
+                            if isinstance(v, (int, np.integer))}}))
+"""
+)
+
+
+def _sparse_tensors(rank: int, n: int, elems: int) -> tuple[np.ndarray, np.ndarray]:
+    """SPARSE_TENSORS' tensors of `rank`, as its worker makes them."""
+    ns: dict = {}
+    exec(SPARSE_TENSORS, ns)
+    return ns["tensors"](rank, n, elems)
+
+
+@pytest.mark.parametrize(("elems", "loss"), [(64, 0.0), (32, 0.05)])
+def test_sparse_allreduce_through_simple_switch(testbed_factory, tmp_path, elems, loss):
+    """A sparse job (docs/protocol.md section 8) on bmv2: int32 exact and float32 within the
+    block scaling bound, the zero blocks left home (header-only empties: the results grow in
+    the switch), and under 5% loss each way at 32 elements."""
+    from hostlib import scaling
+    from xdp_agg.ctl.endpoint import stand_up
+
+    reason = p4_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
+    agg = tb.aggregator
+    _drop_data_in_kernel(agg.netns)
+    ports = bm.port_specs(agg.ifnames, netns=agg.netns)
+    switch, backend = bm.launch(ports, tmp_path, netns=agg.netns, unknown_unicast="drop")
+    created: list = []
+    create_job = backend.create_job
+    backend.create_job = lambda spec: (create_job(spec), created.append(spec))
+    server = None
+    try:
+        with _InNetns(agg.netns):
+            server, _ = stand_up(
+                backend,
+                "0.0.0.0",
+                0,
+                {"delivery": Delivery.BROADCAST, "barrier_timeout": 60.0, "sparse": True},
+                fill_worker=backend.fill_worker,
+                secret=control.create_secret(tmp_path / "secret"),
+            )
+        server.start()
+        env = {**os.environ, control.SECRET_ENV: str(tmp_path / "secret")}
+        port = server.address[1]
+        procs = [
+            tb.popen(
+                w,
+                [sys.executable, "-c", SPARSE_WORKER, str(w.index), str(WORLD)]
+                + [f"{w.agg_ip}:{port}", str(N), str(elems)],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            for w in tb.workers
+        ]
+        results = []
+        for p in procs:
+            out, err = p.communicate(timeout=240)
+            assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\n{switch.log_tail()}"
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        tensors = [_sparse_tensors(r, N, elems) for r in range(WORLD)]
+        ints = sum(t[0].astype(np.int64) for t in tensors)
+        want_i = ((ints + 2**31) % 2**32 - 2**31).astype(np.int64)
+        want_f = sum(t[1].astype(np.float64) for t in tensors)
+        chunks = [
+            scaling.chunk_exponents(np.pad(t[1], (0, -N % elems)).reshape(-1, elems))
+            for t in tensors
+        ]
+        exps = np.max(np.stack(chunks).astype(np.int64), axis=0)
+        for r in results:
+            np.testing.assert_array_equal(r["ints"], want_i, err_msg=f"rank {r['rank']}")
+            got = np.asarray(r["floats"])
+            bound = np.repeat(scaling.error_bound(exps, WORLD), elems)[:N] + 2.0**-24 * abs(got)
+            assert (abs(got - want_f) <= bound).all(), f"rank {r['rank']}"
+            assert r["stats"]["sparse_allreduces"] == 2, r["stats"]
+            assert r["stats"]["blocks_skipped"] > 0, r["stats"]
+        assert [s.sparse for s in created] == [True]
+        counts = backend.counters(created[0].job_id)
+        assert counts["completed"] > 0 and counts["egress_sent"] == WORLD * counts["completed"]
+        bad = {k: v for k, v in counts.items() if is_drop(k) or k == "egress_no_worker"}
+        assert not any(bad.values()), bad
+        if loss:
+            assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
+    finally:
+        if server is not None:
+            server.stop()
+        switch.stop()
+
+
 def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
     """`xdp-agg serve --target bmv2`: the same workers, through the CLI's bmv2 control endpoint."""
     reason = p4_skip_reason()
