@@ -13,10 +13,12 @@ answer them with ICMP port unreachable. simple_switch drops plain traffic to unk
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
 import sys
+from typing import NamedTuple
 
 import numpy as np
 import pytest
@@ -68,23 +70,15 @@ def _drop_data_in_kernel(netns: str) -> None:
     faults.apply(netns, faults.kernel_ignores_data_script())
 
 
-def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64) -> None:
-    """Run the 4 workers against the control endpoint on `port` (proving the deployment secret
-    in `secret_file`), `elems` elements per packet; every rank's sum is exact."""
+def _run_workers(tb, script: str, port: int, log_tail, secret_file, elems: int) -> list[dict]:
+    """Run `script` as the 4 workers against the control endpoint on `port` (proving the
+    deployment secret in `secret_file`), `elems` elements per packet; each rank's JSON line."""
     env = {**os.environ, control.SECRET_ENV: str(secret_file)}
     procs = [
         tb.popen(
             w,
-            [
-                sys.executable,
-                "-c",
-                WORKER,
-                str(w.index),
-                str(WORLD),
-                f"{w.agg_ip}:{port}",
-                str(N),
-                str(elems),
-            ],
+            [sys.executable, "-c", script, str(w.index), str(WORLD)]
+            + [f"{w.agg_ip}:{port}", str(N), str(elems)],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -97,6 +91,12 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64
         out, err = p.communicate(timeout=240)
         assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\nswitch log:\n{log_tail()}"
         results.append(json.loads(out.strip().splitlines()[-1]))
+    return results
+
+
+def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64) -> None:
+    """Run the 4 int32 workers (WORKER); every rank's sum is exact."""
+    results = _run_workers(tb, WORKER, port, log_tail, secret_file, elems)
     want = _expected()
     packets = -(-N // elems)
     for r in results:
@@ -109,16 +109,19 @@ def _run_and_check_workers(tb, port: int, log_tail, secret_file, elems: int = 64
         )
 
 
-@pytest.mark.parametrize(("elems", "loss"), [(64, 0.0), (256, 0.0), (256, 0.05)])
-def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems, loss):
-    """64 elements per packet (one pass) and 256 (four passes, recirculated), and 256 under
-    5% loss each way between the workers and the switch (retransmissions, answers)."""
+class _Endpoint(NamedTuple):
+    switch: bm.SimpleSwitch
+    backend: bm.Bmv2Backend
+    port: int  # the control endpoint's TCP port
+    created: list  # the JobSpecs the endpoint made (it deletes jobs when workers leave)
+
+
+@contextlib.contextmanager
+def _bmv2_endpoint(tb, tmp_path, job_defaults: dict):
+    """simple_switch on the aggregator namespace's ports and a control endpoint in front of it
+    (listening there, secret in tmp_path/"secret"); yields an _Endpoint."""
     from xdp_agg.ctl.endpoint import stand_up
 
-    reason = p4_skip_reason()
-    if reason:
-        pytest.skip(reason)
-    tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
     agg = tb.aggregator
     _drop_data_in_kernel(agg.netns)
     ports = bm.port_specs(agg.ifnames, netns=agg.netns)
@@ -126,43 +129,54 @@ def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems,
     # compile, start simple_switch on p0..p3 in the aggregator namespace, set it up
     switch, backend = bm.launch(ports, tmp_path, netns=agg.netns, unknown_unicast="drop")
     server = None
-    created: list[
-        int
-    ] = []  # job ids the control endpoint made (it deletes jobs when workers leave)
+    created: list = []
     create_job = backend.create_job
-    backend.create_job = lambda spec: (create_job(spec), created.append(spec.job_id))
+    backend.create_job = lambda spec: (create_job(spec), created.append(spec))
     try:
         with _InNetns(agg.netns):  # the listening socket lives in the aggregator namespace
             server, _ = stand_up(
                 backend,
                 "0.0.0.0",
                 0,
-                {
-                    "delivery": Delivery.BROADCAST,
-                    "pool_slots": bm.DEFAULT_POOL_SLOTS,
-                    "barrier_timeout": 60.0,
-                },
+                {"delivery": Delivery.BROADCAST, "barrier_timeout": 60.0, **job_defaults},
                 fill_worker=backend.fill_worker,
                 secret=control.create_secret(tmp_path / "secret"),
             )
         server.start()
-        _run_and_check_workers(tb, server.address[1], switch.log_tail, tmp_path / "secret", elems)
-        packets = -(-N // elems)
-        # Every chunk completed once in the P4 program and went out once per worker; nothing
-        # of ours was dropped for a reason other than the protocol's own (duplicates).
-        assert len(created) == 1
-        counts = backend.counters(created[0])
-        assert counts["completed"] == packets
-        assert counts["egress_sent"] == WORLD * packets
-        assert counts["aggregated"] == (WORLD - 1) * packets
-        bad = {k: v for k, v in counts.items() if is_drop(k) or k == "egress_no_worker"}
-        assert not any(bad.values()), bad
-        if loss:  # the loss was real: lost contributions or results were sent again
-            assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
+        yield _Endpoint(switch, backend, server.address[1], created)
     finally:
         if server is not None:
             server.stop()
         switch.stop()
+
+
+def _assert_clean(counts: dict, loss: float) -> None:
+    """Nothing of ours dropped for a reason other than the protocol's own (duplicates); under
+    loss, lost contributions or results were really sent again."""
+    bad = {k: v for k, v in counts.items() if is_drop(k) or k == "egress_no_worker"}
+    assert not any(bad.values()), bad
+    if loss:
+        assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
+
+
+@pytest.mark.parametrize(("elems", "loss"), [(64, 0.0), (256, 0.0), (256, 0.05)])
+def test_allreduce_int32_through_simple_switch(testbed_factory, tmp_path, elems, loss):
+    """64 elements per packet (one pass) and 256 (four passes, recirculated), and 256 under
+    5% loss each way between the workers and the switch (retransmissions, answers)."""
+    reason = p4_skip_reason()
+    if reason:
+        pytest.skip(reason)
+    tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
+    with _bmv2_endpoint(tb, tmp_path, {"pool_slots": bm.DEFAULT_POOL_SLOTS}) as ep:
+        _run_and_check_workers(tb, ep.port, ep.switch.log_tail, tmp_path / "secret", elems)
+        packets = -(-N // elems)
+        # Every chunk completed once in the P4 program and went out once per worker.
+        assert len(ep.created) == 1
+        counts = ep.backend.counters(ep.created[0].job_id)
+        assert counts["completed"] == packets
+        assert counts["egress_sent"] == WORLD * packets
+        assert counts["aggregated"] == (WORLD - 1) * packets
+        _assert_clean(counts, loss)
 
 
 # A rank's int32 and float32 tensors: a fifth of the blocks of `elems` non-zero, drawn per rank
@@ -211,77 +225,33 @@ def test_sparse_allreduce_through_simple_switch(testbed_factory, tmp_path, elems
     block scaling bound, the zero blocks left home (header-only empties: the results grow in
     the switch), and under 5% loss each way at 32 elements."""
     from hostlib import scaling
-    from xdp_agg.ctl.endpoint import stand_up
 
     reason = p4_skip_reason()
     if reason:
         pytest.skip(reason)
     tb = testbed_factory(workers=WORLD, topology="switch", loss_up=loss, loss_down=loss)
-    agg = tb.aggregator
-    _drop_data_in_kernel(agg.netns)
-    ports = bm.port_specs(agg.ifnames, netns=agg.netns)
-    switch, backend = bm.launch(ports, tmp_path, netns=agg.netns, unknown_unicast="drop")
-    created: list = []
-    create_job = backend.create_job
-    backend.create_job = lambda spec: (create_job(spec), created.append(spec))
-    server = None
-    try:
-        with _InNetns(agg.netns):
-            server, _ = stand_up(
-                backend,
-                "0.0.0.0",
-                0,
-                {"delivery": Delivery.BROADCAST, "barrier_timeout": 60.0, "sparse": True},
-                fill_worker=backend.fill_worker,
-                secret=control.create_secret(tmp_path / "secret"),
-            )
-        server.start()
-        env = {**os.environ, control.SECRET_ENV: str(tmp_path / "secret")}
-        port = server.address[1]
-        procs = [
-            tb.popen(
-                w,
-                [sys.executable, "-c", SPARSE_WORKER, str(w.index), str(WORLD)]
-                + [f"{w.agg_ip}:{port}", str(N), str(elems)],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            for w in tb.workers
-        ]
-        results = []
-        for p in procs:
-            out, err = p.communicate(timeout=240)
-            assert p.returncode == 0, f"worker failed:\n{err[-3000:]}\n{switch.log_tail()}"
-            results.append(json.loads(out.strip().splitlines()[-1]))
-        tensors = [_sparse_tensors(r, N, elems) for r in range(WORLD)]
-        ints = sum(t[0].astype(np.int64) for t in tensors)
-        want_i = ((ints + 2**31) % 2**32 - 2**31).astype(np.int64)
-        want_f = sum(t[1].astype(np.float64) for t in tensors)
-        chunks = [
-            scaling.chunk_exponents(np.pad(t[1], (0, -N % elems)).reshape(-1, elems))
-            for t in tensors
-        ]
-        exps = np.max(np.stack(chunks).astype(np.int64), axis=0)
-        for r in results:
-            np.testing.assert_array_equal(r["ints"], want_i, err_msg=f"rank {r['rank']}")
-            got = np.asarray(r["floats"])
-            bound = np.repeat(scaling.error_bound(exps, WORLD), elems)[:N] + 2.0**-24 * abs(got)
-            assert (abs(got - want_f) <= bound).all(), f"rank {r['rank']}"
-            assert r["stats"]["sparse_allreduces"] == 2, r["stats"]
-            assert r["stats"]["blocks_skipped"] > 0, r["stats"]
-        assert [s.sparse for s in created] == [True]
-        counts = backend.counters(created[0].job_id)
-        assert counts["completed"] > 0 and counts["egress_sent"] == WORLD * counts["completed"]
-        bad = {k: v for k, v in counts.items() if is_drop(k) or k == "egress_no_worker"}
-        assert not any(bad.values()), bad
-        if loss:
-            assert counts["retx_answered"] + counts["dup_pending"] > 0, counts
-    finally:
-        if server is not None:
-            server.stop()
-        switch.stop()
+    with _bmv2_endpoint(tb, tmp_path, {"sparse": True}) as ep:
+        log, secret = ep.switch.log_tail, tmp_path / "secret"
+        results = _run_workers(tb, SPARSE_WORKER, ep.port, log, secret, elems)
+        assert [s.sparse for s in ep.created] == [True]
+        counts = ep.backend.counters(ep.created[0].job_id)
+    tensors = [_sparse_tensors(r, N, elems) for r in range(WORLD)]
+    ints = sum(t[0].astype(np.int64) for t in tensors)
+    want_i = ((ints + 2**31) % 2**32 - 2**31).astype(np.int64)
+    want_f = sum(t[1].astype(np.float64) for t in tensors)
+    chunks = [
+        scaling.chunk_exponents(np.pad(t[1], (0, -N % elems)).reshape(-1, elems)) for t in tensors
+    ]
+    exps = np.max(np.stack(chunks).astype(np.int64), axis=0)
+    for r in results:
+        np.testing.assert_array_equal(r["ints"], want_i, err_msg=f"rank {r['rank']}")
+        got = np.asarray(r["floats"])
+        bound = np.repeat(scaling.error_bound(exps, WORLD), elems)[:N] + 2.0**-24 * abs(got)
+        assert (abs(got - want_f) <= bound).all(), f"rank {r['rank']}"
+        assert r["stats"]["sparse_allreduces"] == 2, r["stats"]
+        assert r["stats"]["blocks_skipped"] > 0, r["stats"]
+    assert counts["completed"] > 0 and counts["egress_sent"] == WORLD * counts["completed"]
+    _assert_clean(counts, loss)
 
 
 def test_xdp_agg_serve_target_bmv2(testbed_factory, tmp_path):
