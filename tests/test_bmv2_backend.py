@@ -247,7 +247,7 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     with the deployment secret and limits (a fake switch: this runs without p4c and bmv2, so CI
     sees it; `pytest -m p4` runs the real one)."""
     import xdp_agg.targets.bmv2 as bm
-    from xdp_agg.app import serving
+    from xdp_agg.app import options, serving
     from xdp_agg.ctl import server as srv
 
     stopped, seen = [], {}
@@ -268,21 +268,26 @@ def test_serve_bmv2_starts_its_control_endpoint(monkeypatch, tmp_path):
     monkeypatch.setattr(bm, "launch", lambda *a, **k: (FakeSwitch(), backend))
     monkeypatch.setattr(srv.ControlEndpoint, "run_until_interrupted", run_once)
     lines = []
-    serving.serve_bmv2(
-        ["p0", "p1"], str(tmp_path), "127.0.0.1", 0, secret=b"s" * 32, announce=lines.append
-    )
+
+    def opts(**changes):
+        return options.ServeOptions(target="bmv2", ports="p0,p1", workdir=str(tmp_path), **changes)
+
+    def endpoint(secret=None, parent=None):
+        return serving.Endpoint("127.0.0.1", 0, secret, None, parent, [])
+
+    serving.serve_bmv2(opts(), endpoint(b"s" * 32), announce=lines.append)
     assert seen["backend"] is backend and seen["address"][0] == "127.0.0.1"
     assert seen["secret"] == b"s" * 32  # the deployment secret reached the endpoint
     assert stopped == [True] and "control endpoint listening" in lines[0]
     assert seen["sparse"] is False
     # serve --sparse: the jobs take sparse all-reduces where the program runs them
-    serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, sparse=True)
+    serving.serve_bmv2(opts(sparse=True), endpoint())
     assert seen["sparse"] is True
     stopped.clear()
     # with a parent (serve --parent-endpoint): every job a rack, through TreeBackend
     from xdp_agg.ctl.tree import ParentLink, TreeBackend
 
     link = ParentLink(("198.18.2.9", 48800), 1, 2)
-    serving.serve_bmv2(["p0"], str(tmp_path), "127.0.0.1", 0, secret=None, parent=link)
+    serving.serve_bmv2(opts(), endpoint(parent=link))
     assert isinstance(seen["backend"], TreeBackend) and seen["backend"].inner is backend
     assert seen["backend"].link is link and stopped == [True]

@@ -221,8 +221,8 @@ def test_serve_listens_on_the_interface_address_by_default(monkeypatch):
 
     seen = {}
 
-    def fake_serve(name, host, port, **kw):
-        seen.update(host=host, port=port, secret=kw["secret"], limits=kw["limits"])
+    def fake_serve(name, opts, ep, **kw):
+        seen.update(host=ep.host, port=ep.port, secret=ep.secret, limits=ep.limits)
         kw["announce"]("control endpoint listening")
 
     monkeypatch.setattr(serving, "aggregator_interfaces", lambda name: ["eth1"])
@@ -244,7 +244,7 @@ def test_serve_creates_its_secret_in_the_state_directory(monkeypatch, tmp_path):
     monkeypatch.delenv(control.SECRET_ENV, raising=False)
     seen = {}
     monkeypatch.setattr(
-        serving, "serve_xdp", lambda name, host, port, **kw: seen.update(secret=kw["secret"])
+        serving, "serve_xdp", lambda name, opts, ep, **kw: seen.update(secret=ep.secret)
     )
     r = xdp_agg_cli("--name", "lab", "serve", "--listen", "127.0.0.1:1", "--request-rate", "7")
     assert r.exit_code == 0, r.output

@@ -81,15 +81,15 @@ def test_the_library_takes_the_options(monkeypatch, tmp_path):
     """serving.resolve and serving.serve from a ServeOptions built in Python, no click."""
     monkeypatch.setenv("XDP_AGG_STATE_DIR", str(tmp_path))
     seen = {}
-    monkeypatch.setattr(serving, "serve_xdp", lambda name, host, port, **kw: seen.update(kw))
+    monkeypatch.setattr(serving, "serve_xdp", lambda name, o, ep, **kw: seen.update(o=o, ep=ep))
     opts = options.ServeOptions(listen=("127.0.0.1", 1), udp_checksum=True, rejoin_timeout=5.0)
     opts.check()
     ep = serving.resolve("lab", opts)
     assert (ep.host, ep.port, ep.parent) == ("127.0.0.1", 1, None)
     assert ep.secret is not None and (tmp_path / "lab.secret").exists()
     serving.serve("lab", opts, ep)
-    assert (seen["udp_checksum"], seen["rejoin_timeout"], seen["secret"]) == (True, 5.0, ep.secret)
-    assert seen["limits"] == opts.limits()
+    assert seen["o"] is opts and seen["ep"] is ep
+    assert ep.limits == opts.limits()
 
 
 def test_switchml_callers_are_the_allowed_networks_else_the_interfaces_subnets(

@@ -225,26 +225,20 @@ def create_job(
 
 
 def serve_defaults(
-    name: str,
-    group_ip: str | None,
-    barrier_timeout: float,
-    udp_checksum: bool = False,
-    *,
-    results: str | None = None,
-    group_base: str = DEFAULT_GROUP_BASE,
-    warn: Callable[[str], None] | None = None,
-    sparse: bool = False,
+    name: str, opts: options.ServeOptions, warn: Callable[[str], None] | None = None
 ) -> dict:
     """What the control endpoint puts into the jobs it creates, from the attached aggregator
-    `name` (xdp_agg.ctl.server.ServerDefaults' fields). One-arm: `group_ip`, if given, is every
-    job's group; else `results` (module docstring) chooses a group per job in `group_base` or
-    the subnet broadcast; `warn` gets the warning of a fallback to the broadcast."""
+    `name` and serve's options (xdp_agg.ctl.server.ServerDefaults' fields). One-arm: --group,
+    if given, is every job's group; else --results (module docstring) chooses a group per job
+    in --group-base or the subnet broadcast; `warn` gets the warning of a fallback to the
+    broadcast."""
+    group_ip = opts.group_ip
     state, _ = xdp_backend.open_instance(name)
-    d = {
+    d: dict = {
         "pool_slots": state.pool_slots,
-        "barrier_timeout": barrier_timeout,
-        "udp_checksum": udp_checksum,
-        "sparse": sparse,
+        "barrier_timeout": opts.barrier_timeout,
+        "udp_checksum": opts.udp_checksum,
+        "sparse": opts.sparse,
         "delivery": xdp_backend.DELIVERY[state.topology],
     }
     if state.topology == "switch":
@@ -257,13 +251,13 @@ def serve_defaults(
         )
     net = ipaddress.IPv4Interface(first["ipv4_nets"][0])
     d.update(agg_ip=str(net.ip), agg_mac=first["mac"])
-    mode = None if group_ip is not None else _results_mode(first, results, warn)
+    mode = None if group_ip is not None else _results_mode(first, opts.results, warn)
     if mode == "unicast":
         d["delivery"] = Delivery.UNICAST
         return d
     if mode == "multicast":
         try:
-            d["group_base"] = str(groups.check_group_base(group_base))
+            d["group_base"] = str(groups.check_group_base(opts.group_base))
         except ValueError as e:
             raise XdpAggError(str(e)) from None
         return d
@@ -478,155 +472,6 @@ def _metrics_note(url: str | None) -> str:
     return f"; Prometheus metrics at {url}" if url else ""
 
 
-def serve_xdp(
-    name: str,
-    host: str,
-    port: int,
-    *,
-    group_ip: str | None = None,
-    barrier_timeout: float = 120.0,
-    udp_checksum: bool = False,
-    sparse: bool = False,
-    results: str | None = None,
-    group_base: str = DEFAULT_GROUP_BASE,
-    secret: bytes | None,
-    limits=None,
-    rejoin_timeout: float = 60.0,
-    announce: Callable[[str], None] = print,
-    warn: Callable[[str], None] | None = None,
-    parent=None,
-    metrics: tuple[str, int] | None = None,
-    switchml: SwitchmlServe | None = None,
-) -> None:
-    """Run the control endpoint in front of the attached XDP aggregator `name` until
-    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
-    announce) a warning line before it if the results fall back to the broadcast. secret: the
-    deployment secret (None: no authentication); limits: xdp_agg.ctl.auth.Limits. `parent` (a
-    tree.ParentLink): every job created here is a rack of the parent's job of the same name.
-    `metrics` (HOST, PORT): serve Prometheus metrics there too (xdp_agg.app.metrics).
-    `switchml`: also serve p4app-switchML's controller API (xdp_agg.ctl.switchml_grpc).
-
-    One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
-    jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
-    a restart does not end the jobs, which the data plane runs without us; stopping leaves
-    them running for the next serve (`detach --force` ends them)."""
-    # the configuration first: a refusal of the options is worth more than "already served"
-    defaults = serve_defaults(
-        name,
-        group_ip,
-        barrier_timeout,
-        udp_checksum,
-        results=results,
-        group_base=group_base,
-        warn=warn or announce,
-        sparse=sparse,
-    )
-    lock = hold_serve_lock(name)
-    try:
-        backend = xdp_backend.XdpBackend(name)
-        if parent is not None:
-            from xdp_agg.ctl.tree import TreeBackend
-
-            backend = TreeBackend(backend, parent)
-        server, recovered = _stand_up(
-            backend,
-            host,
-            port,
-            defaults,
-            secret=secret,
-            limits=limits,
-            fill_worker=fill_worker,
-            table=jobs_path(name),
-            generation=backend.generation(),
-            grace=rejoin_timeout,
-        )
-        sources = dict(backend=backend, target="xdp", endpoint=server)
-        port_address = port_address_of(aggregator_interfaces(name))
-        with (
-            switchml_serving(switchml, server, port_address) as sml,
-            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
-        ):
-            announce(
-                f"control endpoint listening on {host}:{port} (aggregator {name}, "
-                f"{describe_results(defaults)}"
-                + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
-                + f"){_metrics_note(url)}; Ctrl-C stops it"
-            )
-            server.run_until_interrupted()
-    finally:
-        os.close(lock)
-
-
-def serve_bmv2(
-    ifnames: list[str],
-    workdir: str,
-    host: str,
-    port: int,
-    *,
-    netns: str | None = None,
-    barrier_timeout: float = 120.0,
-    sparse: bool = False,
-    secret: bytes | None,
-    limits=None,
-    announce: Callable[[str], None] = print,
-    parent=None,
-    metrics: tuple[str, int] | None = None,
-    switchml: SwitchmlServe | None = None,
-) -> None:
-    """Compile the P4 program, start simple_switch on `ifnames` (switch port i = the i-th) and
-    run the control endpoint in front of it until interrupted; the switch stops on exit.
-    `sparse`: the jobs created take sparse all-reduces too where the program runs them (32 and
-    64 elements per packet). `parent` (a tree.ParentLink): every job created here is a rack of
-    the parent's job of the same name, its partial sums sent up from the port whose subnet
-    holds the parent. `metrics`
-    (HOST, PORT): serve Prometheus metrics there too (xdp_agg.app.metrics). `switchml`: also serve
-    p4app-switchML's controller API (xdp_agg.ctl.switchml_grpc)."""
-    import xdp_agg.targets.bmv2 as bm
-
-    missing = bm.missing_tools()
-    if missing:
-        raise EnvironmentProblem(
-            f"{', '.join(missing)} not on PATH: install p4c and bmv2 as p4/README.md says"
-        )
-    try:
-        ports = bm.port_specs(ifnames, netns=netns)
-    except ValueError as e:  # an interface that is not there
-        raise XdpAggError(f"{e} (see `ip link`)") from e
-    try:
-        switch, backend = bm.launch(ports, workdir, netns=netns, unknown_unicast="drop")
-    except bm.Bmv2Error as e:
-        raise XdpAggError(f"starting bmv2 failed: {e}") from e
-    endpoint_backend = backend
-    if parent is not None:
-        from xdp_agg.ctl.tree import TreeBackend
-
-        endpoint_backend = TreeBackend(backend, parent)
-    try:
-        server, _ = _stand_up(
-            endpoint_backend,
-            host,
-            port,
-            {"delivery": Delivery.BROADCAST, "barrier_timeout": barrier_timeout, "sparse": sparse},
-            fill_worker=backend.fill_worker,
-            secret=secret,
-            limits=limits,
-        )
-        rack = f", rack {parent.rank} of {parent.racks}" if parent is not None else ""
-        sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
-        with (
-            switchml_serving(switchml, server, bmv2_port_address(backend)) as sml,
-            metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
-        ):
-            announce(
-                f"control endpoint listening on {host}:{port} (bmv2 on {','.join(ifnames)}"
-                f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
-            )
-            server.run_until_interrupted()
-    finally:
-        switch.stop()
-
-
-# --- serve: from its options to a running endpoint ----------------------------------------------
 @dataclasses.dataclass
 class Endpoint:
     """Where and how serve's control endpoint listens, resolved from its options."""
@@ -640,6 +485,138 @@ class Endpoint:
     switchml: SwitchmlServe | None = None  # p4app-switchML's controller API, if asked for
 
 
+def _metrics_address(opts: options.ServeOptions, ep: Endpoint) -> tuple[str, int] | None:
+    """--metrics HOST:PORT; :PORT: beside the control endpoint, on its address."""
+    return (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
+
+
+def serve_xdp(
+    name: str,
+    opts: options.ServeOptions,
+    ep: Endpoint,
+    *,
+    announce: Callable[[str], None] = print,
+    warn: Callable[[str], None] | None = None,
+) -> None:
+    """Run the control endpoint `ep` in front of the attached XDP aggregator `name` until
+    interrupted (Ctrl-C or SIGTERM); `announce` gets one line once it listens, `warn` (default:
+    announce) a warning line before it if the results fall back to the broadcast. With
+    `ep.parent` every job created here is a rack of the parent's job of the same name; --metrics
+    and --switchml-grpc serve Prometheus metrics and p4app-switchML's controller API beside it.
+
+    One per aggregator (hold_serve_lock: Busy otherwise). The job table is saved to
+    jobs_path(name) on every change and recovered from it (with the pinned maps) at start, so
+    a restart does not end the jobs, which the data plane runs without us; stopping leaves
+    them running for the next serve (`detach --force` ends them)."""
+    # the configuration first: a refusal of the options is worth more than "already served"
+    defaults = serve_defaults(name, opts, warn=warn or announce)
+    lock = hold_serve_lock(name)
+    try:
+        backend = xdp_backend.XdpBackend(name)
+        if ep.parent is not None:
+            from xdp_agg.ctl.tree import TreeBackend
+
+            backend = TreeBackend(backend, ep.parent)
+        server, recovered = _stand_up(
+            backend,
+            ep.host,
+            ep.port,
+            defaults,
+            secret=ep.secret,
+            limits=ep.limits,
+            fill_worker=fill_worker,
+            table=jobs_path(name),
+            generation=backend.generation(),
+            grace=opts.rejoin_timeout,
+        )
+        sources = dict(backend=backend, target="xdp", endpoint=server)
+        port_address = port_address_of(aggregator_interfaces(name))
+        with (
+            switchml_serving(ep.switchml, server, port_address) as sml,
+            metrics_exporting(_metrics_address(opts, ep), {**sources, "switchml": sml}) as url,
+        ):
+            announce(
+                f"control endpoint listening on {ep.host}:{ep.port} (aggregator {name}, "
+                f"{describe_results(defaults)}"
+                + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
+                + f"){_metrics_note(url)}; Ctrl-C stops it"
+            )
+            server.run_until_interrupted()
+    finally:
+        os.close(lock)
+
+
+def _launch_bmv2(ifnames: list[str], workdir: str, netns: str | None):
+    """Compile the P4 program and start simple_switch on `ifnames`: (switch, Bmv2Backend)."""
+    import xdp_agg.targets.bmv2 as bm
+
+    missing = bm.missing_tools()
+    if missing:
+        raise EnvironmentProblem(
+            f"{', '.join(missing)} not on PATH: install p4c and bmv2 as p4/README.md says"
+        )
+    try:
+        ports = bm.port_specs(ifnames, netns=netns)
+    except ValueError as e:  # an interface that is not there
+        raise XdpAggError(f"{e} (see `ip link`)") from e
+    try:
+        return bm.launch(ports, workdir, netns=netns, unknown_unicast="drop")
+    except bm.Bmv2Error as e:
+        raise XdpAggError(f"starting bmv2 failed: {e}") from e
+
+
+def serve_bmv2(
+    opts: options.ServeOptions,
+    ep: Endpoint,
+    *,
+    netns: str | None = None,
+    announce: Callable[[str], None] = print,
+) -> None:
+    """Compile the P4 program, start simple_switch on --ports (switch port i = the i-th) and run
+    the control endpoint `ep` in front of it until interrupted; the switch stops on exit. With
+    --sparse the jobs created take sparse all-reduces too where the program runs them (32 and
+    64 elements per packet). With `ep.parent` every job created here is a rack of the parent's
+    job of the same name, its partial sums sent up from the port whose subnet holds the parent.
+    --metrics and --switchml-grpc serve Prometheus metrics and p4app-switchML's controller API
+    beside it."""
+    ifnames = opts.ports.split(",")
+    switch, backend = _launch_bmv2(ifnames, opts.workdir, netns)
+    endpoint_backend = backend
+    if ep.parent is not None:
+        from xdp_agg.ctl.tree import TreeBackend
+
+        endpoint_backend = TreeBackend(backend, ep.parent)
+    defaults = {
+        "delivery": Delivery.BROADCAST,
+        "barrier_timeout": opts.barrier_timeout,
+        "sparse": opts.sparse,
+    }
+    try:
+        server, _ = _stand_up(
+            endpoint_backend,
+            ep.host,
+            ep.port,
+            defaults,
+            fill_worker=backend.fill_worker,
+            secret=ep.secret,
+            limits=ep.limits,
+        )
+        rack = f", rack {ep.parent.rank} of {ep.parent.racks}" if ep.parent is not None else ""
+        sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
+        with (
+            switchml_serving(ep.switchml, server, bmv2_port_address(backend)) as sml,
+            metrics_exporting(_metrics_address(opts, ep), {**sources, "switchml": sml}) as url,
+        ):
+            announce(
+                f"control endpoint listening on {ep.host}:{ep.port} (bmv2 on {','.join(ifnames)}"
+                f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
+            )
+            server.run_until_interrupted()
+    finally:
+        switch.stop()
+
+
+# --- serve: from its options to a running endpoint ----------------------------------------------
 def resolve(name: str, opts: options.ServeOptions) -> Endpoint:
     """The endpoint `opts` describe for aggregator `name`: its address (the one IPv4 address
     of the aggregator's interfaces, or of the bmv2 ports, unless --listen says), its secret
@@ -718,26 +695,7 @@ def serve(
     warn: Callable[[str], None] | None = None,
 ) -> None:
     """Run the endpoint (resolve's) in front of the target `opts` names until interrupted."""
-    ep = endpoint
-    common = dict(
-        barrier_timeout=opts.barrier_timeout,
-        secret=ep.secret,
-        limits=ep.limits,
-        announce=announce,
-        switchml=ep.switchml,
-    )
-    # --metrics :PORT: beside the control endpoint, on its address
-    common["metrics"] = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
     if opts.target == "bmv2":
-        ifnames = opts.ports.split(",")
-        bmv2 = dict(netns=netns, parent=ep.parent, sparse=opts.sparse)
-        serve_bmv2(ifnames, opts.workdir, ep.host, ep.port, **bmv2, **common)
-        return
-    results = dict(group_ip=opts.group_ip, results=opts.results, group_base=opts.group_base)
-    xdp = dict(
-        udp_checksum=opts.udp_checksum,
-        sparse=opts.sparse,
-        rejoin_timeout=opts.rejoin_timeout,
-        parent=ep.parent,
-    )
-    serve_xdp(name, ep.host, ep.port, warn=warn, **results, **xdp, **common)
+        serve_bmv2(opts, endpoint, netns=netns, announce=announce)
+    else:
+        serve_xdp(name, opts, endpoint, announce=announce, warn=warn)
