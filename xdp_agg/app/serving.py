@@ -321,19 +321,6 @@ def hold_serve_lock(name: str) -> int:
     return fd
 
 
-def _stand_up(backend, host: str, port: int, defaults: dict, **kw):
-    """xdp_agg.ctl.endpoint.stand_up, with a bind failure said as what to do about it."""
-    from xdp_agg.ctl.endpoint import stand_up
-
-    try:
-        return stand_up(backend, host, port, defaults, **kw)
-    except OSError as e:  # bind: the address is taken or not ours
-        raise XdpAggError(
-            f"cannot listen on {host}:{port}: {e.strerror or e}; stop what listens there "
-            "(`ss -ltnp`) or choose another --listen"
-        ) from e
-
-
 @dataclasses.dataclass
 class SwitchmlServe:
     """Where and how `serve --switchml-grpc` serves p4app-switchML's controller API."""
@@ -485,9 +472,45 @@ class Endpoint:
     switchml: SwitchmlServe | None = None  # p4app-switchML's controller API, if asked for
 
 
-def _metrics_address(opts: options.ServeOptions, ep: Endpoint) -> tuple[str, int] | None:
-    """--metrics HOST:PORT; :PORT: beside the control endpoint, on its address."""
-    return (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
+def _stand_up(backend, ep: Endpoint, defaults: dict, **kw):
+    """xdp_agg.ctl.endpoint.stand_up on `ep` (its address, secret and limits), with a bind
+    failure said as what to do about it."""
+    from xdp_agg.ctl.endpoint import stand_up
+
+    try:
+        return stand_up(
+            backend, ep.host, ep.port, defaults, secret=ep.secret, limits=ep.limits, **kw
+        )
+    except OSError as e:  # bind: the address is taken or not ours
+        raise XdpAggError(
+            f"cannot listen on {ep.host}:{ep.port}: {e.strerror or e}; stop what listens there "
+            "(`ss -ltnp`) or choose another --listen"
+        ) from e
+
+
+def _run_serving(
+    opts: options.ServeOptions,
+    ep: Endpoint,
+    server,
+    sources: dict,
+    *,
+    port_address: Callable[[str], tuple[str, str]],
+    announce: Callable[[str], None],
+    what: str,
+) -> None:
+    """Serve `server` until interrupted, with p4app-switchML's API (--switchml-grpc; a worker
+    port's addresses from `port_address`) and the metrics (--metrics, of `sources`) beside it;
+    `announce` gets the "listening" line, which names `what` is served in brackets."""
+    metrics = (opts.metrics[0] or ep.host, opts.metrics[1]) if opts.metrics else None
+    with (
+        switchml_serving(ep.switchml, server, port_address) as sml,
+        metrics_exporting(metrics, {**sources, "switchml": sml}) as url,
+    ):
+        announce(
+            f"control endpoint listening on {ep.host}:{ep.port} ({what})"
+            f"{_metrics_note(url)}; Ctrl-C stops it"
+        )
+        server.run_until_interrupted()
 
 
 def serve_xdp(
@@ -519,29 +542,21 @@ def serve_xdp(
             backend = TreeBackend(backend, ep.parent)
         server, recovered = _stand_up(
             backend,
-            ep.host,
-            ep.port,
+            ep,
             defaults,
-            secret=ep.secret,
-            limits=ep.limits,
             fill_worker=fill_worker,
             table=jobs_path(name),
             generation=backend.generation(),
             grace=opts.rejoin_timeout,
         )
+        what = f"aggregator {name}, {describe_results(defaults)}" + (
+            f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else ""
+        )
         sources = dict(backend=backend, target="xdp", endpoint=server)
         port_address = port_address_of(aggregator_interfaces(name))
-        with (
-            switchml_serving(ep.switchml, server, port_address) as sml,
-            metrics_exporting(_metrics_address(opts, ep), {**sources, "switchml": sml}) as url,
-        ):
-            announce(
-                f"control endpoint listening on {ep.host}:{ep.port} (aggregator {name}, "
-                f"{describe_results(defaults)}"
-                + (f"; recovered jobs {', '.join(map(repr, recovered))}" if recovered else "")
-                + f"){_metrics_note(url)}; Ctrl-C stops it"
-            )
-            server.run_until_interrupted()
+        _run_serving(
+            opts, ep, server, sources, port_address=port_address, announce=announce, what=what
+        )
     finally:
         os.close(lock)
 
@@ -592,26 +607,14 @@ def serve_bmv2(
         "sparse": opts.sparse,
     }
     try:
-        server, _ = _stand_up(
-            endpoint_backend,
-            ep.host,
-            ep.port,
-            defaults,
-            fill_worker=backend.fill_worker,
-            secret=ep.secret,
-            limits=ep.limits,
-        )
+        server, _ = _stand_up(endpoint_backend, ep, defaults, fill_worker=backend.fill_worker)
         rack = f", rack {ep.parent.rank} of {ep.parent.racks}" if ep.parent is not None else ""
         sources = dict(backend=endpoint_backend, target="bmv2", endpoint=server)
-        with (
-            switchml_serving(ep.switchml, server, bmv2_port_address(backend)) as sml,
-            metrics_exporting(_metrics_address(opts, ep), {**sources, "switchml": sml}) as url,
-        ):
-            announce(
-                f"control endpoint listening on {ep.host}:{ep.port} (bmv2 on {','.join(ifnames)}"
-                f"{rack}){_metrics_note(url)}; Ctrl-C stops it"
-            )
-            server.run_until_interrupted()
+        port_address = bmv2_port_address(backend)
+        what = f"bmv2 on {','.join(ifnames)}{rack}"
+        _run_serving(
+            opts, ep, server, sources, port_address=port_address, announce=announce, what=what
+        )
     finally:
         switch.stop()
 
