@@ -34,7 +34,9 @@ def _tna_include() -> Path | None:
     return None
 
 
-def test_tna_variant_passes_the_p4c_front_end(tmp_path):
+@pytest.mark.parametrize("tofino", [1, 2])
+def test_tna_variant_passes_the_p4c_front_end(tmp_path, tofino):
+    """Both builds: Tofino's (dense jobs) and Tofino 2's (sparse jobs too: TNA_SPARSE)."""
     inc = _tna_include()
     if inc is None:
         pytest.skip(
@@ -46,7 +48,7 @@ def test_tna_variant_passes_the_p4c_front_end(tmp_path):
             "--std",
             "p4-16",
             "--Wdisable",
-            "-D__TARGET_TOFINO__=1",
+            f"-D__TARGET_TOFINO__={tofino}",
             "-I",
             str(inc),
             "-o",

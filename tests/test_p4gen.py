@@ -110,15 +110,21 @@ def _tna_parse(size: str, step: int, payload: list[int]):
     return None, None, payload  # a 256-element harvest pass parses no payload
 
 
-def _run_tna_passes(size: str, reason: str, mine: list[int], stored: list[list[list[int]]]):
+def _run_tna_passes(
+    size: str, reason: str, mine: list[int], stored: list[list[list[int]]], sparse_job=False
+):
     """The Tofino program's passes for one packet of ours (its parser, Processor.sum and
     next_step on the payload headers): (its elements when it leaves, how it leaves, passes).
-    `stored[q][i]` is the register pair of quarter q, element i, before the packet."""
-    entries, (is_new, count) = _tna_step_entries(), TNA_COUNTER[reason]
+    `stored[q][i]` is the register pair of quarter q, element i, before the packet. A sparse
+    job's 32-element completion takes the close pass (NextStepSelector's gateway)."""
+    entries, (is_new, count) = dict(_tna_step_entries()), TNA_COUNTER[reason]
+    if sparse_job:
+        entries["SML_SIZE_32", 0, "AGG_COMPLETED"] = ("harvest_next", [15, 0])
     payload, step, quarter, passes = list(mine), 0, 0, 0
     while True:
         passes += 1
         d0, d1, payload = _tna_parse(size, step, payload)
+        d0_valid = d0 is not None  # a read into an unparsed d0 leaves it invalid
         action, pair = _tna_sum_action(step, is_new, count), stored[quarter]
         if action in ("write_read1_action", "sum_read1_action"):  # count 1 or more: adds
             for i in range(32):
@@ -127,6 +133,8 @@ def _run_tna_passes(size: str, reason: str, mine: list[int], stored: list[list[l
             half = [pair[i][0 if action == "read0_action" else 1] for i in range(32)]
             d0, d1 = (half, d1) if action == "read0_action" else (d0, half)
         name, args = entries.get((size, step, reason), ("drop", []))
+        if name in ("result", "answer", "harvest_next") and not d0_valid:
+            d0 = None  # these do not make d0 valid (a 32-element close pass reads into it)
         if name == "consume_next":
             d0 = d1 = None
         elif name == "harvest_d1_next":
@@ -167,6 +175,23 @@ def test_tofino_passes_put_every_element_of_a_result_back_in_order():
         assert packet == [a + b for a, b in zip(other, mine)], size
         packet, how, k = _run_tna_passes(size, "AGG_RETX_ANSWERED", mine, _tna_store(size, other))
         assert how.startswith("answer") and k == passes and packet == other, size
+
+
+def test_tofino_sparse_completion_of_32_elements_takes_the_close_pass():
+    """A sparse job's 32-element completion goes round once more (harvest 7, where SparseRound
+    closes the other version's round key, p4/tna/sparse_round.p4) and leaves with its 32 sums
+    in place; its answers to retransmissions still leave from the first pass."""
+    other, mine = [7 * i + 3 for i in range(32)], [1000 + i for i in range(32)]
+    stored = _tna_store("SML_SIZE_32", other)
+    packet, how, k = _run_tna_passes("SML_SIZE_32", "AGG_COMPLETED", mine, stored, True)
+    assert (packet, how, k) == ([a + b for a, b in zip(other, mine)], "result", 2)
+    stored = _tna_store("SML_SIZE_32", other)
+    packet, how, k = _run_tna_passes("SML_SIZE_32", "AGG_RETX_ANSWERED", mine, stored, True)
+    assert (packet, how, k) == (other, "answer", 1)
+    gate = (
+        Path(__file__).resolve().parent.parent / "p4" / "tna" / "next_step_selector.p4"
+    ).read_text()
+    assert "harvest_next(STEP_HARVEST7, 0); // the close pass" in gate
 
 
 def test_tofino_passes_drop_what_does_not_complete():

@@ -34,4 +34,13 @@ const bit<7> RECIRC_PORT_IN_PIPE = 6;
 const bit<7> RECIRC_PORT_IN_PIPE = 68;
 #endif
 
+// Sparse jobs (docs/protocol.md section 8; sparse_round.p4) on Tofino 2 only: a round key's
+// check takes a stateful ALU with three comparisons, which Tofino 2's has (four) and Tofino's
+// has not (two), and the stage the check adds in front of the bitmap is one Tofino's 12 do not
+// have (the dense pipe uses all of them; p4/README.md). Tofino drops sparse packets as
+// drop_bad_type, as a dense job does.
+#if __TARGET_TOFINO__ >= 2
+#define TNA_SPARSE 1
+#endif
+
 #endif

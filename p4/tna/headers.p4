@@ -43,6 +43,7 @@ struct header_t {
     udp_h udp;
     switchml_h switchml;
     exponents_h exponents;
+    sparse_h sparse; // sparse jobs' msg_type 2 and 3 (docs/protocol.md 8.1; Tofino 2 only)
     payload_h d0; // elements 0..31 of the pass (a 32-element packet has none: d1 only)
     payload_h d1; // elements 32..63 of the pass, or a 32-element packet's 32
 }

@@ -2,9 +2,10 @@
 #ifndef _XDP_AGG_TNA_NEXT_STEP_ENTRIES_P4_
 #define _XDP_AGG_TNA_NEXT_STEP_ENTRIES_P4_
 
-/* 32 elements: one pass. */
+/* 32 elements: one pass (a sparse job's completion two: sparse_round.p4). */
 (SML_SIZE_32, 0, AGG_COMPLETED): result();
 (SML_SIZE_32, 0, AGG_RETX_ANSWERED): answer();
+(SML_SIZE_32, 15, AGG_COMPLETED): result();
 /* 64 elements: consume 0, then harvest 7 (d0). */
 (SML_SIZE_64, 0, AGG_COMPLETED): harvest_next(15, 0);
 (SML_SIZE_64, 0, AGG_RETX_ANSWERED): harvest_next(15, 0);

@@ -14,7 +14,11 @@
  *
  * Only what the first pass found COMPLETED or RETX_ANSWERED goes on to harvest; AGGREGATED stops
  * after its last consume pass, everything else after the first. A packet is counted once, by its
- * first pass's reason, in its last pass (the reasons counter skips a pass that folds). */
+ * first pass's reason, in its last pass (the reasons counter skips a pass that folds).
+ *
+ * Sparse jobs (Tofino 2, sparse_round.p4): a 32-element completion takes a second pass, harvest
+ * 7 (which reads nothing it keeps), whose stage of SparseRound closes the other version's round
+ * key before the result leaves; a 64-element one closes in its own harvest 7. */
 #ifndef _XDP_AGG_TNA_NEXT_STEP_SELECTOR_P4_
 #define _XDP_AGG_TNA_NEXT_STEP_SELECTOR_P4_
 
@@ -30,7 +34,11 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
         hdr.fold.step = step;
         hdr.fold.quarter = quarter;
         hdr.fold.is_new = ig_md.sml.is_new;
-        hdr.fold.pad0 = 0;
+#ifdef TNA_SPARSE
+        hdr.fold.sparse_job = ig_md.sml.sparse_job;
+#else
+        hdr.fold.sparse_job = 0;
+#endif
         hdr.fold.count_before = ig_md.sml.count_before;
         hdr.fold.reason = ig_md.sml.reason;
         hdr.fold.counter_row = ig_md.sml.counter_row;
@@ -147,7 +155,16 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
     }
 
     apply {
+#ifdef TNA_SPARSE
+        if (ig_md.sml.sparse_job == 1 && ig_md.sml.step == STEP_CONSUME0
+            && ig_md.sml.reason == AGG_COMPLETED && hdr.switchml.size == SML_SIZE_32) {
+            harvest_next(STEP_HARVEST7, 0); // the close pass
+        } else {
+            next_step.apply();
+        }
+#else
         next_step.apply();
+#endif
     }
 }
 

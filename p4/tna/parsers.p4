@@ -15,6 +15,13 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         pkt.advance(PORT_METADATA_SIZE);
         ig_md.update_ipv4_checksum = false;
         ig_md.sml.folds = 0;
+#ifdef TNA_SPARSE
+        // sparse_round.p4's defaults: a dense job's packet (a later pass: parse_fold says)
+        ig_md.sml.sparse_job = 0;
+        ig_md.sml.sparse = 0;
+        ig_md.sml.empty = 0;
+        ig_md.sml.rk = RK_NONE;
+#endif
         transition select(ig_intr_md.ingress_port[6:0]) {
             RECIRC_PORT_IN_PIPE: parse_fold; // a later pass of a packet of ours
             default: first_pass;
@@ -50,6 +57,9 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         ig_md.sml.job_id = hdr.fold.job_id;
         ig_md.sml.ingress_port = hdr.fold.ingress_port;
         ig_md.sml.mgid = hdr.fold.mgid;
+#ifdef TNA_SPARSE
+        ig_md.sml.sparse_job = hdr.fold.sparse_job;
+#endif
         pkt.extract(hdr.ethernet);
         pkt.extract(hdr.ipv4);
         pkt.extract(hdr.udp);
@@ -61,8 +71,29 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         ig_md.sml.slot = hdr.switchml.pool_index[14:0];
         ig_md.sml.version = hdr.switchml.pool_index[15:15];
         pkt.extract(hdr.exponents);
+#ifdef TNA_SPARSE
+        transition select(hdr.switchml.msg_type) {
+            SML_MSG_TYPE_SPARSE: parse_fold_sparse; // a sparse result with data
+            SML_MSG_TYPE_SPARSE_EMPTY: parse_fold_sparse_empty; // one without: no payload
+            default: parse_fold_payload;
+        }
+    }
+
+    state parse_fold_sparse {
+        pkt.extract(hdr.sparse);
+        transition parse_fold_payload;
+    }
+
+    state parse_fold_sparse_empty {
+        pkt.extract(hdr.sparse);
+        transition accept;
+    }
+
+    state parse_fold_payload {
+#endif
         transition select(hdr.fold.step[3:3], hdr.switchml.size) {
             (1w1, SML_SIZE_256): accept;
+            (_, SML_SIZE_32): parse_d1; // a sparse round's close pass (sparse_round.p4)
             default: parse_d0;
         }
     }
@@ -114,7 +145,8 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
     }
 
     // p4app-switchML's order (b5c74a0, dev_root/p4/parsers.p4 lines 187-195): the SwitchML
-    // header, the exponent header, then the payload.
+    // header, the exponent header, then the payload; a sparse packet (msg_type 2 or 3,
+    // docs/protocol.md section 8.1; Tofino 2 only) has its sparse header in between.
     state parse_switchml {
         pkt.extract(hdr.switchml);
         // The slot and version for set_worker's range check in stage 0 (an action there
@@ -122,6 +154,37 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         ig_md.sml.slot = hdr.switchml.pool_index[14:0];
         ig_md.sml.version = hdr.switchml.pool_index[15:15];
         pkt.extract(hdr.exponents);
+#ifdef TNA_SPARSE
+        ig_md.sml.key_lo = DENSE_KEY; // a dense packet's round key (sparse_round.p4)
+        ig_md.sml.key_hi = DENSE_KEY;
+        transition select(hdr.switchml.msg_type) {
+            SML_MSG_TYPE_SPARSE: parse_sparse;
+            SML_MSG_TYPE_SPARSE_EMPTY: parse_sparse_empty;
+            default: parse_payload;
+        }
+    }
+
+    // The round key copied from the sparse header (a parser state writes what it extracts).
+    state parse_sparse {
+        pkt.extract(hdr.sparse);
+        ig_md.sml.key_lo = hdr.sparse.block;
+        ig_md.sml.key_hi = hdr.sparse.blocks;
+        transition parse_payload;
+    }
+
+    // An empty packet has no payload, or padding: the payload is tried either way, and a
+    // header-only one ends with a parser error and d1 invalid, told apart by its UDP length
+    // (UDPReceiver).
+    state parse_sparse_empty {
+        pkt.extract(hdr.sparse);
+        ig_md.sml.key_lo = hdr.sparse.block;
+        ig_md.sml.key_hi = hdr.sparse.blocks;
+        ig_md.sml.empty = 1;
+        transition parse_payload;
+    }
+
+    state parse_payload {
+#endif
         transition select(hdr.switchml.size) {
             SML_SIZE_32: parse_d1; // in d1: a pass sums d1 and reads d1 back
             SML_SIZE_64: parse_d0;
@@ -160,6 +223,9 @@ control IngressDeparser(packet_out pkt, inout header_t hdr, in ingress_metadata_
         pkt.emit(hdr.udp);
         pkt.emit(hdr.switchml);
         pkt.emit(hdr.exponents);
+#ifdef TNA_SPARSE
+        pkt.emit(hdr.sparse);
+#endif
         pkt.emit(hdr.d0);
         pkt.emit(hdr.d1);
     }

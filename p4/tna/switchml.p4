@@ -29,7 +29,9 @@
  *   come with the worker's entry, compared as differences. This keeps the chain in front of
  *   the accumulators at three stages (worker; checks and bitmap; counter), so that the 34
  *   stateful ALUs of the accumulators and exponents (4 a stage) fit into the 9 stages Tofino
- *   has left; p4/README.md has bf-p4c's placement and resources.
+ *   has left; p4/README.md has bf-p4c's placement and resources;
+ * - sparse jobs on Tofino 2 only (sparse_round.p4: TNA_SPARSE), with the round key's check in a
+ *   stage of its own in front of the bitmap and the bitmap in the next.
  */
 #include <core.p4>
 #include <tna.p4>
@@ -43,14 +45,23 @@
 #include "udp_receiver.p4"
 #include "workers_counter.p4"
 #include "exponents.p4"
+#include "sparse_round.p4"
 #include "elements.p4"
 #include "next_step_selector.p4"
 #include "forwarder.p4"
 #include "udp_sender.p4"
 
 // Reason counters: index row * 16 + reason (a shift and an OR; a Tofino ALU does not multiply by
-// 14 as the bmv2 program's row * AGG_NUM_REASONS does). The control plane reads them so.
+// AGG_NUM_REASONS as the bmv2 program's row * AGG_NUM_REASONS does). The control plane reads them
+// so. Reasons 16-19 are rack jobs', which this variant has not; with sparse jobs the row is 32
+// wide, for drop_sparse_range, drop_sparse_backwards and drop_sparse_mismatch (20-22).
+#ifdef TNA_SPARSE
+const bit<32> TNA_REASON_STRIDE = 32;
+#define REASON_COLUMN(reason) reason[4:0]
+#else
 const bit<32> TNA_REASON_STRIDE = 16;
+#define REASON_COLUMN(reason) reason[3:0]
+#endif
 
 control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
                 in ingress_intrinsic_metadata_t ig_intr_md,
@@ -59,9 +70,15 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
                 inout ingress_intrinsic_metadata_for_tm_t ig_tm_md) {
     Counter<bit<32>, bit<32>>(AGG_COUNTER_ROWS * TNA_REASON_STRIDE, CounterType_t.PACKETS) reasons;
 
-    UDPReceiver() udp_receiver; // applies BitmapChecker to an accepted packet
+    UDPReceiver() udp_receiver; // applies BitmapChecker to an accepted packet (not TNA_SPARSE)
     WorkersCounter() workers_counter;
     Exponents() exponents;
+#ifdef TNA_SPARSE
+    SparseRound() sparse_round;
+    BitmapChecker() bitmap_checker;
+    SparseState() sparse_state;
+    SparseResult() sparse_result;
+#endif
     Elements() elements;
     NextStepSelector() next_step_selector;
     Forwarder() forwarder;
@@ -72,26 +89,48 @@ control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
             // or bytes it extracts itself (ig_intr_md is extracted in start).
             ig_md.sml.ingress_port = ig_intr_md.ingress_port;
             udp_receiver.apply(hdr, ig_md.sml, ig_prsr_md);
+#ifndef TNA_SPARSE
             if (ig_md.sml.accepted == 1) {
                 workers_counter.apply(ig_md.sml);
             }
+#endif
         } else if (hdr.fold.step[3:3] == 0 && !hdr.d1.isValid()) {
             // A later consume pass of a 256-element packet shorter than its UDP length says
             // (TNA's ingress has no frame length: its first pass could not tell; p4/README.md).
             ig_md.sml.accepted = 0;
             ig_md.sml.reason = AGG_DROP_TRUNCATED;
+#ifdef TNA_SPARSE
+        } else {
+            // a close pass's round key: the other version's (sparse_round.p4)
+            ig_md.sml.pool_entry = (pool_entry_t)(ig_md.sml.slot ++ ~ig_md.sml.version);
+#endif
         }
+#ifdef TNA_SPARSE
+        // Row 13 before the bitmap: a packet of another round than the open one changes nothing.
+        sparse_round.apply(ig_md.sml);
+        if (ig_md.sml.rk == RK_OTHER) {
+            ig_md.sml.accepted = 0;
+            ig_md.sml.reason = AGG_DROP_SPARSE_MISMATCH;
+        } else if (!hdr.fold.isValid() && ig_md.sml.accepted == 1) {
+            bitmap_checker.apply(ig_md.sml);
+            workers_counter.apply(ig_md.sml);
+        }
+        sparse_state.apply(hdr, ig_md.sml);
+#endif
         // Not under `if (accepted == 1)`: their tables match on accepted (a gateway in front
         // of them put the first accumulators a stage later, the exponents into a 13th stage).
         exponents.apply(hdr, ig_md.sml);
         elements.apply(hdr, ig_md.sml);
+#ifdef TNA_SPARSE
+        sparse_result.apply(hdr, ig_md.sml); // after both: it writes e0 and the payload's validity
+#endif
         if (ig_md.sml.ours == 1) {
             next_step_selector.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
         } else {
             forwarder.apply(hdr, ig_md, ig_intr_md, ig_dprsr_md, ig_tm_md);
         }
         if (ig_md.sml.folds == 0) { // a packet is counted once, in its last pass
-            reasons.count((bit<32>)(ig_md.sml.counter_row ++ ig_md.sml.reason[3:0]));
+            reasons.count((bit<32>)(ig_md.sml.counter_row ++ REASON_COLUMN(ig_md.sml.reason)));
         }
     }
 }
@@ -108,7 +147,7 @@ control Egress(inout header_t hdr, inout egress_metadata_t eg_md,
     apply {
         if (eg_md.bridged.kind == KIND_RESULT) {
             udp_sender.apply(hdr, eg_md, eg_intr_md, eg_dprsr_md);
-            reasons.count((bit<32>)(eg_md.bridged.counter_row ++ eg_md.reason[3:0]));
+            reasons.count((bit<32>)(eg_md.bridged.counter_row ++ REASON_COLUMN(eg_md.reason)));
         } else if (eg_md.bridged.kind == KIND_FLOOD && eg_intr_md.egress_port == eg_md.bridged.ingress_port) {
             eg_dprsr_md.drop_ctl = 1;
         }

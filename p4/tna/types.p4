@@ -39,7 +39,7 @@ header fold_h {
     step_t step; // the pass it enters
     bit<2> quarter; // the accumulators' quarter that pass uses
     bit<1> is_new;
-    bit<1> pad0;
+    bit<1> sparse_job; // the packet's job takes sparse rounds (the close pass: sparse_round.p4)
     bit<8> count_before;
     bit<8> reason;
     bit<8> counter_row;
@@ -88,7 +88,38 @@ struct switchml_md_t {
     bit<2> quarter; // the accumulators' quarter of this pass
     bit<1> folds; // set by next_step: the packet recirculates (counted in its last pass)
     PortId_t ingress_port; // of the first pass
+    // Sparse jobs (docs/protocol.md section 8; sparse_round.p4; Tofino 2 only). The parser
+    // sets sparse_job, sparse and rk to 0.
+    bit<1> sparse_job; // set_worker: the job takes sparse contributions too
+    bit<1> sparse; // an accepted sparse contribution (msg_type 2 or 3)
+    bit<1> empty; // msg_type 3: no data (header-only or padded)
+    bit<32> key_lo; // the round key the packet names: block (DENSE_KEY for a dense packet)
+    bit<32> key_hi; // and blocks (DENSE_KEY)
+    bit<8> rk; // SparseRound's verdict on the key (RK_*)
+    // Rows 11-12 as saturating subtractions in set_worker, compared with 0 by the gateways:
+    bit<32> blocks_left; // blocks |-| block: 0 <=> block >= blocks
+    bit<32> next_over; // next |-| blocks: not 0 <=> next > blocks
+    bit<32> next_back; // block |-| next: not 0 <=> next < block
+    bit<16> sparse_udp_len_diff; // a data packet's UDP length (22 + 4k bytes) minus the packet's
+    bit<16> sparse_ip_len_diff;
+    bit<16> sparse_udp_len; // those lengths themselves: a result with data's
+    bit<16> sparse_ip_len;
+    bit<32> e0_biased; // e0 ^ 0x80, zero-extended: the signed order as unsigned, for a max
+    bit<32> next_min; // the round's smallest next, its e0 (biased), whether it has data
+    bit<32> next_e0;
+    bit<8> has_data;
 }
+
+#ifdef TNA_SPARSE
+// Sparse rounds' constants (sparse_round.p4).
+const bit<32> DENSE_KEY = 0x7FFFFFFF; // a dense round's block and blocks: block = blocks
+const bit<32> ROUND_OPEN = 0x80000000; // in a stored key's hi word: the round is open
+const bit<32> BLOCKS_MASK = 0x7FFFFFFF; // a stored key's blocks (row 11: blocks < 2^31)
+const bit<8> RK_NONE = 0; // not checked: a dense job's packet, or a later pass
+const bit<8> RK_CLAIMED = 1; // no round was open: the packet's key is the round's now
+const bit<8> RK_SAME = 2; // the open round's key
+const bit<8> RK_OTHER = 3; // another round's key is open: drop_sparse_mismatch
+#endif
 
 struct ingress_metadata_t {
     switchml_md_t sml;

@@ -15,14 +15,28 @@
  * jobs lookup and its worker_id >= num_workers check drop it).
  *
  * The bitmap update is applied here, in the branch that accepts the packet, rather than after
- * this control on a flag: a flag set in this stage could only be tested in the next one. */
+ * this control on a flag: a flag set in this stage could only be tested in the next one. With
+ * sparse jobs (Tofino 2) the round key's check comes first (sparse_round.p4), and the bitmap
+ * after it, in Ingress.
+ *
+ * Sparse jobs add rows 5-12 of docs/protocol.md section 8.3 to the chain, through the same
+ * accepting branch: a header-only empty packet (22 bytes of UDP payload) ends the parser with an
+ * error before its payload and is told apart from a cut one by its UDP length; a padded one is
+ * as long as a data packet. Row 11 drops blocks >= 2^31 too on Tofino (the round key keeps its
+ * open flag in the top bit; sparse_round.p4). */
 control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                     in ingress_intrinsic_metadata_from_parser_t ig_prsr_md) {
+#ifndef TNA_SPARSE
     BitmapChecker() bitmap_checker;
+#endif
 
     action set_worker(job_id_t job_id, worker_id_t worker_id, worker_bitmap_t worker_bit,
                       bit<8> num_workers, bit<3> size_code, bit<16> udp_len, bit<16> ip_len,
-                      pool_slot_t slot_base, pool_slot_t slot_end, MulticastGroupId_t mgid) {
+                      pool_slot_t slot_base, pool_slot_t slot_end, MulticastGroupId_t mgid
+#ifdef TNA_SPARSE
+                      , bit<1> sparse, bit<16> sparse_udp_len, bit<16> sparse_ip_len
+#endif
+                      ) {
         md.job_id = job_id;
         md.worker_id = worker_id;
         md.worker_bit = worker_bit; // 1 << worker_id, computed by the control plane
@@ -38,6 +52,21 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
         // by the control plane with it: a gateway then compares the differences with 0.
         md.udp_len_diff = udp_len - hdr.udp.length;
         md.ip_len_diff = ip_len - hdr.ipv4.total_len;
+#ifdef TNA_SPARSE
+        // A sparse job: the lengths of a packet with data (or an empty one padded to it), 12
+        // bytes more, written by the control plane likewise; rows 11-12 as saturating
+        // subtractions (meaningless in a dense packet, which never reads them); e0 biased for
+        // SparseState's unsigned max.
+        md.sparse_job = sparse;
+        md.sparse_udp_len_diff = sparse_udp_len - hdr.udp.length;
+        md.sparse_ip_len_diff = sparse_ip_len - hdr.ipv4.total_len;
+        md.sparse_udp_len = sparse_udp_len;
+        md.sparse_ip_len = sparse_ip_len;
+        md.blocks_left = hdr.sparse.blocks |-| hdr.sparse.block;
+        md.next_over = hdr.sparse.next |-| hdr.sparse.blocks;
+        md.next_back = hdr.sparse.block |-| hdr.sparse.next;
+        md.e0_biased = (bit<32>)(hdr.exponents.e0 ^ 0x80);
+#endif
     }
 
     action stale_worker(job_id_t job_id) {
@@ -79,6 +108,57 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 // The checks after the worker's, in the model's order: each compares a field
                 // with a constant, or two fields for equality, as Tofino's gateways can.
                 switch (workers.apply().action_run) {
+#ifdef TNA_SPARSE
+                    set_worker: {
+                        // Dense or sparse (rows 5-12 of section 8.3 for msg_type 2 and 3): each
+                        // test a field against a constant, or two fields for equality.
+                        bool dense = hdr.switchml.msg_type == SML_MSG_TYPE_DATA;
+                        bool sparse_type = hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE
+                                           || hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE_EMPTY;
+                        bool header_only = md.empty == 1 && md.sparse_udp_len_diff != 0;
+                        if (!dense && (md.sparse_job == 0 || !sparse_type)) {
+                            // a dense job takes msg_type 1 only; a sparse one 1, 2 and 3
+                            md.reason = AGG_DROP_BAD_TYPE;
+                        } else if (hdr.switchml.size != md.size_code) {
+                            md.reason = AGG_DROP_BAD_SIZE;
+                        } else if (!dense && !hdr.sparse.isValid()) {
+                            md.reason = AGG_DROP_TRUNCATED; // cut before the sparse header's end
+                        } else if (dense && !hdr.d1.isValid()) {
+                            md.reason = AGG_DROP_TRUNCATED; // every size's first pass ends in d1
+                        } else if (dense && (md.udp_len_diff != 0 || md.ip_len_diff != 0)) {
+                            md.reason = AGG_DROP_BAD_LENGTH; // as on Tofino, below
+                        } else if (header_only && (hdr.udp.length != SML_UDP_LEN_SPARSE_EMPTY
+                                   || hdr.ipv4.total_len
+                                      != SML_IPV4_HLEN + SML_UDP_LEN_SPARSE_EMPTY)) {
+                            md.reason = AGG_DROP_BAD_LENGTH; // neither 22 bytes nor 22 + 4k
+                        } else if (!dense && !header_only && !hdr.d1.isValid()) {
+                            md.reason = AGG_DROP_TRUNCATED; // data, or padding, cut short
+                        } else if (!dense && !header_only
+                                   && (md.sparse_udp_len_diff != 0 || md.sparse_ip_len_diff != 0)) {
+                            md.reason = AGG_DROP_BAD_LENGTH;
+                        } else if (md.slots_below != 0 || md.slots_left == 0) {
+                            md.reason = AGG_DROP_SLOT_RANGE; // outside [base, end)
+                        } else if (!dense && (md.blocks_left == 0 || md.next_over != 0
+                                   || hdr.sparse.blocks[31:31] == 1)) {
+                            md.reason = AGG_DROP_SPARSE_RANGE; // outside the tensor
+                        } else if (!dense && (md.next_back != 0
+                                   || (md.empty == 0 && hdr.sparse.next == hdr.sparse.block))) {
+                            md.reason = AGG_DROP_SPARSE_BACKWARDS; // an empty may name its block
+                        } else {
+                            md.accepted = 1; // SparseRound, then BitmapChecker (in Ingress)
+                            if (!dense) {
+                                md.sparse = 1;
+                            }
+                            if (md.empty == 1) {
+                                // no data: zeros to overwrite or add (a padded one's bytes are
+                                // never summed), and room for a stored sum to be read into
+                                hdr.d1 = { ... };
+                                if (md.size_code == SML_SIZE_64) {
+                                    hdr.d0 = { ... };
+                                }
+                            }
+                        }
+#else
                     set_worker: {
                         if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
                             md.reason = AGG_DROP_BAD_TYPE;
@@ -98,6 +178,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                             md.accepted = 1;
                             bitmap_checker.apply(md);
                         }
+#endif
                     }
                 }
             }

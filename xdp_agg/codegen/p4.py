@@ -220,9 +220,10 @@ def next_step_entries_tna() -> list[str]:
     pass that goes on or ends in a result; every other packet is dropped by the default."""
     done = ("AGG_COMPLETED", "AGG_RETX_ANSWERED")
     ending = {"AGG_COMPLETED": "result", "AGG_RETX_ANSWERED": "answer"}
-    L = ["/* 32 elements: one pass. */"]
+    L = ["/* 32 elements: one pass (a sparse job's completion two: sparse_round.p4). */"]
     for r in done:
         L.append(f"(SML_SIZE_32, 0, {r}): {ending[r]}();")
+    L.append("(SML_SIZE_32, 15, AGG_COMPLETED): result();")
     L.append("/* 64 elements: consume 0, then harvest 7 (d0). */")
     for r in done:
         L.append(f"(SML_SIZE_64, 0, {r}): harvest_next(15, 0);")
