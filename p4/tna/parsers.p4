@@ -172,15 +172,17 @@ parser IngressParser(packet_in pkt, out header_t hdr, out ingress_metadata_t ig_
         transition parse_payload;
     }
 
-    // An empty packet has no payload, or padding: the payload is tried either way, and a
-    // header-only one ends with a parser error and d1 invalid, told apart by its UDP length
-    // (UDPReceiver).
+    // An empty packet has no payload (its UDP length says: the parser does not run past the
+    // frame, which would be a parser error) or padding, parsed as a data packet's payload.
     state parse_sparse_empty {
         pkt.extract(hdr.sparse);
         ig_md.sml.key_lo = hdr.sparse.block;
         ig_md.sml.key_hi = hdr.sparse.blocks;
         ig_md.sml.empty = 1;
-        transition parse_payload;
+        transition select(hdr.udp.length) {
+            SML_UDP_LEN_SPARSE_EMPTY: accept;
+            default: parse_payload;
+        }
     }
 
     state parse_payload {
