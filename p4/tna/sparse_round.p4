@@ -45,11 +45,11 @@ control SparseRound(inout switchml_md_t md) {
     // has (four comparators, maskable); Tofino's two do not suffice (TNA_SPARSE).
     RegisterAction<round_key_t, pool_entry_t, bit<8>>(round_key) claim = {
         void apply(inout round_key_t value, out bit<8> verdict) {
-            if (value.hi & ROUND_OPEN == 0) {
+            if ((value.hi & ROUND_OPEN) == 0) {
                 value.lo = md.key_lo;
                 value.hi = md.key_hi | ROUND_OPEN;
                 verdict = RK_CLAIMED;
-            } else if (value.lo == md.key_lo && value.hi & BLOCKS_MASK == md.key_hi) {
+            } else if (value.lo == md.key_lo && (value.hi & BLOCKS_MASK) == md.key_hi) {
                 verdict = RK_SAME;
             } else {
                 verdict = RK_OTHER;
