@@ -148,7 +148,8 @@ control Egress(inout header_t hdr, inout egress_metadata_t eg_md,
         if (eg_md.bridged.kind == KIND_RESULT) {
             udp_sender.apply(hdr, eg_md, eg_intr_md, eg_dprsr_md);
             reasons.count((bit<32>)(eg_md.bridged.counter_row ++ REASON_COLUMN(eg_md.reason)));
-        } else if (eg_md.bridged.kind == KIND_FLOOD && eg_intr_md.egress_port == eg_md.bridged.ingress_port) {
+        } else if (eg_md.bridged.kind == KIND_FLOOD
+                   && eg_intr_md.egress_port == eg_md.bridged.ingress_port) {
             eg_dprsr_md.drop_ctl = 1;
         }
     }

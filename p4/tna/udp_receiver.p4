@@ -1,4 +1,5 @@
-/* udp_receiver.p4 (TNA): the checks of docs/protocol.md section 2.2, in the reference model's order. */
+/* udp_receiver.p4 (TNA): the checks of docs/protocol.md section 2.2 (and 8.3 for sparse jobs),
+ * in the reference model's order. */
 #ifndef _XDP_AGG_TNA_UDP_RECEIVER_P4_
 #define _XDP_AGG_TNA_UDP_RECEIVER_P4_
 
