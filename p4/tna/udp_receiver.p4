@@ -23,8 +23,8 @@
  * Sparse jobs add rows 5-12 of docs/protocol.md section 8.3 to the chain, through the same
  * accepting branch: a header-only empty packet (22 bytes of UDP payload) has no payload headers
  * (the parser stops after its sparse header) and is told apart from a cut one by its UDP
- * length; a padded one is as long as a data packet. Row 11 drops blocks >= 2^31 too on Tofino (the round key keeps its
- * open flag in the top bit; sparse_round.p4). */
+ * length; a padded one is as long as a data packet. Row 11 drops blocks >= 2^31 too on Tofino 2
+ * (the round key keeps its open flag in the top bit; sparse_round.p4). */
 control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                     in ingress_intrinsic_metadata_from_parser_t ig_prsr_md) {
 #ifndef TNA_SPARSE
