@@ -136,7 +136,8 @@ def _sparse_state(st: TnaSlots, key, op: str, msg: wire.Message) -> None:
     signed one; the exponent travels with the smallest next."""
     if msg.sparse is None or op == "read":
         return
-    nxt, e0b, data = msg.sparse.next, (msg.e0 & 0xFF) ^ 0x80, msg.msg_type != 3
+    nxt, e0b = msg.sparse.next, (msg.e0 & 0xFF) ^ 0x80
+    data = msg.msg_type != wire.MSG_TYPE_SPARSE_EMPTY
     if op == "first":
         st.next_e0[key], st.next_min[key], st.has_data[key] = (nxt, e0b), nxt, int(data)
         return
