@@ -71,12 +71,12 @@ class TnaSlots:
     acc: dict = field(default_factory=dict)
     e0: dict = field(default_factory=dict)  # ExponentMax e0 (dense rounds' result)
     e1: dict = field(default_factory=dict)
-    next_e0: dict = field(default_factory=dict)  # (next, e0 biased)
-    next_min: dict = field(default_factory=dict)
+    next_e0: dict = field(default_factory=dict)  # (smallest next, its e0 biased): one pair
     has_data: dict = field(default_factory=dict)
 
     def claim(self, g: int, v: int, lo: int, hi: int) -> str:
-        """SparseRound's `claim`: closed -> the packet's key, open; open -> compared."""
+        """SparseRound's `claim`: closed -> the packet's key, open; open -> compared ("other"
+        is RK_OTHER; the P4 program's verdict does not tell "claimed" from "same")."""
         slo, shi = self.round_key.get((g, v), (0, 0))
         if shi & ROUND_OPEN == 0:
             self.round_key[g, v] = (lo, hi | ROUND_OPEN)
@@ -132,21 +132,21 @@ def _accumulate(st: TnaSlots, key, op: str, msg: wire.Message) -> None:
 
 
 def _sparse_state(st: TnaSlots, key, op: str, msg: wire.Message) -> None:
-    """SparseState's three registers: e0 biased (e0 ^ 0x80) so that an unsigned max is the
-    signed one; the exponent travels with the smallest next."""
+    """SparseState's two registers: the (next, e0) pair, whose ALU returns both words, with e0
+    biased (e0 ^ 0x80) so that an unsigned max is the signed one and travelling with the
+    smallest next; and has_data."""
     if msg.sparse is None or op == "read":
         return
     nxt, e0b = msg.sparse.next, (msg.e0 & 0xFF) ^ 0x80
     data = msg.msg_type != wire.MSG_TYPE_SPARSE_EMPTY
     if op == "first":
-        st.next_e0[key], st.next_min[key], st.has_data[key] = (nxt, e0b), nxt, int(data)
+        st.next_e0[key], st.has_data[key] = (nxt, e0b), int(data)
         return
     have, he0 = st.next_e0[key]
     if nxt < have:
         st.next_e0[key] = (nxt, e0b)
     elif nxt == have:
         st.next_e0[key] = (have, max(he0, e0b))
-    st.next_min[key] = min(st.next_min[key], nxt)
     st.has_data[key] |= int(data)
 
 
@@ -156,7 +156,7 @@ def _result(st: TnaSlots, key, msg: wire.Message, reason: Reason) -> Out:
     if msg.sparse is None:
         return Out(reason, msg.msg_type, vals, st.e0[key], st.e1[key])
     e0 = np.int8(np.uint8(st.next_e0[key][1] ^ 0x80)).item()
-    sp = wire.Sparse(msg.sparse.block, st.next_min[key], msg.sparse.blocks)
+    sp = wire.Sparse(msg.sparse.block, st.next_e0[key][0], msg.sparse.blocks)
     if not st.has_data[key]:
         return Out(reason, wire.MSG_TYPE_SPARSE_EMPTY, None, e0, st.e1[key], sp)
     return Out(reason, wire.MSG_TYPE_SPARSE, vals, e0, st.e1[key], sp)

@@ -34,11 +34,13 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
         hdr.fold.step = step;
         hdr.fold.quarter = quarter;
         hdr.fold.is_new = ig_md.sml.is_new;
+        hdr.fold.pad0 = 0;
 #ifdef TNA_SPARSE
         hdr.fold.sparse_job = ig_md.sml.sparse_job;
 #else
         hdr.fold.sparse_job = 0;
 #endif
+        hdr.fold.pad2 = 0;
         hdr.fold.count_before = ig_md.sml.count_before;
         hdr.fold.reason = ig_md.sml.reason;
         hdr.fold.counter_row = ig_md.sml.counter_row;

@@ -48,9 +48,9 @@ control SparseRound(inout switchml_md_t md) {
             if ((value.hi & ROUND_OPEN) == 0) {
                 value.lo = md.key_lo;
                 value.hi = md.key_hi | ROUND_OPEN;
-                verdict = RK_CLAIMED;
+                verdict = RK_NONE; // claimed
             } else if (value.lo == md.key_lo && (value.hi & BLOCKS_MASK) == md.key_hi) {
-                verdict = RK_SAME;
+                verdict = RK_NONE; // the same round
             } else {
                 verdict = RK_OTHER;
             }
@@ -108,17 +108,18 @@ struct next_e0_t {
 }
 
 /* The round's smallest next with its exponent, and whether it has data: written by the first
- * contribution, updated by each new one, read by a retransmission of a complete round. Three
- * registers: a stateful ALU returns one value (next and e0 are both needed in the result). */
+ * contribution, updated by each new one, read by a retransmission of a complete round. Two
+ * registers, each its own table (bf-p4c: one stateful ALU output per action); the pair's ALU
+ * returns both of its words (Tofino 2: up to four outputs). */
 control SparseState(in header_t hdr, inout switchml_md_t md) {
     Register<next_e0_t, pool_entry_t>(POOL_ENTRIES) next_e0;
-    Register<bit<32>, pool_entry_t>(POOL_ENTRIES) next_min; // the same next: the result's
     Register<bit<8>, pool_entry_t>(POOL_ENTRIES) has_data;
 
-    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) e0_first = {
-        void apply(inout next_e0_t value, out bit<32> e0) {
+    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) next_first = {
+        void apply(inout next_e0_t value, out bit<32> next, out bit<32> e0) {
             value.next = hdr.sparse.next;
             value.e0 = md.e0_biased;
+            next = value.next;
             e0 = value.e0;
         }
     };
@@ -126,41 +127,23 @@ control SparseState(in header_t hdr, inout switchml_md_t md) {
     // Tofino 2: three comparisons (next <, next ==, and max's), of its four comparators.
     // The exponent travels with the smallest next (8.4): a smaller next takes its e0, an equal
     // one maxes it in.
-    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) e0_update = {
-        void apply(inout next_e0_t value, out bit<32> e0) {
+    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) next_update = {
+        void apply(inout next_e0_t value, out bit<32> next, out bit<32> e0) {
             if (hdr.sparse.next < value.next) {
                 value.next = hdr.sparse.next;
                 value.e0 = md.e0_biased;
             } else if (hdr.sparse.next == value.next) {
                 value.e0 = max(value.e0, md.e0_biased);
             }
+            next = value.next;
             e0 = value.e0;
         }
     };
 
-    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) e0_read = {
-        void apply(inout next_e0_t value, out bit<32> e0) {
+    RegisterAction<next_e0_t, pool_entry_t, bit<32>>(next_e0) next_read = {
+        void apply(inout next_e0_t value, out bit<32> next, out bit<32> e0) {
+            next = value.next;
             e0 = value.e0;
-        }
-    };
-
-    RegisterAction<bit<32>, pool_entry_t, bit<32>>(next_min) next_first = {
-        void apply(inout bit<32> value, out bit<32> next) {
-            value = hdr.sparse.next;
-            next = value;
-        }
-    };
-
-    RegisterAction<bit<32>, pool_entry_t, bit<32>>(next_min) next_update = {
-        void apply(inout bit<32> value, out bit<32> next) {
-            value = min(value, hdr.sparse.next);
-            next = value;
-        }
-    };
-
-    RegisterAction<bit<32>, pool_entry_t, bit<32>>(next_min) next_read = {
-        void apply(inout bit<32> value, out bit<32> next) {
-            next = value;
         }
     };
 
@@ -190,28 +173,34 @@ control SparseState(in header_t hdr, inout switchml_md_t md) {
         }
     };
 
-    action first() {
-        md.next_e0 = e0_first.execute(md.pool_entry);
-        md.next_min = next_first.execute(md.pool_entry);
+    action first_next() {
+        md.next_min = next_first.execute(md.pool_entry, md.next_e0);
+    }
+
+    action update_next() {
+        md.next_min = next_update.execute(md.pool_entry, md.next_e0);
+    }
+
+    action read_next() {
+        md.next_min = next_read.execute(md.pool_entry, md.next_e0);
+    }
+
+    action first_data() {
         md.has_data = data_first.execute(md.pool_entry);
     }
 
-    action update() {
-        md.next_e0 = e0_update.execute(md.pool_entry);
-        md.next_min = next_update.execute(md.pool_entry);
+    action update_data() {
         md.has_data = data_update.execute(md.pool_entry);
     }
 
-    action read() {
-        md.next_e0 = e0_read.execute(md.pool_entry);
-        md.next_min = next_read.execute(md.pool_entry);
+    action read_data() {
         md.has_data = data_read.execute(md.pool_entry);
     }
 
     // As the exponents' table (exponents.p4), keyed on the counter's outputs: a round's first
     // contribution, a later one, a retransmission of a complete round; a pending duplicate
     // reads nothing. A packet of another round never gets here (accepted cleared).
-    table state {
+    table next_state {
         key = {
             md.accepted: exact;
             md.sparse: exact;
@@ -219,22 +208,45 @@ control SparseState(in header_t hdr, inout switchml_md_t md) {
             md.count_before: ternary;
         }
         actions = {
-            first;
-            update;
-            read;
+            first_next;
+            update_next;
+            read_next;
             @defaultonly NoAction;
         }
         const entries = {
-            (1, 1, 1, 0): first();
-            (1, 1, 1, _): update();
-            (1, 1, 0, 0): read();
+            (1, 1, 1, 0): first_next();
+            (1, 1, 1, _): update_next();
+            (1, 1, 0, 0): read_next();
+        }
+        const default_action = NoAction();
+        size = 3;
+    }
+
+    table data_state { // next_state's entries, for has_data
+        key = {
+            md.accepted: exact;
+            md.sparse: exact;
+            md.is_new: exact;
+            md.count_before: ternary;
+        }
+        actions = {
+            first_data;
+            update_data;
+            read_data;
+            @defaultonly NoAction;
+        }
+        const entries = {
+            (1, 1, 1, 0): first_data();
+            (1, 1, 1, _): update_data();
+            (1, 1, 0, 0): read_data();
         }
         const default_action = NoAction();
         size = 3;
     }
 
     apply {
-        state.apply();
+        next_state.apply();
+        data_state.apply();
     }
 }
 

@@ -34,7 +34,11 @@
  *   stage of its own in front of the bitmap and the bitmap in the next.
  */
 #include <core.p4>
+#if __TARGET_TOFINO__ >= 2
+#include <t2na.p4> // Tofino 2's externs: a RegisterAction returns up to four words
+#else
 #include <tna.p4>
+#endif
 
 #include "../include/abi.p4"
 #include "configuration.p4"

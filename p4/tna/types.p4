@@ -39,7 +39,7 @@ header fold_h {
     step_t step; // the pass it enters
     bit<2> quarter; // the accumulators' quarter that pass uses
     bit<1> is_new;
-    bit<1> sparse_job; // the packet's job takes sparse rounds (the close pass: sparse_round.p4)
+    bit<1> pad0;
     bit<8> count_before;
     bit<8> reason;
     bit<8> counter_row;
@@ -47,6 +47,12 @@ header fold_h {
     bit<7> pad1;
     PortId_t ingress_port; // of the first pass: where an answer goes
     MulticastGroupId_t mgid;
+    // The packet's job takes sparse rounds (the close pass: sparse_round.p4). A byte of its own
+    // (bf-p4c: on Tofino 2 an action that writes constants into a container copies from one
+    // other container at most; in is_new's byte, beside the constant step and quarter, it was
+    // a second).
+    bit<7> pad2;
+    bit<1> sparse_job;
 }
 
 /* Ingress -> egress (bridged in front of the packet, as p4app-switchML bridges switchml_md). */
@@ -115,10 +121,10 @@ struct switchml_md_t {
 const bit<32> DENSE_KEY = 0x7FFFFFFF; // a dense round's block and blocks: block = blocks
 const bit<32> ROUND_OPEN = 0x80000000; // in a stored key's hi word: the round is open
 const bit<32> BLOCKS_MASK = 0x7FFFFFFF; // a stored key's blocks (row 11: blocks < 2^31)
-const bit<8> RK_NONE = 0; // not checked: a dense job's packet, or a later pass
-const bit<8> RK_CLAIMED = 1; // no round was open: the packet's key is the round's now
-const bit<8> RK_SAME = 2; // the open round's key
-const bit<8> RK_OTHER = 3; // another round's key is open: drop_sparse_mismatch
+// SparseRound's verdict, two values (bf-p4c: a stateful ALU outputs one nonzero constant, a
+// power of two, from its predicate; mau/stateful_alu.cpp "cannot output constant").
+const bit<8> RK_NONE = 0; // not checked, claimed, or the open round's key: on to the bitmap
+const bit<8> RK_OTHER = 1; // another round's key is open: drop_sparse_mismatch
 #endif
 
 struct ingress_metadata_t {
