@@ -20,14 +20,62 @@
  * sparse jobs (Tofino 2) the round key's check comes first (sparse_round.p4), and the bitmap
  * after it, in Ingress.
  *
- * Sparse jobs add rows 5-12 of docs/protocol.md section 8.3 to the chain, through the same
- * accepting branch: a header-only empty packet (22 bytes of UDP payload) has no payload headers
- * (the parser stops after its sparse header) and is told apart from a cut one by its UDP
- * length; a padded one is as long as a data packet. Row 11 drops blocks >= 2^31 too on Tofino 2
- * (the round key keeps its open flag in the top bit; sparse_round.p4). */
+ * Sparse jobs (Tofino 2) check a packet that is not msg_type 1 in SparseChecks, below. */
+
+#ifdef TNA_SPARSE
+/* Rows 5-12 of docs/protocol.md section 8.3, for a packet of a known worker that is not dense
+ * (msg_type 1): bad_type unless the job is sparse and the packet msg_type 2 or 3. A header-only
+ * empty packet (22 bytes of UDP payload) has no payload headers (the parser stops after its
+ * sparse header) and is told apart from a cut one by its UDP length; a padded one is as long as
+ * a data packet. Row 11 drops blocks >= 2^31 too (the round key keeps its open flag in the top
+ * bit; sparse_round.p4).
+ * A chain of its own (bf-p4c: a gateway tests `!=` only where reordering its rows turns it into
+ * `==`, mau/gateway.cpp "gateway condition too complex"; rows 11 and 12 under a `msg_type != 1`
+ * conjunct, as in one chain with the dense checks, were refused). */
+control SparseChecks(inout header_t hdr, inout switchml_md_t md) {
+    apply {
+        bool header_only = md.empty == 1 && md.sparse_udp_len_diff != 0;
+        if (md.sparse_job == 0 || (hdr.switchml.msg_type != SML_MSG_TYPE_SPARSE
+                                   && hdr.switchml.msg_type != SML_MSG_TYPE_SPARSE_EMPTY)) {
+            md.reason = AGG_DROP_BAD_TYPE; // a dense job takes msg_type 1 only
+        } else if (hdr.switchml.size != md.size_code) {
+            md.reason = AGG_DROP_BAD_SIZE;
+        } else if (!hdr.sparse.isValid()) {
+            md.reason = AGG_DROP_TRUNCATED; // cut before the sparse header's end
+        } else if (header_only && (hdr.udp.length != SML_UDP_LEN_SPARSE_EMPTY
+                   || hdr.ipv4.total_len != SML_IPV4_HLEN + SML_UDP_LEN_SPARSE_EMPTY)) {
+            md.reason = AGG_DROP_BAD_LENGTH; // neither 22 bytes nor 22 + 4k
+        } else if (!header_only && !hdr.d1.isValid()) {
+            md.reason = AGG_DROP_TRUNCATED; // data, or padding, cut short
+        } else if (!header_only && (md.sparse_udp_len_diff != 0 || md.sparse_ip_len_diff != 0)) {
+            md.reason = AGG_DROP_BAD_LENGTH;
+        } else if (md.slots_below != 0 || md.slots_left == 0) {
+            md.reason = AGG_DROP_SLOT_RANGE; // outside [base, end)
+        } else if (md.blocks_left == 0 || md.next_over != 0 || hdr.sparse.blocks[31:31] == 1) {
+            md.reason = AGG_DROP_SPARSE_RANGE; // outside the tensor
+        } else if (md.next_back != 0 || (md.empty == 0 && hdr.sparse.next == hdr.sparse.block)) {
+            md.reason = AGG_DROP_SPARSE_BACKWARDS; // an empty may name its block
+        } else {
+            md.accepted = 1; // SparseRound, then BitmapChecker (in Ingress)
+            md.sparse = 1;
+            if (md.empty == 1) {
+                // no data: zeros to overwrite or add (a padded one's bytes are never summed),
+                // and room for a stored sum to be read into
+                hdr.d1 = { ... };
+                if (md.size_code == SML_SIZE_64) {
+                    hdr.d0 = { ... };
+                }
+            }
+        }
+    }
+}
+#endif
+
 control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                     in ingress_intrinsic_metadata_from_parser_t ig_prsr_md) {
-#ifndef TNA_SPARSE
+#ifdef TNA_SPARSE
+    SparseChecks() sparse_checks;
+#else
     BitmapChecker() bitmap_checker;
 #endif
 
@@ -109,60 +157,13 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                 // The checks after the worker's, in the model's order: each compares a field
                 // with a constant, or two fields for equality, as Tofino's gateways can.
                 switch (workers.apply().action_run) {
-#ifdef TNA_SPARSE
-                    set_worker: {
-                        // Dense or sparse (rows 5-12 of section 8.3 for msg_type 2 and 3): each
-                        // test a field against a constant, or two fields for equality.
-                        bool dense = hdr.switchml.msg_type == SML_MSG_TYPE_DATA;
-                        bool sparse_type = hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE
-                                           || hdr.switchml.msg_type == SML_MSG_TYPE_SPARSE_EMPTY;
-                        bool header_only = md.empty == 1 && md.sparse_udp_len_diff != 0;
-                        if (!dense && (md.sparse_job == 0 || !sparse_type)) {
-                            // a dense job takes msg_type 1 only; a sparse one 1, 2 and 3
-                            md.reason = AGG_DROP_BAD_TYPE;
-                        } else if (hdr.switchml.size != md.size_code) {
-                            md.reason = AGG_DROP_BAD_SIZE;
-                        } else if (!dense && !hdr.sparse.isValid()) {
-                            md.reason = AGG_DROP_TRUNCATED; // cut before the sparse header's end
-                        } else if (dense && !hdr.d1.isValid()) {
-                            md.reason = AGG_DROP_TRUNCATED; // every size's first pass ends in d1
-                        } else if (dense && (md.udp_len_diff != 0 || md.ip_len_diff != 0)) {
-                            md.reason = AGG_DROP_BAD_LENGTH; // as on Tofino, below
-                        } else if (header_only && (hdr.udp.length != SML_UDP_LEN_SPARSE_EMPTY
-                                   || hdr.ipv4.total_len
-                                      != SML_IPV4_HLEN + SML_UDP_LEN_SPARSE_EMPTY)) {
-                            md.reason = AGG_DROP_BAD_LENGTH; // neither 22 bytes nor 22 + 4k
-                        } else if (!dense && !header_only && !hdr.d1.isValid()) {
-                            md.reason = AGG_DROP_TRUNCATED; // data, or padding, cut short
-                        } else if (!dense && !header_only
-                                   && (md.sparse_udp_len_diff != 0 || md.sparse_ip_len_diff != 0)) {
-                            md.reason = AGG_DROP_BAD_LENGTH;
-                        } else if (md.slots_below != 0 || md.slots_left == 0) {
-                            md.reason = AGG_DROP_SLOT_RANGE; // outside [base, end)
-                        } else if (!dense && (md.blocks_left == 0 || md.next_over != 0
-                                   || hdr.sparse.blocks[31:31] == 1)) {
-                            md.reason = AGG_DROP_SPARSE_RANGE; // outside the tensor
-                        } else if (!dense && (md.next_back != 0
-                                   || (md.empty == 0 && hdr.sparse.next == hdr.sparse.block))) {
-                            md.reason = AGG_DROP_SPARSE_BACKWARDS; // an empty may name its block
-                        } else {
-                            md.accepted = 1; // SparseRound, then BitmapChecker (in Ingress)
-                            if (!dense) {
-                                md.sparse = 1;
-                            }
-                            if (md.empty == 1) {
-                                // no data: zeros to overwrite or add (a padded one's bytes are
-                                // never summed), and room for a stored sum to be read into
-                                hdr.d1 = { ... };
-                                if (md.size_code == SML_SIZE_64) {
-                                    hdr.d0 = { ... };
-                                }
-                            }
-                        }
-#else
                     set_worker: {
                         if (hdr.switchml.msg_type != SML_MSG_TYPE_DATA) {
+#ifdef TNA_SPARSE
+                            sparse_checks.apply(hdr, md); // msg_type 2 and 3, or bad_type
+#else
                             md.reason = AGG_DROP_BAD_TYPE;
+#endif
                         } else if (hdr.switchml.size != md.size_code) {
                             md.reason = AGG_DROP_BAD_SIZE;
                         } else if (!hdr.d1.isValid()) {
@@ -177,9 +178,10 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
                             md.reason = AGG_DROP_SLOT_RANGE; // outside [base, end)
                         } else {
                             md.accepted = 1;
+#ifndef TNA_SPARSE
                             bitmap_checker.apply(md);
-                        }
 #endif
+                        }
                     }
                 }
             }
