@@ -85,6 +85,22 @@ def test_bfa_stages_counts_each_gress():
     assert bfa_stages(bfa) == {"ingress": 4, "egress": 2}
 
 
+def bfa_parser_selects(bfa: str, gress: str) -> int:
+    """The `match:` lines (a state's select) in an assembly file's `parser <gress>:` section."""
+    section = re.search(rf"^parser {gress}:\n(.*?)(?=^\S)", bfa, re.M | re.S)
+    return 0 if section is None else len(re.findall(r"^ +match: ", section.group(1), re.M))
+
+
+def test_bfa_parser_selects_counts_one_gress():
+    bfa = (
+        "parser ingress:\n  states:\n    s:\n      match: [ half ]\n      0x0800:\n"
+        "    t:\n      *:\n        next: end\n"
+        "deparser ingress:\n  x\nparser egress:\n  states:\n    e:\n      match: [ byte0 ]\n"
+    )
+    assert bfa_parser_selects(bfa, "ingress") == 1
+    assert bfa_parser_selects(bfa.replace("match: [ half ]", "*:"), "ingress") == 0
+
+
 def _assemble_after_driver_bug(bf: str, r, pipe: Path) -> None:
     """bf-p4c's driver at p4c 34b86e9 dies in its assembler step (barefoot.py: 'PosixPath' object
     has no attribute 'find') after the back end wrote the .bfa: run the assembler, bfas, as the
@@ -129,7 +145,14 @@ def test_tna_variant_compiles_for_tofino(tmp_path, target, arch):
     bfa = out / "pipe" / "switchml.bfa"
     assert bfa.exists() and bfa.stat().st_size > 0, "the assembler had nothing to assemble"
     assert list((out / "pipe").glob("*.bin")), "no binary: the assembler did not finish"
-    used = bfa_stages(bfa.read_text())
+    text = bfa.read_text()
+    # p4c before PR #5753 (p4lang/p4c, merged 2026-09-04) lost every parser select on saved
+    # packet data: each state took its first transition, and the program still assembled.
+    # Ours selects on the port, EtherType, IPv4 header, UDP port, message type and size, and
+    # the fold's step and size; bf-p4c merges some (6 matching states for Tofino, 9 for
+    # Tofino 2 at p4c 34b86e9 with that PR applied).
+    assert bfa_parser_selects(text, "ingress") >= 5, "bf-p4c lost the parser's selects"
+    used = bfa_stages(text)
     assert 0 < used.get("ingress", 0) <= STAGES[target], used
     assert used.get("egress", 0) <= STAGES[target], used
     for f in out.rglob("resources.json"):  # written with -g (backends/tofino/scripts)
