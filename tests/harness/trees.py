@@ -27,6 +27,18 @@ def parent_counters(reports, r: int, per_rack: int) -> dict:
     return max(seen, key=lambda c: c["forwarded_up"] + c["resent_up"] + c["parent_result"])
 
 
+def rack_retransmissions(reports, r: int, per_rack: int) -> int:
+    """Rack r's workers' retransmissions since they joined, as their counters checks report them
+    (comm.stats): these include the checks' own barriers, data-path all-reduces too, which no
+    all-reduce report's "stats" covers."""
+    return sum(
+        x["worker"]["retransmissions"]
+        for reps in reports[r * per_rack : (r + 1) * per_rack]
+        for x in reps
+        if x.get("check") == "counters"
+    )
+
+
 def retransmissions(reports) -> int:
     """Retransmissions the workers counted, over all their all-reduces."""
     return sum(x["stats"]["retransmissions"] for reps in reports for x in reps if "stats" in x)
