@@ -15,15 +15,20 @@ def count_ok(reports) -> int:
     return n
 
 
-def parent_counters(reports, r: int, per_rack: int) -> dict:
-    """Rack r's parent-link counters as its endpoint reported them to its workers' last
-    counters check (the jobs are gone once the workers leave); the latest of its workers'."""
-    seen = [
-        x["parent"]["counters"]
+def rack_checks(reports, r: int, per_rack: int) -> list[dict]:
+    """Rack r's workers' counters-check reports."""
+    return [
+        x
         for reps in reports[r * per_rack : (r + 1) * per_rack]
         for x in reps
         if x.get("check") == "counters"
     ]
+
+
+def parent_counters(reports, r: int, per_rack: int) -> dict:
+    """Rack r's parent-link counters as its endpoint reported them to its workers' last
+    counters check (the jobs are gone once the workers leave); the latest of its workers'."""
+    seen = [x["parent"]["counters"] for x in rack_checks(reports, r, per_rack)]
     return max(seen, key=lambda c: c["forwarded_up"] + c["resent_up"] + c["parent_result"])
 
 
@@ -31,12 +36,7 @@ def rack_retransmissions(reports, r: int, per_rack: int) -> int:
     """Rack r's workers' retransmissions since they joined, as their counters checks report them
     (comm.stats): these include the checks' own barriers, data-path all-reduces too, which no
     all-reduce report's "stats" covers."""
-    return sum(
-        x["worker"]["retransmissions"]
-        for reps in reports[r * per_rack : (r + 1) * per_rack]
-        for x in reps
-        if x.get("check") == "counters"
-    )
+    return sum(x["worker"]["retransmissions"] for x in rack_checks(reports, r, per_rack))
 
 
 def retransmissions(reports) -> int:
