@@ -79,8 +79,9 @@ static __always_inline void ipv4_csum(struct iphdr *ip)
 }
 
 /* The fields every result leaves with, whatever the request carried, as p4app-switchML's sender
- * writes them: ToS 0, IP id 0, flags 0 (no DF), TTL 64, the SwitchML header's reserved bit 0,
- * UDP checksum 0 (legal for IPv4). The fragment offset is 0 already: fragments are not ours.
+ * writes them: ToS 0, IP id 0, flags 0 (no DF), TTL 64, UDP checksum 0 (legal for IPv4). The
+ * SwitchML header's width bit (p4app-switchML's `unused`, 0 in its results) stays the request's,
+ * which is the job's (docs/protocol.md 5.6): 0 in every 32-bit job's result. The fragment offset is 0 already: fragments are not ours.
  * The caller recomputes the IPv4 checksum. */
 static __always_inline void result_fields(struct agg_pkt *pk)
 {
@@ -88,7 +89,6 @@ static __always_inline void result_fields(struct agg_pkt *pk)
 	pk->ip->frag_off = bpf_htons(SML_RESULT_IP_FLAGS << 13);
 	pk->ip->ttl = SML_RESULT_TTL;
 	pk->ip->id = bpf_htons(SML_RESULT_IP_ID);
-	pk->sml->msg_type_size &= ~SML_MSG_TYPE_SIZE_RESERVED;
 	pk->udp->check = 0;
 }
 

@@ -208,7 +208,8 @@ static __always_inline int write_sparse(struct xdp_md *ctx, struct agg_pkt *pk,
 		return -1;
 	pk->ip->tot_len = bpf_htons(sizeof(struct iphdr) + sizeof(struct udphdr) + len);
 	pk->udp->len = bpf_htons(sizeof(struct udphdr) + len);
-	pk->sml->msg_type_size = (type << 4) | SML_SIZE(pk->sml);
+	/* the kind; the width bit and the size code (the low nibble) stay the request's */
+	pk->sml->msg_type_size = (type << 4) | (pk->sml->msg_type_size & 0x0f);
 	pk->exp->e0 = r->e0;
 	pk->exp->e1 = r->e1;
 	sh->block = bpf_htonl(r->key >> 32);

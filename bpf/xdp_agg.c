@@ -37,7 +37,7 @@
 			return sparse_aggregate(ctx, &pk, job, w, g, vi, elems); \
 		return aggregate(ctx, &pk, job, w, g, vi, elems);
 
-/* Why a packet of a known worker is dropped for its type or its lengths (rows 5-8 of
+/* Why a packet of a known worker is dropped for its type, width or lengths (rows 5-8 of
  * docs/protocol.md 2.2, and of 8.3 for a sparse job), else 0. The frame must hold the packet's
  * UDP payload (the SwitchML and exponent headers, a sparse packet's sparse header, and k int32
  * unless it is an empty sparse contribution, which carries them only as padding: 8.1), and the
@@ -55,6 +55,10 @@ static __always_inline u32 type_and_lengths(struct xdp_md *ctx, struct agg_pkt *
 		return AGG_DROP_BAD_TYPE;
 	if (SML_SIZE(pk->sml) != job->size_code)
 		return AGG_DROP_BAD_SIZE;
+	/* the element width (docs/protocol.md 5.6): the sum is the same int32 sum either way, so
+	 * only a packet of the other width is refused, before it is added to a round */
+	if (SML_WIRE16(pk->sml) != !!(job->flags & AGG_JOB_WIRE16))
+		return AGG_DROP_BAD_WIDTH;
 	if (type != SML_MSG_TYPE_DATA)
 		need += SML_SPARSE_HLEN;
 	/* an empty contribution is header-only or padded to a block's room for the result, which

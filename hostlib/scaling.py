@@ -28,18 +28,31 @@ Limits, by design of the one-byte exponent field:
   have the absolute bound above with E = -128.
 - An all-zero chunk sends e = -128 (ZERO_EXPONENT), so it never raises another worker's E.
 - NaN and Inf have no integer representation: they are rejected with ValueError.
+
+16-bit jobs (docs/protocol.md section 5.6) scale the same way with M = floor((2^15 - 1) / n)
+(`int_range(n, 16)`), over chunks of 2k elements (a packet's), and put each pair of quantised
+elements (a, b) into one int32 word a * 2^16 + b (wire.pack_pairs): every aggregator sums the
+words as int32, and since |sum a| and |sum b| stay within 2^15 - 1 both come back exactly
+(wire.unpack_pairs). The bound is the one above with that M: n / (2 f) = n 2^E / (2 M), about
+n^2 2^(E - 16), and the result's own rounding is that of its dtype (2^-9 |r| for bfloat16,
+2^-12 for float16, 2^-25 for float32: half a unit in the last place).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
+from xdp_agg.proto import wire
+
 E_MIN, E_MAX = -128, 127  # the int8 exponent field
 ZERO_EXPONENT = E_MIN  # exponent of an all-zero chunk: neutral for the max
 
 
-def int_range(n: int) -> int:
-    """M: the largest |q| one of n workers may send so that their sum fits int32."""
+def int_range(n: int, wire_bits: int = 32) -> int:
+    """M: the largest |q| one of n workers may send so that their sum fits int32 (at 16 bits:
+    so that the sum of each half of a word fits 16 bits, wire.pair_range)."""
+    if wire.check_wire_bits(wire_bits) == 16:
+        return wire.pair_range(n)
     return (2**31 - 1) // n
 
 
@@ -72,9 +85,9 @@ def nonfinite_error(value: object, index: int) -> ValueError:
     )
 
 
-def scale_factors(exponents: np.ndarray, n: int) -> np.ndarray:
+def scale_factors(exponents: np.ndarray, n: int, wire_bits: int = 32) -> np.ndarray:
     """f = M / 2^E per chunk, float64 (exact: an integer times a power of two)."""
-    return np.ldexp(float(int_range(n)), -np.asarray(exponents, dtype=np.int32))
+    return np.ldexp(float(int_range(n, wire_bits)), -np.asarray(exponents, dtype=np.int32))
 
 
 def quantise(
@@ -131,6 +144,6 @@ def dequantise_scaled(sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = 
     return np.divide(sums, f[:, None], out=out, dtype=np.float64, casting="unsafe")
 
 
-def error_bound(exponents: np.ndarray, n: int) -> np.ndarray:
+def error_bound(exponents: np.ndarray, n: int, wire_bits: int = 32) -> np.ndarray:
     """The quantisation term n / (2 f) of the bound above, per chunk (float64)."""
-    return n / (2.0 * scale_factors(exponents, n))
+    return n / (2.0 * scale_factors(exponents, n, wire_bits))

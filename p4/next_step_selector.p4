@@ -11,7 +11,7 @@ control NextStepSelector(inout headers_t hdr, inout sml_metadata_t md,
         hdr.ipv4.identification = SML_RESULT_IP_ID;
         hdr.ipv4.flags = SML_RESULT_IP_FLAGS; // the fragment offset is 0: fragments are not ours
         hdr.ipv4.ttl = SML_RESULT_TTL;
-        hdr.switchml.reserved = 0;
+        // the width bit (p4app-switchML's unused bit) stays the request's (protocol.md 5.6)
         hdr.udp.checksum = 0;
         md.rewrite_ipv4 = 1;
     }

@@ -401,6 +401,7 @@ def job_dict(job_id: int, job: abi.Job, maps: AggMaps, registered=None) -> dict:
         "job_number": 0,  # not kept by the data path
         "udp_checksum": bool(job.flags & abi.JobFlag.VERIFY_UDP_CSUM),
         "sparse": bool(job.flags & abi.JobFlag.SPARSE),
+        "wire_bits": 16 if job.flags & abi.JobFlag.WIRE16 else 32,
         # not kept by the data path: what this target asks of every sparse job (pads_empty)
         "pad_empty": bool(job.flags & abi.JobFlag.SPARSE),
         **tree,

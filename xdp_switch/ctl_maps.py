@@ -115,7 +115,8 @@ class AggMaps:
             agg_port=spec.agg_port,
             flags=(int(abi.JobFlag.VERIFY_UDP_CSUM) if spec.udp_checksum else 0)
             | (int(abi.JobFlag.TREE) if spec.has_parent else 0)
-            | (int(abi.JobFlag.SPARSE) if spec.sparse else 0),
+            | (int(abi.JobFlag.SPARSE) if spec.sparse else 0)
+            | (int(abi.JobFlag.WIRE16) if spec.wire_bits == 16 else 0),
             agg_ip=ip_be(spec.agg_ip),
             group_ip=ip_be(spec.group_ip),
         )

@@ -7,7 +7,7 @@
 #define AGG_MAX_PORTS 64 /* devmap entries */
 #define AGG_MAX_ELEMS 2048 /* int32 per packet, upper bound */
 #define AGG_NO_JOB 64 /* counter row of packets without a job */
-#define AGG_NUM_REASONS 23 /* counters per job */
+#define AGG_NUM_REASONS 24 /* counters per job */
 #define AGG_PARENT_INDEX 4294967295 /* worker index of a tree job's parent aggregator */
 
 /* counter index within a job's row: why a packet took its path */
@@ -35,6 +35,7 @@ enum agg_reason {
 	AGG_DROP_SPARSE_RANGE = 20,
 	AGG_DROP_SPARSE_BACKWARDS = 21,
 	AGG_DROP_SPARSE_MISMATCH = 22,
+	AGG_DROP_BAD_WIDTH = 23,
 };
 
 /* table keys (xdp_agg/proto/keys.py) */
@@ -46,6 +47,7 @@ enum agg_reason {
 #define AGG_JOB_VERIFY_UDP_CSUM 1
 #define AGG_JOB_TREE 2
 #define AGG_JOB_SPARSE 4
+#define AGG_JOB_WIRE16 8
 
 /* how a job's results reach its workers */
 enum agg_delivery {

@@ -36,13 +36,13 @@
 
 /* SwitchML header (p4app-switchML UDP format) */
 struct switchml_hdr {
-	__u8 msg_type_size; /* msg_type:4; reserved:1; size:3 */
+	__u8 msg_type_size; /* msg_type:4; wire16:1; size:3 */
 	__u8 job_number; /* low 8 bits of the host's job counter, echoed */
 	__be32 tsi; /* packet id chosen by the host, echoed, never interpreted */
 	__be16 pool_index; /* bit 15 version, bit 14 reserved, bits 13..0 slot */
 } __attribute__((packed));
-#define SML_MSG_TYPE_SIZE_RESERVED 0x8 /* 0 in results */
 #define SML_MSG_TYPE(h) ((((h)->msg_type_size) >> 4) & 0xf)
+#define SML_WIRE16(h) ((((h)->msg_type_size) >> 3) & 0x1)
 #define SML_SIZE(h) ((((h)->msg_type_size) >> 0) & 0x7)
 
 /* exponent header */

@@ -5,7 +5,7 @@
 const bit<32> AGG_MAX_JOBS = 64; // job ids 0..AGG_MAX_JOBS-1
 const bit<32> AGG_MAX_WORKERS = 64; // workers per job: one bit each in a bit<64> bitmap
 const bit<8> AGG_NO_JOB = 64; // counter row of packets that belong to no job
-const bit<32> AGG_NUM_REASONS = 23; // counters per row
+const bit<32> AGG_NUM_REASONS = 24; // counters per row
 const bit<32> AGG_COUNTER_ROWS = 65; // rows: jobs, then NO_JOB
 
 /* Why a packet took the path it took: the column of its counter (reasons.Reason). */
@@ -32,5 +32,6 @@ const bit<8> AGG_STALE_PARENT_RESULT = 19;
 const bit<8> AGG_DROP_SPARSE_RANGE = 20;
 const bit<8> AGG_DROP_SPARSE_BACKWARDS = 21;
 const bit<8> AGG_DROP_SPARSE_MISMATCH = 22;
+const bit<8> AGG_DROP_BAD_WIDTH = 23;
 
 #endif

@@ -36,7 +36,7 @@ const bit<16> SML_UDP_LEN_2048 = 8210; // UDP length, 2048 elements
 /* SwitchML header (p4app-switchML UDP format) */
 header switchml_h {
     bit<4> msg_type; // 1 = data; 2 = sparse data, 3 = sparse empty (ours); others reserved
-    bit<1> reserved; // 0
+    bit<1> wire16; // 1: two 16-bit elements per 32-bit word (ours); 0: int32 elements
     bit<3> size; // payload size code, see SIZE_CODE_ELEMS
     bit<8> job_number; // low 8 bits of the host's job counter, echoed
     bit<32> tsi; // packet id chosen by the host, echoed, never interpreted

@@ -80,7 +80,7 @@ control NextStepSelector(inout header_t hdr, inout ingress_metadata_t ig_md,
         hdr.ipv4.identification = SML_RESULT_IP_ID;
         hdr.ipv4.flags = SML_RESULT_IP_FLAGS;
         hdr.ipv4.ttl = SML_RESULT_TTL;
-        hdr.switchml.reserved = 0;
+        // the width bit (p4app-switchML's unused bit) stays the request's (protocol.md 5.6)
         hdr.udp.checksum = 0;
         ig_md.bridged.setValid();
         ig_md.bridged.kind = kind;

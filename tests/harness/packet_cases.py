@@ -19,6 +19,7 @@ from scapy.layers.l2 import ARP, Ether
 from harness import p4app_host
 from xdp_agg.proto import wire
 from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec
+from xdp_agg.proto.limits import MAX_WORKERS
 from xdp_agg.proto.model import Action, ReferenceAggregator, Verdict
 from xdp_agg.proto.reasons import Reason
 from xdp_agg.proto.scapy_layer import Exponents, Sparse, SwitchML, sml_frame
@@ -57,6 +58,7 @@ def job(
     tree=False,
     parent_base=PARENT_SLOT_BASE,
     sparse=False,
+    wire_bits=32,
 ) -> JobSpec:
     parent = {}
     if tree:
@@ -82,6 +84,7 @@ def job(
         group_mac=GROUP_MAC,
         udp_checksum=udp_checksum,
         sparse=sparse,
+        wire_bits=wire_bits,
         **parent,
     )
 
@@ -150,19 +153,23 @@ def relength(
     return (b[: len(b) - cut] if cut else b) + trailer
 
 
-def with_request_fields(
-    f: bytes, *, ttl: int, ip_id: int, reserved: int, tos: int = 0, df: bool = False
-) -> bytes:
-    """A valid contribution whose TTL, IP id, ToS, DF flag and SwitchML reserved bit are not
-    what results carry (the aggregator must not echo them)."""
+def with_request_fields(f: bytes, *, ttl: int, ip_id: int, tos: int = 0, df: bool = False) -> bytes:
+    """A valid contribution whose TTL, IP id, ToS and DF flag are not what results carry (the
+    aggregator must not echo them)."""
     pkt = Ether(f)
     pkt[IP].ttl, pkt[IP].id, pkt[IP].tos = ttl, ip_id, tos
     if df:
         pkt[IP].flags = "DF"
     del pkt[IP].chksum
-    b = bytearray(bytes(pkt))
-    if reserved:
-        b[wire.SWITCHML_OFFSET] |= wire.TYPE_SIZE_RESERVED_MASK
+    return bytes(pkt)
+
+
+def with_width_bit(f: bytes, wire16: int) -> bytes:
+    """The frame with the SwitchML header's width bit set to `wire16` (nothing else changed:
+    the UDP checksum is 0 in the table's frames, so none goes stale)."""
+    b = bytearray(f)
+    b[wire.SWITCHML_OFFSET] &= ~wire.TYPE_SIZE_WIRE16_MASK & 0xFF
+    b[wire.SWITCHML_OFFSET] |= wire.TYPE_SIZE_WIRE16_MASK if wire16 else 0
     return bytes(b)
 
 
@@ -196,6 +203,11 @@ class Case:
     def sparse(self) -> bool:
         """A case with a sparse job (docs/protocol.md section 8)."""
         return any(j.sparse for j in self.jobs)
+
+    @property
+    def wire16(self) -> bool:
+        """A case with a job of 16-bit elements (docs/protocol.md section 5.6)."""
+        return any(j.wire_bits == 16 for j in self.jobs)
 
 
 def dropped(what: str, f: bytes, reason: Reason) -> Step:
@@ -237,7 +249,7 @@ def check_sparse_payload(step: Step, request: bytes, out: bytes) -> None:
         assert getattr(sml, f) == getattr(req, f), f"{step.what}: {f} not echoed"
     empty = step.values is None
     kind = wire.MSG_TYPE_SPARSE_EMPTY if empty else wire.MSG_TYPE_SPARSE
-    assert (sml.msg_type, sml.reserved) == (kind, 0), f"{step.what}: msg_type, reserved"
+    assert (sml.msg_type, sml.wire16) == (kind, req.wire16), f"{step.what}: msg_type, width"
     assert (sml[Exponents].e0, sml[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
     sp = sml[Sparse]
     got = wire.Sparse(sp.block, sp.next, sp.blocks)
@@ -250,18 +262,18 @@ def check_sparse_payload(step: Step, request: bytes, out: bytes) -> None:
 
 def check_payload(step: Step, request: bytes, out: bytes) -> None:
     """The SwitchML part of a result frame `out` answering the frame `request`: header fields
-    echoed (the pool index as the step says when it says one), reserved bit 0, exponents and
-    int32 values as the step expects, and what p4app-switchML's host reads there (raw_check).
+    echoed (the pool index as the step says when it says one), the width bit the request's (its
+    job's: 0 at 32 bits, as p4app-switchML's results), exponents and int32 words as the step
+    expects, and what p4app-switchML's host reads there (raw_check).
     Every target's runner and the model's check use this."""
     if step.sparse is not None:
         return check_sparse_payload(step, request, out)
     req, sml = SwitchML(request[wire.SWITCHML_OFFSET :]), SwitchML(out[wire.SWITCHML_OFFSET :])
-    for f in ("tsi", "job_number", "pool_index", "size", "msg_type"):
+    for f in ("tsi", "job_number", "pool_index", "size", "msg_type", "wire16"):
         if f == "pool_index" and step.pool_index is not None:
             assert sml.pool_index == step.pool_index, f"{step.what}: pool index"
             continue
         assert getattr(sml, f) == getattr(req, f), f"{step.what}: {f} not echoed"
-    assert sml.reserved == 0, step.what
     assert (sml[Exponents].e0, sml[Exponents].e1) == (step.e0, step.e1), f"{step.what}: exponents"
     k = wire.elems_for(req.size)
     got = np.frombuffer(out[wire.PAYLOAD_OFFSET : wire.PAYLOAD_OFFSET + 4 * k], ">i4")
@@ -574,17 +586,17 @@ def lying_frame_for_the_other_version(rng) -> list[Case]:
 
 @case
 def result_fields_are_the_aggregators(rng) -> list[Case]:
-    # Results carry ToS 0, IP id 0, no DF, TTL 64 and a 0 reserved bit whatever the requests
-    # carried, as p4app-switchML's sender writes them (check_result asserts it on every result
+    # Results carry ToS 0, IP id 0, no DF and TTL 64 whatever the requests carried, as
+    # p4app-switchML's sender writes them (check_result asserts it on every result
     # of the table; here the requests differ: a DSCP and ECN, DF as Linux's UDP sets it).
     c = Case("result_fields_are_the_aggregators", [job(n=2)], workers(0, 2))
     a, b = _vals(rng, 32), _vals(rng, 32)
     odd = [
-        with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, reserved=1, tos=0xB9, df=True)
+        with_request_fields(frame(h, v, slot=0), ttl=1, ip_id=0x1234, tos=0xB9, df=True)
         for h, v in ((0, a), (1, b))
     ]
     c.steps = [
-        dropped("w0 with TTL 1, id 0x1234, DSCP, DF, reserved 1", odd[0], Reason.AGGREGATED),
+        dropped("w0 with TTL 1, id 0x1234, DSCP, DF", odd[0], Reason.AGGREGATED),
         completes("w1 likewise completes", odd[1], _wrap(a + b), 0),
         answered("w0 retransmits likewise", odd[0], _wrap(a + b), 0, sender=0),
     ]
@@ -1608,6 +1620,182 @@ def sparse_padded_checksum(rng) -> list[Case]:
             2,
         ),
         sanswer("w0 retransmits its padded empty", p0, _wrap(a), 3, 9, 2, sender=0),
+    ]
+    return [c]
+
+
+# --- 16-bit jobs (docs/protocol.md section 5.6) ---------------------------------------------------
+# A 16-bit job's packet carries 2k elements as k int32 words a * 2^16 + b; every aggregator sums
+# the words as int32 and checks only the width bit. The expected sums are computed here on the
+# elements and packed (wire.pack_pairs), never by summing words as the aggregator does.
+
+
+def _pairs(rng, n: int, k: int) -> list[np.ndarray]:
+    """n workers' 2k elements each, within the headroom of n workers (wire.pair_range)."""
+    m = wire.pair_range(n)
+    return [rng.integers(-m, m + 1, size=2 * k, dtype=np.int64) for _ in range(n)]
+
+
+def _packed(elements) -> np.ndarray:
+    """The words of a 16-bit packet holding `elements` (2k of them)."""
+    return wire.pack_pairs(np.asarray(elements, dtype=np.int64))
+
+
+def wframe(w: int, elements, **kw) -> bytes:
+    """A 16-bit contribution of worker host `w`: its elements packed in pairs, the width bit set."""
+    return frame(w, _packed(elements), wire_bits=16, **kw)
+
+
+def wire16_job(job_id=0, **kw) -> JobSpec:
+    return job(job_id, wire_bits=16, **kw)
+
+
+def wire16_round(rng, n: int, k: int, tag: str = "", **kw) -> list[Step]:
+    """One round of a 16-bit job: n - 1 contributions aggregated, the n-th completes with the
+    packed sum of the elements (kw: the frames' slot, version, ...)."""
+    elems = _pairs(rng, n, k)
+    total = _packed(sum(elems))
+    steps = [
+        dropped(f"{tag}w{i}", wframe(i, e, **kw), Reason.AGGREGATED) for i, e in enumerate(elems)
+    ]
+    steps[-1] = completes(f"{tag}w{n - 1} completes", wframe(n - 1, elems[-1], **kw), total, 0)
+    return steps
+
+
+@case
+def wire16_complete(rng) -> list[Case]:
+    """Rounds of 16-bit jobs at several sizes: the unpacked result is the elements' exact sum."""
+    cases = []
+    for k in (32, 256, 768):
+        c = Case(f"wire16_complete_n3_k{k}", [wire16_job(n=3, elems=k)], workers(0, 3))
+        c.steps = wire16_round(rng, 3, k, slot=2) + wire16_round(
+            rng, 3, k, "v1 ", slot=2, version=1
+        )
+        cases.append(c)
+    return cases
+
+
+@case
+def wire16_headroom_edge(rng) -> list[Case]:
+    """Every worker at the edge of its headroom, n = 1 and the largest n (wire.pair_range): both
+    halves of every word sum to +-(2^15 - 1) at most, and come back exactly. One past the edge,
+    the word sum stays the exact int32 sum (the aggregator is the same adder), but its low half
+    carries into the high one: the hosts never send past the range (hostlib.scaling)."""
+    cases = []
+    for n in (1, MAX_WORKERS):
+        m = wire.pair_range(n)
+        edge = np.tile([m, -m, -m, m], 16)  # 64 elements (32 words): both signs in both halves
+        c = Case(f"wire16_headroom_edge_n{n}", [wire16_job(n=n)], workers(0, n))
+        steps = [
+            dropped(f"w{i} at the edge", wframe(i, edge, slot=1), Reason.AGGREGATED)
+            for i in range(n)
+        ]
+        steps[-1] = completes(
+            "the last completes", wframe(n - 1, edge, slot=1), _packed(n * edge), 0
+        )
+        assert np.abs(n * edge).max() <= 2**15 - 1
+        c.steps = steps
+        cases.append(c)
+    n, m = 2, wire.pair_range(2)
+    past = np.full(64, m + 1, dtype=np.int64)  # 2 (m + 1) = 2^15: one past the halves' range
+    c = Case("wire16_past_the_headroom_n2", [wire16_job(n=n)], workers(0, n))
+    c.steps = [
+        dropped("w0 past the edge", wframe(0, past, slot=0), Reason.AGGREGATED),
+        completes("w1 past the edge", wframe(1, past, slot=0), _wrap(2 * _packed(past)), 0),
+    ]
+    assert not np.array_equal(wire.unpack_pairs(c.steps[-1].values), 2 * past)
+    cases.append(c)
+    return cases
+
+
+@case
+def wire16_loss_and_duplication(rng) -> list[Case]:
+    """A duplicate of a 16-bit contribution is not counted twice; a retransmission after the
+    round completed is answered with the stored 16-bit result, width bit set."""
+    c = Case("wire16_loss_and_duplication", [wire16_job(n=2)], workers(0, 2))
+    a, b = _pairs(rng, 2, 32)
+    total = _packed(a + b)
+    c.steps = [
+        dropped("w0", wframe(0, a, slot=3, tsi=5, e0=3), Reason.AGGREGATED),
+        dropped("w0 again", wframe(0, a, slot=3, tsi=5, e0=3), Reason.DUP_PENDING),
+        completes("w1 completes", wframe(1, b, slot=3, tsi=5, e0=-2), total, 3),
+        answered("w0 lost the result", wframe(0, a, slot=3, tsi=5, e0=3), total, 3, sender=0),
+        answered("w1 lost it too", wframe(1, b, slot=3, tsi=5, e0=-2), total, 3, sender=1),
+    ]
+    return [c]
+
+
+@case
+def wire16_width_mismatch(rng) -> list[Case]:
+    """A 32-bit packet in a 16-bit job and a 16-bit one in a 32-bit job: dropped as
+    drop_bad_width before they touch a round, in a round in progress and after it completed."""
+    c = Case(
+        "wire16_width_mismatch",
+        [wire16_job(0, n=2, base=0, count=8), job(1, n=2, base=8, count=8, port=wire.UDP_PORT + 1)],
+        workers(0, 2) + workers(1, 2, first=2, port=wire.UDP_PORT + 1),
+    )
+    a, b = _pairs(rng, 2, 32)
+    x, y = _vals(rng, 32), _vals(rng, 32)
+    p1 = dict(port=wire.UDP_PORT + 1)
+    c.steps = [
+        dropped("32-bit to the 16-bit job", frame(0, _packed(a), slot=2), Reason.DROP_BAD_WIDTH),
+        dropped("w0 16-bit", wframe(0, a, slot=2), Reason.AGGREGATED),
+        dropped("w1 32-bit mid-round", frame(1, _packed(b), slot=2), Reason.DROP_BAD_WIDTH),
+        completes("w1 16-bit completes", wframe(1, b, slot=2), _packed(a + b), 0),
+        dropped("w0 32-bit resend", frame(0, _packed(a), slot=2), Reason.DROP_BAD_WIDTH),
+        dropped(
+            "16-bit to the 32-bit job",
+            frame(2, x, slot=9, wire_bits=16, **p1),
+            Reason.DROP_BAD_WIDTH,
+        ),
+        dropped("job1 w0", frame(2, x, slot=9, **p1), Reason.AGGREGATED),
+        dropped("job1 w1 16-bit", frame(3, y, slot=9, wire_bits=16, **p1), Reason.DROP_BAD_WIDTH),
+        completes("job1 w1 completes", frame(3, y, slot=9, **p1), _wrap(x + y), 0),
+        dropped(
+            "a width bit flipped alone",
+            with_width_bit(wframe(0, a, slot=3), 0),
+            Reason.DROP_BAD_WIDTH,
+        ),
+    ]
+    return [c]
+
+
+@case
+def wire16_sparse(rng) -> list[Case]:
+    """A sparse 16-bit job: a block one worker has, a block both have, and a sparse packet of
+    the other width dropped as drop_bad_width (the width is checked before the sparse rows)."""
+    c = Case("wire16_sparse_n2", [sparse_job(n=2, wire_bits=16)], workers(0, 2))
+    a, b = _pairs(rng, 2, 32)
+    w16 = dict(wire_bits=16)
+    c.steps = [
+        dropped("w0 empty", sframe(0, 2, 6, slot=2, e0=1, **w16), Reason.AGGREGATED),
+        dropped("w1 32-bit", sframe(1, 2, 6, _packed(b), slot=2), Reason.DROP_BAD_WIDTH),
+        sresult(
+            "w1 data completes",
+            sframe(1, 2, 6, _packed(b), slot=2, e0=4, **w16),
+            _packed(b),
+            2,
+            6,
+            4,
+        ),
+        dropped(
+            "w0 data", sframe(0, 6, 10, _packed(a), slot=2, version=1, **w16), Reason.AGGREGATED
+        ),
+        sresult(
+            "w1 data completes",
+            sframe(1, 6, 12, _packed(b), slot=2, version=1, **w16),
+            _packed(a + b),
+            6,
+            10,
+        ),
+        sanswer(
+            "w0 retransmits",
+            sframe(0, 6, 10, _packed(a), slot=2, version=1, **w16),
+            _packed(a + b),
+            6,
+            10,
+            sender=0,
+        ),
     ]
     return [c]
 

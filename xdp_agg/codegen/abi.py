@@ -23,6 +23,7 @@ class JobFlag(IntFlag):
     VERIFY_UDP_CSUM = 1  # drop contributions whose (nonzero) UDP checksum is wrong
     TREE = 2  # a rack job: completed slots go to the parent aggregator (the parent_* fields)
     SPARSE = 4  # a sparse job: takes sparse contributions too (docs/protocol.md section 8)
+    WIRE16 = 8  # a job of 16-bit elements: its packets carry the width bit (protocol.md 5.6)
 
 
 # --- structures --------------------------------------------------------------------------------

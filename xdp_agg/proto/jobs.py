@@ -39,7 +39,7 @@ class JobSpec:
 
     job_id: int  # 0..MAX_JOBS-1, the aggregator's own id
     num_workers: int  # n
-    elems: int  # int32 elements per packet (a wire size)
+    elems: int  # payload words per packet (a wire size): int32 elements, or 16-bit pairs
     slot_base: int  # first slot of the job's range in the pool
     slot_count: int  # slots in the range (>= the hosts' window)
     agg_port: int = wire.UDP_PORT  # UDP port the job's workers send to (0xBEE0..0xBEEF)
@@ -70,9 +70,14 @@ class JobSpec:
     # A sparse job whose hosts pad their empty contributions to a block's length (8.1): room
     # for a result with data, for a target that cannot grow a frame in place (XDP).
     pad_empty: bool = False
+    # The element width (docs/protocol.md section 5.6): 32, one int32 per word (p4app-switchML's
+    # format), or 16, two block-scaled 16-bit elements per word; packets of the other width
+    # are dropped as drop_bad_width.
+    wire_bits: int = 32
 
     def __post_init__(self) -> None:
         wire.size_code_for(self.elems)  # raises on a size that is not on the wire
+        wire.check_wire_bits(self.wire_bits)
         if (self.agg_port & wire.UDP_PORT_MASK) != wire.UDP_PORT:
             raise ValueError(f"aggregator port {self.agg_port:#x} is not in 0xBEE0..0xBEEF")
         if isinstance(self.delivery, str):  # the JSON form (to_dict) names it
@@ -87,6 +92,11 @@ class JobSpec:
     def has_parent(self) -> bool:
         """True for a rack job of a two-level tree."""
         return self.parent_ip not in ("", "0.0.0.0")
+
+    @property
+    def elems_per_packet(self) -> int:
+        """Elements a packet carries: elems words, two elements each at 16 bits."""
+        return self.elems * wire.elems_per_word(self.wire_bits)
 
     @property
     def scale_workers(self) -> int:

@@ -109,6 +109,7 @@ class ModelJob:
     udp_checksum: bool = False  # verify contributions' (nonzero) UDP checksums
     parent: ModelParent | None = None  # a rack job of a two-level tree
     sparse: bool = False  # takes sparse contributions as well (docs/protocol.md section 8)
+    wire_bits: int = 32  # the element width its packets must say (docs/protocol.md section 5.6)
 
     @property
     def size_code(self) -> int:
@@ -134,12 +135,21 @@ class ReferenceAggregator:
         udp_checksum: bool = False,
         parent: ModelParent | None = None,
         sparse: bool = False,
+        wire_bits: int = 32,
     ) -> ModelJob:
         """Create (or re-create) a job; its slot state starts cleared. With `parent`, a rack
         job: its parent is registered as the job's worker PARENT_INDEX. With `sparse`, a job that
-        takes sparse contributions too."""
+        takes sparse contributions too; `wire_bits` 16, a job of 16-bit elements."""
         job = ModelJob(
-            job_id, num_workers, elems, slot_base, slot_count, udp_checksum, parent, sparse
+            job_id,
+            num_workers,
+            elems,
+            slot_base,
+            slot_count,
+            udp_checksum,
+            parent,
+            sparse,
+            wire.check_wire_bits(wire_bits),
         )
         self.jobs[job_id] = job
         for g in range(slot_base, slot_base + slot_count):
@@ -162,6 +172,7 @@ class ReferenceAggregator:
             spec.udp_checksum,
             parent,
             spec.sparse,
+            spec.wire_bits,
         )
 
     def delete_job(self, job_id: int) -> None:
@@ -268,6 +279,8 @@ class ReferenceAggregator:
             return Verdict(Action.DROP, Reason.DROP_BAD_TYPE, job_id=job_id, worker=w)
         if ts & 7 != job.size_code:
             return Verdict(Action.DROP, Reason.DROP_BAD_SIZE, job_id=job_id, worker=w)
+        if bool(ts & wire.TYPE_SIZE_WIRE16_MASK) != (job.wire_bits == 16):
+            return Verdict(Action.DROP, Reason.DROP_BAD_WIDTH, job_id=job_id, worker=w)
         need = wire.udp_payload_len(job.elems)
         if sparse:
             need = wire.sparse_payload_len(job.elems, ts >> 4 == wire.MSG_TYPE_SPARSE_EMPTY)
@@ -403,10 +416,9 @@ class ReferenceAggregator:
     @staticmethod
     def _result(request: bytes, st: _Slot, v: int) -> bytes:
         """The request's headers with the stored sum and max exponents (wrapping int32); the
-        reserved bit is 0 in every result."""
+        width bit is the request's, which is the job's."""
         n = len(st.acc[v])
         out = bytearray(request)  # exactly the job's payload: the lengths were checked
-        out[_TYPE_SIZE] &= ~wire.TYPE_SIZE_RESERVED_MASK & 0xFF
         out[_E0] = st.e0[v] & 0xFF
         out[_E0 + 1] = st.e1[v] & 0xFF
         wrapped = (st.acc[v] & 0xFFFFFFFF).astype(np.uint32).astype(">u4").tobytes()

@@ -38,6 +38,7 @@ class Reason(IntEnum):
     DROP_SPARSE_RANGE = 20  # block not below blocks, or next beyond blocks: outside the tensor
     DROP_SPARSE_BACKWARDS = 21  # next below block (or equal to it, with data): goes backwards
     DROP_SPARSE_MISMATCH = 22  # kind (dense, sparse), block or blocks other than its round's
+    DROP_BAD_WIDTH = 23  # the width bit (16- or 32-bit elements) other than the job's
 
 
 NUM_REASONS = len(Reason)

@@ -107,8 +107,11 @@ def sml_frame(
     pool_index: int | None = None,
     udp_checksum: bool = False,
     sparse: wire.Sparse | None = None,
+    wire_bits: int = 32,
 ) -> Packet:
-    """A whole Ethernet frame carrying one SwitchML message (values as int32, big-endian).
+    """A whole Ethernet frame carrying one SwitchML message (values as int32 words, big-endian;
+    `wire_bits` 16: a 16-bit job's, whose width bit it sets and whose words are
+    wire.pack_pairs() of its elements).
     The UDP checksum is 0 (none, as results carry) unless `udp_checksum`. With `sparse`, a
     sparse message: msg_type 2 with `values`, or 3 (header only) without; `size` then gives the
     size code (the job's) since an empty message has no values to count. msg_type 3 with
@@ -135,6 +138,7 @@ def sml_frame(
         / UDP(sport=sport, dport=dport, chksum=None if udp_checksum else 0)
         / SwitchML(
             msg_type=msg_type,
+            wire16=int(wire.check_wire_bits(wire_bits) == 16),
             size=size,
             job_number=job_number,
             tsi=tsi,

@@ -6,11 +6,13 @@ The BPF C header (bpf/generated/wire.h), the P4 header (p4/include/wire.p4) and 
 generated file drifts or when the compiled BPF object's BTF disagrees with the offsets here.
 
 Frame: Ethernet (14) | IPv4 (20, no options) | UDP (8) | SwitchML (8) | exponents (2) | payload,
-payload being k big-endian int32, k given by the size code. This is p4app-switchML's order at its
-newest commit b5c74a0 (docs/protocol.md section 1 cites the lines): its parser extracts the
-SwitchML header, then the exponents, then the data; its DPDK host writes the exponents right after
-the SwitchML header and the values after them. (Revisions before September 2021 had one 16-bit
-exponent behind the data; they are not the protocol.)
+payload being k big-endian int32 words, k given by the size code. A 32-bit job's word is one
+element; a 16-bit job's (the `wire16` bit of byte 0 set, ours) carries two 16-bit elements as
+the integer a * 2^16 + b (docs/protocol.md section 5.6), which every aggregator sums as int32.
+This is p4app-switchML's order at its newest commit b5c74a0 (docs/protocol.md section 1 cites
+the lines): its parser extracts the SwitchML header, then the exponents, then the data; its DPDK
+host writes the exponents right after the SwitchML header and the values after them. (Revisions
+before September 2021 had one 16-bit exponent behind the data; they are not the protocol.)
 """
 
 from __future__ import annotations
@@ -46,6 +48,13 @@ SIZE_CODE_ELEMS = {0: 32, 1: 64, 2: 128, 3: 256, 4: 512, 5: 768, 6: 1024, 7: 204
 SWITCHML_SIZE_CODES = (0, 1, 2, 3)
 JUMBO_SIZE_CODES = (6, 7)  # frames larger than one XDP buffer (a page) on veth
 MAX_ELEMS = max(SIZE_CODE_ELEMS.values())
+
+# --- element widths (docs/protocol.md section 5.6) ----------------------------------------------
+# A job's elements are 32 bits (one per payload word, p4app-switchML's) or 16 bits (two per word,
+# ours). The bit of byte 0 that p4app-switchML calls `unused` (and whose hosts send 0) says which:
+# an aggregator drops a packet whose width is not its job's (drop_bad_width).
+WIRE_BITS = (32, 16)
+PAIR_SHIFT = 16  # a 16-bit job's word is a * 2^PAIR_SHIFT + b (a: the even element, b: the odd)
 
 # --- pool index (16 bits) ---------------------------------------------------------------------
 POOL_VERSION_BIT = 0x8000  # bit 15: which of the two shadow copies
@@ -103,7 +112,7 @@ SWITCHML = Header(
     "switchml",
     (
         Field("msg_type", 4, "1 = data; 2 = sparse data, 3 = sparse empty (ours); others reserved"),
-        Field("reserved", 1, "0"),
+        Field("wire16", 1, "1: two 16-bit elements per 32-bit word (ours); 0: int32 elements"),
         Field("size", 3, "payload size code, see SIZE_CODE_ELEMS"),
         Field("job_number", 8, "low 8 bits of the host's job counter, echoed"),
         Field("tsi", 32, "packet id chosen by the host, echoed, never interpreted"),
@@ -142,8 +151,9 @@ assert SPARSE.length == SPARSE_HLEN
 class Member:
     """A byte-aligned member of a header as C and numpy see it.
 
-    Fields narrower than a byte are grouped into one u8 member named after them (reserved bits
-    left out of the name); `parts` gives each such field's (name, shift, width).
+    Fields narrower than a byte are grouped into one u8 member named after its fields of more
+    than one bit (flags and reserved bits left out of the name); `parts` gives each such field's
+    (name, shift, width).
     """
 
     name: str
@@ -170,7 +180,7 @@ def members(header: Header) -> tuple[Member, ...]:
             for g in group:
                 shift -= g.bits
                 parts.append((g.name, shift, g.bits))
-            name = "_".join(g.name for g in group if g.name != "reserved")
+            name = "_".join(g.name for g in group if g.bits > 1)
             out.append(Member(name, 1, offset, False, tuple(parts)))
             offset, group, group_bits = offset + 1, [], 0
         elif group_bits > 8:
@@ -201,14 +211,55 @@ assert SPARSE_HDR_DTYPE.itemsize == SPARSE_VALUES_AT
 assert SPARSE_HDR_DTYPE.fields is not None and SPARSE_HDR_DTYPE.fields["block"][1] == SPARSE_AT
 
 
+def part_mask(m: Member, name: str) -> int:
+    """The bits of the field `name` in a grouped member."""
+    return sum(((1 << w) - 1) << shift for n, shift, w in m.parts if n == name)
+
+
 def reserved_mask(m: Member) -> int:
     """The bits of a grouped member that are reserved (0 on every packet the aggregator sends)."""
-    return sum(((1 << w) - 1) << shift for n, shift, w in m.parts if n == "reserved")
+    return part_mask(m, "reserved")
 
 
-# byte 0 of the SwitchML header (msg_type, reserved, size): its reserved bit, cleared in results
-TYPE_SIZE_RESERVED_MASK = reserved_mask(members(SWITCHML)[0])
-assert TYPE_SIZE_RESERVED_MASK == 0x08
+# byte 0 of the SwitchML header (msg_type, wire16, size): the width bit, echoed in results
+TYPE_SIZE_WIRE16_MASK = part_mask(members(SWITCHML)[0], "wire16")
+assert TYPE_SIZE_WIRE16_MASK == 0x08
+
+
+def check_wire_bits(bits: int) -> int:
+    """`bits` if it is an element width of the wire (16 or 32); ValueError otherwise."""
+    if bits not in WIRE_BITS:
+        raise ValueError(f"an element is 32 or 16 bits on the wire, not {bits!r}")
+    return bits
+
+
+def elems_per_word(bits: int) -> int:
+    """Elements per 32-bit payload word at an element width of `bits`: 1 or 2."""
+    return 32 // check_wire_bits(bits)
+
+
+def pair_range(n: int) -> int:
+    """The largest |a| and |b| each of n workers may put into a 16-bit job's words, so that
+    both sums keep |sum| <= 2^15 - 1 and the word sum, sum(a) * 2^16 + sum(b), fits int32."""
+    return (2**15 - 1) // n
+
+
+def pack_pairs(q: np.ndarray) -> np.ndarray:
+    """int32 words of a 16-bit job from (..., 2k) integers (each within +-(2^15 - 1)): word i
+    is q[2i] * 2^16 + q[2i + 1]."""
+    q = np.asarray(q, dtype=np.int32)
+    return (q[..., 0::2] << PAIR_SHIFT) + q[..., 1::2]
+
+
+def unpack_pairs(words: np.ndarray) -> np.ndarray:
+    """The (..., 2k) elements of (..., k) summed words of a 16-bit job: b is the low half read
+    as a signed 16-bit number (|sum b| < 2^15), a = (w - b) / 2^16, exactly."""
+    w = np.asarray(words).astype(np.int32)
+    b = ((w & 0xFFFF) ^ 0x8000) - 0x8000
+    out = np.empty(w.shape[:-1] + (2 * w.shape[-1],), dtype=np.int32)
+    out[..., 0::2] = (w - b) >> PAIR_SHIFT
+    out[..., 1::2] = b
+    return out
 
 
 def size_code_for(elems: int) -> int:
@@ -223,8 +274,9 @@ def size_code_for(elems: int) -> int:
 
 
 def elems_for_mtu(mtu: int) -> int:
-    """The most elements per packet whose IPv4 datagram fits an MTU of `mtu` bytes (1500: 256,
-    3500: 768, 9000: 2048); ValueError when not even the smallest size fits."""
+    """The most payload words per packet whose IPv4 datagram fits an MTU of `mtu` bytes (1500:
+    256, 3500: 768, 9000: 2048; a 16-bit job carries twice as many elements); ValueError when
+    not even the smallest size fits."""
     fits = [n for n in SIZE_CODE_ELEMS.values() if IPV4_HLEN + UDP_HLEN + udp_payload_len(n) <= mtu]
     if not fits:
         raise ValueError(
@@ -241,11 +293,12 @@ def elems_for(size_code: int) -> int:
         raise ValueError(f"unknown size code {size_code}") from None
 
 
-def type_size(msg_type: int, size_code: int) -> int:
-    """The first byte of the SwitchML header."""
+def type_size(msg_type: int, size_code: int, wire_bits: int = 32) -> int:
+    """The first byte of the SwitchML header: the type, the width bit, the size code."""
     if not 0 <= msg_type <= 15 or not 0 <= size_code <= 7:
         raise ValueError("msg_type is 4 bits and size code 3 bits")
-    return (msg_type << 4) | size_code
+    wide = TYPE_SIZE_WIRE16_MASK if check_wire_bits(wire_bits) == 16 else 0
+    return (msg_type << 4) | wide | size_code
 
 
 def pool_index(slot, version):
@@ -282,11 +335,13 @@ def build_payloads(
     e0=0,
     e1=0,
     msg_type: int = MSG_TYPE_DATA,
+    wire_bits: int = 32,
 ) -> np.ndarray:
     """UDP payloads for m packets at once, as an (m, 8 + 2 + 4k) uint8 array.
 
-    `values` is an (m, k) integer array (k = elems of size_code); tsi, slot, version, e0, e1 are
-    scalars or length-m arrays. Vectorised: no per-packet Python.
+    `values` is an (m, k) integer array of payload words (k = elems of size_code; a 16-bit
+    job's words are pack_pairs() of its elements, `wire_bits` 16 sets the width bit); tsi,
+    slot, version, e0, e1 are scalars or length-m arrays. Vectorised: no per-packet Python.
     """
     k = elems_for(size_code)
     values = np.asarray(values)
@@ -295,7 +350,7 @@ def build_payloads(
     m = values.shape[0]
     out = np.empty((m, udp_payload_len(k)), dtype=np.uint8)
     hdr = out[:, :VALUES_AT].view(HDR_DTYPE).reshape(m)
-    hdr["msg_type_size"] = type_size(msg_type, size_code)
+    hdr["msg_type_size"] = type_size(msg_type, size_code, wire_bits)
     hdr["job_number"] = job_number & 0xFF
     hdr["tsi"] = tsi
     hdr["pool_index"] = pool_index(slot, version)
@@ -324,15 +379,18 @@ def build_sparse_payload(
     e0: int = 0,
     e1: int = 0,
     padded: bool = False,
+    wire_bits: int = 32,
 ) -> bytes:
     """One sparse UDP payload (docs/protocol.md section 8): MSG_TYPE_SPARSE with the k int32 of
     `values`, or MSG_TYPE_SPARSE_EMPTY when `values` is None: header only, or `padded` with k
-    zero int32 (room for a result with data, for an aggregator that cannot grow a frame)."""
+    zero int32 (room for a result with data, for an aggregator that cannot grow a frame).
+    `values` are payload words, as in build_payloads (`wire_bits` sets the width bit)."""
     k = elems_for(size_code)
     empty = values is None
     out = np.zeros(sparse_payload_len(k, empty and not padded), dtype=np.uint8)
     hdr = out[:SPARSE_VALUES_AT].view(SPARSE_HDR_DTYPE)
-    hdr["msg_type_size"] = type_size(MSG_TYPE_SPARSE_EMPTY if empty else MSG_TYPE_SPARSE, size_code)
+    kind = MSG_TYPE_SPARSE_EMPTY if empty else MSG_TYPE_SPARSE
+    hdr["msg_type_size"] = type_size(kind, size_code, wire_bits)
     hdr["job_number"] = job_number & 0xFF
     hdr["tsi"] = tsi
     hdr["pool_index"] = pool_index(slot, version)
@@ -367,15 +425,25 @@ class Message:
     version: int
     e0: int
     e1: int
-    values: np.ndarray  # empty for a SPARSE_EMPTY message
-    reserved: int = 0
+    values: np.ndarray  # the payload words (int32); empty for a SPARSE_EMPTY message
+    wire16: int = 0  # the width bit: 1, two 16-bit elements per word (elements())
     sparse: Sparse | None = None  # the sparse header, for msg_type SPARSE and SPARSE_EMPTY
+
+    @property
+    def wire_bits(self) -> int:
+        """The element width the width bit says: 16 or 32."""
+        return 16 if self.wire16 else 32
+
+    def elements(self) -> np.ndarray:
+        """The payload's elements: the words, or a 16-bit message's unpacked pairs."""
+        return unpack_pairs(self.values) if self.wire16 else self.values
 
     def to_bytes(self) -> bytes:
         """The UDP payload."""
         names = ("job_number", "tsi", "slot", "version", "e0", "e1")
         header: dict[str, Any] = {n: getattr(self, n) for n in names}
         header["size_code"] = self.size
+        header["wire_bits"] = self.wire_bits
         sp = self.sparse
         if sp is None:
             values = np.asarray(self.values).reshape(1, -1)
@@ -407,7 +475,7 @@ class Message:
         vals = np.frombuffer(data[at:need], dtype=">i4").astype(np.int32)
         return cls(
             msg_type=ts >> 4,
-            reserved=(ts >> 3) & 1,
+            wire16=int(bool(ts & TYPE_SIZE_WIRE16_MASK)),
             size=ts & 7,
             job_number=int(hdr["job_number"]),
             tsi=int(hdr["tsi"]),
