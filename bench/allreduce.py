@@ -21,6 +21,13 @@ neither pays for allocating and faulting in an output tensor.
 Host rows ("kind": "host"): one worker, unshaped, 64 MiB float32 and int32, xdp-agg alone: what
 one worker's host library moves, in Gbit/s each way (S*8/time) and CPU seconds per GiB.
 
+Dtypes and element widths (--dtype, --wire-bits; docs/protocol.md 5.6): every throughput, latency
+and host row is run for each dtype and width asked, the tensor having the size's number of
+float32 elements (64MiB: 16M elements, 32 MiB of bfloat16). Each row says its "dtype" and
+"wire_bits" and gloo's ("gloo_dtype"): gloo all-reduces the same dtype, except for a float32
+tensor at 16 bits, where it all-reduces a bfloat16 copy and copies it back, timed, as DDP's
+bf16_compress_hook does: each system on the same information.
+
 Every throughput and host cell also carries: retransmissions as % of the datagrams sent
 ("retx_pct") and their causes ("retx_causes", netns_testbed.counters: tbf qdisc, veth/XDP ring,
 socket receive buffer, refused sends, aggregator drop reasons, injected loss, spurious), from
@@ -61,6 +68,8 @@ from pathlib import Path
 from bench import cpustat, density, lanes_option, md_table, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
+ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
+DTYPES = ("float32", "bfloat16", "float16")  # what --dtype takes (int32: the host rows)
 SIZES = {"256KiB": 256 << 10, "4MiB": 4 << 20, "64MiB": 64 << 20}
 LATENCY_SIZES = {"4KiB": 4 << 10, "64KiB": 64 << 10}
 GLOO_PORT = 29500
@@ -76,14 +85,16 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
 
     if plan is None:
         plan = [
-            {"bytes": SIZES[k], "reps": args.reps, "kind": "throughput"}
+            plan_item(SIZES[k] // 4, args.reps, "throughput", d, w)
             for k in args.sizes
             if k in SIZES and SIZES[k] <= args.max_bytes and "throughput" in args.rows
+            for d, w in args.widths
         ]
         plan += [
-            {"bytes": LATENCY_SIZES[k], "reps": args.latency_reps, "kind": "latency"}
+            plan_item(LATENCY_SIZES[k] // 4, args.latency_reps, "latency", d, w)
             for k in args.sizes
             if k in LATENCY_SIZES and "latency" in args.rows
+            for d, w in args.widths
         ]
         if "sparse" in args.rows:
             sizes = [SIZES[k] for k in args.sizes if k in SIZES and SIZES[k] <= args.max_bytes]
@@ -115,6 +126,38 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
                 for i, item in enumerate(plan)
             ]
     return rows
+
+
+def plan_item(elements: int, reps: int, kind: str, dtype: str, wire_bits: int) -> dict:
+    """A plan item of `elements` elements of `dtype` sent at `wire_bits`, with the dtype gloo
+    all-reduces beside it (a bfloat16 copy for float32 at 16 bits, as bf16_compress_hook)."""
+    gloo = "bfloat16" if dtype == "float32" and wire_bits == 16 else dtype
+    return {
+        "bytes": elements * ITEMSIZE[dtype],
+        "elements": elements,
+        "reps": reps,
+        "kind": kind,
+        "dtype": dtype,
+        "wire_bits": wire_bits,
+        "gloo_dtype": gloo,
+    }
+
+
+def widths(dtypes: str, wire_bits: str) -> list[tuple[str, int]]:
+    """(dtype, wire_bits) of each row set: every dtype at every width asked; "auto" is
+    hostlib's default for the dtype (16 for bfloat16 and float16, 32 for float32), and a width
+    is listed once per dtype. ValueError for a dtype or width the rows do not take."""
+    out: list[tuple[str, int]] = []
+    for d in dtypes.split(","):
+        if d not in DTYPES:
+            raise ValueError(f"unknown dtype {d!r}: one of {', '.join(DTYPES)}")
+        for w in wire_bits.split(","):
+            if w not in ("auto", "16", "32"):
+                raise ValueError(f"unknown width {w!r}: auto, 16 or 32")
+            bits = int(w) if w != "auto" else (32 if d == "float32" else 16)
+            if (d, bits) not in out:
+                out.append((d, bits))
+    return out
 
 
 def _serve_args(args, plan: list[dict]) -> tuple[str, ...]:
@@ -187,6 +230,9 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
         "bytes": item["bytes"],
         "kind": item["kind"],
         "dtype": item.get("dtype", "float32"),
+        "wire_bits": item.get("wire_bits", 32),
+        "gloo_dtype": item.get("gloo_dtype", item.get("dtype", "float32")),
+        "elements": item.get("elements", item["bytes"] // 4),
         "lanes": lanes,
     }
     systems = [s for s in SYSTEMS if s in reports[0]["times"]]
@@ -209,7 +255,8 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
     if "counters" in reports[0]:
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
-    line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:7s}"
+    line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:8s}"
+    line += f" {row['wire_bits']}b"
     if item["kind"] == "sparse":
         line += f" {item['pattern']:5s} {item['density']:5.0%}"
     line += f" {item['bytes']:>9d} B:"
@@ -251,6 +298,9 @@ def summarize(rows: list[dict]) -> list[dict]:
             "bytes": S,
             "kind": row["kind"],
             "dtype": row.get("dtype", "float32"),
+            "wire_bits": row.get("wire_bits", 32),
+            "gloo_dtype": row.get("gloo_dtype", row.get("dtype", "float32")),
+            "elements": row.get("elements", S // 4),
             "lanes": row.get("lanes", 1),
             "retransmissions": row["retransmissions"],
         }
@@ -266,7 +316,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "max_s": t[-1],
                 "p50_s": t[len(t) // 2],
                 "p99_s": t[min(len(t) - 1, int(round(0.99 * (len(t) - 1))))],
-                "ate_per_s": (S / 4) / statistics.median(t),
+                "ate_per_s": s["elements"] / statistics.median(t),
             }
             if f"{system} cpu_s" in row:
                 s[system]["cpu_s_per_rank"] = statistics.median(row[f"{system} cpu_s"])
@@ -279,6 +329,7 @@ def summarize(rows: list[dict]) -> list[dict]:
         if row["kind"] == "host":
             s["gbit_each_way"] = S * 8 / s["xdp-agg"]["median_s"] / 1e9
             s["cpu_s_per_gib"] = s["xdp-agg"]["cpu_s_per_rank"] / (S / 2**30)
+            s["cpu_ns_per_elem"] = s["xdp-agg"]["cpu_s_per_rank"] / s["elements"] * 1e9
             s["cpu_per_wall"] = s["xdp-agg"]["cpu_s_per_rank"] / s["xdp-agg"]["median_s"]
             out.append(s)
             continue
@@ -297,8 +348,8 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 def _lane_ratios(cells: list[dict]) -> None:
     """Each cell's "vs_1_lane": xdp-agg's median time with 1 lane over its own, in the same
-    (n, link, size, kind, dtype) of the same run; absent where no 1-lane cell was run."""
-    key = lambda c: (c["n"], c["link"], c["bytes"], c["kind"], c["dtype"])  # noqa: E731
+    (n, link, size, kind, dtype, width) of the same run; absent where no 1-lane cell was run."""
+    key = lambda c: (c["n"], c["link"], c["bytes"], c["kind"], c["dtype"], c["wire_bits"])  # noqa: E731
     one = {key(c): c for c in cells if c["lanes"] == 1}
     for c in cells:
         if key(c) in one:
@@ -353,6 +404,9 @@ def _throughput_table(summary: list[dict]) -> list[str]:
             "n",
             "link",
             "size",
+            "dtype",
+            "wire_bits",
+            "gloo dtype",
             "lanes",
             "xdp-agg ms (spread)",
             "gloo ms (spread)",
@@ -367,7 +421,8 @@ def _throughput_table(summary: list[dict]) -> list[str]:
             "CPU s/rank gloo",
         ],
         [
-            [s["n"], s["link"], _size(s["bytes"]), s["lanes"], _ms(a), _ms(g)]
+            [s["n"], s["link"], _size(s["bytes"]), s["dtype"], s["wire_bits"], s["gloo_dtype"]]
+            + [s["lanes"], _ms(a), _ms(g)]
             + [f"{s['speedup']:.2f}x", _vs1(s), f"{a['ate_per_s']:.3g}", f"{g['ate_per_s']:.3g}"]
             + [fb(a), fb(g), _retx_cell(s), _cpu(a), _cpu(g)]
             for s, a, g in _of_kind(summary, "throughput")
@@ -390,11 +445,17 @@ def _host_table(summary: list[dict]) -> list[str]:
         "One worker's host library (n = 1, unshaped, xdp-agg alone):",
         "",
         *md_table(
-            ["dtype", "size", "lanes", "ms (spread)", "Gbit/s each way", "vs 1 lane"]
-            + ["CPU s per GiB", "worker CPUs busy", "retx (% of sent; causes)"],
+            ["dtype", "wire_bits", "size", "lanes", "ms (spread)", "Gbit/s each way", "vs 1 lane"]
+            + [
+                "CPU s per GiB",
+                "CPU ns per element",
+                "worker CPUs busy",
+                "retx (% of sent; causes)",
+            ],
             [
-                [s["dtype"], _size(s["bytes"]), s["lanes"], _ms(s["xdp-agg"])]
+                [s["dtype"], s["wire_bits"], _size(s["bytes"]), s["lanes"], _ms(s["xdp-agg"])]
                 + [f"{s['gbit_each_way']:.2f}", _vs1(s), f"{s['cpu_s_per_gib']:.2f}"]
+                + [f"{s['cpu_ns_per_elem']:.2f}"]
                 + [f"{s['cpu_per_wall']:.2f}", _retx_cell(s)]
                 for s in host
             ],
@@ -428,7 +489,8 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         ns = f"{c['bpf_ns_per_run']:.0f}" if c.get("bpf_ns_per_run") else "-"
         agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
-        kind = "" if s["kind"] == "throughput" else f" ({s['kind']}, {s['dtype']})"
+        kind = f" ({s['kind']})" if s["kind"] != "throughput" else ""
+        kind += f" {s['dtype']} at {s['wire_bits']} bits"
         if s["kind"] == "sparse":
             kind = f" (sparse {s['sparse']['pattern']} {s['sparse']['density']:.0%})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
@@ -635,6 +697,19 @@ def _parser() -> argparse.ArgumentParser:
         ("profile", "profile.txt (a cProfile and perf sample of one more all-reduce)"),
     ):
         ap.add_argument(f"--no-{off}", dest=off, action="store_false", help=f"no {what}")
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        help=f"the tensors' dtypes, comma-separated: {', '.join(DTYPES)} (each row set runs "
+        "every one; gloo on the same dtype)",
+    )
+    ap.add_argument(
+        "--wire-bits",
+        default="auto",
+        help="element widths on the wire, comma-separated: auto (hostlib's default: 16 for "
+        "bfloat16 and float16, 32 for float32), 16, 32; float32 at 16 bits runs against gloo "
+        "on a bfloat16 copy",
+    )
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
@@ -700,6 +775,10 @@ def main(argv=None) -> int:
     unknown += [x for x in args.links.split(",") if x not in RATES]
     if unknown:
         ap.error(f"unknown: {', '.join(unknown)}")
+    try:
+        args.widths = widths(args.dtype, args.wire_bits)
+    except ValueError as e:
+        ap.error(str(e))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -711,10 +790,8 @@ def main(argv=None) -> int:
         args.bpf_stats = bool(bpf_stats and bpf_stats.enabled)
         if "host" in args.rows:
             log("host (n=1, unshaped):")
-            host_plan = [
-                {"bytes": 64 << 20, "reps": args.reps, "kind": "host", "dtype": d}
-                for d in ("float32", "int32")
-            ]
+            host_plan = [plan_item(16 << 20, args.reps, "host", "int32", 32)]
+            host_plan += [plan_item(16 << 20, args.reps, "host", d, w) for d, w in args.widths]
             rows += run_config(1, "unshaped", args, log, plan=host_plan)
         if {"throughput", "latency", "sparse"} & set(args.rows):
             for n in (int(x) for x in args.workers.split(",")):
@@ -729,6 +806,7 @@ def main(argv=None) -> int:
         "elems": args.elems,
         "window": args.window,
         "lanes": args.lanes,
+        "widths": args.widths,
         "agg_queues": args.agg_queues,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),

@@ -1,5 +1,6 @@
 """One benchmark worker: joins both an xdp-agg job (hostlib) and a gloo process group, then times
-both systems' all-reduce of the same float32 tensor, alternating, behind a common barrier.
+both systems' all-reduce of the same tensor (the plan item's dtype, xdp-agg at its width, gloo on
+its "gloo_dtype"), alternating, behind a common barrier.
 
 Besides the times, each all-reduce's CPU seconds (user + sys of this process, all its threads:
 gloo's too) and, over a measurement set, the difference of the engine's statistics. With
@@ -33,6 +34,7 @@ import tempfile
 import time
 from datetime import timedelta
 
+import ml_dtypes
 import numpy as np
 
 from bench.density import SPARSE
@@ -113,11 +115,11 @@ def main(argv=None) -> int:
 
 
 def _inputs(item: dict, rank: int, world: int, block: int):
-    """This rank's tensor of a plan item (int32 or float32), seeded by rank and size. A sparse
+    """This rank's tensor of a plan item (its dtype and elements), seeded by rank and size. A sparse
     item's (kind "sparse") has its blocks of `block` elements zero but for a share: the same
     blocks on every rank ("same": that share is the union density), or drawn for each rank
     with the probability that makes the union density the item's ("indep")."""
-    count = max(1, int(item["bytes"]) // 4)
+    count = max(1, int(item.get("elements", int(item["bytes"]) // 4)))
     if item.get("kind") == "sparse":
         same = item["pattern"] == "same"
         density = per_worker_density(float(item["density"]), world, same)
@@ -131,9 +133,14 @@ def _inputs(item: dict, rank: int, world: int, block: int):
             block=block,
         )
     rng = np.random.default_rng([rank, count])
-    if item.get("dtype", "float32") == "int32":
+    dtype = item.get("dtype", "float32")
+    if dtype == "int32":
         return rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
-    return rng.standard_normal(count).astype(np.float32)
+    x = rng.standard_normal(count).astype(np.float32)
+    return x if dtype == "float32" else x.astype(NP_DTYPES[dtype])
+
+
+NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
 
 def per_worker_density(union: float, world: int, same: bool) -> float:
@@ -149,7 +156,7 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
     kind, dtype = item.get("kind", "throughput"), item.get("dtype", "float32")
     block = int(comm.stats["elems"])
     x = _inputs(item, args.rank, args.world, block)
-    runs, sparse = _systems(kind, comm, dist, torch, x)
+    runs, sparse = _systems(item, comm, dist, torch, x)
     for fn in runs.values():  # warm-up: connections, buffers, page faults
         dist.barrier()
         fn()
@@ -204,6 +211,7 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
         "bytes": nbytes,
         "kind": kind,
         "dtype": dtype,
+        "wire_bits": comm.stats.get("wire_bits", 32),
         "times": times,
         "cpu": cpu,
         "engine": engine,
@@ -224,23 +232,47 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
 
 class _Run:
     """One system's all-reduce of x, as a call: xdp-agg's into a preallocated y (dense, or
-    sparse), gloo's in place on its own tensor (so neither pays for allocating and faulting in
-    an output)."""
+    sparse), at `wire_bits`, gloo's in place on its own tensor (so neither pays for allocating
+    and faulting in an output)."""
 
-    def __init__(self, comm, x, sparse: bool) -> None:
+    def __init__(self, comm, x, sparse: bool, wire_bits: int = 32) -> None:
         self.comm, self.x, self.y, self.sparse = comm, x, np.empty_like(x), sparse
+        self.wire_bits = wire_bits
 
     def __call__(self) -> None:
-        self.comm.allreduce(self.x, out=self.y, sparse=self.sparse)
+        self.comm.allreduce(self.x, out=self.y, sparse=self.sparse, wire_bits=self.wire_bits)
 
 
-def _systems(kind: str, comm, dist, torch, x):
+def torch_view(torch, x: np.ndarray):
+    """A torch tensor of a copy of x, bfloat16 too (numpy's bfloat16 is ml_dtypes')."""
+    if x.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(x.view(np.int16).copy()).view(torch.bfloat16)
+    return torch.from_numpy(x.copy())
+
+
+def _gloo(item: dict, dist, torch, x):
+    """gloo's all-reduce of x in its "gloo_dtype": in place, or for a float32 tensor on a
+    bfloat16 copy, copied back (timed: what DDP's bf16_compress_hook does every bucket)."""
+    t = torch_view(torch, x)
+    if item.get("gloo_dtype", item.get("dtype", "float32")) == item.get("dtype", "float32"):
+        return lambda: dist.all_reduce(t)
+    copy = torch.empty(t.shape, dtype=torch.bfloat16)
+
+    def compressed() -> None:
+        copy.copy_(t)
+        dist.all_reduce(copy)
+        t.copy_(copy)
+
+    return compressed
+
+
+def _systems(item: dict, comm, dist, torch, x):
     """The all-reduces a plan item times, by name, and for a sparse item its _SparseCheck:
     xdp-agg dense; gloo but in host rows; xdp-agg sparse in sparse rows."""
-    runs = {"xdp-agg": _Run(comm, x, sparse=False)}
+    kind = item.get("kind", "throughput")
+    runs = {"xdp-agg": _Run(comm, x, sparse=False, wire_bits=item.get("wire_bits", 32))}
     if kind != "host":
-        t = torch.from_numpy(x.copy())
-        runs["gloo"] = lambda: dist.all_reduce(t)
+        runs["gloo"] = _gloo(item, dist, torch, x)
     if kind != "sparse":
         return runs, None
     runs[SPARSE] = _Run(comm, x, sparse=True)

@@ -1,6 +1,8 @@
 """bench.allreduce's summary and table of the host rows and the retransmission and CPU columns
 (no root: rows as run_config makes them)."""
 
+import pytest
+
 from bench import allreduce
 
 
@@ -36,7 +38,7 @@ def test_markdown_has_the_new_columns():
         {"when": "now", "reps": 3, "mtu": 3500, "elems": 768, "window": 256},
     )
     assert "| 50 (0.50%; spurious 80%, tbf_qdisc 20%) | 0.500 | 0.100 |" in md
-    assert "| int32 | 64 MiB | 1 | 250.0 (100.0) | 2.15 | 1.00x | 4.80 | 1.20 | 0 (0.00%) |" in md
+    assert "| int32 | 32 | 64 MiB | 1 | 250.0 (100.0) | 2.15 | 1.00x | 4.80 | 17.88 | 1.20 |" in md
     assert "Small all-reduces" not in md  # no latency rows were run
 
 
@@ -53,10 +55,37 @@ def test_lanes_rows_carry_their_lanes_and_the_ratio_to_one_lane():
     md = allreduce.markdown(cells, {"when": "now", "reps": 3, "mtu": 3500, "elems": 768,
                                     "window": 64, "lanes": [1, 2]})  # fmt: skip
     assert "lanes 1, 2." in md
-    assert "| 4 | 1gbit | 64 MiB | 2 | 350.0 (100.0) | 900.0 (0.0) | 2.57x | 2.00x |" in md
-    assert "| int32 | 64 MiB | 2 | 125.0 (50.0) | 4.29 | 2.00x |" in md
+    assert "| 4 | 1gbit | 64 MiB | float32 | 32 | float32 | 2 | 350.0 (100.0) | 900.0 (0.0) |" in md
+    assert "| int32 | 32 | 64 MiB | 2 | 125.0 (50.0) | 4.29 | 2.00x |" in md
 
 
 def test_lanes_option():
     assert allreduce._parser().parse_args(["--lanes", "1,2"]).lanes == [1, 2]
     assert allreduce._parser().parse_args([]).lanes == [1]
+
+
+def test_wire16_rows_say_dtype_and_width_and_gloos_dtype():
+    """--dtype and --wire-bits: each dtype at each width asked ("auto": hostlib's default), the
+    tensor of the size's float32 elements; float32 at 16 bits runs against gloo on a bfloat16
+    copy; ATE/s counts elements, the host rows CPU ns per element."""
+    assert allreduce.widths("bfloat16,float32", "auto") == [("bfloat16", 16), ("float32", 32)]
+    assert allreduce.widths("float32", "auto,16,32") == [("float32", 32), ("float32", 16)]
+    for bad in (("int8", "auto"), ("float32", "8")):
+        with pytest.raises(ValueError):
+            allreduce.widths(*bad)
+    item = allreduce.plan_item(16 << 20, 3, "throughput", "bfloat16", 16)
+    assert (item["bytes"], item["gloo_dtype"]) == (32 << 20, "bfloat16")
+    assert allreduce.plan_item(16 << 20, 3, "throughput", "float32", 16)["gloo_dtype"] == "bfloat16"
+    row = _row(4, "1gbit", "throughput", "bfloat16", [0.3, 0.3, 0.3], [0.1] * 3,
+               gloo=[0.45] * 3, retransmissions=0, packets=100)  # fmt: skip
+    row.update(bytes=32 << 20, elements=16 << 20, wire_bits=16, gloo_dtype="bfloat16")
+    host = _row(1, "unshaped", "host", "bfloat16", [0.2] * 3, [0.2] * 3, retransmissions=0,
+                packets=100, bytes=32 << 20, elements=16 << 20, wire_bits=16)  # fmt: skip
+    cell, hcell = allreduce.summarize([row, host])
+    assert (cell["dtype"], cell["wire_bits"], cell["gloo_dtype"]) == ("bfloat16", 16, "bfloat16")
+    assert cell["xdp-agg"]["ate_per_s"] == (16 << 20) / 0.3
+    assert hcell["cpu_ns_per_elem"] == 0.2 / (16 << 20) * 1e9
+    md = allreduce.markdown([cell, hcell], {"when": "now", "reps": 3, "mtu": 3500, "elems": 768,
+                                            "window": 64})  # fmt: skip
+    assert "| 4 | 1gbit | 32 MiB | bfloat16 | 16 | bfloat16 | 1 | 300.0 (0.0) | 450.0 (0.0) |" in md
+    assert "| bfloat16 | 16 | 32 MiB | 1 | 200.0 (0.0) |" in md
