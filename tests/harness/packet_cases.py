@@ -1800,6 +1800,51 @@ def wire16_sparse(rng) -> list[Case]:
     return [c]
 
 
+@case
+def wire16_jumbo_and_tree(rng) -> list[Case]:
+    """A 16-bit jumbo round (2048 words: 4096 elements, MTU 9000, the frags program), and a
+    16-bit rack job of two levels: its partial goes up and the parent's result comes down with
+    the width bit; a parent result of the other width is dropped as drop_bad_width."""
+    c = Case("wire16_jumbo_complete_n2_k2048", [wire16_job(n=2, elems=2048)], workers(0, 2))
+    c.steps = wire16_round(rng, 2, 2048, slot=1)
+    up, pidx = parent_pool_index, wire.pool_index
+    rack = wire16_job(n=2, base=4, count=8, tree=True)
+    t = Case("wire16_tree_forward_and_down", [rack], workers(0, 2))
+    a, b, other = _pairs(rng, 4, 32)[:3]  # scaled for the 4 workers under the root
+    fr = [wframe(h, v, slot=6, tsi=9, e0=2) for h, v in ((0, a), (1, b))]
+    total = _packed(a + b + other)
+    slot = 6 - 4 + PARENT_SLOT_BASE
+    down = parent_frame(total, slot=slot, tsi=9, e0=5, wire_bits=16)
+    t.steps = [
+        dropped("w0", fr[0], Reason.AGGREGATED),
+        Step(
+            "w1 completes here: the 16-bit partial goes up",
+            fr[1],
+            Action.TO_PARENT,
+            Reason.FORWARDED_UP,
+            _packed(a + b),
+            2,
+            pool_index=up(6, 0),
+        ),
+        dropped(
+            "the parent's result at 32 bits",
+            parent_frame(total, slot=slot, tsi=9, e0=5),
+            Reason.DROP_BAD_WIDTH,
+        ),
+        Step(
+            "the parent's 16-bit result comes down",
+            down,
+            Action.TO_ALL,
+            Reason.PARENT_RESULT,
+            total,
+            5,
+            pool_index=int(pidx(6, 0)),
+        ),
+        answered("w0 retransmits: the parent's result", fr[0], total, 5, sender=0),
+    ]
+    return [c, t]
+
+
 def build_cases() -> list[Case]:
     """The table: every registered case function's cases, in order. Deterministic (seeded)."""
     rng = np.random.default_rng(2021)
