@@ -59,38 +59,46 @@ RACE_N, RACE_K, RACE_SLOTS, RACE_ROUNDS, RACE_DUP_P = 2, 64, 2, 400, 0.02
 RACE_DELAY_NS = 20_000
 
 
-def _frames(n, k):
+def _frames(n, k, bits=32):
     """A frame builder for worker w: scapy builds each worker's headers once (UDP checksum 0:
-    none), numpy the SwitchML part of every packet (checked once against scapy's)."""
+    none), numpy the SwitchML part of every packet (checked once against scapy's); `bits`: the
+    job's element width (its packets' width bit)."""
     size = wire.size_code_for(k)
+    head = dict(job_number=0, size_code=size, wire_bits=bits)
     heads = {}
     for w in range(n):
-        ref = bytearray(frame(w, np.zeros(k, dtype=np.int64), slot=1, version=1, e0=-3, tsi=5))
+        zeros = np.zeros(k, dtype=np.int64)
+        ref = bytearray(frame(w, zeros, slot=1, version=1, e0=-3, tsi=5, wire_bits=bits))
         ref[wire.SWITCHML_OFFSET - 2 : wire.SWITCHML_OFFSET] = b"\0\0"
         heads[w] = bytes(ref[: wire.SWITCHML_OFFSET])
-        sml = wire.build_payloads(
-            job_number=0, size_code=size, tsi=5, slot=1, version=1, e0=-3, values=np.zeros((1, k))
-        )
+        sml = wire.build_payloads(**head, tsi=5, slot=1, version=1, e0=-3, values=np.zeros((1, k)))
         assert bytes(ref[wire.SWITCHML_OFFSET :]) == sml[0].tobytes()
 
     def make(w, vals, *, slot, version, e0, tsi):
-        sml = wire.build_payloads(
-            job_number=0, size_code=size, tsi=tsi, slot=slot, version=version, e0=e0, values=[vals]
-        )
+        sml = wire.build_payloads(**head, tsi=tsi, slot=slot, version=version, e0=e0, values=[vals])
         return heads[w] + sml[0].tobytes()
 
     return make
 
 
-def _dense_rounds(n, k, slots, rounds, rng):
+def _words(n, k, bits, rng):
+    """One worker's k payload words: any int32, or at 16 bits k packed pairs of elements within
+    the headroom of n workers (docs/protocol.md 5.6)."""
+    if bits == 16:
+        m = wire.pair_range(n)
+        return wire.pack_pairs(rng.integers(-m, m + 1, size=2 * k, dtype=np.int64))
+    return rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
+
+
+def _dense_rounds(n, k, slots, rounds, rng, bits=32):
     """The contributions of a dense job: frames(r, s) -> every worker's frame of slot s in
-    round r, random values and exponents."""
-    make = _frames(n, k)
+    round r, random values and exponents (16-bit elements at `bits` 16)."""
+    make = _frames(n, k, bits)
 
     def frames(r, s):
         out = []
         for w in range(n):
-            vals = rng.integers(-(2**31), 2**31, size=k, dtype=np.int64)
+            vals = _words(n, k, bits, rng)
             e0 = int(rng.integers(-50, 50))
             out.append(make(w, vals, slot=s, version=r % 2, e0=e0, tsi=r * slots + s))
         return out
@@ -129,14 +137,17 @@ def _sparse_rounds(n, k, slots, rounds, rng):
     return frames
 
 
-def _plan(n, k, slots, rounds, dup_p, seed, sparse=False):
+def _plan(n, k, slots, rounds, dup_p, seed, sparse=False, bits=32):
     """Every round's frames per CPU (even workers on CPU 0, odd on CPU 1), the serial model's
     result of each (round, slot) and the number of duplicates sent; a `sparse` job's rounds
-    are _sparse_rounds'."""
+    are _sparse_rounds', a dense job of `bits` 16 has 16-bit elements."""
     rng = np.random.default_rng(seed)
-    contributions = (_sparse_rounds if sparse else _dense_rounds)(n, k, slots, rounds, rng)
+    if sparse:
+        contributions = _sparse_rounds(n, k, slots, rounds, rng)
+    else:
+        contributions = _dense_rounds(n, k, slots, rounds, rng, bits)
     model = ReferenceAggregator()
-    model.create_job(0, n, k, 0, slots, sparse=sparse)
+    model.create_job(0, n, k, 0, slots, sparse=sparse, wire_bits=bits)
     for w in workers(0, n):
         model.add_worker(0, w.index, w.ip, w.agg_port, w.mac)
     per_cpu = ([], [])  # per CPU: list of phases (one per slot round), each a list of (key, frame)
@@ -199,15 +210,15 @@ def _check(results, expected):
     return problems, answered
 
 
-def _two_cpus(run, prog, maps, n, k, slots, rounds, dup_p, seed, sparse=False):
-    """One run of the plan on a fresh job (`sparse` or not) through `run` (the harness's
-    two-CPU driver); (problems, answered, duplicates sent, overlapping)."""
+def _two_cpus(run, prog, maps, n, k, slots, rounds, dup_p, seed, sparse=False, bits=32):
+    """One run of the plan on a fresh job (`sparse` or not, of `bits`-bit elements) through
+    `run` (the harness's two-CPU driver); (problems, answered, duplicates sent, overlapping)."""
     for j in list(maps.jobs()):
         maps.delete_job(j)
-    maps.create_job(job(n=n, elems=k, count=slots, sparse=sparse))
+    maps.create_job(job(n=n, elems=k, count=slots, sparse=sparse, wire_bits=bits))
     for w in workers(0, n):
         maps.add_worker(w)
-    per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed, sparse)
+    per_cpu, expected, dups = _plan(n, k, slots, rounds, dup_p, seed, sparse, bits)
     results = run(prog.progs["xdp_agg_ingress"], per_cpu)
     problems, answered = _check(results, expected)
     return problems, answered, dups, _overlapping(results)
@@ -221,10 +232,13 @@ def _assert_counters(maps, slot_rounds, n, answered, dups):
     assert c["dup_pending"] + c["retx_answered"] == dups
 
 
-def test_two_cpus_same_slots(two_cpus, agg):
+@pytest.mark.parametrize("bits", [32, 16], ids=["int32", "wire16"])
+def test_two_cpus_same_slots(two_cpus, agg, bits):
+    """The same slots on both CPUs; a job of 16-bit elements (docs/protocol.md 5.6) too, whose
+    packed words every build sums as it sums int32."""
     prog, maps = agg
     problems, answered, dups, overlapping = _two_cpus(
-        two_cpus, prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7
+        two_cpus, prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7, bits=bits
     )
     print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
     assert overlapping >= ROUNDS * SLOTS // 10, (
