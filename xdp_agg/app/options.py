@@ -120,6 +120,11 @@ def real(decl: str, lo: float, hi: float | None, default: float, help: str):
     return opt(decl, default=default, type=click.FloatRange(lo, hi), show_default=True, help=help)
 
 
+def as_int(_ctx, _param, value):
+    """A click callback: the choice's string as the int it names."""
+    return int(value)
+
+
 def flag(decl: str, help: str):
     """A boolean field, False unless its flag is given."""
     return opt(decl, default=False, is_flag=True, help=help)
@@ -448,6 +453,16 @@ class JobOptions:
         "costs a pass over the payload per packet (docs/design.md: UDP checksums).",
     )
     sparse: bool = _sparse_field("the job")
+    wire_bits: int = opt(
+        "--wire-bits",
+        default=32,
+        type=click.Choice(["32", "16"]),
+        callback=as_int,
+        show_default=True,
+        help="Element width: 32, one int32 per payload word (p4app-switchML's); 16, two "
+        "block-scaled 16-bit elements per word, twice the elements per packet "
+        "(docs/protocol.md section 5.6). Packets of the other width are dropped.",
+    )
     parent: str | None = opt(
         "--parent-address",
         help="Two levels: IP:PORT of the parent aggregator's job (its data plane); completed "

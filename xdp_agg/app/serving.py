@@ -218,6 +218,7 @@ def create_job(
         delivery=delivery,
         udp_checksum=opts.udp_checksum,
         sparse=opts.sparse,
+        wire_bits=opts.wire_bits,
         **tree,
     )
     backend.create_job(spec)
