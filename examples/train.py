@@ -93,8 +93,8 @@ def _item_scores() -> torch.Tensor:
     return torch.randn(RECSYS_ITEMS, generator=torch.Generator().manual_seed(1))
 
 
-def make_model(kind: str) -> torch.nn.Module:
-    torch.manual_seed(0)  # every rank starts from the same parameters (DDP checks it too)
+def make_model(kind: str, seed: int = 0) -> torch.nn.Module:
+    torch.manual_seed(seed)  # every rank starts from the same parameters (DDP checks it too)
     if kind == "recsys":
         return Recommender()
     if kind == "digits":
@@ -111,12 +111,17 @@ class Batches:
     """Each step's global batch, shuffled per epoch (same order on every rank); a rank takes
     its 1/n of it."""
 
-    def __init__(self, x, y, per_rank: int, rank: int, n: int, kind: str) -> None:
+    # a seed's batches are another run's steps: seed s, step t is step t + s * SEED_STRIDE
+    SEED_STRIDE = 100_000  # below RECSYS_TEST_STEP for 9 seeds of fewer steps than this
+
+    def __init__(self, x, y, per_rank: int, rank: int, n: int, kind: str, seed: int = 0) -> None:
         self.x, self.y, self.b, self.rank, self.n, self.kind = x, y, per_rank, rank, n, kind
+        self.seed = seed
         self._order = torch.empty(0, dtype=torch.int64)
         self._pos, self._epoch = 0, 0
 
     def get(self, step: int):
+        step += self.seed * self.SEED_STRIDE
         if self.kind == "recsys":
             return recsys_batch(step, self.rank, self.b)
         if self.kind == "wide":
@@ -126,8 +131,9 @@ class Batches:
             )
         glob = self.b * self.n
         if self._pos + glob > len(self._order):
+            epoch_seed = self.seed * self.SEED_STRIDE + self._epoch
             self._order = torch.randperm(
-                len(self.x), generator=torch.Generator().manual_seed(self._epoch)
+                len(self.x), generator=torch.Generator().manual_seed(epoch_seed)
             )
             self._pos, self._epoch = 0, self._epoch + 1
         idx = self._order[self._pos + self.rank * self.b : self._pos + (self.rank + 1) * self.b]
@@ -152,6 +158,23 @@ def wrap(net: torch.nn.Module, parallel: str, n: int) -> torch.nn.Module:
     return fully_shard(net, mesh=mesh)
 
 
+def compress_hook(kind: str):
+    """torch's own bf16_compress_hook or fp16_compress_hook (default_hooks._compress_hook: the
+    bucket cast to the 16-bit dtype, divided by the world size, all-reduced by the process group
+    and copied back), under a name of its own: DDP refuses hooks *named* bf16_compress_hook
+    unless CUDA and NCCL 2.10+ are there (torch 2.13.0, nn/parallel/distributed.py,
+    register_comm_hook), while gloo all-reduces bfloat16 on the CPU as it is."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[kind]
+
+    # no annotations: this file's are strings (__future__), which DDP's check rejects
+    def gloo_compress_hook(state, bucket):
+        return default_hooks._compress_hook(dtype, state, bucket)
+
+    return gloo_compress_hook
+
+
 def accuracy(model: torch.nn.Module, x, y) -> float:
     with torch.no_grad():
         return float((model(x).argmax(1) == y).float().mean())
@@ -171,6 +194,17 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     ap.add_argument("--calib", type=int, default=20, help="compute-only steps to time")
     ap.add_argument("--out", default=None, help="rank 0 writes its JSON report here")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="the parameters' initialisation and the batches"
+    )
+    ap.add_argument(
+        "--compress",
+        choices=["bf16", "fp16"],
+        default=None,
+        help="DDP over the process group (e.g. gloo) with torch's own bf16_compress_hook or "
+        "fp16_compress_hook (torch.distributed.algorithms.ddp_comm_hooks.default_hooks): the "
+        "gradients all-reduced in 16 bits, the baseline of xdp-agg's 16-bit hook",
+    )
     ap.add_argument(
         "--hook",
         action="store_true",
@@ -193,8 +227,8 @@ def main(argv=None) -> int:
         xtr = ytr = xte = yte = None
         if args.model == "recsys":  # held out: the seed of a step no run reaches
             xte, yte = recsys_batch(RECSYS_TEST_STEP, 0, 4096)
-    batches = Batches(xtr, ytr, args.batch, rank, n, args.model)
-    net = make_model(args.model)
+    batches = Batches(xtr, ytr, args.batch, rank, n, args.model, args.seed)
+    net = make_model(args.model, args.seed)
     params = sum(p.numel() for p in net.parameters())
     local = copy.deepcopy(net)  # for the compute-only timing
     model = wrap(net, args.parallel, n)
@@ -211,6 +245,12 @@ def main(argv=None) -> int:
         comm = hostlib.init(rank, n, control_from_env(), job, HostOptions.from_args(args))
         state = hostlib.pt.HookState(comm)
         model.register_comm_hook(state, hostlib.pt.allreduce_hook)
+    if args.compress:
+        if args.hook or args.parallel != "ddp":
+            raise SystemExit(
+                "--compress is a DDP hook of the process group: not with --hook or FSDP"
+            )
+        model.register_comm_hook(None, compress_hook(args.compress))
     opt = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9)
 
     losses, times, accs = [], [], []
@@ -254,7 +294,10 @@ def main(argv=None) -> int:
         t_iter = statistics.median(step_time[args.warmup :])
         t_comp = statistics.median(comp[args.warmup :])
         report = {
-            "backend": args.backend + (" + xdp-agg hook" if args.hook else ""),
+            "backend": args.backend
+            + (" + xdp-agg hook" if args.hook else "")
+            + (f" + torch {args.compress}_compress_hook" if args.compress else ""),
+            "seed": args.seed,
             "parallel": args.parallel,
             "model": args.model,
             "world_size": n,
