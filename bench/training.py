@@ -40,7 +40,8 @@ ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
 
 
-# (report key, --backend, `xdp-agg serve` options): each system a case runs
+# (report key, --backend, `xdp-agg serve` options[, train.py options of this system alone]):
+# each system a case runs
 SYSTEMS = (("xdpagg", "xdpagg", ()), ("gloo", "gloo", ()))
 # the recommender's: xdp-agg on a sparse job (the backend's all-reduces "auto": sparse while
 # the union block density stays low), on a dense job, and gloo
@@ -58,24 +59,26 @@ def run_case(
     out: Path,
     log,
     variants: tuple[str, ...] = ("",),
-    systems: tuple[tuple[str, str, tuple[str, ...]], ...] = SYSTEMS,
+    systems: tuple[tuple, ...] = SYSTEMS,
 ) -> dict:
     """One testbed, each of `systems` in turn (for each --parallel of `variants`, "" meaning
     the script's default), the aggregator served once per set of serve options; {system: rank
-    0's report}, or {"PARALLEL-system": ...} per variant."""
+    0's report}, or {"PARALLEL-system": ...} per variant. A system's fourth member, where it
+    has one, is train.py options of its own (a hook, a seed)."""
     from netns_testbed.testbed import Testbed
     from xdp_agg.cluster.cluster import Cluster
 
     reports = {"date": time.strftime("%Y-%m-%d %H:%M"), "load": [os.getloadavg()[0]]}
     with Testbed(workers=workers, topology="one-arm", rate=rate, mtu=mtu) as tb:
-        for serve_args in dict.fromkeys(s for _, _, s in systems):
+        for serve_args in dict.fromkeys(s for _, _, s, *_ in systems):
             with Cluster(tb, serve_args=serve_args) as cl:
                 for variant in variants:
-                    for key, backend, s in systems:
+                    for key, backend, s, *own in systems:
                         if s != serve_args:
                             continue
                         key = f"{variant}-{key}" if variant else key
-                        run = _run_one(tb, cl, name, key, backend, variant, train_args, env, out)
+                        args = [*train_args, *(own[0] if own else ())]
+                        run = _run_one(tb, cl, name, key, backend, variant, args, env, out)
                         reports[key] = run.pop("report")
                         log(f"  {run['line']}  ({run['seconds']:.0f} s with start-up)")
     reports["load"].append(os.getloadavg()[0])
