@@ -160,8 +160,37 @@ def check_host_mac(value: int) -> None:
 def _check_ipv4(value: int) -> str:
     ip = ipaddress.IPv4Address(value)
     if ip.is_multicast or ip.is_unspecified or ip == ipaddress.IPv4Address("255.255.255.255"):
-        raise ApiError("invalid", f"ipv4 {ip} is no host's address: give the port's own")
+        raise ApiError(
+            "invalid", f"ipv4 {ip} is no host's address: give the worker port's own address"
+        )
     return str(ip)
+
+
+def check_worker_ip(ip: str, ours: str) -> str:
+    """Our address `ours` on worker address `ip`'s side (port_address's: an IPv4 address, or
+    with its prefix length, "198.18.0.1/24"), without the prefix; ApiError (invalid) when `ip`
+    reaches no worker's NIC from there: our own address, the subnet's broadcast or network
+    address (of a subnet of more than two addresses), or a loopback address where we are not
+    on loopback (127.0.0.1 in one-arm, whose one interface answers every address)."""
+    our = ipaddress.IPv4Interface(ours)
+    worker = ipaddress.IPv4Address(ip)
+    net = our.network
+    what = None
+    if worker == our.ip:
+        what = "the aggregator's own address"
+    elif net.prefixlen <= 30 and worker == net.broadcast_address:
+        what = f"the broadcast address of the subnet {net}"
+    elif net.prefixlen <= 30 and worker == net.network_address:
+        what = f"the network address of the subnet {net}"
+    elif worker.is_loopback and not our.ip.is_loopback:
+        what = "a loopback address, which reaches only the host itself"
+    if what is not None:
+        raise ApiError(
+            "invalid",
+            f"ipv4 {ip} is {what}, no worker's: give the worker port's own address "
+            "(p4app's backend.dpdk ip, the address of the NIC that sends to the aggregator)",
+        )
+    return str(our.ip)
 
 
 @dataclass
@@ -205,8 +234,10 @@ class _Root:
 
 class SwitchmlApi:
     """The services' logic over a job registry (a ControlEndpoint's, xdp_agg.ctl.registry), for
-    calls from a `Caller`. `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side
-    (ValueError when no port of ours leads there); `clock` dates the setups, Broadcast values
+    calls from a `Caller`. `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side,
+    the address with its prefix length where known ("198.18.0.1/24": then the subnet's broadcast
+    and network addresses are refused as a worker's; check_worker_ip), ValueError when no port
+    of ours leads there; `clock` dates the setups, Broadcast values
     and traffic that `sweep` expires (waits are real time)."""
 
     def __init__(
@@ -264,9 +295,10 @@ class SwitchmlApi:
         check_host_mac(req.mac)
         ip = _check_ipv4(req.ipv4)
         try:
-            our_ip, our_mac = self.port_address(ip)
+            ours, our_mac = self.port_address(ip)
         except ValueError as e:
             raise ApiError("precondition", str(e)) from None
+        our_ip = check_worker_ip(ip, ours)
         with self._cond:
             s = self._session
             if s is not None and caller.conn in s.conns:

@@ -1,0 +1,61 @@
+"""An outside check of `xdp-agg serve --switchml-grpc` (four findings, N1-N4), each a test that
+failed before its fix: worker addresses that are no host's in one-arm (N1), idle server threads
+that restart each other's wait (N2), gRPC's own uncounted refusal past its limit of calls in
+flight (N3), and a session recovered after a restart that refused its own hosts' next session
+for the rejoin timeout (N4). The stack is tests/switchml_grpc_stack.py's: loopback, no root.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+grpc = pytest.importorskip("grpc")
+
+import switchml_grpc_client as client  # noqa: E402  (needs grpc)
+from switchml_grpc_stack import SWITCH_MAC, K, Stack  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+CODE = grpc.StatusCode
+
+
+def _udp_session(stack: Stack, source: str, session_id: int, ip: str, *, world: int = 1):
+    """Rank 0's UdpSession as p4app's host sends it, from `source`, giving address `ip`."""
+    request = client.udp_session_request(
+        session_id, rank=0, world=world, mac=stack.worker(0)[1], ip=ip, packet_numel=K
+    )
+    with client.channel(stack.target, source) as ch:
+        return client.call(ch, "Session", "UdpSession")(request, timeout=30)
+
+
+# --- N1: in one-arm, an address that is no worker's is refused -------------------------------
+def test_switchml_n1_one_arm_refuses_broadcast_own_and_loopback_worker_addresses(monkeypatch):
+    """serve's one-arm port_address (one interface, 198.18.0.1/24): a worker may not give the
+    subnet's broadcast or network address, the aggregator's own address or 127.0.0.1 (none
+    reaches a worker's NIC); each refusal is INVALID_ARGUMENT, says what to give, is counted,
+    and opens no session. A worker's own address still opens one."""
+    from xdp_agg.app import serving
+    from xdp_switch import links
+
+    stack = Stack()
+    try:
+        # the one interface, as a NIC's (the callers stay on loopback: only the addresses
+        # they give are the workers' NICs', which the soft aggregator never sends to here)
+        arm = {"ipv4_nets": ["198.18.0.1/24"], "ipv4": ["198.18.0.1"], "mac": SWITCH_MAC}
+        monkeypatch.setattr(links, "addresses", lambda ifname: arm)
+        stack.api.port_address = serving.port_address_of(["arm0"])
+        source = stack.worker(0)[0]
+        bad = ["198.18.0.255", "198.18.0.0", "198.18.0.1", "127.0.0.1"]
+        for n, ip in enumerate(bad):
+            with pytest.raises(grpc.RpcError) as err:
+                _udp_session(stack, source, 0x5EED + n, ip)
+            assert err.value.code() == CODE.INVALID_ARGUMENT, ip
+            assert f"ipv4 {ip} is " in err.value.details(), err.value.details()
+            assert "give the worker port's own address" in err.value.details()
+        assert stack.api.refusals == {"invalid": len(bad)}
+        assert stack.agg.jobs() == [] and stack.api.session_key is None
+        answer = _udp_session(stack, source, 0x5EEF, "198.18.0.10")  # a worker's: a session
+        assert stack.api.session_key == "switchml-0x5eef"
+        assert answer.ipv4 == 0xC6120001  # 198.18.0.1, ours, without the prefix length
+    finally:
+        stack.close()
