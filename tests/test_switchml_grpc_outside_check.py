@@ -7,12 +7,17 @@ for the rejoin timeout (N4). The stack is tests/switchml_grpc_stack.py's: loopba
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 grpc = pytest.importorskip("grpc")
 
 import switchml_grpc_client as client  # noqa: E402  (needs grpc)
-from switchml_grpc_stack import SWITCH_MAC, K, Stack  # noqa: E402
+from switchml_grpc_stack import SWITCH_MAC, K, Stack, wait_for  # noqa: E402
+
+from xdp_agg.ctl.switchml_grpc import IdlePool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -59,3 +64,53 @@ def test_switchml_n1_one_arm_refuses_broadcast_own_and_loopback_worker_addresses
         assert answer.ipv4 == 0xC6120001  # 198.18.0.1, ours, without the prefix length
     finally:
         stack.close()
+
+
+# --- N2: an idle server thread ends after its own idle time ----------------------------------
+class _CountingCondition:
+    """The pool's condition, counting the waits begun on it (each a thread's idle wait)."""
+
+    def __init__(self, cond: threading.Condition) -> None:
+        self.cond = cond
+        self.waits = 0
+
+    def __enter__(self):
+        return self.cond.__enter__()
+
+    def __exit__(self, *exc):
+        return self.cond.__exit__(*exc)
+
+    def wait(self, timeout=None):
+        self.waits += 1
+        return self.cond.wait(timeout)
+
+    def wait_for(self, predicate, timeout=None):
+        return self.cond.wait_for(predicate, timeout)
+
+    def notify(self, n: int = 1) -> None:
+        self.cond.notify(n)
+
+    def notify_all(self) -> None:
+        self.cond.notify_all()
+
+
+def test_switchml_n2_an_idle_thread_ends_after_its_own_idle_time_not_restarted():
+    """After a burst, N threads go idle one after the other; each must wait once and end when
+    its own idle time is up: N waits in all. Before, each ending thread woke every other idle
+    one, which began its whole wait again (N + (N-1) + ... waits, 145 s instead of 10 for a
+    burst's threads). The count is of waits, not of time: the stagger only lets the old
+    behaviour show."""
+    n, idle = 8, 0.5
+    pool = IdlePool(n, idle)
+    counting = _CountingCondition(pool._cond)
+    pool._cond = counting  # type: ignore[assignment]
+    gates = [threading.Event() for _ in range(n)]
+    for gate in gates:
+        pool.submit(gate.wait)
+    wait_for("a thread per call", lambda: pool.threads == n)
+    for i, gate in enumerate(gates):
+        gate.set()
+        wait_for(f"thread {i} idle", lambda i=i: counting.waits >= i + 1)
+        time.sleep(idle / (3 * n))  # one after the other, all before the first ends
+    assert pool.wait_threads(0, timeout=60), pool.threads
+    assert counting.waits == n

@@ -24,6 +24,7 @@ import collections
 import ipaddress
 import logging
 import threading
+import time
 import urllib.parse
 from concurrent import futures
 
@@ -106,11 +107,16 @@ class Admission:
 class IdlePool(futures.Executor):
     """A thread pool for the gRPC server: at most `size` threads, made as calls come, and a
     thread that has had no work for `idle` seconds ends (concurrent.futures' pool keeps every
-    thread it made until shut down)."""
+    thread it made until shut down). Each idle thread keeps its own deadline: work wakes one
+    waiting thread (`_cond`), and a thread that ends wakes only those that wait for the count
+    of threads (`_ended`: wait_threads, shutdown), never the other idle ones, so each ends
+    `idle` seconds after its last work, whatever the others do."""
 
     def __init__(self, size: int, idle: float, name: str = "sml") -> None:
         self.size, self.idle, self.name = size, idle, name
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # work queued, or shutdown
+        self._ended = threading.Condition(lock)  # a thread ended
         self._queue: collections.deque = collections.deque()
         self._waiting = 0  # threads waiting for work
         self._shutdown = False
@@ -132,18 +138,27 @@ class IdlePool(futures.Executor):
                 threading.Thread(target=self._work, name=name, daemon=True).start()
         return future
 
+    @property
+    def backlog(self) -> int:
+        """Calls queued for a thread now."""
+        return len(self._queue)
+
     def _next(self):
-        """The next work item, or None when this thread is to end (idle, or shut down)."""
+        """The next work item, or None when this thread is to end (idle for `idle` seconds
+        since its last work, or shut down)."""
         with self._cond:
+            deadline = time.monotonic() + self.idle
             self._waiting += 1
             try:
                 while not self._queue and not self._shutdown:
-                    if not self._cond.wait(self.idle) and not self._queue:
+                    left = deadline - time.monotonic()
+                    # woken without work (another thread took it): wait out what is left
+                    if left <= 0 or not self._cond.wait(left):
                         break
                 if self._queue:
                     return self._queue.popleft()
                 self.threads -= 1
-                self._cond.notify_all()
+                self._ended.notify_all()
                 return None
             finally:
                 self._waiting -= 1
@@ -163,10 +178,11 @@ class IdlePool(futures.Executor):
 
     def wait_threads(self, at_most: int, timeout: float) -> bool:
         """Wait until at most `at_most` threads are left (within `timeout` s); whether so."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.threads <= at_most, timeout)
+        with self._ended:
+            return self._ended.wait_for(lambda: self.threads <= at_most, timeout)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more work; the threads end once the queue is done (cancel_futures: dropped)."""
         with self._cond:
             self._shutdown = True
             if cancel_futures:
@@ -174,7 +190,7 @@ class IdlePool(futures.Executor):
                     self._queue.popleft()[0].cancel()
             self._cond.notify_all()
             if wait:
-                self._cond.wait_for(lambda: self.threads == 0)
+                self._ended.wait_for(lambda: self.threads == 0)
 
 
 def _handler(api: SwitchmlApi, admission: Admission, fn, request_name: str, response_name: str):
