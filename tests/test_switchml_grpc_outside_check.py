@@ -17,11 +17,14 @@ grpc = pytest.importorskip("grpc")
 import switchml_grpc_client as client  # noqa: E402  (needs grpc)
 from switchml_grpc_stack import SWITCH_MAC, K, Stack, wait_for  # noqa: E402
 
+from xdp_agg.ctl import switchml_proto as pb  # noqa: E402
 from xdp_agg.ctl.switchml_grpc import IdlePool  # noqa: E402
+from xdp_agg.proto.limits import MAX_WORKERS  # noqa: E402
 
 pytestmark = pytest.mark.timeout(120)
 
 CODE = grpc.StatusCode
+STRANGER = 66  # prefix.66: a host on the workers' subnet that is not one of theirs
 
 
 def _udp_session(stack: Stack, source: str, session_id: int, ip: str, *, world: int = 1):
@@ -114,3 +117,51 @@ def test_switchml_n2_an_idle_thread_ends_after_its_own_idle_time_not_restarted()
         time.sleep(idle / (3 * n))  # one after the other, all before the first ends
     assert pool.wait_threads(0, timeout=60), pool.threads
     assert counting.waits == n
+
+
+# --- N3: past the bound of calls, our refusal (counted, with advice), never gRPC's -----------
+def test_switchml_n3_calls_past_the_bound_get_our_counted_refusal_not_grpcs():
+    """8 calls may be in progress; 40 Barriers come at once while every call is held at the
+    admission (its lock taken by the test): more are in flight than the server has threads.
+    Once let through, 8 wait (valid Barriers of 64 workers, for a session of 64) and each of
+    the other 32 is refused by the admission, RESOURCE_EXHAUSTED with what to do, and
+    counted. Before, gRPC's own limit (8 + 4) answered the rest itself: "Concurrent RPC limit
+    exceeded!", counted nowhere."""
+    stack = Stack(calls=8, calls_per_peer=64)
+    pool, admission = stack.server.pool, stack.server.admission
+    try:
+        with client.channel(stack.target, stack.host(STRANGER)) as ch:
+            barrier = client.call(ch, "Sync", "Barrier")
+            request = pb.BarrierRequest(num_workers=MAX_WORKERS)
+            with admission._lock:
+                calls = [barrier.future(request, timeout=60) for _ in range(40)]
+                threads = pool.size
+
+                def arrived() -> bool:  # held at the admission, queued, or answered
+                    queued = len(pool._queue)
+                    answered = sum(f.done() for f in calls)
+                    return pool.threads == threads and queued + answered == len(calls) - threads
+
+                wait_for("every call at the server", arrived)
+            wait_for("32 answered", lambda: sum(f.done() for f in calls) == 32)
+            wait_for("8 waiting", lambda: stack.api.waiting == 8)
+            refused = [f for f in calls if f.done()]
+            assert {f.code() for f in refused} == {CODE.RESOURCE_EXHAUSTED}
+            for f in refused:
+                assert "the most it takes" in f.details(), f.details()
+            assert stack.api.refusals == {"calls": 32}
+            for f in calls:
+                f.cancel()
+            wait_for("nobody waits", lambda: stack.api.waiting == 0)
+        assert admission.active == 0
+    finally:
+        stack.close()
+
+
+def test_switchml_n3_grpcs_own_limit_is_past_the_admission_and_its_queue():
+    """The defaults docs/protocol.md 7.3 gives: 132 calls, 4 reserve threads, 1024 queued."""
+    from xdp_agg.ctl.switchml_grpc import RESERVE, SwitchmlSettings, grpc_limit
+
+    s = SwitchmlSettings()
+    assert (s.calls, RESERVE, s.backlog) == (132, 4, 1024)
+    assert grpc_limit(s) == 1160 > s.calls + RESERVE

@@ -7,11 +7,15 @@ xdp_agg.ctl.switchml_sessions'; this module serves them, bounded:
   `--switchml-allow`, by default the subnets of the aggregator's interfaces, where p4app's hosts
   are), else PERMISSION_DENIED;
 - how many calls at once: `calls` in all and `calls_per_peer` from one address; a call past
-  either is refused at once (RESOURCE_EXHAUSTED) instead of waiting for a thread. The server's
-  threads (each call holds one, a Barrier for as long as it waits) are at most `calls` plus a
-  few for those refusals (RESERVE), which is also gRPC's own limit of calls in progress (past
-  it gRPC refuses with RESOURCE_EXHAUSTED itself, uncounted); a thread with no call for
-  `thread_idle` seconds ends, so the threads of a burst return;
+  either is refused at once (RESOURCE_EXHAUSTED, counted, saying what to do) instead of waiting
+  for a Barrier to end. The server's threads (each call holds one, a Barrier for as long as it
+  waits) are at most `calls` plus a few for those refusals (RESERVE); calls that come while
+  every thread is taken queue for one (at most `backlog`), each refused by the admission as soon
+  as a reserve thread takes it. gRPC's own limit of calls in flight (maximum_concurrent_rpcs,
+  past which gRPC answers "Concurrent RPC limit exceeded!" itself, uncounted) is above all of
+  these, `calls` + RESERVE + `backlog`: the admission refuses first, and gRPC's limit is only a
+  backstop against a flood faster than the reserve threads refuse it; a thread with no call
+  for `thread_idle` seconds ends, so the threads of a burst return;
 - a caller that goes away (its connection closes, its call is cancelled) stops waiting at once;
 - every refusal is counted by reason (SwitchmlApi.refusals, xdp_agg.app.metrics).
 
@@ -297,6 +301,13 @@ class SwitchmlServer:
         return {**self.api.stats(), "calls": self.admission.active, "threads": self.pool.threads}
 
 
+def grpc_limit(settings: SwitchmlSettings) -> int:
+    """gRPC's own limit of calls in flight (maximum_concurrent_rpcs): the calls in progress, the
+    reserve threads that refuse the calls past them, and the backlog of calls queued for
+    those threads."""
+    return settings.calls + RESERVE + settings.backlog
+
+
 def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
     """The API served on host:port (port 0: any free one), started (its port in .port).
     OSError when the address cannot be bound."""
@@ -308,7 +319,9 @@ def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
         handlers=handlers(api, admission),
         # no SO_REUSEPORT (grpc's default): a second server on the same port must fail
         options=[("grpc.so_reuseport", 0)],
-        maximum_concurrent_rpcs=s.calls + RESERVE,
+        # above the admission's bound and its queue, so that the admission (counted, saying
+        # what to do) refuses first; gRPC's own refusal past it is counted nowhere
+        maximum_concurrent_rpcs=grpc_limit(s),
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -120,6 +120,10 @@ class SwitchmlSettings:
     idle_takeover: float = 60.0  # s without traffic after which another host may replace it
     calls: int = 2 * MAX_WORKERS + 4  # calls in progress, all callers (each holds a thread)
     calls_per_peer: int = 8  # calls in progress from one address
+    # calls that may wait for a server thread beyond those: each is refused by the admission
+    # (counted, with advice) once a thread takes it; past calls + RESERVE + backlog in flight
+    # gRPC refuses by itself (xdp_agg.ctl.switchml_grpc.start_server)
+    backlog: int = 1024
     open_broadcasts: int = 64  # root Broadcast values kept until a session takes them
     thread_idle: float = 10.0  # s a server thread without a call waits before it ends
 
