@@ -15,7 +15,7 @@ import pytest
 grpc = pytest.importorskip("grpc")
 
 import switchml_grpc_client as client  # noqa: E402  (needs grpc)
-from switchml_grpc_stack import SWITCH_MAC, K, Stack, wait_for  # noqa: E402
+from switchml_grpc_stack import SWITCH_MAC, K, Stack, exchange, wait_for  # noqa: E402
 
 from xdp_agg.ctl import switchml_proto as pb  # noqa: E402
 from xdp_agg.ctl.switchml_grpc import IdlePool  # noqa: E402
@@ -165,3 +165,36 @@ def test_switchml_n3_grpcs_own_limit_is_past_the_admission_and_its_queue():
     s = SwitchmlSettings()
     assert (s.calls, RESERVE, s.backlog) == (132, 4, 1024)
     assert grpc_limit(s) == 1160 > s.calls + RESERVE
+
+
+# --- N4: a session recovered after a restart -----------------------------------------------
+def test_switchml_n4_a_recovered_session_yields_to_its_hosts_and_says_when_it_clears(tmp_path):
+    """serve restarts while a session of two runs (its job kept in the aggregator and
+    recovered from the table, held for the rejoin timeout, 60 s). Another host's rank 0 is
+    refused, told that the recovered session clears by itself when the rejoin timeout ends,
+    when that is, and what to do now; the same hosts' next run replaces it at once and
+    aggregates."""
+    stack = Stack(table=tmp_path / "jobs.json", grace=60.0)
+    try:
+        switch = stack.setup_all(2)[0]
+        exchange(stack, 2, switch, seed=11)
+        old = stack.api.session_key
+        stack.restart()
+        assert stack.recovered == [old] and stack.api.session_key is None
+        with pytest.raises(grpc.RpcError) as err:
+            _udp_session(stack, stack.host(STRANGER), 0x5EED, stack.host(STRANGER), world=2)
+        why = err.value.details()
+        assert err.value.code() == CODE.FAILED_PRECONDITION, why
+        assert "recovered" in why and "rejoin timeout" in why, why
+        assert "UTC" in why and "frees it by itself" in why, why
+        assert "from one of its hosts" in why, why
+        assert stack.api.refusals == {"session_busy": 1}
+        switches = stack.setup_all(2)  # the same hosts' next run
+        assert stack.api.session_key != old
+        assert [j["key"] for j in stack.endpoint.registry.snapshot()["jobs"]] == [
+            stack.api.session_key
+        ]
+        assert stack.api.ended == {"replaced": 1}
+        exchange(stack, 2, switches[0], seed=12)
+    finally:
+        stack.close()

@@ -39,6 +39,9 @@ Broadcast and no credentials anywhere; what ties a call to a session here is its
 - **Expiry**: a session whose setup has not completed `barrier_timeout` seconds after its last
   setup call, nobody waiting in its barriers, is ended (`sweep`, run by a thread of the server),
   freeing its port and slots; a complete session lives, as before, until a next one replaces it.
+- **After a restart** the registry recovers a session's job (the table keeps its hosts) and
+  frees it after the rejoin timeout; until then a rank 0 from one of its hosts replaces it, and
+  another's is refused (`session_busy`) saying when it is freed (`_replace_recovered`).
 
 Every refusal is an ApiError with a `reason` (REFUSALS) that the server counts, and says what
 to do. docs/protocol.md 7.3 and docs/operations.md (trust model) describe the same.
@@ -322,7 +325,14 @@ class SwitchmlApi:
         """Rank req.rank of session `s` at `ip`, tied to the caller's connection (lock held)."""
         try:
             self.registry.join_job(
-                SESSION, s.key, req.rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), local
+                SESSION,
+                s.key,
+                req.rank,
+                ip,
+                P4APP_WORKER_PORT,
+                mac_text(req.mac),
+                local,
+                host=caller.host,
             )
         except RequestError as e:
             if req.rank == 0:  # the session it just opened has no use without it
@@ -342,6 +352,8 @@ class SwitchmlApi:
         now = self.clock()
         if self._session is not None:
             self._end(self._session, self._may_replace(self._session, caller, now))
+        else:
+            self._replace_recovered(caller)
         key = f"switchml-{req.session_id:#x}"
         elems = wire.elems_for(req.packet_size)
         try:
@@ -378,6 +390,34 @@ class SwitchmlApi:
         self.events["sessions_opened"] += 1
         self._cond.notify_all()
         return s
+
+    def _replace_recovered(self, caller: Caller) -> None:
+        """Rank 0 with no session of ours: the session a restarted serve recovered holds the
+        port until the rejoin timeout frees it (its ranks never rejoin); a rank 0 from one of
+        its hosts (the same hosts' next run) replaces it now, another's is refused saying when
+        it frees (session_busy; lock held)."""
+        rec = self.registry.recovered_session(AGG_PORT)
+        if rec is None:
+            return
+        if caller.host in rec.hosts:
+            self.registry.end_job(rec.key)
+            self.events["sessions_ended"] += 1
+            self.ended["replaced"] += 1
+            log.info("recovered session %s ended: %s", rec.key, ENDINGS["replaced"])
+            return
+        if rec.until is None:  # never: a recovered job always has its rejoin timeout
+            when = "when the rejoin timeout (serve --rejoin-timeout) ends"
+        else:
+            left = max(0.0, rec.until - time.time())
+            at = time.strftime("%H:%M:%S", time.gmtime(rec.until))
+            when = f"at {at} UTC (in {left:.0f} s), when the rejoin timeout (--rejoin-timeout) ends"
+        raise ApiError(
+            "session_busy",
+            f"session {rec.key} of {rec.world} workers (ranks from {', '.join(rec.hosts)}), "
+            f"recovered when serve restarted, holds aggregator port {AGG_PORT:#x}: its ranks "
+            f"never rejoin, so serve frees it by itself {when}; start this session again "
+            "then, or now from one of its hosts (their next session replaces it at once)",
+        )
 
     def _may_replace(self, s: _Session, caller: Caller, now: float) -> str:
         """Why rank 0's new session may end `s` (an ENDINGS reason); ApiError (session_busy)
