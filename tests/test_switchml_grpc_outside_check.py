@@ -158,6 +158,36 @@ def test_switchml_n3_calls_past_the_bound_get_our_counted_refusal_not_grpcs():
         stack.close()
 
 
+def test_switchml_n3_grpcs_own_refusals_past_its_limit_are_counted():
+    """The backstop: 8 calls, 4 reserve threads and a queue of 4, so gRPC's own limit is 16
+    calls in flight; 30 Barriers come while the admission is held. gRPC refuses 14 itself
+    (its own words, "Concurrent RPC limit exceeded!"), and each is counted (grpc_limit); once
+    let through, 8 wait and the admission refuses the other 8, and the next call, as calls."""
+    stack = Stack(calls=8, calls_per_peer=64, backlog=4)
+    pool, admission = stack.server.pool, stack.server.admission
+    try:
+        with client.channel(stack.target, stack.host(STRANGER)) as ch:
+            barrier = client.call(ch, "Sync", "Barrier")
+            request = pb.BarrierRequest(num_workers=MAX_WORKERS)
+            with admission._lock:
+                calls = [barrier.future(request, timeout=60) for _ in range(30)]
+                wait_for("14 refused by gRPC", lambda: sum(f.done() for f in calls) == 14)
+                wait_for("12 held, 4 queued", lambda: (pool.threads, pool.backlog) == (12, 4))
+            grpcs = [f for f in calls if f.done()]
+            assert {f.details() for f in grpcs} == {"Concurrent RPC limit exceeded!"}
+            wait_for("22 answered", lambda: sum(f.done() for f in calls) == 22)
+            wait_for("8 waiting", lambda: stack.api.waiting == 8)
+            with pytest.raises(grpc.RpcError) as err:  # one more: the last one counted then
+                barrier(request, timeout=60)
+            assert "the most it takes" in err.value.details()
+            assert stack.api.refusals == {"grpc_limit": 14, "calls": 9}
+            for f in calls:
+                f.cancel()
+            wait_for("nobody waits", lambda: stack.api.waiting == 0)
+    finally:
+        stack.close()
+
+
 def test_switchml_n3_grpcs_own_limit_is_past_the_admission_and_its_queue():
     """The defaults docs/protocol.md 7.3 gives: 132 calls, 4 reserve threads, 1024 queued."""
     from xdp_agg.ctl.switchml_grpc import RESERVE, SwitchmlSettings, grpc_limit

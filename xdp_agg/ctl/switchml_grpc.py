@@ -14,8 +14,9 @@ xdp_agg.ctl.switchml_sessions'; this module serves them, bounded:
   as a reserve thread takes it. gRPC's own limit of calls in flight (maximum_concurrent_rpcs,
   past which gRPC answers "Concurrent RPC limit exceeded!" itself, uncounted) is above all of
   these, `calls` + RESERVE + `backlog`: the admission refuses first, and gRPC's limit is only a
-  backstop against a flood faster than the reserve threads refuse it; a thread with no call
-  for `thread_idle` seconds ends, so the threads of a burst return;
+  backstop against a flood faster than the reserve threads refuse it, whose refusals are
+  counted too (CountGrpcRefusals); a thread with no call for `thread_idle` seconds ends, so
+  the threads of a burst return;
 - a caller that goes away (its connection closes, its call is cancelled) stops waiting at once;
 - every refusal is counted by reason (SwitchmlApi.refusals, xdp_agg.app.metrics).
 
@@ -126,6 +127,7 @@ class IdlePool(futures.Executor):
         self._shutdown = False
         self.threads = 0
         self._made = 0
+        self.submitted = 0  # work items taken, ever
 
     def submit(self, fn, /, *args, **kwargs) -> futures.Future:
         future: futures.Future = futures.Future()
@@ -133,6 +135,7 @@ class IdlePool(futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.append((future, fn, args, kwargs))
+            self.submitted += 1
             if self._waiting >= len(self._queue):
                 self._cond.notify()
             elif self.threads < self.size:
@@ -268,6 +271,39 @@ def handlers(api: SwitchmlApi, admission: Admission) -> list:
     ]
 
 
+class CountGrpcRefusals(grpc.GenericRpcHandler):
+    """The generic handlers `inner`, counting the calls gRPC refuses itself past its own limit
+    of calls in flight ("Concurrent RPC limit exceeded!"; reason grpc_limit), which never reach
+    a handler. gRPC asks for a call's handler in its one polling thread before it checks that
+    limit, and submits every call it takes to the pool in the same step (grpc/_server.py,
+    _handle_call, since 1.x): so a call whose handler was given and that the pool had not been
+    given when the next call's handler is asked for was refused by gRPC, and is counted then
+    (the last of a flood when the next call comes)."""
+
+    def __init__(self, inner: list, api: SwitchmlApi, pool: IdlePool) -> None:
+        self.inner, self.api, self.pool = inner, api, pool
+        self._asked: int | None = None  # pool.submitted when the last handler was given
+
+    def service(self, handler_call_details):
+        """The call's handler from `inner` (None: no such method); counts the call before it
+        if gRPC refused that one itself."""
+        handler = next(
+            (h for g in self.inner if (h := g.service(handler_call_details)) is not None), None
+        )
+        if handler is None:
+            return None
+        submitted = self.pool.submitted
+        if self._asked == submitted:
+            self.api.refused(
+                ApiError(
+                    "grpc_limit",
+                    "gRPC refused a call itself past its limit of calls in flight",
+                )
+            )
+        self._asked = submitted
+        return handler
+
+
 class SwitchmlServer:
     """The API served (start_server's): the gRPC server, its pool and bounds, and the thread
     that expires what outlives the barrier timeout (SwitchmlApi.sweep)."""
@@ -316,11 +352,11 @@ def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
     pool = IdlePool(s.calls + RESERVE, s.thread_idle)
     server = grpc.server(
         pool,
-        handlers=handlers(api, admission),
+        handlers=[CountGrpcRefusals(handlers(api, admission), api, pool)],
         # no SO_REUSEPORT (grpc's default): a second server on the same port must fail
         options=[("grpc.so_reuseport", 0)],
         # above the admission's bound and its queue, so that the admission (counted, saying
-        # what to do) refuses first; gRPC's own refusal past it is counted nowhere
+        # what to do) refuses first; gRPC's own refusal past it is counted as grpc_limit
         maximum_concurrent_rpcs=grpc_limit(s),
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"

@@ -84,6 +84,9 @@ REFUSALS = {
     "not_allowed": grpc.StatusCode.PERMISSION_DENIED,  # the peer is not in --switchml-allow
     "peer_calls": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the peer has its calls in progress
     "calls": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server has all its calls in progress
+    # gRPC's own limit of calls in flight (beyond "calls" and the calls queued to be refused):
+    # gRPC answers "Concurrent RPC limit exceeded!" itself; counted by the server
+    "grpc_limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "broadcasts": grpc.StatusCode.RESOURCE_EXHAUSTED,  # all open Broadcast values are taken
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,  # a field no p4app host sends
     "session_busy": grpc.StatusCode.FAILED_PRECONDITION,  # another session holds the port
@@ -125,7 +128,7 @@ class SwitchmlSettings:
     calls_per_peer: int = 8  # calls in progress from one address
     # calls that may wait for a server thread beyond those: each is refused by the admission
     # (counted, with advice) once a thread takes it; past calls + RESERVE + backlog in flight
-    # gRPC refuses by itself (xdp_agg.ctl.switchml_grpc.start_server)
+    # gRPC refuses by itself (xdp_agg.ctl.switchml_grpc.start_server; counted as grpc_limit)
     backlog: int = 1024
     open_broadcasts: int = 64  # root Broadcast values kept until a session takes them
     thread_idle: float = 10.0  # s a server thread without a call waits before it ends
