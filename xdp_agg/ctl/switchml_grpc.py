@@ -12,8 +12,8 @@ xdp_agg.ctl.switchml_sessions'; this module serves them, bounded:
   waits) are at most `calls` plus a few for those refusals (RESERVE); calls that come while
   every thread is taken queue for one (at most `backlog`), each refused by the admission as soon
   as a reserve thread takes it. gRPC's own limit of calls in flight (maximum_concurrent_rpcs,
-  past which gRPC answers "Concurrent RPC limit exceeded!" itself, uncounted) is above all of
-  these, `calls` + RESERVE + `backlog`: the admission refuses first, and gRPC's limit is only a
+  past which gRPC answers "Concurrent RPC limit exceeded!" itself) is above all of these,
+  `calls` + RESERVE + `backlog`: the admission refuses first, and gRPC's limit is only a
   backstop against a flood faster than the reserve threads refuse it, whose refusals are
   counted too (CountGrpcRefusals); a thread with no call for `thread_idle` seconds ends, so
   the threads of a burst return;
@@ -276,9 +276,9 @@ class CountGrpcRefusals(grpc.GenericRpcHandler):
     of calls in flight ("Concurrent RPC limit exceeded!"; reason grpc_limit), which never reach
     a handler. gRPC asks for a call's handler in its one polling thread before it checks that
     limit, and submits every call it takes to the pool in the same step (grpc/_server.py,
-    _handle_call, since 1.x): so a call whose handler was given and that the pool had not been
-    given when the next call's handler is asked for was refused by gRPC, and is counted then
-    (the last of a flood when the next call comes)."""
+    _handle_call; grpcio 1.85): so a call whose handler was given and that the pool had not
+    been given when the next call's handler is asked for was refused by gRPC, and is counted
+    then (the last of a flood when the next call comes)."""
 
     def __init__(self, inner: list, api: SwitchmlApi, pool: IdlePool) -> None:
         self.inner, self.api, self.pool = inner, api, pool
