@@ -12,6 +12,7 @@ import socket
 import threading
 import time
 from concurrent import futures
+from pathlib import Path
 
 import numpy as np
 import switchml_grpc_client as client
@@ -48,22 +49,48 @@ class Stack:
     `settings`: SwitchmlSettings' fields beside the barrier timeout; `clock`: the API's clock is
     a FakeClock (self.clock), which only the test moves."""
 
-    def __init__(self, barrier_timeout: float = 30.0, *, clock: bool = False, **settings) -> None:
+    def __init__(
+        self,
+        barrier_timeout: float = 30.0,
+        *,
+        clock: bool = False,
+        table: Path | None = None,
+        grace: float = 60.0,
+        **settings,
+    ) -> None:
         self.prefix = loopback_prefix()
         self.agg_ip = f"{self.prefix}.1"
         self.agg = SoftAggregator(self.agg_ip).start()
-        defaults = {"delivery": Delivery.BROADCAST, "agg_ip": self.agg_ip}
-        self.endpoint, _ = stand_up(self.agg, self.agg_ip, 0, defaults, secret=None)
-        self.endpoint.start()
+        self.table, self.grace = table, grace
         # the workers' subnet may call, as serve allows the subnets of its interfaces
         settings.setdefault("allow", (ipaddress.ip_network(f"{self.prefix}.0/24"),))
-        settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout, **settings)
+        self.settings = SwitchmlSettings(window=64, barrier_timeout=barrier_timeout, **settings)
         self.clock = FakeClock() if clock else time.monotonic
+        self._serve()
+
+    def _serve(self) -> None:
+        """The control endpoint (with `table`: kept on disk and restored, as serve's) and the API
+        before it, started."""
+        defaults = {"delivery": Delivery.BROADCAST, "agg_ip": self.agg_ip}
+        self.endpoint, self.recovered = stand_up(
+            self.agg, self.agg_ip, 0, defaults, secret=None, table=self.table, grace=self.grace
+        )
+        self.endpoint.start()
         self.api = SwitchmlApi(
-            self.endpoint.registry, settings, lambda ip: (self.agg_ip, SWITCH_MAC), self.clock
+            self.endpoint.registry,
+            self.settings,
+            lambda ip: (self.agg_ip, SWITCH_MAC),
+            self.clock,
         )
         self.server = start_server(self.api, "127.0.0.1", 0)
         self.target = f"127.0.0.1:{self.server.port}"
+
+    def restart(self) -> None:
+        """`xdp-agg serve` restarted: the API and the endpoint stop (with a table the jobs stay in
+        the aggregator) and come back, the endpoint recovering the saved jobs."""
+        self.server.stop(None)
+        self.endpoint.stop()
+        self._serve()
 
     def worker(self, rank: int) -> tuple[str, str]:
         """Worker `rank`'s (IPv4, MAC)."""

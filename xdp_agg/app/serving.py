@@ -356,17 +356,20 @@ def interface_networks(ifnames: list[str]) -> tuple:
 
 
 def port_address_of(ifnames: list[str]) -> Callable[[str], tuple[str, str]]:
-    """For the SwitchML API: our (IPv4, MAC) on the interface whose subnet holds a worker's
-    address (the switch topology: the port it reaches), or of the one interface (one-arm)."""
+    """For the SwitchML API: our (IPv4 with its prefix length, MAC) on the interface whose
+    subnet holds a worker's address (the switch topology: the port it reaches), or of the one
+    interface (one-arm); the API refuses our own, the subnet's broadcast and network addresses
+    and loopback ones as a worker's (xdp_agg.ctl.switchml_sessions.check_worker_ip)."""
 
     def find(ip: str) -> tuple[str, str]:
         found = [links.addresses(i) for i in ifnames]
         for a in found:
             for net in map(ipaddress.IPv4Interface, a["ipv4_nets"]):
                 if ipaddress.IPv4Address(ip) in net.network:
-                    return str(net.ip), a["mac"]
+                    return str(net), a["mac"]
         if len(found) == 1 and found[0]["ipv4"]:
-            return found[0]["ipv4"][0], found[0]["mac"]
+            # ipv4_nets: the addresses of ipv4, each with its prefix length
+            return str(ipaddress.IPv4Interface(found[0]["ipv4_nets"][0])), found[0]["mac"]
         raise ValueError(
             f"no interface of the aggregator ({', '.join(ifnames)}) has a subnet holding the "
             f"worker's address {ip}: give the port it reaches an address in its subnet"

@@ -9,9 +9,10 @@ back for ControlEndpoint.restore. What goes into the table (ControlEndpoint.snap
 it comes back is the server's; this module is the file. xdp_agg.ctl.endpoint.stand_up wires both.
 
 What is kept per job: its key, spec, world size, window, worker port, its token (so the file
-is written with mode 0600), whether the barrier opened, and per rank its address, port, MAC
-and state. The aggregator's identity (`generation`: for XDP, the program id of the attachment)
-is kept beside it: a table written for another
+is written with mode 0600), whether the barrier opened, per rank its address, port, MAC and
+state, and for a SwitchML session's job the addresses its ranks called from (its hosts, whose
+next session may replace it once recovered). The aggregator's identity (`generation`: for
+XDP, the program id of the attachment) is kept beside it: a table written for another
 attachment (the aggregator was detached and attached again, so its jobs are gone) is not
 restored, and `restore` also drops every job the backend no longer has with the same id,
 slots and port.

@@ -51,6 +51,16 @@ class Holder:
 SESSION = Holder("session")  # what holds a SwitchML session's job
 
 
+@dataclass(frozen=True)
+class RecoveredSession:
+    """A SwitchML session's job recovered after a restart (JobRegistry.recovered_session)."""
+
+    key: str
+    world: int
+    hosts: list[str]  # the addresses its ranks called the API from
+    until: float | None  # when (wall clock) it is freed, its ranks not having rejoined
+
+
 @dataclass
 class _Rank:
     ip: str
@@ -82,6 +92,9 @@ class _EndpointJob:
     # rank that registered: every rank must give the same, or the ranks would put other parts of
     # the tensor into the same slots
     lanes: int | None = None
+    # a SwitchML session's job: the addresses its ranks called the API from (its hosts), kept in
+    # the table so that a restarted serve knows whose next session may replace it; else None
+    session_hosts: list[str] | None = None
 
     @property
     def gone(self) -> list[int]:
@@ -106,8 +119,11 @@ TABLE_FORMAT = 1  # the saved job table's format version (xdp_agg.ctl.jobtable)
 
 
 def _job_record(job: _EndpointJob) -> dict:
-    """One job of the table as ControlEndpoint.snapshot writes it."""
+    """One job of the table as ControlEndpoint.snapshot writes it (a SwitchML session's with
+    its hosts)."""
+    hosts = {} if job.session_hosts is None else {"session_hosts": job.session_hosts}
     return {
+        **hosts,
         "key": job.key,
         "spec": job.spec.to_dict(),
         "world_size": job.world_size,
@@ -195,11 +211,14 @@ class JobRegistry:
         self.cond = threading.Condition()
         self.jobs: dict[str, _EndpointJob] = {}
         self.stopping = False  # the endpoint is stopping: no new job, barriers end
+        # when (wall clock) the recovered ranks that have not rejoined count as gone (restore)
+        self.rejoin_until: float | None = None
 
     def snapshot(self, generation=None) -> dict:
         """The job table as JSON-able data (xdp_agg.ctl.jobtable saves it): per job its key, spec,
-        world size, window, worker port, token, whether the barrier opened, and per rank its
-        address, port, MAC and state; `generation` names the aggregator's attachment."""
+        world size, window, worker port, token, whether the barrier opened, per rank its
+        address, port, MAC and state, and a SwitchML session's hosts; `generation` names the
+        aggregator's attachment."""
         with self.cond:
             jobs = [_job_record(job) for job in self.jobs.values() if not job.deleted]
         return {"format": TABLE_FORMAT, "generation": generation, "jobs": jobs}
@@ -224,6 +243,7 @@ class JobRegistry:
         with self.cond:
             restored = [key for rec in data.get("jobs", []) if (key := self._restore(rec, have))]
         if restored:
+            self.rejoin_until = time.time() + grace
             t = threading.Timer(grace, self._expire_unrejoined, args=(grace,))
             t.daemon = True
             t.start()
@@ -251,6 +271,8 @@ class JobRegistry:
             return None
         job = _EndpointJob(key, spec, rec["world_size"], rec["window"], rec["worker_port"])
         job.lanes = rec.get("lanes")
+        hosts = rec.get("session_hosts")
+        job.session_hosts = [str(h) for h in hosts] if isinstance(hosts, list) else None
         # a table without a token restores a job no token matches (xdp_agg.proto.control.same_token)
         job.token = str(rec.get("token") or "")
         job.ranks, job.complete = ranks, bool(rec.get("complete"))
@@ -281,13 +303,41 @@ class JobRegistry:
             self.changed()
 
     # --- for other front ends of the same registry (xdp_agg.ctl.switchml_grpc) -----------------
-    def join_job(self, holder: Holder, key, rank, ip, port, mac, local) -> None:
+    def join_job(self, holder: Holder, key, rank, ip, port, mac, local, host=None) -> None:
         """Register rank `rank` of job `key` without waiting for the others (their barrier is
         the caller's); `local`: our (address, port) on the rank's side, as fill_worker takes
-        it. RequestError when it cannot be."""
+        it; `host`: the address the rank called from (a SwitchML session's host, kept in the
+        table). RequestError when it cannot be."""
         with self.cond:
             self._check_running()
-            self._add_rank(self.live_job(key), holder, rank, ip, port, mac, local)
+            job = self.live_job(key)
+            before = job.session_hosts
+            if host is not None:  # saved with the rank (_add_rank's change)
+                job.session_hosts = sorted({*(before or []), host})
+            try:
+                self._add_rank(job, holder, rank, ip, port, mac, local)
+            except RequestError:
+                job.session_hosts = before
+                raise
+
+    def recovered_session(self, port: int) -> RecoveredSession | None:
+        """The SwitchML session's job on aggregator port `port` that was recovered after a
+        restart and is held by nothing else since (p4app's ranks never rejoin), if any."""
+        with self.cond:
+            for job in self.jobs.values():
+                if (
+                    job.spec.agg_port == port
+                    and job.session_hosts is not None
+                    and job.holders
+                    and all(h.kind == "recovered" for h in job.holders)
+                ):
+                    return RecoveredSession(
+                        job.key,
+                        job.world_size,
+                        list(job.session_hosts),
+                        self.rejoin_until,
+                    )
+        return None
 
     def missing_ranks(self, key) -> list[int] | None:
         """The ranks of job `key` not registered yet; None when there is no such job."""

@@ -7,11 +7,16 @@ xdp_agg.ctl.switchml_sessions'; this module serves them, bounded:
   `--switchml-allow`, by default the subnets of the aggregator's interfaces, where p4app's hosts
   are), else PERMISSION_DENIED;
 - how many calls at once: `calls` in all and `calls_per_peer` from one address; a call past
-  either is refused at once (RESOURCE_EXHAUSTED) instead of waiting for a thread. The server's
-  threads (each call holds one, a Barrier for as long as it waits) are at most `calls` plus a
-  few for those refusals (RESERVE), which is also gRPC's own limit of calls in progress (past
-  it gRPC refuses with RESOURCE_EXHAUSTED itself, uncounted); a thread with no call for
-  `thread_idle` seconds ends, so the threads of a burst return;
+  either is refused at once (RESOURCE_EXHAUSTED, counted, saying what to do) instead of waiting
+  for a Barrier to end. The server's threads (each call holds one, a Barrier for as long as it
+  waits) are at most `calls` plus a few for those refusals (RESERVE); calls that come while
+  every thread is taken queue for one (at most `backlog`), each refused by the admission as soon
+  as a reserve thread takes it. gRPC's own limit of calls in flight (maximum_concurrent_rpcs,
+  past which gRPC answers "Concurrent RPC limit exceeded!" itself) is above all of these,
+  `calls` + RESERVE + `backlog`: the admission refuses first, and gRPC's limit is only a
+  backstop against a flood faster than the reserve threads refuse it, whose refusals are
+  counted too (CountGrpcRefusals); a thread with no call for `thread_idle` seconds ends, so
+  the threads of a burst return;
 - a caller that goes away (its connection closes, its call is cancelled) stops waiting at once;
 - every refusal is counted by reason (SwitchmlApi.refusals, xdp_agg.app.metrics).
 
@@ -24,6 +29,7 @@ import collections
 import ipaddress
 import logging
 import threading
+import time
 import urllib.parse
 from concurrent import futures
 
@@ -106,16 +112,22 @@ class Admission:
 class IdlePool(futures.Executor):
     """A thread pool for the gRPC server: at most `size` threads, made as calls come, and a
     thread that has had no work for `idle` seconds ends (concurrent.futures' pool keeps every
-    thread it made until shut down)."""
+    thread it made until shut down). Each idle thread keeps its own deadline: work wakes one
+    waiting thread (`_cond`), and a thread that ends wakes only those that wait for the count
+    of threads (`_ended`: wait_threads, shutdown), never the other idle ones, so each ends
+    `idle` seconds after its last work, whatever the others do."""
 
     def __init__(self, size: int, idle: float, name: str = "sml") -> None:
         self.size, self.idle, self.name = size, idle, name
-        self._cond = threading.Condition()
+        lock = threading.Lock()
+        self._cond = threading.Condition(lock)  # work queued, or shutdown
+        self._ended = threading.Condition(lock)  # a thread ended
         self._queue: collections.deque = collections.deque()
         self._waiting = 0  # threads waiting for work
         self._shutdown = False
         self.threads = 0
         self._made = 0
+        self.submitted = 0  # work items taken, ever
 
     def submit(self, fn, /, *args, **kwargs) -> futures.Future:
         future: futures.Future = futures.Future()
@@ -123,6 +135,7 @@ class IdlePool(futures.Executor):
             if self._shutdown:
                 raise RuntimeError("cannot schedule new futures after shutdown")
             self._queue.append((future, fn, args, kwargs))
+            self.submitted += 1
             if self._waiting >= len(self._queue):
                 self._cond.notify()
             elif self.threads < self.size:
@@ -132,18 +145,27 @@ class IdlePool(futures.Executor):
                 threading.Thread(target=self._work, name=name, daemon=True).start()
         return future
 
+    @property
+    def backlog(self) -> int:
+        """Calls queued for a thread now."""
+        return len(self._queue)
+
     def _next(self):
-        """The next work item, or None when this thread is to end (idle, or shut down)."""
+        """The next work item, or None when this thread is to end (idle for `idle` seconds
+        since its last work, or shut down)."""
         with self._cond:
+            deadline = time.monotonic() + self.idle
             self._waiting += 1
             try:
                 while not self._queue and not self._shutdown:
-                    if not self._cond.wait(self.idle) and not self._queue:
+                    left = deadline - time.monotonic()
+                    # woken without work (another thread took it): wait out what is left
+                    if left <= 0 or not self._cond.wait(left):
                         break
                 if self._queue:
                     return self._queue.popleft()
                 self.threads -= 1
-                self._cond.notify_all()
+                self._ended.notify_all()
                 return None
             finally:
                 self._waiting -= 1
@@ -163,10 +185,11 @@ class IdlePool(futures.Executor):
 
     def wait_threads(self, at_most: int, timeout: float) -> bool:
         """Wait until at most `at_most` threads are left (within `timeout` s); whether so."""
-        with self._cond:
-            return self._cond.wait_for(lambda: self.threads <= at_most, timeout)
+        with self._ended:
+            return self._ended.wait_for(lambda: self.threads <= at_most, timeout)
 
     def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        """No more work; the threads end once the queue is done (cancel_futures: dropped)."""
         with self._cond:
             self._shutdown = True
             if cancel_futures:
@@ -174,7 +197,7 @@ class IdlePool(futures.Executor):
                     self._queue.popleft()[0].cancel()
             self._cond.notify_all()
             if wait:
-                self._cond.wait_for(lambda: self.threads == 0)
+                self._ended.wait_for(lambda: self.threads == 0)
 
 
 def _handler(api: SwitchmlApi, admission: Admission, fn, request_name: str, response_name: str):
@@ -248,6 +271,39 @@ def handlers(api: SwitchmlApi, admission: Admission) -> list:
     ]
 
 
+class CountGrpcRefusals(grpc.GenericRpcHandler):
+    """The generic handlers `inner`, counting the calls gRPC refuses itself past its own limit
+    of calls in flight ("Concurrent RPC limit exceeded!"; reason grpc_limit), which never reach
+    a handler. gRPC asks for a call's handler in its one polling thread before it checks that
+    limit, and submits every call it takes to the pool in the same step (grpc/_server.py,
+    _handle_call; grpcio 1.85): so a call whose handler was given and that the pool had not
+    been given when the next call's handler is asked for was refused by gRPC, and is counted
+    then (the last of a flood when the next call comes)."""
+
+    def __init__(self, inner: list, api: SwitchmlApi, pool: IdlePool) -> None:
+        self.inner, self.api, self.pool = inner, api, pool
+        self._asked: int | None = None  # pool.submitted when the last handler was given
+
+    def service(self, handler_call_details):
+        """The call's handler from `inner` (None: no such method); counts the call before it
+        if gRPC refused that one itself."""
+        handler = next(
+            (h for g in self.inner if (h := g.service(handler_call_details)) is not None), None
+        )
+        if handler is None:
+            return None
+        submitted = self.pool.submitted
+        if self._asked == submitted:
+            self.api.refused(
+                ApiError(
+                    "grpc_limit",
+                    "gRPC refused a call itself past its limit of calls in flight",
+                )
+            )
+        self._asked = submitted
+        return handler
+
+
 class SwitchmlServer:
     """The API served (start_server's): the gRPC server, its pool and bounds, and the thread
     that expires what outlives the barrier timeout (SwitchmlApi.sweep)."""
@@ -281,6 +337,13 @@ class SwitchmlServer:
         return {**self.api.stats(), "calls": self.admission.active, "threads": self.pool.threads}
 
 
+def grpc_limit(settings: SwitchmlSettings) -> int:
+    """gRPC's own limit of calls in flight (maximum_concurrent_rpcs): the calls in progress, the
+    reserve threads that refuse the calls past them, and the backlog of calls queued for
+    those threads."""
+    return settings.calls + RESERVE + settings.backlog
+
+
 def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
     """The API served on host:port (port 0: any free one), started (its port in .port).
     OSError when the address cannot be bound."""
@@ -289,10 +352,12 @@ def start_server(api: SwitchmlApi, host: str, port: int) -> SwitchmlServer:
     pool = IdlePool(s.calls + RESERVE, s.thread_idle)
     server = grpc.server(
         pool,
-        handlers=handlers(api, admission),
+        handlers=[CountGrpcRefusals(handlers(api, admission), api, pool)],
         # no SO_REUSEPORT (grpc's default): a second server on the same port must fail
         options=[("grpc.so_reuseport", 0)],
-        maximum_concurrent_rpcs=s.calls + RESERVE,
+        # above the admission's bound and its queue, so that the admission (counted, saying
+        # what to do) refuses first; gRPC's own refusal past it is counted as grpc_limit
+        maximum_concurrent_rpcs=grpc_limit(s),
     )
     address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
     try:

@@ -39,6 +39,9 @@ Broadcast and no credentials anywhere; what ties a call to a session here is its
 - **Expiry**: a session whose setup has not completed `barrier_timeout` seconds after its last
   setup call, nobody waiting in its barriers, is ended (`sweep`, run by a thread of the server),
   freeing its port and slots; a complete session lives, as before, until a next one replaces it.
+- **After a restart** the registry recovers a session's job (the table keeps its hosts) and
+  frees it after the rejoin timeout; until then a rank 0 from one of its hosts replaces it, and
+  another's is refused (`session_busy`) saying when it is freed (`_replace_recovered`).
 
 Every refusal is an ApiError with a `reason` (REFUSALS) that the server counts, and says what
 to do. docs/protocol.md 7.3 and docs/operations.md (trust model) describe the same.
@@ -81,6 +84,9 @@ REFUSALS = {
     "not_allowed": grpc.StatusCode.PERMISSION_DENIED,  # the peer is not in --switchml-allow
     "peer_calls": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the peer has its calls in progress
     "calls": grpc.StatusCode.RESOURCE_EXHAUSTED,  # the server has all its calls in progress
+    # gRPC's own limit of calls in flight (beyond "calls" and the calls queued to be refused):
+    # gRPC answers "Concurrent RPC limit exceeded!" itself; counted by the server
+    "grpc_limit": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "broadcasts": grpc.StatusCode.RESOURCE_EXHAUSTED,  # all open Broadcast values are taken
     "invalid": grpc.StatusCode.INVALID_ARGUMENT,  # a field no p4app host sends
     "session_busy": grpc.StatusCode.FAILED_PRECONDITION,  # another session holds the port
@@ -120,6 +126,10 @@ class SwitchmlSettings:
     idle_takeover: float = 60.0  # s without traffic after which another host may replace it
     calls: int = 2 * MAX_WORKERS + 4  # calls in progress, all callers (each holds a thread)
     calls_per_peer: int = 8  # calls in progress from one address
+    # calls that may wait for a server thread beyond those: each is refused by the admission
+    # (counted, with advice) once a thread takes it; past calls + RESERVE + backlog in flight
+    # gRPC refuses by itself (xdp_agg.ctl.switchml_grpc.start_server; counted as grpc_limit)
+    backlog: int = 1024
     open_broadcasts: int = 64  # root Broadcast values kept until a session takes them
     thread_idle: float = 10.0  # s a server thread without a call waits before it ends
 
@@ -160,8 +170,37 @@ def check_host_mac(value: int) -> None:
 def _check_ipv4(value: int) -> str:
     ip = ipaddress.IPv4Address(value)
     if ip.is_multicast or ip.is_unspecified or ip == ipaddress.IPv4Address("255.255.255.255"):
-        raise ApiError("invalid", f"ipv4 {ip} is no host's address: give the port's own")
+        raise ApiError(
+            "invalid", f"ipv4 {ip} is no host's address: give the worker port's own address"
+        )
     return str(ip)
+
+
+def check_worker_ip(ip: str, ours: str) -> str:
+    """Our address `ours` on worker address `ip`'s side (port_address's: an IPv4 address, or
+    with its prefix length, "198.18.0.1/24"), without the prefix; ApiError (invalid) when `ip`
+    reaches no worker's NIC from there: our own address, the subnet's broadcast or network
+    address (of a subnet of more than two addresses), or a loopback address where we are not
+    on loopback (127.0.0.1 in one-arm, whose one interface answers every address)."""
+    our = ipaddress.IPv4Interface(ours)
+    worker = ipaddress.IPv4Address(ip)
+    net = our.network
+    what = None
+    if worker == our.ip:
+        what = "the aggregator's own address"
+    elif net.prefixlen <= 30 and worker == net.broadcast_address:
+        what = f"the broadcast address of the subnet {net}"
+    elif net.prefixlen <= 30 and worker == net.network_address:
+        what = f"the network address of the subnet {net}"
+    elif worker.is_loopback and not our.ip.is_loopback:
+        what = "a loopback address, which reaches only the host itself"
+    if what is not None:
+        raise ApiError(
+            "invalid",
+            f"ipv4 {ip} is {what}, no worker's: give the worker port's own address "
+            "(p4app's backend.dpdk ip, the address of the NIC that sends to the aggregator)",
+        )
+    return str(our.ip)
 
 
 @dataclass
@@ -205,8 +244,10 @@ class _Root:
 
 class SwitchmlApi:
     """The services' logic over a job registry (a ControlEndpoint's, xdp_agg.ctl.registry), for
-    calls from a `Caller`. `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side
-    (ValueError when no port of ours leads there); `clock` dates the setups, Broadcast values
+    calls from a `Caller`. `port_address(worker_ip)` is our (IPv4, MAC) on the worker's side,
+    the address with its prefix length where known ("198.18.0.1/24": then the subnet's broadcast
+    and network addresses are refused as a worker's; check_worker_ip), ValueError when no port
+    of ours leads there; `clock` dates the setups, Broadcast values
     and traffic that `sweep` expires (waits are real time)."""
 
     def __init__(
@@ -264,9 +305,10 @@ class SwitchmlApi:
         check_host_mac(req.mac)
         ip = _check_ipv4(req.ipv4)
         try:
-            our_ip, our_mac = self.port_address(ip)
+            ours, our_mac = self.port_address(ip)
         except ValueError as e:
             raise ApiError("precondition", str(e)) from None
+        our_ip = check_worker_ip(ip, ours)
         with self._cond:
             s = self._session
             if s is not None and caller.conn in s.conns:
@@ -286,7 +328,14 @@ class SwitchmlApi:
         """Rank req.rank of session `s` at `ip`, tied to the caller's connection (lock held)."""
         try:
             self.registry.join_job(
-                SESSION, s.key, req.rank, ip, P4APP_WORKER_PORT, mac_text(req.mac), local
+                SESSION,
+                s.key,
+                req.rank,
+                ip,
+                P4APP_WORKER_PORT,
+                mac_text(req.mac),
+                local,
+                host=caller.host,
             )
         except RequestError as e:
             if req.rank == 0:  # the session it just opened has no use without it
@@ -306,6 +355,8 @@ class SwitchmlApi:
         now = self.clock()
         if self._session is not None:
             self._end(self._session, self._may_replace(self._session, caller, now))
+        else:
+            self._replace_recovered(caller)
         key = f"switchml-{req.session_id:#x}"
         elems = wire.elems_for(req.packet_size)
         try:
@@ -342,6 +393,34 @@ class SwitchmlApi:
         self.events["sessions_opened"] += 1
         self._cond.notify_all()
         return s
+
+    def _replace_recovered(self, caller: Caller) -> None:
+        """Rank 0 with no session of ours: the session a restarted serve recovered holds the
+        port until the rejoin timeout frees it (its ranks never rejoin); a rank 0 from one of
+        its hosts (the same hosts' next run) replaces it now, another's is refused saying when
+        it frees (session_busy; lock held)."""
+        rec = self.registry.recovered_session(AGG_PORT)
+        if rec is None:
+            return
+        if caller.host in rec.hosts:
+            self.registry.end_job(rec.key)
+            self.events["sessions_ended"] += 1
+            self.ended["replaced"] += 1
+            log.info("recovered session %s ended: %s", rec.key, ENDINGS["replaced"])
+            return
+        if rec.until is None:  # never: a recovered job always has its rejoin timeout
+            when = "when the rejoin timeout (serve --rejoin-timeout) ends"
+        else:
+            left = max(0.0, rec.until - time.time())
+            at = time.strftime("%H:%M:%S", time.gmtime(rec.until))
+            when = f"at {at} UTC (in {left:.0f} s), when the rejoin timeout (--rejoin-timeout) ends"
+        raise ApiError(
+            "session_busy",
+            f"session {rec.key} of {rec.world} workers (ranks from {', '.join(rec.hosts)}), "
+            f"recovered when serve restarted, holds aggregator port {AGG_PORT:#x}: its ranks "
+            f"never rejoin, so serve frees it by itself {when}; start this session again "
+            "then, or now from one of its hosts (their next session replaces it at once)",
+        )
 
     def _may_replace(self, s: _Session, caller: Caller, now: float) -> str:
         """Why rank 0's new session may end `s` (an ENDINGS reason); ApiError (session_busy)
