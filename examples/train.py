@@ -195,6 +195,14 @@ def main(argv=None) -> int:
     ap.add_argument("--calib", type=int, default=20, help="compute-only steps to time")
     ap.add_argument("--out", default=None, help="rank 0 writes its JSON report here")
     ap.add_argument(
+        "--hook-wire-bits",
+        choices=["auto", "16", "32"],
+        default="auto",
+        help="with --hook: the element width of the buckets (docs/protocol.md 5.6): 16, "
+        "hostlib.pt.wire16_hook (float32 gradients compressed to 16 bits, the analogue of "
+        "bf16_compress_hook); 32, or auto (by dtype: float32 at 32), allreduce_hook",
+    )
+    ap.add_argument(
         "--seed", type=int, default=0, help="the parameters' initialisation and the batches"
     )
     ap.add_argument(
@@ -243,8 +251,13 @@ def main(argv=None) -> int:
         # the control endpoint and the options (elems, window, ...) from the XDP_AGG_*
         # environment, as the backend takes them (hostlib.options)
         comm = hostlib.init(rank, n, control_from_env(), job, HostOptions.from_args(args))
-        state = hostlib.pt.HookState(comm)
-        model.register_comm_hook(state, hostlib.pt.allreduce_hook)
+        if args.hook_wire_bits == "16":  # every bucket at 16 bits: wire16_hook
+            state = hostlib.pt.HookState(comm)
+            model.register_comm_hook(state, hostlib.pt.wire16_hook)
+        else:  # the buckets' dtype decides ("auto"), or 32
+            bits = args.hook_wire_bits if args.hook_wire_bits == "auto" else 32
+            state = hostlib.pt.HookState(comm, wire_bits=bits)
+            model.register_comm_hook(state, hostlib.pt.allreduce_hook)
     if args.compress:
         if args.hook or args.parallel != "ddp":
             raise SystemExit(
@@ -295,7 +308,7 @@ def main(argv=None) -> int:
         t_comp = statistics.median(comp[args.warmup :])
         report = {
             "backend": args.backend
-            + (" + xdp-agg hook" if args.hook else "")
+            + (f" + xdp-agg hook ({args.hook_wire_bits} bits)" if args.hook else "")
             + (f" + torch {args.compress}_compress_hook" if args.compress else ""),
             "seed": args.seed,
             "parallel": args.parallel,
