@@ -444,8 +444,9 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes"}
+    own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes", "wire_bits"}
     assert set(stats) == set(hostlib.STAT_NAMES) | own
+    assert stats["wire_bits"] == 32  # the last all-reduce's (int32)
     assert stats["lanes"] == hostlib.options.DEFAULT_LANES == 1
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
