@@ -746,7 +746,11 @@ def test_wire16_width_mismatch_between_ranks_is_a_clear_error():
     with soft_cluster() as cl:
         res = run_ranks(cl, 2, body, job="mismatch", elems=64, window=8, timeout=2.0,
                         rendezvous_timeout=3.0, deadline=40.0)  # fmt: skip
-    assert all(isinstance(r, hostlib.HostlibError) for r in res), res
+    # rank 0 waits for rank 1 at the companion job's barrier, which names it; rank 1's 32-bit
+    # all-reduce stalls, and the endpoint says rank 0 lags
+    assert isinstance(res[0], hostlib.RendezvousError), res
+    assert "'mismatch~w16'" in str(res[0]) and "rank(s) 1 of 2 did not register" in str(res[0])
+    assert isinstance(res[1], hostlib.AllreduceTimeout) and "lagging: rank 0" in str(res[1])
     assert time.monotonic() - t0 < 40
 
 
