@@ -716,3 +716,25 @@ def test_wire16_engine_refuses_int32_and_nan_before_sending(native):
     finally:
         eng.state.sock.close()
         agg.close()
+
+
+def test_wire16_the_c_engine_checks_dtype_and_width_itself():
+    """_fastpath.Engine refuses an unknown dtype, int32 on a 16-bit stream and another width,
+    whoever calls it (hostlib.engine checks first; the C type does not rely on that)."""
+    agg = EchoAggregator()
+    eng = make_engine(agg, True, wire_bits=16)
+    fast = eng.loop._fast
+    x = np.zeros(64, np.int32)
+    try:
+        for dtype, match in [("int32", "int32 is exact only at 32 bits"), ("int64", "dtype must")]:
+            with pytest.raises(ValueError, match=match):
+                fast.allreduce(dtype, x, x, 1, 1, 0, b"\0", None, 1.0)
+        with pytest.raises(ValueError, match="wire_bits must be 32 or 16, not 8"):
+            _fastpath.Engine(
+                fd=eng.state.sock.fileno(), host="127.0.0.1", port=9, elems=32, window=4,
+                scaling_workers=1, type_size=0x10, slot_base=0, rto=0.01, rto_max=0.25,
+                wire_bits=8,
+            )  # fmt: skip
+    finally:
+        eng.state.sock.close()
+        agg.close()
