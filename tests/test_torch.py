@@ -404,7 +404,7 @@ def test_channel_orders_all_reduces_and_skips_empty_tensors():
         def __init__(self):
             self.seen = []
 
-        def allreduce(self, src, out):
+        def allreduce(self, src, out, wire_bits=None):
             self.seen.append(float(src[0]))
             np.multiply(src, 2, out=out)
 
@@ -432,7 +432,7 @@ def test_an_average_leaves_the_sum_the_fallback_keeps_undivided():
     class Comm:  # a world of 2 whose "sum" doubles
         rank, world_size = 0, 2
 
-        def allreduce(self, src, out):
+        def allreduce(self, src, out, wire_bits=None):
             np.multiply(src, 2, out=out)
 
     ch = AllreduceChannel(Comm(), fallback=object())  # never called: nothing fails

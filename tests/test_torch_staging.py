@@ -298,7 +298,7 @@ def test_a_failure_mid_tensor_with_a_fallback_finishes_over_gloo():
             rank, world_size, stats = r, n, {"elems": ELEMS}
             calls = 0
 
-            def allreduce(self, src, out):
+            def allreduce(self, src, out, wire_bits=None):
                 Comm.calls += 1
                 if Comm.calls == 3:
                     raise HostlibError("lost")

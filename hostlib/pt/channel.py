@@ -231,7 +231,7 @@ class AllreduceChannel:
             self.stats["gloo_allreduces"] += 1
             return fb.gloo_sum(src)
         try:
-            self.comm.allreduce(src, out=out)
+            self.comm.allreduce(src, out=out, wire_bits=32)  # chunks cut at 32-bit packets
         except (ValueError, TypeError):
             raise  # the input (NaN, Inf, a bad dtype): no fallback would help
         except HostlibError as e:

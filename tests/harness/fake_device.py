@@ -272,9 +272,9 @@ class CheckingComm:
         self.comm, self.device = comm, device
         self.rank, self.world_size, self.stats = comm.rank, comm.world_size, comm.stats
 
-    def allreduce(self, src, out=None):
+    def allreduce(self, src, out=None, wire_bits=None):
         with self.device.aggregating(src):
-            return self.comm.allreduce(src, out=out)
+            return self.comm.allreduce(src, out=out, wire_bits=wire_bits)
 
 
 class ScalingComm:
@@ -295,7 +295,7 @@ class ScalingComm:
         self.calls = 0
         self.lengths: list[int] = []
 
-    def allreduce(self, src, out=None):
+    def allreduce(self, src, out=None, wire_bits=None):
         calls, self.calls = self.calls, self.calls + 1
         self.lengths.append(np.asarray(src).size)
         ctx = self.device.aggregating(src) if self.device else contextlib.nullcontext()
