@@ -28,10 +28,10 @@ here with numpy gives the aggregator's bytes. gloo is real: torch.distributed's 
 n processes on 127.0.0.1.
 
 Metrics per (model, point, n, way), over all of the gradient: the relative L2 error
-||r - s|| / ||s||, the largest |r - s| over the largest |s|, the share of elements whose error
-exceeds one bfloat16 ulp of |s|, and for xdp-agg whether every element's error is within
-scaling.error_bound(E, n, bits) + u |r| (u = 2^-8 for bfloat16, 2^-24 for float32): a
-violation is a bug, reported loudly.
+||r - s|| / ||s||, the largest |r - s| over the largest |s|, the share of the active elements
+(some rank's input is not zero there) whose error exceeds one bfloat16 ulp of |s|, and for
+xdp-agg whether every element's error is within scaling.error_bound(E, n, bits) + u |r|
+(u = 2^-8 for bfloat16, 2^-24 for float32): a violation is a bug, reported loudly.
 
 Buckets: DDP's own assignment after its first iteration (Reducer::rebuild_buckets), the
 parameters in the order their gradients become ready (reverse parameter order for these
@@ -181,22 +181,32 @@ class Errors:
 
     def __init__(self, bounded: bool) -> None:
         self.sq_err = self.sq_ref = self.max_err = self.max_ref = 0.0
-        self.above_ulp = self.count = 0
+        self.above_ulp = self.count = self.active = 0
         self.bounded = bounded
         self.violations = 0
         self.max_bound_use = 0.0  # max |r - s| / (error_bound + u |r|), no slack
         self.first_violation: dict | None = None
 
-    def add(self, r: np.ndarray, s: np.ndarray, bound: dict | None = None, dtype: str = "") -> None:
-        """Count one bucket's result `r` against its float64 reference `s`; `bound`: xdp-agg's
-        info (xdpagg_allreduce) and `dtype` its result's dtype, to check the bound."""
+    def add(
+        self,
+        r: np.ndarray,
+        s: np.ndarray,
+        active: np.ndarray,
+        bound: dict | None = None,
+        dtype: str = "",
+    ) -> None:
+        """Count one bucket's result `r` against its float64 reference `s`; `active`: the
+        elements some rank's input is not zero at (where the >ulp share is counted: an element
+        that is zero everywhere sums to zero every way); `bound`: xdp-agg's info
+        (xdpagg_allreduce) and `dtype` its result's dtype, to check the bound."""
         d = np.abs(r.astype(np.float64) - s)
         self.sq_err += float(np.dot(d, d))
         self.sq_ref += float(np.dot(s, s))
         self.max_err = max(self.max_err, float(d.max(initial=0.0)))
         self.max_ref = max(self.max_ref, float(np.abs(s).max(initial=0.0)))
-        self.above_ulp += int((d > bf16_spacing(s)).sum())
+        self.above_ulp += int(((d > bf16_spacing(s)) & active).sum())
         self.count += d.size
+        self.active += int(active.sum())
         if bound is None:
             return
         rounding = UNIT[dtype] * np.abs(r.astype(np.float64)) + TINY[dtype]
@@ -209,12 +219,14 @@ class Errors:
             self.first_violation = {"index": i, "r": float(r[i]), "s": float(s[i])}
 
     def result(self) -> dict:
-        """The metrics: rel_l2, max_rel, above_ulp (a share), and the bound's for xdp-agg."""
+        """The metrics: rel_l2, max_rel, above_ulp (a share of the active elements), and the
+        bound's for xdp-agg."""
         out = {
             "rel_l2": math.sqrt(self.sq_err / self.sq_ref) if self.sq_ref else 0.0,
             "max_rel": self.max_err / self.max_ref if self.max_ref else 0.0,
-            "above_ulp": self.above_ulp / self.count if self.count else 0.0,
+            "above_ulp": self.above_ulp / self.active if self.active else 0.0,
             "elements": self.count,
+            "active": self.active,
         }
         if self.bounded:
             out["bound_ok"] = self.violations == 0
@@ -237,15 +249,16 @@ def score_point(x: np.ndarray, res: np.ndarray | None, bounds: list, elems: int)
         xb = to_bf16(xs)  # the bfloat16 gradients, as torch casts them
         s32 = xs.sum(axis=0, dtype=np.float64)
         sbf = xb.sum(axis=0, dtype=np.float64)
+        act = (xs != 0).any(axis=0)
         for way, (bits, src, out) in XDP_WAYS.items():
             r, info = xdpagg_allreduce(xb if src == "bf16" else xs, bits, elems, out)
-            errs[way].add(r, sbf if src == "bf16" else s32, info, out)
+            errs[way].add(r, sbf if src == "bf16" else s32, act, info, out)
             double += info["double_rounding"]
         del xb
         if res is not None:
-            errs["gloo-bf16"].add(np.asarray(res[0, a:b]), sbf)
-            errs["gloo-f32"].add(np.asarray(res[1, a:b]), s32)
-            errs["gloo-hook"].add(np.asarray(res[2, a:b]), s32 / n)  # the hook's is the mean
+            errs["gloo-bf16"].add(np.asarray(res[0, a:b]), sbf, act)
+            errs["gloo-f32"].add(np.asarray(res[1, a:b]), s32, act)
+            errs["gloo-hook"].add(np.asarray(res[2, a:b]), s32 / n, act)  # the hook's: the mean
     checks = {"int_sums_exact": True, "bf16_double_rounding_diffs": double}
     return {"ways": {w: e.result() for w, e in errs.items()}, "checks": checks}
 
@@ -546,7 +559,8 @@ def progress_line(row: dict) -> str:
 # --- the report ---------------------------------------------------------------------------------
 
 LEGEND = """Each way's cell group: **L2** the relative L2 error ||r - s|| / ||s||, **max** the
-largest |r - s| over the largest |s|, **>ulp** the share of elements whose error exceeds one
+largest |r - s| over the largest |s|, **>ulp** the share of the active elements (**active**: some
+rank's input is not zero there; the others sum to zero every way) whose error exceeds one
 bfloat16 ulp of |s|; s is the float64 sum of exactly what the way is given (the bfloat16
 gradients for xdp16-bf16 and gloo-bf16, the float32 ones for the others; the mean s / n for
 gloo-hook, whose result is the mean). **bound**: whether every element of the three xdp-agg ways
@@ -585,12 +599,14 @@ def bound_cell(row: dict) -> str:
 def results_table(rows: list[dict]) -> list[str]:
     """One row per model, point and n; a column group per way."""
     ways = [w for w in WAYS if all(w in r["ways"] for r in rows)]
-    cols = ["model", "point", "n"]
+    cols = ["model", "point", "n", "active"]
     for w in ways:
         cols += [f"{w} L2", "max", ">ulp"]
     body = []
     for r in rows:
-        cells = [r["model"], r["point"], r["n"]]
+        any_way = next(iter(r["ways"].values()))
+        active = f"{100 * any_way['active'] / max(any_way['elements'], 1):.1f}%"
+        cells = [r["model"], r["point"], r["n"], active]
         for w in ways:
             cells += cell(r["ways"][w])
         body.append(cells + [bound_cell(r)])
