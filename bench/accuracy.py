@@ -1,6 +1,6 @@
 """Accuracy of 16-bit all-reduces on real gradients (issue item 5): xdp-agg against gloo.
 
-    nice -n 10 .venv/bin/python -m bench.accuracy                  # the full study, ~20 min
+    nice -n 10 .venv/bin/python -m bench.accuracy                  # the full study, ~15 min
     nice -n 10 .venv/bin/python -m bench.accuracy --models digits --workers 2,4 --steps 10
 
 For each model of examples/train.py (digits, wide, recsys), at initialisation and after --steps
@@ -37,10 +37,10 @@ Buckets: DDP's own assignment after its first iteration (Reducer::rebuild_bucket
 parameters in the order their gradients become ready (reverse parameter order for these
 models), the first bucket closed at dist._DEFAULT_FIRST_BUCKET_BYTES (1 MiB), the others at
 bucket_cap_mb (25 MiB), computed by torch's dist._compute_bucket_assignment_by_size as
-torch/nn/parallel/distributed.py does; --check-buckets compares it with a real DDP's
-rebuilt_per_bucket_param_indices. DDP divides the gradients by n before all-reducing; for n a
-power of two that scaling is exact in every format here and changes no relative error, so the
-study sums the ranks' gradients as they are.
+torch/nn/parallel/distributed.py does, and compared with a real DDP's
+rebuilt_per_bucket_param_indices (world size 1; --no-check-buckets skips it). DDP divides the
+gradients by n before all-reducing; for n a power of two that scaling is exact in every
+format here and changes no relative error, so the study sums the ranks' gradients as they are.
 """
 
 from __future__ import annotations
