@@ -337,8 +337,11 @@ def summarize(rows: list[dict]) -> list[dict]:
         if row["kind"] == "sparse":
             density.summarize(s, row, rate_bps)
         if rate_bps:
-            s["bound_ina_s"] = S * 8 / rate_bps
-            s["bound_ring_s"] = 2 * (n - 1) / n * S * 8 / rate_bps
+            # the bytes each system moves: xdp-agg's elements at its width, gloo's in its dtype
+            wire = s["elements"] * s["wire_bits"] // 8
+            ring = s["elements"] * ITEMSIZE[s["gloo_dtype"]]
+            s["bound_ina_s"] = wire * 8 / rate_bps
+            s["bound_ring_s"] = 2 * (n - 1) / n * ring * 8 / rate_bps
             s["xdp-agg"]["of_bound"] = s["bound_ina_s"] / s["xdp-agg"]["median_s"]
             s["gloo"]["of_bound"] = s["bound_ring_s"] / s["gloo"]["median_s"]
         out.append(s)

@@ -84,6 +84,11 @@ def test_wire16_rows_say_dtype_and_width_and_gloos_dtype():
     cell, hcell = allreduce.summarize([row, host])
     assert (cell["dtype"], cell["wire_bits"], cell["gloo_dtype"]) == ("bfloat16", 16, "bfloat16")
     assert cell["xdp-agg"]["ate_per_s"] == (16 << 20) / 0.3
+    # the bounds count what crosses the wire: 2 bytes an element for both systems here
+    assert cell["bound_ina_s"] == (32 << 20) * 8 / 1e9
+    assert cell["bound_ring_s"] == 1.5 * (32 << 20) * 8 / 1e9
+    f32 = dict(row, dtype="float32", bytes=64 << 20, gloo_dtype="bfloat16")
+    assert allreduce.summarize([f32])[0]["bound_ina_s"] == cell["bound_ina_s"]
     assert hcell["cpu_ns_per_elem"] == 0.2 / (16 << 20) * 1e9
     md = allreduce.markdown([cell, hcell], {"when": "now", "reps": 3, "mtu": 3500, "elems": 768,
                                             "window": 64})  # fmt: skip
