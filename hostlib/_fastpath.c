@@ -125,21 +125,21 @@ static int parse_address(const char *host, int port, struct sockaddr_in *dst)
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {
-        "fd",        "host",      "port", "elems",   "window", "scaling_workers",
-        "type_size", "slot_base", "rto",  "rto_max", "gso",    "gro",
-        "cwnd",      "faults",    "xsk",  "spin",    NULL};
+        "fd",        "host",      "port", "elems",   "window",    "scaling_workers",
+        "type_size", "slot_base", "rto",  "rto_max", "gso",       "gro",
+        "cwnd",      "faults",    "xsk",  "spin",    "wire_bits", NULL};
     StreamConfig c = {.k = -1, .window = -1, .scaling_workers = -1, .slot_base = -1, .rto_min = -1};
     const char *host = NULL, *cwnd = "aimd";
-    int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1;
+    int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1, wire_bits = 32;
     PyObject *faults = Py_None, *xsk = Py_None;
     if (PyTuple_GET_SIZE(args)) {
         PyErr_SetString(PyExc_TypeError, "Engine takes keyword arguments only");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOp", kwlist, &fd, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOpi", kwlist, &fd, &host, &port,
                                      &c.k, &c.window, &c.scaling_workers, &type_size, &c.slot_base,
                                      &c.rto_min, &c.rto_max, &gso, &gro, &cwnd, &faults, &xsk,
-                                     &spin))
+                                     &spin, &wire_bits))
         return -1;
     if (fd < 0 || !host || c.k < 1 || c.window < 1 || c.scaling_workers < 1 || port < 0 ||
         port > 65535 || type_size < 0 || type_size > 255 || c.slot_base < 0 || c.rto_min <= 0 ||
@@ -149,6 +149,11 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
                         "slot_base, rto and rto_max, each in range");
         return -1;
     }
+    if (wire_bits != 32 && wire_bits != 16) {
+        PyErr_Format(PyExc_ValueError, "wire_bits must be 32 or 16, not %d", wire_bits);
+        return -1;
+    }
+    c.pairs = wire_bits == 16;
     c.type_size = (uint8_t)type_size;
     c.spin = spin;
     if (strcmp(cwnd, "aimd") != 0 && strcmp(cwnd, "fixed") != 0) {
@@ -229,14 +234,40 @@ static int check_signals(void *ctx)
     return bad;
 }
 
+/* The element type named `name` (hostlib.native_loop DTYPES): FP_I32 .. FP_F16, or -1 with a
+ * ValueError. */
+static int parse_dtype(const char *name)
+{
+    static const char *names[] = {"int32", "float32", "bfloat16", "float16"};
+    for (int i = 0; i < 4; i++)
+        if (strcmp(name, names[i]) == 0)
+            return i; /* FP_I32, FP_F32, FP_BF16, FP_F16 in this order */
+    PyErr_Format(PyExc_ValueError, "dtype must be int32, float32, bfloat16 or float16, not %s",
+                 name);
+    return -1;
+}
+
+/* The element type of a run on stream st, or -1 with a ValueError: int32 only at 32 bits. */
+static int run_dtype(const Stream *st, const char *name)
+{
+    int dt = parse_dtype(name);
+    if (dt == FP_I32 && st->cfg.pairs) {
+        PyErr_SetString(PyExc_ValueError, "int32 is exact only at 32 bits: not on a 16-bit job");
+        return -1;
+    }
+    return dt;
+}
+
 PyDoc_STRVAR(
     Engine_allreduce_doc,
-    "allreduce(is_float, src, dst, P, w, job_number, versions, exponents, timeout,\n"
+    "allreduce(dtype, src, dst, P, w, job_number, versions, exponents, timeout,\n"
     "          progress=None, progress_every=1.0) -> dict\n\n"
-    "Run the stream of one all-reduce with the GIL released. src and dst are contiguous buffers\n"
-    "of L int32 or float32 (dst may be src); P packets over w slots; versions: the next version\n"
-    "of each slot (bytes, >= w); exponents: float only, the e0 of each chunk (int8 bytes, see\n"
-    "chunk_exponents). progress(ndone, retransmissions) is called every progress_every s.\n"
+    "Run the stream of one all-reduce with the GIL released. dtype: 'int32', 'float32',\n"
+    "'bfloat16' or 'float16' (a 16-bit job: not int32); src and dst are contiguous buffers of L\n"
+    "elements of it (dst may be src), quantised from and dequantised into that type directly;\n"
+    "P packets over w slots; versions: the next version of each slot (bytes, >= w); exponents:\n"
+    "float only, the e0 of each chunk of a packet's elements (int8 bytes, see chunk_exponents).\n"
+    "progress(ndone, retransmissions) is called every progress_every s.\n"
     "Returns {'status': 'done' | 'stalled', 'ndone', 'results_here', 'busy' (slot offsets with\n"
     "a packet in flight), 'counters' (this call's), 'gso_refused', 'last_errno'}; raises OSError\n"
     "on a socket error that is neither transient nor a GSO refusal.");
@@ -290,33 +321,45 @@ static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progr
     return result;
 }
 
+/* allreduce's chunks: Pd, or -1 with a ValueError when the buffers, P, w or versions are not
+ * those of a run of type dt on stream st. */
+static int64_t dense_chunks(const Stream *st, int dt, const Py_buffer *src, const Py_buffer *dst,
+                            long long P, long long w, const Py_buffer *vers)
+{
+    Py_ssize_t size = fp_dtype_size(dt), L = src->len / size;
+    int64_t Pd = (L + st->ke - 1) / st->ke;
+    int is_float = dt != FP_I32;
+    if (dst->len != src->len || src->len % size || w < 1 || w > st->cfg.window || vers->len < w ||
+        P != (is_float ? Pd + w : Pd) || w > Pd) {
+        PyErr_SetString(PyExc_ValueError, "allreduce: inconsistent P, w, buffers or versions");
+        return -1;
+    }
+    return Pd;
+}
+
 static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
 {
-    static char *kwlist[] = {"is_float",       "src",      "dst",       "P",       "w",
+    static char *kwlist[] = {"dtype",          "src",      "dst",       "P",       "w",
                              "job_number",     "versions", "exponents", "timeout", "progress",
                              "progress_every", NULL};
-    int is_float, jn;
+    int jn, dt;
+    const char *dtype;
     long long P, w;
     PyObject *src_o, *dst_o, *exps_o, *progress = Py_None;
     Py_buffer src = {0}, dst = {0}, vers, exps = {0}; /* released whether got (.obj) or not */
     double timeout, progress_every = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLLiy*Od|Od", kwlist, &is_float, &src_o, &dst_o,
-                                     &P, &w, &jn, &vers, &exps_o, &timeout, &progress,
-                                     &progress_every))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOLLiy*Od|Od", kwlist, &dtype, &src_o, &dst_o, &P,
+                                     &w, &jn, &vers, &exps_o, &timeout, &progress, &progress_every))
         return NULL;
     PyObject *result = NULL;
     uint8_t *done = NULL;
     int8_t *agreed = NULL;
-    if (get_buffer(src_o, &src, 0) < 0 || get_buffer(dst_o, &dst, 1) < 0)
-        goto out;
     Stream *st = &e->stream;
-    Py_ssize_t L = src.len / 4, k = st->cfg.k;
-    int64_t Pd = (L + k - 1) / k;
-    if (dst.len != src.len || src.len % 4 || w < 1 || w > st->cfg.window || vers.len < w ||
-        P != (is_float ? Pd + w : Pd) || w > Pd) {
-        PyErr_SetString(PyExc_ValueError, "allreduce: inconsistent P, w, buffers or versions");
+    int64_t Pd = -1;
+    if ((dt = run_dtype(st, dtype)) < 0 || get_buffer(src_o, &src, 0) < 0 ||
+        get_buffer(dst_o, &dst, 1) < 0 || (Pd = dense_chunks(st, dt, &src, &dst, P, w, &vers)) < 0)
         goto out;
-    }
+    int is_float = dt != FP_I32;
     if (is_float) {
         if (PyObject_GetBuffer(exps_o, &exps, PyBUF_C_CONTIGUOUS) < 0)
             goto out;
@@ -332,9 +375,10 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         goto out;
     }
     Run r = {.is_float = is_float,
+             .dtype = dt,
              .src = src.buf,
              .dst = dst.buf,
-             .L = L,
+             .L = src.len / fp_dtype_size(dt),
              .P = P,
              .Pd = Pd,
              .w = w,
@@ -356,10 +400,11 @@ out:
 
 PyDoc_STRVAR(
     Engine_allreduce_sparse_doc,
-    "allreduce_sparse(is_float, src, dst, w, job_number, versions, nonzero, exponents, rounds,\n"
+    "allreduce_sparse(dtype, src, dst, w, job_number, versions, nonzero, exponents, rounds,\n"
     "                 timeout, progress=None, progress_every=1.0, pad_empty=False) -> dict\n\n"
     "Run one sparse all-reduce (docs/protocol.md section 8) with the GIL released: src and dst\n"
-    "as for allreduce, B = ceil(L / k) blocks over w slots; nonzero and exponents: block_scan's\n"
+    "as for allreduce, B blocks of a packet's elements over w slots; nonzero and exponents:\n"
+    "block_scan's "
     "(exponents None for int32); rounds: a writable buffer of w int64, set to the rounds each\n"
     "slot ran (also when it fails: the versions advance by them). Returns allreduce's dict, with\n"
     "status 'bad_next' when a result would skip this worker's data, and 'union_blocks' (results\n"
@@ -385,10 +430,11 @@ static PyObject *sparse_result(PyObject *result, const SparseRun *sp, int failed
 /* allreduce_sparse's buffers consistent with B blocks of the stream's k and w slots? */
 static int sparse_args_ok(const Stream *st, const Py_buffer *src, const Py_buffer *dst,
                           const Py_buffer *vers, const Py_buffer *nz, const Py_buffer *exps,
-                          const Py_buffer *rounds, long long w, int is_float)
+                          const Py_buffer *rounds, long long w, int dt)
 {
-    Py_ssize_t L = src->len / 4, B = (L + st->cfg.k - 1) / st->cfg.k;
-    return dst->len == src->len && src->len % 4 == 0 && L > 0 && (int64_t)B < 0xFFFFFFFFll &&
+    Py_ssize_t size = fp_dtype_size(dt), L = src->len / size, B = (L + st->ke - 1) / st->ke;
+    int is_float = dt != FP_I32;
+    return dst->len == src->len && src->len % size == 0 && L > 0 && (int64_t)B < 0xFFFFFFFFll &&
            w >= 1 && w <= st->cfg.window && w <= B && vers->len >= w && nz->len == B &&
            (!is_float || exps->len >= B) && rounds->len >= (Py_ssize_t)(8 * w);
 }
@@ -396,14 +442,15 @@ static int sparse_args_ok(const Stream *st, const Py_buffer *src, const Py_buffe
 static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {
-        "is_float",  "src",    "dst",     "w",        "job_number",     "versions",  "nonzero",
+        "dtype",     "src",    "dst",     "w",        "job_number",     "versions",  "nonzero",
         "exponents", "rounds", "timeout", "progress", "progress_every", "pad_empty", NULL};
-    int is_float, jn, pad = 0;
+    int jn, pad = 0, dt, is_float;
+    const char *dtype;
     long long w;
     PyObject *src_o, *dst_o, *nz_o, *exps_o, *rounds_o, *progress = Py_None;
     Py_buffer src = {0}, dst = {0}, vers, nz = {0}, exps = {0}, rounds = {0};
     double timeout, progress_every = 1.0;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "pOOLiy*OOOd|Odp", kwlist, &is_float, &src_o, &dst_o,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "sOOLiy*OOOd|Odp", kwlist, &dtype, &src_o, &dst_o,
                                      &w, &jn, &vers, &nz_o, &exps_o, &rounds_o, &timeout, &progress,
                                      &progress_every, &pad))
         return NULL;
@@ -411,11 +458,14 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     SparseRun sp = {0};
     Stream *st = &e->stream;
     Run r = {0};
+    if ((dt = run_dtype(st, dtype)) < 0)
+        goto out;
+    is_float = dt != FP_I32;
     if (get_buffer(src_o, &src, 0) < 0 || get_buffer(dst_o, &dst, 1) < 0 ||
         get_buffer(nz_o, &nz, 0) < 0 || get_buffer(rounds_o, &rounds, 1) < 0 ||
         (is_float && get_buffer(exps_o, &exps, 0) < 0))
         goto out;
-    if (!sparse_args_ok(st, &src, &dst, &vers, &nz, &exps, &rounds, w, is_float)) {
+    if (!sparse_args_ok(st, &src, &dst, &vers, &nz, &exps, &rounds, w, dt)) {
         PyErr_SetString(PyExc_ValueError, "allreduce_sparse: inconsistent w, buffers or versions");
         goto out;
     }
@@ -426,9 +476,10 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     sp.pad = pad;
     r = (Run){.sp = &sp,
               .is_float = is_float,
+              .dtype = dt,
               .src = src.buf,
               .dst = dst.buf,
-              .L = src.len / 4,
+              .L = src.len / fp_dtype_size(dt),
               .P = P,
               .Pd = B,
               .w = w,
@@ -533,59 +584,69 @@ static PyTypeObject EngineType = {
 /* --- module functions (also the test entry points) ---------------------------------------- */
 PyDoc_STRVAR(
     chunk_exponents_doc,
-    "chunk_exponents(x, k) -> (bytes, bad)\n\n"
-    "scaling.chunk_exponents of the float32 buffer x cut into chunks of k (the last one may be\n"
-    "short): one int8 per chunk. bad is -1, or the index of the first NaN/Inf element.");
+    "chunk_exponents(x, k, dtype='float32') -> (bytes, bad)\n\n"
+    "scaling.chunk_exponents of the float buffer x (of dtype: float32, bfloat16 or float16) cut\n"
+    "into chunks of k elements (the last one may be short): one int8 per chunk. bad is -1, or\n"
+    "the index of the first NaN/Inf element.");
 
 static PyObject *py_chunk_exponents(PyObject *m, PyObject *args)
 {
     Py_buffer x;
-    int k;
+    int k, dt;
+    const char *dtype = "float32";
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*i", &x, &k))
+    if (!PyArg_ParseTuple(args, "y*i|s", &x, &k, &dtype))
         return NULL;
-    if (k < 1 || x.len % 4) {
+    if ((dt = parse_dtype(dtype)) < 0 || dt == FP_I32 || k < 1 || x.len % fp_dtype_size(dt)) {
         PyBuffer_Release(&x);
-        PyErr_SetString(PyExc_ValueError, "chunk_exponents: k >= 1 and float32 data");
+        PyErr_Clear();
+        PyErr_SetString(PyExc_ValueError, "chunk_exponents: k >= 1 and float data");
         return NULL;
     }
-    Py_ssize_t L = x.len / 4, chunks = (L + k - 1) / k;
+    Py_ssize_t L = x.len / fp_dtype_size(dt), chunks = (L + k - 1) / k;
     PyObject *out = PyBytes_FromStringAndSize(NULL, chunks);
     if (!out) {
         PyBuffer_Release(&x);
         return NULL;
     }
     fp_ssize bad;
-    Py_BEGIN_ALLOW_THREADS bad = chunk_exponents(x.buf, L, k, (int8_t *)PyBytes_AS_STRING(out));
+    Py_BEGIN_ALLOW_THREADS bad = chunk_exponents(x.buf, dt, L, k, (int8_t *)PyBytes_AS_STRING(out));
     Py_END_ALLOW_THREADS PyBuffer_Release(&x);
     return Py_BuildValue("Nn", out, bad);
 }
 
 PyDoc_STRVAR(
     block_scan_doc,
-    "block_scan(x, k, is_float) -> (nonzero, exponents, bad, count)\n\n"
-    "A sparse all-reduce's look at its input x (int32 or float32) in blocks of k (the last one\n"
-    "may be short): nonzero, one byte per block, 1 where it has a non-zero element; exponents,\n"
-    "float only (else None), one int8 per block as chunk_exponents; bad is -1 or the index of the\n"
-    "first NaN/Inf element; count, the non-zero blocks. One pass, without the GIL.");
+    "block_scan(x, k, dtype) -> (nonzero, exponents, bad, count)\n\n"
+    "A sparse all-reduce's look at its input x (of dtype: int32, float32, bfloat16 or float16)\n"
+    "in blocks of k elements (the last one may be short): nonzero, one byte per block, 1 where\n"
+    "it has a non-zero element; exponents, floats only (else None), one int8 per block as\n"
+    "chunk_exponents; bad is -1 or the index of the first NaN/Inf element; count, the non-zero\n"
+    "blocks. One pass, without the GIL.");
 
 static PyObject *py_block_scan(PyObject *m, PyObject *args)
 {
     Py_buffer x;
-    int k, is_float;
+    int k, dt;
+    const char *dtype;
     (void)m;
-    if (!PyArg_ParseTuple(args, "y*ip", &x, &k, &is_float))
+    if (!PyArg_ParseTuple(args, "y*is", &x, &k, &dtype))
         return NULL;
     PyObject *nz = NULL, *ex = NULL;
-    Py_ssize_t L = x.len / 4, B = k < 1 ? 0 : (L + k - 1) / k, count = 0;
+    if ((dt = parse_dtype(dtype)) < 0) {
+        PyBuffer_Release(&x);
+        return NULL;
+    }
+    int is_float = dt != FP_I32;
+    Py_ssize_t L = x.len / fp_dtype_size(dt), B = k < 1 ? 0 : (L + k - 1) / k, count = 0;
     fp_ssize bad = -1;
-    if (k < 1 || x.len % 4) {
-        PyErr_SetString(PyExc_ValueError, "block_scan: k >= 1 and 4-byte elements");
+    if (k < 1 || x.len % fp_dtype_size(dt)) {
+        PyErr_SetString(PyExc_ValueError, "block_scan: k >= 1 and whole elements");
     } else if ((nz = PyBytes_FromStringAndSize(NULL, B)) &&
                (ex = is_float ? PyBytes_FromStringAndSize(NULL, B) : Py_NewRef(Py_None))) {
         uint8_t *n = (uint8_t *)PyBytes_AS_STRING(nz);
         int8_t *e = is_float ? (int8_t *)PyBytes_AS_STRING(ex) : NULL;
-        Py_BEGIN_ALLOW_THREADS bad = block_scan(x.buf, L, k, is_float, n, e);
+        Py_BEGIN_ALLOW_THREADS bad = block_scan(x.buf, dt, L, k, n, e);
         for (Py_ssize_t b = 0; b < B; b++)
             count += n[b];
         Py_END_ALLOW_THREADS
@@ -598,28 +659,59 @@ static PyObject *py_block_scan(PyObject *m, PyObject *args)
     return Py_BuildValue("NNnn", nz, ex, (Py_ssize_t)bad, count);
 }
 
-/* One chunk of a test entry point: values a..a+cnt-1 of in, exponent E, M = INT32_MAX / n. */
-typedef void (*chunk_fn)(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
-                         char *out);
+/* What a test entry point's chunks are: k elements of dt, two a word when pairs, M. */
+typedef struct {
+    int k, dt, pairs;
+    double M;
+} ChunkShape;
 
-/* quantise and dequantise: check (4-byte values in chunks of k, one exponent byte per chunk,
- * n workers), then fn on each chunk into new bytes (4 a value; padded: the last chunk padded too). */
-static PyObject *chunked_apply(PyObject *args, const char *what, int padded, chunk_fn fn)
+/* One chunk of a test entry point: elements a..a+cnt-1 (words from a / (1 + pairs)) of in,
+ * exponent E. */
+typedef void (*chunk_fn)(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E,
+                         const ChunkShape *sh, char *out);
+
+/* The arguments of quantise and dequantise: (values, exponents, n, k[, dtype[, wire_bits]]):
+ * v, ex, the shape; 0, or -1 with an exception (then v and ex are released). */
+static int chunk_args(PyObject *args, const char *what, Py_buffer *v, Py_buffer *ex, ChunkShape *sh)
+{
+    int n, bits = 32;
+    const char *dtype = "float32";
+    if (!PyArg_ParseTuple(args, "y*y*ii|si", v, ex, &n, &sh->k, &dtype, &bits))
+        return -1;
+    sh->dt = parse_dtype(dtype);
+    sh->pairs = bits == 16;
+    if (sh->dt <= FP_I32 || n < 1 || sh->k < 1 || (bits != 32 && bits != 16) ||
+        (sh->pairs && sh->k % 2)) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
+        PyBuffer_Release(v);
+        PyBuffer_Release(ex);
+        return -1;
+    }
+    sh->M = (double)((sh->pairs ? 32767 : 2147483647) / n);
+    return 0;
+}
+
+/* quantise and dequantise: fn on each chunk of k elements of the values into new bytes
+ * (`quant`: the values are elements of dt and out padded rows of words; else the values are
+ * words and out their elements, the last chunk as long as its words). */
+static PyObject *chunked_apply(PyObject *args, const char *what, int quant, chunk_fn fn)
 {
     Py_buffer v, ex;
-    int n, k;
-    if (!PyArg_ParseTuple(args, "y*y*ii", &v, &ex, &n, &k))
+    ChunkShape sh;
+    if (chunk_args(args, what, &v, &ex, &sh) < 0)
         return NULL;
     PyObject *out = NULL;
-    Py_ssize_t L = v.len / 4, chunks = k < 1 ? 0 : (L + k - 1) / k;
-    Py_ssize_t size = (padded ? chunks * k : L) * 4;
-    if (k < 1 || n < 1 || v.len % 4 || ex.len < chunks)
+    Py_ssize_t size = fp_dtype_size(sh.dt), per_word = sh.pairs ? 2 : 1;
+    Py_ssize_t L = quant ? v.len / size : v.len / 4 * per_word;
+    Py_ssize_t chunks = (L + sh.k - 1) / sh.k;
+    Py_ssize_t bytes = quant ? chunks * sh.k / per_word * 4 : L * size;
+    if (v.len % (quant ? size : 4) || ex.len < chunks)
         PyErr_Format(PyExc_ValueError, "%s: bad arguments", what);
-    else if ((out = PyBytes_FromStringAndSize(NULL, size))) {
-        double M = (double)(2147483647 / n);
-        memset(PyBytes_AS_STRING(out), 0, (size_t)size); /* quantise's padding */
-        for (Py_ssize_t c = 0, a = 0; c < chunks; c++, a += k)
-            fn(v.buf, a, L - a < k ? L - a : k, ((const int8_t *)ex.buf)[c], M,
+    else if ((out = PyBytes_FromStringAndSize(NULL, bytes))) {
+        memset(PyBytes_AS_STRING(out), 0, (size_t)bytes); /* quantise's padding */
+        for (Py_ssize_t c = 0, a = 0; c < chunks; c++, a += sh.k)
+            fn(v.buf, a, L - a < sh.k ? L - a : sh.k, ((const int8_t *)ex.buf)[c], &sh,
                PyBytes_AS_STRING(out));
     }
     PyBuffer_Release(&v);
@@ -627,37 +719,41 @@ static PyObject *chunked_apply(PyObject *args, const char *what, int padded, chu
     return out;
 }
 
-static void quantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
-                           char *out)
+static void quantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E,
+                           const ChunkShape *sh, char *out)
 {
-    quantise((const float *)in + a, cnt, ldexp(M, -(int)E), E == E_MAX, M, (uint8_t *)out + 4 * a);
+    quantise((const uint8_t *)in + a * fp_dtype_size(sh->dt), sh->dt, cnt, ldexp(sh->M, -(int)E),
+             E == E_MAX, sh->M, sh->pairs, (uint8_t *)out + 4 * (a >> sh->pairs));
 }
 
-static void dequantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E, double M,
-                             char *out)
+static void dequantise_chunk(const void *in, Py_ssize_t a, Py_ssize_t cnt, int8_t E,
+                             const ChunkShape *sh, char *out)
 {
-    dequantise((const uint8_t *)in + 4 * a, cnt, ldexp(M, -(int)E), (float *)out + a);
+    dequantise((const uint8_t *)in + 4 * (a >> sh->pairs), cnt, ldexp(sh->M, -(int)E), sh->pairs,
+               sh->dt, out + a * fp_dtype_size(sh->dt));
 }
 
-/* The test entry point NAME(...) -> bytes, documented by DOC: chunked_apply of NAME_chunk,
- * PADDED as quantise's rows are. */
-#define CHUNKED_ENTRY(NAME, PADDED, DOC)                         \
-    PyDoc_STRVAR(NAME##_doc, DOC);                               \
-    static PyObject *py_##NAME(PyObject *m, PyObject *args)      \
-    {                                                            \
-        (void)m;                                                 \
-        return chunked_apply(args, #NAME, PADDED, NAME##_chunk); \
+/* The test entry point NAME(...) -> bytes, documented by DOC: chunked_apply of NAME_chunk. */
+#define CHUNKED_ENTRY(NAME, QUANT, DOC)                         \
+    PyDoc_STRVAR(NAME##_doc, DOC);                              \
+    static PyObject *py_##NAME(PyObject *m, PyObject *args)     \
+    {                                                           \
+        (void)m;                                                \
+        return chunked_apply(args, #NAME, QUANT, NAME##_chunk); \
     }
 
-CHUNKED_ENTRY(quantise, 1,
-              "quantise(x, exponents, scaling_workers, k) -> bytes\n\n"
-              "Test entry point: the big-endian int32 payload rows of the float32 chunks of x\n"
-              "(k each, the last zero-padded) quantised with their agreed exponents, as the\n"
-              "loop builds them.")
+CHUNKED_ENTRY(
+    quantise, 1,
+    "quantise(x, exponents, scaling_workers, k, dtype='float32', wire_bits=32) -> bytes\n\n"
+    "Test entry point: the big-endian int32 payload rows of the chunks of x (k elements\n"
+    "of dtype each, the last zero-padded) quantised with their agreed exponents, one\n"
+    "element a word or (wire_bits 16) two, as the loop builds them.")
 CHUNKED_ENTRY(dequantise, 0,
-              "dequantise(sums, exponents, scaling_workers, k) -> bytes\n\n"
-              "Test entry point: float32 (native order) of the big-endian int32 sums (rows of\n"
-              "k) with their agreed exponents, as the loop writes them into the output.")
+              "dequantise(sums, exponents, scaling_workers, k, dtype='float32', wire_bits=32)\n"
+              "-> bytes\n\n"
+              "Test entry point: the elements (dtype, native order) of the big-endian int32 sums\n"
+              "(rows of k elements: k words, or k / 2 at wire_bits 16) with their agreed\n"
+              "exponents, as the loop writes them into the output.")
 #undef CHUNKED_ENTRY
 
 PyDoc_STRVAR(

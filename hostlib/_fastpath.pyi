@@ -13,6 +13,8 @@ from _typeshed import ReadableBuffer, WriteableBuffer
 
 _In = ReadableBuffer | np.ndarray
 _Out = WriteableBuffer | np.ndarray
+# dtype arguments name the element types of hostlib.engine.DTYPES ("int32", "float32",
+# "bfloat16", "float16"; int32 only at 32 bits)
 
 # the wire constants the extension was built with (hostlib/fp_wire.h, generated from
 # xdp_agg.proto.wire), and WIRE, their names; hostlib.native_loop compares them with wire's
@@ -70,10 +72,11 @@ class Engine:
         faults: tuple[float, float, float, float, int] | None = None,
         xsk: dict[str, object] | None = None,
         spin: bool = True,
+        wire_bits: int = 32,
     ) -> None: ...
     def allreduce(
         self,
-        is_float: bool,
+        dtype: str,
         src: _In,
         dst: _Out,
         P: int,
@@ -87,7 +90,7 @@ class Engine:
     ) -> _AllreduceResult: ...
     def allreduce_sparse(
         self,
-        is_float: bool,
+        dtype: str,
         src: _In,
         dst: _Out,
         w: int,
@@ -112,10 +115,26 @@ class Engine:
     @property
     def xsk_reason(self) -> str: ...
 
-def chunk_exponents(x: _In, k: int, /) -> tuple[bytes, int]: ...
-def block_scan(x: _In, k: int, is_float: bool, /) -> tuple[bytes, bytes | None, int, int]: ...
-def quantise(x: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
-def dequantise(sums: _In, exponents: _In, scaling_workers: int, k: int, /) -> bytes: ...
+def chunk_exponents(x: _In, k: int, dtype: str = "float32", /) -> tuple[bytes, int]: ...
+def block_scan(x: _In, k: int, dtype: str, /) -> tuple[bytes, bytes | None, int, int]: ...
+def quantise(
+    x: _In,
+    exponents: _In,
+    scaling_workers: int,
+    k: int,
+    dtype: str = "float32",
+    wire_bits: int = 32,
+    /,
+) -> bytes: ...
+def dequantise(
+    sums: _In,
+    exponents: _In,
+    scaling_workers: int,
+    k: int,
+    dtype: str = "float32",
+    wire_bits: int = 32,
+    /,
+) -> bytes: ...
 def set_simd(name: str, /) -> str: ...
 def simd() -> str: ...
 def xsk_test_program(base_port: int, lanes: int, queue: int, /) -> int: ...

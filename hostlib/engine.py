@@ -24,7 +24,7 @@ from .sparse_loop import SparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
 from .udp_io import DatagramSocket
 
-__all__ = ["STAT_NAMES", "Engine", "EngineConfig", "Faults", "StreamEngine"]
+__all__ = ["DTYPES", "STAT_NAMES", "Engine", "EngineConfig", "Faults", "StreamEngine", "dtype_kind"]
 
 
 class Engine(Protocol):
@@ -74,8 +74,9 @@ class Engine(Protocol):
     def allreduce(
         self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat `src` (int32, or float32) over the job into `dst` of its dtype (may be
-        src); with `sparse`, as a sparse all-reduce (docs/protocol.md section 8)."""
+        """Sum the flat `src` (int32, float32, bfloat16 or float16; int32 only on a 32-bit job)
+        over the job into `dst` of its dtype (may be src); with `sparse`, as a sparse all-reduce
+        (docs/protocol.md section 8)."""
 
     def close(self) -> None:
         """Release what the engine holds besides the sockets (threads); after the last one."""
@@ -162,31 +163,44 @@ class StreamEngine:
     def allreduce(
         self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src)."""
-        self._run(_is_float(src), src, dst, timeout, sparse)
+        """Sum the flat `src` (int32, float32, bfloat16 or float16) over the job into `dst` of
+        the same dtype (may be src): floats are quantised straight from their type into the
+        job's width and back (no float32 copy of a 16-bit tensor)."""
+        kind = dtype_kind(src, self.state.cfg.wire_bits)
+        if dst.dtype != src.dtype or dst.size != src.size:
+            raise ValueError(f"dst must be {src.size} elements of {src.dtype}, not {dst.dtype}")
+        self._run(kind, src, dst, timeout, sparse)
 
     def _run(
-        self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
+        self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None, sparse: bool
     ) -> None:
         self._last_union = None
         if not sparse:
-            self.loop.run(is_float, src, dst, timeout)
+            self.loop.run(kind, src, dst, timeout)
             return
         sl = self.sparse_loop
-        sl.run(is_float, src, dst, timeout)
+        sl.run(kind, src, dst, timeout)
         self._last_union = (sl.union_blocks, sl.blocks) if src.size else None
 
     def close(self) -> None:
         """Nothing to release: the communicator closes the socket."""
 
 
-def _is_float(src: np.ndarray) -> bool:
-    """True for a float32 tensor, False for int32; TypeError for anything else."""
-    if src.dtype == np.float32:
-        return True
-    if src.dtype == np.int32:
-        return False
-    raise TypeError(f"an engine all-reduces int32 and float32 tensors, not {src.dtype}")
+# the element types an engine all-reduces, by numpy's dtype name (bfloat16: ml_dtypes')
+DTYPES = ("int32", "float32", "bfloat16", "float16")
+
+
+def dtype_kind(src: np.ndarray, wire_bits: int = 32) -> str:
+    """The name of src's element type (DTYPES); TypeError for another type, ValueError for
+    int32 on a 16-bit job."""
+    name = src.dtype.name
+    if name not in DTYPES:
+        raise TypeError(
+            f"an engine all-reduces int32, float32, bfloat16 and float16 tensors, not {src.dtype}"
+        )
+    if name == "int32" and wire_bits == 16:
+        raise ValueError("int32 is exact only at 32 bits: it cannot go on a 16-bit job")
+    return name
 
 
 def _use_native(native: bool | None) -> bool:

@@ -71,7 +71,7 @@ static void fill(Run *r, int64_t p, uint8_t *row)
     exp[1] = 0;
     if (!r->is_float) {
         exp[0] = 0;
-        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+        fp_ssize a = (fp_ssize)p * k, n = fp_chunk_len(r, p);
         bswap_copy(r->src + 4 * a, n, vals);
         if (n < k)
             memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
@@ -83,31 +83,30 @@ static void fill(Run *r, int64_t p, uint8_t *row)
         return;
     }
     int64_t c = p - r->w;
-    fp_ssize a = (fp_ssize)c * k, n = r->L - a < k ? r->L - a : k;
+    fp_ssize n = fp_chunk_len(r, c), words = fp_words(st, n);
     int8_t E = r->agreed[c];
     /* |x| < 2^E keeps |x f| below M, except for values whose exponent was clipped at E_MAX:
      * the numpy engine clips once any agreed exponent reached E_MAX, which changes only
      * those chunks' values, so clipping exactly those gives the same bytes. */
-    quantise((const float *)r->src + a, n, st->ftab[(uint8_t)E], E == E_MAX, st->M, vals);
-    if (n < k)
-        memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
+    quantise(r->src + fp_elem_offset(r, (fp_ssize)c * st->ke), r->dtype, n, st->ftab[(uint8_t)E],
+             E == E_MAX, st->M, st->cfg.pairs, vals);
+    if (words < k)
+        memset(vals + 4 * words, 0, (size_t)(k - words) * 4);
 }
 
 static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 {
     Stream *st = r->s;
-    int k = st->cfg.k;
     if (!r->is_float) {
-        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
-        bswap_copy(buf + FP_VALUES_AT, n, r->dst + 4 * a);
+        bswap_copy(buf + FP_VALUES_AT, fp_chunk_len(r, p), r->dst + 4 * (fp_ssize)p * st->ke);
         return;
     }
     if (p < r->Pd)
         r->agreed[p] = (int8_t)buf[FP_EXP_AT]; /* the max of the workers' e0 for chunk p */
     if (p >= r->w) {
         int64_t c = p - r->w;
-        fp_ssize a = (fp_ssize)c * k, n = r->L - a < k ? r->L - a : k;
-        dequantise(buf + FP_VALUES_AT, n, st->ftab[(uint8_t)r->agreed[c]], (float *)r->dst + a);
+        dequantise(buf + FP_VALUES_AT, fp_chunk_len(r, c), st->ftab[(uint8_t)r->agreed[c]],
+                   st->cfg.pairs, r->dtype, r->dst + fp_elem_offset(r, (fp_ssize)c * st->ke));
     }
 }
 
@@ -514,7 +513,9 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     /* slow start from a small window; ssthresh at the slot window until the first loss */
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
     st->cc.ssthresh = cfg->window;
-    st->M = (double)(2147483647 / cfg->scaling_workers);
+    st->ke = cfg->pairs ? 2 * cfg->k : cfg->k;
+    /* M: scaling.int_range (16 bits: each half of a word's sum must fit int16) */
+    st->M = (double)((cfg->pairs ? 32767 : 2147483647) / cfg->scaling_workers);
     for (int i = 0; i < 256; i++)
         st->ftab[i] = ldexp(st->M, -(int)(int8_t)i);
     size_t w = (size_t)cfg->window;

@@ -13,13 +13,15 @@
 
 #include "fp_counters.h"
 #include "fp_io.h"
+#include "fp_kernels.h"
 #include "fp_util.h"
 #include "fp_wire.h"
 
 /* What the stream is (fixed for its life). */
 typedef struct {
-    int k, window, scaling_workers; /* int32 per packet, slots, float scaling's n */
-    uint8_t type_size;              /* the first header byte: message type and size code */
+    int k, window, scaling_workers; /* int32 words per packet, slots, float scaling's n */
+    int pairs;                      /* a 16-bit job: two elements a word (wire.pack_pairs) */
+    uint8_t type_size; /* the first header byte: message type, width bit and size code */
     int slot_base;
     double rto_min, rto_max;
     int cwnd_fixed; /* 1: the congestion window is the slot window */
@@ -42,6 +44,7 @@ typedef struct {
     Congestion cc;
     Transport *t;     /* owned: closed with the stream */
     int plen;         /* a dense packet's UDP payload */
+    int ke;           /* elements per packet (a chunk, a sparse block): k, or 2k with pairs */
     int stride;       /* of rows: the longest packet, a sparse one with data (plen + 12) */
     uint64_t rng;     /* the Faults generator */
     double ftab[256]; /* scale factor of exponent E at index uint8(E) */
@@ -79,7 +82,8 @@ typedef struct Run {
     Stream *s;
     struct SparseRun *sp; /* NULL: dense */
     int is_float;
-    const uint8_t *src; /* int32 or float32, L elements */
+    int dtype;          /* of src and dst: FP_I32 (then is_float is 0), FP_F32, FP_BF16, FP_F16 */
+    const uint8_t *src; /* L elements of dtype */
     uint8_t *dst;
     fp_ssize L;
     int64_t P, Pd, w;
@@ -108,7 +112,7 @@ enum { ST_DONE = 0, ST_STALLED = 1, ST_SPARSE_BAD = 2 };
 /* Set up `s` over transport `t` (taken over). Returns 0, or -ENOMEM (t closed). */
 int fp_stream_init(Stream *s, const StreamConfig *cfg, Transport *t);
 void fp_stream_free(Stream *s);
-/* Start run r of P packets over w slots (the caller filled the inputs: is_float, src, dst,
+/* Start run r of P packets over w slots (the caller filled the inputs: is_float, dtype, src, dst,
  * L, P, Pd, w, jn, versions, exps, agreed, state; sp and its inputs for a sparse one). */
 void fp_run_start(Run *r, Stream *s);
 /* Run it: ST_DONE, ST_STALLED (no result for `timeout` s), or -errno (-EINTR: a hook said
@@ -144,6 +148,25 @@ static inline void fp_header(const Run *r, int64_t p, uint8_t *h)
     store_be32(h + 2, (uint32_t)p);
     h[6] = (uint8_t)(pool >> 8);
     h[7] = (uint8_t)pool;
+}
+
+/* Elements of chunk (or block) c of run r: the stream's ke, fewer in the last one. */
+static inline fp_ssize fp_chunk_len(const Run *r, int64_t c)
+{
+    fp_ssize a = (fp_ssize)c * r->s->ke;
+    return r->L - a < r->s->ke ? r->L - a : r->s->ke;
+}
+
+/* Where element a of a run's tensor (src or dst) starts. */
+static inline fp_ssize fp_elem_offset(const Run *r, fp_ssize a)
+{
+    return a * (r->dtype == FP_BF16 || r->dtype == FP_F16 ? 2 : 4);
+}
+
+/* Payload words that n elements fill (the rest of a packet's k is zero padding). */
+static inline fp_ssize fp_words(const Stream *st, fp_ssize n)
+{
+    return st->cfg.pairs ? (n + 1) / 2 : n;
 }
 
 #endif

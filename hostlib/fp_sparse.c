@@ -74,7 +74,7 @@ static int64_t find_columns(SparseRun *sp, int64_t w, int64_t *last)
 void fp_sparse_start(Run *r)
 {
     SparseRun *sp = r->sp;
-    size_t bytes = (size_t)r->L * 4;
+    size_t bytes = (size_t)fp_elem_offset(r, r->L);
     /* blocks no round visits, and rounds whose result is empty, are zero on every worker: the
      * output gets zeros there as the slots pass them (take), unless the output is the input
      * (then they are zeros already: this worker's non-zero blocks are all visited, with data) */
@@ -98,20 +98,21 @@ static inline int64_t next_nonzero(const SparseRun *sp, int64_t p, int at)
     return at && sp->nonzero[p] ? p : (int64_t)sp->next[p];
 }
 
-/* Block p's k big-endian int32 into vals: its elements (the last block zero-padded), float
- * ones quantised with the exponent agreed for it (clipped at M where that was E_MAX, as the
- * dense loop's fill explains). */
+/* Block p's k big-endian int32 words into vals: its elements (the last block zero-padded),
+ * float ones quantised with the exponent agreed for it (clipped at M where that was E_MAX, as
+ * the dense loop's fill explains), two a word in a 16-bit job. */
 static void block_payload(const Run *r, int64_t p, int8_t E, uint8_t *vals)
 {
     const Stream *st = r->s;
     int k = st->cfg.k;
-    fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+    fp_ssize a = (fp_ssize)p * st->ke, n = fp_chunk_len(r, p), words = fp_words(st, n);
     if (r->is_float)
-        quantise((const float *)r->src + a, n, st->ftab[(uint8_t)E], E == E_MAX, st->M, vals);
+        quantise(r->src + fp_elem_offset(r, a), r->dtype, n, st->ftab[(uint8_t)E], E == E_MAX,
+                 st->M, st->cfg.pairs, vals);
     else
         bswap_copy(r->src + 4 * a, n, vals);
-    if (n < k)
-        memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
+    if (words < k)
+        memset(vals + 4 * words, 0, (size_t)(k - words) * 4);
 }
 
 int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
@@ -122,7 +123,8 @@ int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
     int64_t q = next_nonzero(sp, p, announce);
     int type = data ? FP_MSG_TYPE_SPARSE : FP_MSG_TYPE_SPARSE_EMPTY;
     fp_header(r, pk, row);
-    row[0] = (uint8_t)(type << 4 | (r->s->cfg.type_size & 0x07)); /* the job's size code */
+    /* the job's width bit and size code */
+    row[0] = (uint8_t)(type << 4 | (r->s->cfg.type_size & 0x0F));
     /* e0 names the exponent of the block the sender goes to next (-128 past the last one) */
     row[FP_EXP_AT] = (uint8_t)(!sp->exps ? 0 : q < sp->B ? sp->exps[q] : E_MIN);
     row[FP_EXP_AT + 1] = 0;
@@ -146,11 +148,9 @@ int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
  * otherwise wait for results rather than before the first packet goes. */
 static void zero_blocks(Run *r, int64_t from, int64_t to)
 {
-    int k = r->s->cfg.k;
-    for (int64_t b = from; b < to; b += r->w) {
-        fp_ssize a = (fp_ssize)b * k, n = r->L - a < k ? r->L - a : k;
-        memset(r->dst + 4 * a, 0, (size_t)n * 4);
-    }
+    for (int64_t b = from; b < to; b += r->w)
+        memset(r->dst + fp_elem_offset(r, (fp_ssize)b * r->s->ke), 0,
+               (size_t)fp_elem_offset(r, fp_chunk_len(r, b)));
 }
 
 /* Whether the result's next block q for slot s at block p is one the rules can produce
@@ -176,15 +176,16 @@ static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
 {
     SparseRun *sp = r->sp;
     int64_t s = pk % r->w, p = sp->block[s], q = load_be32(d + FP_SPARSE_AT + 4);
-    int k = r->s->cfg.k;
+    const Stream *st = r->s;
     fp_run_took(r, pk, now);
     sp->left -= !sp->announce[s] && sp->nonzero[p]; /* this worker's block p went */
     if (data) {
-        fp_ssize a = (fp_ssize)p * k, n = r->L - a < k ? r->L - a : k;
+        fp_ssize a = (fp_ssize)p * st->ke, n = fp_chunk_len(r, p);
         const uint8_t *vals = d + FP_SPARSE_VALUES_AT;
         sp->union_blocks++;
         if (r->is_float)
-            dequantise(vals, n, r->s->ftab[(uint8_t)sp->agreed[s]], (float *)r->dst + a);
+            dequantise(vals, n, st->ftab[(uint8_t)sp->agreed[s]], st->cfg.pairs, r->dtype,
+                       r->dst + fp_elem_offset(r, a));
         else
             bswap_copy(vals, n, r->dst + 4 * a);
     }
@@ -214,7 +215,7 @@ static int64_t answered(Run *r, const uint8_t *d, size_t len, int *data)
     int type = len ? d[0] >> 4 : 0, empty = type == FP_MSG_TYPE_SPARSE_EMPTY;
     size_t want = FP_SPARSE_VALUES_AT + (empty ? 0 : 4 * (size_t)r->s->cfg.k);
     if ((type != FP_MSG_TYPE_SPARSE && !empty) || len != want ||
-        (d[0] & 0x07) != (r->s->cfg.type_size & 0x07)) {
+        (d[0] & 0x0F) != (r->s->cfg.type_size & 0x0F)) { /* width bit, size code */
         r->c.malformed++;
         return -1;
     }

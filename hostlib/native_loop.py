@@ -110,6 +110,7 @@ class NativeLoop:
             gro=sock.gro,
             cwnd=cfg.cwnd,
             spin=cfg.spin,
+            wire_bits=cfg.wire_bits,
             faults=None
             if f is None
             else (f.send_loss, f.recv_loss, f.send_duplicate, f.recv_duplicate, f.seed),
@@ -125,14 +126,16 @@ class NativeLoop:
         """ "udp", or the AF_XDP socket's mode: "afxdp-copy-drv", "afxdp-zerocopy-drv", ..."""
         return self._fast.data_path
 
-    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
-        state, k, L = self.state, self.state.cfg.elems, src.size
+    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One all-reduce of the flat `src` into `dst`, both of dtype `kind` (engine.DTYPES):
+        the C loop quantises from that type and dequantises into it directly."""
+        state, k, L = self.state, self.state.elems_per_packet, src.size
         Pd = -(-L // k)
         w = min(state.cfg.window, Pd)
         exps = None
+        is_float = kind != "int32"
         if is_float:
-            exps, bad = _fastpath.chunk_exponents(src, k)  # before anything is sent
+            exps, bad = _fastpath.chunk_exponents(src, k, kind)  # before anything is sent
             if bad >= 0:
                 raise scaling.nonfinite_error(src[bad], bad)
         P = Pd + w if is_float else Pd
@@ -142,7 +145,7 @@ class NativeLoop:
             res: _fastpath._AllreduceResult | None = None
             try:
                 res = self._fast.allreduce(
-                    is_float,
+                    kind,
                     src,
                     dst,
                     P,
@@ -218,12 +221,13 @@ class NativeSparseLoop:
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
         self.blocks = 0  # and its blocks
 
-    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One sparse all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
+    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One sparse all-reduce of the flat `src` into `dst`, both of dtype `kind`
+        (engine.DTYPES); a block is a packet's elements."""
         state = self.state
         if src.size == 0:
             return
-        nonzero, exps, bad, count = _fastpath.block_scan(src, state.cfg.elems, is_float)
+        nonzero, exps, bad, count = _fastpath.block_scan(src, state.elems_per_packet, kind)
         if bad >= 0:  # before anything is sent
             raise scaling.nonfinite_error(src[bad], bad)
         B = len(nonzero)
@@ -236,7 +240,7 @@ class NativeSparseLoop:
             res = None
             try:
                 res = self.native._fast.allreduce_sparse(
-                    is_float,
+                    kind,
                     src,
                     dst,
                     w,

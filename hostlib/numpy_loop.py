@@ -118,10 +118,6 @@ def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
     out[...] = values  # byte-swaps big-endian wire values as it copies
 
 
-def _dequantise_into(out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
-    scaling.dequantise_scaled(sums, f, out)
-
-
 class _Transfer(Protocol):
     """What NumpyLoop runs: packets and window of one all-reduce, and its payloads both ways
     (_IntTransfer, _FloatTransfer)."""
@@ -164,12 +160,21 @@ class _IntTransfer:
 
 
 class _FloatTransfer:
-    """float32 tensors, block-scaled with a one-window look-ahead of the exponents."""
+    """float32, bfloat16 and float16 tensors, block-scaled with a one-window look-ahead of the
+    exponents, straight from their own type into the words of the job's width (one element a
+    word, or two at 16 bits: a chunk is a packet's k elements) and back."""
 
     def __init__(
-        self, src: np.ndarray, dst: np.ndarray, k: int, window: int, n: int, work: np.ndarray
+        self,
+        src: np.ndarray,
+        dst: np.ndarray,
+        k: int,
+        window: int,
+        n: int,
+        work: np.ndarray,
+        wire_bits: int = 32,
     ) -> None:
-        self.L, self.n, self.k = src.size, n, k
+        self.L, self.n, self.k, self.bits = src.size, n, k, wire_bits
         self.Pd = -(-self.L // k)
         self.w = min(window, self.Pd)
         self.P = self.Pd + self.w
@@ -181,7 +186,8 @@ class _FloatTransfer:
             self.e0[x.full] = scaling.chunk_exponents(x.tail, offset=x.full * k)[0]
         self.e0[self.Pd :] = scaling.ZERO_EXPONENT
         self.f = np.zeros(self.Pd)  # scale factors of the agreed exponents, from the results
-        self._f_of = _scale_table(n)  # scale factor of int8 exponent E at index uint8(E)
+        # scale factor of int8 exponent E at index uint8(E)
+        self._f_of = _scale_table(n, wire_bits)
         self.limit: int | None = None  # M, once some agreed exponent was clipped (>= 2^127)
         self.out = _Chunks(dst, k, source=False)
         self._tmp = work  # float64 work rows (at least w), the engine's
@@ -196,7 +202,12 @@ class _FloatTransfer:
         if a < b:
             c0, c1 = a - w, b - w
             scaling.quantise_scaled(
-                self.x.get(c0, c1), self.f[c0:c1], self.limit, out=values, work=self._tmp[: c1 - c0]
+                self.x.get(c0, c1),
+                self.f[c0:c1],
+                self.limit,
+                out=values,
+                work=self._tmp[: c1 - c0],
+                wire_bits=self.bits,
             )
 
     def accept(self, a: int, b: int, e0: np.ndarray, values: np.ndarray) -> None:
@@ -204,21 +215,31 @@ class _FloatTransfer:
             E = e0[: min(b, self.Pd) - a]
             self.f[a : a + len(E)] = self._f_of[E.view(np.uint8)]
             if self.limit is None and np.count_nonzero(E == scaling.E_MAX):
-                self.limit = scaling.int_range(self.n)
+                self.limit = scaling.int_range(self.n, self.bits)
         w = self.w
         if b > w:
             s = max(a, w)
             c0, c1 = s - w, b - w
-            self.out.put(c0, c1, _dequantise_into, values[s - a :], self.f[c0:c1])
+            self.out.put(c0, c1, _dequant_rows(self.bits), values[s - a :], self.f[c0:c1])
 
     def finish(self) -> None:
         self.out.finish()
 
 
+def _dequant_rows(wire_bits: int) -> Callable[..., None]:
+    """scaling.dequantise_scaled at `wire_bits`, as _Chunks.put calls it (out, sums, f)."""
+    return functools.partial(_dequant_at, wire_bits)
+
+
+def _dequant_at(wire_bits: int, out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
+    scaling.dequantise_scaled(sums, f, out, wire_bits)
+
+
 @functools.lru_cache(maxsize=16)
-def _scale_table(n: int) -> np.ndarray:
-    """scaling.scale_factors of every int8 exponent E for n workers, at index uint8(E)."""
-    t = scaling.scale_factors(np.arange(256, dtype=np.uint8).view(np.int8), n)
+def _scale_table(n: int, wire_bits: int = 32) -> np.ndarray:
+    """scaling.scale_factors of every int8 exponent E for n workers at `wire_bits`, at index
+    uint8(E)."""
+    t = scaling.scale_factors(np.arange(256, dtype=np.uint8).view(np.int8), n, wire_bits)
     t.flags.writeable = False
     return t
 
@@ -277,7 +298,8 @@ class NumpyLoop:
         self._e0 = self._payload[:, self._e0_at].view(np.int8)
         self._values = self._payload[:, wire.VALUES_AT : self._values_end].view(">i4")
         self._slots = cfg.slot_base + np.arange(cfg.window)
-        self._work = np.empty((cfg.window, cfg.elems))  # float64 rows for quantising
+        # float64 rows for quantising: a packet's elements each
+        self._work = np.empty((cfg.window, state.elems_per_packet))
         # per-slot state of the packet in flight: timer, expiries, first transmission, rto
         self._deadline = np.empty(cfg.window)
         self._tries = np.empty(cfg.window, dtype=np.int32)
@@ -289,12 +311,13 @@ class NumpyLoop:
         self._spin_credit = 0  # see _spin
         self._dups = _NO_DUPS  # packet numbers of the duplicate results of the last _accept
 
-    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
+    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One all-reduce of the flat `src` into `dst`, both of dtype `kind` (engine.DTYPES)."""
         cfg = self.state.cfg
         tr: _Transfer
-        if is_float:
-            tr = _FloatTransfer(src, dst, cfg.elems, cfg.window, cfg.scaling_workers, self._work)
+        if kind != "int32":
+            ke, n = self.state.elems_per_packet, cfg.scaling_workers
+            tr = _FloatTransfer(src, dst, ke, cfg.window, n, self._work, cfg.wire_bits)
         else:
             tr = _IntTransfer(src, dst, cfg.elems, cfg.window)
         if tr.P == 0:

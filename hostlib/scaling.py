@@ -57,7 +57,8 @@ def int_range(n: int, wire_bits: int = 32) -> int:
 
 
 def chunk_exponents(chunks: np.ndarray, offset: int = 0) -> np.ndarray:
-    """e = floor(log2(max|x|)) + 1 per row of an (m, k) float32 array, as int8.
+    """e = floor(log2(max|x|)) + 1 per row of an (m, k) float32, bfloat16 or float16 array, as
+    int8.
 
     Rows of zeros get ZERO_EXPONENT. ValueError if any element is NaN or infinite (`offset`:
     the index of the first element in the caller's tensor, for the message).
@@ -67,6 +68,7 @@ def chunk_exponents(chunks: np.ndarray, offset: int = 0) -> np.ndarray:
         return np.zeros(0, dtype=np.int8)
     # max|x| as max(max x, -min x): no temporary of the whole tensor, and NaN propagates
     amax = np.maximum(chunks.max(axis=1), -chunks.min(axis=1))
+    amax = amax.astype(np.float32, copy=False)  # exact; a 16-bit type's m maxima only
     if not np.isfinite(amax).all():
         bad = np.flatnonzero(~np.isfinite(chunks.reshape(-1)))[0]
         raise nonfinite_error(chunks.reshape(-1)[bad], offset + bad)
@@ -96,17 +98,20 @@ def quantise(
     n: int,
     out: np.ndarray | None = None,
     work: np.ndarray | None = None,
+    wire_bits: int = 32,
 ) -> np.ndarray:
-    """int32 round(x * f) of (m, k) float chunks with their agreed exponents E (m,).
+    """int32 round(x * f) of (m, k) float chunks (float32, bfloat16, float16) with their agreed
+    exponents E (m,); at `wire_bits` 16 the (m, k / 2) words of their pairs (wire.pack_pairs).
 
-    `out`: where to write them (any integer array of the chunks' shape, e.g. a big-endian view
-    of packet payloads); `work`: a float64 array of that shape to compute in, so that repeated
-    calls allocate nothing.
+    `out`: where to write them (any integer array of the words' shape, e.g. a big-endian view
+    of packet payloads); `work`: a float64 array of the chunks' shape to compute in, so that
+    repeated calls allocate nothing.
     """
     exponents = np.asarray(exponents)
     # only values >= 2^127, whose exponent was clipped, can exceed M
-    limit = int_range(n) if (exponents >= E_MAX).any() else None
-    return quantise_scaled(chunks, scale_factors(exponents, n), limit, out, work)
+    limit = int_range(n, wire_bits) if (exponents >= E_MAX).any() else None
+    f = scale_factors(exponents, n, wire_bits)
+    return quantise_scaled(chunks, f, limit, out, work, wire_bits)
 
 
 def quantise_scaled(
@@ -115,14 +120,22 @@ def quantise_scaled(
     limit: int | None,
     out: np.ndarray | None = None,
     work: np.ndarray | None = None,
+    wire_bits: int = 32,
 ) -> np.ndarray:
     """quantise() given the scale factors f (m,); `limit`: M to clip at, or None if no chunk's
     exponent was clipped."""
-    # the product in float64 (the ufunc converts as it goes: no float64 copy of x)
+    # the product in float64 (the ufunc converts as it goes: no float64 copy of x; a 16-bit
+    # element widens exactly)
     q = np.multiply(chunks, f[:, None], out=work, dtype=np.float64)
     if limit is not None:
         np.clip(q, -limit, limit, out=q)
     np.rint(q, out=q)
+    if wire.check_wire_bits(wire_bits) == 16:
+        words = wire.pack_pairs(q.astype(np.int32))  # exact: integers within +-M
+        if out is None:
+            return words
+        out[...] = words
+        return out
     if out is None:
         out = np.empty(q.shape, np.int32)
     out[...] = q  # exact: integers within +-M
@@ -130,18 +143,33 @@ def quantise_scaled(
 
 
 def dequantise(
-    sums: np.ndarray, exponents: np.ndarray, n: int, out: np.ndarray | None = None
+    sums: np.ndarray,
+    exponents: np.ndarray,
+    n: int,
+    out: np.ndarray | None = None,
+    wire_bits: int = 32,
 ) -> np.ndarray:
-    """float32 sums / f of (m, k) int32 aggregated chunks (into `out` if given)."""
-    return dequantise_scaled(sums, scale_factors(exponents, n), out)
+    """sums / f of (m, k) int32 aggregated words (at `wire_bits` 16: their (m, 2k) unpacked
+    pairs), float32 or into `out` (float32, bfloat16 or float16) if given."""
+    return dequantise_scaled(sums, scale_factors(exponents, n, wire_bits), out, wire_bits)
 
 
-def dequantise_scaled(sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def dequantise_scaled(
+    sums: np.ndarray, f: np.ndarray, out: np.ndarray | None = None, wire_bits: int = 32
+) -> np.ndarray:
     """dequantise() given the scale factors f (m,)."""
+    if wire.check_wire_bits(wire_bits) == 16:
+        sums = wire.unpack_pairs(sums)
     if out is None:
         out = np.empty(np.shape(sums), np.float32)
-    # divided in float64, rounded once to float32 on the way out
-    return np.divide(sums, f[:, None], out=out, dtype=np.float64, casting="unsafe")
+    if out.dtype == np.float32:
+        # divided in float64, rounded once to float32 on the way out
+        return np.divide(sums, f[:, None], out=out, dtype=np.float64, casting="unsafe")
+    # a 16-bit result: rounded to float32, then from there to nearest even (the C loop's way);
+    # a sum beyond the type's range is its Inf, as in C
+    with np.errstate(over="ignore"):
+        out[...] = np.divide(sums, f[:, None], dtype=np.float64).astype(np.float32)
+    return out
 
 
 def error_bound(exponents: np.ndarray, n: int, wire_bits: int = 32) -> np.ndarray:

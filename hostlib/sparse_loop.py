@@ -24,6 +24,7 @@ output holds zeros there (when the output is the input, they already are).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -133,12 +134,14 @@ class SparseLoop:
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
         self.blocks = 0  # and its blocks
 
-    def run(self, is_float: bool, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One sparse all-reduce of the flat `src` into `dst` (int32, or float32 when is_float)."""
+    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One sparse all-reduce of the flat `src` into `dst`, both of dtype `kind`
+        (engine.DTYPES); a block is a packet's elements (two a word on a 16-bit job)."""
         cfg = self.state.cfg
         if src.size == 0:
             return
-        t = _tensor(src, dst, cfg.elems, cfg.window, is_float)
+        is_float = kind != "int32"
+        t = _tensor(src, dst, self.state.elems_per_packet, cfg.window, is_float)
         sl = _Slots(t.w, self.state.plen)
         self.union_blocks, self.blocks = 0, t.B
         with self.state.allreduce(t.B, t.w, timeout, elements=src.size) as ar:
@@ -186,6 +189,7 @@ class SparseLoop:
             values=values,
             e0=t.exponent(nxt),
             padded=self.state.cfg.pad_empty,
+            wire_bits=self.state.cfg.wire_bits,
         )
         assert values is None or len(row) == wire.sparse_payload_len(k, False)
         sl.rows[s] = row
@@ -202,9 +206,10 @@ class SparseLoop:
         block = t.src.get(p, p + 1)
         if t.exps is None:
             return block[0]
-        limit = scaling.int_range(self.state.cfg.scaling_workers) if sl.clip[s] else None
-        out = np.empty((1, self.state.cfg.elems), dtype=">i4")
-        scaling.quantise_scaled(block, sl.f[s : s + 1], limit, out=out, work=None)
+        cfg = self.state.cfg
+        limit = scaling.int_range(cfg.scaling_workers, cfg.wire_bits) if sl.clip[s] else None
+        out = np.empty((1, cfg.elems), dtype=">i4")  # the payload's words
+        scaling.quantise_scaled(block, sl.f[s : s + 1], limit, out, None, cfg.wire_bits)
         return out[0]
 
     def _receive(self, t: _Tensor, sl: _Slots, ar: Allreduce) -> bool:
@@ -229,6 +234,7 @@ class SparseLoop:
         if (
             sp is None
             or msg.size != self.state.size_code
+            or msg.wire_bits != self.state.cfg.wire_bits
             or len(data) != wire.sparse_payload_len(k, empty)
         ):
             st["malformed"] += 1
@@ -266,7 +272,8 @@ class SparseLoop:
             sl.done[s] = True
             return
         if t.exps is not None:  # the exponent agreed for block q, among the workers with data
-            sl.f[s] = _scale_table(self.state.cfg.scaling_workers)[msg.e0 & 0xFF]
+            cfg = self.state.cfg
+            sl.f[s] = _scale_table(cfg.scaling_workers, cfg.wire_bits)[msg.e0 & 0xFF]
             sl.clip[s] = msg.e0 == scaling.E_MAX
         sl.block[s] = q
         self._start(t, sl, ar, s)
@@ -284,7 +291,8 @@ class SparseLoop:
         if t.exps is None:
             t.dst.put(p, p + 1, _copy_row, values.reshape(1, -1))
             return
-        t.dst.put(p, p + 1, _dequantise_row, values.reshape(1, -1), sl.f[s : s + 1])
+        bits = self.state.cfg.wire_bits
+        t.dst.put(p, p + 1, _dequantise_row(bits), values.reshape(1, -1), sl.f[s : s + 1])
 
     def _expire(self, sl: _Slots, now: float) -> None:
         st = self.state.stats
@@ -325,5 +333,10 @@ def _copy_row(out: np.ndarray, values: np.ndarray) -> None:
     out[...] = values
 
 
-def _dequantise_row(out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
-    scaling.dequantise_scaled(sums.astype(np.int32), f, out)
+def _dequantise_row(wire_bits: int) -> Callable[[np.ndarray, np.ndarray, np.ndarray], None]:
+    """A block's sums (words) / f into its row of the output, at `wire_bits`."""
+
+    def put(out: np.ndarray, sums: np.ndarray, f: np.ndarray) -> None:
+        scaling.dequantise_scaled(sums.astype(np.int32), f, out, wire_bits)
+
+    return put

@@ -79,7 +79,7 @@ class EngineConfig:
 
     job_id: int
     scaling_workers: int  # the n of float scaling: all workers summed (under the root of a tree)
-    elems: int  # int32 per packet
+    elems: int  # int32 words per packet
     slot_base: int
     window: int  # slots of this worker: slot_base .. slot_base + window - 1
     data_address: tuple[str, int]  # where contributions go (the aggregator's data address)
@@ -100,6 +100,8 @@ class EngineConfig:
     lanes: int = 1
     # a sparse job's empty contributions carry a block's room of zeros (JobSpec.pad_empty)
     pad_empty: bool = False
+    # the job's element width (JobSpec.wire_bits): 32, or 16 (two elements a word: floats only)
+    wire_bits: int = 32
 
 
 @dataclass
@@ -134,7 +136,9 @@ class StreamState:
         self.sock, self.cfg, self.faults = sock, config, faults
         self.size_code = wire.size_code_for(config.elems)
         self.plen = wire.udp_payload_len(config.elems)
-        self.type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code)
+        self.type_size = wire.type_size(wire.MSG_TYPE_DATA, self.size_code, config.wire_bits)
+        # a packet's elements: a chunk of block scaling, a block of a sparse all-reduce
+        self.elems_per_packet = config.elems * wire.elems_per_word(config.wire_bits)
         self.versions = np.zeros(config.window, dtype=np.uint8)  # next version of each slot
         self.counter = 0  # all-reduces started
         self.stats: dict[str, float] = {name: 0 for name in STAT_NAMES}

@@ -159,14 +159,14 @@ class StripedEngine:
     ) -> None:
         if len(engines) < 2 or len(engines) != len(endpoints) * lanes:
             raise ValueError("a striped engine needs `lanes` engines per endpoint, two or more")
-        elems = {e.state.cfg.elems for e in engines}
+        elems = {e.state.elems_per_packet for e in engines}
         if len(elems) != 1:
             raise ValueError(f"the aggregators' jobs disagree on elements per packet: {elems}")
         self.engines = engines
         self.endpoints = endpoints
         self.grid = LaneGrid(len(endpoints), lanes)
         self.native = engines[0].native  # every lane's (one HostOptions made them)
-        self.elems = engines[0].state.cfg.elems
+        self.elems = engines[0].state.elems_per_packet  # a packet's elements
         self._own = {"allreduces": 0, "elements": 0, "elapsed": 0.0}
         self._last_union: tuple[int, int] | None = None
         self._pool = ThreadPoolExecutor(

@@ -485,7 +485,7 @@ def test_block_scan_matches_numpy():
         x[5 * K + 3] = -0.0 if dtype == np.float32 else 0
         x[9 * K] = np.int32(-(2**31)) if dtype == np.int32 else np.float32(2.0**-149)
         t = _tensor(x, np.empty_like(x), K, 8, dtype == np.float32)
-        nonzero, exps, bad, count = _fastpath.block_scan(x, K, dtype == np.float32)
+        nonzero, exps, bad, count = _fastpath.block_scan(x, K, np.dtype(dtype).name)
         assert bad == -1 and np.frombuffer(nonzero, np.uint8).tolist() == t.nonzero.tolist()
         assert count == np.count_nonzero(t.nonzero)
         if dtype == np.float32:
@@ -494,7 +494,7 @@ def test_block_scan_matches_numpy():
             assert exps is None
     f = np.ones(10 * K, np.float32)
     f[3 * K + 1] = np.inf
-    assert _fastpath.block_scan(f, K, True)[2] == 3 * K + 1
+    assert _fastpath.block_scan(f, K, "float32")[2] == 3 * K + 1
 
 
 @pytest.mark.parametrize("native", LOOPS)
