@@ -379,3 +379,44 @@ def test_wire16_fallback_sums_16_bit_tensors_in_float32_and_broadcasts_bytes():
         got5, got6 = out[r]
         assert got5.dtype == result5.dtype and got5.tobytes() == result5.tobytes()
         assert got6.dtype == np.float32 and got6.tolist() == [257.0, 257.0]
+
+
+# --- loopback: hostlib's 16-bit path and the soft aggregator ------------------------------------
+def test_ddp_wire16_hook_on_loopback():
+    """DDP with wire16_hook (2 ranks, float32 model, several buckets): every bucket travelled
+    at 16 bits, and each averaged bucket is within the bound of the float64 average of every
+    rank's bucket (ratio <= 1); the parameters stay close to DDP on gloo's."""
+    from harness.ranks import soft_cluster
+    from test_torch import _reports, _start_loopback
+
+    with soft_cluster() as cl:
+        reports = _reports(_start_loopback(cl, 2, "ddp-wire16", "--steps", "2"))
+    for rep in reports:
+        assert rep["buckets"] > 1, rep
+        assert rep["wire16"] == rep["allreduces"] == rep["buckets"] * 2, rep
+        assert rep["widths"] == [16, 16], rep
+        assert max(rep["ratio"]) <= 1.0, rep["ratio"]
+        assert rep["exact_zero"] < len(rep["ratio"]), rep  # the 16 bits did round
+        assert rep["param_diff"] < 1e-3, rep
+
+
+@pytest.mark.parametrize("policy,coalesced16", [("auto", 2), ("32", 0), ("16", 3)])
+def test_backend_wire16_on_loopback(policy, coalesced16):
+    """bfloat16, float16 and float32 through the backend (2 ranks) at the widths
+    XDP_AGG_WIRE_BITS gives: the communicator's width, path_stats' and the bound of the width."""
+    from harness.ranks import soft_cluster
+    from test_torch import _reports, _start_loopback
+
+    with soft_cluster() as cl:
+        procs = _start_loopback(cl, 2, "backend-wire16", XDP_AGG_WIRE_BITS=policy)
+        reports = _reports(procs)
+    pol: int | str = policy if policy == "auto" else int(policy)
+    for rep in reports:
+        assert not rep["failures"], rep["failures"]
+        assert len(rep["checks"]) == 13, rep["checks"]
+        assert rep["coalesced_wire16"] == coalesced16
+        rows = {(r["collective"], r["op"], r["dtype"]): r for r in rep["path_stats"]}
+        for dtype in (F32, F16, BF16):
+            row = rows[("all_reduce", "SUM", str(dtype)[6:])]
+            assert row["path"] == "aggregator"
+            assert row["wire_bits"] == str(wire_bits_for(dtype, pol)), row
