@@ -29,7 +29,7 @@ from xdp_agg.proto.jobs import JobDescription
 
 from .control_link import ControlLink
 from .diagnosis import explain_timeout
-from .engine import Engine, EngineConfig, StreamEngine, _use_native
+from .engine import DTYPES, Engine, EngineConfig, StreamEngine, _use_native
 from .errors import AllreduceTimeout, HostlibError, RendezvousError
 from .netinfo import mac_of, path_mtu_towards, source_ip_towards
 from .options import HostOptions, auto_lanes, token_from_env
@@ -38,7 +38,8 @@ from .sparsity import SparseChooser, check_sparse_arg
 from .striping import LaneGrid, StripedEngine, lane_windows
 from .udp_io import DatagramSocket
 
-_FLOAT_16 = ("float16", "bfloat16")  # up-converted to float32 on the way in
+_FLOAT_16 = ("float16", "bfloat16")  # 16 bits on the wire unless an all-reduce says otherwise
+_TOKEN_BYTES = 256  # room for a job token in Communicator._token_broadcast
 
 
 def init(
@@ -74,10 +75,42 @@ def init(
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is not in 0..{world_size - 1}")
     endpoints = parse_controls(control)
-    secret = load_secret(opts.secret_file)
     # the job's token at the first aggregator (striped, the others need the secret: a token is
     # one aggregator's, made when rank 0 creates the job there)
-    token = token or token_from_env()
+    return _init(
+        _Start(rank, world_size, endpoints, job, opts), token or token_from_env(), on_token
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Start:
+    """What init() was given, resolved: how a Communicator joined its job, and how it joins a
+    companion job of another element width (Communicator._companion) the same way."""
+
+    rank: int
+    world_size: int
+    endpoints: list[tuple[str, int]]
+    job: str
+    opts: HostOptions
+    wire_bits: int = 32  # the job's element width (JobSpec.wire_bits), in rank 0's create
+
+
+def _init(
+    start: _Start,
+    token: str | None,
+    on_token: Callable[[str], None] | None,
+    created: Callable[[str], object] | None = None,
+) -> Communicator:
+    """init() of `start`, with the job's `token` (or None); `created`: rank 0 only, called
+    right after the job was created with its token ("" without one), before the barrier."""
+    rank, world_size, endpoints, job, opts = (
+        start.rank,
+        start.world_size,
+        start.endpoints,
+        start.job,
+        start.opts,
+    )
+    secret = load_secret(opts.secret_file)
     joined: list[_Joined] = []
     ctls: list[ControlClient] = []
     lanes = _rank_lanes(opts, rank)  # None: the job's, as rank 0 made it
@@ -91,11 +124,13 @@ def init(
             for j, ctl in enumerate(ctls):
                 host, port_ = ctl.endpoint
                 where = f" on aggregator {j} ({host}:{port_})" if len(ctls) > 1 else ""
-                place = _Place(rank, world_size, job, size.elems if size else 0, where)
+                place = _Place(
+                    rank, world_size, job, size.elems if size else 0, where, start.wire_bits
+                )
                 # every lane at every aggregator sends from (and gets results on) its own port
                 port = LaneGrid(len(ctls), lanes or 1).port(opts.port, j) if opts.port else 0
-                token_to = on_token if j == 0 else None
-                joined.append(_join_one(place, opts, ctl, port, token_to, lanes))
+                hooks = (on_token, created) if j == 0 else (None, None)
+                joined.append(_join_one(place, opts, ctl, port, hooks, lanes))
                 undo.callback(joined[-1].ctl.close)
                 undo.callback(_close_all, joined[-1].socks)
                 lanes = len(joined[-1].socks)  # the job's, at every aggregator
@@ -113,7 +148,7 @@ def init(
     first = joined[0]
     engine = engines[0] if len(engines) == 1 else StripedEngine(engines, endpoints, grid.lanes)
     size = size or PacketSize(first.desc.spec.elems, "the job's, as rank 0 made it")
-    return Communicator(rank, job, engine, joined, size)
+    return Communicator(rank, job, engine, joined, size, start)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -176,6 +211,7 @@ def _engine(x: _Joined, opts: HostOptions, i: int, lane: int, lanes: int) -> Str
         lane=lane,
         lanes=lanes,
         pad_empty=desc.spec.pad_empty,
+        wire_bits=desc.spec.wire_bits,
     )
     faults = opts.faults
     if faults is not None and i:  # independent losses per engine
@@ -199,13 +235,14 @@ class _Joined:
 class _Place:
     """Where one rank joins at one aggregator: rank of world_size in job `job`; elems: rank 0's
     packet size (0 on the other ranks, which adopt the job's); where: " on aggregator j (...)"
-    when striped, for the messages."""
+    when striped, for the messages; wire_bits: the element width rank 0 creates the job with."""
 
     rank: int
     world_size: int
     job: str
     elems: int
     where: str
+    wire_bits: int = 32
 
 
 def parse_controls(control: str | Sequence[str]) -> list[tuple[str, int]]:
@@ -238,12 +275,14 @@ def _join_one(
     opts: HostOptions,
     ctl: ControlClient,
     port: int,
-    on_token: Callable[[str], None] | None,
+    hooks: tuple[Callable[[str], None] | None, Callable[[str], object] | None],
     lanes: int | None,
 ) -> _Joined:
     """Create (rank 0) or find the job at one control endpoint (`ctl`, connected) and register
     there with `lanes` lanes (None: the job's); returns the job's description, the control link
-    (kept open: closing it leaves), the lanes' data sockets and their group memberships."""
+    (kept open: closing it leaves), the lanes' data sockets and their group memberships.
+    `hooks`: rank 0's (on_token, created), called after the job was created (init, _init)."""
+    on_token, created = hooks
     pinned = opts.ip is not None
     my_ip = opts.ip if opts.ip is not None else source_ip_towards(*ctl.endpoint)
     bind_ip = my_ip if pinned else "0.0.0.0"
@@ -263,9 +302,13 @@ def _join_one(
                 window=opts.window,
                 worker_port=socks[0].address[1],
                 lanes=lanes,
+                # an endpoint older than 16-bit jobs never sees the field for a 32-bit one
+                **({"wire_bits": place.wire_bits} if place.wire_bits != 32 else {}),
             )
             if on_token is not None and job in ctl.tokens:
                 on_token(ctl.tokens[job])
+            if created is not None:
+                created(ctl.tokens.get(job, ""))
         else:
             desc = ctl.job("status", job=job, wait=wait, reply_timeout=wait + 5)
             _check_world(desc, place)
@@ -300,6 +343,11 @@ def _join_one(
 
 
 def _check_world(desc: JobDescription, place: _Place) -> None:
+    if desc.spec.wire_bits != place.wire_bits:
+        raise RendezvousError(
+            f"job {place.job!r}{place.where} is a {desc.spec.wire_bits}-bit job, this rank "
+            f"wants {place.wire_bits} bits (a job of that name made by another run?)"
+        )
     if desc.world_size != place.world_size:
         raise ValueError(
             f"job {place.job!r}{place.where} has world_size {desc.world_size}, this rank was "
@@ -445,10 +493,17 @@ class Communicator:
     """
 
     def __init__(
-        self, rank: int, job: str, engine: Engine, joined: list[_Joined], size: PacketSize
+        self,
+        rank: int,
+        job: str,
+        engine: Engine,
+        joined: list[_Joined],
+        size: PacketSize,
+        start: _Start | None = None,
     ) -> None:
         """(hostlib.init makes it) `joined`: this rank's place at each aggregator (_Joined), in
-        stripe order; `engine` runs the all-reduces over their data sockets."""
+        stripe order; `engine` runs the all-reduces over their data sockets; `start`: how it
+        joined (None: it cannot join a companion job of another width)."""
         first = joined[0]
         self.rank = rank
         self.job = job
@@ -459,8 +514,14 @@ class Communicator:
         self.descriptions: tuple[JobDescription, ...] = tuple(x.desc for x in joined)
         # dense or sparse, per all-reduce, the same on every rank (docs/protocol.md 8.5)
         self._chooser = SparseChooser(
-            all(d.spec.sparse for d in self.descriptions), first.desc.spec.elems
+            all(d.spec.sparse for d in self.descriptions), first.desc.spec.elems_per_packet
         )
+        # A job has one element width: an all-reduce at the other one runs on a companion job,
+        # joined on first use (_for_width) and held until close.
+        self._start = start
+        self._wire_bits = first.desc.spec.wire_bits
+        self._companions: dict[int, Communicator] = {}
+        self._last_bits: int | None = None  # the width of the last all-reduce
         self._ctls = [x.ctl for x in joined]
         # every lane's data socket at every aggregator, and the ip_mreq of each socket's
         # multicast group if it joined one (close leaves them)
@@ -490,13 +551,22 @@ class Communicator:
         inplace: bool = False,
         timeout: float | None = None,
         sparse: bool | str = "auto",
+        wire_bits: int | None = None,
     ) -> np.ndarray:
         """Sum `array` over all ranks; returns the sum (a new array, `out`, or `array` itself).
 
-        int32 sums are exact and wrap modulo 2^32 like the aggregator's; float32 sums are block
-        scaled (error bound in hostlib.scaling); float16 and bfloat16 go through float32. Any
-        shape and length; every rank must pass the same length. `timeout` overrides the
-        communicator's stall timeout for this call.
+        int32 sums are exact and wrap modulo 2^32 like the aggregator's; float32, bfloat16 and
+        float16 sums are block scaled (error bound in hostlib.scaling), quantised from and into
+        the array's own type. Any shape and length; every rank must pass the same length.
+        `timeout` overrides the communicator's stall timeout for this call.
+
+        `wire_bits`: the width of an element on the wire, 32 or 16 (two elements a 32-bit word,
+        half the packets, an error bound about 2^16 times larger: scaling.error_bound). None
+        (the default) means 16 for bfloat16 and float16 arrays and 32 for float32 and int32;
+        16 for float32 is the compressed option; int32 is exact only at 32 bits (ValueError at
+        16). A job has one width, so the first all-reduce at the other one joins a companion
+        job (`job` + "~w16") through the same control endpoints on every rank: every rank must
+        pass the same width, as the same length.
 
         `sparse`: True sends only the blocks (packets' worth of elements) that are non-zero on
         this rank, and the blocks zero on every rank do not travel at all (a sparse job only:
@@ -505,7 +575,7 @@ class Communicator:
         mostly non-zero (hostlib.sparsity). The sums are the same either way, byte for byte.
         Every rank must pass the same `sparse`.
         """
-        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse)
+        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse, wire_bits)
         self._chooser.check(sparse)
         with self._lock:
             if self._closed:
@@ -532,13 +602,14 @@ class Communicator:
         inplace: bool = False,
         timeout: float | None = None,
         sparse: bool | str = "auto",
+        wire_bits: int | None = None,
     ) -> AllreduceHandle:
         """Start an all-reduce (arguments as allreduce()); returns a handle with wait(timeout)
         and done().
 
         Do not modify `array` (or read `out`) until the handle is done.
         """
-        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse)
+        arrays = _AllreduceArrays.prepare(array, out, inplace, sparse, wire_bits)
         self._chooser.check(sparse)
         with self._lock:
             if self._closed:
@@ -568,22 +639,63 @@ class Communicator:
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
                 f"close it, and init again on every rank"
             )
-        started = self._engine.counter
+        target = self._for_width(arrays.wire_bits)
+        self._last_bits = arrays.wire_bits
+        engine, chooser = target._engine, target._chooser
+        started = engine.counter
         kind, size = arrays.kind, arrays.src.size
-        sparse = self._chooser.choose(arrays.sparse, kind, size)
+        sparse = chooser.choose(arrays.sparse, kind, size)
         try:
-            self._engine.allreduce(arrays.src, arrays.dst_flat, timeout, sparse)
-            if arrays.sparse == "auto" and self._chooser.job_sparse:
-                self._chooser.observe(kind, size, arrays.dst_flat, self._engine.last_union)
+            engine.allreduce(arrays.src, arrays.dst_flat, timeout, sparse)
+            if arrays.sparse == "auto" and chooser.job_sparse:
+                chooser.observe(kind, size, arrays.dst_flat, engine.last_union)
         except AllreduceTimeout as e:
             # The ranks' slot states now differ: another all-reduce would only time out again.
             self._broken = "an all-reduce timed out"
-            raise self._explain(e) from None
+            raise target._explain(e) from None
         except BaseException as e:
-            if self._engine.counter != started:  # failed half-way (not a rejected input)
+            if engine.counter != started:  # failed half-way (not a rejected input)
                 self._broken = f"an all-reduce failed: {e!r}"
             raise
         return arrays.finish()
+
+    def _for_width(self, bits: int) -> Communicator:
+        """What runs an all-reduce at element width `bits`: this communicator's job, or its
+        companion job of that width, joined now if this is the first such all-reduce."""
+        if bits == self._wire_bits:
+            return self
+        companion = self._companions.get(bits)
+        if companion is None:
+            companion = self._companions[bits] = self._companion(bits)
+        return companion
+
+    def _companion(self, bits: int) -> Communicator:
+        """Join the companion job of width `bits`, `job` + "~w16", as this job was joined (the
+        same endpoints, options, packet size and lanes; ports the kernel picks). Every rank
+        gets here at the same all-reduce. Rank 0 creates it and hands its token to the others
+        in an all-reduce of this job, so that ranks holding only this job's token join too."""
+        st = self._start
+        if st is None or self._wire_bits != 32:
+            raise HostlibError(
+                f"job {self.job!r} runs {self._wire_bits}-bit all-reduces only: this communicator "
+                f"was not made by hostlib.init, so it cannot join a {bits}-bit companion job"
+            )
+        opts = dataclasses.replace(st.opts, elems=self._size.elems, lanes=self.lanes, port=0)
+        start = dataclasses.replace(st, job=f"{self.job}~w{bits}", opts=opts, wire_bits=bits)
+        if self.rank == 0:
+            return _init(start, None, None, created=self._token_broadcast)
+        return _init(start, self._token_broadcast("") or None, None)
+
+    def _token_broadcast(self, token: str) -> str:
+        """Rank 0's `token` on every rank: a dense int32 all-reduce of its bytes on this job
+        (the other ranks add zeros)."""
+        buf = np.zeros(_TOKEN_BYTES, np.int32)
+        if self.rank == 0:
+            raw = np.frombuffer(token.encode()[:_TOKEN_BYTES], np.uint8)
+            buf[: raw.size] = raw
+        out = np.empty_like(buf)
+        self._engine.allreduce(buf, out, None, False)
+        return out.astype(np.uint8).tobytes().rstrip(b"\0").decode(errors="replace")
 
     def _explain(self, e: AllreduceTimeout) -> AllreduceTimeout:
         """Add the control endpoint's view (absent and lagging ranks) to a timeout."""
@@ -609,11 +721,21 @@ class Communicator:
     @property
     def stats(self) -> dict[str, Any]:
         """Counters of this communicator (see hostlib.engine.STAT_NAMES), as a new dict, and
-        "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32 per
-        packet), "elems_reason" (why: given, the path MTU and the aggregator's sizes for
-        elems="auto", or rank 0's choice) and "lanes" (at each aggregator)."""
+        "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32
+        words per packet), "elems_reason" (why: given, the path MTU and the aggregator's sizes
+        for elems="auto", or rank 0's choice), "lanes" (at each aggregator) and "wire_bits"
+        (the element width of the last all-reduce: 32 or 16; None before the first). The
+        counters add up this job's and its companion jobs' (Communicator.allreduce wire_bits);
+        rtt and cwnd are those of the job the last all-reduce ran on."""
+        st = dict(self._engine.stats)
+        for c in self._companions.values():
+            for name, v in c._engine.stats.items():
+                st[name] += v
+        last = self._companions.get(self._last_bits or 0, self)
+        st.update(rtt=last._engine.stats["rtt"], cwnd=last._engine.stats["cwnd"])
         return {
-            **self._engine.stats,
+            **st,
+            "wire_bits": self._last_bits,
             "data_path": self._engine.data_path,
             "data_path_reason": self._engine.data_path_reason,
             "elems": self._size.elems,
@@ -659,6 +781,8 @@ class Communicator:
         self._executor.shutdown(wait=True)
         with self._engine_lock:  # an all-reduce running inline in another thread finishes first
             pass
+        for companion in self._companions.values():
+            companion.close()  # leaves the companion jobs
         self._engine.close()
         for ctl in self._ctls:
             try:
@@ -686,7 +810,8 @@ class Communicator:
 
 
 class _AllreduceArrays:
-    """One all-reduce's arrays: validated, flattened, float types up-converted."""
+    """One all-reduce's arrays: validated and flattened, in the caller's own dtype (the loops
+    quantise from it and dequantise into it), and the element width it goes at."""
 
     def __init__(
         self,
@@ -696,10 +821,12 @@ class _AllreduceArrays:
         result: np.ndarray,
         convert_back: np.ndarray | None,
         sparse: bool | str = "auto",
+        wire_bits: int = 32,
     ) -> None:
         self.kind, self.src, self.dst_flat = kind, src, dst_flat
         self.result, self.convert_back = result, convert_back
         self.sparse = sparse  # as the caller gave it: True, False, "auto"
+        self.wire_bits = wire_bits
 
     @classmethod
     def prepare(
@@ -708,10 +835,12 @@ class _AllreduceArrays:
         out: np.ndarray | None,
         inplace: bool,
         sparse: bool | str = "auto",
+        wire_bits: int | None = None,
     ) -> _AllreduceArrays:
         check_sparse_arg(sparse)
         arrays = cls._prepare(array, out, inplace)
         arrays.sparse = sparse
+        arrays.wire_bits = _width(arrays.kind, wire_bits)
         return arrays
 
     @classmethod
@@ -726,12 +855,7 @@ class _AllreduceArrays:
             out = array
         a = np.asarray(array)
         name = a.dtype.name
-        work: type[np.int32] | type[np.float32]
-        if name == "int32":
-            kind, work = "int32", np.int32
-        elif name == "float32" or name in _FLOAT_16:
-            kind, work = "float32", np.float32
-        else:
+        if name not in DTYPES:
             raise TypeError(
                 f"allreduce supports int32, float32, float16 and bfloat16 arrays, not {a.dtype}; "
                 f"convert first (e.g. float64 -> float32)"
@@ -742,15 +866,27 @@ class _AllreduceArrays:
             raise ValueError(f"out must be a numpy array of dtype {a.dtype} and shape {a.shape}")
         if not out.flags.writeable:
             raise ValueError("the output array is read-only")
-        src = np.ascontiguousarray(a, dtype=work).reshape(-1)  # a view when already so
-        if out.dtype == work and out.flags.c_contiguous:
-            return cls(kind, src, out.reshape(-1), out, None)
-        # a float16/bfloat16 or non-contiguous output: work in float32/int32, copy back at end
-        return cls(kind, src, np.empty(a.size, dtype=work), out, out)
+        src = np.ascontiguousarray(a).reshape(-1)  # a view when already so
+        if out.flags.c_contiguous:
+            return cls(name, src, out.reshape(-1), out, None)
+        # a non-contiguous output: the sums into a flat one, copied back at the end
+        return cls(name, src, np.empty(a.size, dtype=a.dtype), out, out)
 
     def finish(self) -> np.ndarray:
         if self.convert_back is not None:
-            self.convert_back[...] = self.dst_flat.reshape(self.result.shape).astype(
-                self.result.dtype
-            )
+            self.convert_back[...] = self.dst_flat.reshape(self.result.shape)
         return self.result
+
+
+def _width(kind: str, wire_bits: int | None) -> int:
+    """The element width of an all-reduce of dtype `kind` asked for as `wire_bits` (None: 16
+    for the 16-bit float types, else 32); ValueError for one the wire has not or int32 at 16."""
+    if wire_bits is None:
+        return 16 if kind in _FLOAT_16 else 32
+    if isinstance(wire_bits, bool) or wire_bits not in wire.WIRE_BITS:
+        raise ValueError(f"wire_bits must be 32, 16 or None, not {wire_bits!r}")
+    if kind == "int32" and wire_bits == 16:
+        raise ValueError(
+            "int32 is exact only at 32 bits: all-reduce int32 arrays with wire_bits=32 (or None)"
+        )
+    return wire_bits

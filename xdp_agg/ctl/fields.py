@@ -32,3 +32,16 @@ def float_field(req: dict, name: str) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0:
         raise RequestError(f"{req.get('op')}: field {name!r} must be a number >= 0 (got {v!r})")
     return float(v)
+
+
+def wire_bits_field(req: dict) -> int:
+    """Field "wire_bits", a job's element width (docs/protocol.md 5.6): 32 (the default, when
+    absent) or 16."""
+    v = req.get("wire_bits")
+    if v is None:
+        return 32
+    if isinstance(v, bool) or v not in (32, 16):
+        raise RequestError(
+            f"{req.get('op')}: field 'wire_bits' = {v!r} is not an element width: 32 or 16"
+        )
+    return int(v)

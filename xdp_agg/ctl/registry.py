@@ -7,6 +7,7 @@ method whose name does not say otherwise takes it, and the private ones run with
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import logging
 import select
@@ -21,7 +22,7 @@ from xdp_agg.proto.jobs import Delivery, JobDescription, JobSpec, WorkerSpec
 from xdp_agg.proto.limits import MAX_JOBS, MAX_WORKERS
 
 from .backend import ParentJoin, SparseJobs, WorkerCounters, sparse_elems
-from .fields import RequestError, float_field, int_field, request_key
+from .fields import RequestError, float_field, int_field, request_key, wire_bits_field
 
 log = logging.getLogger("xdp_agg.ctl.server")
 
@@ -321,9 +322,12 @@ class JobRegistry:
             raise RequestError(
                 f"create: worker_port {worker_port} leaves no room for {lanes} lanes"
             )
+        bits = wire_bits_field(req)
         with self.cond:
             holder = Holder.connection(conn)
-            self.open_job(holder, key, world, elems, window, worker_port, leased=True)
+            self.open_job(
+                holder, key, world, elems, window, worker_port, leased=True, wire_bits=bits
+            )
             job = self.jobs[key]
             job.lanes = lanes
             return {"job": self.describe(job, local), "token": job.token}
@@ -341,13 +345,14 @@ class JobRegistry:
         base=None,
         unicast=False,
         leased=False,
+        wire_bits=32,
     ) -> JobSpec:
         """Create job `key` held by `holder`: a free job id, the aggregator `port` and first slot
         `base` given, else the first free port and the first fit of `window` slots; its spec.
         `unicast`: its results to each worker by unicast where they would go to a group (hosts
         that join none). `leased`: xdp_agg.ctl.lease ends it when it is quiet (a job of op
-        create); else it lives until end_job. RequestError saying why it cannot be (the name,
-        the port or the slots taken)."""
+        create); else it lives until end_job. `wire_bits`: its element width (JobSpec). A
+        RequestError saying why it cannot be (the name, the port or the slots taken)."""
         with self.cond:
             self._check_running()
             if key in self.jobs:
@@ -363,6 +368,8 @@ class JobRegistry:
                 raise RequestError(f"all {MAX_JOBS} job ids are in use; wait for a job to end")
             port, base = self._place(ports, ranges, window, port, base)
             spec = self._job_spec(key, job_id, world, elems, base, window, port, unicast)
+            if wire_bits != 32:
+                spec = self._with_width(key, spec, wire_bits)
             try:
                 if isinstance(self.backend, ParentJoin):  # a rack: join the parent's job first
                     spec = self.backend.join_parent(
@@ -414,6 +421,16 @@ class JobRegistry:
                 f"{self.defaults.pool_slots}; use a smaller window or wait for a job to end"
             )
         return port, base
+
+    def _with_width(self, key, spec: JobSpec, wire_bits: int) -> JobSpec:
+        """`spec` at element width `wire_bits` (docs/protocol.md 5.6); RequestError where this
+        endpoint cannot run it: a rack of a two-level tree joins its parent's job as 32 bits."""
+        if isinstance(self.backend, ParentJoin):
+            raise RequestError(
+                f"job {key!r}: a two-level tree's jobs are 32-bit; this rack endpoint cannot "
+                f"create a {wire_bits}-bit job"
+            )
+        return dataclasses.replace(spec, wire_bits=wire_bits)
 
     def _job_spec(self, key, job_id, world, elems, base, window, port, unicast) -> JobSpec:
         """A new job's spec with the endpoint's defaults (its group, addresses, checksum);

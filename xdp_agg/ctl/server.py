@@ -16,12 +16,13 @@ time of a connection that holds no job (a connection that created or registered 
 it stays open all run and its close means "leave"), requests per second per source address.
 A refusal is an error answer and changes nothing.
 
-    create   {job, world_size, elems, window, worker_port, lanes?}  (rank 0)
+    create   {job, world_size, elems, window, worker_port, lanes?, wire_bits?}  (rank 0)
              -> {ok, job: <description>, token}
              Allocates a job id (0..63), `window` contiguous slots (first fit over the pool) and an
              aggregator port in 0xBEE0..0xBEEF that no live job uses, then backend.create_job.
              A live job with the same key is an error, never a merge. `lanes` (1..window): every
              rank's lanes, in the description for ranks that let rank 0 choose (lanes="auto").
+             `wire_bits` (32, the default, or 16): the job's element width (JobSpec.wire_bits).
     register {job, rank, port, mac?, ip?, timeout?, lanes?}          (every rank)
              -> {ok, job: <description>}, answered to every rank once all world_size ranks
              registered (a barrier); after `timeout` (capped by the server's barrier_timeout) an
