@@ -508,7 +508,7 @@ def run_backend_wire16(args, rank: int, n: int) -> dict:
         "coalesced bfloat16+float16+float32",
         # float32 at 16 bits (XDP_AGG_WIRE_BITS=16) is not exact: within 2^-10 of the sum
         all(
-            torch.allclose(x.double(), torch.full((3000,), w), rtol=2**-10)
+            torch.allclose(x.double(), torch.full((3000,), w, dtype=torch.float64), rtol=2**-10)
             for x, w in zip(xs, want)
         ),
         f"{[float(x[0]) for x in xs]} vs {want}",

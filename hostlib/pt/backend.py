@@ -634,7 +634,9 @@ def _job_name(store: Store, rank: int, group_name: str) -> str:
     key = "xdpagg/job"
     if rank == 0:
         run = os.environ.get("TORCHELASTIC_RUN_ID") or "torch"
-        name = f"{run}.g{group_name}.{secrets.token_hex(4)}"[-200:]
+        # at most 196 characters: hostlib names a 16-bit companion job name + "~w16", and the
+        # control endpoint takes names of up to 200
+        name = f"{run}.g{group_name}.{secrets.token_hex(4)}"[-196:]
         store.set(key, name)
         return name
     return store.get(key).decode()

@@ -271,9 +271,9 @@ class CheckingComm:
         self.comm, self.device = comm, device
         self.rank, self.world_size, self.stats = comm.rank, comm.world_size, comm.stats
 
-    def allreduce(self, src, out=None):
+    def allreduce(self, src, out=None, *, wire_bits=None):
         with self.device.aggregating(src):
-            return self.comm.allreduce(src, out=out)
+            return self.comm.allreduce(src, out=out, wire_bits=wire_bits)
 
 
 class ScalingComm:
