@@ -453,3 +453,84 @@ def test_wire16_staged_equals_the_cpu_path_through_hostlib_on_loopback():
     with soft_cluster() as cl:
         for wrong, violations, width, wire16 in ok(run_ranks(cl, 2, body)):
             assert not wrong and not violations and width == 16 and wire16 == 18
+
+
+# --- FSDP2/HSDP with a bfloat16 reduce_dtype --------------------------------------------------
+HSDP_LOSS_TOL = 2e-3  # bfloat16 gradients (8 significant bits) against float32 DDP, 3 steps
+
+
+def check_hsdp_wire16(reports: list[dict], n: int) -> None:
+    """HSDP with reduce_dtype=bfloat16: the replicate groups' all-reduces were bfloat16, went
+    through the aggregator at 16 bits, none through gloo; training stays close to float32 DDP."""
+    for rep in reports:
+        h = rep["hsdp"]
+        assert h["loss_err"] <= HSDP_LOSS_TOL, (rep["rank"], h["losses"], h["ref_losses"])
+        assert rep["replicate_allreduces"] > 0
+        assert rep["replicate_wire16"] == rep["replicate_allreduces"], rep
+        assert rep["replicate_wire_bits"] == 16
+        rows = [r for r in rep["path_stats"] if r["collective"] == "all_reduce"]
+        assert rows and all(r["path"] == "aggregator" for r in rows), rows
+        bf16 = [r for r in rows if r["dtype"] == "bfloat16"]
+        assert bf16 and all(r["wire_bits"] == "16" for r in bf16), rows
+        # the shard groups' reduce-scatters are bfloat16 too, on gloo (one-way data)
+        rs = [r for r in rep["shard_path_stats"] if r["collective"] == "reduce_scatter_tensor"]
+        assert any(r["dtype"] == "bfloat16" and r["path"] == "gloo" for r in rs), rs
+
+
+def test_hsdp_wire16_bf16_reduce_dtype_on_loopback():
+    """tests/torch_fsdp_worker.py hsdp-wire16 on 4 ranks (env:// rendezvous, the soft
+    aggregator): HSDP 2 x 2 with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from harness.ranks import soft_cluster
+    from test_torch import _env
+
+    worker = str(Path(__file__).resolve().parent / "torch_fsdp_worker.py")
+    n = 4
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with soft_cluster() as cl:
+        procs = [
+            subprocess.Popen(
+                [sys.executable, worker, "hsdp-wire16", "--steps", "3"],
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                env=_env(
+                    r,
+                    n,
+                    "127.0.0.1",
+                    port,
+                    cl.endpoint,
+                    "lo",
+                    XDP_AGG_IP=cl.worker_ip(r),
+                    XDP_AGG_SECRET_FILE=cl.secret_file,
+                    XDP_AGG_WINDOW=32,
+                    XDP_AGG_TIMEOUT=20,
+                    TORCHELASTIC_RUN_ID=f"w16-{os.getpid()}",
+                ),
+            )
+            for r in range(n)
+        ]
+        outs = []
+        try:
+            for p in procs:
+                out, err = p.communicate(timeout=240)
+                assert p.returncode == 0, err[-3000:]
+                outs.append(out)
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+    reports = []
+    for out in outs:
+        lines = [ln for ln in out.splitlines() if ln.startswith("REPORT ")]
+        assert lines, out[-2000:]
+        reports.append(json.loads(lines[-1][len("REPORT ") :]))
+    check_hsdp_wire16(reports, n)
