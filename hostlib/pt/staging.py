@@ -3,9 +3,11 @@ copies down, the aggregation on the host and the copies up overlapped.
 
 The aggregator sums host memory (hostlib's numpy arrays), so a CUDA tensor must come down to the
 host and its sum go back up. Done whole, the two copies and the aggregation run one after the
-other; here the tensor is cut into chunks of `chunk_bytes` (CHUNK_BYTES, 16 MiB of 4-byte wire
-elements, rounded down to whole packets) that take turns in a ring of SLOTS = 3 pinned slots,
-reused by every call of the channel. The channel's thread runs, for chunk i in slot i mod 3:
+other; here the tensor is cut into chunks that take turns in a ring of SLOTS = 3 pinned slots
+of `chunk_bytes` (CHUNK_BYTES, 16 MiB of 4-byte elements, rounded down to whole packets),
+reused by every call of the channel. A chunk is the most whole packets of the all-reduce's
+element width (16-bit packets carry twice the elements) that fill a slot: tensor_chunk. The
+channel's thread runs, for chunk i in slot i mod 3:
 
     start chunk i+1's copy down (device -> its slot)      # after that slot's last copy up
     wait for chunk i's copy down
