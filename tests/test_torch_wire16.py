@@ -179,6 +179,26 @@ def test_wire16_staged_equals_the_cpu_path_at_either_width(fake, policy):
     cpu.close()
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (none here)")
+@pytest.mark.parametrize("policy", ["auto", 16])
+def test_wire16_cuda_tensors_equal_the_cpu_path(policy):
+    """torch.cuda's streams (staging.CudaDevice) at 16 bits: bfloat16 through ml_dtypes' view of
+    the pinned slot, float32 in chunks of whole 16-bit packets; the CPU path's bytes."""
+    staged = AllreduceChannel(ScalingComm(elems=ELEMS), chunk_bytes=CHUNK * 4, wire_bits=policy)
+    cpu = AllreduceChannel(ScalingComm(elems=ELEMS), stage_on=lambda t: None, wire_bits=policy)
+    for dtype in (F32, F16, BF16):
+        for n in (1, 700, 5 * CHUNK + 3):
+            for avg in (False, True):
+                x = _input(dtype, n, seed=n)
+                a, b = x.cuda(), x.clone()
+                staged.submit(a, average=avg).wait()
+                cpu.submit(b, average=avg).wait()
+                assert _same_bytes(a.cpu(), b), (policy, dtype, n, avg)
+    assert 16 in staged.comm.bits
+    staged.close()
+    cpu.close()
+
+
 def test_wire16_staged_chunks_are_whole_16_bit_packets():
     """tensor_chunk: the most whole packets of the width whose elements fill the slot."""
     slot = staging.chunk_elems(CHUNK * 4, ELEMS)
