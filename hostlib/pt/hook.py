@@ -57,9 +57,10 @@ class HookState:
         timeout: float | None = None,
         wire_bits: int | str | None = None,
     ) -> None:
-        env = HostOptions.from_env()
-        if fallback is None:
-            fallback = env.fallback
+        if fallback is None or wire_bits is None:  # the environment's (HostOptions.from_env)
+            env = HostOptions.from_env()
+            fallback = env.fallback if fallback is None else fallback
+            wire_bits = env.wire_bits if wire_bits is None else wire_bits
         group: FallbackGroup | None
         if isinstance(fallback, str):
             if fallback != "gloo":
@@ -75,7 +76,7 @@ class HookState:
             comm,
             fallback=group,
             name="xdp-agg DDP hook",
-            wire_bits=env.wire_bits if wire_bits is None else wire_bits,
+            wire_bits=wire_bits,
         )
 
     @property
