@@ -13,8 +13,9 @@ Without root, in one process (harness/fake_device.ScalingComm sums as the aggreg
   16) of the float64 average, with no bfloat16 copy;
 - the fallback (gloo) sums a 16-bit tensor in float32 and broadcasts its bytes.
 Loopback (the soft aggregator, processes of tests/torch_worker.py; hostlib's 16-bit path): DDP
-with wire16_hook against a float64 reference, and bf16/f16/f32 tensors through the backend at
-the widths XDP_AGG_WIRE_BITS gives.
+with wire16_hook against a float64 reference (also in the netns testbed through the XDP
+aggregator, root), bf16/f16/f32 tensors through the backend at the widths XDP_AGG_WIRE_BITS
+gives, and HSDP with a bfloat16 reduce_dtype (4 ranks, tests/torch_fsdp_worker.py).
 """
 
 from __future__ import annotations
@@ -411,12 +412,33 @@ def test_ddp_wire16_hook_on_loopback():
 
     with soft_cluster() as cl:
         reports = _reports(_start_loopback(cl, 2, "ddp-wire16", "--steps", "3"))
+    check_ddp_wire16(reports, 3)
+
+
+def check_ddp_wire16(reports: list[dict], steps: int) -> None:
     for rep in reports:
-        assert rep["wire16"] == rep["allreduces"] == len(rep["ratio"]) >= 3, rep
-        assert rep["widths"] == [16, 16, 16], rep
+        assert rep["wire16"] == rep["allreduces"] == len(rep["ratio"]) >= steps, rep
+        assert rep["widths"] == [16] * steps, rep
         assert max(rep["ratio"]) <= 1.0, rep["ratio"]
         assert rep["exact_zero"] < len(rep["ratio"]), rep  # the 16 bits did round
         assert rep["param_diff"] < 1e-3, rep
+
+
+@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.root
+@pytest.mark.bpf
+@pytest.mark.netns
+@pytest.mark.slow
+def test_ddp_wire16_hook_in_testbed(testbed_factory, n):
+    """The same through the XDP aggregator, n worker namespaces (one-arm)."""
+    from test_torch import _reports, _start_testbed
+
+    from xdp_agg.cluster.cluster import Cluster
+
+    tb = testbed_factory(workers=n, topology="one-arm")
+    with Cluster(tb) as cl:
+        procs = _start_testbed(tb, cl, "ddp-wire16", "--job", f"w16-{n}", "--steps", "3")
+        check_ddp_wire16(_reports(procs), 3)
 
 
 @pytest.mark.parametrize("policy,coalesced16", [("auto", 2), ("32", 0), ("16", 3)])
