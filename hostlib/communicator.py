@@ -639,7 +639,11 @@ class Communicator:
                 f"the communicator is unusable after an earlier failure ({self._broken}); "
                 f"close it, and init again on every rank"
             )
-        target = self._for_width(arrays.wire_bits)
+        try:
+            target = self._for_width(arrays.wire_bits)
+        except AllreduceTimeout as e:  # the companion's token round this job stalled
+            self._broken = "an all-reduce timed out"
+            raise self._explain(e) from None
         self._last_bits = arrays.wire_bits
         engine, chooser = target._engine, target._chooser
         started = engine.counter

@@ -43,27 +43,26 @@ static inline uint32_t f16_to_f32_bits(uint16_t h)
     return s | ((uint32_t)(113 - sh) << 23) | ((m & 0x3FFu) << 13);
 }
 
-/* float32 bits -> float16, to nearest even, overflow to Inf, NaN kept quiet (as F16C's
- * vcvtps2ph and numpy's astype). */
-static uint16_t f32_bits_to_f16(uint32_t u)
+/* float32 bits -> float16, to nearest even, overflow to Inf, NaN a quiet NaN (as F16C's
+ * vcvtps2ph and numpy's astype). Without branches on the value (results of 16-bit jobs mix
+ * zeros and non-zeros at random, which a branchy routine mispredicts): the float unit rounds,
+ * after scaling that puts float16's last mantissa bit at float32's (Maratyszcza's FP16
+ * library, fp16_ieee_from_fp32_value). */
+static inline uint16_t f32_bits_to_f16(uint32_t u)
 {
-    uint16_t s = (uint16_t)((u >> 16) & 0x8000u);
-    uint32_t a = u & 0x7FFFFFFFu;
-    if (a >= 0x7F800000u)
-        return s | 0x7C00u | (a > 0x7F800000u ? 0x200u | ((a >> 13) & 0x3FFu) : 0);
-    if (a >= 0x477FF000u) /* 65520 and above: Inf */
-        return s | 0x7C00u;
-    if (a >= 0x38800000u) { /* a normal float16: rebias, then round off 13 bits */
-        uint32_t r = a - 0x38000000u;
-        return s | (uint16_t)((r + 0xFFFu + ((r >> 13) & 1u)) >> 13);
-    }
-    if (a < 0x33000000u) /* up to 2^-25 (a tie with 0): zero */
-        return s;
-    uint32_t e = a >> 23, m = (a & 0x7FFFFFu) | 0x800000u;
-    int shift = 126 - (int)e; /* a subnormal: m * 2^(e - 150) in units of 2^-24 */
-    uint32_t q = m >> shift, rem = m & ((1u << shift) - 1), half = 1u << (shift - 1);
-    q += rem > half || (rem == half && (q & 1u));
-    return s | (uint16_t)q;
+    float f, base, bias_f;
+    memcpy(&f, &u, 4);
+    /* |f| scaled up by 2^112 and down by 2^-110: Inf above float16's range, else |f| * 4 */
+    base = (fabsf(f) * 0x1.0p+112f) * 0x1.0p-110f;
+    uint32_t shl1 = u + u, bias = shl1 & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias; /* float16's subnormals share one ulp */
+    bias = (bias >> 1) + 0x07800000u;
+    memcpy(&bias_f, &bias, 4);
+    base += bias_f; /* the rounding: the bits below float16's ulp fall off */
+    uint32_t bits;
+    memcpy(&bits, &base, 4);
+    uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((u & 0x80000000u) >> 16) | (uint16_t)(shl1 > 0xFF000000u ? 0x7E00u : nonsign);
 }
 
 /* float32 bits -> bfloat16, to nearest even (ml_dtypes' astype); NaN kept quiet. */
@@ -145,8 +144,16 @@ static inline void unpack_pair(uint32_t w, int32_t *a, int32_t *b)
     *a = (int32_t)(w - (uint32_t)*b) >> 16;
 }
 
-static void quant_scalar(const void *x, int dt, fp_ssize count, double f, int clip, double M,
-                         int pairs, uint8_t *out)
+/* The kernels' loops, with dt and pairs constant in each instance (quant_scalar and
+ * dequant_scalar, and their AVX2 twins, call them so), so that the compiler takes the type's
+ * branches out of the loop. */
+#define KERNEL_INLINE __attribute__((always_inline)) static inline
+/* one instance per (type, width): X(dt, pairs) */
+#define FP_INSTANCES(X) \
+    X(FP_F32, 0) X(FP_F32, 1) X(FP_BF16, 0) X(FP_BF16, 1) X(FP_F16, 0) X(FP_F16, 1)
+
+KERNEL_INLINE void quant_scalar_of(const void *x, int dt, fp_ssize count, double f, int clip,
+                                   double M, int pairs, uint8_t *out)
 {
     if (!pairs) {
         for (fp_ssize i = 0; i < count; i++)
@@ -161,8 +168,8 @@ static void quant_scalar(const void *x, int dt, fp_ssize count, double f, int cl
 }
 
 /* (sum / f) of count elements from big-endian int32 words (pairs: two a word), into dt. */
-static void dequant_scalar(const uint8_t *in, fp_ssize count, double f, int pairs, int dt,
-                           void *out)
+KERNEL_INLINE void dequant_scalar_of(const uint8_t *in, fp_ssize count, double f, int pairs, int dt,
+                                     void *out)
 {
     if (!pairs) {
         for (fp_ssize i = 0; i < count; i++)
@@ -176,6 +183,30 @@ static void dequant_scalar(const uint8_t *in, fp_ssize count, double f, int pair
         if (i + 1 < count)
             store_float(out, dt, i + 1, (float)((double)b / f));
     }
+}
+
+static void quant_scalar(const void *x, int dt, fp_ssize count, double f, int clip, double M,
+                         int pairs, uint8_t *out)
+{
+#define QUANT_SCALAR_CASE(DT, PAIRS)                           \
+    if (dt == DT && pairs == PAIRS) {                          \
+        quant_scalar_of(x, DT, count, f, clip, M, PAIRS, out); \
+        return;                                                \
+    }
+    FP_INSTANCES(QUANT_SCALAR_CASE)
+#undef QUANT_SCALAR_CASE
+}
+
+static void dequant_scalar(const uint8_t *in, fp_ssize count, double f, int pairs, int dt,
+                           void *out)
+{
+#define DEQUANT_SCALAR_CASE(DT, PAIRS)                   \
+    if (dt == DT && pairs == PAIRS) {                    \
+        dequant_scalar_of(in, count, f, PAIRS, DT, out); \
+        return;                                          \
+    }
+    FP_INSTANCES(DEQUANT_SCALAR_CASE)
+#undef DEQUANT_SCALAR_CASE
 }
 
 /* count int32 to/from big-endian (the same operation both ways). */
@@ -284,8 +315,7 @@ AVX2_INLINE __m256 dequant8(__m256i s, __m256d vf)
                                 1); /* each rounds to nearest even */
 }
 
-/* The kernels' loops, with dt and pairs constant in each instance (quant_avx2 and
- * dequant_avx2 call them so), so that the compiler takes the type's branches out. */
+/* quant_scalar_of and dequant_scalar_of's twins (FP_INSTANCES of each) */
 AVX2_INLINE void quant_avx2_of(const void *x, int dt, fp_ssize count, double f, int clip, double M,
                                int pairs, uint8_t *out)
 {

@@ -34,8 +34,9 @@ Limits, by design of the one-byte exponent field:
 elements (a, b) into one int32 word a * 2^16 + b (wire.pack_pairs): every aggregator sums the
 words as int32, and since |sum a| and |sum b| stay within 2^15 - 1 both come back exactly
 (wire.unpack_pairs). The bound is the one above with that M: n / (2 f) = n 2^E / (2 M), about
-n^2 2^(E - 16), and the result's own rounding is that of its dtype (u |r|, the unit roundoff u
-being 2^-8 for bfloat16, 2^-11 for float16, 2^-24 for float32).
+n^2 2^(E - 16), and the result's own rounding is that of its dtype, rounded from float32 to
+nearest even: half a unit in the last place, at most 2^-8 |r| for bfloat16, 2^-11 for float16
+(and 2^-25 absolute below its normal range), 2^-24 for float32.
 """
 
 from __future__ import annotations

@@ -245,8 +245,9 @@ class StripedEngine:
     def allreduce(
         self, src: np.ndarray, dst: np.ndarray, timeout: float | None = None, sparse: bool = False
     ) -> None:
-        """Sum the flat `src` (int32, or float32) over the job into `dst` (may be src); with
-        `sparse`, every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
+        """Sum the flat `src` (int32, float32, bfloat16 or float16) over the job into `dst` of
+        its dtype (may be src), in parts of whole packets of the job's width; with `sparse`,
+        every part as a sparse all-reduce of its own (docs/protocol.md section 8.2)."""
         self._run(src, dst, timeout, sparse)
 
     @property

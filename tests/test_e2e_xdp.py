@@ -51,6 +51,32 @@ def test_allreduce_switch(testbed_factory):
     assert st["unattributed"]["drop_unknown_source"] == 0
 
 
+def test_wire16_allreduce_one_arm(testbed_factory):
+    """16-bit elements through the XDP aggregator (AGG_JOB_WIRE16): float16 and bfloat16 at
+    their default width, float32 with wire_bits=16, each within the 16-bit bound, on the
+    companion job "<job>~w16" the first of them joins; a 32-bit float32 all-reduce of the
+    same job after them; the aggregator's counters of both jobs match the workers'."""
+    pytest.importorskip("ml_dtypes")
+    tb = testbed_factory(workers=4, topology="one-arm")
+    plan = [
+        {"dtype": "float16", "count": ODD, "seed": 5},
+        {"dtype": "bfloat16", "count": 100_000, "seed": 6},
+        {"dtype": "float32", "count": 100_000, "seed": 7, "wire_bits": 16},
+        {"dtype": "float32", "count": 100_000, "seed": 7},
+        {"check": "counters"},
+    ]
+    with Cluster(tb) as cl:
+        reports = cl.run_workers(plan, job="wire16")
+    assert_reports_ok(reports)
+    for rank, reps in enumerate(reports):
+        widths = [r["stats"]["wire_bits"] for r in reps if "stats" in r]
+        assert widths == [16, 16, 16, 32], widths
+        c = next(r for r in reps if r.get("check") == "counters")
+        agg, me = c["aggregator"], c["worker"]
+        assert agg["contributions"] == me["results"], f"rank {rank}: {agg} vs {me}"
+        assert agg["dropped"] == 0
+
+
 @pytest.mark.parametrize("loss", [0.01, 0.05])
 def test_loss_in_both_directions(testbed_factory, loss):
     tb = testbed_factory(workers=4, topology="one-arm", loss_up=loss, loss_down=loss)

@@ -557,3 +557,184 @@ def test_a_build_with_other_wire_constants_refuses_to_import():
     stale.WIRE, stale.VALUES_AT = _fastpath.WIRE, wire.VALUES_AT + 2
     with pytest.raises(ImportError, match=r"VALUES_AT 12 \(xdp_agg.proto.wire: 10\)"):
         native_loop._check_wire(stale)
+
+
+# --- (e) 16-bit elements and 16-bit types (docs/protocol.md 5.6) --------------------------------
+WIRE16_CASES = [
+    pytest.param(dtype, bits, id=f"{dtype}-{bits}")
+    for dtype in ("float32", "bfloat16", "float16")
+    for bits in (16, 32)
+    if (dtype, bits) != ("float32", 32)  # the tests above
+]
+
+
+def as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x (float32) as `dtype` ("bfloat16": ml_dtypes'), within float16's range for float16."""
+    if dtype == "float16":
+        x = np.clip(x, -6e4, 6e4)
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+def wire16_tensors(dtype: str) -> list[np.ndarray]:
+    """mixed_tensors' float ones in `dtype`, and one with float16 subnormals and halfway
+    cases."""
+    out = [as_dtype(t, dtype) for t in mixed_tensors() if t.dtype == np.float32]
+    tiny = np.float32(2.0**-24) * np.arange(-40, 41, dtype=np.float32)  # float16 subnormals
+    return out + [as_dtype(tiny, dtype)]
+
+
+@pytest.mark.parametrize("dtype, bits", WIRE16_CASES)
+@pytest.mark.parametrize("n", [1, 3])
+def test_wire16_both_loops_and_kernels_send_the_same_bytes(dtype, bits, n):
+    """Each type at each width: numpy, the C loop with AVX2 and with scalar kernels send the
+    same packets (half as many at 16 bits) and write the same results in the tensor's type."""
+    tensors = wire16_tensors(dtype)
+    ref_out, ref_pk, ref_st = run_sequence(False, tensors, n=n, wire_bits=bits)
+    runs = [run_sequence(True, tensors, n=n, wire_bits=bits)]
+    if HAVE_AVX2:
+        prev = _fastpath.set_simd("scalar")
+        try:
+            runs.append(run_sequence(True, tensors, n=n, wire_bits=bits))
+        finally:
+            _fastpath.set_simd(prev)
+    ke = 32 * 32 // bits  # a packet's elements
+    assert len(ref_pk) == sum(-(-t.size // ke) + min(8, -(-t.size // ke)) for t in tensors)
+    for out, pk, st in runs:
+        assert pk == ref_pk
+        for a, b in zip(ref_out, out):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes()
+        assert st["results"] == len(ref_pk) and st["retransmissions"] == 0
+    assert {bool(p[0] & wire.TYPE_SIZE_WIRE16_MASK) for p in ref_pk.values()} == {bits == 16}
+
+
+def wire16_kernel_inputs(dtype: str, k: int, n: int):
+    """Chunks of tricky values in `dtype` (flat, a short last chunk), their agreed exponents
+    (some above their own) and random sums, (flat, rows, agreed, sums as words)."""
+    x = tricky_floats(k, 40, seed=n)
+    if dtype != "float32":  # within the type's range, its subnormals included
+        top = 6e4 if dtype == "float16" else 3e38
+        x = np.clip(x * np.float32(2.0**-100 if dtype == "float16" else 1), -top, top)
+        x[5] = np.float32(2.0**-24) * (np.arange(k) - k // 2)
+    flat = as_dtype(x.reshape(-1)[:-5], dtype)
+    rows = -(-flat.size // k)
+    padded = np.zeros(rows * k, flat.dtype)
+    padded[: flat.size] = flat
+    agreed = np.maximum(scaling.chunk_exponents(padded.reshape(rows, k)), np.int8(-20))
+    return flat, padded.reshape(rows, k), agreed
+
+
+@pytest.mark.parametrize("dtype, bits", WIRE16_CASES)
+@pytest.mark.parametrize("n", [1, 3, 64])
+def test_wire16_kernels_match_numpy(dtype, bits, n):
+    """_fastpath's chunk exponents, quantise and dequantise of each type at each width, AVX2
+    and scalar, against hostlib.scaling (the numpy loop's)."""
+    k = 78 if bits == 16 else 77  # not a multiple of the vector width (two elements a word)
+    flat, rows, agreed = wire16_kernel_inputs(dtype, k, n)
+    words = k * bits // 32
+    q_ref = scaling.quantise(rows, agreed, n, np.empty((len(rows), words), ">i4"), None, bits)
+    rng = np.random.default_rng(n)
+    sums = rng.integers(-(2**31), 2**31, (len(rows), words)).astype(">i4")
+    with np.errstate(over="ignore"):  # sums of values near the top overflow: inf
+        d_ref = scaling.dequantise(sums, agreed, n, np.empty(rows.shape, flat.dtype), bits)
+    d_ref = d_ref.reshape(-1)[: flat.size]
+    nwords = -(-flat.size * bits // 32)
+    prev = _fastpath.simd()
+    try:
+        for mode in ["scalar"] + (["avx2"] if HAVE_AVX2 else []):
+            _fastpath.set_simd(mode)
+            e, bad = _fastpath.chunk_exponents(flat, k, dtype)
+            want = scaling.chunk_exponents(rows)
+            assert bad == -1 and np.frombuffer(e, np.int8).tolist() == want.tolist(), mode
+            q = _fastpath.quantise(flat, agreed.tobytes(), n, k, dtype, bits)
+            assert q == q_ref.tobytes(), mode
+            s = sums.reshape(-1)[:nwords].tobytes()
+            d = _fastpath.dequantise(s, agreed.tobytes(), n, k, dtype, bits)
+            d = np.frombuffer(d, flat.dtype)[: flat.size]
+            assert d.tobytes() == d_ref.tobytes(), mode
+    finally:
+        _fastpath.set_simd(prev)
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wire16_narrowing_rounds_to_nearest_even_like_numpy(dtype):
+    """The C loop's float32 -> bfloat16/float16 (the scalar routines, AVX2's rounding, F16C)
+    against numpy's astype, on the float32 values of random sums over every exponent: normal
+    values, the type's subnormals, float16's overflow to Inf, and ties (asserted present)."""
+    k, chunks = 64, 4096
+    rng = np.random.default_rng(3)
+    sums = rng.integers(-(2**31), 2**31, chunks * k).astype(">i4")
+    sums[::31] &= ~0xFFF  # more values whose float32 ends in a tie of the 16-bit type
+    E = np.resize(np.arange(-128, 128, dtype=np.int8), chunks)
+    out = np.empty((chunks, k), as_dtype(np.zeros(1, np.float32), dtype).dtype)
+    with np.errstate(over="ignore"):
+        ref = scaling.dequantise(sums.reshape(chunks, k), E, 1, out, 32)
+        f32 = scaling.dequantise(sums.reshape(chunks, k), E, 1).view(np.uint32)
+    cut = 16 if dtype == "bfloat16" else 13
+    ties = np.count_nonzero((f32 & ((1 << cut) - 1)) == 1 << (cut - 1))
+    assert ties > 10
+    assert np.isinf(ref.astype(np.float32)).any() == (dtype == "float16")  # below bf16 max
+    for mode in ["scalar"] + (["avx2"] if HAVE_AVX2 else []):
+        prev = _fastpath.set_simd(mode)
+        try:
+            got = _fastpath.dequantise(sums.tobytes(), E.tobytes(), 1, k, dtype, 32)
+        finally:
+            _fastpath.set_simd(prev)
+        assert got == ref.tobytes(), mode
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_wire16_chunk_exponents_find_the_first_nan_or_inf(dtype):
+    x = as_dtype(np.ones(1000, np.float32), dtype)
+    x[613], x[900] = np.nan, -np.inf
+    for mode in ["scalar"] + (["avx2"] if HAVE_AVX2 else []):
+        prev = _fastpath.set_simd(mode)
+        try:
+            assert _fastpath.chunk_exponents(x, 64, dtype)[1] == 613
+            assert _fastpath.chunk_exponents(x[614:], 64, dtype)[1] == 900 - 614
+            assert _fastpath.block_scan(x, 64, dtype)[2] == 613
+        finally:
+            _fastpath.set_simd(prev)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_wire16_engine_refuses_int32_and_nan_before_sending(native):
+    agg = EchoAggregator()
+    eng = make_engine(agg, native, wire_bits=16)
+    try:
+        x = np.arange(100, dtype=np.int32)
+        with pytest.raises(ValueError, match="int32 is exact only at 32 bits"):
+            eng.allreduce(x, np.empty_like(x))
+        h = as_dtype(np.ones(300, np.float32), "float16")
+        h[77] = np.inf
+        with pytest.raises(ValueError, match="contains inf at element 77"):
+            eng.allreduce(h, np.empty_like(h))
+        time.sleep(0.02)
+        assert agg.packets() == {} and eng.stats["packets_sent"] == 0
+    finally:
+        eng.state.sock.close()
+        agg.close()
+
+
+def test_wire16_the_c_engine_checks_dtype_and_width_itself():
+    """_fastpath.Engine refuses an unknown dtype, int32 on a 16-bit stream and another width,
+    whoever calls it (hostlib.engine checks first; the C type does not rely on that)."""
+    agg = EchoAggregator()
+    eng = make_engine(agg, True, wire_bits=16)
+    fast = eng.loop._fast
+    x = np.zeros(64, np.int32)
+    try:
+        for dtype, match in [("int32", "int32 is exact only at 32 bits"), ("int64", "dtype must")]:
+            with pytest.raises(ValueError, match=match):
+                fast.allreduce(dtype, x, x, 1, 1, 0, b"\0", None, 1.0)
+        with pytest.raises(ValueError, match="wire_bits must be 32 or 16, not 8"):
+            _fastpath.Engine(
+                fd=eng.state.sock.fileno(), host="127.0.0.1", port=9, elems=32, window=4,
+                scaling_workers=1, type_size=0x10, slot_base=0, rto=0.01, rto_max=0.25,
+                wire_bits=8,
+            )  # fmt: skip
+    finally:
+        eng.state.sock.close()
+        agg.close()

@@ -55,6 +55,36 @@ def test_quantise_round_trip_within_bound_and_never_overflows(n):
     assert (n * qt <= 2**31 - 1).all() and (n * qt > 2**31 - 1 - 2 * n * 2**8).all()
 
 
+@pytest.mark.parametrize("n", [1, 3, 8, 64])
+def test_wire16_quantise_round_trip_within_bound_and_never_overflows(n):
+    """At 16 bits: |q| <= pair_range(n), words that n workers sum without a carry between the
+    halves (the sums unpack exactly, at the extremes too), and the round trip within the
+    16-bit bound."""
+    rng = np.random.default_rng(n)
+    x = (rng.standard_normal((50, 128)) * 10.0 ** rng.uniform(-6, 6, (50, 1))).astype(np.float32)
+    x[7] = 0.0
+    e = scaling.chunk_exponents(x)
+    words = scaling.quantise(x, e, n, wire_bits=16)
+    assert words.shape == (50, 64)
+    q = wire.unpack_pairs(words)
+    assert np.abs(q.astype(np.int64)).max() <= scaling.int_range(n, 16) == wire.pair_range(n)
+    back = scaling.dequantise(words, e, n, wire_bits=16).astype(np.float64)
+    err = np.abs(back - x)
+    bound = scaling.error_bound(e, n, 16)[:, None] / n + 2.0**-24 * np.abs(back)
+    assert (err <= bound).all()
+    assert (back[7] == 0).all()
+    # n workers all at +-M in every pattern of signs: the int32 word sums unpack exactly
+    M = wire.pair_range(n)
+    for a, b in [(M, M), (-M, -M), (M, -M), (-M, M), (0, -M), (-M, 0)]:
+        w = wire.pack_pairs(np.array([a, b], np.int32)).astype(np.int64) * n
+        assert -(2**31) <= w[0] < 2**31
+        assert wire.unpack_pairs(w.astype(np.int32)).tolist() == [n * a, n * b]
+    # the error bound is the 32-bit one scaled by M32 / M16: about 2^16 times larger
+    E = np.array([0, 10, -30], np.int8)
+    ratio = scaling.error_bound(E, n, 16) / scaling.error_bound(E, n)
+    assert np.allclose(ratio, scaling.int_range(n) / scaling.int_range(n, 16))
+
+
 def test_values_beyond_2_to_127_saturate_instead_of_wrapping():
     x = np.array([[3e38, -3e38]], np.float32)
     q = scaling.quantise(x, scaling.chunk_exponents(x), 2)
@@ -197,17 +227,20 @@ def test_float32_within_the_scaling_bound(n):
     assert all(np.array_equal(res[0], r) for r in res)  # every rank gets the same bits
 
 
-def test_float16_and_bfloat16_go_through_float32():
+def test_float16_and_bfloat16_at_32_bits():
+    """wire_bits=32 for the 16-bit types: quantised from them as float32 is (in C without a
+    float32 copy), the float32 bound plus the type's rounding."""
     n, length = 2, 1000
     xs = [np.linspace(-4, 4, length).astype(np.float16) * (r + 1) for r in range(n)]
 
     def body(c):
-        out = {"f16": c.allreduce(xs[c.rank])}
+        out = {"f16": c.allreduce(xs[c.rank], wire_bits=32)}
         try:
             import ml_dtypes  # optional: bfloat16 only when a numpy bfloat16 dtype exists
         except ImportError:
             return out
-        out["bf16"] = c.allreduce(xs[c.rank].astype(ml_dtypes.bfloat16))
+        out["bf16"] = c.allreduce(xs[c.rank].astype(ml_dtypes.bfloat16), wire_bits=32)
+        assert c.stats["wire_bits"] == 32 and c.stats["allreduces"] == 2
         return out
 
     with soft_cluster() as cl:
@@ -411,8 +444,9 @@ def test_stats_are_counted():
                 cl, 1, lambda c: (c.allreduce(np.ones(1000, np.int32)), c.stats)[1], elems=256
             )
         )
-    own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes"}
+    own = {"data_path", "data_path_reason", "elems", "elems_reason", "lanes", "wire_bits"}
     assert set(stats) == set(hostlib.STAT_NAMES) | own
+    assert stats["wire_bits"] == 32  # the last all-reduce's (int32)
     assert stats["lanes"] == hostlib.options.DEFAULT_LANES == 1
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
@@ -588,3 +622,153 @@ def test_allreduce_timeout_copy_keeps_the_facts_it_is_not_told_to_change():
     assert (d.diagnosis, d.stripe, d.outstanding_slots) == ({"absent": [1]}, 1, (1, 2, 3))
     with pytest.raises(TypeError, match="no attribute"):
         e.copy("x", packet=1)
+
+
+# --- 16-bit elements (docs/protocol.md 5.6) -----------------------------------------------------
+def wire16_dtype(name: str) -> np.dtype:
+    if name == "bfloat16":
+        return np.dtype(pytest.importorskip("ml_dtypes").bfloat16)
+    return np.dtype(name)
+
+
+# half a unit in the last place, relative: the result's own rounding (from float32)
+WIRE16_ROUNDING = {"float32": 2.0**-24, "bfloat16": 2.0**-8, "float16": 2.0**-11}
+
+
+def assert_within_wire16_bound(got, inputs, k, name):
+    """scaling's bound at 16 bits, per chunk of k elements: n / (2 f) with f from M = (2^15 -
+    1) // n, plus float32 rounding, plus the type's rounding of the result (and float16's
+    subnormal spacing, 2^-24, half of it)."""
+    n, length = len(inputs), len(got)
+    xs = [x.astype(np.float64) for x in inputs]
+    exact = sum(xs)
+    chunks = -(-length // k)
+    padded = [np.pad(x, (0, chunks * k - length)).reshape(chunks, k) for x in inputs]
+    E = np.max([scaling.chunk_exponents(p) for p in padded], axis=0)
+    quant = np.repeat(scaling.error_bound(E, n, 16), k)[:length]
+    r = np.abs(got.astype(np.float64))
+    bound = quant * (1 + 1e-6) + (2.0**-24 + WIRE16_ROUNDING[name]) * r + 2.0**-25
+    err = np.abs(got.astype(np.float64) - exact)
+    assert (err <= bound).all(), f"worst excess {np.max(err - bound)}"
+    assert (got[k : 2 * k] == 0).all()
+    return float(np.max(err / bound))
+
+
+@pytest.mark.parametrize("name", ["float32", "bfloat16", "float16"])
+@pytest.mark.parametrize("n", [1, 2, 4])
+def test_wire16_allreduce_within_the_bound(name, n):
+    """bfloat16 and float16 at their default width (16), float32 with wire_bits=16: each rank
+    gets the same bits, in the array's own dtype, within scaling.error_bound(E, n, 16) and the
+    type's rounding of the exact float64 sum. Rank 0 runs the C loop, the others numpy."""
+    length, elems = 4000, 64
+    k = 2 * elems  # a chunk is a packet's elements: two a word
+    dtype = wire16_dtype(name)
+    top = 2 if name == "float16" else 4  # float16: sums within its range
+    inputs = [float_inputs(r, length, k) for r in range(n)]
+    inputs = [(x / 10.0 ** (4 - top)).astype(dtype) for x in inputs]
+
+    def body(c):
+        out = c.allreduce(inputs[c.rank], wire_bits=16 if name == "float32" else None)
+        return out, c.stats
+
+    with soft_cluster() as cl:
+        per = {"per_rank": lambda r: {"native": r == 0 or None}}
+        res = ok(run_ranks(cl, n, body, elems=elems, window=8, **per))
+    for got, st in res:
+        assert got.dtype == dtype and got.shape == (length,)
+        assert st["wire_bits"] == 16
+        assert_within_wire16_bound(got, inputs, k, name)
+        assert got.tobytes() == res[0][0].tobytes()
+    # ceil(L / k) data packets (half a 32-bit all-reduce's) and the window; and once, the
+    # companion job's token round the 32-bit job: 256 int32
+    st = res[0][1]
+    assert st["allreduces"] == 2
+    assert st["results"] == -(-length // k) + 8 + -(-256 // elems)
+
+
+def test_wire16_choices_and_bad_input():
+    """wire_bits per call: None is 16 for the 16-bit types and 32 for float32 and int32; int32
+    at 16 bits, another width and other dtypes are refused before anything is sent, NaN and Inf
+    with the 32-bit path's error. The companion job exists once, as "<job>~w16"."""
+    n, length = 2, 700
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+
+    def body(c):
+        seen = []
+        x = np.linspace(-1, 1, length, dtype=np.float32) * (c.rank + 1)
+        for a, bits in [
+            (x, None),
+            (x.astype(np.float16), None),
+            (x, 16),
+            (x.astype(ml_dtypes.bfloat16), 32),
+            (x.astype(ml_dtypes.bfloat16), None),
+            (np.arange(length, dtype=np.int32), None),
+        ]:
+            out = c.allreduce(a, wire_bits=bits)
+            seen.append((out.dtype.name, c.stats["wire_bits"]))
+        sent = c.stats["packets_sent"]
+        with pytest.raises(ValueError, match="int32 is exact only at 32 bits"):
+            c.allreduce(np.arange(5, dtype=np.int32), wire_bits=16)
+        with pytest.raises(ValueError, match="wire_bits must be 32, 16 or None"):
+            c.allreduce(x, wire_bits=8)
+        with pytest.raises(TypeError, match="not float64"):
+            c.allreduce(x.astype(np.float64), wire_bits=16)
+        h = x.astype(np.float16)
+        h[123] = np.nan
+        with pytest.raises(ValueError, match="contains nan at element 123"):
+            c.allreduce(h)
+        assert c.stats["packets_sent"] == sent  # nothing sent for any of them
+        return seen, sorted(c._companions), c._companions[16].job
+
+    with soft_cluster() as cl:
+        res = ok(run_ranks(cl, n, body, job="choice", elems=64, window=8))
+    for seen, companions, job in res:
+        assert seen == [
+            ("float32", 32),
+            ("float16", 16),
+            ("float32", 16),
+            ("bfloat16", 32),
+            ("bfloat16", 16),
+            ("int32", 32),
+        ]
+        assert companions == [16] and job == "choice~w16"
+
+
+def test_wire16_width_mismatch_between_ranks_is_a_clear_error():
+    """Rank 0 asks for 16 bits where rank 1 asks for 32: neither gets a sum; both fail with
+    a HostlibError that says what is missing (no hang, no wrong sum)."""
+    x = np.linspace(-1, 1, 3000, dtype=np.float32)
+
+    def body(c):
+        return c.allreduce(x, wire_bits=16 if c.rank == 0 else 32)
+
+    t0 = time.monotonic()
+    with soft_cluster() as cl:
+        res = run_ranks(cl, 2, body, job="mismatch", elems=64, window=8, timeout=2.0,
+                        rendezvous_timeout=3.0, deadline=40.0)  # fmt: skip
+    # rank 0 waits for rank 1 at the companion job's barrier, which names it; rank 1's 32-bit
+    # all-reduce stalls, and the endpoint says rank 0 lags
+    assert isinstance(res[0], hostlib.RendezvousError), res
+    assert "'mismatch~w16'" in str(res[0]) and "rank(s) 1 of 2 did not register" in str(res[0])
+    assert isinstance(res[1], hostlib.AllreduceTimeout) and "lagging: rank 0" in str(res[1])
+    assert time.monotonic() - t0 < 40
+
+
+def test_wire16_over_stripes_and_lanes():
+    """A job striped over two aggregators with two lanes at each: its 16-bit companion is too
+    (the same endpoints and lanes), and gives the same bits on every rank within the bound."""
+    n, length, elems = 2, 40_000, 64
+    k = 2 * elems
+    inputs = [float_inputs(r, length, k) for r in range(n)]
+
+    def body(c):
+        out = c.allreduce(inputs[c.rank], wire_bits=16)
+        comp = c._companions[16]
+        return out, comp.lanes, len(comp.descriptions), comp.description.spec.wire_bits
+
+    with soft_cluster(aggregators=2) as cl:
+        res = ok(run_ranks(cl, n, body, elems=elems, window=8, lanes=2))
+    for got, lanes, stripes, bits in res:
+        assert (lanes, stripes, bits) == (2, 2, 16)
+        assert_within_wire16_bound(got, inputs, k, "float32")
+        assert got.tobytes() == res[0][0].tobytes()

@@ -276,3 +276,37 @@ def test_ranks_with_different_lanes_are_refused():
     assert ("runs 1 lane(s)" in refused[0] and "before it 2" in refused[0]) or (
         "runs 2 lane(s)" in refused[0] and "before it 1" in refused[0]
     )
+
+
+def _wire16_body(c):
+    """float16 and bfloat16 at 16 bits (their default), float32 at 16: LENGTHS' tensors of
+    twice the elements, so that the longest still has packets enough for every lane."""
+    import ml_dtypes
+
+    out = []
+    for L in LENGTHS:
+        x = float_inputs(c.rank, 2 * L, 2 * ELEMS) / np.float32(1e3)
+        out += [c.allreduce(x.astype(np.float16)), c.allreduce(x.astype(ml_dtypes.bfloat16))]
+        out.append(c.allreduce(x, wire_bits=16))
+    lanes = getattr(c._companions[16]._engine, "engines", [c._companions[16]._engine])
+    return out, [e.stats["results"] for e in lanes]
+
+
+@needs_fastpath
+def test_wire16_k_c_lanes_equal_k_numpy_lanes_and_one_lane():
+    """16-bit all-reduces on the companion job, which has the main job's lanes: two C lanes
+    give the bytes of two numpy lanes and of one lane, in each type; both lanes carried."""
+    pytest.importorskip("ml_dtypes")
+    n, k = 2, 2
+
+    def run(lanes, native):
+        with soft_cluster() as st:
+            args = dict(elems=ELEMS, window=8, lanes=lanes, native=native)
+            return ok(run_ranks(st, n, _wire16_body, deadline=90.0, **args))
+
+    single, ref, got = run(1, True), run(k, False), run(k, True)
+    for r in range(n):
+        out, results = got[r]
+        assert len(results) == k and all(x > 0 for x in results)
+        for a, b, c in zip(out, ref[r][0], single[r][0]):
+            assert a.dtype == b.dtype == c.dtype and a.tobytes() == b.tobytes() == c.tobytes()

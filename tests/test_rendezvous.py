@@ -398,3 +398,29 @@ def test_server_defaults_validation():
         ControlEndpoint(object(), "127.0.0.1", 0, {"bogus": 1}, secret=None)
     with pytest.raises(ValueError, match="pool_slots"):
         ControlEndpoint(object(), "127.0.0.1", 0, {"pool_slots": 0}, secret=None)
+
+
+def test_wire16_create_takes_the_element_width_into_the_job(soft):
+    """create's wire_bits: 16 makes a 16-bit job (JobSpec.wire_bits, in the description and at
+    the aggregator), absent 32; any other width is refused, naming the field."""
+    c = client(soft)
+    try:
+        desc = c.request(
+            "create", job="w16", world_size=2, elems=64, window=4, worker_port=40000, wire_bits=16
+        )["job"]
+        assert desc["wire_bits"] == 16
+        assert soft.aggs[0]._specs[desc["job_id"]].wire_bits == 16
+        assert create(c, job="w32")["wire_bits"] == 32
+        for bad in (8, 24, "16", True):
+            with pytest.raises(RendezvousError, match="'wire_bits'.*is not an element width"):
+                c.request(
+                    "create",
+                    job="x",
+                    world_size=2,
+                    elems=64,
+                    window=4,
+                    worker_port=4,
+                    wire_bits=bad,
+                )
+    finally:
+        c.close()

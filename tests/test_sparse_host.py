@@ -64,11 +64,15 @@ class Workers:
         faults=None,
         native=False,
         pad=False,
+        wire_bits=32,
     ):
         port = wire.UDP_PORT + 1
         agg.create_job(
-            JobSpec(JOB, n, K, slot_base=4, slot_count=window, agg_port=port, sparse=True)
-        )
+            JobSpec(
+                JOB, n, K, slot_base=4, slot_count=window, agg_port=port, sparse=True,
+                wire_bits=wire_bits,
+            )
+        )  # fmt: skip
         self.engines = []
         for i in range(n):
             sock = DatagramSocket((f"{prefix}.{10 + i}", 0))
@@ -76,7 +80,7 @@ class Workers:
             agg.add_worker(WorkerSpec(JOB, i, ip, p, agg_port=port))
             cfg = EngineConfig(
                 JOB, n, K, 4, window, (f"{prefix}.1", port), native=native, rto=0.005,
-                pad_empty=pad,
+                pad_empty=pad, wire_bits=wire_bits,
             )  # fmt: skip
             f = Faults(**faults, seed=i) if faults else None
             self.engines.append(StreamEngine(sock, cfg, f))
@@ -116,8 +120,8 @@ def cluster(native):
     agg = SoftAggregator(f"{prefix}.1").start()
     made: list[Workers] = []
 
-    def make(n: int, window: int = 8, faults=None, pad=False) -> Workers:
-        w = Workers(agg, prefix, n, window, faults, native, pad)
+    def make(n: int, window: int = 8, faults=None, pad=False, wire_bits=32) -> Workers:
+        w = Workers(agg, prefix, n, window, faults, native, pad, wire_bits)
         made.append(w)
         return w
 
@@ -333,6 +337,7 @@ class SparseEcho(EchoAggregator):
         return wire.build_sparse_payload(
             job_number=m.job_number, size_code=m.size, tsi=m.tsi, slot=m.slot,
             version=m.version, block=sp.block, next=nxt, blocks=sp.blocks, values=values, e0=e0,
+            wire_bits=m.wire_bits,
         )  # fmt: skip
 
 
@@ -360,12 +365,14 @@ def sparse_sequence() -> list[tuple[np.ndarray, bool]]:
     ]
 
 
-def run_echo(native: bool, sequence, *, agg_kw=None, faults=None, rto=0.02, window=8):
+def run_echo(native: bool, sequence, *, agg_kw=None, faults=None, rto=0.02, window=8, wire_bits=32):
     """`sequence` on one engine against SparseEcho; (outputs, datagrams by (job number, tsi),
     stats, union_blocks after each all-reduce)."""
     agg = SparseEcho(window, **(agg_kw or {}))
     sock = DatagramSocket((agg.worker_ip(), 0))
-    cfg = EngineConfig(0, 2, K, 5, window, agg.address, rto=rto, native=native, timeout=10.0)
+    cfg = EngineConfig(
+        0, 2, K, 5, window, agg.address, rto=rto, native=native, timeout=10.0, wire_bits=wire_bits
+    )
     eng = StreamEngine(sock, cfg, faults)
     try:
         outs, unions = [], []
@@ -646,3 +653,71 @@ def test_padded_empties(cluster):
     st = w.engines[0].stats
     assert st["empty_sent"] > 0
     assert st["bytes_sent"] == st["packets_sent"] * wire.sparse_payload_len(K, False)
+
+
+# --- 16-bit elements and 16-bit types (docs/protocol.md 5.6) ------------------------------------
+WIRE16_CASES = [
+    pytest.param(dtype, bits, id=f"{dtype}-{bits}")
+    for dtype in ("float32", "bfloat16", "float16")
+    for bits in (16, 32)
+    if (dtype, bits) != ("float32", 32)  # the tests above
+]
+
+
+def as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x (float32) as `dtype` ("bfloat16": ml_dtypes'), within float16's range for float16."""
+    if dtype == "float16":
+        x = np.clip(x, -6e4, 6e4)
+    if dtype == "bfloat16":
+        ml_dtypes = pytest.importorskip("ml_dtypes")
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
+
+
+def wire16_sequence(dtype: str) -> list[tuple[np.ndarray, bool]]:
+    """sparse_sequence's float all-reduces, in `dtype`."""
+    return [(as_dtype(x, dtype), sp) for x, sp in sparse_sequence() if x.dtype == np.float32]
+
+
+@needs_c
+@pytest.mark.parametrize("dtype, bits", WIRE16_CASES)
+def test_wire16_sparse_both_loops_and_kernels_send_the_same_datagrams(dtype, bits):
+    """Every type at either width: the C loop (AVX2 and scalar kernels) sends the numpy
+    loop's datagrams, width bit included, and writes the same results into the type."""
+    seq = wire16_sequence(dtype)
+    ref_out, ref_pk, ref_st, ref_u = run_echo(False, seq, wire_bits=bits)
+    runs = [run_echo(True, seq, wire_bits=bits)]
+    if _fastpath.simd() == "avx2":
+        prev = _fastpath.set_simd("scalar")
+        try:
+            runs.append(run_echo(True, seq, wire_bits=bits))
+        finally:
+            _fastpath.set_simd(prev)
+    for nat_out, nat_pk, nat_st, nat_u in runs:
+        assert ref_pk == nat_pk and ref_u == nat_u
+        assert all(
+            a.dtype == b.dtype and a.tobytes() == b.tobytes() for a, b in zip(ref_out, nat_out)
+        )
+        for name in SPARSE_STATS + ("packets_sent", "bytes_sent", "results"):
+            assert ref_st[name] == nat_st[name], name
+    width = {bool(d[0] & wire.TYPE_SIZE_WIRE16_MASK) for d in ref_pk.values()}
+    assert width == {bits == 16}
+    # a block is a packet's elements: 2K at 16 bits
+    data = [d for d in ref_pk.values() if d[0] >> 4 == wire.MSG_TYPE_SPARSE]
+    assert data and all(len(d) == wire.sparse_payload_len(K, False) for d in data)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_wire16_sparse_sums_equal_the_dense_ones(cluster, dtype):
+    """Through the soft aggregator on a 16-bit sparse job: the sparse all-reduce gives the
+    dense one's bytes (a block's agreed exponent is the same maximum either way)."""
+    make, _agg = cluster
+    rng = np.random.default_rng(8)
+    xs = [as_dtype(x, dtype) for x in blocky(rng, 3, 40, 0.3, False, np.float32, tail=7)]
+    w = make(3, wire_bits=16)
+    sparse = w.allreduce(xs, sparse=True)
+    dense = w.allreduce(xs, sparse=False)
+    for a, b in zip(sparse, dense):
+        assert a.dtype == xs[0].dtype and a.tobytes() == b.tobytes()
+    st = w.engines[0].stats
+    assert st["sparse_allreduces"] == 1 and st["blocks_skipped"] > 0

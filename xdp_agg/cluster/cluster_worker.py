@@ -43,7 +43,7 @@ def make_input(
         # gradients: mostly small, a few larger, so block scaling is exercised
         x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
         x[::97] *= 100
-        x = x.astype(dtype)
+        x = _as_dtype(x, dtype)
     if density < 1.0:
         pick = np.random.default_rng([seed, 0 if same else rank, 7])
         keep = pick.random(-(-count // block)) < density
@@ -66,11 +66,20 @@ def expected_sum(dtype: str, count: int, seed: int, world: int, **shape) -> np.n
 
 
 def float_bound(
-    dtype: str, count: int, seed: int, world: int, elems: int, result: np.ndarray, **shape
+    dtype: str,
+    count: int,
+    seed: int,
+    world: int,
+    elems: int,
+    result: np.ndarray,
+    wire_bits: int = 32,
+    **shape,
 ) -> np.ndarray:
-    """Per-element bound n/(2f) + 2^-24 |r| (hostlib.scaling), with E the chunk's max exponent."""
+    """Per-element bound n/(2f) + eps |r| (hostlib.scaling), with E the chunk's max exponent;
+    `elems`: the job's words per packet (a chunk is 2 elems elements at `wire_bits` 16)."""
     from hostlib import scaling
 
+    elems *= 32 // wire_bits
     pad = (-count) % elems
     e = None
     for r in range(world):
@@ -82,14 +91,30 @@ def float_bound(
         )
         er = scaling.chunk_exponents(x.reshape(-1, elems)).astype(np.int32)
         e = er if e is None else np.maximum(e, er)
-    f = scaling.int_range(world) / np.exp2(e.astype(np.float64))
+    f = scaling.int_range(world, wire_bits) / np.exp2(e.astype(np.float64))
     quant = np.repeat(world / (2 * f), elems)[:count]
-    out_ulp = np.finfo(np.float32).eps if dtype == "float32" else np.finfo(np.dtype(dtype)).eps
-    return quant + out_ulp * np.abs(result.astype(np.float64)) + 1e-30
+    # the result's rounding: float32's, then the type's (half an ulp each; eps is a whole one),
+    # and half of float16's subnormal spacing
+    out_ulp = np.finfo(np.float32).eps + (0 if dtype == "float32" else _eps(dtype))
+    return quant + out_ulp * np.abs(result.astype(np.float64)) + 2.0**-25
+
+
+def _eps(dtype: str) -> float:
+    """The machine epsilon of a float dtype's name (bfloat16: 2^-7)."""
+    return 2.0**-7 if dtype == "bfloat16" else float(np.finfo(np.dtype(dtype)).eps)
+
+
+def _as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+    """x as `dtype` (bfloat16: ml_dtypes', which numpy alone does not name)."""
+    if dtype == "bfloat16":
+        import ml_dtypes
+
+        return x.astype(ml_dtypes.bfloat16)
+    return x.astype(dtype)
 
 
 # comm.stats entries that are not counters (besides the strings): reported as they are
-_PROPERTIES = ("elems", "lanes")
+_PROPERTIES = ("elems", "lanes", "wire_bits")
 # counters reported per aggregator of a striped job (hostlib's stats_per_aggregator)
 _PER_AGGREGATOR = ("packets_sent", "retransmissions", "results", "elements", "allreduces")
 
@@ -171,13 +196,19 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _counters_report(comm, rank: int) -> dict:
-    """What the aggregator counted for this worker, beside what this worker sent."""
+    """What the aggregator counted for this worker, beside what this worker sent (both over
+    the job and its companion jobs of other element widths: comm.stats adds theirs up too)."""
     comm.barrier()
     d = comm.status()
+    mine = (d.get("counters") or {}).get(str(rank))
+    for other in comm._companions.values():  # hostlib.communicator: "<job>~w16"
+        theirs = (other.status().get("counters") or {}).get(str(rank))
+        if mine is not None and theirs is not None:
+            mine = {k: v + theirs.get(k, 0) if isinstance(v, int) else v for k, v in mine.items()}
     return {
         "rank": rank,
         "check": "counters",
-        "aggregator": (d.get("counters") or {}).get(str(rank)),
+        "aggregator": mine,
         "worker": comm.stats,
         "parent": d.get("parent"),  # a rack of a two-level tree: its parent link and counters
     }
@@ -194,32 +225,37 @@ def _go_on(comm, until: str | None, done: int, reps: int, rank: int) -> bool:
     return bool(comm.allreduce(np.array([flag], dtype=np.int32))[0])
 
 
-def _timed(comm, x, reps: int, until: str | None = None, rank: int = 0, sparse="auto"):
+def _timed(
+    comm, x, reps: int, until: str | None = None, rank: int = 0, sparse="auto", wire_bits=None
+):
     """`reps` all-reduces of x in step with the other ranks (with `until`, see _go_on), dense
-    or sparse as `sparse` says (Communicator.allreduce); the last result, the times and the
-    (user, sys) CPU seconds of each."""
+    or sparse as `sparse` says and at the element width `wire_bits` (Communicator.allreduce);
+    the last result, the times and the (user, sys) CPU seconds of each."""
     times, cpu = [], []
     while _go_on(comm, until, len(times), reps, rank):
         comm.barrier()
         r0 = resource.getrusage(resource.RUSAGE_SELF)
         t0 = time.perf_counter()
-        out = comm.allreduce(x, sparse=sparse)
+        width = {} if wire_bits is None else {"wire_bits": wire_bits}  # None: the dtype's
+        out = comm.allreduce(x, sparse=sparse, **width)
         times.append(time.perf_counter() - t0)
         r1 = resource.getrusage(resource.RUSAGE_SELF)
         cpu.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
     return out, times, cpu
 
 
-def _verify(report: dict, out, dtype: str, count: int, seed: int, world: int, elems: int, shape):
-    """The result against the exact sum: bit-exact for int32, within the bound for floats;
-    `shape`: the inputs' density, same and block (make_input)."""
+def _verify(
+    report: dict, out, dtype: str, count: int, seed: int, world: int, elems: int, shape, bits=32
+):
+    """The result against the exact sum: bit-exact for int32, within the bound for floats at
+    the element width `bits`; `shape`: the inputs' density, same and block (make_input)."""
     want = expected_sum(dtype, count, seed, world, **shape)
     if dtype == "int32":
         report["ok"] = bool(np.array_equal(out, want))
         report["mismatches"] = int(np.count_nonzero(out != want))
         return
     err = np.abs(out.astype(np.float64) - want)
-    bound = float_bound(dtype, count, seed, world, elems, out, **shape)
+    bound = float_bound(dtype, count, seed, world, elems, out, bits, **shape)
     report["ok"] = bool(np.all(err <= bound))
     report["max_abs_err"] = float(err.max())
     report["max_err_over_bound"] = float((err / bound).max())
@@ -239,7 +275,8 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     before = dict(comm.stats)
     before_per = comm.stats_per_aggregator()
     sparse = item.get("sparse", "auto")
-    out, times, cpu = _timed(comm, x, reps, item.get("until"), args.rank, sparse)
+    bits = item.get("wire_bits")  # None: the dtype's default (Communicator.allreduce)
+    out, times, cpu = _timed(comm, x, reps, item.get("until"), args.rank, sparse, bits)
     # cpu_s: user + sys seconds of this process per all-reduce (all its threads); on a
     # one-machine testbed sys includes the softirq work of the path (veth, bridge, the
     # XDP program) that runs in the sending system call
@@ -267,7 +304,8 @@ def _allreduce_report(comm, item: dict, args, data_rank: int, data_world: int) -
     if item.get("verify", True):
         # the job's size (rank 0's; with --elems auto, what its path MTU allowed)
         report["elems"] = comm.description.spec.elems
-        _verify(report, out, dtype, count, seed, data_world, report["elems"], shape)
+        bits = comm.stats["wire_bits"]  # the width it ran at
+        _verify(report, out, dtype, count, seed, data_world, report["elems"], shape, bits)
     if item.get("digest"):  # to compare two runs' results byte for byte
         report["sha256"] = hashlib.sha256(np.ascontiguousarray(out).tobytes()).hexdigest()
     return report
