@@ -253,7 +253,8 @@ class FakeDevice:
 
     def _check_read_array(self, src: np.ndarray) -> None:
         """The aggregation's input, if it lies in memory copies down fill (a bfloat16 chunk is
-        summed from a float32 host array instead: the 0xFF fill covers it)."""
+        summed from a float32 host array instead where ml_dtypes is missing: the 0xFF fill
+        covers it)."""
         a = src.__array_interface__["data"][0]
         span = (a, a + src.nbytes)
         if any(_overlap(_span(o.dst), span) for o in self.streams["down"]):
