@@ -521,7 +521,9 @@ class Communicator:
         self._start = start
         self._wire_bits = first.desc.spec.wire_bits
         self._companions: dict[int, Communicator] = {}
-        self._last_bits: int | None = None  # the width of the last all-reduce
+        # the width of the last all-reduce (the job's before the first: a number, as the
+        # other stats, for callers that take differences of every entry that is not a string)
+        self._last_bits = self._wire_bits
         self._ctls = [x.ctl for x in joined]
         # every lane's data socket at every aggregator, and the ip_mreq of each socket's
         # multicast group if it joined one (close leaves them)
@@ -728,14 +730,14 @@ class Communicator:
         "data_path" (StreamEngine.data_path), "data_path_reason", "elems" (the job's int32
         words per packet), "elems_reason" (why: given, the path MTU and the aggregator's sizes
         for elems="auto", or rank 0's choice), "lanes" (at each aggregator) and "wire_bits"
-        (the element width of the last all-reduce: 32 or 16; None before the first). The
+        (the element width of the last all-reduce: 32 or 16; the job's, 32, before the first). The
         counters add up this job's and its companion jobs' (Communicator.allreduce wire_bits);
         rtt and cwnd are those of the job the last all-reduce ran on."""
         st = dict(self._engine.stats)
         for c in self._companions.values():
             for name, v in c._engine.stats.items():
                 st[name] += v
-        last = self._companions.get(self._last_bits or 0, self)
+        last = self._companions.get(self._last_bits, self)
         st.update(rtt=last._engine.stats["rtt"], cwnd=last._engine.stats["cwnd"])
         return {
             **st,

@@ -123,12 +123,22 @@ static inline int32_t to_i32(double q)
     return (int32_t)q;
 }
 
+/* rint(q), round half to even, without libm's call (x86-64's baseline has no roundsd): adding
+ * and taking away 1.5 * 2^52 leaves no bits below the units, rounded by the float unit in its
+ * default mode. Exact for |q| < 2^51; beyond (never within +-M), a value to_i32 still maps to
+ * INT32_MIN, as it does rint's. */
+static inline double round_even(double q)
+{
+    const double magic = 0x1.8p52; /* IEEE arithmetic (no -ffast-math): not folded into q */
+    return (q + magic) - magic;
+}
+
 static inline int32_t quant_one(float x, double f, int clip, double M)
 {
     double q = (double)x * f;
     if (clip)
         q = q < -M ? -M : (q > M ? M : q);
-    return to_i32(rint(q)); /* rint: round half to even */
+    return to_i32(round_even(q));
 }
 
 /* a 16-bit job's word: a * 2^16 + b, wrapping as numpy's int32 arithmetic (wire.pack_pairs) */

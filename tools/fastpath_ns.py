@@ -2,8 +2,8 @@
 
     .venv/bin/python tools/fastpath_ns.py [--elements N] [--words K] [--skip-loop]
 
-Two measures, each with the AVX2 kernels (where the CPU has them) and the scalar ones, best of
-several runs (a shared machine's noise only adds):
+Two measures, each with the AVX2 kernels (where the CPU has them) and the scalar ones, the
+least thread CPU time of several runs (a shared machine's noise only adds):
 
 - kernels: chunk exponents, quantise (fill's conversion) and dequantise (accept_result's), ns
   per element, through the module's test entry points over one tensor in chunks of a packet's
@@ -41,12 +41,13 @@ def as_dtype(x: np.ndarray, name: str) -> np.ndarray:
 
 
 def best(fn, reps: int) -> float:
-    """The least wall time of `reps` calls of fn, s."""
+    """The least thread CPU time of `reps` calls of fn, s (CPU time: a shared machine's other
+    processes take wall time from it, not CPU time)."""
     times = []
     for _ in range(reps):
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return min(times)
 
 
