@@ -444,7 +444,8 @@ def test_ddp_wire16_hook_in_testbed(testbed_factory, n):
 @pytest.mark.parametrize("policy,coalesced16", [("auto", 2), ("32", 0), ("16", 3)])
 def test_backend_wire16_on_loopback(policy, coalesced16):
     """bfloat16, float16 and float32 through the backend (2 ranks) at the widths
-    XDP_AGG_WIRE_BITS gives: the communicator's width, path_stats' and the bound of the width."""
+    XDP_AGG_WIRE_BITS gives: the communicator's width, path_stats', the packets (a 16-bit
+    all-reduce takes half) and the bound of the width."""
     from harness.ranks import soft_cluster
     from test_torch import _reports, _start_loopback
 
@@ -456,6 +457,12 @@ def test_backend_wire16_on_loopback(policy, coalesced16):
         assert not rep["failures"], rep["failures"]
         assert len(rep["checks"]) == 13, rep["checks"]
         assert rep["coalesced_wire16"] == coalesced16
+        # the same tensor at 16 bits: half the packets of 32 (the same count at the same width)
+        sent = rep["packets"]
+        if wire_bits_for(BF16, pol) == wire_bits_for(F32, pol):
+            assert sent["bfloat16"] == sent["float32"], sent
+        else:
+            assert sent["bfloat16"] <= 0.55 * sent["float32"], sent
         rows = {(r["collective"], r["op"], r["dtype"]): r for r in rep["path_stats"]}
         for dtype in (F32, F16, BF16):
             row = rows[("all_reduce", "SUM", str(dtype)[6:])]

@@ -498,6 +498,13 @@ def run_backend_wire16(args, rank: int, n: int) -> dict:
             err = float((x.double() - sum(inputs) / div).abs().max())
             check(name, err <= bound, f"error {err:.3g} > bound {bound:.3g}")
             report.setdefault("errors", {})[name] = [err, bound]
+    # packets: a 16-bit all-reduce of N elements carries them in ceil(N / 2k), a 32-bit one in
+    # ceil(N / k) (k: the job's int32 per packet), besides what the exponents' look-ahead adds
+    report["packets"] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        before = pg.comm.stats["packets_sent"]
+        dist.all_reduce(torch.ones(100_000, dtype=dtype))
+        report["packets"][str(dtype)[6:]] = pg.comm.stats["packets_sent"] - before
     xs = [torch.full((3000,), float(rank + 1 + i)).to(d) for i, d in enumerate(DTYPES[:3])]
     before = pg.channel.stats["wire16"]
     with dist._coalescing_manager():
