@@ -25,6 +25,7 @@ The environment (each one a field of HostOptions unless said otherwise):
 | XDP_AGG_SPIN | spin | "0": never busy-poll for an all-reduce's last results |
 | XDP_AGG_DATA_PATH | data_path | the C loop's data path: udp, auto, afxdp |
 | XDP_AGG_FALLBACK | fallback | hostlib.pt: "gloo" continues over gloo after a failure |
+| XDP_AGG_WIRE_BITS | wire_bits | hostlib.pt: the element width of its all-reduces, auto, 16, 32 |
 | XDP_AGG_SIMD | (simd_from_env) | "scalar" turns the C loop's AVX2 kernels off |
 """
 
@@ -60,6 +61,7 @@ DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
 MAX_LANES = wire.MAX_LANES  # the AF_XDP sockets one queue's program tells apart (hostlib/_xsk.c)
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
+WIRE_BITS_CHOICES = ("auto", 16, 32)  # hostlib.pt's element widths (HostOptions.wire_bits)
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,13 @@ class HostOptions:
         needs it to create the job; another rank needs it or the job's token.
     fallback: hostlib.pt only: "gloo" continues over gloo after an aggregator failure; None
         raises hostlib.pt.AggregatorLost.
+    wire_bits: hostlib.pt only: the element width on the wire (docs/protocol.md 5.6) of the
+        all-reduces that do not name one (the backend's all_reduce, allreduce_hook's buckets).
+        "auto" (default): by dtype, as Communicator.allreduce does: bfloat16 and float16 at 16
+        bits, float32 and int32 at 32. 32: every all-reduce at 32 bits (for bfloat16 and
+        float16 too: the sum then errs by about 2^-16 of what 16 bits give, before the rounding
+        to the tensor's dtype). 16: every float all-reduce at 16 bits, float32 too (compressed:
+        error bound hostlib.scaling.error_bound(E, n, 16)); int32 stays at 32 (exact).
     """
 
     elems: int | str = "auto"
@@ -127,6 +136,7 @@ class HostOptions:
     spin: bool = True
     secret_file: str | None = None
     fallback: str | None = None
+    wire_bits: int | str = "auto"
 
     def __post_init__(self) -> None:
         if self.elems != "auto":
@@ -144,6 +154,8 @@ class HostOptions:
             )
         if self.fallback is not None and self.fallback not in FALLBACKS:
             raise ValueError(f"fallback must be 'gloo' or None, not {self.fallback!r}")
+        if isinstance(self.wire_bits, bool) or self.wire_bits not in WIRE_BITS_CHOICES:
+            raise ValueError(f"wire_bits must be 'auto', 16 or 32, not {self.wire_bits!r}")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **given: Any) -> HostOptions:
@@ -244,6 +256,16 @@ def _fallback(value: str) -> str | None:
     return value
 
 
+def _wire_bits(value: str) -> int | str:
+    """XDP_AGG_WIRE_BITS: "auto", "16" or "32"."""
+    value = value.strip().lower()
+    if value == "auto":
+        return "auto"
+    if value not in ("16", "32"):
+        raise ValueError(f"XDP_AGG_WIRE_BITS must be auto, 16 or 32, not {value!r}")
+    return int(value)
+
+
 # variable -> (field, parser of its text)
 _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "XDP_AGG_ELEMS": ("elems", _int_or_auto("XDP_AGG_ELEMS", "int32 per packet")),
@@ -256,6 +278,7 @@ _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "XDP_AGG_DATA_PATH": ("data_path", str),
     control.SECRET_ENV: ("secret_file", str),
     "XDP_AGG_FALLBACK": ("fallback", _fallback),
+    "XDP_AGG_WIRE_BITS": ("wire_bits", _wire_bits),
 }
 
 

@@ -375,7 +375,10 @@ def test_entry_point_registers_the_backend(tmp_path):
     assert r.stdout.split() == ["True", "xdpagg"], r.stdout + r.stderr
 
 
-def test_staging_is_zero_copy_for_cpu_float32_and_converts_bfloat16():
+def test_staging_is_zero_copy_for_cpu_float32_and_bfloat16(monkeypatch):
+    """float32 and (with ml_dtypes) bfloat16 tensors go to hostlib as views of their own memory;
+    without ml_dtypes bfloat16 goes through a float32 copy."""
+    from hostlib.pt import staging
     from hostlib.pt.channel import _Staged
 
     t = torch.arange(10, dtype=torch.float32)
@@ -385,9 +388,15 @@ def test_staging_is_zero_copy_for_cpu_float32_and_converts_bfloat16():
     assert torch.equal(t, torch.arange(10, dtype=torch.float32))
     b = torch.arange(8, dtype=torch.bfloat16)
     s = _Staged(b, keep_input=True)
-    assert s.src.dtype == np.float32 and s.out is not s.src
+    assert s.src.dtype.name == "bfloat16" and s.src.ctypes.data == b.data_ptr()
+    assert s.out is not s.src
     s.finish(s.src * 3, divide=1)
     assert torch.equal(b, torch.arange(8, dtype=torch.bfloat16) * 3)
+    monkeypatch.setattr(staging, "NP_BFLOAT16", None)  # as without ml_dtypes
+    s = _Staged(b, keep_input=True)
+    assert s.src.dtype == np.float32 and s.src.ctypes.data != b.data_ptr()
+    s.finish(s.src / 3, divide=1)
+    assert torch.equal(b, torch.arange(8, dtype=torch.bfloat16))
     nc = torch.arange(12, dtype=torch.float16).reshape(3, 4).t()  # not contiguous
     s = _Staged(nc, keep_input=False)
     s.finish(s.src + 1, divide=1)
@@ -482,5 +491,6 @@ def test_path_stats_count_every_call_and_warn_once_per_collective_op_and_dtype()
         "op": "-",
         "dtype": "float32+float64",
         "path": GLOO,
+        "wire_bits": "-",
         "calls": 1,
     } in ps.rows()

@@ -10,6 +10,9 @@ tests/torch_fsdp_worker.py runs as a user would run it: a real torchrun per work
   aggregator job and name; the replicate all-reduces went through the aggregator (its
   per-worker contribution counters), reduce-scatter and all-gather through gloo; with a
   gradient divide factor FSDP2 reduce-scatters with PREMUL_SUM and still matches DDP.
+- hsdp-wire16: HSDP 2 x 2 with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16): the
+  replicate groups' bfloat16 all-reduces went through the aggregator at 16 bits per element
+  (comm.stats, path_stats), each replicate group's 16-bit companion job ended with it.
 - restart: --max-restarts 1, rank 2 SIGKILLs itself at step 3 of the first round, its control
   connection silenced first (as if its host vanished); torchrun starts a second round, which
   trains to the end under a new job; the crashed round's job, held open by the silent
@@ -171,6 +174,15 @@ def test_hsdp_2x2_replicate_all_reduce_through_the_aggregator(bed, hsdp_run):
     assert by[0]["jobs"]["replicate"] == by[2]["jobs"]["replicate"]
     assert by[0]["jobs"]["shard"] == by[1]["jobs"]["shard"]
     assert _wait_jobs(bed[1], before) == before  # every sub-group's job ended with it
+
+
+def test_hsdp_wire16_bf16_reduce_dtype_in_testbed(bed):
+    """FSDP2's bfloat16 reduce_dtype on HSDP: the replicate all-reduces at 16 bits."""
+    from test_torch_wire16 import check_hsdp_wire16
+
+    reports, _, before = _torchrun(bed, "hsdp-wire16", "--steps", "3")
+    check_hsdp_wire16(reports, N)
+    assert _wait_jobs(bed[1], before) == before  # the companion jobs too
 
 
 def test_torchrun_restart_after_a_rank_is_killed(bed):

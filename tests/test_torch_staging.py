@@ -49,6 +49,13 @@ def _input(dtype, n: int, seed: int) -> torch.Tensor:
     return (torch.randn(n, generator=g) * scale[torch.randperm(n, generator=g)]).to(dtype)
 
 
+def _chunk(dtype) -> int:
+    """A staged chunk of `dtype` at its default width: CHUNK elements of float32 and int32 (at
+    32 bits), 2 CHUNK of bfloat16 and float16 (at 16 bits: as many packets, of twice the
+    elements, fill the same slot)."""
+    return CHUNK * 4 // dtype.itemsize
+
+
 def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and torch.equal(
         a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
@@ -87,9 +94,9 @@ def test_staged_results_equal_the_cpu_path_bit_for_bit(fake):
                 assert staged.submit(a, average=avg).wait() is a
                 cpu.submit(b, average=avg).wait()
                 assert _same_bytes(a, b), (dtype, n, avg)
-    # one wire all-reduce per chunk, each chunk CHUNK elements but a tensor's last
-    per_tensor = [-(-n // CHUNK) for d in DTYPES for n in SIZES for _ in _ops(d)]
-    assert len(staged.comm.lengths) == sum(per_tensor) and max(staged.comm.lengths) == CHUNK
+    # one wire all-reduce per chunk, each chunk _chunk(dtype) elements but a tensor's last
+    per_tensor = [-(-n // _chunk(d)) for d in DTYPES for n in SIZES for _ in _ops(d)]
+    assert len(staged.comm.lengths) == sum(per_tensor) and max(staged.comm.lengths) == 2 * CHUNK
     assert staged.stats["staged"] == staged.stats["allreduces"] > 0
     assert staged.stats["bytes"] == cpu.stats["bytes"]
     staged.close()
@@ -140,7 +147,7 @@ def test_empty_non_contiguous_and_several_tensors_in_flight(fake):
 
 def test_a_coalesced_list_through_the_backend(fake):
     """all_reduce_coalesced's path (ProcessGroupXdpAgg._aggregate): one flat stream per wire
-    dtype, staged in chunks, each tensor copied back from its slice."""
+    dtype and width, staged in chunks, each tensor copied back from its slice."""
     from hostlib.pt.backend import ProcessGroupXdpAgg
 
     staged, cpu = _channels(fake)
@@ -150,7 +157,8 @@ def test_a_coalesced_list_through_the_backend(fake):
     ProcessGroupXdpAgg._aggregate(SimpleNamespace(channel=cpu), want, False).wait()
     for g, w in zip(got, want):
         assert _same_bytes(g, w), (g.dtype, g.numel())
-    assert staged.stats["staged"] == 2  # the float stream and the int32 stream
+    # float32 and int32 at 32 bits, float16 and bfloat16 each as itself at 16
+    assert staged.stats["staged"] == 4 and staged.stats["wire16"] == 2
     staged.close()
     cpu.close()
 

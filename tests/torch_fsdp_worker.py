@@ -1,8 +1,11 @@
 """One rank of tests/test_torch_fsdp.py, started by torchrun (xdp_agg.cluster.torchrun) on the
 testbed: FSDP2, DeviceMesh, DTensor, functional collectives, HSDP and PREMUL_SUM on the xdpagg
-backend, and a rank killed mid-training under --max-restarts 1. Prints `REPORT <json>` when done.
+backend, HSDP with a bfloat16 reduce_dtype (its replicate all-reduces at 16 bits), and a rank
+killed mid-training under --max-restarts 1. Prints `REPORT <json>` when done.
 
-    torchrun ... tests/torch_fsdp_worker.py fsdp|hsdp|restart [--steps N]
+    torchrun ... tests/torch_fsdp_worker.py fsdp|hsdp|hsdp-wire16|restart [--steps N]
+
+(hsdp-wire16 also runs without torchrun, on env:// rendezvous: tests/test_torch_wire16.py.)
 
 Every rank builds the same model (seed 0) and its own batches from (rank, step), and trains it
 twice: sharded on xdpagg, and replicated by DDP on a gloo group of all ranks (the reference).
@@ -24,7 +27,7 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as fc
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -47,12 +50,19 @@ def _batch(rank: int, step: int):
     return torch.randn(16, 32, generator=g), torch.randint(0, 8, (16,), generator=g)
 
 
-def _shard(model: torch.nn.Module, mesh, divide: float | None = None) -> torch.nn.Module:
-    """fully_shard each Linear, then the root (FSDP2's usual wrapping)."""
+def _shard(
+    model: torch.nn.Module,
+    mesh,
+    divide: float | None = None,
+    mp: MixedPrecisionPolicy | None = None,
+) -> torch.nn.Module:
+    """fully_shard each Linear, then the root (FSDP2's usual wrapping); `mp`: its mixed
+    precision policy (default: none, float32 throughout)."""
+    kw = {"mp_policy": mp} if mp is not None else {}
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+            fully_shard(layer, mesh=mesh, **kw)
+    fully_shard(model, mesh=mesh, **kw)
     if divide is not None:  # reduce-scatter with PREMUL_SUM(1/divide), then all-reduce SUM
         for m in model.modules():
             if isinstance(m, FSDPModule):
@@ -75,11 +85,11 @@ def _train(model, rank: int, steps: int, on_step=None) -> list[float]:
     return losses
 
 
-def _compare(mesh, rank: int, steps: int, gloo, divide: float | None = None) -> dict:
+def _compare(mesh, rank: int, steps: int, gloo, divide: float | None = None, mp=None) -> dict:
     """FSDP2/HSDP on `mesh` against DDP on gloo: per-step losses and final parameters."""
     net = _model()
     ref = DDP(copy.deepcopy(net), process_group=gloo)
-    sharded = _shard(net, mesh, divide)
+    sharded = _shard(net, mesh, divide, mp)
     t0 = time.perf_counter()
     losses = _train(sharded, rank, steps)
     seconds = time.perf_counter() - t0
@@ -183,6 +193,25 @@ def run_hsdp(args, rank: int, n: int, gloo) -> dict:
     return report
 
 
+def run_hsdp_wire16(args, rank: int, n: int, gloo) -> dict:
+    """HSDP (replicate 2, shard n/2) with MixedPrecisionPolicy(reduce_dtype=bfloat16), as FSDP2
+    users who reduce in bfloat16 run it: the shard groups reduce-scatter bfloat16 (gloo), the
+    replicate groups all-reduce the bfloat16 shards through the aggregator, at 16 bits per
+    element (the width hostlib.pt gives bfloat16; XDP_AGG_WIRE_BITS=32 would say 32)."""
+    mesh = init_device_mesh("cpu", (2, n // 2), mesh_dim_names=("replicate", "shard"))
+    rg = mesh.get_group("replicate")
+    before = dict(rg.channel.stats)
+    mp = MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)
+    report = {"hsdp": _compare(mesh, rank, args.steps, gloo, mp=mp)}
+    report["replicate_allreduces"] = rg.channel.stats["allreduces"] - before["allreduces"]
+    report["replicate_wire16"] = rg.channel.stats["wire16"] - before["wire16"]
+    report["replicate_wire_bits"] = rg.comm.stats["wire_bits"]
+    report["path_stats"] = rg.path_stats()
+    report["shard_path_stats"] = mesh.get_group("shard").path_stats()
+    dist.barrier(group=rg)
+    return report
+
+
 def run_restart(args, rank: int, n: int, gloo) -> dict:
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     mesh = init_device_mesh("cpu", (n,))
@@ -221,7 +250,7 @@ def _vanish() -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["fsdp", "hsdp", "restart"])
+    ap.add_argument("scenario", choices=["fsdp", "hsdp", "hsdp-wire16", "restart"])
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--kill-rank", type=int, default=2)
     ap.add_argument("--kill-step", type=int, default=3)
@@ -233,7 +262,12 @@ def main() -> int:
     dist.init_process_group(args.backend)
     rank, n = dist.get_rank(), dist.get_world_size()
     gloo = dist.new_group(backend="gloo")
-    fn = {"fsdp": run_fsdp, "hsdp": run_hsdp, "restart": run_restart}[args.scenario]
+    fn = {
+        "fsdp": run_fsdp,
+        "hsdp": run_hsdp,
+        "hsdp-wire16": run_hsdp_wire16,
+        "restart": run_restart,
+    }[args.scenario]
     report = {"rank": rank, "world": n, **fn(args, rank, n, gloo)}
     dist.destroy_process_group()
     print("REPORT " + json.dumps(report), flush=True)

@@ -1,8 +1,10 @@
-"""One rank of the PyTorch tests (tests/test_torch.py): DDP with the hook against DDP with gloo,
-the xdpagg backend's collectives, and a lost aggregator. Prints one JSON report on stdout.
+"""One rank of the PyTorch tests (tests/test_torch.py, tests/test_torch_wire16.py): DDP with the
+hook against DDP with gloo, DDP with wire16_hook against a float64 reference, the xdpagg
+backend's collectives (at the element widths XDP_AGG_WIRE_BITS gives), and a lost aggregator.
+Prints one JSON report on stdout.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... XDP_AGG_CONTROL=host:port \
-        python tests/torch_worker.py ddp|backend|lost [--fallback]
+        python tests/torch_worker.py ddp|ddp-wire16|backend|backend-wire16|lost [--fallback]
 
 Every rank rebuilds every rank's input from (seed, rank), so it checks its own results against
 the exact sum: int32/int64 exactly, floats within hostlib.scaling's bound.
@@ -26,7 +28,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 import hostlib
 import hostlib.pt
+from hostlib import scaling
 from hostlib.options import HostOptions, control_from_env
+from hostlib.pt.channel import wire_bits_for
 
 EPS = {
     torch.float32: 2.0**-24,
@@ -36,18 +40,20 @@ EPS = {
 }
 
 
-def _m(n: int) -> int:
-    return (2**31 - 1) // n
+def _m(n: int, dtype=torch.float32) -> int:
+    """M of the width `dtype` travels at (XDP_AGG_WIRE_BITS's policy, as the test sets it)."""
+    return scaling.int_range(n, wire_bits_for(dtype, HostOptions.from_env().wire_bits))
 
 
 def grad_bound(gmax: float, n: int, dtype) -> float:
     """Bound of |DDP-with-the-hook's averaged gradient - DDP-with-gloo's| per element.
 
-    The hook's sum errs by at most n 2^E / (2M) (hostlib.scaling), 2^E <= 2 max|g| over all
-    ranks' chunk, so its average by gmax / M; both sides round their result to the bucket's
-    dtype and gloo sums n terms in it, each a few units of eps |g| <= eps gmax.
+    The hook's sum errs by at most n 2^E / (2M) (hostlib.scaling; M of the bucket's width),
+    2^E <= 2 max|g| over all ranks' chunk, so its average by gmax / M; both sides round their
+    result to the bucket's dtype and gloo sums n terms in it, each a few units of eps |g| <=
+    eps gmax.
     """
-    return gmax / _m(n) + (n + 4) * EPS[dtype] * gmax
+    return gmax / _m(n, dtype) + (n + 4) * EPS[dtype] * gmax
 
 
 # --- DDP: the hook against gloo -----------------------------------------------------------------
@@ -128,6 +134,81 @@ def run_ddp(args, rank: int, n: int) -> dict:
     return report
 
 
+# --- DDP with wire16_hook: float32 buckets at 16 bits ---------------------------------------------
+def _chunk_bound(inputs: torch.Tensor, result: torch.Tensor, per_packet: int) -> torch.Tensor:
+    """Per element, the bound of |result - mean of inputs| for an average at 16 bits:
+    hostlib.scaling.error_bound(E, n, 16) / n, E of each packet's chunk (`per_packet`
+    elements) over every rank's input (`inputs`: n x L), plus float32's rounding of the sum and
+    of the division (2 units of |result|) and float64's of the reference."""
+    n, size = inputs.shape
+    k = per_packet
+    padded = torch.zeros(n, -(-size // k) * k, dtype=torch.float64)
+    padded[:, :size] = inputs
+    amax = padded.abs().reshape(n, -1, k).amax(dim=(0, 2)).numpy().astype(np.float32)
+    e = scaling.chunk_exponents(amax[:, None])  # frexp's exponent of each chunk's maximum
+    per_chunk = torch.from_numpy(scaling.error_bound(e, n, 16)) / n
+    q = per_chunk.repeat_interleave(k)[:size]
+    return q + 2 * EPS[torch.float32] * result.abs() + 1e-12 * q
+
+
+def run_ddp_wire16(args, rank: int, n: int) -> dict:
+    """DDP with wire16_hook on a float32 model: every bucket goes at 16 bits, and its average
+    is within the bound of the exact (float64) average of every rank's bucket; the training
+    keeps close to DDP on gloo (float32, exact averages)."""
+    comm = _hook_comm(args, rank, n, timeout=15)
+    per_packet = 2 * int(comm.stats["elems"])  # a 16-bit packet: two elements per int32 word
+    net = _net(torch.float32)
+    a = DDP(net, bucket_cap_mb=0.01)
+    b = DDP(copy.deepcopy(net), bucket_cap_mb=0.01)
+    state = hostlib.pt.HookState(comm)
+    sent: list[torch.Tensor] = []
+    got: list[torch.Tensor] = []
+
+    def hook(st, bucket):
+        sent.append(bucket.buffer().detach().clone())  # this rank's gradients, before the sum
+
+        def keep(fut):
+            got.append(fut.value().detach().clone())
+            return fut.value()
+
+        return hostlib.pt.wire16_hook(st, bucket).then(keep)
+
+    a.register_comm_hook(state, hook)
+    oa = torch.optim.SGD(a.parameters(), lr=0.05)
+    ob = torch.optim.SGD(b.parameters(), lr=0.05)
+    report = {"rank": rank, "ratio": [], "widths": [], "buckets": 0, "exact_zero": 0}
+    for step in range(args.steps):
+        x, y = _batch(rank, step, torch.float32)
+        sent.clear()
+        got.clear()
+        for m, opt in ((a, oa), (b, ob)):
+            opt.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+        report["widths"].append(comm.stats.get("wire_bits"))
+        report["buckets"] = max(report["buckets"], len(sent))
+        for mine, result in zip(sent, got):
+            every = [torch.zeros_like(mine) for _ in range(n)]
+            dist.all_gather(every, mine)  # gloo: every rank's bucket, exactly
+            inputs = torch.stack(every).double()
+            exact = inputs.mean(0)
+            err = (result.double() - exact).abs()
+            bound = _chunk_bound(inputs, result.double(), per_packet)
+            report["ratio"].append(float((err / bound).max()))
+            report["exact_zero"] += int(float(err.max()) == 0.0)
+        oa.step()
+        ob.step()
+    report["param_diff"] = max(
+        float((pa.detach() - pb.detach()).abs().max())
+        for pa, pb in zip(a.parameters(), b.parameters())
+    )
+    report["wire16"] = state.channel.stats["wire16"]
+    report["allreduces"] = state.channel.stats["allreduces"]
+    state.close()
+    comm.close()
+    dist.destroy_process_group()
+    return report
+
+
 # --- the backend ---------------------------------------------------------------------------------
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64, torch.float64]
 COUNT = 5000  # not a multiple of 256
@@ -162,25 +243,41 @@ def _coalesced_want(n: int, op_name: str, dtypes) -> list[torch.Tensor]:
     return [fold([p[i].double() for p in per_rank]).to(d).double() for i, d in enumerate(dtypes)]
 
 
+def _policy() -> int | str:
+    return HostOptions.from_env().wire_bits
+
+
+def _streams(dtypes) -> int:
+    """The aggregator streams a coalesced list of `dtypes` makes: one per (wire dtype, width),
+    the width by XDP_AGG_WIRE_BITS's policy (backend._wire_groups)."""
+    from hostlib.pt.backend import _wire_dtype
+
+    policy = _policy()
+    keys = {(_wire_dtype(d, wire_bits_for(d, policy)), wire_bits_for(d, policy)) for d in dtypes}
+    return len(keys)
+
+
 def _check_coalesced(check, pg, rank: int, n: int) -> None:
     """all_reduce_coalesced and _coalescing_manager: gloo's answer for every op and dtype; the
-    wire dtypes' lists through the aggregator as one stream per wire dtype (float, int32)."""
+    wire dtypes' lists through the aggregator as one stream per wire dtype and width (by
+    default float32, int32, float16 and bfloat16 each)."""
     f32, i64 = torch.float32, torch.int64
     cases = [  # torch's all_reduce_coalesced takes one dtype; _coalescing_manager mixes them
-        ("SUM", (f32, torch.int32, torch.float16, torch.bfloat16, f32), 2),
-        ("AVG", (f32, torch.bfloat16), 1),
-        ("SUM", (torch.float64, i64), 0),
-        ("SUM", (f32, torch.float64), 0),
-        ("MIN", (f32, i64), 0),
-        ("SUM", (f32, f32, f32), 1),
-        ("AVG", (torch.bfloat16, torch.bfloat16), 1),
-        ("SUM", (i64, i64), 0),
-        ("SUM", (torch.float64, torch.float64), 0),
-        ("MAX", (f32, f32), 0),
-        ("MIN", (torch.int32, torch.int32), 0),
-        ("PRODUCT", (f32, f32), 0),
+        ("SUM", (f32, torch.int32, torch.float16, torch.bfloat16, f32), True),
+        ("AVG", (f32, torch.bfloat16), True),
+        ("SUM", (torch.float64, i64), False),
+        ("SUM", (f32, torch.float64), False),
+        ("MIN", (f32, i64), False),
+        ("SUM", (f32, f32, f32), True),
+        ("AVG", (torch.bfloat16, torch.bfloat16), True),
+        ("SUM", (i64, i64), False),
+        ("SUM", (torch.float64, torch.float64), False),
+        ("MAX", (f32, f32), False),
+        ("MIN", (torch.int32, torch.int32), False),
+        ("PRODUCT", (f32, f32), False),
     ]
-    for op_name, dtypes, streams in cases:
+    for op_name, dtypes, on_wire in cases:
+        streams = _streams(dtypes) if on_wire else 0
         for how in ("all_reduce_coalesced", "coalescing_manager")[len(set(dtypes)) > 1 :]:
             name = f"{how} {op_name} {'+'.join(str(d)[6:] for d in dtypes)}"
             xs = _coalesced_inputs(rank, dtypes)
@@ -194,7 +291,9 @@ def _check_coalesced(check, pg, rank: int, n: int) -> None:
                         dist.all_reduce(x, op=op)
             got = [x.double() for x in xs]
             want = _coalesced_want(n, op_name, dtypes)
-            ok = all(torch.allclose(g, w, rtol=1e-6) for g, w in zip(got, want))
+            # a 16-bit sum may round to a neighbour of the dtype's nearest: 2 units of it
+            rtol = [2 * EPS[d] if wire_bits_for(d, _policy()) == 16 else 1e-6 for d in dtypes]
+            ok = all(torch.allclose(g, w, rtol=r) for g, w, r in zip(got, want, rtol))
             check(name, ok, f"{[g.tolist() for g in got]} vs {[w.tolist() for w in want]}")
             used = pg.channel.stats["allreduces"] - before
             check(name + " streams", used == streams, f"{used} aggregator all-reduces")
@@ -290,7 +389,7 @@ def run_backend(args, rank: int, n: int) -> dict:
                     continue
                 gmax = max(float(i.abs().max()) for i in inputs)
                 div = n if op_name == "AVG" else 1
-                bound = (n * 2 * gmax / (2 * _m(n)) + (n + 2) * EPS[dtype] * gmax) / div
+                bound = (n * 2 * gmax / (2 * _m(n, dtype)) + (n + 2) * EPS[dtype] * gmax) / div
                 err = float((x.to(torch.float64) - exact / div).abs().max())
                 check(name, err <= bound, f"error {err:.3g} > bound {bound:.3g}")
 
@@ -363,6 +462,66 @@ def run_backend(args, rank: int, n: int) -> dict:
         pg.comm.stats["packets_sent"] > before and all(torch.equal(gs[0], q) for q in gs),
     )
     report["job"] = pg.job
+    dist.destroy_process_group()
+    return report
+
+
+# --- the backend at 16 bits ----------------------------------------------------------------------
+def run_backend_wire16(args, rank: int, n: int) -> dict:
+    """bfloat16, float16 and float32 tensors (and a coalesced list of them) through the backend
+    at the widths XDP_AGG_WIRE_BITS's policy gives them: the communicator's width after each,
+    path_stats' width, the sums within the bound of that width."""
+    hostlib.pt.register_backend()
+    dist.init_process_group("xdpagg")
+    pg = dist.distributed_c10d._get_default_group()
+    policy = _policy()
+    report = {"rank": rank, "policy": policy, "checks": {}, "failures": [], "widths": {}}
+
+    def check(name, ok, detail=""):
+        report["checks"][name] = bool(ok)
+        if not ok:
+            report["failures"].append(f"{name}: {detail}")
+
+    for seed, dtype in enumerate((torch.bfloat16, torch.float16, torch.float32)):
+        bits = wire_bits_for(dtype, policy)
+        for op_name in ("SUM", "AVG"):
+            name = f"all_reduce {op_name} {str(dtype)[6:]}"
+            x = _input(dtype, rank, seed)
+            inputs = [_input(dtype, r, seed).double() for r in range(n)]
+            dist.all_reduce(x, op=getattr(dist.ReduceOp, op_name))
+            report["widths"][name] = pg.comm.stats.get("wire_bits")
+            check(name + " width", report["widths"][name] == bits, f"not {bits}")
+            div = n if op_name == "AVG" else 1
+            gmax = max(float(i.abs().max()) for i in inputs)
+            m = scaling.int_range(n, bits)
+            bound = (n * 2 * gmax / (2 * m) + (n + 2) * EPS[dtype] * gmax) / div
+            err = float((x.double() - sum(inputs) / div).abs().max())
+            check(name, err <= bound, f"error {err:.3g} > bound {bound:.3g}")
+            report.setdefault("errors", {})[name] = [err, bound]
+    # packets: a 16-bit all-reduce of N elements carries them in ceil(N / 2k), a 32-bit one in
+    # ceil(N / k) (k: the job's int32 per packet), besides what the exponents' look-ahead adds
+    report["packets"] = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        before = pg.comm.stats["packets_sent"]
+        dist.all_reduce(torch.ones(100_000, dtype=dtype))
+        report["packets"][str(dtype)[6:]] = pg.comm.stats["packets_sent"] - before
+    xs = [torch.full((3000,), float(rank + 1 + i)).to(d) for i, d in enumerate(DTYPES[:3])]
+    before = pg.channel.stats["wire16"]
+    with dist._coalescing_manager():
+        for x in xs:
+            dist.all_reduce(x)
+    want = [float(sum(r + 1 + i for r in range(n))) for i in range(3)]
+    check(
+        "coalesced bfloat16+float16+float32",
+        # float32 at 16 bits (XDP_AGG_WIRE_BITS=16) is not exact: within 2^-10 of the sum
+        all(
+            torch.allclose(x.double(), torch.full((3000,), w, dtype=torch.float64), rtol=2**-10)
+            for x, w in zip(xs, want)
+        ),
+        f"{[float(x[0]) for x in xs]} vs {want}",
+    )
+    report["coalesced_wire16"] = pg.channel.stats["wire16"] - before
+    report["path_stats"] = pg.path_stats()
     dist.destroy_process_group()
     return report
 
@@ -440,16 +599,24 @@ def run_lost(args, rank: int, n: int) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("scenario", choices=["ddp", "backend", "lost", "lost-hook"])
+    ap.add_argument(
+        "scenario",
+        choices=["ddp", "ddp-wire16", "backend", "backend-wire16", "lost", "lost-hook"],
+    )
     ap.add_argument("--job", default="torch-ddp")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--backend-spec", default="xdpagg")
     args = ap.parse_args()
     torch.set_num_threads(1)
     rank, n = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    fn = {"ddp": run_ddp, "backend": run_backend, "lost": run_lost, "lost-hook": run_lost_hook}[
-        args.scenario
-    ]
+    fn = {
+        "ddp": run_ddp,
+        "ddp-wire16": run_ddp_wire16,
+        "backend": run_backend,
+        "backend-wire16": run_backend_wire16,
+        "lost": run_lost,
+        "lost-hook": run_lost_hook,
+    }[args.scenario]
     print(json.dumps(fn(args, rank, n)), flush=True)
     return 0
 

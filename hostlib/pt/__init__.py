@@ -8,6 +8,8 @@ DDP communication hook (the process group stays gloo or nccl; gradients go throu
     comm = hostlib.init(rank, world, "198.18.0.1:48800", "run-7")
     model = DistributedDataParallel(net)
     model.register_comm_hook(hostlib.pt.HookState(comm), hostlib.pt.allreduce_hook)
+    # float32 gradients at 16 bits per element (torch's bf16_compress_hook, without the copy):
+    model.register_comm_hook(hostlib.pt.HookState(comm), hostlib.pt.wire16_hook)
 
 torch.distributed backend "xdpagg" (all_reduce through the aggregator, the rest through gloo):
 
@@ -19,8 +21,8 @@ point), so an unmodified script finds it; `hostlib.pt.register_backend()` does t
 
 Modules: channel (the ordered all-reduce stream of tensors, its staging and its gloo fallback),
 staging (CUDA tensors in chunks through pinned host buffers, copies overlapped with the
-aggregation), hook (allreduce_hook, HookState), backend (ProcessGroupXdpAgg, register_backend),
-paths (which path each collective took: PathStats, FallbackWarning).
+aggregation), hook (allreduce_hook, wire16_hook, HookState), backend (ProcessGroupXdpAgg,
+register_backend), paths (which path each collective took: PathStats, FallbackWarning).
 """
 
 from __future__ import annotations
@@ -37,12 +39,14 @@ if TYPE_CHECKING:  # what __getattr__ imports on first use, for type checkers ("
     from .channel import AllreduceChannel as AllreduceChannel
     from .hook import HookState as HookState
     from .hook import allreduce_hook as allreduce_hook
+    from .hook import wire16_hook as wire16_hook
     from .paths import FallbackWarning as FallbackWarning
 
 # name -> submodule; imported on first use, so that the entry point below (run inside
 # `import torch`) imports nothing that could fail before its own try
 _EXPORTS = {
     "allreduce_hook": "hook",
+    "wire16_hook": "hook",
     "HookState": "hook",
     "ProcessGroupXdpAgg": "backend",
     "register_backend": "backend",

@@ -7,11 +7,13 @@
 What goes where:
 - all_reduce with ReduceOp.SUM or AVG of float32, float16, bfloat16 or int32 tensors: through
   the aggregator (hostlib), sync or async (a Work handle); all_reduce_coalesced and
-  _coalescing_manager's all-reduces of such lists as one stream per wire dtype. int32 sums
-  are exact (wrapping modulo 2^32 like the aggregator); floats are block-scaled through int32
-  (per-element bound in hostlib.scaling, about n^2 2^-32 of each 256-element chunk's largest
-  magnitude), float16 and bfloat16 via float32. AVG divides the sum by the world size;
-  PREMUL_SUM(f) (FSDP2's gradient divide factor) scales the tensor by f in place, then sums.
+  _coalescing_manager's all-reduces of such lists as one stream per (wire dtype, width,
+  device). int32 sums are exact (wrapping modulo 2^32 like the aggregator), at 32 bits; floats
+  are block-scaled (per-element bound in hostlib.scaling: about n^2 2^(E-32) at 32 bits,
+  n^2 2^(E-16) at 16, 2^E above the largest magnitude of each packet's chunk). bfloat16 and
+  float16 travel as themselves at 16 bits per element, float32 at 32 (XDP_AGG_WIRE_BITS below
+  changes that). AVG divides the sum by the world size; PREMUL_SUM(f) (FSDP2's gradient
+  divide factor) scales the tensor by f in place, then sums.
 - every other all_reduce (MIN, MAX, PRODUCT, ...; int64, float64 and other dtypes the wire
   cannot carry exactly; AVG of integer tensors is refused, as gloo does) and every other
   collective (broadcast, all_gather, all_gather_into_tensor, reduce_scatter, reduce, gather,
@@ -42,6 +44,11 @@ Settings (environment, read when the group is made, through hostlib.options.Host
                              allow, and hostlib.options.DEFAULT_WINDOW).
 - XDP_AGG_LANES=k            run each all-reduce on k lanes (HostOptions.lanes; default 1;
                              the switch topology only).
+- XDP_AGG_WIRE_BITS=auto|16|32  the element width of the all-reduces (HostOptions.wire_bits):
+                             auto (default) 16 bits for bfloat16 and float16 tensors, 32 for
+                             float32 and int32; 32 every one at 32 bits (for exactness over
+                             speed); 16 every float one at 16 bits, float32 too (int32 stays
+                             at 32). Every rank must set the same.
 - XDP_AGG_SECRET_FILE=path   the deployment secret (a copy of `xdp-agg serve`'s, mode 0600);
                              rank 0 needs it to create the job. The other ranks use it too
                              when they have it; a rank without it takes the job's token, which
@@ -240,7 +247,11 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             on_token=share_token if rank == 0 else None,
         )
         self.channel = AllreduceChannel(
-            comm, fallback=fallback, own_comm=True, name=f"xdpagg (job {self.job})"
+            comm,
+            fallback=fallback,
+            own_comm=True,
+            name=f"xdpagg (job {self.job})",
+            wire_bits=opts.wire_bits,
         )
 
     # --- identity ---------------------------------------------------------------------------
@@ -293,24 +304,25 @@ class ProcessGroupXdpAgg(dist.ProcessGroup):
             op = dist.ReduceOp.SUM
         reason = _why_not_on_wire(tensors, op, coalesced)
         if reason is None:
-            self.paths.record(collective, asked, tensors, AGGREGATOR)
+            bits = {self.channel.wire_bits_of(t.dtype) for t in tensors}
+            self.paths.record(collective, asked, tensors, AGGREGATOR, wire_bits=bits)
             return self._aggregate(tensors, op == dist.ReduceOp.AVG)
         self.paths.record(collective, asked, tensors, GLOO, reason)
         return self._gloo_reduce(tensors, op, coalesced)
 
     def _aggregate(self, tensors: list[torch.Tensor], avg: bool) -> Work:
         """Sum the tensors through the aggregator: one tensor as it is; a coalesced list as one
-        flat stream per (wire dtype, device), scattered back when it completes. The channel
-        runs its all-reduces in submission order, the same on every rank."""
+        flat stream per (wire dtype, width, device), scattered back when it completes. The
+        channel runs its all-reduces in submission order, the same on every rank."""
         if not tensors:
             return _FutureWork(_done(tensors))
         if len(tensors) == 1:
             fut = self.channel.submit(tensors[0], average=avg, value=tensors)
             return _FutureWork(fut)
         raw, done = [], []
-        for group in _wire_groups(tensors):
-            flat = torch.cat([t.detach().reshape(-1).to(_wire_dtype(t)) for t in group])
-            fut = self.channel.submit(flat, average=avg)
+        for (dtype, bits, _), group in _wire_groups(tensors, self.channel).items():
+            flat = torch.cat([t.detach().reshape(-1).to(dtype) for t in group])
+            fut = self.channel.submit(flat, average=avg, wire_bits=bits)
             raw.append(fut)
             done.append(fut.then(functools.partial(_scatter_back_done, group)))
         everything = torch.futures.collect_all(done).then(lambda _: tensors)
@@ -555,18 +567,31 @@ def _why_not_on_wire(tensors: list[torch.Tensor], op: _Op, coalesced: bool) -> s
     return None
 
 
-def _wire_dtype(t: torch.Tensor) -> torch.dtype:
-    """The dtype a tensor travels as in a coalesced stream: int32, or float32 for the floats."""
-    return torch.int32 if t.dtype == torch.int32 else torch.float32
+def _wire_dtype(dtype: torch.dtype, wire_bits: int) -> torch.dtype:
+    """The dtype a tensor travels as in a coalesced stream at `wire_bits` per element: int32;
+    at 16 bits a float as itself (bfloat16 and float16 go to hostlib as they are, float32 too);
+    at 32 bits float32 for every float (one stream for them all: float32 holds bfloat16 and
+    float16 exactly, and a 32-bit sum rounded once to the tensor's dtype is what a tensor of
+    its own would get, to within the bound)."""
+    if dtype == torch.int32 or wire_bits == 16:  # int32 only ever at 32 bits
+        return dtype
+    return torch.float32
 
 
-def _wire_groups(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
-    """The tensors grouped by (wire dtype, device), in order of first appearance (the same on
-    every rank, as the ranks pass the same list)."""
-    groups: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+_StreamKey: TypeAlias = tuple[torch.dtype, int, torch.device]
+
+
+def _wire_groups(
+    tensors: list[torch.Tensor], channel: AllreduceChannel
+) -> dict[_StreamKey, list[torch.Tensor]]:
+    """The tensors grouped by stream, (wire dtype, width, device) with the width of the
+    channel's policy, in order of first appearance (the same on every rank, as the ranks pass
+    the same list)."""
+    groups: dict[_StreamKey, list[torch.Tensor]] = {}
     for t in tensors:
-        groups.setdefault((_wire_dtype(t), t.device), []).append(t)
-    return list(groups.values())
+        bits = channel.wire_bits_of(t.dtype)
+        groups.setdefault((_wire_dtype(t.dtype, bits), bits, t.device), []).append(t)
+    return groups
 
 
 def _scatter_back_done(group: list[torch.Tensor], fut: torch.futures.Future[torch.Tensor]) -> None:
@@ -609,7 +634,9 @@ def _job_name(store: Store, rank: int, group_name: str) -> str:
     key = "xdpagg/job"
     if rank == 0:
         run = os.environ.get("TORCHELASTIC_RUN_ID") or "torch"
-        name = f"{run}.g{group_name}.{secrets.token_hex(4)}"[-200:]
+        # at most 196 characters: hostlib names a 16-bit companion job name + "~w16", and the
+        # control endpoint takes names of up to 200
+        name = f"{run}.g{group_name}.{secrets.token_hex(4)}"[-196:]
         store.set(key, name)
         return name
     return store.get(key).decode()

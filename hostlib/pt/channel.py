@@ -5,11 +5,18 @@ autograd thread never waits); the thread runs the all-reduces one at a time, in 
 order, which is the same order on every rank (as any collective requires), through the hostlib
 Communicator, and completes each future with the tensor, summed (or averaged) in place.
 
+Element width (docs/protocol.md 5.6): each all-reduce travels at 16 or 32 bits per element,
+`wire_bits` of submit() when given, else the channel's policy (HostOptions.wire_bits,
+XDP_AGG_WIRE_BITS: "auto" sends bfloat16 and float16 at 16 bits and float32 and int32 at 32,
+as hostlib does by dtype; 32 sends every one at 32; 16 every float one at 16). int32 only ever
+travels at 32 bits (exact).
+
 Staging, per tensor:
-- CPU float32, float16, int32, contiguous (`_Staged`): a zero-copy numpy view is sent, and the
-  sum is written back into the tensor's own memory (float16 goes through float32 inside hostlib).
-- CPU bfloat16 (numpy has no bfloat16): converted by torch to a float32 staging tensor, summed
-  there, converted back. Non-contiguous tensors are staged through a contiguous copy.
+- CPU float32, float16, bfloat16, int32, contiguous (`_Staged`): a zero-copy numpy view is sent
+  (bfloat16 as ml_dtypes' numpy bfloat16; hostlib converts each dtype to the wire itself), and
+  the sum is written back into the tensor's own memory. Where ml_dtypes is missing, bfloat16 is
+  converted by torch to a float32 staging tensor, summed there (at the same width), converted
+  back. Non-contiguous tensors are staged through a contiguous copy.
 - CUDA (`staging`): in chunks through a ring of pinned host buffers that the channel keeps, the
   copies down and up overlapped with the aggregation of the chunk between them (CUDA streams and
   events), with the CPU path's results bit for bit. The autograd thread only records an event;
@@ -45,6 +52,9 @@ from .staging import (
     StagingDevice,
     StagingRing,
     chunk_elems,
+    host_array,
+    host_dtype,
+    host_tensor,
 )
 
 if TYPE_CHECKING:
@@ -55,8 +65,23 @@ FallbackGroup: TypeAlias = ProcessGroup | Backend
 
 log = logging.getLogger("hostlib.pt")
 
-# dtypes the wire carries: int32 exactly, floats block-scaled through float32 (hostlib.scaling)
+# dtypes the wire carries: int32 exactly, floats block-scaled (hostlib.scaling)
 WIRE_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
+# dtypes that travel at 16 bits under the "auto" policy (as hostlib.Communicator does by dtype)
+DTYPES_16 = (torch.bfloat16, torch.float16)
+
+
+def wire_bits_for(dtype: torch.dtype, policy: int | str = "auto") -> int:
+    """The element width (16 or 32) an all-reduce of `dtype` travels at under `policy`
+    (HostOptions.wire_bits: "auto", 16 or 32): int32 always at 32; under "auto" bfloat16 and
+    float16 at 16, float32 at 32; else the policy's width."""
+    if dtype == torch.int32:
+        return 32
+    if policy == "auto":
+        return 16 if dtype in DTYPES_16 else 32
+    if policy not in (16, 32):
+        raise ValueError(f"wire_bits must be 'auto', 16 or 32, not {policy!r}")
+    return int(policy)
 
 
 class AggregatorLost(HostlibError):
@@ -68,26 +93,24 @@ class _Staged:
     """One CPU tensor's way to the wire and back: the numpy array sent, where the sum lands, and
     how it gets back into the tensor. (Device tensors: staging.DeviceJob.)"""
 
-    def __init__(self, tensor: torch.Tensor, keep_input: bool) -> None:
+    def __init__(self, tensor: torch.Tensor, keep_input: bool, wire_bits: int = 32) -> None:
         self.tensor = tensor
         self.keep_input = keep_input
+        self.wire_bits = wire_bits
         t = tensor.detach()
-        if t.dtype == torch.bfloat16 or not t.is_contiguous():
-            self.host = t.to(
-                torch.float32 if t.dtype == torch.bfloat16 else t.dtype,
-                memory_format=torch.contiguous_format,
-                copy=True,
-            )
+        dtype = host_dtype(t.dtype)
+        if dtype != t.dtype or not t.is_contiguous():
+            self.host = t.to(dtype, memory_format=torch.contiguous_format, copy=True)
         else:
             self.host = t  # zero copy: the tensor's own memory
-        self.src = self.host.numpy().reshape(-1)
+        self.src = host_array(self.host).reshape(-1)
         # keep_input: the sum goes to a separate array so that the input survives a failed
         # all-reduce (the fallback redoes it); otherwise it is summed in place
         self.out = np.empty_like(self.src) if keep_input else self.src
 
     def finish(self, result: np.ndarray, divide: int) -> torch.Tensor:
         """Write `result` (the sum, flat) into the tensor, divided by `divide` if > 1."""
-        res = torch.from_numpy(result).view(self.host.shape)
+        res = host_tensor(result).view(self.host.shape)
         if divide > 1:
             if res.dtype == torch.int32:
                 raise TypeError("AVG of int32 tensors is not supported (use SUM)")
@@ -96,7 +119,7 @@ class _Staged:
             res = res.div(divide) if self.keep_input else res.div_(divide)
         t = self.tensor.detach()
         if res.data_ptr() != t.data_ptr():
-            t.copy_(res)  # staging buffer -> the tensor; converts bfloat16 back
+            t.copy_(res)  # staging buffer -> the tensor; converts a float32 result back
         return self.tensor
 
 
@@ -111,9 +134,13 @@ class AllreduceChannel:
     stage_on: tensor -> staging.StagingDevice or None: which tensors go through a device's
         pinned ring in chunks (staging.py), and on which device. Default staging.CudaStaging():
         CUDA tensors through torch.cuda; every other tensor takes the CPU path.
-    chunk_bytes: the chunk of a staged tensor, in 4-byte wire elements (rounded down to whole
-        packets); default staging.CHUNK_BYTES. Every rank must use the same. Changing it between
-        all-reduces makes a new ring.
+    chunk_bytes: a staging slot, in bytes of 4-byte elements (rounded down to whole packets);
+        a staged tensor goes in chunks of the whole packets that fill a slot
+        (staging.tensor_chunk); default staging.CHUNK_BYTES. Every rank must use the same.
+        Changing it between all-reduces makes a new ring.
+    wire_bits: the element width of the all-reduces that do not name one in submit() (the
+        policy of wire_bits_for: "auto", 16 or 32; HostOptions.wire_bits). Every rank must use
+        the same.
     """
 
     def __init__(
@@ -125,7 +152,10 @@ class AllreduceChannel:
         name: str = "xdp-agg",
         stage_on: Callable[[torch.Tensor], StagingDevice | None] | None = None,
         chunk_bytes: int = CHUNK_BYTES,
+        wire_bits: int | str = "auto",
     ) -> None:
+        wire_bits_for(torch.float32, wire_bits)  # ValueError for a policy that is none
+        self.wire_bits = wire_bits
         self.comm = comm
         self.world_size = comm.world_size
         self.rank = comm.rank
@@ -150,6 +180,7 @@ class AllreduceChannel:
             "gloo_allreduces": 0,  # wire all-reduces done over the fallback (chunks included)
             "seconds": 0.0,
             "staged": 0,  # of the tensors summed, those staged through a device's ring
+            "wire16": 0,  # of the tensors summed, those sent at 16 bits per element
         }
 
     @property
@@ -158,19 +189,29 @@ class AllreduceChannel:
         return self._fallback is not None and self._fallback.active
 
     def submit(
-        self, tensor: torch.Tensor, *, average: bool = False, value: object = None
+        self,
+        tensor: torch.Tensor,
+        *,
+        average: bool = False,
+        value: object = None,
+        wire_bits: int | None = None,
     ) -> torch.futures.Future[Any]:
         """Start summing `tensor` over all ranks (in place; divided by the world size if
         `average`). Returns a Future whose value is `tensor` (or `value` if given) once done; do
         not touch the tensor until then. Its error, if it fails, is the original exception
         (AggregatorLost, ValueError for NaN or Inf), not wrapped. Raises TypeError at once for a
-        dtype the wire cannot carry (see WIRE_DTYPES)."""
+        dtype the wire cannot carry (see WIRE_DTYPES).
+
+        wire_bits: 16 or 32, the element width on the wire; None: the channel's policy
+        (self.wire_bits, see wire_bits_for). 16 for an int32 tensor is a ValueError (int32 is
+        exact at 32 bits only). Every rank must submit the same widths."""
         if tensor.dtype not in WIRE_DTYPES:
             raise TypeError(
                 f"xdp-agg all-reduces {', '.join(map(str, WIRE_DTYPES))}, not {tensor.dtype}"
             )
         if average and tensor.dtype == torch.int32:
             raise TypeError("AVG of int32 tensors is not supported (use SUM)")
+        bits = self.wire_bits_of(tensor.dtype, wire_bits)
         fut: torch.futures.Future[Any] = torch.futures.Future()
         if tensor.numel() == 0:  # nothing to sum, on any rank (all pass the same length)
             fut.set_result(tensor if value is None else value)
@@ -178,16 +219,27 @@ class AllreduceChannel:
         device = self._stage_on(tensor)
         job: DeviceJob | _Staged
         if device is not None:
-            job = DeviceJob(tensor, device)  # records the event the copies down wait for
+            job = DeviceJob(tensor, device, bits)  # records the event the copies down wait for
         elif tensor.device.type != "cpu":
             raise TypeError(f"no staging device for a tensor on {tensor.device} (stage_on)")
         else:
-            job = _Staged(tensor, keep_input=self._fallback is not None)
+            job = _Staged(tensor, keep_input=self._fallback is not None, wire_bits=bits)
         with self._lock:
             if self._closed:
                 raise HostlibError("the xdp-agg channel is closed")
             self._executor.submit(self._run, job, average, fut, value)
         return fut
+
+    def wire_bits_of(self, dtype: torch.dtype, wire_bits: int | None = None) -> int:
+        """The width an all-reduce of `dtype` travels at: `wire_bits` if given (16 or 32; 16
+        for int32 is a ValueError), else the channel's policy's (wire_bits_for)."""
+        if wire_bits is None:
+            return wire_bits_for(dtype, self.wire_bits)
+        if wire_bits not in (16, 32):
+            raise ValueError(f"wire_bits must be 16 or 32, not {wire_bits!r}")
+        if wire_bits == 16 and dtype == torch.int32:
+            raise ValueError("int32 all-reduces are exact at 32 bits only: wire_bits=16 refused")
+        return wire_bits
 
     def _run(
         self, job: DeviceJob | _Staged, average: bool, fut: torch.futures.Future[Any], value: object
@@ -196,16 +248,21 @@ class AllreduceChannel:
         try:
             divide = self.world_size if average else 1
             out: torch.Tensor
+
+            def reduce(src: np.ndarray, out: np.ndarray) -> np.ndarray:
+                return self._sum(src, out, job.wire_bits)
+
             if isinstance(job, DeviceJob):
                 sent = self._ring(job.device).run(
-                    job, divide, self._sum, keep_input=self._fallback is not None
+                    job, divide, reduce, keep_input=self._fallback is not None
                 )
                 out = job.tensor
                 self.stats["staged"] += 1
             else:
-                out = job.finish(self._sum(job.src, job.out), divide)
+                out = job.finish(reduce(job.src, job.out), divide)
                 sent = job.src.nbytes
             self.stats["allreduces"] += 1
+            self.stats["wire16"] += job.wire_bits == 16
             self.stats["bytes"] += sent
             self.stats["seconds"] += time.perf_counter() - t0
             fut.set_result(out if value is None else value)
@@ -216,14 +273,21 @@ class AllreduceChannel:
         """The pinned ring of `device` (made on its first tensor, remade if chunk_bytes changed)."""
         chunk = chunk_elems(self.chunk_bytes, self._packet_elems)
         ring = self._rings.get(id(device))
-        if ring is None or ring.chunk != chunk or ring.device is not device:
-            ring = self._rings[id(device)] = StagingRing(device, chunk)
+        if (
+            ring is None
+            or ring.chunk != chunk
+            or ring.packet_elems != self._packet_elems
+            or ring.device is not device
+        ):
+            ring = StagingRing(device, chunk, packet_elems=self._packet_elems)
+            self._rings[id(device)] = ring
         return ring
 
-    def _sum(self, src: np.ndarray, out: np.ndarray) -> np.ndarray:
+    def _sum(self, src: np.ndarray, out: np.ndarray, wire_bits: int = 32) -> np.ndarray:
         """One wire all-reduce (a CPU tensor, or a chunk of a device tensor): `src` summed over
-        the ranks, into `out` (or, on the fallback, a new array), which it returns. Runs on the
-        channel's thread only; every rank makes the same calls in the same order."""
+        the ranks at `wire_bits` per element, into `out` (or, on the fallback, a new array),
+        which it returns. Runs on the channel's thread only; every rank makes the same calls in
+        the same order."""
         seq = self._seq
         self._seq += 1
         fb = self._fallback
@@ -231,14 +295,14 @@ class AllreduceChannel:
             self.stats["gloo_allreduces"] += 1
             return fb.gloo_sum(src)
         try:
-            self.comm.allreduce(src, out=out, wire_bits=32)  # chunks cut at 32-bit packets
+            self.comm.allreduce(src, out=out, wire_bits=wire_bits)
         except (ValueError, TypeError):
             raise  # the input (NaN, Inf, a bad dtype): no fallback would help
         except HostlibError as e:
             if fb is None:
                 raise AggregatorLost(
-                    f"{self.name}: all-reduce #{seq} of {src.nbytes} bytes on rank "
-                    f"{self.rank} failed: {e} (set XDP_AGG_FALLBACK=gloo, or give the "
+                    f"{self.name}: all-reduce #{seq} of {src.nbytes} bytes at {wire_bits} bits "
+                    f"on rank {self.rank} failed: {e} (set XDP_AGG_FALLBACK=gloo, or give the "
                     f"hook state a fallback group, to continue on gloo instead)"
                 ) from e
             self.stats["gloo_allreduces"] += 1
@@ -311,10 +375,13 @@ class _Fallback:
         self.group.allreduce([t], opts).wait()
 
     def gloo_sum(self, src: np.ndarray) -> np.ndarray:
-        """The sum of `src` over all ranks through gloo (a new array)."""
+        """The sum of `src` over all ranks through gloo (a new array; float32 for a 16-bit
+        float `src`, summed in float32 as hostlib sums it, rounded to the tensor's dtype once,
+        by the channel's copy back)."""
         import torch.distributed as dist
 
-        t = torch.from_numpy(src.copy())
+        t = host_tensor(src)
+        t = t.to(torch.float32) if t.dtype in DTYPES_16 else t.clone()
         self._allreduce(t, dist.ReduceOp.SUM)
         return t.numpy()
 
@@ -353,10 +420,11 @@ class _Fallback:
         # some ranks completed k: the lowest of them broadcasts k's result
         opts = dist.BroadcastOptions()
         opts.rootRank = root
+        # as bytes: the result's dtype (every rank's the same) may be one gloo has no type for
         if seq == k:  # this rank lacks k's result
-            buf = torch.from_numpy(np.empty_like(src))
-            self.group.broadcast([buf], opts).wait()
-            return buf.numpy()
-        prev = torch.from_numpy(self._last)  # this rank holds k's result; seq == k + 1
-        self.group.broadcast([prev], opts).wait()
+            buf = np.empty_like(src)
+            self.group.broadcast([torch.from_numpy(buf.view(np.uint8))], opts).wait()
+            return buf
+        assert self._last is not None  # holds_prev: this rank holds k's result; seq == k + 1
+        self.group.broadcast([torch.from_numpy(self._last.view(np.uint8))], opts).wait()
         return self.gloo_sum(src)

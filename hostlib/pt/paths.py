@@ -2,9 +2,11 @@
 
 A PyTorch user cannot see from the outside whether `dist.all_reduce(t)` went through the
 aggregator or through gloo (float64, MAX, ...): the answer is the same, the speed is not.
-`PathStats` counts the calls per (collective, op, dtype, path) and warns once per
+`PathStats` counts the calls per (collective, op, dtype, path, wire width) and warns once per
 (collective, op, dtype) when an all-reduce that could have gone through the aggregator falls
-back to gloo, with the reason. `ProcessGroupXdpAgg.path_stats()` returns the counts.
+back to gloo, with the reason. `ProcessGroupXdpAgg.path_stats()` returns the counts. The wire
+width (`wire_bits`) says at how many bits per element the aggregator's calls travelled: "16",
+"32", or "16+32" for a coalesced list with streams of both; "-" for gloo's.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import torch
 
@@ -50,22 +52,31 @@ def _flat(x: object) -> Iterator[torch.Tensor]:
 
 
 class PathStats:
-    """Counts of calls per (collective, op, dtype, path), and the one-time fallback warning."""
+    """Counts of calls per (collective, op, dtype, path, wire width), and the one-time fallback
+    warning."""
 
     def __init__(self, name: str) -> None:
         self.name = name
-        self._counts: Counter[tuple[str, str, str, str]] = Counter()
+        self._counts: Counter[tuple[str, str, str, str, str]] = Counter()
         self._warned: set[tuple[str, str, str]] = set()
         self._lock = threading.Lock()  # async collectives may complete on other threads
 
     def record(
-        self, collective: str, op: object, tensors: object, path: str, reason: str | None = None
+        self,
+        collective: str,
+        op: object,
+        tensors: object,
+        path: str,
+        reason: str | None = None,
+        wire_bits: Iterable[int] = (),
     ) -> None:
         """Count one call; warn (once per collective, op, dtype) when `reason` says why an
-        all-reduce went to gloo."""
+        all-reduce went to gloo. `wire_bits`: the widths the aggregator's call travelled at
+        (none for gloo's)."""
         key = (collective, op_name(op), dtype_name(tensors))
+        bits = "+".join(map(str, sorted(set(wire_bits)))) or "-"
         with self._lock:
-            self._counts[key + (path,)] += 1
+            self._counts[key + (path, bits)] += 1
             first = reason is not None and key not in self._warned
             if first:
                 self._warned.add(key)
@@ -78,12 +89,12 @@ class PathStats:
             )
 
     def rows(self) -> list[dict[str, object]]:
-        """[{collective, op, dtype, path, calls}], sorted."""
+        """[{collective, op, dtype, path, wire_bits, calls}], sorted."""
         with self._lock:
             items = sorted(self._counts.items())
         return [
-            {"collective": c, "op": o, "dtype": d, "path": p, "calls": n}
-            for (c, o, d, p), n in items
+            {"collective": c, "op": o, "dtype": d, "path": p, "wire_bits": b, "calls": n}
+            for (c, o, d, p, b), n in items
         ]
 
     def total(self, path: str) -> int:

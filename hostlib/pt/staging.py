@@ -3,9 +3,11 @@ copies down, the aggregation on the host and the copies up overlapped.
 
 The aggregator sums host memory (hostlib's numpy arrays), so a CUDA tensor must come down to the
 host and its sum go back up. Done whole, the two copies and the aggregation run one after the
-other; here the tensor is cut into chunks of `chunk_bytes` (CHUNK_BYTES, 16 MiB of 4-byte wire
-elements, rounded down to whole packets) that take turns in a ring of SLOTS = 3 pinned slots,
-reused by every call of the channel. The channel's thread runs, for chunk i in slot i mod 3:
+other; here the tensor is cut into chunks that take turns in a ring of SLOTS = 3 pinned slots
+of `chunk_bytes` (CHUNK_BYTES, 16 MiB of 4-byte elements, rounded down to whole packets),
+reused by every call of the channel. A chunk is the most whole packets of the all-reduce's
+element width (16-bit packets carry twice the elements) that fill a slot: tensor_chunk. The
+channel's thread runs, for chunk i in slot i mod 3:
 
     start chunk i+1's copy down (device -> its slot)      # after that slot's last copy up
     wait for chunk i's copy down
@@ -21,10 +23,12 @@ What a device must offer is StagingDevice (copy down, copy up, record an event, 
 pinned memory); CudaDevice is torch.cuda's, used for every CUDA tensor (the channel's default,
 CudaStaging). Tests give the channel a fake that runs its copies on threads and checks the order.
 
-Results are those of the CPU path, bit for bit: chunks are cut at whole packets (the block
-scaling is per packet: hostlib.scaling), float16 goes to hostlib as float16 and bfloat16 through
-a float32 host array converted by torch on the host, as on the CPU path, and an average divides
-the host result in the same dtype before it goes up. Every rank must stage the same way (all
+Results are those of the CPU path, bit for bit: chunks are cut at whole packets of the
+all-reduce's element width (the block scaling is per packet: hostlib.scaling; a 16-bit packet
+carries twice the elements of a 32-bit one, docs/protocol.md 5.6), every dtype goes to hostlib
+as the CPU path hands it over (host_array: bfloat16 as ml_dtypes' numpy bfloat16, or through a
+float32 host array where ml_dtypes is missing), at the same width, and an average divides the
+host result in the same dtype before it goes up. Every rank must stage the same way (all
 its tensors on CUDA, or all on the CPU): a chunk is an all-reduce of its own, and the ranks'
 all-reduces must have the same lengths.
 
@@ -47,13 +51,47 @@ import numpy as np
 import numpy.typing as npt
 import torch
 
+from xdp_agg.proto import wire
 from xdp_agg.proto.wire import SIZE_CODE_ELEMS
 
-CHUNK_BYTES = 16 << 20  # of wire elements (4 bytes each): 4 Mi, rounded down to whole packets
+CHUNK_BYTES = 16 << 20  # a slot: 16 MiB of 4-byte elements, rounded down to whole packets
 SLOTS = 3  # chunk i+1 coming down, chunk i summed, chunk i-1 going up
 WIRE_ITEMSIZE = 4  # int32 and float32: the largest element a slot holds
 # a chunk of a multiple of this is a multiple of every packet size the wire has
 PACKET_LCM = math.lcm(*SIZE_CODE_ELEMS.values())
+
+try:  # numpy's bfloat16 (the test extra has it): bfloat16 tensors go to hostlib as they are
+    import ml_dtypes
+
+    NP_BFLOAT16: np.dtype[Any] | None = np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # without it, bfloat16 goes through a float32 host copy
+    NP_BFLOAT16 = None
+
+
+def host_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor's elements are handed to hostlib in: their own, but bfloat16 as
+    float32 where numpy has no bfloat16 (ml_dtypes missing). Both paths, CPU and staged, use it,
+    so that their results are the same bits."""
+    if dtype == torch.bfloat16 and NP_BFLOAT16 is None:
+        return torch.float32
+    return dtype
+
+
+def host_array(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of the contiguous CPU tensor `t` (of a host_dtype): bfloat16 as
+    ml_dtypes.bfloat16, which torch.Tensor.numpy() refuses."""
+    if t.dtype == torch.bfloat16:
+        assert NP_BFLOAT16 is not None, "host_dtype sends bfloat16 as float32 without ml_dtypes"
+        return t.view(torch.int16).numpy().view(NP_BFLOAT16)
+    return t.numpy()
+
+
+def host_tensor(a: np.ndarray) -> torch.Tensor:
+    """The tensor over the numpy array `a` (no copy): ml_dtypes.bfloat16 as torch.bfloat16,
+    which torch.from_numpy refuses."""
+    if NP_BFLOAT16 is not None and a.dtype == NP_BFLOAT16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
 
 
 class StagingDevice(Protocol):
@@ -159,40 +197,56 @@ class CudaStaging:
 
 class DeviceJob:
     """One device tensor's all-reduce, made in the submitting thread: its flat contiguous form
-    (a copy, on the tensor's stream, if the tensor is not contiguous) and the event after which
-    its data is ready."""
+    (a copy, on the tensor's stream, if the tensor is not contiguous), the event after which
+    its data is ready, and the element width it travels at (16 or 32 bits)."""
 
-    def __init__(self, tensor: torch.Tensor, device: StagingDevice) -> None:
+    def __init__(self, tensor: torch.Tensor, device: StagingDevice, wire_bits: int = 32) -> None:
         t = tensor.detach()
         self.tensor = tensor
         self.device = device
+        self.wire_bits = wire.check_wire_bits(wire_bits)
         self.contiguous = t.is_contiguous()
         self.flat = (t if self.contiguous else t.contiguous()).view(-1)
         self.ready = device.record(self.flat)
 
 
 def chunk_elems(chunk_bytes: int, packet_elems: int) -> int:
-    """Elements per chunk: `chunk_bytes` of 4-byte wire elements rounded down to whole packets
-    of `packet_elems` (at least one packet)."""
-    return max(1, chunk_bytes // WIRE_ITEMSIZE // packet_elems) * packet_elems
+    """A slot's size in 4-byte elements: `chunk_bytes` of them rounded down to whole 32-bit
+    packets of `packet_elems`, at least two (so that a slot holds a 16-bit packet of float32:
+    2 x packet_elems elements)."""
+    return max(2, chunk_bytes // WIRE_ITEMSIZE // packet_elems) * packet_elems
+
+
+def tensor_chunk(slot_elems: int, packet_elems: int, itemsize: int, wire_bits: int) -> int:
+    """Elements of a tensor per chunk: the most whole packets of the all-reduce's width
+    (`packet_elems` elements at 32 bits, twice as many at 16) whose `itemsize`-byte elements
+    fit a slot of `slot_elems` 4-byte elements; at least one packet (chunk_elems makes slots
+    that hold one). float32 at 32 bits: the slot itself; bfloat16 and float16 at 16 bits: twice
+    its elements, in as many packets."""
+    per_packet = packet_elems * wire.elems_per_word(wire_bits)
+    return max(1, slot_elems * WIRE_ITEMSIZE // itemsize // per_packet) * per_packet
 
 
 class StagingRing:
-    """SLOTS pinned slots of `chunk` elements, reused by every device tensor a channel stages on
-    one device; `run` moves one tensor through them.
+    """SLOTS pinned slots of `chunk` 4-byte elements, reused by every device tensor a channel
+    stages on one device; `run` moves one tensor through them, in chunks of whole packets
+    (tensor_chunk: `packet_elems` int32 words per packet; 1 cuts anywhere) that fill a slot.
 
     Beside its pinned bytes, a slot gets on first need a float32 host array (bfloat16 is summed
-    as float32: numpy has no bfloat16) and an array for results kept apart from the input (when
-    a fallback is configured: see channel._Fallback). The slots rotate across calls, so two
-    consecutive chunks, even of two tensors, never share a slot: the fallback may still need
-    the previous chunk's result while the next one runs.
+    as float32 where numpy has no bfloat16: host_dtype) and an array for results kept apart
+    from the input (when a fallback is configured: see channel._Fallback). The slots rotate
+    across calls, so two consecutive chunks, even of two tensors, never share a slot: the
+    fallback may still need the previous chunk's result while the next one runs.
     """
 
-    def __init__(self, device: StagingDevice, chunk: int, slots: int = SLOTS) -> None:
+    def __init__(
+        self, device: StagingDevice, chunk: int, slots: int = SLOTS, packet_elems: int = 1
+    ) -> None:
         if slots < 2:
             raise ValueError("the staging needs at least 2 slots")
         self.device = device
         self.chunk = chunk
+        self.packet_elems = packet_elems
         self.slot_bytes = chunk * WIRE_ITEMSIZE
         self.pinned = device.pinned(slots * self.slot_bytes)
         self._slots = slots
@@ -212,12 +266,13 @@ class StagingRing:
         `divide` when > 1); the bytes handed to `reduce`.
 
         reduce(src, out): sums one chunk's numpy array `src` over the ranks, into `out` or a
-        new array, which it returns (the channel's aggregator-or-fallback step). keep_input:
-        the sum goes apart from `src` (which a fallback may redo).
+        new array, which it returns (the channel's aggregator-or-fallback step, at the job's
+        wire_bits). keep_input: the sum goes apart from `src` (which a fallback may redo).
         Raises what `reduce` raises, once every copy already started has finished.
         """
+        step = tensor_chunk(self.chunk, self.packet_elems, job.flat.element_size(), job.wire_bits)
         n = job.flat.numel()
-        bounds = [(a, min(a + self.chunk, n)) for a in range(0, n, self.chunk)]
+        bounds = [(a, min(a + step, n)) for a in range(0, n, step)]
         slots = [(self._next + i) % self._slots for i in range(len(bounds))]
         self._next = (self._next + len(bounds)) % self._slots
         downs: dict[int, Any] = {}
@@ -261,11 +316,14 @@ class StagingRing:
     def _host(
         self, arrays: list[np.ndarray | None], slot: int, dtype: npt.DTypeLike, n: int
     ) -> np.ndarray:
-        """A slot's host array (made once, chunk * 4 bytes) as `n` elements of `dtype`."""
+        """A slot's host array as `n` elements of `dtype` (made once, chunk * 4 bytes; twice
+        that the first time a chunk needs more: the float32 of a 16-bit dtype's chunk, which
+        holds twice the elements of a float32 one)."""
+        need = n * np.dtype(dtype).itemsize
         host = arrays[slot]
-        if host is None:
-            host = arrays[slot] = np.empty(self.slot_bytes, dtype=np.uint8)
-        return host[: n * np.dtype(dtype).itemsize].view(dtype)
+        if host is None or host.nbytes < need:
+            host = arrays[slot] = np.empty(max(need, self.slot_bytes), dtype=np.uint8)
+        return host[:need].view(dtype)
 
     def _reduce(
         self,
@@ -278,17 +336,17 @@ class StagingRing:
         """Sum one chunk that has come down into `image`, leaving the result there: what the CPU
         path (channel._Staged) does with a tensor, on the chunk."""
         n = image.numel()
-        if image.dtype == torch.bfloat16:
+        if host_dtype(image.dtype) != image.dtype:  # bfloat16 without ml_dtypes
             src = self._host(self._stage, slot, np.float32, n)
             torch.from_numpy(src).copy_(image)  # exact: bfloat16 widens to float32
         else:
-            src = image.numpy()
+            src = host_array(image)  # the pinned memory itself
         out = self._host(self._kept, slot, src.dtype, n) if keep else src
         result = reduce(src, out)
-        res = torch.from_numpy(result)
+        res = host_tensor(result)
         if divide > 1:
             # apart from a result the fallback keeps (it may send it to ranks that lack it)
             res = res.div(divide) if keep else res.div_(divide)
         if res.data_ptr() != image.data_ptr() or res.dtype != image.dtype:
-            image.copy_(res)  # converts float32 back to bfloat16, as the CPU path does
+            image.copy_(res)  # float32 back to bfloat16 (host_dtype), as the CPU path does
         return src.nbytes

@@ -33,7 +33,6 @@ import numpy as np
 import torch
 
 from hostlib import scaling
-from hostlib.communicator import _AllreduceArrays
 
 TIMEOUT = 10.0  # seconds a fake step waits before it reports a violation (a bug, not a delay)
 
@@ -254,7 +253,8 @@ class FakeDevice:
 
     def _check_read_array(self, src: np.ndarray) -> None:
         """The aggregation's input, if it lies in memory copies down fill (a bfloat16 chunk is
-        summed from a float32 host array instead: the 0xFF fill covers it)."""
+        summed from a float32 host array instead where ml_dtypes is missing: the 0xFF fill
+        covers it)."""
         a = src.__array_interface__["data"][0]
         span = (a, a + src.nbytes)
         if any(_overlap(_span(o.dst), span) for o in self.streams["down"]):
@@ -272,7 +272,7 @@ class CheckingComm:
         self.comm, self.device = comm, device
         self.rank, self.world_size, self.stats = comm.rank, comm.world_size, comm.stats
 
-    def allreduce(self, src, out=None, wire_bits=None):
+    def allreduce(self, src, out=None, *, wire_bits=None):
         with self.device.aggregating(src):
             return self.comm.allreduce(src, out=out, wire_bits=wire_bits)
 
@@ -280,11 +280,15 @@ class CheckingComm:
 class ScalingComm:
     """A world of `world` ranks in one process, for the channel: every other rank holds this
     rank's input, and the sum is what the aggregator would give: int32 wrapping modulo 2^32,
-    floats block scaled per packet of `elems` (hostlib.scaling), so a chunk cut off the packet
-    boundaries would change the result. Converts dtypes as hostlib's Communicator does.
+    floats block scaled per packet (hostlib.scaling): `elems` elements per packet at 32 bits,
+    2 x `elems` at 16 (docs/protocol.md 5.6), so a chunk cut off the packet boundaries would
+    change the result. Takes what hostlib's Communicator takes (int32, float32, float16 and
+    ml_dtypes' bfloat16 arrays; `wire_bits` None, 16 or 32, None being 16 for the 16-bit
+    dtypes) and rounds the float64 quotient once to the output's dtype.
 
     fail_at: the wire all-reduce number (0-based) that raises `error` instead, once.
     device: a FakeDevice whose `aggregating` check each all-reduce runs in.
+    bits: the width of each all-reduce, in order (stats["wire_bits"]: the last one's).
     """
 
     def __init__(self, world: int = 3, elems: int = 256, device=None, fail_at=None, error=None):
@@ -294,26 +298,36 @@ class ScalingComm:
         self.fail_at, self.error = fail_at, error
         self.calls = 0
         self.lengths: list[int] = []
+        self.bits: list[int] = []
 
-    def allreduce(self, src, out=None, wire_bits=None):
+    def allreduce(self, src, out=None, *, wire_bits=None):
         calls, self.calls = self.calls, self.calls + 1
-        self.lengths.append(np.asarray(src).size)
-        ctx = self.device.aggregating(src) if self.device else contextlib.nullcontext()
+        a = np.asarray(src)
+        self.lengths.append(a.size)
+        ctx = self.device.aggregating(a) if self.device else contextlib.nullcontext()
         with ctx:
             if calls == self.fail_at:
                 raise self.error
-            arrays = _AllreduceArrays.prepare(src, out, False)
-            arrays.dst_flat[...] = self._sum(arrays.src, arrays.kind)
-            return arrays.finish()
+            bits = wire_bits or (16 if a.dtype.itemsize == 2 else 32)
+            if bits == 16 and a.dtype == np.int32:
+                raise ValueError("int32 is exact at 32 bits only")
+            self.bits.append(bits)
+            self.stats["wire_bits"] = bits
+            res = self._sum(a.reshape(-1), bits)
+            if out is None:
+                out = np.empty_like(a)
+            out[...] = res.reshape(a.shape).astype(out.dtype)
+            return out
 
-    def _sum(self, x: np.ndarray, kind: str) -> np.ndarray:
-        n, k = self.world_size, self.stats["elems"]
-        if kind == "int32":
+    def _sum(self, x: np.ndarray, bits: int) -> np.ndarray:
+        n, k = self.world_size, self.stats["elems"] * (32 // bits)
+        if x.dtype == np.int32:
             return (x.astype(np.int64) * n).astype(np.int32)  # wraps as the aggregator does
         packets = -(-x.size // k)
         padded = np.zeros(packets * k, np.float32)
-        padded[: x.size] = x
+        padded[: x.size] = x.astype(np.float32)  # exact for the 16-bit dtypes
         chunks = padded.reshape(packets, k)
         e = scaling.chunk_exponents(chunks)
-        q = scaling.quantise(chunks, e, n).astype(np.int64) * n
-        return scaling.dequantise(q.astype(np.int32), e, n).reshape(-1)[: x.size]
+        f = scaling.scale_factors(e, n, bits)
+        q = scaling.quantise_scaled(chunks, f, None).astype(np.int64) * n
+        return (q / f[:, None]).reshape(-1)[: x.size]  # float64, rounded once by the caller
