@@ -45,9 +45,9 @@ MODELS = {
 
 
 def seeded(seeds: list[int]) -> tuple[tuple, ...]:
-    """Every system once per seed, keyed SYSTEM/sSEED."""
+    """Every system once per seed, keyed SYSTEM.sSEED (a torchrun run id)."""
     return tuple(
-        (f"{key}/s{seed}", backend, serve, (*own, "--seed", str(seed)))
+        (f"{key}.s{seed}", backend, serve, (*own, "--seed", str(seed)))
         for seed in seeds
         for key, backend, serve, own in SYSTEMS
     )
@@ -59,7 +59,7 @@ def summarize(reports: dict, seeds: list[int]) -> dict:
     (widened by the system's own half-range)."""
     out = {}
     for key, *_ in SYSTEMS:
-        runs = [reports[f"{key}/s{seed}"] for seed in seeds]
+        runs = [reports[f"{key}.s{seed}"] for seed in seeds]
         loss = [r["loss"][-1] for r in runs]
         acc = [r["final_accuracy"] for r in runs]
         out[key] = {

@@ -19,7 +19,7 @@ def test_wire16_training_summary_compares_with_gloos_spread():
         ("xdpagg-16", (0.60, 0.62), (0.70, 0.72)),  # trains worse: outside the spread
     ):
         for seed, lo, ac in zip(seeds, loss, acc):
-            reports[f"{key}/s{seed}"] = _report(lo, ac, 0.01 * (seed + 1))
+            reports[f"{key}.s{seed}"] = _report(lo, ac, 0.01 * (seed + 1))
     s = training16.summarize(reports, seeds)
     assert s["gloo"]["loss_range"] == [0.30, 0.34] and abs(s["gloo"]["loss_mean"] - 0.32) < 1e-12
     assert s["gloo-bf16"]["within_gloo_spread"] and s["xdpagg-32"]["within_gloo_spread"]
@@ -33,6 +33,6 @@ def test_wire16_training_summary_compares_with_gloos_spread():
 
 def test_wire16_training_systems_run_every_seed():
     keys = [k for k, *_ in training16.seeded([0, 3])]
-    assert keys[:4] == ["xdpagg-16/s0", "xdpagg-32/s0", "gloo-bf16/s0", "gloo/s0"]
+    assert keys[:4] == ["xdpagg-16.s0", "xdpagg-32.s0", "gloo-bf16.s0", "gloo.s0"]
     assert len(keys) == 8 and all(own[-2:] == ("--seed", k[-1]) for k, *_, own in
                                   training16.seeded([0, 3]))  # fmt: skip
