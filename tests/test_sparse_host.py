@@ -18,6 +18,7 @@ import time
 
 import numpy as np
 import pytest
+from harness.dtypes import WIRE16_CASES, as_dtype
 from harness.echo import EchoAggregator
 from harness.ranks import loopback_prefix
 
@@ -656,22 +657,6 @@ def test_padded_empties(cluster):
 
 
 # --- 16-bit elements and 16-bit types (docs/protocol.md 5.6) ------------------------------------
-WIRE16_CASES = [
-    pytest.param(dtype, bits, id=f"{dtype}-{bits}")
-    for dtype in ("float32", "bfloat16", "float16")
-    for bits in (16, 32)
-    if (dtype, bits) != ("float32", 32)  # the tests above
-]
-
-
-def as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
-    """x (float32) as `dtype` ("bfloat16": ml_dtypes'), within float16's range for float16."""
-    if dtype == "float16":
-        x = np.clip(x, -6e4, 6e4)
-    if dtype == "bfloat16":
-        ml_dtypes = pytest.importorskip("ml_dtypes")
-        return x.astype(ml_dtypes.bfloat16)
-    return x.astype(dtype)
 
 
 def wire16_sequence(dtype: str) -> list[tuple[np.ndarray, bool]]:
