@@ -493,7 +493,8 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         agg = pct("aggregator") if c.get("bpf_stats", True) else "- (no BPF stats)"
         bg = f"{c['background_cpu_s']:.3f}" if c.get("background_cpu_s") is not None else "-"
         kind = f" ({s['kind']})" if s["kind"] != "throughput" else ""
-        kind += f" {s['dtype']} at {s['wire_bits']} bits"
+        if (s["dtype"], s["wire_bits"]) != ("float32", 32):  # the default says nothing
+            kind += f" {s['dtype']} at {s['wire_bits']} bits"
         if s["kind"] == "sparse":
             kind = f" (sparse {s['sparse']['pattern']} {s['sparse']['density']:.0%})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
