@@ -677,7 +677,8 @@ class Communicator:
 
     def _companion(self, bits: int) -> Communicator:
         """Join the companion job of width `bits`, `job` + "~w16", as this job was joined (the
-        same endpoints, options, packet size and lanes; ports the kernel picks). Every rank
+        same endpoints, options, packet size and lanes; ports the kernel picks; over the kernel
+        socket where this job's run over AF_XDP). Every rank
         gets here at the same all-reduce. Rank 0 creates it and hands its token to the others
         in an all-reduce of this job, so that ranks holding only this job's token join too."""
         st = self._start
@@ -686,7 +687,12 @@ class Communicator:
                 f"job {self.job!r} runs {self._wire_bits}-bit all-reduces only: this communicator "
                 f"was not made by hostlib.init, so it cannot join a {bits}-bit companion job"
             )
-        opts = dataclasses.replace(st.opts, elems=self._size.elems, lanes=self.lanes, port=0)
+        # AF_XDP: this job's sockets hold the queue (one UMEM a queue, hostlib/_xsk.c), so the
+        # companion's packets take the kernel socket (its ports are not in our XSKMAP)
+        path = "udp" if st.opts.data_path == "afxdp" else st.opts.data_path
+        opts = dataclasses.replace(
+            st.opts, elems=self._size.elems, lanes=self.lanes, port=0, data_path=path
+        )
         start = dataclasses.replace(st, job=f"{self.job}~w{bits}", opts=opts, wire_bits=bits)
         if self.rank == 0:
             return _init(start, None, None, created=self._token_broadcast)
@@ -732,7 +738,8 @@ class Communicator:
         for elems="auto", or rank 0's choice), "lanes" (at each aggregator) and "wire_bits"
         (the element width of the last all-reduce: 32 or 16; the job's, 32, before the first). The
         counters add up this job's and its companion jobs' (Communicator.allreduce wire_bits);
-        rtt and cwnd are those of the job the last all-reduce ran on."""
+        rtt, cwnd and the data path are those of the job the last all-reduce ran on (a 16-bit
+        companion of an AF_XDP job runs over the kernel socket: _companion)."""
         st = dict(self._engine.stats)
         for c in self._companions.values():
             for name, v in c._engine.stats.items():
@@ -742,8 +749,8 @@ class Communicator:
         return {
             **st,
             "wire_bits": self._last_bits,
-            "data_path": self._engine.data_path,
-            "data_path_reason": self._engine.data_path_reason,
+            "data_path": last._engine.data_path,
+            "data_path_reason": last._engine.data_path_reason,
             "elems": self._size.elems,
             "elems_reason": self._size.reason,
             "lanes": self.lanes,

@@ -29,6 +29,13 @@ def _digests(reports) -> list[list[str]]:
     return [[r["sha256"] for r in reps if "sha256" in r] for reps in reports]
 
 
+# 16-bit elements (docs/protocol.md 5.6): bfloat16 at its default width, float32 compressed
+PLAN_WIRE16 = [
+    {"dtype": "bfloat16", "count": 100_003, "seed": 4, "digest": True},
+    {"dtype": "float32", "count": 50_000, "seed": 5, "wire_bits": 16, "digest": True},
+]
+
+
 @pytest.mark.parametrize("lanes", [1, 3])
 def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     testbed_factory, monkeypatch, lanes
@@ -36,6 +43,26 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     """With lanes, every lane of a worker has its own AF_XDP socket on the one queue of its veth
     (sharing one UMEM, hostlib/_xsk.c); the reference runs as many numpy lanes over the kernel
     socket, on the same slots."""
+    _against_numpy(testbed_factory, monkeypatch, lanes, PLAN, "afxdp")
+
+
+def test_afxdp_wire16_workers_match_the_numpy_engine_under_loss_and_duplication(
+    testbed_factory, monkeypatch
+):
+    """The same for 16-bit all-reduces, with 2 lanes, on an AF_XDP communicator: its 16-bit
+    companion job runs over the kernel socket (the queue's AF_XDP sockets are the 32-bit job's,
+    hostlib.communicator), byte for byte the numpy loop's, under loss and duplication."""
+    _against_numpy(testbed_factory, monkeypatch, 2, PLAN_WIRE16, "afxdp-w16", ("udp",))
+
+
+AFXDP_PATHS = ("afxdp-copy-drv", "afxdp-copy-skb")
+
+
+def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_PATHS) -> list:
+    """`plan` on a 3-worker one-arm testbed with loss (2% on the bridge ports) and duplicated
+    results, first on the numpy loop over the kernel socket, then on the C loop over AF_XDP:
+    the same digests, every result checked, loss and duplication seen, every report's data
+    path one of `paths`; the C loop's reports."""
     monkeypatch.setenv("XDP_AGG_LANES", str(lanes))
     tb = testbed_factory(workers=3, topology="one-arm", dup_down=0.05)
     ports = [f"w{w.index}" for w in tb.workers]
@@ -43,21 +70,22 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     with Cluster(tb) as cl:
         monkeypatch.setenv("XDP_AGG_NATIVE", "0")
         monkeypatch.setenv("XDP_AGG_DATA_PATH", "udp")
-        ref = cl.run_workers(PLAN, job="afxdp-ref", timeout=60)
+        ref = cl.run_workers(plan, job=f"{job}-ref", timeout=60)
         monkeypatch.setenv("XDP_AGG_NATIVE", "1")
         monkeypatch.setenv("XDP_AGG_DATA_PATH", "afxdp")
-        got = cl.run_workers(PLAN, job="afxdp", timeout=60)
+        got = cl.run_workers(plan, job=job, timeout=60)
     assert_reports_ok(ref)
     assert_reports_ok(got)
-    assert _digests(got) == _digests(ref) and all(len(d) == len(PLAN) for d in _digests(ref))
+    assert _digests(got) == _digests(ref) and all(len(d) == len(plan) for d in _digests(ref))
     for reps in got:
         for r in reps:
             # one path for every lane (StripedEngine.data_path: comma-separated if they differ)
-            assert r["stats"]["data_path"] in ("afxdp-copy-drv", "afxdp-copy-skb"), r["stats"]
+            assert r["stats"]["data_path"] in paths, r["stats"]["data_path"]
             assert r["stats"]["lanes"] == lanes
     retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
     dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)
     assert retx > 0 and dups > 0, "loss and duplication were configured but none showed"
+    return got
 
 
 def _to_aggregator(tb) -> int:
