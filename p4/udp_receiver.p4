@@ -156,7 +156,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 if (md.from_parent == 1) {
                     g = g - md.parent_slot_base + md.slot_base; // the parent's slot -> ours
                 }
-                md.pool_entry = ((pool_entry_t)g << 1) | (pool_entry_t)hdr.switchml.pool_index[15:15];
+                md.pool_entry = ((pool_entry_t)g << 1)
+                                | (pool_entry_t)hdr.switchml.pool_index[15:15];
                 md.other_entry = md.pool_entry ^ 1;
             }
         }
