@@ -41,6 +41,7 @@ struct sml_metadata_t {
     bit<1> tree; // a rack job of a two-level tree (docs/protocol.md section 3.7)
     bit<16> parent_slot_base; // tree: the parent job's first slot (ours slot_base maps to it)
     bit<1> job_sparse; // the job takes sparse contributions too (docs/protocol.md section 8)
+    bit<1> job_wire16; // the job's packets carry 16-bit elements, width bit set (section 5.6)
     @field_list(FOLD_FIELDS) bit<16> mgid; // the job's multicast group
     // the slot this packet addresses
     @field_list(FOLD_FIELDS) pool_entry_t pool_entry; // slot * 2 + version

@@ -45,9 +45,11 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         size = WORKERS_TABLE_SIZE;
     }
 
+    // wire16: the job's element width (1: 16-bit elements, two a word; docs/protocol.md 5.6)
     @name(".set_job")
     action set_job(bit<8> num_workers, bit<3> size_code, bit<16> slot_base, bit<16> slot_end,
-                   bit<16> mgid, bit<1> tree, bit<16> parent_slot_base, bit<1> sparse) {
+                   bit<16> mgid, bit<1> tree, bit<16> parent_slot_base, bit<1> sparse,
+                   bit<1> wire16) {
         md.num_workers = num_workers;
         md.size_code = size_code;
         md.slot_base = slot_base;
@@ -56,6 +58,7 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
         md.tree = tree;
         md.parent_slot_base = parent_slot_base;
         md.job_sparse = sparse;
+        md.job_wire16 = wire16;
     }
 
     action no_job() {
@@ -124,6 +127,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 md.reason = AGG_DROP_BAD_TYPE;
             } else if (hdr.switchml.size != md.size_code) {
                 md.reason = AGG_DROP_BAD_SIZE;
+            } else if (hdr.switchml.wire16 != md.job_wire16) {
+                md.reason = AGG_DROP_BAD_WIDTH; // the other element width: never summed
             } else if ((sparse && !hdr.sparse.isValid()) || (needs_payload && (!hdr.d0.isValid()
                        || (md.size_code == SML_SIZE_64 && !hdr.d1.isValid())
                        || (md.size_code == SML_SIZE_256 && !hdr.d7.isValid())))) {
@@ -151,7 +156,8 @@ control UDPReceiver(inout headers_t hdr, inout sml_metadata_t md, in bit<32> pac
                 if (md.from_parent == 1) {
                     g = g - md.parent_slot_base + md.slot_base; // the parent's slot -> ours
                 }
-                md.pool_entry = ((pool_entry_t)g << 1) | (pool_entry_t)hdr.switchml.pool_index[15:15];
+                md.pool_entry = ((pool_entry_t)g << 1)
+                                | (pool_entry_t)hdr.switchml.pool_index[15:15];
                 md.other_entry = md.pool_entry ^ 1;
             }
         }

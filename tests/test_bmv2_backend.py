@@ -32,7 +32,7 @@ def test_job_and_worker_become_entries_group_and_node():
             int(c.split()[2]) for c in cli.log if c.startswith(f"register_write {reg} ")
         ] == list(range(20, 28))
     assert f"mc_mgrp_create {job_mgid(3)}" in cli.log
-    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 0" in cli.log  # no parent, dense
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 0 0" in cli.log  # no parent, dense
     cli.log.clear()
     b.add_worker(
         WorkerSpec(
@@ -110,12 +110,26 @@ def test_sparse_jobs_of_32_and_64_elements():
     b = Bmv2Backend(cli, PORTS)
     assert b.sparse_elems() == (32, 64) and b.pads_empty() is False
     b.create_job(dataclasses.replace(spec(), sparse=True))
-    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 1" in cli.log
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 1 0" in cli.log
     opened = [int(c.split()[2]) for c in cli.log if c.startswith("register_write slot_round_open ")]
     assert opened == list(range(20, 28))
     with pytest.raises(ValueError, match="sparse jobs of 32 or 64 elements per packet, not 256"):
         b.create_job(dataclasses.replace(spec(job_id=4, base=20, elems=256), sparse=True))
     b.create_job(spec(job_id=4, base=20, elems=256))  # dense: fine
+
+
+def test_a_16_bit_job_says_its_width():
+    """set_job's last parameter is the job's width bit (p4/udp_receiver.p4 drops a packet of
+    the other width), and jobs() reports the job's wire_bits."""
+    cli = FakeCLI()
+    b = Bmv2Backend(cli, PORTS)
+    b.create_job(packet_cases.job(3, 2, 64, 10, 4, wire_bits=16))
+    assert "table_add jobs set_job 3 => 2 1 10 14 5 0 0 0 1" in cli.log
+    b.create_job(dataclasses.replace(spec(job_id=4, base=20), sparse=True, wire_bits=16))
+    assert "table_add jobs set_job 4 => 2 1 20 24 6 0 0 1 1" in cli.log
+    assert [j["wire_bits"] for j in b.jobs()] == [16, 16]
+    b.create_job(spec(job_id=4, base=20))
+    assert [j["wire_bits"] for j in b.jobs()] == [16, 32]
 
 
 def _rack(job_id=3, parent_ip="198.18.2.9", uplink=0xBEE7, **kw):
@@ -145,7 +159,7 @@ def test_rack_job_becomes_its_parent_link():
     )
     # its results are recognised by (its address, our uplink port), from any MAC
     parent = "table_add workers set_parent 198.18.2.9 48871 0&&&0 => 3 1"
-    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100 0"
+    job = "table_add jobs set_job 3 => 2 1 10 14 5 1 100 0 0"
     # the link first: no packet finds the job without it
     assert cli.log.index(link) < cli.log.index(job) and cli.log.index(parent) < cli.log.index(job)
     st = b.parent_status(3)

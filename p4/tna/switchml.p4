@@ -16,7 +16,7 @@
  *   instead of a shift by a run-time amount;
  * - the workers counter counts down (p4app-switchML's encoding), which is the reference
  *   model's count/complete pair in one register;
- * - reason counters are indexed row * 16 + reason (no multiplication by 14);
+ * - reason counters are indexed row * 32 + reason (no multiplication by AGG_NUM_REASONS);
  * - one table, `workers`, carries the job's parameters in each worker's entry (no `jobs`
  *   table): the control plane keeps them in step, and gives a worker whose job is gone or whose
  *   index is not below the job's worker count the action `stale_worker` (drop_no_job), which
@@ -55,17 +55,12 @@
 #include "forwarder.p4"
 #include "udp_sender.p4"
 
-// Reason counters: index row * 16 + reason (a shift and an OR; a Tofino ALU does not multiply by
+// Reason counters: index row * 32 + reason (a shift and an OR; a Tofino ALU does not multiply by
 // AGG_NUM_REASONS as the bmv2 program's row * AGG_NUM_REASONS does). The control plane reads them
-// so. Reasons 16-19 are rack jobs', which this variant has not; with sparse jobs the row is 32
-// wide, for drop_sparse_range, drop_sparse_backwards and drop_sparse_mismatch (20-22).
-#ifdef TNA_SPARSE
+// so. Reasons 16-19 are rack jobs', which this variant has not, and 20-22 sparse jobs' (Tofino 2);
+// drop_bad_width (23) makes the row 32 wide in both builds.
 const bit<32> TNA_REASON_STRIDE = 32;
 #define REASON_COLUMN(reason) reason[4:0]
-#else
-const bit<32> TNA_REASON_STRIDE = 16;
-#define REASON_COLUMN(reason) reason[3:0]
-#endif
 
 control Ingress(inout header_t hdr, inout ingress_metadata_t ig_md,
                 in ingress_intrinsic_metadata_t ig_intr_md,

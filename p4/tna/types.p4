@@ -75,6 +75,7 @@ struct switchml_md_t {
     worker_bitmap_t worker_bit; // 1 << worker_id
     bit<8> num_workers;
     bit<3> size_code;
+    bit<1> wire16; // set_worker: the job's element width (1: two 16-bit elements a word)
     MulticastGroupId_t mgid;
     pool_slot_t slot; // set by the parser: pool_index bits 14..0 (bit 14 reserved: out of range)
     bit<1> version; // set by the parser: pool_index bit 15

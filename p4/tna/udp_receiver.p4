@@ -40,6 +40,8 @@ control SparseChecks(inout header_t hdr, inout switchml_md_t md) {
             md.reason = AGG_DROP_BAD_TYPE; // a dense job takes msg_type 1 only
         } else if (hdr.switchml.size != md.size_code) {
             md.reason = AGG_DROP_BAD_SIZE;
+        } else if (hdr.switchml.wire16 != md.wire16) {
+            md.reason = AGG_DROP_BAD_WIDTH; // before the sparse rows, as in the dense chain
         } else if (!hdr.sparse.isValid()) {
             md.reason = AGG_DROP_TRUNCATED; // cut before the sparse header's end
         } else if (header_only && (hdr.udp.length != SML_UDP_LEN_SPARSE_EMPTY
@@ -80,7 +82,8 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
 #endif
 
     action set_worker(job_id_t job_id, worker_id_t worker_id, worker_bitmap_t worker_bit,
-                      bit<8> num_workers, bit<3> size_code, bit<16> udp_len, bit<16> ip_len,
+                      bit<8> num_workers, bit<3> size_code, bit<1> wire16,
+                      bit<16> udp_len, bit<16> ip_len,
                       pool_slot_t slot_base, pool_slot_t slot_end, MulticastGroupId_t mgid
 #ifdef TNA_SPARSE
                       , bit<1> sparse, bit<16> sparse_udp_len, bit<16> sparse_ip_len
@@ -92,6 +95,7 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
         md.counter_row = job_id;
         md.num_workers = num_workers;
         md.size_code = size_code;
+        md.wire16 = wire16; // the job's element width (1: 16-bit; docs/protocol.md 5.6)
         md.mgid = mgid;
         // Ordered comparisons of two run-time values are ALU work: saturating subtractions,
         // compared with 0 by the gateways of the next stage.
@@ -166,6 +170,9 @@ control UDPReceiver(inout header_t hdr, inout switchml_md_t md,
 #endif
                         } else if (hdr.switchml.size != md.size_code) {
                             md.reason = AGG_DROP_BAD_SIZE;
+                        } else if (hdr.switchml.wire16 != md.wire16) {
+                            // the other element width (as the size check: two fields equal)
+                            md.reason = AGG_DROP_BAD_WIDTH;
                         } else if (!hdr.d1.isValid()) {
                             md.reason = AGG_DROP_TRUNCATED; // every size's first pass ends in d1
                         } else if (md.udp_len_diff != 0 || md.ip_len_diff != 0) {

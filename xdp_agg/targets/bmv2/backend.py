@@ -279,7 +279,7 @@ class Bmv2Backend:
             + [
                 f"table_add {T_JOBS} set_job {spec.job_id} => {spec.num_workers} "
                 f"{wire.size_code_for(spec.elems)} {spec.slot_base} {end} {mgid} {tree} "
-                f"{int(spec.sparse)}"
+                f"{int(spec.sparse)} {int(spec.wire_bits == 16)}"
             ]
         )
         job = _SwitchJob(spec=spec, handle=_handle(out[-1]))
