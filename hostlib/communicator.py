@@ -769,15 +769,23 @@ class Communicator:
 
     def stats_per_aggregator(self) -> list[dict[str, Any]]:
         """Per aggregator (in stripe order) its stripe's counters, as `stats` has them, plus
-        "control": its control endpoint. One entry, equal to `stats`, unless striped."""
+        "control": its control endpoint. One entry unless striped. The counters add up this
+        job's and its companion jobs' at that aggregator (they stripe alike); rtt and cwnd are
+        this job's."""
         per = self._engine.stats_per_aggregator()
+        for c in self._companions.values():
+            per = [_summed(a, b) for a, b in zip(per, c._engine.stats_per_aggregator())]
         return [{"control": a, **st} for a, st in zip(self.controls, per)]
 
     def stats_per_lane(self) -> list[dict[str, Any]]:
         """Per lane, in engine order (hostlib.striping.LaneGrid: aggregator by aggregator), its
         own counters (hostlib.engine.STAT_NAMES) and "aggregator", "lane" and "port" (its data
-        socket's UDP port). One entry without lanes and striping."""
-        return self._engine.stats_per_lane()
+        socket's UDP port; this job's). One entry without lanes and striping. The counters add
+        up this job's and its companion jobs' on that lane, as stats_per_aggregator's."""
+        per = self._engine.stats_per_lane()
+        for c in self._companions.values():
+            per = [_summed(a, b) for a, b in zip(per, c._engine.stats_per_lane())]
+        return per
 
     def status(self, stripe: int = 0) -> dict[str, Any]:
         """The control endpoint's `diagnose` answer for this job (ranks, per-worker counters);
@@ -889,6 +897,19 @@ class _AllreduceArrays:
         if self.convert_back is not None:
             self.convert_back[...] = self.dst_flat.reshape(self.result.shape)
         return self.result
+
+
+_GAUGES = ("rtt", "cwnd", "aggregator", "lane", "port")  # not counters: never added up
+
+
+def _summed(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """a, its counters (the numbers but _GAUGES) plus b's; everything else a's."""
+    return {
+        k: v + b[k]
+        if k in b and k not in _GAUGES and isinstance(v, int | float) and not isinstance(v, bool)
+        else v
+        for k, v in a.items()
+    }
 
 
 def _width(kind: str, wire_bits: int | None) -> int:
