@@ -25,17 +25,19 @@ def _print_results(args, count: int, reports: list, agg: dict) -> bool:
     retx = sum(r["stats"]["retransmissions"] for r in rs)
     sent = sum(r["stats"]["packets_sent"] for r in rs)
     ok = all(r["ok"] for r in rs)
+    bits = rs[0]["stats"].get("wire_bits", 32)  # docs/protocol.md 5.6: 2 elements a word at 16
+    size = count * (2 if args.dtype in ("float16", "bfloat16") else 4)  # the tensor's bytes
     print()
     print(
-        f"  workers            {args.workers} ({args.topology}, {args.elems} elements per packet, "
-        f"window {args.window or DEFAULT_WINDOW}, MTU {args.mtu})"
+        f"  workers            {args.workers} ({args.topology}, {args.elems * 32 // bits} "
+        f"{bits}-bit elements per packet, window {args.window or DEFAULT_WINDOW}, MTU {args.mtu})"
     )
-    print(f"  tensor             {count:,} x {args.dtype} ({args.mib:g} MiB) per worker")
+    print(f"  tensor             {count:,} x {args.dtype} ({size / 2**20:g} MiB) per worker")
     best = f", best of {args.reps}" if args.reps > 1 else ""
     print(f"  all-reduce time    {t:.3f} s (slowest worker{best})")
     print(f"  ATE/s              {count / t:.3e} aggregated tensor elements per second")
-    print(f"  goodput per worker {count * 4 * 8 / t / 1e9:.2f} Gbit/s each way")
-    gib = count * 4 / 2**30
+    print(f"  goodput per worker {count * bits / t / 1e9:.2f} Gbit/s each way")
+    gib = size / 2**30
     i = min(range(len(rs[0]["cpu_s"])), key=lambda j: rs[0]["cpu_s"][j])  # rank 0's best
     user, sys_ = rs[0]["cpu_user_s"][i] / gib, rs[0]["cpu_sys_s"][i] / gib
     loop = "C (hostlib._fastpath)" if all(r["native"] for r in rs) else "numpy"
@@ -81,7 +83,12 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--window", type=int, default=None, help="slots per worker (default: hostlib's, 64)"
     )
-    ap.add_argument("--dtype", default="float32", choices=["float32", "int32", "float16"])
+    ap.add_argument(
+        "--dtype",
+        default="float32",
+        choices=["float32", "int32", "float16", "bfloat16"],
+        help="the tensor's; float16 and bfloat16 travel at 16 bits (docs/protocol.md 5.6)",
+    )
     ap.add_argument("--reps", type=int, default=1, help="all-reduces in a row; the best is shown")
     args = ap.parse_args(argv)
     if os.geteuid() != 0:
