@@ -660,6 +660,10 @@ def test_wire16_allreduce_within_the_bound(name, n):
     """bfloat16 and float16 at their default width (16), float32 with wire_bits=16: each rank
     gets the same bits, in the array's own dtype, within scaling.error_bound(E, n, 16) and the
     type's rounding of the exact float64 sum. Rank 0 runs the C loop, the others numpy."""
+    from hostlib.engine import _fastpath
+
+    if _fastpath is None:
+        pytest.skip("hostlib._fastpath is not built (rank 0 runs the C loop)")
     length, elems = 4000, 64
     k = 2 * elems  # a chunk is a packet's elements: two a word
     dtype = wire16_dtype(name)
