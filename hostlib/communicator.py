@@ -742,8 +742,7 @@ class Communicator:
         companion of an AF_XDP job runs over the kernel socket: _companion)."""
         st = dict(self._engine.stats)
         for c in self._companions.values():
-            for name, v in c._engine.stats.items():
-                st[name] += v
+            st = _summed(st, c._engine.stats)
         last = self._companions.get(self._last_bits, self)
         st.update(rtt=last._engine.stats["rtt"], cwnd=last._engine.stats["cwnd"])
         return {
