@@ -39,7 +39,7 @@ import numpy as np
 
 from bench.density import SPARSE
 from hostlib.sparsity import nonzero_blocks
-from xdp_agg.cluster.cluster_worker import join, make_input
+from xdp_agg.cluster.cluster_worker import as_dtype, join, make_input
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -137,10 +137,7 @@ def _inputs(item: dict, rank: int, world: int, block: int):
     if dtype == "int32":
         return rng.integers(-(2**20), 2**20, size=count, dtype=np.int32)
     x = rng.standard_normal(count).astype(np.float32)
-    return x if dtype == "float32" else x.astype(NP_DTYPES[dtype])
-
-
-NP_DTYPES = {"bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+    return as_dtype(x, dtype)
 
 
 def per_worker_density(union: float, world: int, same: bool) -> float:

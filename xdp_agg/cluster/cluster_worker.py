@@ -43,7 +43,7 @@ def make_input(
         # gradients: mostly small, a few larger, so block scaling is exercised
         x = rng.standard_normal(count, dtype=np.float32) * np.float32(1e-3)
         x[::97] *= 100
-        x = _as_dtype(x, dtype)
+        x = as_dtype(x, dtype)
     if density < 1.0:
         pick = np.random.default_rng([seed, 0 if same else rank, 7])
         keep = pick.random(-(-count // block)) < density
@@ -104,7 +104,7 @@ def _eps(dtype: str) -> float:
     return 2.0**-7 if dtype == "bfloat16" else float(np.finfo(np.dtype(dtype)).eps)
 
 
-def _as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
+def as_dtype(x: np.ndarray, dtype: str) -> np.ndarray:
     """x as `dtype` (bfloat16: ml_dtypes', which numpy alone does not name)."""
     if dtype == "bfloat16":
         import ml_dtypes
