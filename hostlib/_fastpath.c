@@ -127,26 +127,33 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
     static char *kwlist[] = {
         "fd",        "host",      "port", "elems",   "window",    "scaling_workers",
         "type_size", "slot_base", "rto",  "rto_max", "gso",       "gro",
-        "cwnd",      "faults",    "xsk",  "spin",    "wire_bits", NULL};
-    StreamConfig c = {.k = -1, .window = -1, .scaling_workers = -1, .slot_base = -1, .rto_min = -1};
+        "cwnd",      "faults",    "xsk",  "spin",    "wire_bits", "early_loss",
+        "rto_floor", NULL};
+    StreamConfig c = {.k = -1,
+                      .window = -1,
+                      .scaling_workers = -1,
+                      .slot_base = -1,
+                      .rto_min = -1,
+                      .rto_floor = 2e-3};
     const char *host = NULL, *cwnd = "aimd";
     int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1, wire_bits = 32;
+    int early_loss = 1;
     PyObject *faults = Py_None, *xsk = Py_None;
     if (PyTuple_GET_SIZE(args)) {
         PyErr_SetString(PyExc_TypeError, "Engine takes keyword arguments only");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOpi", kwlist, &fd, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOpipd", kwlist, &fd, &host, &port,
                                      &c.k, &c.window, &c.scaling_workers, &type_size, &c.slot_base,
                                      &c.rto_min, &c.rto_max, &gso, &gro, &cwnd, &faults, &xsk,
-                                     &spin, &wire_bits))
+                                     &spin, &wire_bits, &early_loss, &c.rto_floor))
         return -1;
     if (fd < 0 || !host || c.k < 1 || c.window < 1 || c.scaling_workers < 1 || port < 0 ||
         port > 65535 || type_size < 0 || type_size > 255 || c.slot_base < 0 || c.rto_min <= 0 ||
-        c.rto_max <= 0) {
+        c.rto_max <= 0 || c.rto_floor <= 0) {
         PyErr_SetString(PyExc_ValueError,
                         "Engine needs fd, host, port, elems, window, scaling_workers, type_size, "
-                        "slot_base, rto and rto_max, each in range");
+                        "slot_base, rto, rto_max and rto_floor, each in range");
         return -1;
     }
     if (wire_bits != 32 && wire_bits != 16) {
@@ -156,6 +163,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
     c.pairs = wire_bits == 16;
     c.type_size = (uint8_t)type_size;
     c.spin = spin;
+    c.early_loss = early_loss;
     if (strcmp(cwnd, "aimd") != 0 && strcmp(cwnd, "fixed") != 0) {
         PyErr_Format(PyExc_ValueError, "cwnd must be 'aimd' or 'fixed', not %s", cwnd);
         return -1;
@@ -510,6 +518,12 @@ static PyObject *Engine_get_srtt(Engine *e, void *c)
     return PyFloat_FromDouble(e->stream.cc.have_rtt ? e->stream.cc.srtt : 0.0);
 }
 
+static PyObject *Engine_get_min_rtt(Engine *e, void *c)
+{
+    (void)c;
+    return PyFloat_FromDouble(e->stream.cc.have_rtt ? e->stream.cc.min_rtt : 0.0);
+}
+
 static PyObject *Engine_get_cwnd(Engine *e, void *c)
 {
     (void)c;
@@ -539,6 +553,8 @@ static PyObject *Engine_get_xsk_reason(Engine *e, void *c)
 
 static PyGetSetDef Engine_getset[] = {
     {"srtt", (getter)Engine_get_srtt, NULL, "smoothed round trip, s (0 before a sample)", NULL},
+    {"min_rtt", (getter)Engine_get_min_rtt, NULL, "least round trip sampled, s (0 before one)",
+     NULL},
     {"cwnd", (getter)Engine_get_cwnd, NULL, "congestion window, packets", NULL},
     {"gso", (getter)Engine_get_gso, NULL, "whether sends still use UDP GSO", NULL},
     {"data_path", (getter)Engine_get_data_path, NULL,
@@ -560,14 +576,18 @@ static PyMethodDef Engine_methods[] = {
 PyDoc_STRVAR(
     Engine_doc,
     "Engine(*, fd, host, port, elems, window, scaling_workers, type_size, slot_base, rto,\n"
-    "       rto_max, gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True)\n\n"
+    "       rto_max, gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True,\n"
+    "       wire_bits=32, early_loss=True, rto_floor=0.002)\n\n"
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
     "xsk: None, or {ifindex, queue, src_mac, dst_mac, src_ip, src_port, ttl, tos, zerocopy, mode,\n"
     "lane, lanes} (a dict, hostlib.afxdp.spec) to send and receive through an AF_XDP socket on\n"
     "that interface queue, lane `lane` of `lanes` sharing one UMEM there (hostlib/_xsk.c);\n"
-    "where it cannot run, the kernel socket stays and xsk_reason says why.");
+    "where it cannot run, the kernel socket stays and xsk_reason says why. early_loss: resend\n"
+    "a packet once later ones' results show it lost (docs/protocol.md 4.4), not only on its "
+    "timer;\n"
+    "rto_floor: then the least timer once round trips are measured.");
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hostlib._fastpath.Engine",

@@ -73,6 +73,8 @@ class Engine:
         xsk: dict[str, object] | None = None,
         spin: bool = True,
         wire_bits: int = 32,
+        early_loss: bool = True,
+        rto_floor: float = 0.002,
     ) -> None: ...
     def allreduce(
         self,
@@ -106,6 +108,8 @@ class Engine:
     ) -> _SparseResult: ...
     @property
     def srtt(self) -> float: ...
+    @property
+    def min_rtt(self) -> float: ...
     @property
     def cwnd(self) -> float: ...
     @property

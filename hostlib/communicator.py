@@ -202,6 +202,7 @@ def _engine(x: _Joined, opts: HostOptions, i: int, lane: int, lanes: int) -> Str
         window=window,
         data_address=desc.send_to,
         rto=opts.retransmit,
+        early_loss=opts.early_loss,
         timeout=opts.timeout,
         progress=opts.progress and i == 0,
         native=opts.native,

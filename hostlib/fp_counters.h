@@ -14,6 +14,7 @@
     X(packets_sent)    \
     X(retransmissions) \
     X(timeouts)        \
+    X(early_losses)    \
     X(results)         \
     X(duplicates)      \
     X(stale)           \

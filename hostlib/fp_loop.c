@@ -111,17 +111,34 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 }
 
 /* --- timers and the congestion window ----------------------------------------------------- */
+#define RTO_FLOOR_RTTS  3    /* once a round trip is measured, the timer's floor is 3 srtt */
+#define REO_MULT_MAX    64   /* the reordering allowance: at most 16 min_rtt (and srtt) */
+#define REO_QUIET       16   /* early resends without a spurious one before it shrinks again */
+#define QUEUE_DELAY_MIN 1e-3 /* a round trip this far above min_rtt (and 2x it) is a queue, s */
+
+/* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
+ * [floor, rto_max]. Before a round trip is measured it is rto_min; after, the floor follows the
+ * round trip (3 srtt, at least rto_floor, at most rto_min; timers only: rto_min, as before
+ * early detection). */
 static double first_rto(const Stream *st)
 {
     if (!st->cc.have_rtt)
         return st->cfg.rto_min;
+    double floor = st->cfg.rto_min;
+    if (st->cfg.early_loss) {
+        double f = RTO_FLOOR_RTTS * st->cc.srtt;
+        f = f < st->cfg.rto_floor ? st->cfg.rto_floor : f;
+        floor = f < floor ? f : floor;
+    }
     double t = st->cc.srtt + 4 * st->cc.rttvar;
-    t = t < st->cfg.rto_min ? st->cfg.rto_min : t;
+    t = t < floor ? floor : t;
     return t > st->cfg.rto_max ? st->cfg.rto_max : t;
 }
 
 static void rtt_update(Stream *st, double sample)
 {
+    if (sample < st->cc.min_rtt)
+        st->cc.min_rtt = sample;
     if (!st->cc.have_rtt) {
         st->cc.srtt = sample;
         st->cc.rttvar = sample / 2;
@@ -130,6 +147,39 @@ static void rtt_update(Stream *st, double sample)
         st->cc.rttvar = 0.75 * st->cc.rttvar + 0.25 * fabs(st->cc.srtt - sample);
         st->cc.srtt = 0.875 * st->cc.srtt + 0.125 * sample;
     }
+}
+
+/* How much later than the newest answered transmission's round trip a result may come before
+ * its packet counts as lost: a quarter of min_rtt, more after spurious resends, at most srtt
+ * (RFC 8985 6.2's reo_wnd). */
+static double reo_wnd(const Stream *st)
+{
+    if (!st->cc.have_rtt)
+        return 0;
+    double w = st->cc.reo_mult * st->cc.min_rtt / 4;
+    return w < st->cc.srtt ? w : st->cc.srtt;
+}
+
+/* Whether the round trips say a queue has built up on the path: srtt more than QUEUE_DELAY_MIN
+ * and more than min_rtt above min_rtt (srtt, not the newest sample: one late answer on a busy
+ * host is no queue). A loss without it is taken for random loss, which a smaller window would
+ * not prevent (docs/protocol.md 4.4). */
+static int queue_built(const Stream *st)
+{
+    double q = st->cc.srtt - st->cc.min_rtt;
+    return st->cc.have_rtt && q > QUEUE_DELAY_MIN && q > st->cc.min_rtt;
+}
+
+/* Multiplicative decrease, once per window: packets sent before this point that are lost
+ * later are the same congestion event. */
+static void window_cut(Run *r)
+{
+    Stream *st = r->s;
+    if (st->cfg.cwnd_fixed)
+        return;
+    st->cc.cwnd = st->cc.cwnd / 2 < 1 ? 1 : st->cc.cwnd / 2;
+    st->cc.ssthresh = st->cc.cwnd;
+    r->recover = r->next_new;
 }
 
 static inline int64_t window_now(const Run *r)
@@ -193,6 +243,8 @@ static int send_ready(Run *r, int *sent)
         int s = st->sendq[i];
         st->tries[s] = 0;
         st->sent_at[s] = t;
+        st->tx_at[s] = t;
+        st->early[s] = 0;
         st->rto[s] = rto;
         st->deadline[s] = t + rto;
     }
@@ -202,21 +254,34 @@ static int send_ready(Run *r, int *sent)
     return send_slots(r, n);
 }
 
-/* Resend every packet whose timer expired (the identical bytes of its slot row). */
+/* Resend every packet whose deadline passed (the identical bytes of its slot row): found lost
+ * early (st->early: its timer stays as it was) or its timer expired (doubled). The window is cut
+ * for a loss only where the round trips show a queue, or for a timer that expired again; with
+ * early detection off, for every timer (as before it). */
 static int expire(Run *r, double now)
 {
     Stream *st = r->s;
-    int n = 0, halve = 0;
+    int n = 0, cut = 0;
     double next = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
         if (st->deadline[s] <= now) {
-            if (st->tries[s] == 0)
-                r->c.timeouts++;
+            int fresh = st->pkt[s] >= r->recover;
+            if (st->early[s]) {
+                st->early[s] = 0;
+                r->c.early_losses++;
+                cut |= fresh && queue_built(st);
+                if (++st->cc.reo_quiet >= REO_QUIET && st->cc.reo_mult > 1)
+                    st->cc.reo_mult /= 2, st->cc.reo_quiet = 0;
+            } else {
+                if (st->tries[s] == 0)
+                    r->c.timeouts++;
+                cut |= fresh && (!st->cfg.early_loss || st->tries[s] > 0 || queue_built(st));
+                st->rto[s] = 2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
+            }
             st->tries[s]++;
-            st->rto[s] = 2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
+            st->tx_at[s] = now;
             st->deadline[s] = now + st->rto[s];
             st->sendq[n++] = (int32_t)s;
-            halve |= st->pkt[s] >= r->recover;
         }
         if (st->deadline[s] < next)
             next = st->deadline[s];
@@ -225,14 +290,31 @@ static int expire(Run *r, double now)
     if (n == 0)
         return 0;
     r->c.retransmissions += (uint64_t)n;
-    if (halve && !st->cfg.cwnd_fixed) {
-        /* multiplicative decrease, once per window: packets sent before this point that
-         * expire later are the same loss event */
-        st->cc.cwnd = st->cc.cwnd / 2 < 1 ? 1 : st->cc.cwnd / 2;
-        st->cc.ssthresh = st->cc.cwnd;
-        r->recover = r->next_new;
-    }
+    if (cut)
+        window_cut(r);
     return send_slots(r, n);
+}
+
+/* Early loss detection (docs/protocol.md 4.4, RFC 8985's RACK): a packet in flight that was
+ * sent before the newest transmission whose result came is lost once it is older than that
+ * result's round trip plus the reordering allowance. Its deadline becomes that moment (marked
+ * st->early) where that is sooner than its timer; expire resends it then. */
+static void detect_losses(Run *r)
+{
+    Stream *st = r->s;
+    double reo = reo_wnd(st), next = r->next_deadline;
+    r->rack_moved = 0;
+    for (int64_t s = 0; s < r->w; s++) {
+        if (st->pkt[s] < 0 || st->deadline[s] == INFINITY || st->tx_at[s] >= r->rack_xmit)
+            continue;
+        double at = st->tx_at[s] + r->rack_rtt + reo;
+        if (at < st->deadline[s]) {
+            st->deadline[s] = at;
+            st->early[s] = 1;
+            next = at < next ? at : next;
+        }
+    }
+    r->next_deadline = next;
 }
 
 /* --- receiving ---------------------------------------------------------------------------- */
@@ -243,6 +325,10 @@ int fp_run_seen(Run *r, int64_t p)
         if (r->state[p] > 2) { /* the first copy's result came after a resend */
             r->c.spurious++;
             r->state[p]--;
+            /* resent too soon: allow more reordering (RFC 8985 6.2 step 4, per spurious) */
+            if (r->s->cc.reo_mult < REO_MULT_MAX)
+                r->s->cc.reo_mult++;
+            r->s->cc.reo_quiet = 0;
         }
         return 1;
     }
@@ -263,7 +349,16 @@ void fp_run_took(Run *r, int64_t p, double now)
     r->ndone++;
     r->results_here++;
     r->last_progress = now;
+    /* RACK: the newest transmission whose result came. A resent packet's result may answer its
+     * first copy; one that came sooner than min_rtt after the resend does (RFC 8985 6.2) */
+    double tx = st->tx_at[s];
+    if (tx > r->rack_xmit && (tries == 0 || now - tx >= st->cc.min_rtt)) {
+        r->rack_xmit = tx;
+        r->rack_rtt = now - tx;
+        r->rack_moved = 1;
+    }
     st->deadline[s] = INFINITY;
+    st->early[s] = 0;
     st->pkt[s] = -1;
     r->inflight--;
     if (tries == 0 && st->sent_at[s] > r->batch_sample_at) { /* Karn: not a resent one */
@@ -446,6 +541,8 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
         if (r->todo <= 0)
             break;
         double now = now_s();
+        if (r->rack_moved && st->cfg.early_loss)
+            detect_losses(r);
         if (now >= r->next_deadline) {
             if (empty || deferred) {
                 deferred = 0;
@@ -494,6 +591,8 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
     X(deadline, w, sizeof(double))        \
     X(sent_at, w, sizeof(double))         \
     X(rto, w, sizeof(double))             \
+    X(tx_at, w, sizeof(double))           \
+    X(early, w, sizeof(uint8_t))          \
     X(tries, w, sizeof(int32_t))          \
     X(pkt, w, sizeof(int64_t))            \
     X(ready, w, sizeof(int64_t))          \
@@ -513,6 +612,8 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     /* slow start from a small window; ssthresh at the slot window until the first loss */
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
     st->cc.ssthresh = cfg->window;
+    st->cc.min_rtt = INFINITY;
+    st->cc.reo_mult = 1;
     st->ke = cfg->pairs ? 2 * cfg->k : cfg->k;
     /* M: scaling.int_range (16 bits: each half of a word's sum must fit int16) */
     st->M = (double)((cfg->pairs ? 32767 : 2147483647) / cfg->scaling_workers);
@@ -551,8 +652,12 @@ void fp_run_start(Run *r, Stream *st)
     if (r->sp)
         fp_sparse_start(r);
     r->next_deadline = INFINITY;
+    r->rack_xmit = -INFINITY;
+    r->rack_rtt = 0;
+    r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
         st->deadline[s] = INFINITY;
+        st->early[s] = 0;
         st->tries[s] = 0;
         st->pkt[s] = -1;
     }

@@ -23,10 +23,13 @@ typedef struct {
     int pairs;                      /* a 16-bit job: two elements a word (wire.pack_pairs) */
     uint8_t type_size; /* the first header byte: message type, width bit and size code */
     int slot_base;
-    double rto_min, rto_max;
-    int cwnd_fixed; /* 1: the congestion window is the slot window */
-    int spin;       /* busy-poll at all (EngineConfig.spin) */
-    int faults;     /* the Faults test hook is on */
+    double rto_min, rto_max; /* the timer before a round trip is measured (and its floor's
+                              * ceiling), and its ceiling (docs/protocol.md 4.4) */
+    int cwnd_fixed;          /* 1: the congestion window is the slot window */
+    int early_loss;          /* 1: losses found from later results (4.4), 0: timers only */
+    double rto_floor;        /* with early_loss: the least timer once round trips are measured */
+    int spin;                /* busy-poll at all (EngineConfig.spin) */
+    int faults;              /* the Faults test hook is on */
     double send_loss, recv_loss, send_dup, recv_dup;
     uint64_t seed;
 } StreamConfig;
@@ -35,7 +38,10 @@ typedef struct {
 typedef struct {
     int have_rtt;
     double srtt, rttvar;
+    double min_rtt; /* the least round trip sampled (INFINITY before any) */
     double cwnd, ssthresh;
+    int reo_mult;  /* the reordering allowance in quarters of min_rtt (grows on spurious) */
+    int reo_quiet; /* early resends since the allowance last grew (it shrinks back after 16) */
     int spin_credit;
 } Congestion;
 
@@ -53,6 +59,8 @@ typedef struct {
     uint8_t *rows; /* window x stride: the packet in flight per slot */
     int *lens;     /* per slot: its packet's length */
     double *deadline, *sent_at, *rto;
+    double *tx_at;  /* per slot: its packet's latest transmission (sent_at: its first) */
+    uint8_t *early; /* per slot: its deadline is the reordering allowance's, not its timer's */
     int32_t *tries;
     int64_t *pkt;           /* packet in each slot, -1 when none in flight */
     int64_t *ready;         /* per slot: the packet ready to go there, or -1 */
@@ -103,6 +111,10 @@ typedef struct Run {
     double next_deadline, last_progress;
     double batch_sample_at; /* RTT: send time of the newest sample this batch */
     double batch_sample;
+    /* early loss detection (docs/protocol.md 4.4, RFC 8985's RACK): the latest transmission
+     * whose result came, that result's round trip, and whether they moved since the last scan */
+    double rack_xmit, rack_rtt;
+    int rack_moved;
     Counters c;
 } Run;
 

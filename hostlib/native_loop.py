@@ -63,6 +63,7 @@ _COUNTED = (
     "packets_sent",
     "retransmissions",
     "timeouts",
+    "early_losses",
     "results",
     "duplicates",
     "stale",
@@ -109,6 +110,8 @@ class NativeLoop:
             gso=sock.gso,
             gro=sock.gro,
             cwnd=cfg.cwnd,
+            early_loss=cfg.early_loss,
+            rto_floor=cfg.rto_floor,
             spin=cfg.spin,
             wire_bits=cfg.wire_bits,
             faults=None

@@ -10,11 +10,14 @@ An all-reduce of P packets with window w = min(window, P-ish, see below):
 - on the wire: job_number = low 8 bits of the all-reduce counter (results of another
   all-reduce are ignored), tsi = p; results are deduplicated by (job_number, tsi) and also
   checked against the packet's pool index;
-- every packet in flight has a timer, started at max(rto, srtt + 4 rttvar) (RFC 6298's estimate
-  from measured round trips, Karn's rule: never from retransmitted packets; adaptive so that a
-  busy host or aggregator does not cause spurious retransmissions), doubled at each expiry of the
-  same packet, capped at `rto_max`; on expiry the identical bytes are sent again. An all-reduce that
-  receives no new result for `timeout` seconds raises AllreduceTimeout saying what is missing.
+- every packet in flight has a timer, started at srtt + 4 rttvar (RFC 6298's estimate from
+  measured round trips, Karn's rule: never from retransmitted packets; adaptive so that a busy
+  host or aggregator does not cause spurious retransmissions) above a floor that follows the
+  round trip, doubled at each expiry of the same packet, capped at `rto_max`; on expiry the
+  identical bytes are sent again. Before its timer, a packet is resent once results of packets
+  sent after it show it lost (early_loss, hostlib.loss_detect: about a round trip). An
+  all-reduce that receives no new result for `timeout` seconds raises AllreduceTimeout saying
+  what is missing.
   (A stall deadline rather than a fixed one: a large tensor legitimately takes long, a stall
   does not.)
 
@@ -42,6 +45,7 @@ import numpy as np
 from xdp_agg.proto import wire
 
 from . import scaling
+from .loss_detect import Rack, RttEstimator
 from .stream_state import Allreduce, StreamState
 from .udp_io import RowReceiver
 
@@ -273,6 +277,7 @@ class _Flight:
         self.sent_at, self.rto = loop._sent_at[:w], loop._rto[:w]
         self.deadline.fill(np.inf)
         self.tries.fill(0)
+        self.rack = Rack(w)  # early loss detection (hostlib.loss_detect)
         self.ready = [(0, w)]  # runs [a, b) of packets to send
         self.next_deadline = np.inf  # no timer expires before this (lazily updated)
         self.last_progress = ar.t0
@@ -288,7 +293,7 @@ class NumpyLoop:
         f = state.faults
         self._rng = np.random.default_rng(f.seed if f else None)  # used with faults only
         self._rx = RowReceiver(state.sock, plen, max_rows=2 * cfg.window + 64)
-        self._rtt = _RttEstimator()  # kept across all-reduces
+        self._rtt = RttEstimator()  # kept across all-reduces
         # The packet in flight in each slot, built in place: packets are written straight into
         # these rows, sent from them, and retransmitted from them (at most one per slot).
         self._payload = np.zeros((cfg.window, plen), dtype=np.uint8)
@@ -347,6 +352,8 @@ class NumpyLoop:
             now = time.monotonic()
             if len(rows):
                 self._take(rows, tr, fl, ar, now)
+            if fl.rack.moved and self.state.cfg.early_loss:
+                fl.next_deadline = fl.rack.detect(fl.deadline, self._rtt.reo_wnd())
             if now >= fl.next_deadline:
                 self._expire(fl, now)
             if ar.ndone < P and now - fl.last_progress > ar.timeout:
@@ -359,7 +366,7 @@ class NumpyLoop:
         """Build the ready packets in their slots' rows, send them, start their timers."""
         cfg = self.state.cfg
         now = time.monotonic()
-        first_rto = self._rtt.rto(cfg.rto, cfg.rto_max)
+        first_rto = self._rtt.rto(cfg.rto, cfg.rto_max, cfg.rto_floor if cfg.early_loss else None)
         for a, b in fl.ready:
             for s0, s1, a1 in _slot_runs(a, b, fl.w):
                 b1 = a1 + s1 - s0
@@ -368,6 +375,8 @@ class NumpyLoop:
                 self._send(self._payload[s0:s1])
                 fl.tries[s0:s1] = 0
                 fl.sent_at[s0:s1] = now
+                fl.rack.tx_at[s0:s1] = now
+                fl.rack.early[s0:s1] = False
                 fl.rto[s0:s1] = first_rto
                 fl.deadline[s0:s1] = now + first_rto
         fl.next_deadline = min(fl.next_deadline, now + first_rto)
@@ -403,6 +412,7 @@ class NumpyLoop:
                 pos += b - a
                 fl.done[a:b] = True
                 for s0, s1, a1 in _slot_runs(a, b, w):
+                    fl.rack.took(s0, s1, fl.tries[s0:s1], now, self._rtt.min_rtt)
                     fl.deadline[s0:s1] = np.inf
                     fl.retx_left[a1 : a1 + s1 - s0] = np.minimum(fl.tries[s0:s1], 255)
             ar.ndone += fresh
@@ -412,18 +422,25 @@ class NumpyLoop:
                 self._rtt.update(now - fl.sent_at[s])
             fl.ready = [(a + w, min(b + w, fl.P)) for a, b in runs if a + w < fl.P]
         if self._dups.size:
-            _count_spurious(self._dups, fl.retx_left, self.state.stats)
+            self._rtt.spurious(_count_spurious(self._dups, fl.retx_left, self.state.stats))
 
     def _expire(self, fl: _Flight, now: float) -> None:
-        """Send again the packets whose timer expired, each with its timer doubled."""
+        """Send again the packets whose deadline passed: found lost early (their timer stays)
+        or their timer expired (doubled)."""
         st = self.state.stats
         expired = np.flatnonzero(fl.deadline <= now)
         if expired.size:
-            st["timeouts"] += int(np.count_nonzero(fl.tries[expired] == 0))
+            early = fl.rack.early[expired]
+            timer = expired[~early]
+            st["timeouts"] += int(np.count_nonzero(fl.tries[timer] == 0))
+            st["early_losses"] += int(np.count_nonzero(early))
+            self._rtt.early(int(np.count_nonzero(early)))
+            fl.rack.early[expired] = False
             fl.tries[expired] += 1
             st["retransmissions"] += expired.size
             self._send(self._payload[expired])
-            fl.rto[expired] = np.minimum(fl.rto[expired] * 2, self.state.cfg.rto_max)
+            fl.rto[timer] = np.minimum(fl.rto[timer] * 2, self.state.cfg.rto_max)
+            fl.rack.tx_at[expired] = now
             fl.deadline[expired] = now + fl.rto[expired]
         fl.next_deadline = float(fl.deadline.min())
 
@@ -549,13 +566,15 @@ class NumpyLoop:
         return _runs(new), sel, int(new.size)
 
 
-def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict[str, float]) -> None:
+def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict[str, float]) -> int:
     """Count the duplicate results `dups` (packet numbers) that answer a retransmission whose
-    packet had its result already: each retransmission of a packet is spurious at most once."""
+    packet had its result already: each retransmission of a packet is spurious at most once.
+    Returns how many were."""
     u, counts = np.unique(dups, return_counts=True)
     spurious = np.minimum(counts, retx_left[u])
     st["spurious"] += int(spurious.sum())
     retx_left[u] -= spurious.astype(np.uint8)
+    return int(spurious.sum())
 
 
 def _slot_runs(a: int, b: int, w: int) -> tuple[tuple[int, int, int], ...]:
@@ -565,24 +584,3 @@ def _slot_runs(a: int, b: int, w: int) -> tuple[tuple[int, int, int], ...]:
         return ((s0, s0 + b - a, a),)
     split = a + w - s0
     return ((s0, w, a), (0, b - split, split))
-
-
-class _RttEstimator:
-    """Smoothed round-trip time and its variation (RFC 6298, one sample per received batch)."""
-
-    def __init__(self) -> None:
-        self.srtt: float | None = None
-        self.rttvar = 0.0
-
-    def update(self, sample: float) -> None:
-        if self.srtt is None:
-            self.srtt, self.rttvar = sample, sample / 2
-        else:
-            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
-            self.srtt = 0.875 * self.srtt + 0.125 * sample
-
-    def rto(self, floor: float, cap: float) -> float:
-        """The first timer of a packet: srtt + 4 rttvar, within [floor, cap]."""
-        if self.srtt is None:
-            return floor
-        return min(max(floor, self.srtt + 4 * self.rttvar), cap)

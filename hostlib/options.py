@@ -23,6 +23,7 @@ The environment (each one a field of HostOptions unless said otherwise):
 | XDP_AGG_IP | ip | this rank's address towards the aggregator |
 | XDP_AGG_NATIVE | native | "0": the numpy loop instead of the C one |
 | XDP_AGG_SPIN | spin | "0": never busy-poll for an all-reduce's last results |
+| XDP_AGG_EARLY_LOSS | early_loss | "0": resend on timers only, not on evidence of loss |
 | XDP_AGG_DATA_PATH | data_path | the C loop's data path: udp, auto, afxdp |
 | XDP_AGG_FALLBACK | fallback | hostlib.pt: "gloo" continues over gloo after a failure |
 | XDP_AGG_WIRE_BITS | wire_bits | hostlib.pt: the element width of its all-reduces, auto, 16, 32 |
@@ -93,8 +94,13 @@ class HostOptions:
         for every rank. Striped, aggregator j's socket gets port + j (or any free port).
     mac: this worker's MAC (switch mode); by default that of the interface holding `ip`.
     rendezvous_timeout: how long to wait for rank 0's job and for all ranks to register.
-    retransmit: least retransmission timer in seconds (it follows the measured round trip
-        above it, and doubles at each expiry of the same packet, capped at 0.25 s).
+    retransmit: the retransmission timer in seconds until a round trip is measured; after, the
+        timer follows the measured round trip (RFC 6298) with a floor of 3 srtt, at least 2 ms
+        and at most `retransmit` (docs/protocol.md 4.4), and doubles at each expiry of the same
+        packet, capped at 0.25 s.
+    early_loss: resend a packet as soon as results of packets sent after it show it lost
+        (docs/protocol.md 4.4: about a round trip), not only when its timer expires; False:
+        timers only, with their floor at `retransmit` (the behaviour before, for comparison).
     progress: show a progress line on stderr for all-reduces that take over a second.
     faults: test hook, seeded random loss/duplication inside the engine (hostlib.engine.Faults).
     gso, gro: allow UDP GSO/GRO (each falls back to plain datagrams by itself if refused).
@@ -126,6 +132,7 @@ class HostOptions:
     mac: str | None = None
     rendezvous_timeout: float = 120.0
     retransmit: float = 0.015
+    early_loss: bool = True
     progress: bool = False
     faults: Faults | None = None
     gso: bool = True
@@ -275,6 +282,7 @@ _ENV: dict[str, tuple[str, Callable[[str], object]]] = {
     "XDP_AGG_IP": ("ip", str),
     "XDP_AGG_NATIVE": ("native", _off_if_zero),
     "XDP_AGG_SPIN": ("spin", lambda v: v.strip() != "0"),
+    "XDP_AGG_EARLY_LOSS": ("early_loss", lambda v: v.strip() != "0"),
     "XDP_AGG_DATA_PATH": ("data_path", str),
     control.SECRET_ENV: ("secret_file", str),
     "XDP_AGG_FALLBACK": ("fallback", _fallback),

@@ -33,7 +33,8 @@ from xdp_agg.proto import wire
 
 from . import scaling
 from .errors import HostlibError
-from .numpy_loop import _Chunks, _RttEstimator, _scale_table
+from .loss_detect import Rack, RttEstimator
+from .numpy_loop import _Chunks, _scale_table
 from .stream_state import Allreduce, StreamState
 
 _SP = wire.SPARSE_HDR_DTYPE
@@ -121,6 +122,7 @@ class _Slots:
         self.tries = np.zeros(w, dtype=np.int64)
         self.sent_at = np.zeros(w)
         self.rto = np.zeros(w)
+        self.rack = Rack(w)  # early loss detection (hostlib.loss_detect)
 
 
 class SparseLoop:
@@ -130,7 +132,7 @@ class SparseLoop:
         self.state = state
         f = state.faults
         self._rng = np.random.default_rng(f.seed + 1) if f else None
-        self._rtt = _RttEstimator()
+        self._rtt = RttEstimator()
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
         self.blocks = 0  # and its blocks
 
@@ -161,6 +163,8 @@ class SparseLoop:
             self.state.sock.wait_readable(wake - time.monotonic())
             if self._receive(t, sl, ar):
                 last = time.monotonic()
+            if sl.rack.moved and self.state.cfg.early_loss:
+                sl.rack.detect(sl.deadline, self._rtt.reo_wnd())
             now = time.monotonic()
             self._expire(sl, now)
             if not sl.done.all() and now - last > ar.timeout:
@@ -198,7 +202,9 @@ class SparseLoop:
             self.state.stats["empty_sent"] += 1
         now = time.monotonic()
         sl.tries[s], sl.sent_at[s] = 0, now
-        sl.rto[s] = self._rtt.rto(self.state.cfg.rto, self.state.cfg.rto_max)
+        sl.rack.tx_at[s], sl.rack.early[s] = now, False
+        cfg = self.state.cfg
+        sl.rto[s] = self._rtt.rto(cfg.rto, cfg.rto_max, cfg.rto_floor if cfg.early_loss else None)
         sl.deadline[s] = now + sl.rto[s]
         self._send(row)
 
@@ -260,8 +266,10 @@ class SparseLoop:
         assert sp is not None
         st["results"] += 1
         ar.ndone += 1
+        now = time.monotonic()
+        sl.rack.took(s, s + 1, sl.tries[s : s + 1], now, self._rtt.min_rtt)
         if sl.tries[s] == 0:  # Karn: a retransmission's round trip is ambiguous
-            self._rtt.update(time.monotonic() - sl.sent_at[s])
+            self._rtt.update(now - sl.sent_at[s])
         sl.deadline[s] = np.inf
         if msg.msg_type == wire.MSG_TYPE_SPARSE:
             self.union_blocks += 1
@@ -295,12 +303,20 @@ class SparseLoop:
         t.dst.put(p, p + 1, _dequantise_row(bits), values.reshape(1, -1), sl.f[s : s + 1])
 
     def _expire(self, sl: _Slots, now: float) -> None:
+        """Resend the rounds whose deadline passed: found lost early (their timer stays) or
+        their timer expired (doubled)."""
         st = self.state.stats
         for s in np.flatnonzero(sl.deadline <= now):
-            st["timeouts"] += int(sl.tries[s] == 0)
+            if sl.rack.early[s]:
+                sl.rack.early[s] = False
+                st["early_losses"] += 1
+                self._rtt.early(1)
+            else:
+                st["timeouts"] += int(sl.tries[s] == 0)
+                sl.rto[s] = min(sl.rto[s] * 2, self.state.cfg.rto_max)
             sl.tries[s] += 1
             st["retransmissions"] += 1
-            sl.rto[s] = min(sl.rto[s] * 2, self.state.cfg.rto_max)
+            sl.rack.tx_at[s] = now
             sl.deadline[s] = now + sl.rto[s]
             self._send(sl.rows[s])
 

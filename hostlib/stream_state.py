@@ -28,8 +28,9 @@ STAT_NAMES = (
     "allreduces",  # all-reduces completed
     "elements",  # tensor elements all-reduced
     "packets_sent",  # datagrams sent, first transmissions and retransmissions
-    "retransmissions",  # datagrams sent again after a timer expired
+    "retransmissions",  # datagrams sent again: found lost early, or after a timer expired
     "timeouts",  # packets whose timer expired at least once
+    "early_losses",  # resends of packets that later packets' results showed lost (4.4)
     "results",  # results accepted (one per packet)
     "duplicates",  # results ignored because that packet was already done
     "stale",  # results of another all-reduce, or not matching the packet's slot/version
@@ -83,7 +84,10 @@ class EngineConfig:
     slot_base: int
     window: int  # slots of this worker: slot_base .. slot_base + window - 1
     data_address: tuple[str, int]  # where contributions go (the aggregator's data address)
-    rto: float = 0.015  # least retransmission timer (SwitchML: 10 ms)
+    rto: float = 0.015  # the timer before a round trip is measured, then its floor's ceiling
+    # resend on evidence of later results (docs/protocol.md 4.4), not on timers alone
+    early_loss: bool = True
+    rto_floor: float = 0.002  # with early_loss, the least timer once round trips are measured
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces

@@ -209,9 +209,9 @@ def test_same_results_under_engine_faults():
 def test_a_late_first_answer_counts_as_spurious(native):
     x = np.arange(40 * 32, dtype=np.int32)
     late = {3, 17, 30}
-    # packet 39 is lost three times: the all-reduce lasts until its fourth copy (10 + 20 + 40 ms
-    # of timers), long after the late first answers (30 ms) came
-    agg_kw = {"bump": False, "add": 0, "late": late, "late_s": 0.03, "drop": {39: 3}}
+    # packet 39, the last, is lost three times; the late first answers go when its third copy
+    # arrives, so they come back before its fourth copy's answer ends the all-reduce
+    agg_kw = {"bump": False, "add": 0, "late": late, "late_until": (39, 3), "drop": {39: 3}}
     (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=0.01)
     assert np.array_equal(out, x)
     assert st["spurious"] == len(late) and st["duplicates"] >= len(late)
@@ -336,24 +336,25 @@ def test_nan_is_rejected_before_anything_is_sent():
 
 
 # --- the congestion window ----------------------------------------------------------------
-def test_aimd_halves_on_loss_and_fixed_keeps_the_window():
+def _cwnd_after(drop, **kw) -> float:
     x = np.arange(300 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "drop": dict(drop), **kw.pop("agg_kw", {})}
+    (out,), _, st = run_sequence(True, [x], agg_kw=agg_kw, window=64, rto=0.005, **kw)
+    assert np.array_equal(out, x)
+    return st["cwnd"]
+
+
+def test_early_loss_window_halves_for_a_queue_not_for_random_loss():
+    """docs/protocol.md 4.4: a loss cuts the window where the round trips show a queue (here
+    every answer from packet 100 on waits 5 ms, 50 times the unloaded round trip), not for
+    random loss on an idle path; timers only (early_loss off) cut it for every loss, as before;
+    "fixed" never."""
     drop = {t: 1 for t in range(0, 300, 10)}
-    st = {}
-    for mode in ("aimd", "fixed"):
-        (out,), _, st[mode] = run_sequence(
-            True,
-            [x],
-            agg_kw={"bump": False, "add": 0, "drop": dict(drop)},
-            window=64,
-            rto=0.005,
-            cwnd=mode,
-        )
-        assert np.array_equal(out, x)
-    assert st["fixed"]["cwnd"] == 64
-    assert 1 <= st["aimd"]["cwnd"] < 64
-    (_,), _, clean = run_sequence(True, [x], window=64)
-    assert clean["cwnd"] == 64  # slow start reaches the slot window without loss
+    assert _cwnd_after(drop) == 64
+    assert 1 <= _cwnd_after(drop, agg_kw={"queue": (100, 0.005)}) < 64
+    assert 1 <= _cwnd_after(drop, early_loss=False) < 64
+    assert _cwnd_after(drop, cwnd="fixed", early_loss=False) == 64
+    assert _cwnd_after({}) == 64  # slow start reaches the slot window without loss
 
 
 def test_bad_cwnd_mode_is_refused():
@@ -474,7 +475,8 @@ def test_stale_and_malformed_datagrams_are_counted():
 
 def test_progress_callback_runs_during_a_long_allreduce(capsys):
     agg = EchoAggregator(bump=False, drop={5: 1})
-    eng = make_engine(agg, True, rto=1.2, progress=True)  # stuck on packet 5 for 1.2 s
+    # stuck on packet 5 for 1.2 s: timers only (later results would show it lost at once)
+    eng = make_engine(agg, True, rto=1.2, early_loss=False, progress=True)
     try:
         x = np.ones(32 * 20, np.int32)
         eng.allreduce(x, np.empty_like(x))
@@ -723,3 +725,47 @@ def test_wire16_the_c_engine_checks_dtype_and_width_itself():
     finally:
         eng.state.sock.close()
         agg.close()
+
+
+# --- (e) early loss detection (docs/protocol.md 4.4) -------------------------------------------
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_found_from_later_results_not_the_timer(native):
+    """Packet 5's first copy gets no answer; its timer is at least 1 s, so only the results of
+    packets sent after it can have shown it lost: one early resend, no timer expired."""
+    x = np.arange(60 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "drop": {5: 1}}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=1.0, rto_floor=1.0)
+    assert np.array_equal(out, x)
+    assert (st["early_losses"], st["timeouts"], st["retransmissions"]) == (1, 0, 1)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_off_waits_for_the_timer(native):
+    x = np.arange(60 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "drop": {5: 1}}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=0.02, early_loss=False)
+    assert np.array_equal(out, x)
+    assert (st["early_losses"], st["timeouts"], st["retransmissions"]) == (0, 1, 1)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_of_a_resend_is_found_early_too(native):
+    """Packet 5 loses its first three copies: each resend is shown lost by the results of the
+    packets sent after it, as the first copy was (no timer of 1 s expired)."""
+    x = np.arange(80 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "drop": {5: 3}}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=1.0, rto_floor=1.0)
+    assert np.array_equal(out, x)
+    assert (st["early_losses"], st["timeouts"]) == (3, 0)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_reordered_answers_are_not_losses(native):
+    """Every batch of answers comes back in reverse order, in one GSO send (so it is all there
+    at once): the drain takes a whole batch before anything is judged lost, so reordering
+    within it costs no resend."""
+    x = np.arange(60 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "reverse": True, "gso": True}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=1.0, rto_floor=1.0)
+    assert np.array_equal(out, x)
+    assert st["retransmissions"] == st["spurious"] == 0

@@ -27,10 +27,12 @@ class EchoAggregator:
     each value gets `add * (tsi + i)` added (modulo 2^32, as the aggregator's sums). Options
     script the path: `drop` (tsi -> how many first copies get no answer), `dup` (tsi answered
     twice), `late` (tsi whose first answer is held back `late_s` seconds, so that the engine's
-    resend is answered first), `reverse` (each batch answered in reverse order), `answer_limit`
-    (answer only that many datagrams, then go silent), `gso` (send a batch's answers as UDP GSO
-    messages: runs of one length to one address, a shorter answer ending a run; an engine's
-    GRO socket gets each run as one buffer to cut).
+    resend is answered first; with `late_until` = (tsi, m) instead until the m-th copy of that
+    tsi arrived: an event, not a time), `queue` = (tsi, s) (every answer from that tsi on held
+    s seconds: a standing queue's round trip), `reverse` (each batch answered in reverse
+    order), `answer_limit` (answer only that many datagrams, then go silent), `gso` (send a
+    batch's answers as UDP GSO messages: runs of one length to one address, a shorter answer
+    ending a run; an engine's GRO socket gets each run as one buffer to cut).
     """
 
     def __init__(
@@ -42,6 +44,8 @@ class EchoAggregator:
         dup=(),
         late=(),
         late_s: float = 0.08,
+        late_until: tuple[int, int] | None = None,
+        queue: tuple[int, float] | None = None,
         reverse: bool = False,
         answer_limit: int | None = None,
         gso: bool = False,
@@ -56,6 +60,9 @@ class EchoAggregator:
         self.add = add
         self.drop = dict(drop or {})
         self.dup, self.late, self.late_s = set(dup), set(late), late_s
+        self.late_until = late_until
+        self.queue = queue
+        self.copies: dict[int, int] = {}  # tsi -> copies received
         self.reverse = reverse
         self.answer_limit = answer_limit
         self.gso = gso
@@ -84,6 +91,7 @@ class EchoAggregator:
         answered = 0
         while not self._stop:
             wait = 0.02 if not self._held else max(0.0, min(self._held)[0] - time.monotonic())
+            wait = min(wait, 0.02)
             if select.select([self.sock], [], [], wait)[0]:
                 batch = []
                 while True:
@@ -98,13 +106,20 @@ class EchoAggregator:
             for data, src in batch:
                 self.received.append(data)
                 tsi = int.from_bytes(data[2:6], "big")
+                self.copies[tsi] = self.copies.get(tsi, 0) + 1
+                if self.late_until and self.copies.get(self.late_until[0], 0) >= self.late_until[1]:
+                    self._held = [(now, res, to) for _, res, to in self._held]  # release them
                 if self.drop.get(tsi, 0) > 0:
                     self.drop[tsi] -= 1
                     continue
                 res = self.result(data)
                 if tsi in self.late:
                     self.late.discard(tsi)
-                    self._held.append((now + self.late_s, res, src))
+                    hold = np.inf if self.late_until else self.late_s
+                    self._held.append((now + hold, res, src))
+                    continue
+                if self.queue and tsi >= self.queue[0]:
+                    self._held.append((now + self.queue[1], res, src))
                     continue
                 out.append((res, src))
                 if tsi in self.dup:

@@ -1,0 +1,103 @@
+"""Timers and early loss detection of the Python loops (docs/protocol.md 4.4), the rules of the
+C loop's (hostlib/fp_loop.c: first_rto, detect_losses, expire) over numpy's per-slot arrays.
+
+A packet in flight is resent when its timer expires, or earlier, once a result came for a
+packet sent after it and it is older than that result's round trip plus a reordering
+allowance (RFC 8985's RACK): a lost packet costs about a round trip, not a timer. The timers'
+floor follows the measured round trip once there is one (3 srtt, at least `rto_floor`, at most
+`rto`), so the last packets of an all-reduce, after which nothing can show them lost, wait a
+few round trips rather than `rto`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+RTO_FLOOR_RTTS = 3  # the timers' floor, in srtt (fp_loop.c RTO_FLOOR_RTTS)
+REO_MULT_MAX = 64  # the reordering allowance: at most 16 min_rtt, and srtt (REO_MULT_MAX)
+REO_QUIET = 16  # early resends without a spurious one before the allowance shrinks (REO_QUIET)
+
+
+class RttEstimator:
+    """Round trips (RFC 6298, one sample per received batch), the least one, and the
+    reordering allowance, kept across all-reduces."""
+
+    def __init__(self) -> None:
+        self.srtt: float | None = None
+        self.rttvar = 0.0
+        self.min_rtt = np.inf
+        self.reo_mult = 1  # the reordering allowance in quarters of min_rtt
+        self.reo_quiet = 0  # early resends since the allowance last grew
+
+    def update(self, sample: float) -> None:
+        self.min_rtt = min(self.min_rtt, sample)
+        if self.srtt is None:
+            self.srtt, self.rttvar = sample, sample / 2
+        else:
+            self.rttvar = 0.75 * self.rttvar + 0.25 * abs(self.srtt - sample)
+            self.srtt = 0.875 * self.srtt + 0.125 * sample
+
+    def rto(self, rto: float, cap: float, floor: float | None) -> float:
+        """A packet's first timer: srtt + 4 rttvar within [rto, cap] before early detection
+        (`floor` None), or within [min(rto, max(floor, 3 srtt)), cap] with it; `rto` until a
+        round trip is measured."""
+        if self.srtt is None:
+            return rto
+        least = rto if floor is None else min(rto, max(floor, RTO_FLOOR_RTTS * self.srtt))
+        return min(max(least, self.srtt + 4 * self.rttvar), cap)
+
+    def reo_wnd(self) -> float:
+        """How much later than the newest answered packet's round trip a result may come
+        before its packet counts as lost: min_rtt / 4 times the multiplier, at most srtt."""
+        if self.srtt is None:
+            return 0.0
+        return min(self.reo_mult * self.min_rtt / 4, self.srtt)
+
+    def spurious(self, n: int) -> None:
+        """`n` resends proved needless: allow more reordering (RFC 8985 6.2 step 4)."""
+        if n:
+            self.reo_mult = min(self.reo_mult + n, REO_MULT_MAX)
+            self.reo_quiet = 0
+
+    def early(self, n: int) -> None:
+        """`n` packets resent early: after REO_QUIET without a spurious one, allow less."""
+        self.reo_quiet += n
+        if self.reo_quiet >= REO_QUIET and self.reo_mult > 1:
+            self.reo_mult //= 2
+            self.reo_quiet = 0
+
+
+class Rack:
+    """One all-reduce's early detection over its per-slot arrays (views the loop keeps):
+    `tx_at` the latest transmission of each slot's packet, `deadline` its timer or, where
+    `early` is set, the moment it counts as lost."""
+
+    def __init__(self, w: int) -> None:
+        self.tx_at = np.zeros(w)
+        self.early = np.zeros(w, dtype=bool)
+        self.xmit = -np.inf  # the newest transmission whose result came
+        self.rtt = 0.0  # that result's round trip
+        self.moved = False
+
+    def took(self, s0: int, s1: int, tries: np.ndarray, now: float, min_rtt: float) -> None:
+        """Results came at `now` for the packets of slots s0..s1-1 (their `tries`). A resent
+        packet's result may answer its first copy: it counts only if it came at least min_rtt
+        after the resend (RFC 8985 6.2)."""
+        tx = self.tx_at[s0:s1]
+        ok = (tries == 0) | (now - tx >= min_rtt)
+        if ok.any():
+            newest = float(tx[ok].max())
+            if newest > self.xmit:
+                self.xmit, self.rtt, self.moved = newest, now - newest, True
+        self.early[s0:s1] = False
+
+    def detect(self, deadline: np.ndarray, reo: float) -> float:
+        """Bring forward the deadline of every packet in flight sent before the newest answered
+        one to its tx_at + that one's round trip + `reo`; the least deadline now."""
+        self.moved = False
+        at = self.tx_at + self.rtt + reo
+        sooner = (deadline < np.inf) & (self.tx_at < self.xmit) & (at < deadline)
+        if sooner.any():
+            deadline[sooner] = at[sooner]
+            self.early |= sooner
+        return float(deadline.min())
