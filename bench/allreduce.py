@@ -65,7 +65,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat, density, lanes_option, md_table, packet_options
+from bench import cpustat, density, lanes_option, lossrows, md_table, packet_options
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
@@ -99,6 +99,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         if "sparse" in args.rows:
             sizes = [SIZES[k] for k in args.sizes if k in SIZES and SIZES[k] <= args.max_bytes]
             plan += density.plan(sizes, args.density, args.patterns, args.reps)
+        plan += lossrows.burst_items(plan, getattr(args, "burst_ms", 0.0))
     if not plan:
         return []
     with (
@@ -108,6 +109,8 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             mtu=args.mtu,
             rate=RATES[rate] and rate,
             agg_queues=getattr(args, "agg_queues", 1),
+            # loss on every frame, so that gloo's TCP crosses the same loss (bench.lossrows)
+            loss_scope="all" if hasattr(args, "loss") and lossrows.lossy(args) else "aggregation",
         ) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
         Cluster(
@@ -119,13 +122,25 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     ):
         layout = Layout.from_testbed(tb)
         rows = []
-        for lanes in args.lanes:  # one testbed, a set of workers per lanes value
-            reports = _run_workers(tb, cl, layout, n, rate, lanes, plan, args)
+        # one testbed, a set of workers per (lanes, early loss detection, loss) setting
+        for setting in _settings(args):
+            tb.set_loss(setting["loss"], setting["loss"])
+            reports = _run_workers(tb, cl, layout, n, rate, setting, plan, args)
             rows += [
-                _row(n, rate, lanes, item, [pr[i] for pr in reports], layout, log, args)
+                _row(n, rate, setting, item, [pr[i] for pr in reports], layout, log, args)
                 for i, item in enumerate(plan)
             ]
     return rows
+
+
+def _settings(args) -> list[dict]:
+    """The worker sets of one testbed: every lanes value, early-loss setting and loss."""
+    return [
+        {"lanes": lanes, "early_loss": early, "loss": loss}
+        for lanes in args.lanes
+        for early in getattr(args, "early_loss", [True])
+        for loss in getattr(args, "loss", [0.0])
+    ]
 
 
 def plan_item(elements: int, reps: int, kind: str, dtype: str, wire_bits: int) -> dict:
@@ -167,10 +182,12 @@ def _serve_args(args, plan: list[dict]) -> tuple[str, ...]:
     return (*getattr(args, "serve_args", ()), *extra)
 
 
-def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> list[list[dict]]:
-    """One set of n worker processes (hostlib with `lanes` lanes, and gloo) through the plan;
-    each rank's reports, in plan order."""
-    profile = rate == "unshaped" and n == 4 and args.profile and lanes == args.lanes[0]
+def _run_workers(tb, cl, layout, n: int, rate: str, setting, plan, args) -> list[list[dict]]:
+    """One set of n worker processes (hostlib with the setting's lanes and early loss
+    detection, and gloo) through the plan; each rank's reports, in plan order."""
+    lanes = setting["lanes"]
+    profile = rate == "unshaped" and n == 4 and args.profile and setting == _settings(args)[0]
+    job = f"bench-{n}-{rate}-{lanes}-{setting['loss']:g}-{int(setting['early_loss'])}"
     procs = []
     for r, w in enumerate(tb.workers):
         cmd = [
@@ -186,7 +203,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> l
             "--gloo",
             f"{tb.workers[0].ip}:{GLOO_PORT}",
             "--job",
-            f"bench-{n}-{rate}-{lanes}",
+            job,
             "--elems",
             str(args.elems),
             "--window",
@@ -207,6 +224,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> l
             cmd += ["--profile", str(64 << 20), "--profile-out", out]
         # every set says its lanes, so hostlib's default never decides a row's
         env = {**cl.worker_env(), "XDP_AGG_LANES": str(lanes)}
+        env["XDP_AGG_EARLY_LOSS"] = "1" if setting["early_loss"] else "0"
         procs.append(
             tb.popen(w, cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         )
@@ -217,13 +235,14 @@ def _run_workers(tb, cl, layout, n: int, rate: str, lanes: int, plan, args) -> l
             failed.append(f"rank {r}: {err.strip()[-1500:]}")
         per_rank.append([json.loads(line) for line in out.splitlines() if line.startswith("{")])
     if failed:  # every rank's: the first to fail is often not rank 0
-        raise RuntimeError(f"n={n} {rate} lanes={lanes}: " + "\n".join(failed))
+        raise RuntimeError(f"n={n} {rate} {setting}: " + "\n".join(failed))
     return per_rank
 
 
-def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout, log, args) -> dict:
+def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, log, args) -> dict:
     """One plan item's row from every rank's report: the slowest rank's times, the mean CPU,
     rank 0's system-wide CPU spans, the retransmissions and their causes; logged as one line."""
+    lanes = setting["lanes"]
     row = {
         "n": n,
         "link": rate,
@@ -234,7 +253,12 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
         "gloo_dtype": item.get("gloo_dtype", item.get("dtype", "float32")),
         "elements": item.get("elements", item["bytes"] // 4),
         "lanes": lanes,
+        "loss": setting["loss"],
+        "early_loss": setting["early_loss"],
     }
+    if item["kind"] == "burst":
+        row["burst_ms"] = item["burst_ms"]
+        row["burst_spans"] = reports[0].get("burst_spans", [])
     systems = [s for s in SYSTEMS if s in reports[0]["times"]]
     for system in systems:
         # an all-reduce is done when its slowest rank is; its CPU is the mean over ranks
@@ -256,6 +280,8 @@ def _row(n: int, rate: str, lanes: int, item: dict, reports: list[dict], layout,
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
     line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:8s}"
+    if row["loss"] or not row["early_loss"]:
+        line += f" loss {row['loss']:g}" + ("" if row["early_loss"] else " timers only")
     line += f" {row['wire_bits']}b"
     if item["kind"] == "sparse":
         line += f" {item['pattern']:5s} {item['density']:5.0%}"
@@ -302,8 +328,16 @@ def summarize(rows: list[dict]) -> list[dict]:
             "gloo_dtype": row.get("gloo_dtype", row.get("dtype", "float32")),
             "elements": row.get("elements", S // 4),
             "lanes": row.get("lanes", 1),
+            "loss": row.get("loss", 0.0),
+            "early_loss": row.get("early_loss", True),
             "retransmissions": row["retransmissions"],
         }
+        if row.get("engine"):
+            s["engine_counts"] = lossrows.engine_counts(row["engine"])
+        if row["kind"] == "burst":
+            s["burst_ms"] = row["burst_ms"]
+            spans = row.get("burst_spans") or [0.0]
+            s["burst_actual_ms"] = statistics.median(spans) * 1e3
         if row.get("packets"):
             s["retx_pct"] = 100.0 * row["retransmissions"] / row["packets"]
         if "retx_causes" in row:
@@ -346,6 +380,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["gloo"]["of_bound"] = s["bound_ring_s"] / s["gloo"]["median_s"]
         out.append(s)
     _lane_ratios(out)
+    lossrows.ratios(out)
     return out
 
 
@@ -379,6 +414,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
         "",
     ]
     L += _throughput_table(summary)
+    L += lossrows.markdown(summary, _size, _retx_cell)
     L += density.markdown(summary)
     L += _host_table(summary)
     L += _syscpu_table(summary)
@@ -434,8 +470,14 @@ def _throughput_table(summary: list[dict]) -> list[str]:
 
 
 def _of_kind(summary: list[dict], kind: str) -> list[tuple[dict, dict, dict]]:
-    """(cell, xdp-agg's figures, gloo's) of each cell of `kind` (throughput, latency)."""
-    return [(s, s["xdp-agg"], s["gloo"]) for s in summary if s["kind"] == kind]
+    """(cell, xdp-agg's figures, gloo's) of each clean cell of `kind` (throughput, latency):
+    without loss and with early loss detection (the loss table has the others)."""
+    return [(s, s["xdp-agg"], s["gloo"]) for s in _clean(summary) if s["kind"] == kind]
+
+
+def _clean(summary: list[dict]) -> list[dict]:
+    """The cells run without loss and with hostlib's default early loss detection."""
+    return [s for s in summary if not s.get("loss") and s.get("early_loss", True)]
 
 
 def _host_table(summary: list[dict]) -> list[str]:
@@ -551,8 +593,8 @@ def plot(summary: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    thr = [s for s in summary if s["kind"] == "throughput"]
-    lat = [s for s in summary if s["kind"] == "latency"]
+    thr = [s for s in _clean(summary) if s["kind"] == "throughput"]
+    lat = [s for s in _clean(summary) if s["kind"] == "latency"]
     if not thr and not lat:
         return
     sizes = sorted({s["bytes"] for s in thr})
@@ -714,6 +756,7 @@ def _parser() -> argparse.ArgumentParser:
         "bfloat16 and float16, 32 for float32), 16, 32; float32 at 16 bits runs against gloo "
         "on a bfloat16 copy",
     )
+    lossrows.options(ap)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--latency-reps", type=int, default=100)
     ap.add_argument("--max-bytes", type=int, default=64 << 20)
@@ -811,6 +854,9 @@ def main(argv=None) -> int:
         "window": args.window,
         "lanes": args.lanes,
         "widths": args.widths,
+        "loss": args.loss,
+        "early_loss": args.early_loss,
+        "burst_ms": args.burst_ms,
         "agg_queues": args.agg_queues,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),

@@ -38,6 +38,7 @@ import ml_dtypes
 import numpy as np
 
 from bench.density import SPARSE
+from bench.lossrows import Burst
 from hostlib.sparsity import nonzero_blocks
 from xdp_agg.cluster.cluster_worker import as_dtype, join, make_input
 
@@ -55,7 +56,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument(
         "--plan",
         required=True,
-        help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host"|"sparse", '
+        help='JSON: [{"bytes": N, "reps": R, "kind": "throughput"|"latency"|"host"|"sparse"'
+        '|"burst", '
         '"dtype": "float32"|"int32"}] (host: xdp-agg alone; sparse: also "density", the '
         'union block density, and "pattern", "same" or "indep")',
     )
@@ -168,6 +170,8 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
         if meter:
             background = meter.background(1.0)
         dist.barrier()
+    # a burst item: rank 0's frames dropped for a while in every timed all-reduce (bench.lossrows)
+    burst = Burst(float(item["burst_ms"])) if kind == "burst" and args.rank == 0 else None
     before = comm.stats
     names = list(runs)
     for rep in range(reps):
@@ -184,8 +188,12 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
             c0 = _cpu_seconds()
             s_before = comm.stats if name == SPARSE else None
             t0 = time.perf_counter()
+            if burst:
+                burst.start()
             runs[name]()
             times[name].append(time.perf_counter() - t0)
+            if burst:
+                burst.wait()  # the frames flow again before the next all-reduce
             cpu[name].append(_cpu_seconds() - c0)
             if s_before is not None:
                 sparse.count(s_before, comm.stats)
@@ -217,6 +225,8 @@ def _run_item(args, comm, dist, torch, item: dict, counters, meter) -> dict:
     }
     if sparse:
         out["sparse"] = sparse.report(item, args.world, block)
+    if burst:
+        out["burst_spans"] = burst.spans
     if deltas:
         out["counters"] = counters.sum(deltas)
     if meter:

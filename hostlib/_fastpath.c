@@ -125,16 +125,17 @@ static int parse_address(const char *host, int port, struct sockaddr_in *dst)
 static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
 {
     static char *kwlist[] = {
-        "fd",        "host",      "port", "elems",   "window",    "scaling_workers",
-        "type_size", "slot_base", "rto",  "rto_max", "gso",       "gro",
-        "cwnd",      "faults",    "xsk",  "spin",    "wire_bits", "early_loss",
-        "rto_floor", NULL};
+        "fd",        "host",        "port", "elems",   "window",    "scaling_workers",
+        "type_size", "slot_base",   "rto",  "rto_max", "gso",       "gro",
+        "cwnd",      "faults",      "xsk",  "spin",    "wire_bits", "early_loss",
+        "rto_floor", "queue_delay", NULL};
     StreamConfig c = {.k = -1,
                       .window = -1,
                       .scaling_workers = -1,
                       .slot_base = -1,
                       .rto_min = -1,
-                      .rto_floor = 2e-3};
+                      .rto_floor = 2e-3,
+                      .queue_delay = 1e-3};
     const char *host = NULL, *cwnd = "aimd";
     int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1, wire_bits = 32;
     int early_loss = 1;
@@ -143,17 +144,17 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         PyErr_SetString(PyExc_TypeError, "Engine takes keyword arguments only");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOpipd", kwlist, &fd, &host, &port,
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "|$isiiiiiiddppsOOpipdd", kwlist, &fd, &host, &port,
                                      &c.k, &c.window, &c.scaling_workers, &type_size, &c.slot_base,
                                      &c.rto_min, &c.rto_max, &gso, &gro, &cwnd, &faults, &xsk,
-                                     &spin, &wire_bits, &early_loss, &c.rto_floor))
+                                     &spin, &wire_bits, &early_loss, &c.rto_floor, &c.queue_delay))
         return -1;
     if (fd < 0 || !host || c.k < 1 || c.window < 1 || c.scaling_workers < 1 || port < 0 ||
         port > 65535 || type_size < 0 || type_size > 255 || c.slot_base < 0 || c.rto_min <= 0 ||
-        c.rto_max <= 0 || c.rto_floor <= 0) {
+        c.rto_max <= 0 || c.rto_floor <= 0 || c.queue_delay < 0) {
         PyErr_SetString(PyExc_ValueError,
                         "Engine needs fd, host, port, elems, window, scaling_workers, type_size, "
-                        "slot_base, rto, rto_max and rto_floor, each in range");
+                        "slot_base, rto, rto_max, rto_floor and queue_delay, each in range");
         return -1;
     }
     if (wire_bits != 32 && wire_bits != 16) {
@@ -577,7 +578,8 @@ PyDoc_STRVAR(
     Engine_doc,
     "Engine(*, fd, host, port, elems, window, scaling_workers, type_size, slot_base, rto,\n"
     "       rto_max, gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True,\n"
-    "       wire_bits=32, early_loss=True, rto_floor=0.002)\n\n"
+    "       wire_bits=32, early_loss=True, rto_floor=0.002,\n"
+    "       queue_delay=0.001)\n\n"
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"
@@ -587,7 +589,8 @@ PyDoc_STRVAR(
     "where it cannot run, the kernel socket stays and xsk_reason says why. early_loss: resend\n"
     "a packet once later ones' results show it lost (docs/protocol.md 4.4), not only on its "
     "timer;\n"
-    "rto_floor: then the least timer once round trips are measured.");
+    "rto_floor: then the least timer once round trips are measured. queue_delay: srtt this far\n"
+    "above the least round trip means a queue: a loss then halves the congestion window.");
 
 static PyTypeObject EngineType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "hostlib._fastpath.Engine",

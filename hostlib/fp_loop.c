@@ -111,10 +111,9 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 }
 
 /* --- timers and the congestion window ----------------------------------------------------- */
-#define RTO_FLOOR_RTTS  3    /* once a round trip is measured, the timer's floor is 3 srtt */
-#define REO_MULT_MAX    64   /* the reordering allowance: at most 16 min_rtt (and srtt) */
-#define REO_QUIET       16   /* early resends without a spurious one before it shrinks again */
-#define QUEUE_DELAY_MIN 1e-3 /* a round trip this far above min_rtt (and 2x it) is a queue, s */
+#define RTO_FLOOR_RTTS 3  /* once a round trip is measured, the timer's floor is 3 srtt */
+#define REO_MULT_MAX   64 /* the reordering allowance: at most 16 min_rtt (and srtt) */
+#define REO_QUIET      16 /* early resends without a spurious one before it shrinks again */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
  * [floor, rto_max]. Before a round trip is measured it is rto_min; after, the floor follows the
@@ -149,9 +148,9 @@ static void rtt_update(Stream *st, double sample)
     }
 }
 
-/* How much later than the newest answered transmission's round trip a result may come before
- * its packet counts as lost: a quarter of min_rtt, more after spurious resends, at most srtt
- * (RFC 8985 6.2's reo_wnd). */
+/* How long after a later packet's result an earlier packet's may still come before it counts
+ * as lost: a quarter of min_rtt, more after spurious resends, at most srtt (RFC 8985 6.2's
+ * reo_wnd). */
 static double reo_wnd(const Stream *st)
 {
     if (!st->cc.have_rtt)
@@ -160,14 +159,14 @@ static double reo_wnd(const Stream *st)
     return w < st->cc.srtt ? w : st->cc.srtt;
 }
 
-/* Whether the round trips say a queue has built up on the path: srtt more than QUEUE_DELAY_MIN
+/* Whether the round trips say a queue has built up on the path: srtt more than queue_delay
  * and more than min_rtt above min_rtt (srtt, not the newest sample: one late answer on a busy
  * host is no queue). A loss without it is taken for random loss, which a smaller window would
  * not prevent (docs/protocol.md 4.4). */
 static int queue_built(const Stream *st)
 {
     double q = st->cc.srtt - st->cc.min_rtt;
-    return st->cc.have_rtt && q > QUEUE_DELAY_MIN && q > st->cc.min_rtt;
+    return st->cc.have_rtt && q > st->cfg.queue_delay && q > st->cc.min_rtt;
 }
 
 /* Multiplicative decrease, once per window: packets sent before this point that are lost
@@ -216,7 +215,10 @@ static int send_ready(Run *r, int *sent)
     for (int64_t s = 0; s < r->w; s++)
         if (st->ready[s] >= 0)
             cand[m++] = st->ready[s];
-    if (m > 1 && room < m)
+    /* in packet order, always: then every worker's copies of a round go out in the same
+     * order, the aggregator completes rounds in packet order, and a later packet's result is
+     * evidence that an earlier one was lost (detect_losses) */
+    if (m > 1)
         qsort(cand, (size_t)m, sizeof *cand, cmp_i64);
     for (int64_t i = 0; i < m && (n < room || cand[i] == r->base); i++) {
         int64_t p = cand[i], s = p % r->w;
@@ -276,7 +278,12 @@ static int expire(Run *r, double now)
                 if (st->tries[s] == 0)
                     r->c.timeouts++;
                 cut |= fresh && (!st->cfg.early_loss || st->tries[s] > 0 || queue_built(st));
-                st->rto[s] = 2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
+                /* the lowest packet without a result keeps its timer as a probe: when the path
+                 * comes back (a burst ends), its result shows every packet sent before it lost
+                 * (detect_losses) within a timer, not after the others' doubled ones */
+                if (!st->cfg.early_loss || st->pkt[s] != r->base)
+                    st->rto[s] =
+                        2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
             }
             st->tries[s]++;
             st->tx_at[s] = now;
@@ -295,20 +302,21 @@ static int expire(Run *r, double now)
     return send_slots(r, n);
 }
 
-/* Early loss detection (docs/protocol.md 4.4, RFC 8985's RACK): a packet in flight that was
- * sent before the newest transmission whose result came is lost once it is older than that
- * result's round trip plus the reordering allowance. Its deadline becomes that moment (marked
- * st->early) where that is sooner than its timer; expire resends it then. */
-static void detect_losses(Run *r)
+/* Early loss detection (docs/protocol.md 4.4): a packet in flight that went out before the
+ * newest transmission whose result came (by send time, then packet number: every worker sends
+ * in packet order, so the aggregator completes rounds in that order) is lost unless its result
+ * comes within the reordering allowance of this evidence. Its deadline becomes that moment
+ * (marked st->early) where that is sooner than its timer; expire resends it then. */
+static void detect_losses(Run *r, double now)
 {
     Stream *st = r->s;
-    double reo = reo_wnd(st), next = r->next_deadline;
+    double at = now + reo_wnd(st), next = r->next_deadline;
     r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
-        if (st->pkt[s] < 0 || st->deadline[s] == INFINITY || st->tx_at[s] >= r->rack_xmit)
+        if (st->pkt[s] < 0 || st->deadline[s] <= at || st->early[s])
             continue;
-        double at = st->tx_at[s] + r->rack_rtt + reo;
-        if (at < st->deadline[s]) {
+        double tx = st->tx_at[s];
+        if (tx < r->rack_xmit || (tx == r->rack_xmit && st->pkt[s] < r->rack_pkt)) {
             st->deadline[s] = at;
             st->early[s] = 1;
             next = at < next ? at : next;
@@ -349,12 +357,14 @@ void fp_run_took(Run *r, int64_t p, double now)
     r->ndone++;
     r->results_here++;
     r->last_progress = now;
-    /* RACK: the newest transmission whose result came. A resent packet's result may answer its
-     * first copy; one that came sooner than min_rtt after the resend does (RFC 8985 6.2) */
+    /* the newest transmission whose result came (by send time, then packet number). A resent
+     * packet's result may answer its first copy; one that came sooner than min_rtt after the
+     * resend does (RFC 8985 6.2) */
     double tx = st->tx_at[s];
-    if (tx > r->rack_xmit && (tries == 0 || now - tx >= st->cc.min_rtt)) {
+    int newer = tx > r->rack_xmit || (tx == r->rack_xmit && p > r->rack_pkt);
+    if (newer && (tries == 0 || now - tx >= st->cc.min_rtt)) {
         r->rack_xmit = tx;
-        r->rack_rtt = now - tx;
+        r->rack_pkt = p;
         r->rack_moved = 1;
     }
     st->deadline[s] = INFINITY;
@@ -542,7 +552,7 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
             break;
         double now = now_s();
         if (r->rack_moved && st->cfg.early_loss)
-            detect_losses(r);
+            detect_losses(r, now);
         if (now >= r->next_deadline) {
             if (empty || deferred) {
                 deferred = 0;
@@ -653,7 +663,7 @@ void fp_run_start(Run *r, Stream *st)
         fp_sparse_start(r);
     r->next_deadline = INFINITY;
     r->rack_xmit = -INFINITY;
-    r->rack_rtt = 0;
+    r->rack_pkt = -1;
     r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
         st->deadline[s] = INFINITY;

@@ -28,6 +28,7 @@ typedef struct {
     int cwnd_fixed;          /* 1: the congestion window is the slot window */
     int early_loss;          /* 1: losses found from later results (4.4), 0: timers only */
     double rto_floor;        /* with early_loss: the least timer once round trips are measured */
+    double queue_delay;      /* srtt this far above min_rtt (and 2x it) means a queue, s */
     int spin;                /* busy-poll at all (EngineConfig.spin) */
     int faults;              /* the Faults test hook is on */
     double send_loss, recv_loss, send_dup, recv_dup;
@@ -111,9 +112,10 @@ typedef struct Run {
     double next_deadline, last_progress;
     double batch_sample_at; /* RTT: send time of the newest sample this batch */
     double batch_sample;
-    /* early loss detection (docs/protocol.md 4.4, RFC 8985's RACK): the latest transmission
-     * whose result came, that result's round trip, and whether they moved since the last scan */
-    double rack_xmit, rack_rtt;
+    /* early loss detection (docs/protocol.md 4.4): the newest transmission whose result came
+     * (its send time and packet), and whether it moved since the last scan */
+    double rack_xmit;
+    int64_t rack_pkt;
     int rack_moved;
     Counters c;
 } Run;

@@ -2,8 +2,8 @@
 C loop's (hostlib/fp_loop.c: first_rto, detect_losses, expire) over numpy's per-slot arrays.
 
 A packet in flight is resent when its timer expires, or earlier, once a result came for a
-packet sent after it and it is older than that result's round trip plus a reordering
-allowance (RFC 8985's RACK): a lost packet costs about a round trip, not a timer. The timers'
+packet sent after it and its own result did not follow within a reordering allowance (in the
+spirit of RFC 8985's RACK): a lost packet costs about a round trip, not a timer. The timers'
 floor follows the measured round trip once there is one (3 srtt, at least `rto_floor`, at most
 `rto`), so the last packets of an all-reduce, after which nothing can show them lost, wait a
 few round trips rather than `rto`.
@@ -47,8 +47,8 @@ class RttEstimator:
         return min(max(least, self.srtt + 4 * self.rttvar), cap)
 
     def reo_wnd(self) -> float:
-        """How much later than the newest answered packet's round trip a result may come
-        before its packet counts as lost: min_rtt / 4 times the multiplier, at most srtt."""
+        """How long after a later packet's result an earlier one's may still come before it
+        counts as lost: min_rtt / 4 times the multiplier, at most srtt."""
         if self.srtt is None:
             return 0.0
         return min(self.reo_mult * self.min_rtt / 4, self.srtt)
@@ -69,35 +69,48 @@ class RttEstimator:
 
 class Rack:
     """One all-reduce's early detection over its per-slot arrays (views the loop keeps):
-    `tx_at` the latest transmission of each slot's packet, `deadline` its timer or, where
-    `early` is set, the moment it counts as lost."""
+    `tx_at` the latest transmission of each slot's packet, `pkt` that packet's number,
+    `deadline` its timer or, where `early` is set, the moment it counts as lost.
+
+    The evidence is the newest transmission whose result came, by send time and then packet
+    number: every worker sends in packet order, so the aggregator completes rounds in packet
+    order, and an earlier packet whose result has not come within the reordering allowance of
+    a later one's is lost (whoever's copy it was: docs/protocol.md 4.4)."""
 
     def __init__(self, w: int) -> None:
         self.tx_at = np.zeros(w)
+        self.pkt = np.full(w, -1, dtype=np.int64)
         self.early = np.zeros(w, dtype=bool)
-        self.xmit = -np.inf  # the newest transmission whose result came
-        self.rtt = 0.0  # that result's round trip
+        self.xmit, self.newest = -np.inf, -1  # the newest transmission answered, its packet
         self.moved = False
+
+    def sent(self, s0: int, s1: int, first: int, now: float) -> None:
+        """Packets first..first+s1-s0-1 went out at `now` from slots s0..s1-1."""
+        self.tx_at[s0:s1] = now
+        self.pkt[s0:s1] = np.arange(first, first + s1 - s0)
+        self.early[s0:s1] = False
 
     def took(self, s0: int, s1: int, tries: np.ndarray, now: float, min_rtt: float) -> None:
         """Results came at `now` for the packets of slots s0..s1-1 (their `tries`). A resent
         packet's result may answer its first copy: it counts only if it came at least min_rtt
         after the resend (RFC 8985 6.2)."""
-        tx = self.tx_at[s0:s1]
+        tx, pkt = self.tx_at[s0:s1], self.pkt[s0:s1]
         ok = (tries == 0) | (now - tx >= min_rtt)
         if ok.any():
-            newest = float(tx[ok].max())
-            if newest > self.xmit:
-                self.xmit, self.rtt, self.moved = newest, now - newest, True
+            i = np.lexsort((pkt[ok], tx[ok]))[-1]  # the newest by send time, then number
+            t, p = float(tx[ok][i]), int(pkt[ok][i])
+            if (t, p) > (self.xmit, self.newest):
+                self.xmit, self.newest, self.moved = t, p, True
         self.early[s0:s1] = False
 
-    def detect(self, deadline: np.ndarray, reo: float) -> float:
-        """Bring forward the deadline of every packet in flight sent before the newest answered
-        one to its tx_at + that one's round trip + `reo`; the least deadline now."""
+    def detect(self, deadline: np.ndarray, now: float, reo: float) -> float:
+        """Set the deadline of every packet in flight sent before the newest answered one to
+        now + `reo`, where that is sooner; the least deadline now."""
         self.moved = False
-        at = self.tx_at + self.rtt + reo
-        sooner = (deadline < np.inf) & (self.tx_at < self.xmit) & (at < deadline)
+        at = now + reo
+        older = (self.tx_at < self.xmit) | ((self.tx_at == self.xmit) & (self.pkt < self.newest))
+        sooner = (deadline < np.inf) & ~self.early & older & (deadline > at)
         if sooner.any():
-            deadline[sooner] = at[sooner]
+            deadline[sooner] = at
             self.early |= sooner
         return float(deadline.min())

@@ -112,6 +112,7 @@ class NativeLoop:
             cwnd=cfg.cwnd,
             early_loss=cfg.early_loss,
             rto_floor=cfg.rto_floor,
+            queue_delay=cfg.queue_delay,
             spin=cfg.spin,
             wire_bits=cfg.wire_bits,
             faults=None

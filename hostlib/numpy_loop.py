@@ -353,7 +353,7 @@ class NumpyLoop:
             if len(rows):
                 self._take(rows, tr, fl, ar, now)
             if fl.rack.moved and self.state.cfg.early_loss:
-                fl.next_deadline = fl.rack.detect(fl.deadline, self._rtt.reo_wnd())
+                fl.next_deadline = fl.rack.detect(fl.deadline, now, self._rtt.reo_wnd())
             if now >= fl.next_deadline:
                 self._expire(fl, now)
             if ar.ndone < P and now - fl.last_progress > ar.timeout:
@@ -375,8 +375,7 @@ class NumpyLoop:
                 self._send(self._payload[s0:s1])
                 fl.tries[s0:s1] = 0
                 fl.sent_at[s0:s1] = now
-                fl.rack.tx_at[s0:s1] = now
-                fl.rack.early[s0:s1] = False
+                fl.rack.sent(s0, s1, a1, now)
                 fl.rto[s0:s1] = first_rto
                 fl.deadline[s0:s1] = now + first_rto
         fl.next_deadline = min(fl.next_deadline, now + first_rto)
@@ -439,6 +438,8 @@ class NumpyLoop:
             fl.tries[expired] += 1
             st["retransmissions"] += expired.size
             self._send(self._payload[expired])
+            if self.state.cfg.early_loss:  # the lowest packet's timer stays: a probe (4.4)
+                timer = timer[timer != int(np.argmin(fl.done)) % fl.w]
             fl.rto[timer] = np.minimum(fl.rto[timer] * 2, self.state.cfg.rto_max)
             fl.rack.tx_at[expired] = now
             fl.deadline[expired] = now + fl.rto[expired]

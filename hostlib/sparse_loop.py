@@ -163,9 +163,9 @@ class SparseLoop:
             self.state.sock.wait_readable(wake - time.monotonic())
             if self._receive(t, sl, ar):
                 last = time.monotonic()
-            if sl.rack.moved and self.state.cfg.early_loss:
-                sl.rack.detect(sl.deadline, self._rtt.reo_wnd())
             now = time.monotonic()
+            if sl.rack.moved and self.state.cfg.early_loss:
+                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd())
             self._expire(sl, now)
             if not sl.done.all() and now - last > ar.timeout:
                 busy = np.flatnonzero(~sl.done)
@@ -202,7 +202,7 @@ class SparseLoop:
             self.state.stats["empty_sent"] += 1
         now = time.monotonic()
         sl.tries[s], sl.sent_at[s] = 0, now
-        sl.rack.tx_at[s], sl.rack.early[s] = now, False
+        sl.rack.sent(s, s + 1, int(sl.rounds[s] - 1) * t.w + s, now)
         cfg = self.state.cfg
         sl.rto[s] = self._rtt.rto(cfg.rto, cfg.rto_max, cfg.rto_floor if cfg.early_loss else None)
         sl.deadline[s] = now + sl.rto[s]

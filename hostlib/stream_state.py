@@ -88,6 +88,9 @@ class EngineConfig:
     # resend on evidence of later results (docs/protocol.md 4.4), not on timers alone
     early_loss: bool = True
     rto_floor: float = 0.002  # with early_loss, the least timer once round trips are measured
+    # the C loop's window halves for a loss only where srtt is this far above the least round
+    # trip (and twice it): a queue, not random loss (docs/protocol.md 4.4)
+    queue_delay: float = 0.001
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces

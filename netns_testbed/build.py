@@ -263,11 +263,11 @@ class TestbedBuild:
 
     def _apply_faults(self) -> None:
         for w in self.workers:
-            faults.apply(w.netns, faults.worker_script(w.ifname, self.loss_up, self.dup_up))
+            script = faults.worker_script(w.ifname, self.loss_up, self.dup_up, self.loss_scope)
+            faults.apply(w.netns, script)
         if self._plan.switch_netns:
+            ports = [f"w{w.index}" for w in self.workers]
             faults.apply(
                 self._plan.switch_netns,
-                faults.switch_script(
-                    [f"w{w.index}" for w in self.workers], self.dup_down, self.loss_down
-                ),
+                faults.switch_script(ports, self.dup_down, self.loss_down, self.loss_scope),
             )

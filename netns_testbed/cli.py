@@ -159,6 +159,14 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 @click.option("--loss-up", type=PROB, default=0.0, help="Drop probability worker -> aggregator.")
 @click.option("--loss-down", type=PROB, default=0.0, help="Drop probability aggregator -> worker.")
 @click.option(
+    "--loss-scope",
+    type=click.Choice(["aggregation", "all"]),
+    default="aggregation",
+    show_default=True,
+    help="What --loss-up/--loss-down drop: aggregation UDP, or every IPv4 frame on the worker "
+    "links (one-arm: TCP between workers crosses the same loss).",
+)
+@click.option(
     "--dup-up", type=PROB, default=0.0, help="Duplication probability worker -> aggregator."
 )
 @click.option(

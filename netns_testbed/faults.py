@@ -15,6 +15,10 @@ aggregator side, but not on the receiving worker):
   own ingress hook: AF_PACKET sockets (DPDK's net_af_packet) and XDP programs (AF_XDP) see a
   frame before it, so a drop there reached only the kernel's own receivers.
 * dup up:    egress hook, ``dup to "eth0"`` sends one extra copy with p.
+* loss scope "all" (one-arm only): loss up and down drop every IPv4 frame on those hooks, not
+  only aggregation traffic, so that a system beside it (gloo's TCP between workers) crosses
+  the same loss: a frame between two workers meets its sender's loss up and its receiver's loss
+  down, as a contribution and its result do. ARP stays untouched.
 * dup down:  one-arm only: egress hook of the bridge port toward each worker
   (in ``<prefix>sw``), after loss down. In the switch topology the only device before the worker is
   the aggregator's ``p<i>``, whose XDP_TX/redirected frames skip its egress
@@ -73,25 +77,39 @@ def _replace_table(family: str, body: str) -> str:
     return text
 
 
-def worker_script(ifname: str, loss_up: float, dup_up: float) -> str:
+LOSS_SCOPES = ("aggregation", "all")  # what loss up/down drop (Testbed loss_scope)
+
+
+def check_scope(scope: str) -> str:
+    """``scope`` if it is one of LOSS_SCOPES, else ValueError."""
+    if scope not in LOSS_SCOPES:
+        raise ValueError(f"loss_scope must be one of {', '.join(LOSS_SCOPES)}, got {scope!r}")
+    return scope
+
+
+def worker_script(ifname: str, loss_up: float, dup_up: float, scope: str = "aggregation") -> str:
     """nft script for a worker namespace (replaces any earlier one)."""
     ports = f"{AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
     body = ""
     if loss_up > 0:
-        body += _loss_chain("loss_up", ifname, f"udp dport {ports}", loss_up)
+        match = "meta protocol ip" if scope == "all" else f"udp dport {ports}"
+        body += _loss_chain("loss_up", ifname, match, loss_up)
     if dup_up > 0:  # priority 10: after loss_up, so only survivors are copied
         body += _dup_chain("dup_up", ifname, f"udp dport {ports}", dup_up, priority=10)
     return _replace_table("netdev", body)
 
 
-def switch_script(ports: list[str], dup_down: float, loss_down: float = 0.0) -> str:
+def switch_script(
+    ports: list[str], dup_down: float, loss_down: float = 0.0, scope: str = "aggregation"
+) -> str:
     """nft script for the one-arm bridge namespace: on each worker port's egress, loss down
     (chain ``loss_down_<port>``, priority -10: first) and dup down (``dup_<port>``)."""
     match = f"udp sport {AGG_PORT_LO:#x}-{AGG_PORT_HI:#x}"
     body = ""
     if loss_down > 0:
+        lossy = "meta protocol ip" if scope == "all" else match
         body += "".join(
-            _loss_chain(down_chain(p), p, match, loss_down, priority=-10) for p in ports
+            _loss_chain(down_chain(p), p, lossy, loss_down, priority=-10) for p in ports
         )
     if dup_down > 0:
         body += "".join(_dup_chain(f"dup_{p}", p, match, dup_down) for p in ports)

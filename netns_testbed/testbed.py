@@ -86,6 +86,9 @@ class Testbed(TestbedBuild):
             without frags) the aggregator needs a multi-buffer program (xdp-agg attach --frags).
         loss_up / loss_down: drop probability in [0, 1] for UDP a worker sends
             to / receives from ports 0xBEE0-0xBEEF (1 = drop all).
+        loss_scope: what loss_up / loss_down drop: ``"aggregation"`` (that UDP, the default)
+            or ``"all"`` (every IPv4 frame on the worker links, one-arm only: gloo's TCP
+            between workers crosses the same loss; :mod:`netns_testbed.faults`).
         dup_up / dup_down: probability in [0, 1] of sending one extra copy of
             such a packet toward the aggregator / the worker (dup_down: one-arm only).
         prefix: name prefix of namespaces and the state file; default ``xt`` + 4 hex.
@@ -123,6 +126,7 @@ class Testbed(TestbedBuild):
         mcast_snooping: bool = True,
         aggregators: int = 1,
         agg_queues: int = 1,
+        loss_scope: str = "aggregation",
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology, observers, aggregators)
@@ -152,6 +156,9 @@ class Testbed(TestbedBuild):
         self.dup_down = faults.check_probability("dup_down", dup_down)
         if self.dup_down > 0 and topology != "one-arm":
             raise ValueError("dup_down needs the one-arm topology (see netns_testbed.faults)")
+        self.loss_scope = faults.check_scope(loss_scope)
+        if loss_scope != "aggregation" and topology != "one-arm":
+            raise ValueError("loss_scope 'all' needs the one-arm topology (netns_testbed.faults)")
         self.cleanup_at_exit = cleanup_at_exit
 
         self.aggregator: AggregatorHost = self._plan.aggregator
@@ -406,6 +413,7 @@ class Testbed(TestbedBuild):
             "loss_down": self.loss_down,
             "dup_up": self.dup_up,
             "dup_down": self.dup_down,
+            "loss_scope": self.loss_scope,
             "status": "up" if self._is_up else "down",
             "owner_pid": self._owner_pid,
             "owner_start": self._owner_start,
@@ -444,6 +452,7 @@ class Testbed(TestbedBuild):
             loss_down=st.get("loss_down", 0.0),
             dup_up=st.get("dup_up", 0.0),
             dup_down=st.get("dup_down", 0.0),
+            loss_scope=st.get("loss_scope", "aggregation"),
             prefix=prefix,
             cleanup_at_exit=False,
             observers=st.get("n_observers", 0),

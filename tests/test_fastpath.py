@@ -49,6 +49,7 @@ def make_engine(
     **cfg,
 ) -> StreamEngine:
     sock = DatagramSocket((agg.worker_ip(), 0))
+    rto = cfg.pop("rto", 0.02)
     config = EngineConfig(
         job_id=0,
         scaling_workers=n,
@@ -56,7 +57,10 @@ def make_engine(
         slot_base=5,
         window=window,
         data_address=agg.address,
-        rto=cfg.pop("rto", 0.02),
+        rto=rto,
+        # the timers' floor at rto unless a test asks: a slow echo on a busy host must not
+        # cause spurious expiries where a test counts datagrams
+        rto_floor=cfg.pop("rto_floor", rto),
         native=native,
         timeout=cfg.pop("timeout", 10.0),
         **cfg,
@@ -339,19 +343,21 @@ def test_nan_is_rejected_before_anything_is_sent():
 def _cwnd_after(drop, **kw) -> float:
     x = np.arange(300 * 32, dtype=np.int32)
     agg_kw = {"bump": False, "add": 0, "drop": dict(drop), **kw.pop("agg_kw", {})}
-    (out,), _, st = run_sequence(True, [x], agg_kw=agg_kw, window=64, rto=0.005, **kw)
+    kw.setdefault("rto", 0.005)
+    (out,), _, st = run_sequence(True, [x], agg_kw=agg_kw, window=64, **kw)
     assert np.array_equal(out, x)
     return st["cwnd"]
 
 
 def test_early_loss_window_halves_for_a_queue_not_for_random_loss():
-    """docs/protocol.md 4.4: a loss cuts the window where the round trips show a queue (here
-    every answer from packet 100 on waits 5 ms, 50 times the unloaded round trip), not for
-    random loss on an idle path; timers only (early_loss off) cut it for every loss, as before;
-    "fixed" never."""
+    """docs/protocol.md 4.4: a loss cuts the window where srtt shows a queue (queue_delay above
+    the least round trip: here every answer from packet 100 on waits 40 ms, against a
+    queue_delay of 10 ms), not for random loss on a path without one (a queue_delay of 0.5 s,
+    which no busy host's echo reaches); timers only (early_loss off) cut it for every loss,
+    as before; "fixed" never."""
     drop = {t: 1 for t in range(0, 300, 10)}
-    assert _cwnd_after(drop) == 64
-    assert 1 <= _cwnd_after(drop, agg_kw={"queue": (100, 0.005)}) < 64
+    assert _cwnd_after(drop, queue_delay=0.5, rto=0.5) == 64
+    assert 1 <= _cwnd_after(drop, queue_delay=0.01, agg_kw={"queue": (100, 0.04)}) < 64
     assert 1 <= _cwnd_after(drop, early_loss=False) < 64
     assert _cwnd_after(drop, cwnd="fixed", early_loss=False) == 64
     assert _cwnd_after({}) == 64  # slow start reaches the slot window without loss
@@ -769,3 +775,39 @@ def test_early_loss_reordered_answers_are_not_losses(native):
     (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, rto=1.0, rto_floor=1.0)
     assert np.array_equal(out, x)
     assert st["retransmissions"] == st["spurious"] == 0
+
+
+def test_early_loss_timer_floor_follows_the_round_trip():
+    """docs/protocol.md 4.4: rto until a round trip is measured; then srtt + 4 rttvar above a
+    floor of 3 srtt (at least rto_floor, at most rto); timers only: the floor is rto."""
+    from hostlib.loss_detect import RttEstimator
+
+    e = RttEstimator()
+    assert e.rto(0.015, 0.25, 0.002) == 0.015
+    for _ in range(50):
+        e.update(0.0001)  # 100 us, steady: rttvar decays
+    assert e.min_rtt == 0.0001
+    assert e.rto(0.015, 0.25, 0.002) == 0.002  # the least floor
+    assert e.rto(0.015, 0.25, None) == 0.015  # timers only
+    for _ in range(50):
+        e.update(0.004)
+    assert 0.0115 <= e.rto(0.015, 0.25, 0.002) <= 0.015  # 3 srtt, at most rto
+    assert e.reo_wnd() == 0.0001 / 4
+    e.spurious(3)
+    assert e.reo_wnd() == 4 * 0.0001 / 4
+    e.early(16)
+    assert e.reo_wnd() == 2 * 0.0001 / 4
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_after_a_burst_the_probe_restarts_the_window(native):
+    """A burst: the 32 datagrams from the 100th on get no answer, the window in flight (16) and
+    its first resends. Then the lowest packet's timer, which does not double (a probe), goes
+    first, alone; its answer shows the 15 others lost, and they go at once, found early,
+    rather than on their own doubled timers (which would make early_losses 0)."""
+    x = np.arange(200 * 32, dtype=np.int32)
+    agg_kw = {"bump": False, "add": 0, "blackout": (100, 32)}
+    (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, window=16, rto=0.02)
+    assert np.array_equal(out, x)
+    assert st["timeouts"] == 16  # the window waited on its timers during the burst
+    assert st["early_losses"] >= 15  # and went again on the probe's evidence

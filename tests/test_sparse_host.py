@@ -371,9 +371,12 @@ def run_echo(native: bool, sequence, *, agg_kw=None, faults=None, rto=0.02, wind
     stats, union_blocks after each all-reduce)."""
     agg = SparseEcho(window, **(agg_kw or {}))
     sock = DatagramSocket((agg.worker_ip(), 0))
+    # the timers' floor at rto (not the round trip's): a slow echo on a busy host must not
+    # make the loops' datagram counts differ by spurious expiries
     cfg = EngineConfig(
-        0, 2, K, 5, window, agg.address, rto=rto, native=native, timeout=10.0, wire_bits=wire_bits
-    )
+        0, 2, K, 5, window, agg.address, rto=rto, native=native, timeout=10.0,
+        wire_bits=wire_bits, rto_floor=rto,
+    )  # fmt: skip
     eng = StreamEngine(sock, cfg, faults)
     try:
         outs, unions = [], []

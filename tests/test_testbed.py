@@ -270,6 +270,29 @@ def test_loss_up_drops_udp_but_not_ping(testbed_factory, topology):
 
 
 @netns_marks
+def test_loss_scope_all_drops_traffic_between_workers_too(testbed_factory):
+    """loss_scope "all": a frame between two workers meets the sender's loss up and the
+    receiver's loss down (as gloo's TCP would); "aggregation" leaves it alone. ARP works."""
+    tb = testbed_factory(workers=2, loss_up=1.0, loss_scope="all")
+    w0, w1 = tb.workers
+    rx = start_receiver(tb, w1, 5555)
+    send(tb, w0, w1.ip, 5555, n=3)
+    assert collect(rx) == []
+    assert tb.run(w0, ["ping", "-c", "1", "-W", "1", w1.ip]).returncode != 0  # IPv4 dropped
+    tb.set_loss(0.0, 1.0)  # down only: dropped on the bridge port toward the receiver
+    rx = start_receiver(tb, w1, 5555)
+    send(tb, w0, w1.ip, 5555, n=3)
+    assert collect(rx) == []
+    tb2 = testbed_factory(workers=2, loss_up=1.0, loss_down=1.0)  # scope "aggregation"
+    a0, a1 = tb2.workers
+    rx = start_receiver(tb2, a1, 5555)
+    send(tb2, a0, a1.ip, 5555, n=3)
+    assert len(collect(rx)) == 3
+    with pytest.raises(ValueError, match="loss_scope"):
+        Testbed(workers=2, topology="switch", loss_scope="all")
+
+
+@netns_marks
 def test_random_loss_rate(testbed_factory):
     tb = testbed_factory(workers=1, loss_up=0.3)
     w = tb.workers[0]

@@ -29,10 +29,12 @@ class EchoAggregator:
     twice), `late` (tsi whose first answer is held back `late_s` seconds, so that the engine's
     resend is answered first; with `late_until` = (tsi, m) instead until the m-th copy of that
     tsi arrived: an event, not a time), `queue` = (tsi, s) (every answer from that tsi on held
-    s seconds: a standing queue's round trip), `reverse` (each batch answered in reverse
-    order), `answer_limit` (answer only that many datagrams, then go silent), `gso` (send a
-    batch's answers as UDP GSO messages: runs of one length to one address, a shorter answer
-    ending a run; an engine's GRO socket gets each run as one buffer to cut).
+    s seconds: a standing queue's round trip), `blackout` = (i, m) (the i-th to the i+m-1-th
+    datagram received get no answer: a burst of loss, counted in datagrams), `reverse` (each
+    batch answered in reverse order), `answer_limit` (answer only that many datagrams, then go
+    silent), `gso` (send a batch's answers as UDP GSO messages: runs of one length to one
+    address, a shorter answer ending a run; an engine's GRO socket gets each run as one buffer
+    to cut).
     """
 
     def __init__(
@@ -46,6 +48,7 @@ class EchoAggregator:
         late_s: float = 0.08,
         late_until: tuple[int, int] | None = None,
         queue: tuple[int, float] | None = None,
+        blackout: tuple[int, int] | None = None,
         reverse: bool = False,
         answer_limit: int | None = None,
         gso: bool = False,
@@ -62,6 +65,7 @@ class EchoAggregator:
         self.dup, self.late, self.late_s = set(dup), set(late), late_s
         self.late_until = late_until
         self.queue = queue
+        self.blackout = blackout
         self.copies: dict[int, int] = {}  # tsi -> copies received
         self.reverse = reverse
         self.answer_limit = answer_limit
@@ -111,6 +115,11 @@ class EchoAggregator:
                     self._held = [(now, res, to) for _, res, to in self._held]  # release them
                 if self.drop.get(tsi, 0) > 0:
                     self.drop[tsi] -= 1
+                    continue
+                if (
+                    self.blackout
+                    and 0 <= len(self.received) - 1 - self.blackout[0] < self.blackout[1]
+                ):
                     continue
                 res = self.result(data)
                 if tsi in self.late:
