@@ -41,7 +41,8 @@
 typedef struct {
     PyObject_HEAD Stream stream; /* all of the loop's state: one per Engine, no globals */
     int ready;                   /* stream set up (Engine_init succeeded) */
-    char xsk_why[320]; /* why AF_XDP was asked for and is not used ("" if it is or was not) */
+    char xsk_why[320];    /* why AF_XDP was asked for and is not used ("" if it is or was not) */
+    char closed_path[64]; /* the data path it had, once closed (stream.t NULL); "" before */
 } Engine;
 
 static void Engine_dealloc(Engine *e)
@@ -169,6 +170,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         e->ready = 0;
     }
     e->xsk_why[0] = 0;
+    e->closed_path[0] = 0;
     e->stream.cfg = c; /* open_xsk reads the window */
     Transport *t = fp_udp_open(fd, &dst, FP_VALUES_AT + 4 * c.k, 2 * c.window, gso, gro);
     if (!t) {
@@ -302,6 +304,10 @@ static PyObject *run_result(const Stream *st, const Run *r, int rc)
 static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progress, double every)
 {
     Stream *st = &e->stream;
+    if (!st->t) {
+        PyErr_SetString(PyExc_ValueError, "the engine is closed");
+        return NULL;
+    }
     Hooks hk = {.progress = progress, .ts = PyEval_SaveThread()};
     LoopHooks h = {progress != Py_None ? call_progress : NULL, check_signals, &hk, every};
     fp_run_start(r, st);
@@ -519,13 +525,15 @@ static PyObject *Engine_get_cwnd(Engine *e, void *c)
 static PyObject *Engine_get_gso(Engine *e, void *c)
 {
     (void)c;
-    return PyBool_FromLong(e->ready && e->stream.t->gso);
+    return PyBool_FromLong(e->ready && e->stream.t && e->stream.t->gso);
 }
 
 static PyObject *Engine_get_data_path(Engine *e, void *c)
 {
     char name[64] = "udp";
     (void)c;
+    if (e->closed_path[0])
+        return PyUnicode_FromString(e->closed_path);
     if (e->ready)
         e->stream.t->ops->describe(e->stream.t, name, sizeof name);
     return PyUnicode_FromString(name);
@@ -549,7 +557,28 @@ static PyGetSetDef Engine_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+PyDoc_STRVAR(Engine_close_doc,
+             "close()\n\n"
+             "Release the data path (not during an all-reduce): the AF_XDP socket, whose port's "
+             "results go to the kernel socket from then while the queue's other AF_XDP sockets "
+             "(other lanes and jobs) go on, and the buffers; not the kernel socket `fd`, which "
+             "its owner closes after. data_path and srtt stay readable; an all-reduce raises "
+             "ValueError. Idempotent.");
+
+static PyObject *Engine_close(Engine *e, PyObject *noargs)
+{
+    (void)noargs;
+    Transport *t = e->ready ? e->stream.t : NULL;
+    if (t) {
+        t->ops->describe(t, e->closed_path, sizeof e->closed_path);
+        e->stream.t = NULL;
+        t->ops->close(t);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Engine_methods[] = {
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, Engine_close_doc},
     {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_VARARGS | METH_KEYWORDS,
      Engine_allreduce_doc},
     {"allreduce_sparse", (PyCFunction)(void (*)(void))Engine_allreduce_sparse,
