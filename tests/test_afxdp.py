@@ -138,6 +138,35 @@ def test_sparse_results_are_the_numpy_engines_byte_for_byte(pair, lanes):
     assert st["fault_drops"] > 0 and st["retransmissions"] > 0 and st["duplicates"] > 0
 
 
+@pytest.mark.root
+@netns
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("first", ["companion", "main"])
+def test_wire16_companion_shares_the_queue_over_afxdp_and_closes_in_either_order(
+    pair, lanes, first
+):
+    """A 16-bit companion job's AF_XDP sockets join the main job's on the veth's one queue (one
+    UMEM, each socket's port in the program's maps: hostlib/_xsk.c), lanes too: its bfloat16
+    all-reduce and the main job's int32 ones before and after it are the numpy loop's bytes, every
+    result through an AF_XDP socket. Either job closes first (the main job's first socket
+    registered the UMEM) and the other's next all-reduce still runs over AF_XDP, exactly."""
+    k = ("--lanes", str(lanes), "--count", "30000", "--wire16", first)
+    with Peer(pair[1]):
+        ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
+        got = run_worker(pair[0], "--path", "afxdp", *k)
+    assert ref["data_path"] == ref["w16_data_path"] == "udp" and ref["int32_equal"]
+    paths = ("afxdp-copy-drv", "afxdp-copy-skb")
+    assert got["data_path"] in paths and got["reason"] == "", got
+    assert got["w16_data_path"] == got["data_path"] and got["w16_reason"] == "", got
+    assert got["last_data_path"] == got["data_path"]
+    for name in ("int32", "float32", "bfloat16", "int32_after", "last"):
+        assert got[name] == ref[name], name
+    assert got["int32_after"] == got["int32"]  # the echo: the same int32 contribution
+    # no result came through a kernel socket: the main job's, its companion's, the survivor's
+    assert got["stats"]["recv_calls"] == got["w16_stats"]["recv_calls"] == 0, got
+    assert got["last_stats"]["recv_calls"] == 0 and got["w16_stats"]["results"] > 0
+
+
 def _masked(frame: bytes) -> bytes:
     """A frame without the IPv4 id and header checksum (bytes 18-19, 24-25) and the UDP
     checksum (40-41): the kernel numbers its datagrams by socket from a random start, and

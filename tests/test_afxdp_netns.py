@@ -29,11 +29,16 @@ def _digests(reports) -> list[list[str]]:
     return [[r["sha256"] for r in reps if "sha256" in r] for reps in reports]
 
 
-# 16-bit elements (docs/protocol.md 5.6): bfloat16 at its default width, float32 compressed
+# 16-bit elements (docs/protocol.md 5.6): bfloat16 at its default width, float32 compressed,
+# on the companion job, with the main job's int32 all-reduces before, between and after
 PLAN_WIRE16 = [
+    {"dtype": "int32", "count": 60_001, "seed": 3, "digest": True},
     {"dtype": "bfloat16", "count": 100_003, "seed": 4, "digest": True},
+    {"dtype": "int32", "count": 70_001, "seed": 6, "digest": True},
     {"dtype": "float32", "count": 50_000, "seed": 5, "wire_bits": 16, "digest": True},
+    {"dtype": "int32", "count": 60_001, "seed": 7, "digest": True},
 ]
+WIRE16_BITS = [32, 16, 32, 16, 32]  # the width each item of PLAN_WIRE16 runs at
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
@@ -46,13 +51,19 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     _against_numpy(testbed_factory, monkeypatch, lanes, PLAN, "afxdp")
 
 
+@pytest.mark.parametrize("lanes", [1, 2])
 def test_afxdp_wire16_workers_match_the_numpy_engine_under_loss_and_duplication(
-    testbed_factory, monkeypatch
+    testbed_factory, monkeypatch, lanes
 ):
-    """The same for 16-bit all-reduces, with 2 lanes, on an AF_XDP communicator: its 16-bit
-    companion job runs over the kernel socket (the queue's AF_XDP sockets are the 32-bit job's,
-    hostlib.communicator), byte for byte the numpy loop's, under loss and duplication."""
-    _against_numpy(testbed_factory, monkeypatch, 2, PLAN_WIRE16, "afxdp-w16", ("udp",))
+    """The same for 16-bit all-reduces between the main job's int32 ones, on an AF_XDP
+    communicator: its 16-bit companion job runs over AF_XDP too (its sockets join the main
+    job's on the queue: one UMEM, each port in the program's maps, hostlib/_xsk.c), byte for
+    byte the numpy loop's, the int32 sums exact and the 16-bit ones within their bound, under
+    loss and duplication."""
+    got = _against_numpy(testbed_factory, monkeypatch, lanes, PLAN_WIRE16, f"afxdp-w16-{lanes}")
+    for reps in got:
+        assert [r["stats"]["wire_bits"] for r in reps] == WIRE16_BITS
+        assert all(r["ok"] for r in reps)  # int32 exact, 16-bit within scaling's bound
 
 
 AFXDP_PATHS = ("afxdp-copy-drv", "afxdp-copy-skb")
