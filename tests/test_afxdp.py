@@ -140,10 +140,11 @@ def test_sparse_results_are_the_numpy_engines_byte_for_byte(pair, lanes):
 
 @pytest.mark.root
 @netns
+@pytest.mark.parametrize("path", ["afxdp", "auto"])
 @pytest.mark.parametrize("lanes", [1, 2])
 @pytest.mark.parametrize("first", ["companion", "main"])
 def test_wire16_companion_shares_the_queue_over_afxdp_and_closes_in_either_order(
-    pair, lanes, first
+    pair, lanes, first, path
 ):
     """A 16-bit companion job's AF_XDP sockets join the main job's on the veth's one queue (one
     UMEM, each socket's port in the program's maps: hostlib/_xsk.c), lanes too: its bfloat16
@@ -153,7 +154,7 @@ def test_wire16_companion_shares_the_queue_over_afxdp_and_closes_in_either_order
     k = ("--lanes", str(lanes), "--count", "30000", "--wire16", first)
     with Peer(pair[1]):
         ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
-        got = run_worker(pair[0], "--path", "afxdp", *k)
+        got = run_worker(pair[0], "--path", path, *k)
     assert ref["data_path"] == ref["w16_data_path"] == "udp" and ref["int32_equal"]
     paths = ("afxdp-copy-drv", "afxdp-copy-skb")
     assert got["data_path"] in paths and got["reason"] == "", got

@@ -51,29 +51,31 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     _against_numpy(testbed_factory, monkeypatch, lanes, PLAN, "afxdp")
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("lanes, path", [(1, "afxdp"), (2, "auto")])
 def test_afxdp_wire16_workers_match_the_numpy_engine_under_loss_and_duplication(
-    testbed_factory, monkeypatch, lanes
+    testbed_factory, monkeypatch, lanes, path
 ):
     """The same for 16-bit all-reduces between the main job's int32 ones, on an AF_XDP
     communicator: its 16-bit companion job runs over AF_XDP too (its sockets join the main
     job's on the queue: one UMEM, each port in the program's maps, hostlib/_xsk.c), byte for
     byte the numpy loop's, the int32 sums exact and the 16-bit ones within their bound, under
-    loss and duplication."""
-    got = _against_numpy(testbed_factory, monkeypatch, lanes, PLAN_WIRE16, f"afxdp-w16-{lanes}")
+    loss and duplication; with data path "afxdp" and "auto" (which says no reason)."""
+    job = f"afxdp-w16-{lanes}"
+    got = _against_numpy(testbed_factory, monkeypatch, lanes, PLAN_WIRE16, job, path=path)
     for reps in got:
         assert [r["stats"]["wire_bits"] for r in reps] == WIRE16_BITS
+        assert all(r["stats"]["data_path_reason"] == "" for r in reps)
         assert all(r["ok"] for r in reps)  # int32 exact, 16-bit within scaling's bound
 
 
 AFXDP_PATHS = ("afxdp-copy-drv", "afxdp-copy-skb")
 
 
-def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_PATHS) -> list:
+def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, path="afxdp") -> list:
     """`plan` on a 3-worker one-arm testbed with loss (2% on the bridge ports) and duplicated
-    results, first on the numpy loop over the kernel socket, then on the C loop over AF_XDP:
-    the same digests, every result checked, loss and duplication seen, every report's data
-    path one of `paths`; the C loop's reports."""
+    results, first on the numpy loop over the kernel socket, then on the C loop with data path
+    `path` ("afxdp" or "auto"): the same digests, every result checked, loss and duplication
+    seen, every report's data path one of AFXDP_PATHS; the C loop's reports."""
     monkeypatch.setenv("XDP_AGG_LANES", str(lanes))
     tb = testbed_factory(workers=3, topology="one-arm", dup_down=0.05)
     ports = [f"w{w.index}" for w in tb.workers]
@@ -83,7 +85,7 @@ def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_P
         monkeypatch.setenv("XDP_AGG_DATA_PATH", "udp")
         ref = cl.run_workers(plan, job=f"{job}-ref", timeout=60)
         monkeypatch.setenv("XDP_AGG_NATIVE", "1")
-        monkeypatch.setenv("XDP_AGG_DATA_PATH", "afxdp")
+        monkeypatch.setenv("XDP_AGG_DATA_PATH", path)
         got = cl.run_workers(plan, job=job, timeout=60)
     assert_reports_ok(ref)
     assert_reports_ok(got)
@@ -91,7 +93,7 @@ def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_P
     for reps in got:
         for r in reps:
             # one path for every lane (StripedEngine.data_path: comma-separated if they differ)
-            assert r["stats"]["data_path"] in paths, r["stats"]["data_path"]
+            assert r["stats"]["data_path"] in AFXDP_PATHS, r["stats"]["data_path"]
             assert r["stats"]["lanes"] == lanes
     retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
     dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)
