@@ -14,6 +14,9 @@ lane: hostlib.communicator's companion) joins after those two all-reduces, as ho
 first bfloat16 all-reduce: a bfloat16 all-reduce on it, the int32 one again on the main job, then
 FIRST ("main" or "companion") closes and the other runs once more (its int32 or bfloat16) before
 it closes too; the report adds their hashes and the companion's data path and counters.
+
+With --stripes S, the job is striped over S aggregators, the --agg port + j for stripe j, its
+lanes on the --local port + 10 j + lane (hostlib.striping.StripedEngine).
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ def main() -> int:
     ap.add_argument("--lanes", type=int, default=1)
     ap.add_argument("--sparse", type=float, default=None, help="density of non-zero blocks")
     ap.add_argument("--wire16", choices=("main", "companion"), help="which closes first")
+    ap.add_argument("--stripes", type=int, default=1)
     args = ap.parse_args()
     faults = None
     if args.faults:
@@ -116,10 +120,16 @@ def _sha(a: np.ndarray) -> str:
 
 def _engine(args, faults: Faults | None, wire_bits: int = 32):
     """The job's engine (job 1; the 16-bit companion: job 2, on ports 100 higher): a
-    StreamEngine, or a StripedEngine of --lanes."""
+    StreamEngine, or a StripedEngine of --lanes at each of --stripes aggregators."""
     slots = lane_windows(0, 64, args.lanes)
-    engines = [_lane(args, lane, part, faults, wire_bits) for lane, part in enumerate(slots)]
-    return engines[0] if args.lanes == 1 else StripedEngine(engines, [args.agg], args.lanes)
+    host, port = args.agg
+    aggs = [(host, port + j) for j in range(args.stripes)]
+    engines = [
+        _lane(args, lane, part, faults, wire_bits, j)
+        for j in range(args.stripes)
+        for lane, part in enumerate(slots)
+    ]
+    return engines[0] if len(engines) == 1 else StripedEngine(engines, aggs, args.lanes)
 
 
 def _close(eng) -> None:
@@ -131,20 +141,26 @@ def _close(eng) -> None:
 
 
 def _lane(
-    args, lane: int, slots: tuple[int, int], faults: Faults | None, wire_bits: int = 32
+    args,
+    lane: int,
+    slots: tuple[int, int],
+    faults: Faults | None,
+    wire_bits: int = 32,
+    stripe: int = 0,
 ) -> StreamEngine:
-    """Lane `lane`'s engine: job 1 (2 at 16 bits), one worker, 256 int32 words per packet, its
-    `slots` (base, window), its socket on the --local port + lane (+ 100 at 16 bits);
-    independent losses per lane."""
+    """Lane `lane`'s engine at stripe `stripe`: job 1 (2 at 16 bits), one worker, 256 int32
+    words per packet, its `slots` (base, window), its socket on the --local port + 10 stripe +
+    lane (+ 100 at 16 bits), sending to the --agg port + stripe; independent losses per lane."""
     host, port = args.local
-    port += 100 if wire_bits == 16 else 0
+    port += (100 if wire_bits == 16 else 0) + 10 * stripe
+    agg = (args.agg[0], args.agg[1] + stripe)
     sock = DatagramSocket((host, port + lane), gso=bool(args.gso))
     cfg = EngineConfig(
         1 if wire_bits == 32 else 2,
         1,
         256,
         *slots,
-        args.agg,
+        agg,
         rto=0.005,
         timeout=10,
         native=bool(args.native),
@@ -153,8 +169,8 @@ def _lane(
         lanes=args.lanes,
         wire_bits=wire_bits,
     )
-    if faults is not None and lane:
-        faults = dataclasses.replace(faults, seed=faults.seed + lane)
+    if faults is not None and (lane or stripe):
+        faults = dataclasses.replace(faults, seed=faults.seed + lane + 64 * stripe)
     return StreamEngine(sock, cfg, faults)
 
 

@@ -56,8 +56,8 @@ ip -n {ns[0]} link set w0 up; ip -n {ns[1]} link set p0 up
 class Peer:
     """tests/afxdp_peer.py in the peer namespace, stopped (by its stdin) on exit."""
 
-    def __init__(self, netns: str, capture: bool = False) -> None:
-        argv = [sys.executable, os.path.join(HERE, "afxdp_peer.py"), "--listen", AGG]
+    def __init__(self, netns: str, capture: bool = False, listen: str = AGG) -> None:
+        argv = [sys.executable, os.path.join(HERE, "afxdp_peer.py"), "--listen", listen]
         argv += ["--capture", "p0"] if capture else []
         self.proc = nsexec.popen(
             netns, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -166,6 +166,24 @@ def test_wire16_companion_shares_the_queue_over_afxdp_and_closes_in_either_order
     # no result came through a kernel socket: the main job's, its companion's, the survivor's
     assert got["stats"]["recv_calls"] == got["w16_stats"]["recv_calls"] == 0, got
     assert got["last_stats"]["recv_calls"] == 0 and got["w16_stats"]["results"] > 0
+
+
+@pytest.mark.root
+@netns
+def test_a_striped_job_runs_every_stripe_over_afxdp(pair):
+    """A job striped over two aggregators (two peers' ports) with 2 lanes each: its 4 AF_XDP
+    sockets share the veth's one queue (hostlib/_xsk.c), every stripe over AF_XDP, the numpy
+    loop's bytes, no result through a kernel socket."""
+    k = ("--lanes", "2", "--stripes", "2", "--count", "30000")
+    second = f"{PEER_IP}:{int(AGG.rsplit(':', 1)[1]) + 1}"
+    with Peer(pair[1]), Peer(pair[1], listen=second):
+        ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
+        got = run_worker(pair[0], "--path", "afxdp", *k)
+    assert ref["data_path"] == "udp" and ref["int32_equal"]
+    # one path for every lane of every stripe (else comma-separated)
+    assert got["data_path"] in ("afxdp-copy-drv", "afxdp-copy-skb") and got["reason"] == ""
+    assert (got["int32"], got["float32"]) == (ref["int32"], ref["float32"])
+    assert got["stats"]["recv_calls"] == 0, got["stats"]
 
 
 def _masked(frame: bytes) -> bytes:
