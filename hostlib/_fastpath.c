@@ -41,7 +41,8 @@
 typedef struct {
     PyObject_HEAD Stream stream; /* all of the loop's state: one per Engine, no globals */
     int ready;                   /* stream set up (Engine_init succeeded) */
-    char xsk_why[320]; /* why AF_XDP was asked for and is not used ("" if it is or was not) */
+    char xsk_why[320];    /* why AF_XDP was asked for and is not used ("" if it is or was not) */
+    char closed_path[64]; /* the data path it had, once closed (stream.t NULL); "" before */
 } Engine;
 
 static void Engine_dealloc(Engine *e)
@@ -178,6 +179,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         e->ready = 0;
     }
     e->xsk_why[0] = 0;
+    e->closed_path[0] = 0;
     e->stream.cfg = c; /* open_xsk reads the window */
     Transport *t = fp_udp_open(fd, &dst, FP_VALUES_AT + 4 * c.k, 2 * c.window, gso, gro);
     if (!t) {
@@ -311,6 +313,10 @@ static PyObject *run_result(const Stream *st, const Run *r, int rc)
 static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progress, double every)
 {
     Stream *st = &e->stream;
+    if (!st->t) {
+        PyErr_SetString(PyExc_ValueError, "the engine is closed");
+        return NULL;
+    }
     Hooks hk = {.progress = progress, .ts = PyEval_SaveThread()};
     LoopHooks h = {progress != Py_None ? call_progress : NULL, check_signals, &hk, every};
     fp_run_start(r, st);
@@ -534,13 +540,15 @@ static PyObject *Engine_get_cwnd(Engine *e, void *c)
 static PyObject *Engine_get_gso(Engine *e, void *c)
 {
     (void)c;
-    return PyBool_FromLong(e->ready && e->stream.t->gso);
+    return PyBool_FromLong(e->ready && e->stream.t && e->stream.t->gso);
 }
 
 static PyObject *Engine_get_data_path(Engine *e, void *c)
 {
     char name[64] = "udp";
     (void)c;
+    if (e->closed_path[0])
+        return PyUnicode_FromString(e->closed_path);
     if (e->ready)
         e->stream.t->ops->describe(e->stream.t, name, sizeof name);
     return PyUnicode_FromString(name);
@@ -566,7 +574,28 @@ static PyGetSetDef Engine_getset[] = {
     {NULL, NULL, NULL, NULL, NULL},
 };
 
+PyDoc_STRVAR(Engine_close_doc,
+             "close()\n\n"
+             "Release the data path (not during an all-reduce): the AF_XDP socket, whose port's "
+             "results go to the kernel socket from then while the queue's other AF_XDP sockets "
+             "(other lanes and jobs) go on, and the buffers; not the kernel socket `fd`, which "
+             "its owner closes after. data_path and srtt stay readable; an all-reduce raises "
+             "ValueError. Idempotent.");
+
+static PyObject *Engine_close(Engine *e, PyObject *noargs)
+{
+    (void)noargs;
+    Transport *t = e->ready ? e->stream.t : NULL;
+    if (t) {
+        t->ops->describe(t, e->closed_path, sizeof e->closed_path);
+        e->stream.t = NULL;
+        t->ops->close(t);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef Engine_methods[] = {
+    {"close", (PyCFunction)Engine_close, METH_NOARGS, Engine_close_doc},
     {"allreduce", (PyCFunction)(void (*)(void))Engine_allreduce, METH_VARARGS | METH_KEYWORDS,
      Engine_allreduce_doc},
     {"allreduce_sparse", (PyCFunction)(void (*)(void))Engine_allreduce_sparse,
@@ -815,30 +844,58 @@ static PyObject *py_simd(PyObject *m, PyObject *noargs)
 }
 
 PyDoc_STRVAR(xsk_test_program_doc,
-             "xsk_test_program(base_port, lanes, queue) -> fd\n\n"
-             "The AF_XDP data path's redirect program (hostlib/xsk_prog.c) for these lanes and "
-             "queue, loaded with an empty XSKMAP and XDP_DROP where a lane has no socket, so "
-             "that BPF_PROG_TEST_RUN tells a frame for a lane (drop) from one for the kernel "
-             "(pass). The caller closes the fd.");
+             "xsk_test_program(ports, queue) -> fd\n\n"
+             "The AF_XDP data path's redirect program (hostlib/xsk_prog.c) for sockets on these "
+             "UDP ports (port i in slot i) and queue, loaded with an empty XSKMAP and XDP_DROP "
+             "where a slot has no socket, so that BPF_PROG_TEST_RUN tells a frame for a socket "
+             "(drop) from one for the kernel (pass). The caller closes the fd.");
+
+/* The list `ports` into the ports map ports_fd, port i to slot i; -1 with a Python error. */
+static int test_ports(int ports_fd, PyObject *ports)
+{
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(ports); i++) {
+        long port = PyLong_AsLong(PyList_GET_ITEM(ports, i));
+        if (port == -1 && PyErr_Occurred())
+            return -1;
+        if (port < 1 || port > 65535) {
+            PyErr_Format(PyExc_ValueError, "not a port: %ld", port);
+            return -1;
+        }
+        if (xsk_map_set(ports_fd, (uint32_t)port, (int)i) < 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+            return -1;
+        }
+    }
+    return 0;
+}
 
 static PyObject *py_xsk_test_program(PyObject *m, PyObject *args)
 {
-    int base_port, lanes, queue, map_fd, fd;
+    PyObject *ports;
+    int queue;
     char log[4096] = "";
     (void)m;
-    if (!PyArg_ParseTuple(args, "iii", &base_port, &lanes, &queue))
+    if (!PyArg_ParseTuple(args, "O!i", &PyList_Type, &ports, &queue))
         return NULL;
-    if (base_port < 1 || base_port > 65535 || lanes < 1 || lanes > FP_MAX_LANES || queue < 0)
-        return PyErr_Format(PyExc_ValueError, "bad port %d, lanes %d or queue %d", base_port, lanes,
-                            queue);
-    map_fd = xsk_map_create(lanes);
-    if (map_fd < 0)
-        return PyErr_SetFromErrno(PyExc_OSError);
-    fd = xsk_prog_load(map_fd, (uint16_t)base_port, lanes, queue, XDP_DROP, log, sizeof log);
-    close(map_fd); /* the program holds the map */
-    if (fd < 0)
-        return PyErr_Format(PyExc_OSError, "the redirect program did not load: %s", log);
-    return PyLong_FromLong(fd);
+    int n = (int)PyList_GET_SIZE(ports);
+    if (n < 1 || n > FP_MAX_LANES || queue < 0)
+        return PyErr_Format(PyExc_ValueError, "bad ports (1 to %d of them) or queue %d",
+                            FP_MAX_LANES, queue);
+    int map_fd = xsk_map_create(n), fd = -1;
+    int ports_fd = map_fd < 0 ? -1 : xsk_ports_create(n);
+    if (ports_fd < 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+    } else if (test_ports(ports_fd, ports) == 0) {
+        fd = xsk_prog_load(map_fd, ports_fd, queue, XDP_DROP, log, sizeof log);
+        if (fd < 0)
+            PyErr_Format(PyExc_OSError, "the redirect program did not load: %s %s", strerror(errno),
+                         log);
+    }
+    if (map_fd >= 0) /* the program holds the maps */
+        close(map_fd);
+    if (ports_fd >= 0)
+        close(ports_fd);
+    return fd < 0 ? NULL : PyLong_FromLong(fd);
 }
 
 static PyMethodDef module_methods[] = {

@@ -11,14 +11,18 @@
  * one of the kernel's Documentation/networking/af_xdp.rst: the producer index is published with
  * a release store after the descriptors are written, the peer's index read with an acquire load.
  *
- * Lanes: every lane of a job has its own socket, with its own RX and TX rings, on the one
- * interface queue the results arrive on (veth cannot steer frames to a queue per lane). The
- * kernel lets sockets share a queue only through one UMEM (XDP_SHARED_UMEM), and then they share
- * its fill and completion rings too (af_xdp.rst, "XDP_SHARED_UMEM bind flag"). So the first lane
- * to open makes a group: the UMEM, the fill and completion rings, the free transmit frames and
- * the redirect program, keyed by interface, queue and the lanes' base port; the other lanes join
- * it. The group's lock guards what the lanes' threads share: filling, reaping completions and the
- * free stack, a few times per batch of frames; each lane's RX and TX rings are its thread's own.
+ * Lanes and jobs: every lane of a job has its own socket, with its own RX and TX rings, on the
+ * one interface queue the results arrive on (veth cannot steer frames to a queue per lane), and
+ * so has every lane of the job's 16-bit companion job (hostlib.communicator), on ports of its
+ * own. The kernel lets sockets share a queue only through one UMEM (XDP_SHARED_UMEM), and then
+ * they share its fill and completion rings too (af_xdp.rst, "XDP_SHARED_UMEM bind flag"). So the
+ * first socket to open on an interface queue makes a group: the UMEM, the fill and completion
+ * rings, the free transmit frames and the redirect program with its maps (a socket's UDP port to
+ * its slot, the slot to the socket); every other socket of this process on that queue, of any
+ * job, joins it with a free slot. The group lives until its last socket closes, in any order (the
+ * socket that registered the UMEM stays open with it). The group's lock guards what the sockets'
+ * threads share: filling, reaping completions and the free stack, a few times per batch of
+ * frames; each socket's RX and TX rings are its thread's own.
  *
  * Frames: one UMEM of XSK_FRAMES chunks of XSK_FRAME bytes; the first half is lent to the kernel
  * through the fill ring for receiving, the second half is a stack of free transmit frames that
@@ -57,8 +61,8 @@
 #define XSK_FRAMES 4096u /* 16 MiB of UMEM: half for receiving, half for sending */
 #define XSK_RING   2048u /* every ring holds half the frames */
 #define KICK_TRIES 64    /* copy mode sends at most 32 frames per kick (TX_BATCH_SIZE) */
-_Static_assert(FP_MAX_LANES <= 64, "a group's mask of open lanes has 64 bits"); /* Group.open */
-#define RX_BATCH 256 /* frames taken off an RX ring per receive */
+#define XSK_SLOTS  (4 * FP_MAX_LANES) /* a group's sockets: a job's lanes, its companion's, room */
+#define RX_BATCH   256                /* frames taken off an RX ring per receive */
 
 struct ring {
     uint32_t *producer, *consumer;
@@ -95,19 +99,19 @@ static inline void ring_prod_submit(struct ring *r, uint32_t n)
     __atomic_store_n(r->producer, *r->producer + n, __ATOMIC_RELEASE);
 }
 
-/* What the lanes on one interface queue share: the UMEM, its fill and completion rings, the
- * free transmit frames and the program. */
+/* What the sockets on one interface queue share: the UMEM, its fill and completion rings, the
+ * free transmit frames and the program with its maps. */
 typedef struct Group {
-    struct Group *next;        /* the registry's list (groups, under groups_lock) */
-    int ifindex, queue, lanes; /* the key, with base_port; lanes: the program's */
-    uint16_t base_port;        /* lane l's UDP port is base_port + l */
-    uint64_t open;             /* bit l: lane l has a socket */
-    int fd;                    /* the socket that registered the UMEM (the first lane's) */
-    int map_fd, prog_fd, link_fd;
+    struct Group *next;       /* the registry's list (groups, under groups_lock) */
+    int ifindex, queue;       /* the key */
+    int nopen;                /* sockets open in it */
+    uint16_t port[XSK_SLOTS]; /* slot s: the UDP port of its socket; 0: a free slot */
+    int fd;                   /* the socket that registered the UMEM (the first one's) */
+    int map_fd, ports_fd, prog_fd, link_fd; /* the XSKMAP, the ports map, the program, its link */
     int zerocopy;
     const char *mode; /* the XDP attach mode: "drv" or "skb" */
     uint8_t *umem;
-    pthread_mutex_t lock; /* fill, comp, free_tx and nfree: every lane's thread uses them */
+    pthread_mutex_t lock; /* fill, comp, free_tx and nfree: every socket's thread uses them */
     struct ring fill, comp;
     uint64_t free_tx[XSK_FRAMES / 2];
     unsigned nfree;
@@ -115,7 +119,8 @@ typedef struct Group {
 
 struct Xsk {
     Group *g;
-    int fd; /* the lane's socket (the group's own for the lane that made the group) */
+    int fd;   /* the lane's socket (the group's own for the socket that made the group) */
+    int slot; /* its key in the XSKMAP */
     struct ring rx, tx;
     XskConfig cfg;
     uint8_t hdr[XSK_HDR_LEN]; /* every frame's headers, but the IP id, checksum, lengths */
@@ -196,9 +201,9 @@ static int map_rings(int fd, struct ring *rx, struct ring *tx, struct ring *fill
 }
 
 /* Bind fd to the interface queue: the group's socket zero-copy first where asked (EOPNOTSUPP
- * there, on veth and generic XDP, means copy mode, which every driver has); a lane joining a
+ * there, on veth and generic XDP, means copy mode, which every driver has); a socket joining a
  * group with XDP_SHARED_UMEM and no other flag (the kernel refuses any: the group's mode holds).
- * *zerocopy (the group's socket only; NULL for a lane) says whether it bound zero-copy. */
+ * *zerocopy (the group's socket only; NULL for one joining) says whether it bound zero-copy. */
 static int bind_socket(int fd, const XskConfig *c, const Group *shared, int *zerocopy, char *why,
                        size_t why_len)
 {
@@ -220,15 +225,15 @@ static int bind_socket(int fd, const XskConfig *c, const Group *shared, int *zer
     if (bind(fd, (struct sockaddr *)&sa, sizeof sa) == 0)
         return 0;
     snprintf(why, why_len, "bind(AF_XDP, queue %d%s): %s", c->queue,
-             shared ? ", sharing the first lane's UMEM" : "", strerror(errno));
+             shared ? ", sharing the queue's UMEM" : "", strerror(errno));
     return -1;
 }
 
 /* --- the group ---------------------------------------------------------------------------- */
 static void group_free(Group *g)
 {
-    int fds[] = {g->link_fd, g->prog_fd, g->map_fd};
-    for (size_t i = 0; i < 3; i++) /* the link first: it detaches the program */
+    int fds[] = {g->link_fd, g->prog_fd, g->map_fd, g->ports_fd};
+    for (size_t i = 0; i < 4; i++) /* the link first: it detaches the program */
         if (fds[i] >= 0)
             close(fds[i]);
     unmap_ring(&g->fill);
@@ -241,20 +246,21 @@ static void group_free(Group *g)
     free(g);
 }
 
-/* The XSKMAP and the program for the group's lanes, attached to its interface. */
+/* The XSKMAP, the ports map and the program for the group's sockets, attached to its
+ * interface. */
 static int group_program(Group *g, const XskConfig *c, char *why, size_t why_len)
 {
-    g->map_fd = xsk_map_create(g->lanes);
-    if (g->map_fd < 0) {
-        snprintf(why, why_len, "bpf(XSKMAP): %s", strerror(errno));
+    g->map_fd = xsk_map_create(XSK_SLOTS);
+    g->ports_fd = g->map_fd < 0 ? -1 : xsk_ports_create(XSK_SLOTS);
+    if (g->ports_fd < 0) {
+        snprintf(why, why_len, "bpf(XSKMAP and ports map): %s", strerror(errno));
         return -1;
     }
     char log[1024] = "";
     /* no log unless it fails: a successful verification's log can overflow the buffer (ENOSPC) */
-    g->prog_fd = xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, XDP_PASS, NULL, 0);
+    g->prog_fd = xsk_prog_load(g->map_fd, g->ports_fd, g->queue, XDP_PASS, NULL, 0);
     if (g->prog_fd < 0 && errno != EPERM)
-        g->prog_fd =
-            xsk_prog_load(g->map_fd, g->base_port, g->lanes, g->queue, XDP_PASS, log, sizeof log);
+        g->prog_fd = xsk_prog_load(g->map_fd, g->ports_fd, g->queue, XDP_PASS, log, sizeof log);
     if (g->prog_fd < 0) {
         snprintf(why, why_len, "loading the XDP program: %s %.200s", strerror(errno), log);
         return -1;
@@ -263,7 +269,7 @@ static int group_program(Group *g, const XskConfig *c, char *why, size_t why_len
     return g->link_fd < 0 ? -1 : 0;
 }
 
-/* A new group for c's interface queue and lanes, with its first socket (x's), UMEM, the rings
+/* A new group for c's interface queue, with its first socket (x's, in slot 0), UMEM, the rings
  * of both and the program. NULL with the reason in why. */
 static Group *group_open(Xsk *x, const XskConfig *c, char *why, size_t why_len)
 {
@@ -274,12 +280,12 @@ static Group *group_open(Xsk *x, const XskConfig *c, char *why, size_t why_len)
     }
     *g = (Group){.ifindex = c->ifindex,
                  .queue = c->queue,
-                 .lanes = c->lanes,
-                 .base_port = (uint16_t)(c->src_port - c->lane),
                  .fd = -1,
                  .map_fd = -1,
+                 .ports_fd = -1,
                  .prog_fd = -1,
                  .link_fd = -1};
+    x->slot = 0;
     pthread_mutex_init(&g->lock, NULL);
     g->umem = mmap(NULL, (size_t)XSK_FRAMES * XSK_FRAME, PROT_READ | PROT_WRITE,
                    MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
@@ -312,30 +318,42 @@ fail : {
 }
 }
 
-/* The open group of c's interface queue and base port, or NULL (under groups_lock). */
+/* The open group of c's interface queue, or NULL (under groups_lock). */
 static Group *group_find(const XskConfig *c)
 {
     for (Group *g = groups; g; g = g->next)
-        if (g->ifindex == c->ifindex && g->queue == c->queue &&
-            g->base_port == (uint16_t)(c->src_port - c->lane))
+        if (g->ifindex == c->ifindex && g->queue == c->queue)
             return g;
     return NULL;
 }
 
-/* x's lane into group g: its own socket on g's UMEM, its rings (under groups_lock). */
+/* A free slot of g for a socket on `port`, or -1 with the reason (under groups_lock). */
+static int free_slot(const Group *g, uint16_t port, char *why, size_t why_len)
+{
+    int slot = -1;
+    for (int s = 0; s < XSK_SLOTS; s++) {
+        if (g->port[s] == port) {
+            snprintf(why, why_len, "port %u has an AF_XDP socket already", port);
+            errno = EBUSY;
+            return -1;
+        }
+        if (!g->port[s] && slot < 0)
+            slot = s;
+    }
+    if (slot < 0) {
+        snprintf(why, why_len, "the queue has %d AF_XDP sockets, the most it takes", XSK_SLOTS);
+        errno = ENOSPC;
+    }
+    return slot;
+}
+
+/* x's socket into group g: a free slot, its own socket on g's UMEM, its rings (under
+ * groups_lock). */
 static int group_join(Group *g, Xsk *x, const XskConfig *c, char *why, size_t why_len)
 {
-    if (g->lanes != c->lanes) {
-        snprintf(why, why_len, "the AF_XDP sockets on this queue run %d lane(s), not %d", g->lanes,
-                 c->lanes);
-        errno = EINVAL;
+    x->slot = free_slot(g, c->src_port, why, why_len);
+    if (x->slot < 0)
         return -1;
-    }
-    if (g->open & (1ull << c->lane)) {
-        snprintf(why, why_len, "lane %d has an AF_XDP socket already", c->lane);
-        errno = EBUSY;
-        return -1;
-    }
     x->fd = new_socket(NULL, why, why_len);
     if (x->fd < 0 || map_rings(x->fd, &x->rx, &x->tx, NULL, NULL, why, why_len) < 0 ||
         bind_socket(x->fd, c, g, NULL, why, why_len) < 0)
@@ -343,13 +361,21 @@ static int group_join(Group *g, Xsk *x, const XskConfig *c, char *why, size_t wh
     return 0;
 }
 
-/* Lane l's socket into the program's map (from now its results come to it), or out (fd -1). */
-static int map_lane(Group *g, int lane, int fd, char *why, size_t why_len)
+/* x's socket into the program's maps: from now its port's results come to it. */
+static int map_socket(Group *g, const Xsk *x, char *why, size_t why_len)
 {
-    if (xsk_map_set(g->map_fd, lane, fd) == 0)
+    if (xsk_map_set(g->map_fd, (uint32_t)x->slot, x->fd) == 0 &&
+        xsk_map_set(g->ports_fd, x->cfg.src_port, x->slot) == 0)
         return 0;
-    snprintf(why, why_len, "XSKMAP update: %s", strerror(errno));
+    snprintf(why, why_len, "XSKMAP or ports map update: %s", strerror(errno));
     return -1;
+}
+
+/* x's socket out of them: from now its port's results go to the kernel socket. */
+static void unmap_socket(Group *g, const Xsk *x)
+{
+    xsk_map_set(g->ports_fd, x->cfg.src_port, -1); /* ENOENT if it never got there */
+    xsk_map_set(g->map_fd, (uint32_t)x->slot, -1);
 }
 
 static void build_header(Xsk *x)
@@ -381,8 +407,8 @@ static const char *bad_config(const XskConfig *c)
         return "the packet does not fit a UMEM frame";
     if (c->lanes < 1 || c->lanes > FP_MAX_LANES || c->lane < 0 || c->lane >= c->lanes)
         return "lanes must be 1 to 64, and lane one of them";
-    if (c->src_port - c->lane < 1)
-        return "the lanes' base port (src_port - lane) is not a port";
+    if (c->src_port == 0)
+        return "src_port is not a port";
     return NULL;
 }
 
@@ -391,14 +417,14 @@ static void ignore_frame(void *ctx, const uint8_t *payload, size_t len)
     (void)ctx, (void)payload, (void)len;
 }
 
-/* Close x's socket and rings (under groups_lock); its group's when it is the last lane. */
+/* Close x's socket and rings (under groups_lock); its group's when it is the last socket,
+ * whichever job's. */
 static void lane_close(Xsk *x)
 {
     Group *g = x->g;
-    char why[64];
     uint64_t dropped = 0;
     if (g) {
-        map_lane(g, x->cfg.lane, -1, why, sizeof why); /* from now the kernel socket's */
+        unmap_socket(g, x); /* from now the kernel socket's */
         while (xsk_receive(x, RX_BATCH, ignore_frame, NULL, &dropped) > 0)
             ; /* frames left on the RX ring: back to the fill ring */
     }
@@ -408,8 +434,8 @@ static void lane_close(Xsk *x)
         close(x->fd);
     if (!g)
         return;
-    g->open &= ~(1ull << x->cfg.lane);
-    if (g->open)
+    g->port[x->slot] = 0;
+    if (--g->nopen)
         return;
     for (Group **p = &groups; *p; p = &(*p)->next)
         if (*p == g) {
@@ -433,19 +459,21 @@ Xsk *xsk_open(const XskConfig *cfg, char *why, size_t why_len)
         return NULL;
     }
     x->fd = -1;
+    x->slot = -1;
     x->cfg = *cfg;
     int err = 0;
     pthread_mutex_lock(&groups_lock);
     Group *g = group_find(cfg);
     if (g ? group_join(g, x, cfg, why, why_len) < 0 : !(g = group_open(x, cfg, why, why_len)))
         goto fail;
-    if (!(g->open)) { /* a new group: into the registry */
+    if (!g->nopen) { /* a new group: into the registry */
         g->next = groups;
         groups = g;
     }
     x->g = g;
-    g->open |= 1ull << cfg->lane;
-    if (map_lane(g, cfg->lane, x->fd, why, why_len) < 0)
+    g->nopen++;
+    g->port[x->slot] = cfg->src_port;
+    if (map_socket(g, x, why, why_len) < 0)
         goto fail;
     pthread_mutex_unlock(&groups_lock);
     build_header(x);
@@ -541,7 +569,7 @@ int xsk_send(Xsk *x, const uint8_t *const *rows, const int *lens, int n, uint64_
     if ((uint32_t)q > room)
         q = (int)room;
     struct xdp_desc *d = x->tx.desc;
-    pthread_mutex_lock(&g->lock); /* the lanes' free frames: take q at once */
+    pthread_mutex_lock(&g->lock); /* the group's free frames: take q at once */
     reap(g);
     if ((unsigned)q > g->nfree)
         q = (int)g->nfree;

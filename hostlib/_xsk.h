@@ -1,9 +1,9 @@
 /*
  * The AF_XDP data path of hostlib._fastpath: an AF_XDP socket per lane on the worker's
- * interface queue, the lanes' shared UMEM and its fill and completion rings, and the worker's
- * XDP program (hostlib/xsk_prog.c) that redirects this job's results (UDP to a lane's data port)
- * to that lane's socket and passes everything else. See hostlib/_xsk.c; hostlib/afxdp.py finds
- * the addresses.
+ * interface queue, the UMEM all the sockets there share (every lane of every job of this
+ * process) and its fill and completion rings, and the worker's XDP program
+ * (hostlib/xsk_prog.c) that redirects the results (UDP to a lane's data port) to that lane's
+ * socket and passes everything else. See hostlib/_xsk.c; hostlib/afxdp.py finds the addresses.
  */
 #ifndef HOSTLIB_XSK_H
 #define HOSTLIB_XSK_H
@@ -33,14 +33,16 @@ typedef struct Xsk Xsk;
 /* Called for each result datagram (its UDP payload) by xsk_receive. */
 typedef void (*xsk_datagram_fn)(void *ctx, const uint8_t *payload, size_t len);
 
-/* Open the lane's socket. The first lane to open on an interface queue and base port registers
- * the UMEM and attaches the redirect program for all the lanes; the others bind to its UMEM
- * (XDP_SHARED_UMEM). Thread-safe; each lane's socket is then used by one thread. Returns NULL with
- * the reason in why (and errno set) when AF_XDP cannot run here; the caller keeps the kernel
- * socket. */
+/* Open the lane's socket. The first socket of this process to open on an interface queue
+ * registers the UMEM and attaches the redirect program for every socket there; the others, of
+ * this job's lanes or another job's (a 16-bit companion's), bind to its UMEM (XDP_SHARED_UMEM)
+ * and enter their ports in the program's maps. Thread-safe; each lane's socket is then used by
+ * one thread. Returns NULL with the reason in why (and errno set) when AF_XDP cannot run here;
+ * the caller keeps the kernel socket. */
 Xsk *xsk_open(const XskConfig *cfg, char *why, size_t why_len);
-/* Close the lane's socket (its results go to the kernel socket from then); the last lane's
- * close detaches the program and frees the UMEM. */
+/* Close the lane's socket (its results go to the kernel socket from then); the others on the
+ * queue go on, and the last one's close, whichever job's, detaches the program and frees the
+ * UMEM. */
 void xsk_close(Xsk *x);
 int xsk_fd(const Xsk *x);
 int xsk_zerocopy(const Xsk *x);

@@ -8,7 +8,9 @@ IPv4 with DF, the socket's TTL and TOS, UDP from the data socket's port; the UDP
 program on that interface redirects the results (UDP to the data port) to the socket and passes
 everything else. The data socket stays open: it keeps the port, takes the results that arrive on
 another receive queue, and is the whole path when AF_XDP cannot run. With lanes, each lane has
-its own AF_XDP socket on the same queue, all sharing the first lane's UMEM (hostlib/_xsk.c).
+its own AF_XDP socket on the same queue, and so has each lane of a 16-bit companion job
+(hostlib.communicator): every AF_XDP socket of the process on the queue shares one UMEM and one
+program, which redirects by destination port (hostlib/_xsk.c).
 
     "udp"    the kernel socket (the default; HostOptions.data_path)
     "auto"   AF_XDP where it can run, else the kernel socket, with the reason in comm.stats

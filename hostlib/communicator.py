@@ -678,9 +678,8 @@ class Communicator:
 
     def _companion(self, bits: int) -> Communicator:
         """Join the companion job of width `bits`, `job` + "~w16", as this job was joined (the
-        same endpoints, options, packet size and lanes; ports the kernel picks; over the kernel
-        socket where this job's run over AF_XDP). Every rank
-        gets here at the same all-reduce. Rank 0 creates it and hands its token to the others
+        same endpoints, options, data path, packet size and lanes; ports the kernel picks). Every
+        rank gets here at the same all-reduce. Rank 0 creates it and hands its token to the others
         in an all-reduce of this job, so that ranks holding only this job's token join too."""
         st = self._start
         if st is None or self._wire_bits != 32:
@@ -688,12 +687,9 @@ class Communicator:
                 f"job {self.job!r} runs {self._wire_bits}-bit all-reduces only: this communicator "
                 f"was not made by hostlib.init, so it cannot join a {bits}-bit companion job"
             )
-        # AF_XDP: this job's sockets hold the queue (one UMEM a queue, hostlib/_xsk.c), so the
-        # companion's packets take the kernel socket (its ports are not in our XSKMAP)
-        path = "udp" if st.opts.data_path == "afxdp" else st.opts.data_path
-        opts = dataclasses.replace(
-            st.opts, elems=self._size.elems, lanes=self.lanes, port=0, data_path=path
-        )
+        # AF_XDP: the companion's sockets join this job's on the interface queue (one UMEM and
+        # redirect program a queue, each socket's port in its maps: hostlib/_xsk.c)
+        opts = dataclasses.replace(st.opts, elems=self._size.elems, lanes=self.lanes, port=0)
         start = dataclasses.replace(st, job=f"{self.job}~w{bits}", opts=opts, wire_bits=bits)
         if self.rank == 0:
             return _init(start, None, None, created=self._token_broadcast)
@@ -740,7 +736,7 @@ class Communicator:
         (the element width of the last all-reduce: 32 or 16; the job's, 32, before the first). The
         counters add up this job's and its companion jobs' (Communicator.allreduce wire_bits);
         rtt, cwnd and the data path are those of the job the last all-reduce ran on (a 16-bit
-        companion of an AF_XDP job runs over the kernel socket: _companion)."""
+        companion runs over AF_XDP where this job does, or says why not: _companion)."""
         st = dict(self._engine.stats)
         for c in self._companions.values():
             st = _summed(st, c._engine.stats)

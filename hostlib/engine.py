@@ -79,7 +79,8 @@ class Engine(Protocol):
         (docs/protocol.md section 8)."""
 
     def close(self) -> None:
-        """Release what the engine holds besides the sockets (threads); after the last one."""
+        """Release what the engine holds besides the kernel sockets (threads, AF_XDP sockets);
+        after the last all-reduce."""
 
 
 class StreamEngine:
@@ -183,7 +184,10 @@ class StreamEngine:
         self._last_union = (sl.union_blocks, sl.blocks) if src.size else None
 
     def close(self) -> None:
-        """Nothing to release: the communicator closes the socket."""
+        """Release the C loop's data path (its AF_XDP socket: NativeLoop.close); the
+        communicator closes the kernel socket after."""
+        if isinstance(self.loop, NativeLoop):
+            self.loop.close()
 
 
 # the element types an engine all-reduces, by numpy's dtype name (bfloat16: ml_dtypes')

@@ -8,7 +8,7 @@
 #define FP_POOL_VERSION_BIT 0x8000 /* pool_index: version */
 #define FP_POOL_SLOT_MASK 0x3fff /* pool_index: slot */
 #define FP_FRAME_HLEN 42 /* Ethernet + IPv4 + UDP headers before the payload */
-#define FP_MAX_LANES 64 /* a host's lanes: XSKMAP entries, bits of a group's mask */
+#define FP_MAX_LANES 64 /* a job's lanes on a host (hostlib/_xsk.c XSK_SLOTS) */
 #define FP_MSG_TYPE_SPARSE 2 /* msg_type of a sparse packet with a block of data */
 #define FP_MSG_TYPE_SPARSE_EMPTY 3 /* msg_type of a header-only one */
 #define FP_SPARSE_AT 10 /* the sparse header (block, next, blocks), in the UDP payload */

@@ -125,6 +125,11 @@ class NativeLoop:
         if path == "afxdp" and self.data_path == "udp":
             raise HostlibError(f"data_path='afxdp' cannot run: {self.data_path_reason}")
 
+    def close(self) -> None:
+        """Close the AF_XDP socket now (not when the Engine is collected): its port's results
+        go to the kernel socket from then, and a later socket on the port can take AF_XDP."""
+        self._fast.close()
+
     @property
     def data_path(self) -> str:
         """ "udp", or the AF_XDP socket's mode: "afxdp-copy-drv", "afxdp-zerocopy-drv", ..."""

@@ -60,7 +60,7 @@ DEFAULT_WINDOW = 64
 # to itself.
 DEFAULT_LANES = 1
 AUTO_LANES_MAX = 2
-MAX_LANES = wire.MAX_LANES  # the AF_XDP sockets one queue's program tells apart (hostlib/_xsk.c)
+MAX_LANES = wire.MAX_LANES  # a job's lanes (a queue's AF_XDP group holds 4 jobs' worth: _xsk.c)
 FALLBACKS = ("gloo",)  # hostlib.pt's fallback modes by name (None: raise AggregatorLost)
 WIRE_BITS_CHOICES = ("auto", 16, 32)  # hostlib.pt's element widths (HostOptions.wire_bits)
 

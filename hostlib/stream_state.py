@@ -102,7 +102,7 @@ class EngineConfig:
     # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin)
     spin: bool = True
     # this stream's lane of the lanes at its aggregator (hostlib.striping): with AF_XDP the
-    # lanes' sockets share one UMEM on the interface queue (hostlib/_xsk.c)
+    # lanes' sockets (and a companion job's) share one UMEM on the interface queue (hostlib/_xsk.c)
     lane: int = 0
     lanes: int = 1
     # a sparse job's empty contributions carry a block's room of zeros (JobSpec.pad_empty)

@@ -308,5 +308,7 @@ class StripedEngine:
         return len(self.engines)
 
     def close(self) -> None:
-        """Stop the lanes' threads (after an all-reduce has returned)."""
+        """Stop the lanes' threads (after an all-reduce has returned) and close the engines."""
         self._pool.shutdown(wait=True)
+        for e in self.engines:
+            e.close()

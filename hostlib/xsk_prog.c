@@ -1,11 +1,11 @@
 /*
  * The worker's XDP program of the AF_XDP data path, written as instructions (hostlib/xsk_prog.h).
  *
- * A frame that is IPv4 without options, unfragmented UDP to one of the lanes' ports and arrived
- * on the sockets' receive queue goes to that lane's AF_XDP socket (XSKMAP key: port - base_port);
+ * A frame that is IPv4 without options, unfragmented UDP to a port in the ports map and arrived
+ * on the sockets' receive queue goes to the AF_XDP socket at that port's slot of the XSKMAP;
  * anything else (ARP, ICMP, the control TCP, other ports, other queues) is passed to the kernel.
- * bpf_redirect_map's flags give XDP_PASS for a lane whose socket is not (or no longer) in the
- * map: its kernel UDP socket on the same port takes the result then. Packet loads read the raw
+ * bpf_redirect_map's flags give XDP_PASS for a slot whose socket is not (or no longer) in the
+ * map: the kernel UDP socket on the same port takes the result then. Packet loads read the raw
  * bytes, so the header constants are compared in network order.
  */
 #include "xsk_prog.h"
@@ -27,32 +27,41 @@ long xsk_sys_bpf(int cmd, union bpf_attr *attr)
     return syscall(__NR_bpf, cmd, attr, sizeof *attr);
 }
 
-int xsk_map_create(int lanes)
+static int map_create(uint32_t type, int entries, const char *name)
 {
     union bpf_attr a;
     memset(&a, 0, sizeof a);
-    a.map_type = BPF_MAP_TYPE_XSKMAP;
+    a.map_type = type;
     a.key_size = a.value_size = 4;
-    a.max_entries = (uint32_t)lanes;
-    memcpy(a.map_name, "xdp_agg_xsks", sizeof "xdp_agg_xsks");
+    a.max_entries = (uint32_t)entries;
+    snprintf(a.map_name, sizeof a.map_name, "%s", name);
     return (int)xsk_sys_bpf(BPF_MAP_CREATE, &a);
 }
 
-int xsk_map_set(int map_fd, int lane, int fd)
+int xsk_map_create(int slots)
 {
-    uint32_t key = (uint32_t)lane, val = (uint32_t)fd;
+    return map_create(BPF_MAP_TYPE_XSKMAP, slots, "xdp_agg_xsks");
+}
+
+int xsk_ports_create(int slots)
+{
+    return map_create(BPF_MAP_TYPE_HASH, slots, "xdp_agg_ports");
+}
+
+int xsk_map_set(int map_fd, uint32_t key, int value)
+{
+    uint32_t val = (uint32_t)value;
     union bpf_attr a;
     memset(&a, 0, sizeof a);
     a.map_fd = (uint32_t)map_fd;
     a.key = (uint64_t)(uintptr_t)&key;
     a.value = (uint64_t)(uintptr_t)&val;
-    return (int)xsk_sys_bpf(fd >= 0 ? BPF_MAP_UPDATE_ELEM : BPF_MAP_DELETE_ELEM, &a);
+    return (int)xsk_sys_bpf(value >= 0 ? BPF_MAP_UPDATE_ELEM : BPF_MAP_DELETE_ELEM, &a);
 }
 
 enum { PASS }; /* the labels of the program */
 
-int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, int no_socket, char *log,
-                  size_t log_len)
+int xsk_prog_load(int map_fd, int ports_fd, int queue, int no_socket, char *log, size_t log_len)
 {
     struct bpf_insn p[] = {
         BPF_MOV64_REG(BPF_REG_6, BPF_REG_1),            /* r6 = ctx */
@@ -71,17 +80,20 @@ int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, int no_s
         BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 20),        /* flags, fragment offset */
         BPF_ALU64_IMM(BPF_AND, BPF_REG_5, htons(0x3FFF)),    /* MF and the offset */
         BPF_JMP_IMM(BPF_JNE, BPF_REG_5, 0, BPF_LABEL(PASS)), /* a fragment */
-        BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 36),        /* UDP destination port */
-        BPF_ENDIAN(BPF_TO_BE, BPF_REG_5, 16),                /* in host order */
-        BPF_ALU64_IMM(BPF_SUB, BPF_REG_5, base_port),        /* r5 = the lane */
-        /* unsigned: a port below base_port wrapped round to a huge lane */
-        BPF_JMP_IMM(BPF_JGE, BPF_REG_5, lanes, BPF_LABEL(PASS)),
-        BPF_LDX_MEM(BPF_W, BPF_REG_4, BPF_REG_6, 16), /* r4 = rx_queue_index */
+        BPF_LDX_MEM(BPF_W, BPF_REG_4, BPF_REG_6, 16),        /* r4 = rx_queue_index */
         /* the sockets' queue only (the kernel checks it too) */
         BPF_JMP_IMM(BPF_JNE, BPF_REG_4, queue, BPF_LABEL(PASS)),
-        BPF_LD_MAP_FD(BPF_REG_1, map_fd),    /* r1 = map */
-        BPF_MOV64_REG(BPF_REG_2, BPF_REG_5), /* key: the lane */
-        BPF_MOV64_IMM(BPF_REG_3, no_socket), /* no socket there: this action */
+        BPF_LDX_MEM(BPF_H, BPF_REG_5, BPF_REG_2, 36),        /* UDP destination port */
+        BPF_ENDIAN(BPF_TO_BE, BPF_REG_5, 16),                /* in host order */
+        BPF_STX_MEM(BPF_W, BPF_REG_10, BPF_REG_5, -4),       /* the key, on the stack */
+        BPF_MOV64_REG(BPF_REG_2, BPF_REG_10),                /* */
+        BPF_ALU64_IMM(BPF_ADD, BPF_REG_2, -4),               /* r2 = &key */
+        BPF_LD_MAP_FD(BPF_REG_1, ports_fd),                  /* r1 = the ports map */
+        BPF_EMIT_CALL(BPF_FUNC_map_lookup_elem),             /* r0 = &slot, or NULL */
+        BPF_JMP_IMM(BPF_JEQ, BPF_REG_0, 0, BPF_LABEL(PASS)), /* not a port of ours */
+        BPF_LDX_MEM(BPF_W, BPF_REG_2, BPF_REG_0, 0),         /* key: the slot */
+        BPF_LD_MAP_FD(BPF_REG_1, map_fd),                    /* r1 = the XSKMAP */
+        BPF_MOV64_IMM(BPF_REG_3, no_socket),                 /* no socket there: this action */
         BPF_EMIT_CALL(BPF_FUNC_redirect_map),
         BPF_EXIT_INSN(),
         /* PASS: */

@@ -1,8 +1,9 @@
 /*
- * The worker's XDP program of the AF_XDP data path (hostlib/_xsk.c) and its XSKMAP: a
+ * The worker's XDP program of the AF_XDP data path (hostlib/_xsk.c) and its two maps: a
  * hand-written instruction array loaded and attached with bpf(2) alone (no libbpf: pip builds
- * the extension from source). It sends the job's results on this receive queue to the lane's
- * AF_XDP socket and passes everything else to the kernel.
+ * the extension from source). It sends the results on this receive queue to the AF_XDP socket of
+ * their UDP port (every lane of every job of this process on the queue: a job's and its 16-bit
+ * companion's) and passes everything else to the kernel.
  */
 #ifndef HOSTLIB_XSK_PROG_H
 #define HOSTLIB_XSK_PROG_H
@@ -13,19 +14,22 @@
 
 long xsk_sys_bpf(int cmd, union bpf_attr *attr);
 
-/* The XSKMAP of `lanes` sockets (key: the lane); its fd, or -1 with errno. */
-int xsk_map_create(int lanes);
+/* The XSKMAP of `slots` sockets (key: the socket's slot); its fd, or -1 with errno. */
+int xsk_map_create(int slots);
 
-/* Lane `lane`'s socket fd into the map, or out of it when fd < 0. 0, or -1 with errno. */
-int xsk_map_set(int map_fd, int lane, int fd);
+/* The ports map of `slots` entries (a hash: a UDP port, host order, to the slot of the socket
+ * that takes its results); its fd, or -1 with errno. */
+int xsk_ports_create(int slots);
 
-/* Load the program for `lanes` lanes on the UDP ports base_port .. base_port + lanes - 1 of
- * receive queue `queue`, redirecting to the XSKMAP map_fd keyed by lane; `no_socket`: the action
- * where the lane has no socket in the map (XDP_PASS: its kernel UDP socket takes the frame; a
- * test run gives another to tell the two apart). Returns its fd, or -1 with errno (and the
- * verifier's log in log, when log_len). */
-int xsk_prog_load(int map_fd, uint16_t base_port, int lanes, int queue, int no_socket, char *log,
-                  size_t log_len);
+/* key -> value into either map (a socket's fd into the XSKMAP, a slot into the ports map), or
+ * the key out of it when value < 0. 0, or -1 with errno. */
+int xsk_map_set(int map_fd, uint32_t key, int value);
+
+/* Load the program for receive queue `queue`: a UDP port in the ports map ports_fd goes to the
+ * XSKMAP map_fd at its slot; `no_socket`: the action where that slot has no socket (XDP_PASS:
+ * its kernel UDP socket takes the frame; a test run gives another to tell the two apart). Returns
+ * its fd, or -1 with errno (and the verifier's log in log, when log_len). */
+int xsk_prog_load(int map_fd, int ports_fd, int queue, int no_socket, char *log, size_t log_len);
 
 /* Attach prog_fd to ifindex by a bpf_link, in driver mode, else generic (skb) mode (prog_flags:
  * XDP_FLAGS_DRV_MODE or XDP_FLAGS_SKB_MODE to allow only that one, 0 for both). Returns the

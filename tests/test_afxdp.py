@@ -56,8 +56,8 @@ ip -n {ns[0]} link set w0 up; ip -n {ns[1]} link set p0 up
 class Peer:
     """tests/afxdp_peer.py in the peer namespace, stopped (by its stdin) on exit."""
 
-    def __init__(self, netns: str, capture: bool = False) -> None:
-        argv = [sys.executable, os.path.join(HERE, "afxdp_peer.py"), "--listen", AGG]
+    def __init__(self, netns: str, capture: bool = False, listen: str = AGG) -> None:
+        argv = [sys.executable, os.path.join(HERE, "afxdp_peer.py"), "--listen", listen]
         argv += ["--capture", "p0"] if capture else []
         self.proc = nsexec.popen(
             netns, argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -136,6 +136,54 @@ def test_sparse_results_are_the_numpy_engines_byte_for_byte(pair, lanes):
         assert rep["stats"]["blocks_skipped"] == ref["stats"]["blocks_skipped"]
     st = lossy["stats"]
     assert st["fault_drops"] > 0 and st["retransmissions"] > 0 and st["duplicates"] > 0
+
+
+@pytest.mark.root
+@netns
+@pytest.mark.parametrize("path", ["afxdp", "auto"])
+@pytest.mark.parametrize("lanes", [1, 2])
+@pytest.mark.parametrize("first", ["companion", "main"])
+def test_wire16_companion_shares_the_queue_over_afxdp_and_closes_in_either_order(
+    pair, lanes, first, path
+):
+    """A 16-bit companion job's AF_XDP sockets join the main job's on the veth's one queue (one
+    UMEM, each socket's port in the program's maps: hostlib/_xsk.c), lanes too: its bfloat16
+    all-reduce and the main job's int32 ones before and after it are the numpy loop's bytes, every
+    result through an AF_XDP socket. Either job closes first (the main job's first socket
+    registered the UMEM) and the other's next all-reduce still runs over AF_XDP, exactly."""
+    k = ("--lanes", str(lanes), "--count", "30000", "--wire16", first)
+    with Peer(pair[1]):
+        ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
+        got = run_worker(pair[0], "--path", path, *k)
+    assert ref["data_path"] == ref["w16_data_path"] == "udp" and ref["int32_equal"]
+    paths = ("afxdp-copy-drv", "afxdp-copy-skb")
+    assert got["data_path"] in paths and got["reason"] == "", got
+    assert got["w16_data_path"] == got["data_path"] and got["w16_reason"] == "", got
+    assert got["last_data_path"] == got["data_path"]
+    for name in ("int32", "float32", "bfloat16", "int32_after", "last"):
+        assert got[name] == ref[name], name
+    assert got["int32_after"] == got["int32"]  # the echo: the same int32 contribution
+    # no result came through a kernel socket: the main job's, its companion's, the survivor's
+    assert got["stats"]["recv_calls"] == got["w16_stats"]["recv_calls"] == 0, got
+    assert got["last_stats"]["recv_calls"] == 0 and got["w16_stats"]["results"] > 0
+
+
+@pytest.mark.root
+@netns
+def test_a_striped_job_runs_every_stripe_over_afxdp(pair):
+    """A job striped over two aggregators (two peers' ports) with 2 lanes each: its 4 AF_XDP
+    sockets share the veth's one queue (hostlib/_xsk.c), every stripe over AF_XDP, the numpy
+    loop's bytes, no result through a kernel socket."""
+    k = ("--lanes", "2", "--stripes", "2", "--count", "30000")
+    second = f"{PEER_IP}:{int(AGG.rsplit(':', 1)[1]) + 1}"
+    with Peer(pair[1]), Peer(pair[1], listen=second):
+        ref = run_worker(pair[0], "--native", "0", "--path", "udp", *k)
+        got = run_worker(pair[0], "--path", "afxdp", *k)
+    assert ref["data_path"] == "udp" and ref["int32_equal"]
+    # one path for every lane of every stripe (else comma-separated)
+    assert got["data_path"] in ("afxdp-copy-drv", "afxdp-copy-skb") and got["reason"] == ""
+    assert (got["int32"], got["float32"]) == (ref["int32"], ref["float32"])
+    assert got["stats"]["recv_calls"] == 0, got["stats"]
 
 
 def _masked(frame: bytes) -> bytes:

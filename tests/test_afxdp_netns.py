@@ -29,11 +29,16 @@ def _digests(reports) -> list[list[str]]:
     return [[r["sha256"] for r in reps if "sha256" in r] for reps in reports]
 
 
-# 16-bit elements (docs/protocol.md 5.6): bfloat16 at its default width, float32 compressed
+# 16-bit elements (docs/protocol.md 5.6): bfloat16 at its default width, float32 compressed,
+# on the companion job, with the main job's int32 all-reduces before, between and after
 PLAN_WIRE16 = [
+    {"dtype": "int32", "count": 60_001, "seed": 3, "digest": True},
     {"dtype": "bfloat16", "count": 100_003, "seed": 4, "digest": True},
+    {"dtype": "int32", "count": 70_001, "seed": 6, "digest": True},
     {"dtype": "float32", "count": 50_000, "seed": 5, "wire_bits": 16, "digest": True},
+    {"dtype": "int32", "count": 60_001, "seed": 7, "digest": True},
 ]
+WIRE16_BITS = [32, 16, 32, 16, 32]  # the width each item of PLAN_WIRE16 runs at
 
 
 @pytest.mark.parametrize("lanes", [1, 3])
@@ -46,23 +51,31 @@ def test_afxdp_workers_match_the_numpy_engine_under_loss_and_duplication(
     _against_numpy(testbed_factory, monkeypatch, lanes, PLAN, "afxdp")
 
 
+@pytest.mark.parametrize("lanes, path", [(1, "afxdp"), (2, "auto")])
 def test_afxdp_wire16_workers_match_the_numpy_engine_under_loss_and_duplication(
-    testbed_factory, monkeypatch
+    testbed_factory, monkeypatch, lanes, path
 ):
-    """The same for 16-bit all-reduces, with 2 lanes, on an AF_XDP communicator: its 16-bit
-    companion job runs over the kernel socket (the queue's AF_XDP sockets are the 32-bit job's,
-    hostlib.communicator), byte for byte the numpy loop's, under loss and duplication."""
-    _against_numpy(testbed_factory, monkeypatch, 2, PLAN_WIRE16, "afxdp-w16", ("udp",))
+    """The same for 16-bit all-reduces between the main job's int32 ones, on an AF_XDP
+    communicator: its 16-bit companion job runs over AF_XDP too (its sockets join the main
+    job's on the queue: one UMEM, each port in the program's maps, hostlib/_xsk.c), byte for
+    byte the numpy loop's, the int32 sums exact and the 16-bit ones within their bound, under
+    loss and duplication; with data path "afxdp" and "auto" (which says no reason)."""
+    job = f"afxdp-w16-{lanes}"
+    got = _against_numpy(testbed_factory, monkeypatch, lanes, PLAN_WIRE16, job, path=path)
+    for reps in got:
+        assert [r["stats"]["wire_bits"] for r in reps] == WIRE16_BITS
+        assert all(r["stats"]["data_path_reason"] == "" for r in reps)
+        assert all(r["ok"] for r in reps)  # int32 exact, 16-bit within scaling's bound
 
 
 AFXDP_PATHS = ("afxdp-copy-drv", "afxdp-copy-skb")
 
 
-def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_PATHS) -> list:
+def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, path="afxdp") -> list:
     """`plan` on a 3-worker one-arm testbed with loss (2% on the bridge ports) and duplicated
-    results, first on the numpy loop over the kernel socket, then on the C loop over AF_XDP:
-    the same digests, every result checked, loss and duplication seen, every report's data
-    path one of `paths`; the C loop's reports."""
+    results, first on the numpy loop over the kernel socket, then on the C loop with data path
+    `path` ("afxdp" or "auto"): the same digests, every result checked, loss and duplication
+    seen, every report's data path one of AFXDP_PATHS; the C loop's reports."""
     monkeypatch.setenv("XDP_AGG_LANES", str(lanes))
     tb = testbed_factory(workers=3, topology="one-arm", dup_down=0.05)
     ports = [f"w{w.index}" for w in tb.workers]
@@ -72,7 +85,7 @@ def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_P
         monkeypatch.setenv("XDP_AGG_DATA_PATH", "udp")
         ref = cl.run_workers(plan, job=f"{job}-ref", timeout=60)
         monkeypatch.setenv("XDP_AGG_NATIVE", "1")
-        monkeypatch.setenv("XDP_AGG_DATA_PATH", "afxdp")
+        monkeypatch.setenv("XDP_AGG_DATA_PATH", path)
         got = cl.run_workers(plan, job=job, timeout=60)
     assert_reports_ok(ref)
     assert_reports_ok(got)
@@ -80,7 +93,7 @@ def _against_numpy(testbed_factory, monkeypatch, lanes, plan, job, paths=AFXDP_P
     for reps in got:
         for r in reps:
             # one path for every lane (StripedEngine.data_path: comma-separated if they differ)
-            assert r["stats"]["data_path"] in paths, r["stats"]["data_path"]
+            assert r["stats"]["data_path"] in AFXDP_PATHS, r["stats"]["data_path"]
             assert r["stats"]["lanes"] == lanes
     retx = sum(r["stats"]["retransmissions"] for reps in got for r in reps)
     dups = sum(r["stats"]["duplicates"] for reps in got for r in reps)

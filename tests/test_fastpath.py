@@ -459,6 +459,25 @@ def test_stats_of_the_native_loop():
     assert st["elapsed"] > 0 and st["stale"] == st["malformed"] == st["spurious"] == 0
 
 
+def test_a_closed_engine_keeps_its_counters_and_refuses_all_reduces():
+    """close() releases the C loop's data path then (an AF_XDP socket: hostlib/_xsk.c), not
+    when the engine is collected; its data path and counters stay readable, an all-reduce
+    raises, and a second close does nothing."""
+    agg = EchoAggregator()
+    eng = make_engine(agg, True)
+    try:
+        x = np.ones(32 * 10, np.int32)
+        eng.allreduce(x, np.empty_like(x))
+        eng.close()
+        eng.close()
+        assert eng.data_path == "udp" and eng.stats["results"] == 10
+        with pytest.raises(ValueError, match="the engine is closed"):
+            eng.allreduce(x, np.empty_like(x))
+    finally:
+        eng.state.sock.close()
+        agg.close()
+
+
 def test_stale_and_malformed_datagrams_are_counted():
     agg = EchoAggregator()
     eng = make_engine(agg, True, window=4)

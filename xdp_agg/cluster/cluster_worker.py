@@ -37,6 +37,7 @@ def make_input(
     `density` below 1, only that share of its blocks of `block` elements is non-zero, the same
     blocks on every rank (`same`) or drawn for each (a sparse gradient, docs/protocol.md 8)."""
     rng = np.random.default_rng([seed, rank])
+    x: np.ndarray
     if dtype == "int32":
         x = rng.integers(-(2**31), 2**31, size=count, dtype=np.int64).astype(np.int32)
     else:
@@ -81,7 +82,7 @@ def float_bound(
 
     elems *= 32 // wire_bits
     pad = (-count) % elems
-    e = None
+    e: np.ndarray | None = None
     for r in range(world):
         x = np.concatenate(
             [
@@ -91,6 +92,7 @@ def float_bound(
         )
         er = scaling.chunk_exponents(x.reshape(-1, elems)).astype(np.int32)
         e = er if e is None else np.maximum(e, er)
+    assert e is not None  # world >= 1
     f = scaling.int_range(world, wire_bits) / np.exp2(e.astype(np.float64))
     quant = np.repeat(world / (2 * f), elems)[:count]
     # the result's rounding: float32's, then the type's (half an ulp each; eps is a whole one),
@@ -231,7 +233,8 @@ def _timed(
     """`reps` all-reduces of x in step with the other ranks (with `until`, see _go_on), dense
     or sparse as `sparse` says and at the element width `wire_bits` (Communicator.allreduce);
     the last result, the times and the (user, sys) CPU seconds of each."""
-    times, cpu = [], []
+    times: list[float] = []
+    cpu: list[tuple[float, float]] = []
     while _go_on(comm, until, len(times), reps, rank):
         comm.barrier()
         r0 = resource.getrusage(resource.RUSAGE_SELF)

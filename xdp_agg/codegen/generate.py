@@ -195,7 +195,7 @@ FASTPATH_WIRE = (
     ("POOL_VERSION_BIT", "FP_POOL_VERSION_BIT", "pool_index: version"),
     ("POOL_SLOT_MASK", "FP_POOL_SLOT_MASK", "pool_index: slot"),
     ("SWITCHML_OFFSET", "FP_FRAME_HLEN", "Ethernet + IPv4 + UDP headers before the payload"),
-    ("MAX_LANES", "FP_MAX_LANES", "a host's lanes: XSKMAP entries, bits of a group's mask"),
+    ("MAX_LANES", "FP_MAX_LANES", "a job's lanes on a host (hostlib/_xsk.c XSK_SLOTS)"),
     # sparse all-reduces (docs/protocol.md section 8; hostlib/fp_sparse.c)
     ("MSG_TYPE_SPARSE", "FP_MSG_TYPE_SPARSE", "msg_type of a sparse packet with a block of data"),
     ("MSG_TYPE_SPARSE_EMPTY", "FP_MSG_TYPE_SPARSE_EMPTY", "msg_type of a header-only one"),

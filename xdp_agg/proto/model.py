@@ -25,12 +25,21 @@ from .reasons import Reason
 _IP_END = wire.ETH_HLEN + wire.IPV4_HLEN
 _IPPROTO_UDP = 17
 _IP_MF, _IP_OFFSET_MASK = 0x2000, 0x1FFF  # IPv4 more-fragments flag, fragment offset
+
+
+def _offset(name: str) -> int:
+    """Where the header field `name` starts in our UDP payload (wire.HDR_DTYPE's layout)."""
+    fields = wire.HDR_DTYPE.fields
+    assert fields is not None  # a structured dtype has them
+    return int(fields[name][1])
+
+
 # Offsets inside our UDP payload, from the wire module's header layout.
-_TYPE_SIZE = wire.HDR_DTYPE.fields["msg_type_size"][1]
-_POOL_INDEX = wire.HDR_DTYPE.fields["pool_index"][1]
-_E0 = wire.HDR_DTYPE.fields["e0"][1]  # the exponent header follows the SwitchML header
-_JOB_NUMBER = wire.HDR_DTYPE.fields["job_number"][1]
-_TSI = wire.HDR_DTYPE.fields["tsi"][1]
+_TYPE_SIZE = _offset("msg_type_size")
+_POOL_INDEX = _offset("pool_index")
+_E0 = _offset("e0")  # the exponent header follows the SwitchML header
+_JOB_NUMBER = _offset("job_number")
+_TSI = _offset("tsi")
 
 
 def _udp_checksum_ok(frame: bytes) -> bool:
@@ -300,9 +309,11 @@ class ReferenceAggregator:
         g = pidx & (wire.POOL_SLOT_MASK | wire.POOL_RESERVED_BIT)
         v = int(bool(pidx & wire.POOL_VERSION_BIT))
         if up:  # the parent's slots map onto ours one to one
-            if not job.parent.slot_base <= g < job.parent.slot_base + job.slot_count:
+            parent = job.parent
+            assert parent is not None  # a packet from the parent of a job without one: dropped
+            if not parent.slot_base <= g < parent.slot_base + job.slot_count:
                 return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
-            g = g - job.parent.slot_base + job.slot_base
+            g = g - parent.slot_base + job.slot_base
         if not job.slot_base <= g < job.slot_base + job.slot_count:
             return Verdict(Action.DROP, Reason.DROP_SLOT_RANGE, job_id=job_id, worker=w)
         if job.udp_checksum and checksum_ok is not None and not checksum_ok():
@@ -409,6 +420,7 @@ class ReferenceAggregator:
         """The partial sum of slot g as a contribution to the parent: the request's headers,
         the parent's slot for ours."""
         out = bytearray(self._result(request, st, v))
+        assert job.parent is not None  # only a rack job's partial sums go up
         pg = g - job.slot_base + job.parent.slot_base
         out[_POOL_INDEX : _POOL_INDEX + 2] = int(wire.pool_index(pg, v)).to_bytes(2, "big")
         return bytes(out)
@@ -442,7 +454,7 @@ def _sparse_check(msg: wire.Message, st: _Slot, v: int, bit: int) -> Reason | No
     have = st.sparse[v]
     if (have is None) != (sp is None):
         return Reason.DROP_SPARSE_MISMATCH
-    if have is not None and (have.block, have.blocks) != (sp.block, sp.blocks):
+    if have is not None and sp is not None and (have.block, have.blocks) != (sp.block, sp.blocks):
         return Reason.DROP_SPARSE_MISMATCH
     return None
 

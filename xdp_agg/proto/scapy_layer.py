@@ -13,7 +13,7 @@ that follow it (`values`, k from the SwitchML layer's size code). A sparse packe
 from __future__ import annotations
 
 import numpy as np
-from scapy.fields import BitField, FieldListField, SignedByteField, SignedIntField
+from scapy.fields import AnyField, BitField, FieldListField, SignedByteField, SignedIntField
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 from scapy.packet import Packet, Raw, bind_layers
@@ -21,8 +21,8 @@ from scapy.packet import Packet, Raw, bind_layers
 from . import wire
 
 
-def _fields(header: wire.Header):
-    out = []
+def _fields(header: wire.Header) -> list[AnyField]:
+    out: list[AnyField] = []
     for f in header.fields:
         if f.signed and f.bits == 8:
             out.append(SignedByteField(f.name, 0))
@@ -124,12 +124,12 @@ def sml_frame(
     pidx = pool_index if pool_index is not None else int(wire.pool_index(slot, version))
     ints = [int(v) for v in vals]
     if sparse is not None:
-        fields = dict(block=sparse.block, next=sparse.next, blocks=sparse.blocks)
+        b, n, m = sparse.block, sparse.next, sparse.blocks
         if msg_type == wire.MSG_TYPE_SPARSE_EMPTY and ints:  # an empty one padded: raw bytes
             pad = Raw(vals.astype(">i4").tobytes())
-            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields) / pad
+            exps = Exponents(e0=e0, e1=e1) / Sparse(block=b, next=n, blocks=m) / pad
         else:
-            exps = Exponents(e0=e0, e1=e1) / Sparse(**fields, values=ints)
+            exps = Exponents(e0=e0, e1=e1) / Sparse(block=b, next=n, blocks=m, values=ints)
     else:
         exps = Exponents(e0=e0, e1=e1, values=ints)
     return (
