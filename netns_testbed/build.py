@@ -51,6 +51,13 @@ class TestbedBuild:
     """How a Testbed is built (a mixin: Testbed's __init__ makes the plan, the registry and the
     settings it reads)."""
 
+    # the settings it reads (Testbed.__init__ sets them)
+    loss_up: float
+    loss_down: float
+    dup_up: float
+    dup_down: float
+    loss_scope: str
+
     def _wants_nft(self) -> bool:
         return any(x > 0 for x in (self.loss_up, self.loss_down, self.dup_up, self.dup_down))
 

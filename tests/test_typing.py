@@ -48,7 +48,7 @@ STILL_FAILING = {
     "xdp_agg.targets.soft": 7,
     "xdp_agg.targets.bmv2": 3,
     "xdp_switch": 75,
-    "netns_testbed": 66,
+    "netns_testbed": 57,
 }
 # What stubtest cannot see in hostlib/_fastpath.pyi, and why the stub is right anyway.
 STUBTEST_ALLOWED = {
