@@ -114,11 +114,12 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 #define RTO_FLOOR_RTTS 3  /* once a round trip is measured, the timer's floor is 3 srtt */
 #define REO_MULT_MAX   64 /* the reordering allowance: at most 16 min_rtt (and srtt) */
 #define REO_QUIET      16 /* early resends without a spurious one before it shrinks again */
+#define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on spurious resends */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
  * [floor, rto_max]. Before a round trip is measured it is rto_min; after, the floor follows the
- * round trip (3 srtt, at least rto_floor, at most rto_min; timers only: rto_min, as before
- * early detection). */
+ * round trip (3 srtt, at least rto_floor, times floor_mult: higher on a host whose stalls made
+ * resends spurious; at most rto_min; timers only: rto_min, as before early detection). */
 static double first_rto(const Stream *st)
 {
     if (!st->cc.have_rtt)
@@ -126,7 +127,7 @@ static double first_rto(const Stream *st)
     double floor = st->cfg.rto_min;
     if (st->cfg.early_loss) {
         double f = RTO_FLOOR_RTTS * st->cc.srtt;
-        f = f < st->cfg.rto_floor ? st->cfg.rto_floor : f;
+        f = (f < st->cfg.rto_floor ? st->cfg.rto_floor : f) * st->cc.floor_mult;
         floor = f < floor ? f : floor;
     }
     double t = st->cc.srtt + 4 * st->cc.rttvar;
@@ -333,10 +334,14 @@ int fp_run_seen(Run *r, int64_t p)
         if (r->state[p] > 2) { /* the first copy's result came after a resend */
             r->c.spurious++;
             r->state[p]--;
-            /* resent too soon: allow more reordering (RFC 8985 6.2 step 4, per spurious) */
-            if (r->s->cc.reo_mult < REO_MULT_MAX)
-                r->s->cc.reo_mult++;
-            r->s->cc.reo_quiet = 0;
+            /* resent too soon: allow more reordering (RFC 8985 6.2 step 4, per spurious), and
+             * raise the timers' floor (a stall longer than it, e.g. a descheduled worker) */
+            Congestion *cc = &r->s->cc;
+            if (cc->reo_mult < REO_MULT_MAX)
+                cc->reo_mult++;
+            cc->reo_quiet = 0;
+            if (cc->floor_mult < FLOOR_MULT_MAX)
+                cc->floor_mult *= 2;
         }
         return 1;
     }
@@ -624,6 +629,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     st->cc.ssthresh = cfg->window;
     st->cc.min_rtt = INFINITY;
     st->cc.reo_mult = 1;
+    st->cc.floor_mult = 1;
     st->ke = cfg->pairs ? 2 * cfg->k : cfg->k;
     /* M: scaling.int_range (16 bits: each half of a word's sum must fit int16) */
     st->M = (double)((cfg->pairs ? 32767 : 2147483647) / cfg->scaling_workers);
@@ -681,4 +687,6 @@ void fp_run_end(Run *r)
 {
     for (int64_t s = 0; s < r->w; s++) /* no packet of this all-reduce is in flight any more */
         r->s->pkt[s] = -1, r->s->deadline[s] = INFINITY;
+    if (r->c.spurious == 0 && r->s->cc.floor_mult > 1) /* a quiet one: the floor comes down */
+        r->s->cc.floor_mult /= 2;
 }

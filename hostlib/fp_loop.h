@@ -41,8 +41,10 @@ typedef struct {
     double srtt, rttvar;
     double min_rtt; /* the least round trip sampled (INFINITY before any) */
     double cwnd, ssthresh;
-    int reo_mult;  /* the reordering allowance in quarters of min_rtt (grows on spurious) */
-    int reo_quiet; /* early resends since the allowance last grew (it shrinks back after 16) */
+    int reo_mult;   /* the reordering allowance in quarters of min_rtt (grows on spurious) */
+    int reo_quiet;  /* early resends since the allowance last grew (it shrinks back after 16) */
+    int floor_mult; /* the timers' floor, times this: doubles on spurious resends, halves after
+                     * an all-reduce without one */
     int spin_credit;
 } Congestion;
 

@@ -16,6 +16,7 @@ import numpy as np
 RTO_FLOOR_RTTS = 3  # the timers' floor, in srtt (fp_loop.c RTO_FLOOR_RTTS)
 REO_MULT_MAX = 64  # the reordering allowance: at most 16 min_rtt, and srtt (REO_MULT_MAX)
 REO_QUIET = 16  # early resends without a spurious one before the allowance shrinks (REO_QUIET)
+FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on spurious resends
 
 
 class RttEstimator:
@@ -28,6 +29,7 @@ class RttEstimator:
         self.min_rtt = np.inf
         self.reo_mult = 1  # the reordering allowance in quarters of min_rtt
         self.reo_quiet = 0  # early resends since the allowance last grew
+        self.floor_mult = 1  # the timers' floor, times this (spurious resends double it)
 
     def update(self, sample: float) -> None:
         self.min_rtt = min(self.min_rtt, sample)
@@ -39,11 +41,12 @@ class RttEstimator:
 
     def rto(self, rto: float, cap: float, floor: float | None) -> float:
         """A packet's first timer: srtt + 4 rttvar within [rto, cap] before early detection
-        (`floor` None), or within [min(rto, max(floor, 3 srtt)), cap] with it; `rto` until a
-        round trip is measured."""
+        (`floor` None), or within [min(rto, max(floor, 3 srtt) * floor_mult), cap] with it;
+        `rto` until a round trip is measured."""
         if self.srtt is None:
             return rto
-        least = rto if floor is None else min(rto, max(floor, RTO_FLOOR_RTTS * self.srtt))
+        least = max(floor or 0.0, RTO_FLOOR_RTTS * self.srtt) * self.floor_mult
+        least = rto if floor is None else min(rto, least)
         return min(max(least, self.srtt + 4 * self.rttvar), cap)
 
     def reo_wnd(self) -> float:
@@ -54,10 +57,16 @@ class RttEstimator:
         return min(self.reo_mult * self.min_rtt / 4, self.srtt)
 
     def spurious(self, n: int) -> None:
-        """`n` resends proved needless: allow more reordering (RFC 8985 6.2 step 4)."""
+        """`n` resends proved needless: allow more reordering (RFC 8985 6.2 step 4), and raise
+        the timers' floor (a stall longer than it, e.g. a descheduled worker)."""
         if n:
             self.reo_mult = min(self.reo_mult + n, REO_MULT_MAX)
             self.reo_quiet = 0
+            self.floor_mult = min(self.floor_mult * 2**n, FLOOR_MULT_MAX)
+
+    def quiet_run(self) -> None:
+        """An all-reduce ended without a spurious resend: the timers' floor comes down."""
+        self.floor_mult = max(1, self.floor_mult // 2)
 
     def early(self, n: int) -> None:
         """`n` packets resent early: after REO_QUIET without a spurious one, allow less."""

@@ -812,10 +812,15 @@ def test_early_loss_timer_floor_follows_the_round_trip():
         e.update(0.004)
     assert 0.0115 <= e.rto(0.015, 0.25, 0.002) <= 0.015  # 3 srtt, at most rto
     assert e.reo_wnd() == 0.0001 / 4
-    e.spurious(3)
+    e.spurious(3)  # resends proved needless: more reordering allowed, the floor raised
     assert e.reo_wnd() == 4 * 0.0001 / 4
+    assert e.rto(0.015, 0.25, 0.002) == 0.015  # 8 x 3 srtt, at most rto
     e.early(16)
     assert e.reo_wnd() == 2 * 0.0001 / 4
+    for _ in range(50):
+        e.update(0.0001)
+    e.quiet_run()  # an all-reduce without a spurious resend: the floor comes down
+    assert e.floor_mult == 4 and e.rto(0.015, 0.25, 0.002) == 4 * 0.002
 
 
 @pytest.mark.parametrize("native", [False, True])
