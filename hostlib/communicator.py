@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import ipaddress
 import socket
 import threading
@@ -25,6 +26,7 @@ import numpy as np
 import numpy.typing as npt
 
 from xdp_agg.proto import wire
+from xdp_agg.proto.control import RECOVERY_COUNTERS
 from xdp_agg.proto.jobs import JobDescription
 
 from .control_link import ControlLink
@@ -526,6 +528,8 @@ class Communicator:
         # other stats, for callers that take differences of every entry that is not a string)
         self._last_bits = self._wire_bits
         self._ctls = [x.ctl for x in joined]
+        for j, ctl in enumerate(self._ctls):  # each ping tells its endpoint our loss recovery
+            ctl.report = functools.partial(self._recovery, j)
         # every lane's data socket at every aggregator, and the ip_mreq of each socket's
         # multicast group if it joined one (close leaves them)
         self._socks = [s for x in joined for s in x.socks]
@@ -772,6 +776,12 @@ class Communicator:
         for c in self._companions.values():
             per = [_summed(a, b) for a, b in zip(per, c._engine.stats_per_aggregator())]
         return [{"control": a, **st} for a, st in zip(self.controls, per)]
+
+    def _recovery(self, stripe: int) -> dict[str, int]:
+        """This job's loss recovery counters at aggregator `stripe` (RECOVERY_COUNTERS),
+        for its control endpoint's view of the job (its companions report their own)."""
+        st = self._engine.stats_per_aggregator()[stripe]
+        return {k: int(st.get(k, 0)) for k in RECOVERY_COUNTERS}
 
     def stats_per_lane(self) -> list[dict[str, Any]]:
         """Per lane, in engine order (hostlib.striping.LaneGrid: aggregator by aggregator), its

@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from .errors import ControlConnectionLost, RendezvousError
@@ -58,6 +59,9 @@ class ControlLink:
         self._closed = threading.Event()
         self.reconnects = 0  # successful reconnect + rejoin
         self.lost: str | None = None  # why rejoining was refused, once it was
+        # what the pings tell the endpoint of this rank's loss recovery (control.RECOVERY_COUNTERS
+        # of the engine at that aggregator; set by the Communicator), None: nothing
+        self.report: Callable[[], dict[str, int]] | None = None
         self._watcher = threading.Thread(
             target=self._watch, name=f"hostlib-ctl-r{rank}", daemon=True
         )
@@ -107,11 +111,13 @@ class ControlLink:
                 self._reconnect(client, attempts=None)
 
     def _renew(self) -> None:
-        """Ping, renewing the job's lease; a broken connection is left to the watch loop."""
+        """Ping, renewing the job's lease and telling the endpoint this rank's loss recovery
+        counters; a broken connection is left to the watch loop."""
         if self.lost is not None:
             return
+        fields = {"recovery": self.report()} if self.report is not None else {}
         try:
-            self._client.request("ping", reply_timeout=5.0)
+            self._client.request("ping", reply_timeout=5.0, **fields)
         except RendezvousError:  # ControlConnectionLost too: the loop's peer check reconnects
             pass
 

@@ -9,6 +9,7 @@ tests/test_torch_fsdp.py.
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -119,4 +120,50 @@ def test_lease_zero_turns_leases_off():
         time.sleep(1.0)
         assert cl.server.lease.sweep() == [] and "kept" in cl.server.registry.jobs
         assert not cl.server.lease.enabled
+        c.close()
+
+
+def test_early_loss_pings_report_each_rank_recovery_to_the_endpoint(monkeypatch):
+    """docs/protocol.md 4.4: a rank's pings carry its loss recovery counters; the endpoint's
+    overview (the metrics' endpoint_host_* families) sums the ranks' last reports."""
+    from hostlib.engine import Faults
+
+    monkeypatch.setattr(hostlib.control_link, "RENEW_INTERVAL", 0.1)
+    names = ("retransmissions", "early_losses", "timeouts", "spurious")
+    mine: dict[int, dict] = {}
+    with soft_cluster() as cl:
+
+        def seen() -> dict:
+            (job,) = [j for j in cl.server.overview().jobs if j.key == "lossy"]
+            return {k: getattr(job, k) for k in names}
+
+        together = threading.Barrier(2)  # the ranks are threads: no traffic of their own
+
+        def rank(comm):
+            for _ in range(4):
+                comm.allreduce(np.ones(8192, np.float32))
+            mine[comm.rank] = {k: comm.stats[k] for k in names}  # final: no more traffic
+            together.wait(timeout=30)
+            if comm.rank == 0:  # until a ping of each rank said its final counters
+                want = {k: sum(m[k] for m in mine.values()) for k in names}
+                deadline = time.monotonic() + 20
+                while seen() != want and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                assert seen() == want
+            together.wait(timeout=30)  # the others stay in the job until rank 0 looked
+            return mine[comm.rank]
+
+        faults = lambda r: {"faults": Faults(0.05, 0.05, seed=r)}  # noqa: E731
+        per = ok(run_ranks(cl, 2, rank, job="lossy", per_rank=faults))
+    assert sum(p["early_losses"] for p in per) > 0
+
+
+def test_early_loss_a_ping_with_bad_recovery_counters_is_refused():
+    with soft_cluster() as cl:
+        c = ControlClient(cl.server.address, timeout=5, secret=cl.secret)
+        with pytest.raises(RendezvousError, match="recovery"):
+            c.request("ping", recovery={"early_losses": -1})
+        with pytest.raises(RendezvousError, match="recovery"):
+            c.request("ping", recovery={"nonsense": 1})
+        assert c.request("ping", recovery={"early_losses": 3})["ok"]
         c.close()

@@ -85,6 +85,23 @@ ENDPOINT_JOB_METRICS = {
     "registered": ("endpoint_registered_ranks", "Ranks registered and present."),
     "missing": ("endpoint_missing_ranks", "Ranks not registered yet."),
     "gone": ("endpoint_gone_ranks", "Ranks that left or whose connection closed."),
+    # loss recovery as the ranks' pings report it (hostlib, docs/protocol.md 4.4)
+    "retransmissions": (
+        "endpoint_host_retransmissions",
+        "Packets the job's ranks sent again, summed over their last reports.",
+    ),
+    "early_losses": (
+        "endpoint_host_early_losses",
+        "Resends of packets that later results showed lost (found early), summed over ranks.",
+    ),
+    "timeouts": (
+        "endpoint_host_timeouts",
+        "Packets whose retransmission timer expired, summed over the ranks' last reports.",
+    ),
+    "spurious": (
+        "endpoint_host_spurious",
+        "Resends that proved needless (the first copy's result came), summed over ranks.",
+    ),
 }
 
 

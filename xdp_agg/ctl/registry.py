@@ -68,6 +68,8 @@ class _Rank:
     port: int
     mac: str
     holder: Holder | None  # None: recovered after a restart, not re-identified (rejoin) yet
+    # its loss recovery counters as its last ping said them (control.RECOVERY_COUNTERS)
+    recovery: dict[str, int] = field(default_factory=dict)
     state: str = "registered"  # then "left" or "disconnected"
     gone_at: float | None = None  # wall-clock time it left or its connection closed
     contributions: int | None = None  # what the aggregator had counted from it by then
@@ -665,6 +667,15 @@ class JobRegistry:
         me = Holder.connection(conn)
         with self.cond:
             return any(me in j.holders for j in self.jobs.values())
+
+    def report_recovery(self, conn: int, counters: dict[str, int]) -> None:
+        """The ranks connection `conn` holds pinged their loss recovery `counters`."""
+        me = Holder.connection(conn)
+        with self.cond:
+            for job in self.jobs.values():
+                for r in job.ranks.values():
+                    if r.holder == me:
+                        r.recovery = dict(counters)
 
     def connection_closed(self, conn: int) -> None:
         """Connection `conn` closed: its ranks are gone, its hold on each job released."""

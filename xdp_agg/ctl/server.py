@@ -73,7 +73,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass, fields
 from typing import Callable
 
-from xdp_agg.proto import groups, wire
+from xdp_agg.proto import control, groups, wire
 from xdp_agg.proto.jobs import (
     DEFAULT_CONTROL_PORT,
     Delivery,
@@ -83,7 +83,7 @@ from xdp_agg.proto.limits import DEFAULT_POOL_SLOTS
 
 from . import auth
 from .backend import Backend, elem_sizes
-from .fields import RequestError
+from .fields import RequestError, int_field
 from .lease import JobLease
 from .registry import JobRegistry
 from .status import JobStatus
@@ -143,6 +143,12 @@ class JobOverview:
     registered: int  # registered and present
     missing: int  # not registered yet
     gone: int  # left, or their connection closed
+    # the ranks' loss recovery counters summed, as their last pings said them
+    # (control.RECOVERY_COUNTERS; docs/protocol.md 4.4)
+    retransmissions: int = 0
+    early_losses: int = 0
+    timeouts: int = 0
+    spurious: int = 0
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,7 @@ class ControlEndpoint:
                     registered=len(j.ranks) - len(j.gone),
                     missing=len(j.missing()),
                     gone=len(j.gone),
+                    **_recovery_sums(j.ranks.values()),
                 )
                 for j in self.registry.jobs.values()
                 if not j.deleted
@@ -385,8 +392,25 @@ class ControlEndpoint:
 
     # --- ops --------------------------------------------------------------------------------
     def _ping(self, conn, req, local, peer):
+        # recovery: a rank's loss recovery counters (hostlib's pings), kept for the overview
+        if "recovery" in req:
+            self.registry.report_recovery(conn, recovery_field(req))
         # elems: the packet sizes the aggregator takes, for a worker's elems="auto"
         return {"version": PROTOCOL_VERSION, "elems": elem_sizes(self.backend)}
+
+
+def recovery_field(req: dict) -> dict[str, int]:
+    """A ping's "recovery": {counter: count} of control.RECOVERY_COUNTERS, each a count."""
+    got, names = req["recovery"], control.RECOVERY_COUNTERS
+    if not isinstance(got, dict) or not set(got) <= set(names):
+        raise RequestError(f"ping: recovery must be an object of some of {', '.join(names)}")
+    return {k: int_field({"op": "ping: recovery", **got}, k, 0, 2**63 - 1) for k in got}
+
+
+def _recovery_sums(ranks) -> dict[str, int]:
+    """JobOverview's recovery fields: the ranks' last reported counters, summed."""
+    keys = ("retransmissions", "early_losses", "timeouts", "spurious")
+    return {k: sum(r.recovery.get(k, 0) for r in ranks) for k in keys}
 
 
 def _keepalive(sock: socket.socket) -> None:

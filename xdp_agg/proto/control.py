@@ -135,3 +135,8 @@ def create_secret(path: str | os.PathLike) -> bytes:
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(SECRET_BYTES) + "\n")
     return load_secret(p)
+
+
+# What a rank's pings carry of its loss recovery (hostlib's engine counters, cumulative, at that
+# aggregator; docs/protocol.md 4.4 and 6.1): the control endpoint shows their sums per job.
+RECOVERY_COUNTERS = ("packets_sent", "retransmissions", "early_losses", "timeouts", "spurious")
