@@ -115,6 +115,8 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 #define REO_MULT_MAX   64 /* the reordering allowance: at most 16 min_rtt (and srtt) */
 #define REO_QUIET      16 /* early resends without a spurious one before it shrinks again */
 #define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on spurious resends */
+#define LOSS_AGE_RTTS  2  /* found lost early only once older than 2 srtt (detect_losses) */
+#define BACKOFF_MAX    64 /* new packets' timers back off at most 64-fold (first_rto) */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
  * [floor, rto_max]. Before a round trip is measured it is rto_min; after, the floor follows the
@@ -131,12 +133,13 @@ static double first_rto(const Stream *st)
         floor = f < floor ? f : floor;
     }
     double t = st->cc.srtt + 4 * st->cc.rttvar;
-    t = t < floor ? floor : t;
+    t = (t < floor ? floor : t) * st->cc.backoff;
     return t > st->cfg.rto_max ? st->cfg.rto_max : t;
 }
 
 static void rtt_update(Stream *st, double sample)
 {
+    st->cc.backoff = 1;
     if (sample < st->cc.min_rtt)
         st->cc.min_rtt = sample;
     if (!st->cc.have_rtt) {
@@ -259,12 +262,14 @@ static int send_ready(Run *r, int *sent)
 
 /* Resend every packet whose deadline passed (the identical bytes of its slot row): found lost
  * early (st->early: its timer stays as it was) or its timer expired (doubled). The window is cut
- * for a loss only where the round trips show a queue, or for a timer that expired again; with
- * early detection off, for every timer (as before it). */
+ * for a loss only where the round trips show a queue; with early detection off, for every timer
+ * (as before it). Not for a burst of timers without a queue: a path that lost everything for a
+ * while needs the window it had when it comes back, and a smaller one would hold back the new
+ * packets whose results show the burst's packets lost. */
 static int expire(Run *r, double now)
 {
     Stream *st = r->s;
-    int n = 0, cut = 0;
+    int n = 0, cut = 0, timers = 0;
     double next = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
         if (st->deadline[s] <= now) {
@@ -276,9 +281,10 @@ static int expire(Run *r, double now)
                 if (++st->cc.reo_quiet >= REO_QUIET && st->cc.reo_mult > 1)
                     st->cc.reo_mult /= 2, st->cc.reo_quiet = 0;
             } else {
+                timers = 1;
                 if (st->tries[s] == 0)
                     r->c.timeouts++;
-                cut |= fresh && (!st->cfg.early_loss || st->tries[s] > 0 || queue_built(st));
+                cut |= fresh && (!st->cfg.early_loss || queue_built(st));
                 /* the lowest packet without a result keeps its timer as a probe: when the path
                  * comes back (a burst ends), its result shows every packet sent before it lost
                  * (detect_losses) within a timer, not after the others' doubled ones */
@@ -297,6 +303,10 @@ static int expire(Run *r, double now)
     r->next_deadline = next;
     if (n == 0)
         return 0;
+    /* timers expired without a round trip sampled since: the new packets' timers back off too,
+     * or a path whose round trip grew past them would never answer a packet sent once (Karn) */
+    if (timers && st->cfg.early_loss && st->cc.backoff < BACKOFF_MAX)
+        st->cc.backoff *= 2;
     r->c.retransmissions += (uint64_t)n;
     if (cut)
         window_cut(r);
@@ -304,19 +314,21 @@ static int expire(Run *r, double now)
 }
 
 /* Early loss detection (docs/protocol.md 4.4): a packet in flight that went out before the
- * newest transmission whose result came (by send time, then packet number: every worker sends
- * in packet order, so the aggregator completes rounds in that order) is lost unless its result
- * comes within the reordering allowance of this evidence. Its deadline becomes that moment
+ * newest first transmission whose result came (by send time, then packet number: every worker
+ * sends in packet order, so the aggregator completes rounds in about that order) is lost unless
+ * its result comes within the reordering allowance of this evidence, and it is at least
+ * LOSS_AGE_RTTS srtt old (another worker may send its copy up to a round trip after us: the
+ * order of the results it reacts to can differ after a loss). Its deadline becomes that moment
  * (marked st->early) where that is sooner than its timer; expire resends it then. */
 static void detect_losses(Run *r, double now)
 {
     Stream *st = r->s;
-    double at = now + reo_wnd(st), next = r->next_deadline;
+    double at0 = now + reo_wnd(st), age = LOSS_AGE_RTTS * st->cc.srtt, next = r->next_deadline;
     r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
+        double tx = st->tx_at[s], at = tx + age > at0 ? tx + age : at0;
         if (st->pkt[s] < 0 || st->deadline[s] <= at || st->early[s])
             continue;
-        double tx = st->tx_at[s];
         if (tx < r->rack_xmit || (tx == r->rack_xmit && st->pkt[s] < r->rack_pkt)) {
             st->deadline[s] = at;
             st->early[s] = 1;
@@ -362,12 +374,12 @@ void fp_run_took(Run *r, int64_t p, double now)
     r->ndone++;
     r->results_here++;
     r->last_progress = now;
-    /* the newest transmission whose result came (by send time, then packet number). A resent
-     * packet's result may answer its first copy; one that came sooner than min_rtt after the
-     * resend does (RFC 8985 6.2) */
+    /* the newest transmission whose result came (by send time, then packet number), of a packet
+     * sent once: a resent packet's round may have been completed by another worker's resend,
+     * sent before or after ours, so its result says nothing of what we sent before it */
     double tx = st->tx_at[s];
     int newer = tx > r->rack_xmit || (tx == r->rack_xmit && p > r->rack_pkt);
-    if (newer && (tries == 0 || now - tx >= st->cc.min_rtt)) {
+    if (newer && tries == 0) {
         r->rack_xmit = tx;
         r->rack_pkt = p;
         r->rack_moved = 1;
@@ -630,6 +642,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     st->cc.min_rtt = INFINITY;
     st->cc.reo_mult = 1;
     st->cc.floor_mult = 1;
+    st->cc.backoff = 1;
     st->ke = cfg->pairs ? 2 * cfg->k : cfg->k;
     /* M: scaling.int_range (16 bits: each half of a word's sum must fit int16) */
     st->M = (double)((cfg->pairs ? 32767 : 2147483647) / cfg->scaling_workers);

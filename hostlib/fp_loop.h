@@ -45,6 +45,8 @@ typedef struct {
     int reo_quiet;  /* early resends since the allowance last grew (it shrinks back after 16) */
     int floor_mult; /* the timers' floor, times this: doubles on spurious resends, halves after
                      * an all-reduce without one */
+    int backoff;    /* new packets' timers, times this: doubles when timers expire, 1 again at
+                     * the next round trip sampled (RFC 6298 5.7) */
     int spin_credit;
 } Congestion;
 

@@ -17,6 +17,8 @@ RTO_FLOOR_RTTS = 3  # the timers' floor, in srtt (fp_loop.c RTO_FLOOR_RTTS)
 REO_MULT_MAX = 64  # the reordering allowance: at most 16 min_rtt, and srtt (REO_MULT_MAX)
 REO_QUIET = 16  # early resends without a spurious one before the allowance shrinks (REO_QUIET)
 FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on spurious resends
+LOSS_AGE_RTTS = 2  # found lost early only once older than 2 srtt (fp_loop.c LOSS_AGE_RTTS)
+BACKOFF_MAX = 64  # new packets' timers back off at most 64-fold (fp_loop.c BACKOFF_MAX)
 
 
 class RttEstimator:
@@ -30,8 +32,10 @@ class RttEstimator:
         self.reo_mult = 1  # the reordering allowance in quarters of min_rtt
         self.reo_quiet = 0  # early resends since the allowance last grew
         self.floor_mult = 1  # the timers' floor, times this (spurious resends double it)
+        self.backoff = 1  # new packets' timers, times this, until a round trip is sampled
 
     def update(self, sample: float) -> None:
+        self.backoff = 1
         self.min_rtt = min(self.min_rtt, sample)
         if self.srtt is None:
             self.srtt, self.rttvar = sample, sample / 2
@@ -47,7 +51,13 @@ class RttEstimator:
             return rto
         least = max(floor or 0.0, RTO_FLOOR_RTTS * self.srtt) * self.floor_mult
         least = rto if floor is None else min(rto, least)
-        return min(max(least, self.srtt + 4 * self.rttvar), cap)
+        return min(max(least, self.srtt + 4 * self.rttvar) * self.backoff, cap)
+
+    def timers_expired(self) -> None:
+        """Timers expired (with early detection): new packets' timers back off too until a
+        round trip is sampled (RFC 6298 5.7), or a path whose round trip grew past them would
+        never answer a packet sent once (Karn's rule)."""
+        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
 
     def reo_wnd(self) -> float:
         """How long after a later packet's result an earlier one's may still come before it
@@ -99,12 +109,12 @@ class Rack:
         self.pkt[s0:s1] = np.arange(first, first + s1 - s0)
         self.early[s0:s1] = False
 
-    def took(self, s0: int, s1: int, tries: np.ndarray, now: float, min_rtt: float) -> None:
-        """Results came at `now` for the packets of slots s0..s1-1 (their `tries`). A resent
-        packet's result may answer its first copy: it counts only if it came at least min_rtt
-        after the resend (RFC 8985 6.2)."""
+    def took(self, s0: int, s1: int, tries: np.ndarray) -> None:
+        """Results came for the packets of slots s0..s1-1 (their `tries`). Only a packet sent
+        once is evidence: a resent one's round may have been completed by another worker's
+        resend, sent before or after ours."""
         tx, pkt = self.tx_at[s0:s1], self.pkt[s0:s1]
-        ok = (tries == 0) | (now - tx >= min_rtt)
+        ok = tries == 0
         if ok.any():
             i = np.lexsort((pkt[ok], tx[ok]))[-1]  # the newest by send time, then number
             t, p = float(tx[ok][i]), int(pkt[ok][i])
@@ -112,14 +122,15 @@ class Rack:
                 self.xmit, self.newest, self.moved = t, p, True
         self.early[s0:s1] = False
 
-    def detect(self, deadline: np.ndarray, now: float, reo: float) -> float:
+    def detect(self, deadline: np.ndarray, now: float, reo: float, srtt: float) -> float:
         """Set the deadline of every packet in flight sent before the newest answered one to
-        now + `reo`, where that is sooner; the least deadline now."""
+        now + `reo`, or to when it is LOSS_AGE_RTTS `srtt` old if that is later, where that is
+        sooner than its deadline; the least deadline now."""
         self.moved = False
-        at = now + reo
+        at = np.maximum(now + reo, self.tx_at + LOSS_AGE_RTTS * srtt)
         older = (self.tx_at < self.xmit) | ((self.tx_at == self.xmit) & (self.pkt < self.newest))
         sooner = (deadline < np.inf) & ~self.early & older & (deadline > at)
         if sooner.any():
-            deadline[sooner] = at
+            deadline[sooner] = at[sooner]
             self.early |= sooner
         return float(deadline.min())

@@ -356,7 +356,9 @@ class NumpyLoop:
             if len(rows):
                 self._take(rows, tr, fl, ar, now)
             if fl.rack.moved and self.state.cfg.early_loss:
-                fl.next_deadline = fl.rack.detect(fl.deadline, now, self._rtt.reo_wnd())
+                fl.next_deadline = fl.rack.detect(
+                    fl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0
+                )
             if now >= fl.next_deadline:
                 self._expire(fl, now)
             if ar.ndone < P and now - fl.last_progress > ar.timeout:
@@ -414,7 +416,7 @@ class NumpyLoop:
                 pos += b - a
                 fl.done[a:b] = True
                 for s0, s1, a1 in _slot_runs(a, b, w):
-                    fl.rack.took(s0, s1, fl.tries[s0:s1], now, self._rtt.min_rtt)
+                    fl.rack.took(s0, s1, fl.tries[s0:s1])
                     fl.deadline[s0:s1] = np.inf
                     fl.retx_left[a1 : a1 + s1 - s0] = np.minimum(fl.tries[s0:s1], 255)
             ar.ndone += fresh
@@ -441,8 +443,9 @@ class NumpyLoop:
             fl.tries[expired] += 1
             st["retransmissions"] += expired.size
             self._send(self._payload[expired])
-            if self.state.cfg.early_loss:  # the lowest packet's timer stays: a probe (4.4)
-                timer = timer[timer != int(np.argmin(fl.done)) % fl.w]
+            if self.state.cfg.early_loss and timer.size:
+                self._rtt.timers_expired()
+                timer = timer[timer != int(np.argmin(fl.done)) % fl.w]  # a probe's stays (4.4)
             fl.rto[timer] = np.minimum(fl.rto[timer] * 2, self.state.cfg.rto_max)
             fl.rack.tx_at[expired] = now
             fl.deadline[expired] = now + fl.rto[expired]

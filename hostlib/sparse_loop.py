@@ -165,7 +165,7 @@ class SparseLoop:
                 last = time.monotonic()
             now = time.monotonic()
             if sl.rack.moved and self.state.cfg.early_loss:
-                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd())
+                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0)
             self._expire(sl, now)
             if not sl.done.all() and now - last > ar.timeout:
                 busy = np.flatnonzero(~sl.done)
@@ -267,7 +267,7 @@ class SparseLoop:
         st["results"] += 1
         ar.ndone += 1
         now = time.monotonic()
-        sl.rack.took(s, s + 1, sl.tries[s : s + 1], now, self._rtt.min_rtt)
+        sl.rack.took(s, s + 1, sl.tries[s : s + 1])
         if sl.tries[s] == 0:  # Karn: a retransmission's round trip is ambiguous
             self._rtt.update(now - sl.sent_at[s])
         sl.deadline[s] = np.inf
@@ -314,6 +314,8 @@ class SparseLoop:
             else:
                 st["timeouts"] += int(sl.tries[s] == 0)
                 sl.rto[s] = min(sl.rto[s] * 2, self.state.cfg.rto_max)
+                if self.state.cfg.early_loss:
+                    self._rtt.timers_expired()
             sl.tries[s] += 1
             st["retransmissions"] += 1
             sl.rack.tx_at[s] = now
