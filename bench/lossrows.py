@@ -104,7 +104,7 @@ def ratios(cells: list[dict]) -> None:
     }
     for c in cells:
         ref = clean.get((*key(c), c.get("early_loss", True)))
-        if ref is None or c["kind"] not in ("throughput", "burst"):
+        if ref is None or ref is c or c["kind"] not in ("throughput", "burst"):
             continue
         c["vs_clean"] = {
             s: c[s]["median_s"] / ref[s]["median_s"] for s in ("xdp-agg", "gloo") if s in ref

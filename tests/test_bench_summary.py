@@ -94,3 +94,44 @@ def test_wire16_rows_say_dtype_and_width_and_gloos_dtype():
                                             "window": 64})  # fmt: skip
     assert "| 4 | 1gbit | 32 MiB | bfloat16 | 16 | bfloat16 | 1 | 300.0 (0.0) | 450.0 (0.0) |" in md
     assert "| bfloat16 | 16 | 32 MiB | 1 | 200.0 (0.0) |" in md
+
+
+def _loss_row(loss, xdp, gloo, kind="throughput", **more):
+    engine = [{"early_losses": 3, "timeouts": 1, "spurious": 0}] * 2
+    return _row(4, "10gbit", kind, "float32", xdp, [0.1] * 3, gloo=gloo, retransmissions=8,
+                packets=1000, loss=loss, early_loss=True, engine=engine, **more)  # fmt: skip
+
+
+def test_early_loss_rows_say_their_loss_and_time_against_the_clean_one():
+    """bench.lossrows: each lossy or burst cell's time over the same system's clean time in the
+    same run; the loss table says the loss, the burst and the engine counters; the throughput
+    table keeps the clean cells only."""
+    rows = [
+        _loss_row(0.0, [0.4] * 3, [0.2] * 3),
+        _loss_row(0.01, [0.5] * 3, [0.3] * 3),
+        _loss_row(0.0, [0.45] * 3, [0.5] * 3, kind="burst", burst_ms=50, burst_spans=[0.06]),
+    ]
+    clean, lossy, burst = allreduce.summarize(rows)
+    assert "vs_clean" not in clean
+    assert lossy["vs_clean"] == pytest.approx({"xdp-agg": 1.25, "gloo": 1.5})
+    assert burst["vs_clean"] == pytest.approx({"xdp-agg": 1.125, "gloo": 2.5})
+    assert burst["burst_actual_ms"] == pytest.approx(60)
+    assert lossy["engine_counts"] == {"early_losses": 6, "timeouts": 2, "spurious": 0}
+    md = allreduce.markdown([clean, lossy, burst], {"when": "now", "reps": 3, "mtu": 3500,
+                                                    "elems": 768, "window": 64})  # fmt: skip
+    assert "| on | 0.01 | 500.0 | 1.25x | 300.0 | 1.50x | 0.60x |" in md
+    assert "burst 50 ms (measured 60)" in md
+    throughput = md.split("Under loss")[0]
+    assert "500.0" not in throughput  # the lossy cell is in the loss table only
+
+
+def test_early_loss_options_parse():
+    from bench import lossrows
+
+    assert lossrows.probabilities("0.01,0") == [0.0, 0.01]
+    assert lossrows.probabilities("0.05") == [0.0, 0.05]  # the clean row always runs
+    assert lossrows.early_settings("on,off") == [True, False]
+    with pytest.raises(Exception, match="in \\[0, 1\\)"):
+        lossrows.probabilities("1")
+    with pytest.raises(Exception, match="on, off"):
+        lossrows.early_settings("maybe")
