@@ -1,7 +1,7 @@
 /* xdp_floor.c: the benchmark's floor. Runs the parse xdp_agg.c runs (parse.h), reads the
  * SwitchML header's type as the aggregator does, and drops the packet: what an XDP program costs
  * before any aggregation. */
-#include <uapi/linux/bpf.h>
+#include "platform.h"
 #include <linux/if_ether.h>
 #include <linux/ip.h>
 #include <linux/in.h>
