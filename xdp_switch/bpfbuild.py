@@ -27,6 +27,7 @@ HERE = Path(__file__).resolve().parent
 SRC_DIR = HERE / "bpf"  # a link to the repository's bpf/ in a checkout, a copy in a wheel
 OBJ_DIR = HERE / "objects"
 CLANG = os.environ.get("XDP_AGG_CLANG", "clang")
+STRIP = "llvm-strip"  # -g: the DWARF goes, BTF and its line info (.BTF.ext) stay
 VARIANT_FLAGS = {"percpu": (), "spinlock": ("-DAGG_SPINLOCK",)}
 CFLAGS = (
     "-target",
@@ -92,6 +93,8 @@ def compile_object(source: Path, out: Path, flags: tuple[str, ...] = ()) -> Path
         tmp.unlink(missing_ok=True)
         tail = "\n".join(r.stderr.strip().splitlines()[-25:])
         raise BuildError(f"could not compile {source.name} ({' '.join(flags)}):\n{tail}")
+    if shutil.which(STRIP):
+        subprocess.run([STRIP, "-g", str(tmp)], check=True)
     os.replace(tmp, out)
     return out
 
