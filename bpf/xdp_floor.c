@@ -10,7 +10,7 @@
 #include "generated/wire.h"
 #include "parse.h"
 
-int xdp_floor(struct xdp_md *ctx)
+AGG_PROG("xdp") int xdp_floor(struct xdp_md *ctx)
 {
 	struct agg_pkt pk;
 
@@ -18,3 +18,7 @@ int xdp_floor(struct xdp_md *ctx)
 		return XDP_PASS;
 	return SML_MSG_TYPE(pk.sml) == SML_MSG_TYPE_DATA ? XDP_DROP : XDP_ABORTED;
 }
+
+#ifdef AGG_LIBBPF
+char LICENSE[] SEC("license") = "GPL";
+#endif

@@ -100,7 +100,10 @@ def load(
         path = object_for(flavour, tuple(cflags))
     except bpfbuild.BuildError as e:
         raise loader.LoadError(str(e)) from e
-    obj = _open(path, pool_slots, nr_cpus)
+    try:
+        obj = _open(path, pool_slots, nr_cpus)
+    except libbpf.LibbpfError as e:  # not an object libbpf can read, a map it cannot size
+        raise loader.LoadError(f"libbpf could not open {path.name}: {e}") from e
     try:
         obj.load()
     except libbpf.ObjectLoadError as e:
@@ -128,6 +131,21 @@ def load(
         toolchain="libbpf",
         path=path,
     )
+
+
+def load_floor() -> libbpf.Object:
+    """The micro-benchmark's floor (bpf/xdp_floor.c, bpfbuild.FLOOR) loaded; the caller closes
+    it."""
+    path = bpfbuild.OBJ_DIR / f"{bpfbuild.FLOOR}.o"
+    if bpfbuild.in_checkout() and bpfbuild.stale(path):
+        bpfbuild.compile_object(bpfbuild.SRC_DIR / f"{bpfbuild.FLOOR}.c", path)
+    obj = libbpf.Object(path)
+    try:
+        obj.load()
+    except BaseException:
+        obj.close()
+        raise
+    return obj
 
 
 def test_runnable(prog: loader.Loaded, name: str) -> int:

@@ -13,6 +13,8 @@ import ctypes as ct
 import os
 from pathlib import Path
 
+from xdp_agg.errors import EnvironmentProblem
+
 _P = ct.c_void_p
 _LOG_SIZE = 1 << 20  # the verifier log's tail (the kernel keeps the last part when it overflows)
 BTF_KIND_VAR, BTF_KIND_DATASEC = 14, 15
@@ -36,7 +38,7 @@ def _lib() -> ct.CDLL:
     try:
         lib = ct.CDLL("libbpf.so.1", use_errno=True)
     except OSError as e:
-        raise LibbpfError(0, "libbpf.so.1 is missing: install Debian's libbpf1") from e
+        raise EnvironmentProblem("libbpf.so.1 is missing: install Debian's libbpf1") from e
     sigs = {
         "bpf_object__open_file": (_P, [ct.c_char_p, _P]),
         "bpf_object__load": (ct.c_int, [_P]),
