@@ -8,8 +8,8 @@ program passed the verifier's limit of 1,000,000 processed instructions from 5 C
 (../shared/design/platform.md). Each build's count (bpf_prog_info.verified_insns) is checked
 against its budget in tests/data/verifier_budget.json: a change that makes verification grow
 fails here and has to say why, by raising the budget in the same commit. Each build is checked
-through both toolchains (bcc's compile at load, and libbpf's load of the prebuilt object,
-"libbpf:<build>" in the budget file): the two compilers make different code.
+through both toolchains (bcc's compile at load, "<build>" in the budget file, and libbpf's load
+of the prebuilt object, "libbpf:<build>"): the two compilers make different code.
 """
 
 import json
@@ -52,7 +52,7 @@ def _verify(args):
             variant=variant,
             slot_cpus=slot_cpus,
             frags=frags,
-            toolchain=toolchain or None,
+            toolchain=toolchain or "bcc",
         )
     except loader.LoadError as e:
         return build, cpus, str(e)

@@ -9,8 +9,7 @@ from collections import Counter
 import numpy as np
 import pytest
 from harness.builds import (
-    AGG_BUILDS_CPUMAP,
-    LIBBPF_BUILDS_CPUMAP,
+    TOOLCHAIN_BUILDS_CPUMAP,
     load_agg_build,
     unicast_copies,
 )
@@ -44,11 +43,10 @@ from xdp_switch import loader
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 
-@pytest.fixture(scope="module", params=AGG_BUILDS_CPUMAP + LIBBPF_BUILDS_CPUMAP)
+@pytest.fixture(scope="module", params=TOOLCHAIN_BUILDS_CPUMAP)
 def agg_prog(request):
     """conftest's builds and the one of --slot-cpus cpumap (its aggregator, as loaded for the
-    cpumap's entries, is what these cases run), through the default toolchain and through
-    libbpf."""
+    cpumap's entries, is what these cases run), through bcc and through libbpf."""
     yield from load_agg_build(request.param)
 
 

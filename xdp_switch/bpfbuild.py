@@ -99,8 +99,8 @@ def compile_object(source: Path, out: Path, flags: tuple[str, ...] = ()) -> Path
     return out
 
 
-def object_path(flavour: Flavour, obj_dir: Path = OBJ_DIR) -> Path:
-    return obj_dir / f"{flavour.name}.o"
+def object_path(flavour: Flavour, obj_dir: Path | None = None) -> Path:
+    return (obj_dir or OBJ_DIR) / f"{flavour.name}.o"
 
 
 def sources() -> list[Path]:

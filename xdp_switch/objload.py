@@ -49,9 +49,14 @@ def object_for(flavour: bpfbuild.Flavour, cflags: tuple[str, ...]) -> Path:
         if bpfbuild.stale(out):
             bpfbuild.compile_object(bpfbuild.SRC_DIR / "xdp_agg.c", out, flavour.flags() + cflags)
         return out
-    out = bpfbuild.object_path(flavour)
+    return _built(bpfbuild.object_path(flavour), "xdp_agg.c", flavour.flags())
+
+
+def _built(out: Path, source: str, flags: tuple[str, ...] = ()) -> Path:
+    """Object `out` of bpf/`source`, rebuilt first in a checkout whose sources changed since;
+    EnvironmentProblem when it is missing."""
     if bpfbuild.in_checkout() and bpfbuild.stale(out):
-        bpfbuild.compile_object(bpfbuild.SRC_DIR / "xdp_agg.c", out, flavour.flags())
+        bpfbuild.compile_object(bpfbuild.SRC_DIR / source, out, flags)
     if not out.exists():
         raise EnvironmentProblem(
             f"the BPF object {out.name} is missing: build the project (`make bpf`, or install "
@@ -136,10 +141,7 @@ def load(
 def load_floor() -> libbpf.Object:
     """The micro-benchmark's floor (bpf/xdp_floor.c, bpfbuild.FLOOR) loaded; the caller closes
     it."""
-    path = bpfbuild.OBJ_DIR / f"{bpfbuild.FLOOR}.o"
-    if bpfbuild.in_checkout() and bpfbuild.stale(path):
-        bpfbuild.compile_object(bpfbuild.SRC_DIR / f"{bpfbuild.FLOOR}.c", path)
-    obj = libbpf.Object(path)
+    obj = libbpf.Object(_built(bpfbuild.OBJ_DIR / f"{bpfbuild.FLOOR}.o", f"{bpfbuild.FLOOR}.c"))
     try:
         obj.load()
     except BaseException:

@@ -4,10 +4,10 @@ AGG_BUILDS = ["percpu", "spinlock", "percpu-frags"]
 # and the build of --slot-cpus cpumap, for the tests that also run against it (they override
 # agg_prog with these params): its aggregator sends by redirect where the others XDP_TX
 AGG_BUILDS_CPUMAP = [*AGG_BUILDS, "percpu-cpumap"]
-# the same builds loaded through libbpf from the prebuilt objects (xdp_switch/objload.py), for the
-# tests that run both toolchains: "<toolchain>:<build>"; a build without a prefix loads through
-# the default toolchain (loader.default_toolchain)
-LIBBPF_BUILDS_CPUMAP = [f"libbpf:{b}" for b in AGG_BUILDS_CPUMAP]
+# the same builds through each toolchain (loader.TOOLCHAINS: bcc's compile at load, libbpf's
+# prebuilt objects), for the tests that run both: "<toolchain>:<build>"; a build without a
+# prefix loads through the default toolchain (loader.default_toolchain)
+TOOLCHAIN_BUILDS_CPUMAP = [f"{tc}:{b}" for tc in ("bcc", "libbpf") for b in AGG_BUILDS_CPUMAP]
 
 
 def load_agg_build(param: str):
