@@ -14,9 +14,9 @@ from xdp_switch import bpfbuild, loader, objload
 
 def test_the_toolchain_is_chosen_by_the_environment(monkeypatch):
     monkeypatch.delenv(loader.TOOLCHAIN_ENV, raising=False)
-    assert loader.default_toolchain() == "bcc"
-    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "libbpf")
     assert loader.default_toolchain() == "libbpf"
+    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "bcc")
+    assert loader.default_toolchain() == "bcc"
     monkeypatch.setenv(loader.TOOLCHAIN_ENV, "gcc")
     with pytest.raises(ValueError, match="XDP_AGG_TOOLCHAIN must be one of bcc, libbpf"):
         loader.default_toolchain()

@@ -1,4 +1,5 @@
-"""Compile the XDP aggregator with bcc and load it.
+"""Load the XDP aggregator: through libbpf from the objects built with the project (the
+default, xdp_switch/objload.py), or compiled here with bcc (XDP_AGG_TOOLCHAIN=bcc, below).
 
 bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s) and creates
 its maps; the programs are loaded through bpfsys (xdp_switch/subprogs.py links their bpf_loop
@@ -353,15 +354,16 @@ def _create_own_maps(pool_slots: int, cpumap: bool) -> dict[str, int]:
     return fds
 
 
-# How the program is built and loaded: "bcc" compiles bpf/xdp_agg.c at load time (the default
-# still); "libbpf" loads the object xdp_switch/bpfbuild.py built (xdp_switch/objload.py).
+# How the program is built and loaded: "libbpf" (the default) loads the object
+# xdp_switch/bpfbuild.py built (xdp_switch/objload.py); "bcc" compiles bpf/xdp_agg.c at load
+# time (kernel headers, LLVM: seconds).
 TOOLCHAINS = ("bcc", "libbpf")
 TOOLCHAIN_ENV = "XDP_AGG_TOOLCHAIN"
 
 
 def default_toolchain() -> str:
-    """The toolchain load() uses when not told: $XDP_AGG_TOOLCHAIN, else bcc."""
-    name = os.environ.get(TOOLCHAIN_ENV) or "bcc"
+    """The toolchain load() uses when not told: $XDP_AGG_TOOLCHAIN, else libbpf."""
+    name = os.environ.get(TOOLCHAIN_ENV) or "libbpf"
     if name not in TOOLCHAINS:
         raise ValueError(f"{TOOLCHAIN_ENV} must be one of {', '.join(TOOLCHAINS)}, not {name!r}")
     return name
