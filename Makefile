@@ -28,13 +28,13 @@ TEST_DEB_PKGS := prometheus
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
-.PHONY: setup deps headers bpffs venv ext test test-unit demo bench bench-micro bench-training \
+.PHONY: setup deps headers bpffs venv bpf ext test test-unit demo bench bench-micro bench-training \
 	soak codegen cli-doc docs bundle clean help
 
 help:
 	@sed -n '1,16p' Makefile
 
-setup: deps headers bpffs venv
+setup: deps headers bpffs venv bpf
 
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -72,6 +72,11 @@ venv: .venv/.installed
 	$(PY) -m pip install -q --upgrade pip >/dev/null
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
+
+# The XDP aggregator's BPF objects, one per build flavour, in xdp_switch/objects (clang -target
+# bpf; those out of date only): what `attach` loads through libbpf (xdp_switch/objload.py).
+bpf: venv
+	$(PY) -m xdp_switch.bpfbuild
 
 # The C extension hostlib._fastpath in the source tree (pip install -e builds it too).
 ext: venv

@@ -1,4 +1,8 @@
-"""Build of the C extension hostlib._fastpath (the metadata is in pyproject.toml).
+"""Build of the C extension hostlib._fastpath and of the XDP aggregator's BPF objects (the
+metadata is in pyproject.toml).
+
+The BPF objects (xdp_switch/bpfbuild.py: clang -target bpf, one per build flavour) are compiled
+into the wheel's xdp_switch/objects/, which libbpf loads at attach (xdp_switch/objload.py).
 
 It needs only the system compiler and Python's headers. The AVX2 kernels are compiled with a
 function target attribute and picked at run time, so no -march flag is needed and one build
@@ -6,9 +10,24 @@ runs on any x86-64. -ffp-contract=off keeps the float kernels bit-identical to n
 (no fused multiply-add where the reference rounds twice).
 """
 
+from pathlib import Path
+
 from setuptools import Extension, setup
+from setuptools.command.build_py import build_py
+
+
+class BuildPyWithBpf(build_py):
+    """build_py, then the BPF objects into the built package (clang at build time only)."""
+
+    def run(self):
+        super().run()
+        from xdp_switch import bpfbuild
+
+        bpfbuild.build(Path(self.build_lib) / "xdp_switch" / "objects", quiet=True)
+
 
 setup(
+    cmdclass={"build_py": BuildPyWithBpf},
     ext_modules=[
         Extension(
             "hostlib._fastpath",
@@ -44,5 +63,5 @@ setup(
                 "-Wno-missing-field-initializers",
             ],
         )
-    ]
+    ],
 )

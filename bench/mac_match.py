@@ -49,8 +49,7 @@ def main() -> None:
                 f"ratio {on / off:.3f}"
             )
     finally:
-        os.close(prog.maps["partials"])
-        prog.bpf.cleanup()
+        prog.close()
 
 
 if __name__ == "__main__":

@@ -72,7 +72,6 @@ def run_two_levels(reps: int) -> tuple[np.ndarray, bool, int]:
 
 def xdp_path_costs(rounds: int) -> dict:
     """Median ns per packet of the completing paths, one level and a rack's (PROG_TEST_RUN)."""
-    import os
 
     from xdp_agg import bpfsys
     from xdp_agg.proto import wire
@@ -149,8 +148,7 @@ def xdp_path_costs(rounds: int) -> dict:
         assert c["forwarded_up"] == c["parent_result"] == rounds, c
         return {name: float(np.median(x)) for name, x in ns.items()} | {"rounds": rounds}
     finally:
-        os.close(prog.maps["partials"])
-        prog.bpf.cleanup()
+        prog.close()
 
 
 def _cell(lat: np.ndarray, ok: bool, retx: int) -> dict:

@@ -74,7 +74,8 @@ def compare(
         os.sched_setaffinity(0, {cpu})
     labels = list(sources)
     progs = {
-        (lab, v): loader.load(pool_slots=max(slots, 64), variant=v, source=src)
+        # bcc: an older revision's source is compiled here (libbpf loads the built objects)
+        (lab, v): loader.load(pool_slots=max(slots, 64), variant=v, source=src, toolchain="bcc")
         for lab, src in sources.items()
         for v in variants
     }
@@ -97,8 +98,7 @@ def compare(
                 rows.append(row)
     finally:
         for prog in progs.values():
-            os.close(prog.maps["partials"])
-            prog.bpf.cleanup()
+            prog.close()
     return rows
 
 

@@ -136,7 +136,7 @@ static __always_inline int copy_result(struct xdp_md *ctx, struct agg_pkt *pk, s
 
 	if (!AGG_DIRECT(K)) {
 		/* a jumbo payload spans buffers: one helper call writes all of them */
-		if (agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
+		if (bpf_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
 			return -1;
 	} else {
 		/* verifier: the caller checked the length */
@@ -156,7 +156,7 @@ static __always_inline int copy_result(struct xdp_md *ctx, struct agg_pkt *pk, s
 static __always_inline int resend_up(struct xdp_md *ctx, struct agg_pkt *pk, struct agg_job *job,
 				     struct agg_worker *w, u32 vi, u32 rkey, const u32 K)
 {
-	struct agg_result *r = results.lookup(&rkey);
+	struct agg_result *r = bpf_map_lookup_elem(&results, &rkey);
 
 	if (!r)
 		return XDP_ABORTED;
@@ -198,7 +198,7 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 		count(w->job, AGG_DUP_PENDING);
 		return XDP_DROP;
 	}
-	r = results.lookup(&rkey);
+	r = bpf_map_lookup_elem(&results, &rkey);
 	if (!r)
 		return XDP_ABORTED;
 	if (copy_result(ctx, pk, r, K))
@@ -332,7 +332,7 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 						      agg_lanes *pw, const struct agg_contrib *c,
 						      const u32 K)
 {
-	struct agg_partial *p = bpf_map_lookup_elem(partials, &pkey);
+	struct agg_partial *p = bpf_map_lookup_elem(&partials, &pkey);
 
 	if (p)
 		fold(p, tag, pk, pw, c, K);
@@ -345,7 +345,7 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
  * that publishes it: the completing CPU reads the entry after its own fetch_add on `added`. */
 static __always_inline int note_cpu(u32 pkey, u32 pos)
 {
-	struct agg_contrib_cpus *c = contrib_cpus.lookup(&pkey);
+	struct agg_contrib_cpus *c = bpf_map_lookup_elem(&contrib_cpus, &pkey);
 
 	if (!c)
 		return -1;
@@ -378,7 +378,7 @@ static __always_inline void gather_exponents(struct agg_gather *gs, struct agg_p
 static __always_inline long gather_one(u32 i, const u32 K)
 {
 	u32 zero = 0, cpu;
-	struct agg_gather *gs = gather.lookup(&zero);
+	struct agg_gather *gs = bpf_map_lookup_elem(&gather, &zero);
 	struct agg_contrib_cpus *c;
 	struct agg_partial *q;
 	struct agg_result *r;
@@ -386,15 +386,15 @@ static __always_inline long gather_one(u32 i, const u32 K)
 
 	if (!gs)
 		return 1;
-	c = contrib_cpus.lookup(&gs->pkey);
-	r = results.lookup(&gs->pkey);
+	c = bpf_map_lookup_elem(&contrib_cpus, &gs->pkey);
+	r = bpf_map_lookup_elem(&results, &gs->pkey);
 	if (!c || !r)
 		return 1;
 	/* verifier: bpf_loop's index is unknown to it; the mask bounds it */
 	cpu = c->cpu[i & (AGG_MAX_WORKERS - 1)];
 	if (cpu == gs->me)
 		return 0;
-	q = lookup_percpu_elem(partials, &gs->pkey, cpu);
+	q = bpf_map_lookup_percpu_elem(&partials, &gs->pkey, cpu);
 	if (!q || q->tag != gs->tag || !q->count)
 		return 0;
 	rw = (agg_lanes *)r->data;
@@ -416,19 +416,34 @@ static __always_inline long gather_one(u32 i, const u32 K)
 	return 0;
 }
 
-/* The gather callbacks, one per packet size: bpf_loop(n, AGG_CALLBACK(K), ...) calls
+/* The gather callbacks, one per packet size: bpf_loop(n, gather_callback(K), ...) calls
  * agg_gather_<K> for i = 0..n-1. verifier: a callback is verified once, whatever the number of
  * calls, so the program's verification does not grow with the workers or the CPUs (a loop over
- * CPUs walked every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit).
- * Not static, so that bcc compiles each into a function of its own that the loader can link. */
-#define AGG_GATHER_FN(code, elems)               \
-	long AGG_XCAT(agg_gather_, elems)(u32 i) \
-	{                                        \
-		return gather_one(i, elems);     \
+ * CPUs walked every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit). */
+#define AGG_GATHER_FN(code, elems)                    \
+	AGG_CALLBACK_FN(AGG_XCAT(agg_gather_, elems)) \
+	{                                             \
+		return gather_one(i, elems);          \
 	}
 #define AGG_CAT(a, b)  a##b
 #define AGG_XCAT(a, b) AGG_CAT(a, b)
 SML_FOR_EACH_SIZE(AGG_GATHER_FN)
+
+#ifdef AGG_LIBBPF
+#define AGG_GATHER_CASE(code, elems) \
+	case elems:                  \
+		return AGG_XCAT(agg_gather_, elems);
+/* The gather callback of packets of K elements (K a constant: the switch folds away). */
+static __always_inline void *gather_callback(const u32 K)
+{
+	switch (K) {
+		SML_FOR_EACH_SIZE(AGG_GATHER_CASE)
+	}
+	return NULL;
+}
+#else
+#define gather_callback(K) AGG_CALLBACK(K) /* the id of agg_gather_<K> is K */
+#endif
 
 /* Gather the round's partials other than `own` (this CPU's, which holds the round's last
  * addition) into r->data, and everything's exponents (and next, for a `sparse` job's round)
@@ -449,7 +464,7 @@ static __always_inline int gather_round(u32 pkey, u64 tag, struct agg_partial *o
 	out->others = 0;
 	if (own->count == n)
 		return 0;
-	gs = gather.lookup(&zero);
+	gs = bpf_map_lookup_elem(&gather, &zero);
 	if (!gs)
 		return -1;
 	gs->tag = tag;
@@ -460,7 +475,7 @@ static __always_inline int gather_round(u32 pkey, u64 tag, struct agg_partial *o
 	gs->next = out->next;
 	gs->sparse = sparse;
 	gs->others = 0;
-	if (bpf_loop(n, AGG_CALLBACK(K), NULL, 0) != n)
+	if (bpf_loop(n, gather_callback(K), NULL, 0) != n)
 		return -1;
 	out->e0 = gs->e0;
 	out->e1 = gs->e1;
@@ -475,7 +490,7 @@ static __always_inline struct agg_partial *accumulate(u32 pkey, u64 tag, struct 
 						      agg_lanes *pw, const struct agg_contrib *c,
 						      const u32 K)
 {
-	struct agg_locked_partial *lp = locked_partials.lookup(&pkey);
+	struct agg_locked_partial *lp = bpf_map_lookup_elem(&locked_partials, &pkey);
 
 	if (!lp)
 		return NULL;
@@ -526,14 +541,14 @@ static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, stru
  * then finish its addition after one that arrived later, which is the interleaving a completion
  * decided on the arrival count gets wrong (a fixed delay would keep arrival order). */
 #define AGG_TEST_RACE_SPINS 2048 /* ktime reads, each tens of ns: covers the delays the test uses */
-BPF_PERCPU_ARRAY(race_end, u64, 1); /* 0 -> when this CPU's race window ends (ktime ns) */
+AGG_PERCPU_ARRAY(race_end, u64, 1); /* 0 -> when this CPU's race window ends (ktime ns) */
 
-/* The spin's callback (id AGG_CALLBACK_RACE_SPIN): 1, which ends bpf_loop, once the window's end
- * has passed. Not static: the loader links it as it links the gather callbacks. */
-long agg_race_spin(u32 i)
+/* The spin's callback (bcc: id AGG_CALLBACK_RACE_SPIN): 1, which ends bpf_loop, once the
+ * window's end has passed. */
+AGG_CALLBACK_FN(agg_race_spin)
 {
 	u32 zero = 0;
-	u64 *end = race_end.lookup(&zero);
+	u64 *end = bpf_map_lookup_elem(&race_end, &zero);
 
 	return !end || bpf_ktime_get_ns() >= *end;
 }
@@ -541,7 +556,7 @@ long agg_race_spin(u32 i)
 static __always_inline void race_window(void)
 {
 	u32 zero = 0;
-	u64 *end = race_end.lookup(&zero);
+	u64 *end = bpf_map_lookup_elem(&race_end, &zero);
 
 	if (!end)
 		return;
@@ -549,7 +564,11 @@ static __always_inline void race_window(void)
 	/* verifier: a callback, verified as a whole at each call; a bounded loop of ktime reads
 	 * was walked iteration by iteration at every one, which took the sparse build past the
 	 * verifier's limit */
+#ifdef AGG_LIBBPF
+	bpf_loop(AGG_TEST_RACE_SPINS, agg_race_spin, NULL, 0);
+#else
 	bpf_loop(AGG_TEST_RACE_SPINS, AGG_CALLBACK(AGG_CALLBACK_RACE_SPIN), NULL, 0);
+#endif
 }
 #else
 #define race_window() \
@@ -649,7 +668,7 @@ static __always_inline int deliver(struct xdp_md *ctx, struct agg_job *job, u32 
 
 	if (job->delivery != AGG_DELIVERY_UNICAST)
 		return AGG_TX(ctx);
-	copies = bpf_map_lookup_elem(job_copies, &jid);
+	copies = bpf_map_lookup_elem(&job_copies, &jid);
 	if (!copies)
 		return XDP_ABORTED; /* the control plane makes the devmap before the job is active */
 	/* verifier: an inner map of job_copies is a devmap, which redirect_map takes */
@@ -677,12 +696,12 @@ static __always_inline int from_parent(struct xdp_md *ctx, struct agg_pkt *pk, s
 		count(w->job, AGG_STALE_PARENT_RESULT); /* a copy already taken on another CPU */
 		return XDP_DROP;
 	}
-	r = results.lookup(&rkey);
+	r = bpf_map_lookup_elem(&results, &rkey);
 	if (!r)
 		return XDP_ABORTED;
 	if (!AGG_DIRECT(K)) {
 		/* a jumbo payload spans buffers: one helper call reads all of them */
-		if (agg_xdp_load_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
+		if (bpf_xdp_load_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
 			return XDP_DROP;
 	} else {
 		/* verifier: the caller checked the length */
@@ -719,9 +738,9 @@ static __always_inline __be32 *payload_at(struct xdp_md *ctx, struct agg_pkt *pk
 		 * which no driver here does at these sizes (consts.h) */
 		return (void *)(pl + K) > data_end ? NULL : pl;
 	}
-	s = scratch.lookup(&zero);
+	s = bpf_map_lookup_elem(&scratch, &zero);
 	/* verifier: K * 4 is a constant no larger than the scratch value (AGG_MAX_ELEMS) */
-	if (!s || agg_xdp_load_bytes(ctx, off, s->data, K * 4))
+	if (!s || bpf_xdp_load_bytes(ctx, off, s->data, K * 4))
 		return NULL;
 	return s->data;
 }
@@ -741,7 +760,7 @@ static __always_inline int send_result(struct xdp_md *ctx, struct agg_pkt *pk, s
 		/* every copy carries the result's fields; the egress program only addresses it */
 		result_fields(pk);
 		ipv4_csum(pk->ip);
-		return tx_ports.redirect_map(0, BPF_F_BROADCAST);
+		return bpf_redirect_map(&tx_ports, 0, BPF_F_BROADCAST);
 	}
 	address_to_group(pk, job);
 	return deliver(ctx, job, w->job);
@@ -772,7 +791,7 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		count_worker(w, dropped);
 		return XDP_DROP;
 	}
-	st = slots.lookup(&g);
+	st = bpf_map_lookup_elem(&slots, &g);
 	if (!st)
 		return XDP_ABORTED;
 	if (w->index == AGG_PARENT_INDEX)
@@ -786,13 +805,13 @@ static __always_inline int aggregate(struct xdp_md *ctx, struct agg_pkt *pk, str
 		return last ? XDP_ABORTED : XDP_DROP;
 
 	/* The last addition of the round: this CPU alone completes the slot. */
-	r = results.lookup(&pkey);
+	r = bpf_map_lookup_elem(&results, &pkey);
 	if (!r)
 		return XDP_ABORTED;
 	if (complete_slot(pk, pw, r, pkey, tag, own, n, K))
 		return XDP_ABORTED;
 	/* a jumbo sum was published into the scratch copy: one helper call writes every buffer */
-	if (!AGG_DIRECT(K) && agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, pl, K * 4))
+	if (!AGG_DIRECT(K) && bpf_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, pl, K * 4))
 		return XDP_ABORTED;
 	if (job->flags & AGG_JOB_TREE) {
 		/* the partial is stored; the parent's result for this round is still to be taken */

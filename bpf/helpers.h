@@ -5,21 +5,11 @@
 #define agg_ntohl(x) bpf_htonl(x) /* a byte swap is its own inverse */
 #define agg_ntohs(x) bpf_htons(x)
 
-/* Multi-buffer (frags) helpers of the kernel (5.18+), which bcc 0.26's helpers.h does not
- * declare: by helper id, as bcc declares the others. */
-/* clang-format off */
-static u64 (*const agg_xdp_buff_len)(struct xdp_md *ctx) = (void *)BPF_FUNC_xdp_get_buff_len;
-static long (*const agg_xdp_load_bytes)(struct xdp_md *ctx, u32 off, void *buf, u32 len) =
-	(void *)BPF_FUNC_xdp_load_bytes;
-static long (*const agg_xdp_store_bytes)(struct xdp_md *ctx, u32 off, void *buf, u32 len) =
-	(void *)BPF_FUNC_xdp_store_bytes;
-/* clang-format on */
-
 /* The frame's length: in a multi-buffer (frags) program data_end ends the first buffer only. */
 static __always_inline u32 frame_len(struct xdp_md *ctx)
 {
 #ifdef AGG_FRAGS
-	return (u32)agg_xdp_buff_len(ctx);
+	return (u32)bpf_xdp_get_buff_len(ctx);
 #else
 	return (u32)(ctx->data_end - ctx->data);
 #endif
@@ -29,7 +19,7 @@ static __always_inline u32 frame_len(struct xdp_md *ctx)
 static __always_inline void count(u32 job, u32 reason)
 {
 	u32 key = AGG_COUNTER_KEY(job, reason);
-	u64 *c = stats.lookup(&key);
+	u64 *c = bpf_map_lookup_elem(&stats, &key);
 
 	if (c)
 		*c += 1;
@@ -43,7 +33,7 @@ static __always_inline struct agg_worker_stats *worker_counters(struct agg_worke
 	if (w->index >= AGG_MAX_WORKERS)
 		return NULL;
 
-	return worker_stats.lookup(&key);
+	return bpf_map_lookup_elem(&worker_stats, &key);
 }
 
 /* Count one packet in a per-worker counter; `field` is a member of struct agg_worker_stats.

@@ -5,23 +5,28 @@
 
 /* One line per map, kept so by hand. */
 /* clang-format off */
-BPF_ARRAY(jobs, struct agg_job, AGG_MAX_JOBS);                                  /* job id -> job */
-BPF_HASH(workers, struct agg_worker_key, struct agg_worker, AGG_WORKER_ROWS);    /* (src, port) -> job, index */
-BPF_ARRAY(slots, struct agg_slot, AGG_POOL_SLOTS);                              /* slot -> shared round state */
-BPF_ARRAY(slot_owner, u32, AGG_POOL_SLOTS);                                     /* slot -> job id + 1, 0 = free */
-BPF_ARRAY(results, struct agg_result, AGG_POOL_SLOTS * 2);                      /* slot*2+v -> published sum */
-BPF_PERCPU_ARRAY(stats, u64, AGG_STATS_ROWS);                                   /* job*reasons+reason -> packets */
-BPF_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       /* job*workers+index -> counters */
-BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, tx_ports, AGG_MAX_PORTS); /* switch mode: ports to broadcast to */
-BPF_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
-BPF_ARRAY(copy_dests, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_WORKERS); /* unicast: job*workers+k -> where copy k goes */
+AGG_ARRAY(jobs, struct agg_job, AGG_MAX_JOBS);                                  /* job id -> job */
+AGG_HASH(workers, struct agg_worker_key, struct agg_worker, AGG_WORKER_ROWS);    /* (src, port) -> job, index */
+AGG_ARRAY(slots, struct agg_slot, AGG_POOL_SLOTS);                              /* slot -> shared round state */
+AGG_ARRAY(slot_owner, u32, AGG_POOL_SLOTS);                                     /* slot -> job id + 1, 0 = free */
+AGG_ARRAY(results, struct agg_result, AGG_POOL_SLOTS * 2);                      /* slot*2+v -> published sum */
+AGG_PERCPU_ARRAY(stats, u64, AGG_STATS_ROWS);                                   /* job*reasons+reason -> packets */
+AGG_PERCPU_ARRAY(worker_stats, struct agg_worker_stats, AGG_WORKER_ROWS);       /* job*workers+index -> counters */
+AGG_DEVMAP(tx_ports, AGG_MAX_PORTS);                                             /* switch mode: ports to broadcast to */
+AGG_HASH(port_workers, struct agg_port_key, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_PORTS); /* (ifindex, job) -> worker */
+AGG_ARRAY(copy_dests, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_WORKERS); /* unicast: job*workers+k -> where copy k goes */
 /* clang-format on */
 
 /* Unicast delivery (one-arm, docs/protocol.md 3.5): job -> a devmap of the job's n copies, every
  * entry the aggregator's interface with xdp_agg_copy as its egress program. A broadcast reaches
- * every entry of a devmap, so each job has a devmap of its own; bcc cannot declare a map of
- * devmaps, so the loader creates it and passes its fd, as for `partials` below. */
-#define job_copies ((void *)bpf_pseudo_fd(1, AGG_JOB_COPIES_FD))
+ * every entry of a devmap, so each job has a devmap of its own (the control plane makes it,
+ * xdp_switch/loader.py job_copies_devmap). bcc cannot declare a map of devmaps, so under bcc the
+ * loader creates it and passes its fd, as for `partials` below. */
+#ifdef AGG_LIBBPF
+AGG_ARRAY_OF_DEVMAPS(job_copies, AGG_MAX_JOBS, AGG_MAX_WORKERS); /* job -> its devmap of copies */
+#else
+#define job_copies AGG_FD_MAP(AGG_JOB_COPIES_FD)
+#endif
 
 /* Which copy of a unicast result xdp_agg_copy addresses next, on this CPU. The kernel gives a
  * devmap egress program no entry index, but a broadcast enqueues a frame's copies one after
@@ -34,7 +39,7 @@ struct agg_copy_cursor {
 	u32 job;    /* its job */
 	u32 k;	    /* the copy addressed last */
 };
-BPF_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's copy in progress */
+AGG_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's copy in progress */
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
  * headers, the partials created by the loader) into the program's BTF, where
@@ -45,17 +50,16 @@ struct agg_btf_anchor {
 	struct sparse_hdr sparse;
 	struct agg_partial partial;
 };
-BPF_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
+AGG_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
 
-/* Per-CPU partial sums (slot*2+v -> struct agg_partial). bcc has no table method for
- * bpf_map_lookup_percpu_elem, which the completing packet needs to gather the other CPUs' sums,
- * so the loader creates this map itself and passes its fd; the pseudo-fd load below is what a
- * table reference compiles to. */
-#define partials ((void *)bpf_pseudo_fd(1, AGG_PARTIALS_FD))
-/* clang-format off */
-static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
-	(void *)BPF_FUNC_map_lookup_percpu_elem;
-/* clang-format on */
+/* Per-CPU partial sums (slot*2+v -> struct agg_partial), which the completing packet gathers
+ * from the other CPUs with bpf_map_lookup_percpu_elem. bcc has no table method for that helper,
+ * so under bcc the loader creates this map itself and passes its fd. */
+#ifdef AGG_LIBBPF
+AGG_PERCPU_ARRAY(partials, struct agg_partial, AGG_POOL_SLOTS * 2); /* slot*2+v -> partial */
+#else
+#define partials AGG_FD_MAP(AGG_PARTIALS_FD)
+#endif
 
 /* Per-CPU scratch: the payload of a jumbo packet (size codes above AGG_DIRECT_MAX_ELEMS), copied
  * out of the frame's buffers with bpf_xdp_load_bytes so that the element loops read it with the
@@ -63,7 +67,7 @@ static void *(*const lookup_percpu_elem)(void *map, const void *key, u32 cpu) =
 struct agg_scratch {
 	__be32 data[AGG_MAX_ELEMS];
 };
-BPF_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
+AGG_PERCPU_ARRAY(scratch, struct agg_scratch, 1); /* 0 -> this CPU's payload copy */
 /* A contribution to a sparse job (sparse.h), as its packet says: what a partial keeps of it
  * besides the payload (aggregate.h fold_sparse). A dense packet of a sparse job names next 0, as
  * every other dense one of its round, so that its e0 is maxed in as a dense round's is. */
@@ -75,7 +79,7 @@ struct agg_contrib {
 };
 /* In a map value, not on the stack: the verifier does not track what a map value holds, so the
  * state machine after sparse.h read_contrib is one state for every kind of packet. */
-BPF_PERCPU_ARRAY(contrib, struct agg_contrib, 1); /* 0 -> this CPU's sparse contribution */
+AGG_PERCPU_ARRAY(contrib, struct agg_contrib, 1); /* 0 -> this CPU's sparse contribution */
 
 #ifndef AGG_SPINLOCK
 /* Where each contribution of a round was folded, by its arrival position in the round: the CPU
@@ -98,8 +102,8 @@ struct agg_gather {
 	u32 pad;
 };
 /* clang-format off */
-BPF_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each arrival of the round */
-BPF_PERCPU_ARRAY(gather, struct agg_gather, 1);                         /* 0 -> this CPU's completion in progress */
+AGG_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each arrival of the round */
+AGG_PERCPU_ARRAY(gather, struct agg_gather, 1);                         /* 0 -> this CPU's completion in progress */
 /* clang-format on */
 #endif
 
@@ -110,7 +114,7 @@ struct agg_locked_partial {
 	u32 pad;
 	struct agg_partial p;
 };
-BPF_ARRAY(locked_partials, struct agg_locked_partial,
+AGG_ARRAY(locked_partials, struct agg_locked_partial,
 	  AGG_POOL_SLOTS * 2); /* slot*2+v -> locked partial */
 #endif
 

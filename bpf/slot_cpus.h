@@ -22,13 +22,17 @@
 #ifdef AGG_CPUMAP
 #define AGG_CPUMAP_SLOTS (SML_POOL_SLOT_MASK + 1) /* every slot number the wire can carry */
 /* clang-format off */
-BPF_ARRAY(slot_cpu, u32, AGG_CPUMAP_SLOTS);                                       /* wire slot -> CPU */
-BPF_XDP_REDIRECT_MAP("cpumap", struct bpf_cpumap_val, cpu_map, AGG_NR_CPUS);     /* CPU -> queue, program */
+AGG_ARRAY(slot_cpu, u32, AGG_CPUMAP_SLOTS);                                       /* wire slot -> CPU */
+AGG_CPU_MAP(cpu_map, AGG_NR_CPUS);                                                /* CPU -> queue, program */
 /* clang-format on */
 
 /* ifindex -> the interface, with the attachment's devmap egress program (xdp_agg_copy one-arm,
- * xdp_agg_egress in the switch topology): created by the loader, filled by attach. */
-#define tx_self ((void *)bpf_pseudo_fd(1, AGG_TX_SELF_FD))
+ * xdp_agg_egress in the switch topology): filled by attach. */
+#ifdef AGG_LIBBPF
+AGG_DEVMAP_HASH(tx_self, AGG_MAX_PORTS); /* ifindex -> the interface, its egress program */
+#else
+#define tx_self AGG_FD_MAP(AGG_TX_SELF_FD) /* bcc declares no devmap hash: the loader's */
+#endif
 
 /* A frame sent back out of the interface it came in on, through tx_self, so that it carries the
  * same egress program as the broadcasts out of that interface: a CPU's redirected frames to one
@@ -36,9 +40,9 @@ BPF_XDP_REDIRECT_MAP("cpumap", struct bpf_cpumap_val, cpu_map, AGG_NR_CPUS);    
  * (kernel 6.18 kernel/bpf/devmap.c bq_enqueue), so a frame without one (bpf_redirect) ahead of
  * a broadcast's copies would send them unaddressed. The egress programs pass what is not theirs
  * to address unchanged. A missing entry: the low bits of the flags, XDP_ABORTED. */
-#define AGG_TX(ctx) bpf_redirect_map(tx_self, (ctx)->ingress_ifindex, XDP_ABORTED)
+#define AGG_TX(ctx) bpf_redirect_map(&tx_self, (ctx)->ingress_ifindex, XDP_ABORTED)
 
-int xdp_agg_steer(struct xdp_md *ctx)
+AGG_PROG(AGG_SEC_XDP) int xdp_agg_steer(struct xdp_md *ctx)
 {
 	struct agg_pkt pk;
 	u32 g = 0, *cpu;
@@ -53,12 +57,12 @@ int xdp_agg_steer(struct xdp_md *ctx)
 	default:
 		break; /* malformed or truncated: slot 0's CPU drops and counts it */
 	}
-	cpu = slot_cpu.lookup(&g);
+	cpu = bpf_map_lookup_elem(&slot_cpu, &g);
 	if (!cpu)
 		return XDP_ABORTED;
 	/* the control plane names only CPUs it put in cpu_map; one it did not: the frame is
 	 * dropped (the flags' low bits are the action when the entry is missing) */
-	return cpu_map.redirect_map(*cpu, XDP_DROP);
+	return bpf_redirect_map(&cpu_map, *cpu, XDP_DROP);
 }
 #else
 #define AGG_TX(ctx) XDP_TX

@@ -38,9 +38,9 @@ static __always_inline __be32 *scratch_payload(struct xdp_md *ctx, u32 off, cons
 	struct agg_scratch *s;
 	u32 zero = 0;
 
-	s = scratch.lookup(&zero);
+	s = bpf_map_lookup_elem(&scratch, &zero);
 	/* verifier: K * 4 is a constant no larger than the scratch value (AGG_MAX_ELEMS) */
-	if (!s || agg_xdp_load_bytes(ctx, off, s->data, K * 4))
+	if (!s || bpf_xdp_load_bytes(ctx, off, s->data, K * 4))
 		return NULL;
 	return s->data;
 }
@@ -216,7 +216,7 @@ static __always_inline int write_sparse(struct xdp_md *ctx, struct agg_pkt *pk,
 	sh->next = bpf_htonl(r->next);
 	sh->blocks = bpf_htonl((u32)r->key);
 	/* one helper call, whatever the size (verifier: no loop to walk per path) */
-	if (r->has_data && agg_xdp_store_bytes(ctx, SML_SPARSE_PAYLOAD_OFFSET, r->data, K * 4))
+	if (r->has_data && bpf_xdp_store_bytes(ctx, SML_SPARSE_PAYLOAD_OFFSET, r->data, K * 4))
 		return -1;
 	return 0;
 }
@@ -229,7 +229,7 @@ static __always_inline int write_result(struct xdp_md *ctx, struct agg_pkt *pk,
 {
 	if (r->key != AGG_DENSE_KEY)
 		return write_sparse(ctx, pk, r, K);
-	if (agg_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
+	if (bpf_xdp_store_bytes(ctx, SML_PAYLOAD_OFFSET, r->data, K * 4))
 		return -1;
 	pk->exp->e0 = r->e0;
 	pk->exp->e1 = r->e1;
@@ -248,7 +248,7 @@ static __always_inline int sparse_duplicate(struct xdp_md *ctx, struct agg_pkt *
 	/* fetch_add(0) is a full barrier: the result read below is the one published. */
 	u64 published = __sync_fetch_and_add(&st->published[vi], 0);
 	bool open = published * job->num_workers != arrivals;
-	struct agg_result *r = results.lookup(&rkey);
+	struct agg_result *r = bpf_map_lookup_elem(&results, &rkey);
 	u64 have;
 
 	if (!r)
@@ -277,7 +277,7 @@ static __always_inline int sparse_complete(struct xdp_md *ctx, struct agg_pkt *p
 					   struct agg_slot *st, u32 vi, u32 pkey, u64 tag,
 					   struct agg_partial *own, u64 key, const u32 K)
 {
-	struct agg_result *r = results.lookup(&pkey);
+	struct agg_result *r = bpf_map_lookup_elem(&results, &pkey);
 	struct agg_round rs;
 
 	if (!r || gather_round(pkey, tag, own, job->num_workers, true, &rs, K))
@@ -302,7 +302,7 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 	u32 pkey = AGG_POOL_ENTRY(g, vi), why, zero = 0;
 	u64 bit, tag;
 	int last;
-	struct agg_contrib *c = contrib.lookup(&zero);
+	struct agg_contrib *c = bpf_map_lookup_elem(&contrib, &zero);
 	struct agg_partial *own;
 	struct agg_slot *st;
 	__be32 *pl;
@@ -312,7 +312,7 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 	why = read_contrib(ctx, pk, job, c, &pl, K);
 	if (why)
 		return drop(w, why);
-	st = slots.lookup(&g);
+	st = bpf_map_lookup_elem(&slots, &g);
 	if (!st || !repoint(ctx, pk))
 		return XDP_ABORTED;
 	bit = 1ULL << w->index; /* a worker's index is < AGG_MAX_WORKERS here (ingress checked) */

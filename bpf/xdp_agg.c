@@ -7,13 +7,14 @@
  * addresses each broadcast copy of a result to the job's worker behind that port. xdp_agg_copy is
  * the devmap egress program of unicast delivery (one-arm): it addresses copy k of a result to
  * the job's worker k. A sparse job's packets (docs/protocol.md section 8) go through sparse.h.
- * Compiled by bcc at attach time; see xdp_switch/loader.py for the -D parameters. With
- * -DAGG_FRAGS the loader loads both programs as multi-buffer (frags) programs, which see frames
+ * Built once per flavour by clang (-DAGG_LIBBPF, xdp_switch/bpfbuild.py) and loaded by libbpf,
+ * or compiled by bcc at attach time (platform.h). With -DAGG_FRAGS the programs are
+ * multi-buffer (frags) programs, which see frames
  * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
  * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h).
  * With -DAGG_CPUMAP xdp_agg_steer (slot_cpus.h) is what the interfaces run, and xdp_agg_ingress
  * runs on the cpumap's CPUs, the one that owns each slot. */
-#include <uapi/linux/bpf.h>
+#include "platform.h"
 #include <linux/if_ether.h>
 #include <linux/ip.h>
 #include <linux/in.h>
@@ -76,7 +77,9 @@ static __always_inline u32 type_and_lengths(struct xdp_md *ctx, struct agg_pkt *
 	return 0;
 }
 
-int xdp_agg_ingress(struct xdp_md *ctx)
+/* The aggregator: what the interfaces run (--slot-cpus rss), or the cpumap's CPUs
+ * (xdp_agg_cpumap). */
+static __always_inline int ingress(struct xdp_md *ctx)
 {
 	struct agg_worker_key wk = {};
 	struct agg_worker *w;
@@ -99,7 +102,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	}
 	wk.addr = pk.ip->saddr;
 	wk.port = pk.udp->dest;
-	w = workers.lookup(&wk);
+	w = bpf_map_lookup_elem(&workers, &wk);
 	/* the source MAC too, where the control plane knows it (an on-link worker), as
 	 * p4app-switchML's switch matches it: another host's frames with a worker's address and
 	 * port are from a source we do not know */
@@ -107,7 +110,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 		count(AGG_NO_JOB, AGG_DROP_UNKNOWN_SOURCE);
 		return XDP_DROP;
 	}
-	job = jobs.lookup(&w->job);
+	job = bpf_map_lookup_elem(&jobs, &w->job);
 	/* A tree job's parent is registered as its worker AGG_PARENT_INDEX (docs/protocol.md 3.7) */
 	from_parent = w->index == AGG_PARENT_INDEX;
 	if (!job || !job->active ||
@@ -130,7 +133,7 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 			return drop(w, AGG_DROP_SLOT_RANGE);
 		g = g - job->parent_slot_base + job->slot_base;
 	}
-	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= AGG_POOL_SLOTS)
+	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= agg_pool_slots)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
 	/* One copy of the state machine per packet size (the size codes of the wire module,
@@ -141,7 +144,21 @@ int xdp_agg_ingress(struct xdp_md *ctx)
 	return drop(w, AGG_DROP_BAD_SIZE);
 }
 
-int xdp_agg_egress(struct xdp_md *ctx)
+AGG_PROG(AGG_SEC_XDP) int xdp_agg_ingress(struct xdp_md *ctx)
+{
+	return ingress(ctx);
+}
+
+#if defined(AGG_CPUMAP) && defined(AGG_LIBBPF)
+/* The aggregator as the cpumap's entries run it (expected attach type BPF_XDP_CPUMAP); bcc's
+ * loader loads xdp_agg_ingress a second time instead. */
+AGG_PROG(AGG_SEC_CPUMAP) int xdp_agg_cpumap(struct xdp_md *ctx)
+{
+	return ingress(ctx);
+}
+#endif
+
+AGG_PROG(AGG_SEC_DEVMAP) int xdp_agg_egress(struct xdp_md *ctx)
 {
 	struct agg_port_key pkey = {};
 	struct agg_port_worker *pw;
@@ -151,12 +168,12 @@ int xdp_agg_egress(struct xdp_md *ctx)
 	if (parse(ctx, &pk) != AGG_PARSE_OK)
 		return XDP_PASS; /* not a result: another frame sent out of this port (slot_cpus.h) */
 	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
-	owner = slot_owner.lookup(&g);
+	owner = bpf_map_lookup_elem(&slot_owner, &g);
 	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)
 		return XDP_DROP;
 	pkey.ifindex = ctx->egress_ifindex;
 	pkey.job = *owner - 1;
-	pw = port_workers.lookup(&pkey);
+	pw = bpf_map_lookup_elem(&port_workers, &pkey);
 	if (!pw) {
 		count(pkey.job, AGG_EGRESS_NO_WORKER); /* a port without a worker of this job */
 		return XDP_DROP;
@@ -168,7 +185,7 @@ int xdp_agg_egress(struct xdp_md *ctx)
 	return XDP_PASS; /* in a devmap program, PASS transmits */
 }
 
-int xdp_agg_copy(struct xdp_md *ctx)
+AGG_PROG(AGG_SEC_DEVMAP) int xdp_agg_copy(struct xdp_md *ctx)
 {
 	struct agg_copy_cursor *cur;
 	struct agg_port_worker *to;
@@ -180,12 +197,12 @@ int xdp_agg_copy(struct xdp_md *ctx)
 	if (!parse_result(ctx, &pk))
 		return XDP_PASS; /* not a result: another frame sent out of this port (slot_cpus.h) */
 	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
-	owner = slot_owner.lookup(&g);
+	owner = bpf_map_lookup_elem(&slot_owner, &g);
 	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)
 		return XDP_PASS;
 	jid = *owner - 1;
-	job = jobs.lookup(&jid);
-	cur = copy_cursor.lookup(&zero);
+	job = bpf_map_lookup_elem(&jobs, &jid);
+	cur = bpf_map_lookup_elem(&copy_cursor, &zero);
 	if (!job || !cur)
 		return XDP_ABORTED;
 	if (job->delivery != AGG_DELIVERY_UNICAST || pk.ip->daddr != job->group_ip)
@@ -201,7 +218,7 @@ int xdp_agg_copy(struct xdp_md *ctx)
 	if (cur->k >= AGG_MAX_WORKERS)
 		return XDP_ABORTED; /* verifier: bounds the key below; num_workers <= AGG_MAX_WORKERS */
 	key = AGG_WORKER_KEY(jid, cur->k);
-	to = copy_dests.lookup(&key);
+	to = bpf_map_lookup_elem(&copy_dests, &key);
 	if (!to || !to->ip) {
 		count(jid, AGG_EGRESS_NO_WORKER); /* worker k has not registered (yet) */
 		return XDP_DROP;
@@ -210,3 +227,7 @@ int xdp_agg_copy(struct xdp_md *ctx)
 	count(jid, AGG_EGRESS_SENT);
 	return XDP_PASS; /* in a devmap program, PASS transmits */
 }
+
+#ifdef AGG_LIBBPF
+char LICENSE[] SEC("license") = "GPL"; /* bpf_loop and the percpu lookup are GPL-only */
+#endif

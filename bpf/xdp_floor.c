@@ -1,7 +1,7 @@
 /* xdp_floor.c: the benchmark's floor. Runs the parse xdp_agg.c runs (parse.h), reads the
  * SwitchML header's type as the aggregator does, and drops the packet: what an XDP program costs
  * before any aggregation. */
-#include <uapi/linux/bpf.h>
+#include "platform.h"
 #include <linux/if_ether.h>
 #include <linux/ip.h>
 #include <linux/in.h>
@@ -10,7 +10,7 @@
 #include "generated/wire.h"
 #include "parse.h"
 
-int xdp_floor(struct xdp_md *ctx)
+AGG_PROG("xdp") int xdp_floor(struct xdp_md *ctx)
 {
 	struct agg_pkt pk;
 
@@ -18,3 +18,7 @@ int xdp_floor(struct xdp_md *ctx)
 		return XDP_PASS;
 	return SML_MSG_TYPE(pk.sml) == SML_MSG_TYPE_DATA ? XDP_DROP : XDP_ABORTED;
 }
+
+#ifdef AGG_LIBBPF
+char LICENSE[] SEC("license") = "GPL";
+#endif

@@ -106,14 +106,21 @@ def test_exit_code_comes_from_the_error_class(run, monkeypatch, error, code):
     assert r.output.startswith("xdp-agg: ") and "Traceback" not in r.output
 
 
-def test_environment_problems_exit_3(run, monkeypatch):
+def test_environment_problems_exit_3(run, monkeypatch, tmp_path):
+    from xdp_switch import bpfbuild
+
     monkeypatch.setattr(pins, "bpffs_mounted", lambda path=None: False)
     monkeypatch.setattr("os.geteuid", lambda: 0)
     monkeypatch.setattr(xdp_backend.links, "xdp_prog_id", lambda ifname: 0)
     monkeypatch.setattr(xdp_backend.links, "addresses", lambda ifname: {"ifname": ifname})
     assert run("attach", "eth0").exit_code == cli.EXIT_ENV  # no bpffs
+    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "bcc")
     monkeypatch.setattr(loader, "kernel_headers_present", lambda: False)
     assert run("bench").exit_code == cli.EXIT_ENV  # no kernel headers (bench loads programs)
+    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "libbpf")
+    monkeypatch.setattr(bpfbuild, "in_checkout", lambda: False)  # as installed, but unbuilt
+    monkeypatch.setattr(bpfbuild, "OBJ_DIR", tmp_path)
+    assert run("bench").exit_code == cli.EXIT_ENV  # no BPF objects
 
 
 def test_refused_job_exits_1(run, monkeypatch):

@@ -8,7 +8,11 @@ from collections import Counter
 
 import numpy as np
 import pytest
-from harness.builds import AGG_BUILDS_CPUMAP, load_agg_build, unicast_copies
+from harness.builds import (
+    TOOLCHAIN_BUILDS_CPUMAP,
+    load_agg_build,
+    unicast_copies,
+)
 from harness.cpus import on_each_cpu_in_turn
 from harness.packet_cases import (
     AGG_IP,
@@ -39,10 +43,10 @@ from xdp_switch import loader
 pytestmark = [pytest.mark.root, pytest.mark.bpf]
 
 
-@pytest.fixture(scope="module", params=AGG_BUILDS_CPUMAP)
+@pytest.fixture(scope="module", params=TOOLCHAIN_BUILDS_CPUMAP)
 def agg_prog(request):
     """conftest's builds and the one of --slot-cpus cpumap (its aggregator, as loaded for the
-    cpumap's entries, is what these cases run)."""
+    cpumap's entries, is what these cases run), through bcc and through libbpf."""
     yield from load_agg_build(request.param)
 
 

@@ -1,4 +1,5 @@
-"""Compile the XDP aggregator with bcc and load it.
+"""Load the XDP aggregator: through libbpf from the objects built with the project (the
+default, xdp_switch/objload.py), or compiled here with bcc (XDP_AGG_TOOLCHAIN=bcc, below).
 
 bcc compiles bpf/xdp_agg.c against the running kernel's headers at load time (4-7 s) and creates
 its maps; the programs are loaded through bpfsys (xdp_switch/subprogs.py links their bpf_loop
@@ -108,9 +109,10 @@ class LoadError(XdpAggError):
 
 @dataclass
 class Loaded:
-    """A loaded aggregator: program and map fds (owned by the bcc object while it lives)."""
+    """A loaded aggregator: program and map fds (owned by the bcc or libbpf object while it
+    lives)."""
 
-    bpf: object  # bcc.BPF, kept alive so the fds stay open
+    bpf: object  # bcc.BPF or bpfsys.libbpf.Object, kept alive so the fds stay open
     progs: dict[str, int]
     maps: dict[str, int]
     pool_slots: int
@@ -119,9 +121,14 @@ class Loaded:
     own_fds: list[int] = field(default_factory=list)  # program fds, loaded here (not by bcc)
     warnings: list[str] = field(default_factory=list)  # the compiler's warning lines
     verified: dict[str, int] = field(default_factory=dict)  # program -> insns verified
+    toolchain: str = "bcc"  # one of TOOLCHAINS
+    path: Path | None = None  # libbpf: the object file loaded
 
     def close(self) -> None:
         """Close every fd of the loaded programs and maps (pins keep what they pin)."""
+        if self.toolchain == "libbpf":
+            self.bpf.close()  # libbpf owns every fd
+            return
         for fd in self.own_fds + [self.maps[n] for n in OWN_MAPS if n in self.maps]:
             os.close(fd)
         self.own_fds.clear()
@@ -177,6 +184,23 @@ def _capture_fd2():
 
 
 _INCLUDE = re.compile(r'^#include "([^"]+)"\s*$', re.M)
+# the code's calls on a map (bpf/platform.h), in bcc's table methods where bcc declares the map
+_MAP_CALL = re.compile(r"\b(bpf_map_lookup_elem|bpf_redirect_map)\(&(\w+),\s*")
+_BCC_METHOD = {"bpf_map_lookup_elem": "lookup", "bpf_redirect_map": "redirect_map"}
+
+
+def bcc_text(path: Path = SOURCE) -> str:
+    """The program as bcc compiles it: one text (source_text), the code's calls on a map that
+    bcc declares (`bpf_map_lookup_elem(&stats, k)`, written so for clang and libbpf) in bcc's
+    table methods (`stats.lookup(k)`), which its rewriter turns into the map's fd. The maps the
+    loader creates (OWN_MAPS) are pseudo fds already (bpf/platform.h AGG_FD_MAP)."""
+
+    def method(m: re.Match) -> str:
+        if m.group(2) in OWN_MAPS:
+            return m.group(0)
+        return f"{m.group(2)}.{_BCC_METHOD[m.group(1)]}("
+
+    return _MAP_CALL.sub(method, source_text(path))
 
 
 def source_text(path: Path = SOURCE, _seen: set | None = None) -> str:
@@ -238,6 +262,10 @@ def prepare_test_runs(prog: Loaded) -> None:
 def test_runnable(prog: Loaded, name: str) -> int:
     """Program `name` of loaded build `prog` loaded once more as a plain XDP program, which
     BPF_PROG_TEST_RUN runs (it refuses a devmap or cpumap program); its fd, the caller's."""
+    if prog.toolchain == "libbpf":
+        from . import objload
+
+        return objload.test_runnable(prog, name)
     fd, _ = _load_own(prog.bpf, name, 0, prog.options["frags"], f"{name[:9]}_run")
     return fd
 
@@ -326,6 +354,21 @@ def _create_own_maps(pool_slots: int, cpumap: bool) -> dict[str, int]:
     return fds
 
 
+# How the program is built and loaded: "libbpf" (the default) loads the object
+# xdp_switch/bpfbuild.py built (xdp_switch/objload.py); "bcc" compiles bpf/xdp_agg.c at load
+# time (kernel headers, LLVM: seconds).
+TOOLCHAINS = ("bcc", "libbpf")
+TOOLCHAIN_ENV = "XDP_AGG_TOOLCHAIN"
+
+
+def default_toolchain() -> str:
+    """The toolchain load() uses when not told: $XDP_AGG_TOOLCHAIN, else libbpf."""
+    name = os.environ.get(TOOLCHAIN_ENV) or "libbpf"
+    if name not in TOOLCHAINS:
+        raise ValueError(f"{TOOLCHAIN_ENV} must be one of {', '.join(TOOLCHAINS)}, not {name!r}")
+    return name
+
+
 def load(
     pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     cflags: tuple[str, ...] = (),
@@ -333,6 +376,7 @@ def load(
     source: Path = SOURCE,
     frags: bool = False,
     slot_cpus: str = "rss",
+    toolchain: str | None = None,
 ) -> Loaded:
     """Compile bpf/xdp_agg.c and load its programs; returns their fds and the maps' fds.
 
@@ -343,6 +387,8 @@ def load(
     above about 3500; built with -DAGG_FRAGS.
     `slot_cpus` is one of SLOT_CPUS: "cpumap" also loads PROG_STEER and PROG_CPUMAP and the
     maps CPUMAP_MAP_NAMES (bpf/slot_cpus.h).
+    `toolchain`: one of TOOLCHAINS (None: default_toolchain()); libbpf loads the prebuilt
+    object of the build (xdp_switch/objload.py), which takes no `source`.
     Raises NeedsRoot or EnvironmentProblem (not root, no bcc, no kernel headers) and LoadError
     (compiler error, or a verifier rejection: its real cause, subprogs.explain, and the tail of
     the verifier log), each with an actionable message; ValueError for a variant, slot_cpus or
@@ -354,6 +400,15 @@ def load(
         raise ValueError(f"slot_cpus must be one of {', '.join(SLOT_CPUS)}")
     if not 1 <= pool_slots <= 1 << 14:
         raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
+    toolchain = toolchain or default_toolchain()
+    if toolchain not in TOOLCHAINS:
+        raise ValueError(f"toolchain must be one of {', '.join(TOOLCHAINS)}")
+    if toolchain == "libbpf":
+        if source != SOURCE:
+            raise ValueError("the libbpf toolchain loads the built objects, not another source")
+        from . import objload
+
+        return objload.load(pool_slots, tuple(cflags), variant, frags, slot_cpus)
     bcc = check_environment()
     # a cpumap has an entry per possible CPU; the kernel refuses more than it was built for
     # (NR_CPUS), which only a test building for more CPUs than this machine has can ask
@@ -374,7 +429,7 @@ def load(
     log = []
     try:
         with _capture_fd2() as log:
-            b = bcc.BPF(text=source_text(source).encode(), cflags=flags)
+            b = bcc.BPF(text=bcc_text(source).encode(), cflags=flags)
     except Exception as e:  # bcc raises plain Exceptions
         _close_all(own.values())
         tail = "\n".join("".join(log).strip().splitlines()[-25:])

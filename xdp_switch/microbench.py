@@ -68,11 +68,18 @@ class BenchResult:
 
 
 def _load_floor():
+    """The floor program (bpf/xdp_floor.c), through the default toolchain: (a function that
+    unloads it, its fd)."""
+    if loader.default_toolchain() == "libbpf":
+        from . import objload
+
+        obj = objload.load_floor()
+        return obj.close, obj.prog_fd("xdp_floor")
     bcc = loader.check_environment("the benchmark (it loads BPF programs)")
 
     text = loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode()
     b = bcc.BPF(text=text, cflags=list(loader.WARNING_FLAGS))
-    return b, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
+    return b.cleanup, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
 
 
 # A measured case beside the program variants: the per-CPU program with a job that verifies UDP
@@ -242,7 +249,7 @@ def run(
     only case measured at the jumbo sizes; `unicast` adds UNICAST_CASE."""
     if cpu is not None:
         os.sched_setaffinity(0, {cpu})  # one core: the figure is per core
-    floor_bpf, floor_fd = _load_floor()
+    close_floor, floor_fd = _load_floor()
     cases = _load_cases(variants, slots, checksum, frags, unicast)
     out = []
     try:
@@ -275,7 +282,7 @@ def run(
     finally:
         for prog in {id(p): p for p, _ in cases.values()}.values():
             prog.close()
-        floor_bpf.cleanup()
+        close_floor()
     return out
 
 

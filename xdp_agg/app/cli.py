@@ -179,7 +179,8 @@ def main(ctx, name, netns):
 @_json_option()
 @click.pass_context
 def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, slot_cpus, cpus, as_json):
-    """Compile, load and attach the aggregator to IFACES; it stays after this command exits.
+    """Load the aggregator (built with the project) and attach it to IFACES; it stays after
+    this command exits.
     Also reports what each interface's receive hash (RSS) for UDP/IPv4 is set to, and what to
     change so that every packet of a slot reaches one CPU (docs/operations.md).
 

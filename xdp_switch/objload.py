@@ -1,0 +1,168 @@
+"""Load the XDP aggregator from its prebuilt object through libbpf (the libbpf toolchain).
+
+xdp_switch/bpfbuild.py compiled bpf/xdp_agg.c once per flavour when the project was built;
+here the flavour's object is opened, the sizes that depend on the machine are set (the pool's
+maps' max_entries and `const volatile u32 agg_pool_slots`, the cpumap's entries), and libbpf
+creates the maps (BTF-defined, the map of devmaps and the per-CPU partials included), links
+the bpf_loop callbacks and loads the programs. Nothing is compiled, so attach takes a fraction
+of a second and needs neither clang nor kernel headers. A test-only build (race delays or the
+mutant, loader.race_test_cflags) is compiled here first, into a directory of its own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from pathlib import Path
+
+from xdp_agg import bpfsys
+from xdp_agg.bpfsys import libbpf
+from xdp_agg.errors import EnvironmentProblem, NeedsRoot
+
+from . import bpfbuild, loader, subprogs
+
+# map -> its entries, from (pool_slots, nr_cpus): set before load; the others are fixed in C
+MAP_SIZES = {
+    "slots": lambda pool, cpus: pool,
+    "slot_owner": lambda pool, cpus: pool,
+    "results": lambda pool, cpus: pool * 2,
+    "partials": lambda pool, cpus: pool * 2,
+    "contrib_cpus": lambda pool, cpus: pool * 2,
+    "locked_partials": lambda pool, cpus: pool * 2,
+    "cpu_map": lambda pool, cpus: cpus,
+}
+# the programs of a build, by flavour (xdp_agg_cpumap: the aggregator for the cpumap's entries)
+PROGRAMS = (loader.PROG_INGRESS, loader.PROG_EGRESS, loader.PROG_COPY)
+CPUMAP_PROGRAMS = (loader.PROG_STEER, loader.PROG_CPUMAP)
+OWN_MAPS = ("partials", "job_copies")  # made by the bcc loader itself; libbpf's here
+BPF_XDP = 37  # expected attach type of a plain XDP program (enum bpf_attach_type)
+TEST_BUILD_DIR = Path(tempfile.gettempdir()) / "xdp-agg-test-builds"
+
+
+def object_for(flavour: bpfbuild.Flavour, cflags: tuple[str, ...]) -> Path:
+    """The object of `flavour`: the built one (rebuilt first in a checkout whose sources
+    changed since), or with test-only `cflags` one compiled now."""
+    if cflags:
+        tag = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:12]
+        out = TEST_BUILD_DIR / f"{flavour.name}-{tag}.o"
+        if bpfbuild.stale(out):
+            bpfbuild.compile_object(bpfbuild.SRC_DIR / "xdp_agg.c", out, flavour.flags() + cflags)
+        return out
+    return _built(bpfbuild.object_path(flavour), "xdp_agg.c", flavour.flags())
+
+
+def _built(out: Path, source: str, flags: tuple[str, ...] = ()) -> Path:
+    """Object `out` of bpf/`source`, rebuilt first in a checkout whose sources changed since;
+    EnvironmentProblem when it is missing."""
+    if bpfbuild.in_checkout() and bpfbuild.stale(out):
+        bpfbuild.compile_object(bpfbuild.SRC_DIR / source, out, flags)
+    if not out.exists():
+        raise EnvironmentProblem(
+            f"the BPF object {out.name} is missing: build the project (`make bpf`, or install "
+            "the wheel, which ships them)"
+        )
+    return out
+
+
+def _refusal(e: libbpf.ObjectLoadError, frags: bool) -> loader.LoadError:
+    """A LoadError that says why the kernel refused the object: subprogs.explain's words for a
+    verifier refusal, libbpf's for anything else."""
+    if not e.prog or not e.log.strip():
+        return loader.LoadError(f"libbpf could not load the aggregator: {e}")
+    tail = "\n".join(e.log.strip().splitlines()[-25:])
+    kind = " (frags)" if frags else ""
+    return loader.LoadError(
+        f"the kernel verifier rejected {e.prog}{kind}: {subprogs.explain(e.log)}\n"
+        f"the verifier log's tail:\n{tail}\n({e.strerror})"
+    )
+
+
+def _open(path: Path, pool_slots: int, nr_cpus: int) -> libbpf.Object:
+    obj = libbpf.Object(path)
+    try:
+        names = set(obj.map_names())
+        for name, size in MAP_SIZES.items():
+            if name in names:
+                obj.set_max_entries(name, size(pool_slots, nr_cpus))
+        obj.set_rodata("agg_pool_slots", pool_slots)
+    except BaseException:
+        obj.close()
+        raise
+    return obj
+
+
+def load(
+    pool_slots: int, cflags: tuple[str, ...], variant: str, frags: bool, slot_cpus: str
+) -> loader.Loaded:
+    """loader.load's libbpf toolchain (the arguments are checked there)."""
+    if os.geteuid() != 0:
+        raise NeedsRoot("loading BPF programs")
+    nr_cpus = min(bpfsys.possible_cpus(), bpfsys.kernel_max_cpus())
+    cpumap = slot_cpus == "cpumap"
+    flavour = bpfbuild.Flavour(variant, cpumap, frags)
+    try:
+        path = object_for(flavour, tuple(cflags))
+    except bpfbuild.BuildError as e:
+        raise loader.LoadError(str(e)) from e
+    try:
+        obj = _open(path, pool_slots, nr_cpus)
+    except libbpf.LibbpfError as e:  # not an object libbpf can read, a map it cannot size
+        raise loader.LoadError(f"libbpf could not open {path.name}: {e}") from e
+    try:
+        obj.load()
+    except libbpf.ObjectLoadError as e:
+        obj.close()
+        raise _refusal(e, frags) from e
+    except BaseException:
+        obj.close()
+        raise
+    names = PROGRAMS + (CPUMAP_PROGRAMS if cpumap else ())
+    progs = {n: obj.prog_fd(n) for n in names}
+    verified = {n: bpfsys.prog_info(fd).verified_insns for n, fd in progs.items()}
+    wanted = (
+        loader.MAP_NAMES + OWN_MAPS + (loader.CPUMAP_MAP_NAMES + ("tx_self",) if cpumap else ())
+    )
+    maps = {n: obj.map_fd(n) for n in wanted}
+    options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}
+    return loader.Loaded(
+        obj,
+        progs,
+        maps,
+        pool_slots,
+        nr_cpus,
+        options,
+        verified=verified,
+        toolchain="libbpf",
+        path=path,
+    )
+
+
+def load_floor() -> libbpf.Object:
+    """The micro-benchmark's floor (bpf/xdp_floor.c, bpfbuild.FLOOR) loaded; the caller closes
+    it."""
+    obj = libbpf.Object(_built(bpfbuild.OBJ_DIR / f"{bpfbuild.FLOOR}.o", f"{bpfbuild.FLOOR}.c"))
+    try:
+        obj.load()
+    except BaseException:
+        obj.close()
+        raise
+    return obj
+
+
+def test_runnable(prog: loader.Loaded, name: str) -> int:
+    """loader.test_runnable for a libbpf build: the object opened again, program `name` alone
+    loaded as a plain XDP program on the loaded build's maps (every one reused by fd); its fd,
+    the caller's."""
+    obj = _open(prog.path, prog.pool_slots, prog.nr_cpus)
+    try:
+        for m in obj.map_names():
+            obj.reuse_map_fd(m, prog.bpf.map_fd(m))
+        obj.only_program(name, BPF_XDP)
+        try:
+            obj.load()
+        except libbpf.ObjectLoadError as e:
+            raise _refusal(e, prog.options["frags"]) from e
+        return os.dup(obj.prog_fd(name))
+    finally:
+        obj.close()
