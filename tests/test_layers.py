@@ -23,7 +23,7 @@ ALLOWED = {
     "xdp_agg.proto": set(),
     "xdp_agg.errors": set(),
     "xdp_agg.codegen": {"xdp_agg.proto"},
-    "xdp_agg.bpfsys": set(),
+    "xdp_agg.bpfsys": {ERRORS},  # the errors sit at the bottom: every layer may raise them
     "hostlib": {"xdp_agg.proto"},
     "netns_testbed": {"xdp_agg.bpfsys"},
     "xdp_agg.ctl": {"xdp_agg.proto", "hostlib"},

@@ -24,6 +24,7 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from xdp_agg import bpfsys
 from xdp_agg.codegen import abi
@@ -112,7 +113,7 @@ class Loaded:
     """A loaded aggregator: program and map fds (owned by the bcc or libbpf object while it
     lives)."""
 
-    bpf: object  # bcc.BPF or bpfsys.libbpf.Object, kept alive so the fds stay open
+    bpf: Any  # bcc.BPF or bpfsys.libbpf.Object, kept alive so the fds stay open
     progs: dict[str, int]
     maps: dict[str, int]
     pool_slots: int

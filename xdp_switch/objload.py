@@ -154,6 +154,7 @@ def test_runnable(prog: loader.Loaded, name: str) -> int:
     """loader.test_runnable for a libbpf build: the object opened again, program `name` alone
     loaded as a plain XDP program on the loaded build's maps (every one reused by fd); its fd,
     the caller's."""
+    assert prog.path is not None, "a libbpf build knows its object file"
     obj = _open(prog.path, prog.pool_slots, prog.nr_cpus)
     try:
         for m in obj.map_names():
