@@ -136,7 +136,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
                       .slot_base = -1,
                       .rto_min = -1,
                       .rto_floor = 2e-3,
-                      .queue_delay = 1e-3};
+                      .queue_delay = 4e-3};
     const char *host = NULL, *cwnd = "aimd";
     int fd = -1, port = -1, type_size = -1, gso = 1, gro = 1, spin = 1, wire_bits = 32;
     int early_loss = 1;
@@ -608,7 +608,7 @@ PyDoc_STRVAR(
     "Engine(*, fd, host, port, elems, window, scaling_workers, type_size, slot_base, rto,\n"
     "       rto_max, gso=True, gro=True, cwnd='aimd', faults=None, xsk=None, spin=True,\n"
     "       wire_bits=32, early_loss=True, rto_floor=0.002,\n"
-    "       queue_delay=0.001)\n\n"
+    "       queue_delay=0.004)\n\n"
     "The native stream of one worker over its data socket `fd` (non-blocking UDP), sending to\n"
     "host:port. Keeps the RTT estimate, the congestion window and the buffers across\n"
     "all-reduces. faults: None or (send_loss, recv_loss, send_duplicate, recv_duplicate, seed).\n"

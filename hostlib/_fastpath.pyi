@@ -75,7 +75,7 @@ class Engine:
         wire_bits: int = 32,
         early_loss: bool = True,
         rto_floor: float = 0.002,
-        queue_delay: float = 0.001,
+        queue_delay: float = 0.004,
     ) -> None: ...
     def allreduce(
         self,

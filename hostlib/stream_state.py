@@ -89,8 +89,9 @@ class EngineConfig:
     early_loss: bool = True
     rto_floor: float = 0.002  # with early_loss, the least timer once round trips are measured
     # the C loop's window halves for a loss only where srtt is this far above the least round
-    # trip (and twice it): a queue, not random loss (docs/protocol.md 4.4)
-    queue_delay: float = 0.001
+    # trip (and twice it): a queue, not random loss (docs/protocol.md 4.4). 4 ms: above a busy
+    # host's scheduling noise (its round trips of 1-3 ms under load), below the queues that drop
+    queue_delay: float = 0.004
     rto_max: float = 0.25
     timeout: float = 30.0  # seconds without progress before AllreduceTimeout
     progress: bool = False  # progress line on stderr for long all-reduces
