@@ -121,7 +121,12 @@ def markdown(cells: list[dict], size, retx) -> list[str]:
     bench.allreduce's cell formatters."""
     from bench import md_table
 
-    rows = [c for c in cells if "vs_clean" in c or (c.get("loss") == 0 and _has_lossy(cells, c))]
+    rows = [
+        c
+        for c in cells
+        if c["kind"] in ("throughput", "burst")
+        and ("vs_clean" in c or (not c.get("loss") and _has_lossy(cells, c)))
+    ]
     if not any(c.get("loss") or c["kind"] == "burst" for c in rows):
         return []
     L = [
@@ -134,7 +139,9 @@ def markdown(cells: list[dict], size, retx) -> list[str]:
     body = []
     for c in rows:
         a, g = c["xdp-agg"], c["gloo"]
-        vs = c.get("vs_clean", {"xdp-agg": 1.0, "gloo": 1.0})
+        clean = c["kind"] == "throughput" and not c.get("loss")
+        vs = c.get("vs_clean", {"xdp-agg": 1.0, "gloo": 1.0} if clean else {})
+        ratio = lambda s: f"{vs[s]:.2f}x" if s in vs else "-"  # noqa: E731
         what = f"burst {c['burst_ms']:.0f} ms" if c["kind"] == "burst" else f"{c['loss']:g}"
         if c["kind"] == "burst" and c.get("burst_actual_ms"):
             what += f" (measured {c['burst_actual_ms']:.0f})"
@@ -142,8 +149,8 @@ def markdown(cells: list[dict], size, retx) -> list[str]:
         body.append(
             [c["n"], c["link"], size(c["bytes"]), c["dtype"], c["wire_bits"]]
             + ["on" if c.get("early_loss", True) else "off", what]
-            + [f"{a['median_s'] * 1e3:.1f}", f"{vs['xdp-agg']:.2f}x"]
-            + [f"{g['median_s'] * 1e3:.1f}", f"{vs['gloo']:.2f}x", f"{c['speedup']:.2f}x"]
+            + [f"{a['median_s'] * 1e3:.1f}", ratio("xdp-agg")]
+            + [f"{g['median_s'] * 1e3:.1f}", ratio("gloo"), f"{c['speedup']:.2f}x"]
             + [retx(c)]
             + [e.get(k, "-") for k in ENGINE_COUNTS]
         )
@@ -157,6 +164,7 @@ def _has_lossy(cells: list[dict], clean: dict) -> bool:
     """Whether some lossy or burst cell compares with the clean cell `clean`."""
     return any(
         (c.get("loss") or c["kind"] == "burst")
+        and "vs_clean" in c
         and (c["n"], c["link"], c["bytes"]) == (clean["n"], clean["link"], clean["bytes"])
         for c in cells
     )

@@ -115,7 +115,10 @@ class ControlLink:
         counters; a broken connection is left to the watch loop."""
         if self.lost is not None:
             return
-        fields = {"recovery": self.report()} if self.report is not None else {}
+        try:  # the report must not stop the pings: they keep the job's lease
+            fields = {"recovery": self.report()} if self.report is not None else {}
+        except Exception:  # noqa: BLE001 - an engine closing under us; ping without it
+            fields = {}
         try:
             self._client.request("ping", reply_timeout=5.0, **fields)
         except RendezvousError:  # ControlConnectionLost too: the loop's peer check reconnects

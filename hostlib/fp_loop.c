@@ -119,9 +119,10 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 #define BACKOFF_MAX    64 /* new packets' timers back off at most 64-fold (first_rto) */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
- * [floor, rto_max]. Before a round trip is measured it is rto_min; after, the floor follows the
- * round trip (3 srtt, at least rto_floor, times floor_mult: higher on a host whose stalls made
- * resends spurious; at most rto_min; timers only: rto_min, as before early detection). */
+ * [floor, rto_max], times the stream's back-off after expiries (RFC 6298 5.7). Before a round
+ * trip is measured it is rto_min; after, the floor follows the round trip (3 srtt, at least
+ * rto_floor, times floor_mult: higher on a host whose stalls made resends needless; at most
+ * rto_min; timers only: rto_min, as before early detection). */
 static double first_rto(const Stream *st)
 {
     if (!st->cc.have_rtt)
@@ -269,7 +270,7 @@ static int send_ready(Run *r, int *sent)
 static int expire(Run *r, double now)
 {
     Stream *st = r->s;
-    int n = 0, cut = 0, timers = 0;
+    int n = 0, cut = 0, backoff = 1;
     double next = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
         if (st->deadline[s] <= now) {
@@ -281,16 +282,19 @@ static int expire(Run *r, double now)
                 if (++st->cc.reo_quiet >= REO_QUIET && st->cc.reo_mult > 1)
                     st->cc.reo_mult /= 2, st->cc.reo_quiet = 0;
             } else {
-                timers = 1;
                 if (st->tries[s] == 0)
                     r->c.timeouts++;
                 cut |= fresh && (!st->cfg.early_loss || queue_built(st));
-                /* the lowest packet without a result keeps its timer as a probe: when the path
-                 * comes back (a burst ends), its result shows every packet sent before it lost
-                 * (detect_losses) within a timer, not after the others' doubled ones */
-                if (!st->cfg.early_loss || st->pkt[s] != r->base)
-                    st->rto[s] =
-                        2 * st->rto[s] < st->cfg.rto_max ? 2 * st->rto[s] : st->cfg.rto_max;
+                /* the lowest packet without a result is a probe: its timer doubles only up to
+                 * rto_min, so when the path comes back (a burst ends) it goes through within
+                 * that, and its result and its successor's show the rest lost (detect_losses)
+                 * rather than each waiting on its own doubled timer */
+                double cap =
+                    st->cfg.early_loss && st->pkt[s] == r->base ? st->cfg.rto_min : st->cfg.rto_max;
+                cap = cap > st->rto[s] ? cap : st->rto[s];
+                st->rto[s] = 2 * st->rto[s] < cap ? 2 * st->rto[s] : cap;
+                int b = st->tries[s] < 6 ? 2 << st->tries[s] : BACKOFF_MAX;
+                backoff = backoff > b ? backoff : b;
             }
             st->tries[s]++;
             st->tx_at[s] = now;
@@ -303,10 +307,11 @@ static int expire(Run *r, double now)
     r->next_deadline = next;
     if (n == 0)
         return 0;
-    /* timers expired without a round trip sampled since: the new packets' timers back off too,
-     * or a path whose round trip grew past them would never answer a packet sent once (Karn) */
-    if (timers && st->cfg.early_loss && st->cc.backoff < BACKOFF_MAX)
-        st->cc.backoff *= 2;
+    /* timers expired without a round trip sampled since: the new packets' timers back off as
+     * far as the most expired packet's (2^its expiries), or a path whose round trip grew past
+     * them would never answer a packet sent once (Karn; RFC 6298 5.7) */
+    if (st->cfg.early_loss && backoff > st->cc.backoff)
+        st->cc.backoff = backoff < BACKOFF_MAX ? backoff : BACKOFF_MAX;
     r->c.retransmissions += (uint64_t)n;
     if (cut)
         window_cut(r);
@@ -338,6 +343,21 @@ static void detect_losses(Run *r, double now)
     r->next_deadline = next;
 }
 
+/* A resend whose packet's result came sooner than a round trip after it: the result answers an
+ * earlier copy, so the resend was needless (RFC 8985 6.2's test; a second result is no sign: a
+ * resend that another worker's loss made us send is answered too, 3.2). More reordering is
+ * allowed, and the timers' floor rises (a stall longer than it: a descheduled worker). */
+static void needless_resend(Run *r)
+{
+    Congestion *cc = &r->s->cc;
+    r->needless++;
+    if (cc->reo_mult < REO_MULT_MAX)
+        cc->reo_mult++;
+    cc->reo_quiet = 0;
+    if (cc->floor_mult < FLOOR_MULT_MAX)
+        cc->floor_mult *= 2;
+}
+
 /* --- receiving ---------------------------------------------------------------------------- */
 int fp_run_seen(Run *r, int64_t p)
 {
@@ -346,14 +366,6 @@ int fp_run_seen(Run *r, int64_t p)
         if (r->state[p] > 2) { /* the first copy's result came after a resend */
             r->c.spurious++;
             r->state[p]--;
-            /* resent too soon: allow more reordering (RFC 8985 6.2 step 4, per spurious), and
-             * raise the timers' floor (a stall longer than it, e.g. a descheduled worker) */
-            Congestion *cc = &r->s->cc;
-            if (cc->reo_mult < REO_MULT_MAX)
-                cc->reo_mult++;
-            cc->reo_quiet = 0;
-            if (cc->floor_mult < FLOOR_MULT_MAX)
-                cc->floor_mult *= 2;
         }
         return 1;
     }
@@ -374,12 +386,16 @@ void fp_run_took(Run *r, int64_t p, double now)
     r->ndone++;
     r->results_here++;
     r->last_progress = now;
-    /* the newest transmission whose result came (by send time, then packet number), of a packet
-     * sent once: a resent packet's round may have been completed by another worker's resend,
-     * sent before or after ours, so its result says nothing of what we sent before it */
+    /* the newest transmission whose result came (by send time, then packet number). A resent
+     * packet's round may have been completed by another worker's resend, sent before or after
+     * ours: its result is evidence only against what we sent LOSS_AGE_RTTS srtt before ours */
     double tx = st->tx_at[s];
-    int newer = tx > r->rack_xmit || (tx == r->rack_xmit && p > r->rack_pkt);
-    if (newer && tries == 0) {
+    if (tries > 0) {
+        if (now - tx < st->cc.min_rtt) /* came sooner than a resend can be answered */
+            needless_resend(r);
+        tx -= LOSS_AGE_RTTS * st->cc.srtt; /* evidence only against what is that much older */
+    }
+    if (tx > r->rack_xmit || (tx == r->rack_xmit && p > r->rack_pkt)) {
         r->rack_xmit = tx;
         r->rack_pkt = p;
         r->rack_moved = 1;
@@ -676,6 +692,7 @@ void fp_run_start(Run *r, Stream *st)
 {
     r->s = st;
     r->recover = 0;
+    r->needless = 0;
     r->fail = 0;
     r->todo = r->sp ? r->w : r->P;
     if (r->sp)
@@ -700,6 +717,6 @@ void fp_run_end(Run *r)
 {
     for (int64_t s = 0; s < r->w; s++) /* no packet of this all-reduce is in flight any more */
         r->s->pkt[s] = -1, r->s->deadline[s] = INFINITY;
-    if (r->c.spurious == 0 && r->s->cc.floor_mult > 1) /* a quiet one: the floor comes down */
+    if (r->needless == 0 && r->s->cc.floor_mult > 1) /* a quiet one: the floor comes down */
         r->s->cc.floor_mult /= 2;
 }

@@ -28,7 +28,7 @@ typedef struct {
     int cwnd_fixed;          /* 1: the congestion window is the slot window */
     int early_loss;          /* 1: losses found from later results (4.4), 0: timers only */
     double rto_floor;        /* with early_loss: the least timer once round trips are measured */
-    double queue_delay;      /* srtt this far above min_rtt (and 2x it) means a queue, s */
+    double queue_delay;      /* a queue: srtt above min_rtt by this and by min_rtt, s */
     int spin;                /* busy-poll at all (EngineConfig.spin) */
     int faults;              /* the Faults test hook is on */
     double send_loss, recv_loss, send_dup, recv_dup;
@@ -43,7 +43,7 @@ typedef struct {
     double cwnd, ssthresh;
     int reo_mult;   /* the reordering allowance in quarters of min_rtt (grows on spurious) */
     int reo_quiet;  /* early resends since the allowance last grew (it shrinks back after 16) */
-    int floor_mult; /* the timers' floor, times this: doubles on spurious resends, halves after
+    int floor_mult; /* the timers' floor, times this: doubles on needless resends, halves after
                      * an all-reduce without one */
     int backoff;    /* new packets' timers, times this: doubles when timers expire, 1 again at
                      * the next round trip sampled (RFC 6298 5.7) */
@@ -108,11 +108,12 @@ typedef struct Run {
      * prove spurious) */
     uint8_t *state;
     int64_t ndone, results_here, inflight, next_new;
-    int64_t todo;    /* until 0: dense, packets without a result; sparse, slots not done */
-    int fail;        /* a status that ends the loop at once (ST_SPARSE_BAD), 0 while none */
-    int64_t nready;  /* packets whose slot is free, not sent yet */
-    int64_t base;    /* the lowest packet without its result */
-    int64_t recover; /* AIMD: no second halving before this packet */
+    int64_t todo;     /* until 0: dense, packets without a result; sparse, slots not done */
+    int fail;         /* a status that ends the loop at once (ST_SPARSE_BAD), 0 while none */
+    int64_t nready;   /* packets whose slot is free, not sent yet */
+    int64_t base;     /* the lowest packet without its result */
+    int64_t recover;  /* AIMD: no second halving before this packet */
+    int64_t needless; /* resends whose packet's result came sooner than a round trip after */
     double next_deadline, last_progress;
     double batch_sample_at; /* RTT: send time of the newest sample this batch */
     double batch_sample;

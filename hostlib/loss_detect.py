@@ -1,5 +1,6 @@
 """Timers and early loss detection of the Python loops (docs/protocol.md 4.4), the rules of the
-C loop's (hostlib/fp_loop.c: first_rto, detect_losses, expire) over numpy's per-slot arrays.
+C loop's (hostlib/fp_loop.c: first_rto, detect_losses, expire, needless_resend) over numpy's
+per-slot arrays.
 
 A packet in flight is resent when its timer expires, or earlier, once a result came for a
 packet sent after it and its own result did not follow within a reordering allowance (in the
@@ -15,15 +16,15 @@ import numpy as np
 
 RTO_FLOOR_RTTS = 3  # the timers' floor, in srtt (fp_loop.c RTO_FLOOR_RTTS)
 REO_MULT_MAX = 64  # the reordering allowance: at most 16 min_rtt, and srtt (REO_MULT_MAX)
-REO_QUIET = 16  # early resends without a spurious one before the allowance shrinks (REO_QUIET)
-FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on spurious resends
+REO_QUIET = 16  # early resends without a needless one before the allowance shrinks (REO_QUIET)
+FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on needless resends
 LOSS_AGE_RTTS = 2  # found lost early only once older than 2 srtt (fp_loop.c LOSS_AGE_RTTS)
 BACKOFF_MAX = 64  # new packets' timers back off at most 64-fold (fp_loop.c BACKOFF_MAX)
 
 
 class RttEstimator:
-    """Round trips (RFC 6298, one sample per received batch), the least one, and the
-    reordering allowance, kept across all-reduces."""
+    """Round trips (RFC 6298, one sample per received batch), the least one, the reordering
+    allowance and the timers' floor and back-off, kept across all-reduces."""
 
     def __init__(self) -> None:
         self.srtt: float | None = None
@@ -31,8 +32,9 @@ class RttEstimator:
         self.min_rtt = np.inf
         self.reo_mult = 1  # the reordering allowance in quarters of min_rtt
         self.reo_quiet = 0  # early resends since the allowance last grew
-        self.floor_mult = 1  # the timers' floor, times this (spurious resends double it)
+        self.floor_mult = 1  # the timers' floor, times this (needless resends double it)
         self.backoff = 1  # new packets' timers, times this, until a round trip is sampled
+        self.needless_count = 0  # needless resends in all (quiet_run compares)
 
     def update(self, sample: float) -> None:
         self.backoff = 1
@@ -45,19 +47,23 @@ class RttEstimator:
 
     def rto(self, rto: float, cap: float, floor: float | None) -> float:
         """A packet's first timer: srtt + 4 rttvar within [rto, cap] before early detection
-        (`floor` None), or within [min(rto, max(floor, 3 srtt) * floor_mult), cap] with it;
-        `rto` until a round trip is measured."""
+        (`floor` None), or within [min(rto, max(floor, 3 srtt) * floor_mult), cap] with it,
+        times the back-off; `rto` until a round trip is measured."""
         if self.srtt is None:
             return rto
         least = max(floor or 0.0, RTO_FLOOR_RTTS * self.srtt) * self.floor_mult
         least = rto if floor is None else min(rto, least)
         return min(max(least, self.srtt + 4 * self.rttvar) * self.backoff, cap)
 
-    def timers_expired(self) -> None:
-        """Timers expired (with early detection): new packets' timers back off too until a
+    def timers_expired(self, tries: np.ndarray) -> None:
+        """Timers of packets resent `tries` times before expired (with early detection): new
+        packets' timers back off as far as the most expired one's, 2^(its expiries), until a
         round trip is sampled (RFC 6298 5.7), or a path whose round trip grew past them would
         never answer a packet sent once (Karn's rule)."""
-        self.backoff = min(self.backoff * 2, BACKOFF_MAX)
+        if tries.size:
+            most = int(tries.max())
+            self.backoff = max(self.backoff, 2 << most if most < 6 else BACKOFF_MAX)
+            self.backoff = min(self.backoff, BACKOFF_MAX)
 
     def reo_wnd(self) -> float:
         """How long after a later packet's result an earlier one's may still come before it
@@ -66,24 +72,36 @@ class RttEstimator:
             return 0.0
         return min(self.reo_mult * self.min_rtt / 4, self.srtt)
 
-    def spurious(self, n: int) -> None:
-        """`n` resends proved needless: allow more reordering (RFC 8985 6.2 step 4), and raise
-        the timers' floor (a stall longer than it, e.g. a descheduled worker)."""
-        if n:
-            self.reo_mult = min(self.reo_mult + n, REO_MULT_MAX)
+    def needless(self, n: int) -> None:
+        """`n` resends were needless (their packet's result came sooner than a round trip after
+        them): allow more reordering (RFC 8985 6.2 step 4), and raise the timers' floor (a
+        stall longer than it, e.g. a descheduled worker)."""
+        for _ in range(n):
+            self.needless_count += 1
+            self.reo_mult = min(self.reo_mult + 1, REO_MULT_MAX)
             self.reo_quiet = 0
-            self.floor_mult = min(self.floor_mult * 2**n, FLOOR_MULT_MAX)
-
-    def quiet_run(self) -> None:
-        """An all-reduce ended without a spurious resend: the timers' floor comes down."""
-        self.floor_mult = max(1, self.floor_mult // 2)
+            self.floor_mult = min(self.floor_mult * 2, FLOOR_MULT_MAX)
 
     def early(self, n: int) -> None:
-        """`n` packets resent early: after REO_QUIET without a spurious one, allow less."""
-        self.reo_quiet += n
-        if self.reo_quiet >= REO_QUIET and self.reo_mult > 1:
-            self.reo_mult //= 2
-            self.reo_quiet = 0
+        """`n` packets resent early: after each REO_QUIET without a needless one, allow less."""
+        for _ in range(n):
+            self.reo_quiet += 1
+            if self.reo_quiet >= REO_QUIET and self.reo_mult > 1:
+                self.reo_mult //= 2
+                self.reo_quiet = 0
+
+    def run_ended(self, needless_before: int) -> None:
+        """An all-reduce ended; without a needless resend since `needless_before` (the count at
+        its start), the timers' floor comes down."""
+        if self.needless_count == needless_before:
+            self.floor_mult = max(1, self.floor_mult // 2)
+
+
+def doubled(timers: np.ndarray, probe: np.ndarray, rto: float, rto_max: float) -> np.ndarray:
+    """Expired timers, doubled: up to rto_max; the probe's (the lowest packet without a result)
+    only up to `rto`, so that it goes through soon after a burst (fp_loop.c expire)."""
+    cap = np.where(probe, np.maximum(rto, timers), rto_max)
+    return np.minimum(timers * 2, cap)
 
 
 class Rack:
@@ -109,18 +127,22 @@ class Rack:
         self.pkt[s0:s1] = np.arange(first, first + s1 - s0)
         self.early[s0:s1] = False
 
-    def took(self, s0: int, s1: int, tries: np.ndarray) -> None:
-        """Results came for the packets of slots s0..s1-1 (their `tries`). Only a packet sent
-        once is evidence: a resent one's round may have been completed by another worker's
-        resend, sent before or after ours."""
-        tx, pkt = self.tx_at[s0:s1], self.pkt[s0:s1]
-        ok = tries == 0
-        if ok.any():
-            i = np.lexsort((pkt[ok], tx[ok]))[-1]  # the newest by send time, then number
-            t, p = float(tx[ok][i]), int(pkt[ok][i])
-            if (t, p) > (self.xmit, self.newest):
-                self.xmit, self.newest, self.moved = t, p, True
+    def took(self, s0: int, s1: int, tries: np.ndarray, now: float, rtt: RttEstimator) -> int:
+        """Results came at `now` for the packets of slots s0..s1-1 (their `tries`); how many of
+        their resends were needless (the result came sooner than min_rtt after the resend). A
+        resent packet's round may have been completed by another worker's resend, sent before
+        or after ours: its result is evidence only against what we sent LOSS_AGE_RTTS srtt
+        before ours."""
+        tx, pkt = self.tx_at[s0:s1].copy(), self.pkt[s0:s1]
+        resent = tries > 0
+        needless = int(np.count_nonzero(resent & (now - tx < rtt.min_rtt)))
+        tx[resent] -= LOSS_AGE_RTTS * (rtt.srtt or 0.0)
+        i = np.lexsort((pkt, tx))[-1]  # the newest by send time, then number
+        t, p = float(tx[i]), int(pkt[i])
+        if (t, p) > (self.xmit, self.newest):
+            self.xmit, self.newest, self.moved = t, p, True
         self.early[s0:s1] = False
+        return needless
 
     def detect(self, deadline: np.ndarray, now: float, reo: float, srtt: float) -> float:
         """Set the deadline of every packet in flight sent before the newest answered one to

@@ -13,11 +13,11 @@ An all-reduce of P packets with window w = min(window, P-ish, see below):
 - every packet in flight has a timer, started at srtt + 4 rttvar (RFC 6298's estimate from
   measured round trips, Karn's rule: never from retransmitted packets; adaptive so that a busy
   host or aggregator does not cause spurious retransmissions) above a floor that follows the
-  round trip, doubled at each expiry of the same packet, capped at `rto_max`; on expiry the
-  identical bytes are sent again. Before its timer, a packet is resent once results of packets
-  sent after it show it lost (early_loss, hostlib.loss_detect: about a round trip). An
-  all-reduce that receives no new result for `timeout` seconds raises AllreduceTimeout saying
-  what is missing.
+  round trip, doubled at each expiry of the same packet, capped at `rto_max` (the lowest packet
+  without a result, a probe, at `rto`); on expiry the identical bytes are sent again. Before
+  its timer, a packet is resent once results of packets sent after it show it lost
+  (early_loss, hostlib.loss_detect: about a round trip). An all-reduce that receives no new
+  result for `timeout` seconds raises AllreduceTimeout saying what is missing.
   (A stall deadline rather than a fixed one: a large tensor legitimately takes long, a stall
   does not.)
 
@@ -45,7 +45,7 @@ import numpy as np
 from xdp_agg.proto import wire
 
 from . import scaling
-from .loss_detect import Rack, RttEstimator
+from .loss_detect import Rack, RttEstimator, doubled
 from .stream_state import Allreduce, StreamState
 from .udp_io import RowReceiver
 
@@ -330,14 +330,13 @@ class NumpyLoop:
         # the receiver's totals count this loop's datagrams only: the counters take the
         # differences, so that the sparse loop's, on the same stream, add up with them
         malformed, received = self._rx.malformed, self._rx.bytes
-        spurious = self.state.stats["spurious"]
+        needless = self._rtt.needless_count
         with self.state.allreduce(tr.P, tr.w, timeout, elements=tr.L) as ar:
             try:
                 self._stream(tr, ar)
                 tr.finish()
-                if self.state.stats["spurious"] == spurious:
-                    self._rtt.quiet_run()
             finally:
+                self._rtt.run_ended(needless)
                 st = self.state.stats
                 st["malformed"] += self._rx.malformed - malformed
                 st["bytes_received"] += self._rx.bytes - received
@@ -416,17 +415,17 @@ class NumpyLoop:
                 pos += b - a
                 fl.done[a:b] = True
                 for s0, s1, a1 in _slot_runs(a, b, w):
-                    fl.rack.took(s0, s1, fl.tries[s0:s1])
+                    self._rtt.needless(fl.rack.took(s0, s1, fl.tries[s0:s1], now, self._rtt))
                     fl.deadline[s0:s1] = np.inf
                     fl.retx_left[a1 : a1 + s1 - s0] = np.minimum(fl.tries[s0:s1], 255)
             ar.ndone += fresh
             fl.last_progress = now
-            s = runs[0][0] % w  # Karn: a retransmission's RTT is ambiguous
-            if fl.tries[s] == 0:
+            s = (runs[-1][1] - 1) % w  # the newest sent: it waited least for the receive
+            if fl.tries[s] == 0:  # Karn: a retransmission's RTT is ambiguous
                 self._rtt.update(now - fl.sent_at[s])
             fl.ready = [(a + w, min(b + w, fl.P)) for a, b in runs if a + w < fl.P]
         if self._dups.size:
-            self._rtt.spurious(_count_spurious(self._dups, fl.retx_left, self.state.stats))
+            _count_spurious(self._dups, fl.retx_left, self.state.stats)
 
     def _expire(self, fl: _Flight, now: float) -> None:
         """Send again the packets whose deadline passed: found lost early (their timer stays)
@@ -434,19 +433,22 @@ class NumpyLoop:
         st = self.state.stats
         expired = np.flatnonzero(fl.deadline <= now)
         if expired.size:
+            cfg = self.state.cfg
             early = fl.rack.early[expired]
             timer = expired[~early]
             st["timeouts"] += int(np.count_nonzero(fl.tries[timer] == 0))
             st["early_losses"] += int(np.count_nonzero(early))
             self._rtt.early(int(np.count_nonzero(early)))
             fl.rack.early[expired] = False
+            if cfg.early_loss:
+                self._rtt.timers_expired(fl.tries[timer])
+                probe = timer == int(np.argmin(fl.done)) % fl.w  # the lowest without a result
+                fl.rto[timer] = doubled(fl.rto[timer], probe, cfg.rto, cfg.rto_max)
+            else:
+                fl.rto[timer] = np.minimum(fl.rto[timer] * 2, cfg.rto_max)
             fl.tries[expired] += 1
             st["retransmissions"] += expired.size
             self._send(self._payload[expired])
-            if self.state.cfg.early_loss and timer.size:
-                self._rtt.timers_expired()
-                timer = timer[timer != int(np.argmin(fl.done)) % fl.w]  # a probe's stays (4.4)
-            fl.rto[timer] = np.minimum(fl.rto[timer] * 2, self.state.cfg.rto_max)
             fl.rack.tx_at[expired] = now
             fl.deadline[expired] = now + fl.rto[expired]
         fl.next_deadline = float(fl.deadline.min())
@@ -573,15 +575,13 @@ class NumpyLoop:
         return _runs(new), sel, int(new.size)
 
 
-def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict[str, float]) -> int:
+def _count_spurious(dups: np.ndarray, retx_left: np.ndarray, st: dict[str, float]) -> None:
     """Count the duplicate results `dups` (packet numbers) that answer a retransmission whose
-    packet had its result already: each retransmission of a packet is spurious at most once.
-    Returns how many were."""
+    packet had its result already: each retransmission of a packet is spurious at most once."""
     u, counts = np.unique(dups, return_counts=True)
     spurious = np.minimum(counts, retx_left[u])
     st["spurious"] += int(spurious.sum())
     retx_left[u] -= spurious.astype(np.uint8)
-    return int(spurious.sum())
 
 
 def _slot_runs(a: int, b: int, w: int) -> tuple[tuple[int, int, int], ...]:

@@ -33,7 +33,7 @@ from xdp_agg.proto import wire
 
 from . import scaling
 from .errors import HostlibError
-from .loss_detect import Rack, RttEstimator
+from .loss_detect import Rack, RttEstimator, doubled
 from .numpy_loop import _Chunks, _scale_table
 from .stream_state import Allreduce, StreamState
 
@@ -146,10 +146,14 @@ class SparseLoop:
         t = _tensor(src, dst, self.state.elems_per_packet, cfg.window, is_float)
         sl = _Slots(t.w, self.state.plen)
         self.union_blocks, self.blocks = 0, t.B
+        needless = self._rtt.needless_count
         with self.state.allreduce(t.B, t.w, timeout, elements=src.size) as ar:
             ar.uses = sl.rounds  # versions advance by the rounds each slot ran (8.2)
-            self._stream(t, sl, ar, is_float)
-            t.dst.finish()
+            try:
+                self._stream(t, sl, ar, is_float)
+                t.dst.finish()
+            finally:
+                self._rtt.run_ended(needless)
 
     def _stream(self, t: _Tensor, sl: _Slots, ar: Allreduce, is_float: bool) -> None:
         st = self.state.stats
@@ -267,7 +271,7 @@ class SparseLoop:
         st["results"] += 1
         ar.ndone += 1
         now = time.monotonic()
-        sl.rack.took(s, s + 1, sl.tries[s : s + 1])
+        self._rtt.needless(sl.rack.took(s, s + 1, sl.tries[s : s + 1], now, self._rtt))
         if sl.tries[s] == 0:  # Karn: a retransmission's round trip is ambiguous
             self._rtt.update(now - sl.sent_at[s])
         sl.deadline[s] = np.inf
@@ -304,22 +308,30 @@ class SparseLoop:
 
     def _expire(self, sl: _Slots, now: float) -> None:
         """Resend the rounds whose deadline passed: found lost early (their timer stays) or
-        their timer expired (doubled)."""
-        st = self.state.stats
-        for s in np.flatnonzero(sl.deadline <= now):
-            if sl.rack.early[s]:
-                sl.rack.early[s] = False
-                st["early_losses"] += 1
-                self._rtt.early(1)
-            else:
-                st["timeouts"] += int(sl.tries[s] == 0)
-                sl.rto[s] = min(sl.rto[s] * 2, self.state.cfg.rto_max)
-                if self.state.cfg.early_loss:
-                    self._rtt.timers_expired()
-            sl.tries[s] += 1
-            st["retransmissions"] += 1
-            sl.rack.tx_at[s] = now
-            sl.deadline[s] = now + sl.rto[s]
+        their timer expired (doubled; the probe's, the lowest round without a result, up to
+        rto only: hostlib.loss_detect, as the C loop's expire)."""
+        st, cfg = self.state.stats, self.state.cfg
+        expired = np.flatnonzero(sl.deadline <= now)
+        if not expired.size:
+            return
+        early = sl.rack.early[expired]
+        timer = expired[~early]
+        st["timeouts"] += int(np.count_nonzero(sl.tries[timer] == 0))
+        st["early_losses"] += int(np.count_nonzero(early))
+        self._rtt.early(int(np.count_nonzero(early)))
+        sl.rack.early[expired] = False
+        if cfg.early_loss:
+            self._rtt.timers_expired(sl.tries[timer])
+            live = np.where(sl.done, np.iinfo(np.int64).max, sl.rack.pkt)
+            probe = timer == int(np.argmin(live))
+            sl.rto[timer] = doubled(sl.rto[timer], probe, cfg.rto, cfg.rto_max)
+        else:
+            sl.rto[timer] = np.minimum(sl.rto[timer] * 2, cfg.rto_max)
+        sl.tries[expired] += 1
+        st["retransmissions"] += expired.size
+        sl.rack.tx_at[expired] = now
+        sl.deadline[expired] = now + sl.rto[expired]
+        for s in expired:
             self._send(sl.rows[s])
 
     def _send(self, row: bytes) -> None:

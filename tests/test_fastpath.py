@@ -813,15 +813,19 @@ def test_early_loss_timer_floor_follows_the_round_trip():
         e.update(0.004)
     assert 0.0115 <= e.rto(0.015, 0.25, 0.002) <= 0.015  # 3 srtt, at most rto
     assert e.reo_wnd() == 0.0001 / 4
-    e.spurious(3)  # resends proved needless: more reordering allowed, the floor raised
+    e.needless(3)  # resends answered too soon: more reordering allowed, the floor raised
     assert e.reo_wnd() == 4 * 0.0001 / 4
     assert e.rto(0.015, 0.25, 0.002) == 0.015  # 8 x 3 srtt, at most rto
     e.early(16)
     assert e.reo_wnd() == 2 * 0.0001 / 4
     for _ in range(50):
         e.update(0.0001)
-    e.quiet_run()  # an all-reduce without a spurious resend: the floor comes down
+    e.run_ended(e.needless_count)  # an all-reduce without a needless resend: the floor falls
     assert e.floor_mult == 4 and e.rto(0.015, 0.25, 0.002) == 4 * 0.002
+    e.timers_expired(np.array([0, 2]))  # back-off as far as the most expired packet's: 2^3
+    assert e.backoff == 8 and e.rto(0.015, 0.25, 0.002) == 8 * 4 * 0.002
+    e.update(0.0001)  # a round trip sampled: no back-off
+    assert e.backoff == 1
 
 
 @pytest.mark.parametrize("native", [False, True])

@@ -164,6 +164,7 @@ def test_early_loss_a_ping_with_bad_recovery_counters_is_refused():
         with pytest.raises(RendezvousError, match="recovery"):
             c.request("ping", recovery={"early_losses": -1})
         with pytest.raises(RendezvousError, match="recovery"):
-            c.request("ping", recovery={"nonsense": 1})
-        assert c.request("ping", recovery={"early_losses": 3})["ok"]
+            c.request("ping", recovery=[1, 2])
+        # a counter this endpoint does not know (a newer hostlib's) is left out, not refused
+        assert c.request("ping", recovery={"early_losses": 3, "newer": 1})["ok"]
         c.close()
