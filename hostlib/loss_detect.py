@@ -12,7 +12,12 @@ few round trips rather than `rto`.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
+
+if TYPE_CHECKING:
+    from .stream_state import EngineConfig
 
 RTO_FLOOR_RTTS = 3  # the timers' floor, in srtt (fp_loop.c RTO_FLOOR_RTTS)
 REO_MULT_MAX = 64  # the reordering allowance: at most 16 min_rtt, and srtt (REO_MULT_MAX)
@@ -102,6 +107,36 @@ def doubled(timers: np.ndarray, probe: np.ndarray, rto: float, rto_max: float) -
     only up to `rto`, so that it goes through soon after a burst (fp_loop.c expire)."""
     cap = np.where(probe, np.maximum(rto, timers), rto_max)
     return np.minimum(timers * 2, cap)
+
+
+def expired(
+    slots: np.ndarray,
+    rack: Rack,
+    tries: np.ndarray,
+    rto: np.ndarray,
+    probe: int,
+    rtt: RttEstimator,
+    cfg: EngineConfig,
+    stats: dict,
+) -> None:
+    """The rules of a pass over the slots whose deadline passed, `slots` (fp_loop.c expire):
+    the counters; found lost early (`rack.early`), a slot keeps its timer; else its timer
+    doubles (slot `probe`'s, the lowest packet without a result, only up to `cfg.rto`) and new
+    packets' timers back off; then their tries count the resend. The caller sends them and
+    sets their deadlines from `rto`."""
+    early = rack.early[slots]
+    timer = slots[~early]
+    stats["timeouts"] += int(np.count_nonzero(tries[timer] == 0))
+    stats["early_losses"] += int(np.count_nonzero(early))
+    stats["retransmissions"] += slots.size
+    rtt.early(int(np.count_nonzero(early)))
+    rack.early[slots] = False
+    if cfg.early_loss:
+        rtt.timers_expired(tries[timer])
+        rto[timer] = doubled(rto[timer], timer == probe, cfg.rto, cfg.rto_max)
+    else:
+        rto[timer] = np.minimum(rto[timer] * 2, cfg.rto_max)
+    tries[slots] += 1
 
 
 class Rack:

@@ -44,8 +44,8 @@ import numpy as np
 
 from xdp_agg.proto import wire
 
-from . import scaling
-from .loss_detect import Rack, RttEstimator, doubled
+from . import loss_detect, scaling
+from .loss_detect import Rack, RttEstimator
 from .stream_state import Allreduce, StreamState
 from .udp_io import RowReceiver
 
@@ -430,24 +430,13 @@ class NumpyLoop:
     def _expire(self, fl: _Flight, now: float) -> None:
         """Send again the packets whose deadline passed: found lost early (their timer stays)
         or their timer expired (doubled)."""
-        st = self.state.stats
         expired = np.flatnonzero(fl.deadline <= now)
         if expired.size:
-            cfg = self.state.cfg
-            early = fl.rack.early[expired]
-            timer = expired[~early]
-            st["timeouts"] += int(np.count_nonzero(fl.tries[timer] == 0))
-            st["early_losses"] += int(np.count_nonzero(early))
-            self._rtt.early(int(np.count_nonzero(early)))
-            fl.rack.early[expired] = False
-            if cfg.early_loss:
-                self._rtt.timers_expired(fl.tries[timer])
-                probe = timer == int(np.argmin(fl.done)) % fl.w  # the lowest without a result
-                fl.rto[timer] = doubled(fl.rto[timer], probe, cfg.rto, cfg.rto_max)
-            else:
-                fl.rto[timer] = np.minimum(fl.rto[timer] * 2, cfg.rto_max)
-            fl.tries[expired] += 1
-            st["retransmissions"] += expired.size
+            probe = int(np.argmin(fl.done)) % fl.w  # the lowest packet without a result's slot
+            loss_detect.expired(
+                expired, fl.rack, fl.tries, fl.rto, probe, self._rtt, self.state.cfg,
+                self.state.stats,
+            )  # fmt: skip
             self._send(self._payload[expired])
             fl.rack.tx_at[expired] = now
             fl.deadline[expired] = now + fl.rto[expired]

@@ -31,9 +31,9 @@ import numpy as np
 
 from xdp_agg.proto import wire
 
-from . import scaling
+from . import loss_detect, scaling
 from .errors import HostlibError
-from .loss_detect import Rack, RttEstimator, doubled
+from .loss_detect import Rack, RttEstimator
 from .numpy_loop import _Chunks, _scale_table
 from .stream_state import Allreduce, StreamState
 
@@ -310,25 +310,14 @@ class SparseLoop:
         """Resend the rounds whose deadline passed: found lost early (their timer stays) or
         their timer expired (doubled; the probe's, the lowest round without a result, up to
         rto only: hostlib.loss_detect, as the C loop's expire)."""
-        st, cfg = self.state.stats, self.state.cfg
         expired = np.flatnonzero(sl.deadline <= now)
         if not expired.size:
             return
-        early = sl.rack.early[expired]
-        timer = expired[~early]
-        st["timeouts"] += int(np.count_nonzero(sl.tries[timer] == 0))
-        st["early_losses"] += int(np.count_nonzero(early))
-        self._rtt.early(int(np.count_nonzero(early)))
-        sl.rack.early[expired] = False
-        if cfg.early_loss:
-            self._rtt.timers_expired(sl.tries[timer])
-            live = np.where(sl.done, np.iinfo(np.int64).max, sl.rack.pkt)
-            probe = timer == int(np.argmin(live))
-            sl.rto[timer] = doubled(sl.rto[timer], probe, cfg.rto, cfg.rto_max)
-        else:
-            sl.rto[timer] = np.minimum(sl.rto[timer] * 2, cfg.rto_max)
-        sl.tries[expired] += 1
-        st["retransmissions"] += expired.size
+        live = np.where(sl.done, np.iinfo(np.int64).max, sl.rack.pkt)
+        probe = int(np.argmin(live))  # the slot of the lowest round without a result
+        loss_detect.expired(
+            expired, sl.rack, sl.tries, sl.rto, probe, self._rtt, self.state.cfg, self.state.stats
+        )
         sl.rack.tx_at[expired] = now
         sl.deadline[expired] = now + sl.rto[expired]
         for s in expired:
