@@ -188,6 +188,32 @@ def test_lanes_within_stripes():
             assert out[i].tobytes() == single[r][0][i].tobytes()
 
 
+@needs_fastpath
+@pytest.mark.parametrize("native", [False, True])
+def test_early_loss_lanes_within_stripes_exact_under_loss(native):
+    """Two aggregators, two lanes at each (four streams), loss and duplication both ways: each
+    stream finds losses early by itself (docs/protocol.md 4.4), and the sums are one clean
+    lane's byte for byte."""
+
+    def body(c):
+        out = _body(c)[0]
+        return out, [st["early_losses"] for st in c.stats_per_lane()]
+
+    def faults(r):
+        return {"faults": Faults(0.05, 0.05, 0.05, 0.05, seed=7 * r + 3)}
+
+    n = 2
+    single = _run(n, lanes=1, native=True)
+    with soft_cluster(aggregators=2, defaults=SWITCH) as st:
+        args = dict(elems=ELEMS, window=8, lanes=2, native=native, per_rank=faults)
+        got = ok(run_ranks(st, n, body, deadline=90.0, **args))
+    for r in range(n):
+        out, early = got[r]
+        assert len(early) == 4 and all(e > 0 for e in early), early
+        for i in range(2 * len(LENGTHS)):
+            assert out[i].tobytes() == single[r][0][i].tobytes()
+
+
 def test_a_taken_lane_port_is_named():
     """A rank that finds worker_port + 1 taken on its host says which port and what to do."""
     import socket
