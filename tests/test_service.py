@@ -16,6 +16,7 @@ import pytest
 from harness.cli import xdp_agg_cli as run_cli
 
 from xdp_agg.app import cli, service
+from xdp_agg.app.options import AttachOptions
 from xdp_agg.cluster import cluster_worker
 from xdp_switch import pins
 
@@ -34,17 +35,8 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
     )
     cfg = service.parse_config(Path(rep["config"]).read_text())
     assert cfg.interfaces == ["p0", "p1"] and cfg.listen == "198.18.0.1:48801"
-    assert cfg.pool_slots == 2048 and cfg.topology is None and cfg.xdp_mode == "native"
-    assert cfg.attach_args() == [
-        "p0",
-        "p1",
-        "--xdp-mode",
-        "native",
-        "--pool-slots",
-        "2048",
-        "--variant",
-        "percpu",
-    ]
+    assert cfg.attach == AttachOptions(pool_slots=2048)  # the sample's keys are the defaults
+    assert cfg.attach_args() == ["p0", "p1", "--pool-slots", "2048"]
     assert cfg.serve_args() == [
         "--listen",
         "198.18.0.1:48801",
@@ -58,14 +50,8 @@ def test_config_values_and_quoting():
         '# comment\nINTERFACES="eth1"\nTOPOLOGY=one-arm\nXDP_MODE=skb\nPOOL_SLOTS=64\n'
         'VARIANT=spinlock\nNETNS=agg\nSERVE_OPTIONS="--udp-checksum --group 239.1.1.1"\n'
     )
-    assert (cfg.interfaces, cfg.topology, cfg.xdp_mode, cfg.pool_slots, cfg.variant, cfg.netns) == (
-        ["eth1"],
-        "one-arm",
-        "skb",
-        64,
-        "spinlock",
-        "agg",
-    )
+    assert (cfg.interfaces, cfg.netns) == (["eth1"], "agg")
+    assert cfg.attach == AttachOptions("one-arm", "skb", 64, "spinlock")
     assert cfg.serve_args() == [
         "--udp-checksum",
         "--group",
