@@ -4,6 +4,7 @@ itself is faked where a command would make it."""
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 from harness.cli import xdp_agg_cli as run_cli
@@ -88,6 +89,12 @@ def test_every_attach_option_is_a_flag_and_a_service_key():
     assert set(service.ATTACH_KEYS.values()) == fields
     flags = {p.name for p in cli.attach.params} - {"ifaces", "as_json"}
     assert flags == fields
+
+
+def test_the_sample_config_and_the_docs_name_every_attach_key():
+    docs = (Path(__file__).resolve().parent.parent / "docs/operations.md").read_text()
+    for key in service.ATTACH_KEYS:
+        assert f"\n{key}=" in service.SAMPLE_CONFIG and f"| `{key}` |" in docs, key
 
 
 @pytest.fixture

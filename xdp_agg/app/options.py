@@ -305,7 +305,7 @@ def attach_args(opts: AttachOptions) -> list[str]:
     """The `xdp-agg attach` options that give `opts` (defaults left out; not cflags)."""
     args: list[str] = []
     for name, value in opts.to_dict().items():
-        if name not in ATTACH_FLAGS or value == getattr(_DEFAULTS, name) or value == []:
+        if name not in ATTACH_FLAGS or value == getattr(_DEFAULTS, name):
             continue
         flag = ATTACH_FLAGS[name][0][0]
         if isinstance(value, bool):

@@ -98,7 +98,7 @@ def _attach_value(key: str, text: str):
 def _attach_options(raw: dict[str, str], source: str) -> AttachOptions:
     """The AttachOptions of the config's attach keys (an empty or missing one: the default);
     ConfigError naming the key (its name, where AttachOptions says the option's)."""
-    flags = {spec[0][0]: key for key, spec in zip(ATTACH_KEYS, options.ATTACH_FLAGS.values())}
+    flags = {spec[0][0]: name.upper() for name, spec in options.ATTACH_FLAGS.items()}
     try:
         values = {
             name: _attach_value(key, raw[key]) for key, name in ATTACH_KEYS.items() if raw.get(key)
