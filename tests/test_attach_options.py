@@ -120,14 +120,10 @@ def fake_attach(monkeypatch):
 
 def _config(opts: AttachOptions, ifaces: str = "eth0") -> str:
     """A service config with `opts` written as its keys (every key, defaults too)."""
-    text = {
-        key: ("yes" if v is True else "no" if v is False else ",".join(map(str, v)))
-        if isinstance(v, (bool, list))
-        else ("" if v is None else str(v))
-        for key, name in service.ATTACH_KEYS.items()
-        for v in [opts.to_dict()[name]]
-    }
-    return f'INTERFACES="{ifaces}"\n' + "".join(f'{k}="{v}"\n' for k, v in text.items())
+    values = service.config_values(opts)
+    return f'INTERFACES="{ifaces}"\n' + "".join(
+        f'{key}="{values[name]}"\n' for key, name in service.ATTACH_KEYS.items()
+    )
 
 
 @pytest.mark.parametrize("opts", [AttachOptions(), EVERY, EVERY_OTHER])
@@ -138,6 +134,16 @@ def test_the_cli_and_the_service_config_build_the_same_options(opts, fake_attach
     assert fake_attach == [(["p0", "p1"], opts, "default", None)]
     assert service.parse_config(_config(opts, "p0 p1")).attach == opts
     assert json.loads(r.output)["options"]["toolchain"] == (opts.toolchain or "libbpf")
+
+
+@pytest.mark.parametrize("opts", [AttachOptions(), EVERY, EVERY_OTHER])
+def test_service_install_writes_the_attach_options_it_is_given(opts, tmp_path):
+    opts = dataclasses.replace(opts, cflags=())
+    args = ("service-install", "lab", "--interfaces", "p0 p1", "--root", str(tmp_path), "--json")
+    r = run_cli(*args, *options.attach_args(opts))
+    assert r.exit_code == 0, r.output
+    conf = json.loads(r.output)["config"]
+    assert service.parse_config(Path(conf).read_text()).attach == opts
 
 
 def test_service_start_attaches_with_every_option_in_its_config(fake_attach, monkeypatch, tmp_path):

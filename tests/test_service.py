@@ -30,7 +30,7 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
         "lab",
         ["p0", "p1"],
         listen="198.18.0.1:48801",
-        pool_slots=2048,
+        attach=AttachOptions(pool_slots=2048),
         exe="/usr/bin/xdp-agg",
     )
     cfg = service.parse_config(Path(rep["config"]).read_text())

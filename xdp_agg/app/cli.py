@@ -542,18 +542,21 @@ def serve(ctx, opts: options.ServeOptions, as_json):
     help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
+@options.click_options(options.AttachOptions, param="attach")
 @_json_option()
-def install_service(name, interfaces, listen, root, exe, force, as_json):
+def install_service(name, interfaces, listen, root, exe, force, attach, as_json):
     """Write the systemd unit xdp-agg@.service and a sample /etc/xdp-agg/NAME.conf.
 
     The unit attaches aggregator NAME to the config's interfaces and runs the control endpoint;
     stopping it detaches; it restarts on failure. Edit the config, then enable the unit (this
-    prints the commands).
+    prints the commands). The options of `xdp-agg attach` (--topology ... --toolchain) are
+    the sample config's keys of the same names (TOPOLOGY ... TOOLCHAIN).
 
     \b
     Examples:
       sudo xdp-agg service-install --interfaces eth1
       sudo xdp-agg service-install lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
+      sudo xdp-agg service-install --interfaces eth1 --slot-cpus cpumap --cpus 0-3
       xdp-agg service-install --root /tmp/pkgroot --json
     """
     rep = service.install_files(
@@ -562,6 +565,7 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
         interfaces.split(),
         exe=exe,
         listen=f"{listen[0]}:{listen[1]}" if listen else "",
+        attach=attach,
         force=force,
     )
 

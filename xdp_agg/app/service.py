@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdp_agg.errors import XdpAggError
-from xdp_agg.proto import limits
 from xdp_switch import backend as xdp_backend
 from xdp_switch import pins, slot_cpus
 
@@ -93,6 +92,20 @@ def _attach_value(key: str, text: str):
     if key == "CPUS":
         return slot_cpus.parse_cpus(text)
     return text
+
+
+def config_values(opts: AttachOptions) -> dict[str, str]:
+    """`opts` as the config's values, by field name (what _attach_value reads back): yes or no,
+    CPU lists as 0,1,6, empty for None."""
+
+    def text(value) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return "" if value is None else str(value)
+
+    return {name: text(value) for name, value in opts.to_dict().items() if name != "cflags"}
 
 
 def _attach_options(raw: dict[str, str], source: str) -> AttachOptions:
@@ -209,31 +222,31 @@ SAMPLE_CONFIG = """\
 INTERFACES="{interfaces}"
 
 # one-arm | switch; empty: one-arm for one interface, switch for several.
-TOPOLOGY=
+TOPOLOGY={topology}
 
 # native (in the driver) | skb (generic XDP: any interface, slower).
-XDP_MODE=native
+XDP_MODE={xdp_mode}
 
 # Aggregation slots shared by all jobs (1..16384).
 POOL_SLOTS={pool_slots}
 
 # percpu (the design) | spinlock (the baseline).
-VARIANT=percpu
+VARIANT={variant}
 
 # yes: load as an XDP multi-buffer program, for frames larger than a page (jobs of 1024 and 2048
 # elements per packet, MTU 4200 and 9000).
-FRAGS=no
+FRAGS={frags}
 
 # rss: each packet aggregated on the CPU the NIC's receive hash chose | cpumap: each slot's
 # packets redirected to the one CPU that owns it (native XDP only, not with FRAGS).
-SLOT_CPUS=rss
+SLOT_CPUS={slot_cpus}
 
 # With SLOT_CPUS=cpumap: the CPUs that aggregate, as 0-3,6; empty: every CPU the service may use.
-CPUS=
+CPUS={cpus}
 
 # libbpf: the BPF objects built with the package | bcc: compiled at attach (kernel headers);
 # empty: $XDP_AGG_TOOLCHAIN, else libbpf.
-TOOLCHAIN=
+TOOLCHAIN={toolchain}
 
 # HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
 # IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
@@ -266,12 +279,13 @@ def install_files(
     *,
     exe: str | None = None,
     listen: str = "",
-    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
+    attach: AttachOptions | None = None,
     force: bool = False,
 ) -> dict:
-    """Write the template unit and a sample config for `name` under `root` (/ for real).
-    An existing config is kept unless `force`; the unit is always rewritten (it holds no
-    settings). Returns what was written and kept."""
+    """Write the template unit and a sample config for `name` under `root` (/ for real), whose
+    attach keys say `attach` (default: AttachOptions()). An existing config is kept unless
+    `force`; the unit is always rewritten (it holds no settings). Returns what was written and
+    kept."""
     config_dir = root / CONFIG_DIR.relative_to("/")
     unit_dir = root / UNIT_DIR.relative_to("/")
     unit = unit_dir / UNIT_NAME
@@ -287,7 +301,7 @@ def install_files(
             SAMPLE_CONFIG.format(
                 name=name,
                 interfaces=" ".join(interfaces),
-                pool_slots=pool_slots,
+                **config_values(attach or AttachOptions()),
                 listen=listen,
                 secret_file=CONFIG_DIR / f"{name}.secret",
             )
