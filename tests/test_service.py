@@ -165,7 +165,7 @@ def _serve_and_stop(tb, name, tmp_path):
     agg_ns = tb.aggregator.netns
     conf = tmp_path / f"{name}.conf"
     conf.write_text(
-        f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nLISTEN=0.0.0.0:48811\n"
+        f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nTOOLCHAIN=libbpf\nLISTEN=0.0.0.0:48811\n"
         f"SECRET_FILE={tmp_path / 'secret'}\n"
         'SERVE_OPTIONS="--barrier-timeout 30"\n'
     )
@@ -189,6 +189,8 @@ def _serve_and_stop(tb, name, tmp_path):
         st = json.loads(_xdp_agg("--name", name, "status", "--json").stdout)
         assert st["topology"] == "one-arm" and st["pool_slots"] == 256 and st["netns"] == agg_ns
         assert st["interfaces"][0]["attached"] and st["prog_id"] != old_prog
+        want = AttachOptions("one-arm", pool_slots=256, toolchain="libbpf")  # as attached
+        assert AttachOptions.from_dict(st["options"]) == want
 
         plan = json.dumps([{"dtype": "int32", "count": 5000}])
         workers = [
