@@ -81,6 +81,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     (args.lanes), each running every selected size on both systems (or `plan`: the host rows)."""
     from netns_testbed.counters import Layout
     from netns_testbed.testbed import PLAIN_XDP_MAX_MTU, Testbed
+    from xdp_agg.app.options import AttachOptions
     from xdp_agg.cluster.cluster import Cluster
 
     if plan is None:
@@ -115,8 +116,9 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
         Cluster(
             tb,
-            frags=args.mtu > PLAIN_XDP_MAX_MTU,
-            attach_args=("--slot-cpus", getattr(args, "slot_cpus", "rss")),
+            attach=AttachOptions(
+                frags=args.mtu > PLAIN_XDP_MAX_MTU, slot_cpus=getattr(args, "slot_cpus", "rss")
+            ),
             serve_args=_serve_args(args, plan),
         ) as cl,
     ):

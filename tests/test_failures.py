@@ -25,6 +25,7 @@ import time
 
 import pytest
 
+from xdp_agg.app.options import attach_args
 from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
@@ -201,7 +202,7 @@ def test_aggregator_state_lost_mid_allreduce(testbed_factory):
             target=lambda: ended.extend(_finish(lost, deadline=TIMEOUT + SLACK + 60))
         )
         waiter.start()
-        cl.cli("attach", *tb.agg_interfaces, "--pool-slots", str(cl.pool_slots))
+        cl.cli("attach", *tb.agg_interfaces, *attach_args(cl.attach))
         m = cl.run_workers([{"dtype": "int32", "count": 200_000, "seed": 7}], hosts=[2, 3], job="M")
         assert all(x["ok"] for reps in m for x in reps), m
         waiter.join()

@@ -15,6 +15,7 @@ import sys
 import pytest
 from harness.workers import assert_reports_ok
 
+from xdp_agg.app.options import AttachOptions
 from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
@@ -70,7 +71,7 @@ def test_allreduce_2048_per_packet_under_loss(testbed_factory, monkeypatch, nati
     monkeypatch.setenv("XDP_AGG_NATIVE", native)
     tb = testbed_factory(workers=3, topology="one-arm", mtu=MTU, loss_up=0.01, loss_down=0.01)
     plan = [{"dtype": "int32", "count": 300_001}, {"dtype": "float32", "count": 100_000, "seed": 2}]
-    with Cluster(tb, frags=True) as cl:
+    with Cluster(tb, attach=AttachOptions(frags=True)) as cl:
         reports = cl.run_workers(plan, job=f"jumbo-{native}", elems="auto", timeout=60)
     assert_reports_ok(reports)
     items = [r for reps in reports for r in reps if "stats" in r]

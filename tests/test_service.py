@@ -16,6 +16,7 @@ import pytest
 from harness.cli import xdp_agg_cli as run_cli
 
 from xdp_agg.app import cli, service
+from xdp_agg.app.options import AttachOptions
 from xdp_agg.cluster import cluster_worker
 from xdp_switch import pins
 
@@ -29,22 +30,13 @@ def test_sample_config_parses_to_what_install_service_was_given(tmp_path):
         "lab",
         ["p0", "p1"],
         listen="198.18.0.1:48801",
-        pool_slots=2048,
+        attach=AttachOptions(pool_slots=2048),
         exe="/usr/bin/xdp-agg",
     )
     cfg = service.parse_config(Path(rep["config"]).read_text())
     assert cfg.interfaces == ["p0", "p1"] and cfg.listen == "198.18.0.1:48801"
-    assert cfg.pool_slots == 2048 and cfg.topology is None and cfg.xdp_mode == "native"
-    assert cfg.attach_args() == [
-        "p0",
-        "p1",
-        "--xdp-mode",
-        "native",
-        "--pool-slots",
-        "2048",
-        "--variant",
-        "percpu",
-    ]
+    assert cfg.attach == AttachOptions(pool_slots=2048)  # the sample's keys are the defaults
+    assert cfg.attach_args() == ["p0", "p1", "--pool-slots", "2048"]
     assert cfg.serve_args() == [
         "--listen",
         "198.18.0.1:48801",
@@ -58,14 +50,8 @@ def test_config_values_and_quoting():
         '# comment\nINTERFACES="eth1"\nTOPOLOGY=one-arm\nXDP_MODE=skb\nPOOL_SLOTS=64\n'
         'VARIANT=spinlock\nNETNS=agg\nSERVE_OPTIONS="--udp-checksum --group 239.1.1.1"\n'
     )
-    assert (cfg.interfaces, cfg.topology, cfg.xdp_mode, cfg.pool_slots, cfg.variant, cfg.netns) == (
-        ["eth1"],
-        "one-arm",
-        "skb",
-        64,
-        "spinlock",
-        "agg",
-    )
+    assert (cfg.interfaces, cfg.netns) == (["eth1"], "agg")
+    assert cfg.attach == AttachOptions("one-arm", "skb", 64, "spinlock")
     assert cfg.serve_args() == [
         "--udp-checksum",
         "--group",
@@ -179,7 +165,7 @@ def _serve_and_stop(tb, name, tmp_path):
     agg_ns = tb.aggregator.netns
     conf = tmp_path / f"{name}.conf"
     conf.write_text(
-        f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nLISTEN=0.0.0.0:48811\n"
+        f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nTOOLCHAIN=libbpf\nLISTEN=0.0.0.0:48811\n"
         f"SECRET_FILE={tmp_path / 'secret'}\n"
         'SERVE_OPTIONS="--barrier-timeout 30"\n'
     )
@@ -203,6 +189,8 @@ def _serve_and_stop(tb, name, tmp_path):
         st = json.loads(_xdp_agg("--name", name, "status", "--json").stdout)
         assert st["topology"] == "one-arm" and st["pool_slots"] == 256 and st["netns"] == agg_ns
         assert st["interfaces"][0]["attached"] and st["prog_id"] != old_prog
+        want = AttachOptions("one-arm", pool_slots=256, toolchain="libbpf")  # as attached
+        assert AttachOptions.from_dict(st["options"]) == want
 
         plan = json.dumps([{"dtype": "int32", "count": 5000}])
         workers = [

@@ -38,7 +38,7 @@ from scapy.layers.l2 import ARP, Ether
 
 from xdp_agg import bpfsys
 from xdp_agg.app import serving
-from xdp_agg.app.options import JobOptions
+from xdp_agg.app.options import AttachOptions, JobOptions
 from xdp_agg.proto import wire
 from xdp_agg.proto.jobs import Delivery
 from xdp_agg.proto.reasons import Reason
@@ -275,11 +275,11 @@ def test_p4app_sessions_are_unicast_where_jobs_would_go_to_a_group():
 PLAN = [{"dtype": "int32", "count": 1 << 16, "reps": 2}, {"check": "counters"}]
 
 
-def _cluster(tb, *serve_args, attach_args=(), frags=False):
+def _cluster(tb, *serve_args, attach=None):
     from xdp_agg.cluster.cluster import Cluster
 
     name = f"u{uuid.uuid4().hex[:8]}"
-    return Cluster(tb, name=name, serve_args=serve_args, attach_args=attach_args, frags=frags)
+    return Cluster(tb, name=name, serve_args=serve_args, attach=attach)
 
 
 def _result_frames(count: dict) -> int:
@@ -304,16 +304,14 @@ def _run_filtered(tb, cl, elems=256):
 @pytest.mark.bpf
 @pytest.mark.netns
 @pytest.mark.parametrize(
-    "attach_args, frags",
-    [((), False), (("--slot-cpus", "cpumap"), False), ((), True)],
+    "attach",
+    [AttachOptions(), AttachOptions(slot_cpus="cpumap"), AttachOptions(frags=True)],
     ids=["percpu", "cpumap", "frags"],
 )
-def test_unicast_results_reach_hosts_that_take_only_their_own_mac(
-    testbed_factory, attach_args, frags
-):
+def test_unicast_results_reach_hosts_that_take_only_their_own_mac(testbed_factory, attach):
     tb = testbed_factory(workers=N)
     tb.own_mac_only()
-    with _cluster(tb, "--results", "unicast", attach_args=attach_args, frags=frags) as cl:
+    with _cluster(tb, "--results", "unicast", attach=attach) as cl:
         assert "results to each worker by unicast" in cl.serve_line
         reports, before, after = _run_filtered(tb, cl)
     assert all(r["ok"] for rank in reports for r in rank if "ok" in r), reports

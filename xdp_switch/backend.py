@@ -29,8 +29,8 @@ from xdp_agg.proto.reasons import PARENT_REASONS
 
 from . import links, loader, pins
 from . import slot_cpus as cpu_table
+from .attach_options import AttachOptions
 from .ctl_maps import SPARSE_MAX_ELEMS, AggMaps, ip_str, mac_str, port_ntoh
-from .pins import TOPOLOGIES, XDP_MODES
 
 # The pinned programs of an attachment (pins.Instance.prog_path): the aggregator on the
 # interfaces ("ingress"), or with --slot-cpus cpumap the steering program there ("steer") and the
@@ -59,39 +59,27 @@ def default_topology(ifaces: list[str]) -> str:
 
 def attach(
     ifaces: list[str],
+    opts: AttachOptions | None = None,
     *,
     name: str = "default",
-    topology: str | None = None,
-    xdp_mode: str = "native",
-    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
     netns: str | None = None,
-    cflags: tuple[str, ...] = (),
-    variant: str = "percpu",
-    frags: bool = False,
-    slot_cpus: str = "rss",
-    cpus: list[int] | None = None,
 ) -> pins.State:
-    """Load the program, pin it, and attach it to `ifaces` (in the current namespace).
+    """Load the program, pin it, and attach it to `ifaces` (in the current namespace) as `opts`
+    say (default: AttachOptions()); the state records them as attached (AttachOptions.resolved).
 
-    `topology` is one of TOPOLOGIES (default: one-arm for one interface, switch for several),
-    `xdp_mode` one of XDP_MODES. `frags`: load it as an XDP multi-buffer program, which takes
-    frames larger than a page (jumbo jobs, 1024 and 2048 int32 per packet) and attaches where
-    the link's MTU is above what one page holds (a veth whose peer has MTU 9000). `slot_cpus`:
-    one of loader.SLOT_CPUS; "cpumap" aggregates each slot on the one CPU of `cpus` (default:
-    the CPUs this process may run on) that xdp_switch.slot_cpus assigns it. Everything
-    made is rolled back if a step fails. Raises XdpAggError subclasses (NeedsRoot,
-    EnvironmentProblem, AggregatorError, LinkError, LoadError) with what to do.
+    `opts.topology` None is one-arm for one interface, switch for several. `opts.frags`: load it
+    as an XDP multi-buffer program, which takes frames larger than a page (jumbo jobs, 1024 and
+    2048 int32 per packet) and attaches where the link's MTU is above what one page holds (a
+    veth whose peer has MTU 9000). `opts.slot_cpus` "cpumap" aggregates each slot on the one CPU
+    of `opts.cpus` (default: the CPUs this process may run on) that xdp_switch.slot_cpus assigns
+    it. Everything made is rolled back if a step fails. Raises XdpAggError subclasses
+    (NeedsRoot, EnvironmentProblem, AggregatorError, LinkError, LoadError) with what to do.
     """
+    opts = opts or AttachOptions()
     _check_root("attaching the aggregator (BPF maps and XDP)")
-    _check_slot_cpus(slot_cpus, xdp_mode, frags)
-    cpus = sorted(cpus) if cpus else cpu_table.default_cpus()
     if not ifaces:
         raise AggregatorError("name at least one interface to attach to")
-    topology = topology or default_topology(ifaces)
-    if topology not in TOPOLOGIES:
-        raise AggregatorError(f"topology must be one of {', '.join(TOPOLOGIES)}, not {topology!r}")
-    if xdp_mode not in XDP_MODES:
-        raise AggregatorError(f"XDP mode must be one of {', '.join(XDP_MODES)}, not {xdp_mode!r}")
+    topology = opts.topology or default_topology(ifaces)
     if topology == "one-arm" and len(ifaces) != 1:
         raise AggregatorError("the one-arm topology uses exactly one interface (several: switch)")
     if len(ifaces) > limits.MAX_PORTS:
@@ -116,46 +104,48 @@ def attach(
             )
         infos.append(links.addresses(ifname))
     prog = loader.load(
-        pool_slots=pool_slots, cflags=cflags, variant=variant, frags=frags, slot_cpus=slot_cpus
+        pool_slots=opts.pool_slots,
+        cflags=opts.cflags,
+        variant=opts.variant,
+        frags=opts.frags,
+        slot_cpus=opts.slot_cpus,
+        toolchain=opts.toolchain,
     )
     done: list[dict] = []
     try:
+        attached = opts.resolved(ifaces, cpu_table.default_cpus(), prog.toolchain)
+        cpumap = attached.slot_cpus == "cpumap"
         pinned = _pinned_programs(prog)
         inst.pin(prog.maps, pinned)
-        maps = AggMaps(prog.maps, pool_slots)
-        if slot_cpus == "cpumap":
-            cpu_table.install(prog.maps, pinned["cpumap"], cpus, pool_slots)
-        on_links = pinned["steer" if slot_cpus == "cpumap" else "ingress"]
+        maps = AggMaps(prog.maps, opts.pool_slots)
+        if cpumap:
+            cpu_table.install(
+                prog.maps, pinned["cpumap"], list(attached.cpus or ()), opts.pool_slots
+            )
+        on_links = pinned["steer" if cpumap else "ingress"]
         ingress_id = bpfsys.prog_info(on_links).id
         egress_id = bpfsys.prog_info(prog.progs[loader.PROG_EGRESS]).id
         egress = prog.progs[loader.PROG_EGRESS if topology == "switch" else loader.PROG_COPY]
         for i, info in enumerate(infos):
             if topology == "switch":
                 maps.set_port(i, info["ifindex"], egress)
-            if slot_cpus == "cpumap":
+            if cpumap:
                 cpu_table.send_back(prog.maps, info["ifindex"], egress)
-            links.attach_xdp(info["ifname"], on_links, xdp_mode)
+            links.attach_xdp(info["ifname"], on_links, opts.xdp_mode)
             done.append(
                 {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
             )
         state = pins.State(
             name=name,
             topology=topology,
-            xdp_mode=xdp_mode,
+            xdp_mode=opts.xdp_mode,
             netns=netns,
             interfaces=done,
-            pool_slots=pool_slots,
+            pool_slots=opts.pool_slots,
             prog_id=ingress_id,
             egress_prog_id=egress_id,
             attached_at=time.time(),
-            options={
-                "cflags": list(cflags),
-                "nr_cpus": prog.nr_cpus,
-                "variant": variant,
-                "frags": frags,
-                "slot_cpus": slot_cpus,
-                **({"cpus": cpus} if slot_cpus == "cpumap" else {}),
-            },
+            options={**attached.to_dict(), "nr_cpus": prog.nr_cpus},
         )
         inst.save_state(state)
         return state
@@ -167,19 +157,6 @@ def attach(
     finally:
         # The pins hold the program and maps now; drop this process's references.
         prog.close()
-
-
-def _check_slot_cpus(slot_cpus: str, xdp_mode: str, frags: bool) -> None:
-    """attach's `slot_cpus` with the other options (AggregatorError for a combination that
-    cannot work)."""
-    if slot_cpus not in loader.SLOT_CPUS:
-        raise AggregatorError(f"slot CPUs must be one of {', '.join(loader.SLOT_CPUS)}")
-    if slot_cpus == "cpumap" and xdp_mode != "native":
-        # net/core/dev.c generic_xdp_install: no program using a cpumap with programs
-        raise AggregatorError("--slot-cpus cpumap needs native XDP (generic XDP refuses a cpumap)")
-    if slot_cpus == "cpumap" and frags:
-        # not tested: multi-buffer frames through the cpumap and back out by redirect
-        raise AggregatorError("--slot-cpus cpumap is not built for --frags (jumbo frames) yet")
 
 
 def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
@@ -287,7 +264,9 @@ def open_instance(name: str = "default") -> tuple[pins.State, AggMaps]:
 
 
 def status(name: str = "default") -> dict:
-    """Program, interfaces (and whether our program is still on each), jobs."""
+    """Program, interfaces (and whether our program is still on each), jobs; "options": how
+    it was attached (every AttachOptions field: an older version's state gets the defaults of
+    what it did not record; a toolchain it did not record is None)."""
     state, maps = open_instance(name)
     _enter_recorded_netns(state)
     ifaces = []
@@ -299,7 +278,8 @@ def status(name: str = "default") -> dict:
         ifaces.append({**d, "attached": cur == d["prog_id"], "current_prog_id": cur})
     registered = maps.workers()
     jobs = [job_dict(j, job, maps, registered) for j, job in maps.jobs().items()]
-    return {**state.to_dict(), "interfaces": ifaces, "jobs": jobs}
+    options = {**state.options, **state.attach_options().to_dict()}
+    return {**state.to_dict(), "options": options, "interfaces": ifaces, "jobs": jobs}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -547,7 +527,7 @@ class XdpBackend:
         """The packet sizes this attachment takes: the jumbo ones (larger than a page) only
         with --frags and in the one-arm topology (create_job says why not)."""
         jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
-        frags = self.state.options.get("frags") and self.state.topology != "switch"
+        frags = self.state.attach_options().frags and self.state.topology != "switch"
         return tuple(sorted(n for n in wire.SIZE_CODE_ELEMS.values() if frags or n not in jumbo))
 
     def sparse_elems(self) -> tuple[int, ...]:
@@ -568,7 +548,8 @@ class XdpBackend:
         if self.state.topology == "switch":  # every result through the devmap; caller's spec stays
             spec = dataclasses.replace(spec, delivery=DELIVERY["switch"])
         jumbo = {wire.elems_for(c) for c in wire.JUMBO_SIZE_CODES}
-        if spec.elems in jumbo and not self.state.options.get("frags"):
+        attached = self.state.attach_options()
+        if spec.elems in jumbo and not attached.frags:
             raise Refused(
                 f"job {spec.job_id}: {spec.elems} elements per packet are frames larger than a "
                 f"page, which aggregator {self.name!r} cannot see: attach it with --frags "
@@ -597,9 +578,9 @@ class XdpBackend:
         finally:
             if copies is not None:
                 os.close(copies[1])
-        if self.state.options.get("slot_cpus") == "cpumap":
+        if attached.slot_cpus == "cpumap":
             cpu_table.assign_job(
-                self.maps.fds, spec.slot_base, spec.slot_count, self.state.options["cpus"]
+                self.maps.fds, spec.slot_base, spec.slot_count, list(attached.cpus or ())
             )
 
     def add_worker(self, worker: WorkerSpec) -> None:

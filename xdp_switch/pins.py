@@ -6,7 +6,7 @@
     /sys/fs/bpf/xdp-agg/<name>/progs/cpumap   ... to the aggregator on the cpumap's CPUs
     /sys/fs/bpf/xdp-agg/<name>/progs/egress   the devmap egress program (the switch topology)
     /run/xdp-agg/<name>.json                  interfaces, topology, XDP mode, netns, program id,
-                                              options (State below)
+                                              the AttachOptions as attached (State below)
     /run/xdp-agg/<name>.jobs                  `serve`'s job table (xdp_agg.ctl.jobtable)
     /run/xdp-agg/<name>.lock                  held (flock) by the one `serve` of <name>
 
@@ -26,8 +26,9 @@ from pathlib import Path
 from xdp_agg import bpfsys
 from xdp_agg.errors import NeedsRoot, XdpAggError
 
-TOPOLOGIES = ("one-arm", "switch")  # the words netns_testbed uses for the same two layouts
-XDP_MODES = ("native", "skb")  # how XDP is attached: in the driver, or generic (skb)
+from .attach_options import TOPOLOGIES as TOPOLOGIES  # re-exported: pins.TOPOLOGIES
+from .attach_options import XDP_MODES as XDP_MODES
+from .attach_options import AttachOptions
 
 
 class NotAttached(XdpAggError):
@@ -73,10 +74,19 @@ class State:
     prog_id: int
     egress_prog_id: int
     attached_at: float
+    # AttachOptions.to_dict() as attached (resolved), with the loaded program's "nr_cpus"; an
+    # older version's file has some of its keys (attach_options fills in the rest)
     options: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def attach_options(self) -> AttachOptions:
+        """How it was attached: the recorded options, the top-level topology, XDP mode and pool
+        size, and defaults for what an older version did not record. ValueError for a bad
+        value."""
+        top = {"topology": self.topology, "xdp_mode": self.xdp_mode, "pool_slots": self.pool_slots}
+        return AttachOptions.from_dict({**self.options, **top})
 
     @classmethod
     def from_dict(cls, d: dict) -> State:
@@ -159,7 +169,9 @@ class Instance:
         except PermissionError as e:
             raise NeedsRoot(f"reading {self.state_path}") from e
         try:
-            return State.from_dict(json.loads(text))
+            state = State.from_dict(json.loads(text))
+            state.attach_options()  # its options must be ones this version can use
+            return state
         except (ValueError, TypeError) as e:
             raise XdpAggError(
                 f"{self.state_path} is not a state file xdp-agg can read ({e}): remove it and the "

@@ -204,6 +204,7 @@ def run(opts, log) -> dict:
     """The soak; returns everything the report needs (raises on set-up failure)."""
     from netns_testbed import faults, nsexec
     from netns_testbed.testbed import Testbed
+    from xdp_agg.app.options import AttachOptions
     from xdp_agg.cluster.cluster import Cluster
     from xdp_switch import pins
 
@@ -224,7 +225,8 @@ def run(opts, log) -> dict:
     result: dict = {"config": _config(opts, jobs, name, tb.prefix, warmup), "samples": []}
     ranks: list[Rank] = []
     pids: list[int] = []
-    with tb, Cluster(tb, name=name, pool_slots=max(1024, opts.jobs * opts.window)) as cl:
+    attach = AttachOptions(pool_slots=max(1024, opts.jobs * opts.window))
+    with tb, Cluster(tb, name=name, attach=attach) as cl:
         server_pid = cl._server.pid
         pids.append(server_pid)
         if on_ports:

@@ -27,13 +27,10 @@ from xdp_agg.errors import EXIT_BUSY, EXIT_ENV, EXIT_FAILED, EXIT_OK, EXIT_USAGE
 from xdp_agg.proto import limits, wire
 from xdp_agg.proto.jobs import WorkerSpec
 from xdp_switch import backend as xdp_backend
-from xdp_switch import links, loader, pins
+from xdp_switch import links, pins
 from xdp_switch import slot_cpus as cpu_table
 
 from . import build, options, service, serving
-
-# --slot-cpus of attach, chosen by measurement (docs/benchmarks.md "One CPU per slot")
-DEFAULT_SLOT_CPUS = "rss"
 
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -60,15 +57,6 @@ def _emit(obj, as_json: bool, text) -> None:
         click.echo(json.dumps(obj, indent=2, sort_keys=False, default=str))
     else:
         text(obj)
-
-
-def _cpu_list(ctx, param, value: str | None) -> list[int] | None:
-    if value is None:
-        return None
-    try:
-        return cpu_table.parse_cpus(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
 
 
 def _name(ctx, param, value: str) -> str:
@@ -125,60 +113,10 @@ def main(ctx, name, netns):
 
 @main.command()
 @click.argument("ifaces", nargs=-1, required=True)
-@click.option(
-    "--topology",
-    type=click.Choice(pins.TOPOLOGIES),
-    default=None,
-    help="one-arm: results to a group address on the one interface; switch: one port per "
-    "worker. Default: one-arm for one interface, switch for several.",
-)
-@click.option(
-    "--xdp-mode",
-    type=click.Choice(pins.XDP_MODES),
-    default="native",
-    show_default=True,
-    help="native: XDP in the driver; skb: generic XDP (any interface, slower).",
-)
-@click.option(
-    "--pool-slots",
-    type=click.IntRange(1, wire.MAX_SLOTS),
-    default=limits.DEFAULT_POOL_SLOTS,
-    show_default=True,
-    help="Aggregation slots shared by all jobs.",
-)
-@click.option(
-    "--variant",
-    type=click.Choice(list(loader.VARIANTS)),
-    default="percpu",
-    show_default=True,
-    help="percpu: per-CPU partial sums (the design); "
-    "spinlock: one locked sum per slot (the baseline).",
-)
-@click.option(
-    "--frags",
-    is_flag=True,
-    help="Load as an XDP multi-buffer program: frames larger than a page (jobs of 1024 and "
-    "2048 elements per packet; a veth whose peer's MTU is above about 3500 needs it).",
-)
-@click.option(
-    "--slot-cpus",
-    type=click.Choice(list(loader.SLOT_CPUS)),
-    default=DEFAULT_SLOT_CPUS,
-    show_default=True,
-    help="rss: each packet is aggregated on the CPU the NIC's receive hash chose, a slot's "
-    "partial sums on several CPUs merged when it completes; cpumap: each slot's packets are "
-    "redirected to the one CPU that owns it (a cpumap) and aggregated there (native XDP only).",
-)
-@click.option(
-    "--cpus",
-    callback=_cpu_list,
-    default=None,
-    help="With --slot-cpus cpumap: the CPUs that aggregate, as 0-3,6 (default: every CPU this "
-    "command may run on); a job's slots are cut into one contiguous range per CPU.",
-)
+@options.click_options(options.AttachOptions)
 @_json_option()
 @click.pass_context
-def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, slot_cpus, cpus, as_json):
+def attach(ctx, ifaces, opts: options.AttachOptions, as_json):
     """Load the aggregator (built with the project) and attach it to IFACES; it stays after
     this command exits.
     Also reports what each interface's receive hash (RSS) for UDP/IPv4 is set to, and what to
@@ -192,20 +130,18 @@ def attach(ctx, ifaces, topology, xdp_mode, pool_slots, variant, frags, slot_cpu
       sudo xdp-agg attach eth0 --frags       # MTU 9000: 2048 int32 per packet
       sudo xdp-agg attach veth0 --slot-cpus cpumap --cpus 0-1
     """
-    state = xdp_backend.attach(
-        list(ifaces),
-        name=ctx.obj["name"],
-        topology=topology,
-        xdp_mode=xdp_mode,
-        pool_slots=pool_slots,
-        netns=ctx.obj["netns"],
-        variant=variant,
-        frags=frags,
-        slot_cpus=slot_cpus,
-        cpus=cpus,
-    )
+    state = xdp_backend.attach(list(ifaces), opts, name=ctx.obj["name"], netns=ctx.obj["netns"])
     out = {**state.to_dict(), "rss": [cpu_table.rss_report(i) for i in ifaces]}
     _emit(out, as_json, _say_attached)
+
+
+def _attached_as(o: dict) -> str:
+    """The options of a state (status's "options", every AttachOptions field) in words."""
+    cpus = f" on CPUs {','.join(map(str, o['cpus']))}" if o.get("cpus") else ""
+    words = [f"variant {o['variant']}", f"slot CPUs {o['slot_cpus']}{cpus}"]
+    words += ["frags"] if o["frags"] else []
+    words += [f"toolchain {o['toolchain']}"] if o.get("toolchain") else []
+    return ", ".join(words)
 
 
 def _say_attached(s: dict) -> None:
@@ -272,6 +208,7 @@ def status(ctx, as_json):
             f"{s['name']}: {s['topology']} topology, {s['xdp_mode']} XDP, "
             f"program id {s['prog_id']}, {s['pool_slots']} slots"
         )
+        click.echo(f"  attached with {_attached_as(s['options'])}")
         for i in s["interfaces"]:
             on = "attached" if i["attached"] else f"NOT attached (program {i['current_prog_id']})"
             click.echo(f"  {i['ifname']} (ifindex {i['ifindex']}): {on}")
@@ -605,18 +542,21 @@ def serve(ctx, opts: options.ServeOptions, as_json):
     help="How the unit runs xdp-agg (default: the xdp-agg script of this installation).",
 )
 @click.option("--force", is_flag=True, help="Overwrite an existing config with the sample.")
+@options.click_options(options.AttachOptions, param="attach")
 @_json_option()
-def install_service(name, interfaces, listen, root, exe, force, as_json):
+def install_service(name, interfaces, listen, root, exe, force, attach, as_json):
     """Write the systemd unit xdp-agg@.service and a sample /etc/xdp-agg/NAME.conf.
 
     The unit attaches aggregator NAME to the config's interfaces and runs the control endpoint;
     stopping it detaches; it restarts on failure. Edit the config, then enable the unit (this
-    prints the commands).
+    prints the commands). The options of `xdp-agg attach` (--topology ... --toolchain) are
+    the sample config's keys of the same names (TOPOLOGY ... TOOLCHAIN).
 
     \b
     Examples:
       sudo xdp-agg service-install --interfaces eth1
       sudo xdp-agg service-install lab --interfaces "p0 p1 p2 p3" --listen 198.18.0.1:48800
+      sudo xdp-agg service-install --interfaces eth1 --slot-cpus cpumap --cpus 0-3
       xdp-agg service-install --root /tmp/pkgroot --json
     """
     rep = service.install_files(
@@ -625,6 +565,7 @@ def install_service(name, interfaces, listen, root, exe, force, as_json):
         interfaces.split(),
         exe=exe,
         listen=f"{listen[0]}:{listen[1]}" if listen else "",
+        attach=attach,
         force=force,
     )
 
@@ -680,18 +621,10 @@ def service_start(ctx, name, config_file, as_json):
 
     if service.clear_leftover(name):
         say("detached what an earlier run left attached")
-    state = xdp_backend.attach(
-        cfg.interfaces,
-        name=name,
-        topology=cfg.topology,
-        xdp_mode=cfg.xdp_mode,
-        pool_slots=cfg.pool_slots,
-        netns=cfg.netns,
-        variant=cfg.variant,
-    )
+    state = xdp_backend.attach(cfg.interfaces, cfg.attach, name=name, netns=cfg.netns)
     say(
         f"attached to {', '.join(cfg.interfaces)} ({state.topology}, {state.xdp_mode} XDP, "
-        f"{state.pool_slots} slots)"
+        f"{state.pool_slots} slots; {_attached_as(state.options)})"
     )
     with sub:
         serve.invoke(sub)

@@ -1,7 +1,9 @@
-"""Options as data: what `xdp-agg serve` and `xdp-agg job create` are told, as dataclasses that
-the library takes (xdp_agg.app.serving.serve, xdp_agg.app.serving.create_job), each field carrying
-its command-line option. `click_options(ServeOptions)` turns the fields into click options and
-hands the command one ServeOptions; a script or a test builds the same object directly.
+"""Options as data: what `xdp-agg attach`, `xdp-agg serve` and `xdp-agg job create` are told, as
+dataclasses that the library takes (xdp_switch.backend.attach, xdp_agg.app.serving.serve,
+xdp_agg.app.serving.create_job), each field carrying its command-line option (AttachOptions,
+the XDP target's, below this layer: its options are ATTACH_FLAGS). `click_options(ServeOptions)`
+turns the fields into click options and hands the command one ServeOptions; a script or a test
+builds the same object directly.
 
 The callbacks here check one option's value each (an address, HOST:PORT, a group block);
 `check()` on the dataclass checks the options together (what needs what, what excludes what)
@@ -20,6 +22,7 @@ import click
 from xdp_agg.ctl import auth
 from xdp_agg.proto import control, groups, limits, wire
 from xdp_agg.proto.jobs import DEFAULT_CONTROL_PORT
+from xdp_switch import attach_options, loader, slot_cpus
 
 DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
 RESULTS = ("multicast", "broadcast", "unicast")
@@ -180,28 +183,138 @@ def _check_group_choice(group_ip, results) -> None:
         raise ValueError("give either --group (one address for every job) or --results")
 
 
+def _click_spec(cls, fl: dataclasses.Field):
+    """(decls, click kwargs) of field `fl` of `cls`: its own metadata, or the table of a class
+    defined below this layer (AttachOptions: ATTACH_FLAGS); None for a field that is no
+    option."""
+    return fl.metadata.get("click") or _FLAGS_OF.get(cls, {}).get(fl.name)
+
+
 def click_options(cls, param: str = "opts"):
-    """A click decorator: one option per field of dataclass `cls` (in field order), passed to
-    the command as one `cls` instance named `param`, checked (cls.check) before the command
-    runs: a ValueError there is a usage error (exit 2)."""
-    fields = dataclasses.fields(cls)
+    """A click decorator: one option per field of dataclass `cls` (in field order; a field
+    without one keeps its default), passed to the command as one `cls` instance named `param`,
+    checked (cls.check, and for a class that checks itself, its construction) before the
+    command runs: a ValueError there is a usage error (exit 2)."""
+    fields = [fl for fl in dataclasses.fields(cls) if _click_spec(cls, fl) is not None]
 
     def decorate(f):
         @functools.wraps(f)
         def command(*args, **kw):
-            values = cls(**{fl.name: kw.pop(fl.name) for fl in fields})
             try:
+                values = cls(**{fl.name: kw.pop(fl.name) for fl in fields})
                 values.check()
             except ValueError as e:
                 raise click.UsageError(str(e)) from None
             return f(*args, **{param: values}, **kw)
 
         for fl in reversed(fields):
-            decls, click_kw = fl.metadata["click"]
+            decls, click_kw = _click_spec(cls, fl)
             command = click.option(*decls, fl.name, **click_kw)(command)
         return command
 
     return decorate
+
+
+# --- attach --------------------------------------------------------------------------------------
+# AttachOptions is the XDP target's (xdp_switch.attach_options), which the pinned state records
+# and a layer below this one cannot know click: its fields' options are this table, in field
+# order (cflags, for tests only, has none).
+AttachOptions = attach_options.AttachOptions
+
+
+def cpu_list(ctx, param, value: str | None) -> list[int] | None:
+    """click callback: a CPU list as 0-3,6 (None stays None)."""
+    if value is None:
+        return None
+    try:
+        return slot_cpus.parse_cpus(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
+
+
+def _flag(*decls: str, **click_kw) -> tuple[tuple[str, ...], dict]:
+    return decls, click_kw
+
+
+_DEFAULTS = AttachOptions()
+ATTACH_FLAGS = {
+    "topology": _flag(
+        "--topology",
+        type=click.Choice(attach_options.TOPOLOGIES),
+        default=None,
+        help="one-arm: results to a group address on the one interface; switch: one port per "
+        "worker. Default: one-arm for one interface, switch for several.",
+    ),
+    "xdp_mode": _flag(
+        "--xdp-mode",
+        type=click.Choice(attach_options.XDP_MODES),
+        default=_DEFAULTS.xdp_mode,
+        show_default=True,
+        help="native: XDP in the driver; skb: generic XDP (any interface, slower).",
+    ),
+    "pool_slots": _flag(
+        "--pool-slots",
+        type=click.IntRange(1, wire.MAX_SLOTS),
+        default=_DEFAULTS.pool_slots,
+        show_default=True,
+        help="Aggregation slots shared by all jobs.",
+    ),
+    "variant": _flag(
+        "--variant",
+        type=click.Choice(list(loader.VARIANTS)),
+        default=_DEFAULTS.variant,
+        show_default=True,
+        help="percpu: per-CPU partial sums (the design); "
+        "spinlock: one locked sum per slot (the baseline).",
+    ),
+    "frags": _flag(
+        "--frags",
+        is_flag=True,
+        help="Load as an XDP multi-buffer program: frames larger than a page (jobs of 1024 and "
+        "2048 elements per packet; a veth whose peer's MTU is above about 3500 needs it).",
+    ),
+    "slot_cpus": _flag(
+        "--slot-cpus",
+        type=click.Choice(list(loader.SLOT_CPUS)),
+        default=_DEFAULTS.slot_cpus,
+        show_default=True,
+        help="rss: each packet is aggregated on the CPU the NIC's receive hash chose, a slot's "
+        "partial sums on several CPUs merged when it completes; cpumap: each slot's packets are "
+        "redirected to the one CPU that owns it (a cpumap) and aggregated there (native XDP "
+        "only).",
+    ),
+    "cpus": _flag(
+        "--cpus",
+        callback=cpu_list,
+        default=None,
+        help="With --slot-cpus cpumap: the CPUs that aggregate, as 0-3,6 (default: every CPU "
+        "this command may run on); a job's slots are cut into one contiguous range per CPU.",
+    ),
+    "toolchain": _flag(
+        "--toolchain",
+        type=click.Choice(loader.TOOLCHAINS),
+        default=None,
+        help=f"libbpf: load the BPF objects built with the project; bcc: compile the program "
+        f"at attach (kernel headers, seconds). Default: ${loader.TOOLCHAIN_ENV}, else libbpf.",
+    ),
+}
+_FLAGS_OF: dict[type, dict[str, tuple[tuple[str, ...], dict]]] = {AttachOptions: ATTACH_FLAGS}
+
+
+def attach_args(opts: AttachOptions) -> list[str]:
+    """The `xdp-agg attach` options that give `opts` (defaults left out; not cflags)."""
+    args: list[str] = []
+    for name, value in opts.to_dict().items():
+        if name not in ATTACH_FLAGS or value == getattr(_DEFAULTS, name):
+            continue
+        flag = ATTACH_FLAGS[name][0][0]
+        if isinstance(value, bool):
+            args.append(flag)
+        elif isinstance(value, list):
+            args += [flag, ",".join(map(str, value))]
+        else:
+            args += [flag, str(value)]
+    return args
 
 
 # --- serve ---------------------------------------------------------------------------------------

@@ -15,21 +15,25 @@ failure included, begins from nothing attached. After a reboot the pins are gone
 attaches again.
 
 The config file is KEY=VALUE lines (the syntax of a systemd EnvironmentFile: `#` comments,
-values optionally in double quotes); lists are separated by spaces.
+values optionally in double quotes); lists are separated by spaces. Every option of `xdp-agg
+attach` is a key (ATTACH_KEYS), read into the one AttachOptions that `attach` takes too.
 """
 
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from xdp_agg.errors import XdpAggError
-from xdp_agg.proto import limits, wire
 from xdp_switch import backend as xdp_backend
-from xdp_switch import pins
+from xdp_switch import pins, slot_cpus
+
+from . import options
+from .options import AttachOptions
 
 UNIT_NAME = "xdp-agg@.service"
 CONFIG_DIR = Path("/etc/xdp-agg")
@@ -45,27 +49,16 @@ class ServiceConfig:
     """One aggregator's service settings (the keys of NAME.conf)."""
 
     interfaces: list[str]  # INTERFACES: one (one-arm) or one per worker port (switch)
-    topology: str | None = None  # TOPOLOGY: one-arm | switch (default: from the count)
-    xdp_mode: str = "native"  # XDP_MODE: native | skb
-    pool_slots: int = limits.DEFAULT_POOL_SLOTS  # POOL_SLOTS
-    variant: str = "percpu"  # VARIANT: percpu | spinlock
+    # how it attaches: every option of `xdp-agg attach`, each a key of its own (ATTACH_KEYS)
+    attach: AttachOptions = field(default_factory=AttachOptions)
     listen: str = ""  # LISTEN: HOST:PORT of the control endpoint ("": serve's default address)
     secret_file: str = ""  # SECRET_FILE: the deployment secret ("": serve's default place)
     netns: str | None = None  # NETNS: a network namespace to run in (rarely on a middle box)
     serve_options: list[str] = field(default_factory=list)  # SERVE_OPTIONS: more `serve` options
 
     def attach_args(self) -> list[str]:
-        """The `xdp-agg attach` arguments this config means."""
-        args = [
-            *self.interfaces,
-            "--xdp-mode",
-            self.xdp_mode,
-            "--pool-slots",
-            str(self.pool_slots),
-            "--variant",
-            self.variant,
-        ]
-        return args + (["--topology", self.topology] if self.topology else [])
+        """The `xdp-agg attach` arguments this config means (defaults left out)."""
+        return [*self.interfaces, *options.attach_args(self.attach)]
 
     def serve_args(self) -> list[str]:
         """The `xdp-agg serve` arguments this config means."""
@@ -75,22 +68,58 @@ class ServiceConfig:
         return args + self.serve_options
 
 
-_KEYS = {
-    "INTERFACES",
-    "TOPOLOGY",
-    "XDP_MODE",
-    "POOL_SLOTS",
-    "VARIANT",
-    "LISTEN",
-    "SECRET_FILE",
-    "NETNS",
-    "SERVE_OPTIONS",
-}
+# The attach options' keys: the field's name in capitals, one per option of `xdp-agg attach`
+# (TOPOLOGY=switch is --topology switch, FRAGS=yes is --frags, CPUS=0-3 is --cpus 0-3).
+ATTACH_KEYS = {name.upper(): name for name in options.ATTACH_FLAGS}
+_KEYS = {"INTERFACES", *ATTACH_KEYS, "LISTEN", "SECRET_FILE", "NETNS", "SERVE_OPTIONS"}
+_YES, _NO = ("yes", "true", "on", "1"), ("no", "false", "off", "0")
 
 
 def config_path(name: str, config_dir: Path | None = None) -> Path:
     """Where aggregator `name`'s config lives."""
     return (config_dir or CONFIG_DIR) / f"{pins.check_name(name)}.conf"
+
+
+def _attach_value(key: str, text: str):
+    """The AttachOptions value of config key `key` (an ATTACH_KEYS key) written as `text`;
+    ValueError for one that is not."""
+    if key == "POOL_SLOTS":
+        return int(text) if text.isdigit() else text  # AttachOptions says what is wrong
+    if key == "FRAGS":
+        if text.lower() not in _YES + _NO:
+            raise ValueError(f"FRAGS is yes or no, not {text!r}")
+        return text.lower() in _YES
+    if key == "CPUS":
+        return slot_cpus.parse_cpus(text)
+    return text
+
+
+def config_values(opts: AttachOptions) -> dict[str, str]:
+    """`opts` as the config's values, by field name (what _attach_value reads back): yes or no,
+    CPU lists as 0,1,6, empty for None."""
+
+    def text(value) -> str:
+        if isinstance(value, bool):
+            return "yes" if value else "no"
+        if isinstance(value, list):
+            return ",".join(map(str, value))
+        return "" if value is None else str(value)
+
+    return {name: text(value) for name, value in opts.to_dict().items() if name != "cflags"}
+
+
+def _attach_options(raw: dict[str, str], source: str) -> AttachOptions:
+    """The AttachOptions of the config's attach keys (an empty or missing one: the default);
+    ConfigError naming the key (its name, where AttachOptions says the option's)."""
+    flags = {spec[0][0]: name.upper() for name, spec in options.ATTACH_FLAGS.items()}
+    try:
+        values = {
+            name: _attach_value(key, raw[key]) for key, name in ATTACH_KEYS.items() if raw.get(key)
+        }
+        return AttachOptions(**values)
+    except ValueError as e:
+        said = re.sub(r"--[a-z-]+", lambda m: flags.get(m.group(0), m.group(0)), str(e))
+        raise ConfigError(f"{source}: {said}") from None
 
 
 def parse_config(text: str, source: str = "config") -> ServiceConfig:
@@ -116,22 +145,8 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
             f"{source}: INTERFACES is empty: name the interface(s) to attach to, "
             'e.g. INTERFACES=eth1 (one-arm) or INTERFACES="p0 p1 p2 p3" (switch)'
         )
-    cfg = ServiceConfig(interfaces=ifaces)
-    if raw.get("TOPOLOGY"):
-        cfg.topology = _choice(raw["TOPOLOGY"], pins.TOPOLOGIES, "TOPOLOGY", source)
-    if raw.get("XDP_MODE"):
-        cfg.xdp_mode = _choice(raw["XDP_MODE"], pins.XDP_MODES, "XDP_MODE", source)
-    if raw.get("VARIANT"):
-        from xdp_switch import loader
-
-        cfg.variant = _choice(raw["VARIANT"], tuple(loader.VARIANTS), "VARIANT", source)
-    if raw.get("POOL_SLOTS"):
-        slots = raw["POOL_SLOTS"]
-        if not slots.isdigit() or not 1 <= int(slots) <= wire.MAX_SLOTS:
-            raise ConfigError(f"{source}: POOL_SLOTS must be 1..{wire.MAX_SLOTS}, not {slots!r}")
-        cfg.pool_slots = int(slots)
-    if raw.get("LISTEN"):
-        cfg.listen = raw["LISTEN"]
+    cfg = ServiceConfig(interfaces=ifaces, attach=_attach_options(raw, source))
+    cfg.listen = raw.get("LISTEN", "")
     cfg.secret_file = raw.get("SECRET_FILE", "")
     cfg.netns = raw.get("NETNS") or None
     try:
@@ -139,12 +154,6 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
     except ValueError as e:
         raise ConfigError(f"{source}: SERVE_OPTIONS: {e}") from None
     return cfg
-
-
-def _choice(value: str, allowed: tuple[str, ...], key: str, source: str) -> str:
-    if value not in allowed:
-        raise ConfigError(f"{source}: {key} must be one of {', '.join(allowed)}, not {value!r}")
-    return value
 
 
 def read_config(name: str, path: Path | None = None) -> ServiceConfig:
@@ -213,16 +222,31 @@ SAMPLE_CONFIG = """\
 INTERFACES="{interfaces}"
 
 # one-arm | switch; empty: one-arm for one interface, switch for several.
-TOPOLOGY=
+TOPOLOGY={topology}
 
 # native (in the driver) | skb (generic XDP: any interface, slower).
-XDP_MODE=native
+XDP_MODE={xdp_mode}
 
 # Aggregation slots shared by all jobs (1..16384).
 POOL_SLOTS={pool_slots}
 
 # percpu (the design) | spinlock (the baseline).
-VARIANT=percpu
+VARIANT={variant}
+
+# yes: load as an XDP multi-buffer program, for frames larger than a page (jobs of 1024 and 2048
+# elements per packet, MTU 4200 and 9000).
+FRAGS={frags}
+
+# rss: each packet aggregated on the CPU the NIC's receive hash chose | cpumap: each slot's
+# packets redirected to the one CPU that owns it (native XDP only, not with FRAGS).
+SLOT_CPUS={slot_cpus}
+
+# With SLOT_CPUS=cpumap: the CPUs that aggregate, as 0-3,6; empty: every CPU the service may use.
+CPUS={cpus}
+
+# libbpf: the BPF objects built with the package | bcc: compiled at attach (kernel headers);
+# empty: $XDP_AGG_TOOLCHAIN, else libbpf.
+TOOLCHAIN={toolchain}
 
 # HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
 # IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
@@ -255,12 +279,13 @@ def install_files(
     *,
     exe: str | None = None,
     listen: str = "",
-    pool_slots: int = limits.DEFAULT_POOL_SLOTS,
+    attach: AttachOptions | None = None,
     force: bool = False,
 ) -> dict:
-    """Write the template unit and a sample config for `name` under `root` (/ for real).
-    An existing config is kept unless `force`; the unit is always rewritten (it holds no
-    settings). Returns what was written and kept."""
+    """Write the template unit and a sample config for `name` under `root` (/ for real), whose
+    attach keys say `attach` (default: AttachOptions()). An existing config is kept unless
+    `force`; the unit is always rewritten (it holds no settings). Returns what was written and
+    kept."""
     config_dir = root / CONFIG_DIR.relative_to("/")
     unit_dir = root / UNIT_DIR.relative_to("/")
     unit = unit_dir / UNIT_NAME
@@ -276,7 +301,7 @@ def install_files(
             SAMPLE_CONFIG.format(
                 name=name,
                 interfaces=" ".join(interfaces),
-                pool_slots=pool_slots,
+                **config_values(attach or AttachOptions()),
                 listen=listen,
                 secret_file=CONFIG_DIR / f"{name}.secret",
             )

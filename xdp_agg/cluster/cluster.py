@@ -31,6 +31,7 @@ import uuid
 
 from netns_testbed.plan import aggregator_group_base
 from xdp_agg.app import serving
+from xdp_agg.app.options import AttachOptions, attach_args
 from xdp_agg.proto import control
 
 from . import cluster_worker
@@ -62,22 +63,16 @@ class Cluster:
         tb,
         *,
         name: str | None = None,
-        xdp_mode: str = "native",
-        pool_slots: int = 1024,
+        attach: AttachOptions | None = None,
         serve_args: tuple[str, ...] = (),
-        frags: bool = False,
-        attach_args: tuple[str, ...] = (),
     ) -> None:
-        """`serve_args`: more `xdp-agg serve` options, e.g. ("--results", "broadcast");
-        `frags`: attach as an XDP multi-buffer program (jumbo MTUs, 1024 and 2048 elements);
-        `attach_args`: more `xdp-agg attach` options, e.g. ("--slot-cpus", "cpumap")."""
+        """`attach`: how `xdp-agg attach` attaches each aggregator (default: AttachOptions(),
+        e.g. AttachOptions(frags=True) for jumbo MTUs, 1024 and 2048 elements); `serve_args`:
+        more `xdp-agg serve` options, e.g. ("--results", "broadcast")."""
         self.tb = tb
-        self.frags = frags
-        self.attach_args = tuple(attach_args)
+        self.attach = attach or AttachOptions()
         self.serve_args = tuple(serve_args)
         self.name = name or f"c{uuid.uuid4().hex[:8]}"
-        self.xdp_mode = xdp_mode
-        self.pool_slots = pool_slots
         self.warnings: list[str] = []  # what xdp-agg serve warned about as it started
         self.serve_line = ""  # its "control endpoint listening on ..." line (aggregator 0)
         self._secret_dir: str | None = None
@@ -114,17 +109,7 @@ class Cluster:
             self.secret_file = os.path.join(self._secret_dir, "secret")
             control.create_secret(self.secret_file)  # one secret for all the aggregators
             for j, host in enumerate(self.aggregators):
-                self.cli(
-                    "attach",
-                    *host.ifnames,
-                    "--xdp-mode",
-                    self.xdp_mode,
-                    "--pool-slots",
-                    str(self.pool_slots),
-                    *(("--frags",) if self.frags else ()),
-                    *self.attach_args,
-                    aggregator=j,
-                )
+                self.cli("attach", *host.ifnames, *attach_args(self.attach), aggregator=j)
                 self._attached[j] = True
                 self.start_server(j)
         except BaseException:
