@@ -21,6 +21,10 @@ class BuildPyWithBpf(build_py):
 
     def run(self):
         super().run()
+        import sys
+
+        # the source tree, importable in pip's isolated build (an editable install too)
+        sys.path.insert(0, str(Path(__file__).resolve().parent))
         from xdp_switch import bpfbuild
 
         bpfbuild.build(Path(self.build_lib) / "xdp_switch" / "objects", quiet=True)
