@@ -143,6 +143,8 @@ static void rtt_update(Stream *st, double sample)
     st->cc.backoff = 1;
     if (sample < st->cc.min_rtt)
         st->cc.min_rtt = sample;
+    if (sample < st->cc.min_here)
+        st->cc.min_here = sample;
     if (!st->cc.have_rtt) {
         st->cc.srtt = sample;
         st->cc.rttvar = sample / 2;
@@ -656,6 +658,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
     st->cc.ssthresh = cfg->window;
     st->cc.min_rtt = INFINITY;
+    st->cc.min_here = INFINITY;
     st->cc.reo_mult = 1;
     st->cc.floor_mult = 1;
     st->cc.backoff = 1;
@@ -717,6 +720,9 @@ void fp_run_end(Run *r)
 {
     for (int64_t s = 0; s < r->w; s++) /* no packet of this all-reduce is in flight any more */
         r->s->pkt[s] = -1, r->s->deadline[s] = INFINITY;
-    if (r->needless == 0 && r->s->cc.floor_mult > 1) /* a quiet one: the floor comes down */
-        r->s->cc.floor_mult /= 2;
+    Congestion *cc = &r->s->cc;
+    if (r->needless == 0 && cc->floor_mult > 1) /* a quiet one: the floor comes down */
+        cc->floor_mult /= 2;
+    if (cc->min_here < INFINITY) /* the least round trip: of this all-reduce and the next */
+        cc->min_rtt = cc->min_here, cc->min_here = INFINITY;
 }

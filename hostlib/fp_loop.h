@@ -39,7 +39,8 @@ typedef struct {
 typedef struct {
     int have_rtt;
     double srtt, rttvar;
-    double min_rtt; /* the least round trip sampled (INFINITY before any) */
+    double min_rtt;  /* the least round trip of this all-reduce and the last (INFINITY: none) */
+    double min_here; /* the least of this all-reduce's (a path that changes is followed) */
     double cwnd, ssthresh;
     int reo_mult;   /* the reordering allowance in quarters of min_rtt (grows on spurious) */
     int reo_quiet;  /* early resends since the allowance last grew (it shrinks back after 16) */

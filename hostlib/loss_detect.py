@@ -34,7 +34,8 @@ class RttEstimator:
     def __init__(self) -> None:
         self.srtt: float | None = None
         self.rttvar = 0.0
-        self.min_rtt = np.inf
+        self.min_rtt = np.inf  # the least of this all-reduce and the last
+        self.min_here = np.inf  # the least of this one's (a path that changes is followed)
         self.reo_mult = 1  # the reordering allowance in quarters of min_rtt
         self.reo_quiet = 0  # early resends since the allowance last grew
         self.floor_mult = 1  # the timers' floor, times this (needless resends double it)
@@ -44,6 +45,7 @@ class RttEstimator:
     def update(self, sample: float) -> None:
         self.backoff = 1
         self.min_rtt = min(self.min_rtt, sample)
+        self.min_here = min(self.min_here, sample)
         if self.srtt is None:
             self.srtt, self.rttvar = sample, sample / 2
         else:
@@ -97,9 +99,11 @@ class RttEstimator:
 
     def run_ended(self, needless_before: int) -> None:
         """An all-reduce ended; without a needless resend since `needless_before` (the count at
-        its start), the timers' floor comes down."""
+        its start), the timers' floor comes down; its least round trip becomes min_rtt."""
         if self.needless_count == needless_before:
             self.floor_mult = max(1, self.floor_mult // 2)
+        if self.min_here < np.inf:  # the least round trip: of this all-reduce and the next
+            self.min_rtt, self.min_here = self.min_here, np.inf
 
 
 def doubled(timers: np.ndarray, probe: np.ndarray, rto: float, rto_max: float) -> np.ndarray:
