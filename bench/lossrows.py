@@ -8,10 +8,10 @@ burst, each against its own clean time in the same run (docs/protocol.md 4.4).
 --early-loss on,off
                   hostlib's early loss detection (HostOptions.early_loss): "off" runs the hosts
                   on timers alone, as before it, beside "on" in the same run.
---burst-ms MS     also a "burst" row per size: rank 0's namespace drops every IPv4 frame, both
-                  ways, for MS milliseconds from `BURST_AT` into each timed all-reduce of either
-                  system (nftables in its namespace; the drop's real span is measured and
-                  reported), against the clean row of the same set.
+--burst-ms MS     also a "burst" row per size, on the clean path: rank 0's namespace drops every
+                  IPv4 frame, both ways, for MS milliseconds from `BURST_AT` into each timed
+                  all-reduce of either system (nftables in its namespace; the drop's real span
+                  is measured and reported), against the clean row of the same set.
 
 Each row says "loss" (or "burst_ms") and "early_loss", and per system "vs_clean": its median time
 over the same system's clean median (loss 0, same n, link, size, dtype, width, lanes and
