@@ -302,6 +302,7 @@ def test_typed_results_keep_their_json():
     ov = EndpointOverview(jobs=[job], connections=1, refusals={"auth": 0}, lease_expiries=0)
     assert json.dumps(ov.to_dict()) == (
         '{"jobs": [{"key": "a", "job_id": 3, "state": "ready", "world_size": 2, '
-        '"registered": 2, "missing": 0, "gone": 0}], "connections": 1, '
+        '"registered": 2, "missing": 0, "gone": 0, "retransmissions": 0, "early_losses": 0, '
+        '"timeouts": 0, "spurious": 0}], "connections": 1, '
         '"refusals": {"auth": 0}, "lease_expiries": 0}'
     )
