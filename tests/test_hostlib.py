@@ -451,8 +451,10 @@ def test_stats_are_counted():
     assert (stats["data_path"], stats["data_path_reason"]) == ("udp", "")  # the default
     assert (stats["elems"], stats["elems_reason"]) == (256, "given")  # the harness's 256
     assert stats["allreduces"] == 1 and stats["elements"] == 1000
-    assert stats["packets_sent"] == stats["results"] == 4
-    assert stats["bytes_sent"] == 4 * (10 + 1024) and stats["elapsed"] > 0
+    # first transmissions (a busy host may resend on a timer: docs/protocol.md 4.4)
+    sent = stats["packets_sent"] - stats["retransmissions"]
+    assert sent == stats["results"] == 4
+    assert stats["bytes_sent"] == stats["packets_sent"] * (10 + 1024) and stats["elapsed"] > 0
 
 
 # --- errors ---------------------------------------------------------------------------------

@@ -195,7 +195,8 @@ def test_stats_count_one_receive_call_per_batch(monkeypatch):
                 window=64,
             )
         )
-    assert stats["results"] == 200 and stats["packets_sent"] == 200
+    # first transmissions (a busy host may resend on a timer: docs/protocol.md 4.4)
+    assert stats["results"] == 200 == stats["packets_sent"] - stats["retransmissions"]
     if udp_io._HAVE_MMSG:
         assert stats["recv_calls"] < stats["results"]
 
