@@ -113,8 +113,8 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 /* --- timers and the congestion window ----------------------------------------------------- */
 #define RTO_FLOOR_RTTS 3  /* once a round trip is measured, the timer's floor is 3 srtt */
 #define REO_MULT_MAX   64 /* the reordering allowance: at most 16 min_rtt (and srtt) */
-#define REO_QUIET      16 /* early resends without a spurious one before it shrinks again */
-#define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on spurious resends */
+#define REO_QUIET      16 /* early resends without a needless one before it shrinks again */
+#define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on needless resends */
 #define LOSS_AGE_RTTS  2  /* found lost early only once older than 2 srtt (detect_losses) */
 #define BACKOFF_MAX    64 /* new packets' timers back off at most 64-fold (first_rto) */
 
@@ -156,7 +156,7 @@ static void rtt_update(Stream *st, double sample)
 }
 
 /* How long after a later packet's result an earlier packet's may still come before it counts
- * as lost: a quarter of min_rtt, more after spurious resends, at most srtt (RFC 8985 6.2's
+ * as lost: a quarter of min_rtt, more after needless resends, at most srtt (RFC 8985 6.2's
  * reo_wnd). */
 static double reo_wnd(const Stream *st)
 {

@@ -42,8 +42,8 @@ typedef struct {
     double min_rtt;  /* the least round trip of this all-reduce and the last (INFINITY: none) */
     double min_here; /* the least of this all-reduce's (a path that changes is followed) */
     double cwnd, ssthresh;
-    int reo_mult;   /* the reordering allowance in quarters of min_rtt (grows on spurious) */
-    int reo_quiet;  /* early resends since the allowance last grew (it shrinks back after 16) */
+    int reo_mult;  /* the reordering allowance in quarters of min_rtt (grows on needless resends) */
+    int reo_quiet; /* early resends since the allowance last grew (it shrinks back after 16) */
     int floor_mult; /* the timers' floor, times this: doubles on needless resends, halves after
                      * an all-reduce without one */
     int backoff;    /* new packets' timers, times this: doubles when timers expire, 1 again at
