@@ -175,6 +175,20 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
     default=0.0,
     help="Duplication probability aggregator -> worker (one-arm only).",
 )
+@click.option(
+    "--reorder",
+    type=PROB,
+    default=0.0,
+    help="Share of what --loss-scope names that a worker sends held back --reorder-delay, so "
+    "that later frames overtake it.",
+)
+@click.option(
+    "--reorder-delay",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    default=0.001,
+    show_default=True,
+    help="Seconds a held frame waits.",
+)
 @_count_option(
     "--observers",
     lo=0,
@@ -370,11 +384,12 @@ def exec_(prefix, host, cmd):
 
 @main.command(
     name="set",
-    help="""Change rate, loss or duplication of a running testbed.
+    help="""Change rate, loss, duplication or reordering of a running testbed.
 
 \b
 Examples: netns-testbed set --prefix demo --rate 100mbit
-          netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1""",
+          netns-testbed set --prefix demo --rate none --loss-up 0 --loss-down 0.1
+          netns-testbed set --prefix demo --reorder 0.01 --reorder-delay 0.002""",
 )
 @click.option("--prefix", callback=_prefix, required=True, help="Testbed to change.")
 @click.option("--rate", help="New per worker link rate, or 'none' to remove the limit.")
@@ -383,8 +398,14 @@ Examples: netns-testbed set --prefix demo --rate 100mbit
 @click.option("--loss-down", type=PROB, help="New drop probability aggregator -> worker.")
 @click.option("--dup-up", type=PROB, help="New duplication probability worker -> aggregator.")
 @click.option("--dup-down", type=PROB, help="New duplication probability aggregator -> worker.")
+@click.option("--reorder", type=PROB, help="New share of held-back frames (0: none).")
+@click.option(
+    "--reorder-delay",
+    type=click.FloatRange(0.0, 1.0, min_open=True),
+    help="New seconds a held frame waits.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the new state as JSON.")
-def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json):
+def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json, **reorder):
     with _as_click_errors():
         require_root()
         tb = Testbed.attach(prefix)
@@ -401,6 +422,9 @@ def set_(prefix, rate, agg_rate, loss_up, loss_down, dup_up, dup_down, as_json):
                 dup_up=dup_up,
                 dup_down=dup_down,
             )
+        if reorder["reorder"] is not None or reorder["reorder_delay"] is not None:
+            p = tb.reorder if reorder["reorder"] is None else reorder["reorder"]
+            tb.set_reorder(p, reorder["reorder_delay"])
     _print_state(tb, as_json)
 
 
@@ -414,6 +438,11 @@ def _describe(st: dict) -> str:
         + (
             f", dup up/down {st.get('dup_up', 0)}/{st.get('dup_down', 0)}"
             if st.get("dup_up") or st.get("dup_down")
+            else ""
+        )
+        + (
+            f", reorder {st['reorder']} held {st.get('reorder_delay', 0) * 1e3:g} ms"
+            if st.get("reorder")
             else ""
         )
     ]

@@ -58,6 +58,7 @@ import time
 from subprocess import CompletedProcess, Popen
 
 from . import faults, nsexec, registry, shaping, xdp_pass
+from . import reorder as reordering
 from .build import TestbedBuild
 from .errors import NotRootError, TestbedError
 from .hosts import AggregatorHost, ObserverHost, WorkerHost
@@ -91,6 +92,9 @@ class Testbed(TestbedBuild):
             between workers crosses the same loss; :mod:`netns_testbed.faults`).
         dup_up / dup_down: probability in [0, 1] of sending one extra copy of
             such a packet toward the aggregator / the worker (dup_down: one-arm only).
+        reorder: probability in [0, 1] that a frame a worker sends (of the traffic loss_scope
+            names) is held back ``reorder_delay`` seconds, so that later ones overtake it
+            (:mod:`netns_testbed.reorder`; AF_XDP senders are not held).
         prefix: name prefix of namespaces and the state file; default ``xt`` + 4 hex.
         observers: one-arm: hosts in no job on the bridge (``o0``.., 198.18.0.200..), 0..16.
         mcast_snooping: one-arm: the bridge snoops IGMP and runs a querier (default), so a
@@ -127,6 +131,8 @@ class Testbed(TestbedBuild):
         aggregators: int = 1,
         agg_queues: int = 1,
         loss_scope: str = "aggregation",
+        reorder: float = 0.0,
+        reorder_delay: float = reordering.DEFAULT_DELAY,
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology, observers, aggregators)
@@ -159,6 +165,9 @@ class Testbed(TestbedBuild):
         self.loss_scope = faults.check_scope(loss_scope)
         if loss_scope != "aggregation" and topology != "one-arm":
             raise ValueError("loss_scope 'all' needs the one-arm topology (netns_testbed.faults)")
+        self.reorder = faults.check_probability("reorder", reorder)
+        self.reorder_delay = reordering.check_delay(reorder_delay)
+        self._reorder_pids: list[int] = []  # the delay lines (netns_testbed.reorder), by PID
         self.cleanup_at_exit = cleanup_at_exit
 
         self.aggregator: AggregatorHost = self._plan.aggregator
@@ -302,6 +311,7 @@ class Testbed(TestbedBuild):
         try:
             self._save("building")
             self._build()
+            self._apply_reorder()
         except BaseException:
             try:
                 self.down()
@@ -367,6 +377,44 @@ class Testbed(TestbedBuild):
         if self._owns_state:
             self._save()
 
+    def set_reorder(self, p: float, delay: float | None = None) -> None:
+        """Change the share of held-back frames (and, if given, how long they are held) on a
+        live testbed; 0 ends reordering."""
+        self.reorder = faults.check_probability("reorder", p)
+        if delay is not None:
+            self.reorder_delay = reordering.check_delay(delay)
+        if self._is_up:  # not up yet: applied by up()
+            self._apply_reorder()
+        if self._owns_state:
+            self._save()
+
+    def _apply_reorder(self) -> None:
+        """End the running delay lines, then (reorder > 0) start one per worker and put the
+        choice on its uplink; the choice is removed first, so no frame is held with no line."""
+        if not (self.reorder > 0 or self._reorder_pids):
+            return
+        for w in self.workers:
+            reordering.install(w.netns, w.ifname, 0.0, self.loss_scope)
+        for pid in self._reorder_pids:
+            nsexec.kill_pid(pid)
+            if pid in self._registry.pids:
+                self._registry.pids.remove(pid)
+        self._reorder_pids.clear()
+        if self.reorder <= 0:
+            return
+        for w in self.workers:
+            argv = reordering.argv(w.ifname, self.reorder_delay)
+            p = self.popen(w, argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+            self._reorder_pids.append(p.pid)
+            line = p.stderr.readline() if p.stderr else ""
+            if "ready" not in line:
+                raise TestbedError(f"the delay line in {w.netns} did not start: {line.strip()}")
+            reordering.install(w.netns, w.ifname, self.reorder, self.loss_scope)
+
+    def held_frames(self) -> int:
+        """Frames held back so far by the reordering, over all workers."""
+        return sum(reordering.held_frames(w.netns) for w in self.workers)
+
     def set_rate(self, rate, agg_rate=_KEEP) -> None:
         """Change the per-worker-link rate (None removes it) and, if given,
         the aggregator link's rate (one-arm) on a live testbed."""
@@ -414,6 +462,9 @@ class Testbed(TestbedBuild):
             "dup_up": self.dup_up,
             "dup_down": self.dup_down,
             "loss_scope": self.loss_scope,
+            "reorder": self.reorder,
+            "reorder_delay": self.reorder_delay,
+            "reorder_pids": list(self._reorder_pids),
             "status": "up" if self._is_up else "down",
             "owner_pid": self._owner_pid,
             "owner_start": self._owner_start,
@@ -453,6 +504,8 @@ class Testbed(TestbedBuild):
             dup_up=st.get("dup_up", 0.0),
             dup_down=st.get("dup_down", 0.0),
             loss_scope=st.get("loss_scope", "aggregation"),
+            reorder=st.get("reorder", 0.0),
+            reorder_delay=st.get("reorder_delay", reordering.DEFAULT_DELAY),
             prefix=prefix,
             cleanup_at_exit=False,
             observers=st.get("n_observers", 0),
@@ -461,6 +514,7 @@ class Testbed(TestbedBuild):
             agg_queues=st.get("agg_queues", 1),
         )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
+        tb._reorder_pids = list(st.get("reorder_pids", []))
         tb._is_up = st.get("status") == "up"
         tb._owns_state = True
         tb._owner_pid = st.get("owner_pid")

@@ -35,9 +35,35 @@ _FUNC_GET_PRANDOM_U32 = 7
 _ETH_IPV4_UDP = 14 + 20 + 8  # the headers the program reads (IPv4 without options)
 
 
-def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> int:
+def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> int:
     """One raw eBPF instruction as a 64-bit little-endian integer."""
     return code | (dst << 8) | (src << 12) | ((off & 0xFFFF) << 16) | ((imm & 0xFFFFFFFF) << 32)
+
+
+def agg_udp_match(port_offset: int) -> list:
+    """Instructions that jump to ``pass`` unless the frame (data in r2, data_end in r3) is an
+    unfragmented UDP over IPv4 (no options) datagram whose port at ``port_offset`` (34: source,
+    36: destination) is one of 0xBEE0-0xBEEF. Uses r4 and r5."""
+    ldxh, ldxb = 0x69, 0x71  # BPF_LDX | BPF_MEM | size
+    jne, jgt, jlt, jgt_x = 0x55, 0x25, 0xA5, 0x2D  # BPF_JMP | op | K or X
+    return [
+        insn(0xBF, 4, 2),  # r4 = r2
+        insn(0x07, 4, imm=_ETH_IPV4_UDP),  # r4 += 42
+        to_pass(jgt_x, 4, 3),  # short frame: pass
+        insn(ldxh, 5, 2, 12),
+        to_pass(jne, 5, imm=0x0008),  # ethertype 0x0800, read in network order
+        insn(ldxb, 5, 2, 14),
+        to_pass(jne, 5, imm=0x45),  # IPv4 without options
+        insn(ldxb, 5, 2, 23),
+        to_pass(jne, 5, imm=17),  # UDP
+        insn(ldxh, 5, 2, 20),
+        insn(0x57, 5, imm=0xFF3F),  # MF and the fragment offset, in network order
+        to_pass(jne, 5, imm=0),  # a fragment: pass
+        insn(ldxh, 5, 2, port_offset),
+        insn(0xDC, 5, imm=16),  # to host order (BPF_END | BPF_TO_BE, 16 bits)
+        to_pass(jlt, 5, imm=AGG_PORT_LO),
+        to_pass(jgt, 5, imm=AGG_PORT_HI),
+    ]
 
 
 def loss_insns(p: float) -> list[int]:
@@ -45,39 +71,23 @@ def loss_insns(p: float) -> list[int]:
     or broadcast) dropped with probability ``p`` (bpf_get_prandom_u32 below p * 2**32), every
     other frame passed. ``p`` >= 1 drops every such frame."""
     threshold = min(1 << 32, max(1, round(p * (1 << 32)))) if p > 0 else 0
-    ldxw, ldxh, ldxb = 0x61, 0x69, 0x71  # BPF_LDX | BPF_MEM | size
-    jne, jgt, jlt, jge_x, jgt_x = 0x55, 0x25, 0xA5, 0x3D, 0x2D  # BPF_JMP | op | K or X
+    ldxw, jge_x = 0x61, 0x3D
     body = [
-        _insn(ldxw, 2, 1, 0),  # r2 = ctx->data
-        _insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
-        _insn(0xBF, 4, 2),  # r4 = r2
-        _insn(0x07, 4, imm=_ETH_IPV4_UDP),  # r4 += 42
-        _to_pass(jgt_x, 4, 3),  # short frame: pass
-        _insn(ldxh, 5, 2, 12),
-        _to_pass(jne, 5, imm=0x0008),  # ethertype 0x0800, read in network order
-        _insn(ldxb, 5, 2, 14),
-        _to_pass(jne, 5, imm=0x45),  # IPv4 without options
-        _insn(ldxb, 5, 2, 23),
-        _to_pass(jne, 5, imm=17),  # UDP
-        _insn(ldxh, 5, 2, 20),
-        _insn(0x57, 5, imm=0xFF3F),  # MF and the fragment offset, in network order
-        _to_pass(jne, 5, imm=0),  # a fragment: pass
-        _insn(ldxh, 5, 2, 34),  # the UDP source port
-        _insn(0xDC, 5, imm=16),  # to host order (BPF_END | BPF_TO_BE, 16 bits)
-        _to_pass(jlt, 5, imm=AGG_PORT_LO),
-        _to_pass(jgt, 5, imm=AGG_PORT_HI),
-        _insn(0x85, imm=_FUNC_GET_PRANDOM_U32),  # r0 = a random u32
-        _insn(0x18, 1, imm=threshold & 0xFFFFFFFF),  # r1 = threshold (64-bit immediate)
-        _insn(0, imm=threshold >> 32),
-        _to_pass(jge_x, 0, 1),  # r0 >= threshold: pass
-        _insn(0xB7, 0, imm=bpfsys.XDP_DROP),
-        _insn(0x95),
+        insn(ldxw, 2, 1, 0),  # r2 = ctx->data
+        insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
+        *agg_udp_match(port_offset=34),  # the UDP source port
+        insn(0x85, imm=_FUNC_GET_PRANDOM_U32),  # r0 = a random u32
+        insn(0x18, 1, imm=threshold & 0xFFFFFFFF),  # r1 = threshold (64-bit immediate)
+        insn(0, imm=threshold >> 32),
+        to_pass(jge_x, 0, 1),  # r0 >= threshold: pass
+        insn(0xB7, 0, imm=bpfsys.XDP_DROP),
+        insn(0x95),
     ]
-    return _assemble([*body, "pass", *bpfsys.XDP_PASS_INSNS])
+    return assemble([*body, "pass", *bpfsys.XDP_PASS_INSNS])
 
 
-def _to_pass(code: int, dst: int, src: int = 0, imm: int = 0) -> tuple:
-    """A conditional jump to the program's pass exit (:func:`_assemble` counts its offset)."""
+def to_pass(code: int, dst: int, src: int = 0, imm: int = 0) -> tuple:
+    """A conditional jump to the program's pass exit (:func:`assemble` counts its offset)."""
     return (code, dst, src, "pass", imm)
 
 
@@ -90,15 +100,15 @@ def mac_filter_insns(mac: str) -> list[int]:
     lo, hi = int.from_bytes(b[:4], "little"), int.from_bytes(b[4:], "little")  # as loaded
     ldxw, ldxh = 0x61, 0x69  # BPF_LDX | BPF_MEM | size
     jgt_x, jne32, jeq32 = 0x2D, 0x56, 0x16  # 32-bit compares: the immediates are not extended
-    return _assemble(
+    return assemble(
         [
-            _insn(ldxw, 2, 1, 0),  # r2 = ctx->data
-            _insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
-            _insn(0xBF, 4, 2),  # r4 = r2
-            _insn(0x07, 4, imm=6),  # r4 += 6: the destination MAC
+            insn(ldxw, 2, 1, 0),  # r2 = ctx->data
+            insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
+            insn(0xBF, 4, 2),  # r4 = r2
+            insn(0x07, 4, imm=6),  # r4 += 6: the destination MAC
             (jgt_x, 4, 3, "drop", 0),  # a runt frame: drop
-            _insn(ldxw, 5, 2, 0),  # w5 = its first four bytes
-            _insn(ldxh, 6, 2, 4),  # w6 = its last two
+            insn(ldxw, 5, 2, 0),  # w5 = its first four bytes
+            insn(ldxh, 6, 2, 4),  # w6 = its last two
             (jne32, 5, 0, "broadcast?", lo),
             (jeq32, 6, 0, "pass", hi),  # our own MAC
             "broadcast?",
@@ -106,15 +116,15 @@ def mac_filter_insns(mac: str) -> list[int]:
             (jne32, 6, 0, "drop", 0xFFFF),
             (0x05, 0, 0, "pass", 0),  # ff:ff:ff:ff:ff:ff
             "drop",
-            _insn(0xB7, 0, imm=bpfsys.XDP_DROP),
-            _insn(0x95),
+            insn(0xB7, 0, imm=bpfsys.XDP_DROP),
+            insn(0x95),
             "pass",
             *bpfsys.XDP_PASS_INSNS,
         ]
     )
 
 
-def _assemble(body: list) -> list[int]:
+def assemble(body: list) -> list[int]:
     """Raw instructions from a list of instructions, label names (where the next instruction
     is) and jumps (code, dst, src, label, imm), whose offsets are counted here."""
     labels, at = {}, 0
@@ -129,7 +139,7 @@ def _assemble(body: list) -> list[int]:
             continue
         if isinstance(x, tuple):
             op, dst, src, label, imm = x
-            x = _insn(op, dst, src, labels[label] - len(code) - 1, imm)
+            x = insn(op, dst, src, labels[label] - len(code) - 1, imm)
         code.append(x)
     return code
 
