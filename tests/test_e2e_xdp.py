@@ -88,6 +88,21 @@ def test_loss_in_both_directions(testbed_factory, loss):
     assert retx > 0, "loss was configured but nothing was retransmitted"
 
 
+@pytest.mark.parametrize("loss", [0.0, 0.01])
+def test_early_loss_exact_under_reordering(testbed_factory, loss):
+    """A share of every worker's contributions held back 1 ms (later ones overtake them), with
+    and without loss: every result exact; a resend that reordering made needless is counted as
+    spurious, not hidden."""
+    tb = testbed_factory(workers=3, topology="one-arm", loss_up=loss, loss_down=loss, reorder=0.05)
+    plan = [{"dtype": "int32", "count": 200_000}, {"dtype": "float32", "count": 50_000, "seed": 3}]
+    with Cluster(tb) as cl:
+        reports = cl.run_workers(plan, job=f"reorder-{loss}", timeout=60)
+    assert_reports_ok(reports)
+    assert tb.held_frames() > 0
+    stats = [r["stats"] for reps in reports for r in reps if "stats" in r]
+    assert all(s["spurious"] <= s["retransmissions"] for s in stats), stats
+
+
 def test_two_jobs_at_once_stay_isolated(testbed_factory):
     tb = testbed_factory(workers=4, topology="one-arm")
     with Cluster(tb) as cl:
