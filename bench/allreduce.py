@@ -112,6 +112,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             agg_queues=getattr(args, "agg_queues", 1),
             # loss on every frame, so that gloo's TCP crosses the same loss (bench.lossrows)
             loss_scope="all" if hasattr(args, "loss") and lossrows.lossy(args) else "aggregation",
+            reorder_delay=getattr(args, "reorder_delay_ms", 1.0) / 1e3,
         ) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
         Cluster(
@@ -127,8 +128,9 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
         # one testbed, a set of workers per (lanes, early loss detection, loss) setting
         for setting in _settings(args):
             tb.set_loss(setting["loss"], setting["loss"])
+            tb.set_reorder(setting["reorder"])
             # a burst on a clean path only: on a lossy one it would measure both at once
-            items = [i for i in plan if not (i["kind"] == "burst" and setting["loss"])]
+            items = [i for i in plan if not (i["kind"] == "burst" and lossrows.disturbed(setting))]
             reports = _run_workers(tb, cl, layout, n, rate, setting, items, args)
             rows += [
                 _row(n, rate, setting, item, [pr[i] for pr in reports], layout, log, args)
@@ -138,12 +140,15 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
 
 
 def _settings(args) -> list[dict]:
-    """The worker sets of one testbed: every lanes value, early-loss setting and loss."""
+    """The worker sets of one testbed: every lanes value, early-loss setting and loss, and each
+    reordering without loss."""
+    paths = [(loss, 0.0) for loss in getattr(args, "loss", [0.0])]
+    paths += [(0.0, r) for r in getattr(args, "reorder", [])]
     return [
-        {"lanes": lanes, "early_loss": early, "loss": loss}
+        {"lanes": lanes, "early_loss": early, "loss": loss, "reorder": reorder}
         for lanes in args.lanes
         for early in getattr(args, "early_loss", [True])
-        for loss in getattr(args, "loss", [0.0])
+        for loss, reorder in paths
     ]
 
 
@@ -192,6 +197,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, setting, plan, args) -> list
     lanes = setting["lanes"]
     profile = rate == "unshaped" and n == 4 and args.profile and setting == _settings(args)[0]
     job = f"bench-{n}-{rate}-{lanes}-{setting['loss']:g}-{int(setting['early_loss'])}"
+    job += f"-r{setting['reorder']:g}" if setting["reorder"] else ""
     procs = []
     for r, w in enumerate(tb.workers):
         cmd = [
@@ -258,6 +264,7 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
         "elements": item.get("elements", item["bytes"] // 4),
         "lanes": lanes,
         "loss": setting["loss"],
+        "reorder": setting["reorder"],
         "early_loss": setting["early_loss"],
     }
     if item["kind"] == "burst":
@@ -286,6 +293,8 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
     line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:8s}"
     if row["loss"] or not row["early_loss"]:
         line += f" loss {row['loss']:g}" + ("" if row["early_loss"] else " timers only")
+    if row["reorder"]:
+        line += f" reorder {row['reorder']:g}"
     line += f" {row['wire_bits']}b"
     if item["kind"] == "sparse":
         line += f" {item['pattern']:5s} {item['density']:5.0%}"
@@ -333,6 +342,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "elements": row.get("elements", S // 4),
             "lanes": row.get("lanes", 1),
             "loss": row.get("loss", 0.0),
+            "reorder": row.get("reorder", 0.0),
             "early_loss": row.get("early_loss", True),
             "retransmissions": row["retransmissions"],
         }
@@ -481,7 +491,7 @@ def _of_kind(summary: list[dict], kind: str) -> list[tuple[dict, dict, dict]]:
 
 def _clean(summary: list[dict]) -> list[dict]:
     """The cells run without loss and with hostlib's default early loss detection."""
-    return [s for s in summary if not s.get("loss") and s.get("early_loss", True)]
+    return [s for s in summary if not lossrows.disturbed(s) and s.get("early_loss", True)]
 
 
 def _host_table(summary: list[dict]) -> list[str]:
@@ -861,6 +871,8 @@ def main(argv=None) -> int:
         "loss": args.loss,
         "early_loss": args.early_loss,
         "burst_ms": args.burst_ms,
+        "reorder": args.reorder,
+        "reorder_delay_ms": args.reorder_delay_ms,
         "agg_queues": args.agg_queues,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),

@@ -12,11 +12,16 @@ burst, each against its own clean time in the same run (docs/protocol.md 4.4).
                   IPv4 frame, both ways, for MS milliseconds from `BURST_AT` into each timed
                   all-reduce of either system (nftables in its namespace; the drop's real span
                   is measured and reported), against the clean row of the same set.
+--reorder P[,P...]
+                  also a row per value without loss: each worker holds back a share P of the
+                  frames it sends (every IPv4 frame, so gloo's TCP too) for --reorder-delay-ms,
+                  so that later frames overtake them (netns_testbed.reorder).
 
-Each row says "loss" (or "burst_ms") and "early_loss", and per system "vs_clean": its median time
-over the same system's clean median (loss 0, same n, link, size, dtype, width, lanes and
-early-loss setting). The engine counters of the row say where the slowdown comes from: losses
-found early, timer expiries and spurious resends, summed over the ranks.
+Each row says "loss" (or "burst_ms", or "reorder") and "early_loss", and per system
+"vs_clean": its median time over the same system's clean median (no loss, no reordering, same
+n, link, size, dtype, width, lanes and early-loss setting). The engine counters of the row say
+where the slowdown comes from: losses found early, timer expiries and spurious resends, summed
+over the ranks.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ ENGINE_COUNTS = ("early_losses", "timeouts", "spurious")
 
 
 def options(ap: argparse.ArgumentParser) -> None:
-    """--loss, --early-loss and --burst-ms."""
+    """--loss, --early-loss, --burst-ms, --reorder and --reorder-delay-ms."""
     ap.add_argument(
         "--loss",
         type=probabilities,
@@ -52,6 +57,18 @@ def options(ap: argparse.ArgumentParser) -> None:
         default=0.0,
         help="also a burst row per size: every frame of rank 0 dropped, both ways, for this "
         "many ms from 10 ms into each all-reduce",
+    )
+    ap.add_argument(
+        "--reorder",
+        type=lambda text: probabilities(text)[1:],
+        default=[],
+        help="also a row per share of frames each worker holds back (no loss), e.g. 0.01,0.05",
+    )
+    ap.add_argument(
+        "--reorder-delay-ms",
+        type=float,
+        default=1.0,
+        help="how long a held frame waits (default 1 ms)",
     )
 
 
@@ -76,7 +93,22 @@ def early_settings(text: str) -> list[bool]:
 
 def lossy(args) -> bool:
     """Whether the run needs the testbed's loss on every frame (loss scope "all")."""
-    return any(p > 0 for p in args.loss) or args.burst_ms > 0
+    return any(p > 0 for p in args.loss) or args.burst_ms > 0 or bool(args.reorder)
+
+
+def disturbed(c: dict) -> bool:
+    """Whether a cell ran under loss or reordering (not the clean path)."""
+    return bool(c.get("loss") or c.get("reorder"))
+
+
+def what(c: dict) -> str:
+    """A lossy cell's disturbance in words: its loss, its burst or its reordering."""
+    if c["kind"] == "burst":
+        out = f"burst {c['burst_ms']:.0f} ms"
+        return out + (f" (measured {c['burst_actual_ms']:.0f})" if c.get("burst_actual_ms") else "")
+    if c.get("reorder"):
+        return f"reorder {c['reorder']:g}"
+    return f"{c['loss']:g}"
 
 
 def burst_items(plan: list[dict], burst_ms: float) -> list[dict]:
@@ -100,7 +132,7 @@ def ratios(cells: list[dict]) -> None:
     clean = {
         (*key(c), c.get("early_loss", True)): c
         for c in cells
-        if c["kind"] == "throughput" and not c.get("loss")
+        if c["kind"] == "throughput" and not disturbed(c)
     }
     for c in cells:
         ref = clean.get((*key(c), c.get("early_loss", True)))
@@ -125,30 +157,28 @@ def markdown(cells: list[dict], size, retx) -> list[str]:
         c
         for c in cells
         if c["kind"] in ("throughput", "burst")
-        and ("vs_clean" in c or (not c.get("loss") and _has_lossy(cells, c)))
+        and ("vs_clean" in c or (not disturbed(c) and _has_lossy(cells, c)))
     ]
-    if not any(c.get("loss") or c["kind"] == "burst" for c in rows):
+    if not any(disturbed(c) or c["kind"] == "burst" for c in rows):
         return []
     L = [
         "",
         "Under loss (each way, every worker link, both systems) and a burst (every frame of "
-        "rank 0 dropped, both ways, for burst_ms): each system's median time and its ratio to "
+        "rank 0 dropped, both ways, for burst_ms) or reordering (a share of each worker's frames "
+        "held back): each system's median time and its ratio to "
         "its own clean time in the same run; engine counters summed over the ranks:",
         "",
     ]
     body = []
     for c in rows:
         a, g = c["xdp-agg"], c["gloo"]
-        clean = c["kind"] == "throughput" and not c.get("loss")
+        clean = c["kind"] == "throughput" and not disturbed(c)
         vs = c.get("vs_clean", {"xdp-agg": 1.0, "gloo": 1.0} if clean else {})
         ratio = lambda s: f"{vs[s]:.2f}x" if s in vs else "-"  # noqa: E731
-        what = f"burst {c['burst_ms']:.0f} ms" if c["kind"] == "burst" else f"{c['loss']:g}"
-        if c["kind"] == "burst" and c.get("burst_actual_ms"):
-            what += f" (measured {c['burst_actual_ms']:.0f})"
         e = c.get("engine_counts", {})
         body.append(
             [c["n"], c["link"], size(c["bytes"]), c["dtype"], c["wire_bits"]]
-            + ["on" if c.get("early_loss", True) else "off", what]
+            + ["on" if c.get("early_loss", True) else "off", what(c)]
             + [f"{a['median_s'] * 1e3:.1f}", ratio("xdp-agg")]
             + [f"{g['median_s'] * 1e3:.1f}", ratio("gloo"), f"{c['speedup']:.2f}x"]
             + [retx(c)]
@@ -163,7 +193,7 @@ def markdown(cells: list[dict], size, retx) -> list[str]:
 def _has_lossy(cells: list[dict], clean: dict) -> bool:
     """Whether some lossy or burst cell compares with the clean cell `clean`."""
     return any(
-        (c.get("loss") or c["kind"] == "burst")
+        (disturbed(c) or c["kind"] == "burst")
         and "vs_clean" in c
         and (c["n"], c["link"], c["bytes"]) == (clean["n"], clean["link"], clean["bytes"])
         for c in cells

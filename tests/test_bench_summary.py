@@ -1,6 +1,8 @@
 """bench.allreduce's summary and table of the host rows and the retransmission and CPU columns
 (no root: rows as run_config makes them)."""
 
+import argparse
+
 import pytest
 
 from bench import allreduce
@@ -135,3 +137,29 @@ def test_early_loss_options_parse():
         lossrows.probabilities("1")
     with pytest.raises(Exception, match="on, off"):
         lossrows.early_settings("maybe")
+
+
+def test_early_loss_reorder_rows_compare_with_the_clean_path():
+    """A reordering row (a share of frames held back, no loss) is its own row of the loss
+    table, against the clean cell; the clean tables keep it out; --reorder parses like --loss
+    without the clean value, and each reordering runs as its own setting without loss."""
+    from bench import lossrows
+
+    rows = [
+        _loss_row(0.0, [0.4] * 3, [0.2] * 3),
+        _loss_row(0.0, [0.44] * 3, [0.3] * 3, reorder=0.05),
+    ]
+    clean, reordered = allreduce.summarize(rows)
+    assert reordered["vs_clean"] == pytest.approx({"xdp-agg": 1.1, "gloo": 1.5})
+    assert "vs_clean" not in clean
+    md = allreduce.markdown([clean, reordered], {"when": "now", "reps": 3, "mtu": 3500,
+                                                 "elems": 768, "window": 64})  # fmt: skip
+    assert "| on | reorder 0.05 | 440.0 | 1.10x | 300.0 | 1.50x |" in md
+    assert "440.0" not in md.split("Under loss")[0]
+    ap = argparse.ArgumentParser()
+    lossrows.options(ap)
+    args = ap.parse_args(["--loss", "0.01", "--reorder", "0.05,0"])
+    assert args.reorder == [0.05] and args.reorder_delay_ms == 1.0
+    args.lanes = [1]
+    paths = [(s["loss"], s["reorder"]) for s in allreduce._settings(args)]
+    assert paths == [(0.0, 0.0), (0.01, 0.0), (0.0, 0.05)]
