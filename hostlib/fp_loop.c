@@ -117,6 +117,7 @@ static void accept_result(Run *r, int64_t p, const uint8_t *buf)
 #define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on needless resends */
 #define LOSS_AGE_RTTS  2  /* found lost early only once older than 2 srtt (detect_losses) */
 #define BACKOFF_MAX    64 /* new packets' timers back off at most 64-fold (first_rto) */
+#define LATE_COPY_RTTS 2  /* a resent packet's slot waits 2 srtt for late copies (late_copies) */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
  * [floor, rto_max], times the stream's back-off after expiries (RFC 6298 5.7). Before a round
@@ -195,6 +196,19 @@ static inline int64_t window_now(const Run *r)
     return c > r->w ? r->w : c;
 }
 
+/* When a slot whose packet was resent may take its next packet (docs/protocol.md 3.3): once
+ * its last copy is LATE_COPY_RTTS srtt old, at least rto_floor / 2. The aggregator tells the
+ * rounds of a slot apart by one version bit, so a copy that arrives after our next packet in
+ * that slot would count as our contribution to the round after it (a wrong sum, or a result
+ * that never matches). Held this long, a copy up to that late still finds its round ours: a
+ * duplicate. Shorter than the other workers' timers (at least 3 srtt and rto_floor), so that
+ * holding our packet does not make them resend theirs. */
+static double late_copies(const Stream *st, int64_t s)
+{
+    double guard = LATE_COPY_RTTS * st->cc.srtt, least = st->cfg.rto_floor / 2;
+    return st->tx_at[s] + (guard > least ? guard : least);
+}
+
 static int cmp_i64(const void *a, const void *b)
 {
     int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
@@ -208,12 +222,17 @@ static int cmp_i64(const void *a, const void *b)
  * its own subset of the ready packets (rank A holds p1 in flight with p0 waiting, rank B the
  * other way round), every rank could wait for a packet that another rank is holding back:
  * a deadlock. Every rank can always send its base packet (its slot is free: base - w is
- * done), so the lowest packet any rank still lacks always completes, and the stream moves. */
+ * done), so the lowest packet any rank still lacks always completes, and the stream moves.
+ * A packet whose slot waits for late copies of its last one (late_copies) waits, the base too:
+ * the time it waits is bounded, so the stream still moves. */
 static int send_ready(Run *r, int *sent)
 {
     Stream *st = r->s;
     int n = 0;
+    double t = now_s();
     *sent = 0;
+    r->held = 0;
+    r->held_until = INFINITY;
     int64_t room = window_now(r) - r->inflight;
     if (r->nready == 0 || (room <= 0 && st->ready[r->base % r->w] != r->base))
         return 0;
@@ -229,6 +248,11 @@ static int send_ready(Run *r, int *sent)
         qsort(cand, (size_t)m, sizeof *cand, cmp_i64);
     for (int64_t i = 0; i < m && (n < room || cand[i] == r->base); i++) {
         int64_t p = cand[i], s = p % r->w;
+        if (st->reuse_at[s] > t) { /* a copy of the slot's last packet may still be on its way */
+            r->held++;
+            r->held_until = st->reuse_at[s] < r->held_until ? st->reuse_at[s] : r->held_until;
+            continue;
+        }
         uint8_t *row = st->rows + (size_t)s * (size_t)st->stride;
         if (r->sp) {
             st->lens[s] = fp_sparse_fill(r, p, row);
@@ -247,7 +271,7 @@ static int send_ready(Run *r, int *sent)
     *sent = n;
     if (n == 0)
         return 0;
-    double t = now_s(), rto = first_rto(st);
+    double rto = first_rto(st);
     for (int i = 0; i < n; i++) {
         int s = st->sendq[i];
         st->tries[s] = 0;
@@ -402,6 +426,7 @@ void fp_run_took(Run *r, int64_t p, double now)
         r->rack_pkt = p;
         r->rack_moved = 1;
     }
+    st->reuse_at[s] = tries > 0 ? late_copies(st, s) : 0;
     st->deadline[s] = INFINITY;
     st->early[s] = 0;
     st->pkt[s] = -1;
@@ -604,7 +629,7 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
                 return -EINTR;
             next_print = now + h->every;
         }
-        if (got || sent || (r->nready > 0 && r->inflight < window_now(r)))
+        if (got || sent || (r->nready > r->held && r->inflight < window_now(r)))
             continue;
         /* nothing to do until a result comes or a timer expires */
         if ((rc = spin(r)) != 0) {
@@ -612,7 +637,7 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
                 return rc < 0 ? rc : r->fail;
             continue;
         }
-        double until = r->next_deadline;
+        double until = r->next_deadline < r->held_until ? r->next_deadline : r->held_until;
         if (r->last_progress + timeout < until)
             until = r->last_progress + timeout + 1e-4;
         if (next_print < until)
@@ -638,6 +663,7 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
     X(rto, w, sizeof(double))             \
     X(tx_at, w, sizeof(double))           \
     X(early, w, sizeof(uint8_t))          \
+    X(reuse_at, w, sizeof(double))        \
     X(tries, w, sizeof(int32_t))          \
     X(pkt, w, sizeof(int64_t))            \
     X(ready, w, sizeof(int64_t))          \
@@ -704,6 +730,8 @@ void fp_run_start(Run *r, Stream *st)
     r->rack_xmit = -INFINITY;
     r->rack_pkt = -1;
     r->rack_moved = 0;
+    r->held = 0;
+    r->held_until = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
         st->deadline[s] = INFINITY;
         st->early[s] = 0;

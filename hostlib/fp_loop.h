@@ -65,8 +65,9 @@ typedef struct {
     uint8_t *rows; /* window x stride: the packet in flight per slot */
     int *lens;     /* per slot: its packet's length */
     double *deadline, *sent_at, *rto;
-    double *tx_at;  /* per slot: its packet's latest transmission (sent_at: its first) */
-    uint8_t *early; /* per slot: its deadline is the reordering allowance's, not its timer's */
+    double *tx_at;    /* per slot: its packet's latest transmission (sent_at: its first) */
+    uint8_t *early;   /* per slot: its deadline is the reordering allowance's, not its timer's */
+    double *reuse_at; /* per slot: no new packet there before this (a late copy may come) */
     int32_t *tries;
     int64_t *pkt;           /* packet in each slot, -1 when none in flight */
     int64_t *ready;         /* per slot: the packet ready to go there, or -1 */
@@ -109,12 +110,14 @@ typedef struct Run {
      * prove spurious) */
     uint8_t *state;
     int64_t ndone, results_here, inflight, next_new;
-    int64_t todo;     /* until 0: dense, packets without a result; sparse, slots not done */
-    int fail;         /* a status that ends the loop at once (ST_SPARSE_BAD), 0 while none */
-    int64_t nready;   /* packets whose slot is free, not sent yet */
-    int64_t base;     /* the lowest packet without its result */
-    int64_t recover;  /* AIMD: no second halving before this packet */
-    int64_t needless; /* resends whose packet's result came sooner than a round trip after */
+    int64_t todo;      /* until 0: dense, packets without a result; sparse, slots not done */
+    int fail;          /* a status that ends the loop at once (ST_SPARSE_BAD), 0 while none */
+    int64_t nready;    /* packets whose slot is free, not sent yet */
+    int64_t held;      /* of those, held back by their slot's reuse_at (send_ready) */
+    double held_until; /* the first of those slots free again */
+    int64_t base;      /* the lowest packet without its result */
+    int64_t recover;   /* AIMD: no second halving before this packet */
+    int64_t needless;  /* resends whose packet's result came sooner than a round trip after */
     double next_deadline, last_progress;
     double batch_sample_at; /* RTT: send time of the newest sample this batch */
     double batch_sample;

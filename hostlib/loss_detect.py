@@ -25,6 +25,14 @@ REO_QUIET = 16  # early resends without a needless one before the allowance shri
 FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on needless resends
 LOSS_AGE_RTTS = 2  # found lost early only once older than 2 srtt (fp_loop.c LOSS_AGE_RTTS)
 BACKOFF_MAX = 64  # new packets' timers back off at most 64-fold (fp_loop.c BACKOFF_MAX)
+LATE_COPY_RTTS = 2  # a resent packet's slot waits 2 srtt for late copies (fp_loop.c)
+
+
+def late_copies(tx_at: np.ndarray, rtt: RttEstimator, rto_floor: float) -> np.ndarray:
+    """When slots whose packets were last sent at `tx_at` (and were resent) may take their next
+    packets: LATE_COPY_RTTS srtt later, at least rto_floor / 2 (fp_loop.c late_copies says why:
+    a copy arriving after our next packet in its slot would count in the round after it)."""
+    return tx_at + max(rto_floor / 2, LATE_COPY_RTTS * (rtt.srtt or 0.0))
 
 
 class RttEstimator:

@@ -45,7 +45,7 @@ import numpy as np
 from xdp_agg.proto import wire
 
 from . import loss_detect, scaling
-from .loss_detect import Rack, RttEstimator
+from .loss_detect import Rack, RttEstimator, late_copies
 from .stream_state import Allreduce, StreamState
 from .udp_io import RowReceiver
 
@@ -280,6 +280,7 @@ class _Flight:
         self.rack = Rack(w)  # early loss detection (hostlib.loss_detect)
         self.ready = [(0, w)]  # runs [a, b) of packets to send
         self.next_deadline = np.inf  # no timer expires before this (lazily updated)
+        self.held_until = np.inf  # the first slot free again whose ready packet waits for it
         self.last_progress = ar.t0
 
 
@@ -310,6 +311,8 @@ class NumpyLoop:
         self._tries = np.empty(cfg.window, dtype=np.int32)
         self._sent_at = np.empty(cfg.window)
         self._rto = np.empty(cfg.window)
+        # per slot, across all-reduces: no new packet before this (loss_detect.late_copies)
+        self._reuse_at = np.zeros(cfg.window)
         # (P, w) -> header template, packet slots, version parities, pool bits: see _expect
         self._plans: dict[tuple[int, int], tuple[np.ndarray, ...]] = {}
         self._spins = cfg.spin  # busy-poll at all
@@ -367,23 +370,35 @@ class NumpyLoop:
                 printer.show(now, ar.ndone, self.state.stats["retransmissions"])
 
     def _send_ready(self, tr: _Transfer, fl: _Flight) -> None:
-        """Build the ready packets in their slots' rows, send them, start their timers."""
+        """Build the ready packets in their slots' rows, send them, start their timers; a packet
+        whose slot still waits for late copies of its last one stays ready."""
         cfg = self.state.cfg
         now = time.monotonic()
         first_rto = self._rtt.rto(cfg.rto, cfg.rto_max, cfg.rto_floor if cfg.early_loss else None)
+        held: list[tuple[int, int]] = []
         for a, b in fl.ready:
             for s0, s1, a1 in _slot_runs(a, b, fl.w):
-                b1 = a1 + s1 - s0
-                self._head[s0:s1] = fl.expect[a1:b1]
-                tr.fill(a1, b1, self._values[s0:s1], self._e0[s0:s1])
-                self._send(self._payload[s0:s1])
-                fl.tries[s0:s1] = 0
-                fl.sent_at[s0:s1] = now
-                fl.rack.sent(s0, s1, a1, now)
-                fl.rto[s0:s1] = first_rto
-                fl.deadline[s0:s1] = now + first_rto
+                wait = self._reuse_at[s0:s1] > now
+                for i0, i1 in _runs(np.flatnonzero(~wait)):
+                    self._send_run(tr, fl, s0 + i0, s0 + i1, a1 + i0, now, first_rto)
+                held += [(a1 + i, a1 + i + 1) for i in np.flatnonzero(wait)]
         fl.next_deadline = min(fl.next_deadline, now + first_rto)
-        fl.ready = []
+        fl.ready = held
+        fl.held_until = min((self._reuse_at[a % fl.w] for a, _ in held), default=np.inf)
+
+    def _send_run(
+        self, tr: _Transfer, fl: _Flight, s0: int, s1: int, a1: int, now: float, rto: float
+    ) -> None:
+        """Build packets a1.. in slots s0..s1-1, send them and start their timers."""
+        b1 = a1 + s1 - s0
+        self._head[s0:s1] = fl.expect[a1:b1]
+        tr.fill(a1, b1, self._values[s0:s1], self._e0[s0:s1])
+        self._send(self._payload[s0:s1])
+        fl.tries[s0:s1] = 0
+        fl.sent_at[s0:s1] = now
+        fl.rack.sent(s0, s1, a1, now)
+        fl.rto[s0:s1] = rto
+        fl.deadline[s0:s1] = now + rto
 
     def _wait(self, fl: _Flight, ar: Allreduce) -> np.ndarray:
         """Results that arrived; when none did, spin briefly or sleep until one arrives, a
@@ -392,7 +407,7 @@ class NumpyLoop:
         if len(rows) == 0 and self._spins and ar.packets - ar.ndone <= _SPIN_OUTSTANDING:
             rows = self._spin()
         if len(rows) == 0:
-            wake = min(fl.next_deadline, fl.last_progress + ar.timeout)
+            wake = min(fl.next_deadline, fl.held_until, fl.last_progress + ar.timeout)
             if ar.printer:
                 wake = min(wake, ar.printer.next)
             self.state.sock.wait_readable(wake - time.monotonic())
@@ -416,6 +431,8 @@ class NumpyLoop:
                 fl.done[a:b] = True
                 for s0, s1, a1 in _slot_runs(a, b, w):
                     self._rtt.needless(fl.rack.took(s0, s1, fl.tries[s0:s1], now, self._rtt))
+                    late = late_copies(fl.rack.tx_at[s0:s1], self._rtt, self.state.cfg.rto_floor)
+                    self._reuse_at[s0:s1] = np.where(fl.tries[s0:s1] > 0, late, 0.0)
                     fl.deadline[s0:s1] = np.inf
                     fl.retx_left[a1 : a1 + s1 - s0] = np.minimum(fl.tries[s0:s1], 255)
             ar.ndone += fresh
@@ -423,7 +440,7 @@ class NumpyLoop:
             s = (runs[-1][1] - 1) % w  # the newest sent: it waited least for the receive
             if fl.tries[s] == 0:  # Karn: a retransmission's RTT is ambiguous
                 self._rtt.update(now - fl.sent_at[s])
-            fl.ready = [(a + w, min(b + w, fl.P)) for a, b in runs if a + w < fl.P]
+            fl.ready += [(a + w, min(b + w, fl.P)) for a, b in runs if a + w < fl.P]
         if self._dups.size:
             _count_spurious(self._dups, fl.retx_left, self.state.stats)
 

@@ -33,7 +33,7 @@ from xdp_agg.proto import wire
 
 from . import loss_detect, scaling
 from .errors import HostlibError
-from .loss_detect import Rack, RttEstimator
+from .loss_detect import Rack, RttEstimator, late_copies
 from .numpy_loop import _Chunks, _scale_table
 from .stream_state import Allreduce, StreamState
 
@@ -123,6 +123,7 @@ class _Slots:
         self.sent_at = np.zeros(w)
         self.rto = np.zeros(w)
         self.rack = Rack(w)  # early loss detection (hostlib.loss_detect)
+        self.held = np.zeros(w, dtype=bool)  # its next round waits for late copies of the last
 
 
 class SparseLoop:
@@ -133,6 +134,8 @@ class SparseLoop:
         f = state.faults
         self._rng = np.random.default_rng(f.seed + 1) if f else None
         self._rtt = RttEstimator()
+        # per slot, across all-reduces: no new round before this (loss_detect.late_copies)
+        self._reuse_at = np.zeros(state.cfg.window)
         self.union_blocks = 0  # blocks of the last all-reduce whose result had data
         self.blocks = 0  # and its blocks
 
@@ -160,13 +163,16 @@ class SparseLoop:
         st["sparse_allreduces"] += 1
         for s in range(t.w):
             sl.announce[s] = is_float
-            self._start(t, sl, ar, s)
+            sl.held[s] = True
+        self._start_held(t, sl, ar)
         last = time.monotonic()
         while not sl.done.all():
-            wake = min(float(sl.deadline.min()), last + ar.timeout)
+            held = self._reuse_at[: t.w][sl.held]
+            wake = min(float(sl.deadline.min()), float(held.min(initial=np.inf)), last + ar.timeout)
             self.state.sock.wait_readable(wake - time.monotonic())
             if self._receive(t, sl, ar):
                 last = time.monotonic()
+            self._start_held(t, sl, ar)
             now = time.monotonic()
             if sl.rack.moved and self.state.cfg.early_loss:
                 sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0)
@@ -175,6 +181,12 @@ class SparseLoop:
                 busy = np.flatnonzero(~sl.done)
                 raise self.state.stalled(ar, ar.ndone, busy)
         st["blocks_skipped"] += int(t.B - np.count_nonzero(t.nonzero))
+
+    def _start_held(self, t: _Tensor, sl: _Slots, ar: Allreduce) -> None:
+        """Start the held rounds whose slots no late copy can reach any more."""
+        for s in np.flatnonzero(sl.held & (self._reuse_at[: t.w] <= time.monotonic())):
+            sl.held[s] = False
+            self._start(t, sl, ar, int(s))
 
     def _start(self, t: _Tensor, sl: _Slots, ar: Allreduce, s: int) -> None:
         """Build slot s's round at sl.block[s] and send it."""
@@ -272,6 +284,8 @@ class SparseLoop:
         ar.ndone += 1
         now = time.monotonic()
         self._rtt.needless(sl.rack.took(s, s + 1, sl.tries[s : s + 1], now, self._rtt))
+        late = late_copies(sl.rack.tx_at[s : s + 1], self._rtt, self.state.cfg.rto_floor)[0]
+        self._reuse_at[s] = late if sl.tries[s] > 0 else 0.0
         if sl.tries[s] == 0:  # Karn: a retransmission's round trip is ambiguous
             self._rtt.update(now - sl.sent_at[s])
         sl.deadline[s] = np.inf
@@ -288,7 +302,8 @@ class SparseLoop:
             sl.f[s] = _scale_table(cfg.scaling_workers, cfg.wire_bits)[msg.e0 & 0xFF]
             sl.clip[s] = msg.e0 == scaling.E_MAX
         sl.block[s] = q
-        self._start(t, sl, ar, s)
+        sl.held[s] = True  # started by _start_held, at once unless it was resent
+        self._start_held(t, sl, ar)
 
     def _check_next(self, t: _Tensor, sl: _Slots, s: int, p: int, q: int) -> int:
         """The result's next block, if the rules can produce it (docs/protocol.md 8.4)."""
