@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import os
 import select
 import socket
 import sys
@@ -19,10 +20,14 @@ from .reorder import HELD, check_delay
 _SOL_PACKET, _PACKET_VNET_HDR, _PACKET_QDISC_BYPASS = 263, 15, 20
 _ETH_P_ALL = 0x0003
 _MAX_FRAME = 65536 + 10  # a GSO batch and its virtio-net header
+_SO_RCVBUFFORCE, _RCVBUF = 33, 64 << 20
+_PRIORITY = 10  # SCHED_FIFO: above every ordinary process, so a frame waits its delay, not a turn
 
 
 def _socket(ifname: str, bypass: bool) -> socket.socket:
     s = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(_ETH_P_ALL))
+    # room for every frame held at once (GSO batches of 64 KiB): a full buffer would drop some
+    s.setsockopt(socket.SOL_SOCKET, _SO_RCVBUFFORCE, _RCVBUF)
     s.setsockopt(_SOL_PACKET, _PACKET_VNET_HDR, 1)  # GSO batches travel whole, with their header
     if bypass:
         s.setsockopt(_SOL_PACKET, _PACKET_QDISC_BYPASS, 1)
@@ -33,6 +38,9 @@ def _socket(ifname: str, bypass: bool) -> socket.socket:
 def delay_line(out_dev: str, delay: float) -> None:
     """Read frames on HELD and send each on ``out_dev`` ``delay`` seconds after it came; runs
     until SIGTERM (the Testbed ends it by PID)."""
+    # real-time: on a busy machine an ordinary process waits its turn for milliseconds, and
+    # the frames it holds would come that much later than asked
+    os.sched_setscheduler(0, os.SCHED_FIFO, os.sched_param(_PRIORITY))
     rx, tx = _socket(HELD, bypass=False), _socket(out_dev, bypass=True)
     rx.setblocking(False)
     queue: list[tuple[float, int, bytes]] = []
