@@ -112,7 +112,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             agg_queues=getattr(args, "agg_queues", 1),
             # loss on every frame, so that gloo's TCP crosses the same loss (bench.lossrows)
             loss_scope="all" if hasattr(args, "loss") and lossrows.lossy(args) else "aggregation",
-            reorder_delay=getattr(args, "reorder_delay_ms", 1.0) / 1e3,
+            reorder_delay=getattr(args, "reorder_delay_ms", 0.5) / 1e3,
         ) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
         Cluster(

@@ -67,8 +67,8 @@ def options(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--reorder-delay-ms",
         type=float,
-        default=1.0,
-        help="how long a held frame waits (default 1 ms)",
+        default=0.5,
+        help="how long a held frame waits (default 0.5 ms)",
     )
 
 

@@ -197,7 +197,8 @@ static inline int64_t window_now(const Run *r)
 }
 
 /* When a slot whose packet was resent may take its next packet (docs/protocol.md 3.3): once
- * its last copy is LATE_COPY_RTTS srtt old, at least rto_floor / 2. The aggregator tells the
+ * its last copy is LATE_COPY_RTTS srtt old, at least rto_floor / 2 (rto_min before a round
+ * trip is measured, as the first timers). The aggregator tells the
  * rounds of a slot apart by one version bit, so a copy that arrives after our next packet in
  * that slot would count as our contribution to the round after it (a wrong sum, or a result
  * that never matches). Held this long, a copy up to that late still finds its round ours: a
@@ -205,6 +206,8 @@ static inline int64_t window_now(const Run *r)
  * holding our packet does not make them resend theirs. */
 static double late_copies(const Stream *st, int64_t s)
 {
+    if (!st->cc.have_rtt) /* nothing measured: as long as the first timers, rto_min */
+        return st->tx_at[s] + st->cfg.rto_min;
     double guard = LATE_COPY_RTTS * st->cc.srtt, least = st->cfg.rto_floor / 2;
     return st->tx_at[s] + (guard > least ? guard : least);
 }

@@ -28,11 +28,14 @@ BACKOFF_MAX = 64  # new packets' timers back off at most 64-fold (fp_loop.c BACK
 LATE_COPY_RTTS = 2  # a resent packet's slot waits 2 srtt for late copies (fp_loop.c)
 
 
-def late_copies(tx_at: np.ndarray, rtt: RttEstimator, rto_floor: float) -> np.ndarray:
+def late_copies(tx_at: np.ndarray, rtt: RttEstimator, cfg: EngineConfig) -> np.ndarray:
     """When slots whose packets were last sent at `tx_at` (and were resent) may take their next
-    packets: LATE_COPY_RTTS srtt later, at least rto_floor / 2 (fp_loop.c late_copies says why:
-    a copy arriving after our next packet in its slot would count in the round after it)."""
-    return tx_at + max(rto_floor / 2, LATE_COPY_RTTS * (rtt.srtt or 0.0))
+    packets: LATE_COPY_RTTS srtt later, at least rto_floor / 2, or `rto` before a round trip is
+    measured (fp_loop.c late_copies says why: a copy arriving after our next packet in its slot
+    would count in the round after it)."""
+    if rtt.srtt is None:
+        return tx_at + cfg.rto
+    return tx_at + max(cfg.rto_floor / 2, LATE_COPY_RTTS * rtt.srtt)
 
 
 class RttEstimator:

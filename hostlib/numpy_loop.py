@@ -431,7 +431,7 @@ class NumpyLoop:
                 fl.done[a:b] = True
                 for s0, s1, a1 in _slot_runs(a, b, w):
                     self._rtt.needless(fl.rack.took(s0, s1, fl.tries[s0:s1], now, self._rtt))
-                    late = late_copies(fl.rack.tx_at[s0:s1], self._rtt, self.state.cfg.rto_floor)
+                    late = late_copies(fl.rack.tx_at[s0:s1], self._rtt, self.state.cfg)
                     self._reuse_at[s0:s1] = np.where(fl.tries[s0:s1] > 0, late, 0.0)
                     fl.deadline[s0:s1] = np.inf
                     fl.retx_left[a1 : a1 + s1 - s0] = np.minimum(fl.tries[s0:s1], 255)

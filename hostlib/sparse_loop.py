@@ -284,7 +284,7 @@ class SparseLoop:
         ar.ndone += 1
         now = time.monotonic()
         self._rtt.needless(sl.rack.took(s, s + 1, sl.tries[s : s + 1], now, self._rtt))
-        late = late_copies(sl.rack.tx_at[s : s + 1], self._rtt, self.state.cfg.rto_floor)[0]
+        late = late_copies(sl.rack.tx_at[s : s + 1], self._rtt, self.state.cfg)[0]
         self._reuse_at[s] = late if sl.tries[s] > 0 else 0.0
         if sl.tries[s] == 0:  # Karn: a retransmission's round trip is ambiguous
             self._rtt.update(now - sl.sent_at[s])

@@ -18,6 +18,7 @@ import click
 # the package had an __init__.py maps it as a namespace package.
 from . import nsexec, plan, registry, shaping
 from .errors import TestbedError
+from .reorder import DEFAULT_DELAY as DEFAULT_REORDER_DELAY
 from .testbed import MAX_MTU, MIN_MTU, PLAIN_XDP_MAX_MTU, Testbed, require_root
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
@@ -185,7 +186,7 @@ Example: netns-testbed up -n 4 --topology switch --rate 1gbit --mtu 3500"""
 @click.option(
     "--reorder-delay",
     type=click.FloatRange(0.0, 1.0, min_open=True),
-    default=0.001,
+    default=DEFAULT_REORDER_DELAY,
     show_default=True,
     help="Seconds a held frame waits.",
 )

@@ -35,7 +35,7 @@ from xdp_agg import bpfsys
 
 from .xdp_pass import agg_udp_match, assemble, insn, to_pass
 
-DEFAULT_DELAY = 0.001  # seconds a held frame waits: about ten round trips of the testbed
+DEFAULT_DELAY = 0.0005  # seconds a held frame waits: a few round trips of the quiet testbed
 HOLD, HELD = "rd0", "rd1"  # the veth pair in each worker namespace: chosen frames go to HOLD
 PROG_TYPE_SCHED_CLS = 3
 TC_ACT_OK = 0

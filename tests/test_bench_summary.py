@@ -159,7 +159,7 @@ def test_early_loss_reorder_rows_compare_with_the_clean_path():
     ap = argparse.ArgumentParser()
     lossrows.options(ap)
     args = ap.parse_args(["--loss", "0.01", "--reorder", "0.05,0"])
-    assert args.reorder == [0.05] and args.reorder_delay_ms == 1.0
+    assert args.reorder == [0.05] and args.reorder_delay_ms == 0.5
     args.lanes = [1]
     paths = [(s["loss"], s["reorder"]) for s in allreduce._settings(args)]
     assert paths == [(0.0, 0.0), (0.01, 0.0), (0.0, 0.05)]

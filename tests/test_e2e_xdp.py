@@ -90,18 +90,11 @@ def test_loss_in_both_directions(testbed_factory, loss):
 
 @pytest.mark.parametrize("loss", [0.0, 0.01])
 def test_early_loss_exact_under_reordering(testbed_factory, loss):
-    """A share of every worker's contributions held back 0.3 ms (later ones overtake them), with
-    and without loss: every result exact (a late copy of a resent packet never counts in the
-    next round of its slot: docs/protocol.md 3.3); a resend that reordering made needless is
-    counted as spurious, not hidden."""
-    tb = testbed_factory(
-        workers=3,
-        topology="one-arm",
-        loss_up=loss,
-        loss_down=loss,
-        reorder=0.05,
-        reorder_delay=0.0003,
-    )
+    """A share of every worker's contributions held back 0.5 ms, the testbed's default (later
+    ones overtake them), with and without loss: every result exact (a late copy of a resent
+    packet never counts in the next round of its slot: docs/protocol.md 3.3); a resend that
+    reordering made needless is counted as spurious, not hidden."""
+    tb = testbed_factory(workers=3, topology="one-arm", loss_up=loss, loss_down=loss, reorder=0.05)
     plan = [
         {"dtype": "int32", "count": 3_000_000},
         {"dtype": "float32", "count": 1_000_000, "seed": 3},
