@@ -81,6 +81,12 @@ def _cpu(d: dict) -> str:
     return f"{c['sys_cpu_s_per_gib']:.1f}" if c else "-"
 
 
+def _background(d: dict, nbytes: int) -> str:
+    """The rest of the machine's CPU over the all-reduce, per all-reduced GiB (in the total)."""
+    c = d.get("syscpu") or {}
+    return f"{c['background_cpu_s'] / (nbytes / 2**30):.1f}" if "background_cpu_s" in c else "-"
+
+
 def _row(s: dict, size) -> list:
     """One cell's line of markdown()'s table."""
     a, g = s["xdp-agg"], s["gloo"]
@@ -96,6 +102,7 @@ def _row(s: dict, size) -> list:
         vcell("xdp-agg"),
         vcell("gloo"),
         f"{_cpu(a)} / {_cpu(g)}",
+        f"{_background(a, s['bytes'])} / {_background(g, s['bytes'])}",
         _split(a),
         _split(g),
         f"{s.get('retx_pct', 0):.2f}%",
@@ -105,7 +112,8 @@ def _row(s: dict, size) -> list:
 COLUMNS = [
     "n", "link", "size", "lanes", "topology", "xdp-agg ms (spread)", "gloo ms (spread)",
     "xdp-agg vs gloo", "xdp-agg % of S/R", "gloo % of 2(n-1)/n S/R", "xdp-agg vs one-arm",
-    "gloo vs one-arm", "CPU s/GiB xdp-agg / gloo", "xdp-agg CPU host/fabric/agg",
+    "gloo vs one-arm", "CPU s/GiB xdp-agg / gloo", "of which background",
+    "xdp-agg CPU host/fabric/agg",
     "gloo CPU host/fabric/agg", "xdp-agg retx",
 ]  # fmt: skip
 
