@@ -140,3 +140,31 @@ def markdown(summary: list[dict], size) -> list[str]:
         "",
         *md_table(COLUMNS, [_row(s, size) for s in thr]),
     ]
+
+
+def main(argv=None) -> int:
+    """`python -m bench.topology RESULTS.json...`: the side-by-side table of each run again (from
+    its raw rows, with this code's summary), headed by the run's MTU, time and load: the runs of
+    several MTUs in one page."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    from bench import allreduce  # late: bench.allreduce imports this module
+
+    ap = argparse.ArgumentParser(description=main.__doc__)
+    ap.add_argument("results", nargs="+", help="results.json of bench.allreduce --topology runs")
+    for path in ap.parse_args(argv).results:
+        doc = json.loads(Path(path).read_text())
+        meta = doc["meta"]
+        print(
+            f"MTU {meta['mtu']}, {meta['elems']} int32 per packet ({path}): run {meta['when']}, "
+            f"{meta['reps']} repetitions, {meta['seconds']} s; load average "
+            f"{meta['load_before']} before, {meta['load_after']} after ({meta['cpus']} CPUs)."
+        )
+        print("\n".join(markdown(allreduce.summarize(doc["raw"]), allreduce._size)) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

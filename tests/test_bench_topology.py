@@ -84,3 +84,20 @@ def test_l2switch_one_topology_keeps_the_tables_as_they_were():
         {"when": "now", "reps": 3, "mtu": 3500, "elems": 768, "window": 64},
     )
     assert "Topologies side by side" not in md and "| topology |" not in md
+
+
+def test_l2switch_tables_of_several_runs_again_from_their_json(tmp_path, capsys):
+    """python -m bench.topology: each run's side-by-side table from its raw rows, headed by its
+    MTU and load (the MTU 3500 and 9000 runs on one page)."""
+    import json
+
+    meta = {"mtu": 9000, "elems": 2048, "when": "now", "reps": 3, "seconds": 60, "cpus": 2,
+            "load_before": [1.0, 1.0, 1.0], "load_after": [2.0, 1.0, 1.0]}  # fmt: skip
+    rows = [_row("one-arm", [0.5] * 3, [0.5] * 3), _row("switch", [0.4] * 3, [0.5] * 3)]
+    path = tmp_path / "results.json"
+    path.write_text(json.dumps({"meta": meta, "raw": rows}))
+    assert topology.main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("MTU 9000, 2048 int32 per packet")
+    assert "load average [1.0, 1.0, 1.0] before" in out
+    assert "| 8 | 10gbit | 64 MiB | 1 | switch | 400 (0) | 500 (0) | 1.25x |" in out
