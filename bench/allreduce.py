@@ -15,6 +15,13 @@ The table gives each system's time as a fraction of its own bound ("% of bound" 
 gloo runs on the same namespaces and shaped links; the aggregator's XDP program stays attached,
 but it sits on the aggregator's own port, which gloo's worker-to-worker traffic never crosses.
 
+--topology one-arm,switch (bench.topology): each (n, link) runs once per topology, one-arm rows
+beside switch rows. In switch every worker has a veth into the aggregator's namespace, which
+routes gloo's traffic between its ports with the kernel's forwarding (netns_testbed's
+kernel_forwarding) and runs the XDP program on every frame of it; xdp-agg's results leave by the
+program's devmap broadcast instead of the bridge's multicast. Each switch cell also says its
+time against the one-arm cell ("vs one-arm"), per system.
+
 xdp-agg writes its sum into a preallocated array (allreduce(x, out=y)) and gloo sums in place, so
 neither pays for allocating and faulting in an output tensor.
 
