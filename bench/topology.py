@@ -87,6 +87,17 @@ def _background(d: dict, nbytes: int) -> str:
     return f"{c['background_cpu_s'] / (nbytes / 2**30):.1f}" if "background_cpu_s" in c else "-"
 
 
+def _own(d: dict, n: int, nbytes: int) -> str:
+    """'w 9.1 + x 0.4': this run's own CPU per all-reduced GiB, which other users' work on the
+    machine does not enter: the n worker processes' (getrusage, all threads) and the XDP
+    programs' (their BPF run time); '-' where not measured."""
+    gib = nbytes / 2**30
+    w = f"w {d['cpu_s_per_rank'] * n / gib:.1f}" if "cpu_s_per_rank" in d else "w -"
+    c = d.get("syscpu") or {}
+    x = f"x {c['aggregator_s'] / gib:.1f}" if c and c.get("bpf_stats", True) else "x -"
+    return f"{w} + {x}"
+
+
 def _row(s: dict, size) -> list:
     """One cell's line of markdown()'s table."""
     a, g = s["xdp-agg"], s["gloo"]
@@ -103,6 +114,7 @@ def _row(s: dict, size) -> list:
         vcell("gloo"),
         f"{_cpu(a)} / {_cpu(g)}",
         f"{_background(a, s['bytes'])} / {_background(g, s['bytes'])}",
+        f"{_own(a, s['n'], s['bytes'])} / {_own(g, s['n'], s['bytes'])}",
         _split(a),
         _split(g),
         f"{s.get('retx_pct', 0):.2f}%",
@@ -113,7 +125,7 @@ COLUMNS = [
     "n", "link", "size", "lanes", "topology", "xdp-agg ms (spread)", "gloo ms (spread)",
     "xdp-agg vs gloo", "xdp-agg % of S/R", "gloo % of 2(n-1)/n S/R", "xdp-agg vs one-arm",
     "gloo vs one-arm", "CPU s/GiB xdp-agg / gloo", "of which background",
-    "xdp-agg CPU host/fabric/agg",
+    "own CPU s/GiB, workers + XDP: xdp-agg / gloo", "xdp-agg CPU host/fabric/agg",
     "gloo CPU host/fabric/agg", "xdp-agg retx",
 ]  # fmt: skip
 
@@ -136,7 +148,9 @@ def markdown(summary: list[dict], size) -> list[str]:
         "Topologies side by side (median ms and spread; 'vs gloo' is gloo's time over xdp-agg's "
         "in the same topology; '% of' is each system's line-rate bound over its time; 'vs "
         "one-arm' is the one-arm time over this one; CPU s/GiB: the whole machine's per "
-        "all-reduced GiB, and its split host/fabric/aggregator):",
+        "all-reduced GiB (/proc/stat, other users' work included: 'of which background' is the "
+        "machine's rate before the set times the span), and its split host/fabric/aggregator; "
+        "own CPU: the worker processes' (getrusage) and the XDP programs' (BPF run time) only):",
         "",
         *md_table(COLUMNS, [_row(s, size) for s in thr]),
     ]

@@ -75,6 +75,8 @@ def test_l2switch_markdown_puts_one_arm_beside_switch_with_the_cpu_split():
     assert "| 400 (200) | 500 (100) | 1.25x |" in side and "| 1.50x | 0.90x |" in side
     assert "| 50/40/10% | 50/40/10% |" in side and "| 60/20/20% | 60/20/20% |" in side
     assert "| 16.0 / 16.0 | 0.0 / 0.0 |" in side  # CPU s/GiB, then the background's
+    # the run's own: 8 workers' getrusage (0.5 s, 0.4 s each) and the XDP programs', per GiB
+    assert "| w 64.0 + x 1.6 / w 51.2 + x 1.6 |" in side
     assert "| 8 | 10gbit, switch | 64 MiB | xdp-agg |" in md  # the system-wide CPU table
 
 
