@@ -140,7 +140,11 @@ def run_config(
             # a burst on a clean path only: on a lossy one it would measure both at once
             items = [i for i in plan if not (i["kind"] == "burst" and setting["loss"])]
             reports = _run_workers(tb, cl, layout, n, rate, setting, items, args)
-            at = {**setting, "topology": tb.topology}
+            at = {
+                **setting,
+                "topology": tb.topology,
+                "elems": topology.elems(tb.topology, args.elems),
+            }
             rows += [
                 _row(n, rate, at, item, [pr[i] for pr in reports], layout, log, args)
                 for i, item in enumerate(items)
@@ -221,7 +225,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, setting, plan, args) -> list
             "--job",
             job,
             "--elems",
-            str(args.elems),
+            str(topology.elems(tb.topology, args.elems)),
             "--window",
             str(args.window),
             "--plan",
@@ -263,6 +267,7 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
         "n": n,
         "link": rate,
         "topology": setting.get("topology", topology.DEFAULT),
+        "elems": setting.get("elems"),
         "bytes": item["bytes"],
         "kind": item["kind"],
         "dtype": item.get("dtype", "float32"),
@@ -340,6 +345,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "n": n,
             "link": row["link"],
             "topology": topology.of(row),
+            "elems": row.get("elems"),
             "bytes": S,
             "kind": row["kind"],
             "dtype": row.get("dtype", "float32"),

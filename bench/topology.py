@@ -21,6 +21,7 @@ each worker's upstream (its eth0's tbf) still is, and a result only follows its 
 from __future__ import annotations
 
 from bench import md_table
+from xdp_agg.proto import wire
 
 TOPOLOGIES = ("one-arm", "switch")
 DEFAULT = "one-arm"
@@ -47,6 +48,22 @@ def testbed_options(topology: str) -> dict:
     """The Testbed keyword arguments a topology adds: switch's kernel forwarding, so that gloo's
     traffic between workers crosses the box."""
     return {"topology": topology, "kernel_forwarding": topology == "switch"}
+
+
+# the largest packet whose frame fits one XDP buffer: what a devmap broadcast carries
+SINGLE_BUFFER_ELEMS = max(
+    e for c, e in wire.SIZE_CODE_ELEMS.items() if c not in wire.JUMBO_SIZE_CODES
+)
+
+
+def elems(topology: str, asked: int) -> int:
+    """The int32 per packet a topology's rows run with: as asked, except that the switch
+    topology's results leave by the devmap broadcast, which carries no multi-buffer frame (the
+    aggregator refuses such a job: xdp_switch.backend), so a jumbo size (1024, 2048) becomes the
+    largest single-buffer one, 768: at MTU 9000 one-arm runs 2048 and switch 768."""
+    if topology == "switch" and asked > SINGLE_BUFFER_ELEMS:
+        return SINGLE_BUFFER_ELEMS
+    return asked
 
 
 def _key(c: dict) -> tuple:
@@ -104,7 +121,7 @@ def _row(s: dict, size) -> list:
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
     vs = s.get("vs_one_arm", {})
     vcell = lambda k: f"{vs[k]:.2f}x" if k in vs else "-"  # noqa: E731
-    return [s["n"], s["link"], size(s["bytes"]), s["lanes"], of(s)] + [
+    return [s["n"], s["link"], size(s["bytes"]), s["lanes"], of(s), s.get("elems", "-")] + [
         f"{a['median_s'] * 1e3:.0f} ({(a['max_s'] - a['min_s']) * 1e3:.0f})",
         f"{g['median_s'] * 1e3:.0f} ({(g['max_s'] - g['min_s']) * 1e3:.0f})",
         f"{s['speedup']:.2f}x",
@@ -122,7 +139,8 @@ def _row(s: dict, size) -> list:
 
 
 COLUMNS = [
-    "n", "link", "size", "lanes", "topology", "xdp-agg ms (spread)", "gloo ms (spread)",
+    "n", "link", "size", "lanes", "topology", "int32/packet", "xdp-agg ms (spread)",
+    "gloo ms (spread)",
     "xdp-agg vs gloo", "xdp-agg % of S/R", "gloo % of 2(n-1)/n S/R", "xdp-agg vs one-arm",
     "gloo vs one-arm", "CPU s/GiB xdp-agg / gloo", "of which background",
     "own CPU s/GiB, workers + XDP: xdp-agg / gloo", "xdp-agg CPU host/fabric/agg",

@@ -16,7 +16,8 @@ def _row(topo, xdp_agg, gloo, n=8, link="10gbit"):
     """A 64 MiB throughput row of `topo` with both systems' times (3 repetitions)."""
     return {"n": n, "link": link, "topology": topo, "bytes": 64 << 20, "kind": "throughput",
             "dtype": "float32", "xdp-agg": xdp_agg, "gloo": gloo, "xdp-agg cpu_s": [0.5] * 3,
-            "gloo cpu_s": [0.4] * 3, "retransmissions": 10, "packets": 1000}  # fmt: skip
+            "gloo cpu_s": [0.4] * 3, "retransmissions": 10, "packets": 1000,
+            "elems": topology.elems(topo, 2048)}  # fmt: skip
 
 
 def test_l2switch_topology_option_parses_and_checks():
@@ -29,6 +30,14 @@ def test_l2switch_topology_option_parses_and_checks():
     assert args.topology == "one-arm,switch"
     assert topology.testbed_options("switch") == {"topology": "switch", "kernel_forwarding": True}
     assert topology.testbed_options("one-arm")["kernel_forwarding"] is False
+
+
+def test_l2switch_jumbo_packets_become_single_buffer_ones_in_switch():
+    """The devmap broadcast carries no multi-buffer frame: switch rows run 768 int32 where
+    one-arm runs 1024 or 2048; sizes that fit a buffer stay as asked."""
+    assert topology.SINGLE_BUFFER_ELEMS == 768
+    assert [topology.elems("switch", e) for e in (256, 768, 1024, 2048)] == [256, 768, 768, 768]
+    assert [topology.elems("one-arm", e) for e in (768, 2048)] == [768, 2048]
 
 
 @pytest.mark.parametrize(
@@ -69,8 +78,8 @@ def test_l2switch_markdown_puts_one_arm_beside_switch_with_the_cpu_split():
     assert "topologies one-arm, switch." in md
     assert "| n | link | topology | size |" in md  # the throughput table's column
     side = md[md.index("Topologies side by side") :]
-    one_at = side.index("| 8 | 10gbit | 64 MiB | 1 | one-arm |")
-    sw_at = side.index("| 8 | 10gbit | 64 MiB | 1 | switch |")
+    one_at = side.index("| 8 | 10gbit | 64 MiB | 1 | one-arm | 2048 |")
+    sw_at = side.index("| 8 | 10gbit | 64 MiB | 1 | switch | 768 |")
     assert one_at < sw_at  # one-arm first, then its switch row
     assert "| 400 (200) | 500 (100) | 1.25x |" in side and "| 1.50x | 0.90x |" in side
     assert "| 50/40/10% | 50/40/10% |" in side and "| 60/20/20% | 60/20/20% |" in side
@@ -102,4 +111,4 @@ def test_l2switch_tables_of_several_runs_again_from_their_json(tmp_path, capsys)
     out = capsys.readouterr().out
     assert out.startswith("MTU 9000, 2048 int32 per packet")
     assert "load average [1.0, 1.0, 1.0] before" in out
-    assert "| 8 | 10gbit | 64 MiB | 1 | switch | 400 (0) | 500 (0) | 1.25x |" in out
+    assert "| 8 | 10gbit | 64 MiB | 1 | switch | 768 | 400 (0) | 500 (0) | 1.25x |" in out
