@@ -190,7 +190,7 @@ def main(argv=None) -> int:
         doc = json.loads(Path(path).read_text())
         meta = doc["meta"]
         print(
-            f"MTU {meta['mtu']}, {meta['elems']} int32 per packet ({path}): run {meta['when']}, "
+            f"MTU {meta['mtu']}, {meta['elems']} int32 per packet ({path}): ended {meta['when']}, "
             f"{meta['reps']} repetitions, {meta['seconds']} s; load average "
             f"{meta['load_before']} before, {meta['load_after']} after ({meta['cpus']} CPUs)."
         )
