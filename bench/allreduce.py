@@ -457,7 +457,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
         L += md_table(
             ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
             [
-                [s["n"], s["link"], _size(s["bytes"])]
+                [s["n"], _link(s), _size(s["bytes"])]
                 + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
                 for s, a, g in latency
             ],
@@ -586,6 +586,12 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
     columns = ["n", "link", "size", "system", "CPU s", "CPU s/GiB", "host s", "fabric s"]
     columns += ["aggregator s", "mostly", "aggregator ns/run", "background s"]
     return L + md_table(columns, rows)
+
+
+def _link(s: dict) -> str:
+    """A cell's link, with its topology when not one-arm: '10gbit', '10gbit, switch'."""
+    t = topology.of(s)
+    return s["link"] if t == topology.DEFAULT else f"{s['link']}, {t}"
 
 
 def _ms(d: dict) -> str:

@@ -112,3 +112,12 @@ def test_l2switch_tables_of_several_runs_again_from_their_json(tmp_path, capsys)
     assert out.startswith("MTU 9000, 2048 int32 per packet")
     assert "load average [1.0, 1.0, 1.0] before" in out
     assert "| 8 | 10gbit | 64 MiB | 1 | switch | 768 | 400 (0) | 500 (0) | 1.25x |" in out
+
+
+def test_l2switch_latency_rows_say_their_topology():
+    rows = [_row(t, [0.001] * 3, [0.002] * 3, n=4) for t in ("one-arm", "switch")]
+    for r in rows:
+        r.update(kind="latency", bytes=4 << 10)
+    md = allreduce.markdown(allreduce.summarize(rows), {"when": "now", "reps": 3, "mtu": 3500,
+                                                        "elems": 768, "window": 64})  # fmt: skip
+    assert "| 4 | 10gbit | 4 KiB | 1.000 |" in md and "| 4 | 10gbit, switch | 4 KiB | 1.000 |" in md
