@@ -14,7 +14,7 @@ from pyroute2 import netns as pr_netns
 
 from . import faults, kernel_forward, nsexec, registry, shaping, xdp_pass
 from .errors import TestbedError
-from .plan import BRIDGE_NAME, PLAIN_XDP_MAX_MTU
+from .plan import BRIDGE_NAME, PLAIN_XDP_MAX_MTU, Plan
 
 # br_netfilter, when loaded (Docker loads it), makes every bridge pass its frames through the
 # iptables/ip6tables/arptables hooks, per namespace; a switch does not, and on one worker it cost
@@ -58,6 +58,7 @@ class TestbedBuild:
     dup_down: float
     loss_scope: str
     kernel_forwarding: bool
+    _plan: Plan
 
     def _wants_nft(self) -> bool:
         return any(x > 0 for x in (self.loss_up, self.loss_down, self.dup_up, self.dup_down))
