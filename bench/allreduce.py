@@ -15,6 +15,13 @@ The table gives each system's time as a fraction of its own bound ("% of bound" 
 gloo runs on the same namespaces and shaped links; the aggregator's XDP program stays attached,
 but it sits on the aggregator's own port, which gloo's worker-to-worker traffic never crosses.
 
+--topology one-arm,switch (bench.topology): each (n, link) runs once per topology, one-arm rows
+beside switch rows. In switch every worker has a veth into the aggregator's namespace, which
+routes gloo's traffic between its ports with the kernel's forwarding (netns_testbed's
+kernel_forwarding) and runs the XDP program on every frame of it; xdp-agg's results leave by the
+program's devmap broadcast instead of the bridge's multicast. Each switch cell also says its
+time against the one-arm cell ("vs one-arm"), per system.
+
 xdp-agg writes its sum into a preallocated array (allreduce(x, out=y)) and gloo sums in place, so
 neither pays for allocating and faulting in an output tensor.
 
@@ -65,7 +72,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat, density, lanes_option, lossrows, md_table, packet_options
+from bench import cpustat, density, lanes_option, lossrows, md_table, packet_options, topology
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
@@ -76,9 +83,12 @@ GLOO_PORT = 29500
 SYSTEMS = ("xdp-agg", "gloo", density.SPARSE)  # a sparse row has all three, a host row one
 
 
-def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> list[dict]:
-    """One testbed for (n, rate) and on it one set of worker processes per lanes value
-    (args.lanes), each running every selected size on both systems (or `plan`: the host rows)."""
+def run_config(
+    n: int, rate: str, args, log, plan: list[dict] | None = None, topo: str = topology.DEFAULT
+) -> list[dict]:
+    """One testbed for (n, rate) in topology `topo` (bench.topology) and on it one set of worker
+    processes per lanes value (args.lanes), each running every selected size on both systems
+    (or `plan`: the host rows)."""
     from netns_testbed.counters import Layout
     from netns_testbed.testbed import PLAIN_XDP_MAX_MTU, Testbed
     from xdp_agg.app.options import AttachOptions
@@ -106,7 +116,7 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
     with (
         Testbed(
             workers=n,
-            topology="one-arm",
+            **topology.testbed_options(topo),
             mtu=args.mtu,
             rate=RATES[rate] and rate,
             agg_queues=getattr(args, "agg_queues", 1),
@@ -132,8 +142,13 @@ def run_config(n: int, rate: str, args, log, plan: list[dict] | None = None) -> 
             # a burst on a clean path only: on a lossy one it would measure both at once
             items = [i for i in plan if not (i["kind"] == "burst" and lossrows.disturbed(setting))]
             reports = _run_workers(tb, cl, layout, n, rate, setting, items, args)
+            at = {
+                **setting,
+                "topology": tb.topology,
+                "elems": topology.elems(tb.topology, args.elems),
+            }
             rows += [
-                _row(n, rate, setting, item, [pr[i] for pr in reports], layout, log, args)
+                _row(n, rate, at, item, [pr[i] for pr in reports], layout, log, args)
                 for i, item in enumerate(items)
             ]
     return rows
@@ -196,6 +211,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, setting, plan, args) -> list
     detection, and gloo) through the plan; each rank's reports, in plan order."""
     lanes = setting["lanes"]
     profile = rate == "unshaped" and n == 4 and args.profile and setting == _settings(args)[0]
+    profile = profile and tb.topology == topology.DEFAULT  # one profile.txt, of one-arm
     job = f"bench-{n}-{rate}-{lanes}-{setting['loss']:g}-{int(setting['early_loss'])}"
     job += f"-r{setting['reorder']:g}" if setting["reorder"] else ""
     procs = []
@@ -215,7 +231,7 @@ def _run_workers(tb, cl, layout, n: int, rate: str, setting, plan, args) -> list
             "--job",
             job,
             "--elems",
-            str(args.elems),
+            str(topology.elems(tb.topology, args.elems)),
             "--window",
             str(args.window),
             "--plan",
@@ -256,6 +272,8 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
     row = {
         "n": n,
         "link": rate,
+        "topology": setting.get("topology", topology.DEFAULT),
+        "elems": setting.get("elems"),
         "bytes": item["bytes"],
         "kind": item["kind"],
         "dtype": item.get("dtype", "float32"),
@@ -290,7 +308,8 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
     if "counters" in reports[0]:
         a = attribute(reports[0]["counters"], layout, row["engine"])
         row["retx_causes"], row["retx_detail"] = a.causes, a.detail
-    line = f"  n={n} {rate:8s} lanes={lanes} {item['kind']:10s} {row['dtype']:8s}"
+    line = f"  n={n} {rate:8s} {row['topology']:7s} lanes={lanes} {item['kind']:10s}"
+    line += f" {row['dtype']:8s}"
     if row["loss"] or not row["early_loss"]:
         line += f" loss {row['loss']:g}" + ("" if row["early_loss"] else " timers only")
     if row["reorder"]:
@@ -334,6 +353,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         s = {
             "n": n,
             "link": row["link"],
+            "topology": topology.of(row),
+            "elems": row.get("elems"),
             "bytes": S,
             "kind": row["kind"],
             "dtype": row.get("dtype", "float32"),
@@ -395,13 +416,15 @@ def summarize(rows: list[dict]) -> list[dict]:
         out.append(s)
     _lane_ratios(out)
     lossrows.ratios(out)
+    topology.ratios(out)
     return out
 
 
 def _lane_ratios(cells: list[dict]) -> None:
     """Each cell's "vs_1_lane": xdp-agg's median time with 1 lane over its own, in the same
     (n, link, size, kind, dtype, width) of the same run; absent where no 1-lane cell was run."""
-    key = lambda c: (c["n"], c["link"], c["bytes"], c["kind"], c["dtype"], c["wire_bits"])  # noqa: E731
+    key = lambda c: (c["n"], c["link"], topology.of(c), c["bytes"], c["kind"], c["dtype"],  # noqa: E731
+                     c["wire_bits"])  # fmt: skip
     one = {key(c): c for c in cells if c["lanes"] == 1}
     for c in cells:
         if key(c) in one:
@@ -417,7 +440,12 @@ def markdown(summary: list[dict], meta: dict) -> str:
         f"Run {meta['when']}, {meta['reps']} repetitions each (median; spread = max-min), "
         f"MTU {meta['mtu']}, "
         f"{meta['elems']} int32 per packet, window {meta['window']}, "
-        f"lanes {', '.join(map(str, meta.get('lanes', [1])))}."
+        f"lanes {', '.join(map(str, meta.get('lanes', [1])))}"
+        + (
+            f", topologies {', '.join(meta['topologies'])}."
+            if len(meta.get("topologies", [])) > 1
+            else "."
+        )
         + (
             f" {meta['cpus']} CPUs for every worker process and the kernel's forwarding; "
             "load average "
@@ -428,6 +456,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
         "",
     ]
     L += _throughput_table(summary)
+    L += topology.markdown(summary, _size)
     L += lossrows.markdown(summary, _size, _retx_cell)
     L += density.markdown(summary)
     L += _host_table(summary)
@@ -438,7 +467,7 @@ def markdown(summary: list[dict], meta: dict) -> str:
         L += md_table(
             ["n", "link", "size", "xdp-agg p50", "xdp-agg p99", "gloo p50", "gloo p99"],
             [
-                [s["n"], s["link"], _size(s["bytes"])]
+                [s["n"], _link(s), _size(s["bytes"])]
                 + [f"{d[p] * 1e3:.3f}" for d in (a, g) for p in ("p50_s", "p99_s")]
                 for s, a, g in latency
             ],
@@ -452,10 +481,14 @@ def _throughput_table(summary: list[dict]) -> list[str]:
     if not _of_kind(summary, "throughput"):
         return []
     fb = lambda d: f"{d['of_bound']:.0%}" if "of_bound" in d else "-"  # noqa: E731
+    # the topology's column only where a run had another one than one-arm
+    topo = any(topology.of(s) != topology.DEFAULT for s, _, _ in _of_kind(summary, "throughput"))
+    tcol = lambda s: [topology.of(s)] if topo else []  # noqa: E731
     return md_table(
         [
             "n",
             "link",
+            *(["topology"] if topo else []),
             "size",
             "dtype",
             "wire_bits",
@@ -474,8 +507,8 @@ def _throughput_table(summary: list[dict]) -> list[str]:
             "CPU s/rank gloo",
         ],
         [
-            [s["n"], s["link"], _size(s["bytes"]), s["dtype"], s["wire_bits"], s["gloo_dtype"]]
-            + [s["lanes"], _ms(a), _ms(g)]
+            [s["n"], s["link"], *tcol(s), _size(s["bytes"]), s["dtype"], s["wire_bits"]]
+            + [s["gloo_dtype"], s["lanes"], _ms(a), _ms(g)]
             + [f"{s['speedup']:.2f}x", _vs1(s), f"{a['ate_per_s']:.3g}", f"{g['ate_per_s']:.3g}"]
             + [fb(a), fb(g), _retx_cell(s), _cpu(a), _cpu(g)]
             for s, a, g in _of_kind(summary, "throughput")
@@ -554,6 +587,7 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
         if s["kind"] == "sparse":
             kind = f" (sparse {s['sparse']['pattern']} {s['sparse']['density']:.0%})"
         kind += f", {s['lanes']} lanes" if s.get("lanes", 1) > 1 else ""
+        kind += f", {topology.of(s)}" if topology.of(s) != topology.DEFAULT else ""
         rows.append(
             [s["n"], f"{s['link']}{kind}", _size(s["bytes"]), system, f"{c['sys_cpu_s']:.3f}"]
             + [f"{c['sys_cpu_s_per_gib']:.2f}", pct("host"), pct("fabric"), agg, c["mostly"]]
@@ -562,6 +596,12 @@ def _syscpu_table(summary: list[dict]) -> list[str]:
     columns = ["n", "link", "size", "system", "CPU s", "CPU s/GiB", "host s", "fabric s"]
     columns += ["aggregator s", "mostly", "aggregator ns/run", "background s"]
     return L + md_table(columns, rows)
+
+
+def _link(s: dict) -> str:
+    """A cell's link, with its topology when not one-arm: '10gbit', '10gbit, switch'."""
+    t = topology.of(s)
+    return s["link"] if t == topology.DEFAULT else f"{s['link']}, {t}"
 
 
 def _ms(d: dict) -> str:
@@ -789,6 +829,13 @@ def _parser() -> argparse.ArgumentParser:
         help="receive queues of the aggregator's link (netns-testbed --agg-queues): flows hashed "
         "over them, each queue's XDP apart (several CPUs aggregate at once)",
     )
+    ap.add_argument(
+        "--topology",
+        default=topology.DEFAULT,
+        help="testbed topologies, comma-separated: one-arm (every host on one bridge), switch (a "
+        "veth per worker into the aggregator, gloo's traffic routed by the kernel there); each "
+        "set of workers runs in each, one after the other (bench/topology.py)",
+    )
     ap.add_argument("--deadline", type=float, default=1800)
     ap.add_argument("--out", default="bench-results")
     return ap
@@ -838,8 +885,11 @@ def main(argv=None) -> int:
         ap.error(f"unknown: {', '.join(unknown)}")
     try:
         args.widths = widths(args.dtype, args.wire_bits)
+        args.topology = topology.topologies(args.topology)
     except ValueError as e:
         ap.error(str(e))
+    if args.topology != [topology.DEFAULT] and lossrows.lossy(args):
+        ap.error("--loss, --burst-ms and --reorder run in the one-arm topology only (gloo's frames too)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, flush=True)  # noqa: E731
@@ -857,8 +907,9 @@ def main(argv=None) -> int:
         if {"throughput", "latency", "sparse"} & set(args.rows):
             for n in (int(x) for x in args.workers.split(",")):
                 for rate in args.links.split(","):
-                    log(f"n={n}, {rate}:")
-                    rows += run_config(n, rate, args, log)
+                    for topo in args.topology:  # one-arm rows beside switch rows
+                        log(f"n={n}, {rate}, {topo}:")
+                        rows += run_config(n, rate, args, log, topo=topo)
     summary = summarize(rows)
     meta = {
         "when": time.strftime("%Y-%m-%d %H:%M"),
@@ -874,6 +925,7 @@ def main(argv=None) -> int:
         "reorder": args.reorder,
         "reorder_delay_ms": args.reorder_delay_ms,
         "agg_queues": args.agg_queues,
+        "topologies": args.topology,
         "seconds": round(time.time() - t0),
         "cpus": os.cpu_count(),
         "load_before": load_before,
@@ -888,7 +940,9 @@ def main(argv=None) -> int:
     md = markdown(summary, meta)
     (out / "results.md").write_text(md)
     try:
-        plot(summary, out / "plot.png")
+        for topo in args.topology:  # plot.png: the first topology's, plot-<topology>.png: others'
+            name = "plot.png" if topo == args.topology[0] else f"plot-{topo}.png"
+            plot([s for s in summary if topology.of(s) == topo], out / name)
         density.plot(summary, out / "sparse-plot.png")
     except ImportError:
         log("matplotlib is missing: no plot (pip install '.[bench]')")

@@ -12,9 +12,9 @@ import time
 from pyroute2 import IPRoute
 from pyroute2 import netns as pr_netns
 
-from . import faults, nsexec, registry, shaping, xdp_pass
+from . import faults, kernel_forward, nsexec, registry, shaping, xdp_pass
 from .errors import TestbedError
-from .plan import BRIDGE_NAME, PLAIN_XDP_MAX_MTU
+from .plan import BRIDGE_NAME, PLAIN_XDP_MAX_MTU, Plan
 
 # br_netfilter, when loaded (Docker loads it), makes every bridge pass its frames through the
 # iptables/ip6tables/arptables hooks, per namespace; a switch does not, and on one worker it cost
@@ -57,6 +57,8 @@ class TestbedBuild:
     dup_up: float
     dup_down: float
     loss_scope: str
+    kernel_forwarding: bool
+    _plan: Plan
 
     def _wants_nft(self) -> bool:
         return any(x > 0 for x in (self.loss_up, self.loss_down, self.dup_up, self.dup_down))
@@ -201,6 +203,8 @@ class TestbedBuild:
             self._apply_faults()
         self._wait_operstate_up(veth_ends)
         self._attach_xdp()
+        if self.kernel_forwarding:
+            kernel_forward.apply(self._plan)
         if querier_since is not None:
             # the bridge floods groups until its querier is one response interval old
             time.sleep(max(0.0, querier_since + QUERY_RESPONSE_CS / 100 - time.monotonic()))

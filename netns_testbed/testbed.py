@@ -104,6 +104,9 @@ class Testbed(TestbedBuild):
             queue's XDP runs apart, so that several CPUs aggregate one job at once.
         cleanup_at_exit: tear down at interpreter exit if still up (the CLI
             turns this off to leave the testbed running).
+        kernel_forwarding: switch only: the workers reach one another through the aggregator's
+            namespace, routed by the kernel (:mod:`netns_testbed.kernel_forward`: a route per
+            worker to 198.18.0.0/15, forwarding on the ports ``p<i>``); default off.
 
     Attributes after construction (valid before ``up()`` too): ``prefix``,
     ``topology``, ``aggregator`` (:class:`AggregatorHost`), ``workers`` (list
@@ -133,6 +136,7 @@ class Testbed(TestbedBuild):
         loss_scope: str = "aggregation",
         reorder: float = 0.0,
         reorder_delay: float = reordering.DEFAULT_DELAY,
+        kernel_forwarding: bool = False,
     ):
         self.prefix = prefix if prefix is not None else new_prefix()
         self._plan = make_plan(self.prefix, workers, topology, observers, aggregators)
@@ -169,6 +173,11 @@ class Testbed(TestbedBuild):
         self.reorder_delay = reordering.check_delay(reorder_delay)
         self._reorder_pids: list[int] = []  # the delay lines (netns_testbed.reorder), by PID
         self.cleanup_at_exit = cleanup_at_exit
+        if kernel_forwarding and topology != "switch":
+            raise ValueError(
+                "kernel_forwarding needs the switch topology (netns_testbed.kernel_forward)"
+            )
+        self.kernel_forwarding = bool(kernel_forwarding)
 
         self.aggregator: AggregatorHost = self._plan.aggregator
         self.aggregators: list[AggregatorHost] = self._plan.aggregators  # [aggregator] unless K > 1
@@ -465,6 +474,7 @@ class Testbed(TestbedBuild):
             "reorder": self.reorder,
             "reorder_delay": self.reorder_delay,
             "reorder_pids": list(self._reorder_pids),
+            "kernel_forwarding": self.kernel_forwarding,
             "status": "up" if self._is_up else "down",
             "owner_pid": self._owner_pid,
             "owner_start": self._owner_start,
@@ -512,6 +522,7 @@ class Testbed(TestbedBuild):
             mcast_snooping=st.get("mcast_snooping", False),
             aggregators=st.get("n_aggregators", 1),
             agg_queues=st.get("agg_queues", 1),
+            kernel_forwarding=st.get("kernel_forwarding", False),
         )
         tb._registry = registry.CleanupRegistry.from_dict(st.get("registry", {}))
         tb._reorder_pids = list(st.get("reorder_pids", []))
