@@ -889,7 +889,7 @@ def main(argv=None) -> int:
     except ValueError as e:
         ap.error(str(e))
     if args.topology != [topology.DEFAULT] and lossrows.lossy(args):
-        ap.error("--loss, --burst-ms and --reorder run in the one-arm topology only (gloo's frames too)")
+        ap.error("--loss, --burst-ms and --reorder run in one-arm only (gloo's frames too)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     log = lambda m: print(m, flush=True)  # noqa: E731
