@@ -8,8 +8,8 @@ how the slots find their CPUs (rss or cpumap) and whether the programs take mult
 tests/test_xdp_concurrency.py) compile on demand through `compile_object` into a directory of
 their own, which needs clang on the machine; production objects never do.
 
-Objects are built with -Werror (the bcc path's warnings were reported at load time; here a
-warning fails the build) and need only UAPI headers (linux-libc-dev), not the kernel's.
+Objects are built with -Werror (a warning, a shadowed name among them, fails the build) and need
+only UAPI headers (linux-libc-dev) and libbpf's (libbpf-dev), not the kernel's.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ CFLAGS = (
     "-Wshadow",
     "-Wno-unused-function",
     "-Werror",
-    "-DAGG_LIBBPF",
 )
 
 
