@@ -1,8 +1,8 @@
 """The wheel works outside the repository (an install must not depend on the checkout): built from a
-copy of the working tree, installed into a fresh venv (system site packages, for Debian's bcc) in a
-temporary directory, and run from there with the repository neither the working directory nor on
-sys.path: its xdp-agg attaches, reports status, serves a small all-reduce between two workers that
-use the wheel's host library (and its C fast path), and detaches."""
+copy of the working tree, installed into a fresh venv (system site packages, as `make venv` makes)
+in a temporary directory, and run from there with the repository neither the working directory
+nor on sys.path: its xdp-agg attaches, reports status, serves a small all-reduce between two
+workers that use the wheel's host library (and its C fast path), and detaches."""
 
 import json
 import os
