@@ -67,6 +67,20 @@ def test_a_build_loads_without_a_compiler(monkeypatch):
 
 @pytest.mark.root
 @pytest.mark.bpf
+def test_a_skipped_program_is_not_verified(built):
+    """Attach's cpumap build skips the plain aggregator: the verifier walks the aggregator once
+    (xdp_agg_cpumap), not twice."""
+    prog = loader.load(pool_slots=100, slot_cpus="cpumap", skip=(loader.PROG_INGRESS,))
+    try:
+        assert set(prog.progs) == set(built.progs) - {loader.PROG_INGRESS}
+        assert prog.verified[loader.PROG_CPUMAP] == built.verified[loader.PROG_CPUMAP]
+        assert sum(prog.verified.values()) < 0.6 * sum(built.verified.values())
+    finally:
+        prog.close()
+
+
+@pytest.mark.root
+@pytest.mark.bpf
 def test_a_copy_program_is_test_runnable(built):
     """loader.test_runnable: the devmap program loaded again as a plain XDP program on the
     build's maps; a frame that is not a result passes it untouched."""

@@ -109,6 +109,8 @@ def attach(
         variant=opts.variant,
         frags=opts.frags,
         slot_cpus=opts.slot_cpus,
+        # the cpumap build attaches xdp_agg_cpumap, the same code: the plain one is the tests'
+        skip=(loader.PROG_INGRESS,) if opts.slot_cpus == "cpumap" else (),
     )
     done: list[dict] = []
     try:

@@ -140,6 +140,7 @@ def load(
     source: Path = SOURCE,
     frags: bool = False,
     slot_cpus: str = "rss",
+    skip: tuple[str, ...] = (),
 ) -> Loaded:
     """Load the build's object (xdp_switch/objload.py); returns its programs' and maps' fds.
 
@@ -150,7 +151,9 @@ def load(
     maps CPUMAP_MAP_NAMES (bpf/slot_cpus.h).
     `cflags` (test-only builds, race_test_cflags) and `source` (another revision's xdp_agg.c:
     bench/xdp_compare.py) are compiled by clang first, into a directory of their own; the
-    builds attach makes are the ones built with the project.
+    builds attach makes are the ones built with the project. `skip`: programs of the build left
+    unloaded (attach's cpumap build skips PROG_INGRESS, which only tests run there: the
+    verifier's walk of the aggregator, most of the load's time, then happens once).
     Raises NeedsRoot, EnvironmentProblem (the build's object is missing) and LoadError (a
     verifier rejection: its real cause, objload.explain, and the tail of the verifier log),
     each with an actionable message; ValueError for a variant, slot_cpus or pool size out of
@@ -164,4 +167,4 @@ def load(
         raise ValueError(f"pool slots must be 1..16384, not {pool_slots}")
     from . import objload
 
-    return objload.load(pool_slots, tuple(cflags), variant, frags, slot_cpus, source)
+    return objload.load(pool_slots, tuple(cflags), variant, frags, slot_cpus, source, skip)

@@ -132,6 +132,7 @@ def load(
     frags: bool,
     slot_cpus: str,
     source: Path = loader.SOURCE,
+    skip: tuple[str, ...] = (),
 ) -> loader.Loaded:
     """loader.load (the arguments are checked there)."""
     if os.geteuid() != 0:
@@ -148,6 +149,8 @@ def load(
     except libbpf.LibbpfError as e:  # not an object libbpf can read, a map it cannot size
         raise loader.LoadError(f"libbpf could not open {path.name}: {e}") from e
     try:
+        for name in skip:
+            obj.skip_program(name)
         obj.load()
     except libbpf.ObjectLoadError as e:
         obj.close()
@@ -155,7 +158,7 @@ def load(
     except BaseException:
         obj.close()
         raise
-    names = PROGRAMS + (CPUMAP_PROGRAMS if cpumap else ())
+    names = tuple(n for n in PROGRAMS + (CPUMAP_PROGRAMS if cpumap else ()) if n not in skip)
     progs = {n: obj.prog_fd(n) for n in names}
     verified = {n: bpfsys.prog_info(fd).verified_insns for n, fd in progs.items()}
     wanted = (
