@@ -8,16 +8,15 @@
 #   make docs          the API reference of hostlib and hostlib.pt (Sphinx, -W) in build/docs
 #   make bundle        an offline install bundle in build/bundle (docs/install-offline.md)
 #
-# Set-up steps (each is skipped when already done): Debian packages (bcc's python3-bpfcc, clang,
-# bpftool, kernel headers), /lib/modules/$(uname -r)/{build,source} linked to Debian's headers
-# when the running kernel has none, bpffs mounted, a venv from the system Python with system site
-# packages (bcc is only importable from /usr/bin/python3), the project installed editable with
-# its test extra (pytest, and torch 2.13 for the PyTorch tests).
+# Set-up steps (each is skipped when already done): Debian packages (clang, llvm and libbpf-dev
+# to build the BPF objects, bpftool, nftables, ...), bpffs mounted, a venv from the system Python
+# with system site packages, the project installed editable with its test extra (pytest, and
+# torch 2.13 for the PyTorch tests), the BPF objects built (make bpf). No kernel headers: the
+# objects need only the UAPI headers (linux-libc-dev), and attach compiles nothing.
 
 SHELL := /bin/bash
 PY := .venv/bin/python
-KVER := $(shell uname -r)
-DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-headers-amd64 \
+DEB_PKGS := clang llvm bpftool libbpf-dev \
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
 	clang-format
 # Prometheus and promtool for tests/test_metrics_prometheus.py, without the recommended extras
@@ -28,13 +27,13 @@ TEST_DEB_PKGS := prometheus
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
-.PHONY: setup deps headers bpffs venv bpf ext test test-unit demo bench bench-micro bench-training \
+.PHONY: setup deps bpffs venv bpf ext test test-unit demo bench bench-micro bench-training \
 	soak codegen cli-doc docs bundle clean help
 
 help:
 	@sed -n '1,16p' Makefile
 
-setup: deps headers bpffs venv bpf
+setup: deps bpffs venv bpf
 
 deps:
 	@missing=$$(for p in $(DEB_PKGS); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
@@ -47,19 +46,6 @@ deps:
 		echo "installing Debian packages (tests only, no recommends): $$missing"; \
 		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
 			--no-install-recommends $$missing >/dev/null) || echo "could not install $$missing: its tests skip"; \
-	fi
-
-# bcc compiles against /lib/modules/$(uname -r)/build; a custom kernel may ship none. Debian's
-# split header packages work for XDP programs when linked as build (arch) and source (common).
-headers: deps
-	@if [ ! -e /lib/modules/$(KVER)/build/include ]; then \
-		arch=$$(ls -d /usr/src/linux-headers-*-amd64 2>/dev/null | sort -V | tail -1); \
-		common=$${arch%-amd64}-common; \
-		if [ -z "$$arch" ] || [ ! -d "$$common" ]; then echo "no Debian kernel headers under /usr/src"; exit 1; fi; \
-		mkdir -p /lib/modules/$(KVER); \
-		ln -sfn $$arch /lib/modules/$(KVER)/build; \
-		ln -sfn $$common /lib/modules/$(KVER)/source; \
-		echo "linked /lib/modules/$(KVER)/{build,source} to $$arch, $$common"; \
 	fi
 
 bpffs:
@@ -123,9 +109,9 @@ soak: setup
 # The offline install bundle (docs/install-offline.md): Debian 12's debs (apt-get download) and the
 # wheels for Python 3.11 and 3.12 (pip download), the project's sdist and its wheel for every
 # target Python found here (BUNDLE_PYTHONS, default: this venv's and any python3.12 on PATH),
-# and tools/bundle/install.py, in build/bundle/xdp-agg-bundle-<version>.tar. Needs the network.
+# the BPF objects in both (built here: the box needs no compiler), and tools/bundle/install.py, in build/bundle/xdp-agg-bundle-<version>.tar. Needs the network.
 BUNDLE_PYTHONS ?=
-bundle: venv
+bundle: bpf
 	@if [ "$$(id -u)" = 0 ]; then apt-get update -qq; fi
 	$(PY) tools/bundle/build.py $(foreach p,$(BUNDLE_PYTHONS),--python $(p))
 

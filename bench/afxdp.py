@@ -15,7 +15,7 @@ Per path: the median time and the throughput (tensor bytes per second), each ran
 packet sent. On this one-machine testbed a worker's sys time also holds softirq work done in its
 system calls (the veth, the bridge, the aggregator's XDP program), as bench.allreduce says.
 
-Writes bench/results/afxdp.{json,md} (or --out). Root, bcc and the XDP build, like
+Writes bench/results/afxdp.{json,md} (or --out). Root and the XDP build, like
 bench.allreduce.
 """
 

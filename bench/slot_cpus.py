@@ -4,7 +4,7 @@ The aggregator attached with --slot-cpus rss (the per-CPU merge: on veth a packe
 on its sender's CPU) or cpumap (each slot on the CPU that owns it), alternately; bench.modes says
 how each run goes and what it measures.
 
-Writes bench/results/slot-cpus.{json,md} (or --out). Root, bcc and the XDP build.
+Writes bench/results/slot-cpus.{json,md} (or --out). Root and the XDP build.
 """
 
 from __future__ import annotations

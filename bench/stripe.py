@@ -17,7 +17,7 @@ the workers over their unshaped links). The table gives each k's median time, sp
 fraction of that bound, the retransmissions, and the ratio of the k = 2 throughput to k = 1's per
 round and overall (two aggregators should give at least 1.7x one's).
 
-Writes bench/results/stripe.{json,md} (or --out). Root, bcc and the XDP build, like bench.allreduce.
+Writes bench/results/stripe.{json,md} (or --out). Root and the XDP build, like bench.allreduce.
 """
 
 from __future__ import annotations

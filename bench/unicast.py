@@ -9,7 +9,7 @@ measures. The aggregator's BPF seconds hold the copy program's n runs per result
 clone, queue and transmit of each copy are in the CPU column (softirq). `xdp-agg bench` gives the
 programs' own cost per packet (UNICAST_CASE).
 
-Writes bench/results/unicast.{json,md} (or --out). Root, bcc and the XDP build.
+Writes bench/results/unicast.{json,md} (or --out). Root and the XDP build.
 """
 
 from __future__ import annotations

@@ -28,6 +28,7 @@ from xdp_switch import loader
 from xdp_switch import microbench as mb
 
 ROOT = Path(__file__).resolve().parent.parent
+LEGACY_FLAG = "-DAGG_LIBBPF"
 
 
 def extract_bpf(rev: str, into: Path) -> Path:
@@ -74,8 +75,14 @@ def compare(
         os.sched_setaffinity(0, {cpu})
     labels = list(sources)
     progs = {
-        # bcc: an older revision's source is compiled here (libbpf loads the built objects)
-        (lab, v): loader.load(pool_slots=max(slots, 64), variant=v, source=src, toolchain="bcc")
+        # another revision's xdp_agg.c compiled here by clang; -DAGG_LIBBPF picks clang's side
+        # of the revisions that still built with bcc too (ignored since)
+        (lab, v): loader.load(
+            pool_slots=max(slots, 64),
+            variant=v,
+            source=src,
+            cflags=(LEGACY_FLAG,) if src != loader.SOURCE else (),
+        )
         for lab, src in sources.items()
         for v in variants
     }

@@ -54,7 +54,7 @@
  *    unrolled with constant offsets from pointers bumped once per block; the verifier walks
  *    every block (a constant trip count) like any bounded loop.
  *  - Payload words start 4 bytes past an 8-byte boundary (the payload is at frame offset 52);
- *    the verifier allows such unaligned packet loads and stores on x86-64, where bcc's programs
+ *    the verifier allows such unaligned packet loads and stores on x86-64, where the programs
  *    run (it enforces alignment only with BPF_F_STRICT_ALIGNMENT or on architectures without
  *    efficient unaligned access). Map values' sums are 8-byte aligned (asserted below).
  *  - Words are reached through may_alias types: the same bytes are __be32 or __s32 elsewhere,
@@ -429,7 +429,6 @@ static __always_inline long gather_one(u32 i, const u32 K)
 #define AGG_XCAT(a, b) AGG_CAT(a, b)
 SML_FOR_EACH_SIZE(AGG_GATHER_FN)
 
-#ifdef AGG_LIBBPF
 #define AGG_GATHER_CASE(code, elems) \
 	case elems:                  \
 		return AGG_XCAT(agg_gather_, elems);
@@ -441,9 +440,6 @@ static __always_inline void *gather_callback(const u32 K)
 	}
 	return NULL;
 }
-#else
-#define gather_callback(K) AGG_CALLBACK(K) /* the id of agg_gather_<K> is K */
-#endif
 
 /* Gather the round's partials other than `own` (this CPU's, which holds the round's last
  * addition) into r->data, and everything's exponents (and next, for a `sparse` job's round)
@@ -543,7 +539,7 @@ static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, stru
 #define AGG_TEST_RACE_SPINS 2048 /* ktime reads, each tens of ns: covers the delays the test uses */
 AGG_PERCPU_ARRAY(race_end, u64, 1); /* 0 -> when this CPU's race window ends (ktime ns) */
 
-/* The spin's callback (bcc: id AGG_CALLBACK_RACE_SPIN): 1, which ends bpf_loop, once the
+/* The spin's callback: 1, which ends bpf_loop, once the
  * window's end has passed. */
 AGG_CALLBACK_FN(agg_race_spin)
 {
@@ -564,11 +560,7 @@ static __always_inline void race_window(void)
 	/* verifier: a callback, verified as a whole at each call; a bounded loop of ktime reads
 	 * was walked iteration by iteration at every one, which took the sparse build past the
 	 * verifier's limit */
-#ifdef AGG_LIBBPF
 	bpf_loop(AGG_TEST_RACE_SPINS, agg_race_spin, NULL, 0);
-#else
-	bpf_loop(AGG_TEST_RACE_SPINS, AGG_CALLBACK(AGG_CALLBACK_RACE_SPIN), NULL, 0);
-#endif
 }
 #else
 #define race_window() \

@@ -4,43 +4,17 @@
 #define XDP_AGG_CONSTS_H
 
 #ifndef AGG_POOL_SLOTS
-#define AGG_POOL_SLOTS \
-	1024 /* slots in the pool (bcc: -DAGG_POOL_SLOTS; libbpf: sizes set at load) */
+#define AGG_POOL_SLOTS 1024 /* slots in the pool: the maps' sizes, set at load */
 #endif
 #ifndef AGG_NR_CPUS
-#define AGG_NR_CPUS 2 /* possible CPUs: entries of the cpumap (bcc: -D; libbpf: set at load) */
+#define AGG_NR_CPUS 2 /* possible CPUs: entries of the cpumap, set at load */
 #endif
 
-#ifdef AGG_LIBBPF
 /* The pool's slots as the code compares with them: read-only data the loader sets before load
  * (xdp_switch/objload.py), which the verifier reads as the constant it is. */
 const volatile u32 agg_pool_slots = AGG_POOL_SLOTS;
 /* A bpf_loop() callback: a static function, whose reference (BPF_PSEUDO_FUNC) clang emits. */
 #define AGG_CALLBACK_FN(name) static long name(u32 i, void *unused)
-#else
-#define agg_pool_slots AGG_POOL_SLOTS
-#ifndef AGG_CALLBACK_MAGIC
-#error "AGG_CALLBACK_MAGIC: marks a bpf_loop callback's address for the loader to link"
-#endif
-/* A bpf_loop() callback's address as the program writes it under bcc, which cannot emit the
- * relocation (BPF_PSEUDO_FUNC) of a function's address: this 64-bit constant (one ld_imm64, the
- * magic in its upper half, the callback's id in the lower), which the loader
- * (xdp_switch/subprogs.py) rewrites into the kernel's reference to the callback's code, appended.
- * The id of agg_gather_<K> is K. */
-#define AGG_CALLBACK(id)       ((void *)(((u64)AGG_CALLBACK_MAGIC << 32) | (id)))
-#define AGG_CALLBACK_RACE_SPIN 1 /* test builds' agg_race_spin (subprogs.py CALLBACK_NAMES) */
-/* Not static, so that bcc compiles each callback into a function of its own to link. */
-#define AGG_CALLBACK_FN(name)  long name(u32 i)
-#ifndef AGG_PARTIALS_FD
-#error "AGG_PARTIALS_FD: fd of the per-CPU partials map, created by the loader"
-#endif
-#ifndef AGG_JOB_COPIES_FD
-#error "AGG_JOB_COPIES_FD: fd of the map of unicast jobs' devmaps, created by the loader"
-#endif
-#if defined(AGG_CPUMAP) && !defined(AGG_TX_SELF_FD)
-#error "AGG_TX_SELF_FD: fd of the cpumap build's devmap back out (slot_cpus.h), by the loader"
-#endif
-#endif
 
 /* Packet sizes up to this many int32 are read and written in place (direct packet access: a frame
  * of 768 is 3124 bytes, inside the first buffer of every driver here, and veth and the test run

@@ -36,8 +36,7 @@ static __always_inline struct agg_worker_stats *worker_counters(struct agg_worke
 	return bpf_map_lookup_elem(&worker_stats, &key);
 }
 
-/* Count one packet in a per-worker counter; `field` is a member of struct agg_worker_stats.
- * (bcc cannot expand map methods inside macros, hence the function above.) */
+/* Count one packet in a per-worker counter; `field` is a member of struct agg_worker_stats. */
 #define count_worker(w, field)                                    \
 	do {                                                      \
 		struct agg_worker_stats *_s = worker_counters(w); \
@@ -83,7 +82,7 @@ static __always_inline void result_fields(struct agg_pkt *pk)
 }
 
 /* Two MACs are equal: one 32-bit and one 16-bit compare (the verifier allows these unaligned
- * loads from packet and map memory alike on x86-64, where bcc's programs run). */
+ * loads from packet and map memory alike on x86-64, where the programs run). */
 static __always_inline bool same_mac(const u8 *a, const u8 *b)
 {
 	return *(const u32 *)a == *(const u32 *)b && *(const u16 *)(a + 4) == *(const u16 *)(b + 4);

@@ -20,13 +20,8 @@ AGG_ARRAY(copy_dests, struct agg_port_worker, AGG_MAX_JOBS * AGG_MAX_WORKERS); /
 /* Unicast delivery (one-arm, docs/protocol.md 3.5): job -> a devmap of the job's n copies, every
  * entry the aggregator's interface with xdp_agg_copy as its egress program. A broadcast reaches
  * every entry of a devmap, so each job has a devmap of its own (the control plane makes it,
- * xdp_switch/loader.py job_copies_devmap). bcc cannot declare a map of devmaps, so under bcc the
- * loader creates it and passes its fd, as for `partials` below. */
-#ifdef AGG_LIBBPF
+ * xdp_switch/loader.py job_copies_devmap). */
 AGG_ARRAY_OF_DEVMAPS(job_copies, AGG_MAX_JOBS, AGG_MAX_WORKERS); /* job -> its devmap of copies */
-#else
-#define job_copies AGG_FD_MAP(AGG_JOB_COPIES_FD)
-#endif
 
 /* Which copy of a unicast result xdp_agg_copy addresses next, on this CPU. The kernel gives a
  * devmap egress program no entry index, but a broadcast enqueues a frame's copies one after
@@ -42,7 +37,7 @@ struct agg_copy_cursor {
 AGG_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's copy in progress */
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
- * headers, the partials created by the loader) into the program's BTF, where
+ * headers, the partials) into the program's BTF, where
  * tests/test_codegen.py compares their layout with xdp_agg/proto/wire.py and abi.py. */
 struct agg_btf_anchor {
 	struct switchml_hdr sml;
@@ -53,13 +48,8 @@ struct agg_btf_anchor {
 AGG_ARRAY(btf_anchor, struct agg_btf_anchor, 1);
 
 /* Per-CPU partial sums (slot*2+v -> struct agg_partial), which the completing packet gathers
- * from the other CPUs with bpf_map_lookup_percpu_elem. bcc has no table method for that helper,
- * so under bcc the loader creates this map itself and passes its fd. */
-#ifdef AGG_LIBBPF
+ * from the other CPUs with bpf_map_lookup_percpu_elem. */
 AGG_PERCPU_ARRAY(partials, struct agg_partial, AGG_POOL_SLOTS * 2); /* slot*2+v -> partial */
-#else
-#define partials AGG_FD_MAP(AGG_PARTIALS_FD)
-#endif
 
 /* Per-CPU scratch: the payload of a jumbo packet (size codes above AGG_DIRECT_MAX_ELEMS), copied
  * out of the frame's buffers with bpf_xdp_load_bytes so that the element loops read it with the
@@ -89,8 +79,7 @@ struct agg_contrib_cpus {
 	u16 cpu[AGG_MAX_WORKERS]; /* arrival position -> CPU (NR_CPUS is at most 8192 in Linux) */
 };
 /* The completion in progress on this CPU, for the gather callbacks (bpf_loop passes them an
- * index only: bcc compiles a callback as a program of its own, whose argument it must not see
- * as a pointer). */
+ * index; they take their state from here, not from a context pointer). */
 struct agg_gather {
 	u64 tag;    /* the round's partial tag */
 	u32 pkey;   /* slot*2+v */

@@ -1,15 +1,10 @@
-/* The two toolchains that build the XDP aggregator, and what the code needs of each.
- *
- * With -DAGG_LIBBPF (clang -target bpf -g -O2 at build time, xdp_switch/bpfbuild.py; loaded by
- * libbpf, xdp_switch/objload.py): libbpf's helper declarations, BTF-defined maps in
- * SEC(".maps"), real bpf_loop callbacks, sizes set before load (consts.h agg_pool_slots).
- * Without it: bcc at attach time (xdp_switch/loader.py), which rewrites the code's
- * bpf_map_lookup_elem(&map, ...) and bpf_redirect_map(&map, ...) on its own maps into its table
- * methods. The code is written once, in libbpf's words. */
+/* What the code needs of its toolchain: clang -target bpf -g -O2 at build time
+ * (xdp_switch/bpfbuild.py), libbpf at load (xdp_switch/objload.py): libbpf's helper declarations,
+ * BTF-defined maps in SEC(".maps"), real bpf_loop callbacks, sizes set before load
+ * (consts.h agg_pool_slots). */
 #ifndef XDP_AGG_PLATFORM_H
 #define XDP_AGG_PLATFORM_H
 
-#ifdef AGG_LIBBPF
 #include <stdbool.h>
 #include <stddef.h>
 #include <linux/bpf.h>
@@ -64,21 +59,6 @@ typedef __s8 s8;
 #define AGG_SEC_XDP    "xdp"
 #define AGG_SEC_DEVMAP "xdp/devmap"
 #define AGG_SEC_CPUMAP "xdp/cpumap"
-#endif
-
-#else /* bcc */
-#include <uapi/linux/bpf.h>
-
-#define AGG_ARRAY(name, v, n)	     BPF_ARRAY(name, v, n)
-#define AGG_HASH(name, k, v, n)	     BPF_HASH(name, k, v, n)
-#define AGG_PERCPU_ARRAY(name, v, n) BPF_PERCPU_ARRAY(name, v, n)
-#define AGG_DEVMAP(name, n)	     BPF_XDP_REDIRECT_MAP("devmap", struct bpf_devmap_val, name, n)
-#define AGG_CPU_MAP(name, n)	     BPF_XDP_REDIRECT_MAP("cpumap", struct bpf_cpumap_val, name, n)
-/* bcc cannot declare a per-CPU array sized at load, a map of maps or a devmap hash: the loader
- * creates them and passes their fds (consts.h); &name is the map's pseudo fd, as a map
- * reference compiles to. */
-#define AGG_FD_MAP(fd)		     (*(u8 *)bpf_pseudo_fd(1, fd))
-#define AGG_PROG(sec)
 #endif
 
 #endif

@@ -28,11 +28,7 @@ AGG_CPU_MAP(cpu_map, AGG_NR_CPUS);                                              
 
 /* ifindex -> the interface, with the attachment's devmap egress program (xdp_agg_copy one-arm,
  * xdp_agg_egress in the switch topology): filled by attach. */
-#ifdef AGG_LIBBPF
 AGG_DEVMAP_HASH(tx_self, AGG_MAX_PORTS); /* ifindex -> the interface, its egress program */
-#else
-#define tx_self AGG_FD_MAP(AGG_TX_SELF_FD) /* bcc declares no devmap hash: the loader's */
-#endif
 
 /* A frame sent back out of the interface it came in on, through tx_self, so that it carries the
  * same egress program as the broadcasts out of that interface: a CPU's redirected frames to one

@@ -7,10 +7,9 @@
  * addresses each broadcast copy of a result to the job's worker behind that port. xdp_agg_copy is
  * the devmap egress program of unicast delivery (one-arm): it addresses copy k of a result to
  * the job's worker k. A sparse job's packets (docs/protocol.md section 8) go through sparse.h.
- * Built once per flavour by clang (-DAGG_LIBBPF, xdp_switch/bpfbuild.py) and loaded by libbpf,
- * or compiled by bcc at attach time (platform.h). With -DAGG_FRAGS the programs are
- * multi-buffer (frags) programs, which see frames
- * larger than a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
+ * Built once per flavour by clang (xdp_switch/bpfbuild.py) and loaded by libbpf (platform.h).
+ * With -DAGG_FRAGS the programs are multi-buffer (frags) programs, which see frames larger than
+ * a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
  * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h).
  * With -DAGG_CPUMAP xdp_agg_steer (slot_cpus.h) is what the interfaces run, and xdp_agg_ingress
  * runs on the cpumap's CPUs, the one that owns each slot. */
@@ -149,9 +148,8 @@ AGG_PROG(AGG_SEC_XDP) int xdp_agg_ingress(struct xdp_md *ctx)
 	return ingress(ctx);
 }
 
-#if defined(AGG_CPUMAP) && defined(AGG_LIBBPF)
-/* The aggregator as the cpumap's entries run it (expected attach type BPF_XDP_CPUMAP); bcc's
- * loader loads xdp_agg_ingress a second time instead. */
+#ifdef AGG_CPUMAP
+/* The aggregator as the cpumap's entries run it (expected attach type BPF_XDP_CPUMAP). */
 AGG_PROG(AGG_SEC_CPUMAP) int xdp_agg_cpumap(struct xdp_md *ctx)
 {
 	return ingress(ctx);
@@ -228,6 +226,4 @@ AGG_PROG(AGG_SEC_DEVMAP) int xdp_agg_copy(struct xdp_md *ctx)
 	return XDP_PASS; /* in a devmap program, PASS transmits */
 }
 
-#ifdef AGG_LIBBPF
 char LICENSE[] SEC("license") = "GPL"; /* bpf_loop and the percpu lookup are GPL-only */
-#endif

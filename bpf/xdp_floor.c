@@ -19,6 +19,4 @@ AGG_PROG("xdp") int xdp_floor(struct xdp_md *ctx)
 	return SML_MSG_TYPE(pk.sml) == SML_MSG_TYPE_DATA ? XDP_DROP : XDP_ABORTED;
 }
 
-#ifdef AGG_LIBBPF
 char LICENSE[] SEC("license") = "GPL";
-#endif

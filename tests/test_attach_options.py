@@ -22,10 +22,9 @@ EVERY = AttachOptions(
     variant="spinlock",
     slot_cpus="cpumap",
     cpus=(0, 1),
-    toolchain="bcc",
     cflags=("-DX",),
 )
-EVERY_OTHER = AttachOptions(xdp_mode="skb", frags=True, toolchain="libbpf")
+EVERY_OTHER = AttachOptions(xdp_mode="skb", frags=True)
 
 
 def test_every_field_is_off_its_default_in_the_tests_values():
@@ -59,7 +58,6 @@ def test_from_dict_defaults_what_is_missing_and_leaves_out_what_it_does_not_know
         ({"pool_slots": "64"}, "--pool-slots must be 1..16384, not '64'"),
         ({"variant": "x"}, "--variant must be one of percpu, spinlock"),
         ({"slot_cpus": "x"}, "--slot-cpus must be one of rss, cpumap"),
-        ({"toolchain": "gcc"}, "--toolchain must be one of bcc, libbpf"),
         ({"frags": "yes"}, "--frags is on or off"),
         ({"cpus": []}, "--cpus must name each CPU once, as 0-3,6"),
         ({"cpus": [1, 1]}, "--cpus must name each CPU once"),
@@ -76,10 +74,10 @@ def test_bad_values_say_what_to_write(changes, message):
 
 
 def test_resolved_is_what_was_attached():
-    r = AttachOptions(slot_cpus="cpumap").resolved(["eth0"], [1, 0], "libbpf")
-    assert (r.topology, r.cpus, r.toolchain) == ("one-arm", (0, 1), "libbpf")
-    r = AttachOptions(cpus=(1,)).resolved(["p0", "p1"], [0, 1], "bcc")
-    assert (r.topology, r.cpus, r.toolchain) == ("switch", None, "bcc")  # rss has no CPU list
+    r = AttachOptions(slot_cpus="cpumap").resolved(["eth0"], [1, 0])
+    assert (r.topology, r.cpus) == ("one-arm", (0, 1))
+    r = AttachOptions(cpus=(1,)).resolved(["p0", "p1"], [0, 1])
+    assert (r.topology, r.cpus) == ("switch", None)  # rss has no CPU list
 
 
 # --- the CLI, the service and the pinned state build the same value ----------------------------
@@ -106,7 +104,7 @@ def fake_attach(monkeypatch):
     def attach(ifaces, opts=None, *, name="default", netns=None):
         opts = opts or AttachOptions()
         calls.append((list(ifaces), opts, name, netns))
-        done = opts.resolved(ifaces, [0, 1], opts.toolchain or "libbpf")
+        done = opts.resolved(ifaces, [0, 1])
         ifs = [{"ifname": i, "ifindex": 2 + n, "prog_id": 7} for n, i in enumerate(ifaces)]
         return pins.State(
             name, done.topology, opts.xdp_mode, netns, ifs, opts.pool_slots, 7, 8, 0.0,
@@ -133,7 +131,7 @@ def test_the_cli_and_the_service_config_build_the_same_options(opts, fake_attach
     assert r.exit_code == 0, r.output
     assert fake_attach == [(["p0", "p1"], opts, "default", None)]
     assert service.parse_config(_config(opts, "p0 p1")).attach == opts
-    assert json.loads(r.output)["options"]["toolchain"] == (opts.toolchain or "libbpf")
+    assert json.loads(r.output)["options"]["variant"] == opts.variant
 
 
 @pytest.mark.parametrize("opts", [AttachOptions(), EVERY, EVERY_OTHER])
@@ -180,7 +178,7 @@ def test_attach_refuses_options_that_do_not_go_together_as_a_usage_error(xdp_agg
 
 
 # --- the pinned state --------------------------------------------------------------------------
-OLD_STATE = {  # a state file as the version before AttachOptions wrote it (no toolchain)
+OLD_STATE = {  # a state file as the version before AttachOptions wrote it
     "name": "old",
     "topology": "one-arm",
     "xdp_mode": "native",
@@ -203,11 +201,10 @@ def test_an_old_state_file_still_loads(options_, tmp_path, monkeypatch):
     (tmp_path / "old.json").write_text(json.dumps(old))
     state = pins.Instance("old").load_state()
     opts = state.attach_options()
-    assert (opts.topology, opts.pool_slots, opts.slot_cpus, opts.cpus, opts.toolchain) == (
+    assert (opts.topology, opts.pool_slots, opts.slot_cpus, opts.cpus) == (
         "one-arm",
         512,
         "rss",
-        None,
         None,
     )
     assert (opts.variant, opts.frags) == (("spinlock", True) if options_ else ("percpu", False))

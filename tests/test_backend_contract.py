@@ -3,7 +3,7 @@ and each optional capability (xdp_agg.ctl.backend's protocols) checked on every 
 it.
 
 The same sequence runs against the software aggregator and the bmv2 backend over a fake CLI (no
-root) and the XDP program's maps (root, bcc). Every refusal is a ValueError naming what is
+root) and the XDP program's maps (root, BPF). Every refusal is a ValueError naming what is
 wrong, and re-creating a job replaces it. Each target claims exactly the capabilities of the
 table in xdp_agg/ctl/backend.py; a TreeBackend claims every one and answers each as the backend
 behind it does, or neutrally where that one has none.

@@ -3,11 +3,11 @@ tools/bundle/install.py; docs/install-offline.md).
 
 The resolver of tools/bundle/build.py runs on synthetic package records. install.py runs on a
 tiny synthetic bundle made here: debs built with dpkg-deb holding a library the system lacks, one
-whose soname the system has (libc.so.6: it must not be linked), a tool linked against the first,
-a Python module standing in for bcc, and kernel headers; a hand-made wheel with an `xdp-agg`
-console script; pip's wheel from the system (/usr/share/python-wheels). The install runs under
-`unshare -n` where that works (no network at all), in env mode (no ld.so.conf.d, no ldconfig),
-with /lib/modules and os-release redirected into a temporary directory.
+whose soname the system has (libc.so.6: it must not be linked) and a tool linked against the
+first; a hand-made wheel with an `xdp-agg` console script; pip's wheel from the system
+(/usr/share/python-wheels). The install runs under `unshare -n` where that works (no network at
+all), in env mode (no ld.so.conf.d, no ldconfig), with os-release redirected into a temporary
+directory.
 """
 
 import base64
@@ -84,17 +84,6 @@ Depends: libffi8
 
 Package: libffi8
 Version: 3.4
-
-Package: linux-headers-amd64
-Version: 6.1.1
-Depends: linux-headers-6.1.0-9-amd64 (= 6.1.1)
-
-Package: linux-headers-6.1.0-9-amd64
-Version: 6.1.1
-Depends: linux-headers-6.1.0-9-common (= 6.1.1), linux-kbuild-6.1, linux-compiler-gcc-12-x86
-
-Package: linux-headers-6.1.0-9-common
-Version: 6.1.1
 """
 
 
@@ -117,12 +106,13 @@ def test_an_alternative_already_chosen_satisfies_the_group():
     assert build.closure(records, ["two"]) == ["two", "libbaz"]
 
 
-def test_headers_are_the_arch_and_common_packages_only():
-    records = build.parse_records(RECORDS)
-    assert build.header_packages(records) == [
-        "linux-headers-6.1.0-9-amd64",
-        "linux-headers-6.1.0-9-common",
-    ]
+def test_the_box_gets_no_compiler_llvm_or_kernel_headers():
+    """The BPF objects ship built (in the project's wheel and sdist): the box needs libbpf1 to
+    load them, and nothing that compiles."""
+    assert "libbpf1" in build.ROOTS
+    heavy = ("clang", "llvm", "linux-headers", "bpfcc", "gcc", "libbpfcc")
+    assert not [r for r in build.ROOTS if any(h in r for h in heavy)]
+    assert "bcc" not in build.SMOKE_IMPORTS
 
 
 def test_wheel_platforms_stop_at_debian_12s_glibc():
@@ -236,8 +226,7 @@ def _fake_project_wheel(dest: Path) -> str:
 
 
 def _synthetic_debs(tmp: Path, debs: Path) -> list[str]:
-    """The test library (and one claiming libc.so.6's soname), the tool, bcc's stand-in, and
-    headers, as four debs."""
+    """The test library (and one claiming libc.so.6's soname) and the tool, as two debs."""
     lib = tmp / "deb-lib"
     (lib / MULTIARCH).mkdir(parents=True)
     (tmp / "lib.c").write_text(LIB_C)
@@ -250,13 +239,7 @@ def _synthetic_debs(tmp: Path, debs: Path) -> list[str]:
     (tool / "usr" / "sbin").mkdir(parents=True)
     (tmp / "tool.c").write_text(TOOL_C)
     _cc("-o", tool / "usr/sbin/xdpaggtesttool", "tool.c", real, cwd=tmp)
-    bcc = tmp / "deb-bcc" / "usr/lib/python3/dist-packages/fakebcc"
-    bcc.mkdir(parents=True)
-    (bcc / "__init__.py").write_text("__version__ = 'fake'\n")
-    hdr = tmp / "deb-headers" / "usr" / "src"
-    for d in ("linux-headers-9.9.9-1-amd64", "linux-headers-9.9.9-1-common"):
-        (hdr / d / "include").mkdir(parents=True)
-    names = ("lib", "tool", "bcc", "headers")
+    names = ("lib", "tool")
     return [_deb(tmp / f"deb-{n}", f"xdpagg-test-{n}", debs) for n in names]
 
 
@@ -282,8 +265,7 @@ def bundle(tmp_path_factory):
         "debs": [{"package": f.split("_")[0], "file": f} for f in files],
         "tools": {"xdpaggtesttool": "xdpagg-test-tool"},
         "commands": ["xdp-agg"],
-        "smoke_imports": ["fakebcc", "xdpaggfake"],
-        "python_path": "usr/lib/python3/dist-packages",
+        "smoke_imports": ["xdpaggfake"],
         "extras": [],
         "sdist": None,
         "targets": {
@@ -307,48 +289,44 @@ def _offline() -> list[str]:
     return ["unshare", "-n"] if ok else []
 
 
-def _install(bundle: Path, prefix: Path, modules: Path) -> subprocess.CompletedProcess:
+def _install(bundle: Path, prefix: Path) -> subprocess.CompletedProcess:
     # The venv comes from the interpreter under the running venv: a venv of a venv would not
     # see the system site packages the real install relies on.
     argv = [*_offline(), sys.executable, bundle / "install.py", "--prefix", prefix]
     argv += ["--python", sys._base_executable, "--ld-mode", "env", "--no-bpf"]
-    argv += ["--modules-dir", modules, "--kernel-release", "9.9-test"]
     argv += ["--os-release", bundle.parent / "os-release"]
     return subprocess.run(list(map(str, argv)), capture_output=True, text=True, timeout=300)
 
 
 def test_install_uses_only_the_bundle_and_links_only_what_is_missing(bundle, tmp_path):
-    prefix, modules = tmp_path / "prefix", tmp_path / "modules"
-    cp = _install(bundle, prefix, modules)
+    prefix = tmp_path / "prefix"
+    cp = _install(bundle, prefix)
     out = cp.stdout + cp.stderr
     assert cp.returncode == 0, out
     # the library the system lacks is linked; the one claiming libc.so.6's soname is not
     assert sorted(os.listdir(prefix / "lib" / "ld")) == ["libxdpaggtest.so.1"]
     assert "1 of 2 libraries are missing here" in out
-    # the smoke test ran the command, the imports (bcc's stand-in from the .pth) and the tool
+    # the smoke test ran the command, the imports and the tool
     assert "fake xdp-agg 0.0.0" in out and "tool ok 42" in out
-    assert f"import fakebcc: fake {prefix}/root/usr/lib/python3/dist-packages" in out
+    assert "import xdpaggfake: " in out
     tool = subprocess.run([prefix / "bin" / "xdpaggtesttool"], capture_output=True, text=True)
     assert tool.stdout == "tool ok 42\n"  # the wrapper finds the library (LD_LIBRARY_PATH)
-    build_link = modules / "9.9-test" / "build"
-    assert build_link.resolve() == prefix / "root/usr/src/linux-headers-9.9.9-1-amd64"
-    assert (modules / "9.9-test" / "source").resolve().name == "linux-headers-9.9.9-1-common"
 
 
 def test_reinstall_and_uninstall(bundle, tmp_path):
-    prefix, modules = tmp_path / "prefix", tmp_path / "modules"
-    assert _install(bundle, prefix, modules).returncode == 0
-    again = _install(bundle, prefix, modules)  # the marker lets it replace its own install
+    prefix = tmp_path / "prefix"
+    assert _install(bundle, prefix).returncode == 0
+    again = _install(bundle, prefix)  # the marker lets it replace its own install
     assert again.returncode == 0, again.stdout + again.stderr
     subprocess.run([prefix / "uninstall.sh"], check=True)
-    assert not prefix.exists() and not (modules / "9.9-test").exists()
+    assert not prefix.exists()
 
 
 def test_a_foreign_prefix_is_refused(bundle, tmp_path):
     prefix = tmp_path / "prefix"
     prefix.mkdir()
     (prefix / "precious").write_text("mine")
-    cp = _install(bundle, prefix, tmp_path / "modules")
+    cp = _install(bundle, prefix)
     assert cp.returncode == 1 and "holds no earlier install" in cp.stderr
     assert (prefix / "precious").read_text() == "mine"
 

@@ -85,27 +85,12 @@ def test_btf_layout_matches_python(agg_prog):
     _check_btf_layout(agg_prog[0])
 
 
-@pytest.fixture(scope="module")
-def libbpf_prog():
-    from harness.builds import load_agg_build
-
-    yield from load_agg_build("libbpf:percpu")
-
-
-@pytest.mark.root
-@pytest.mark.bpf
-def test_btf_layout_matches_python_in_the_libbpf_object(libbpf_prog):
-    """The same of the prebuilt object libbpf loads (its BTF is clang's, not bcc's)."""
-    _check_btf_layout(libbpf_prog[0])
-
-
 def _check_btf_layout(prog) -> None:
     from xdp_agg import bpfsys
 
     if not shutil.which("bpftool"):
         pytest.fail("bpftool is missing: run `make deps`")
-    # under bcc the programs carry only their functions' BTF (xdp_switch/subprogs.py); the maps
-    # carry the module's (or the object's), with every type the program uses
+    # the maps carry the object's BTF (clang's), with every type the program uses
     btf_id = bpfsys.map_info(prog.maps["jobs"]).btf_id
     dump = json.loads(
         subprocess.run(

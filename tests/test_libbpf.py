@@ -1,7 +1,7 @@
-"""The libbpf toolchain (xdp_switch/bpfbuild.py, objload.py, xdp_agg/bpfsys/libbpf.py): objects
-built once per flavour, loaded with the machine's sizes set before load, no compiler needed at
-load, a verifier refusal explained as the bcc path explains it. The packet cases, the verifier
-budget and the BTF layout run through it in their own files (the "libbpf:" builds)."""
+"""The BPF objects and their loader (xdp_switch/bpfbuild.py, objload.py, xdp_agg/bpfsys/libbpf.py):
+objects built once per flavour, loaded with the machine's sizes set before load, no compiler
+needed at load, a verifier refusal explained in plain words. The packet cases, the verifier
+budget and the BTF layout load the same objects in their own files."""
 
 import os
 
@@ -10,16 +10,6 @@ import pytest
 from xdp_agg import bpfsys
 from xdp_agg.bpfsys import libbpf
 from xdp_switch import bpfbuild, loader, objload
-
-
-def test_the_toolchain_is_chosen_by_the_environment(monkeypatch):
-    monkeypatch.delenv(loader.TOOLCHAIN_ENV, raising=False)
-    assert loader.default_toolchain() == "libbpf"
-    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "bcc")
-    assert loader.default_toolchain() == "bcc"
-    monkeypatch.setenv(loader.TOOLCHAIN_ENV, "gcc")
-    with pytest.raises(ValueError, match="XDP_AGG_TOOLCHAIN must be one of bcc, libbpf"):
-        loader.default_toolchain()
 
 
 def test_every_flavour_attach_can_ask_for_is_built():
@@ -34,7 +24,7 @@ def test_every_flavour_attach_can_ask_for_is_built():
 @pytest.fixture(scope="module")
 def built():
     """A libbpf build loaded with 100 slots (not a power of two: the sizes are the loader's)."""
-    prog = loader.load(pool_slots=100, slot_cpus="cpumap", toolchain="libbpf")
+    prog = loader.load(pool_slots=100, slot_cpus="cpumap")
     yield prog
     prog.close()
 
@@ -48,7 +38,7 @@ def test_sizes_are_set_before_load(built):
     assert got == want
     assert bpfsys.map_info(built.maps["cpu_map"]).max_entries == built.nr_cpus
     assert set(built.progs) == set(objload.PROGRAMS + objload.CPUMAP_PROGRAMS)
-    assert built.toolchain == "libbpf" and built.warnings == []
+    assert built.path == bpfbuild.object_path(bpfbuild.Flavour("percpu", cpumap=True))
 
 
 @pytest.mark.root
@@ -71,8 +61,22 @@ def test_a_build_loads_without_a_compiler(monkeypatch):
     """Attach needs no clang: the objects are built (here a missing compiler is not called)."""
     bpfbuild.build(quiet=True)
     monkeypatch.setattr(bpfbuild, "CLANG", "/nonexistent/clang")
-    prog = loader.load(pool_slots=64, toolchain="libbpf")
+    prog = loader.load(pool_slots=64)
     prog.close()
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_a_skipped_program_is_not_verified(built):
+    """Attach's cpumap build skips the plain aggregator: the verifier walks the aggregator once
+    (xdp_agg_cpumap), not twice."""
+    prog = loader.load(pool_slots=100, slot_cpus="cpumap", skip=(loader.PROG_INGRESS,))
+    try:
+        assert set(prog.progs) == set(built.progs) - {loader.PROG_INGRESS}
+        assert prog.verified[loader.PROG_CPUMAP] == built.verified[loader.PROG_CPUMAP]
+        assert sum(prog.verified.values()) < 0.6 * sum(built.verified.values())
+    finally:
+        prog.close()
 
 
 @pytest.mark.root
@@ -93,9 +97,7 @@ def test_a_copy_program_is_test_runnable(built):
 @pytest.mark.bpf
 def test_a_test_only_build_compiles_at_load():
     """cflags (race window, mutant) compile a build of their own, its callback linked."""
-    prog = loader.load(
-        pool_slots=64, cflags=loader.race_test_cflags(100, mutant=True), toolchain="libbpf"
-    )
+    prog = loader.load(pool_slots=64, cflags=loader.race_test_cflags(100, mutant=True))
     try:
         assert prog.path.parent == objload.TEST_BUILD_DIR
         assert prog.verified[loader.PROG_INGRESS] > 0
@@ -116,9 +118,9 @@ char LICENSE[] SEC("license") = "GPL";
 
 @pytest.mark.root
 @pytest.mark.bpf
-def test_a_refusal_is_explained_as_under_bcc(tmp_path):
+def test_a_refusal_is_explained_in_plain_words(tmp_path):
     """A read past the context: the LoadError names the program, the instruction and the
-    verifier's word (subprogs.explain), from the log libbpf fills."""
+    verifier's word (objload.explain), from the log libbpf fills."""
     src = tmp_path / "bad.c"
     src.write_text(BAD_PROGRAM)
     obj = libbpf.Object(bpfbuild.compile_object(src, tmp_path / "bad.o"))

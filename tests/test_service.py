@@ -60,6 +60,13 @@ def test_config_values_and_quoting():
     assert "--topology" in cfg.attach_args()
 
 
+def test_an_older_configs_toolchain_key_is_ignored():
+    """TOOLCHAIN (bcc or libbpf, before bcc left the attach path): read, and nothing changes."""
+    cfg = service.parse_config("INTERFACES=eth1\nTOOLCHAIN=bcc\nVARIANT=spinlock\n")
+    assert cfg.attach == AttachOptions(variant="spinlock")
+    assert "TOOLCHAIN" not in service.SAMPLE_CONFIG
+
+
 @pytest.mark.parametrize(
     "text,what",
     [
@@ -164,7 +171,7 @@ def test_service_start_serves_an_allreduce_and_stop_detaches(testbed_factory, tm
 def _serve_and_stop(tb, name, tmp_path):
     agg_ns = tb.aggregator.netns
     conf = tmp_path / f"{name}.conf"
-    conf.write_text(
+    conf.write_text(  # TOOLCHAIN: an older version's key, read and ignored
         f"INTERFACES=eth0\nNETNS={agg_ns}\nPOOL_SLOTS=256\nTOOLCHAIN=libbpf\nLISTEN=0.0.0.0:48811\n"
         f"SECRET_FILE={tmp_path / 'secret'}\n"
         'SERVE_OPTIONS="--barrier-timeout 30"\n'
@@ -189,7 +196,7 @@ def _serve_and_stop(tb, name, tmp_path):
         st = json.loads(_xdp_agg("--name", name, "status", "--json").stdout)
         assert st["topology"] == "one-arm" and st["pool_slots"] == 256 and st["netns"] == agg_ns
         assert st["interfaces"][0]["attached"] and st["prog_id"] != old_prog
-        want = AttachOptions("one-arm", pool_slots=256, toolchain="libbpf")  # as attached
+        want = AttachOptions("one-arm", pool_slots=256)  # as attached
         assert AttachOptions.from_dict(st["options"]) == want
 
         plan = json.dumps([{"dtype": "int32", "count": 5000}])

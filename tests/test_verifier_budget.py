@@ -7,9 +7,8 @@ loader asks), the gather used to be a loop over CPUs that the verifier walked on
 program passed the verifier's limit of 1,000,000 processed instructions from 5 CPUs on
 (../shared/design/platform.md). Each build's count (bpf_prog_info.verified_insns) is checked
 against its budget in tests/data/verifier_budget.json: a change that makes verification grow
-fails here and has to say why, by raising the budget in the same commit. Each build is checked
-through both toolchains (bcc's compile at load, "<build>" in the budget file, and libbpf's load
-of the prebuilt object, "libbpf:<build>"): the two compilers make different code.
+fails here and has to say why, by raising the budget in the same commit. Each build is the
+object built with the project, loaded as attach loads it (xdp_switch/objload.py).
 """
 
 import json
@@ -21,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from xdp_agg import bpfsys
-from xdp_switch import subprogs
+from xdp_switch import objload
 
 CPU_COUNTS = (1, 2, 3, 4, 5, 8, 16, 64, 256, 1024)
 # (variant, slot_cpus, frags): every build attach can make
@@ -33,7 +32,6 @@ BUILDS = {
     "spinlock": ("spinlock", "rss", False),
     "spinlock-frags": ("spinlock", "rss", True),
 }
-TOOLCHAIN_BUILDS = [*BUILDS, *(f"libbpf:{b}" for b in BUILDS)]
 BUDGET_FILE = Path(__file__).parent / "data" / "verifier_budget.json"
 
 
@@ -44,16 +42,9 @@ def _verify(args):
     from xdp_switch import loader
 
     bpfsys.possible_cpus = lambda: cpus  # what the loader sizes the program for
-    toolchain, _, name = build.rpartition(":")
-    variant, slot_cpus, frags = BUILDS[name]
+    variant, slot_cpus, frags = BUILDS[build]
     try:
-        prog = loader.load(
-            pool_slots=256,
-            variant=variant,
-            slot_cpus=slot_cpus,
-            frags=frags,
-            toolchain=toolchain or "bcc",
-        )
+        prog = loader.load(pool_slots=256, variant=variant, slot_cpus=slot_cpus, frags=frags)
     except loader.LoadError as e:
         return build, cpus, str(e)
     prog.close()
@@ -61,8 +52,8 @@ def _verify(args):
 
 
 def verified(build: str) -> dict:
-    """{cpus: {program: count}} of one build, two loads at a time (bcc takes seconds each: a
-    build's ten loads stay well inside the test's timeout on a busy 2-CPU machine)."""
+    """{cpus: {program: count}} of one build, two loads at a time (the verifier's walk of the
+    aggregator takes a few tenths of a second each)."""
     with mp.get_context("fork").Pool(2) as pool:
         out = pool.map(_verify, [(build, n) for n in CPU_COUNTS], chunksize=1)
     return {cpus: counts for _, cpus, counts in out}
@@ -71,7 +62,7 @@ def verified(build: str) -> dict:
 @pytest.mark.root
 @pytest.mark.bpf
 @pytest.mark.slow
-@pytest.mark.parametrize("build", TOOLCHAIN_BUILDS)
+@pytest.mark.parametrize("build", BUILDS)
 def test_loads_for_every_cpu_count_within_budget(build):
     budget = json.loads(BUDGET_FILE.read_text())[build]
     by_cpus = verified(build)
@@ -104,7 +95,7 @@ def test_a_refusal_names_the_processed_instruction_limit():
     )
     with pytest.raises(bpfsys.ProgLoadError) as e:
         bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, loop, "too_long")
-    why = subprogs.explain(e.value.log)
+    why = objload.explain(e.value.log)
     assert "1,000,000" in why and "processed instructions" in why, why
 
 
@@ -114,6 +105,6 @@ def test_a_refusal_names_the_failing_instruction():
     bad = _insn(0x79, 0x01 << 4 | 0x00, 4000, 0) + _insn(0x95)  # r0 = *(u64 *)(r1 + 4000); exit
     with pytest.raises(bpfsys.ProgLoadError) as e:
         bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, bad, "bad_ctx")
-    why = subprogs.explain(e.value.log)
+    why = objload.explain(e.value.log)
     assert re.match(r"at instruction 0 \(0: \(79\) r0 = \*\(u64 \*\)\(r1 \+4000\)\): ", why), why
     assert "invalid bpf_context access" in why, why

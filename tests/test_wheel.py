@@ -1,8 +1,8 @@
 """The wheel works outside the repository (an install must not depend on the checkout): built from a
-copy of the working tree, installed into a fresh venv (system site packages, for Debian's bcc) in a
-temporary directory, and run from there with the repository neither the working directory nor on
-sys.path: its xdp-agg attaches, reports status, serves a small all-reduce between two workers that
-use the wheel's host library (and its C fast path), and detaches."""
+copy of the working tree, installed into a fresh venv (system site packages, as `make venv` makes)
+in a temporary directory, and run from there with the repository neither the working directory
+nor on sys.path: its xdp-agg attaches, reports status, serves a small all-reduce between two
+workers that use the wheel's host library (and its C fast path), and detaches."""
 
 import json
 import os
@@ -44,19 +44,33 @@ def _tracked_copy(dst: Path) -> None:
             shutil.copy2(src, out)
 
 
+def _copy_objects(dst: Path) -> None:
+    """The checkout's BPF objects (built first if out of date), their times kept: as `make
+    bundle` builds the sdist after `make bpf`."""
+    from xdp_switch import bpfbuild
+
+    for obj in bpfbuild.build(quiet=True):
+        out = dst / obj.relative_to(REPO)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(obj, out)
+
+
 def _build_wheel(tmp: Path) -> Path:
     pytest.importorskip("build", reason="`build` is missing: pip install '.[test]' installs it")
     import setuptools
 
     src = tmp / "src"
     _tracked_copy(src)
+    _copy_objects(src)
     # the sdist first, then the wheel from the sdist: proves the sdist holds everything
-    # (hostlib/_fastpath.c, the BPF and P4 sources). Without isolation when this venv's
+    # (hostlib/_fastpath.c, the BPF and P4 sources, the BPF objects: no clang is called, as on
+    # an offline box that builds the bundle's sdist). Without isolation when this venv's
     # setuptools is new enough, so the test needs no package index.
     args = [sys.executable, "-m", "build", "--outdir", str(tmp / "dist"), str(src)]
     if int(setuptools.__version__.split(".")[0]) >= 77:
         args.insert(3, "--no-isolation")
-    cp = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False)
+    env = dict(os.environ, XDP_AGG_CLANG="/nonexistent/clang")
+    cp = subprocess.run(args, capture_output=True, text=True, timeout=600, check=False, env=env)
     assert cp.returncode == 0, cp.stdout[-3000:] + cp.stderr[-3000:]
     assert "SetuptoolsDeprecationWarning" not in cp.stdout + cp.stderr
     assert "is absent from the `packages` configuration" not in cp.stdout + cp.stderr
@@ -68,6 +82,7 @@ def _build_wheel(tmp: Path) -> Path:
     assert {t for t in top if not t.endswith((".dist-info", ".data"))} == TOP_LEVEL
     # hostlib is typed (PEP 561), its C extension through its stub (tests/test_typing.py)
     assert {"hostlib/py.typed", "hostlib/_fastpath.pyi"} <= names
+    assert "xdp_switch/objects/xdp_agg-percpu.o" in names
     return wheel
 
 

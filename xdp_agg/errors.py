@@ -7,8 +7,8 @@ CLI gives it (at the bottom of the namespace: it imports nothing, so every layer
      |                                which is how the Backend contract says "bad spec")
      +- LiveJobs              exit 1: `detach` refused: jobs are live (--force detaches anyway)
      +- Busy                  exit 4: another process holds the aggregator (a second `serve`)
-     +- EnvironmentProblem    exit 3: the machine is not set up for this (no bpffs, bcc or
-         |                            kernel headers missing, p4c/bmv2 missing)
+     +- EnvironmentProblem    exit 3: the machine is not set up for this (no bpffs, the BPF
+         |                            objects missing, p4c/bmv2 missing)
          +- NeedsRoot         exit 3: run as root
 
 The XDP target's loader, pins, links and backend, and serving (every target) raise these; the CLI
@@ -46,7 +46,7 @@ class Busy(XdpAggError):
 
 
 class EnvironmentProblem(XdpAggError):
-    """The machine lacks something this needs: bpffs, bcc, kernel headers, a tool on PATH."""
+    """The machine lacks something this needs: bpffs, the BPF objects, a tool on PATH."""
 
     exit_code = EXIT_ENV
 

@@ -7,7 +7,7 @@ from its config file's keys (xdp_agg.app.service: KEY is the field's name in cap
 --frags, SLOT_CPUS for --slot-cpus, ...), backend.attach takes it, and the pinned state records
 it as attached (pins.State.options, which `status` shows). A dict without some of the keys (a
 state file or a config of an older version) gets their defaults; keys this version does not
-know are left out.
+know are left out (an older version's `toolchain`, since bcc left the attach path).
 
 The checks here are those of the values alone and of the options together; what depends on the
 interfaces (one-arm takes exactly one) is backend.attach's. A bad value raises ValueError naming
@@ -47,7 +47,6 @@ class AttachOptions:
     frags: bool = False  # load as an XDP multi-buffer program (jumbo frames)
     slot_cpus: str = DEFAULT_SLOT_CPUS  # one of loader.SLOT_CPUS
     cpus: tuple[int, ...] | None = None  # cpumap: the CPUs that aggregate (None: every allowed)
-    toolchain: str | None = None  # one of loader.TOOLCHAINS; None: loader.default_toolchain()
     cflags: tuple[str, ...] = ()  # test-only build flags (loader.race_test_cflags)
 
     def __post_init__(self) -> None:
@@ -66,8 +65,6 @@ class AttachOptions:
         _one_of(self.xdp_mode, XDP_MODES, "--xdp-mode")
         _one_of(self.variant, tuple(loader.VARIANTS), "--variant")
         _one_of(self.slot_cpus, tuple(loader.SLOT_CPUS), "--slot-cpus")
-        if self.toolchain is not None:
-            _one_of(self.toolchain, loader.TOOLCHAINS, "--toolchain")
         pool = self.pool_slots
         if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= wire.MAX_SLOTS:
             raise ValueError(f"--pool-slots must be 1..{wire.MAX_SLOTS}, not {pool!r}")
@@ -107,10 +104,9 @@ class AttachOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def resolved(self, ifaces: list[str], default_cpus: list[int], toolchain: str):
-        """The options as attached to `ifaces`: the topology by their count when not given, the
-        cpumap's CPUs (`default_cpus` when not given, sorted; none for rss) and the toolchain
-        that loaded the program."""
+    def resolved(self, ifaces: list[str], default_cpus: list[int]):
+        """The options as attached to `ifaces`: the topology by their count when not given and
+        the cpumap's CPUs (`default_cpus` when not given, sorted; none for rss)."""
         topology = self.topology or ("one-arm" if len(ifaces) == 1 else "switch")
         cpus = tuple(sorted(self.cpus or default_cpus)) if self.slot_cpus == "cpumap" else None
-        return dataclasses.replace(self, topology=topology, cpus=cpus, toolchain=toolchain)
+        return dataclasses.replace(self, topology=topology, cpus=cpus)

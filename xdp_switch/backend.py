@@ -109,11 +109,12 @@ def attach(
         variant=opts.variant,
         frags=opts.frags,
         slot_cpus=opts.slot_cpus,
-        toolchain=opts.toolchain,
+        # the cpumap build attaches xdp_agg_cpumap, the same code: the plain one is the tests'
+        skip=(loader.PROG_INGRESS,) if opts.slot_cpus == "cpumap" else (),
     )
     done: list[dict] = []
     try:
-        attached = opts.resolved(ifaces, cpu_table.default_cpus(), prog.toolchain)
+        attached = opts.resolved(ifaces, cpu_table.default_cpus())
         cpumap = attached.slot_cpus == "cpumap"
         pinned = _pinned_programs(prog)
         inst.pin(prog.maps, pinned)
@@ -266,7 +267,7 @@ def open_instance(name: str = "default") -> tuple[pins.State, AggMaps]:
 def status(name: str = "default") -> dict:
     """Program, interfaces (and whether our program is still on each), jobs; "options": how
     it was attached (every AttachOptions field: an older version's state gets the defaults of
-    what it did not record; a toolchain it did not record is None)."""
+    what it did not record)."""
     state, maps = open_instance(name)
     _enter_recorded_netns(state)
     ifaces = []

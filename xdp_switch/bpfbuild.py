@@ -8,8 +8,8 @@ how the slots find their CPUs (rss or cpumap) and whether the programs take mult
 tests/test_xdp_concurrency.py) compile on demand through `compile_object` into a directory of
 their own, which needs clang on the machine; production objects never do.
 
-Objects are built with -Werror (the bcc path's warnings were reported at load time; here a
-warning fails the build) and need only UAPI headers (linux-libc-dev), not the kernel's.
+Objects are built with -Werror (a warning, a shadowed name among them, fails the build) and need
+only UAPI headers (linux-libc-dev) and libbpf's (libbpf-dev), not the kernel's.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import platform
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,7 +40,6 @@ CFLAGS = (
     "-Wshadow",
     "-Wno-unused-function",
     "-Werror",
-    "-DAGG_LIBBPF",
 )
 
 
@@ -123,17 +123,18 @@ def in_checkout() -> bool:
 
 
 def build(obj_dir: Path = OBJ_DIR, force: bool = False, quiet: bool = False) -> list[Path]:
-    """Every flavour's object and the floor's, those out of date rebuilt; returns their paths."""
-    outs = []
+    """Every flavour's object and the floor's, those out of date rebuilt (one clang per CPU at
+    a time); returns their paths."""
     jobs = [(object_path(f, obj_dir), SRC_DIR / "xdp_agg.c", f.flags()) for f in FLAVOURS]
     jobs.append((obj_dir / f"{FLOOR}.o", SRC_DIR / f"{FLOOR}.c", ()))
-    for out, src, flags in jobs:
-        if force or stale(out):
-            if not quiet:
-                print(f"clang -target bpf {' '.join(flags)} {src.name} -> {out.name}", flush=True)
-            compile_object(src, out, flags)
-        outs.append(out)
-    return outs
+    todo = [(out, src, flags) for out, src, flags in jobs if force or stale(out)]
+    if not quiet:
+        for out, src, flags in todo:
+            print(f"clang -target bpf {' '.join(flags)} {src.name} -> {out.name}", flush=True)
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        for done in [pool.submit(compile_object, s, o, f) for o, s, f in todo]:
+            done.result()  # the first BuildError, if any
+    return [out for out, _, _ in jobs]
 
 
 def main(argv: list[str] | None = None) -> int:

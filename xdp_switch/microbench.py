@@ -68,18 +68,11 @@ class BenchResult:
 
 
 def _load_floor():
-    """The floor program (bpf/xdp_floor.c), through the default toolchain: (a function that
-    unloads it, its fd)."""
-    if loader.default_toolchain() == "libbpf":
-        from . import objload
+    """The floor program (bpf/xdp_floor.c) loaded: (a function that unloads it, its fd)."""
+    from . import objload
 
-        obj = objload.load_floor()
-        return obj.close, obj.prog_fd("xdp_floor")
-    bcc = loader.check_environment("the benchmark (it loads BPF programs)")
-
-    text = loader.source_text(loader.BPF_DIR / "xdp_floor.c").encode()
-    b = bcc.BPF(text=text, cflags=list(loader.WARNING_FLAGS))
-    return b.cleanup, b.load_func(b"xdp_floor", bcc.BPF.XDP).fd
+    obj = objload.load_floor()
+    return obj.close, obj.prog_fd("xdp_floor")
 
 
 # A measured case beside the program variants: the per-CPU program with a job that verifies UDP

@@ -1,4 +1,4 @@
-"""Load the XDP aggregator from its prebuilt object through libbpf (the libbpf toolchain).
+"""Load the XDP aggregator from its prebuilt object through libbpf.
 
 xdp_switch/bpfbuild.py compiled bpf/xdp_agg.c once per flavour when the project was built;
 here the flavour's object is opened, the sizes that depend on the machine are set (the pool's
@@ -6,13 +6,18 @@ maps' max_entries and `const volatile u32 agg_pool_slots`, the cpumap's entries)
 creates the maps (BTF-defined, the map of devmaps and the per-CPU partials included), links
 the bpf_loop callbacks and loads the programs. Nothing is compiled, so attach takes a fraction
 of a second and needs neither clang nor kernel headers. A test-only build (race delays or the
-mutant, loader.race_test_cflags) is compiled here first, into a directory of its own.
+mutant, loader.race_test_cflags) is compiled here first, into a directory of its own; so is
+another revision's source (bench/xdp_compare.py).
+
+A refusal is explained in plain words (`explain`): the verifier's processed-instruction limit,
+or the instruction it stopped at and what it said of it, ahead of the log's tail.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import re
 import tempfile
 from pathlib import Path
 
@@ -20,7 +25,7 @@ from xdp_agg import bpfsys
 from xdp_agg.bpfsys import libbpf
 from xdp_agg.errors import EnvironmentProblem, NeedsRoot
 
-from . import bpfbuild, loader, subprogs
+from . import bpfbuild, loader
 
 # map -> its entries, from (pool_slots, nr_cpus): set before load; the others are fixed in C
 MAP_SIZES = {
@@ -35,14 +40,42 @@ MAP_SIZES = {
 # the programs of a build, by flavour (xdp_agg_cpumap: the aggregator for the cpumap's entries)
 PROGRAMS = (loader.PROG_INGRESS, loader.PROG_EGRESS, loader.PROG_COPY)
 CPUMAP_PROGRAMS = (loader.PROG_STEER, loader.PROG_CPUMAP)
-OWN_MAPS = ("partials", "job_copies")  # made by the bcc loader itself; libbpf's here
+OWN_MAPS = ("partials", "job_copies")  # maps the control plane reaches beyond loader.MAP_NAMES
 BPF_XDP = 37  # expected attach type of a plain XDP program (enum bpf_attach_type)
 TEST_BUILD_DIR = Path(tempfile.gettempdir()) / "xdp-agg-test-builds"
+VERIFIER_LIMIT = 1_000_000  # BPF_COMPLEXITY_LIMIT_INSNS, kernel/bpf/verifier.c
 
 
-def object_for(flavour: bpfbuild.Flavour, cflags: tuple[str, ...]) -> Path:
+def explain(log: str) -> str:
+    """The real cause of a verifier refusal, from its log: the processed-instruction limit, or
+    the instruction it stopped at and what it said of it."""
+    lines = [line for line in log.strip().splitlines() if line.strip()]
+    m = re.search(r"BPF program is too large\. Processed (\d+) insn", log)
+    if m:
+        return (
+            f"the verifier gave up after {int(m.group(1)):,} processed instructions, its limit "
+            f"of {VERIFIER_LIMIT:,} (the program's verification grew too large)"
+        )
+    insns = [i for i, line in enumerate(lines) if re.match(r"\d+: \(", line)]
+    if not insns:
+        return lines[-1] if lines else "no verifier log"
+    at = insns[-1]
+    said = [line for line in lines[at + 1 :] if not line.startswith("processed ")]
+    reason = said[0] if said else "(no message)"
+    insn = lines[at].split(";")[0].strip()  # without the register states of a verbose log
+    return f"at instruction {insn.split(':')[0]} ({insn}): {reason}"
+
+
+def object_for(
+    flavour: bpfbuild.Flavour, cflags: tuple[str, ...], source: Path = loader.SOURCE
+) -> Path:
     """The object of `flavour`: the built one (rebuilt first in a checkout whose sources
-    changed since), or with test-only `cflags` one compiled now."""
+    changed since), or with test-only `cflags` or another `source` one compiled now."""
+    if source != loader.SOURCE:  # another revision's tree: compiled afresh every time
+        TEST_BUILD_DIR.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(".o", f"{flavour.name}-", TEST_BUILD_DIR)
+        os.close(fd)
+        return bpfbuild.compile_object(source, Path(name), flavour.flags() + cflags)
     if cflags:
         tag = hashlib.sha256(" ".join(cflags).encode()).hexdigest()[:12]
         out = TEST_BUILD_DIR / f"{flavour.name}-{tag}.o"
@@ -66,14 +99,14 @@ def _built(out: Path, source: str, flags: tuple[str, ...] = ()) -> Path:
 
 
 def _refusal(e: libbpf.ObjectLoadError, frags: bool) -> loader.LoadError:
-    """A LoadError that says why the kernel refused the object: subprogs.explain's words for a
-    verifier refusal, libbpf's for anything else."""
+    """A LoadError that says why the kernel refused the object: explain's words for a verifier
+    refusal, libbpf's for anything else."""
     if not e.prog or not e.log.strip():
         return loader.LoadError(f"libbpf could not load the aggregator: {e}")
     tail = "\n".join(e.log.strip().splitlines()[-25:])
     kind = " (frags)" if frags else ""
     return loader.LoadError(
-        f"the kernel verifier rejected {e.prog}{kind}: {subprogs.explain(e.log)}\n"
+        f"the kernel verifier rejected {e.prog}{kind}: {explain(e.log)}\n"
         f"the verifier log's tail:\n{tail}\n({e.strerror})"
     )
 
@@ -93,16 +126,22 @@ def _open(path: Path, pool_slots: int, nr_cpus: int) -> libbpf.Object:
 
 
 def load(
-    pool_slots: int, cflags: tuple[str, ...], variant: str, frags: bool, slot_cpus: str
+    pool_slots: int,
+    cflags: tuple[str, ...],
+    variant: str,
+    frags: bool,
+    slot_cpus: str,
+    source: Path = loader.SOURCE,
+    skip: tuple[str, ...] = (),
 ) -> loader.Loaded:
-    """loader.load's libbpf toolchain (the arguments are checked there)."""
+    """loader.load (the arguments are checked there)."""
     if os.geteuid() != 0:
         raise NeedsRoot("loading BPF programs")
     nr_cpus = min(bpfsys.possible_cpus(), bpfsys.kernel_max_cpus())
     cpumap = slot_cpus == "cpumap"
     flavour = bpfbuild.Flavour(variant, cpumap, frags)
     try:
-        path = object_for(flavour, tuple(cflags))
+        path = object_for(flavour, tuple(cflags), source)
     except bpfbuild.BuildError as e:
         raise loader.LoadError(str(e)) from e
     try:
@@ -110,6 +149,8 @@ def load(
     except libbpf.LibbpfError as e:  # not an object libbpf can read, a map it cannot size
         raise loader.LoadError(f"libbpf could not open {path.name}: {e}") from e
     try:
+        for name in skip:
+            obj.skip_program(name)
         obj.load()
     except libbpf.ObjectLoadError as e:
         obj.close()
@@ -117,7 +158,7 @@ def load(
     except BaseException:
         obj.close()
         raise
-    names = PROGRAMS + (CPUMAP_PROGRAMS if cpumap else ())
+    names = tuple(n for n in PROGRAMS + (CPUMAP_PROGRAMS if cpumap else ()) if n not in skip)
     progs = {n: obj.prog_fd(n) for n in names}
     verified = {n: bpfsys.prog_info(fd).verified_insns for n, fd in progs.items()}
     wanted = (
@@ -133,7 +174,6 @@ def load(
         nr_cpus,
         options,
         verified=verified,
-        toolchain="libbpf",
         path=path,
     )
 
@@ -151,10 +191,10 @@ def load_floor() -> libbpf.Object:
 
 
 def test_runnable(prog: loader.Loaded, name: str) -> int:
-    """loader.test_runnable for a libbpf build: the object opened again, program `name` alone
+    """loader.test_runnable: the build's object opened again, program `name` alone
     loaded as a plain XDP program on the loaded build's maps (every one reused by fd); its fd,
     the caller's."""
-    assert prog.path is not None, "a libbpf build knows its object file"
+    assert prog.path is not None, "a loaded build knows its object file"
     obj = _open(prog.path, prog.pool_slots, prog.nr_cpus)
     try:
         for m in obj.map_names():

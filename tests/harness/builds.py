@@ -4,10 +4,6 @@ AGG_BUILDS = ["percpu", "spinlock", "percpu-frags"]
 # and the build of --slot-cpus cpumap, for the tests that also run against it (they override
 # agg_prog with these params): its aggregator sends by redirect where the others XDP_TX
 AGG_BUILDS_CPUMAP = [*AGG_BUILDS, "percpu-cpumap"]
-# the same builds through each toolchain (loader.TOOLCHAINS: bcc's compile at load, libbpf's
-# prebuilt objects), for the tests that run both: "<toolchain>:<build>"; a build without a
-# prefix loads through the default toolchain (loader.default_toolchain)
-TOOLCHAIN_BUILDS_CPUMAP = [f"{tc}:{b}" for tc in ("bcc", "libbpf") for b in AGG_BUILDS_CPUMAP]
 
 
 def load_agg_build(param: str):
@@ -15,14 +11,12 @@ def load_agg_build(param: str):
     from xdp_switch import loader
     from xdp_switch.ctl_maps import AggMaps
 
-    toolchain, _, build = param.rpartition(":")
-    variant, _, extra = build.partition("-")
+    variant, _, extra = param.partition("-")
     prog = loader.load(
         pool_slots=256,
         variant=variant,
         frags=extra == "frags",
         slot_cpus="cpumap" if extra == "cpumap" else "rss",
-        toolchain=toolchain or None,
     )
     if extra == "cpumap":  # its cpumap entries and slot table, as attach makes them
         from xdp_switch import slot_cpus

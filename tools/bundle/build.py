@@ -4,10 +4,10 @@ Run on a Debian 12 (bookworm, amd64) machine that reaches Debian's archive and P
 holds everything an air-gapped aggregator or worker box needs beside its own Python 3
 (docs/install-offline.md):
 
-- debs/: Debian 12's packages of bcc (python3-bpfcc, libbpfcc with LLVM 14), iproute2 (ip, tc),
-  nftables and ethtool, with their dependency closure minus what every target has already (the
-  base, see `base_packages`), fetched with `apt-get download`; and the kernel headers
-  (linux-headers-<abi>-amd64 and -common) without their dependencies (a compiler), for bcc.
+- debs/: Debian 12's libbpf1 (what loads the BPF objects), iproute2 (ip, tc), nftables, ethtool
+  and procps, with their dependency closure minus what every target has already (the base, see
+  `base_packages`), fetched with `apt-get download`. No compiler, LLVM or kernel headers: the
+  BPF objects are built here (`make bpf`) and ship in the project's wheel and sdist.
 - wheels/: for each target Python (TARGETS: 3.11 for Debian 12, 3.12 for Ubuntu 24.04) the
   binary wheels of the project's dependencies (`pip download --only-binary` with
   --python-version and --platform), pip, and setuptools (to build the sdist on a target that
@@ -36,12 +36,10 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 HERE = Path(__file__).resolve().parent
-# What a box needs from Debian: bcc's Python module (its libbcc pulls LLVM 14), ip and tc
+# What a box needs from Debian: libbpf.so.1 (libbpf1: the loader's ctypes binding), ip and tc
 # (iproute2), nft, ethtool, and sysctl (procps: the testbed; a minimal Debian lacks it). The
 # testbed's nsenter is util-linux's, which every target has.
-ROOTS = ("python3-bpfcc", "iproute2", "nftables", "ethtool", "procps")
-# bcc compiles against the running kernel's headers; this meta package names the newest ABI.
-HEADERS_META = "linux-headers-amd64"
+ROOTS = ("libbpf1", "iproute2", "nftables", "ethtool", "procps")
 # The target's own Python: neither it nor what it depends on goes into the bundle.
 TARGET_HAS = ("python3",)
 # Executables the bundle offers where the target lacks them: name -> package.
@@ -59,9 +57,8 @@ TARGETS = {
 # glibc 2.36 (Debian 12; Ubuntu 24.04 has 2.39): the newest manylinux tag the wheels may need.
 GLIBC_MAX = 36
 DEFAULT_EXTRAS = ("metrics",)
-# What the smoke test imports in the venv (bcc from the prefix, the rest from the wheels).
+# What the smoke test imports in the venv (from the wheels).
 SMOKE_IMPORTS = [
-    "bcc",
     "numpy",
     "pyroute2",
     "scapy",
@@ -160,14 +157,6 @@ def base_packages(records) -> set[str]:
         if r.get("Essential") == "yes" or r.get("Priority") == "required"
     ]
     return set(closure(records, sorted(required))) | set(closure(records, TARGET_HAS))
-
-
-def header_packages(records) -> list[str]:
-    """linux-headers-<abi>-amd64 and -common that the meta package points at (not their other
-    dependencies: linux-kbuild and the compiler, which bcc does not use)."""
-    (arch,) = [g[0] for g in _deps(records[HEADERS_META]) if g[0].startswith("linux-headers-")]
-    (common,) = [g[0] for g in _deps(records[arch]) if re.match(r"linux-headers-.*-common$", g[0])]
-    return [arch, common]
 
 
 # --- fetching ----------------------------------------------------------------------------------
@@ -275,11 +264,11 @@ def git_commit() -> str:
     return cp.stdout.decode().strip() or "unknown"
 
 
-def resolve_debs(records) -> tuple[list[str], list[str], list[str]]:
-    """(runtime packages, header packages, the base left out)."""
+def resolve_debs(records) -> tuple[list[str], list[str]]:
+    """(runtime packages, the base left out)."""
     base = base_packages(records)
     runtime = closure(records, ROOTS, have=frozenset(base))
-    return runtime, header_packages(records), sorted(base & _mentioned(records, runtime))
+    return runtime, sorted(base & _mentioned(records, runtime))
 
 
 def _mentioned(records, names) -> set[str]:
@@ -311,10 +300,10 @@ def build(args) -> Path:
         shutil.rmtree(d, ignore_errors=True)
     work.mkdir(parents=True)
     records = parse_records(run(["apt-cache", "dumpavail"]).stdout)
-    runtime, headers, base = resolve_debs(records)
-    debs = fetch_debs(records, runtime + headers, stage / "debs")
+    runtime, base = resolve_debs(records)
+    debs = fetch_debs(records, runtime, stage / "debs")
     for d in debs:
-        d["role"] = "headers" if d["package"] in headers else "runtime"
+        d["role"] = "runtime"
     reqs = requirements(args.extra)
     targets = {}
     for tag, t in TARGETS.items():
@@ -334,7 +323,6 @@ def build(args) -> Path:
         "debs": debs,
         "base_left_out": base,
         "tools": TOOLS,
-        "python_path": "usr/lib/python3/dist-packages",
         "commands": ["xdp-agg", "netns-testbed"],
         "smoke_imports": SMOKE_IMPORTS,
         "extras": list(args.extra),

@@ -8,10 +8,9 @@ Run from the unpacked bundle with the system's python3, as root:
 It unpacks the bundle's Debian packages with `dpkg -x` into PREFIX/root (never `dpkg -i`: the
 system's packages stay as they are), links the libraries the system lacks, and only those, into
 PREFIX/lib/ld and registers that directory with ld.so (an /etc/ld.so.conf.d file), makes a venv
-from this python3 with the system's site packages and a .pth for the unpacked bcc module,
-installs the wheels with --no-index, links the unpacked kernel headers as
-/lib/modules/$(uname -r)/{build,source} where the running kernel has none, writes wrappers in
-PREFIX/bin, and ends with a smoke test. PREFIX/uninstall.sh undoes it all.
+from this python3 with the system's site packages, installs the wheels with --no-index (the
+project's carries its BPF objects, built where the bundle was: no compiler here), writes wrappers
+in PREFIX/bin, and ends with a smoke test. PREFIX/uninstall.sh undoes it all.
 docs/install-offline.md (README.md in the bundle) says why each step is done the way it is.
 Standard library only: it runs before anything is installed.
 """
@@ -21,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import re
 import shutil
 import struct
@@ -188,20 +186,15 @@ def register(linkdir: Path, conf: Path) -> None:
     run([ldconfig()])
 
 
-# --- the venv, headers, wrappers -----------------------------------------------------------------
+# --- the venv, wrappers -----------------------------------------------------------------
 
 
-def make_venv(python: str, prefix: Path, pythonpath: Path) -> Path:
+def make_venv(python: str, prefix: Path) -> Path:
     """A venv from `python` with its system site packages (pip comes from the bundle: Debian's
-    and Ubuntu's python3 lack ensurepip without python3-venv), and a .pth for bcc."""
+    and Ubuntu's python3 lack ensurepip without python3-venv)."""
     venv = prefix / "venv"
     run([python, "-m", "venv", "--without-pip", "--system-site-packages", venv])
-    vpy = venv / "bin" / "python"
-    site = run([vpy, "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"]).stdout
-    (Path(site.strip()) / "xdp_agg_bundle.pth").write_text(f"{pythonpath}\n")
-    # bcc 0.26's source, compiled once here: Python 3.12 warns about its regular expressions
-    run([vpy, "-W", "ignore", "-m", "compileall", "-q", pythonpath])
-    return vpy
+    return venv / "bin" / "python"
 
 
 def can_build_sdist(python: str) -> str:
@@ -261,32 +254,6 @@ def pip_install(bundle: Path, manifest: dict, tag: str, vpy: Path) -> None:
     )
 
 
-def link_headers(root: Path, modules: Path, kver: str) -> list[str]:
-    """Link the unpacked headers as modules/kver/{build,source} (bcc's lookup) unless the
-    running kernel has its own: the links made (as 'link -> target' lines)."""
-    build = modules / kver / "build"
-    ours = build.is_symlink() and os.readlink(build).startswith(str(root) + "/")
-    if (build / "include").is_dir() and not ours:
-        return []
-    if build.exists() and not build.is_symlink():
-        raise InstallError(f"{build} exists without include/: link the headers by hand")
-    src = root / "usr" / "src"
-    arch = sorted(src.glob("linux-headers-*-amd64"))
-    if not arch:
-        raise InstallError(f"no linux-headers-*-amd64 under {src}")
-    common = Path(str(arch[-1])[: -len("amd64")] + "common")
-    made = []
-    (modules / kver).mkdir(parents=True, exist_ok=True)
-    for name, target in (("build", arch[-1]), ("source", common)):
-        link = modules / kver / name
-        if link.is_symlink():
-            link.unlink()
-        if not link.exists():
-            link.symlink_to(target)
-            made.append(f"{link} -> {target}")
-    return made
-
-
 def wrapper(path: Path, exe: Path, prefix: Path, ld_env: bool, extra: str = "") -> None:
     """A shell wrapper that runs exe with PREFIX/bin first on PATH (and, in env mode, the
     missing libraries on LD_LIBRARY_PATH)."""
@@ -335,18 +302,11 @@ def write_wrappers(prefix: Path, root: Path, manifest: dict, ld_env: bool) -> li
     return made
 
 
-def write_uninstall(prefix: Path, conf: Path | None, header_links: list[str]):
-    """PREFIX/uninstall.sh: the ld.so.conf.d file, the header links (while they still point
-    into PREFIX) and their directory if that is left empty, then PREFIX."""
+def write_uninstall(prefix: Path, conf: Path | None):
+    """PREFIX/uninstall.sh: the ld.so.conf.d file, then PREFIX."""
     lines = ["#!/bin/sh", "# undoes install.py", "set -e"]
     if conf:
         lines.append(f'rm -f "{conf}" && "{ldconfig()}"')
-    for item in header_links:
-        link, target = item.split(" -> ")
-        lines.append(f'[ "$(readlink "{link}")" = "{target}" ] && rm -f "{link}" || true')
-    if header_links:
-        kdir = Path(header_links[0].split(" -> ")[0]).parent
-        lines.append(f'rmdir "{kdir}" 2>/dev/null || true')
     lines.append(f'rm -rf "{prefix}"')
     (prefix / "uninstall.sh").write_text("\n".join(lines) + "\n")
     (prefix / "uninstall.sh").chmod(0o755)
@@ -354,7 +314,6 @@ def write_uninstall(prefix: Path, conf: Path | None, header_links: list[str]):
 
 # --- the smoke test ----------------------------------------------------------------------------
 
-TINY_XDP = "int f(struct xdp_md *ctx) { return XDP_PASS; }"
 IMPORTS = """
 import importlib, sys, warnings
 warnings.simplefilter("ignore")
@@ -362,27 +321,18 @@ for name in sys.argv[1:]:
     m = importlib.import_module(name)
     print(f"import {name}: {getattr(m, '__version__', '')} {m.__file__}")
 """
-BPF_CHECK = (
-    """
+BPF_CHECK = """
 import time
-from bcc import BPF
-t = time.monotonic()
-b = BPF(text=%r)
-fn = b.load_func("f", BPF.XDP)
-dt = time.monotonic() - t
-print(f"bcc: a tiny XDP program compiled, the verifier accepted it ({dt:.1f} s)")
-b.cleanup()
 from xdp_switch import loader
 t = time.monotonic()
 ld = loader.load()
 dt = time.monotonic() - t
-print(f"xdp_agg.c: compiled, the verifier accepted {', '.join(sorted(ld.progs))} ({dt:.1f} s)")
+print(f"{ld.path.name}: libbpf loaded it, the verifier accepted "
+      f"{', '.join(sorted(ld.progs))} ({dt:.1f} s)")
 ld.close()
 from hostlib import native_loop
 print(f"hostlib C loop (hostlib._fastpath): {'built' if native_loop.available() else 'MISSING'}")
 """
-    % TINY_XDP
-)
 
 
 def unresolved(files, env) -> list[str]:
@@ -400,7 +350,8 @@ def smoke(
     prefix: Path, root: Path, manifest: dict, linked: list[Path], wrapped: list[str], opts
 ) -> None:
     """Every library and tool resolves, the commands start, the modules import, and (as root)
-    bcc compiles the program and the verifier accepts it; optionally the micro-benchmark."""
+    libbpf loads the shipped program and the verifier accepts it; optionally the
+    micro-benchmark."""
     env = dict(os.environ)
     if opts.ld_mode == "env":
         env["LD_LIBRARY_PATH"] = str(prefix / "lib" / "ld")
@@ -472,16 +423,11 @@ def install(opts) -> None:
         conf = Path(opts.ldconf_dir) / conf_name(prefix)
         register(linkdir, conf)
         say(f"registered with ld.so: {conf}")
-    vpy = make_venv(opts.python, prefix, root / manifest["python_path"])
+    vpy = make_venv(opts.python, prefix)
     pip_install(bundle, manifest, tag, vpy)
     say(f"venv {prefix / 'venv'}: installed xdp-agg and its wheels with --no-index")
-    made = []
-    if opts.headers:
-        kver = opts.kernel_release or platform.release()
-        made = link_headers(root, Path(opts.modules_dir), kver)
-        say("kernel headers: " + ("; ".join(made) if made else f"the kernel's own ({kver})"))
     wrapped = write_wrappers(prefix, root, manifest, opts.ld_mode == "env")
-    write_uninstall(prefix, conf, made)
+    write_uninstall(prefix, conf)
     say(f"wrappers in {prefix / 'bin'}: {' '.join(wrapped)} xdp-agg-python")
     if opts.smoke:
         smoke(prefix, root, manifest, [linkdir / m for m in missing], wrapped, opts)
@@ -503,12 +449,6 @@ def parse_args(argv=None):
         "LD_LIBRARY_PATH in PREFIX/bin's wrappers only",
     )
     p.add_argument("--python", default=sys.executable, help="the Python of the venv")
-    p.add_argument(
-        "--no-headers",
-        dest="headers",
-        action="store_false",
-        help="do not link kernel headers for bcc",
-    )
     p.add_argument("--no-smoke", dest="smoke", action="store_false", help="skip the smoke test")
     p.add_argument(
         "--no-bpf",
@@ -521,9 +461,7 @@ def parse_args(argv=None):
     for name, default in (
         ("bundle", str(HERE)),
         ("ldconf-dir", "/etc/ld.so.conf.d"),
-        ("modules-dir", "/lib/modules"),
         ("os-release", "/etc/os-release"),
-        ("kernel-release", None),
     ):
         p.add_argument(f"--{name}", default=default, help=argparse.SUPPRESS)
     return p.parse_args(argv)

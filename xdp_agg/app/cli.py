@@ -4,7 +4,7 @@ Exit codes (every command):
   0  success
   1  the operation failed (the message says why and what to do)
   2  usage error (bad option or argument)
-  3  environment: not root, no bpffs, bcc or kernel headers missing
+  3  environment: not root, no bpffs, the BPF objects missing
   4  busy: another `xdp-agg serve` already serves this aggregator name
 
 Codes 1, 3 and 4 are the exit_code of the XdpAggError the command raised (xdp_agg/errors.py);
@@ -75,7 +75,7 @@ def _version() -> str:
     cls=_Cli,
     context_settings={"help_option_names": ["-h", "--help"]},
     epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, "
-    "3 environment (root, bpffs, bcc, headers), 4 busy (another serve of this name).",
+    "3 environment (root, bpffs, BPF objects), 4 busy (another serve of this name).",
 )
 @click.version_option(_version(), prog_name="xdp-agg")
 @click.option(
@@ -140,7 +140,6 @@ def _attached_as(o: dict) -> str:
     cpus = f" on CPUs {','.join(map(str, o['cpus']))}" if o.get("cpus") else ""
     words = [f"variant {o['variant']}", f"slot CPUs {o['slot_cpus']}{cpus}"]
     words += ["frags"] if o["frags"] else []
-    words += [f"toolchain {o['toolchain']}"] if o.get("toolchain") else []
     return ", ".join(words)
 
 
@@ -549,8 +548,8 @@ def install_service(name, interfaces, listen, root, exe, force, attach, as_json)
 
     The unit attaches aggregator NAME to the config's interfaces and runs the control endpoint;
     stopping it detaches; it restarts on failure. Edit the config, then enable the unit (this
-    prints the commands). The options of `xdp-agg attach` (--topology ... --toolchain) are
-    the sample config's keys of the same names (TOPOLOGY ... TOOLCHAIN).
+    prints the commands). The options of `xdp-agg attach` (--topology ... --cpus) are
+    the sample config's keys of the same names (TOPOLOGY ... CPUS).
 
     \b
     Examples:

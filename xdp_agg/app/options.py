@@ -290,13 +290,6 @@ ATTACH_FLAGS = {
         help="With --slot-cpus cpumap: the CPUs that aggregate, as 0-3,6 (default: every CPU "
         "this command may run on); a job's slots are cut into one contiguous range per CPU.",
     ),
-    "toolchain": _flag(
-        "--toolchain",
-        type=click.Choice(loader.TOOLCHAINS),
-        default=None,
-        help=f"libbpf: load the BPF objects built with the project; bcc: compile the program "
-        f"at attach (kernel headers, seconds). Default: ${loader.TOOLCHAIN_ENV}, else libbpf.",
-    ),
 }
 _FLAGS_OF: dict[type, dict[str, tuple[tuple[str, ...], dict]]] = {AttachOptions: ATTACH_FLAGS}
 

@@ -72,6 +72,9 @@ class ServiceConfig:
 # (TOPOLOGY=switch is --topology switch, FRAGS=yes is --frags, CPUS=0-3 is --cpus 0-3).
 ATTACH_KEYS = {name.upper(): name for name in options.ATTACH_FLAGS}
 _KEYS = {"INTERFACES", *ATTACH_KEYS, "LISTEN", "SECRET_FILE", "NETNS", "SERVE_OPTIONS"}
+# Keys an older version's sample config wrote, read and ignored: TOOLCHAIN chose bcc or libbpf
+# before bcc left the attach path (every build is now the object shipped, loaded by libbpf).
+RETIRED_KEYS = {"TOOLCHAIN"}
 _YES, _NO = ("yes", "true", "on", "1"), ("no", "false", "off", "0")
 
 
@@ -131,6 +134,8 @@ def parse_config(text: str, source: str = "config") -> ServiceConfig:
             continue
         key, sep, value = line.partition("=")
         key = key.strip()
+        if sep and key in RETIRED_KEYS:
+            continue
         if not sep or key not in _KEYS:
             raise ConfigError(
                 f"{source}:{no}: expected one of {', '.join(sorted(_KEYS))}=VALUE, got {line!r}"
@@ -204,7 +209,7 @@ ExecStart={exe} service-start %i --config {config_dir}/%i.conf
 ExecStopPost={exe} service-stop %i
 Restart=on-failure
 RestartSec=5
-# 2: a usage error in SERVE_OPTIONS; 3: not root, no bpffs, bcc or kernel headers. Restarting
+# 2: a usage error in SERVE_OPTIONS; 3: not root, no bpffs or no BPF objects. Restarting
 # cannot fix either; `journalctl -u xdp-agg@%i` says what to do.
 RestartPreventExitStatus=2 3
 TimeoutStopSec=30
@@ -243,10 +248,6 @@ SLOT_CPUS={slot_cpus}
 
 # With SLOT_CPUS=cpumap: the CPUs that aggregate, as 0-3,6; empty: every CPU the service may use.
 CPUS={cpus}
-
-# libbpf: the BPF objects built with the package | bcc: compiled at attach (kernel headers);
-# empty: $XDP_AGG_TOOLCHAIN, else libbpf.
-TOOLCHAIN={toolchain}
 
 # HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
 # IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.

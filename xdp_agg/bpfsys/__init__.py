@@ -1,8 +1,8 @@
 """Thin wrappers over the bpf(2) system call, for the control plane.
 
-bcc compiles and loads the program once (`attach`); every later command (stats, job, worker,
-slots, detach) works on the pinned maps and programs through these calls, so it starts in
-milliseconds instead of recompiling. Only what the project uses is here.
+libbpf loads the program's object once (`attach`, bpfsys.libbpf); every later command (stats,
+job, worker, slots, detach) works on the pinned maps and programs through these calls, so it
+starts in milliseconds. Only what the project uses is here.
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ _NR_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
 MAP_CREATE, MAP_LOOKUP_ELEM, MAP_UPDATE_ELEM, MAP_DELETE_ELEM, MAP_GET_NEXT_KEY = 0, 1, 2, 3, 4
 PROG_LOAD, OBJ_PIN, OBJ_GET = 5, 6, 7
 PROG_TEST_RUN = 10
-BTF_LOAD = 18
 OBJ_GET_INFO_BY_FD = 15
 
 # map types
-MAP_TYPE_PERCPU_ARRAY = 6
-MAP_TYPE_ARRAY_OF_MAPS = 12
 MAP_TYPE_DEVMAP = 14
-MAP_TYPE_DEVMAP_HASH = 25
 # program types
 PROG_TYPE_XDP = 6
 # program load flags
@@ -196,13 +192,9 @@ def prog_load(
     license: bytes = b"GPL",
     prog_flags: int = 0,
     expected_attach_type: int = 0,
-    btf_fd: int = 0,
-    func_info: tuple[tuple[int, int], ...] = (),
 ) -> int:
-    """Load a program given as raw 64-bit instructions (a list of ints, or their bytes as bcc's
-    dump_func returns them, map fds patched in); returns its fd. `prog_flags`: e.g.
-    BPF_F_XDP_HAS_FRAGS. A program with subprograms passes the fd of its BTF (bpfsys.btf) and
-    `func_info`: (first instruction, FUNC type id) of each subprogram, the entry first.
+    """Load a program given as raw 64-bit instructions (a list of ints, or their bytes, map fds
+    patched in); returns its fd. `prog_flags`: e.g. BPF_F_XDP_HAS_FRAGS.
     A refusal raises ProgLoadError with the verifier log's tail: the load is retried once with
     the log on (a log costs the verifier time, so the first try has none)."""
     raw = bytes(insns) if isinstance(insns, (bytes, bytearray)) else None
@@ -217,10 +209,6 @@ def prog_load(
     attr.prog_name = name.encode()[:15]
     attr.prog_flags = prog_flags
     attr.expected_attach_type = expected_attach_type
-    if func_info:
-        recs = (ct.c_uint32 * (2 * len(func_info)))(*(v for rec in func_info for v in rec))
-        attr.prog_btf_fd, attr.func_info_rec_size = btf_fd, 8
-        attr.func_info, attr.func_info_cnt = ct.addressof(recs), len(func_info)
     try:
         return _bpf(PROG_LOAD, attr)
     except BpfError as e:

@@ -186,6 +186,10 @@ class Object:
             return
         raise KeyError(f"no variable {var!r} in .rodata")
 
+    def skip_program(self, name: str) -> None:
+        """Leave program `name` out of the load (not verified, no fd)."""
+        self._lib.bpf_program__set_autoload(self._prog(name), False)
+
     def only_program(self, name: str, expected_attach_type: int) -> None:
         """Load program `name` alone, with `expected_attach_type`."""
         for p in self._iter("program"):
