@@ -210,6 +210,31 @@ def test_same_results_under_engine_faults():
 
 
 @pytest.mark.parametrize("native", [False, True])
+def test_early_loss_a_resent_packets_slot_waits_for_late_copies(native):
+    """A slot whose packet was sent twice takes its next packet only once the last copy is
+    rto_floor / 2 old at the least (docs/protocol.md 3.3: a late copy arriving after it would
+    count in the slot's next round). A lower bound on time: load only lengthens it. Without
+    the wait the next packet goes a round trip after the copy."""
+    x = np.arange(40 * 32, dtype=np.int32)
+    agg = EchoAggregator(drop={3: 1})  # packet 3's first copy lost: it is sent twice
+    # rto_floor 0.1 s: the slot waits 50 ms at least, far longer than a round trip here
+    eng = make_engine(agg, native, window=8, elems=32, rto_floor=0.1)
+    try:
+        eng.allreduce(x, np.empty_like(x))
+    finally:
+        eng.state.sock.close()
+        agg.close()
+    first: dict[int, float] = {}
+    last: dict[int, float] = {}
+    for data, t in zip(agg.received, agg.arrived):
+        tsi = int.from_bytes(data[2:6], "big")
+        first.setdefault(tsi, t)
+        last[tsi] = t
+    assert last[3] > first[3]  # sent twice
+    assert first[3 + 8] - last[3] >= 0.05  # rto_floor / 2, the least the slot waits
+
+
+@pytest.mark.parametrize("native", [False, True])
 def test_a_late_first_answer_counts_as_spurious(native):
     x = np.arange(40 * 32, dtype=np.int32)
     late = {3, 17, 30}

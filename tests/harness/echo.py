@@ -71,6 +71,7 @@ class EchoAggregator:
         self.answer_limit = answer_limit
         self.gso = gso
         self.received: list[bytes] = []
+        self.arrived: list[float] = []  # time.monotonic() of each received datagram's batch
         self._held: list[tuple[float, bytes, tuple]] = []
         self._stop = False
         self._thread = threading.Thread(target=self._loop, daemon=True)
@@ -109,6 +110,7 @@ class EchoAggregator:
             now = time.monotonic()
             for data, src in batch:
                 self.received.append(data)
+                self.arrived.append(now)
                 tsi = int.from_bytes(data[2:6], "big")
                 self.copies[tsi] = self.copies.get(tsi, 0) + 1
                 if self.late_until and self.copies.get(self.late_until[0], 0) >= self.late_until[1]:
