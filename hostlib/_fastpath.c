@@ -12,13 +12,15 @@
  * exactly the bytes the numpy engine sends (tests/test_fastpath.py compares them).
  *
  * The units, each with its header: fp_kernels (payload conversion, AVX2 or scalar), fp_io (the
- * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_loop (the stream loop), fp_sparse (a
- * sparse all-reduce's rounds in that loop, docs/protocol.md section 8), and this file, the
- * Python type and module. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
+ * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_run.h (the Stream, the Run and RoundOps,
+ * a round strategy: what the loop and the strategies share), fp_loop (the stream loop), the two
+ * strategies it runs, fp_dense (chunks) and fp_sparse (a sparse all-reduce's rounds,
+ * docs/protocol.md section 8), and this file, the Python type and module: it picks the
+ * strategy of each call, and is the only unit that names both. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
  * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
- * hostlib.native_loop refuses to import a build whose constants differ from xdp_agg.proto.wire's.
- * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_loop.h fp_header, fp_loop.c
- * fill, fp_sparse.c fp_sparse_fill.)
+ * hostlib.native refuses to import a build whose constants differ from xdp_agg.proto.wire's.
+ * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_run.h fp_header, fp_dense.c
+ * dense_fill, fp_sparse.c sparse_fill.)
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -31,6 +33,7 @@
 #include <unistd.h>
 
 #include "fp_counters.h"
+#include "fp_dense.h"
 #include "fp_io.h"
 #include "fp_kernels.h"
 #include "fp_loop.h"
@@ -163,6 +166,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     c.pairs = wire_bits == 16;
+    c.row_extra = FP_SPARSE_HLEN; /* the longest packet: a sparse one with data */
     c.type_size = (uint8_t)type_size;
     c.spin = spin;
     c.early_loss = early_loss;
@@ -307,8 +311,8 @@ static PyObject *run_result(const Stream *st, const Run *r, int rc)
     return result;
 }
 
-/* Run r on e's stream with the GIL released: fp_run_start (which, for a sparse run, also
- * zeroes the output and finds the columns: O(L), so without the GIL too) and the loop. The
+/* Run r on e's stream with the GIL released: fp_run_start (whose strategy's start, for a sparse
+ * run, zeroes the output and finds the columns: O(L), so without the GIL too) and the loop. The
  * result dict, or NULL with an exception (OSError for -errno). */
 static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progress, double every)
 {
@@ -389,18 +393,18 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         goto out;
     }
-    Run r = {.is_float = is_float,
+    DenseRun dense = {.Pd = Pd, .exps = is_float ? exps.buf : NULL, .agreed = agreed};
+    Run r = {.round = &fp_dense_rounds,
+             .rs = &dense,
+             .is_float = is_float,
              .dtype = dt,
              .src = src.buf,
              .dst = dst.buf,
              .L = src.len / fp_dtype_size(dt),
              .P = P,
-             .Pd = Pd,
              .w = w,
              .jn = (uint8_t)jn,
              .versions = vers.buf,
-             .exps = is_float ? exps.buf : NULL,
-             .agreed = agreed,
              .state = done};
     result = run_released(e, &r, timeout, progress, progress_every);
 out:
@@ -489,14 +493,14 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     sp.exps = is_float ? exps.buf : NULL;
     sp.rounds = rounds.buf;
     sp.pad = pad;
-    r = (Run){.sp = &sp,
+    r = (Run){.round = &fp_sparse_rounds,
+              .rs = &sp,
               .is_float = is_float,
               .dtype = dt,
               .src = src.buf,
               .dst = dst.buf,
               .L = src.len / fp_dtype_size(dt),
               .P = P,
-              .Pd = B,
               .w = w,
               .jn = (uint8_t)jn,
               .versions = vers.buf};
@@ -506,7 +510,7 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     }
     result = run_released(e, &r, timeout, progress, progress_every);
     if (result)
-        result = sparse_result(result, &sp, r.fail == ST_SPARSE_BAD);
+        result = sparse_result(result, &sp, r.fail == ST_REFUSED);
 out:
     fp_sparse_free(&sp);
     PyMem_RawFree(r.state);
