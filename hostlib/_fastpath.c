@@ -1,7 +1,7 @@
 /*
  * hostlib._fastpath: the native per-packet loop of the host library, its Python type.
  *
- * The numpy loop (hostlib/numpy_loop.py, run by hostlib.engine.StreamEngine) is the reference:
+ * The numpy loop (hostlib/numpy_dense.py, run by hostlib.engine.StreamEngine) is the reference:
  * it moves one all-reduce as a self-clocked stream of packets with numpy, and pays tens of
  * microseconds of interpreter and numpy call overhead per batch. This module runs the same
  * stream in C with the GIL released: one Engine.allreduce() call builds the packets in place
@@ -18,7 +18,7 @@
  * docs/protocol.md section 8), and this file, the Python type and module: it picks the
  * strategy of each call, and is the only unit that names both. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
  * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
- * hostlib.native refuses to import a build whose constants differ from xdp_agg.proto.wire's.
+ * hostlib.native_stream refuses to import a build whose constants differ from xdp_agg.proto.wire's.
  * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_run.h fp_header, fp_dense.c
  * dense_fill, fp_sparse.c sparse_fill.)
  */
@@ -249,7 +249,7 @@ static int check_signals(void *ctx)
     return bad;
 }
 
-/* The element type named `name` (hostlib.native_loop DTYPES): FP_I32 .. FP_F16, or -1 with a
+/* The element type named `name` (hostlib.engine DTYPES): FP_I32 .. FP_F16, or -1 with a
  * ValueError. */
 static int parse_dtype(const char *name)
 {
@@ -817,7 +817,7 @@ PyDoc_STRVAR(
     "set_simd(name) -> str\n\n"
     "Choose the kernels: 'avx2' (if the CPU has it) or 'scalar'; returns the previous choice.\n"
     "Both give identical bytes; tests use this to compare them. The default is the best the CPU\n"
-    "offers; hostlib.native_loop applies XDP_AGG_SIMD (HostOptions' simd_from_env) at import.");
+    "offers; hostlib.native_stream applies XDP_AGG_SIMD (HostOptions' simd_from_env) at import.");
 
 static PyObject *py_set_simd(PyObject *m, PyObject *args)
 {
@@ -926,7 +926,7 @@ static struct PyModuleDef module_def = {
 };
 
 /* The wire constants (fp_wire.h) as module attributes, and WIRE, their names in xdp_agg.proto.wire:
- * hostlib.native_loop checks them and refuses a build made from another layout. */
+ * hostlib.native_stream checks them and refuses a build made from another layout. */
 static int add_wire_constants(PyObject *mod)
 {
     PyObject *names = PyTuple_New(0);

@@ -10,7 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING
+/* Busy-polling, as NumpyDenseLoop._spin (hostlib/numpy_dense.py): while at most SPIN_OUTSTANDING
  * packets of the all-reduce are outstanding, for at most SPIN_TIME s; credit as there. Off with
  * EngineConfig.spin (HostOptions.spin). */
 #define SPIN_OUTSTANDING 64

@@ -15,7 +15,7 @@
 #include "fp_run.h"
 
 typedef struct SparseRun {
-    /* inputs (hostlib.native: from _fastpath.block_scan, before the all-reduce) */
+    /* inputs (hostlib.native_sparse: from _fastpath.block_scan, before the all-reduce) */
     int64_t B;              /* blocks: ceil(L / k) */
     const uint8_t *nonzero; /* per block: 1 where this worker's block has a non-zero element */
     const int8_t *exps;     /* float: each block's exponent; NULL for int32 */

@@ -378,8 +378,8 @@ ld = loader.load()
 dt = time.monotonic() - t
 print(f"xdp_agg.c: compiled, the verifier accepted {', '.join(sorted(ld.progs))} ({dt:.1f} s)")
 ld.close()
-from hostlib import native_loop
-print(f"hostlib C loop (hostlib._fastpath): {'built' if native_loop.available() else 'MISSING'}")
+from hostlib import native_stream
+print(f"hostlib C loop (hostlib._fastpath): {'built' if native_stream.available() else 'MISSING'}")
 """
     % TINY_XDP
 )
