@@ -16,9 +16,10 @@
  * a round strategy: what the loop and the strategies share), fp_loop (the stream loop), the two
  * strategies it runs, fp_dense (chunks) and fp_sparse (a sparse all-reduce's rounds,
  * docs/protocol.md section 8), and this file, the Python type and module: it picks the
- * strategy of each call, and is the only unit that names both. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
- * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
- * hostlib.native_stream refuses to import a build whose constants differ from xdp_agg.proto.wire's.
+ * strategy of each call, and is the only unit that names both. fp_wire.h is generated from
+ * xdp_agg/proto/wire.py (python -m xdp_agg.codegen); the module exports its constants and their
+ * names (WIRE), and hostlib.native_stream refuses to import a build whose constants differ from
+ * xdp_agg.proto.wire's.
  * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_run.h fp_header, fp_dense.c
  * dense_fill, fp_sparse.c sparse_fill.)
  */

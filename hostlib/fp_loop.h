@@ -1,11 +1,11 @@
 /*
  * The stream loop of the C fast path: one worker's all-reduce as a self-clocked stream of
- * packets (docs/protocol.md section 4), the numpy loops' protocol (hostlib/numpy_dense.py,
- * hostlib/numpy_sparse.py) with the same bytes. A Stream (fp_run.h) holds what outlives an
- * all-reduce: its configuration, congestion state (RTT estimate, window), the Faults generator,
- * the per-slot buffers and its Transport. A Run is one all-reduce on it, run through a round
- * strategy (RoundOps: fp_dense.c, fp_sparse.c) that builds its packets and takes their results;
- * the loop sends, times, resends and deduplicates them alike for every strategy. Nothing is
+ * packets (docs/protocol.md section 4), the numpy loops' protocol (hostlib/numpy_*.py) with the
+ * same bytes. A Stream (fp_run.h) holds what outlives an all-reduce: its configuration,
+ * congestion state (RTT estimate, window), the Faults generator, the per-slot buffers and its
+ * Transport. A Run is one all-reduce on it, run through a round strategy (fp_run.h RoundOps,
+ * which the caller picks) that builds its packets and takes their results; the loop sends,
+ * times, resends and deduplicates them alike for every strategy, and names none. Nothing is
  * global and nothing needs Python, so several Streams (each with its own socket, slots and
  * window) can run in threads at once.
  */
