@@ -88,15 +88,16 @@ static RoundStep dense_apply(Run *r, int64_t p, const uint8_t *buf)
     return step;
 }
 
+/* Every packet still to come is one without its result. */
 static int64_t dense_left(const Run *r)
 {
     return r->todo;
 }
 
-const RoundOps fp_dense_rounds = {
-    .start = dense_start,
-    .fill = dense_fill,
-    .identify = dense_identify,
-    .apply = dense_apply,
-    .left = dense_left,
-};
+/* No `matches` (identify compared the whole header with the slot's packet), no `passed` (every
+ * packet gets its result), fixed-length results. */
+const RoundOps fp_dense_rounds = {.start = dense_start,
+                                  .fill = dense_fill,
+                                  .identify = dense_identify,
+                                  .apply = dense_apply,
+                                  .left = dense_left};
