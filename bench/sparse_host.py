@@ -15,7 +15,7 @@ of `--densities` (the share of blocks of k elements that are non-zero, drawn at 
 variants' order reversed every other round. Per variant: the median time, the tensor's MB/s,
 the packets sent per all-reduce, the time per packet sent (ns), the engine thread's CPU time
 (user + sys, the C loop's and its system calls'), and the time as a share of the dense one's.
-With --numpy, the numpy sparse loop (hostlib.sparse_loop) at the last density too.
+With --numpy, the numpy sparse loop (hostlib.numpy_sparse) at the last density too.
 
 No root. Writes bench/results/sparse-host.{json,md} (or --out).
 """

@@ -1,7 +1,7 @@
 /*
  * hostlib._fastpath: the native per-packet loop of the host library, its Python type.
  *
- * The numpy loop (hostlib/numpy_loop.py, run by hostlib.engine.StreamEngine) is the reference:
+ * The numpy loop (hostlib/numpy_dense.py, run by hostlib.engine.StreamEngine) is the reference:
  * it moves one all-reduce as a self-clocked stream of packets with numpy, and pays tens of
  * microseconds of interpreter and numpy call overhead per batch. This module runs the same
  * stream in C with the GIL released: one Engine.allreduce() call builds the packets in place
@@ -12,13 +12,16 @@
  * exactly the bytes the numpy engine sends (tests/test_fastpath.py compares them).
  *
  * The units, each with its header: fp_kernels (payload conversion, AVX2 or scalar), fp_io (the
- * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_loop (the stream loop), fp_sparse (a
- * sparse all-reduce's rounds in that loop, docs/protocol.md section 8), and this file, the
- * Python type and module. fp_wire.h is generated from xdp_agg/proto/wire.py (python -m
- * xdp_agg.codegen); the module exports its constants and their names (WIRE), and
- * hostlib.native_loop refuses to import a build whose constants differ from xdp_agg.proto.wire's.
- * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_loop.h fp_header, fp_loop.c
- * fill, fp_sparse.c fp_sparse_fill.)
+ * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_run.h (the Stream, the Run and RoundOps,
+ * a round strategy: what the loop and the strategies share), fp_loop (the stream loop), the two
+ * strategies it runs, fp_dense (chunks) and fp_sparse (a sparse all-reduce's rounds,
+ * docs/protocol.md section 8), and this file, the Python type and module: it picks the
+ * strategy of each call, and is the only unit that names both. fp_wire.h is generated from
+ * xdp_agg/proto/wire.py (python -m xdp_agg.codegen); the module exports its constants and their
+ * names (WIRE), and hostlib.native_stream refuses to import a build whose constants differ from
+ * xdp_agg.proto.wire's.
+ * (The wire layout, p4app-switchML's, is docs/protocol.md's; fp_run.h fp_header, fp_dense.c
+ * dense_fill, fp_sparse.c sparse_fill.)
  */
 #define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
@@ -31,6 +34,7 @@
 #include <unistd.h>
 
 #include "fp_counters.h"
+#include "fp_dense.h"
 #include "fp_io.h"
 #include "fp_kernels.h"
 #include "fp_loop.h"
@@ -163,6 +167,7 @@ static int Engine_init(Engine *e, PyObject *args, PyObject *kw)
         return -1;
     }
     c.pairs = wire_bits == 16;
+    c.row_extra = FP_SPARSE_HLEN; /* the longest packet: a sparse one with data */
     c.type_size = (uint8_t)type_size;
     c.spin = spin;
     c.early_loss = early_loss;
@@ -245,7 +250,7 @@ static int check_signals(void *ctx)
     return bad;
 }
 
-/* The element type named `name` (hostlib.native_loop DTYPES): FP_I32 .. FP_F16, or -1 with a
+/* The element type named `name` (hostlib.engine DTYPES): FP_I32 .. FP_F16, or -1 with a
  * ValueError. */
 static int parse_dtype(const char *name)
 {
@@ -307,8 +312,8 @@ static PyObject *run_result(const Stream *st, const Run *r, int rc)
     return result;
 }
 
-/* Run r on e's stream with the GIL released: fp_run_start (which, for a sparse run, also
- * zeroes the output and finds the columns: O(L), so without the GIL too) and the loop. The
+/* Run r on e's stream with the GIL released: fp_run_start (whose strategy's start, for a sparse
+ * run, zeroes the output and finds the columns: O(L), so without the GIL too) and the loop. The
  * result dict, or NULL with an exception (OSError for -errno). */
 static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progress, double every)
 {
@@ -389,18 +394,18 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         PyErr_NoMemory();
         goto out;
     }
-    Run r = {.is_float = is_float,
+    DenseRun dense = {.Pd = Pd, .exps = is_float ? exps.buf : NULL, .agreed = agreed};
+    Run r = {.round = &fp_dense_rounds,
+             .rs = &dense,
+             .is_float = is_float,
              .dtype = dt,
              .src = src.buf,
              .dst = dst.buf,
              .L = src.len / fp_dtype_size(dt),
              .P = P,
-             .Pd = Pd,
              .w = w,
              .jn = (uint8_t)jn,
              .versions = vers.buf,
-             .exps = is_float ? exps.buf : NULL,
-             .agreed = agreed,
              .state = done};
     result = run_released(e, &r, timeout, progress, progress_every);
 out:
@@ -489,14 +494,14 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     sp.exps = is_float ? exps.buf : NULL;
     sp.rounds = rounds.buf;
     sp.pad = pad;
-    r = (Run){.sp = &sp,
+    r = (Run){.round = &fp_sparse_rounds,
+              .rs = &sp,
               .is_float = is_float,
               .dtype = dt,
               .src = src.buf,
               .dst = dst.buf,
               .L = src.len / fp_dtype_size(dt),
               .P = P,
-              .Pd = B,
               .w = w,
               .jn = (uint8_t)jn,
               .versions = vers.buf};
@@ -506,7 +511,7 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     }
     result = run_released(e, &r, timeout, progress, progress_every);
     if (result)
-        result = sparse_result(result, &sp, r.fail == ST_SPARSE_BAD);
+        result = sparse_result(result, &sp, r.fail == ST_REFUSED);
 out:
     fp_sparse_free(&sp);
     PyMem_RawFree(r.state);
@@ -813,7 +818,7 @@ PyDoc_STRVAR(
     "set_simd(name) -> str\n\n"
     "Choose the kernels: 'avx2' (if the CPU has it) or 'scalar'; returns the previous choice.\n"
     "Both give identical bytes; tests use this to compare them. The default is the best the CPU\n"
-    "offers; hostlib.native_loop applies XDP_AGG_SIMD (HostOptions' simd_from_env) at import.");
+    "offers; hostlib.native_stream applies XDP_AGG_SIMD (HostOptions' simd_from_env) at import.");
 
 static PyObject *py_set_simd(PyObject *m, PyObject *args)
 {
@@ -922,7 +927,7 @@ static struct PyModuleDef module_def = {
 };
 
 /* The wire constants (fp_wire.h) as module attributes, and WIRE, their names in xdp_agg.proto.wire:
- * hostlib.native_loop checks them and refuses a build made from another layout. */
+ * hostlib.native_stream checks them and refuses a build made from another layout. */
 static int add_wire_constants(PyObject *mod)
 {
     PyObject *names = PyTuple_New(0);

@@ -17,7 +17,7 @@ _Out = WriteableBuffer | np.ndarray
 # "bfloat16", "float16"; int32 only at 32 bits)
 
 # the wire constants the extension was built with (hostlib/fp_wire.h, generated from
-# xdp_agg.proto.wire), and WIRE, their names; hostlib.native_loop compares them with wire's
+# xdp_agg.proto.wire), and WIRE, their names; hostlib.native_stream compares them with wire's
 WIRE: tuple[str, ...]
 EXPONENTS_AT: int
 EXP_HLEN: int

@@ -1,14 +1,22 @@
 """The stream engine: one worker's all-reduces as a self-clocked stream of packets
 (docs/protocol.md section 4; floats: 5.2).
 
-One stream state, two loops. hostlib.stream_state.StreamState holds what outlives an
-all-reduce (the slot versions, the all-reduce counter that numbers packets on the wire, the
+One stream state, loops named on two axes. hostlib.stream_state.StreamState holds what outlives
+an all-reduce (the slot versions, the all-reduce counter that numbers packets on the wire, the
 counters) and frames every all-reduce (numbering, version advance on failure too, the stall
-error, progress). The loop that runs an all-reduce is a strategy: hostlib.numpy_loop (the
-reference, vectorised numpy, the protocol written out in its docstring) or hostlib.native_loop
-(the C extension hostlib._fastpath, which runs the whole stream with the GIL released and sends
-the same bytes: tests/test_fastpath.py compares them). StreamEngine uses the C loop when the
-extension is built (EngineConfig.native; HostOptions.native=False forces numpy).
+error, progress). The loop that runs an all-reduce is a transport and a round strategy:
+
+    round, transport    numpy (the reference: the socket)   native (the C loop, hostlib._fastpath)
+    dense (chunks)      numpy_dense.NumpyDenseLoop          native_dense.NativeDenseLoop
+    sparse (8)          numpy_sparse.NumpySparseLoop        native_sparse.NativeSparseLoop
+
+The numpy loops are vectorised numpy with the protocol written out in their docstrings; the
+native ones share one hostlib.native_stream.NativeStream (the C loop's Engine: its transport, RTT
+estimate and congestion window), which runs the whole stream with the GIL released through the
+C round strategy of the same name (hostlib/fp_dense.c, hostlib/fp_sparse.c) and sends the same
+bytes (tests/test_fastpath.py and tests/test_sparse_host.py compare them). StreamEngine uses the
+native transport when the extension is built (EngineConfig.native; HostOptions.native=False
+forces numpy), for both rounds.
 """
 
 from __future__ import annotations
@@ -17,10 +25,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from . import native_loop
-from .native_loop import NativeLoop, NativeSparseLoop, _fastpath  # noqa: F401  (_fastpath: tests)
-from .numpy_loop import NumpyLoop
-from .sparse_loop import SparseLoop
+from . import native_stream
+from .native_dense import NativeDenseLoop
+from .native_sparse import NativeSparseLoop
+from .native_stream import NativeStream, _fastpath  # noqa: F401  (_fastpath: tests)
+from .numpy_dense import NumpyDenseLoop
+from .numpy_sparse import NumpySparseLoop
 from .stream_state import STAT_NAMES, EngineConfig, Faults, StreamState
 from .udp_io import DatagramSocket
 
@@ -83,12 +93,38 @@ class Engine(Protocol):
         after the last all-reduce."""
 
 
+class RoundLoop(Protocol):
+    """What runs one kind of all-reduce on a stream (one cell of the module's table)."""
+
+    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
+        """One all-reduce of the flat `src` into `dst`, both of dtype `kind` (DTYPES)."""
+
+
+class SparseRoundLoop(RoundLoop, Protocol):
+    """A sparse RoundLoop: it counts the blocks of its last all-reduce."""
+
+    union_blocks: int  # blocks of the last all-reduce whose result had data
+    blocks: int  # and its blocks
+
+
+def round_loops(
+    state: StreamState, native: bool
+) -> tuple[NativeStream | None, RoundLoop, SparseRoundLoop]:
+    """The transport's stream (None for numpy: the loops use the state's socket) and its dense
+    and sparse loops, for the native transport (the C loop) or numpy."""
+    if native:
+        stream = NativeStream(state)
+        return stream, NativeDenseLoop(stream), NativeSparseLoop(stream)
+    return None, NumpyDenseLoop(state), NumpySparseLoop(state)
+
+
 class StreamEngine:
     """Runs a communicator's all-reduces, one at a time, over its data socket (an Engine).
 
-    `state` is the stream's state (socket, configuration, slot versions, counters), `loop` the
-    loop that runs an all-reduce on it (C or numpy). Not thread-safe: the communicator calls it
-    from one thread.
+    `state` is the stream's state (socket, configuration, slot versions, counters), `native`
+    the C loop's stream on it (None: numpy), `dense_loop` and `sparse_loop` the round loops
+    that run an all-reduce on it, both of the one transport. Not thread-safe: the communicator
+    calls it from one thread.
     """
 
     def __init__(
@@ -98,14 +134,8 @@ class StreamEngine:
         self.native = _use_native(config.native)
         if not self.native and config.data_path == "afxdp":
             raise ValueError("data_path='afxdp' needs the C loop (native)")
-        self.loop: NativeLoop | NumpyLoop
-        # sparse all-reduces: in the C loop when it runs the dense ones, else the numpy reference
-        self.sparse_loop: NativeSparseLoop | SparseLoop
-        if self.native:
-            self.loop = NativeLoop(self.state)
-            self.sparse_loop = NativeSparseLoop(self.loop)
-        else:
-            self.loop, self.sparse_loop = NumpyLoop(self.state), SparseLoop(self.state)
+        # sparse all-reduces on the transport of the dense ones: one window, one RTT estimate
+        self.stream, self.dense_loop, self.sparse_loop = round_loops(self.state, self.native)
         self._port = sock.address[1]  # for stats_per_lane, after close too
         self._last_union: tuple[int, int] | None = None
 
@@ -113,13 +143,13 @@ class StreamEngine:
     def data_path(self) -> str:
         """How packets leave and arrive: "udp" (the kernel socket) or "afxdp-..." (the AF_XDP
         socket's mode, hostlib.afxdp)."""
-        return self.loop.data_path if isinstance(self.loop, NativeLoop) else "udp"
+        return self.stream.data_path if self.stream is not None else "udp"
 
     @property
     def data_path_reason(self) -> str:
         """Why AF_XDP was asked for ("auto") and is not used; "" otherwise."""
-        if isinstance(self.loop, NativeLoop):
-            return self.loop.data_path_reason
+        if self.stream is not None:
+            return self.stream.data_path_reason
         if self.state.cfg.data_path == "auto":
             return "the numpy loop sends through the kernel socket"
         return ""
@@ -177,17 +207,17 @@ class StreamEngine:
     ) -> None:
         self._last_union = None
         if not sparse:
-            self.loop.run(kind, src, dst, timeout)
+            self.dense_loop.run(kind, src, dst, timeout)
             return
         sl = self.sparse_loop
         sl.run(kind, src, dst, timeout)
         self._last_union = (sl.union_blocks, sl.blocks) if src.size else None
 
     def close(self) -> None:
-        """Release the C loop's data path (its AF_XDP socket: NativeLoop.close); the
+        """Release the C loop's data path (its AF_XDP socket: NativeStream.close); the
         communicator closes the kernel socket after."""
-        if isinstance(self.loop, NativeLoop):
-            self.loop.close()
+        if self.stream is not None:
+            self.stream.close()
 
 
 # the element types an engine all-reduces, by numpy's dtype name (bfloat16: ml_dtypes')
@@ -208,8 +238,8 @@ def dtype_kind(src: np.ndarray, wire_bits: int = 32) -> str:
 
 
 def _use_native(native: bool | None) -> bool:
-    """Whether to run the C loop: `native` if given, else when it is built (NativeLoop says
+    """Whether to run the C loop: `native` if given, else when it is built (NativeStream says
     how to build it when asked for without it)."""
     if native is None:
-        return native_loop.available()
+        return native_stream.available()
     return bool(native)

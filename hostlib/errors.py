@@ -89,3 +89,20 @@ class AllreduceTimeout(HostlibError, TimeoutError):
     def with_diagnosis(self, text: str, diagnosis: dict[str, Any] | None) -> AllreduceTimeout:
         """A copy whose message ends with the control endpoint's view of the job."""
         return self.copy(f"{self.args[0]} {text}".rstrip(), diagnosis=diagnosis)
+
+
+class SparseProtocolError(HostlibError):
+    """A result that the sparse rules (docs/protocol.md section 8.4) cannot produce: it would
+    send a slot past a block this worker holds data in, or backwards."""
+
+
+def bad_next_error(
+    slot: int, p: int, q: int, mine: int, column: int, B: int, w: int
+) -> SparseProtocolError:
+    """The SparseProtocolError of a result sending `slot` (column `column` of w) from block p to
+    q of B, where this worker's next non-zero block is `mine` (both loops raise it)."""
+    return SparseProtocolError(
+        f"the aggregator sent slot {slot} from block {p} to block {q} of {B}, but this "
+        f"worker's next non-zero block there is {mine} (column {column} of {w}): a result the "
+        f"sparse rules cannot produce"
+    )

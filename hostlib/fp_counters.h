@@ -8,7 +8,7 @@
 
 #include <stdint.h>
 
-/* X(name): hostlib.native_loop adds them into StreamState.stats (the socket's calls and
+/* X(name): hostlib.native_stream adds them into StreamState.stats (the socket's calls and
  * errors into the DatagramSocket's own counters) */
 #define FP_COUNTERS(X) \
     X(packets_sent)    \

@@ -12,7 +12,7 @@
 #define E_MIN (-128) /* the int8 exponent field (hostlib.scaling E_MIN, E_MAX) */
 #define E_MAX 127
 
-/* The element types of a run's source and result (hostlib.native_loop DTYPES names them);
+/* The element types of a run's source and result (hostlib.engine DTYPES names them);
  * the two 16-bit ones are read and written as uint16 bit patterns. */
 enum { FP_I32 = 0, FP_F32 = 1, FP_BF16 = 2, FP_F16 = 3 };
 

@@ -1,6 +1,7 @@
 /*
- * The stream loop of the C fast path (hostlib/fp_loop.h): building packets, the timers and
- * the congestion window, taking results, and the loop that runs one all-reduce.
+ * The stream loop of the C fast path (hostlib/fp_loop.h): sending what the round strategy
+ * builds, the timers and the congestion window, taking results to it, and the loop that runs
+ * one all-reduce.
  */
 #include "fp_loop.h"
 
@@ -9,11 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "fp_kernels.h"
-#include "fp_sparse.h"
-#include "fp_wire.h"
-
-/* Busy-polling, as NumpyLoop._spin (hostlib/numpy_loop.py): while at most SPIN_OUTSTANDING
+/* Busy-polling, as NumpyDenseLoop._spin (hostlib/numpy_dense.py): while at most SPIN_OUTSTANDING
  * packets of the all-reduce are outstanding, for at most SPIN_TIME s; credit as there. Off with
  * EngineConfig.spin (HostOptions.spin). */
 #define SPIN_OUTSTANDING 64
@@ -58,56 +55,6 @@ static int send_slots(Run *r, int n)
     if (nrows == 0)
         return 0;
     return st->t->ops->send(st->t, st->txrows, st->txlens, nrows, &r->c);
-}
-
-/* --- building packets --------------------------------------------------------------------- */
-/* The wire layout: fp_loop.h fp_header. */
-static void fill(Run *r, int64_t p, uint8_t *row)
-{
-    Stream *st = r->s;
-    int k = st->cfg.k;
-    uint8_t *vals = row + FP_VALUES_AT, *exp = row + FP_EXP_AT;
-    fp_header(r, p, row);
-    exp[1] = 0;
-    if (!r->is_float) {
-        exp[0] = 0;
-        fp_ssize a = (fp_ssize)p * k, n = fp_chunk_len(r, p);
-        bswap_copy(r->src + 4 * a, n, vals);
-        if (n < k)
-            memset(vals + 4 * n, 0, (size_t)(k - n) * 4);
-        return;
-    }
-    exp[0] = (uint8_t)(p < r->Pd ? r->exps[p] : E_MIN);
-    if (p < r->w) { /* the first window carries exponents only */
-        memset(vals, 0, (size_t)k * 4);
-        return;
-    }
-    int64_t c = p - r->w;
-    fp_ssize n = fp_chunk_len(r, c), words = fp_words(st, n);
-    int8_t E = r->agreed[c];
-    /* |x| < 2^E keeps |x f| below M, except for values whose exponent was clipped at E_MAX:
-     * the numpy engine clips once any agreed exponent reached E_MAX, which changes only
-     * those chunks' values, so clipping exactly those gives the same bytes. */
-    quantise(r->src + fp_elem_offset(r, (fp_ssize)c * st->ke), r->dtype, n, st->ftab[(uint8_t)E],
-             E == E_MAX, st->M, st->cfg.pairs, vals);
-    if (words < k)
-        memset(vals + 4 * words, 0, (size_t)(k - words) * 4);
-}
-
-static void accept_result(Run *r, int64_t p, const uint8_t *buf)
-{
-    Stream *st = r->s;
-    if (!r->is_float) {
-        bswap_copy(buf + FP_VALUES_AT, fp_chunk_len(r, p), r->dst + 4 * (fp_ssize)p * st->ke);
-        return;
-    }
-    if (p < r->Pd)
-        r->agreed[p] = (int8_t)buf[FP_EXP_AT]; /* the max of the workers' e0 for chunk p */
-    if (p >= r->w) {
-        int64_t c = p - r->w;
-        dequantise(buf + FP_VALUES_AT, fp_chunk_len(r, c), st->ftab[(uint8_t)r->agreed[c]],
-                   st->cfg.pairs, r->dtype, r->dst + fp_elem_offset(r, (fp_ssize)c * st->ke));
-    }
 }
 
 /* --- timers and the congestion window ----------------------------------------------------- */
@@ -257,12 +204,7 @@ static int send_ready(Run *r, int *sent)
             continue;
         }
         uint8_t *row = st->rows + (size_t)s * (size_t)st->stride;
-        if (r->sp) {
-            st->lens[s] = fp_sparse_fill(r, p, row);
-        } else {
-            fill(r, p, row);
-            st->lens[s] = st->plen;
-        }
+        st->lens[s] = r->round->fill(r, p, row);
         st->sendq[n++] = (int32_t)s;
         st->pkt[s] = p;
         st->ready[s] = -1;
@@ -388,7 +330,9 @@ static void needless_resend(Run *r)
 }
 
 /* --- receiving ---------------------------------------------------------------------------- */
-int fp_run_seen(Run *r, int64_t p)
+/* Whether a result for p is a duplicate (counted, a spurious resend too) or echoes a packet not
+ * sent yet (counted stale): 1 when it is either, 0 for a result to take. */
+static int seen(Run *r, int64_t p)
 {
     if (r->state[p] >= 2) {
         r->c.duplicates++;
@@ -405,7 +349,8 @@ int fp_run_seen(Run *r, int64_t p)
     return 0;
 }
 
-void fp_run_took(Run *r, int64_t p, double now)
+/* p's result taken at `now`: counters, its timer, the RTT sample and the congestion window. */
+static void took(Run *r, int64_t p, double now)
 {
     Stream *st = r->s;
     int64_t s = p % r->w;
@@ -446,40 +391,34 @@ void fp_run_took(Run *r, int64_t p, double now)
     }
 }
 
-void fp_run_ready(Run *r, int64_t p)
+/* base on to the lowest packet without its result (one the strategy passed has none) */
+static void advance(Run *r)
 {
-    r->s->ready[p % r->w] = p;
-    r->nready++;
-}
-
-void fp_run_advance(Run *r)
-{
-    while (r->base < r->P && (r->state[r->base] >= 2 || (r->sp && fp_sparse_done(r, r->base))))
+    int (*passed)(const Run *, int64_t) = r->round->passed;
+    while (r->base < r->P && (r->state[r->base] >= 2 || (passed && passed(r, r->base))))
         r->base++;
 }
 
-static void on_datagram(Run *r, const uint8_t *buf, double now)
+/* One datagram of len bytes: which packet it answers (the strategy's checks, then the loop's
+ * duplicate detection, then the strategy's of the round), the loop's bookkeeping of that
+ * packet, and what the strategy makes of it: the packet ready next in its slot. */
+static void on_datagram(Run *r, const uint8_t *d, size_t len, double now)
 {
-    uint32_t tsi = load_be32(buf + 2);
-    if (tsi >= (uint64_t)r->P) {
-        r->c.stale++;
+    const RoundOps *ops = r->round;
+    if (r->fail) /* the run is over: a result was refused */
         return;
+    int64_t p = ops->identify(r, d, len);
+    if (p < 0 || seen(r, p) || (ops->matches && !ops->matches(r, p, d)))
+        return;
+    took(r, p, now);
+    RoundStep step = ops->apply(r, p, d);
+    r->todo -= step.finished;
+    r->fail = step.fail;
+    if (step.next >= 0) {
+        r->s->ready[step.next % r->w] = step.next;
+        r->nready++;
     }
-    int64_t p = tsi;
-    uint8_t h[8];
-    fp_header(r, p, h);
-    if (memcmp(h, buf, 8) != 0) { /* another all-reduce, slot or version */
-        r->c.stale++;
-        return;
-    }
-    if (fp_run_seen(r, p))
-        return;
-    fp_run_took(r, p, now);
-    r->todo--;
-    accept_result(r, p, buf);
-    if (p + r->w < r->P) /* its slot is free for the packet one window later */
-        fp_run_ready(r, p + r->w);
-    fp_run_advance(r);
+    advance(r);
 }
 
 /* One datagram through the Faults hook: lost, taken, or taken twice. */
@@ -488,10 +427,7 @@ static void deliver(Run *r, const uint8_t *d, size_t len, double now)
     Stream *st = r->s;
     int copies = fault_copies(r, st->cfg.recv_loss, st->cfg.recv_dup);
     while (copies--) {
-        if (r->sp)
-            fp_sparse_datagram(r, d, len, now);
-        else
-            on_datagram(r, d, now);
+        on_datagram(r, d, len, now);
     }
 }
 
@@ -500,7 +436,7 @@ static void on_message(Run *r, const uint8_t *buf, size_t n, size_t seg, double 
     Stream *st = r->s;
     size_t plen = (size_t)st->plen;
     r->c.bytes_received += n;
-    if (r->sp) { /* sparse results differ in length: GRO's last datagram may be shorter */
+    if (r->round->varlen) { /* results differ in length: GRO's last datagram may be shorter */
         seg = seg ? seg : n;
         size_t off = 0;
         do {
@@ -552,8 +488,8 @@ static int wait_until(Stream *st, double until)
 static int spin(Run *r)
 {
     Stream *st = r->s;
-    /* near the end: a sparse all-reduce knows a lower bound of its rounds still to come only */
-    if (!st->cfg.spin || (r->sp ? r->sp->left : r->todo) > SPIN_OUTSTANDING)
+    /* near the end (a strategy may know only a lower bound of the packets still to come) */
+    if (!st->cfg.spin || r->round->left(r) > SPIN_OUTSTANDING)
         return 0;
     if (st->cc.spin_credit < 0) {
         st->cc.spin_credit++; /* a probe again after |credit| skipped chances */
@@ -681,7 +617,7 @@ int fp_stream_init(Stream *st, const StreamConfig *cfg, Transport *t)
     st->cfg = *cfg;
     st->t = t;
     st->plen = t->plen;
-    st->stride = t->plen + FP_SPARSE_HLEN;
+    st->stride = t->plen + cfg->row_extra;
     st->rng = cfg->seed * 0x2545F4914F6CDD1Dull + 1;
     /* slow start from a small window; ssthresh at the slot window until the first loss */
     st->cc.cwnd = cfg->cwnd_fixed ? cfg->window : (cfg->window < 16 ? cfg->window : 16);
@@ -726,9 +662,7 @@ void fp_run_start(Run *r, Stream *st)
     r->recover = 0;
     r->needless = 0;
     r->fail = 0;
-    r->todo = r->sp ? r->w : r->P;
-    if (r->sp)
-        fp_sparse_start(r);
+    r->todo = r->round->start(r);
     r->next_deadline = INFINITY;
     r->rack_xmit = -INFINITY;
     r->rack_pkt = -1;

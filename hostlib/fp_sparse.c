@@ -1,6 +1,6 @@
 /*
  * Sparse all-reduces in the C fast path (hostlib/fp_sparse.h): the packets of a slot's rounds
- * and what a result does to its slot, as hostlib/sparse_loop.py (the numpy reference; the
+ * and what a result does to its slot, as hostlib/numpy_sparse.py (the numpy reference; the
  * tests compare the bytes) and docs/protocol.md section 8.2 say:
  *
  * - the first round of slot s is at block s; for floats it is an announce round instead: an
@@ -71,9 +71,9 @@ static int64_t find_columns(SparseRun *sp, int64_t w, int64_t *last)
     return n;
 }
 
-void fp_sparse_start(Run *r)
+static int64_t sparse_start(Run *r)
 {
-    SparseRun *sp = r->sp;
+    SparseRun *sp = r->rs;
     size_t bytes = (size_t)fp_elem_offset(r, r->L);
     /* blocks no round visits, and rounds whose result is empty, are zero on every worker: the
      * output gets zeros there as the slots pass them (take), unless the output is the input
@@ -83,13 +83,14 @@ void fp_sparse_start(Run *r)
     sp->left = find_columns(sp, r->w, sp->block) + r->w;
     for (int64_t s = 0; s < r->w; s++) {
         sp->block[s] = s;
-        sp->rounds[s] = 1; /* the first round is ready (fp_run_start) */
+        sp->rounds[s] = 1; /* the first round is ready (the loop's start) */
         sp->agreed[s] = 0;
         sp->announce[s] = (uint8_t)r->is_float;
         sp->done[s] = 0;
     }
     sp->union_blocks = 0;
     sp->bad_slot = sp->bad_from = sp->bad_to = sp->bad_mine = -1;
+    return r->w; /* the slots, each done when a result says its column has no block left */
 }
 
 /* This worker's first non-zero block of p's column after p (at p or after it, with `at`). */
@@ -100,7 +101,7 @@ static inline int64_t next_nonzero(const SparseRun *sp, int64_t p, int at)
 
 /* Block p's k big-endian int32 words into vals: its elements (the last block zero-padded),
  * float ones quantised with the exponent agreed for it (clipped at M where that was E_MAX, as
- * the dense loop's fill explains), two a word in a 16-bit job. */
+ * the dense strategy's fill explains), two a word in a 16-bit job. */
 static void block_payload(const Run *r, int64_t p, int8_t E, uint8_t *vals)
 {
     const Stream *st = r->s;
@@ -115,9 +116,9 @@ static void block_payload(const Run *r, int64_t p, int8_t E, uint8_t *vals)
         memset(vals + 4 * words, 0, (size_t)(k - words) * 4);
 }
 
-int fp_sparse_fill(Run *r, int64_t pk, uint8_t *row)
+static int sparse_fill(Run *r, int64_t pk, uint8_t *row)
 {
-    SparseRun *sp = r->sp;
+    SparseRun *sp = r->rs;
     int64_t s = pk % r->w, p = sp->block[s];
     int announce = sp->announce[s], data = !announce && sp->nonzero[p];
     int64_t q = next_nonzero(sp, p, announce);
@@ -155,10 +156,10 @@ static void zero_blocks(Run *r, int64_t from, int64_t to)
 
 /* Whether the result's next block q for slot s at block p is one the rules can produce
  * (docs/protocol.md 8.4): in the column, forward (or at p, after an announce round), and not
- * past this worker's own next non-zero block, which would skip its data. */
+ * past this worker's own next non-zero block, which would skip its data (bad_* say so). */
 static int next_ok(Run *r, int64_t s, int64_t p, int64_t q)
 {
-    SparseRun *sp = r->sp;
+    SparseRun *sp = r->rs;
     int announce = sp->announce[s];
     int64_t mine = next_nonzero(sp, p, announce);
     int in_column = q == sp->B || q % r->w == s;
@@ -166,18 +167,18 @@ static int next_ok(Run *r, int64_t s, int64_t p, int64_t q)
     if (in_column && forward && q <= mine)
         return 1;
     sp->bad_slot = s, sp->bad_from = p, sp->bad_to = q, sp->bad_mine = mine;
-    r->fail = ST_SPARSE_BAD;
     return 0;
 }
 
 /* A result for packet pk (slot s at block p) taken: its sum into the output, and the slot on
- * to the result's next block, or done. */
-static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
+ * to the result's next block (its next packet ready), or done (one of the run's todo). */
+static RoundStep sparse_apply(Run *r, int64_t pk, const uint8_t *d)
 {
-    SparseRun *sp = r->sp;
+    SparseRun *sp = r->rs;
     int64_t s = pk % r->w, p = sp->block[s], q = load_be32(d + FP_SPARSE_AT + 4);
+    int data = d[0] >> 4 == FP_MSG_TYPE_SPARSE; /* else the empty type: identify checked */
     const Stream *st = r->s;
-    fp_run_took(r, pk, now);
+    RoundStep step = {.next = -1};
     sp->left -= !sp->announce[s] && sp->nonzero[p]; /* this worker's block p went */
     if (data) {
         fp_ssize a = (fp_ssize)p * st->ke, n = fp_chunk_len(r, p);
@@ -189,29 +190,31 @@ static void take(Run *r, int64_t pk, const uint8_t *d, int data, double now)
         else
             bswap_copy(vals, n, r->dst + 4 * a);
     }
-    if (!next_ok(r, s, p, q))
-        return;
+    if (!next_ok(r, s, p, q)) {
+        step.fail = ST_REFUSED;
+        return step;
+    }
     if (sp->zero) /* block p unless it got data (an announce round has none), up to q */
         zero_blocks(r, data ? p + r->w : p, q);
     sp->announce[s] = 0;
     if (q >= sp->B) {
         sp->done[s] = 1;
-        r->todo--;
         sp->left--;
-        return;
+        step.finished = 1;
+        return step;
     }
     if (sp->exps) /* the exponent agreed for block q, among the workers with data there */
         sp->agreed[s] = (int8_t)d[FP_EXP_AT];
     sp->block[s] = q;
     sp->rounds[s]++;
-    fp_run_ready(r, pk + r->w);
+    step.next = pk + r->w;
+    return step;
 }
 
-/* The packet a datagram answers, or -1 (counted: malformed, stale or a duplicate): the checks
- * of hostlib/sparse_loop.py _take, in its order. */
-static int64_t answered(Run *r, const uint8_t *d, size_t len, int *data)
+/* The packet a datagram answers, or -1 (counted: malformed or stale): the checks of
+ * hostlib/numpy_sparse.py _take before its duplicate detection, in its order. */
+static int64_t sparse_identify(Run *r, const uint8_t *d, size_t len)
 {
-    SparseRun *sp = r->sp;
     int type = len ? d[0] >> 4 : 0, empty = type == FP_MSG_TYPE_SPARSE_EMPTY;
     size_t want = FP_SPARSE_VALUES_AT + (empty ? 0 : 4 * (size_t)r->s->cfg.k);
     if ((type != FP_MSG_TYPE_SPARSE && !empty) || len != want ||
@@ -224,8 +227,14 @@ static int64_t answered(Run *r, const uint8_t *d, size_t len, int *data)
         r->c.stale++;
         return -1;
     }
-    if (fp_run_seen(r, pk)) /* a duplicate, or a round not started */
-        return -1;
+    return pk;
+}
+
+/* After duplicate detection (a duplicate, or a round not started, was counted): whether the
+ * result is of packet pk's round, the checks after it in hostlib/numpy_sparse.py _take. */
+static int sparse_matches(Run *r, int64_t pk, const uint8_t *d)
+{
+    const SparseRun *sp = r->rs;
     uint8_t h[8];
     fp_header(r, pk, h);
     /* slot and version (bit 14 of the pool index is reserved: not compared, as numpy's), the
@@ -234,20 +243,31 @@ static int64_t answered(Run *r, const uint8_t *d, size_t len, int *data)
         load_be32(d + FP_SPARSE_AT) != sp->block[pk % r->w] ||
         load_be32(d + FP_SPARSE_AT + 8) != (uint64_t)sp->B) {
         r->c.stale++;
-        return -1;
+        return 0;
     }
-    *data = !empty;
-    return pk;
+    return 1;
 }
 
-void fp_sparse_datagram(Run *r, const uint8_t *d, size_t len, double now)
+/* Whether packet p's slot is done (its later packet numbers are never used). */
+static int sparse_passed(const Run *r, int64_t p)
 {
-    int data = 0;
-    if (r->fail) /* the run is over: a result was refused */
-        return;
-    int64_t pk = answered(r, d, len, &data);
-    if (pk < 0)
-        return;
-    take(r, pk, d, data, now);
-    fp_run_advance(r);
+    const SparseRun *sp = r->rs;
+    return sp->done[p % r->w];
 }
+
+static int64_t sparse_left(const Run *r)
+{
+    const SparseRun *sp = r->rs;
+    return sp->left;
+}
+
+const RoundOps fp_sparse_rounds = {
+    .start = sparse_start,
+    .fill = sparse_fill,
+    .identify = sparse_identify,
+    .matches = sparse_matches,
+    .apply = sparse_apply,
+    .passed = sparse_passed,
+    .left = sparse_left,
+    .varlen = 1,
+};

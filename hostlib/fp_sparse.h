@@ -1,20 +1,21 @@
 /*
  * Sparse all-reduces in the C fast path (docs/protocol.md section 8; the numpy reference is
- * hostlib/sparse_loop.py, which sends the same bytes): the tensor's B blocks of k, slot s of
+ * hostlib/numpy_sparse.py, which sends the same bytes): the tensor's B blocks of k, slot s of
  * w walking its column s, s + w, s + 2w, ... one round per block that some worker has data in.
- * The stream loop (fp_loop.c) runs the rounds as packets: round j of slot s is packet j w + s,
- * with the dense loop's timers, congestion window and duplicate detection; this unit builds a
- * round's packet, checks a result and decides where its slot goes next.
+ * A round strategy (fp_run.h RoundOps): the stream loop (fp_loop.c) runs the rounds as packets,
+ * round j of slot s being packet j w + s, with the timers, congestion window and duplicate
+ * detection it gives every strategy; this unit builds a round's packet, checks a result and
+ * decides where its slot goes next. It calls nothing in the loop.
  */
 #ifndef HOSTLIB_FP_SPARSE_H
 #define HOSTLIB_FP_SPARSE_H
 
 #include <stdint.h>
 
-#include "fp_loop.h"
+#include "fp_run.h"
 
 typedef struct SparseRun {
-    /* inputs (hostlib.native_loop: from _fastpath.block_scan, before the all-reduce) */
+    /* inputs (hostlib.native_sparse: from _fastpath.block_scan, before the all-reduce) */
     int64_t B;              /* blocks: ceil(L / k) */
     const uint8_t *nonzero; /* per block: 1 where this worker's block has a non-zero element */
     const int8_t *exps;     /* float: each block's exponent; NULL for int32 */
@@ -33,7 +34,7 @@ typedef struct SparseRun {
     int64_t left;
     /* outputs */
     int64_t union_blocks; /* results with data: the blocks some worker had data in */
-    int64_t bad_slot, bad_from, bad_to, bad_mine; /* ST_SPARSE_BAD: the result refused */
+    int64_t bad_slot, bad_from, bad_to, bad_mine; /* ST_REFUSED: the result refused */
 } SparseRun;
 
 /* Allocate sp's per-block and per-slot arrays for B blocks and w slots (rounds is the
@@ -43,18 +44,10 @@ void fp_sparse_free(SparseRun *sp);
 /* The rounds' packets: P for B blocks over w slots, so that packet numbers stay below it. */
 int64_t fp_sparse_packets(int64_t B, int64_t w, int is_float);
 
-/* Called by fp_run_start (without the GIL): zero dst unless it is src, find each column's next
- * non-zero blocks, and put every slot at its first round. */
-void fp_sparse_start(Run *r);
-/* Build packet p (slot p % w's round) into row; its length. */
-int fp_sparse_fill(Run *r, int64_t p, uint8_t *row);
-/* One received datagram of len bytes. */
-void fp_sparse_datagram(Run *r, const uint8_t *d, size_t len, double now);
-
-/* Whether packet p's slot is done (its later packet numbers are never used). */
-static inline int fp_sparse_done(const Run *r, int64_t p)
-{
-    return r->sp->done[p % r->w];
-}
+/* The sparse strategy: Run.rs is a SparseRun (its inputs filled, fp_sparse_alloc'd), Run.P
+ * fp_sparse_packets'. Its start (without the GIL) zeroes dst unless it is src, finds each
+ * column's next non-zero blocks, and puts every slot at its first round; a result that would
+ * skip this worker's data ends the run with ST_REFUSED (bad_* say which). */
+extern const RoundOps fp_sparse_rounds;
 
 #endif

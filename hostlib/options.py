@@ -7,7 +7,7 @@
 hostlib.init without options takes HostOptions.from_env(). No other module of hostlib reads an
 XDP_AGG_* variable: the PyTorch backend and hook take theirs from here too (control_from_env,
 token_from_env, HostOptions.fallback), and the C extension's kernel choice (simd_from_env) is
-applied by hostlib.native_loop when it imports the extension.
+applied by hostlib.native_stream when it imports the extension.
 
 The environment (each one a field of HostOptions unless said otherwise):
 

@@ -2,11 +2,12 @@
 
 What an all-reduce of this worker leaves for the next one lives here: the slot versions (a
 slot's version keeps alternating from one use to the next whatever tensor uses it), the
-all-reduce counter (its low 8 bits are the wire job_number), and the counters. Both loops, the
-numpy reference (hostlib.numpy_loop) and the C loop (hostlib.native_loop), run an all-reduce
-inside `StreamState.allreduce`, which numbers it, advances the versions by the slots' uses (on
-failure too, so that this worker stays lined up with the ranks that completed), keeps the
-socket's counters and shows progress; and they raise the same AllreduceTimeout (`stalled`).
+all-reduce counter (its low 8 bits are the wire job_number), and the counters. Every loop, the
+numpy references (hostlib.numpy_dense, hostlib.numpy_sparse) and the C loop's
+(hostlib.native_dense, hostlib.native_sparse), runs an all-reduce inside
+`StreamState.allreduce`, which numbers it, advances the versions by the slots' uses (on failure
+too, so that this worker stays lined up with the ranks that completed), keeps the socket's
+counters and shows progress; and they raise the same AllreduceTimeout (`stalled`).
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ STAT_NAMES = (
     "rtt",  # smoothed round trip of a packet (send to result), seconds
     "spurious",  # retransmissions that were not needed: the first copy's result came after it
     "cwnd",  # congestion window at the end of the last all-reduce, packets
-    # sparse all-reduces (docs/protocol.md section 8, hostlib.sparse_loop)
+    # sparse all-reduces (docs/protocol.md section 8, hostlib.numpy_sparse)
     "sparse_allreduces",  # all-reduces run sparse
     "blocks_skipped",  # blocks of this worker's tensors it sent no payload for (all zero)
     "empty_sent",  # header-only contributions (first transmissions)
@@ -100,7 +101,7 @@ class EngineConfig:
     cwnd: str = "aimd"  # congestion window of the C loop: "aimd", or "fixed" (= window)
     # the C loop's data path (hostlib.afxdp): "udp", "auto", "afxdp"
     data_path: str = "udp"
-    # busy-poll briefly near an all-reduce's end (both loops, self-limiting: see NumpyLoop._spin)
+    # busy-poll briefly near an all-reduce's end (both loops, self-limiting: NumpyDenseLoop._spin)
     spin: bool = True
     # this stream's lane of the lanes at its aggregator (hostlib.striping): with AF_XDP the
     # lanes' sockets (and a companion job's) share one UMEM on the interface queue (hostlib/_xsk.c)

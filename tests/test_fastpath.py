@@ -136,7 +136,7 @@ def test_both_loops_send_the_same_bytes_and_get_the_same_results(n):
 def test_without_busy_polling_both_loops_send_the_same_bytes_and_results(monkeypatch):
     """EngineConfig.spin=False (XDP_AGG_SPIN=0, for machines with more workers than cores):
     the numpy loop never spins, and both loops still send the bytes they send when spinning."""
-    from hostlib.numpy_loop import NumpyLoop
+    from hostlib.numpy_dense import NumpyDenseLoop
 
     tensors = mixed_tensors()
     spun_out, spun_pk, _ = run_sequence(False, tensors)
@@ -144,7 +144,7 @@ def test_without_busy_polling_both_loops_send_the_same_bytes_and_results(monkeyp
     def never(self):
         raise AssertionError("spun with spin=False")
 
-    monkeypatch.setattr(NumpyLoop, "_spin", never)
+    monkeypatch.setattr(NumpyDenseLoop, "_spin", never)
     for native in (False, True):
         out, pk, st = run_sequence(native, tensors, spin=False)
         assert pk == spun_pk and st["retransmissions"] == 0
@@ -599,18 +599,18 @@ def test_the_engine_takes_keyword_arguments_only():
 
 
 def test_a_build_with_other_wire_constants_refuses_to_import():
-    """hostlib.native_loop checks the constants the extension was built with (fp_wire.h,
+    """hostlib.native_stream checks the constants the extension was built with (fp_wire.h,
     generated from xdp_agg.proto.wire) with an if, not an assert that python -O would strip."""
     import types
 
-    from hostlib import native_loop
+    from hostlib import native_stream
 
     assert set(_fastpath.WIRE) >= {"VALUES_AT", "EXP_HLEN", "POOL_SLOT_MASK"}
-    native_loop._check_wire(_fastpath)  # the build under test is current
+    native_stream._check_wire(_fastpath)  # the build under test is current
     stale = types.SimpleNamespace(**{n: getattr(_fastpath, n) for n in _fastpath.WIRE})
     stale.WIRE, stale.VALUES_AT = _fastpath.WIRE, wire.VALUES_AT + 2
     with pytest.raises(ImportError, match=r"VALUES_AT 12 \(xdp_agg.proto.wire: 10\)"):
-        native_loop._check_wire(stale)
+        native_stream._check_wire(stale)
 
 
 # --- (e) 16-bit elements and 16-bit types (docs/protocol.md 5.6) --------------------------------
@@ -761,7 +761,7 @@ def test_wire16_the_c_engine_checks_dtype_and_width_itself():
     whoever calls it (hostlib.engine checks first; the C type does not rely on that)."""
     agg = EchoAggregator()
     eng = make_engine(agg, True, wire_bits=16)
-    fast = eng.loop._fast
+    fast = eng.stream.fast
     x = np.zeros(64, np.int32)
     try:
         for dtype, match in [("int32", "int32 is exact only at 32 bits"), ("int64", "dtype must")]:

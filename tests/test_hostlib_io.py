@@ -129,13 +129,13 @@ def test_blocking_allreduce_runs_in_the_callers_thread_and_keeps_order_behind_as
     def body(c):
         eng = c._engine
         threads = []
-        real = eng.loop.run  # the loop this engine runs (C or numpy)
+        real = eng.dense_loop.run  # the dense loop this engine runs (C or numpy)
 
         def spy(*args):
             threads.append(threading.current_thread().name)
             return real(*args)
 
-        eng.loop.run = spy
+        eng.dense_loop.run = spy
         a = c.allreduce(np.full(10, c.rank + 1, np.int32))  # nothing queued: this thread
         h1 = c.allreduce_async(np.full(3000, 1, np.int32))
         h2 = c.allreduce_async(np.full(3000, 2, np.int32))
@@ -203,13 +203,13 @@ def test_stats_count_one_receive_call_per_batch(monkeypatch):
 
 def test_busy_poll_earns_credit_when_results_come_and_backs_off_when_they_do_not():
     from hostlib.engine import EngineConfig, StreamEngine
-    from hostlib.numpy_loop import _SPIN_BACKOFF
+    from hostlib.numpy_dense import _SPIN_BACKOFF
 
     rx, tx = _pair(gro=True)
     try:
         # job 0, one worker, 32 elements, slots 0..3; the numpy loop is the one that busy-polls
         cfg = EngineConfig(0, 1, 32, 0, 4, tx.address, native=False)
-        eng = StreamEngine(rx, cfg).loop
+        eng = StreamEngine(rx, cfg).dense_loop
         assert len(eng._spin()) == 0  # nothing arrives: a failed spin, spinning stops
         assert eng._spin_credit == -_SPIN_BACKOFF
         calls = rx.recv_calls

@@ -12,6 +12,7 @@ xdp_agg.targets.soft, ...): the namespace is one name in site-packages, not one 
 """
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -132,3 +133,59 @@ def test_the_check_sees_a_violation(tmp_path):
         "    from xdp_agg import bpfsys\n    from xdp_agg.targets.soft import backend\n"
     )
     assert imports_of(f) == {"xdp_switch", "hostlib", "xdp_agg.bpfsys", "xdp_agg.targets.soft"}
+
+
+# --- the C fast path's units (hostlib/fp_*.c, fp_*.h) ----------------------------------------
+# A unit is a stem (fp_loop: fp_loop.c and fp_loop.h); it depends on the units whose headers its
+# files include. The loop runs its round strategies through RoundOps (fp_run.h) and the strategies
+# see the loop's types only, so neither depends on the other (docs/design.md, the C loop). (The
+# AF_XDP units, _xsk and xsk_prog, are not checked: each includes the other's header.)
+_INCLUDE = re.compile(r'^#include "([^"]+)\.h"', re.M)
+
+
+def c_units(where: Path, pattern: str = "*.[ch]") -> dict[str, set[str]]:
+    """Each C unit of `pattern` in `where` and the other units it includes."""
+    deps: dict[str, set[str]] = {}
+    for path in sorted(where.glob(pattern)):
+        deps.setdefault(path.stem, set()).update(_INCLUDE.findall(path.read_text()))
+    return {unit: found - {unit} for unit, found in deps.items()}
+
+
+def c_cycle(deps: dict[str, set[str]]) -> list[str]:
+    """A cycle of units that depend on each other ([] when there is none)."""
+    state: dict[str, int] = {}  # 1: on the path being walked, 2: done
+
+    def walk(unit: str, path: list[str]) -> list[str]:
+        state[unit] = 1
+        for dep in sorted(deps.get(unit, ())):
+            if state.get(dep) == 1:
+                return path[path.index(dep) :] + [unit, dep]
+            if dep not in state and (found := walk(dep, path + [unit])):
+                return found
+        state[unit] = 2
+        return []
+
+    for unit in sorted(deps):
+        if unit not in state and (found := walk(unit, [])):
+            return found
+    return []
+
+
+def test_the_c_units_depend_on_each_other_one_way():
+    deps = c_units(ROOT / "hostlib", "fp_*.[ch]")
+    assert c_cycle(deps) == [], "C units that include each other"
+    for strategy in ("fp_dense", "fp_sparse"):  # each sees the loop through fp_run.h only
+        assert "fp_loop" not in deps[strategy] and strategy not in deps["fp_loop"]
+
+
+def test_the_c_loop_names_no_round_strategy():
+    for path in (ROOT / "hostlib/fp_loop.c", ROOT / "hostlib/fp_loop.h"):
+        text = path.read_text()
+        assert not re.search(r"sparse|fp_dense|DenseRun", text, re.I), path
+
+
+def test_the_unit_check_sees_a_cycle(tmp_path):
+    (tmp_path / "a.c").write_text('#include "a.h"\n#include "b.h"\n')
+    (tmp_path / "b.h").write_text('#include "c.h"\n')
+    (tmp_path / "c.c").write_text('#include "a.h"\n')
+    assert c_cycle(c_units(tmp_path)) == ["a", "b", "c", "a"]

@@ -1,6 +1,6 @@
 """Sparse all-reduces of the host library (docs/protocol.md section 8) against the reference
 model behind real sockets (SoftAggregator): no root, no BPF. Both loops: the numpy reference
-(hostlib.sparse_loop, native=False) and the C loop (hostlib/fp_sparse.c, native=True).
+(hostlib.numpy_sparse, native=False) and the C loop (hostlib/fp_sparse.c, native=True).
 
 Each engine test runs n StreamEngines in threads, one per worker, on a sparse job, and checks
 the sums against numpy (int32: exact, wrapping) and against the same engines' dense all-reduce
@@ -23,8 +23,8 @@ from harness.echo import EchoAggregator
 from harness.ranks import loopback_prefix
 
 from hostlib.engine import EngineConfig, Faults, StreamEngine, _fastpath
-from hostlib.native_loop import NativeSparseLoop
-from hostlib.sparse_loop import SparseLoop
+from hostlib.native_sparse import NativeSparseLoop
+from hostlib.numpy_sparse import NumpySparseLoop
 from hostlib.udp_io import DatagramSocket
 from xdp_agg.proto import wire
 from xdp_agg.proto.jobs import JobSpec, WorkerSpec
@@ -85,7 +85,7 @@ class Workers:
             )  # fmt: skip
             f = Faults(**faults, seed=i) if faults else None
             self.engines.append(StreamEngine(sock, cfg, f))
-            loop = NativeSparseLoop if native else SparseLoop
+            loop = NativeSparseLoop if native else NumpySparseLoop
             assert isinstance(self.engines[-1].sparse_loop, loop)
 
     def allreduce(self, tensors: list[np.ndarray], sparse: bool, inplace=False) -> list:
@@ -257,7 +257,7 @@ def test_a_result_that_skips_this_workers_data_is_refused(native):
     versions advance by the rounds they ran."""
     import socket
 
-    from hostlib.sparse_loop import SparseProtocolError
+    from hostlib.errors import SparseProtocolError
 
     prefix = loopback_prefix()
     agg = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
@@ -488,7 +488,7 @@ def test_after_a_stall_both_loops_line_up_alike():
 def test_block_scan_matches_numpy():
     """_fastpath.block_scan: the non-zero blocks and float exponents of the numpy loop's
     _tensor (scaling.chunk_exponents), and the first NaN or Inf."""
-    from hostlib.sparse_loop import _tensor
+    from hostlib.numpy_sparse import _tensor
 
     rng = np.random.default_rng(2)
     for dtype in (np.int32, np.float32):

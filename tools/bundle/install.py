@@ -330,8 +330,8 @@ dt = time.monotonic() - t
 print(f"{ld.path.name}: libbpf loaded it, the verifier accepted "
       f"{', '.join(sorted(ld.progs))} ({dt:.1f} s)")
 ld.close()
-from hostlib import native_loop
-print(f"hostlib C loop (hostlib._fastpath): {'built' if native_loop.available() else 'MISSING'}")
+from hostlib import native_stream
+print(f"hostlib C loop (hostlib._fastpath): {'built' if native_stream.available() else 'MISSING'}")
 """
 
 

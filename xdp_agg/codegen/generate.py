@@ -208,7 +208,7 @@ FASTPATH_WIRE = (
 @generates(GENERATED, "hostlib/fp_wire.h", "xdp_agg/proto/wire.py", "HOSTLIB_FP_WIRE_H")
 def fastpath_wire_h() -> list[str]:
     """The wire constants of the C fast path, and FP_WIRE_CONSTANTS(X), the
-    list the extension exports for hostlib.native_loop to check against xdp_agg.proto.wire."""
+    list the extension exports for hostlib.native_stream to check against xdp_agg.proto.wire."""
     L = []
     for name, macro, doc in FASTPATH_WIRE:
         value = getattr(wire, name)

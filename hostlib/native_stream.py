@@ -1,13 +1,13 @@
-"""The C loop: one all-reduce run by the extension hostlib._fastpath with the GIL released.
+"""The native transport: a StreamState's all-reduces run by the extension hostlib._fastpath
+with the GIL released (the C loop, kernel UDP or AF_XDP).
 
-It sends the same packets as the numpy loop (hostlib.numpy_loop; tests/test_fastpath.py
-compares them byte for byte): P, w and the exponents as its transfers make them. Only the C
-loop has a congestion window (EngineConfig.cwnd): AIMD, starting at 16 packets, slow start up
-to the slot window, halved once per loss event (a timer expiry).
-
-Sparse all-reduces (docs/protocol.md section 8) run in the same C loop (hostlib/fp_sparse.c),
-with the same timers and window, and send the bytes of the numpy reference
-hostlib.sparse_loop (tests/test_sparse_host.py compares them): NativeSparseLoop.
+NativeStream holds the stream's one _fastpath.Engine (its transport, RTT estimate and
+congestion window: only the C loop has one, EngineConfig.cwnd: AIMD, starting at 16 packets,
+slow start up to the slot window, halved once per loss event); the two round strategies run on
+it, as the C loop runs them through its RoundOps (hostlib/fp_run.h): hostlib.native_dense
+(hostlib/fp_dense.c) and hostlib.native_sparse (hostlib/fp_sparse.c). They send the bytes of the
+numpy loops, hostlib.numpy_dense and hostlib.numpy_sparse (tests/test_fastpath.py and
+tests/test_sparse_host.py compare them).
 """
 
 from __future__ import annotations
@@ -17,14 +17,11 @@ import time
 from collections.abc import Callable
 from types import ModuleType
 
-import numpy as np
-
 from xdp_agg.proto import wire
 
-from . import afxdp, scaling
+from . import afxdp
 from .errors import HostlibError
 from .options import simd_from_env
-from .sparse_loop import bad_next_error
 from .stream_state import Allreduce, EngineConfig, StreamState
 from .udp_io import DatagramSocket
 
@@ -81,9 +78,9 @@ def available() -> bool:
     return _fastpath is not None
 
 
-class NativeLoop:
-    """Runs a StreamState's all-reduces through one _fastpath.Engine (kept for the state's
-    life: it holds the C loop's RTT estimate and congestion window)."""
+class NativeStream:
+    """A StreamState's one _fastpath.Engine (kept for the state's life: it holds the C loop's
+    transport, RTT estimate and congestion window), which the dense and the sparse loop share."""
 
     def __init__(self, state: StreamState) -> None:
         if _fastpath is None:
@@ -135,43 +132,12 @@ class NativeLoop:
         """ "udp", or the AF_XDP socket's mode: "afxdp-copy-drv", "afxdp-zerocopy-drv", ..."""
         return self._fast.data_path
 
-    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One all-reduce of the flat `src` into `dst`, both of dtype `kind` (engine.DTYPES):
-        the C loop quantises from that type and dequantises into it directly."""
-        state, k, L = self.state, self.state.elems_per_packet, src.size
-        Pd = -(-L // k)
-        w = min(state.cfg.window, Pd)
-        exps = None
-        is_float = kind != "int32"
-        if is_float:
-            exps, bad = _fastpath.chunk_exponents(src, k, kind)  # before anything is sent
-            if bad >= 0:
-                raise scaling.nonfinite_error(src[bad], bad)
-        P = Pd + w if is_float else Pd
-        if P == 0:
-            return
-        with state.allreduce(P, w, timeout, elements=L) as ar:
-            res: _fastpath._AllreduceResult | None = None
-            try:
-                res = self._fast.allreduce(
-                    kind,
-                    src,
-                    dst,
-                    P,
-                    w,
-                    ar.job_number,
-                    state.versions[:w].tobytes(),
-                    exps,
-                    ar.timeout,
-                    progress=_shower(ar),
-                    progress_every=0.25,
-                )
-                if res["status"] != "done":
-                    raise state.stalled(ar, res["results_here"], res["busy"])
-            finally:
-                self._account(res, ar)
+    @property
+    def fast(self) -> _fastpath.Engine:
+        """The extension's Engine the round loops call."""
+        return self._fast
 
-    def _account(self, res: _fastpath._AllreduceResult | None, ar: Allreduce) -> None:
+    def account(self, res: _fastpath._AllreduceResult | None, ar: Allreduce) -> None:
         """The C loop's counters of one all-reduce into the state's (and the socket's)."""
         st, sock = self.state.stats, self.state.sock
         if res is not None:
@@ -204,7 +170,7 @@ def _xsk_spec(
     return (None, found) if isinstance(found, str) else (found, "")
 
 
-def _shower(ar: Allreduce) -> Callable[[int, int], None] | None:
+def shower(ar: Allreduce) -> Callable[[int, int], None] | None:
     """The C loop's progress callback for `ar`'s progress line (None without one)."""
     printer = ar.printer
     if printer is None:
@@ -216,59 +182,3 @@ def _shower(ar: Allreduce) -> Callable[[int, int], None] | None:
             printer.show(now, ndone, retx)
 
     return show
-
-
-class NativeSparseLoop:
-    """Runs a StreamState's sparse all-reduces (docs/protocol.md section 8) in the C loop of
-    its NativeLoop, sharing its _fastpath.Engine (the RTT estimate and congestion window of the
-    dense all-reduces). The blocks are found in C too (_fastpath.block_scan: one pass over the
-    tensor, before the all-reduce starts); hostlib.sparse_loop.SparseLoop is the reference."""
-
-    def __init__(self, native: NativeLoop) -> None:
-        self.native = native
-        self.state = native.state
-        self.union_blocks = 0  # blocks of the last all-reduce whose result had data
-        self.blocks = 0  # and its blocks
-
-    def run(self, kind: str, src: np.ndarray, dst: np.ndarray, timeout: float | None) -> None:
-        """One sparse all-reduce of the flat `src` into `dst`, both of dtype `kind`
-        (engine.DTYPES); a block is a packet's elements."""
-        state = self.state
-        if src.size == 0:
-            return
-        nonzero, exps, bad, count = _fastpath.block_scan(src, state.elems_per_packet, kind)
-        if bad >= 0:  # before anything is sent
-            raise scaling.nonfinite_error(src[bad], bad)
-        B = len(nonzero)
-        w = min(state.cfg.window, B)
-        rounds = np.ones(w, dtype=np.int64)  # the C loop counts each slot's rounds in here
-        self.union_blocks, self.blocks = 0, B
-        with state.allreduce(B, w, timeout, elements=src.size) as ar:
-            ar.uses = rounds  # versions advance by the rounds each slot ran (8.2), also on failure
-            state.stats["sparse_allreduces"] += 1
-            res = None
-            try:
-                res = self.native._fast.allreduce_sparse(
-                    kind,
-                    src,
-                    dst,
-                    w,
-                    ar.job_number,
-                    state.versions[:w].tobytes(),
-                    nonzero,
-                    exps,
-                    rounds,
-                    ar.timeout,
-                    progress=_shower(ar),
-                    progress_every=0.25,
-                    pad_empty=state.cfg.pad_empty,
-                )
-                self.union_blocks = res["union_blocks"]
-                if res["status"] == "stalled":
-                    raise state.stalled(ar, res["results_here"], res["busy"])
-                if res["status"] == "bad_next" and res["bad"] is not None:
-                    s, p, q, mine = res["bad"]
-                    raise bad_next_error(state.cfg.slot_base + s, p, q, mine, s, B, w)
-            finally:
-                self.native._account(res, ar)
-            state.stats["blocks_skipped"] += B - count

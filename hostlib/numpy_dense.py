@@ -1,4 +1,4 @@
-"""The numpy loop: the reference implementation of the stream (docs/protocol.md section 4;
+"""The numpy dense loop: the reference implementation of the stream (docs/protocol.md section 4;
 floats: 5.2), run by hostlib.engine.StreamEngine when the C loop is not built or not wanted.
 
 An all-reduce of P packets with window w = min(window, P-ish, see below):
@@ -52,9 +52,9 @@ from .udp_io import RowReceiver
 # The SwitchML header (8 bytes, wire order: wire.SML_DTYPE), read and written as one uint64. The
 # exponent header follows it (wire.EXPONENTS_AT), then the payload (wire.VALUES_AT).
 _HDR8 = np.dtype([("type_size", "u1"), ("job_number", "u1"), ("tsi", ">u4"), ("pool_index", ">u2")])
-# Busy-polling (NumpyLoop._spin) while at most this many packets are outstanding, for at most
-# _SPIN_TIME seconds at a time; a failed spin costs _SPIN_PENALTY credit (a success earns 1, up to
-# _SPIN_CREDIT_MAX), and below 0 the next _SPIN_BACKOFF chances are skipped.
+# Busy-polling (NumpyDenseLoop._spin) while at most this many packets are outstanding, for at
+# most _SPIN_TIME seconds at a time; a failed spin costs _SPIN_PENALTY credit (a success earns 1,
+# up to _SPIN_CREDIT_MAX), and below 0 the next _SPIN_BACKOFF chances are skipped.
 _SPIN_OUTSTANDING, _SPIN_TIME = 64, 60e-6
 _SPIN_PENALTY, _SPIN_CREDIT_MAX, _SPIN_BACKOFF = 2, 8, 200
 
@@ -123,7 +123,7 @@ def _copy_into(out: np.ndarray, values: np.ndarray) -> None:
 
 
 class _Transfer(Protocol):
-    """What NumpyLoop runs: packets and window of one all-reduce, and its payloads both ways
+    """What NumpyDenseLoop runs: packets and window of one all-reduce, and its payloads both ways
     (_IntTransfer, _FloatTransfer)."""
 
     L: int  # elements
@@ -266,7 +266,7 @@ class _Flight:
     """What the numpy loop tracks during one all-reduce: which packets are done, what is ready
     to be sent, and each slot's timer (views of the loop's per-slot arrays)."""
 
-    def __init__(self, loop: NumpyLoop, ar: Allreduce, expect: np.ndarray) -> None:
+    def __init__(self, loop: NumpyDenseLoop, ar: Allreduce, expect: np.ndarray) -> None:
         P, w = ar.packets, ar.window
         self.P, self.w, self.expect = P, w, expect
         self.done = np.zeros(P + 1, dtype=bool)
@@ -284,7 +284,7 @@ class _Flight:
         self.last_progress = ar.t0
 
 
-class NumpyLoop:
+class NumpyDenseLoop:
     """Runs a StreamState's all-reduces in numpy, over the state's socket."""
 
     def __init__(self, state: StreamState) -> None:
@@ -331,7 +331,8 @@ class NumpyLoop:
         if tr.P == 0:
             return
         # the receiver's totals count this loop's datagrams only: the counters take the
-        # differences, so that the sparse loop's, on the same stream, add up with them
+        # differences, so that the sparse loop's (hostlib.numpy_sparse), on the same stream,
+        # add up with them
         malformed, received = self._rx.malformed, self._rx.bytes
         needless = self._rtt.needless_count
         with self.state.allreduce(tr.P, tr.w, timeout, elements=tr.L) as ar:

@@ -1,4 +1,4 @@
-"""The sparse loop: one all-reduce as slots walking the non-zero blocks (docs/protocol.md 8).
+"""The numpy sparse loop: one all-reduce as slots walking the non-zero blocks (docs/protocol.md 8).
 
 The reference implementation of a sparse all-reduce, in numpy, over a StreamState's socket
 (hostlib.engine runs it when an all-reduce asks for sparse). A tensor of L elements is B blocks
@@ -32,30 +32,13 @@ import numpy as np
 from xdp_agg.proto import wire
 
 from . import loss_detect, scaling
-from .errors import HostlibError
+from .errors import bad_next_error
 from .loss_detect import Rack, RttEstimator, late_copies
-from .numpy_loop import _Chunks, _scale_table
+from .numpy_dense import _Chunks, _scale_table
 from .stream_state import Allreduce, StreamState
 
 _SP = wire.SPARSE_HDR_DTYPE
 _EMPTY_LEN = wire.SPARSE_VALUES_AT  # 22: a header-only packet
-
-
-class SparseProtocolError(HostlibError):
-    """A result that the sparse rules (docs/protocol.md section 8.4) cannot produce: it would
-    send a slot past a block this worker holds data in, or backwards."""
-
-
-def bad_next_error(
-    slot: int, p: int, q: int, mine: int, column: int, B: int, w: int
-) -> SparseProtocolError:
-    """The SparseProtocolError of a result sending `slot` (column `column` of w) from block p to
-    q of B, where this worker's next non-zero block is `mine` (both loops raise it)."""
-    return SparseProtocolError(
-        f"the aggregator sent slot {slot} from block {p} to block {q} of {B}, but this "
-        f"worker's next non-zero block there is {mine} (column {column} of {w}): a result the "
-        f"sparse rules cannot produce"
-    )
 
 
 @dataclass
@@ -126,7 +109,7 @@ class _Slots:
         self.held = np.zeros(w, dtype=bool)  # its next round waits for late copies of the last
 
 
-class SparseLoop:
+class NumpySparseLoop:
     """Runs a StreamState's sparse all-reduces in numpy, over the state's socket."""
 
     def __init__(self, state: StreamState) -> None:
