@@ -382,7 +382,7 @@ class NumpyDenseLoop:
                 wait = self._reuse_at[s0:s1] > now
                 for i0, i1 in _runs(np.flatnonzero(~wait)):
                     self._send_run(tr, fl, s0 + i0, s0 + i1, a1 + i0, now, first_rto)
-                held += [(a1 + i, a1 + i + 1) for i in np.flatnonzero(wait)]
+                held += [(a1 + int(i), a1 + int(i) + 1) for i in np.flatnonzero(wait)]
         fl.next_deadline = min(fl.next_deadline, now + first_rto)
         fl.ready = held
         fl.held_until = min((self._reuse_at[a % fl.w] for a, _ in held), default=np.inf)
