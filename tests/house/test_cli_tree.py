@@ -12,7 +12,7 @@ import pytest
 from netns_testbed.cli import main as netns_main
 from xdp_agg.app import cli as agg_cli
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROGRAMS = {"xdp-agg": agg_cli.main, "netns-testbed": netns_main}
 # Commands without --json, each with its reason.
 NO_JSON = {

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PAGES = sorted([ROOT / "README.md", ROOT / "p4" / "README.md", *(ROOT / "docs").glob("*.md")])
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 README_LIMIT = 12_000  # 12 KB: a five-minute read

@@ -15,7 +15,7 @@ import pytest
 import hostlib
 from hostlib.options import HostOptions
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SIGNATURES = {
     "hostlib.init": inspect.signature(hostlib.init),
     "HostOptions": inspect.signature(HostOptions),

@@ -7,7 +7,7 @@ import ast
 import re
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 LIMIT = 100
 # Not production: the tests themselves, and the example training script users copy from.
 OUTSIDE = {"tests", "examples", ".venv", "build"}

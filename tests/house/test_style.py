@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # the host's C and its headers, but the generated one (tests/test_codegen.py checks that)
 C_SOURCES = sorted(ROOT.glob("bpf/*.[ch]")) + sorted(
     p for p in ROOT.glob("hostlib/*.[ch]") if p.name != "fp_wire.h"

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 # The packages as their layers split them (tests/test_layers.py); "xdp_agg" is its own modules
 # outside the parts named here. Each error counts for the longest name its file falls under.

@@ -26,7 +26,7 @@ from netns_testbed import nsexec, xdp_pass
 
 netns = pytest.mark.netns
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the helpers
 WORKER_IP, PEER_IP = "198.19.250.1", "198.19.250.2"
 LOCAL, AGG = f"{WORKER_IP}:40000", f"{PEER_IP}:48879"
 

@@ -14,7 +14,7 @@ from xdp_agg.errors import EnvironmentProblem, NeedsRoot, Refused, XdpAggError
 from xdp_switch import backend as xdp_backend
 from xdp_switch import loader, pins
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

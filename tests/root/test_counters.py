@@ -19,7 +19,7 @@ from netns_testbed import counters
 from netns_testbed.counters import Layout
 from netns_testbed.fixtures import SKIP_REASON
 
-DATA = Path(__file__).parent / "data" / "counters"
+DATA = Path(__file__).resolve().parents[1] / "data" / "counters"
 
 
 def dump(tag: str) -> dict:

@@ -26,7 +26,7 @@ from xdp_agg import bpfsys
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns]
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tests/: the helpers
 SENT = 400
 P_DOWN = 0.3  # P(no drop in 400) and P(all 400 dropped) are both below 1e-60
 PORT = 5555

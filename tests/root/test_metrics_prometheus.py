@@ -36,7 +36,7 @@ from xdp_agg.cluster.cluster import Cluster
 
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 METRICS_PORT = 9464
 PROM_PORT = 9090  # in the aggregator's namespace: no other test's Prometheus is there
 POLLS = 600  # each wait: at most this many polls, 0.25 s apart (2.5 minutes)

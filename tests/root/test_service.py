@@ -20,7 +20,7 @@ from xdp_agg.app.options import AttachOptions
 from xdp_agg.cluster import cluster_worker
 from xdp_switch import pins
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 # --- config ------------------------------------------------------------------------------------

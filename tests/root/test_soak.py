@@ -15,7 +15,7 @@ import pytest
 from bench.soak import report, verdicts
 from bench.soak.verdicts import Thresholds
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_growth_verdict_catches_a_leak_and_passes_a_swing():

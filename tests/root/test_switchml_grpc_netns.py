@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.
 
 GRPC_PORT = 50099
 THREADS, PER_THREAD, K = 2, 4, 64
-TESTS = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the helpers
 
 
 def _run_workers(tb, world: int, seed: int) -> list[dict]:

@@ -24,7 +24,7 @@ from netns_testbed.errors import TestbedError
 from netns_testbed.fixtures import SKIP_REASON
 from netns_testbed.testbed import MAX_MTU, PLAIN_XDP_MAX_MTU, Testbed
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 AGG_PORT = 0xBEE0
 
 needs_root = pytest.mark.skipif(os.geteuid() != 0, reason=SKIP_REASON)

@@ -35,7 +35,7 @@ import numpy as np  # noqa: E402
 
 from xdp_agg.cluster.cluster import Cluster  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "torch_worker.py")
 
 

@@ -34,7 +34,7 @@ pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-a
 from xdp_agg.cluster.cluster import Cluster  # noqa: E402
 from xdp_agg.cluster.torchrun import start_torchrun, wait_all  # noqa: E402
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 WORKER = str(ROOT / "tests" / "torch_fsdp_worker.py")
 N = 4
 STEPS = 5

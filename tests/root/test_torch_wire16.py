@@ -539,7 +539,7 @@ def test_hsdp_wire16_bf16_reduce_dtype_on_loopback():
     from harness.ranks import soft_cluster
     from test_torch import _env
 
-    worker = str(Path(__file__).resolve().parent / "torch_fsdp_worker.py")
+    worker = str(Path(__file__).resolve().parents[1] / "torch_fsdp_worker.py")
     n = 4
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -34,7 +34,7 @@ BUILDS = {
     "spinlock-frags": ("spinlock", "rss", True),
 }
 TOOLCHAIN_BUILDS = [*BUILDS, *(f"libbpf:{b}" for b in BUILDS)]
-BUDGET_FILE = Path(__file__).parent / "data" / "verifier_budget.json"
+BUDGET_FILE = Path(__file__).resolve().parents[1] / "data" / "verifier_budget.json"
 
 
 def _verify(args):

@@ -19,7 +19,7 @@ from xdp_agg.cluster import cluster_worker
 from xdp_agg.proto import control
 from xdp_switch import pins
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 # the four top-level import names of the wheel (docs/design.md, "One namespace")
 TOP_LEVEL = {"xdp_agg", "xdp_switch", "hostlib", "netns_testbed"}
 pytestmark = [pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow]

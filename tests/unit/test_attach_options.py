@@ -92,7 +92,7 @@ def test_every_attach_option_is_a_flag_and_a_service_key():
 
 
 def test_the_sample_config_and_the_docs_name_every_attach_key():
-    docs = (Path(__file__).resolve().parent.parent / "docs/operations.md").read_text()
+    docs = (Path(__file__).resolve().parents[2] / "docs/operations.md").read_text()
     for key in service.ATTACH_KEYS:
         assert f"\n{key}=" in service.SAMPLE_CONFIG and f"| `{key}` |" in docs, key
 

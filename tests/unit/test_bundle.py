@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 TOOLS = ROOT / "tools" / "bundle"
 TAG = f"cp{sys.version_info[0]}{sys.version_info[1]}"
 MULTIARCH = "usr/lib/x86_64-linux-gnu"

@@ -36,7 +36,7 @@ from xdp_agg.proto import limits, wire
 
 pytestmark = pytest.mark.timeout(120)
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 ELEMS = 64
 COUNT = 64 * 40  # 40 packets per rank per all-reduce
 ALLREDUCES = 3

@@ -208,7 +208,7 @@ def test_only_hostlib_options_reads_the_environment():
     import re
     from pathlib import Path
 
-    root = Path(__file__).resolve().parent.parent / "hostlib"
+    root = Path(__file__).resolve().parents[2] / "hostlib"
     readers = re.compile(r"os\.environ|os\.getenv|getenv\(")
     found = []
     for path in sorted(root.rglob("*.[pch]*")):

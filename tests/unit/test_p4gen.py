@@ -78,7 +78,7 @@ def _tna_step_entries() -> dict[tuple[str, int, str], tuple[str, list[int]]]:
 
 def _tna_sum_action(step: int, is_new: int, count_before: int) -> str:
     """Processor.sum (p4/tna/processor.p4) for one pass: its const entries, first match wins."""
-    text = (Path(__file__).resolve().parent.parent / "p4" / "tna" / "processor.p4").read_text()
+    text = (Path(__file__).resolve().parents[2] / "p4" / "tna" / "processor.p4").read_text()
     block = text[text.index("const entries") : text.index("const default_action")]
     for v, m, new, count, action in re.findall(
         r"\(1, (\d+) &&& (\d+), ([01_]), ([0-9_])\): (\w+)\(\);", block
@@ -189,7 +189,7 @@ def test_tofino_sparse_completion_of_32_elements_takes_the_close_pass():
     packet, how, k = _run_tna_passes("SML_SIZE_32", "AGG_RETX_ANSWERED", mine, stored, True)
     assert (packet, how, k) == (other, "answer", 1)
     gate = (
-        Path(__file__).resolve().parent.parent / "p4" / "tna" / "next_step_selector.p4"
+        Path(__file__).resolve().parents[2] / "p4" / "tna" / "next_step_selector.p4"
     ).read_text()
     assert "harvest_next(STEP_HARVEST7, 0); // the close pass" in gate
 

@@ -24,7 +24,7 @@ from harness.suite_outcomes import count, settle, summary
 pytest.importorskip("torch", reason="torch is not importable: make test installs it")
 pytest.importorskip("expecttest", reason="torch's test harness needs expecttest (test extra)")
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SUITE = str(ROOT / "tests" / "torch_suite.py")
 
 # Tests whose outcome legitimately differs on xdpagg: name -> (why, text its failure contains).
