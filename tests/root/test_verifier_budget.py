@@ -15,12 +15,23 @@ of the prebuilt object, "libbpf:<build>"): the two compilers make different code
 import json
 import multiprocessing as mp
 import re
-import struct
 from pathlib import Path
 
 import pytest
 
 from xdp_agg import bpfsys
+from xdp_agg.bpfsys.insn import (
+    BPF_ADD,
+    BPF_ALU64_IMM,
+    BPF_DW,
+    BPF_EXIT_INSN,
+    BPF_JLT,
+    BPF_JMP_IMM,
+    BPF_LDX_MEM,
+    BPF_MOV64_IMM,
+    BPF_REG_0,
+    BPF_REG_1,
+)
 from xdp_switch import subprogs
 
 CPU_COUNTS = (1, 2, 3, 4, 5, 8, 16, 64, 256, 1024)
@@ -88,20 +99,16 @@ def test_loads_for_every_cpu_count_within_budget(build):
     assert set(first) == set(budget), f"{build}: programs {sorted(first)}, budget {sorted(budget)}"
 
 
-def _insn(code, regs=0, off=0, imm=0) -> bytes:
-    return struct.pack("<BBhi", code, regs, off, imm)
-
-
 @pytest.mark.root
 def test_a_refusal_names_the_processed_instruction_limit():
     """A loop the verifier walks two million times: the message says it was the limit."""
-    loop = (
-        _insn(0xB7, 0x01, 0, 0)  # r1 = 0
-        + _insn(0x07, 0x01, 0, 1)  # r1 += 1
-        + _insn(0xA5, 0x01, -2, 2_000_000)  # if r1 < 2000000 goto -2
-        + _insn(0xB7, 0x00, 0, 2)  # r0 = XDP_PASS
-        + _insn(0x95)  # exit
-    )
+    loop = [
+        BPF_MOV64_IMM(BPF_REG_1, 0),
+        BPF_ALU64_IMM(BPF_ADD, BPF_REG_1, 1),
+        BPF_JMP_IMM(BPF_JLT, BPF_REG_1, 2_000_000, -2),  # if r1 < 2000000 goto -2
+        BPF_MOV64_IMM(BPF_REG_0, bpfsys.XDP_PASS),
+        BPF_EXIT_INSN(),
+    ]
     with pytest.raises(bpfsys.ProgLoadError) as e:
         bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, loop, "too_long")
     why = subprogs.explain(e.value.log)
@@ -111,7 +118,7 @@ def test_a_refusal_names_the_processed_instruction_limit():
 @pytest.mark.root
 def test_a_refusal_names_the_failing_instruction():
     """A read past the context: the message names that instruction and the verifier's word."""
-    bad = _insn(0x79, 0x01 << 4 | 0x00, 4000, 0) + _insn(0x95)  # r0 = *(u64 *)(r1 + 4000); exit
+    bad = [BPF_LDX_MEM(BPF_DW, BPF_REG_0, BPF_REG_1, 4000), BPF_EXIT_INSN()]
     with pytest.raises(bpfsys.ProgLoadError) as e:
         bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, bad, "bad_ctx")
     why = subprogs.explain(e.value.log)
