@@ -21,7 +21,7 @@ KVER := $(shell uname -r)
 DEB_PKGS := python3-bpfcc bpfcc-tools clang llvm bpftool libbpf-dev linux-headers-amd64 \
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
 	clang-format
-# Prometheus and promtool for tests/test_metrics_prometheus.py, without the recommended extras
+# Prometheus and promtool for tests/root/test_metrics_prometheus.py, without the recommended extras
 # (node-exporter, ipmitool, ...). The test runs its own server (own port, temporary data); the
 # package's service is enabled on a machine with systemd, left stopped in a container (its
 # invoke-rc.d policy). Where it cannot be installed, the test says so and skips.
@@ -83,12 +83,12 @@ bpf: venv
 ext: venv
 	$(PY) setup.py -q build_ext --inplace
 
-# docs/cli.md from the click tree (tests/test_docs.py checks it is current).
+# docs/cli.md from the click tree (tests/house/test_docs.py checks it is current).
 cli-doc: venv
 	$(PY) tools/clidoc.py
 
 # The API reference of hostlib and hostlib.pt from their docstrings (docs/api; Sphinx comes with
-# the test extra); tests/test_api_docs.py builds it the same way.
+# the test extra); tests/house/test_api_docs.py builds it the same way.
 docs: venv
 	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
 	@echo "build/docs/index.html"

@@ -7,7 +7,7 @@ counters) and frames every all-reduce (numbering, version advance on failure too
 error, progress). The loop that runs an all-reduce is a strategy: hostlib.numpy_loop (the
 reference, vectorised numpy, the protocol written out in its docstring) or hostlib.native_loop
 (the C extension hostlib._fastpath, which runs the whole stream with the GIL released and sends
-the same bytes: tests/test_fastpath.py compares them). StreamEngine uses the C loop when the
+the same bytes: tests/unit/test_fastpath.py compares them). StreamEngine uses the C loop when the
 extension is built (EngineConfig.native; HostOptions.native=False forces numpy).
 """
 

@@ -1,13 +1,13 @@
 """The C loop: one all-reduce run by the extension hostlib._fastpath with the GIL released.
 
-It sends the same packets as the numpy loop (hostlib.numpy_loop; tests/test_fastpath.py
+It sends the same packets as the numpy loop (hostlib.numpy_loop; tests/unit/test_fastpath.py
 compares them byte for byte): P, w and the exponents as its transfers make them. Only the C
 loop has a congestion window (EngineConfig.cwnd): AIMD, starting at 16 packets, slow start up
 to the slot window, halved once per loss event (a timer expiry).
 
 Sparse all-reduces (docs/protocol.md section 8) run in the same C loop (hostlib/fp_sparse.c),
 with the same timers and window, and send the bytes of the numpy reference
-hostlib.sparse_loop (tests/test_sparse_host.py compares them): NativeSparseLoop.
+hostlib.sparse_loop (tests/unit/test_sparse_host.py compares them): NativeSparseLoop.
 """
 
 from __future__ import annotations

@@ -67,14 +67,14 @@ VARIANTS = {  # how slots are summed when several CPUs hit one slot
     "spinlock": ("-DAGG_SPINLOCK",),  # one shared partial per slot under a bpf_spin_lock
 }
 # Test-only build options (bpf/aggregate.h), passed to load() as cflags by
-# tests/test_xdp_concurrency.py alone: production builds define neither and compile exactly the
+# tests/root/test_xdp_concurrency.py alone: production builds define neither and compile exactly the
 # program they compiled before these existed.
 TEST_RACE_DELAY = "-DAGG_TEST_RACE_DELAY={}"  # spin 0..N ns (random) between arrival and addition
 TEST_MUTANT_COMPLETE_ON_ARRIVAL = "-DAGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL"  # the known-racy mutant
 
 
 # Warnings of every build of our BPF C: -Wshadow, so that a local never hides another name (the
-# compiler's warnings land in Loaded.warnings; tests/test_xdp_cases.py wants none of these).
+# compiler's warnings land in Loaded.warnings; tests/root/test_xdp_cases.py wants none of these).
 WARNING_FLAGS = ("-Wno-unused-function", "-Wshadow")
 
 

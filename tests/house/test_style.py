@@ -1,6 +1,7 @@
 """The style checks CI runs: ruff (lint and format, line length 100, configured in pyproject.toml)
 over the Python, and the kernel-style clang-format (.clang-format; hostlib/.clang-format for the
-CPython extension) over the C. The generated headers are checked by tests/test_codegen.py instead.
+CPython extension) over the C. The generated headers are checked by
+tests/root/test_codegen.py instead.
 """
 
 import shutil
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# the host's C and its headers, but the generated one (tests/test_codegen.py checks that)
+# the host's C and its headers, but the generated one (tests/root/test_codegen.py checks that)
 C_SOURCES = sorted(ROOT.glob("bpf/*.[ch]")) + sorted(
     p for p in ROOT.glob("hostlib/*.[ch]") if p.name != "fp_wire.h"
 )

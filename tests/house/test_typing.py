@@ -18,7 +18,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# The packages as their layers split them (tests/test_layers.py); "xdp_agg" is its own modules
+# The packages as their layers split them (tests/house/test_layers.py); "xdp_agg" is its own modules
 # outside the parts named here. Each error counts for the longest name its file falls under.
 PACKAGES = (
     "hostlib",

@@ -5,7 +5,7 @@ packet with its own bytes, which is the sum of one contribution). Checked here: 
 the numpy engine's byte for byte, also under the engine's seeded loss and duplication; the frames
 the peer receives are the kernel path's but for the IPv4 id (a counter either way) and the
 checksums that depend on it or that the kernel leaves partial on a veth; the choice falls back to
-the kernel socket, with the reason, where AF_XDP cannot run. tests/test_afxdp_netns.py runs
+the kernel socket, with the reason, where AF_XDP cannot run. tests/root/test_afxdp_netns.py runs
 jobs through the XDP aggregator in the testbed.
 """
 

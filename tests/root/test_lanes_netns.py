@@ -27,7 +27,7 @@ def test_lanes_through_the_xdp_aggregator(
 ):
     """AF_XDP: each lane's socket on the worker's veth queue, one UMEM (hostlib/_xsk.c); one-arm
     only, as AF_XDP workers run in the testbed (netns_testbed.xdp_pass: in the switch topology
-    the worker's veth needs the testbed's own program). tests/test_afxdp_netns.py runs AF_XDP
+    the worker's veth needs the testbed's own program). tests/root/test_afxdp_netns.py runs AF_XDP
     lanes under loss and duplication."""
     monkeypatch.setenv("XDP_AGG_LANES", str(lanes))  # the workers' environment (worker_env)
     monkeypatch.setenv("XDP_AGG_DATA_PATH", data_path)

@@ -1,9 +1,9 @@
 """A rack job's two-level paths on both CPUs at once (docs/protocol.md section 3.7).
 
 Two processes pinned to CPU 0 and CPU 1 drive the same slots with BPF_PROG_TEST_RUN, in step
-round by round (as tests/test_xdp_concurrency.py does), with one worker per CPU. Each slot round
-has two phases: both workers' contributions (one of them completes the slot locally and must go
-up, exactly once, with the serial model's partial sum), then on both CPUs at once the same
+round by round (as tests/root/test_xdp_concurrency.py does), with one worker per CPU. Each slot
+round has two phases: both workers' contributions (one of them completes the slot locally and must
+go up, exactly once, with the serial model's partial sum), then on both CPUs at once the same
 parent result (as when the broadcast and the answer to a re-send arrive together: exactly one
 copy may be taken) and, for some slots, a retransmission of each CPU's worker racing it. A
 retransmission goes up again with the partial (`resent_up`; its payload may mix the partial and

@@ -66,7 +66,7 @@ def _build_wheel(tmp: Path) -> Path:
         names = set(z.namelist())
     top = {n.split("/")[0] for n in names}
     assert {t for t in top if not t.endswith((".dist-info", ".data"))} == TOP_LEVEL
-    # hostlib is typed (PEP 561), its C extension through its stub (tests/test_typing.py)
+    # hostlib is typed (PEP 561), its C extension through its stub (tests/house/test_typing.py)
     assert {"hostlib/py.typed", "hostlib/_fastpath.pyi"} <= names
     return wheel
 

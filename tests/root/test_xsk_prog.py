@@ -3,8 +3,8 @@ table of frames: what goes to a lane's socket and what goes to the kernel. The p
 as the data path loads it, for the ports of a job's 4 lanes and of its 16-bit companion job's 2
 (one program and UMEM a queue: hostlib/_xsk.c), but with XDP_DROP where a port's slot has no
 socket (its XSKMAP is empty), so that "to lane l" (drop) and "to the kernel" (pass) differ; the
-netns tests show the real sockets receiving (tests/test_afxdp_netns.py). A test run's frames come
-in on queue 0."""
+netns tests show the real sockets receiving (tests/root/test_afxdp_netns.py). A test run's frames
+come in on queue 0."""
 
 from __future__ import annotations
 

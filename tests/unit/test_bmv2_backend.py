@@ -2,7 +2,7 @@
 
 No bmv2 needed: this checks which commands a job and a worker become (table entries, multicast
 group and nodes, slot clearing), the bookkeeping behind jobs(), and the refusals. The commands
-themselves run against a real simple_switch in tests/test_p4_cases.py.
+themselves run against a real simple_switch in tests/root/test_p4_cases.py.
 """
 
 import dataclasses

@@ -4,7 +4,7 @@ A job whose members all went quiet (no request on their control connections, no 
 aggregator counts) for the lease is deleted, its slots, port and id freed; a request of a
 member, the aggregator's count of new contributions, hostlib's control-link pings and a job
 still in its register barrier each keep it. The torchrun restart in the testbed is in
-tests/test_torch_fsdp.py.
+tests/root/test_torch_fsdp.py.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ worker 0, an unregistered sender's packet as a drop of no job, the endpoint's jo
 ranks, and the refusals the test provoked by kind. Served over HTTP (`exporting`), the same;
 `promtool check metrics` (Debian's prometheus package, where installed) passes on it. The
 Prometheus server scraping `xdp-agg serve --metrics` in the testbed is
-tests/test_metrics_prometheus.py.
+tests/root/test_metrics_prometheus.py.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from xdp_agg.app import cli, options, serving
 def _parsed(command, args: list[str]) -> dict:
     """The parameters click parses for `command ARGS` (the command does not run). With the
     group's context settings, as under `xdp-agg`: click keeps the help option a command's first
-    context makes, and tests/test_docs.py renders the help after this."""
+    context makes, and tests/house/test_docs.py renders the help after this."""
     settings = cli.main.context_settings
     with command.make_context(command.name, args, **settings) as ctx:
         return dict(ctx.params)

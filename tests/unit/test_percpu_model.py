@@ -82,7 +82,7 @@ def test_a_worker_counted_twice_in_a_round_on_two_cpus(by_worker):
     """A worker whose seen bit the other version cleared (a late duplicate of its old round)
     contributes twice to one round, here from two CPUs, and another worker not at all: the
     round's n arrivals are still gathered exactly when CPUs are noted by arrival position, and
-    not when noted by worker index (the first design, which tests/test_xdp_fuzz.py caught)."""
+    not when noted by worker index (the first design, which tests/root/test_xdp_fuzz.py caught)."""
     rng = np.random.default_rng(3)
     wrong = 0
     for _ in range(50):

@@ -8,7 +8,7 @@ of the same tensors (int32 and float32: byte for byte, since a block's agreed ex
 same maximum either way: zero blocks send the neutral exponent in a dense all-reduce), clean and
 under loss and duplication, and that the zero blocks did not travel. The C loop sends the numpy
 loop's datagrams byte for byte (against a scripted aggregator, tests/harness/echo.py, as
-tests/test_fastpath.py compares the dense loops).
+tests/unit/test_fastpath.py compares the dense loops).
 """
 
 from __future__ import annotations

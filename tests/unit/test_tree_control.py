@@ -63,7 +63,7 @@ def test_rack_job_spec_checks():
     with pytest.raises(ValueError, match="parent_port"):
         _spec(**{**tree, "parent_port": 5000})
     # the switch topology's per-port delivery is the target's to refuse (the XDP program's rack
-    # jobs need one-arm: tests/test_xdp_cases.py); bmv2 delivers a rack's results per port
+    # jobs need one-arm: tests/root/test_xdp_cases.py); bmv2 delivers a rack's results per port
     assert _spec(delivery=Delivery.BROADCAST, **tree).has_parent
     with pytest.raises(ValueError, match="63"):
         _spec(num_workers=64, **tree)
