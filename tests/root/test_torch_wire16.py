@@ -408,7 +408,8 @@ def test_ddp_wire16_hook_on_loopback():
     bits, and each averaged bucket is within the bound of the float64 average of every rank's
     bucket (ratio <= 1); the parameters stay close to DDP on gloo's."""
     from harness.ranks import soft_cluster
-    from test_torch import _reports, _start_loopback
+    from harness.torch_procs import collect_reports as _reports
+    from harness.torch_procs import start_loopback as _start_loopback
 
     with soft_cluster() as cl:
         reports = _reports(_start_loopback(cl, 2, "ddp-wire16", "--steps", "3"))
@@ -431,7 +432,8 @@ def check_ddp_wire16(reports: list[dict], steps: int) -> None:
 @pytest.mark.slow
 def test_ddp_wire16_hook_in_testbed(testbed_factory, n):
     """The same through the XDP aggregator, n worker namespaces (one-arm)."""
-    from test_torch import _reports, _start_testbed
+    from harness.torch_procs import collect_reports as _reports
+    from harness.torch_procs import start_testbed as _start_testbed
 
     from xdp_agg.cluster.cluster import Cluster
 
@@ -447,7 +449,8 @@ def test_backend_wire16_on_loopback(policy, coalesced16):
     XDP_AGG_WIRE_BITS gives: the communicator's width, path_stats', the packets (a 16-bit
     all-reduce takes half) and the bound of the width."""
     from harness.ranks import soft_cluster
-    from test_torch import _reports, _start_loopback
+    from harness.torch_procs import collect_reports as _reports
+    from harness.torch_procs import start_loopback as _start_loopback
 
     with soft_cluster() as cl:
         procs = _start_loopback(cl, 2, "backend-wire16", XDP_AGG_WIRE_BITS=policy)
@@ -537,7 +540,7 @@ def test_hsdp_wire16_bf16_reduce_dtype_on_loopback():
     from pathlib import Path
 
     from harness.ranks import soft_cluster
-    from test_torch import _env
+    from harness.torch_procs import rank_env as _env
 
     worker = str(Path(__file__).resolve().parents[1] / "torch_fsdp_worker.py")
     n = 4

@@ -271,7 +271,9 @@ def test_torch_backend_with_lanes_through_the_environment():
     """hostlib.pt's backend with XDP_AGG_LANES=2: its collectives as with one lane, each rank's
     both ranks contributing."""
     pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
-    from test_torch import _check_backend, _reports, _start_loopback
+    from harness.torch_procs import check_backend as _check_backend
+    from harness.torch_procs import collect_reports as _reports
+    from harness.torch_procs import start_loopback as _start_loopback
 
     with soft_cluster(defaults=SWITCH) as st:
         extra = {"XDP_AGG_LANES": "2", "XDP_AGG_WINDOW": "8"}

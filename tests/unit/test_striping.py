@@ -193,7 +193,9 @@ def test_torch_backend_striped_through_the_environment():
     """hostlib.pt's backend with XDP_AGG_CONTROL listing two aggregators: its collectives as on
     one (every dtype and op, through the aggregators or gloo as they should go)."""
     pytest.importorskip("torch", reason="torch is not importable: pip install 'xdp-agg[torch]'")
-    from test_torch import _check_backend, _reports, _start_loopback
+    from harness.torch_procs import check_backend as _check_backend
+    from harness.torch_procs import collect_reports as _reports
+    from harness.torch_procs import start_loopback as _start_loopback
 
     class TwoAsOne:  # what _start_loopback reads of a cluster
         def __init__(self, st) -> None:
