@@ -115,7 +115,8 @@ def start_testbed(tb, cl, scenario, *args, stdin=None, **extra):
     return procs
 
 
-def start_loopback(cl, n, scenario, *args, stdin=None, **extra):
+def start_loopback(cl, n, scenario, *args, stdin=None, worker=WORKER, **extra):
+    """n ranks of `worker` (tests/torch_worker.py) on loopback, joined to the soft cluster `cl`."""
     import socket
 
     with socket.socket() as s:
@@ -123,7 +124,7 @@ def start_loopback(cl, n, scenario, *args, stdin=None, **extra):
         port = s.getsockname()[1]
     return [
         subprocess.Popen(
-            [sys.executable, WORKER, scenario, *args],
+            [sys.executable, worker, scenario, *args],
             text=True,
             stdin=stdin,
             stdout=subprocess.PIPE,

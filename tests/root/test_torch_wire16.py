@@ -534,42 +534,25 @@ def test_hsdp_wire16_bf16_reduce_dtype_on_loopback():
     aggregator): HSDP 2 x 2 with MixedPrecisionPolicy(reduce_dtype=torch.bfloat16)."""
     import json
     import os
-    import socket
-    import subprocess
-    import sys
     from pathlib import Path
 
     from harness.ranks import soft_cluster
-    from harness.torch_procs import rank_env as _env
+    from harness.torch_procs import start_loopback
 
     worker = str(Path(__file__).resolve().parents[1] / "torch_fsdp_worker.py")
     n = 4
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     with soft_cluster() as cl:
-        procs = [
-            subprocess.Popen(
-                [sys.executable, worker, "hsdp-wire16", "--steps", "3"],
-                text=True,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                env=_env(
-                    r,
-                    n,
-                    "127.0.0.1",
-                    port,
-                    cl.endpoint,
-                    "lo",
-                    XDP_AGG_IP=cl.worker_ip(r),
-                    XDP_AGG_SECRET_FILE=cl.secret_file,
-                    XDP_AGG_WINDOW=32,
-                    XDP_AGG_TIMEOUT=20,
-                    TORCHELASTIC_RUN_ID=f"w16-{os.getpid()}",
-                ),
-            )
-            for r in range(n)
-        ]
+        procs = start_loopback(
+            cl,
+            n,
+            "hsdp-wire16",
+            "--steps",
+            "3",
+            worker=worker,
+            XDP_AGG_WINDOW=32,
+            XDP_AGG_TIMEOUT=20,
+            TORCHELASTIC_RUN_ID=f"w16-{os.getpid()}",
+        )
         outs = []
         try:
             for p in procs:
