@@ -2,6 +2,7 @@
 #
 #   sudo make demo     set up what is missing, then run the 4-worker demo all-reduce
 #   sudo make test     set up what is missing, then run the test suite
+#   make test-unit     the tests that need no root (tests/unit, tests/house)
 #   sudo make bench    benchmarks: the XDP program per packet, and all-reduce against gloo
 #   sudo make bench-training   DDP training (examples/train.py) through xdp-agg and gloo
 #   sudo make soak     two jobs x 4 workers, 1% loss, SOAK_MINUTES (30): exact, flat, no leak
@@ -19,7 +20,7 @@ PY := .venv/bin/python
 DEB_PKGS := clang llvm bpftool libbpf-dev \
 	python3-venv python3-pip nftables iptables ethtool iproute2 iputils-ping tcpdump util-linux \
 	clang-format
-# Prometheus and promtool for tests/test_metrics_prometheus.py, without the recommended extras
+# Prometheus and promtool for tests/root/test_metrics_prometheus.py, without the recommended extras
 # (node-exporter, ipmitool, ...). The test runs its own server (own port, temporary data); the
 # package's service is enabled on a machine with systemd, left stopped in a container (its
 # invoke-rc.d policy). Where it cannot be installed, the test says so and skips.
@@ -27,11 +28,11 @@ TEST_DEB_PKGS := prometheus
 PYTEST_ARGS ?=
 SOAK_MINUTES ?= 30
 
-.PHONY: setup deps bpffs venv bpf ext test test-unit demo bench bench-micro bench-training \
+.PHONY: setup deps bpffs venv bpf ext test test-unit test-root demo bench bench-micro bench-training \
 	soak codegen cli-doc docs bundle clean help
 
 help:
-	@sed -n '1,16p' Makefile
+	@sed -n '1,17p' Makefile
 
 setup: deps bpffs venv bpf
 
@@ -68,22 +69,27 @@ bpf: venv
 ext: venv
 	$(PY) setup.py -q build_ext --inplace
 
-# docs/cli.md from the click tree (tests/test_docs.py checks it is current).
+# docs/cli.md from the click tree (tests/house/test_docs.py checks it is current).
 cli-doc: venv
 	$(PY) tools/clidoc.py
 
 # The API reference of hostlib and hostlib.pt from their docstrings (docs/api; Sphinx comes with
-# the test extra); tests/test_api_docs.py builds it the same way.
+# the test extra); tests/house/test_api_docs.py builds it the same way.
 docs: venv
 	$(PY) -m sphinx -W --keep-going -q -b html docs/api build/docs
 	@echo "build/docs/index.html"
 
+# Every folder of tests/ (docs/testing.md, "Layout": the time each takes).
 test: setup
 	$(PY) -m pytest -q $(PYTEST_ARGS)
 
-# Tests that need neither root nor BPF.
+# The tests that need neither root nor BPF: tests/unit and the checks of the code, tests/house.
 test-unit: venv
-	$(PY) -m pytest -q -m "not root" $(PYTEST_ARGS)
+	$(PY) -m pytest -q tests/unit tests/house $(PYTEST_ARGS)
+
+# The tests that need root (BPF, namespaces): tests/root.
+test-root: setup
+	$(PY) -m pytest -q tests/root $(PYTEST_ARGS)
 
 demo: setup
 	$(PY) -m xdp_agg.cluster.demo

@@ -21,7 +21,7 @@ The split of the busy time (user + nice + system + irq + softirq):
   tbf, the UDP/TCP receive path run from softirq). XDP runs in the veth's NAPI poll, a softirq,
   so its time is inside softirq; the subtraction is clamped at zero, the two being measured
   differently (ticks against nanoseconds).
-Parsing and the split need no root (tests/test_cpustat.py).
+Parsing and the split need no root (tests/unit/test_cpustat.py).
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@
  *    then bumps `published`: a retransmission only reads a result published for its round.
  * A sparse job's packets (docs/protocol.md section 8) run the same machine through sparse.h,
  * which adds the round's key and reuses the fold, gather and delivery below.
- * Test-only builds (tests/test_xdp_concurrency.py) may define AGG_TEST_RACE_DELAY (see
+ * Test-only builds (tests/root/test_xdp_concurrency.py) may define AGG_TEST_RACE_DELAY (see
  * race_window()) and AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL (a racy completion); production
  * never does.
  * With -DAGG_SPINLOCK (the baseline the design asks to measure against) the per-CPU partials are
@@ -531,7 +531,7 @@ static __always_inline int complete_slot(struct agg_pkt *pk, agg_lanes *pw, stru
 }
 
 #ifdef AGG_TEST_RACE_DELAY
-/* Test-only (tests/test_xdp_concurrency.py; never in a production build): widen the window
+/* Test-only (tests/root/test_xdp_concurrency.py; never in a production build): widen the window
  * between a contribution's arrival count and the end of its addition by spinning a pseudo-random
  * 0..AGG_TEST_RACE_DELAY ns. The jitter is what matters: a contribution that arrived first can
  * then finish its addition after one that arrived later, which is the interleaving a completion
@@ -591,7 +591,7 @@ static __always_inline int arrive(struct agg_pkt *pk, struct agg_job *job, struc
 		return -1;
 	done = __sync_fetch_and_add(&st->added[vi], 1) + 1;
 #ifdef AGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL
-	/* Test-only, deliberately wrong (the mutant tests/test_xdp_concurrency.py must catch): the
+	/* Test-only, deliberately wrong (the mutant tests/root/test_xdp_concurrency.py must catch): the
 	 * n-th arrival completes the slot, though another CPU's addition may not have finished. */
 	done = a + 1;
 #endif

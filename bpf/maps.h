@@ -38,7 +38,7 @@ AGG_PERCPU_ARRAY(copy_cursor, struct agg_copy_cursor, 1); /* 0 -> this CPU's cop
 
 /* Never read or written by the program: it puts the types no other map value carries (the wire
  * headers, the partials) into the program's BTF, where
- * tests/test_codegen.py compares their layout with xdp_agg/proto/wire.py and abi.py. */
+ * tests/root/test_codegen.py compares their layout with xdp_agg/proto/wire.py and abi.py. */
 struct agg_btf_anchor {
 	struct switchml_hdr sml;
 	struct exponents_hdr exp;

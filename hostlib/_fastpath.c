@@ -9,7 +9,7 @@
  * receives with recvmmsg (+ UDP GRO), validates and deduplicates the results, writes them into
  * the output, runs the per-packet timers (RFC 6298 estimate, Karn's rule, exponential back-off)
  * and a congestion window (AIMD), and returns when the all-reduce is done or stalled. It sends
- * exactly the bytes the numpy engine sends (tests/test_fastpath.py compares them).
+ * exactly the bytes the numpy engine sends (tests/unit/test_fastpath.py compares them).
  *
  * The units, each with its header: fp_kernels (payload conversion, AVX2 or scalar), fp_io (the
  * Transport: kernel UDP or AF_XDP, hostlib/_xsk.c), fp_run.h (the Stream, the Run and RoundOps,

@@ -8,7 +8,7 @@
  * made: each element is widened in a register (bfloat16: a shift; float16: exactly, by F16C or
  * f16_to_f32_bits) and narrowed on the way out. AVX2 versions are compiled with a function
  * target attribute and chosen at run time (fp_set_simd), so one build runs on any x86-64;
- * both give identical bytes (tests/test_fastpath.py).
+ * both give identical bytes (tests/unit/test_fastpath.py).
  */
 #include "fp_kernels.h"
 

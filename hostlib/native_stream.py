@@ -6,8 +6,8 @@ congestion window: only the C loop has one, EngineConfig.cwnd: AIMD, starting at
 slow start up to the slot window, halved once per loss event); the two round strategies run on
 it, as the C loop runs them through its RoundOps (hostlib/fp_run.h): hostlib.native_dense
 (hostlib/fp_dense.c) and hostlib.native_sparse (hostlib/fp_sparse.c). They send the bytes of the
-numpy loops, hostlib.numpy_dense and hostlib.numpy_sparse (tests/test_fastpath.py and
-tests/test_sparse_host.py compare them).
+numpy loops, hostlib.numpy_dense and hostlib.numpy_sparse (tests/unit/test_fastpath.py and
+tests/unit/test_sparse_host.py compare them).
 """
 
 from __future__ import annotations

@@ -32,14 +32,30 @@ import sys
 from pyroute2 import IPRoute
 
 from xdp_agg import bpfsys
+from xdp_agg.bpfsys.insn import (
+    BPF_ADD,
+    BPF_ALU64_IMM,
+    BPF_EMIT_CALL,
+    BPF_EXIT_INSN,
+    BPF_H,
+    BPF_JGT,
+    BPF_JMP_IMM,
+    BPF_JMP_REG,
+    BPF_JNE,
+    BPF_LDX_MEM,
+    BPF_MOV64_IMM,
+    BPF_MOV64_REG,
+    BPF_W,
+    assemble,
+)
 
-from .xdp_pass import agg_udp_match, assemble, insn, to_pass
+from .xdp_pass import agg_udp_match, chance_insns
 
 DEFAULT_DELAY = 0.0005  # seconds a held frame waits: a few round trips of the quiet testbed
 HOLD, HELD = "rd0", "rd1"  # the veth pair in each worker namespace: chosen frames go to HOLD
 PROG_TYPE_SCHED_CLS = 3
 TC_ACT_OK = 0
-_FUNC_GET_PRANDOM_U32, _FUNC_REDIRECT = 7, 23
+_FUNC_REDIRECT = 23
 _CLSACT_EGRESS = 0xFFFFFFF3  # TC_H_MAKE(TC_H_CLSACT, TC_H_MIN_EGRESS)
 _SKB_DATA, _SKB_DATA_END = 76, 80  # offsetof(struct __sk_buff, data / data_end)
 
@@ -58,36 +74,32 @@ def check_delay(delay: float) -> float:
 def choice_insns(p: float, hold_ifindex: int, scope: str) -> list[int]:
     """A tc classifier (direct action) that redirects each frame of ``scope``'s traffic to
     interface ``hold_ifindex`` with probability ``p`` and lets every other frame pass."""
-    ldxw, ldxh = 0x61, 0x69  # BPF_LDX | BPF_MEM | size
-    jne, jge_x = 0x55, 0x3D
-    head = [
-        insn(0xBF, 6, 1),  # r6 = skb
-        insn(ldxw, 2, 1, _SKB_DATA),
-        insn(ldxw, 3, 1, _SKB_DATA_END),
-    ]
+    r0, r1, r2, r3, r4, r5 = range(6)
     if scope == "all":
         match = [
-            insn(0xBF, 4, 2),
-            insn(0x07, 4, imm=14),
-            to_pass(0x2D, 4, 3),  # no Ethernet header: pass
-            insn(ldxh, 5, 2, 12),
-            to_pass(jne, 5, imm=0x0008),  # IPv4, read in network order
+            BPF_MOV64_REG(r4, r2),
+            BPF_ALU64_IMM(BPF_ADD, r4, 14),
+            BPF_JMP_REG(BPF_JGT, r4, r3, "pass"),  # no Ethernet header: pass
+            BPF_LDX_MEM(BPF_H, r5, r2, 12),
+            BPF_JMP_IMM(BPF_JNE, r5, 0x0008, "pass"),  # IPv4, read in network order
         ]
     else:
         match = agg_udp_match(port_offset=36)  # the destination port
-    threshold = min(1 << 32, max(1, round(p * (1 << 32))))
-    choose = [
-        insn(0x85, imm=_FUNC_GET_PRANDOM_U32),
-        insn(0x18, 1, imm=threshold & 0xFFFFFFFF),  # r1 = threshold (64-bit immediate)
-        insn(0, imm=threshold >> 32),
-        to_pass(jge_x, 0, 1),
-        insn(0xB7, 1, imm=hold_ifindex),
-        insn(0xB7, 2, imm=0),
-        insn(0x85, imm=_FUNC_REDIRECT),  # r0 = TC_ACT_REDIRECT
-        insn(0x95),
-    ]
-    tail = ["pass", insn(0xB7, 0, imm=TC_ACT_OK), insn(0x95)]
-    return assemble([*head, *match, *choose, *tail])
+    return assemble(
+        [
+            BPF_LDX_MEM(BPF_W, r2, r1, _SKB_DATA),
+            BPF_LDX_MEM(BPF_W, r3, r1, _SKB_DATA_END),
+            *match,
+            *chance_insns(p),
+            BPF_MOV64_IMM(r1, hold_ifindex),
+            BPF_MOV64_IMM(r2, 0),
+            BPF_EMIT_CALL(_FUNC_REDIRECT),  # r0 = TC_ACT_REDIRECT
+            BPF_EXIT_INSN(),
+            "pass",
+            BPF_MOV64_IMM(r0, TC_ACT_OK),
+            BPF_EXIT_INSN(),
+        ]
+    )
 
 
 def install(netns: str, dev: str, p: float, scope: str) -> None:

@@ -27,6 +27,32 @@ import os
 from pyroute2 import IPRoute
 
 from xdp_agg import bpfsys
+from xdp_agg.bpfsys.insn import (
+    BPF_ADD,
+    BPF_ALU64_IMM,
+    BPF_AND,
+    BPF_B,
+    BPF_EMIT_CALL,
+    BPF_ENDIAN,
+    BPF_EXIT_INSN,
+    BPF_H,
+    BPF_JEQ,
+    BPF_JGE,
+    BPF_JGT,
+    BPF_JLT,
+    BPF_JMP32_IMM,
+    BPF_JMP_A,
+    BPF_JMP_IMM,
+    BPF_JMP_REG,
+    BPF_JNE,
+    BPF_LD_IMM64,
+    BPF_LDX_MEM,
+    BPF_MOV64_IMM,
+    BPF_MOV64_REG,
+    BPF_TO_BE,
+    BPF_W,
+    assemble,
+)
 
 from .faults import AGG_PORT_HI, AGG_PORT_LO
 
@@ -35,60 +61,60 @@ _FUNC_GET_PRANDOM_U32 = 7
 _ETH_IPV4_UDP = 14 + 20 + 8  # the headers the program reads (IPv4 without options)
 
 
-def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> int:
-    """One raw eBPF instruction as a 64-bit little-endian integer."""
-    return code | (dst << 8) | (src << 12) | ((off & 0xFFFF) << 16) | ((imm & 0xFFFFFFFF) << 32)
-
-
 def agg_udp_match(port_offset: int) -> list:
-    """Instructions that jump to ``pass`` unless the frame (data in r2, data_end in r3) is an
-    unfragmented UDP over IPv4 (no options) datagram whose port at ``port_offset`` (34: source,
+    """Instructions that jump to label ``pass`` unless the frame (data in r2, data_end in r3) is
+    an unfragmented UDP over IPv4 (no options) datagram whose port at ``port_offset`` (34: source,
     36: destination) is one of 0xBEE0-0xBEEF. Uses r4 and r5."""
-    ldxh, ldxb = 0x69, 0x71  # BPF_LDX | BPF_MEM | size
-    jne, jgt, jlt, jgt_x = 0x55, 0x25, 0xA5, 0x2D  # BPF_JMP | op | K or X
+    r2, r3, r4, r5 = range(2, 6)
     return [
-        insn(0xBF, 4, 2),  # r4 = r2
-        insn(0x07, 4, imm=_ETH_IPV4_UDP),  # r4 += 42
-        to_pass(jgt_x, 4, 3),  # short frame: pass
-        insn(ldxh, 5, 2, 12),
-        to_pass(jne, 5, imm=0x0008),  # ethertype 0x0800, read in network order
-        insn(ldxb, 5, 2, 14),
-        to_pass(jne, 5, imm=0x45),  # IPv4 without options
-        insn(ldxb, 5, 2, 23),
-        to_pass(jne, 5, imm=17),  # UDP
-        insn(ldxh, 5, 2, 20),
-        insn(0x57, 5, imm=0xFF3F),  # MF and the fragment offset, in network order
-        to_pass(jne, 5, imm=0),  # a fragment: pass
-        insn(ldxh, 5, 2, port_offset),
-        insn(0xDC, 5, imm=16),  # to host order (BPF_END | BPF_TO_BE, 16 bits)
-        to_pass(jlt, 5, imm=AGG_PORT_LO),
-        to_pass(jgt, 5, imm=AGG_PORT_HI),
+        BPF_MOV64_REG(r4, r2),
+        BPF_ALU64_IMM(BPF_ADD, r4, _ETH_IPV4_UDP),  # r4 += 42
+        BPF_JMP_REG(BPF_JGT, r4, r3, "pass"),  # short frame: pass
+        BPF_LDX_MEM(BPF_H, r5, r2, 12),
+        BPF_JMP_IMM(BPF_JNE, r5, 0x0008, "pass"),  # ethertype 0x0800, read in network order
+        BPF_LDX_MEM(BPF_B, r5, r2, 14),
+        BPF_JMP_IMM(BPF_JNE, r5, 0x45, "pass"),  # IPv4 without options
+        BPF_LDX_MEM(BPF_B, r5, r2, 23),
+        BPF_JMP_IMM(BPF_JNE, r5, 17, "pass"),  # UDP
+        BPF_LDX_MEM(BPF_H, r5, r2, 20),
+        BPF_ALU64_IMM(BPF_AND, r5, 0xFF3F),  # MF and the fragment offset, in network order
+        BPF_JMP_IMM(BPF_JNE, r5, 0, "pass"),  # a fragment: pass
+        BPF_LDX_MEM(BPF_H, r5, r2, port_offset),
+        BPF_ENDIAN(BPF_TO_BE, r5, 16),  # to host order
+        BPF_JMP_IMM(BPF_JLT, r5, AGG_PORT_LO, "pass"),
+        BPF_JMP_IMM(BPF_JGT, r5, AGG_PORT_HI, "pass"),
+    ]
+
+
+def chance_insns(p: float) -> list:
+    """Instructions that jump to label ``pass`` unless bpf_get_prandom_u32 falls below
+    p * 2**32 (``p`` >= 1: never). Uses r0 and r1."""
+    threshold = min(1 << 32, max(1, round(p * (1 << 32)))) if p > 0 else 0
+    r0, r1 = 0, 1
+    return [
+        BPF_EMIT_CALL(_FUNC_GET_PRANDOM_U32),  # r0 = a random u32
+        BPF_LD_IMM64(r1, threshold),
+        BPF_JMP_REG(BPF_JGE, r0, r1, "pass"),  # r0 >= threshold: pass
     ]
 
 
 def loss_insns(p: float) -> list[int]:
     """An XDP program: UDP over IPv4 from ports 0xBEE0-0xBEEF (the aggregator's results, unicast
-    or broadcast) dropped with probability ``p`` (bpf_get_prandom_u32 below p * 2**32), every
-    other frame passed. ``p`` >= 1 drops every such frame."""
-    threshold = min(1 << 32, max(1, round(p * (1 << 32)))) if p > 0 else 0
-    ldxw, jge_x = 0x61, 0x3D
-    body = [
-        insn(ldxw, 2, 1, 0),  # r2 = ctx->data
-        insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
-        *agg_udp_match(port_offset=34),  # the UDP source port
-        insn(0x85, imm=_FUNC_GET_PRANDOM_U32),  # r0 = a random u32
-        insn(0x18, 1, imm=threshold & 0xFFFFFFFF),  # r1 = threshold (64-bit immediate)
-        insn(0, imm=threshold >> 32),
-        to_pass(jge_x, 0, 1),  # r0 >= threshold: pass
-        insn(0xB7, 0, imm=bpfsys.XDP_DROP),
-        insn(0x95),
-    ]
-    return assemble([*body, "pass", *bpfsys.XDP_PASS_INSNS])
-
-
-def to_pass(code: int, dst: int, src: int = 0, imm: int = 0) -> tuple:
-    """A conditional jump to the program's pass exit (:func:`assemble` counts its offset)."""
-    return (code, dst, src, "pass", imm)
+    or broadcast) dropped with probability ``p``, every other frame passed. ``p`` >= 1 drops
+    every such frame."""
+    r0, r1, r2, r3 = range(4)
+    return assemble(
+        [
+            BPF_LDX_MEM(BPF_W, r2, r1, 0),  # r2 = ctx->data
+            BPF_LDX_MEM(BPF_W, r3, r1, 4),  # r3 = ctx->data_end
+            *agg_udp_match(port_offset=34),  # the UDP source port
+            *chance_insns(p),
+            BPF_MOV64_IMM(r0, bpfsys.XDP_DROP),
+            BPF_EXIT_INSN(),
+            "pass",
+            *bpfsys.XDP_PASS_INSNS,
+        ]
+    )
 
 
 def mac_filter_insns(mac: str) -> list[int]:
@@ -98,50 +124,30 @@ def mac_filter_insns(mac: str) -> list[int]:
     ``rx_queue_N_xdp_drops``; a raw socket on the interface sees only what passed."""
     b = bytes.fromhex(mac.replace(":", ""))
     lo, hi = int.from_bytes(b[:4], "little"), int.from_bytes(b[4:], "little")  # as loaded
-    ldxw, ldxh = 0x61, 0x69  # BPF_LDX | BPF_MEM | size
-    jgt_x, jne32, jeq32 = 0x2D, 0x56, 0x16  # 32-bit compares: the immediates are not extended
+    r0, r1, r2, r3, r4, r5, r6 = range(7)
+    # 32-bit compares (BPF_JMP32): the immediates are not sign-extended
     return assemble(
         [
-            insn(ldxw, 2, 1, 0),  # r2 = ctx->data
-            insn(ldxw, 3, 1, 4),  # r3 = ctx->data_end
-            insn(0xBF, 4, 2),  # r4 = r2
-            insn(0x07, 4, imm=6),  # r4 += 6: the destination MAC
-            (jgt_x, 4, 3, "drop", 0),  # a runt frame: drop
-            insn(ldxw, 5, 2, 0),  # w5 = its first four bytes
-            insn(ldxh, 6, 2, 4),  # w6 = its last two
-            (jne32, 5, 0, "broadcast?", lo),
-            (jeq32, 6, 0, "pass", hi),  # our own MAC
+            BPF_LDX_MEM(BPF_W, r2, r1, 0),  # r2 = ctx->data
+            BPF_LDX_MEM(BPF_W, r3, r1, 4),  # r3 = ctx->data_end
+            BPF_MOV64_REG(r4, r2),
+            BPF_ALU64_IMM(BPF_ADD, r4, 6),  # r4 += 6: the destination MAC
+            BPF_JMP_REG(BPF_JGT, r4, r3, "drop"),  # a runt frame: drop
+            BPF_LDX_MEM(BPF_W, r5, r2, 0),  # w5 = its first four bytes
+            BPF_LDX_MEM(BPF_H, r6, r2, 4),  # w6 = its last two
+            BPF_JMP32_IMM(BPF_JNE, r5, lo, "broadcast?"),
+            BPF_JMP32_IMM(BPF_JEQ, r6, hi, "pass"),  # our own MAC
             "broadcast?",
-            (jne32, 5, 0, "drop", 0xFFFFFFFF),
-            (jne32, 6, 0, "drop", 0xFFFF),
-            (0x05, 0, 0, "pass", 0),  # ff:ff:ff:ff:ff:ff
+            BPF_JMP32_IMM(BPF_JNE, r5, 0xFFFFFFFF, "drop"),
+            BPF_JMP32_IMM(BPF_JNE, r6, 0xFFFF, "drop"),
+            BPF_JMP_A("pass"),  # ff:ff:ff:ff:ff:ff
             "drop",
-            insn(0xB7, 0, imm=bpfsys.XDP_DROP),
-            insn(0x95),
+            BPF_MOV64_IMM(r0, bpfsys.XDP_DROP),
+            BPF_EXIT_INSN(),
             "pass",
             *bpfsys.XDP_PASS_INSNS,
         ]
     )
-
-
-def assemble(body: list) -> list[int]:
-    """Raw instructions from a list of instructions, label names (where the next instruction
-    is) and jumps (code, dst, src, label, imm), whose offsets are counted here."""
-    labels, at = {}, 0
-    for x in body:
-        if isinstance(x, str):
-            labels[x] = at
-        else:
-            at += 1
-    code: list[int] = []
-    for x in body:
-        if isinstance(x, str):
-            continue
-        if isinstance(x, tuple):
-            op, dst, src, label, imm = x
-            x = insn(op, dst, src, labels[label] - len(code) - 1, imm)
-        code.append(x)
-    return code
 
 
 def attach_mac_filter(ends: dict[str, list[str]], frags: bool = False) -> None:

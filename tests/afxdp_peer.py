@@ -1,5 +1,5 @@
-"""A world-of-one aggregator for tests/test_afxdp.py: answers every datagram to --listen with its
-own bytes (the sum of one worker's contribution is that contribution) and, with --capture IF,
+"""A world-of-one aggregator for tests/root/test_afxdp.py: answers every datagram to --listen with
+its own bytes (the sum of one worker's contribution is that contribution) and, with --capture IF,
 keeps every frame that reaches IF for that port (a raw AF_PACKET socket, below the UDP socket).
 Prints "ready" on stderr once listening; when stdin closes, one JSON line: the frames in hex and
 the number of datagrams answered.

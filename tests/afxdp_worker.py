@@ -1,6 +1,6 @@
-"""One worker's stream engine(s) in a namespace for tests/test_afxdp.py: all-reduces an int32 and
-a float32 tensor through the aggregator at --agg over the data path --path, prints one JSON line:
-the data path, the reason, a SHA-256 of each result's bytes and the engine's counters.
+"""One worker's stream engine(s) in a namespace for tests/root/test_afxdp.py: all-reduces an int32
+and a float32 tensor through the aggregator at --agg over the data path --path, prints one JSON
+line: the data path, the reason, a SHA-256 of each result's bytes and the engine's counters.
 
     python tests/afxdp_worker.py --local 198.19.250.1:40000 --agg 198.19.250.2:48879 \
         --path afxdp --faults 0.1,0.1,0.2,0.2,4 --lanes 3

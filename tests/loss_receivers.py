@@ -1,4 +1,4 @@
-"""Both ends of tests/test_loss_down_netns.py's count: a sender and two kinds of receiver.
+"""Both ends of tests/root/test_loss_down_netns.py's count: a sender and two kinds of receiver.
 
     python tests/loss_receivers.py send DST:PORT N      # N datagrams from 0xBEE0, then "end"
     python tests/loss_receivers.py receive PORT DEV     # counts until each socket saw "end"

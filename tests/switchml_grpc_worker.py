@@ -1,4 +1,4 @@
-"""A p4app-switchML host in a testbed namespace (tests/test_switchml_grpc_netns.py): its setup
+"""A p4app-switchML host in a testbed namespace (tests/root/test_switchml_grpc_netns.py): its setup
 calls against `xdp-agg serve --switchml-grpc` (switchml_grpc_client.setup_switch), then each of
 its threads sends its first packets as BuildPacket frames on the raw interface, as the DPDK
 host does (to the switch MAC and address the controller answered), from its own UDP port, and

@@ -1,11 +1,11 @@
-"""One rank of tests/test_torch_fsdp.py, started by torchrun (xdp_agg.cluster.torchrun) on the
+"""One rank of tests/root/test_torch_fsdp.py, started by torchrun (xdp_agg.cluster.torchrun) on the
 testbed: FSDP2, DeviceMesh, DTensor, functional collectives, HSDP and PREMUL_SUM on the xdpagg
 backend, HSDP with a bfloat16 reduce_dtype (its replicate all-reduces at 16 bits), and a rank
 killed mid-training under --max-restarts 1. Prints `REPORT <json>` when done.
 
     torchrun ... tests/torch_fsdp_worker.py fsdp|hsdp|hsdp-wire16|restart [--steps N]
 
-(hsdp-wire16 also runs without torchrun, on env:// rendezvous: tests/test_torch_wire16.py.)
+(hsdp-wire16 also runs without torchrun, on env:// rendezvous: tests/root/test_torch_wire16.py.)
 
 Every rank builds the same model (seed 0) and its own batches from (rank, step), and trains it
 twice: sharded on xdpagg, and replicated by DDP on a gloo group of all ranks (the reference).

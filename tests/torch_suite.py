@@ -1,4 +1,5 @@
-"""PyTorch's own distributed conformance tests, run against a backend (tests/test_torch_suite.py).
+"""PyTorch's own distributed conformance tests, run against a backend
+(tests/unit/test_torch_suite.py).
 
     BACKEND=gloo WORLD_SIZE=2 python tests/torch_suite.py --backend xdpagg --json out.json [-k PAT]
 

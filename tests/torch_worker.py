@@ -1,6 +1,6 @@
-"""One rank of the PyTorch tests (tests/test_torch.py, tests/test_torch_wire16.py): DDP with the
-hook against DDP with gloo, DDP with wire16_hook against a float64 reference, the xdpagg
-backend's collectives (at the element widths XDP_AGG_WIRE_BITS gives), and a lost aggregator.
+"""One rank of the PyTorch tests (tests/root/test_torch.py, tests/root/test_torch_wire16.py):
+DDP with the hook against DDP with gloo, DDP with wire16_hook against a float64 reference, the
+xdpagg backend's collectives (at the element widths XDP_AGG_WIRE_BITS gives), and a lost aggregator.
 Prints one JSON report on stdout.
 
     RANK=0 WORLD_SIZE=2 MASTER_ADDR=... MASTER_PORT=... XDP_AGG_CONTROL=host:port \

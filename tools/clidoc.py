@@ -1,8 +1,8 @@
 """docs/cli.md from the click tree: every command of `xdp-agg` and `netns-testbed` with its help.
 
-`make cli-doc` writes the file; tests/test_docs.py checks that the committed one is current, so a
-changed option shows up in review as a changed page. The help text is click's own, rendered at a
-fixed width so that the page does not depend on the terminal it was made in.
+`make cli-doc` writes the file; tests/house/test_docs.py checks that the committed one is current,
+so a changed option shows up in review as a changed page. The help text is click's own, rendered at
+a fixed width so that the page does not depend on the terminal it was made in.
 """
 
 import sys

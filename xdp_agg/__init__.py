@@ -3,5 +3,5 @@
 side (ctl), the soft and bmv2 targets (targets), the application (app) and orchestration
 (cluster). The XDP target (xdp_switch), the host library (hostlib) and the testbed
 (netns_testbed) keep their own names. Importing this package imports none of them: the layers
-below an application import only what they use (tests/test_layers.py).
+below an application import only what they use (tests/house/test_layers.py).
 """

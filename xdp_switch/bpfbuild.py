@@ -5,7 +5,7 @@ which writes one object per flavour into xdp_switch/objects/ (package data, ship
 wheel); xdp_switch/objload.py loads them through libbpf. A flavour is a variant (VARIANTS),
 how the slots find their CPUs (rss or cpumap) and whether the programs take multi-buffer frames
 (frags): the builds attach can ask for. Test-only builds (race delays and mutants,
-tests/test_xdp_concurrency.py) compile on demand through `compile_object` into a directory of
+tests/root/test_xdp_concurrency.py) compile on demand through `compile_object` into a directory of
 their own, which needs clang on the machine; production objects never do.
 
 Objects are built with -Werror (a warning, a shadowed name among them, fails the build) and need

@@ -53,7 +53,7 @@ VARIANTS = {  # how slots are summed when several CPUs hit one slot
     "spinlock": ("-DAGG_SPINLOCK",),  # one shared partial per slot under a bpf_spin_lock
 }
 # Test-only build options (bpf/aggregate.h), passed to load() as cflags by
-# tests/test_xdp_concurrency.py alone: production builds define neither and compile exactly the
+# tests/root/test_xdp_concurrency.py alone: production builds define neither and compile exactly the
 # program they compiled before these existed.
 TEST_RACE_DELAY = "-DAGG_TEST_RACE_DELAY={}"  # spin 0..N ns (random) between arrival and addition
 TEST_MUTANT_COMPLETE_ON_ARRIVAL = "-DAGG_TEST_MUTANT_COMPLETE_ON_ARRIVAL"  # the known-racy mutant

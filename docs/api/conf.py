@@ -1,6 +1,6 @@
 """Sphinx configuration of the API reference of hostlib and hostlib.pt (`make docs`).
 
-The pages are generated from the docstrings (autodoc); tests/test_api_docs.py builds them with
+The pages are generated from the docstrings (autodoc); tests/house/test_api_docs.py builds them with
 -W, so a docstring Sphinx cannot read fails the tests. The output goes to build/docs (ignored).
 """
 

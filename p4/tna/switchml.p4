@@ -1,7 +1,7 @@
 /* switchml.p4 (TNA): the Tofino variant of p4/switchml.p4, same structure, file for file.
  *
  * Compiled by p4c's open Tofino back end (bf-p4c, p4c's backends/tofino) where it is installed
- * (tests/test_p4_tna.py; p4/README.md has the result), but not run: there is no Tofino model
+ * (tests/unit/test_p4_tna.py; p4/README.md has the result), but not run: there is no Tofino model
  * here. It is kept parallel to the v1model program, which is compiled and tested against the
  * packet table in bmv2; when changing one, change the other. Differences, forced by the
  * hardware:

@@ -1,6 +1,6 @@
 """EchoAggregator: a scripted aggregator for comparing the host loops on exactly what they send
-(tests/test_fastpath.py: the dense C and numpy loops; tests/test_sparse_host.py: the sparse
-ones). It records every datagram and answers each with a deterministic function of it alone.
+(tests/unit/test_fastpath.py: the dense C and numpy loops; tests/unit/test_sparse_host.py: the
+sparse ones). It records every datagram and answers each with a deterministic function of it alone.
 """
 
 from __future__ import annotations

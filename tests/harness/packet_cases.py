@@ -773,8 +773,8 @@ def switch_results_to_request_source_port(rng) -> list[Case]:
     slots' results. Two threads' rounds here, from ports 4000 and 4001 (p4app's default
     worker_port and the next); the workers registered 0xBEE0. The XDP program's devmap egress
     (which BPF_PROG_TEST_RUN cannot run) is checked in the testbed by
-    tests/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
-    tests/test_switchml_grpc.py; bmv2's runner checks every copy's ports."""
+    tests/root/test_switchml_grpc_netns.py, the soft aggregator (the model behind sockets) by
+    tests/unit/test_switchml_grpc.py; bmv2's runner checks every copy's ports."""
     c = Case(
         "switch_results_to_request_source_port",
         [job(n=2, delivery=Delivery.BROADCAST)],
@@ -790,7 +790,7 @@ def switch_results_to_request_source_port(rng) -> list[Case]:
 def unicast_results_redirected_to_copies(rng) -> list[Case]:
     """One-arm unicast delivery (hosts that join no group, docs/protocol.md 3.5): a result
     leaves addressed as for the group, by a devmap broadcast to the job's n copies, where the
-    copy program (tests/test_unicast.py) gives copy k worker k's MAC and address. Rounds from
+    copy program (tests/root/test_unicast.py) gives copy k worker k's MAC and address. Rounds from
     two lanes' ports, and a retransmission answered to its sender alone (XDP_TX)."""
     c = Case(
         "unicast_results_redirected_to_copies",

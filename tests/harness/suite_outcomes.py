@@ -1,4 +1,4 @@
-"""Outcomes of a suite run and its reruns (tests/test_torch_suite.py): a test that failed and
+"""Outcomes of a suite run and its reruns (tests/unit/test_torch_suite.py): a test that failed and
 passed when run again is flaky, named as such in the output and the summary, and never counted
 as passed."""
 

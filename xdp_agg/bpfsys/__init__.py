@@ -12,6 +12,8 @@ import errno
 import os
 import platform
 
+from . import insn
+
 _libc = ct.CDLL(None, use_errno=True)
 _libc.syscall.restype = ct.c_long
 _NR_BPF = {"x86_64": 321, "aarch64": 280}.get(platform.machine(), 321)
@@ -222,7 +224,7 @@ def prog_load(
             raise ProgLoadError(e2.errno, f"{e}: the kernel refused {name}", text) from e2
 
 
-XDP_PASS_INSNS = [0xB7 | (XDP_PASS << 32), 0x95]  # mov64 r0, XDP_PASS ; exit
+XDP_PASS_INSNS = [insn.BPF_MOV64_IMM(insn.BPF_REG_0, XDP_PASS), insn.BPF_EXIT_INSN()]
 
 
 def _addr(buf) -> int:

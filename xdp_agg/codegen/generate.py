@@ -4,7 +4,7 @@
     python -m xdp_agg.codegen --check  # exit 1 if any committed file differs
 
 The generated files are committed so that the BPF program, the P4 program and the host's C fast
-path (hostlib/fp_wire.h) can be read and compiled without running Python; tests/test_codegen.py
+path (hostlib/fp_wire.h) can be read and compiled without running Python; tests/root/test_codegen.py
 fails when they drift.
 """
 

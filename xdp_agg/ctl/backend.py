@@ -20,7 +20,7 @@ before they use it:
 | ProgramStats | metrics show the kernel programs' run time, memory, id and tag | xdp |
 | SparseJobs | `create` makes jobs sparse (ServerDefaults.sparse) at its sizes | xdp, soft, bmv2 |
 
-tests/test_backend_contract.py checks each target against each capability it claims, and that
+tests/root/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.
 """
 
