@@ -14,9 +14,9 @@ The numpy loops are vectorised numpy with the protocol written out in their docs
 native ones share one hostlib.native_stream.NativeStream (the C loop's Engine: its transport, RTT
 estimate and congestion window), which runs the whole stream with the GIL released through the
 C round strategy of the same name (hostlib/fp_dense.c, hostlib/fp_sparse.c) and sends the same
-bytes (tests/unit/test_fastpath.py and tests/unit/test_sparse_host.py compare them). StreamEngine uses the
-native transport when the extension is built (EngineConfig.native; HostOptions.native=False
-forces numpy), for both rounds.
+bytes (tests/unit/test_fastpath.py and tests/unit/test_sparse_host.py compare them).
+StreamEngine uses the native transport when the extension is built (EngineConfig.native;
+HostOptions.native=False forces numpy), for both rounds.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 /*
  * Dense all-reduces in the C fast path: the round strategy (fp_run.h RoundOps) whose packet p
- * is chunk p of the tensor, as hostlib/numpy_dense.py sends it (tests/test_fastpath.py compares
+ * is chunk p of the tensor, as hostlib/numpy_dense.py sends it (tests/unit/test_fastpath.py compares
  * the bytes). An int32 all-reduce sends its Pd chunks; a float one first a window of
  * exponent-only packets (chunk c's e0 in packet c), then chunk c as packet c + w, scaled by the
  * exponent its result agreed (docs/protocol.md 5.2). Packet p's slot takes packet p + w next.

@@ -1,6 +1,6 @@
 """The native dense loop: a dense all-reduce (docs/protocol.md section 4; floats: 5.2) in the C
 loop, whose dense round strategy (hostlib/fp_dense.c) sends the bytes of hostlib.numpy_dense
-(tests/test_fastpath.py compares them): P, w and the exponents as its transfers make them.
+(tests/unit/test_fastpath.py compares them): P, w and the exponents as its transfers make them.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The native sparse loop: a sparse all-reduce (docs/protocol.md section 8) in the C loop, whose
 sparse round strategy (hostlib/fp_sparse.c) runs it with the timers and window the loop gives
-every strategy, and sends the bytes of hostlib.numpy_sparse (tests/test_sparse_host.py compares
+every strategy, and sends the bytes of hostlib.numpy_sparse (tests/unit/test_sparse_host.py compares
 them).
 """
 

@@ -13,7 +13,8 @@ the other address, and nothing between the /24s: gloo's rendezvous between two w
 Frames that are not aggregation traffic pass the XDP aggregator (XDP_PASS) and the kernel routes
 them from one port to the other. It is the slow path the switch forwarding work (XDP
 ``bpf_fib_lookup`` and a devmap redirect) replaces on the box's side; the workers' routes are
-what that path needs too. Pure planning (commands()) needs no root (tests/test_kernel_forward.py).
+what that path needs too. Pure planning (commands()) needs no root
+(tests/unit/test_kernel_forward.py).
 """
 
 from __future__ import annotations
