@@ -23,7 +23,7 @@ from typing import Any
 
 from xdp_agg.proto import limits, wire
 
-from . import loader
+from . import forwarding, loader
 
 TOPOLOGIES = ("one-arm", "switch")  # the words netns_testbed uses for the same two layouts
 XDP_MODES = ("native", "skb")  # how XDP is attached: in the driver, or generic (skb)
@@ -48,6 +48,9 @@ class AttachOptions:
     slot_cpus: str = DEFAULT_SLOT_CPUS  # one of loader.SLOT_CPUS
     cpus: tuple[int, ...] | None = None  # cpumap: the CPUs that aggregate (None: every allowed)
     toolchain: str | None = None  # one of loader.TOOLCHAINS; None: loader.default_toolchain()
+    # how ordinary traffic crosses the switch topology's ports: one of forwarding.MODES; None:
+    # routed where every port has a subnet of its own, else switched (off one-arm)
+    forwarding: str | None = None
     cflags: tuple[str, ...] = ()  # test-only build flags (loader.race_test_cflags)
 
     def __post_init__(self) -> None:
@@ -68,6 +71,13 @@ class AttachOptions:
         _one_of(self.slot_cpus, tuple(loader.SLOT_CPUS), "--slot-cpus")
         if self.toolchain is not None:
             _one_of(self.toolchain, loader.TOOLCHAINS, "--toolchain")
+        if self.forwarding is not None:
+            _one_of(self.forwarding, forwarding.MODES, "--forwarding")
+            if self.topology == "one-arm" and self.forwarding != "off":
+                raise ValueError(
+                    f"--forwarding {self.forwarding} needs the switch topology (one-arm has one "
+                    "port): --forwarding off, or --topology switch"
+                )
         pool = self.pool_slots
         if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= wire.MAX_SLOTS:
             raise ValueError(f"--pool-slots must be 1..{wire.MAX_SLOTS}, not {pool!r}")
@@ -107,10 +117,18 @@ class AttachOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def resolved(self, ifaces: list[str], default_cpus: list[int], toolchain: str):
+    def resolved(
+        self, ifaces: list[str], default_cpus: list[int], toolchain: str, fwd: str = "off"
+    ):
         """The options as attached to `ifaces`: the topology by their count when not given, the
-        cpumap's CPUs (`default_cpus` when not given, sorted; none for rss) and the toolchain
-        that loaded the program."""
+        cpumap's CPUs (`default_cpus` when not given, sorted; none for rss), the toolchain
+        that loaded the program and the forwarding mode (`fwd` when not given)."""
         topology = self.topology or ("one-arm" if len(ifaces) == 1 else "switch")
         cpus = tuple(sorted(self.cpus or default_cpus)) if self.slot_cpus == "cpumap" else None
-        return dataclasses.replace(self, topology=topology, cpus=cpus, toolchain=toolchain)
+        return dataclasses.replace(
+            self,
+            topology=topology,
+            cpus=cpus,
+            toolchain=toolchain,
+            forwarding=self.forwarding or fwd,
+        )

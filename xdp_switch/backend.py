@@ -27,7 +27,7 @@ from xdp_agg.proto import limits, wire
 from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from xdp_agg.proto.reasons import PARENT_REASONS
 
-from . import links, loader, pins
+from . import forwarding, links, loader, pins
 from . import slot_cpus as cpu_table
 from .attach_options import AttachOptions
 from .ctl_maps import SPARSE_MAX_ELEMS, AggMaps, ip_str, mac_str, port_ntoh
@@ -112,8 +112,10 @@ def attach(
         toolchain=opts.toolchain,
     )
     done: list[dict] = []
+    sysctls: dict[str, str] = {}
     try:
-        attached = opts.resolved(ifaces, cpu_table.default_cpus(), prog.toolchain)
+        fwd = _forwarding_mode(opts, topology, infos, prog)
+        attached = opts.resolved(ifaces, cpu_table.default_cpus(), prog.toolchain, fwd)
         cpumap = attached.slot_cpus == "cpumap"
         pinned = _pinned_programs(prog)
         inst.pin(prog.maps, pinned)
@@ -135,6 +137,10 @@ def attach(
             done.append(
                 {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
             )
+        if fwd == "routed":
+            sysctls = forwarding.enable_kernel_forwarding([i["ifname"] for i in infos])
+        if fwd != "off":
+            forwarding.install(prog.maps, fwd, infos, egress)
         state = pins.State(
             name=name,
             topology=topology,
@@ -146,17 +152,35 @@ def attach(
             egress_prog_id=egress_id,
             attached_at=time.time(),
             options={**attached.to_dict(), "nr_cpus": prog.nr_cpus},
+            sysctls=sysctls,
         )
         inst.save_state(state)
         return state
     except BaseException:
         for d in done:
             links.detach_xdp(d["ifname"], d["prog_id"])
+        forwarding.restore_sysctls(sysctls)
         inst.remove()
         raise
     finally:
         # The pins hold the program and maps now; drop this process's references.
         prog.close()
+
+
+def _forwarding_mode(opts: AttachOptions, topology: str, infos: list[dict], prog) -> str:
+    """The forwarding mode of this attachment (xdp_switch.forwarding): as asked, or the
+    ports' default; off for a bcc build, which has no forwarding."""
+    mode = opts.forwarding or forwarding.default_mode(topology, infos)
+    why = forwarding.check_mode(mode, topology, infos)
+    if why:
+        raise AggregatorError(why)
+    if mode != "off" and "fwd_config" not in prog.maps:
+        if opts.forwarding:
+            raise AggregatorError(
+                f"--forwarding {mode} needs the libbpf toolchain (a bcc build does not forward)"
+            )
+        return "off"
+    return mode
 
 
 def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
@@ -246,6 +270,8 @@ def detach(name: str = "default", *, force: bool = False) -> dict:
     except XdpAggError:  # pins without a (readable) state file: remove the pins all the same
         state = None
     _enter_recorded_netns(state)
+    if state and state.sysctls:
+        report["sysctls_left"] = forwarding.restore_sysctls(state.sysctls)
     for d in state.interfaces if state else []:
         try:
             ok = links.detach_xdp(d["ifname"], d["prog_id"])
@@ -279,7 +305,14 @@ def status(name: str = "default") -> dict:
     registered = maps.workers()
     jobs = [job_dict(j, job, maps, registered) for j, job in maps.jobs().items()]
     options = {**state.options, **state.attach_options().to_dict()}
-    return {**state.to_dict(), "options": options, "interfaces": ifaces, "jobs": jobs}
+    fwd = forwarding.status(maps.fds, maps.ncpu)
+    return {
+        **state.to_dict(),
+        "options": options,
+        "interfaces": ifaces,
+        "jobs": jobs,
+        "forwarding": fwd,
+    }
 
 
 @dataclasses.dataclass(frozen=True)

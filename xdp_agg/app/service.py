@@ -248,6 +248,11 @@ CPUS={cpus}
 # empty: $XDP_AGG_TOOLCHAIN, else libbpf.
 TOOLCHAIN={toolchain}
 
+# The switch topology's ordinary traffic between its ports: routed (FIB lookup and redirect,
+# the kernel's forwarding sysctls set on the ports until detach) | switched (learned MAC table,
+# flooding) | off; empty: routed when every port has a subnet of its own, else switched.
+FORWARDING={forwarding}
+
 # HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
 # IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
 LISTEN={listen}
