@@ -692,6 +692,11 @@ class XdpBackend:
                 out.setdefault(w.job, {})[w.index] = self.maps.worker_counters(w.job, w.index)
         return {j: dict(sorted(ws.items())) for j, ws in sorted(out.items())}
 
+    def forwarding_stats(self) -> dict:
+        """The switch topology's forwarding: mode, counters, learned MACs (forwarding.status)."""
+        self._follow()
+        return forwarding.status(self.maps.fds, self.maps.ncpu)
+
     def program_stats(self) -> KernelStats:
         """The attached programs' run time and runs (the kernel counts them only while
         kernel.bpf_stats_enabled = 1: `bpf_stats_enabled` says whether it does), each one's id
