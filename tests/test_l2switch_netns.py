@@ -109,6 +109,12 @@ def test_l2switch_routed_ping_tcp_ipv6_ttl_and_detach_restores(testbed_factory):
         assert c["own_source"] == c["loop"] == 0
         text = _agg(tb, name, "status")
         assert "forwarding routed" in text
+        prom = _agg(tb, name, "stats", "--prometheus")
+        assert 'xdpagg_forwarding_mode{mode="routed"} 1.0' in prom
+        series = 'xdpagg_forwarding_frames_total{outcome="routed"} '
+        line = next(x for x in prom.splitlines() if x.startswith(series))
+        assert float(line[len(series) :]) >= c["routed"]  # counters only grow
+        assert 'xdpagg_scrape_success{source="forwarding"} 1.0' in prom
     finally:
         _agg(tb, name, "detach", "--force")
     assert _sysctls(tb, ports) == before
