@@ -144,3 +144,37 @@ def test_l2switch_switched_arp_ping_tcp_learns_and_floods(testbed_factory):
         assert 3 <= fwd["mac_table"]["entries"] <= fwd["mac_table"]["size"]
     finally:
         _agg(tb, name, "detach", "--force")
+
+
+@pytest.mark.parametrize("mode", ["routed", "switched"])
+def test_l2switch_allreduce_exact_beside_forwarded_traffic(testbed_factory, mode):
+    """The aggregation path is unchanged while the box forwards other traffic: an int32 (exact)
+    and a float32 all-reduce of 3 workers, each worker's counters the aggregator's, with a TCP
+    stream and pings between two workers through the same ports alongside."""
+    from harness.workers import ODD, assert_reports_ok
+
+    from xdp_agg.cluster.cluster import Cluster
+    from xdp_switch.attach_options import AttachOptions
+
+    tb = testbed_factory(workers=3, topology="switch")
+    shared = [f"198.19.0.{10 + i}" for i in range(3)]
+    for w, ip in zip(tb.workers, shared):
+        tb.run(w, ["ip", "addr", "add", f"{ip}/24", "dev", "eth0"])
+    dst = tb.workers[2].ip if mode == "routed" else shared[2]
+    plan = [
+        {"dtype": "int32", "count": ODD},
+        {"dtype": "float32", "count": 100_000},
+        {"check": "counters"},
+    ]
+    with Cluster(tb, attach=AttachOptions(forwarding=mode)) as cl:
+        pings = tb.popen(0, ["ping", "-c", "50", "-i", "0.05", dst], stdout=-1, text=True)
+        workers = cl.start_workers(plan, job=f"fwd-{mode}")
+        assert _tcp(tb, 1, 2, dst) == TCP_BYTES
+        reports = cl.collect(workers, 600.0)
+        out, _ = pings.communicate(timeout=60)
+        fwd = json.loads(cl.cli("status", "--json").stdout)["forwarding"]
+        st = cl.stats()
+    assert_reports_ok(reports)
+    assert " 0% packet loss" in out
+    assert fwd["mode"] == mode and fwd["counters"][mode] > 0
+    assert st["unattributed"]["drop_unknown_source"] == 0
