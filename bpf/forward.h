@@ -306,6 +306,12 @@ static __always_inline int forward(struct xdp_md *ctx)
 
 	if (!cfg || cfg->mode == AGG_FWD_OFF)
 		return XDP_PASS;
+#ifdef AGG_FRAGS
+	/* a frame larger than its first buffer: the kernel's (a devmap redirect of a multi-buffer
+	 * frame is not relied on, docs/protocol.md 3.5) */
+	if (frame_len(ctx) != (u32)(ctx->data_end - ctx->data))
+		return fwd_verdict(AGG_FWD_C_PASSED, XDP_PASS);
+#endif
 	if (fwd_own_source(ctx))
 		return fwd_verdict(AGG_FWD_C_OWN_SOURCE, XDP_DROP);
 	if (cfg->mode == AGG_FWD_ROUTED)
