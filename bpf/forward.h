@@ -91,6 +91,7 @@ AGG_HASH(fwd_own_ips, __be32, u32, AGG_FWD_OWN_IPS);                            
 AGG_PERCPU_ARRAY(fwd_stats, u64, AGG_FWD_NUM_COUNTERS);                         /* counter -> frames */
 /* clang-format on */
 
+/* Count one frame (or table event) in fwd_stats. Per-CPU: no atomics. */
 static __always_inline void fwd_count(u32 what)
 {
 	u64 *c = bpf_map_lookup_elem(&fwd_stats, &what);
@@ -106,6 +107,7 @@ static __always_inline int fwd_verdict(u32 what, int action)
 	return action;
 }
 
+/* Whether a MAC is one of the box's ports'. */
 static __always_inline bool fwd_is_own_mac(const u8 *mac)
 {
 	struct agg_fwd_mac k = {};
@@ -161,7 +163,9 @@ static __always_inline int fwd_fib_params(struct bpf_fib_lookup *fib, void *l3, 
 	return fwd_verdict(AGG_FWD_C_PASSED, XDP_PASS); /* ARP and the rest: the kernel's */
 }
 
-/* Routed: the kernel's FIB says where; only frames addressed to us are routed. */
+/* Routed: the kernel's FIB says where; only frames addressed to us are routed.
+ * verifier: a subprogram of its own (noinline), so that its stack (the 64-byte lookup) is not
+ * added to the aggregator's frame and its branches are verified once. */
 static __noinline int fwd_route(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;
@@ -239,13 +243,15 @@ static __always_inline bool fwd_arp_for_us(struct ethhdr *eth, void *data_end)
 	u8 *arp = (void *)(eth + 1);
 	__be32 tip;
 
+	/* verifier: the 28-byte IPv4-over-Ethernet ARP body must be in the frame */
 	if (eth->h_proto != bpf_htons(ETH_P_ARP) || (void *)(arp + 28) > data_end)
 		return false;
 	__builtin_memcpy(&tip, arp + 24, sizeof(tip)); /* target protocol address, RFC 826 */
 	return bpf_map_lookup_elem(&fwd_own_ips, &tip) != NULL;
 }
 
-/* Switched: learned destination, flood, or the box itself. */
+/* Switched: learned destination, flood, or the box itself.
+ * verifier: a subprogram of its own (noinline), as fwd_route. */
 static __noinline int fwd_switch(struct xdp_md *ctx, struct agg_fwd_config *cfg)
 {
 	void *data = (void *)(long)ctx->data;
