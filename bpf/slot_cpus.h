@@ -45,8 +45,7 @@ AGG_PROG(AGG_SEC_XDP) int xdp_agg_steer(struct xdp_md *ctx)
 
 	switch (parse(ctx, &pk)) {
 	case AGG_PARSE_NOT_OURS:
-		count(AGG_NO_JOB, AGG_PASS);
-		return XDP_PASS;
+		return not_ours(ctx); /* forwarded on the CPU it came in on (forward.h) */
 	case AGG_PARSE_OK:
 		g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
 		break;

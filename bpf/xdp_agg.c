@@ -12,7 +12,8 @@
  * a page: the jumbo size codes (1024 and 2048 int32) are copied through a per-CPU
  * scratch map with bpf_xdp_load_bytes/store_bytes, the others read in place (bpf/consts.h).
  * With -DAGG_CPUMAP xdp_agg_steer (slot_cpus.h) is what the interfaces run, and xdp_agg_ingress
- * runs on the cpumap's CPUs, the one that owns each slot. */
+ * runs on the cpumap's CPUs, the one that owns each slot. A frame that is not ours is forwarded
+ * between the ports in the switch topology (forward.h), else passed to the kernel. */
 #include "platform.h"
 #include <linux/if_ether.h>
 #include <linux/ip.h>
@@ -25,6 +26,7 @@
 #include "maps.h"
 #include "parse.h"
 #include "helpers.h"
+#include "forward.h"
 #include "slot_cpus.h"
 #include "aggregate.h"
 #include "sparse.h"
@@ -96,8 +98,7 @@ static __always_inline int ingress(struct xdp_md *ctx)
 		count(AGG_NO_JOB, AGG_DROP_TRUNCATED);
 		return XDP_DROP;
 	default:
-		count(AGG_NO_JOB, AGG_PASS);
-		return XDP_PASS;
+		return not_ours(ctx); /* forward.h: the switch topology forwards it */
 	}
 	wk.addr = pk.ip->saddr;
 	wk.port = pk.udp->dest;

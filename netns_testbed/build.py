@@ -180,6 +180,8 @@ class TestbedBuild:
                                 "bridge (mcast_flood off on an aggregator port)",
                             )
                     ipr(ns).link("set", index=idx, state="up")
+            for ns, dst, gateway in plan.worker_routes():
+                ipr(ns).route("add", dst=dst, gateway=gateway)
         finally:
             for r in iprs.values():
                 r.close()  # an open netlink socket would keep a namespace alive
@@ -198,6 +200,13 @@ class TestbedBuild:
             if ends:
                 script = "\n".join(f"ethtool -K {d} gro on" for d in ends)
                 nsexec.check(ns, ["sh", "-ec", script], "ethtool (enable GRO)")
+        # Switch topology: the workers fill their checksums in, as a NIC does on the wire. A
+        # veth with transmit checksum offload hands on a partial checksum, which a frame the
+        # aggregator forwards by XDP redirect keeps (no skb, no offload): every forwarded TCP
+        # segment would be dropped by its receiver (xdp-tools f0b4ac2
+        # xdp-forward/tests/test-xdp-forward.sh lines 74-79 switch it off for the same reason).
+        for ns, _, _ in self._plan.worker_routes():
+            nsexec.check(ns, ["ethtool", "-K", "eth0", "tx", "off"], "ethtool (checksums)")
         self._apply_rates(with_agg=True, initial=True)
         if self._wants_nft():
             self._apply_faults()

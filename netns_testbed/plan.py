@@ -18,7 +18,9 @@ Address plan (everything stays inside 198.18.0.0/15, the benchmarking range):
   their bridge ports do not flood multicast (``mcast_flood off``), so an
   aggregator's link never carries another aggregator's results.
 * ``switch``: one /24 per worker, 198.18.(i+1).0/24. Aggregator ``p<i>``
-  198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge.
+  198.18.(i+1).1, worker i ``eth0`` 198.18.(i+1).2. No bridge: each worker routes
+  198.18.0.0/15 through its port's address, and the aggregator's XDP program (or, before it
+  is attached, nothing) forwards between the ports.
 
 MACs are derived from the IP (``02:00`` + the four IP octets) so they are
 stable across runs and readable in packet dumps; bridge ports keep
@@ -44,6 +46,8 @@ MAX_AGG_QUEUES = 64  # receive/transmit queues of an aggregator's veths (a NIC's
 PREFIXLEN = 24
 ONE_ARM_AGG_IP = "198.18.0.1"
 ONE_ARM_GROUP_IP = "198.18.0.255"
+# switch topology: each worker's route to the others' subnets, through its port on the box
+SWITCH_ROUTE = "198.18.0.0/15"
 BRIDGE_NAME = "br0"
 
 # MTU limits of the testbed's links. The veth ends facing the aggregator carry XDP programs (ours
@@ -122,6 +126,14 @@ class Plan:
     @property
     def agg_interfaces(self) -> list[str]:
         return list(self.aggregator.ifnames)
+
+    def worker_routes(self) -> list[tuple[str, str, str]]:
+        """(namespace, destination, gateway) of the routes the workers get: in the switch
+        topology, the other workers' subnets through the worker's own port on the aggregator,
+        which forwards between its ports (xdp-agg attach --forwarding); one-arm: none."""
+        if self.topology != "switch":
+            return []
+        return [(w.netns, SWITCH_ROUTE, w.agg_ip) for w in self.workers]
 
 
 def aggregator_ip(j: int) -> str:

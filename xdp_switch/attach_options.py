@@ -23,7 +23,7 @@ from typing import Any
 
 from xdp_agg.proto import limits, wire
 
-from . import loader
+from . import forwarding, loader
 
 TOPOLOGIES = ("one-arm", "switch")  # the words netns_testbed uses for the same two layouts
 XDP_MODES = ("native", "skb")  # how XDP is attached: in the driver, or generic (skb)
@@ -47,6 +47,9 @@ class AttachOptions:
     frags: bool = False  # load as an XDP multi-buffer program (jumbo frames)
     slot_cpus: str = DEFAULT_SLOT_CPUS  # one of loader.SLOT_CPUS
     cpus: tuple[int, ...] | None = None  # cpumap: the CPUs that aggregate (None: every allowed)
+    # how ordinary traffic crosses the switch topology's ports: one of forwarding.MODES; None:
+    # routed where every port has a subnet of its own, else switched (off one-arm)
+    forwarding: str | None = None
     cflags: tuple[str, ...] = ()  # test-only build flags (loader.race_test_cflags)
 
     def __post_init__(self) -> None:
@@ -65,6 +68,13 @@ class AttachOptions:
         _one_of(self.xdp_mode, XDP_MODES, "--xdp-mode")
         _one_of(self.variant, tuple(loader.VARIANTS), "--variant")
         _one_of(self.slot_cpus, tuple(loader.SLOT_CPUS), "--slot-cpus")
+        if self.forwarding is not None:
+            _one_of(self.forwarding, forwarding.MODES, "--forwarding")
+            if self.topology == "one-arm" and self.forwarding != "off":
+                raise ValueError(
+                    f"--forwarding {self.forwarding} needs the switch topology (one-arm has one "
+                    "port): --forwarding off, or --topology switch"
+                )
         pool = self.pool_slots
         if isinstance(pool, bool) or not isinstance(pool, int) or not 1 <= pool <= wire.MAX_SLOTS:
             raise ValueError(f"--pool-slots must be 1..{wire.MAX_SLOTS}, not {pool!r}")
@@ -104,9 +114,12 @@ class AttachOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})
 
-    def resolved(self, ifaces: list[str], default_cpus: list[int]):
-        """The options as attached to `ifaces`: the topology by their count when not given and
-        the cpumap's CPUs (`default_cpus` when not given, sorted; none for rss)."""
+    def resolved(self, ifaces: list[str], default_cpus: list[int], fwd: str = "off"):
+        """The options as attached to `ifaces`: the topology by their count when not given, the
+        cpumap's CPUs (`default_cpus` when not given, sorted; none for rss) and the forwarding
+        mode (`fwd` when not given)."""
         topology = self.topology or ("one-arm" if len(ifaces) == 1 else "switch")
         cpus = tuple(sorted(self.cpus or default_cpus)) if self.slot_cpus == "cpumap" else None
-        return dataclasses.replace(self, topology=topology, cpus=cpus)
+        return dataclasses.replace(
+            self, topology=topology, cpus=cpus, forwarding=self.forwarding or fwd
+        )

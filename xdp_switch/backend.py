@@ -27,7 +27,7 @@ from xdp_agg.proto import limits, wire
 from xdp_agg.proto.jobs import Delivery, JobSpec, WorkerSpec, mac_bytes
 from xdp_agg.proto.reasons import PARENT_REASONS
 
-from . import links, loader, pins
+from . import forwarding, links, loader, pins
 from . import slot_cpus as cpu_table
 from .attach_options import AttachOptions
 from .ctl_maps import SPARSE_MAX_ELEMS, AggMaps, ip_str, mac_str, port_ntoh
@@ -113,8 +113,10 @@ def attach(
         skip=(loader.PROG_INGRESS,) if opts.slot_cpus == "cpumap" else (),
     )
     done: list[dict] = []
+    sysctls: dict[str, str] = {}
     try:
-        attached = opts.resolved(ifaces, cpu_table.default_cpus())
+        fwd = _forwarding_mode(opts, topology, infos)
+        attached = opts.resolved(ifaces, cpu_table.default_cpus(), fwd)
         cpumap = attached.slot_cpus == "cpumap"
         pinned = _pinned_programs(prog)
         inst.pin(prog.maps, pinned)
@@ -136,6 +138,10 @@ def attach(
             done.append(
                 {"ifname": info["ifname"], "ifindex": info["ifindex"], "prog_id": ingress_id}
             )
+        if fwd == "routed":
+            sysctls = forwarding.enable_kernel_forwarding([i["ifname"] for i in infos])
+        if fwd != "off":
+            forwarding.install(prog.maps, fwd, infos, egress)
         state = pins.State(
             name=name,
             topology=topology,
@@ -147,17 +153,29 @@ def attach(
             egress_prog_id=egress_id,
             attached_at=time.time(),
             options={**attached.to_dict(), "nr_cpus": prog.nr_cpus},
+            sysctls=sysctls,
         )
         inst.save_state(state)
         return state
     except BaseException:
         for d in done:
             links.detach_xdp(d["ifname"], d["prog_id"])
+        forwarding.restore_sysctls(sysctls)
         inst.remove()
         raise
     finally:
         # The pins hold the program and maps now; drop this process's references.
         prog.close()
+
+
+def _forwarding_mode(opts: AttachOptions, topology: str, infos: list[dict]) -> str:
+    """The forwarding mode of this attachment (xdp_switch.forwarding): as asked, or the
+    ports' default."""
+    mode = opts.forwarding or forwarding.default_mode(topology, infos)
+    why = forwarding.check_mode(mode, topology, infos)
+    if why:
+        raise AggregatorError(why)
+    return mode
 
 
 def _pinned_programs(prog: loader.Loaded) -> dict[str, int]:
@@ -247,6 +265,8 @@ def detach(name: str = "default", *, force: bool = False) -> dict:
     except XdpAggError:  # pins without a (readable) state file: remove the pins all the same
         state = None
     _enter_recorded_netns(state)
+    if state and state.sysctls:
+        report["sysctls_left"] = forwarding.restore_sysctls(state.sysctls)
     for d in state.interfaces if state else []:
         try:
             ok = links.detach_xdp(d["ifname"], d["prog_id"])
@@ -280,7 +300,14 @@ def status(name: str = "default") -> dict:
     registered = maps.workers()
     jobs = [job_dict(j, job, maps, registered) for j, job in maps.jobs().items()]
     options = {**state.options, **state.attach_options().to_dict()}
-    return {**state.to_dict(), "options": options, "interfaces": ifaces, "jobs": jobs}
+    fwd = forwarding.status(maps.fds, maps.ncpu)
+    return {
+        **state.to_dict(),
+        "options": options,
+        "interfaces": ifaces,
+        "jobs": jobs,
+        "forwarding": fwd,
+    }
 
 
 @dataclasses.dataclass(frozen=True)
@@ -659,6 +686,11 @@ class XdpBackend:
             if w.index != limits.PARENT_INDEX and w.job not in self._lost:
                 out.setdefault(w.job, {})[w.index] = self.maps.worker_counters(w.job, w.index)
         return {j: dict(sorted(ws.items())) for j, ws in sorted(out.items())}
+
+    def forwarding_stats(self) -> dict:
+        """The switch topology's forwarding: mode, counters, learned MACs (forwarding.status)."""
+        self._follow()
+        return forwarding.status(self.maps.fds, self.maps.ncpu)
 
     def program_stats(self) -> KernelStats:
         """The attached programs' run time and runs (the kernel counts them only while

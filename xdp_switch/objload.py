@@ -162,7 +162,10 @@ def load(
     progs = {n: obj.prog_fd(n) for n in names}
     verified = {n: bpfsys.prog_info(fd).verified_insns for n, fd in progs.items()}
     wanted = (
-        loader.MAP_NAMES + OWN_MAPS + (loader.CPUMAP_MAP_NAMES + ("tx_self",) if cpumap else ())
+        loader.MAP_NAMES
+        + OWN_MAPS
+        + loader.FWD_MAP_NAMES
+        + (loader.CPUMAP_MAP_NAMES + ("tx_self",) if cpumap else ())
     )
     maps = {n: obj.map_fd(n) for n in wanted}
     options = {"cflags": list(cflags), "variant": variant, "frags": frags, "slot_cpus": slot_cpus}

@@ -77,6 +77,9 @@ class State:
     # AttachOptions.to_dict() as attached (resolved), with the loaded program's "nr_cpus"; an
     # older version's file has some of its keys (attach_options fills in the rest)
     options: dict = field(default_factory=dict)
+    # routed forwarding: the kernel sysctls attach set, {path: the value before}, which detach
+    # writes back (xdp_switch.forwarding)
+    sysctls: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -123,6 +123,7 @@ CLAIMS = {
             "AllWorkerCounters",
             "ProgramStats",
             "SparseJobs",
+            "ForwardingStats",
         },
     ),
     "tree": (lambda: TreeBackend, {c.__name__ for c in contract.CAPABILITIES}),

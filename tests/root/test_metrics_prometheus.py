@@ -8,11 +8,11 @@ Worker 0's address sends contributions of the wrong size. Through Prometheus's H
 must then give the job's contribution rate (above zero), the bad-size drops of the job and of
 worker 0 (as many as the aggregator counted: `xdp-agg stats`), the XDP program's runs (the
 kernel's BPF statistics, on for the test), every source of the scrape read
-(xdpagg_scrape_success 1 for the data plane, the programs and the endpoint), the ingress program
-named by its kernel id and tag (xdpagg_program_info, as bpfsys reads them), and the alert
-XdpAggDropsRising pending. `promtool
-check metrics` passes on what serve exposes and on `xdp-agg stats --prometheus`. The test waits
-for events (samples present, counts equal), each wait bounded by a generous number of polls.
+(xdpagg_scrape_success 1 for the data plane, the programs, forwarding and the endpoint), the
+ingress program named by its kernel id and tag (xdpagg_program_info, as bpfsys reads them), and
+the alert XdpAggDropsRising pending. `promtool check metrics` passes on what serve exposes and
+on `xdp-agg stats --prometheus`. The test waits for events (samples present, counts equal), each
+wait bounded by a generous number of polls.
 
 Skipped, with the reason, where Debian's prometheus package (prometheus, promtool) is missing.
 """
@@ -205,7 +205,7 @@ def _sources_and_programs(api: Prom) -> dict:
     """Every source of serve's scrape read (scrape_success 1 each), and the ingress program
     named by its id and tag (16 hex digits)."""
     ok = "xdpagg_scrape_success"
-    sources = {"data_plane", "programs", "endpoint"}
+    sources = {"data_plane", "programs", "forwarding", "endpoint"}
     got = {
         ok: api.wait(
             ok,

@@ -196,7 +196,9 @@ def _serve_and_stop(tb, name, tmp_path):
         st = json.loads(_xdp_agg("--name", name, "status", "--json").stdout)
         assert st["topology"] == "one-arm" and st["pool_slots"] == 256 and st["netns"] == agg_ns
         assert st["interfaces"][0]["attached"] and st["prog_id"] != old_prog
-        want = AttachOptions("one-arm", pool_slots=256)  # as attached
+        want = AttachOptions(  # as attached: the forwarding mode chosen for one-arm too
+            "one-arm", pool_slots=256, forwarding="off"
+        )
         assert AttachOptions.from_dict(st["options"]) == want
 
         plan = json.dumps([{"dtype": "int32", "count": 5000}])

@@ -23,8 +23,9 @@ EVERY = AttachOptions(
     slot_cpus="cpumap",
     cpus=(0, 1),
     cflags=("-DX",),
+    forwarding="switched",
 )
-EVERY_OTHER = AttachOptions(xdp_mode="skb", frags=True)
+EVERY_OTHER = AttachOptions(xdp_mode="skb", frags=True, forwarding="off")
 
 
 def test_every_field_is_off_its_default_in_the_tests_values():
@@ -64,6 +65,8 @@ def test_from_dict_defaults_what_is_missing_and_leaves_out_what_it_does_not_know
         ({"cpus": [-1]}, "--cpus must name each CPU once"),
         ({"slot_cpus": "cpumap", "xdp_mode": "skb"}, "cpumap needs native XDP.*--xdp-mode native"),
         ({"slot_cpus": "cpumap", "frags": True}, "not built for --frags"),
+        ({"forwarding": "bridged"}, "--forwarding must be one of routed, switched, off"),
+        ({"topology": "one-arm", "forwarding": "routed"}, "needs the switch topology"),
     ],
 )
 def test_bad_values_say_what_to_write(changes, message):
@@ -78,6 +81,22 @@ def test_resolved_is_what_was_attached():
     assert (r.topology, r.cpus) == ("one-arm", (0, 1))
     r = AttachOptions(cpus=(1,)).resolved(["p0", "p1"], [0, 1])
     assert (r.topology, r.cpus) == ("switch", None)  # rss has no CPU list
+    assert r.forwarding == "off"  # the mode attach chose is what it records
+
+
+def test_l2switch_forwarding_default_follows_the_ports_subnets():
+    from xdp_switch import forwarding
+
+    own = [{"ipv4_nets": ["198.18.1.1/24"]}, {"ipv4_nets": ["198.18.2.1/24"]}]
+    shared = [{"ipv4_nets": ["198.18.0.1/24"]}, {"ipv4_nets": ["198.18.0.2/24"]}]
+    bare = [{"ipv4_nets": []}, {"ipv4_nets": []}]
+    assert forwarding.default_mode("switch", own) == "routed"
+    assert forwarding.default_mode("switch", shared) == "switched"
+    assert forwarding.default_mode("switch", bare) == "switched"
+    assert forwarding.default_mode("one-arm", own[:1]) == "off"
+    assert "--forwarding switched" in forwarding.check_mode("routed", "switch", shared)
+    r = AttachOptions(forwarding="switched").resolved(["p0", "p1"], [0], "routed")
+    assert r.forwarding == "switched"  # asked for wins over the ports' default
 
 
 # --- the CLI, the service and the pinned state build the same value ----------------------------
@@ -219,6 +238,9 @@ def test_a_state_file_with_bad_options_says_so(tmp_path, monkeypatch):
 
 
 class _NoMaps:
+    fds: dict = {}  # an old attachment's pins: no forwarding maps (forwarding "off")
+    ncpu = 2
+
     def jobs(self):
         return {}
 

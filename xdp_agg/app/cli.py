@@ -208,6 +208,8 @@ def status(ctx, as_json):
             f"program id {s['prog_id']}, {s['pool_slots']} slots"
         )
         click.echo(f"  attached with {_attached_as(s['options'])}")
+        if s.get("forwarding", {}).get("mode", "off") != "off":
+            click.echo("  " + _forwarding_line(s["forwarding"]))
         for i in s["interfaces"]:
             on = "attached" if i["attached"] else f"NOT attached (program {i['current_prog_id']})"
             click.echo(f"  {i['ifname']} (ifindex {i['ifindex']}): {on}")
@@ -234,6 +236,14 @@ def _print_stats(s) -> None:
             click.echo(f"  worker {w}: " + ", ".join(f"{k}={v}" for k, v in c.items()))
         if js.get("parent"):
             click.echo("  " + _parent_line(js["parent"]))
+
+
+def _forwarding_line(f: dict) -> str:
+    """One line for the switch topology's forwarding: its mode and non-zero counters."""
+    c = ", ".join(f"{k}={v}" for k, v in f["counters"].items() if v) or "nothing yet"
+    table = f["mac_table"]
+    macs = f", {table['entries']}/{table['size']} MACs learned" if f["mode"] == "switched" else ""
+    return f"forwarding {f['mode']}: {c}{macs}"
 
 
 def _parent_line(p: dict) -> str:

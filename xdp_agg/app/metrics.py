@@ -44,6 +44,7 @@ from xdp_agg.ctl.backend import (
     AllWorkerCounters,
     Backend,
     CounterRows,
+    ForwardingStats,
     JobCounters,
     ProgramStats,
     WorkerCounters,
@@ -60,7 +61,9 @@ log = logging.getLogger(__name__)
 PREFIX = "xdpagg_"
 NO_JOB_LABEL = "none"  # the job_id label of packets that belong to no job
 # What a scrape reads, each apart (the `source` label of xdpagg_scrape_success and _duration)
-SOURCES = ("data_plane", "programs", "endpoint", "switchml")
+SOURCES = ("data_plane", "programs", "forwarding", "endpoint", "switchml")
+# the forwarding counters that are events of the MAC table, not frames (xdp_switch.forwarding)
+MAC_EVENTS = ("learned", "moved", "aged")
 
 # Per-worker counters (xdp_agg.codegen.abi.WORKER_STATS's fields, the soft aggregator's alike):
 # field -> (metric name, help).
@@ -169,6 +172,7 @@ class AggregatorCollector(Collector):
         readers = {
             "data_plane": self._data_plane,
             "programs": self._programs if isinstance(src.backend, ProgramStats) else None,
+            "forwarding": (self._forwarding if isinstance(src.backend, ForwardingStats) else None),
             "endpoint": self._endpoint if src.endpoint is not None else None,
             "switchml": self._switchml if src.switchml is not None else None,
         }
@@ -210,6 +214,21 @@ class AggregatorCollector(Collector):
             fams["info"].add_metric([name, str(p.id), p.tag], 1)
         for name, nbytes in st.maps.items():
             fams["map_memory"].add_metric([name], nbytes)
+        return list(fams.values())
+
+    # --- forwarding in the switch topology -------------------------------------------------------
+    def _forwarding(self) -> list[Metric]:
+        st = self.sources.backend.forwarding_stats()  # a ForwardingStats: _readers asked
+        if st is None:
+            return []
+        fams = _forwarding_families()
+        for mode in ("routed", "switched", "off"):
+            fams["mode"].add_metric([mode], int(st["mode"] == mode))
+        for name, n in st["counters"].items():
+            fam = fams["mac_events"] if name in MAC_EVENTS else fams["frames"]
+            fam.add_metric([name], n)
+        fams["entries"].add_metric([], st["mac_table"]["entries"])
+        fams["size"].add_metric([], st["mac_table"]["size"])
         return list(fams.values())
 
     # --- the control endpoint -------------------------------------------------------------------
@@ -323,6 +342,27 @@ def _program_families() -> dict[str, Metric]:
             "An attached XDP program (value 1): its kernel id and tag (bpftool prog show).",
             [*prog, "id", "tag"],
         ),
+    }
+
+
+def _forwarding_families() -> dict[str, Metric]:
+    """The switch topology's forwarding families, empty."""
+    return {
+        "mode": _gauge(
+            "forwarding_mode", "1 for the mode the switch topology forwards in.", ["mode"]
+        ),
+        "frames": _counter(
+            "forwarding_frames",
+            "Frames that are not aggregation traffic, by outcome: routed, switched, flooded, "
+            "passed (to the kernel), ttl_expired (passed), own_source, loop, same_port, "
+            "bad_source (dropped).",
+            ["outcome"],
+        ),
+        "mac_events": _counter(
+            "forwarding_mac_events", "MAC table events: learned, moved, aged.", ["event"]
+        ),
+        "entries": _gauge("forwarding_mac_entries", "MACs the switched mode holds now."),
+        "size": _gauge("forwarding_mac_table_size", "MACs the switched mode can hold."),
     }
 
 

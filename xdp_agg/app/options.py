@@ -22,7 +22,7 @@ import click
 from xdp_agg.ctl import auth
 from xdp_agg.proto import control, groups, limits, wire
 from xdp_agg.proto.jobs import DEFAULT_CONTROL_PORT
-from xdp_switch import attach_options, loader, slot_cpus
+from xdp_switch import attach_options, forwarding, loader, slot_cpus
 
 DEFAULT_GROUP_BASE = groups.DEFAULT_GROUP_BASE
 RESULTS = ("multicast", "broadcast", "unicast")
@@ -289,6 +289,15 @@ ATTACH_FLAGS = {
         default=None,
         help="With --slot-cpus cpumap: the CPUs that aggregate, as 0-3,6 (default: every CPU "
         "this command may run on); a job's slots are cut into one contiguous range per CPU.",
+    ),
+    "forwarding": _flag(
+        "--forwarding",
+        type=click.Choice(forwarding.MODES),
+        default=None,
+        help="The switch topology's ordinary traffic between its ports: routed (a FIB lookup "
+        "and a redirect; the kernel's forwarding for the rest, its sysctls set on the ports "
+        "until detach), switched (a learned MAC table, flooding) or off (to the kernel). "
+        "Default: routed when every port has a subnet of its own, else switched; off one-arm.",
     ),
 }
 _FLAGS_OF: dict[type, dict[str, tuple[tuple[str, ...], dict]]] = {AttachOptions: ATTACH_FLAGS}

@@ -249,6 +249,11 @@ SLOT_CPUS={slot_cpus}
 # With SLOT_CPUS=cpumap: the CPUs that aggregate, as 0-3,6; empty: every CPU the service may use.
 CPUS={cpus}
 
+# The switch topology's ordinary traffic between its ports: routed (FIB lookup and redirect,
+# the kernel's forwarding sysctls set on the ports until detach) | switched (learned MAC table,
+# flooding) | off; empty: routed when every port has a subnet of its own, else switched.
+FORWARDING={forwarding}
+
 # HOST:PORT of the control endpoint the workers' host library connects to; empty: the one
 # IPv4 address of INTERFACES, port 48800. 0.0.0.0 (every address) only when written here.
 LISTEN={listen}

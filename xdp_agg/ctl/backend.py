@@ -19,6 +19,7 @@ before they use it:
 | AllWorkerCounters | metrics read every job's per-worker counters in one call | xdp |
 | ProgramStats | metrics show the kernel programs' run time, memory, id and tag | xdp |
 | SparseJobs | `create` makes jobs sparse (ServerDefaults.sparse) at its sizes | xdp, soft, bmv2 |
+| ForwardingStats | metrics show how the switch topology forwards other traffic | xdp |
 
 tests/root/test_backend_contract.py checks each target against each capability it claims, and that
 it claims those of the table.
@@ -174,6 +175,16 @@ class ProgramStats(Protocol):
 
 
 @runtime_checkable
+class ForwardingStats(Protocol):
+    """A target that forwards the traffic that is not aggregation traffic between its ports
+    (the XDP switch topology, xdp_switch.forwarding)."""
+
+    def forwarding_stats(self) -> dict | None:
+        """{"mode": routed, switched or off, "counters": {outcome: frames}, "mac_table":
+        {"entries", "size"}}; None where the target does not forward."""
+
+
+@runtime_checkable
 class SparseJobs(Protocol):
     """A target that runs sparse rounds (docs/protocol.md section 8)."""
 
@@ -197,6 +208,7 @@ CAPABILITIES = (
     AllWorkerCounters,
     ProgramStats,
     SparseJobs,
+    ForwardingStats,
 )
 
 

@@ -34,6 +34,7 @@ from xdp_agg.proto.jobs import JobSpec, WorkerSpec
 from .backend import (
     AllWorkerCounters,
     CounterRows,
+    ForwardingStats,
     Generation,
     JobCounters,
     JobLoss,
@@ -241,6 +242,10 @@ class TreeBackend:
     def program_stats(self) -> KernelStats | None:
         """The inner backend's BPF programs (None where it has none)."""
         return self.inner.program_stats() if isinstance(self.inner, ProgramStats) else None
+
+    def forwarding_stats(self) -> dict | None:
+        """The inner backend's forwarding (None where it does not forward)."""
+        return self.inner.forwarding_stats() if isinstance(self.inner, ForwardingStats) else None
 
     def _leave(self, job_id: int) -> None:
         with self._lock:
