@@ -2,9 +2,10 @@
 (harness/packet_cases.py: cases of steps, each a frame and the verdict it must get) for frames
 that are not aggregation traffic, with a serial reference model (FwdModel) of what bpf/forward.h
 does with them. Three runners hold a target to the same table, step by step:
-tests/test_l2switch_cases_model.py (the model alone, no root), tests/test_l2switch_xdp_cases.py
+tests/unit/test_l2switch_cases_model.py (the model alone, no root),
+tests/root/test_l2switch_xdp_cases.py
 (the XDP program through BPF_PROG_TEST_RUN in a switch-topology testbed's aggregator namespace)
-and tests/test_l2switch_p4_cases.py (bmv2's `l2_forward` table, p4/forwarder.p4).
+and tests/root/test_l2switch_p4_cases.py (bmv2's `l2_forward` table, p4/forwarder.p4).
 
 The layout is the testbed's switch topology: port i (p<i>) is 198.18.(i+1).1/24 with MAC
 mac_for_ip of it, and its worker 198.18.(i+1).2 behind it. Switched cases add hosts on one
