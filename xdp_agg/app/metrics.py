@@ -218,7 +218,8 @@ class AggregatorCollector(Collector):
 
     # --- forwarding in the switch topology -------------------------------------------------------
     def _forwarding(self) -> list[Metric]:
-        st = self.sources.backend.forwarding_stats()  # a ForwardingStats: _readers asked
+        # a ForwardingStats: _readers asked it of the backend (the XDP target's, not Backend's)
+        st = self.sources.backend.forwarding_stats()  # type: ignore[attr-defined]
         if st is None:
             return []
         fams = _forwarding_families()
@@ -345,7 +346,7 @@ def _program_families() -> dict[str, Metric]:
     }
 
 
-def _forwarding_families() -> dict[str, Metric]:
+def _forwarding_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]:
     """The switch topology's forwarding families, empty."""
     return {
         "mode": _gauge(
