@@ -16,7 +16,7 @@ line itself, in two pieces, on each worker's ``eth0`` egress:
 
 Frames that left later overtake the held one: that is the reordering, as netem's
 ``delay D reorder`` makes it, though from the other side (netem sends the chosen frames at once
-and delays the rest). A held frame keeps its place in nothing: two held frames keep their order.
+and delays the rest). Two held frames keep their order between them.
 UDP GSO batches are one frame here (the socket reads and writes them with a virtio-net header,
 and the kernel cuts them on the way out), as for loss. AF_XDP senders skip the egress path, so
 their frames are never held.
