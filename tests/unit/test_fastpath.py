@@ -382,7 +382,11 @@ def test_early_loss_window_halves_for_a_queue_not_for_random_loss():
     as before; "fixed" never."""
     drop = {t: 1 for t in range(0, 300, 10)}
     assert _cwnd_after(drop, queue_delay=0.5, rto=0.5) == 64
-    assert 1 <= _cwnd_after(drop, queue_delay=0.01, agg_kw={"queue": (100, 0.04)}) < 64
+    # rto 0.2 s, above the queue's 40 ms: the queued answers come before any timer, so they give
+    # round-trip samples (a resent packet's would not: Karn) and srtt shows the queue whatever
+    # the load; with 5 ms timers every queued packet was resent first, and srtt could stay low
+    queued = {"queue": (100, 0.04)}
+    assert 1 <= _cwnd_after(drop, queue_delay=0.01, rto=0.2, agg_kw=queued) < 64
     assert 1 <= _cwnd_after(drop, early_loss=False) < 64
     assert _cwnd_after(drop, cwnd="fixed", early_loss=False) == 64
     assert _cwnd_after({}) == 64  # slow start reaches the slot window without loss
