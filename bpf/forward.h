@@ -14,7 +14,9 @@
  *    hash: bounded, the least recently used entry goes first), a learned destination behind
  *    another port gets a redirect there, an unknown, aged, broadcast or multicast one is
  *    flooded by a devmap broadcast through tx_ports to every other port (BPF_F_EXCLUDE_INGRESS:
- *    no hairpin); frames to the box itself (its MACs, an ARP request for its address) pass.
+ *    no hairpin); frames to the box itself (its MACs, an ARP request for its address) pass;
+ *    IGMP is snooped and flooded multicast pruned at egress as the Linux bridge does
+ *    (bpf/snoop.h).
  * Both modes drop a frame whose source is one of the box's own ports (fwd_own_macs,
  * fwd_own_ips): it can only have looped back. Every outcome is counted in fwd_stats.
  *
@@ -57,15 +59,20 @@ enum agg_fwd_counter {
 	AGG_FWD_C_LEARNED = 9,	  /* event: a new MAC learned */
 	AGG_FWD_C_MOVED = 10,	  /* event: a learned MAC relearned on another port */
 	AGG_FWD_C_AGED = 11,	  /* event: a learned MAC forgotten for age */
-	AGG_FWD_NUM_COUNTERS = 12,
+	AGG_FWD_C_IGMP = 12,	  /* event: an IGMP message snooped (bpf/snoop.h) */
+	AGG_FWD_C_PRUNED = 13,	  /* a flooded multicast copy not sent: no member there */
+	AGG_FWD_NUM_COUNTERS = 14,
 };
 
 /* How the switch topology forwards: written by attach, read by every frame that is not ours. */
 struct agg_fwd_config {
-	u32 mode;    /* enum agg_fwd_mode */
-	u32 pad;     /* zero */
-	u64 age_ns;  /* switched: a MAC not seen for this long is forgotten */
-	u64 hold_ns; /* switched: a MAC seen on another port sooner than this is a loop */
+	u32 mode;	/* enum agg_fwd_mode */
+	u32 pad;	/* zero */
+	u64 age_ns;	/* switched: a MAC not seen for this long is forgotten */
+	u64 hold_ns;	/* switched: a MAC seen on another port sooner than this is a loop */
+	u64 member_ns;	/* switched: a port's group membership lasts this long after a report */
+	u64 querier_ns; /* switched: a querier is present this long after its query */
+	u64 leave_ns;	/* switched: a membership lasts this long after a leave */
 };
 
 /* A MAC address as a hash key (padded to 8 bytes, the pad zero). */
@@ -105,6 +112,8 @@ static __always_inline int fwd_verdict(u32 what, int action)
 	fwd_count(what);
 	return action;
 }
+
+#include "snoop.h"
 
 /* Whether a MAC is one of the box's ports'. */
 static __always_inline bool fwd_is_own_mac(const u8 *mac)
@@ -267,6 +276,14 @@ static __noinline int fwd_switch(struct xdp_md *ctx, struct agg_fwd_config *cfg)
 		return fwd_verdict(AGG_FWD_C_BAD_SOURCE, XDP_DROP);
 	if (!fwd_learn(cfg, eth->h_source, in, now))
 		return fwd_verdict(AGG_FWD_C_LOOP, XDP_DROP);
+	if (eth->h_dest[0] & 1) {
+		fwd_snoop(ctx, cfg, in, now);
+		data = (void *)(long)ctx->data; /* verifier: packet pointers again after a call */
+		data_end = (void *)(long)ctx->data_end;
+		eth = data;
+		if ((void *)(eth + 1) > data_end)
+			return XDP_ABORTED;
+	}
 	if (fwd_is_own_mac(eth->h_dest) || fwd_arp_for_us(eth, data_end))
 		return fwd_verdict(AGG_FWD_C_PASSED, XDP_PASS);
 	if (!(eth->h_dest[0] & 1)) {

@@ -4,7 +4,8 @@
  * of a packet from its (source address, destination port), sums its int32 payload into the slot,
  * and sends the finished sum to every worker; anything that is not IPv4 UDP to ports
  * 0xBEE0-0xBEEF passes untouched. xdp_agg_egress is the devmap egress program of switch mode: it
- * addresses each broadcast copy of a result to the job's worker behind that port. xdp_agg_copy is
+ * addresses each broadcast copy of a result to the job's worker behind that port, and prunes
+ * flooded multicast copies IGMP snooping says nobody wants there (snoop.h). xdp_agg_copy is
  * the devmap egress program of unicast delivery (one-arm): it addresses copy k of a result to
  * the job's worker k. A sparse job's packets (docs/protocol.md section 8) go through sparse.h.
  * Built once per flavour by clang (xdp_switch/bpfbuild.py) and loaded by libbpf (platform.h).
@@ -165,7 +166,7 @@ AGG_PROG(AGG_SEC_DEVMAP) int xdp_agg_egress(struct xdp_md *ctx)
 	u32 g, *owner;
 
 	if (parse(ctx, &pk) != AGG_PARSE_OK)
-		return XDP_PASS; /* not a result: another frame sent out of this port (slot_cpus.h) */
+		return fwd_prune(ctx); /* not a result: forwarded, or an answer (slot_cpus.h) */
 	g = agg_ntohs(pk.sml->pool_index) & SML_POOL_SLOT_MASK;
 	owner = bpf_map_lookup_elem(&slot_owner, &g);
 	if (!owner || *owner == 0 || *owner > AGG_MAX_JOBS)

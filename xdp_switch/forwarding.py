@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import ctypes as ct
 import ipaddress
+import time
 from pathlib import Path
 
 from xdp_agg import bpfsys
@@ -40,10 +41,18 @@ COUNTERS = (
     "learned",
     "moved",
     "aged",
+    "igmp",
+    "pruned",
 )
 MAC_TABLE_SIZE = 4096  # bpf/forward.h AGG_FWD_MACS
 AGE_S = 300.0  # a learned MAC not seen for this long is forgotten (the Linux bridge's ageing)
 HOLD_S = 1.0  # a MAC seen on a second port sooner than this after the first is a loop
+GROUP_TABLE_SIZE = 4096  # bpf/snoop.h AGG_FWD_GROUPS
+# IGMP snooping's timers, the Linux bridge's defaults (multicast_membership_interval,
+# multicast_querier_interval, last member count x interval: br_multicast.c)
+MEMBER_S = 260.0  # a port is a group's member this long after a report
+QUERIER_S = 255.0  # a querier is present this long after its query
+LEAVE_S = 2.0  # a membership lasts this long after a leave
 SYSCTL_ROOT = Path("/proc/sys/net")
 
 
@@ -55,6 +64,9 @@ class FwdConfig(ct.Structure):
         ("pad", ct.c_uint32),
         ("age_ns", ct.c_uint64),
         ("hold_ns", ct.c_uint64),
+        ("member_ns", ct.c_uint64),
+        ("querier_ns", ct.c_uint64),
+        ("leave_ns", ct.c_uint64),
     ]
 
 
@@ -62,6 +74,12 @@ class FwdMac(ct.Structure):
     """bpf/forward.h struct agg_fwd_mac."""
 
     _fields_ = [("addr", ct.c_uint8 * 6), ("pad", ct.c_uint16)]
+
+
+class FwdGroup(ct.Structure):
+    """bpf/snoop.h struct agg_fwd_group."""
+
+    _fields_ = [("group", ct.c_uint8 * 4), ("ifindex", ct.c_uint32)]
 
 
 class FwdLearned(ct.Structure):
@@ -141,7 +159,11 @@ def restore_sysctls(before: dict[str, str]) -> list[str]:
 def install(maps: dict[str, int], mode: str, infos: list[dict], egress_fd: int) -> None:
     """Fill forward.h's maps: the mode and its timers, the ports (with the egress program, as
     tx_ports has it) and the box's own MACs and IPv4 addresses."""
-    cfg = FwdConfig(MODE_CODES[mode], 0, int(AGE_S * 1e9), int(HOLD_S * 1e9))
+    cfg = FwdConfig(
+        MODE_CODES[mode],
+        0,
+        *(int(t * 1e9) for t in (AGE_S, HOLD_S, MEMBER_S, QUERIER_S, LEAVE_S)),
+    )
     for info in infos:
         val = (ct.c_uint32 * 2)(info["ifindex"], egress_fd)  # struct bpf_devmap_val
         bpfsys.map_update(maps["fwd_ports"], ct.c_uint32(info["ifindex"]), val)
@@ -153,11 +175,12 @@ def install(maps: dict[str, int], mode: str, infos: list[dict], egress_fd: int) 
     bpfsys.map_update(maps["fwd_config"], ct.c_uint32(0), cfg)
 
 
-def set_timers(maps: dict[str, int], age_s: float, hold_s: float) -> None:
-    """Change the switched mode's ageing and loop hold (tests set them to 0 or large)."""
+def set_timers(maps: dict[str, int], age_s: float, hold_s: float, leave_s: float = LEAVE_S) -> None:
+    """Change the switched mode's ageing, loop hold and IGMP leave time (tests set them to 0 or
+    large)."""
     cfg = FwdConfig()
     bpfsys.map_lookup(maps["fwd_config"], ct.c_uint32(0), cfg)
-    cfg.age_ns, cfg.hold_ns = int(age_s * 1e9), int(hold_s * 1e9)
+    cfg.age_ns, cfg.hold_ns, cfg.leave_ns = (int(t * 1e9) for t in (age_s, hold_s, leave_s))
     bpfsys.map_update(maps["fwd_config"], ct.c_uint32(0), cfg)
 
 
@@ -194,11 +217,49 @@ def mac_table(maps: dict[str, int]) -> dict[str, int]:
     return out
 
 
+def _now_ns() -> int:
+    """bpf_ktime_get_ns's clock (CLOCK_MONOTONIC), which the snooping tables' times are on."""
+    return time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+
+
+def group_table(maps: dict[str, int]) -> dict[str, list[int]]:
+    """IGMP snooping's live memberships: {"239.1.2.3": [ifindex, ...]} (bpf/snoop.h)."""
+    if "fwd_groups" not in maps:
+        return {}
+    now, out = _now_ns(), {}
+    for k in bpfsys.map_keys(maps["fwd_groups"], FwdGroup):
+        until = ct.c_uint64()
+        if bpfsys.map_lookup(maps["fwd_groups"], k, until) and until.value > now:
+            out.setdefault(str(ipaddress.IPv4Address(bytes(k.group))), []).append(k.ifindex)
+    return {g: sorted(p) for g, p in sorted(out.items())}
+
+
+def snooping(maps: dict[str, int]) -> dict:
+    """IGMP snooping's state: whether a querier is present, the router ports, the groups."""
+    if "fwd_querier" not in maps:
+        return {"querier": False, "router_ports": [], "groups": {}, "size": GROUP_TABLE_SIZE}
+    now, until = _now_ns(), ct.c_uint64()
+    routers = [
+        k.value
+        for k in bpfsys.map_keys(maps["fwd_mrouters"], ct.c_uint32)
+        if bpfsys.map_lookup(maps["fwd_mrouters"], k, until) and until.value > now
+    ]
+    querier = ct.c_uint64()
+    bpfsys.map_lookup(maps["fwd_querier"], ct.c_uint32(0), querier)
+    return {
+        "querier": querier.value > now,
+        "router_ports": sorted(routers),
+        "groups": group_table(maps),
+        "size": GROUP_TABLE_SIZE,
+    }
+
+
 def status(maps: dict[str, int], ncpu: int) -> dict:
-    """What `xdp-agg status` shows of forwarding: mode, counters, learned MACs."""
+    """What `xdp-agg status` shows of forwarding: mode, counters, learned MACs, IGMP snooping."""
     learned = mac_table(maps)
     return {
         "mode": mode_of(maps),
         "counters": counters(maps, ncpu),
         "mac_table": {"entries": len(learned), "size": MAC_TABLE_SIZE},
+        "igmp_snooping": snooping(maps),
     }

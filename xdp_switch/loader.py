@@ -83,7 +83,18 @@ PROG_STEER = "xdp_agg_steer"  # cpumap: the program on the interfaces
 PROG_CPUMAP = "xdp_agg_cpumap"  # cpumap: xdp_agg_ingress loaded for the cpumap's entries
 CPUMAP_MAP_NAMES = ("slot_cpu", "cpu_map")  # cpumap: the maps the control plane fills
 # Forwarding in the switch topology (bpf/forward.h): the maps the control plane fills
-FWD_MAP_NAMES = ("fwd_config", "fwd_ports", "fwd_macs", "fwd_own_macs", "fwd_own_ips", "fwd_stats")
+FWD_MAP_NAMES = (
+    "fwd_config",
+    "fwd_ports",
+    "fwd_macs",
+    "fwd_own_macs",
+    "fwd_own_ips",
+    "fwd_stats",
+    "fwd_groups",  # IGMP snooping (bpf/snoop.h): (group, port) -> when it lapses
+    "fwd_group_any",
+    "fwd_mrouters",
+    "fwd_querier",
+)
 
 
 class LoadError(XdpAggError):

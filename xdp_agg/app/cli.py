@@ -243,6 +243,10 @@ def _forwarding_line(f: dict) -> str:
     c = ", ".join(f"{k}={v}" for k, v in f["counters"].items() if v) or "nothing yet"
     table = f["mac_table"]
     macs = f", {table['entries']}/{table['size']} MACs learned" if f["mode"] == "switched" else ""
+    snoop = f.get("igmp_snooping", {})
+    if f["mode"] == "switched" and snoop:
+        querier = "querier present" if snoop["querier"] else "no querier: multicast flooded"
+        macs += f", IGMP snooping: {len(snoop['groups'])} groups, {querier}"
     return f"forwarding {f['mode']}: {c}{macs}"
 
 

@@ -226,10 +226,16 @@ class AggregatorCollector(Collector):
         for mode in ("routed", "switched", "off"):
             fams["mode"].add_metric([mode], int(st["mode"] == mode))
         for name, n in st["counters"].items():
+            if name == "igmp":
+                fams["igmp"].add_metric([], n)
+                continue
             fam = fams["mac_events"] if name in MAC_EVENTS else fams["frames"]
             fam.add_metric([name], n)
         fams["entries"].add_metric([], st["mac_table"]["entries"])
         fams["size"].add_metric([], st["mac_table"]["size"])
+        snoop = st.get("igmp_snooping", {})
+        fams["querier"].add_metric([], int(bool(snoop.get("querier"))))
+        fams["groups"].add_metric([], len(snoop.get("groups", {})))
         return list(fams.values())
 
     # --- the control endpoint -------------------------------------------------------------------
@@ -356,7 +362,8 @@ def _forwarding_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]
             "forwarding_frames",
             "Frames that are not aggregation traffic, by outcome: routed, switched, flooded, "
             "passed (to the kernel), ttl_expired (passed), own_source, loop, same_port, "
-            "bad_source (dropped).",
+            "bad_source (dropped), pruned (a flooded multicast copy IGMP snooping kept from "
+            "a port without members).",
             ["outcome"],
         ),
         "mac_events": _counter(
@@ -364,6 +371,11 @@ def _forwarding_families() -> dict[str, CounterMetricFamily | GaugeMetricFamily]
         ),
         "entries": _gauge("forwarding_mac_entries", "MACs the switched mode holds now."),
         "size": _gauge("forwarding_mac_table_size", "MACs the switched mode can hold."),
+        "igmp": _counter("forwarding_igmp_snooped", "IGMP messages the switched mode snooped.", []),
+        "querier": _gauge(
+            "forwarding_igmp_querier", "1 while a querier is present (snooping prunes only then)."
+        ),
+        "groups": _gauge("forwarding_igmp_groups", "Multicast groups with a member port now."),
     }
 
 
