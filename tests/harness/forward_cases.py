@@ -16,18 +16,26 @@ no own-source or loop checks, no routing): a case says which targets run it, and
 from __future__ import annotations
 
 import enum
+import struct
 from collections import Counter
 from dataclasses import dataclass, field
+from ipaddress import IPv4Address, IPv4Network
 
-from scapy.layers.inet import ICMP, IP, TCP
+from scapy.layers.inet import ICMP, IP, TCP, UDP, IPOption_Router_Alert
 from scapy.layers.inet6 import IPv6
 from scapy.layers.l2 import ARP, Ether
+from scapy.utils import checksum
 
 PORTS = 4
 BROADCAST = "ff:ff:ff:ff:ff:ff"
 ALL_HOSTS_V6 = "33:33:00:00:00:01"  # IPv6 all-nodes multicast
 FAR_IP = "198.18.4.99"  # in port 3's subnet, never resolved: no neighbour
 FOREVER_S = 3600.0  # a hold or an age no case outlives
+IGMP_PROTO = 2
+IGMP_QUERY = 0x11
+IGMP_V3_REPORT = 0x22
+MCAST = IPv4Network("224.0.0.0/4")
+MCAST_LOCAL = IPv4Network("224.0.0.0/24")  # never pruned
 
 
 def port_ip(i: int) -> str:
@@ -88,6 +96,9 @@ class FwdCase:
     age_s: float = FOREVER_S  # a learned MAC not seen for this long is forgotten
     events: dict[str, int] = field(default_factory=dict)  # table counters the case moves
     not_on: dict[str, str] = field(default_factory=dict)  # target -> why it does not run it
+    leave_s: float = FOREVER_S  # a membership lapses this long after a leave (0: at once)
+    groups: dict[str, list[int]] = field(default_factory=dict)  # IGMP snooping's, after it
+    routers: list[int] = field(default_factory=list)  # ports a query came in on, after it
 
 
 class FwdModel:
@@ -97,7 +108,9 @@ class FwdModel:
     def __init__(self, case: FwdCase) -> None:
         self.case = case
         self.table = dict(case.table)
-        self.events: Counter = Counter()  # learned, moved, aged
+        self.events: Counter = Counter()  # learned, moved, aged, igmp
+        self.groups: dict[str, set[int]] = {}  # IGMP snooping: group -> member ports
+        self.routers: set[int] = set()  # ports a query came in on
 
     def step(self, in_port: int, frame: bytes) -> tuple[Verdict, str, int | None]:
         """(verdict, counter, out port) of a frame."""
@@ -132,6 +145,7 @@ class FwdModel:
         if eth.dst in BOX_MACS or (ARP in eth and eth[ARP].pdst in BOX_IPS):
             return Verdict.TO_HOST, "passed", None
         if int(eth.dst.split(":")[0], 16) & 1:
+            self._snoop(in_port, eth)
             return Verdict.FLOOD, "flooded", None
         port = self.table.get(eth.dst)
         if port is not None and self.case.age_s == 0:
@@ -143,6 +157,41 @@ class FwdModel:
         if port == in_port:
             return Verdict.DROP, "same_port", None
         return Verdict.FORWARD, "switched", port
+
+    def _snoop(self, in_port: int, eth) -> None:
+        """bpf/snoop.h's ingress side: queries make router ports, reports members, leaves
+        lapse after leave_s (time stands still: 0 lapses at once, else never)."""
+        if IP not in eth or eth[IP].proto != IGMP_PROTO or len(bytes(eth[IP].payload)) < 8:
+            return
+        self.events["igmp"] += 1
+        body = bytes(eth[IP].payload)
+        kind, group = body[0], str(IPv4Address(body[4:8]))
+        if kind == IGMP_QUERY:
+            self.routers.add(in_port)
+        elif kind in (0x12, 0x16):
+            self._join(group, in_port)
+        elif kind == 0x17:
+            self._leave(group, in_port)
+        elif kind == IGMP_V3_REPORT:
+            for rtype, g, nsrc in v3_records(body):
+                if rtype in (1, 3) and nsrc == 0:
+                    self._leave(g, in_port)
+                elif rtype != 6:
+                    self._join(g, in_port)
+
+    def _join(self, group: str, port: int) -> None:
+        if IPv4Address(group) in MCAST and IPv4Address(group) not in MCAST_LOCAL:
+            self.groups.setdefault(group, set()).add(port)
+
+    def _leave(self, group: str, port: int) -> None:
+        if self.case.leave_s == 0 and port in self.groups.get(group, set()):
+            self.groups[group].discard(port)
+            if not self.groups[group]:
+                del self.groups[group]
+
+    def snooped(self) -> tuple[dict[str, list[int]], list[int]]:
+        """(group -> member ports, router ports), as the XDP runner reads them back."""
+        return {g: sorted(p) for g, p in sorted(self.groups.items())}, sorted(self.routers)
 
 
 def check_model(model: FwdModel, step: FwdStep) -> None:
@@ -163,6 +212,56 @@ def ping(src_mac, dst_mac, src, dst, ttl=64) -> bytes:
 
 def arp_request(src_mac, src, target) -> bytes:
     return bytes(Ether(src=src_mac, dst=BROADCAST) / ARP(hwsrc=src_mac, psrc=src, pdst=target))
+
+
+def igmp(src_mac, src, dst, body: bytes) -> bytes:
+    """An IGMP message as hosts send it: router alert option, TTL 1, checksum right."""
+    body = body[:2] + struct.pack("!H", 0) + body[4:]
+    body = body[:2] + struct.pack("!H", checksum(body)) + body[4:]
+    ip = IP(src=src, dst=dst, ttl=1, proto=IGMP_PROTO, options=[IPOption_Router_Alert()])
+    return bytes(Ether(src=src_mac, dst=group_mac(dst)) / ip / body)
+
+
+def group_mac(group: str) -> str:
+    """The Ethernet address of an IPv4 group (RFC 1112 6.4: its low 23 bits)."""
+    b = IPv4Address(group).packed
+    return f"01:00:5e:{b[1] & 0x7F:02x}:{b[2]:02x}:{b[3]:02x}"
+
+
+def igmp_v2(kind: int, group: str) -> bytes:
+    """An IGMP v1/v2 message body: query (0x11), report (0x12, 0x16) or leave (0x17)."""
+    return struct.pack(
+        "!BBH4s", kind, 100 if kind == IGMP_QUERY else 0, 0, IPv4Address(group).packed
+    )
+
+
+def igmp_v3_report(records: list[tuple[int, str, int]], count: int | None = None) -> bytes:
+    """An IGMPv3 report (RFC 3376 4.2): records of (type, group, sources); `count` may lie."""
+    body = b""
+    for rtype, group, nsrc in records:
+        body += struct.pack("!BBH4s", rtype, 0, nsrc, IPv4Address(group).packed)
+        body += b"".join(IPv4Address(f"198.19.9.{i % 250 + 1}").packed for i in range(nsrc))
+    n = len(records) if count is None else count
+    return struct.pack("!BBHHH", IGMP_V3_REPORT, 0, 0, 0, n) + body
+
+
+def v3_records(body: bytes) -> list[tuple[int, str, int]]:
+    """The (type, group, sources) of an IGMPv3 report's records, as bpf/snoop.h walks them:
+    as many as its count says, while each is whole in the message."""
+    out, off = [], 8
+    for _ in range(struct.unpack("!H", body[6:8])[0]):
+        if off + 8 > len(body):
+            break
+        rtype, aux, nsrc = struct.unpack("!BBH", body[off : off + 4])
+        out.append((rtype, str(IPv4Address(body[off + 4 : off + 8])), nsrc))
+        off += 8 + 4 * nsrc + 4 * aux
+    return out
+
+
+def mcast_udp(src_mac, src, group) -> bytes:
+    """A UDP datagram to a group (what a multicast application sends)."""
+    udp = IP(src=src, dst=group) / UDP(dport=5000) / b"x"
+    return bytes(Ether(src=src_mac, dst=group_mac(group)) / udp)
 
 
 V6_PORT = [f"2001:2:0:{i + 1}::1" for i in range(PORTS)]
@@ -434,4 +533,92 @@ def _switched_cases() -> list[FwdCase]:
     ]
 
 
-CASES = _routed_cases() + _switched_cases()
+def _snooping_cases() -> list[FwdCase]:
+    """IGMP snooping's ingress side (bpf/snoop.h): what the tables hold after each case. The
+    frames are all flooded; pruning at egress is tested live (tests/root/test_l2switch_netns.py)."""
+    h, hi = [host_mac(i) for i in range(4)], [host_ip(i) for i in range(4)]
+    g1, g2, g3 = "239.1.2.3", "239.4.5.6", "239.7.8.9"
+    many = [(2, f"239.0.0.{i + 1}", 0) for i in range(40)]  # MODE_IS_EXCLUDE {}: joined
+
+    def flood(port: int, frame: bytes, what: str) -> FwdStep:
+        return FwdStep(port, frame, Verdict.FLOOD, "flooded", None, what)
+
+    general = flood(0, igmp(h[0], hi[0], "224.0.0.1", igmp_v2(IGMP_QUERY, "0.0.0.0")), "query")
+    return [
+        FwdCase(
+            "switched_igmp_reports_make_members",
+            "switched",
+            [
+                general,
+                flood(1, igmp(h[1], hi[1], g1, igmp_v2(0x16, g1)), "v2 report"),
+                flood(2, igmp(h[2], hi[2], g1, igmp_v2(0x12, g1)), "v1 report"),
+                flood(
+                    3,
+                    igmp(h[3], hi[3], "224.0.0.22", igmp_v3_report([(4, g2, 0), (2, g3, 2)])),
+                    "v3 report: to exclude, is exclude with sources",
+                ),
+                flood(2, mcast_udp(h[2], hi[2], g1), "data to a group: flooded, pruned at egress"),
+                flood(1, igmp(h[1], hi[1], "224.0.0.251", igmp_v2(0x16, "224.0.0.251")), "local"),
+            ],
+            groups={g1: [1, 2], g2: [3], g3: [3]},
+            routers=[0],
+            events={"igmp": 5, "learned": 4},
+            not_on=NOT_P4,
+        ),
+        FwdCase(
+            "switched_igmp_leaves",
+            "switched",
+            [
+                flood(1, igmp(h[1], hi[1], g1, igmp_v2(0x16, g1)), "v2 report"),
+                flood(2, igmp(h[2], hi[2], g1, igmp_v2(0x16, g1)), "another port"),
+                flood(1, igmp(h[1], hi[1], "224.0.0.2", igmp_v2(0x17, g1)), "v2 leave"),
+                flood(
+                    3,
+                    igmp(h[3], hi[3], "224.0.0.22", igmp_v3_report([(4, g2, 0), (5, g3, 1)])),
+                    "v3: to exclude, allow new sources",
+                ),
+                flood(
+                    3,
+                    igmp(h[3], hi[3], "224.0.0.22", igmp_v3_report([(3, g2, 0), (6, g3, 1)])),
+                    "v3: to include nothing (a leave), block old sources (no change)",
+                ),
+            ],
+            leave_s=0.0,
+            groups={g1: [2], g3: [3]},
+            events={"igmp": 5, "learned": 3},
+            not_on=NOT_P4,
+        ),
+        FwdCase(
+            "switched_igmp_bad_input",
+            "switched",
+            [
+                flood(
+                    1,
+                    igmp(h[1], hi[1], "224.0.0.22", igmp_v3_report([(2, g1, 0)], count=60000)),
+                    "v3 report whose count runs past the message",
+                ),
+                flood(
+                    2,
+                    igmp(h[2], hi[2], "224.0.0.22", igmp_v3_report([(2, g2, 300)])[:60]),
+                    "v3 record with more sources than the message holds",
+                ),
+                flood(
+                    3,
+                    igmp(h[3], hi[3], "224.0.0.22", igmp_v3_report([(2, "198.19.0.1", 0)])),
+                    "a unicast 'group'",
+                ),
+                flood(
+                    3,
+                    igmp(h[3], hi[3], "224.0.0.22", igmp_v3_report(many)),
+                    "a host in 40 groups answers a query in one report: every record counts",
+                ),
+                flood(0, igmp(h[0], hi[0], g1, b"\x16\x00"), "truncated: not snooped"),
+            ],
+            groups={g1: [1], g2: [2], **{g: [3] for _, g, _ in many}},
+            events={"igmp": 4, "learned": 4},
+            not_on=NOT_P4,
+        ),
+    ]
+
+
+CASES = _routed_cases() + _switched_cases() + _snooping_cases()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 
 import pytest
 
@@ -178,3 +179,111 @@ def test_l2switch_allreduce_exact_beside_forwarded_traffic(testbed_factory, mode
     assert " 0% packet loss" in out
     assert fwd["mode"] == mode and fwd["counters"][mode] > 0
     assert st["unattributed"]["drop_unknown_source"] == 0
+
+
+GROUP, UNJOINED = "239.1.2.3", "239.9.9.9"
+BATCH = 20  # datagrams per batch
+RECEIVER = (  # a member of GROUP: counts each batch's datagrams until "end"
+    "import json,socket,struct,sys\n"
+    "from collections import Counter\n"
+    "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+    "s.bind(('',5000))\n"
+    "s.setsockopt(socket.IPPROTO_IP,socket.IP_ADD_MEMBERSHIP,"
+    "socket.inet_aton(sys.argv[1])+socket.inet_aton(sys.argv[2]))\n"
+    "print('ready',flush=True); n=Counter()\n"
+    "while (b:=s.recv(64))!=b'end': n[b.decode()]+=1\n"
+    "print(json.dumps(n),flush=True)\n"
+)
+SNIFFER = (  # no member: counts the group datagrams that reach its link, until a unicast "end"
+    "import json,socket,sys\n"
+    "from collections import Counter\n"
+    "s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW,socket.htons(3)); s.bind(('eth0',0))\n"
+    "print('ready',flush=True); n=Counter()\n"
+    "while True:\n"
+    "    f,a=s.recvfrom(2048)\n"
+    "    if a[2]==4 or f[12:14]!=b'\\x08\\x00' or f[23]!=17: continue\n"
+    "    tag=f[14+(f[14]&15)*4+8:].decode(errors='replace')\n"
+    "    if tag=='end': break\n"
+    "    if f[30]>=224: n[socket.inet_ntoa(f[30:34])+' '+tag]+=1\n"
+    "print(json.dumps(n),flush=True)\n"
+)
+SENDER = (  # argv: source address, then (destination, tag, count) triples
+    "import socket,sys\n"
+    "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
+    "s.setsockopt(socket.IPPROTO_IP,socket.IP_MULTICAST_IF,socket.inet_aton(sys.argv[1]))\n"
+    "a=sys.argv[2:]\n"
+    "for dst,tag,k in zip(a[::3],a[1::3],a[2::3]):\n"
+    "    port=5000 if int(dst.split('.')[0])>=224 else 5999\n"
+    "    for _ in range(int(k)): s.sendto(tag.encode(),(dst,port))\n"
+)
+RAW_SEND = (  # one frame (hex) out of eth0
+    "import socket,sys\n"
+    "s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW); s.bind(('eth0',0))\n"
+    "s.send(bytes.fromhex(sys.argv[1]))\n"
+)
+
+
+def _snooping(tb, name, until, what):
+    """The status's igmp_snooping once until(it) holds (asked at most 100 times)."""
+    for _ in range(100):
+        snoop = json.loads(_agg(tb, name, "status", "--json"))["forwarding"]["igmp_snooping"]
+        if until(snoop):
+            return snoop
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: never seen; last {snoop}")
+
+
+def test_l2switch_switched_igmp_snooping_prunes_groups(testbed_factory):
+    """IGMP snooping as the Linux bridge does it (bpf/snoop.h): without a querier a joined group
+    is flooded; once a query came in (that port a router port), the group goes to its member
+    and not to a port without members, while a group nobody joined is still flooded. Counted at
+    a member (its socket) and at a non-member's link (every frame that reaches it)."""
+    from harness.forward_cases import IGMP_QUERY, igmp, igmp_v2
+
+    tb = testbed_factory(workers=3, topology="switch")
+    name = f"l2sw{os.getpid()}m"
+    shared = [f"198.19.0.{10 + i}" for i in range(3)]
+    for w, ip in zip(tb.workers, shared):
+        tb.run(w, ["ip", "addr", "add", f"{ip}/24", "dev", "eth0"])
+    _agg(tb, name, "attach", "p0", "p1", "p2", "--forwarding", "switched")
+    procs = []
+    try:
+        ifindex = {
+            json.loads(tb.run(tb.aggregator, ["ip", "-j", "link", "show", p]).stdout)[0][
+                "ifindex"
+            ]: p
+            for p in ("p0", "p1", "p2")
+        }
+        member = tb.popen(
+            1, [sys.executable, "-c", RECEIVER, GROUP, shared[1]], stdout=-1, text=True
+        )
+        sniffer = tb.popen(2, [sys.executable, "-c", SNIFFER], stdout=-1, text=True)
+        procs = [member, sniffer]
+        assert member.stdout.readline().strip() == "ready"
+        assert sniffer.stdout.readline().strip() == "ready"
+        snoop = _snooping(tb, name, lambda s: GROUP in s["groups"], "the member's report")
+        assert [ifindex[i] for i in snoop["groups"][GROUP]] == ["p1"]
+        assert not snoop["querier"]
+
+        send = [sys.executable, "-c", SENDER, shared[0]]
+        assert tb.run(0, [*send, GROUP, "flooded", str(BATCH)]).returncode == 0
+        mac0 = tb.run(0, ["cat", "/sys/class/net/eth0/address"]).stdout.strip()
+        query = igmp(mac0, shared[0], "224.0.0.1", igmp_v2(IGMP_QUERY, "0.0.0.0"))
+        assert tb.run(0, [sys.executable, "-c", RAW_SEND, query.hex()]).returncode == 0
+        snoop = _snooping(tb, name, lambda s: s["querier"], "the query")
+        assert [ifindex[i] for i in snoop["router_ports"]] == ["p0"]
+        pruned = json.loads(_agg(tb, name, "status", "--json"))["forwarding"]["counters"]["pruned"]
+        batches = [GROUP, "pruned", BATCH, UNJOINED, "unjoined", BATCH, GROUP, "end", 1]
+        assert tb.run(0, [*send, *batches, shared[2], "end", 1]).returncode == 0
+        got_member = json.loads(member.communicate(timeout=30)[0])
+        got_other = json.loads(sniffer.communicate(timeout=30)[0])
+        fwd = json.loads(_agg(tb, name, "status", "--json"))["forwarding"]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        _agg(tb, name, "detach", "--force")
+    assert got_member == {"flooded": BATCH, "pruned": BATCH}
+    assert got_other == {f"{GROUP} flooded": BATCH, f"{UNJOINED} unjoined": BATCH}
+    assert fwd["counters"]["pruned"] - pruned >= BATCH  # the group's, at p2
+    assert fwd["counters"]["igmp"] >= 2  # the report and the query, at least

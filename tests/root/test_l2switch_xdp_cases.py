@@ -47,6 +47,12 @@ ACTIONS = {
     Verdict.DROP: bpfsys.XDP_DROP,
 }
 BUILDS = {"rss": loader.PROG_INGRESS, "cpumap": loader.PROG_STEER}
+# IGMP snooping's hash maps (bpf/snoop.h) and their key types, emptied before each case
+SNOOP_MAPS = {
+    "fwd_groups": forwarding.FwdGroup,
+    "fwd_group_any": ct.c_uint32,
+    "fwd_mrouters": ct.c_uint32,
+}
 
 
 def _setns(fd: int) -> None:
@@ -103,10 +109,14 @@ def agg(request, box):
 def _reset(case: FwdCase, prog, maps: AggMaps, infos) -> None:
     """The case's mode, timers and learned table; counters zero."""
     forwarding.install(prog.maps, case.mode, infos, prog.progs[loader.PROG_EGRESS])
-    forwarding.set_timers(prog.maps, case.age_s, case.hold_s)
+    forwarding.set_timers(prog.maps, case.age_s, case.hold_s, case.leave_s)
     fd = prog.maps["fwd_macs"]
     for k in bpfsys.map_keys(fd, forwarding.FwdMac):
         bpfsys.map_delete(fd, k)
+    for name, key in SNOOP_MAPS.items():
+        for k in bpfsys.map_keys(prog.maps[name], key):
+            bpfsys.map_delete(prog.maps[name], k)
+    bpfsys.map_update(prog.maps["fwd_querier"], ct.c_uint32(0), ct.c_uint64(0))
     now = time.monotonic_ns()  # bpf_ktime_get_ns's clock
     for mac, port in case.table.items():
         v = forwarding.FwdLearned(infos[port]["ifindex"], 0, now)
@@ -162,6 +172,11 @@ def test_l2switch_xdp_case(box, agg, case: FwdCase):
         by_ifindex = {info["ifindex"]: i for i, info in enumerate(infos)}
         learned = {m: by_ifindex[x] for m, x in forwarding.mac_table(prog.maps).items()}
         assert learned == model.table
+        snoop = forwarding.snooping(prog.maps)
+        groups = {g: sorted(by_ifindex[x] for x in p) for g, p in snoop["groups"].items()}
+        routers = sorted(by_ifindex[x] for x in snoop["router_ports"])
+        assert (groups, routers) == model.snooped() == (case.groups, case.routers)
+        assert snoop["querier"] == bool(case.routers)
 
 
 def test_l2switch_xdp_mac_table_flood_is_bounded(box, agg):

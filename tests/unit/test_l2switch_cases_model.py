@@ -16,6 +16,7 @@ def test_l2switch_case_through_the_model(case: FwdCase):
         assert (step.out_port is not None) == (step.verdict == Verdict.FORWARD), step.what
     for event, n in case.events.items():
         assert model.events[event] == n, f"{case.name}: {event}"
+    assert model.snooped() == (case.groups, case.routers), case.name
 
 
 def test_l2switch_table_has_every_verdict_in_both_modes():
