@@ -341,6 +341,25 @@ static PyObject *run_released(Engine *e, Run *r, double timeout, PyObject *progr
     return result;
 }
 
+/* A run of the strategy `round` (its state rs) of type dt, from src into dst (of the same
+ * length): P packets over w slots, as job number jn, versions the next version of each slot at
+ * the start; the rest of it zero, for fp_run_start. */
+static Run new_run(const RoundOps *round, void *rs, int dt, const Py_buffer *src,
+                   const Py_buffer *dst, int64_t P, int64_t w, int jn, const Py_buffer *vers)
+{
+    return (Run){.round = round,
+                 .rs = rs,
+                 .is_float = dt != FP_I32,
+                 .dtype = dt,
+                 .src = src->buf,
+                 .dst = dst->buf,
+                 .L = src->len / fp_dtype_size(dt),
+                 .P = P,
+                 .w = w,
+                 .jn = (uint8_t)jn,
+                 .versions = vers->buf};
+}
+
 /* allreduce's chunks: Pd, or -1 with a ValueError when the buffers, P, w or versions are not
  * those of a run of type dt on stream st. */
 static int64_t dense_chunks(const Stream *st, int dt, const Py_buffer *src, const Py_buffer *dst,
@@ -395,18 +414,8 @@ static PyObject *Engine_allreduce(Engine *e, PyObject *args, PyObject *kw)
         goto out;
     }
     DenseRun dense = {.Pd = Pd, .exps = is_float ? exps.buf : NULL, .agreed = agreed};
-    Run r = {.round = &fp_dense_rounds,
-             .rs = &dense,
-             .is_float = is_float,
-             .dtype = dt,
-             .src = src.buf,
-             .dst = dst.buf,
-             .L = src.len / fp_dtype_size(dt),
-             .P = P,
-             .w = w,
-             .jn = (uint8_t)jn,
-             .versions = vers.buf,
-             .state = done};
+    Run r = new_run(&fp_dense_rounds, &dense, dt, &src, &dst, P, w, jn, &vers);
+    r.state = done;
     result = run_released(e, &r, timeout, progress, progress_every);
 out:
     PyMem_RawFree(done);
@@ -494,17 +503,7 @@ static PyObject *Engine_allreduce_sparse(Engine *e, PyObject *args, PyObject *kw
     sp.exps = is_float ? exps.buf : NULL;
     sp.rounds = rounds.buf;
     sp.pad = pad;
-    r = (Run){.round = &fp_sparse_rounds,
-              .rs = &sp,
-              .is_float = is_float,
-              .dtype = dt,
-              .src = src.buf,
-              .dst = dst.buf,
-              .L = src.len / fp_dtype_size(dt),
-              .P = P,
-              .w = w,
-              .jn = (uint8_t)jn,
-              .versions = vers.buf};
+    r = new_run(&fp_sparse_rounds, &sp, dt, &src, &dst, P, w, jn, &vers);
     if (fp_sparse_alloc(&sp, B, w) < 0 || !(r.state = PyMem_RawCalloc((size_t)P, 1))) {
         PyErr_NoMemory();
         goto out;

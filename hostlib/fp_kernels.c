@@ -161,6 +161,13 @@ static inline void unpack_pair(uint32_t w, int32_t *a, int32_t *b)
 /* one instance per (type, width): X(dt, pairs) */
 #define FP_INSTANCES(X) \
     X(FP_F32, 0) X(FP_F32, 1) X(FP_BF16, 0) X(FP_BF16, 1) X(FP_F16, 0) X(FP_F16, 1)
+/* A dispatcher's body is FP_INSTANCES(FP_DISPATCH_CASE), with FP_CALL(DT, PAIRS) defined as the
+ * call of its kernel's instance: each case runs that instance when dt and pairs are its own. */
+#define FP_DISPATCH_CASE(DT, PAIRS)   \
+    if (dt == DT && pairs == PAIRS) { \
+        FP_CALL(DT, PAIRS);           \
+        return;                       \
+    }
 
 KERNEL_INLINE void quant_scalar_of(const void *x, int dt, fp_ssize count, double f, int clip,
                                    double M, int pairs, uint8_t *out)
@@ -198,25 +205,17 @@ KERNEL_INLINE void dequant_scalar_of(const uint8_t *in, fp_ssize count, double f
 static void quant_scalar(const void *x, int dt, fp_ssize count, double f, int clip, double M,
                          int pairs, uint8_t *out)
 {
-#define QUANT_SCALAR_CASE(DT, PAIRS)                           \
-    if (dt == DT && pairs == PAIRS) {                          \
-        quant_scalar_of(x, DT, count, f, clip, M, PAIRS, out); \
-        return;                                                \
-    }
-    FP_INSTANCES(QUANT_SCALAR_CASE)
-#undef QUANT_SCALAR_CASE
+#define FP_CALL(DT, PAIRS) quant_scalar_of(x, DT, count, f, clip, M, PAIRS, out)
+    FP_INSTANCES(FP_DISPATCH_CASE);
+#undef FP_CALL
 }
 
 static void dequant_scalar(const uint8_t *in, fp_ssize count, double f, int pairs, int dt,
                            void *out)
 {
-#define DEQUANT_SCALAR_CASE(DT, PAIRS)                   \
-    if (dt == DT && pairs == PAIRS) {                    \
-        dequant_scalar_of(in, count, f, PAIRS, DT, out); \
-        return;                                          \
-    }
-    FP_INSTANCES(DEQUANT_SCALAR_CASE)
-#undef DEQUANT_SCALAR_CASE
+#define FP_CALL(DT, PAIRS) dequant_scalar_of(in, count, f, PAIRS, DT, out)
+    FP_INSTANCES(FP_DISPATCH_CASE);
+#undef FP_CALL
 }
 
 /* count int32 to/from big-endian (the same operation both ways). */
@@ -375,32 +374,20 @@ AVX2_INLINE void dequant_avx2_of(const uint8_t *in, fp_ssize count, double f, in
     dequant_scalar(in + 4 * i, count - i, f, 0, dt, (uint8_t *)out + i * fp_dtype_size(dt));
 }
 
-/* one instance per (type, width): X(dt, pairs) */
-#define FP_INSTANCES(X) \
-    X(FP_F32, 0) X(FP_F32, 1) X(FP_BF16, 0) X(FP_BF16, 1) X(FP_F16, 0) X(FP_F16, 1)
-
 AVX2 static void quant_avx2(const void *x, int dt, fp_ssize count, double f, int clip, double M,
                             int pairs, uint8_t *out)
 {
-#define QUANT_CASE(DT, PAIRS)                                \
-    if (dt == DT && pairs == PAIRS) {                        \
-        quant_avx2_of(x, DT, count, f, clip, M, PAIRS, out); \
-        return;                                              \
-    }
-    FP_INSTANCES(QUANT_CASE)
-#undef QUANT_CASE
+#define FP_CALL(DT, PAIRS) quant_avx2_of(x, DT, count, f, clip, M, PAIRS, out)
+    FP_INSTANCES(FP_DISPATCH_CASE);
+#undef FP_CALL
 }
 
 AVX2 static void dequant_avx2(const uint8_t *in, fp_ssize count, double f, int pairs, int dt,
                               void *out)
 {
-#define DEQUANT_CASE(DT, PAIRS)                        \
-    if (dt == DT && pairs == PAIRS) {                  \
-        dequant_avx2_of(in, count, f, PAIRS, DT, out); \
-        return;                                        \
-    }
-    FP_INSTANCES(DEQUANT_CASE)
-#undef DEQUANT_CASE
+#define FP_CALL(DT, PAIRS) dequant_avx2_of(in, count, f, PAIRS, DT, out)
+    FP_INSTANCES(FP_DISPATCH_CASE);
+#undef FP_CALL
 }
 
 AVX2 static void bswap_avx2(const uint8_t *in, fp_ssize count, uint8_t *out)

@@ -49,22 +49,25 @@ Shell completion (bash): eval "$(_NETNS_TESTBED_COMPLETE=bash_source netns-testb
 """
 
 
-def _rate(ctx, param, value):
-    if value is None or value.lower() == "none":
-        return None
-    try:
-        return shaping.parse_rate(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+def _parsed(parse):
+    """A click callback: parse(value), None staying None, a ValueError a bad parameter."""
+
+    def callback(ctx, param, value):
+        try:
+            return None if value is None else parse(value)
+        except ValueError as e:
+            raise click.BadParameter(str(e)) from None
+
+    return callback
 
 
-def _prefix(ctx, param, value):
-    if value is None:
-        return None
-    try:
-        return plan.validate_prefix(value)
-    except ValueError as e:
-        raise click.BadParameter(str(e)) from None
+def _rate_or_none(text: str) -> int | None:
+    """A link rate as shaping.parse_rate reads it; 'none': no limit (None)."""
+    return None if text.lower() == "none" else shaping.parse_rate(text)
+
+
+_rate = _parsed(_rate_or_none)
+_prefix = _parsed(plan.validate_prefix)
 
 
 PROB = click.FloatRange(0.0, 1.0)

@@ -4,8 +4,8 @@ In the switch topology every worker has a /24 of its own with the aggregator's p
 the other address, and nothing between the /24s: gloo's rendezvous between two workers fails
 ("Network is unreachable"). With ``Testbed(topology="switch", kernel_forwarding=True)``:
 
-* every worker gets a route to 198.18.0.0/15 (the benchmarking range, which holds every
-  worker's /24) via its port's address ``198.18.(i+1).1``;
+* every worker gets the plan's route (``Plan.worker_routes``: 198.18.0.0/15, the benchmarking
+  range, which holds every worker's /24) via its port's address ``198.18.(i+1).1``;
 * the aggregator's namespace forwards IPv4 between its ports: ``net.ipv4.conf.p<i>.forwarding
   = 1`` on each port, nothing else (``all`` and ``default`` stay as they are, inside the
   testbed's own namespace anyway).
@@ -21,22 +21,22 @@ from __future__ import annotations
 
 from . import nsexec
 
-ROUTED_RANGE = "198.18.0.0/15"
-
 
 def commands(plan) -> list[tuple[str, list[str], str]]:
     """(namespace, argv, what) of every command that sets up the kernel forwarding of a switch
-    `plan` (netns_testbed.plan.Plan): a route per worker, a forwarding sysctl per port.
+    `plan` (netns_testbed.plan.Plan): each of the plan's worker routes, on the worker's interface,
+    and a forwarding sysctl per port.
     ValueError for another topology (one-arm hosts share a bridge: nothing to route)."""
     if plan.topology != "switch":
         raise ValueError(f"kernel forwarding is for the switch topology, not {plan.topology!r}")
+    dev = {w.netns: w.ifname for w in plan.workers}
     out = [
         (
-            w.netns,
-            ["ip", "route", "replace", ROUTED_RANGE, "via", w.agg_ip, "dev", w.ifname],
-            f"route to {ROUTED_RANGE} via {w.agg_ip}",
+            ns,
+            ["ip", "route", "replace", dst, "via", via, "dev", dev[ns]],
+            f"route to {dst} via {via}",
         )
-        for w in plan.workers
+        for ns, dst, via in plan.worker_routes()
     ]
     agg = plan.aggregator
     out.append(

@@ -48,6 +48,18 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture
+def fake():
+    """A FakeDevice (tests/harness/fake_device.py: needs torch) for hostlib.pt.staging's
+    copies, closed after the test, which fails if the staging broke one of its rules."""
+    from harness.fake_device import FakeDevice
+
+    device = FakeDevice()
+    yield device
+    device.close()
+    assert not device.violations, device.violations
+
+
 @pytest.fixture(scope="session", params=AGG_BUILDS)
 def agg_prog(request):
     """The XDP aggregator compiled and loaded once per variant (not attached), with typed map

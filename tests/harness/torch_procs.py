@@ -4,12 +4,15 @@ tests/root/test_torch_wire16.py, tests/unit/test_lanes.py and tests/unit/test_st
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from xdp_agg.cluster.cluster import Cluster
 
@@ -92,6 +95,22 @@ def check_lost(reports, fallback: bool, timeout: float):
         # noticed after the stall timeout, plus the endpoint's diagnosis and the agreement
         assert rep["seconds"] < timeout + 10, rep
         assert rep["broadcast_after"] == 0.0
+
+
+def in_testbed(test):
+    """`test` marked as a test in the netns testbed: root, BPF, namespaces, slow."""
+    for mark in (pytest.mark.root, pytest.mark.bpf, pytest.mark.netns, pytest.mark.slow):
+        test = mark(test)
+    return test
+
+
+@contextlib.contextmanager
+def one_arm_cluster(testbed_factory, n: int):
+    """(tb, cl): a one-arm testbed of n workers (the fixture testbed_factory's) and the cluster
+    on it, xdp-agg attached and serving, for start_testbed."""
+    tb = testbed_factory(workers=n, topology="one-arm")
+    with Cluster(tb) as cl:
+        yield tb, cl
 
 
 def start_testbed(tb, cl, scenario, *args, stdin=None, **extra):

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -31,6 +30,7 @@ torch = pytest.importorskip(
 
 import numpy as np  # noqa: E402
 from harness import torch_procs  # noqa: E402
+from harness.pt_checks import ThreadGroup  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 # the rank processes and the checks of their reports, shared with other files (tests/harness)
@@ -41,16 +41,10 @@ _start_testbed, _start_loopback = torch_procs.start_testbed, torch_procs.start_l
 
 # --- netns testbed ---------------------------------------------------------------------------
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.root
-@pytest.mark.bpf
-@pytest.mark.netns
-@pytest.mark.slow
+@torch_procs.in_testbed
 def test_ddp_hook_and_backend_in_testbed(testbed_factory, n):
     """DDP with the hook matches DDP with gloo; the backend's collectives, n ranks."""
-    from xdp_agg.cluster.cluster import Cluster
-
-    tb = testbed_factory(workers=n, topology="one-arm")
-    with Cluster(tb) as cl:
+    with torch_procs.one_arm_cluster(testbed_factory, n) as (tb, cl):
         _check_ddp(_reports(_start_testbed(tb, cl, "ddp", "--job", f"ddp-{n}")), n)
         _check_backend(_reports(_start_testbed(tb, cl, "backend")), n)
 
@@ -68,16 +62,10 @@ def _lost(tb, cl, fallback: bool, timeout: float = 2.0):
 
 
 @pytest.mark.parametrize("fallback,n", [(False, 2), (True, 4)])
-@pytest.mark.root
-@pytest.mark.bpf
-@pytest.mark.netns
-@pytest.mark.slow
+@torch_procs.in_testbed
 def test_aggregator_lost_in_testbed(testbed_factory, fallback, n):
     """The aggregator detached mid-run: AggregatorLost within the timeout, or gloo's sums."""
-    from xdp_agg.cluster.cluster import Cluster
-
-    tb = testbed_factory(workers=n, topology="one-arm")
-    with Cluster(tb) as cl:
+    with torch_procs.one_arm_cluster(testbed_factory, n) as (tb, cl):
         _lost(tb, cl, fallback)
 
 
@@ -124,53 +112,13 @@ def test_aggregator_lost_on_loopback(fallback, scenario):
         _check_lost(_reports(procs, deadline=60), fallback, 2.0)
 
 
-class _ThreadGroup:
-    """A process group of threads (allreduce MIN/SUM, broadcast), for the fallback's logic."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier = threading.Barrier(n, timeout=10)
-        self.slots: list = [None] * n
-
-    def member(self, rank: int):
-        group = self
-
-        class _Work:
-            def wait(self):
-                return True
-
-        class Member:
-            def allreduce(self, tensors, opts):
-                import torch.distributed as dist
-
-                group.slots[rank] = tensors[0].clone()
-                group.barrier.wait()
-                vals = torch.stack(group.slots)
-                group.barrier.wait()
-                if opts.reduceOp == dist.ReduceOp.MIN:
-                    tensors[0].copy_(vals.min(0).values)
-                else:
-                    tensors[0].copy_(vals.sum(0))
-                return _Work()
-
-            def broadcast(self, tensors, opts):
-                group.slots[rank] = tensors[0].clone()
-                group.barrier.wait()
-                src = group.slots[opts.rootRank]
-                group.barrier.wait()
-                tensors[0].copy_(src)
-                return _Work()
-
-        return Member()
-
-
 def test_fallback_agreement_when_ranks_failed_at_different_all_reduces():
     """Rank 0 received all of all-reduce #5's results and failed at #6; ranks 1 and 2 failed at
     #5: they get #5's result from rank 0's copy, then all redo #6 over the fallback group."""
     from hostlib.pt.channel import _Fallback
 
     n = 3
-    group = _ThreadGroup(n)
+    group = ThreadGroup(n)
     inputs5 = [np.full(10, r + 1, np.float32) for r in range(n)]
     inputs6 = [np.full(10, 10 * (r + 1), np.float32) for r in range(n)]
     want5, want6 = sum(inputs5), sum(inputs6)
@@ -187,11 +135,7 @@ def test_fallback_agreement_when_ranks_failed_at_different_all_reduces():
             out[r] = (got5, fb.gloo_sum(inputs6[r]), fb.gloo_sum(inputs6[r]))
         assert fb.active
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    group.run(rank_main)
     assert len(out) == n
     for r in range(n):
         got5, got6, later = out[r]
@@ -204,7 +148,7 @@ def test_fallback_agreement_when_all_failed_at_the_same_all_reduce():
     from hostlib.pt.channel import _Fallback
 
     n = 2
-    group = _ThreadGroup(n)
+    group = ThreadGroup(n)
     out = {}
 
     def rank_main(r):
@@ -212,11 +156,7 @@ def test_fallback_agreement_when_all_failed_at_the_same_all_reduce():
         fb.completed(2, np.zeros(4, np.float32))
         out[r] = fb.recover(3, np.full(4, r + 1.0, np.float32), RuntimeError("x"), "test")
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    group.run(rank_main)
     for r in range(n):
         np.testing.assert_array_equal(out[r], np.full(4, 3.0, np.float32))
 

@@ -20,7 +20,6 @@ gives, and HSDP with a bfloat16 reduce_dtype (4 ranks, tests/torch_fsdp_worker.p
 
 from __future__ import annotations
 
-import threading
 from types import SimpleNamespace
 
 import numpy as np
@@ -31,6 +30,8 @@ torch = pytest.importorskip(
 )
 
 from harness.fake_device import FakeDevice, ScalingComm  # noqa: E402
+from harness.pt_checks import ThreadGroup, same_bytes, staged_mismatches, varied_input  # noqa: E402
+from harness.torch_procs import in_testbed, one_arm_cluster  # noqa: E402
 
 from hostlib import scaling  # noqa: E402
 from hostlib.options import HostOptions  # noqa: E402
@@ -40,20 +41,6 @@ from hostlib.pt.channel import AllreduceChannel, _Fallback, wire_bits_for  # noq
 ELEMS = 256  # int32 per packet of the test communicators: 512 elements at 16 bits
 CHUNK = 3 * ELEMS  # a slot: 3 KiB of 4-byte elements
 F32, F16, BF16, I32 = torch.float32, torch.float16, torch.bfloat16, torch.int32
-
-
-def _input(dtype, n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    if dtype == I32:
-        return torch.randint(-(2**20), 2**20, (n,), dtype=I32, generator=g)
-    scale = torch.logspace(-3, 3, n) if n > 1 else torch.ones(1)
-    return (torch.randn(n, generator=g) * scale[torch.randperm(n, generator=g)]).to(dtype)
-
-
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
 
 
 # --- the width each tensor travels at -----------------------------------------------------------
@@ -96,16 +83,16 @@ def test_wire16_channel_sends_each_dtype_at_its_width(policy):
     ch = AllreduceChannel(comm, stage_on=lambda t: None, wire_bits=policy)
     dtypes = (F32, F16, BF16, I32)
     for d in dtypes:
-        ch.submit(_input(d, 1000, seed=1)).wait()
+        ch.submit(varied_input(d, 1000, seed=1)).wait()
     want = [wire_bits_for(d, policy) for d in dtypes]
     assert comm.bits == want
-    ch.submit(_input(F32, 1000, seed=2), wire_bits=16).wait()
-    ch.submit(_input(BF16, 1000, seed=2), wire_bits=32).wait()
+    ch.submit(varied_input(F32, 1000, seed=2), wire_bits=16).wait()
+    ch.submit(varied_input(BF16, 1000, seed=2), wire_bits=32).wait()
     assert comm.bits[-2:] == [16, 32]
     with pytest.raises(ValueError, match="int32"):
-        ch.submit(_input(I32, 10, seed=3), wire_bits=16)
+        ch.submit(varied_input(I32, 10, seed=3), wire_bits=16)
     with pytest.raises(ValueError, match="16 or 32"):
-        ch.submit(_input(F32, 10, seed=3), wire_bits=8)
+        ch.submit(varied_input(F32, 10, seed=3), wire_bits=8)
     assert ch.stats["wire16"] == want.count(16) + 1
     ch.close()
 
@@ -115,7 +102,7 @@ def test_wire16_float32_at_16_bits_is_within_the_bound():
     the exact sum, per packet of 2 x ELEMS elements, and further from it than at 32 bits."""
     comm = ScalingComm(world=3, elems=ELEMS)
     ch = AllreduceChannel(comm, stage_on=lambda t: None)
-    x = _input(F32, 5 * 2 * ELEMS - 77, seed=4)
+    x = varied_input(F32, 5 * 2 * ELEMS - 77, seed=4)
     exact = x.double() * 3
     at16, at32 = x.clone(), x.clone()
     ch.submit(at16, wire_bits=16).wait()
@@ -140,14 +127,6 @@ def _bound(x: np.ndarray, n: int, per_packet: int, bits: int) -> np.ndarray:
 
 
 # --- staged (device) tensors at both widths -----------------------------------------------------
-@pytest.fixture
-def fake():
-    device = FakeDevice()
-    yield device
-    device.close()
-    assert not device.violations, device.violations
-
-
 @pytest.mark.parametrize("policy", ["auto", 32, 16])
 def test_wire16_staged_equals_the_cpu_path_at_either_width(fake, policy):
     """Staged tensors give the CPU path's bytes at the width the policy gives them, in chunks
@@ -157,14 +136,8 @@ def test_wire16_staged_equals_the_cpu_path_at_either_width(fake, policy):
         wire_bits=policy,
     )  # fmt: skip
     cpu = AllreduceChannel(ScalingComm(elems=ELEMS), stage_on=lambda t: None, wire_bits=policy)
-    for dtype in (F32, F16, BF16):
-        for n in (1, 700, 2 * CHUNK, 5 * CHUNK + 3):
-            for avg in (False, True):
-                x = _input(dtype, n, seed=n)
-                a, b = x.clone(), x.clone()
-                staged.submit(a, average=avg).wait()
-                cpu.submit(b, average=avg).wait()
-                assert _same_bytes(a, b), (policy, dtype, n, avg)
+    sizes = (1, 700, 2 * CHUNK, 5 * CHUNK + 3)
+    assert not staged_mismatches(staged, cpu, (F32, F16, BF16), sizes), policy
     comm = staged.comm
     assert set(comm.bits) == set(cpu.comm.bits) == {wire_bits_for(d, policy) for d in (F32, BF16)}
     # chunks: the most whole packets of their width whose elements fill the slot
@@ -173,7 +146,7 @@ def test_wire16_staged_equals_the_cpu_path_at_either_width(fake, policy):
         step = staging.tensor_chunk(CHUNK, ELEMS, dtype.itemsize, bits)
         assert step % (ELEMS * 32 // bits) == 0 and step * dtype.itemsize <= CHUNK * 4
         before = len(comm.lengths)
-        staged.submit(_input(dtype, 3 * step + 1, seed=9)).wait()
+        staged.submit(varied_input(dtype, 3 * step + 1, seed=9)).wait()
         assert comm.lengths[before:] == [step, step, step, 1], (policy, dtype)
         assert comm.bits[before:] == [bits] * 4
     staged.close()
@@ -190,11 +163,11 @@ def test_wire16_cuda_tensors_equal_the_cpu_path(policy):
     for dtype in (F32, F16, BF16):
         for n in (1, 700, 5 * CHUNK + 3):
             for avg in (False, True):
-                x = _input(dtype, n, seed=n)
+                x = varied_input(dtype, n, seed=n)
                 a, b = x.cuda(), x.clone()
                 staged.submit(a, average=avg).wait()
                 cpu.submit(b, average=avg).wait()
-                assert _same_bytes(a.cpu(), b), (policy, dtype, n, avg)
+                assert same_bytes(a.cpu(), b), (policy, dtype, n, avg)
     assert 16 in staged.comm.bits
     staged.close()
     cpu.close()
@@ -225,11 +198,11 @@ def test_wire16_staged_bfloat16_without_ml_dtypes(fake, monkeypatch):
         ScalingComm(elems=ELEMS, device=fake), stage_on=fake, chunk_bytes=CHUNK * 4
     )
     cpu = AllreduceChannel(ScalingComm(elems=ELEMS), stage_on=lambda t: None)
-    x = _input(BF16, 4 * CHUNK + 5, seed=8)
+    x = varied_input(BF16, 4 * CHUNK + 5, seed=8)
     a, b = x.clone(), x.clone()
     staged.submit(a, average=True).wait()
     cpu.submit(b, average=True).wait()
-    assert _same_bytes(a, b)
+    assert same_bytes(a, b)
     assert set(staged.comm.bits) == set(cpu.comm.bits) == {16}
     assert max(staged.comm.lengths) == 2 * CHUNK
     staged.close()
@@ -251,7 +224,7 @@ def test_wire16_coalesced_streams_per_dtype_and_width(policy, streams):
     comm = ScalingComm(elems=ELEMS)
     ch = AllreduceChannel(comm, stage_on=lambda t: None, wire_bits=policy)
     dtypes = (F32, I32, F16, BF16, F32, BF16)
-    xs = [_input(d, 300 + i, seed=i) for i, d in enumerate(dtypes)]
+    xs = [varied_input(d, 300 + i, seed=i) for i, d in enumerate(dtypes)]
     keys = list(_wire_groups(xs, ch))
     assert [(d, b) for d, b, _ in keys] == streams
     got, want = [x.clone() for x in xs], xs
@@ -307,7 +280,7 @@ def test_wire16_hook_averages_float32_buckets_at_16_bits():
 
     comm.allreduce = spy
     state = SimpleNamespace(channel=AllreduceChannel(comm, stage_on=lambda t: None))
-    grad = _input(F32, 3 * 2 * ELEMS + 100, seed=11)
+    grad = varied_input(F32, 3 * 2 * ELEMS + 100, seed=11)
     buf = grad.clone()
     got = hostlib.pt.wire16_hook(state, SimpleNamespace(buffer=lambda: buf)).wait()
     assert got is buf and buf.dtype == F32
@@ -336,46 +309,11 @@ def test_wire16_hook_state_takes_the_width_from_the_environment(monkeypatch):
 
 
 # --- the fallback -------------------------------------------------------------------------------
-class _ThreadGroup:
-    """n ranks as threads: allreduce (MIN, SUM) and broadcast, as a gloo group would."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier = threading.Barrier(n, timeout=10)
-        self.slots: list = [None] * n
-
-    def member(self, rank: int):
-        import torch.distributed as dist
-
-        group = self
-        done = SimpleNamespace(wait=lambda: True)
-
-        class Member:
-            def allreduce(self, tensors, opts):
-                group.slots[rank] = tensors[0].clone()
-                group.barrier.wait()
-                vals = torch.stack(group.slots)
-                group.barrier.wait()
-                red = vals.min(0).values if opts.reduceOp == dist.ReduceOp.MIN else vals.sum(0)
-                tensors[0].copy_(red)
-                return done
-
-            def broadcast(self, tensors, opts):
-                group.slots[rank] = tensors[0].clone()
-                group.barrier.wait()
-                src = group.slots[opts.rootRank]
-                group.barrier.wait()
-                tensors[0].copy_(src)
-                return done
-
-        return Member()
-
-
 def test_wire16_fallback_sums_16_bit_tensors_in_float32_and_broadcasts_bytes():
     """Rank 0 holds all-reduce #5's bfloat16 result and failed at #6, rank 1 failed at #5: rank
     1 gets #5's bytes, then both redo #6 over gloo, summed in float32 (not in bfloat16)."""
     n = 2
-    group = _ThreadGroup(n)
+    group = ThreadGroup(n)
     x5 = [staging.host_array(torch.full((4,), 1.0 + r, dtype=BF16)) for r in range(n)]
     result5 = staging.host_array(torch.tensor([3.0, 3.0, 3.0, 3.01], dtype=BF16))
     # 256 + 1: 257 in float32; bfloat16 (8 significant bits) would round it to 256
@@ -391,11 +329,7 @@ def test_wire16_fallback_sums_16_bit_tensors_in_float32_and_broadcasts_bytes():
             got5 = fb.recover(5, x5[1], RuntimeError("lost"), "test")
             out[r] = (got5, fb.gloo_sum(x6[1]))
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(30)
+    group.run(rank_main)
     for r in range(n):
         got5, got6 = out[r]
         assert got5.dtype == result5.dtype and got5.tobytes() == result5.tobytes()
@@ -426,19 +360,13 @@ def check_ddp_wire16(reports: list[dict], steps: int) -> None:
 
 
 @pytest.mark.parametrize("n", [2, 4])
-@pytest.mark.root
-@pytest.mark.bpf
-@pytest.mark.netns
-@pytest.mark.slow
+@in_testbed
 def test_ddp_wire16_hook_in_testbed(testbed_factory, n):
     """The same through the XDP aggregator, n worker namespaces (one-arm)."""
     from harness.torch_procs import collect_reports as _reports
     from harness.torch_procs import start_testbed as _start_testbed
 
-    from xdp_agg.cluster.cluster import Cluster
-
-    tb = testbed_factory(workers=n, topology="one-arm")
-    with Cluster(tb) as cl:
+    with one_arm_cluster(testbed_factory, n) as (tb, cl):
         procs = _start_testbed(tb, cl, "ddp-wire16", "--job", f"w16-{n}", "--steps", "3")
         check_ddp_wire16(_reports(procs), 3)
 
@@ -486,16 +414,8 @@ def test_wire16_staged_equals_the_cpu_path_through_hostlib_on_loopback():
             CheckingComm(comm, fake), stage_on=fake, chunk_bytes=CHUNK * 4, wire_bits=16
         )
         cpu = AllreduceChannel(comm, stage_on=lambda t: None, wire_bits=16)
-        wrong = []
-        for dtype in (F32, BF16, F16):
-            for n in (300, 2 * CHUNK + 1, 5 * CHUNK - 5):
-                for avg in (False, True):
-                    x = _input(dtype, n, seed=n + comm.rank)
-                    a, b = x.clone(), x.clone()
-                    staged.submit(a, average=avg).wait()
-                    cpu.submit(b, average=avg).wait()
-                    if not _same_bytes(a, b):
-                        wrong.append((str(dtype), n, avg))
+        sizes = (300, 2 * CHUNK + 1, 5 * CHUNK - 5)
+        wrong = staged_mismatches(staged, cpu, (F32, BF16, F16), sizes, comm.rank)
         width = comm.stats["wire_bits"]
         staged.close()
         cpu.close()

@@ -232,20 +232,25 @@ def _assert_counters(maps, slot_rounds, n, answered, dups):
     assert c["dup_pending"] + c["retx_answered"] == dups
 
 
-@pytest.mark.parametrize("bits", [32, 16], ids=["int32", "wire16"])
-def test_two_cpus_same_slots(two_cpus, agg, bits):
-    """The same slots on both CPUs; a job of 16-bit elements (docs/protocol.md 5.6) too, whose
-    packed words every build sums as it sums int32."""
-    prog, maps = agg
-    problems, answered, dups, overlapping = _two_cpus(
-        two_cpus, prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7, bits=bits
-    )
+def _assert_two_cpus(maps, problems, answered, dups, overlapping):
+    """The checks of _two_cpus' run (ROUNDS rounds of SLOTS slots, N workers): enough slot
+    rounds ran on both CPUs at once, no problems, and the counters."""
     print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
     assert overlapping >= ROUNDS * SLOTS // 10, (
         f"only {overlapping} slot rounds ran on both CPUs at once"
     )
     assert not problems, "\n".join(problems[:20])
     _assert_counters(maps, ROUNDS * SLOTS, N, answered, dups)
+
+
+@pytest.mark.parametrize("bits", [32, 16], ids=["int32", "wire16"])
+def test_two_cpus_same_slots(two_cpus, agg, bits):
+    """The same slots on both CPUs; a job of 16-bit elements (docs/protocol.md 5.6) too, whose
+    packed words every build sums as it sums int32."""
+    prog, maps = agg
+    _assert_two_cpus(
+        maps, *_two_cpus(two_cpus, prog, maps, N, K, SLOTS, ROUNDS, DUP_P, 7, bits=bits)
+    )
     if prog.options["variant"] == "percpu":
         # the last round's completion gathered partial sums from both CPUs
         tags = {p.tag for p in maps.partials(0, (ROUNDS - 1) % 2)}
@@ -259,15 +264,9 @@ def test_two_cpus_sparse_rounds(two_cpus, agg):
     the other CPU's sums, smallest next and its e0; every result and answer is the model's,
     bytes and length."""
     prog, maps = agg
-    problems, answered, dups, overlapping = _two_cpus(
-        two_cpus, prog, maps, N, SPARSE_K, SLOTS, ROUNDS, DUP_P, 8, sparse=True
+    _assert_two_cpus(
+        maps, *_two_cpus(two_cpus, prog, maps, N, SPARSE_K, SLOTS, ROUNDS, DUP_P, 8, sparse=True)
     )
-    print(f"{overlapping} of {ROUNDS * SLOTS} slot rounds ran on both CPUs at once")
-    assert overlapping >= ROUNDS * SLOTS // 10, (
-        f"only {overlapping} slot rounds ran on both CPUs at once"
-    )
-    assert not problems, "\n".join(problems[:20])
-    _assert_counters(maps, ROUNDS * SLOTS, N, answered, dups)
 
 
 def _race_build(build, mutant):

@@ -7,6 +7,7 @@ for the rejoin timeout (N4). The stack is tests/switchml_grpc_stack.py's: loopba
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -120,6 +121,33 @@ def test_switchml_n2_an_idle_thread_ends_after_its_own_idle_time_not_restarted()
 
 
 # --- N3: past the bound of calls, our refusal (counted, with advice), never gRPC's -----------
+@contextlib.contextmanager
+def _stranger_barriers(**stack_kw):
+    """A Stack(**stack_kw) and a stranger's Barriers, each for MAX_WORKERS workers (valid in a
+    session of 64): yields (stack, send, call), send(k) starting k calls at once (their futures),
+    call() one that waits for its answer. On leaving, every call started is cancelled, nobody
+    waits, the admission holds none, and the stack is closed."""
+    stack = Stack(**stack_kw)
+    started: list = []
+    try:
+        with client.channel(stack.target, stack.host(STRANGER)) as ch:
+            barrier = client.call(ch, "Sync", "Barrier")
+            request = pb.BarrierRequest(num_workers=MAX_WORKERS)
+
+            def send(k: int) -> list:
+                calls = [barrier.future(request, timeout=60) for _ in range(k)]
+                started.extend(calls)
+                return calls
+
+            yield stack, send, lambda: barrier(request, timeout=60)
+            for f in started:
+                f.cancel()
+            wait_for("nobody waits", lambda: stack.api.waiting == 0)
+        assert stack.server.admission.active == 0
+    finally:
+        stack.close()
+
+
 def test_switchml_n3_calls_past_the_bound_get_our_counted_refusal_not_grpcs():
     """8 calls may be in progress; 40 Barriers come at once while every call is held at the
     admission (its lock taken by the test): more are in flight than the server has threads.
@@ -127,35 +155,25 @@ def test_switchml_n3_calls_past_the_bound_get_our_counted_refusal_not_grpcs():
     the other 32 is refused by the admission, RESOURCE_EXHAUSTED with what to do, and
     counted. Before, gRPC's own limit (8 + 4) answered the rest itself: "Concurrent RPC limit
     exceeded!", counted nowhere."""
-    stack = Stack(calls=8, calls_per_peer=64)
-    pool, admission = stack.server.pool, stack.server.admission
-    try:
-        with client.channel(stack.target, stack.host(STRANGER)) as ch:
-            barrier = client.call(ch, "Sync", "Barrier")
-            request = pb.BarrierRequest(num_workers=MAX_WORKERS)
-            with admission._lock:
-                calls = [barrier.future(request, timeout=60) for _ in range(40)]
-                threads = pool.size
+    with _stranger_barriers(calls=8, calls_per_peer=64) as (stack, send, _):
+        pool, admission = stack.server.pool, stack.server.admission
+        with admission._lock:
+            calls = send(40)
+            threads = pool.size
 
-                def arrived() -> bool:  # held at the admission, queued, or answered
-                    queued = len(pool._queue)
-                    answered = sum(f.done() for f in calls)
-                    return pool.threads == threads and queued + answered == len(calls) - threads
+            def arrived() -> bool:  # held at the admission, queued, or answered
+                queued = len(pool._queue)
+                answered = sum(f.done() for f in calls)
+                return pool.threads == threads and queued + answered == len(calls) - threads
 
-                wait_for("every call at the server", arrived)
-            wait_for("32 answered", lambda: sum(f.done() for f in calls) == 32)
-            wait_for("8 waiting", lambda: stack.api.waiting == 8)
-            refused = [f for f in calls if f.done()]
-            assert {f.code() for f in refused} == {CODE.RESOURCE_EXHAUSTED}
-            for f in refused:
-                assert "the most it takes" in f.details(), f.details()
-            assert stack.api.refusals == {"calls": 32}
-            for f in calls:
-                f.cancel()
-            wait_for("nobody waits", lambda: stack.api.waiting == 0)
-        assert admission.active == 0
-    finally:
-        stack.close()
+            wait_for("every call at the server", arrived)
+        wait_for("32 answered", lambda: sum(f.done() for f in calls) == 32)
+        wait_for("8 waiting", lambda: stack.api.waiting == 8)
+        refused = [f for f in calls if f.done()]
+        assert {f.code() for f in refused} == {CODE.RESOURCE_EXHAUSTED}
+        for f in refused:
+            assert "the most it takes" in f.details(), f.details()
+        assert stack.api.refusals == {"calls": 32}
 
 
 def test_switchml_n3_grpcs_own_refusals_past_its_limit_are_counted():
@@ -163,29 +181,20 @@ def test_switchml_n3_grpcs_own_refusals_past_its_limit_are_counted():
     calls in flight; 30 Barriers come while the admission is held. gRPC refuses 14 itself
     (its own words, "Concurrent RPC limit exceeded!"), and each is counted (grpc_limit); once
     let through, 8 wait and the admission refuses the other 8, and the next call, as calls."""
-    stack = Stack(calls=8, calls_per_peer=64, backlog=4)
-    pool, admission = stack.server.pool, stack.server.admission
-    try:
-        with client.channel(stack.target, stack.host(STRANGER)) as ch:
-            barrier = client.call(ch, "Sync", "Barrier")
-            request = pb.BarrierRequest(num_workers=MAX_WORKERS)
-            with admission._lock:
-                calls = [barrier.future(request, timeout=60) for _ in range(30)]
-                wait_for("14 refused by gRPC", lambda: sum(f.done() for f in calls) == 14)
-                wait_for("12 held, 4 queued", lambda: (pool.threads, pool.backlog) == (12, 4))
-            grpcs = [f for f in calls if f.done()]
-            assert {f.details() for f in grpcs} == {"Concurrent RPC limit exceeded!"}
-            wait_for("22 answered", lambda: sum(f.done() for f in calls) == 22)
-            wait_for("8 waiting", lambda: stack.api.waiting == 8)
-            with pytest.raises(grpc.RpcError) as err:  # one more: the last one counted then
-                barrier(request, timeout=60)
-            assert "the most it takes" in err.value.details()
-            assert stack.api.refusals == {"grpc_limit": 14, "calls": 9}
-            for f in calls:
-                f.cancel()
-            wait_for("nobody waits", lambda: stack.api.waiting == 0)
-    finally:
-        stack.close()
+    with _stranger_barriers(calls=8, calls_per_peer=64, backlog=4) as (stack, send, call):
+        pool, admission = stack.server.pool, stack.server.admission
+        with admission._lock:
+            calls = send(30)
+            wait_for("14 refused by gRPC", lambda: sum(f.done() for f in calls) == 14)
+            wait_for("12 held, 4 queued", lambda: (pool.threads, pool.backlog) == (12, 4))
+        grpcs = [f for f in calls if f.done()]
+        assert {f.details() for f in grpcs} == {"Concurrent RPC limit exceeded!"}
+        wait_for("22 answered", lambda: sum(f.done() for f in calls) == 22)
+        wait_for("8 waiting", lambda: stack.api.waiting == 8)
+        with pytest.raises(grpc.RpcError) as err:  # one more: the last one counted then
+            call()
+        assert "the most it takes" in err.value.details()
+        assert stack.api.refusals == {"grpc_limit": 14, "calls": 9}
 
 
 def test_switchml_n3_grpcs_own_limit_is_past_the_admission_and_its_queue():

@@ -19,7 +19,6 @@ device (tests/harness/fake_device.py) that runs the copies on threads and checks
 from __future__ import annotations
 
 import contextlib
-import threading
 from types import SimpleNamespace
 
 import pytest
@@ -29,6 +28,7 @@ torch = pytest.importorskip(
 )
 
 from harness.fake_device import CheckingComm, FakeDevice, ScalingComm  # noqa: E402
+from harness.pt_checks import ThreadGroup, same_bytes, staged_mismatches, varied_input  # noqa: E402
 
 from hostlib.errors import HostlibError  # noqa: E402
 from hostlib.pt.channel import AggregatorLost, AllreduceChannel  # noqa: E402
@@ -40,15 +40,6 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.int32)
 SIZES = (1, 300, CHUNK, CHUNK + 1, 4 * CHUNK, 5 * CHUNK - 77)
 
 
-def _input(dtype, n: int, seed: int) -> torch.Tensor:
-    """Values of many magnitudes (so that block scaling rounds differently per packet)."""
-    g = torch.Generator().manual_seed(seed)
-    if dtype == torch.int32:
-        return torch.randint(-(2**20), 2**20, (n,), dtype=torch.int32, generator=g)
-    scale = torch.logspace(-3, 3, n) if n > 1 else torch.ones(1)  # float16 holds 3x that
-    return (torch.randn(n, generator=g) * scale[torch.randperm(n, generator=g)]).to(dtype)
-
-
 def _chunk(dtype) -> int:
     """A staged chunk of `dtype` at its default width: CHUNK elements of float32 and int32 (at
     32 bits), 2 CHUNK of bfloat16 and float16 (at 16 bits: as many packets, of twice the
@@ -56,22 +47,8 @@ def _chunk(dtype) -> int:
     return CHUNK * 4 // dtype.itemsize
 
 
-def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(
-        a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)
-    )
-
-
 def _ops(dtype):
     return (False,) if dtype == torch.int32 else (False, True)  # AVG of int32 is refused
-
-
-@pytest.fixture
-def fake():
-    device = FakeDevice()
-    yield device
-    device.close()
-    assert not device.violations, device.violations
 
 
 def _channels(fake, **kw):
@@ -89,11 +66,11 @@ def test_staged_results_equal_the_cpu_path_bit_for_bit(fake):
     for dtype in DTYPES:
         for n in SIZES:
             for avg in _ops(dtype):
-                x = _input(dtype, n, seed=n)
+                x = varied_input(dtype, n, seed=n)
                 a, b = x.clone(), x.clone()
                 assert staged.submit(a, average=avg).wait() is a
                 cpu.submit(b, average=avg).wait()
-                assert _same_bytes(a, b), (dtype, n, avg)
+                assert same_bytes(a, b), (dtype, n, avg)
     # one wire all-reduce per chunk, each chunk _chunk(dtype) elements but a tensor's last
     per_tensor = [-(-n // _chunk(d)) for d in DTYPES for n in SIZES for _ in _ops(d)]
     assert len(staged.comm.lengths) == sum(per_tensor) and max(staged.comm.lengths) == 2 * CHUNK
@@ -109,11 +86,11 @@ def test_chunks_off_the_packets_would_change_the_floats(fake):
     staged, cpu = _channels(fake)
     staged._packet_elems = 100  # so that chunk_elems rounds 700 elements to 700
     staged.chunk_bytes = 700 * 4
-    x = _input(torch.float32, 5 * CHUNK, seed=3)
+    x = varied_input(torch.float32, 5 * CHUNK, seed=3)
     a, b = x.clone(), x.clone()
     staged.submit(a).wait()
     cpu.submit(b).wait()
-    assert not _same_bytes(a, b)
+    assert not same_bytes(a, b)
     staged.close()
     cpu.close()
 
@@ -123,14 +100,14 @@ def test_empty_non_contiguous_and_several_tensors_in_flight(fake):
     empty = torch.empty(0)
     assert staged.submit(empty).wait() is empty and fake.count("down") == 0
     # a non-contiguous tensor: staged through a contiguous copy, written back on the device
-    base = _input(torch.float16, 4 * CHUNK, seed=5).reshape(4, CHUNK)
+    base = varied_input(torch.float16, 4 * CHUNK, seed=5).reshape(4, CHUNK)
     a, b = base.clone().t(), base.clone().t()
     staged.submit(a, average=True).wait()
     cpu.submit(b, average=True).wait()
-    assert not a.is_contiguous() and _same_bytes(a, b)
+    assert not a.is_contiguous() and same_bytes(a, b)
     assert fake.count("within") == 1
     # several tensors submitted at once, of every dtype: queued, run in order through the ring
-    xs = [_input(d, n, seed=i) for i, (d, n) in enumerate(zip(DTYPES * 2, SIZES + SIZES[:2]))]
+    xs = [varied_input(d, n, seed=i) for i, (d, n) in enumerate(zip(DTYPES * 2, SIZES + SIZES[:2]))]
     mine = [x.clone() for x in xs]
     futs = [staged.submit(t) for t in mine]
     for t, f in zip(mine, futs):
@@ -138,7 +115,7 @@ def test_empty_non_contiguous_and_several_tensors_in_flight(fake):
     for t, x in zip(mine, xs):
         want = x.clone()
         cpu.submit(want).wait()
-        assert _same_bytes(t, want), (x.dtype, x.numel())
+        assert same_bytes(t, want), (x.dtype, x.numel())
     assert fake.pinned_calls == 1  # one ring, reused by every call
     staged.close()
     assert not staged._rings  # its pinned memory let go
@@ -151,12 +128,14 @@ def test_a_coalesced_list_through_the_backend(fake):
     from hostlib.pt.backend import ProcessGroupXdpAgg
 
     staged, cpu = _channels(fake)
-    xs = [_input(d, n, seed=n) for d, n in zip(DTYPES * 2, (700, 1, 2000, 900, 33, 1500, 5, 8))]
+    xs = [
+        varied_input(d, n, seed=n) for d, n in zip(DTYPES * 2, (700, 1, 2000, 900, 33, 1500, 5, 8))
+    ]
     got, want = [x.clone() for x in xs], [x.clone() for x in xs]
     ProcessGroupXdpAgg._aggregate(SimpleNamespace(channel=staged), got, False).wait()
     ProcessGroupXdpAgg._aggregate(SimpleNamespace(channel=cpu), want, False).wait()
     for g, w in zip(got, want):
-        assert _same_bytes(g, w), (g.dtype, g.numel())
+        assert same_bytes(g, w), (g.dtype, g.numel())
     # float32 and int32 at 32 bits, float16 and bfloat16 each as itself at 16
     assert staged.stats["staged"] == 4 and staged.stats["wire16"] == 2
     staged.close()
@@ -169,7 +148,7 @@ def test_copies_overlap_the_aggregation_counted(fake):
     staged, _ = _channels(fake)
     for k in (1, 2, 5):
         before = {kind: fake.overlapped(kind) for kind in ("down", "up")}
-        staged.submit(_input(torch.float32, k * CHUNK, seed=k)).wait()
+        staged.submit(varied_input(torch.float32, k * CHUNK, seed=k)).wait()
         assert fake.overlapped("down") - before["down"] == k - 1
         assert fake.overlapped("up") - before["up"] == k - 1
     assert fake.count("down") == fake.count("up") == 8
@@ -205,7 +184,7 @@ def test_a_staging_without_overlap_counts_none(fake):
     staged = AllreduceChannel(
         ScalingComm(elems=ELEMS, device=fake), stage_on=_Serial(fake), chunk_bytes=CHUNK * 4
     )
-    staged.submit(_input(torch.float32, 5 * CHUNK, seed=1)).wait()
+    staged.submit(varied_input(torch.float32, 5 * CHUNK, seed=1)).wait()
     assert fake.count("down") == 5 and fake.overlapped("down") == fake.overlapped("up") == 0
     staged.close()
 
@@ -228,11 +207,15 @@ def test_the_fake_catches_a_slot_reused_before_its_copy_up():
 
     fake = FakeDevice()
     with contextlib.suppress(ValueError):  # it may sum the 0xFF fill (NaN) it raced with
-        _ring_run(Careless(fake, CHUNK, slots=2), fake, _input(torch.float32, 4 * CHUNK, seed=2))
+        _ring_run(
+            Careless(fake, CHUNK, slots=2), fake, varied_input(torch.float32, 4 * CHUNK, seed=2)
+        )
     fake.close()
     assert any("without waiting" in v for v in fake.violations), fake.violations
     good = FakeDevice()  # the real ring with 2 slots keeps the rule
-    _ring_run(StagingRing(good, CHUNK, slots=2), good, _input(torch.float32, 4 * CHUNK, seed=2))
+    _ring_run(
+        StagingRing(good, CHUNK, slots=2), good, varied_input(torch.float32, 4 * CHUNK, seed=2)
+    )
     good.close()
     assert not good.violations, good.violations
 
@@ -244,7 +227,7 @@ def test_the_fake_catches_a_chunk_read_before_its_copy_down():
                 super().wait(event)
 
     fake = Hasty()
-    _ring_run(StagingRing(fake, CHUNK), fake, _input(torch.float32, 3 * CHUNK, seed=4))
+    _ring_run(StagingRing(fake, CHUNK), fake, varied_input(torch.float32, 3 * CHUNK, seed=4))
     fake.close()
     assert any("before the host waited" in v for v in fake.violations), fake.violations
 
@@ -252,51 +235,20 @@ def test_the_fake_catches_a_chunk_read_before_its_copy_down():
 def test_a_failure_mid_tensor_fails_the_future_after_every_copy(fake):
     staged, _ = _channels(fake, fail_at=2, error=HostlibError("the aggregator is gone"))
     with pytest.raises(AggregatorLost, match="all-reduce #2"):
-        staged.submit(_input(torch.float32, 5 * CHUNK, seed=6)).wait()
+        staged.submit(varied_input(torch.float32, 5 * CHUNK, seed=6)).wait()
     assert fake.idle()  # the copy down of chunk 3 and the copies up of 0 and 1 have finished
-    x = _input(torch.int32, 2 * CHUNK, seed=7)
+    x = varied_input(torch.int32, 2 * CHUNK, seed=7)
     t = x.clone()
     staged.submit(t).wait()  # the ring is usable again
     assert torch.equal(t, x * 3)
     staged.close()
 
 
-class _ThreadWorld:
-    """n ranks as threads summing exactly: a fallback group (allreduce MIN/SUM) and a
-    communicator (allreduce of numpy arrays), both through one barrier."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.barrier = threading.Barrier(n, timeout=10)
-        self.slots: list = [None] * n
-
-    def exchange(self, rank: int, t: torch.Tensor) -> torch.Tensor:
-        self.slots[rank] = t.clone()
-        self.barrier.wait()
-        vals = torch.stack(self.slots)
-        self.barrier.wait()
-        return vals
-
-    def group(self, rank: int):
-        import torch.distributed as dist
-
-        world = self
-
-        class Group:
-            def allreduce(self, tensors, opts):
-                vals = world.exchange(rank, tensors[0])
-                red = vals.min(0).values if opts.reduceOp == dist.ReduceOp.MIN else vals.sum(0)
-                tensors[0].copy_(red)
-                return SimpleNamespace(wait=lambda: True)
-
-        return Group()
-
-
 def test_a_failure_mid_tensor_with_a_fallback_finishes_over_gloo():
     """Both ranks lose the aggregator at chunk 2 of 5: they agree, redo chunk 2 over the
     fallback group and send chunks 3 and 4 there; the sum is exact."""
     n = 2
-    comms, groups = _ThreadWorld(n), _ThreadWorld(n)
+    comms, groups = ThreadGroup(n), ThreadGroup(n)
     out: dict = {}
 
     def rank_main(r: int) -> None:
@@ -313,7 +265,7 @@ def test_a_failure_mid_tensor_with_a_fallback_finishes_over_gloo():
                 out[...] = comms.exchange(r, torch.from_numpy(src.copy())).sum(0).numpy()
 
         ch = AllreduceChannel(
-            Comm(), fallback=groups.group(r), stage_on=fake, chunk_bytes=CHUNK * 4
+            Comm(), fallback=groups.member(r), stage_on=fake, chunk_bytes=CHUNK * 4
         )
         t = torch.arange(5 * CHUNK, dtype=torch.int32) * (r + 1)
         ch.submit(t).wait()
@@ -321,11 +273,7 @@ def test_a_failure_mid_tensor_with_a_fallback_finishes_over_gloo():
         ch.close()
         fake.close()
 
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(n)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join(30)
+    comms.run(rank_main)
     want = torch.arange(5 * CHUNK, dtype=torch.int32) * 3
     for r in range(n):
         t, on_fallback, gloo, violations = out[r]
@@ -341,16 +289,7 @@ def test_staged_equals_the_cpu_path_through_hostlib_on_loopback():
         fake = FakeDevice()
         staged = AllreduceChannel(CheckingComm(comm, fake), stage_on=fake, chunk_bytes=CHUNK * 4)
         cpu = AllreduceChannel(comm, stage_on=lambda t: None)
-        wrong = []
-        for dtype in DTYPES:
-            for n in (300, CHUNK + 1, 4 * CHUNK - 5):
-                for avg in _ops(dtype):
-                    x = _input(dtype, n, seed=n + comm.rank)
-                    a, b = x.clone(), x.clone()
-                    staged.submit(a, average=avg).wait()
-                    cpu.submit(b, average=avg).wait()
-                    if not _same_bytes(a, b):
-                        wrong.append((str(dtype), n, avg))
+        wrong = staged_mismatches(staged, cpu, DTYPES, (300, CHUNK + 1, 4 * CHUNK - 5), comm.rank)
         staged.close()
         cpu.close()
         fake.close()
@@ -386,16 +325,16 @@ def test_cuda_tensors_equal_the_cpu_path_bit_for_bit():
     for dtype in DTYPES:
         for n in SIZES + (0,):
             for avg in _ops(dtype):
-                x = _input(dtype, n, seed=n) if n else torch.empty(0, dtype=dtype)
+                x = varied_input(dtype, n, seed=n) if n else torch.empty(0, dtype=dtype)
                 a, b = x.cuda(), x.clone()
                 staged.submit(a, average=avg).wait()
                 cpu.submit(b, average=avg).wait()
-                assert _same_bytes(a.cpu(), b), (dtype, n, avg)
-    base = _input(torch.bfloat16, 4 * CHUNK, seed=9).reshape(4, CHUNK)
+                assert same_bytes(a.cpu(), b), (dtype, n, avg)
+    base = varied_input(torch.bfloat16, 4 * CHUNK, seed=9).reshape(4, CHUNK)
     a, b = base.cuda().t(), base.clone().t()
     staged.submit(a).wait()
     cpu.submit(b).wait()
-    assert _same_bytes(a.cpu(), b)
+    assert same_bytes(a.cpu(), b)
     assert len(staged._rings) == 1
     staged.close()
     cpu.close()

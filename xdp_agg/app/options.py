@@ -118,6 +118,11 @@ def count(decl: str, lo: int, hi: int, default: int, help: str):
     return opt(decl, default=default, type=click.IntRange(lo, hi), show_default=True, help=help)
 
 
+def optional_count(decl: str, lo: int, hi: int, help: str):
+    """An integer field, lo..hi, None when its option is not given."""
+    return opt(decl, type=click.IntRange(lo, hi), help=help)
+
+
 def real(decl: str, lo: float, hi: float | None, default: float, help: str):
     """A float field, lo..hi (None: no upper bound), with `default` (shown in --help)."""
     return opt(decl, default=default, type=click.FloatRange(lo, hi), show_default=True, help=help)
@@ -170,7 +175,7 @@ def _results_field():
 def _tree_workers_field(help: str):
     """--tree-workers of a rack (serve and job create): all workers under the root aggregator,
     by which the hosts scale floats; `help` says what the command does with it."""
-    return opt("--tree-workers", type=click.IntRange(1, MAX_TREE_TOTAL), help=help)
+    return optional_count("--tree-workers", 1, MAX_TREE_TOTAL, help)
 
 
 def _parent_mac_field(help: str):
@@ -438,15 +443,17 @@ class ServeOptions:
         help="Two levels: HOST:PORT of the parent's control endpoint; every job created here is "
         "a rack of the parent's job of the same name (docs/striping-and-trees.md).",
     )
-    rack_rank: int | None = opt(
+    rack_rank: int | None = optional_count(
         "--rack-rank",
-        type=click.IntRange(0, limits.MAX_WORKERS - 1),
-        help="With --parent-endpoint: this rack's rank in the parent's jobs.",
+        0,
+        limits.MAX_WORKERS - 1,
+        "With --parent-endpoint: this rack's rank in the parent's jobs.",
     )
-    racks: int | None = opt(
+    racks: int | None = optional_count(
         "--racks",
-        type=click.IntRange(1, limits.MAX_WORKERS),
-        help="With --parent-endpoint: racks under the parent (its jobs' world size).",
+        1,
+        limits.MAX_WORKERS,
+        "With --parent-endpoint: racks under the parent (its jobs' world size).",
     )
     tree_workers: int | None = _tree_workers_field(
         "With --parent-endpoint: workers under the root, for float scaling (default: racks x "
@@ -586,10 +593,11 @@ class JobOptions:
     parent_mac: str | None = _parent_mac_field(
         "With --parent-address: MAC of the parent (next hop)."
     )
-    parent_slot_base: int | None = opt(
+    parent_slot_base: int | None = optional_count(
         "--parent-slots",
-        type=click.IntRange(0, (1 << 14) - 1),
-        help="With --parent-address: the parent job's first slot (ours BASE maps to it).",
+        0,
+        (1 << 14) - 1,
+        "With --parent-address: the parent job's first slot (ours BASE maps to it).",
     )
     uplink_port: int | None = opt(
         "--uplink-port",
@@ -597,10 +605,11 @@ class JobOptions:
         help="With --parent-address: our port toward the parent (the parent job's worker port; "
         "default: --agg-port).",
     )
-    worker_port: int | None = opt(
+    worker_port: int | None = optional_count(
         "--worker-port",
-        type=click.IntRange(1, 65535),
-        help="With --parent-address: our workers' UDP port, where the parent's results go down.",
+        1,
+        65535,
+        "With --parent-address: our workers' UDP port, where the parent's results go down.",
     )
     total_workers: int | None = _tree_workers_field(
         "With --parent-address: workers under the root (the hosts' float scaling)."
