@@ -86,6 +86,26 @@ class FwdStep:
     what: str = ""
 
 
+def fwd(in_port: int, frame: bytes, counter: str, out_port: int, what: str) -> FwdStep:
+    """A step whose frame leaves by one other port (routed or switched: `counter`)."""
+    return FwdStep(in_port, frame, Verdict.FORWARD, counter, out_port, what)
+
+
+def flood(in_port: int, frame: bytes, what: str) -> FwdStep:
+    """A step whose frame is flooded to every other port."""
+    return FwdStep(in_port, frame, Verdict.FLOOD, "flooded", None, what)
+
+
+def to_host(in_port: int, frame: bytes, counter: str, what: str) -> FwdStep:
+    """A step whose frame goes to the box's own stack."""
+    return FwdStep(in_port, frame, Verdict.TO_HOST, counter, None, what)
+
+
+def drop(in_port: int, frame: bytes, counter: str, what: str) -> FwdStep:
+    """A step whose frame is dropped, counted as `counter`."""
+    return FwdStep(in_port, frame, Verdict.DROP, counter, None, what)
+
+
 @dataclass
 class FwdCase:
     name: str
@@ -279,22 +299,14 @@ NOT_P4 = {"bmv2": "bmv2's l2_forward is a static MAC table: no routing, learning
 
 def _routed_cases() -> list[FwdCase]:
     w0, w1, w2 = worker_ip(0), worker_ip(1), worker_ip(2)
-    s = FwdStep
     return [
         FwdCase(
             "routed_between_subnets",
             "routed",
             [
-                s(0, udp_like(W[0], BOX_MACS[0], w0, w1), Verdict.FORWARD, "routed", 1, "TCP"),
-                s(2, ping(W[2], BOX_MACS[2], w2, w0), Verdict.FORWARD, "routed", 0, "ping"),
-                s(
-                    1,
-                    ping6(W[1], BOX_MACS[1], V6_WORKER[1], V6_WORKER[2]),
-                    Verdict.FORWARD,
-                    "routed",
-                    2,
-                    "IPv6",
-                ),
+                fwd(0, udp_like(W[0], BOX_MACS[0], w0, w1), "routed", 1, "TCP"),
+                fwd(2, ping(W[2], BOX_MACS[2], w2, w0), "routed", 0, "ping"),
+                fwd(1, ping6(W[1], BOX_MACS[1], V6_WORKER[1], V6_WORKER[2]), "routed", 2, "IPv6"),
             ],
             not_on=NOT_P4,
         ),
@@ -302,47 +314,29 @@ def _routed_cases() -> list[FwdCase]:
             "routed_what_the_kernel_does",
             "routed",
             [
-                s(0, arp_request(W[0], w0, port_ip(0)), Verdict.TO_HOST, "passed", None, "ARP"),
-                s(
-                    0,
-                    ping(W[0], BOX_MACS[0], w0, port_ip(1)),
-                    Verdict.TO_HOST,
-                    "passed",
-                    None,
-                    "to the box's own address",
+                to_host(0, arp_request(W[0], w0, port_ip(0)), "passed", "ARP"),
+                to_host(
+                    0, ping(W[0], BOX_MACS[0], w0, port_ip(1)), "passed", "to the box's own address"
                 ),
-                s(
+                to_host(
                     0,
                     ping(W[0], BOX_MACS[0], w0, FAR_IP),
-                    Verdict.TO_HOST,
                     "passed",
-                    None,
                     "no neighbour yet: the kernel resolves it",
                 ),
-                s(
+                to_host(
                     0,
                     ping(W[0], BOX_MACS[0], w0, w1, ttl=1),
-                    Verdict.TO_HOST,
                     "ttl_expired",
-                    None,
                     "TTL 1: the kernel answers time exceeded",
                 ),
-                s(
+                to_host(
                     1,
                     ping6(W[1], BOX_MACS[1], V6_WORKER[1], V6_WORKER[0], hlim=1),
-                    Verdict.TO_HOST,
                     "ttl_expired",
-                    None,
                     "hop limit 1",
                 ),
-                s(
-                    0,
-                    ping(W[0], W[1], w0, w1),
-                    Verdict.TO_HOST,
-                    "passed",
-                    None,
-                    "not to the box's MAC",
-                ),
+                to_host(0, ping(W[0], W[1], w0, w1), "passed", "not to the box's MAC"),
             ],
             not_on=NOT_P4,
         ),
@@ -350,20 +344,16 @@ def _routed_cases() -> list[FwdCase]:
             "routed_own_source_dropped",
             "routed",
             [
-                s(
+                drop(
                     0,
                     ping(BOX_MACS[1], BOX_MACS[0], w0, w1),
-                    Verdict.DROP,
                     "own_source",
-                    None,
                     "a port's MAC as source: looped back",
                 ),
-                s(
+                drop(
                     0,
                     ping(W[0], BOX_MACS[0], port_ip(2), w1),
-                    Verdict.DROP,
                     "own_source",
-                    None,
                     "a port's address as source",
                 ),
             ],
@@ -373,7 +363,6 @@ def _routed_cases() -> list[FwdCase]:
 
 
 def _switched_cases() -> list[FwdCase]:
-    s = FwdStep
     h = [host_mac(i) for i in range(8)]
     hi = [host_ip(i) for i in range(8)]
     learned = {h[0]: 0, h[1]: 1, h[2]: 2}
@@ -382,25 +371,11 @@ def _switched_cases() -> list[FwdCase]:
             "switched_known_unicast_and_flooding",
             "switched",
             [
-                s(0, ping(h[0], h[1], hi[0], hi[1]), Verdict.FORWARD, "switched", 1, "known"),
-                s(2, ping(h[2], h[0], hi[2], hi[0]), Verdict.FORWARD, "switched", 0, "known"),
-                s(0, ping(h[0], h[5], hi[0], hi[5]), Verdict.FLOOD, "flooded", None, "unknown"),
-                s(
-                    1,
-                    arp_request(h[1], hi[1], hi[2]),
-                    Verdict.FLOOD,
-                    "flooded",
-                    None,
-                    "broadcast ARP",
-                ),
-                s(
-                    2,
-                    ping6(h[2], ALL_HOSTS_V6, "2001:2::12", "ff02::1"),
-                    Verdict.FLOOD,
-                    "flooded",
-                    None,
-                    "multicast",
-                ),
+                fwd(0, ping(h[0], h[1], hi[0], hi[1]), "switched", 1, "known"),
+                fwd(2, ping(h[2], h[0], hi[2], hi[0]), "switched", 0, "known"),
+                flood(0, ping(h[0], h[5], hi[0], hi[5]), "unknown"),
+                flood(1, arp_request(h[1], hi[1], hi[2]), "broadcast ARP"),
+                flood(2, ping6(h[2], ALL_HOSTS_V6, "2001:2::12", "ff02::1"), "multicast"),
             ],
             table=learned,
         ),
@@ -408,14 +383,7 @@ def _switched_cases() -> list[FwdCase]:
             "switched_to_the_box_itself",
             "switched",
             [
-                s(
-                    0,
-                    ping(h[0], BOX_MACS[0], hi[0], port_ip(0)),
-                    Verdict.TO_HOST,
-                    "passed",
-                    None,
-                    "to a port's MAC",
-                ),
+                to_host(0, ping(h[0], BOX_MACS[0], hi[0], port_ip(0)), "passed", "to a port's MAC"),
             ],
             table=learned,
         ),
@@ -423,23 +391,14 @@ def _switched_cases() -> list[FwdCase]:
             "switched_learns_and_answers",
             "switched",
             [
-                s(3, arp_request(h[3], hi[3], hi[4]), Verdict.FLOOD, "flooded", None, "who-has"),
-                s(
-                    1,
-                    ping(h[4], h[3], hi[4], hi[3]),
-                    Verdict.FORWARD,
-                    "switched",
-                    3,
-                    "the answer goes where the question came from",
-                ),
-                s(3, ping(h[3], h[4], hi[3], hi[4]), Verdict.FORWARD, "switched", 1, "and back"),
-                s(
+                flood(3, arp_request(h[3], hi[3], hi[4]), "who-has"),
+                fwd(1, ping(h[4], h[3], hi[4], hi[3]), "switched", 3, "the answer: to the asker"),
+                fwd(3, ping(h[3], h[4], hi[3], hi[4]), "switched", 1, "and back"),
+                to_host(
                     0,
                     arp_request(W[0], worker_ip(0), port_ip(0)),
-                    Verdict.TO_HOST,
                     "passed",
-                    None,
-                    "ARP for the box's address",
+                    "ARP for the box",
                 ),
             ],
             events={"learned": 3},
@@ -449,45 +408,20 @@ def _switched_cases() -> list[FwdCase]:
             "switched_bad_input",
             "switched",
             [
-                s(
-                    0,
-                    ping(h[1], h[2], hi[1], hi[2]),
-                    Verdict.DROP,
-                    "loop",
-                    None,
-                    "a source learned on another port just now: looped through two ports",
-                ),
-                s(
-                    1,
-                    ping(h[0], h[1], hi[0], hi[1]),
-                    Verdict.DROP,
-                    "same_port",
-                    None,
-                    "destination behind the port it came in on: no hairpin",
-                ),
-                s(
+                drop(0, ping(h[1], h[2], hi[1], hi[2]), "loop", "a loop"),
+                drop(1, ping(h[0], h[1], hi[0], hi[1]), "same_port", "no hairpin"),
+                drop(
                     0,
                     ping("03:00:00:00:00:01", h[1], hi[0], hi[1]),
-                    Verdict.DROP,
                     "bad_source",
-                    None,
-                    "multicast source MAC",
+                    "multicast source",
                 ),
-                s(
-                    2,
-                    ping(BOX_MACS[0], h[1], hi[2], hi[1]),
-                    Verdict.DROP,
-                    "own_source",
-                    None,
-                    "the box's MAC as source",
-                ),
-                s(
+                drop(2, ping(BOX_MACS[0], h[1], hi[2], hi[1]), "own_source", "box MAC source"),
+                drop(
                     2,
                     ping(h[2], h[1], port_ip(3), hi[1]),
-                    Verdict.DROP,
                     "own_source",
-                    None,
-                    "the box's address as source",
+                    "box IP source",
                 ),
             ],
             table={**learned, h[0]: 1},
@@ -497,15 +431,8 @@ def _switched_cases() -> list[FwdCase]:
             "switched_moved_host_relearned",
             "switched",
             [
-                s(
-                    3,
-                    ping(h[0], h[1], hi[0], hi[1]),
-                    Verdict.FORWARD,
-                    "switched",
-                    1,
-                    "h0 now behind port 3, after the hold",
-                ),
-                s(1, ping(h[1], h[0], hi[1], hi[0]), Verdict.FORWARD, "switched", 3, "to it"),
+                fwd(3, ping(h[0], h[1], hi[0], hi[1]), "switched", 1, "h0 moved to port 3"),
+                fwd(1, ping(h[1], h[0], hi[1], hi[0]), "switched", 3, "to it"),
             ],
             table=learned,
             hold_s=0.0,
@@ -516,12 +443,9 @@ def _switched_cases() -> list[FwdCase]:
             "switched_aged_entry_flooded",
             "switched",
             [
-                s(
+                flood(
                     1,
                     ping(h[1], h[0], hi[1], hi[0]),
-                    Verdict.FLOOD,
-                    "flooded",
-                    None,
                     "h0's entry is older than the age: forgotten, flooded",
                 ),
             ],
@@ -539,9 +463,6 @@ def _snooping_cases() -> list[FwdCase]:
     h, hi = [host_mac(i) for i in range(4)], [host_ip(i) for i in range(4)]
     g1, g2, g3 = "239.1.2.3", "239.4.5.6", "239.7.8.9"
     many = [(2, f"239.0.0.{i + 1}", 0) for i in range(40)]  # MODE_IS_EXCLUDE {}: joined
-
-    def flood(port: int, frame: bytes, what: str) -> FwdStep:
-        return FwdStep(port, frame, Verdict.FLOOD, "flooded", None, what)
 
     general = flood(0, igmp(h[0], hi[0], "224.0.0.1", igmp_v2(IGMP_QUERY, "0.0.0.0")), "query")
     return [
