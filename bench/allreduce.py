@@ -121,7 +121,9 @@ def run_config(
             rate=RATES[rate] and rate,
             agg_queues=getattr(args, "agg_queues", 1),
             # loss on every frame, so that gloo's TCP crosses the same loss (bench.lossrows)
-            loss_scope="all" if hasattr(args, "loss") and lossrows.lossy(args) else "aggregation",
+            loss_scope=getattr(args, "loss_scope", "all")
+            if hasattr(args, "loss") and lossrows.lossy(args)
+            else "aggregation",
             reorder_delay=getattr(args, "reorder_delay_ms", 0.5) / 1e3,
         ) as tb,
         # jumbo MTUs: multi-buffer XDP; bench.slot_cpus sets slot_cpus, bench.unicast serve_args
@@ -284,6 +286,7 @@ def _row(n: int, rate: str, setting, item: dict, reports: list[dict], layout, lo
         "loss": setting["loss"],
         "reorder": setting["reorder"],
         "early_loss": setting["early_loss"],
+        "loss_scope": getattr(args, "loss_scope", "all"),
     }
     if item["kind"] == "burst":
         row["burst_ms"] = item["burst_ms"]
@@ -365,6 +368,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             "loss": row.get("loss", 0.0),
             "reorder": row.get("reorder", 0.0),
             "early_loss": row.get("early_loss", True),
+            "loss_scope": row.get("loss_scope", "all"),
             "retransmissions": row["retransmissions"],
         }
         if row.get("engine"):

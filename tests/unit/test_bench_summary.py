@@ -163,3 +163,23 @@ def test_early_loss_reorder_rows_compare_with_the_clean_path():
     args.lanes = [1]
     paths = [(s["loss"], s["reorder"]) for s in allreduce._settings(args)]
     assert paths == [(0.0, 0.0), (0.01, 0.0), (0.0, 0.05)]
+
+
+def test_early_loss_scope_aggregation_leaves_gloo_out_of_the_loss_cells():
+    """--loss-scope aggregation: only xdp-agg's datagrams are lost, so a lossy cell compares
+    xdp-agg with its clean time and says nothing of gloo (its time there is a clean one)."""
+    from bench import lossrows
+
+    rows = [
+        _loss_row(0.0, [0.4] * 3, [0.2] * 3, loss_scope="aggregation"),
+        _loss_row(0.1, [0.8] * 3, [0.21] * 3, loss_scope="aggregation"),
+    ]
+    clean, lossy = allreduce.summarize(rows)
+    assert lossy["vs_clean"] == pytest.approx({"xdp-agg": 2.0})
+    md = allreduce.markdown([clean, lossy], {"when": "now", "reps": 3, "mtu": 3500,
+                                             "elems": 768, "window": 64})  # fmt: skip
+    assert "| on | 0.1 | 800.0 | 2.00x | - (no loss) | - | - |" in md
+    ap = argparse.ArgumentParser()
+    lossrows.options(ap)
+    assert ap.parse_args([]).loss_scope == "all"
+    assert ap.parse_args(["--loss-scope", "aggregation"]).loss_scope == "aggregation"
