@@ -88,6 +88,7 @@ static double first_rto(const Stream *st)
 
 static void rtt_update(Stream *st, double sample)
 {
+    st->cc.recent[st->cc.recent_n++ % FP_RECENT_RTTS] = sample;
     st->cc.backoff = 1;
     if (sample < st->cc.min_rtt)
         st->cc.min_rtt = sample;
@@ -114,13 +115,27 @@ static double reo_wnd(const Stream *st)
     return w < st->cc.srtt ? w : st->cc.srtt;
 }
 
-/* Whether the round trips say a queue has built up on the path: srtt more than queue_delay
- * and more than min_rtt above min_rtt (srtt, not the newest sample: one late answer on a busy
- * host is no queue). A loss without it is taken for random loss, which a smaller window would
- * not prevent (docs/protocol.md 4.4). */
+/* The standing round trip: the least of the last FP_RECENT_RTTS samples (one a batch of
+ * results: 4 is about a round trip's worth where results come in bunches, as they do
+ * behind a queue, which 8 did not always see). A queue on the path
+ * delays every packet, so it raises this; a round that waited for another rank's lost packet to
+ * be resent delays that round alone, so it does not (Copa's standing RTT; srtt averages such
+ * waits in, and at n = 8 and 10% loss most rounds have one). */
+static double standing_rtt(const Stream *st)
+{
+    int n = st->cc.recent_n < FP_RECENT_RTTS ? st->cc.recent_n : FP_RECENT_RTTS;
+    double m = INFINITY;
+    for (int i = 0; i < n; i++)
+        m = st->cc.recent[i] < m ? st->cc.recent[i] : m;
+    return m;
+}
+
+/* Whether the round trips say a queue has built up on the path: the standing round trip more
+ * than queue_delay and more than min_rtt above min_rtt. A loss without it is taken for random
+ * loss, which a smaller window would not prevent (docs/protocol.md 4.4). */
 static int queue_built(const Stream *st)
 {
-    double q = st->cc.srtt - st->cc.min_rtt;
+    double q = standing_rtt(st) - st->cc.min_rtt;
     return st->cc.have_rtt && q > st->cfg.queue_delay && q > st->cc.min_rtt;
 }
 

@@ -32,12 +32,14 @@ typedef struct {
     int cwnd_fixed;          /* 1: the congestion window is the slot window */
     int early_loss;          /* 1: losses found from later results (4.4), 0: timers only */
     double rto_floor;        /* with early_loss: the least timer once round trips are measured */
-    double queue_delay;      /* a queue: srtt above min_rtt by this and by min_rtt, s */
+    double queue_delay;      /* a queue: the standing round trip above min_rtt by this, s */
     int spin;                /* busy-poll at all (EngineConfig.spin) */
     int faults;              /* the Faults test hook is on */
     double send_loss, recv_loss, send_dup, recv_dup;
     uint64_t seed;
 } StreamConfig;
+
+#define FP_RECENT_RTTS 4 /* the standing round trip: the least of the last 4 samples */
 
 /* The timers' and the window's state, kept across all-reduces. */
 typedef struct {
@@ -45,6 +47,8 @@ typedef struct {
     double srtt, rttvar;
     double min_rtt;  /* the least round trip of this all-reduce and the last (INFINITY: none) */
     double min_here; /* the least of this all-reduce's (a path that changes is followed) */
+    double recent[FP_RECENT_RTTS]; /* the last round trips sampled (fp_loop.c standing_rtt) */
+    int recent_n;                  /* samples written to it, in all */
     double cwnd, ssthresh;
     int reo_mult;  /* the reordering allowance in quarters of min_rtt (grows on needless resends) */
     int reo_quiet; /* early resends since the allowance last grew (it shrinks back after 16) */

@@ -89,8 +89,9 @@ class EngineConfig:
     # resend on evidence of later results (docs/protocol.md 4.4), not on timers alone
     early_loss: bool = True
     rto_floor: float = 0.002  # with early_loss, the least timer once round trips are measured
-    # the C loop's window halves for a loss only where srtt is this far above the least round
-    # trip (and twice it): a queue, not random loss (docs/protocol.md 4.4). 4 ms: above a busy
+    # the C loop's window halves for a loss only where the standing round trip (the least of
+    # the last 4) is this far above the least round trip (and twice it): a queue, not random
+    # loss nor other ranks' resends (docs/protocol.md 4.4). 4 ms: above a busy
     # host's scheduling noise (its round trips of 1-3 ms under load), below the queues that drop
     queue_delay: float = 0.004
     rto_max: float = 0.25

@@ -392,6 +392,18 @@ def test_early_loss_window_halves_for_a_queue_not_for_random_loss():
     assert _cwnd_after({}) == 64  # slow start reaches the slot window without loss
 
 
+def test_early_loss_window_holds_when_rounds_wait_for_other_ranks_resends():
+    """docs/protocol.md 4.4: a round also waits while another rank resends its lost packet, so
+    at n = 8 and 10% loss many answers come late with no queue on the path. Here a third of
+    the answers from packet 100 on come 40 ms late (queue_delay 10 ms) besides the random
+    losses: the standing round trip (the least of the last 4) stays at the path's, and the
+    window is not cut; srtt, which averages the late ones in, would cut it to 1 (the n = 8,
+    10% loss collapse: 19 rounds a second)."""
+    drop = {t: 1 for t in range(0, 300, 10)}
+    waits = {"late": {t for t in range(100, 300) if t % 3 == 0}, "late_s": 0.04}
+    assert _cwnd_after(drop, queue_delay=0.01, rto=0.2, agg_kw=waits) == 64
+
+
 def test_bad_cwnd_mode_is_refused():
     agg = EchoAggregator()
     try:
