@@ -77,8 +77,8 @@ static __always_inline bool contrib_checksum_ok(struct agg_pkt *pk, bool sparse,
 		     i < (sizeof(struct udphdr) + AGG_SPARSE_HDRS) / 2; i++)
 			sum += h[i];
 	}
-	if (pl)
-		sum = csum_add_payload(sum, pl, K);
+	if (pl && csum_add_payload(&sum, pl, AGG_IN_MAP, K))
+		return false; /* the loop stopped short: failed as a wrong checksum (checksum_ok) */
 	return csum_folds_to_ok(sum);
 }
 
@@ -146,28 +146,22 @@ static __always_inline void store_block(agg_lanes *r, const agg_lanes *sum)
 /* Store a sparse job's finished round in its result (docs/protocol.md 8.3): the sum big-endian
  * when any contribution carried data (all of it in r->data, lane order, when the gather ran and
  * found data: rs->others; else own's), the exponents, the smallest next, the key and whether it
- * has data. */
-static __always_inline void store_round(struct agg_result *r, struct agg_partial *own,
-					struct agg_round *rs, u64 key, const u32 K)
+ * has data. -1: the loop stopped short. */
+static __always_inline int store_round(struct agg_result *r, struct agg_partial *own,
+				       struct agg_round *rs, u64 key, const u32 K)
 {
 	agg_lanes *rw = (agg_lanes *)r->data;
 	agg_lanes *src = rs->others ? rw : (agg_lanes *)own->sum;
 	u32 data = rs->others || own->has_data;
 
-	if (data) {
-		/* verifier: a constant trip count, walked block by block */
-		AGG_BLOCK_LOOP
-		for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-			store_block(rw, src);
-			rw += AGG_BLOCK_WORDS;
-			src += AGG_BLOCK_WORDS;
-		}
-	}
+	if (data && AGG_SUMS_LOOP(store_block, rw, src, AGG_IN_MAP, K))
+		return -1;
 	r->e0 = rs->e0;
 	r->e1 = rs->e1;
 	r->next = rs->next;
 	r->has_data = data;
 	r->key = key;
+	return 0;
 }
 
 /* Point pk at the frame's headers again (false: the frame ends before the exponents). The frame
@@ -280,9 +274,9 @@ static __always_inline int sparse_complete(struct xdp_md *ctx, struct agg_pkt *p
 	struct agg_result *r = bpf_map_lookup_elem(&results, &pkey);
 	struct agg_round rs;
 
-	if (!r || gather_round(pkey, tag, own, job->num_workers, true, &rs, K))
+	if (!r || gather_round(pkey, tag, own, job->num_workers, true, &rs, K) ||
+	    store_round(r, own, &rs, key, K))
 		return XDP_ABORTED;
-	store_round(r, own, &rs, key, K);
 	__sync_fetch_and_and(&st->round_key[vi], 0);
 	__sync_fetch_and_add(&st->published[vi], 1);
 	if (write_result(ctx, pk, r, K))
@@ -328,5 +322,19 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 		return last ? XDP_ABORTED : XDP_DROP;
 	return sparse_complete(ctx, pk, job, w, st, vi, pkey, tag, own, c->key, K);
 }
+
+/* sparse_aggregate for packets of `elems` int32, slot and version in pkey (AGG_POOL_ENTRY):
+ * agg_sparse_<elems>, a subprogram of its own (noinline, five arguments at most). verifier:
+ * its instructions leave the ingress program's main function, whose jumps must reach across it
+ * in 16 bits once the verifier has patched it; a dense job's packets never call it. */
+#define AGG_SPARSE_FN(code, elems)                                                          \
+	static __noinline int AGG_XCAT(agg_sparse_, elems)(struct xdp_md * ctx,             \
+							   struct agg_pkt * pk,             \
+							   struct agg_job * job,            \
+							   struct agg_worker * w, u32 pkey) \
+	{                                                                                   \
+		return sparse_aggregate(ctx, pk, job, w, pkey >> 1, pkey & 1, elems);       \
+	}
+SML_FOR_EACH_SIZE(AGG_SPARSE_FN)
 
 #endif
