@@ -73,12 +73,9 @@ typedef u32 __attribute__((__may_alias__)) agg_word32;
 
 /* Loops that converge (every element loop but the hot path's, AGG_WALK_BLOCKS): the verifier
  * takes such a loop as verified once a step's state lies within the one before, instead of
- * walking every block of every packet size (most of what it processed). A step is one block of
- * a payload read in place, AGG_JUMBO_STEP blocks of a jumbo one or of a map value's sums. */
-#define AGG_JUMBO_STEP	   4 /* blocks per step of a jumbo size's loops (128 int32) */
-#define AGG_STEP_BLOCKS(K) (AGG_DIRECT(K) ? 1 : AGG_JUMBO_STEP) /* blocks per step */
-#define AGG_STEP_WORDS(K)  (AGG_STEP_BLOCKS(K) * AGG_BLOCK_WORDS)
-#define AGG_STEPS(K)	   (AGG_BLOCKS(K) / AGG_STEP_BLOCKS(K)) /* steps of K int32 */
+ * walking every block of every packet size (most of what it processed). A step is a block, or
+ * AGG_JUMBO_STEP blocks of a jumbo payload's (agg_payload_where). */
+#define AGG_JUMBO_STEP 4 /* blocks per step of a jumbo payload's loops (128 int32) */
 
 /* verifier: where every converging loop starts, 0, read from a global the program never writes
  * (.bss), whose value the verifier does not know: the loop's index is then a range to it, not a
@@ -107,24 +104,35 @@ l_continue:                                                                     
 		ok;                                                                       \
 	})
 
-/* A converging loop over n steps, in s (a u32), from agg_step0. */
-#define AGG_EACH_STEP(s, n) \
-	AGG_BLOCK_LOOP      \
-	for (s = *(volatile u32 *)&agg_step0; s < (n) && agg_can_loop(); s++)
+/* A converging loop, s (a u32) from agg_step0 over the steps of K int32 that lie `in` a map
+ * value or the packet (struct agg_where, below). verifier: s is below the steps of the largest
+ * packet too, which bounds it where K is not a constant (a clang that folds it where it is). */
+#define AGG_EACH_STEP(s, in, K)               \
+	AGG_BLOCK_LOOP                        \
+	for (s = *(volatile u32 *)&agg_step0; \
+	     s < AGG_STEPS(in, K) && s < AGG_STEPS(in, AGG_MAX_ELEMS) && agg_can_loop(); s++)
 
-/* 0 when a converging loop over n steps ran to its end, -1 when it stopped short. */
-#define agg_all_steps(s, n) ((s) < (n) ? -1 : 0)
+/* 0 when a converging loop over the steps of K int32 `in` ran to its end, -1 when it stopped
+ * short. */
+#define agg_all_steps(s, in, K) ((s) < AGG_STEPS(in, K) ? -1 : 0)
 
 /* The blocks of a step of W words, i the word offset of each in the step (unrolled). */
 #define AGG_STEP_BLOCK(i, W) _Pragma("unroll") for (u32 i = 0; i < (W); i += AGG_BLOCK_WORDS)
 
-/* Where the words a loop reads or writes lie: in a map value, or in the packet. */
+/* Where the words a converging loop reads or writes lie (in a map value, or in the packet), and
+ * how many blocks it takes a step (a constant). */
 struct agg_where {
-	bool pkt;  /* in the packet, which ends at `end` */
-	void *end; /* the packet's data_end */
+	bool pkt;   /* in the packet, which ends at `end` */
+	u32 blocks; /* blocks per step */
+	void *end;  /* the packet's data_end */
 };
-#define AGG_IN_MAP    ((struct agg_where){.pkt = false, .end = NULL}) /* a map value's words */
-#define agg_in_pkt(e) ((struct agg_where){.pkt = true, .end = (e)})   /* the packet's, up to e */
+#define AGG_IN_MAP ((struct agg_where){.pkt = false, .blocks = 1}) /* a map value's words */
+#define AGG_IN_MAP_WIDE                   \
+	((struct agg_where){.pkt = false, \
+			    .blocks = AGG_JUMBO_STEP}) /* ... a jumbo step at a time */
+#define agg_in_pkt(e)	   ((struct agg_where){.pkt = true, .blocks = 1, .end = (e)}) /* the packet's */
+#define AGG_STEP_WORDS(in) ((in).blocks * AGG_BLOCK_WORDS) /* words per step */
+#define AGG_STEPS(in, K)   (AGG_BLOCKS(K) / (in).blocks)   /* steps over K int32 */
 
 /* Step s, of W words each, of the words at w. verifier: each step's address is made from its
  * index, opaque to clang, which would otherwise bump a pointer from step to step: the verifier
@@ -145,9 +153,12 @@ static __always_inline bool step_past_end(agg_lanes *p, struct agg_where in, con
 	return in.pkt && (void *)(p + W) > in.end;
 }
 
-#define AGG_SIZE_IN_BLOCKS(code, elems)                                                        \
-	_Static_assert((elems) % (2 * AGG_BLOCK_WORDS) == 0, "packet sizes are whole blocks"); \
-	_Static_assert(AGG_BLOCKS(elems) % AGG_STEP_BLOCKS(elems) == 0, "sizes are whole steps");
+#define AGG_SIZE_IN_BLOCKS(code, elems)                                                           \
+	_Static_assert((elems) % (2 * AGG_BLOCK_WORDS) == 0, "packet sizes are whole blocks");    \
+	_Static_assert(AGG_DIRECT(elems) || AGG_BLOCKS(elems) % AGG_JUMBO_STEP == 0, "jumbo "     \
+										     "sizes are " \
+										     "whole "     \
+										     "steps");
 SML_FOR_EACH_SIZE(AGG_SIZE_IN_BLOCKS)
 _Static_assert(__builtin_offsetof(struct agg_partial, sum) % 8 == 0, "partial sums word-aligned");
 _Static_assert(__builtin_offsetof(struct agg_result, data) % 8 == 0, "results word-aligned");
@@ -231,25 +242,25 @@ static __always_inline s32 max_s32(s32 a, s32 b)
 	return a > b ? a : b;
 }
 
-/* The words of K int32 at d = the words at s, each where it lies (din, sin): a converging loop.
- * -1: the loop stopped short. */
+/* The words of K int32 at d = the words at s, each where it lies (din, sin; in steps of din's):
+ * a converging loop. -1: the loop stopped short. */
 static __always_inline int copy_words(agg_lanes *d, struct agg_where din, agg_lanes *s,
 				      struct agg_where sin, const u32 K)
 {
 	agg_lanes *ds, *ss;
 	u32 k;
 
-	AGG_EACH_STEP(k, AGG_STEPS(K)) {
-		ds = step_at(d, k, AGG_STEP_WORDS(K));
-		if (step_past_end(ds, din, AGG_STEP_WORDS(K)))
+	AGG_EACH_STEP(k, din, K) {
+		ds = step_at(d, k, AGG_STEP_WORDS(din));
+		if (step_past_end(ds, din, AGG_STEP_WORDS(din)))
 			break;
-		ss = step_at(s, k, AGG_STEP_WORDS(K));
-		if (step_past_end(ss, sin, AGG_STEP_WORDS(K)))
+		ss = step_at(s, k, AGG_STEP_WORDS(din));
+		if (step_past_end(ss, sin, AGG_STEP_WORDS(din)))
 			break;
-		AGG_STEP_BLOCK(i, AGG_STEP_WORDS(K))
+		AGG_STEP_BLOCK(i, AGG_STEP_WORDS(din))
 			copy_block(ds + i, ss + i);
 	}
-	return agg_all_steps(k, AGG_STEPS(K));
+	return agg_all_steps(k, din, K);
 }
 
 /* Copy a stored sum (network order) and its exponents into the packet. */
@@ -327,25 +338,25 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
 }
 
 /* Where a dense payload of K elements lies (payload_at): in the packet where it is read in place,
- * in scratch (a map value) where it was copied. */
-#define agg_payload_where(pk, K) (AGG_DIRECT(K) ? agg_in_pkt((pk)->data_end) : AGG_IN_MAP)
+ * in scratch (a map value, its loops a jumbo step at a time) where it was copied. */
+#define agg_payload_where(pk, K) (AGG_DIRECT(K) ? agg_in_pkt((pk)->data_end) : AGG_IN_MAP_WIDE)
 
 /* op(s, p) over the blocks of sums sw (lane order, a map value) and words pw (lying `in` the
  * packet or a map value), a converging loop: 0, or -1 when the loop stopped short. */
-#define AGG_SUMS_LOOP(op, sw, pw, in, K)                              \
-	({                                                            \
-		agg_lanes *_s, *_p;                                   \
-		u32 _k;                                               \
-                                                                      \
-		AGG_EACH_STEP(_k, AGG_STEPS(K)) {                     \
-			_p = step_at(pw, _k, AGG_STEP_WORDS(K));      \
-			if (step_past_end(_p, in, AGG_STEP_WORDS(K))) \
-				break;                                \
-			_s = step_at(sw, _k, AGG_STEP_WORDS(K));      \
-			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(K))         \
-				op(_s + _i, _p + _i);                 \
-		}                                                     \
-		agg_all_steps(_k, AGG_STEPS(K));                      \
+#define AGG_SUMS_LOOP(op, sw, pw, in, K)                               \
+	({                                                             \
+		agg_lanes *_s, *_p;                                    \
+		u32 _k;                                                \
+                                                                       \
+		AGG_EACH_STEP(_k, in, K) {                             \
+			_p = step_at(pw, _k, AGG_STEP_WORDS(in));      \
+			if (step_past_end(_p, in, AGG_STEP_WORDS(in))) \
+				break;                                 \
+			_s = step_at(sw, _k, AGG_STEP_WORDS(in));      \
+			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in))         \
+				op(_s + _i, _p + _i);                  \
+		}                                                      \
+		agg_all_steps(_k, in, K);                              \
 	})
 
 /* op(s, p) over the blocks of sums sw and a dense payload pw read in place, pointers bumped from
@@ -442,21 +453,21 @@ static __always_inline int fold(struct agg_partial *p, u64 tag, struct agg_pkt *
 
 /* op(r, p, own) over the blocks of a result's words rw, a payload pw (lying `in` the packet or a
  * map value) and own's sums, a converging loop: 0, or -1 when the loop stopped short. */
-#define AGG_PUBLISH_LOOP(op, rw, pw, in, own, K)                      \
-	({                                                            \
-		agg_lanes *_r, *_p, *_o;                              \
-		u32 _k;                                               \
-                                                                      \
-		AGG_EACH_STEP(_k, AGG_STEPS(K)) {                     \
-			_p = step_at(pw, _k, AGG_STEP_WORDS(K));      \
-			if (step_past_end(_p, in, AGG_STEP_WORDS(K))) \
-				break;                                \
-			_r = step_at(rw, _k, AGG_STEP_WORDS(K));      \
-			_o = step_at(own, _k, AGG_STEP_WORDS(K));     \
-			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(K))         \
-				op(_r + _i, _p + _i, _o + _i);        \
-		}                                                     \
-		agg_all_steps(_k, AGG_STEPS(K));                      \
+#define AGG_PUBLISH_LOOP(op, rw, pw, in, own, K)                       \
+	({                                                             \
+		agg_lanes *_r, *_p, *_o;                               \
+		u32 _k;                                                \
+                                                                       \
+		AGG_EACH_STEP(_k, in, K) {                             \
+			_p = step_at(pw, _k, AGG_STEP_WORDS(in));      \
+			if (step_past_end(_p, in, AGG_STEP_WORDS(in))) \
+				break;                                 \
+			_r = step_at(rw, _k, AGG_STEP_WORDS(in));      \
+			_o = step_at(own, _k, AGG_STEP_WORDS(in));     \
+			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in))         \
+				op(_r + _i, _p + _i, _o + _i);         \
+		}                                                      \
+		agg_all_steps(_k, in, K);                              \
 	})
 
 /* A finished sum, own's alone, published from a payload read in place: the hot path's loop, as
@@ -555,10 +566,14 @@ static __always_inline void gather_exponents(struct agg_gather *gs, struct agg_p
  * fold into these partials before the result is published, so the completing CPU has them to
  * itself: it marks a gathered partial by zeroing its count, which the next round's first fold
  * resets. A sparse round's partial without data adds its exponents and next only. Returns 0
- * to go on, 1 to stop (a map lookup that cannot fail did). */
-static __always_inline long gather_one(u32 i, const u32 K)
+ * to go on, 1 to stop (a map lookup that cannot fail did, or a loop stopped short).
+ * verifier: one callback for every packet size, K read from the gather (bounded below), its
+ * loops converging; it is verified at each bpf_loop call, whatever the number of calls, so the
+ * program's verification does not grow with the workers or the CPUs (a loop over CPUs walked
+ * every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit). */
+AGG_CALLBACK_FN(agg_gather)
 {
-	u32 zero = 0, cpu;
+	u32 zero = 0, cpu, K;
 	struct agg_gather *gs = bpf_map_lookup_elem(&gather, &zero);
 	struct agg_contrib_cpus *c;
 	struct agg_partial *q;
@@ -566,6 +581,9 @@ static __always_inline long gather_one(u32 i, const u32 K)
 	agg_lanes *rw, *qw;
 
 	if (!gs)
+		return 1;
+	K = gs->elems;
+	if (K > AGG_MAX_ELEMS)
 		return 1;
 	c = bpf_map_lookup_elem(&contrib_cpus, &gs->pkey);
 	r = bpf_map_lookup_elem(&results, &gs->pkey);
@@ -592,29 +610,6 @@ static __always_inline long gather_one(u32 i, const u32 K)
 	gather_exponents(gs, q);
 	q->count = 0;
 	return 0;
-}
-
-/* The gather callbacks, one per packet size: bpf_loop(n, gather_callback(K), ...) calls
- * agg_gather_<K> for i = 0..n-1. verifier: a callback is verified once, whatever the number of
- * calls, so the program's verification does not grow with the workers or the CPUs (a loop over
- * CPUs walked every iteration: built for 5 CPUs it passed the 1,000,000-instruction limit). */
-#define AGG_GATHER_FN(code, elems)                    \
-	AGG_CALLBACK_FN(AGG_XCAT(agg_gather_, elems)) \
-	{                                             \
-		return gather_one(i, elems);          \
-	}
-SML_FOR_EACH_SIZE(AGG_GATHER_FN)
-
-#define AGG_GATHER_CASE(code, elems) \
-	case elems:                  \
-		return AGG_XCAT(agg_gather_, elems);
-/* The gather callback of packets of K elements (K a constant: the switch folds away). */
-static __always_inline void *gather_callback(const u32 K)
-{
-	switch (K) {
-		SML_FOR_EACH_SIZE(AGG_GATHER_CASE)
-	}
-	return NULL;
 }
 
 /* Gather the round's partials other than `own` (this CPU's, which holds the round's last
@@ -647,7 +642,8 @@ static __always_inline int gather_round(u32 pkey, u64 tag, struct agg_partial *o
 	gs->next = out->next;
 	gs->sparse = sparse;
 	gs->others = 0;
-	if (bpf_loop(n, gather_callback(K), NULL, 0) != n)
+	gs->elems = K;
+	if (bpf_loop(n, agg_gather, NULL, 0) != n)
 		return -1;
 	out->e0 = gs->e0;
 	out->e1 = gs->e1;
@@ -795,22 +791,23 @@ static __always_inline u64 csum_start(struct agg_pkt *pk, const u32 H)
  * a time (-1: the loop stopped short) ... */
 static __always_inline int csum_add_payload(u64 *sum, __be32 *pl, struct agg_where in, const u32 K)
 {
+	/* a step of one block at any size: a longer one's sum is a longer chain, which clang
+	 * splits into more partial sums than there are registers */
+	struct agg_where one = {.pkt = in.pkt, .blocks = 1, .end = in.end};
 	const agg_word32 *p;
 	u64 s = *sum;
 	u32 k;
 
-	/* a step of one block at any size: a longer one's sum is a longer chain, which clang
-	 * splits into more partial sums than there are registers */
-	AGG_EACH_STEP(k, AGG_BLOCKS(K)) {
+	AGG_EACH_STEP(k, one, K) {
 		p = (const agg_word32 *)step_at((agg_lanes *)pl, k, AGG_BLOCK_WORDS);
-		if (step_past_end((agg_lanes *)p, in, AGG_BLOCK_WORDS))
+		if (step_past_end((agg_lanes *)p, one, AGG_BLOCK_WORDS))
 			break;
 #pragma unroll
 		for (int i = 0; i < 2 * AGG_BLOCK_WORDS; i++)
 			s += p[i];
 	}
 	*sum = s;
-	return agg_all_steps(k, AGG_BLOCKS(K));
+	return agg_all_steps(k, one, K);
 }
 
 /* ... and the sum folded to 16 bits: right when all ones. */

@@ -323,18 +323,26 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 	return sparse_complete(ctx, pk, job, w, st, vi, pkey, tag, own, c->key, K);
 }
 
-/* sparse_aggregate for packets of `elems` int32, slot and version in pkey (AGG_POOL_ENTRY):
- * agg_sparse_<elems>, a subprogram of its own (noinline, five arguments at most). verifier:
- * its instructions leave the ingress program's main function, whose jumps must reach across it
- * in 16 bits once the verifier has patched it; a dense job's packets never call it. */
-#define AGG_SPARSE_FN(code, elems)                                                          \
-	static __noinline int AGG_XCAT(agg_sparse_, elems)(struct xdp_md * ctx,             \
-							   struct agg_pkt * pk,             \
-							   struct agg_job * job,            \
-							   struct agg_worker * w, u32 pkey) \
-	{                                                                                   \
-		return sparse_aggregate(ctx, pk, job, w, pkey >> 1, pkey & 1, elems);       \
-	}
-SML_FOR_EACH_SIZE(AGG_SPARSE_FN)
+/* A sparse job's packet of K int32 from worker w for slot and version pkey (AGG_POOL_ENTRY):
+ * sparse_aggregate, one subprogram for every packet size. verifier: a global function (not
+ * static), which the verifier checks once, by itself, instead of once per packet size and
+ * path into it. Its arguments are what their types say (the context; a job's and a worker's
+ * bytes, which may be NULL; two numbers, K bounded here); no packet pointer crosses into it, so
+ * it finds the frame's headers again (repoint: the ingress parsed them). */
+__noinline int agg_sparse(struct xdp_md *ctx, struct agg_job *job, struct agg_worker *w, u32 pkey,
+			  u32 K)
+{
+	struct agg_pkt pk;
+
+	if (!job || !w || K > AGG_MAX_ELEMS || !repoint(ctx, &pk))
+		return XDP_ABORTED;
+	/* verifier: K checked one bound at a time (clang would make the two one compare of K - 32,
+	 * which bounds that, not K), and what is made of it made after the checks (K * 4 bounded) */
+	barrier_var(K);
+	if (K < 2 * AGG_BLOCK_WORDS)
+		return XDP_ABORTED;
+	barrier_var(K);
+	return sparse_aggregate(ctx, &pk, job, w, pkey >> 1, pkey & 1, K);
+}
 
 #endif

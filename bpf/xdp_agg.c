@@ -33,11 +33,10 @@
 
 /* One case of the size-code switch in xdp_agg_ingress: a sparse job's packets (of any kind) to
  * sparse.h, a dense job's to aggregate.h. */
-#define AGG_SIZE_CASE(code, elems)                                                  \
-	case code:                                                                  \
-		if (sparse)                                                         \
-			return AGG_XCAT(agg_sparse_, elems)(ctx, &pk, job, w,       \
-							    AGG_POOL_ENTRY(g, vi)); \
+#define AGG_SIZE_CASE(code, elems)                                                    \
+	case code:                                                                    \
+		if (sparse)                                                           \
+			return agg_sparse(ctx, job, w, AGG_POOL_ENTRY(g, vi), elems); \
 		return aggregate(ctx, &pk, job, w, g, vi, elems);
 
 /* Why a packet of a known worker is dropped for its type, width or lengths (rows 5-8 of
