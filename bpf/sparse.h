@@ -164,20 +164,6 @@ static __always_inline int store_round(struct agg_result *r, struct agg_partial 
 	return 0;
 }
 
-/* Point pk at the frame's headers again (false: the frame ends before the exponents). The frame
- * was parsed before: IPv4 without options. verifier: bpf_xdp_adjust_tail invalidates every
- * packet pointer; and pointers re-made with the same range check make one state of the
- * different kinds of packets, whose payload checks left their pointers with different ranges. */
-static __always_inline bool repoint(struct xdp_md *ctx, struct agg_pkt *pk)
-{
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
-	struct iphdr *ip = (void *)(eth + 1);
-
-	return fill_pkt(pk, eth, ip, (void *)(ip + 1), data_end);
-}
-
 /* Write a sparse round's stored result into the packet, whatever kind of packet it is: resized
  * to the result's length (a padded empty request answered with data keeps its length, a
  * header-only one grows; a data or padded request with an empty result shrinks), its IPv4 and

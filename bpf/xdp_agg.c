@@ -32,11 +32,13 @@
 #include "sparse.h"
 
 /* One case of the size-code switch in xdp_agg_ingress: a sparse job's packets (of any kind) to
- * sparse.h, a dense job's to aggregate.h. */
+ * sparse.h, a dense job's to aggregate.h (the jumbo sizes' through agg_jumbo). */
 #define AGG_SIZE_CASE(code, elems)                                                    \
 	case code:                                                                    \
 		if (sparse)                                                           \
 			return agg_sparse(ctx, job, w, AGG_POOL_ENTRY(g, vi), elems); \
+		if (!AGG_DIRECT(elems))                                               \
+			return agg_jumbo(ctx, job, w, AGG_POOL_ENTRY(g, vi), elems);  \
 		return aggregate(ctx, &pk, job, w, g, vi, elems);
 
 /* Why a packet of a known worker is dropped for its type, width or lengths (rows 5-8 of
