@@ -138,8 +138,10 @@ static __always_inline int ingress(struct xdp_md *ctx)
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= agg_pool_slots)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
-	/* One copy of the state machine per packet size (the size codes of the wire module,
-	 * generated), so that every packet access has a constant bound the verifier can check. */
+	/* One copy of the dense state machine per packet size read in place (the size codes of
+	 * the wire module, generated), so that every packet access has a constant bound the
+	 * verifier can check; the jumbo sizes and a sparse job take K at run time (agg_jumbo,
+	 * agg_sparse: no packet access of theirs depends on it). */
 	switch (job->size_code) {
 		SML_FOR_EACH_SIZE(AGG_SIZE_CASE)
 	}
