@@ -24,10 +24,6 @@ const volatile u32 agg_pool_slots = AGG_POOL_SLOTS;
 #define AGG_DIRECT_MAX_ELEMS 768
 #define AGG_DIRECT(K)	     ((K) <= AGG_DIRECT_MAX_ELEMS)
 
-/* Element loops stay loops: unrolled, six packet sizes would make the program too large (and
- * clang then hoists helper addresses into registers, an indirect call BPF v1 lacks). */
-#define AGG_NO_UNROLL _Pragma("clang loop unroll(disable)")
-
 #define AGG_STATS_ROWS	((AGG_MAX_JOBS + 1) * AGG_NUM_REASONS) /* counters: (job or none) x reason */
 #define AGG_WORKER_ROWS (AGG_MAX_JOBS * AGG_MAX_WORKERS)       /* per-worker counter rows */
 #define AGG_EXP_NONE	(-128)				       /* neutral element of max over s8 */

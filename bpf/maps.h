@@ -78,8 +78,8 @@ AGG_PERCPU_ARRAY(contrib, struct agg_contrib, 1); /* 0 -> this CPU's sparse cont
 struct agg_contrib_cpus {
 	u16 cpu[AGG_MAX_WORKERS]; /* arrival position -> CPU (NR_CPUS is at most 8192 in Linux) */
 };
-/* The completion in progress on this CPU, for the gather callbacks (bpf_loop passes them an
- * index; they take their state from here, not from a context pointer). */
+/* The completion in progress on this CPU, for the gather callback (bpf_loop passes it an index;
+ * it takes its state from here, not from a context pointer). */
 struct agg_gather {
 	u64 tag;    /* the round's partial tag */
 	u32 pkey;   /* slot*2+v */
@@ -88,7 +88,7 @@ struct agg_gather {
 	u32 others; /* whether another CPU's partial was gathered into the result */
 	u32 sparse; /* a sparse job's round: next and has_data count (gather_exponents) */
 	u32 next;   /* sparse: the smallest next so far */
-	u32 pad;
+	u32 elems;  /* the round's int32 per packet */
 };
 /* clang-format off */
 AGG_ARRAY(contrib_cpus, struct agg_contrib_cpus, AGG_POOL_SLOTS * 2); /* slot*2+v -> CPU of each arrival of the round */

@@ -97,4 +97,20 @@ static __always_inline bool parse_result(struct xdp_md *ctx, struct agg_pkt *pk)
 	return fill_pkt(pk, eth, ip, udp, data_end);
 }
 
+/* Point pk at the headers of a frame parse() took as ours again (false: the frame ends before
+ * the exponents): IPv4 without options. verifier: packet pointers do not survive a helper that
+ * changes the frame (bpf_xdp_adjust_tail) nor cross into a global function (sparse.h
+ * agg_sparse, aggregate.h agg_jumbo); and pointers re-made with the same range check make one
+ * state of the different kinds of sparse packets, whose payload checks left their pointers with
+ * different ranges. */
+static __always_inline bool repoint(struct xdp_md *ctx, struct agg_pkt *pk)
+{
+	void *data = (void *)(long)ctx->data;
+	void *data_end = (void *)(long)ctx->data_end;
+	struct ethhdr *eth = data;
+	struct iphdr *ip = (void *)(eth + 1);
+
+	return fill_pkt(pk, eth, ip, (void *)(ip + 1), data_end);
+}
+
 #endif

@@ -77,8 +77,8 @@ static __always_inline bool contrib_checksum_ok(struct agg_pkt *pk, bool sparse,
 		     i < (sizeof(struct udphdr) + AGG_SPARSE_HDRS) / 2; i++)
 			sum += h[i];
 	}
-	if (pl)
-		sum = csum_add_payload(sum, pl, K);
+	if (pl && csum_add_payload(&sum, pl, AGG_IN_MAP, K))
+		return false; /* the loop stopped short: failed as a wrong checksum (checksum_ok) */
 	return csum_folds_to_ok(sum);
 }
 
@@ -146,42 +146,22 @@ static __always_inline void store_block(agg_lanes *r, const agg_lanes *sum)
 /* Store a sparse job's finished round in its result (docs/protocol.md 8.3): the sum big-endian
  * when any contribution carried data (all of it in r->data, lane order, when the gather ran and
  * found data: rs->others; else own's), the exponents, the smallest next, the key and whether it
- * has data. */
-static __always_inline void store_round(struct agg_result *r, struct agg_partial *own,
-					struct agg_round *rs, u64 key, const u32 K)
+ * has data. -1: the loop stopped short. */
+static __always_inline int store_round(struct agg_result *r, struct agg_partial *own,
+				       struct agg_round *rs, u64 key, const u32 K)
 {
 	agg_lanes *rw = (agg_lanes *)r->data;
 	agg_lanes *src = rs->others ? rw : (agg_lanes *)own->sum;
 	u32 data = rs->others || own->has_data;
 
-	if (data) {
-		/* verifier: a constant trip count, walked block by block */
-		AGG_BLOCK_LOOP
-		for (u32 b = 0; b < AGG_BLOCKS(K); b++) {
-			store_block(rw, src);
-			rw += AGG_BLOCK_WORDS;
-			src += AGG_BLOCK_WORDS;
-		}
-	}
+	if (data && AGG_SUMS_LOOP(store_block, rw, src, AGG_IN_MAP, K))
+		return -1;
 	r->e0 = rs->e0;
 	r->e1 = rs->e1;
 	r->next = rs->next;
 	r->has_data = data;
 	r->key = key;
-}
-
-/* Point pk at the frame's headers again (false: the frame ends before the exponents). The frame
- * was parsed before: IPv4 without options. verifier: bpf_xdp_adjust_tail invalidates every
- * packet pointer; and pointers re-made with the same range check make one state of the
- * different kinds of packets, whose payload checks left their pointers with different ranges. */
-static __always_inline bool repoint(struct xdp_md *ctx, struct agg_pkt *pk)
-{
-	void *data = (void *)(long)ctx->data;
-	void *data_end = (void *)(long)ctx->data_end;
-	struct ethhdr *eth = data;
-	struct iphdr *ip = (void *)(eth + 1);
-
-	return fill_pkt(pk, eth, ip, (void *)(ip + 1), data_end);
+	return 0;
 }
 
 /* Write a sparse round's stored result into the packet, whatever kind of packet it is: resized
@@ -280,9 +260,9 @@ static __always_inline int sparse_complete(struct xdp_md *ctx, struct agg_pkt *p
 	struct agg_result *r = bpf_map_lookup_elem(&results, &pkey);
 	struct agg_round rs;
 
-	if (!r || gather_round(pkey, tag, own, job->num_workers, true, &rs, K))
+	if (!r || gather_round(pkey, tag, own, job->num_workers, true, &rs, K) ||
+	    store_round(r, own, &rs, key, K))
 		return XDP_ABORTED;
-	store_round(r, own, &rs, key, K);
 	__sync_fetch_and_and(&st->round_key[vi], 0);
 	__sync_fetch_and_add(&st->published[vi], 1);
 	if (write_result(ctx, pk, r, K))
@@ -327,6 +307,28 @@ static __always_inline int sparse_aggregate(struct xdp_md *ctx, struct agg_pkt *
 	if (last <= 0)
 		return last ? XDP_ABORTED : XDP_DROP;
 	return sparse_complete(ctx, pk, job, w, st, vi, pkey, tag, own, c->key, K);
+}
+
+/* A sparse job's packet of K int32 from worker w for slot and version pkey (AGG_POOL_ENTRY):
+ * sparse_aggregate, one subprogram for every packet size. verifier: a global function (not
+ * static), which the verifier checks once, by itself, instead of once per packet size and
+ * path into it. Its arguments are what their types say (the context; a job's and a worker's
+ * bytes, which may be NULL; two numbers, K bounded here); no packet pointer crosses into it, so
+ * it finds the frame's headers again (repoint: the ingress parsed them). */
+__noinline int agg_sparse(struct xdp_md *ctx, struct agg_job *job, struct agg_worker *w, u32 pkey,
+			  u32 K)
+{
+	struct agg_pkt pk;
+
+	if (!job || !w || K > AGG_MAX_ELEMS || !repoint(ctx, &pk))
+		return XDP_ABORTED;
+	/* verifier: K checked one bound at a time (clang would make the two one compare of K - 32,
+	 * which bounds that, not K), and what is made of it made after the checks (K * 4 bounded) */
+	barrier_var(K);
+	if (K < 2 * AGG_BLOCK_WORDS)
+		return XDP_ABORTED;
+	barrier_var(K);
+	return sparse_aggregate(ctx, &pk, job, w, pkey >> 1, pkey & 1, K);
 }
 
 #endif

@@ -33,11 +33,13 @@
 #include "sparse.h"
 
 /* One case of the size-code switch in xdp_agg_ingress: a sparse job's packets (of any kind) to
- * sparse.h, a dense job's to aggregate.h. */
-#define AGG_SIZE_CASE(code, elems)                                               \
-	case code:                                                               \
-		if (sparse)                                                      \
-			return sparse_aggregate(ctx, &pk, job, w, g, vi, elems); \
+ * sparse.h, a dense job's to aggregate.h (the jumbo sizes' through agg_jumbo). */
+#define AGG_SIZE_CASE(code, elems)                                                    \
+	case code:                                                                    \
+		if (sparse)                                                           \
+			return agg_sparse(ctx, job, w, AGG_POOL_ENTRY(g, vi), elems); \
+		if (!AGG_DIRECT(elems))                                               \
+			return agg_jumbo(ctx, job, w, AGG_POOL_ENTRY(g, vi), elems);  \
 		return aggregate(ctx, &pk, job, w, g, vi, elems);
 
 /* Why a packet of a known worker is dropped for its type, width or lengths (rows 5-8 of
@@ -137,8 +139,10 @@ static __always_inline int ingress(struct xdp_md *ctx)
 	if (g < job->slot_base || g >= job->slot_base + job->slot_count || g >= agg_pool_slots)
 		return drop(w, AGG_DROP_SLOT_RANGE);
 
-	/* One copy of the state machine per packet size (the size codes of the wire module,
-	 * generated), so that every packet access has a constant bound the verifier can check. */
+	/* One copy of the dense state machine per packet size read in place (the size codes of
+	 * the wire module, generated), so that every packet access has a constant bound the
+	 * verifier can check; the jumbo sizes and a sparse job take K at run time (agg_jumbo,
+	 * agg_sparse: no packet access of theirs depends on it). */
 	switch (job->size_code) {
 		SML_FOR_EACH_SIZE(AGG_SIZE_CASE)
 	}

@@ -11,18 +11,26 @@ another revision's source (bench/xdp_compare.py).
 
 A refusal is explained in plain words (`explain`): the verifier's processed-instruction limit,
 or the instruction it stopped at and what it said of it, ahead of the log's tail.
+
+The aggregator's loops converge at may_goto instructions (bpf/aggregate.h, kernel 6.9). A kernel
+without may_goto (Debian 12's 6.1, Ubuntu 24.04's 6.8) loads a copy of the object whose
+may_goto instructions are `if r10 == 0 goto` their target, never taken: the same program, its
+loops walked by the verifier step by step as before may_goto (`without_may_goto`).
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import re
+import shutil
+import struct
 import tempfile
 from pathlib import Path
 
 from xdp_agg import bpfsys
-from xdp_agg.bpfsys import libbpf
+from xdp_agg.bpfsys import insn, libbpf
 from xdp_agg.errors import EnvironmentProblem, NeedsRoot
 
 from . import bpfbuild, loader
@@ -44,6 +52,10 @@ OWN_MAPS = ("partials", "job_copies")  # maps the control plane reaches beyond l
 BPF_XDP = 37  # expected attach type of a plain XDP program (enum bpf_attach_type)
 TEST_BUILD_DIR = Path(tempfile.gettempdir()) / "xdp-agg-test-builds"
 VERIFIER_LIMIT = 1_000_000  # BPF_COMPLEXITY_LIMIT_INSNS, kernel/bpf/verifier.c
+MAY_GOTO = insn.BPF_JMP | 0xE0  # BPF_JMP | BPF_JCOND: may_goto (kernel 6.9)
+# what a kernel without may_goto runs instead: if r10 == 0 goto (the frame pointer is never 0)
+NEVER = insn.BPF_JMP | insn.BPF_JEQ | insn.BPF_K
+SHF_EXECINSTR = 0x4  # an ELF section of instructions
 
 
 def explain(log: str) -> str:
@@ -111,8 +123,53 @@ def _refusal(e: libbpf.ObjectLoadError, frags: bool) -> loader.LoadError:
     )
 
 
+@functools.cache
+def may_goto_supported() -> bool:
+    """Whether this kernel takes may_goto (6.9): a probe program of four instructions."""
+    probe = [
+        insn.BPF_MOV64_IMM(insn.BPF_REG_0, bpfsys.XDP_PASS),
+        insn.BPF_RAW_INSN(MAY_GOTO, 0, 0, 1, 0),  # may_goto +1
+        insn.BPF_MOV64_IMM(insn.BPF_REG_0, bpfsys.XDP_PASS),
+        insn.BPF_EXIT_INSN(),
+    ]
+    try:
+        fd = bpfsys.prog_load(bpfsys.PROG_TYPE_XDP, probe, "may_goto_probe")
+    except bpfsys.ProgLoadError:
+        return False
+    os.close(fd)
+    return True
+
+
+def without_may_goto(elf: bytes) -> bytes:
+    """ELF object `elf` with each may_goto instruction turned into `if r10 == 0 goto` the same
+    target: a jump the verifier knows is never taken, as may_goto is not but for a program that
+    loops for a quarter of a second. An instruction's first byte is its opcode, and no other
+    instruction of a BPF section has may_goto's (the second half of a 64-bit load has 0)."""
+    out = bytearray(elf)
+    shoff = struct.unpack_from("<Q", out, 0x28)[0]
+    shentsize, shnum = struct.unpack_from("<HH", out, 0x3A)
+    for i in range(shnum):
+        sh = shoff + i * shentsize
+        flags = struct.unpack_from("<Q", out, sh + 0x08)[0]
+        offset, size = struct.unpack_from("<QQ", out, sh + 0x18)
+        if not flags & SHF_EXECINSTR:
+            continue
+        for at in range(offset, offset + size, 8):
+            if out[at] == MAY_GOTO:
+                out[at], out[at + 1] = NEVER, insn.BPF_REG_10  # dst r10, the offset kept
+    return bytes(out)
+
+
 def _open(path: Path, pool_slots: int, nr_cpus: int) -> libbpf.Object:
-    obj = libbpf.Object(path)
+    if may_goto_supported():
+        obj = libbpf.Object(path)
+    else:  # a copy without may_goto, under the same name (its maps' names come from it)
+        tmp = Path(tempfile.mkdtemp(prefix="xdp-agg-"))
+        try:
+            (tmp / path.name).write_bytes(without_may_goto(path.read_bytes()))
+            obj = libbpf.Object(tmp / path.name)
+        finally:
+            shutil.rmtree(tmp)
     try:
         names = set(obj.map_names())
         for name, size in MAP_SIZES.items():

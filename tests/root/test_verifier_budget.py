@@ -9,6 +9,10 @@ program passed the verifier's limit of 1,000,000 processed instructions from 5 C
 against its budget in tests/data/verifier_budget.json: a change that makes verification grow
 fails here and has to say why, by raising the budget in the same commit. Each build is the
 object built with the project, loaded as attach loads it (xdp_switch/objload.py).
+
+A kernel without may_goto (before 6.9), at which the program's loops converge, loads the object
+with each may_goto turned into a jump never taken (objload.without_may_goto): the verifier walks
+those loops step by step, within the limit and the budgets "<build> without may_goto".
 """
 
 import json
@@ -31,7 +35,7 @@ from xdp_agg.bpfsys.insn import (
     BPF_REG_0,
     BPF_REG_1,
 )
-from xdp_switch import objload
+from xdp_switch import bpfbuild, objload
 
 CPU_COUNTS = (1, 2, 3, 4, 5, 8, 16, 64, 256, 1024)
 # (variant, slot_cpus, frags): every build attach can make
@@ -88,6 +92,38 @@ def test_loads_for_every_cpu_count_within_budget(build):
         f"(count, budget): find why, then raise the budget in {BUDGET_FILE.name}"
     )
     assert set(first) == set(budget), f"{build}: programs {sorted(first)}, budget {sorted(budget)}"
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+@pytest.mark.slow
+@pytest.mark.parametrize("build", BUILDS)
+def test_loads_without_may_goto_within_budget(build, monkeypatch):
+    """As a kernel without may_goto loads it (forced here, on one that has it)."""
+    monkeypatch.setattr(objload, "may_goto_supported", lambda: False)  # the forked loads' too
+    budget = json.loads(BUDGET_FILE.read_text())[f"{build} without may_goto"]
+    by_cpus = verified(build)
+    refused = {n: c for n, c in by_cpus.items() if isinstance(c, str)}
+    assert not refused, f"{build} refused at {sorted(refused)} CPUs: {list(refused.values())[0]}"
+    assert len({tuple(sorted(c.items())) for c in by_cpus.values()}) == 1, by_cpus
+    first = by_cpus[CPU_COUNTS[0]]
+    over = {p: (c, budget[p]) for p, c in first.items() if c > budget[p]}
+    assert not over, f"{build} without may_goto: over budget {over} (count, budget)"
+
+
+@pytest.mark.root
+@pytest.mark.bpf
+def test_without_may_goto_changes_only_may_goto():
+    """The copy differs from the object in the opcode and dst_reg of each may_goto alone."""
+    obj = objload.object_for(bpfbuild.Flavour(), ()).read_bytes()
+    copy = objload.without_may_goto(obj)
+    assert len(obj) == len(copy)
+    moved = {i - i % 8 for i in range(len(obj)) if obj[i] != copy[i]}  # the instructions changed
+    assert moved, "the object has no may_goto"
+    for at in moved:
+        assert obj[at : at + 2] == bytes([objload.MAY_GOTO, 0]), at
+        assert copy[at : at + 2] == bytes([objload.NEVER, 10]), at  # if r10 == 0 goto
+        assert obj[at + 2 : at + 8] == copy[at + 2 : at + 8], at  # the same target
 
 
 @pytest.mark.root

@@ -30,7 +30,7 @@ from xdp_switch import backend as xdp_backend
 from xdp_switch import links, pins
 from xdp_switch import slot_cpus as cpu_table
 
-from . import build, options, service, serving
+from . import options, service, serving
 
 __all__ = ["EXIT_BUSY", "EXIT_ENV", "EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 
@@ -68,7 +68,16 @@ def _name(ctx, param, value: str) -> str:
 
 def _version() -> str:
     """The installed distribution's version (pyproject.toml); a bare checkout has none."""
+    from . import build  # importlib.metadata: only --version needs it
+
     return build.version() or "unknown (not installed: pip install .)"
+
+
+def _print_version(ctx: click.Context, param, value: bool) -> None:
+    """--version, as click.version_option prints it, the version looked up only when asked."""
+    if value and not ctx.resilient_parsing:
+        click.echo(f"xdp-agg, version {_version()}")
+        ctx.exit()
 
 
 @click.group(
@@ -77,7 +86,14 @@ def _version() -> str:
     epilog="Exit codes: 0 ok, 1 operation failed, 2 usage error, "
     "3 environment (root, bpffs, BPF objects), 4 busy (another serve of this name).",
 )
-@click.version_option(_version(), prog_name="xdp-agg")
+@click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and exit.",
+)
 @click.option(
     "--name",
     default="default",

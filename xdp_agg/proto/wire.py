@@ -17,10 +17,12 @@ before September 2021 had one 16-bit exponent behind the data; they are not the 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import numpy as np
+if TYPE_CHECKING:  # numpy itself is imported by what uses it: the control verbs need none of it
+    import numpy as np
 
 # --- addressing -------------------------------------------------------------------------------
 UDP_PORT = 0xBEE0  # the aggregator's base port (48864)
@@ -196,19 +198,39 @@ def _np_type(m: Member) -> str:
     )
 
 
-# numpy views of our headers: the SwitchML header opens the UDP payload and the exponent header
-# follows it (EXPONENTS_AT); HDR_DTYPE is both together, the 10 bytes before the values.
-SML_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SWITCHML)])
-EXP_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(EXPONENTS)])
-HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in DENSE_HEADERS for m in members(h)])
-SPARSE_DTYPE = np.dtype([(m.name, _np_type(m)) for m in members(SPARSE)])
-# a sparse packet's 22 header bytes: the dense ones, then block, next, blocks
-SPARSE_HDR_DTYPE = np.dtype([(m.name, _np_type(m)) for h in HEADERS for m in members(h)])
-assert SML_DTYPE.itemsize == SWITCHML_HLEN and EXP_DTYPE.itemsize == EXP_HLEN
-assert HDR_DTYPE.itemsize == UDP_HDRS_LEN == VALUES_AT
-assert HDR_DTYPE.fields is not None and HDR_DTYPE.fields["e0"][1] == EXPONENTS_AT
-assert SPARSE_HDR_DTYPE.itemsize == SPARSE_VALUES_AT
-assert SPARSE_HDR_DTYPE.fields is not None and SPARSE_HDR_DTYPE.fields["block"][1] == SPARSE_AT
+@functools.cache
+def _dtypes() -> dict[str, np.dtype]:
+    """The numpy views of our headers (module attributes: SML_DTYPE, ...), made on first use: the
+    SwitchML header opens the UDP payload and the exponent header follows it (EXPONENTS_AT);
+    HDR_DTYPE is both together, the 10 bytes before the values; SPARSE_HDR_DTYPE a sparse
+    packet's 22 header bytes: the dense ones, then block, next, blocks."""
+    import numpy as np
+
+    def dtype(*headers: Header) -> np.dtype:
+        return np.dtype([(m.name, _np_type(m)) for h in headers for m in members(h)])
+
+    d = {
+        "SML_DTYPE": dtype(SWITCHML),
+        "EXP_DTYPE": dtype(EXPONENTS),
+        "HDR_DTYPE": dtype(*DENSE_HEADERS),
+        "SPARSE_DTYPE": dtype(SPARSE),
+        "SPARSE_HDR_DTYPE": dtype(*HEADERS),
+    }
+    hdr, sparse = d["HDR_DTYPE"], d["SPARSE_HDR_DTYPE"]
+    assert d["SML_DTYPE"].itemsize == SWITCHML_HLEN and d["EXP_DTYPE"].itemsize == EXP_HLEN
+    assert hdr.itemsize == UDP_HDRS_LEN == VALUES_AT
+    assert hdr.fields is not None and hdr.fields["e0"][1] == EXPONENTS_AT
+    assert sparse.itemsize == SPARSE_VALUES_AT
+    assert sparse.fields is not None and sparse.fields["block"][1] == SPARSE_AT
+    return d
+
+
+def __getattr__(name: str):
+    """SML_DTYPE, EXP_DTYPE, HDR_DTYPE, SPARSE_DTYPE and SPARSE_HDR_DTYPE (_dtypes)."""
+    try:
+        return _dtypes()[name]
+    except KeyError:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
 
 
 def part_mask(m: Member, name: str) -> int:
@@ -247,6 +269,8 @@ def pair_range(n: int) -> int:
 def pack_pairs(q: np.ndarray) -> np.ndarray:
     """int32 words of a 16-bit job from (..., 2k) integers (each within +-(2^15 - 1)): word i
     is q[2i] * 2^16 + q[2i + 1]."""
+    import numpy as np
+
     q = np.asarray(q, dtype=np.int32)
     return (q[..., 0::2] << PAIR_SHIFT) + q[..., 1::2]
 
@@ -254,6 +278,8 @@ def pack_pairs(q: np.ndarray) -> np.ndarray:
 def unpack_pairs(words: np.ndarray) -> np.ndarray:
     """The (..., 2k) elements of (..., k) summed words of a 16-bit job: b is the low half read
     as a signed 16-bit number (|sum b| < 2^15), a = (w - b) / 2^16, exactly."""
+    import numpy as np
+
     w = np.asarray(words).astype(np.int32)
     b = ((w & 0xFFFF) ^ 0x8000) - 0x8000
     out = np.empty(w.shape[:-1] + (2 * w.shape[-1],), dtype=np.int32)
@@ -303,6 +329,8 @@ def type_size(msg_type: int, size_code: int, wire_bits: int = 32) -> int:
 
 def pool_index(slot, version):
     """Pool index field from slot and version (scalars or numpy arrays)."""
+    import numpy as np
+
     return (np.asarray(version, dtype=np.uint16) << 15) | (
         np.asarray(slot, dtype=np.uint16) & POOL_SLOT_MASK
     )
@@ -310,6 +338,8 @@ def pool_index(slot, version):
 
 def split_pool_index(pidx):
     """(slot, version) from a pool index field."""
+    import numpy as np
+
     pidx = np.asarray(pidx, dtype=np.uint16)
     return pidx & POOL_SLOT_MASK, (pidx >> 15) & 1
 
@@ -343,13 +373,15 @@ def build_payloads(
     job's words are pack_pairs() of its elements, `wire_bits` 16 sets the width bit); tsi,
     slot, version, e0, e1 are scalars or length-m arrays. Vectorised: no per-packet Python.
     """
+    import numpy as np
+
     k = elems_for(size_code)
     values = np.asarray(values)
     if values.ndim != 2 or values.shape[1] != k:
         raise ValueError(f"values must have shape (m, {k}) for size code {size_code}")
     m = values.shape[0]
     out = np.empty((m, udp_payload_len(k)), dtype=np.uint8)
-    hdr = out[:, :VALUES_AT].view(HDR_DTYPE).reshape(m)
+    hdr = out[:, :VALUES_AT].view(_dtypes()["HDR_DTYPE"]).reshape(m)
     hdr["msg_type_size"] = type_size(msg_type, size_code, wire_bits)
     hdr["job_number"] = job_number & 0xFF
     hdr["tsi"] = tsi
@@ -385,10 +417,12 @@ def build_sparse_payload(
     `values`, or MSG_TYPE_SPARSE_EMPTY when `values` is None: header only, or `padded` with k
     zero int32 (room for a result with data, for an aggregator that cannot grow a frame).
     `values` are payload words, as in build_payloads (`wire_bits` sets the width bit)."""
+    import numpy as np
+
     k = elems_for(size_code)
     empty = values is None
     out = np.zeros(sparse_payload_len(k, empty and not padded), dtype=np.uint8)
-    hdr = out[:SPARSE_VALUES_AT].view(SPARSE_HDR_DTYPE)
+    hdr = out[:SPARSE_VALUES_AT].view(_dtypes()["SPARSE_HDR_DTYPE"])
     kind = MSG_TYPE_SPARSE_EMPTY if empty else MSG_TYPE_SPARSE
     hdr["msg_type_size"] = type_size(kind, size_code, wire_bits)
     hdr["job_number"] = job_number & 0xFF
@@ -446,6 +480,8 @@ class Message:
         header["wire_bits"] = self.wire_bits
         sp = self.sparse
         if sp is None:
+            import numpy as np
+
             values = np.asarray(self.values).reshape(1, -1)
             return build_payloads(**header, values=values, msg_type=self.msg_type).tobytes()
         data = None if self.msg_type == MSG_TYPE_SPARSE_EMPTY else self.values
@@ -457,9 +493,12 @@ class Message:
     def from_bytes(cls, data: bytes) -> "Message":
         """Decode a UDP payload, dense or sparse; ValueError when it is truncated or the size code
         is unknown."""
+        import numpy as np
+
         if len(data) < SWITCHML_HLEN:
             raise ValueError(f"truncated: {len(data)} bytes, the header needs {SWITCHML_HLEN}")
-        hdr = np.frombuffer(data[:EXPONENTS_AT], dtype=SML_DTYPE)[0]
+        dt = _dtypes()
+        hdr = np.frombuffer(data[:EXPONENTS_AT], dtype=dt["SML_DTYPE"])[0]
         ts = int(hdr["msg_type_size"])
         k = elems_for(ts & 7)
         sparse, at, need = None, VALUES_AT, udp_payload_len(k)
@@ -468,10 +507,10 @@ class Message:
         if len(data) < need:
             raise ValueError(f"truncated: {len(data)} bytes, its type and size need {need}")
         if ts >> 4 in SPARSE_TYPES:
-            sp = np.frombuffer(data[SPARSE_AT:SPARSE_VALUES_AT], dtype=SPARSE_DTYPE)[0]
+            sp = np.frombuffer(data[SPARSE_AT:SPARSE_VALUES_AT], dtype=dt["SPARSE_DTYPE"])[0]
             sparse = Sparse(int(sp["block"]), int(sp["next"]), int(sp["blocks"]))
         pidx = int(hdr["pool_index"])
-        exp = np.frombuffer(data[EXPONENTS_AT:VALUES_AT], dtype=EXP_DTYPE)[0]
+        exp = np.frombuffer(data[EXPONENTS_AT:VALUES_AT], dtype=dt["EXP_DTYPE"])[0]
         vals = np.frombuffer(data[at:need], dtype=">i4").astype(np.int32)
         return cls(
             msg_type=ts >> 4,
