@@ -207,7 +207,7 @@ SNIFFER = (  # no member: counts the group datagrams that reach its link, until 
     "    if f[30]>=224: n[socket.inet_ntoa(f[30:34])+' '+tag]+=1\n"
     "print(json.dumps(n),flush=True)\n"
 )
-SENDER = (  # argv: source address, then (destination, tag, count) triples
+GROUP_SENDER = (  # argv: source address, then (destination, tag, count) triples
     "import socket,sys\n"
     "s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM)\n"
     "s.setsockopt(socket.IPPROTO_IP,socket.IP_MULTICAST_IF,socket.inet_aton(sys.argv[1]))\n"
@@ -215,11 +215,6 @@ SENDER = (  # argv: source address, then (destination, tag, count) triples
     "for dst,tag,k in zip(a[::3],a[1::3],a[2::3]):\n"
     "    port=5000 if int(dst.split('.')[0])>=224 else 5999\n"
     "    for _ in range(int(k)): s.sendto(tag.encode(),(dst,port))\n"
-)
-RAW_SEND = (  # one frame (hex) out of eth0
-    "import socket,sys\n"
-    "s=socket.socket(socket.AF_PACKET,socket.SOCK_RAW); s.bind(('eth0',0))\n"
-    "s.send(bytes.fromhex(sys.argv[1]))\n"
 )
 
 
@@ -233,11 +228,12 @@ def _snooping(tb, name, until, what):
     raise AssertionError(f"{what}: never seen; last {snoop}")
 
 
-def test_l2switch_switched_igmp_snooping_prunes_groups(testbed_factory):
+def test_l2switch_switched_igmp_snooping_prunes_groups(testbed_factory, tmp_path):
     """IGMP snooping as the Linux bridge does it (bpf/snoop.h): without a querier a joined group
     is flooded; once a query came in (that port a router port), the group goes to its member
     and not to a port without members, while a group nobody joined is still flooded. Counted at
     a member (its socket) and at a non-member's link (every frame that reaches it)."""
+    from harness import junk
     from harness.forward_cases import IGMP_QUERY, igmp, igmp_v2
 
     tb = testbed_factory(workers=3, topology="switch")
@@ -265,11 +261,13 @@ def test_l2switch_switched_igmp_snooping_prunes_groups(testbed_factory):
         assert [ifindex[i] for i in snoop["groups"][GROUP]] == ["p1"]
         assert not snoop["querier"]
 
-        send = [sys.executable, "-c", SENDER, shared[0]]
+        send = [sys.executable, "-c", GROUP_SENDER, shared[0]]
         assert tb.run(0, [*send, GROUP, "flooded", str(BATCH)]).returncode == 0
         mac0 = tb.run(0, ["cat", "/sys/class/net/eth0/address"]).stdout.strip()
         query = igmp(mac0, shared[0], "224.0.0.1", igmp_v2(IGMP_QUERY, "0.0.0.0"))
-        assert tb.run(0, [sys.executable, "-c", RAW_SEND, query.hex()]).returncode == 0
+        junk.write_frames(tmp_path / "query", [query])
+        sent = tb.run(0, [sys.executable, "-c", junk.SENDER, str(tmp_path / "query")])
+        assert sent.stdout.split() == ["1", "1"], sent.stderr
         snoop = _snooping(tb, name, lambda s: s["querier"], "the query")
         assert [ifindex[i] for i in snoop["router_ports"]] == ["p0"]
         pruned = json.loads(_agg(tb, name, "status", "--json"))["forwarding"]["counters"]["pruned"]
