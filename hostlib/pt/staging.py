@@ -42,6 +42,7 @@ The ring pins 3 x 16 MiB per device.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 from collections.abc import Callable, Sequence
@@ -60,19 +61,25 @@ WIRE_ITEMSIZE = 4  # int32 and float32: the largest element a slot holds
 # a chunk of a multiple of this is a multiple of every packet size the wire has
 PACKET_LCM = math.lcm(*SIZE_CODE_ELEMS.values())
 
-try:  # numpy's bfloat16 (the test extra has it): bfloat16 tensors go to hostlib as they are
-    import ml_dtypes
 
-    NP_BFLOAT16: np.dtype[Any] | None = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # without it, bfloat16 goes through a float32 host copy
-    NP_BFLOAT16 = None
+@functools.cache
+def np_bfloat16() -> np.dtype[Any] | None:
+    """numpy's bfloat16 (ml_dtypes'; the test extra has it), through which bfloat16 tensors go
+    to hostlib as they are; None without it, and bfloat16 goes through a float32 host copy.
+    Looked up on first use: ml_dtypes takes 0.6-0.8 s to import, which every rank process would
+    pay at its first group, bfloat16 or not."""
+    try:
+        import ml_dtypes
+    except ImportError:
+        return None
+    return np.dtype(ml_dtypes.bfloat16)
 
 
 def host_dtype(dtype: torch.dtype) -> torch.dtype:
     """The dtype a tensor's elements are handed to hostlib in: their own, but bfloat16 as
     float32 where numpy has no bfloat16 (ml_dtypes missing). Both paths, CPU and staged, use it,
     so that their results are the same bits."""
-    if dtype == torch.bfloat16 and NP_BFLOAT16 is None:
+    if dtype == torch.bfloat16 and np_bfloat16() is None:
         return torch.float32
     return dtype
 
@@ -81,15 +88,18 @@ def host_array(t: torch.Tensor) -> np.ndarray:
     """A numpy view of the contiguous CPU tensor `t` (of a host_dtype): bfloat16 as
     ml_dtypes.bfloat16, which torch.Tensor.numpy() refuses."""
     if t.dtype == torch.bfloat16:
-        assert NP_BFLOAT16 is not None, "host_dtype sends bfloat16 as float32 without ml_dtypes"
-        return t.view(torch.int16).numpy().view(NP_BFLOAT16)
+        bf16 = np_bfloat16()
+        assert bf16 is not None, "host_dtype sends bfloat16 as float32 without ml_dtypes"
+        return t.view(torch.int16).numpy().view(bf16)
     return t.numpy()
 
 
 def host_tensor(a: np.ndarray) -> torch.Tensor:
     """The tensor over the numpy array `a` (no copy): ml_dtypes.bfloat16 as torch.bfloat16,
     which torch.from_numpy refuses."""
-    if NP_BFLOAT16 is not None and a.dtype == NP_BFLOAT16:
+    # by name: an array of ml_dtypes' bfloat16 exists only once ml_dtypes is imported, and a
+    # float32 array must not pay for importing it
+    if a.dtype.name == "bfloat16" and a.dtype == np_bfloat16():
         return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(a)
 

@@ -193,7 +193,7 @@ def test_wire16_staged_chunks_are_whole_16_bit_packets():
 def test_wire16_staged_bfloat16_without_ml_dtypes(fake, monkeypatch):
     """Without ml_dtypes bfloat16 goes through a float32 host copy on both paths (the ring's
     host arrays grow to hold a chunk of twice the elements), and the two still agree."""
-    monkeypatch.setattr(staging, "NP_BFLOAT16", None)
+    monkeypatch.setattr(staging, "np_bfloat16", lambda: None)
     staged = AllreduceChannel(
         ScalingComm(elems=ELEMS, device=fake), stage_on=fake, chunk_bytes=CHUNK * 4
     )
