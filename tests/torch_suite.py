@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import unittest
 
 import torch.multiprocessing
@@ -84,9 +85,18 @@ class _Outcomes(unittest.TextTestResult):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.outcomes: dict[str, dict] = {}
+        self.started = 0.0
+
+    def startTest(self, test):  # noqa: N802 - unittest's names
+        super().startTest(test)
+        self.started = time.monotonic()
 
     def _set(self, test, outcome, detail=""):
-        self.outcomes[test.id().rsplit(".", 1)[-1]] = {"outcome": outcome, "detail": detail}
+        self.outcomes[test.id().rsplit(".", 1)[-1]] = {
+            "outcome": outcome,
+            "detail": detail,
+            "seconds": round(time.monotonic() - self.started, 3),  # where a slow run's time went
+        }
 
     def addSuccess(self, test):  # noqa: N802 - unittest's names
         super().addSuccess(test)

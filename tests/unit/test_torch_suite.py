@@ -44,36 +44,52 @@ DIFFERENT["test_get_backend"] = (
 )
 
 
-def _run_suite(backend: str, world: int, tmp: Path, env: dict, only: str | None = None) -> dict:
-    """{test: {outcome, detail, log}} of one run of the suite (`only`: the tests named so)."""
-    tag = f"{backend}-{world}" + (f"-{only}" if only else "")
-    out = tmp / f"{tag}.json"
-    env = dict(
-        os.environ,
-        **env,
-        BACKEND="gloo",
-        WORLD_SIZE=str(world),
-        PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
-        OMP_NUM_THREADS="1",
-    )
-    log = tmp / f"{tag}.log"  # the ranks' own stderr too (a rank's traceback)
-    with open(log, "w") as f:
-        subprocess.run(
-            [sys.executable, SUITE, "--backend", backend, "--json", str(out)]
-            + (["-k", only] if only else []),
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=1800,
+class _Suite:
+    """One run of the suite in the background (`only`: the tests named so); `outcomes()` waits
+    for it and gives {test: {outcome, detail, log}}. The gloo and xdpagg runs go side by side:
+    each spends most of its time waiting (torch's tests sleep and time out), and the ranks
+    rendezvous through files in their own temporary folders, so they do not meet."""
+
+    def __init__(self, backend: str, world: int, tmp: Path, env: dict, only: str | None = None):
+        tag = f"{backend}-{world}" + (f"-{only}" if only else "")
+        self.backend, self.world = backend, world
+        self.out, self.log = tmp / f"{tag}.json", tmp / f"{tag}.log"
+        env = dict(
+            os.environ,
+            **env,
+            BACKEND="gloo",
+            WORLD_SIZE=str(world),
+            PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            OMP_NUM_THREADS="1",
         )
-    text = log.read_text()
-    assert out.exists(), f"the suite did not finish on {backend}:\n{text[-3000:]}"
-    print(f"{backend} world {world}: {text.strip().splitlines()[-1]} (log: {log})")
-    outcomes = json.loads(out.read_text())
-    for v in outcomes.values():
-        v["log"] = text  # for the failure message: what the ranks printed
-    return outcomes
+        with open(self.log, "w") as f:  # the ranks' own stderr too (a rank's traceback)
+            self.proc = subprocess.Popen(
+                [sys.executable, SUITE, "--backend", backend, "--json", str(self.out)]
+                + (["-k", only] if only else []),
+                env=env,
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+
+    def stop(self) -> None:
+        """End the run if it still goes (its own process; the ranks it forked end with it)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def outcomes(self) -> dict:
+        try:
+            self.proc.wait(timeout=1800)
+        finally:
+            self.stop()
+        text = self.log.read_text()
+        assert self.out.exists(), f"the suite did not finish on {self.backend}:\n{text[-3000:]}"
+        print(f"{self.backend} world {self.world}: {text.strip().splitlines()[-1]} ({self.log})")
+        outcomes = json.loads(self.out.read_text())
+        for v in outcomes.values():
+            v["log"] = text  # for the failure message: what the ranks printed
+        return outcomes
 
 
 def _ranks_said(outcome: dict, name: str) -> str:
@@ -99,7 +115,7 @@ def _rerun_once(gloo: dict, xdp: dict, world: int, tmp: Path, env: dict) -> None
         x = xdp[name]
         if name in DIFFERENT or g["outcome"] != "passed" or x["outcome"] == "passed":
             continue
-        again = _run_suite("xdpagg", world, tmp, env, only=name).get(name)
+        again = _Suite("xdpagg", world, tmp, env, only=name).outcomes().get(name)
         first = {**x, "detail": f"{x['detail']}{_ranks_said(x, name)}"}
         xdp[name] = settle(first, again)
         print(f"{name}: {x['outcome']} on xdpagg, {xdp[name]['outcome']} after a rerun; first:")
@@ -113,16 +129,20 @@ def test_pytorch_distributed_suite_on_xdpagg_as_on_gloo(world, tmp_path):
     """Every test of torch's suite that gloo passes passes on xdpagg (but DIFFERENT's)."""
     from harness.ranks import soft_cluster
 
-    gloo = _run_suite("gloo", world, tmp_path, {})
-    with soft_cluster() as cl:
-        env = {
-            "XDP_AGG_CONTROL": cl.endpoint,
-            "XDP_AGG_SECRET_FILE": cl.secret_file,
-            "XDP_AGG_SUITE_PREFIX": cl.prefix,
-        }
-        xdp = _run_suite("xdpagg", world, tmp_path, env)
-        print(f"gloo {count(gloo)}, xdpagg {count(xdp)}")
-        _rerun_once(gloo, xdp, world, tmp_path, env)
+    gloo_run = _Suite("gloo", world, tmp_path, {})
+    try:
+        with soft_cluster() as cl:
+            env = {
+                "XDP_AGG_CONTROL": cl.endpoint,
+                "XDP_AGG_SECRET_FILE": cl.secret_file,
+                "XDP_AGG_SUITE_PREFIX": cl.prefix,
+            }
+            xdp = _Suite("xdpagg", world, tmp_path, env).outcomes()
+            gloo = gloo_run.outcomes()
+            print(f"gloo {count(gloo)}, xdpagg {count(xdp)}")
+            _rerun_once(gloo, xdp, world, tmp_path, env)
+    finally:
+        gloo_run.stop()  # when the xdpagg run failed first
     report = {"gloo": summary(gloo), "xdpagg": summary(xdp)}
     (tmp_path / "summary.json").write_text(json.dumps(report, indent=1))
     print(f"summary ({tmp_path / 'summary.json'}): {json.dumps(report)}")
