@@ -337,23 +337,28 @@ static __always_inline int answer_duplicate(struct xdp_md *ctx, struct agg_pkt *
  * in scratch (a map value, its loops a jumbo step at a time) where it was copied. */
 #define agg_payload_where(pk, K) (AGG_DIRECT(K) ? agg_in_pkt((pk)->data_end) : AGG_IN_MAP_WIDE)
 
-/* op(s, p) over the blocks of sums sw (lane order, a map value) and words pw (lying `in` the
- * packet or a map value), a converging loop: 0, or -1 when the loop stopped short. */
-#define AGG_SUMS_LOOP(op, sw, pw, in, K)                               \
+/* body (statements) run on each step of the words pw (lying `in` the packet or a map value) of K
+ * int32: _k the step's index, _p its words (range-checked where in the packet); a converging
+ * loop: 0, or -1 when the loop stopped short. */
+#define AGG_PAYLOAD_STEPS(pw, in, K, body...)                          \
 	({                                                             \
-		agg_lanes *_s, *_p;                                    \
+		agg_lanes *_p;                                         \
 		u32 _k;                                                \
                                                                        \
 		AGG_EACH_STEP(_k, in, K) {                             \
 			_p = step_at(pw, _k, AGG_STEP_WORDS(in));      \
 			if (step_past_end(_p, in, AGG_STEP_WORDS(in))) \
 				break;                                 \
-			_s = step_at(sw, _k, AGG_STEP_WORDS(in));      \
-			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in))         \
-				op(_s + _i, _p + _i);                  \
+			body;                                          \
 		}                                                      \
 		agg_all_steps(_k, in, K);                              \
 	})
+
+/* op(s, p) over the blocks of sums sw (lane order, a map value) and words pw (lying `in` the
+ * packet or a map value), a converging loop: 0, or -1 when the loop stopped short. */
+#define AGG_SUMS_LOOP(op, sw, pw, in, K)                                                  \
+	AGG_PAYLOAD_STEPS(pw, in, K, agg_lanes *_s = step_at(sw, _k, AGG_STEP_WORDS(in)); \
+			  AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in)) op(_s + _i, _p + _i))
 
 /* op(s, p) over the blocks of sums sw and a dense payload pw read in place, pointers bumped from
  * block to block: the hot path's loops (a contribution's fold, a result's publication).
@@ -450,22 +455,10 @@ static __always_inline int fold(struct agg_partial *p, u64 tag, struct agg_pkt *
 
 /* op(r, p, own) over the blocks of a result's words rw, a payload pw (lying `in` the packet or a
  * map value) and own's sums, a converging loop: 0, or -1 when the loop stopped short. */
-#define AGG_PUBLISH_LOOP(op, rw, pw, in, own, K)                       \
-	({                                                             \
-		agg_lanes *_r, *_p, *_o;                               \
-		u32 _k;                                                \
-                                                                       \
-		AGG_EACH_STEP(_k, in, K) {                             \
-			_p = step_at(pw, _k, AGG_STEP_WORDS(in));      \
-			if (step_past_end(_p, in, AGG_STEP_WORDS(in))) \
-				break;                                 \
-			_r = step_at(rw, _k, AGG_STEP_WORDS(in));      \
-			_o = step_at(own, _k, AGG_STEP_WORDS(in));     \
-			AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in))         \
-				op(_r + _i, _p + _i, _o + _i);         \
-		}                                                      \
-		agg_all_steps(_k, in, K);                              \
-	})
+#define AGG_PUBLISH_LOOP(op, rw, pw, in, own, K)                                          \
+	AGG_PAYLOAD_STEPS(pw, in, K, agg_lanes *_r = step_at(rw, _k, AGG_STEP_WORDS(in)); \
+			  agg_lanes *_o = step_at(own, _k, AGG_STEP_WORDS(in));           \
+			  AGG_STEP_BLOCK(_i, AGG_STEP_WORDS(in)) op(_r + _i, _p + _i, _o + _i))
 
 /* A finished sum, own's alone, published from a payload read in place: the hot path's loop, as
  * AGG_WALK_BLOCKS (verifier: walked block by block). */
