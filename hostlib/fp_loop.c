@@ -64,7 +64,7 @@ static int send_slots(Run *r, int n)
 #define FLOOR_MULT_MAX 16 /* the timers' floor grows at most 16-fold on needless resends */
 #define LOSS_AGE_RTTS  2  /* found lost early only once older than 2 srtt (detect_losses) */
 #define BACKOFF_MAX    64 /* new packets' timers back off at most 64-fold (first_rto) */
-#define LATE_COPY_RTTS 2  /* a resent packet's slot waits 2 srtt for late copies (late_copies) */
+#define LATE_COPY_RTTS 1  /* a resent packet's slot waits 1 srtt for late copies (late_copies) */
 
 /* A packet's first timer (docs/protocol.md 4.4): RFC 6298's srtt + 4 rttvar within
  * [floor, rto_max], times the stream's back-off after expiries (RFC 6298 5.7). Before a round
@@ -158,20 +158,40 @@ static inline int64_t window_now(const Run *r)
     return c > r->w ? r->w : c;
 }
 
-/* When a slot whose packet was resent may take its next packet (docs/protocol.md 3.3): once
- * its last copy is LATE_COPY_RTTS srtt old, at least rto_floor / 2 (rto_min before a round
- * trip is measured, as the first timers). The aggregator tells the
- * rounds of a slot apart by one version bit, so a copy that arrives after our next packet in
- * that slot would count as our contribution to the round after it (a wrong sum, or a result
- * that never matches). Held this long, a copy up to that late still finds its round ours: a
- * duplicate. Shorter than the other workers' timers (at least 3 srtt and rto_floor), so that
- * holding our packet does not make them resend theirs. */
+/* How long a worker holds a slot whose packet it resent (docs/protocol.md 3.3): until its last
+ * copy is LATE_COPY_RTTS srtt old, at least rto_floor / 2. The aggregator tells the rounds of
+ * a slot apart by one version bit, so a copy that arrives after our next packet in that slot
+ * would count as our contribution to the round after it (a wrong sum, or a result that never
+ * matches). Held this long, a copy up to that late still finds its round ours: a duplicate.
+ * Shorter than the other workers' timers (at least 3 srtt and rto_floor), and a round trip
+ * shorter than the age at which their evidence finds a packet lost (loss_age), so that
+ * holding our packet makes none of them resend theirs. */
+static double late_copy_hold(const Stream *st)
+{
+    double guard = LATE_COPY_RTTS * st->cc.srtt, least = st->cfg.rto_floor / 2;
+    return guard > least ? guard : least;
+}
+
+/* When a slot whose packet was resent may take its next packet: after late_copy_hold (rto_min
+ * before a round trip is measured, as the first timers). */
 static double late_copies(const Stream *st, int64_t s)
 {
     if (!st->cc.have_rtt) /* nothing measured: as long as the first timers, rto_min */
         return st->tx_at[s] + st->cfg.rto_min;
-    double guard = LATE_COPY_RTTS * st->cc.srtt, least = st->cfg.rto_floor / 2;
-    return st->tx_at[s] + (guard > least ? guard : least);
+    return st->tx_at[s] + late_copy_hold(st);
+}
+
+/* How old slot s's packet must be before evidence finds it lost (detect_losses): LOSS_AGE_RTTS
+ * srtt (another worker may send its copy up to a round trip after us). Where the slot's last
+ * round was resent or slow (st->held, took: someone resent it), a worker that resent it may
+ * hold its copy of this one (late_copies): then a round trip more than that hold, as a round
+ * that waits for a held copy is late, not lost. (With the hold at 2 srtt, at least 1 ms, and
+ * this age at 2 srtt, every resend made the other workers resend the slot's next packet, and
+ * those resends held it again: 0.4% of a clean run's packets went twice.) */
+static double loss_age(const Stream *st, int64_t s)
+{
+    double age = LOSS_AGE_RTTS * st->cc.srtt, held = late_copy_hold(st) + st->cc.srtt;
+    return st->held[s] && held > age ? held : age;
 }
 
 static int cmp_i64(const void *a, const void *b)
@@ -247,19 +267,53 @@ static int send_ready(Run *r, int *sent)
     return send_slots(r, n);
 }
 
-/* Resend every packet whose deadline passed (the identical bytes of its slot row): found lost
- * early (st->early: its timer stays as it was) or its timer expired (doubled). The window is cut
- * for a loss only where the round trips show a queue; with early detection off, for every timer
- * (as before it). Not for a burst of timers without a queue: a path that lost everything for a
- * while needs the window it had when it comes back, and a smaller one would hold back the new
- * packets whose results show the burst's packets lost. */
+/* The packet in slot s's timer expired: it doubles (the lowest packet without a result's, a
+ * probe, only up to rto_min, so that when the path comes back (a burst ends) it goes through
+ * within that, and its result and its successor's show the rest lost (detect_losses) rather
+ * than each waiting on its own doubled timer). Returns the back-off its expiries ask for. */
+static int timer_doubles(Run *r, int64_t s)
+{
+    Stream *st = r->s;
+    double cap = st->cfg.early_loss && st->pkt[s] == r->base ? st->cfg.rto_min : st->cfg.rto_max;
+    cap = cap > st->rto[s] ? cap : st->rto[s];
+    st->rto[s] = 2 * st->rto[s] < cap ? 2 * st->rto[s] : cap;
+    return st->tries[s] < 6 ? 2 << st->tries[s] : BACKOFF_MAX;
+}
+
+/* Of the packets whose timer (not early detection) expired by `now`, the earliest: with early
+ * detection only it goes again (RFC 6298 5.4), -1 when none. A timer expires without
+ * evidence: no later packet's result came. Where every timer in the window expires together a
+ * worker stalled (another rank descheduled: no round completes), or a burst lost everything;
+ * one packet then finds out which, and its result shows the others lost (detect_losses) in a
+ * round trip, where resending the window would resend it needlessly at every stall. */
+static int64_t earliest_timer(const Run *r, double now)
+{
+    const Stream *st = r->s;
+    int64_t first = -1;
+    for (int64_t s = 0; s < r->w; s++)
+        if (st->deadline[s] <= now && !st->early[s] && (first < 0 || st->pkt[s] < first))
+            first = st->pkt[s];
+    return st->cfg.early_loss ? first : -1;
+}
+
+/* Resend the packets whose deadline passed (the identical bytes of its slot row): found lost
+ * early (st->early: its timer stays as it was) or its timer expired (doubled; with early
+ * detection the earliest such packet only, the others' timers doubled: earliest_timer). The
+ * window is cut for a loss only where the round trips show a queue; with early detection off,
+ * for every timer (as before it). Not for a burst of timers without a queue: a path that lost
+ * everything for a while needs the window it had when it comes back, and a smaller one would
+ * hold back the new packets whose results show the burst's packets lost. */
 static int expire(Run *r, double now)
 {
     Stream *st = r->s;
     int n = 0, cut = 0, backoff = 1;
+    int64_t first = earliest_timer(r, now);
     double next = INFINITY;
     for (int64_t s = 0; s < r->w; s++) {
-        if (st->deadline[s] <= now) {
+        if (st->deadline[s] <= now && !st->early[s] && first >= 0 && st->pkt[s] != first) {
+            timer_doubles(r, s); /* waits: the earliest goes, and its result tells */
+            st->deadline[s] = now + st->rto[s];
+        } else if (st->deadline[s] <= now) {
             int fresh = st->pkt[s] >= r->recover;
             if (st->early[s]) {
                 st->early[s] = 0;
@@ -271,15 +325,7 @@ static int expire(Run *r, double now)
                 if (st->tries[s] == 0)
                     r->c.timeouts++;
                 cut |= fresh && (!st->cfg.early_loss || queue_built(st));
-                /* the lowest packet without a result is a probe: its timer doubles only up to
-                 * rto_min, so when the path comes back (a burst ends) it goes through within
-                 * that, and its result and its successor's show the rest lost (detect_losses)
-                 * rather than each waiting on its own doubled timer */
-                double cap =
-                    st->cfg.early_loss && st->pkt[s] == r->base ? st->cfg.rto_min : st->cfg.rto_max;
-                cap = cap > st->rto[s] ? cap : st->rto[s];
-                st->rto[s] = 2 * st->rto[s] < cap ? 2 * st->rto[s] : cap;
-                int b = st->tries[s] < 6 ? 2 << st->tries[s] : BACKOFF_MAX;
+                int b = timer_doubles(r, s);
                 backoff = backoff > b ? backoff : b;
             }
             st->tries[s]++;
@@ -308,16 +354,16 @@ static int expire(Run *r, double now)
  * newest first transmission whose result came (by send time, then packet number: every worker
  * sends in packet order, so the aggregator completes rounds in about that order) is lost unless
  * its result comes within the reordering allowance of this evidence, and it is at least
- * LOSS_AGE_RTTS srtt old (another worker may send its copy up to a round trip after us: the
- * order of the results it reacts to can differ after a loss). Its deadline becomes that moment
+ * loss_age old (another worker may send its copy up to a round trip after us, or hold it for
+ * late copies: the order of the results it reacts to can differ after a loss). Its deadline becomes that moment
  * (marked st->early) where that is sooner than its timer; expire resends it then. */
 static void detect_losses(Run *r, double now)
 {
     Stream *st = r->s;
-    double at0 = now + reo_wnd(st), age = LOSS_AGE_RTTS * st->cc.srtt, next = r->next_deadline;
+    double at0 = now + reo_wnd(st), next = r->next_deadline;
     r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
-        double tx = st->tx_at[s], at = tx + age > at0 ? tx + age : at0;
+        double tx = st->tx_at[s], age = loss_age(st, s), at = tx + age > at0 ? tx + age : at0;
         if (st->pkt[s] < 0 || st->deadline[s] <= at || st->early[s])
             continue;
         if (tx < r->rack_xmit || (tx == r->rack_xmit && st->pkt[s] < r->rack_pkt)) {
@@ -379,6 +425,9 @@ static void took(Run *r, int64_t p, double now)
      * packet's round may have been completed by another worker's resend, sent before or after
      * ours: its result is evidence only against what we sent LOSS_AGE_RTTS srtt before ours */
     double tx = st->tx_at[s];
+    /* a round resent, or slow enough that someone may have: our next packet here may wait for
+     * a worker's hold (loss_age) */
+    st->held[s] = tries > 0 || now - tx > LOSS_AGE_RTTS * st->cc.srtt;
     if (tries > 0) {
         if (now - tx < st->cc.min_rtt) /* came sooner than a resend can be answered */
             needless_resend(r);
@@ -617,6 +666,7 @@ int fp_run_loop(Run *r, double timeout, const LoopHooks *h)
     X(rto, w, sizeof(double))             \
     X(tx_at, w, sizeof(double))           \
     X(early, w, sizeof(uint8_t))          \
+    X(held, w, sizeof(uint8_t))           \
     X(reuse_at, w, sizeof(double))        \
     X(tries, w, sizeof(int32_t))          \
     X(pkt, w, sizeof(int64_t))            \

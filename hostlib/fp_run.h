@@ -75,6 +75,7 @@ typedef struct {
     double *deadline, *sent_at, *rto;
     double *tx_at;    /* per slot: its packet's latest transmission (sent_at: its first) */
     uint8_t *early;   /* per slot: its deadline is the reordering allowance's, not its timer's */
+    uint8_t *held;    /* per slot: its last round was resent or slow (loss_age waits longer) */
     double *reuse_at; /* per slot: no new packet there before this (a late copy may come) */
     int32_t *tries;
     int64_t *pkt;           /* packet in each slot, -1 when none in flight */

@@ -25,7 +25,7 @@ REO_QUIET = 16  # early resends without a needless one before the allowance shri
 FLOOR_MULT_MAX = 16  # the timers' floor grows at most 16-fold on needless resends
 LOSS_AGE_RTTS = 2  # found lost early only once older than 2 srtt (fp_loop.c LOSS_AGE_RTTS)
 BACKOFF_MAX = 64  # new packets' timers back off at most 64-fold (fp_loop.c BACKOFF_MAX)
-LATE_COPY_RTTS = 2  # a resent packet's slot waits 2 srtt for late copies (fp_loop.c)
+LATE_COPY_RTTS = 1  # a resent packet's slot waits 1 srtt for late copies (fp_loop.c)
 
 
 def late_copies(tx_at: np.ndarray, rtt: RttEstimator, cfg: EngineConfig) -> np.ndarray:
@@ -35,7 +35,20 @@ def late_copies(tx_at: np.ndarray, rtt: RttEstimator, cfg: EngineConfig) -> np.n
     would count in the round after it)."""
     if rtt.srtt is None:
         return tx_at + cfg.rto
-    return tx_at + max(cfg.rto_floor / 2, LATE_COPY_RTTS * rtt.srtt)
+    return tx_at + late_copy_hold(rtt.srtt, cfg)
+
+
+def late_copy_hold(srtt: float, cfg: EngineConfig) -> float:
+    """How long a worker holds a slot whose packet it resent: LATE_COPY_RTTS srtt, at least
+    rto_floor / 2 (fp_loop.c late_copy_hold)."""
+    return max(cfg.rto_floor / 2, LATE_COPY_RTTS * srtt)
+
+
+def loss_age(srtt: float, cfg: EngineConfig) -> float:
+    """How old a packet whose slot's last round was slow must be before evidence finds it lost:
+    LOSS_AGE_RTTS srtt, and a round trip more than the hold another worker may put on its copy
+    (fp_loop.c loss_age says why)."""
+    return max(LOSS_AGE_RTTS * srtt, late_copy_hold(srtt, cfg) + srtt)
 
 
 class RttEstimator:
@@ -133,17 +146,25 @@ def expired(
     rtt: RttEstimator,
     cfg: EngineConfig,
     stats: dict,
-) -> None:
-    """The rules of a pass over the slots whose deadline passed, `slots` (fp_loop.c expire):
-    the counters; found lost early (`rack.early`), a slot keeps its timer; else its timer
-    doubles (slot `probe`'s, the lowest packet without a result, only up to `cfg.rto`) and new
-    packets' timers back off; then their tries count the resend. The caller sends them and
-    sets their deadlines from `rto`."""
+) -> np.ndarray:
+    """The rules of a pass over the slots whose deadline passed, `slots` (fp_loop.c expire);
+    returns the slots to send again. Found lost early (`rack.early`), a slot keeps its timer
+    and goes; else its timer doubles (slot `probe`'s, the lowest packet without a result, only
+    up to `cfg.rto`), and with early detection only the earliest of them goes (RFC 6298 5.4:
+    its result shows the others lost, where a stall would have them all resent needlessly;
+    fp_loop.c earliest_timer), and new packets' timers back off; the tries of those that go
+    count the resend. The caller sends them and sets the deadlines of all `slots` from `rto`."""
     early = rack.early[slots]
     timer = slots[~early]
+    if cfg.early_loss and timer.size > 1:
+        first = timer[np.argmin(rack.pkt[timer])]
+        waits = timer[timer != first]
+        rto[waits] = doubled(rto[waits], waits == probe, cfg.rto, cfg.rto_max)
+        timer = np.array([first])
+    resend = np.concatenate([slots[early], timer])
     stats["timeouts"] += int(np.count_nonzero(tries[timer] == 0))
     stats["early_losses"] += int(np.count_nonzero(early))
-    stats["retransmissions"] += slots.size
+    stats["retransmissions"] += resend.size
     rtt.early(int(np.count_nonzero(early)))
     rack.early[slots] = False
     if cfg.early_loss:
@@ -151,7 +172,8 @@ def expired(
         rto[timer] = doubled(rto[timer], timer == probe, cfg.rto, cfg.rto_max)
     else:
         rto[timer] = np.minimum(rto[timer] * 2, cfg.rto_max)
-    tries[slots] += 1
+    tries[resend] += 1
+    return resend
 
 
 class Rack:
@@ -168,6 +190,7 @@ class Rack:
         self.tx_at = np.zeros(w)
         self.pkt = np.full(w, -1, dtype=np.int64)
         self.early = np.zeros(w, dtype=bool)
+        self.held = np.zeros(w, dtype=bool)  # the slot's last round was slow: see took()
         self.xmit, self.newest = -np.inf, -1  # the newest transmission answered, its packet
         self.moved = False
 
@@ -182,9 +205,12 @@ class Rack:
         their resends were needless (the result came sooner than min_rtt after the resend). A
         resent packet's round may have been completed by another worker's resend, sent before
         or after ours: its result is evidence only against what we sent LOSS_AGE_RTTS srtt
-        before ours."""
+        before ours. A slot whose round was resent or slow (its result came later than a loss
+        would be found: someone resent it) may have its next round held by a worker that
+        resent it (late_copies): `held`, and its next packet is found lost only at loss_age."""
         tx, pkt = self.tx_at[s0:s1].copy(), self.pkt[s0:s1]
         resent = tries > 0
+        self.held[s0:s1] = resent | (now - tx > LOSS_AGE_RTTS * (rtt.srtt or 0.0))
         needless = int(np.count_nonzero(resent & (now - tx < rtt.min_rtt)))
         tx[resent] -= LOSS_AGE_RTTS * (rtt.srtt or 0.0)
         i = np.lexsort((pkt, tx))[-1]  # the newest by send time, then number
@@ -194,12 +220,15 @@ class Rack:
         self.early[s0:s1] = False
         return needless
 
-    def detect(self, deadline: np.ndarray, now: float, reo: float, srtt: float) -> float:
+    def detect(
+        self, deadline: np.ndarray, now: float, reo: float, srtt: float, cfg: EngineConfig
+    ) -> float:
         """Set the deadline of every packet in flight sent before the newest answered one to
-        now + `reo`, or to when it is LOSS_AGE_RTTS `srtt` old if that is later, where that is
-        sooner than its deadline; the least deadline now."""
+        now + `reo`, or to when it is LOSS_AGE_RTTS `srtt` old (loss_age where `held`) if that
+        is later, where that is sooner than its deadline; the least deadline now."""
         self.moved = False
-        at = np.maximum(now + reo, self.tx_at + LOSS_AGE_RTTS * srtt)
+        age = np.where(self.held, loss_age(srtt, cfg), LOSS_AGE_RTTS * srtt)
+        at = np.maximum(now + reo, self.tx_at + age)
         older = (self.tx_at < self.xmit) | ((self.tx_at == self.xmit) & (self.pkt < self.newest))
         sooner = (deadline < np.inf) & ~self.early & older & (deadline > at)
         if sooner.any():

@@ -360,7 +360,7 @@ class NumpyDenseLoop:
                 self._take(rows, tr, fl, ar, now)
             if fl.rack.moved and self.state.cfg.early_loss:
                 fl.next_deadline = fl.rack.detect(
-                    fl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0
+                    fl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0, self.state.cfg
                 )
             if now >= fl.next_deadline:
                 self._expire(fl, now)
@@ -451,12 +451,12 @@ class NumpyDenseLoop:
         expired = np.flatnonzero(fl.deadline <= now)
         if expired.size:
             probe = int(np.argmin(fl.done)) % fl.w  # the lowest packet without a result's slot
-            loss_detect.expired(
+            resend = loss_detect.expired(
                 expired, fl.rack, fl.tries, fl.rto, probe, self._rtt, self.state.cfg,
                 self.state.stats,
             )  # fmt: skip
-            self._send(self._payload[expired])
-            fl.rack.tx_at[expired] = now
+            self._send(self._payload[resend])
+            fl.rack.tx_at[resend] = now
             fl.deadline[expired] = now + fl.rto[expired]
         fl.next_deadline = float(fl.deadline.min())
 

@@ -158,7 +158,8 @@ class NumpySparseLoop:
             self._start_held(t, sl, ar)
             now = time.monotonic()
             if sl.rack.moved and self.state.cfg.early_loss:
-                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0)
+                srtt, cfg = self._rtt.srtt or 0.0, self.state.cfg
+                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd(), srtt, cfg)
             self._expire(sl, now)
             if not sl.done.all() and now - last > ar.timeout:
                 busy = np.flatnonzero(~sl.done)
@@ -313,12 +314,12 @@ class NumpySparseLoop:
             return
         live = np.where(sl.done, np.iinfo(np.int64).max, sl.rack.pkt)
         probe = int(np.argmin(live))  # the slot of the lowest round without a result
-        loss_detect.expired(
+        resend = loss_detect.expired(
             expired, sl.rack, sl.tries, sl.rto, probe, self._rtt, self.state.cfg, self.state.stats
         )
-        sl.rack.tx_at[expired] = now
+        sl.rack.tx_at[resend] = now
         sl.deadline[expired] = now + sl.rto[expired]
-        for s in expired:
+        for s in resend:
             self._send(sl.rows[s])
 
     def _send(self, row: bytes) -> None:

@@ -838,6 +838,36 @@ def test_early_loss_reordered_answers_are_not_losses(native):
     assert st["retransmissions"] == st["spurious"] == 0
 
 
+def test_early_loss_a_slot_after_a_resent_round_waits_for_the_hold():
+    """docs/protocol.md 4.4: a worker that resent a slot's round holds its copy of the slot's
+    next packet (late_copies: 1 srtt, at least rto_floor / 2), so the other workers find that
+    next packet lost only a round trip after the hold, not at 2 srtt, where every resend made
+    them resend too. A slot whose round was neither resent nor slow keeps 2 srtt."""
+    from hostlib.loss_detect import LOSS_AGE_RTTS, Rack, RttEstimator, late_copy_hold, loss_age
+    from hostlib.stream_state import EngineConfig
+
+    cfg = EngineConfig(1, 1, 32, 0, 4, ("198.18.0.1", 1), rto_floor=0.002)
+    rtt = RttEstimator()
+    for _ in range(20):
+        rtt.update(0.0002)
+    srtt = rtt.srtt
+    assert loss_age(srtt, cfg) == late_copy_hold(srtt, cfg) + srtt == 0.001 + srtt
+    rack = Rack(4)
+    rack.sent(0, 4, 0, now=0.0)  # packets 0..3 in slots 0..3
+    tries = np.array([1, 0, 0, 0])  # slot 0's round was resent, slot 1's came in time ...
+    rack.took(0, 2, tries[:2], now=0.0003, rtt=rtt)
+    rack.took(2, 3, tries[2:3], now=0.0009, rtt=rtt)  # ... slot 2's late (> 2 srtt): slow
+    assert list(rack.held[:3]) == [True, False, True]
+    rack.sent(0, 3, 4, now=0.001)  # packets 4, 5, 6 take slots 0, 1, 2
+    rack.sent(3, 4, 7, now=0.0011)  # and packet 7 slot 3, after them
+    rack.took(3, 4, tries[3:], now=0.0013, rtt=rtt)  # 7's result: evidence against 4, 5, 6
+    deadline = np.full(4, 1.0)
+    deadline[3] = np.inf
+    rack.detect(deadline, 0.0013, rtt.reo_wnd(), srtt, cfg)
+    assert deadline[1] == pytest.approx(0.001 + LOSS_AGE_RTTS * srtt)  # as before
+    assert deadline[0] == deadline[2] == pytest.approx(0.001 + loss_age(srtt, cfg))
+
+
 def test_early_loss_timer_floor_follows_the_round_trip():
     """docs/protocol.md 4.4: rto until a round trip is measured; then srtt + 4 rttvar above a
     floor of 3 srtt (at least rto_floor, at most rto); timers only: the floor is rto."""
@@ -872,12 +902,15 @@ def test_early_loss_timer_floor_follows_the_round_trip():
 @pytest.mark.parametrize("native", [False, True])
 def test_early_loss_after_a_burst_the_probe_restarts_the_window(native):
     """A burst: the 32 datagrams from the 100th on get no answer, the window in flight (16) and
-    its first resends. Then the lowest packet's timer, which does not double (a probe), goes
-    first, alone; its answer shows the 15 others lost, and they go at once, found early,
-    rather than on their own doubled timers (which would make early_losses 0)."""
+    the resends that follow. While nothing answers, a timer's expiry resends the earliest
+    expired packet alone (RFC 6298 5.4), not the window: the 16 resends of the burst go one at
+    a time. The lowest packet's timer, which does not double (a probe), then goes through; its
+    answer shows the 15 others lost, and they go at once, found early, rather than on their
+    own doubled timers (which would make early_losses 0)."""
     x = np.arange(200 * 32, dtype=np.int32)
     agg_kw = {"bump": False, "add": 0, "blackout": (100, 32)}
     (out,), _, st = run_sequence(native, [x], agg_kw=agg_kw, window=16, rto=0.02)
     assert np.array_equal(out, x)
-    assert st["timeouts"] == 16  # the window waited on its timers during the burst
+    assert st["retransmissions"] == 32  # 16 in the burst, the probe, the 15 found early
+    assert 1 <= st["timeouts"] < 16  # one at a time: never the whole window at once
     assert st["early_losses"] >= 15  # and went again on the probe's evidence
