@@ -5,8 +5,22 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 from pathlib import Path
+
+
+def unwind_on_sigterm() -> None:
+    """Make SIGTERM end this benchmark as Ctrl-C does, by an exception (SystemExit 143), so
+    that its `with` blocks take down what they made: the testbed's namespaces, the attached
+    program, the workers. SIGTERM's default ends the process at once and leaves them behind
+    (`netns-testbed down --prefix` and `xdp-agg detach --force` by hand)."""
+
+    def _exit(signum, frame):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the unwinding is not cut short
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
 
 
 def machine(load_before: list[float]) -> dict:

@@ -32,6 +32,7 @@ from bench import (
     machine,
     spread,
     table_head,
+    unwind_on_sigterm,
     write_results,
 )
 
@@ -166,4 +167,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     raise SystemExit(main())

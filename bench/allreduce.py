@@ -72,7 +72,16 @@ import sys
 import time
 from pathlib import Path
 
-from bench import cpustat, density, lanes_option, lossrows, md_table, packet_options, topology
+from bench import (
+    cpustat,
+    density,
+    lanes_option,
+    lossrows,
+    md_table,
+    packet_options,
+    topology,
+    unwind_on_sigterm,
+)
 
 RATES = {"unshaped": None, "10gbit": 10e9, "1gbit": 1e9}
 ITEMSIZE = {"float32": 4, "int32": 4, "bfloat16": 2, "float16": 2}
@@ -956,4 +965,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     sys.exit(main())

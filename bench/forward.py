@@ -28,6 +28,7 @@ import time
 from scapy.layers.inet import IP, UDP
 from scapy.layers.l2 import Ether
 
+from bench import unwind_on_sigterm
 from netns_testbed import Testbed
 from xdp_agg import bpfsys
 from xdp_switch import links, pins
@@ -192,4 +193,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     sys.exit(main())

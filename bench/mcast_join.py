@@ -19,6 +19,8 @@ import argparse
 import json
 import sys
 
+from bench import unwind_on_sigterm
+
 GROUPS = 32
 BASE = "239.18.1."  # not a job's block of the default allocation
 PORT = 47000
@@ -137,4 +139,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     sys.exit(main())

@@ -26,6 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from bench import unwind_on_sigterm
 from netns_testbed.testbed import Testbed
 from xdp_agg.cluster.cluster import Cluster
 
@@ -149,4 +150,5 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     main()

@@ -28,7 +28,15 @@ import statistics
 import sys
 import time
 
-from bench import alternating, alternating_parser, machine, spread, table_head, write_results
+from bench import (
+    alternating,
+    alternating_parser,
+    machine,
+    spread,
+    table_head,
+    unwind_on_sigterm,
+    write_results,
+)
 
 
 def tbf_drops(tb) -> dict[str, int]:
@@ -188,4 +196,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     sys.exit(main())

@@ -34,7 +34,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench import md_table
+from bench import md_table, unwind_on_sigterm
 
 ROOT = Path(__file__).resolve().parent.parent
 TRAIN = str(ROOT / "examples" / "train.py")
@@ -429,4 +429,5 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     sys.exit(main())

@@ -32,6 +32,8 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import unwind_on_sigterm
+
 RACKS, PER_RACK = 2, 3
 COUNT = 1024  # float32: 4 KiB
 
@@ -257,4 +259,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
+    unwind_on_sigterm()  # a killed run still takes its testbed down
     raise SystemExit(main())

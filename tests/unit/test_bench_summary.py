@@ -183,3 +183,40 @@ def test_early_loss_scope_aggregation_leaves_gloo_out_of_the_loss_cells():
     lossrows.options(ap)
     assert ap.parse_args([]).loss_scope == "all"
     assert ap.parse_args(["--loss-scope", "aggregation"]).loss_scope == "aggregation"
+
+
+def test_a_benchmark_killed_by_sigterm_unwinds_its_with_blocks():
+    """bench.unwind_on_sigterm: SIGTERM ends a benchmark by SystemExit(143), so the `with`
+    blocks that hold its testbed and attached program run their exits (SIGTERM's default ends
+    the process where it stands and leaves the namespaces behind)."""
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = (
+        "import contextlib, time\n"
+        "from bench import unwind_on_sigterm\n"
+        "unwind_on_sigterm()\n"
+        "@contextlib.contextmanager\n"
+        "def testbed():\n"
+        "    try:\n"
+        "        yield\n"
+        "    finally:\n"
+        "        print('taken down', flush=True)\n"
+        "with testbed():\n"
+        "    print('ready', flush=True)\n"
+        "    time.sleep(600)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    p = subprocess.Popen(
+        [sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert p.stdout.readline() == "ready\n"  # the event: inside the with block
+        p.send_signal(signal.SIGTERM)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        p.kill()
+    assert out == "taken down\n"
+    assert p.returncode == 128 + signal.SIGTERM
