@@ -14,13 +14,20 @@ def unwind_on_sigterm() -> None:
     """Make SIGTERM end this benchmark as Ctrl-C does, by an exception (SystemExit 143), so
     that its `with` blocks take down what they made: the testbed's namespaces, the attached
     program, the workers. SIGTERM's default ends the process at once and leaves them behind
-    (`netns-testbed down --prefix` and `xdp-agg detach --force` by hand)."""
+    (`netns-testbed down --prefix` and `xdp-agg detach --force` by hand). In this process
+    only: a child forked from it (pyroute2's namespace helpers, which are ended by SIGTERM)
+    inherits the handler and takes the default, or it would not end and its parent would wait
+    for it; and a second SIGTERM does not cut the unwinding short."""
+    unwinding = False
 
     def _exit(signum, frame):
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the unwinding is not cut short
-        raise SystemExit(128 + signum)
+        nonlocal unwinding
+        if not unwinding:
+            unwinding = True
+            raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, _exit)
+    os.register_at_fork(after_in_child=lambda: signal.signal(signal.SIGTERM, signal.SIG_DFL))
 
 
 def machine(load_before: list[float]) -> dict:

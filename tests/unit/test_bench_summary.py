@@ -188,14 +188,16 @@ def test_early_loss_scope_aggregation_leaves_gloo_out_of_the_loss_cells():
 def test_a_benchmark_killed_by_sigterm_unwinds_its_with_blocks():
     """bench.unwind_on_sigterm: SIGTERM ends a benchmark by SystemExit(143), so the `with`
     blocks that hold its testbed and attached program run their exits (SIGTERM's default ends
-    the process where it stands and leaves the namespaces behind)."""
+    the process where it stands and leaves the namespaces behind). A child forked from it
+    (pyroute2's namespace helpers) still ends on SIGTERM at once, as by default: raising in
+    the child instead left testbed builds waiting for their helpers."""
     import signal
     import subprocess
     import sys
     from pathlib import Path
 
     script = (
-        "import contextlib, time\n"
+        "import contextlib, os, signal, time\n"
         "from bench import unwind_on_sigterm\n"
         "unwind_on_sigterm()\n"
         "@contextlib.contextmanager\n"
@@ -205,6 +207,17 @@ def test_a_benchmark_killed_by_sigterm_unwinds_its_with_blocks():
         "    finally:\n"
         "        print('taken down', flush=True)\n"
         "with testbed():\n"
+        "    r, w = os.pipe()\n"
+        "    child = os.fork()\n"
+        "    if child == 0:\n"
+        "        os.write(w, b'up')\n"
+        "        time.sleep(600)\n"
+        "        os._exit(0)\n"
+        "    os.read(r, 2)\n"
+        "    os.kill(child, signal.SIGTERM)\n"
+        "    status = os.waitpid(child, 0)[1]\n"
+        "    sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 'lived'\n"
+        "    print('child', sig, flush=True)\n"
         "    print('ready', flush=True)\n"
         "    time.sleep(600)\n"
     )
@@ -213,6 +226,7 @@ def test_a_benchmark_killed_by_sigterm_unwinds_its_with_blocks():
         [sys.executable, "-c", script], cwd=root, stdout=subprocess.PIPE, text=True
     )
     try:
+        assert p.stdout.readline() == f"child {int(signal.SIGTERM)}\n"
         assert p.stdout.readline() == "ready\n"  # the event: inside the with block
         p.send_signal(signal.SIGTERM)
         out, _ = p.communicate(timeout=60)
