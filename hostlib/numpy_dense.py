@@ -359,9 +359,7 @@ class NumpyDenseLoop:
             if len(rows):
                 self._take(rows, tr, fl, ar, now)
             if fl.rack.moved and self.state.cfg.early_loss:
-                fl.next_deadline = fl.rack.detect(
-                    fl.deadline, now, self._rtt.reo_wnd(), self._rtt.srtt or 0.0, self.state.cfg
-                )
+                fl.next_deadline = fl.rack.detect(fl.deadline, now, self._rtt, self.state.cfg)
             if now >= fl.next_deadline:
                 self._expire(fl, now)
             if ar.ndone < P and now - fl.last_progress > ar.timeout:

@@ -158,8 +158,7 @@ class NumpySparseLoop:
             self._start_held(t, sl, ar)
             now = time.monotonic()
             if sl.rack.moved and self.state.cfg.early_loss:
-                srtt, cfg = self._rtt.srtt or 0.0, self.state.cfg
-                sl.rack.detect(sl.deadline, now, self._rtt.reo_wnd(), srtt, cfg)
+                sl.rack.detect(sl.deadline, now, self._rtt, self.state.cfg)
             self._expire(sl, now)
             if not sl.done.all() and now - last > ar.timeout:
                 busy = np.flatnonzero(~sl.done)

@@ -863,9 +863,24 @@ def test_early_loss_a_slot_after_a_resent_round_waits_for_the_hold():
     rack.took(3, 4, tries[3:], now=0.0013, rtt=rtt)  # 7's result: evidence against 4, 5, 6
     deadline = np.full(4, 1.0)
     deadline[3] = np.inf
-    rack.detect(deadline, 0.0013, rtt.reo_wnd(), srtt, cfg)
+    rack.detect(deadline, 0.0013, rtt, cfg)
     assert deadline[1] == pytest.approx(0.001 + LOSS_AGE_RTTS * srtt)  # as before
     assert deadline[0] == deadline[2] == pytest.approx(0.001 + loss_age(srtt, cfg))
+
+
+def test_early_loss_a_late_result_is_late_within_the_round_trips_spread():
+    """docs/protocol.md 4.4: a packet is found lost by evidence only once older than 2 srtt or
+    srtt + 4 rttvar, whichever is more: where round trips spread (a busy host's softirq late
+    on one CPU), a result that late is no loss."""
+    from hostlib.loss_detect import LOSS_AGE_RTTS, RttEstimator, evidence_age
+
+    steady, jittery = RttEstimator(), RttEstimator()
+    for i in range(50):
+        steady.update(0.001)
+        jittery.update(0.0005 if i % 2 else 0.0015)  # the same mean, spread by 0.5 ms
+    assert evidence_age(steady) == pytest.approx(LOSS_AGE_RTTS * steady.srtt)
+    assert evidence_age(jittery) == pytest.approx(jittery.srtt + 4 * jittery.rttvar)
+    assert evidence_age(jittery) > LOSS_AGE_RTTS * jittery.srtt
 
 
 def test_early_loss_timer_floor_follows_the_round_trip():
