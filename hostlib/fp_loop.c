@@ -181,22 +181,22 @@ static double late_copies(const Stream *st, int64_t s)
     return st->tx_at[s] + late_copy_hold(st);
 }
 
-/* How old slot s's packet must be before evidence finds it lost (detect_losses): LOSS_AGE_RTTS
+/* How old a packet must be before evidence finds it lost (detect_losses): LOSS_AGE_RTTS
  * srtt (another worker may send its copy up to a round trip after us), or srtt + 4 rttvar
  * where round trips spread wider (RFC 6298's timeout without its floor: on a busy host a result
  * comes that late without any loss, one CPU's softirq behind the other's; as 2 srtt, 0.1-0.2%
- * of a clean n = 8 run's packets went twice). Where the slot's last round was resent or slow
- * (st->held, took: someone resent it), a worker that resent it may hold its copy of this one
- * (late_copies): then a round trip more than that hold, as a round that waits for a held copy
- * is late, not lost. (With the hold at 2 srtt, at least 1 ms, and the age at 2 srtt, every
- * resend made the other workers resend the slot's next packet, and those resends held it
- * again: 0.3-0.4% of a clean run's packets went twice.) */
-static double loss_age(const Stream *st, int64_t s)
+ * of a clean n = 8 run's packets went twice). Where its slot's last round was resent or slow
+ * (`held`: st->held, took: someone resent it), a worker that resent it may hold its copy of
+ * this one (late_copies): then a round trip more than that hold, as a round that waits for a
+ * held copy is late, not lost. (With the hold at 2 srtt, at least 1 ms, and the age at 2
+ * srtt, every resend made the other workers resend the slot's next packet, and those resends
+ * held it again: 0.3-0.4% of a clean run's packets went twice.) */
+static double loss_age(const Stream *st, int held)
 {
     double age = LOSS_AGE_RTTS * st->cc.srtt, spread = st->cc.srtt + 4 * st->cc.rttvar;
-    double held = late_copy_hold(st) + st->cc.srtt;
+    double after_hold = late_copy_hold(st) + st->cc.srtt;
     age = spread > age ? spread : age;
-    return st->held[s] && held > age ? held : age;
+    return held && after_hold > age ? after_hold : age;
 }
 
 static int cmp_i64(const void *a, const void *b)
@@ -360,15 +360,17 @@ static int expire(Run *r, double now)
  * sends in packet order, so the aggregator completes rounds in about that order) is lost unless
  * its result comes within the reordering allowance of this evidence, and it is at least
  * loss_age old (another worker may send its copy up to a round trip after us, or hold it for
- * late copies: the order of the results it reacts to can differ after a loss). Its deadline becomes that moment
- * (marked st->early) where that is sooner than its timer; expire resends it then. */
+ * late copies: the order of the results it reacts to can differ after a loss). Its deadline
+ * becomes that moment (marked st->early) where that is sooner than its timer; expire resends it
+ * then. */
 static void detect_losses(Run *r, double now)
 {
     Stream *st = r->s;
     double at0 = now + reo_wnd(st), next = r->next_deadline;
+    double ages[2] = {loss_age(st, 0), loss_age(st, 1)}; /* by st->held */
     r->rack_moved = 0;
     for (int64_t s = 0; s < r->w; s++) {
-        double tx = st->tx_at[s], age = loss_age(st, s), at = tx + age > at0 ? tx + age : at0;
+        double tx = st->tx_at[s], age = ages[st->held[s]], at = tx + age > at0 ? tx + age : at0;
         if (st->pkt[s] < 0 || st->deadline[s] <= at || st->early[s])
             continue;
         if (tx < r->rack_xmit || (tx == r->rack_xmit && st->pkt[s] < r->rack_pkt)) {

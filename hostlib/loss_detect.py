@@ -44,18 +44,14 @@ def late_copy_hold(srtt: float, cfg: EngineConfig) -> float:
     return max(cfg.rto_floor / 2, LATE_COPY_RTTS * srtt)
 
 
-def evidence_age(rtt: RttEstimator) -> float:
+def loss_age(rtt: RttEstimator, cfg: EngineConfig, held: bool) -> float:
     """How old a packet must be before evidence finds it lost: LOSS_AGE_RTTS srtt, or srtt + 4
-    rttvar where round trips spread wider (fp_loop.c loss_age says why)."""
-    srtt = rtt.srtt or 0.0
-    return max(LOSS_AGE_RTTS * srtt, srtt + 4 * rtt.rttvar)
-
-
-def loss_age(srtt: float, cfg: EngineConfig) -> float:
-    """How old a packet whose slot's last round was slow must be before evidence finds it lost:
-    LOSS_AGE_RTTS srtt, and a round trip more than the hold another worker may put on its copy
+    rttvar where round trips spread wider; where its slot's last round was resent or slow
+    (`held`), also a round trip more than the hold another worker may put on its copy
     (fp_loop.c loss_age says why)."""
-    return max(LOSS_AGE_RTTS * srtt, late_copy_hold(srtt, cfg) + srtt)
+    srtt = rtt.srtt or 0.0
+    age = max(LOSS_AGE_RTTS * srtt, srtt + 4 * rtt.rttvar)
+    return max(age, late_copy_hold(srtt, cfg) + srtt) if held else age
 
 
 class RttEstimator:
@@ -231,13 +227,11 @@ class Rack:
         self, deadline: np.ndarray, now: float, rtt: RttEstimator, cfg: EngineConfig
     ) -> float:
         """Set the deadline of every packet in flight sent before the newest answered one to
-        now + the reordering allowance, or to when it is evidence_age old (loss_age where
-        `held`) if that is later, where that is sooner than its deadline; the least deadline
-        now."""
+        now + the reordering allowance, or to when it is loss_age old if that is later, where
+        that is sooner than its deadline; the least deadline now."""
         self.moved = False
-        srtt, reo, base = rtt.srtt or 0.0, rtt.reo_wnd(), evidence_age(rtt)
-        age = np.where(self.held, max(base, loss_age(srtt, cfg)), base)
-        at = np.maximum(now + reo, self.tx_at + age)
+        age = np.where(self.held, loss_age(rtt, cfg, True), loss_age(rtt, cfg, False))
+        at = np.maximum(now + rtt.reo_wnd(), self.tx_at + age)
         older = (self.tx_at < self.xmit) | ((self.tx_at == self.xmit) & (self.pkt < self.newest))
         sooner = (deadline < np.inf) & ~self.early & older & (deadline > at)
         if sooner.any():

@@ -851,7 +851,7 @@ def test_early_loss_a_slot_after_a_resent_round_waits_for_the_hold():
     for _ in range(20):
         rtt.update(0.0002)
     srtt = rtt.srtt
-    assert loss_age(srtt, cfg) == late_copy_hold(srtt, cfg) + srtt == 0.001 + srtt
+    assert loss_age(rtt, cfg, True) == late_copy_hold(srtt, cfg) + srtt == 0.001 + srtt
     rack = Rack(4)
     rack.sent(0, 4, 0, now=0.0)  # packets 0..3 in slots 0..3
     tries = np.array([1, 0, 0, 0])  # slot 0's round was resent, slot 1's came in time ...
@@ -865,22 +865,25 @@ def test_early_loss_a_slot_after_a_resent_round_waits_for_the_hold():
     deadline[3] = np.inf
     rack.detect(deadline, 0.0013, rtt, cfg)
     assert deadline[1] == pytest.approx(0.001 + LOSS_AGE_RTTS * srtt)  # as before
-    assert deadline[0] == deadline[2] == pytest.approx(0.001 + loss_age(srtt, cfg))
+    assert deadline[0] == deadline[2] == pytest.approx(0.001 + loss_age(rtt, cfg, True))
 
 
 def test_early_loss_a_late_result_is_late_within_the_round_trips_spread():
     """docs/protocol.md 4.4: a packet is found lost by evidence only once older than 2 srtt or
     srtt + 4 rttvar, whichever is more: where round trips spread (a busy host's softirq late
     on one CPU), a result that late is no loss."""
-    from hostlib.loss_detect import LOSS_AGE_RTTS, RttEstimator, evidence_age
+    from hostlib.loss_detect import LOSS_AGE_RTTS, RttEstimator, loss_age
+    from hostlib.stream_state import EngineConfig
+
+    cfg = EngineConfig(1, 1, 32, 0, 4, ("198.18.0.1", 1))
 
     steady, jittery = RttEstimator(), RttEstimator()
     for i in range(50):
         steady.update(0.001)
         jittery.update(0.0005 if i % 2 else 0.0015)  # the same mean, spread by 0.5 ms
-    assert evidence_age(steady) == pytest.approx(LOSS_AGE_RTTS * steady.srtt)
-    assert evidence_age(jittery) == pytest.approx(jittery.srtt + 4 * jittery.rttvar)
-    assert evidence_age(jittery) > LOSS_AGE_RTTS * jittery.srtt
+    assert loss_age(steady, cfg, False) == pytest.approx(LOSS_AGE_RTTS * steady.srtt)
+    assert loss_age(jittery, cfg, False) == pytest.approx(jittery.srtt + 4 * jittery.rttvar)
+    assert loss_age(jittery, cfg, False) > LOSS_AGE_RTTS * jittery.srtt
 
 
 def test_early_loss_timer_floor_follows_the_round_trip():
