@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -70,12 +71,13 @@ class _Suite:
                 stdout=f,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=True,  # its own process group: the ranks it forks too
             )
 
     def stop(self) -> None:
-        """End the run if it still goes (its own process; the ranks it forked end with it)."""
+        """End the run if it still goes: its process group, the ranks torch forked with it."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
     def outcomes(self) -> dict:
